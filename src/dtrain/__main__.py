@@ -1,0 +1,5 @@
+import sys
+
+from dtrain.cli import main
+
+sys.exit(main())

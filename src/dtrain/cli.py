@@ -1,0 +1,213 @@
+"""The ``dtrain`` command: parse, validate, then hand over. No training logic lives here."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
+
+
+def _train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a task on one or more machines",
+        description="Train a task. Any config key can be set as --section.key=value "
+        "(see `dtrain config --list`).",
+    )
+    p.add_argument("config", nargs="?", help="TOML config file (default: the built-in GPT job)")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="workers on this machine (default: one per GPU, else up to 4 on CPU)",
+    )
+    p.add_argument("--nnodes", default="1", help="machines: N, or MIN:MAX for elastic jobs")
+    p.add_argument("--node-rank", type=int, default=None, help="this machine's rank")
+    p.add_argument(
+        "--rdzv-endpoint",
+        default="",
+        help="HOST:PORT of the rendezvous (needed with several machines)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restarts of the worker group after a failure (resumes from the newest checkpoint)",
+    )
+    p.add_argument("--run-id", default="", help="rendezvous id, the same on every machine")
+    p.add_argument(
+        "--resume", default=None, help="auto | never | a step-N checkpoint folder (sets run.resume)"
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="resume even though the config differs from the checkpoint's",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dtrain", description="Distributed training for PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    p = sub.add_parser("prepare", help="turn raw data into a sharded dataset")
+    p.add_argument("source", help="text file or folder, JSONL, .npy file/folder, Parquet")
+    p.add_argument("out_dir", help="dataset folder to create")
+    p.add_argument("--format", default="auto", choices=["auto", "text", "jsonl", "npy", "parquet"])
+    p.add_argument("--field", default="text", help="JSONL/Parquet field holding the text")
+    p.add_argument("--columns", default="", help="Parquet columns to keep (comma separated)")
+    p.add_argument("--shard-mb", type=float, default=64.0, help="target shard size in MB")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p = sub.add_parser("verify", help="check a dataset's files against its manifest")
+    p.add_argument("data_dir")
+    p = sub.add_parser("config", help="print the resolved config (or every option with --list)")
+    p.add_argument("config", nargs="?")
+    p.add_argument("--list", action="store_true", help="list every option with its default")
+    sub.add_parser("strategies", help="list the parallel strategies")
+    return parser
+
+
+def split_overrides(extra: Sequence[str]) -> list[str]:
+    overrides = []
+    for arg in extra:
+        if arg.startswith("--") and "." in arg.split("=", 1)[0] and "=" in arg:
+            overrides.append(arg)
+        elif arg.startswith("--") and "." in arg:
+            raise UserError(f"override {arg!r} has no value; write it as {arg}=VALUE")
+        else:
+            raise UserError(
+                f"unrecognized argument {arg!r} (config keys are set as --section.key=value)"
+            )
+    return overrides
+
+
+def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from dtrain.config import load_config
+    from dtrain.fault.rundir import check_run_dir
+    from dtrain.launch import launch_workers, make_options
+    from dtrain.parallel.base import strategy_class
+    from dtrain.task import resolve_task, task_config_class
+    from dtrain.worker import write_text_atomic
+
+    if args.resume is not None:
+        overrides = [*overrides, f"--run.resume={args.resume}"]
+    opts = make_options(
+        args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts, args.run_id
+    )
+    probe = load_config(args.config, overrides)
+    factory = resolve_task(probe.run.task)
+    cfg = load_config(args.config, overrides, task_config_class(factory))
+    strategy_class(cfg.strategy.name).validate_config(cfg, opts.min_world_size)
+    if opts.max_world_size != opts.min_world_size:
+        strategy_class(cfg.strategy.name).validate_config(cfg, opts.max_world_size)
+    if not cfg.run.dir:
+        cfg.run.dir = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    check_run_dir(cfg, args.force)
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "config.toml"
+    write_text_atomic(str(config_path), cfg.to_toml())
+    return launch_workers(config_path, opts)
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from dtrain.data.prepare import prepare
+
+    columns = [c for c in args.columns.split(",") if c] or None
+    if args.shard_mb <= 0:
+        raise UserError(f"--shard-mb {args.shard_mb}: must be positive")
+    started = time.perf_counter()
+    out = prepare(
+        args.source,
+        args.out_dir,
+        fmt=args.format,
+        field=args.field,
+        columns=columns,
+        shard_bytes=int(args.shard_mb * 2**20),
+        overwrite=args.overwrite,
+    )
+    from dtrain.data.shards import read_manifest
+
+    manifest = read_manifest(out)
+    size = sum(f["bytes"] for s in manifest["shards"] for f in s["files"].values())
+    elapsed = time.perf_counter() - started
+    print(
+        f"wrote {manifest['num_samples']} samples in {len(manifest['shards'])} shard(s), "
+        f"{size / 1e6:.1f} MB, to {out} in {elapsed:.1f}s ({size / 1e6 / elapsed:.1f} MB/s)"
+    )
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from dtrain.data.shards import read_manifest, verify_dataset
+
+    started = time.perf_counter()
+    manifest = read_manifest(args.data_dir)
+    bad = verify_dataset(args.data_dir)
+    elapsed = time.perf_counter() - started
+    if bad:
+        print(f"{args.data_dir}: {len(bad)} bad file(s):", file=sys.stderr)
+        for item in bad:
+            print(f"  {item}", file=sys.stderr)
+        return 1
+    files = sum(len(s["files"]) for s in manifest["shards"])
+    print(
+        f"{args.data_dir}: OK ({manifest['num_samples']} samples, {files} files, "
+        f"verified in {elapsed:.2f}s)"
+    )
+    return 0
+
+
+def cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
+    from dtrain.config import describe_options, load_config
+    from dtrain.task import resolve_task, task_config_class
+
+    if args.list:
+        for key, default, text in describe_options():
+            print(f"{key:32s} {default!r:28s} {text}")
+        return 0
+    probe = load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides, task_config_class(resolve_task(probe.run.task)))
+    print(cfg.to_toml(), end="")
+    return 0
+
+
+def cmd_strategies() -> int:
+    from dtrain.parallel.base import strategy_class, strategy_names
+
+    for name in strategy_names():
+        doc = (strategy_class(name).__doc__ or "").strip().splitlines()
+        print(f"{name:12s} {doc[0] if doc else ''}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    try:
+        overrides = split_overrides(extra)
+        if extra and args.command not in ("train", "config"):
+            raise UserError(f"unrecognized arguments: {' '.join(extra)}")
+        if args.command == "train":
+            return cmd_train(args, overrides)
+        if args.command == "prepare":
+            return cmd_prepare(args)
+        if args.command == "verify":
+            return cmd_verify(args)
+        if args.command == "config":
+            return cmd_config(args, overrides)
+        return cmd_strategies()
+    except UserError as exc:
+        print(f"dtrain: error: {exc}", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -1,0 +1,359 @@
+"""Typed configuration: nested dataclasses, TOML files and ``--section.key=value`` overrides.
+
+The whole config is loaded and validated in the parent process, before any worker starts, so a
+mistake costs the user a one-line error instead of a crashed job. Each section is a dataclass;
+range limits and choices live next to the field in its metadata, so that validation, the error
+messages and the documentation all come from one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+
+from dtrain.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+
+def _opt(
+    default: Any,
+    help: str,
+    *,
+    min: float | None = None,
+    max: float | None = None,
+    min_exclusive: bool = False,
+) -> Any:
+    """A config field with its help text and its allowed range, checked by :func:`validate`."""
+    meta = {"help": help, "min": min, "max": max, "min_exclusive": min_exclusive}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class RunConfig:
+    dir: str = _opt("", "run folder; empty = runs/<timestamp>. An existing folder is resumed")
+    task: str = _opt("dtrain.tasks.gpt:build", "task factory 'package.module:function'")
+    seed: int = _opt(0, "seed of the model init, the data order and every rank's RNG", min=0)
+    resume: str = _opt(
+        "auto",
+        "'auto' (newest valid checkpoint in run.dir), 'never', or a step folder to start from",
+    )
+
+
+@dataclass
+class DataConfig:
+    global_batch_size: int = _opt(
+        32,
+        "samples per optimizer step, all ranks and micro-steps "
+        "together; kept when the world size changes",
+        min=1,
+    )
+    micro_batches: int = _opt(1, "gradient-accumulation micro-steps per optimizer step", min=1)
+    shuffle: Literal["full", "locality", "none"] = _opt(
+        "full", "order of each epoch: full shuffle, shard-local shuffle, or the stored order"
+    )
+    shuffle_window: int = _opt(
+        0, "locality shuffle: samples per shuffle window (0 = 4 shards)", min=0
+    )
+    balance: Literal["auto", "samples", "tokens"] = _opt(
+        "auto",
+        "split of a global batch across ranks: equal samples, or equal tokens for "
+        "variable-length data ('auto' picks by the data)",
+    )
+    num_workers: int = _opt(0, "DataLoader worker processes per rank", min=0)
+    prefetch: int = _opt(2, "batches fetched ahead of the step", min=0)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _opt(600, "optimizer steps", min=1)
+    grad_clip: float = _opt(1.0, "max global gradient norm (0 = no clipping)", min=0)
+    log_every: int = _opt(10, "steps between metrics lines", min=1)
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "sgd"] = _opt("adamw", "optimizer")
+    lr: float = _opt(5e-3, "peak learning rate", min=0, min_exclusive=True)
+    weight_decay: float = _opt(0.1, "decoupled weight decay (matrices only)", min=0)
+    betas: list[float] = _opt([0.9, 0.95], "AdamW betas")
+    momentum: float = _opt(0.9, "SGD momentum", min=0, max=1)
+    warmup_steps: int = _opt(30, "linear warm-up steps", min=0)
+    min_lr_ratio: float = _opt(0.1, "cosine decay floor, as a fraction of lr", min=0, max=1)
+
+
+@dataclass
+class EvalConfig:
+    every: int = _opt(200, "steps between evaluations (0 = only at the end)", min=0)
+    batch_size: int = _opt(64, "samples per rank per evaluation batch", min=1)
+    max_samples: int = _opt(0, "evaluate on the first N validation samples (0 = all)", min=0)
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = _opt(0, "steps between checkpoints (0 = only the final one)", min=0)
+    keep_last: int = _opt(2, "newest checkpoints kept", min=1)
+    keep_every: int = _opt(
+        0, "also keep every checkpoint whose step divides by this (0 = no)", min=0
+    )
+
+
+@dataclass
+class StrategyConfig:
+    name: str = _opt("ddp", "parallel strategy (see `dtrain strategies`)")
+    bucket_mb: float = _opt(25.0, "gradient bucket size in MB", min=0, min_exclusive=True)
+    find_unused_parameters: bool = _opt(False, "ddp: allow parameters that get no gradient")
+
+
+@dataclass
+class DistConfig:
+    backend: Literal["auto", "gloo", "nccl"] = _opt("auto", "collective backend")
+    device: Literal["auto", "cpu", "cuda"] = _opt("auto", "compute device")
+    timeout_s: float = _opt(300.0, "collective timeout in seconds", min=0, min_exclusive=True)
+    threads: int = _opt(0, "torch threads per worker (0 = cores / local workers)", min=0)
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    # The task's own options, validated against the task's config class when it declares one.
+    task: Any = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: _section_to_dict(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return out
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.to_dict())
+
+
+def _section_to_dict(section: Any) -> Any:
+    if dataclasses.is_dataclass(section) and not isinstance(section, type):
+        return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
+    return dict(section)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a folder; give a .toml file")
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except PermissionError as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not UTF-8 text") from None
+
+
+def parse_override(arg: str) -> tuple[list[str], Any]:
+    """``--section.key=value`` to (['section', 'key'], value); the value is read as TOML when it
+    parses as TOML (numbers, booleans, lists), else taken as a plain string."""
+    body = arg[2:] if arg.startswith("--") else arg
+    if "=" not in body:
+        raise ConfigError(f"override {arg!r} has no value; write it as --section.key=value")
+    dotted, raw = body.split("=", 1)
+    keys = dotted.split(".")
+    if len(keys) < 2 or not all(keys):
+        raise ConfigError(f"override {arg!r}: the key must be section.key, e.g. --train.steps=100")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return keys, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    for arg in overrides:
+        keys, value = parse_override(arg)
+        node = raw
+        for key in keys[:-1]:
+            child = node.setdefault(key, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {arg!r}: {key} is a value, not a section")
+            node = child
+        node[keys[-1]] = value
+    return raw
+
+
+def load_config(
+    path: str | Path | None, overrides: Sequence[str] = (), task_config_class: type | None = None
+) -> Config:
+    raw = read_toml(path) if path is not None else {}
+    raw = apply_overrides(raw, overrides)
+    return build_config(raw, task_config_class)
+
+
+def build_config(raw: Mapping[str, Any], task_config_class: type | None = None) -> Config:
+    """A validated :class:`Config` from nested plain data; raises :class:`ConfigError`."""
+    cfg = Config()
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    for name, values in raw.items():
+        if name not in sections:
+            raise ConfigError(f"unknown config section [{name}]{_suggest(name, sections)}")
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"config section [{name}] must be a table of keys, got {values!r}")
+        if name == "task":
+            cfg.task = dict(values)
+            continue
+        setattr(cfg, name, _build_section(name, type(getattr(cfg, name)), values))
+    if task_config_class is not None:
+        cfg.task = _build_section("task", task_config_class, cfg.task)
+    validate_cross_fields(cfg)
+    return cfg
+
+
+def _build_section(section: str, cls: type, values: Mapping[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(
+                f"unknown config key {section}.{key}{_suggest(key, known, prefix=section + '.')}"
+            )
+        kwargs[key] = _check_value(f"{section}.{key}", hints[key], value, known[key].metadata)
+    return cls(**kwargs)
+
+
+def _suggest(name: str, options: Mapping[str, Any] | Sequence[str], prefix: str = "") -> str:
+    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    return {
+        int: "an integer",
+        float: "a number",
+        bool: "true or false",
+        str: "a string",
+        type(None): "none",
+    }.get(tp, str(tp))
+
+
+def _check_value(key: str, tp: Any, value: Any, meta: Mapping[str, Any]) -> Any:
+    value = _coerce(key, tp, value)
+    low, high = meta.get("min"), meta.get("max")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if low is not None and (value < low or (meta.get("min_exclusive") and value == low)):
+            relation = "greater than" if meta.get("min_exclusive") else "at least"
+            raise ConfigError(f"{key} = {value!r} is out of range: it must be {relation} {low}")
+        if high is not None and value > high:
+            raise ConfigError(f"{key} = {value!r} is out of range: it must be at most {high}")
+    return value
+
+
+def _coerce(key: str, tp: Any, value: Any) -> Any:
+    origin = typing.get_origin(tp)
+    wrong = ConfigError(f"{key} = {value!r} has the wrong type: expected {_type_name(tp)}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{key} = {value!r} is not allowed: expected {_type_name(tp)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(key, arg, value)
+            except ConfigError:
+                continue
+        raise wrong
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise wrong
+        return [_coerce(f"{key}[{i}]", item, v) for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise wrong
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise wrong
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise wrong
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise wrong
+        return value
+    if tp is type(None):
+        if value is not None:
+            raise wrong
+        return None
+    return value
+
+
+def validate_cross_fields(cfg: Config) -> None:
+    """Checks that need more than one key; those that need the world size live in
+    :func:`validate_for_world`."""
+    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
+        raise ConfigError(f"optim.betas = {cfg.optim.betas!r}: expected two numbers in [0, 1)")
+    if cfg.data.micro_batches > cfg.data.global_batch_size:
+        raise ConfigError(
+            f"data.micro_batches = {cfg.data.micro_batches} is larger than "
+            f"data.global_batch_size = {cfg.data.global_batch_size}: "
+            "every micro-step needs a sample"
+        )
+    if cfg.run.resume not in ("auto", "never") and not cfg.run.resume:
+        raise ConfigError("run.resume is empty: use 'auto', 'never' or a checkpoint folder")
+
+
+def validate_for_world(cfg: Config, data_parallel_size: int) -> None:
+    """Checks that depend on how many data-parallel ranks share a global batch."""
+    per_step = data_parallel_size * cfg.data.micro_batches
+    if cfg.data.global_batch_size < per_step:
+        raise ConfigError(
+            f"data.global_batch_size = {cfg.data.global_batch_size} is smaller than "
+            f"{data_parallel_size} data-parallel ranks x {cfg.data.micro_batches} micro-batches = "
+            f"{per_step}: every rank needs at least one sample per micro-step"
+        )
+
+
+def describe_options() -> list[tuple[str, Any, str]]:
+    """(key, default, help) for every documented option, in declaration order."""
+    rows: list[tuple[str, Any, str]] = []
+    for section in dataclasses.fields(Config):
+        if section.name == "task":
+            continue
+        for f in dataclasses.fields(getattr(Config(), section.name)):
+            default = getattr(getattr(Config(), section.name), f.name)
+            rows.append((f"{section.name}.{f.name}", default, f.metadata.get("help", "")))
+    return rows

@@ -1,0 +1,73 @@
+"""The training loader a task's dataset gets: policy chosen by what the data is."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from dtrain.config import Config
+from dtrain.data.loader import RankLoader
+from dtrain.data.partition import OrderSpec
+from dtrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtrain.parallel.base import Strategy
+    from dtrain.task import Task
+
+
+def dataset_lengths(dataset: Any) -> np.ndarray | None:
+    """Per-sample token counts when the dataset has variable-length samples, else None."""
+    method = getattr(dataset, "sample_lengths", None)
+    if method is None:
+        return None
+    lengths = method()
+    return None if lengths is None else np.asarray(lengths, dtype=np.int64)
+
+
+def dataset_fingerprint(dataset: Any) -> str:
+    """What identifies the data for a resume check: the manifest hash for dtrain datasets, the
+    class and size for any other map-style dataset."""
+    fingerprint = getattr(dataset, "fingerprint", None)
+    if isinstance(fingerprint, str):
+        return fingerprint
+    return f"{type(dataset).__module__}.{type(dataset).__qualname__}:{len(dataset)}"
+
+
+def order_spec(dataset: Any, cfg: Config) -> OrderSpec:
+    return OrderSpec(
+        num_samples=len(dataset),
+        seed=cfg.run.seed,
+        shuffle=cfg.data.shuffle,
+        shard_sizes=tuple(getattr(dataset, "shard_sizes", ())),
+        window=cfg.data.shuffle_window,
+    )
+
+
+def build_train_loader(
+    task: Task, cfg: Config, strategy: Strategy, device: torch.device
+) -> RankLoader:
+    dataset = task.train_data
+    lengths = None
+    if cfg.data.balance in ("auto", "tokens"):
+        lengths = dataset_lengths(dataset)
+        if lengths is None and cfg.data.balance == "tokens":
+            raise ConfigError(
+                "data.balance = 'tokens' needs variable-length samples: the "
+                "training set has no sample_lengths(); use 'samples' or 'auto'"
+            )
+    return RankLoader(
+        dataset,
+        order=order_spec(dataset, cfg),
+        global_batch_size=cfg.data.global_batch_size,
+        micro_batches=cfg.data.micro_batches,
+        rank=strategy.data_parallel_rank,
+        world_size=strategy.data_parallel_size,
+        collate_fn=task.collate_fn,
+        lengths=lengths,
+        num_workers=cfg.data.num_workers,
+        prefetch=cfg.data.prefetch,
+        pin_memory=device.type == "cuda",
+        fingerprint=dataset_fingerprint(dataset),
+    )

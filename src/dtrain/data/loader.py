@@ -1,0 +1,321 @@
+"""Per-rank batch iterators with an O(1), world-size-independent position.
+
+:class:`RankLoader` turns the pure plan of :mod:`dtrain.data.partition` into collated
+micro-batches for one rank. Its state is the global stream position (plus what identifies the
+stream: seed, dataset size and fingerprint), so ``load_state_dict`` resumes at any step
+instantly -- the next plan is computed, not replayed -- and at any world size.
+
+Fetching runs ahead of the step: in a background thread when ``num_workers == 0``, or in torch
+``DataLoader`` worker processes otherwise. Both fetch the same ids in the same order, so the
+sequence of batches does not depend on ``num_workers``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from dtrain.data.partition import OrderSpec, StepPlan, eval_shard, plan_step
+from dtrain.errors import DataError
+
+Collate = Callable[[list[Any]], Any]
+
+
+@dataclass
+class StepBatch:
+    """This rank's part of one optimizer step."""
+
+    plan: StepPlan
+    micro: list[Any]  # collated micro-batches, in micro-step order
+    rank: int
+
+    @property
+    def ids(self) -> list[np.ndarray]:
+        return self.plan.ids[self.rank]
+
+
+def fetch(dataset: Any, ids: Sequence[int] | np.ndarray) -> list[Any]:
+    getitems = getattr(dataset, "__getitems__", None)
+    if getitems is not None:
+        return list(getitems(list(ids)))
+    return [dataset[int(i)] for i in ids]
+
+
+def pin(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory()
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(pin(b) for b in batch)
+    if isinstance(batch, dict):
+        return {k: pin(v) for k, v in batch.items()}
+    return batch
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+class _FetchDataset(torch.utils.data.Dataset[Any]):
+    """Lets a DataLoader worker fetch a whole micro-batch of ids in one call."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __getitems__(self, ids: list[int]) -> list[Any]:
+        return fetch(self.dataset, ids)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+class _PlanSampler(Sampler[list[int]]):
+    """Yields this rank's micro-batch id lists, step after step, from a start position."""
+
+    def __init__(self, plans: Callable[[], Iterator[StepPlan]], rank: int) -> None:
+        self.plans = plans
+        self.rank = rank
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for plan in self.plans():
+            for ids in plan.ids[self.rank]:
+                yield ids.tolist()
+
+    def __len__(self) -> int:  # an endless stream
+        raise TypeError("the training stream has no length")
+
+
+_END = object()
+
+
+class RankLoader:
+    """Endless iterator of :class:`StepBatch` for one rank of the data-parallel group."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        order: OrderSpec,
+        global_batch_size: int,
+        micro_batches: int,
+        rank: int,
+        world_size: int,
+        collate_fn: Collate,
+        lengths: np.ndarray | None = None,
+        weights: Sequence[float] | None = None,
+        num_workers: int = 0,
+        prefetch: int = 2,
+        pin_memory: bool = False,
+        fingerprint: str = "",
+    ) -> None:
+        if len(dataset) != order.num_samples:
+            raise ValueError("order spec and dataset disagree on the number of samples")
+        if world_size * micro_batches > global_batch_size:
+            raise DataError(
+                f"a global batch of {global_batch_size} samples cannot give "
+                f"{world_size} ranks x {micro_batches} micro-batches one sample each"
+            )
+        if world_size > order.num_samples:
+            raise DataError(
+                f"the dataset has {order.num_samples} samples, fewer than the "
+                f"{world_size} data-parallel ranks"
+            )
+        self.dataset = dataset
+        self.order = order
+        self.global_batch_size = global_batch_size
+        self.micro_batches = micro_batches
+        self.rank = rank
+        self.world_size = world_size
+        self.collate_fn = collate_fn
+        self.lengths = lengths
+        self.weights = list(weights) if weights is not None else None
+        self.num_workers = num_workers
+        self.prefetch = prefetch
+        self.pin_memory = pin_memory
+        self.fingerprint = fingerprint
+        self.consumed = 0  # stream position after the last step handed out
+        self._source: Iterator[StepBatch] | None = None
+        self._stop: threading.Event | None = None
+
+    # -- position ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "consumed": self.consumed,
+            "seed": self.order.seed,
+            "num_samples": self.order.num_samples,
+            "shuffle": self.order.shuffle,
+            "fingerprint": self.fingerprint,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, mine in (
+            ("seed", self.order.seed),
+            ("num_samples", self.order.num_samples),
+            ("shuffle", self.order.shuffle),
+            ("fingerprint", self.fingerprint),
+        ):
+            theirs = state.get(key)
+            if theirs != mine:
+                what = {
+                    "seed": "run.seed",
+                    "num_samples": "dataset size",
+                    "shuffle": "data.shuffle",
+                    "fingerprint": "dataset contents",
+                }[key]
+                raise DataError(
+                    f"cannot resume the data position: the checkpoint was made with "
+                    f"{what} {theirs!r}, this run has {mine!r}"
+                )
+        self.consumed = int(state["consumed"])
+        self.reset()
+
+    def set_weights(self, weights: Sequence[float] | None) -> None:
+        """New per-rank shares from the next step on (load balancing)."""
+        self.weights = list(weights) if weights is not None else None
+        self.reset()
+
+    def epoch(self) -> float:
+        return self.consumed / self.order.num_samples
+
+    # -- planning ------------------------------------------------------------------------
+
+    def plan(self, position: int) -> StepPlan:
+        return plan_step(
+            self.order,
+            position,
+            self.global_batch_size,
+            self.world_size,
+            self.micro_batches,
+            self.weights,
+            self.lengths,
+        )
+
+    def _plans(self, start: int) -> Iterator[StepPlan]:
+        position = start
+        while True:
+            plan = self.plan(position)
+            yield plan
+            position = plan.end
+
+    # -- iteration -----------------------------------------------------------------------
+
+    def __iter__(self) -> RankLoader:
+        return self
+
+    def __next__(self) -> StepBatch:
+        if self._source is None:
+            self._source = self._start(self.consumed)
+        batch = next(self._source)
+        self.consumed = batch.plan.end
+        return batch
+
+    def reset(self) -> None:
+        """Drop what was fetched ahead; the next step starts at ``consumed``."""
+        if self._stop is not None:
+            self._stop.set()
+        self._source = None
+        self._stop = None
+
+    def close(self) -> None:
+        self.reset()
+
+    def _fetch_step(self, plan: StepPlan) -> StepBatch:
+        micro = [self.collate_fn(fetch(self.dataset, ids)) for ids in plan.ids[self.rank]]
+        if self.pin_memory:
+            micro = [pin(m) for m in micro]
+        return StepBatch(plan=plan, micro=micro, rank=self.rank)
+
+    def _start(self, start: int) -> Iterator[StepBatch]:
+        if self.num_workers > 0:
+            return self._worker_stream(start)
+        if self.prefetch == 0:
+            return (self._fetch_step(p) for p in self._plans(start))
+        return self._thread_stream(start)
+
+    def _thread_stream(self, start: int) -> Iterator[StepBatch]:
+        stop = threading.Event()
+        self._stop = stop
+        buffer: queue.Queue[Any] = queue.Queue(maxsize=self.prefetch)
+
+        def produce() -> None:
+            try:
+                for plan in self._plans(start):
+                    item = self._fetch_step(plan)
+                    while not stop.is_set():
+                        try:
+                            buffer.put(item, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
+            except BaseException as exc:  # handed to the consumer, raised at its next step
+                buffer.put(exc)
+
+        thread = threading.Thread(
+            target=produce, name=f"dtrain-loader-rank{self.rank}", daemon=True
+        )
+        thread.start()
+
+        def consume() -> Iterator[StepBatch]:
+            while True:
+                item = buffer.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+
+        return consume()
+
+    def _worker_stream(self, start: int) -> Iterator[StepBatch]:
+        loader = DataLoader(
+            _FetchDataset(self.dataset),
+            batch_sampler=_PlanSampler(lambda: self._plans(start), self.rank),
+            num_workers=self.num_workers,
+            collate_fn=self.collate_fn,
+            pin_memory=self.pin_memory,
+            prefetch_factor=max(1, self.prefetch) * self.micro_batches,
+            persistent_workers=False,
+        )
+        micro_iter = iter(loader)
+
+        def regroup() -> Iterator[StepBatch]:
+            # The sampler walks the same pure plans in the same order, so recomputing each plan
+            # here pairs it with its micro-batches without passing anything between processes.
+            for plan in self._plans(start):
+                micro = [next(micro_iter) for _ in range(self.micro_batches)]
+                yield StepBatch(plan=plan, micro=micro, rank=self.rank)
+
+        return regroup()
+
+
+def eval_batches(
+    dataset: Any,
+    rank: int,
+    world_size: int,
+    batch_size: int,
+    collate_fn: Collate,
+    max_samples: int = 0,
+) -> Iterator[Any]:
+    """This rank's evaluation batches: a contiguous, unpadded share of the set, so the metrics
+    summed over ranks count every sample exactly once."""
+    total = len(dataset) if max_samples <= 0 else min(max_samples, len(dataset))
+    mine = eval_shard(total, rank, world_size)
+    for begin in range(mine.start, mine.stop, batch_size):
+        ids = list(range(begin, min(begin + batch_size, mine.stop)))
+        yield collate_fn(fetch(dataset, ids))

@@ -1,0 +1,259 @@
+"""Pure functions from the data position to each rank's sample ids.
+
+The training stream is one seeded global order: epoch 0's permutation of the ``N`` sample ids,
+then epoch 1's, and so on. The data position is a single number, ``consumed`` -- how many
+samples of that stream earlier optimizer steps have taken. Step ``s`` takes the next
+``global_batch_size`` samples of the stream (a batch may span an epoch boundary, so every batch
+is full and every epoch still delivers each id exactly once). How a global batch is cut across
+ranks and micro-steps is a pure function of ``(ids, world size, micro-batches, weights,
+lengths)``. Nothing is stored per rank, so the position survives any change of the world size or
+of the per-rank shares.
+
+Rules when a global batch does not divide evenly (documented in docs/data.md and tested):
+
+* ``samples`` balance: rank ``r`` gets a contiguous slice of the global batch whose size is its
+  weight's share rounded by largest remainder (ties to the lower rank), each rank at least one
+  sample per micro-step; its slice is cut the same way into micro-batches.
+* ``tokens`` balance: samples go, longest first (ties in global order), to the rank whose token
+  load relative to its weight is lowest, subject to the same per-rank counts as the ``samples``
+  rule; each rank's samples are cut into micro-batches the same way, then every micro-batch is
+  put back in global-stream order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from dtrain.errors import ConfigError
+
+ShuffleKind = str  # "full" | "locality" | "none"
+
+
+@dataclass(frozen=True)
+class OrderSpec:
+    """Everything the global order depends on."""
+
+    num_samples: int
+    seed: int
+    shuffle: ShuffleKind = "full"
+    # Locality shuffle: the sizes of the storage shards, in id order, and the window (samples)
+    # within which samples are shuffled after the shard order is.
+    shard_sizes: tuple[int, ...] = ()
+    window: int = 0
+
+
+def epoch_order(spec: OrderSpec, epoch: int) -> np.ndarray:
+    """The permutation of ``range(num_samples)`` that epoch ``epoch`` visits."""
+    return _epoch_order_cached(spec, epoch)
+
+
+@lru_cache(maxsize=4)
+def _epoch_order_cached(spec: OrderSpec, epoch: int) -> np.ndarray:
+    n = spec.num_samples
+    dtype = np.int32 if n < 2**31 else np.int64
+    if spec.shuffle == "none":
+        order = np.arange(n, dtype=dtype)
+    elif spec.shuffle == "full":
+        rng = np.random.default_rng([spec.seed, epoch, 0x5EED])
+        order = rng.permutation(n).astype(dtype, copy=False)
+    elif spec.shuffle == "locality":
+        order = _locality_order(spec, epoch, dtype)
+    else:
+        raise ConfigError(f"data.shuffle = {spec.shuffle!r}: expected full, locality or none")
+    order.setflags(write=False)
+    return order
+
+
+def _locality_order(spec: OrderSpec, epoch: int, dtype: type) -> np.ndarray:
+    """Shuffle the shard order, then shuffle inside consecutive windows of that sequence, so a
+    rank reads a few shards at a time, mostly forward, and the page cache stays useful."""
+    rng = np.random.default_rng([spec.seed, epoch, 0x10CA1])
+    sizes = np.asarray(spec.shard_sizes or _virtual_shards(spec.num_samples), dtype=np.int64)
+    if sizes.sum() != spec.num_samples:
+        raise ValueError("shard sizes do not add up to the number of samples")
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    shard_perm = rng.permutation(len(sizes))
+    order = (
+        np.concatenate(
+            [np.arange(starts[s], starts[s] + sizes[s], dtype=dtype) for s in shard_perm]
+        )
+        if len(sizes)
+        else np.zeros(0, dtype=dtype)
+    )
+    window = spec.window or int(4 * max(1, round(float(sizes.mean()))))
+    for begin in range(0, len(order), window):
+        block = order[begin : begin + window]
+        rng.shuffle(block)  # in place on the view
+    return order
+
+
+def _virtual_shards(num_samples: int, size: int = 4096) -> list[int]:
+    full, rest = divmod(num_samples, size)
+    return [size] * full + ([rest] if rest else [])
+
+
+def stream_slice(spec: OrderSpec, start: int, count: int) -> np.ndarray:
+    """Ids ``start .. start+count-1`` of the endless stream (epochs back to back)."""
+    n = spec.num_samples
+    parts = []
+    pos = start
+    end = start + count
+    while pos < end:
+        epoch, offset = divmod(pos, n)
+        take = min(n - offset, end - pos)
+        parts.append(epoch_order(spec, epoch)[offset : offset + take])
+        pos += take
+    if not parts:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate(parts).astype(np.int64, copy=False)
+
+
+def split_counts(total: int, weights: Sequence[float], minimum: int = 0) -> list[int]:
+    """``total`` split in proportion to ``weights`` by largest remainder, each part at least
+    ``minimum``. Deterministic: ties go to the lower index."""
+    k = len(weights)
+    if k == 0:
+        raise ValueError("no parts to split into")
+    if minimum * k > total:
+        raise ValueError(f"cannot give {k} parts at least {minimum} of {total}")
+    w = np.asarray(weights, dtype=np.float64)
+    if np.any(w <= 0) or not np.all(np.isfinite(w)):
+        raise ValueError(f"weights must be positive and finite, got {list(weights)}")
+    spare = total - minimum * k
+    exact = w / w.sum() * spare
+    counts = np.floor(exact).astype(np.int64)
+    remainder = exact - counts
+    short = spare - int(counts.sum())
+    # Largest remainder first; stable sort keeps the lower index first on ties.
+    for idx in np.argsort(-remainder, kind="stable")[:short]:
+        counts[idx] += 1
+    return [int(c) + minimum for c in counts]
+
+
+def equal_weights(world_size: int) -> list[float]:
+    return [1.0] * world_size
+
+
+def partition_samples(
+    ids: np.ndarray, world_size: int, micro_batches: int, weights: Sequence[float] | None = None
+) -> list[list[np.ndarray]]:
+    """Equal-count (or weight-proportional) contiguous split: ``result[rank][micro]``."""
+    weights = list(weights) if weights is not None else equal_weights(world_size)
+    _check_weights(weights, world_size)
+    per_rank = split_counts(len(ids), weights, minimum=micro_batches)
+    out: list[list[np.ndarray]] = []
+    start = 0
+    for count in per_rank:
+        mine = ids[start : start + count]
+        start += count
+        micro_sizes = split_counts(count, equal_weights(micro_batches), minimum=1)
+        bounds = np.cumsum([0, *micro_sizes])
+        out.append([mine[bounds[m] : bounds[m + 1]] for m in range(micro_batches)])
+    return out
+
+
+def partition_tokens(
+    ids: np.ndarray,
+    lengths: np.ndarray,
+    world_size: int,
+    micro_batches: int,
+    weights: Sequence[float] | None = None,
+) -> list[list[np.ndarray]]:
+    """Token-balanced split: every rank (and micro-batch) gets close to its share of tokens.
+
+    ``lengths[i]`` is the token count of ``ids[i]``. Longest-processing-time greedy under a fixed
+    per-part sample count: samples, longest first, go to the part with the lowest load relative
+    to its weight that still has room. Counts per part follow :func:`split_counts`, so the
+    sample split matches the ``samples`` rule and each part gets at least one sample.
+    """
+    weights = list(weights) if weights is not None else equal_weights(world_size)
+    _check_weights(weights, world_size)
+    rank_counts = split_counts(len(ids), weights, minimum=micro_batches)
+    rank_positions = _lpt_assign(lengths, rank_counts, weights)
+    out: list[list[np.ndarray]] = []
+    for positions in rank_positions:
+        micro_counts = split_counts(len(positions), equal_weights(micro_batches), minimum=1)
+        micro_positions = _lpt_assign(
+            lengths[positions], micro_counts, equal_weights(micro_batches)
+        )
+        out.append([ids[np.sort(positions[mp])] for mp in micro_positions])
+    return out
+
+
+def _lpt_assign(
+    lengths: np.ndarray, counts: Sequence[int], weights: Sequence[float]
+) -> list[np.ndarray]:
+    """Positions ``0..len(lengths)-1`` assigned to parts with fixed ``counts``."""
+    order = np.argsort(-np.asarray(lengths, dtype=np.int64), kind="stable")
+    load = np.zeros(len(counts), dtype=np.float64)
+    room = np.asarray(counts, dtype=np.int64).copy()
+    w = np.asarray(weights, dtype=np.float64)
+    assigned: list[list[int]] = [[] for _ in counts]
+    for pos in order:
+        # Lowest relative load among parts with room; argmin takes the lowest index on ties.
+        relative = np.where(room > 0, load / w, np.inf)
+        part = int(np.argmin(relative))
+        assigned[part].append(int(pos))
+        load[part] += float(lengths[pos])
+        room[part] -= 1
+    return [np.asarray(sorted(a), dtype=np.int64) for a in assigned]
+
+
+def _check_weights(weights: Sequence[float], world_size: int) -> None:
+    if len(weights) != world_size:
+        raise ValueError(f"{len(weights)} per-rank weights for a world of {world_size} ranks")
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One optimizer step's share of the stream for every rank."""
+
+    start: int  # stream position before the step
+    ids: list[list[np.ndarray]]  # [rank][micro-batch] -> sample ids
+
+    @property
+    def end(self) -> int:
+        return self.start + sum(len(m) for rank in self.ids for m in rank)
+
+    @property
+    def global_ids(self) -> np.ndarray:
+        return np.concatenate([m for rank in self.ids for m in rank])
+
+
+def plan_step(
+    spec: OrderSpec,
+    consumed: int,
+    global_batch_size: int,
+    world_size: int,
+    micro_batches: int,
+    weights: Sequence[float] | None = None,
+    lengths: np.ndarray | None = None,
+) -> StepPlan:
+    """The step that starts at stream position ``consumed``. With ``lengths`` (the token count
+    of every sample id) the split is token-balanced, else equal-count."""
+    ids = stream_slice(spec, consumed, global_batch_size)
+    if lengths is None:
+        parts = partition_samples(ids, world_size, micro_batches, weights)
+    else:
+        parts = partition_tokens(ids, lengths[ids], world_size, micro_batches, weights)
+    return StepPlan(start=consumed, ids=parts)
+
+
+def eval_shard(num_samples: int, rank: int, world_size: int) -> range:
+    """The contiguous range of evaluation samples rank ``rank`` owns: sizes differ by at most
+    one, every sample belongs to exactly one rank, and no sample is padded in or repeated."""
+    base, extra = divmod(num_samples, world_size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (1 if rank < extra else 0))
+
+
+def imbalance(parts: list[list[np.ndarray]], lengths: np.ndarray) -> float:
+    """Max over mean of the tokens per rank: 1.0 is perfect balance."""
+    tokens = np.array(
+        [sum(int(lengths[m].sum()) for m in rank) for rank in parts], dtype=np.float64
+    )
+    return float(tokens.max() / tokens.mean()) if tokens.mean() > 0 else 1.0

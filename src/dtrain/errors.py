@@ -1,0 +1,26 @@
+"""The two kinds of failure dtrain tells apart.
+
+A :class:`UserError` is the user's to fix (a bad config key, a missing file): the CLI prints its
+one-line message and exits with code 2, with no traceback. Anything else is dtrain's own bug and
+keeps its traceback.
+"""
+
+from __future__ import annotations
+
+USER_ERROR_EXIT_CODE = 2
+
+
+class UserError(Exception):
+    """A mistake in what the user asked for; the message says what, where and what to do."""
+
+
+class ConfigError(UserError):
+    """A config key, value or file that cannot be used."""
+
+
+class DataError(UserError):
+    """A dataset that is missing, malformed or does not match what was asked for."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is missing, corrupted or does not fit the job."""

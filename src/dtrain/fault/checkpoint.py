@@ -1,0 +1,381 @@
+"""Crash-consistent checkpoints: ``step-N`` folders that count only once committed.
+
+Commit protocol (one save):
+
+1. every rank snapshots its part of the training state into CPU memory (the only part the
+   training loop waits for when saving asynchronously);
+2. every rank writes its files into ``checkpoints/.tmp-step-N/`` and fsyncs each;
+3. the ranks report to rank 0 over a side process group (so a background save never interleaves
+   with the training collectives); any failure stops the commit here;
+4. rank 0 renames the folder to ``step-N`` (``os.replace``), fsyncs the parent, and only then
+   writes ``COMMITTED.json`` -- the completion marker holding every file's size and SHA-256 --
+   atomically (temp file, rename, fsync);
+5. rank 0 prunes old checkpoints (marker first, so a half-deleted folder never looks whole).
+
+A folder without a valid marker, or whose files do not match it, is never loaded. Files are
+plain tensors and data written with ``torch.save`` and read with ``torch.load(weights_only=True)``,
+so loading never runs code from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dtrain.errors import CheckpointError
+
+MARKER = "COMMITTED.json"
+META = "meta.json"
+_STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng-rank{rank:05d}.pt"
+
+
+def snapshot(obj: Any) -> Any:
+    """A CPU copy of every tensor in a nested state, so training can go on changing the
+    originals while the copy is written."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [snapshot(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(snapshot(v) for v in obj)
+    return obj
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_bytes(path: Path, data: bytes) -> dict[str, Any]:
+    with path.open("wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def encode(obj: Any) -> bytes:
+    if isinstance(obj, bytes):
+        return obj
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        while block := fh.read(8 * 2**20):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding and verifying
+
+
+def list_step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every ``step-N`` folder, newest first (committed or not)."""
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _STEP_RE.match(entry.name)
+        if match and entry.is_dir():
+            found.append((int(match.group(1)), entry))
+    return sorted(found, reverse=True)
+
+
+def read_marker(step_dir: Path) -> dict[str, Any]:
+    path = step_dir / MARKER
+    if not path.exists():
+        raise CheckpointError(f"{step_dir} has no {MARKER}: the save did not finish")
+    try:
+        marker = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is corrupted: {exc}") from None
+    if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
+        raise CheckpointError(f"{path} is corrupted: no file list")
+    return marker
+
+
+def verify_checkpoint(step_dir: Path) -> None:
+    """Raise :class:`CheckpointError` naming the first file that does not match the marker."""
+    if not step_dir.is_dir():
+        raise CheckpointError(f"checkpoint folder {step_dir} does not exist")
+    marker = read_marker(step_dir)
+    for name, info in sorted(marker["files"].items()):
+        path = step_dir / name
+        if not path.exists():
+            raise CheckpointError(f"{path} is missing (listed in {MARKER})")
+        size = path.stat().st_size
+        if size != info["bytes"]:
+            raise CheckpointError(f"{path} has {size} bytes, expected {info['bytes']}")
+        if sha256_of(path) != info["sha256"]:
+            raise CheckpointError(f"{path} fails its SHA-256 checksum")
+
+
+def committed_steps(root: Path) -> list[int]:
+    return [step for step, path in list_step_dirs(root) if (path / MARKER).exists()]
+
+
+def find_latest_valid(root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint that verifies, and the newer ones skipped with their reason."""
+    skipped: list[tuple[Path, str]] = []
+    for _, path in list_step_dirs(root):
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as exc:
+            skipped.append((path, str(exc)))
+            continue
+        return path, skipped
+    return None, skipped
+
+
+def remove_leftovers(root: Path) -> list[Path]:
+    """Delete what interrupted saves and prunes left: temp folders and uncommitted ``step-N``
+    folders. Call on rank 0 before anything else writes checkpoints."""
+    removed: list[Path] = []
+    if not root.is_dir():
+        return removed
+    for entry in root.iterdir():
+        stale = entry.name.startswith((".tmp-", ".trash-"))
+        uncommitted = bool(_STEP_RE.match(entry.name)) and not (entry / MARKER).exists()
+        if entry.is_dir() and (stale or uncommitted):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    if removed:
+        _fsync_dir(root)
+    return removed
+
+
+def load_file(step_dir: Path, name: str) -> Any:
+    path = step_dir / name
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except Exception as exc:  # an unpickling refusal or a corrupted archive
+        raise CheckpointError(f"{path} cannot be loaded: {exc}") from None
+
+
+def load_meta(step_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((step_dir / META).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{step_dir / META} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{step_dir / META} is corrupted: {exc}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving
+
+
+@dataclass
+class _Outcome:
+    ok: bool
+    error: str
+    files: dict[str, dict[str, Any]]
+
+
+class Checkpointer:
+    """Saves on every rank, commits on rank 0. At most one save is in flight; a failed
+    background save is reported by :meth:`poll` (at the next step) and never committed."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        rank: int,
+        world_size: int,
+        keep_last: int,
+        keep_every: int,
+        group: dist.ProcessGroup | None = None,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        self.root = root
+        self.rank = rank
+        self.world_size = world_size
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.group = group
+        self.log = log
+        self._thread: threading.Thread | None = None
+        self._error: str | None = None
+        self.last_committed: int | None = None
+        self.blocking_seconds: list[float] = []
+        self.write_seconds: list[float] = []
+        # Hook for fault-injection tests: called between the phases of a save.
+        self.fault_hook: Callable[[str], None] | None = None
+
+    # -- in flight -----------------------------------------------------------------------
+
+    def poll(self) -> str | None:
+        """The error of a finished background save, once; None if it went well or runs on."""
+        if self._thread is not None and not self._thread.is_alive():
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        return error
+
+    def wait(self) -> str | None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        return error
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- saving --------------------------------------------------------------------------
+
+    def save(
+        self, step: int, files: dict[str, Any], meta: dict[str, Any] | None, *, blocking: bool
+    ) -> None:
+        """Save this rank's ``files`` (name -> state) for ``step``; rank 0 also gives ``meta``.
+        Every rank must call it for the same step. Raises at once when ``blocking``."""
+        previous = self.wait()  # at most one save in flight
+        if previous:
+            self.log(f"warning: {previous}")
+        started = time.perf_counter()
+        snap = {name: snapshot(obj) for name, obj in files.items()}
+        if blocking:
+            self._write(step, snap, meta)
+            error = self._error
+            self._error = None
+            self.blocking_seconds.append(time.perf_counter() - started)
+            if error:
+                raise CheckpointError(error)
+            return
+        self.blocking_seconds.append(time.perf_counter() - started)
+        self._thread = threading.Thread(
+            target=self._write, args=(step, snap, meta), name=f"dtrain-ckpt-step{step}", daemon=True
+        )
+        self._thread.start()
+
+    def _fault(self, phase: str) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(phase)
+
+    def _write(self, step: int, files: dict[str, Any], meta: dict[str, Any] | None) -> None:
+        started = time.perf_counter()
+        tmp = self.root / f".tmp-{step_dir_name(step)}"
+        outcome = _Outcome(ok=True, error="", files={})
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            self._fault("write")
+            for name, obj in files.items():
+                outcome.files[name] = _write_bytes(tmp / name, encode(obj))
+            if meta is not None:
+                outcome.files[META] = _write_bytes(
+                    tmp / META, json.dumps(meta, indent=1, sort_keys=True).encode()
+                )
+        except Exception as exc:
+            outcome = _Outcome(
+                ok=False, error=f"rank {self.rank}: {type(exc).__name__}: {exc}", files={}
+            )
+        outcomes = self._gather(outcome)
+        if self.rank == 0:
+            try:
+                self._commit(step, tmp, outcomes)
+            except Exception as exc:
+                self._error = f"checkpoint {step_dir_name(step)} was not committed: {exc}"
+        elif not outcome.ok:
+            self._error = f"checkpoint {step_dir_name(step)} was not committed: {outcome.error}"
+        self.write_seconds.append(time.perf_counter() - started)
+
+    def _gather(self, outcome: _Outcome) -> list[_Outcome]:
+        if self.world_size == 1 or not dist.is_initialized():
+            return [outcome]
+        gathered: list[Any] = [None] * self.world_size if self.rank == 0 else []
+        try:
+            dist.gather_object(
+                outcome, gathered if self.rank == 0 else None, dst=0, group=self.group
+            )
+        except Exception as exc:
+            return [
+                _Outcome(ok=False, error=f"the ranks could not agree on the save: {exc}", files={})
+            ]
+        return gathered if self.rank == 0 else [outcome]
+
+    def _commit(self, step: int, tmp: Path, outcomes: list[_Outcome]) -> None:
+        failures = [o.error for o in outcomes if not o.ok]
+        if failures:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError("; ".join(failures))
+        listing: dict[str, dict[str, Any]] = {}
+        for o in outcomes:
+            listing.update(o.files)
+        self._fault("before_rename")
+        final = self.root / step_dir_name(step)
+        if final.exists():  # the same step saved twice (e.g. periodic + final): keep the first
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        self._fault("before_marker")
+        marker = {
+            "step": step,
+            "files": listing,
+            "world_size": self.world_size,
+            "committed": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        marker_tmp = final / f".{MARKER}.tmp"
+        _write_bytes(marker_tmp, json.dumps(marker, indent=1, sort_keys=True).encode())
+        os.replace(marker_tmp, final / MARKER)
+        _fsync_dir(final)
+        self.last_committed = step
+        self._fault("after_marker")
+        self.prune()
+
+    def prune(self) -> list[int]:
+        steps = committed_steps(self.root)
+        keep = set(steps[: self.keep_last])
+        if self.keep_every > 0:
+            keep.update(s for s in steps if s % self.keep_every == 0)
+        removed = []
+        for step in steps:
+            if step in keep:
+                continue
+            folder = self.root / step_dir_name(step)
+            (folder / MARKER).unlink(missing_ok=True)  # uncommit first
+            _fsync_dir(folder)
+            trash = self.root / f".trash-{folder.name}"
+            os.replace(folder, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+            removed.append(step)
+        return removed
+
+
+def warn_skipped(skipped: list[tuple[Path, str]], log: Callable[[str], None]) -> None:
+    for path, reason in skipped:
+        log(f"warning: skipping checkpoint {path.name}: {reason}")

@@ -1,0 +1,115 @@
+"""Choosing the checkpoint to resume from, and loading it into every component.
+
+Rank 0 decides (after removing the leftovers of interrupted saves) and tells the others, so all
+ranks load the same step even if a save were to land meanwhile. The state is a dict of
+state_dicts; each component checks that what it gets fits (the model lists mismatched keys and
+shapes, the loader names a different seed or dataset) and says so in one line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from dtrain.config import Config
+from dtrain.errors import CheckpointError, UserError
+from dtrain.fault import checkpoint as ckpt
+from dtrain.fault.rng import set_rng_state
+from dtrain.runtime import Runtime
+
+if TYPE_CHECKING:
+    from dtrain.trainer import Trainer
+
+
+@dataclass
+class ResumePoint:
+    path: Path
+    step: int
+    world_size: int
+    rng_restored: bool = False
+
+
+def choose_checkpoint(cfg: Config, root: Path, log: Callable[[str], None]) -> Path | None:
+    """Rank 0's choice: the newest valid checkpoint (``auto``), none (``never``), or the one
+    named by ``run.resume``. Removes leftovers of interrupted saves first."""
+    for leftover in ckpt.remove_leftovers(root):
+        log(f"removed the leftover of an interrupted save: {leftover.name}")
+    if cfg.run.resume == "never":
+        return None
+    if cfg.run.resume == "auto":
+        path, skipped = ckpt.find_latest_valid(root)
+        ckpt.warn_skipped(skipped, log)
+        return path
+    path = Path(cfg.run.resume)
+    ckpt.verify_checkpoint(path)
+    return path
+
+
+def resolve_resume(
+    cfg: Config, root: Path, runtime: Runtime, log: Callable[[str], None]
+) -> ResumePoint | None:
+    decision: list[Any] = [None, None]
+    if runtime.is_main:
+        try:
+            path = choose_checkpoint(cfg, root, log)
+            decision = [str(path) if path else None, None]
+        except UserError as exc:
+            decision = [None, str(exc)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(decision, src=0)
+    chosen, error = decision
+    if error:
+        raise CheckpointError(error)
+    if chosen is None:
+        return None
+    path = Path(chosen)
+    meta = ckpt.load_meta(path)
+    return ResumePoint(path=path, step=int(meta["step"]), world_size=int(meta["world_size"]))
+
+
+def state_dict_mismatches(expected: Mapping[str, Any], found: Mapping[str, Any]) -> list[str]:
+    problems = []
+    for key in sorted(set(expected) - set(found)):
+        problems.append(f"missing {key}")
+    for key in sorted(set(found) - set(expected)):
+        problems.append(f"unexpected {key}")
+    for key in sorted(set(expected) & set(found)):
+        want, got = expected[key], found[key]
+        if (
+            isinstance(want, torch.Tensor)
+            and isinstance(got, torch.Tensor)
+            and want.shape != got.shape
+        ):
+            problems.append(f"{key}: checkpoint {tuple(got.shape)}, model {tuple(want.shape)}")
+    return problems
+
+
+def check_model_fits(expected: Mapping[str, Any], found: Mapping[str, Any], where: Path) -> None:
+    problems = state_dict_mismatches(expected, found)
+    if problems:
+        shown = "; ".join(problems[:8]) + (
+            f"; ... {len(problems) - 8} more" if len(problems) > 8 else ""
+        )
+        raise CheckpointError(f"checkpoint {where} is from a different model: {shown}")
+
+
+def load_training_state(point: ResumePoint, trainer: Trainer) -> None:
+    strategy = trainer.strategy
+    path = point.path
+    model_state = ckpt.load_file(path, "model.pt")
+    check_model_fits(strategy.model_state_dict(), model_state, path)
+    strategy.load_model_state_dict(model_state)
+    strategy.load_optimizer_state_dict(trainer.optimizer, ckpt.load_file(path, "optimizer.pt"))
+    train_state = ckpt.load_file(path, "train_state.pt")
+    trainer.scheduler.load_state_dict(train_state["scheduler"])
+    trainer.loader.load_state_dict(train_state["data"])
+    trainer.load_state_dict(train_state["trainer"])
+    rng_path = path / ckpt.rng_file(trainer.runtime.rank)
+    if point.world_size == trainer.runtime.world_size and rng_path.exists():
+        set_rng_state(ckpt.load_file(path, rng_path.name))
+        point.rng_restored = True

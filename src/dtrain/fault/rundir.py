@@ -1,0 +1,90 @@
+"""Checks on the run folder made in the parent process, before any worker starts: resuming into a
+folder made by a different config, a checkpoint to resume from that does not exist, starting
+afresh over old checkpoints."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from dtrain.config import Config
+from dtrain.errors import CheckpointError, UserError
+from dtrain.fault import checkpoint as ckpt
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+# Keys a resumed run may change without changing what is being trained.
+SAFE_TO_CHANGE = (
+    "run.dir",
+    "run.resume",
+    "train.steps",
+    "train.log_every",
+    "eval.",
+    "checkpoint.",
+    "dist.",
+    "data.num_workers",
+    "data.prefetch",
+    "strategy.",
+)
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    before, after = flatten(saved), flatten(current)
+    diffs = []
+    for key in sorted(set(before) | set(after)):
+        if key.startswith(SAFE_TO_CHANGE) or key in SAFE_TO_CHANGE:
+            continue
+        if before.get(key) != after.get(key):
+            diffs.append(f"{key}: {before.get(key, '(unset)')!r} -> {after.get(key, '(unset)')!r}")
+    return diffs
+
+
+def check_run_dir(cfg: Config, force: bool) -> Path | None:
+    """The checkpoint the run will resume from (None: a fresh start); raises a user error
+    when the request does not fit what the folder holds."""
+    root = Path(cfg.run.dir) / "checkpoints"
+    if cfg.run.resume == "never":
+        if ckpt.committed_steps(root) and not force:
+            raise UserError(
+                f"run.dir {cfg.run.dir} already holds checkpoints and run.resume = "
+                "'never': choose a new run.dir, resume with --resume auto, or pass "
+                "--force to start afresh beside them"
+            )
+        return None
+    if cfg.run.resume == "auto":
+        path, _ = ckpt.find_latest_valid(root)
+    else:
+        path = Path(cfg.run.resume)
+        if not path.exists():
+            raise CheckpointError(f"checkpoint folder {path} does not exist")
+        ckpt.verify_checkpoint(path)
+    if path is None:
+        return None
+    meta = ckpt.load_meta(path)
+    try:
+        saved = tomllib.loads(meta.get("config", ""))
+    except tomllib.TOMLDecodeError:
+        saved = {}
+    diffs = config_differences(saved, cfg.to_dict())
+    if diffs and not force:
+        shown = "; ".join(diffs[:10]) + (f"; ... {len(diffs) - 10} more" if len(diffs) > 10 else "")
+        raise UserError(
+            f"{path} was made with a different config ({shown}); use a new "
+            "run.dir, or pass --force to resume anyway"
+        )
+    return path

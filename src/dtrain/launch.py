@@ -1,0 +1,149 @@
+"""Starting the workers through torch's elastic agent (the machinery behind ``torchrun``).
+
+One agent per machine starts ``nproc`` workers running :mod:`dtrain.worker`, joins the other
+machines through a c10d rendezvous, restarts the whole group up to ``max_restarts`` times when a
+worker dies (the workers resume from the newest checkpoint by themselves), and with
+``--nnodes MIN:MAX`` admits machines that join or leave.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
+from dtrain.runtime import available_cores
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    nproc: int
+    min_nodes: int = 1
+    max_nodes: int = 1
+    node_rank: int | None = None
+    rdzv_endpoint: str = ""
+    max_restarts: int = 0
+    run_id: str = ""
+    rdzv_timeout_s: int = 900
+
+    @property
+    def max_world_size(self) -> int:
+        return self.nproc * self.max_nodes
+
+    @property
+    def min_world_size(self) -> int:
+        return self.nproc * self.min_nodes
+
+
+def default_nproc() -> int:
+    """One worker per GPU; on CPU, one per core up to 4 (more, smaller workers mostly add
+    communication)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count()
+    except ImportError:  # pragma: no cover
+        pass
+    return max(1, min(available_cores(), 4))
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    try:
+        if ":" in text:
+            low, high = (int(p) for p in text.split(":", 1))
+        else:
+            low = high = int(text)
+    except ValueError:
+        raise UserError(f"--nnodes {text!r}: expected N or MIN:MAX, e.g. 2 or 1:4") from None
+    if low < 1 or high < low:
+        raise UserError(f"--nnodes {text!r}: need 1 <= MIN <= MAX")
+    return low, high
+
+
+def make_options(
+    nproc: int | None,
+    nnodes: str,
+    node_rank: int | None,
+    rdzv_endpoint: str,
+    max_restarts: int,
+    run_id: str,
+) -> LaunchOptions:
+    nproc = default_nproc() if nproc is None else nproc
+    if nproc < 1:
+        raise UserError(f"--nproc {nproc}: the number of workers per machine must be at least 1")
+    if max_restarts < 0:
+        raise UserError(f"--max-restarts {max_restarts}: must be 0 or more")
+    low, high = parse_nnodes(nnodes)
+    if high > 1 and not rdzv_endpoint:
+        raise UserError(
+            "--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the rendezvous host, "
+            "the same on every machine)"
+        )
+    if node_rank is not None and node_rank < 0:
+        raise UserError(f"--node-rank {node_rank}: must be 0 or more")
+    if rdzv_endpoint and ":" not in rdzv_endpoint:
+        raise UserError(f"--rdzv-endpoint {rdzv_endpoint!r}: expected HOST:PORT")
+    return LaunchOptions(
+        nproc=nproc,
+        min_nodes=low,
+        max_nodes=high,
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+        max_restarts=max_restarts,
+        run_id=run_id or uuid.uuid4().hex[:12],
+    )
+
+
+def launch_workers(config_path: Path, opts: LaunchOptions) -> int:
+    """Run the job; returns the exit code for the CLI."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    standalone = not opts.rdzv_endpoint
+    rdzv_configs: dict[str, object] = {"timeout": opts.rdzv_timeout_s}
+    if opts.node_rank is not None:
+        rdzv_configs["is_host"] = opts.node_rank == 0
+    config = LaunchConfig(
+        min_nodes=opts.min_nodes,
+        max_nodes=opts.max_nodes,
+        nproc_per_node=opts.nproc,
+        run_id=opts.run_id,
+        rdzv_backend="c10d",
+        # Port 0: the agent of a single machine opens its rendezvous store on a free port.
+        rdzv_endpoint="localhost:0" if standalone else opts.rdzv_endpoint,
+        rdzv_configs=rdzv_configs,
+        max_restarts=opts.max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    try:
+        elastic_launch(config, sys.executable)("-u", "-m", "dtrain.worker", str(config_path))
+    except ChildFailedError as exc:
+        return report_failure(exc, opts)
+    return 0
+
+
+def report_failure(exc: object, opts: LaunchOptions) -> int:
+    """One line per failed rank, the first failure first; exit 2 when every failure was a
+    user error (the worker said so with exit code 2), else 1."""
+    failures = getattr(exc, "failures", {})
+    ordered = sorted(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    attempts = opts.max_restarts + 1
+    print(
+        f"dtrain: training failed (after up to {attempts} attempt(s)); failed ranks:",
+        file=sys.stderr,
+    )
+    for rank, failure in ordered:
+        message = str(failure.message).strip().splitlines()
+        first = message[0] if message else ""
+        print(
+            f"  rank {rank} (pid {failure.pid}, exit code {failure.exitcode}): {first}",
+            file=sys.stderr,
+        )
+    user_errors = all(f.exitcode == USER_ERROR_EXIT_CODE for _, f in ordered) and ordered
+    return USER_ERROR_EXIT_CODE if user_errors else 1

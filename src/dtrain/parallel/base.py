@@ -1,0 +1,187 @@
+"""The strategy interface: how a model is spread over ranks, and nothing else.
+
+The trainer talks to a strategy only through :class:`Strategy`; it never asks which one it has.
+A strategy owns the wrapped model, runs forward and backward over one step's micro-batches
+(leaving gradients synchronized and normalized), and moves the model's state in and out of
+checkpoints. Abilities that only some strategies have are separate, explicit capabilities
+(:class:`BackwardSyncControl` for skipping gradient sync on accumulation micro-steps), in the
+manner of Lightning Fabric's ``_BackwardSyncControl``.
+
+Registry: ``@register("name")`` on a subclass; ``build_strategy`` looks the name up, so adding
+a strategy never touches the trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtrain.config import Config, validate_for_world
+from dtrain.errors import ConfigError
+from dtrain.runtime import Runtime
+from dtrain.task import Task
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass
+class StepResult:
+    loss_sum: torch.Tensor  # this rank's summed per-item loss over the step (detached)
+
+
+class BackwardSyncControl(ABC):
+    """Capability: run a backward pass without synchronizing gradients."""
+
+    @abstractmethod
+    def no_backward_sync(self) -> contextlib.AbstractContextManager[None]: ...
+
+
+class Strategy(ABC):
+    name: ClassVar[str] = ""
+
+    def __init__(self, cfg: Config, runtime: Runtime) -> None:
+        self.cfg = cfg
+        self.runtime = runtime
+        self.module: nn.Module | None = None  # the user's model, unwrapped
+        self.model: nn.Module | None = None  # what forward runs through
+
+    @classmethod
+    def validate_config(cls, cfg: Config, world_size: int) -> None:
+        """Reject, in the parent process, a config this strategy cannot run at this world
+        size. Data parallel by default: every rank is a data-parallel rank."""
+        validate_for_world(cfg, world_size)
+
+    # -- topology ------------------------------------------------------------------------
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.runtime.rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.runtime.world_size
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        return None  # the default (world) group
+
+    # -- set-up --------------------------------------------------------------------------
+
+    @abstractmethod
+    def setup(self, task: Task) -> None:
+        """Move the model to the device and wrap it; sets ``module`` and ``model``."""
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The parameters this rank's optimizer updates."""
+        assert self.model is not None
+        return self.model.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        assert self.model is not None
+        return self.unwrapped.named_parameters()
+
+    @property
+    def unwrapped(self) -> nn.Module:
+        assert self.module is not None, "setup() has not run"
+        return self.module
+
+    # -- the step ------------------------------------------------------------------------
+
+    @abstractmethod
+    def forward_backward(
+        self, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, scale: torch.Tensor
+    ) -> StepResult:
+        """Forward and backward over one step's micro-batches of ``(inputs, targets)``.
+
+        Each micro-batch's summed loss is multiplied by ``scale`` before backward; the trainer
+        sets it to ``data_parallel_size / global_item_count`` so that after the (averaging)
+        gradient sync every rank holds the gradient of the global mean loss."""
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip by the global gradient norm (0 = only measure it); returns the norm."""
+        params = [p for p in self.parameters() if p.grad is not None]
+        if max_norm > 0:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel group, in place; returns the tensor."""
+        if self.data_parallel_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.data_parallel_group)
+        return tensor
+
+    @torch.no_grad()
+    def eval_loss(self, batch: tuple[Any, Any], loss_fn: LossFn) -> torch.Tensor:
+        """Summed loss of one evaluation batch on this rank (no gradient sync involved)."""
+        inputs, targets = batch
+        module = self.unwrapped
+        return loss_fn(module(inputs), targets).sum()
+
+    # -- state ---------------------------------------------------------------------------
+
+    def model_state_dict(self) -> dict[str, Any]:
+        return self.unwrapped.state_dict()
+
+    def load_model_state_dict(self, state: dict[str, Any]) -> None:
+        self.unwrapped.load_state_dict(state)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        optimizer.load_state_dict(state)
+
+    @property
+    def replicated_state(self) -> bool:
+        """True when every rank holds the whole model and optimizer state (rank 0 saves it)."""
+        return True
+
+    def parameter_bytes(self) -> int:
+        """Bytes of parameters this rank holds."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+
+S = TypeVar("S", bound=type[Strategy])
+_REGISTRY: dict[str, type[Strategy]] = {}
+
+
+def register(name: str) -> Callable[[S], S]:
+    def add(cls: S) -> S:
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return add
+
+
+def strategy_names() -> list[str]:
+    _load_builtin()
+    return sorted(_REGISTRY)
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    _load_builtin()
+    if name not in _REGISTRY:
+        raise ConfigError(
+            f"strategy.name = {name!r} is not a strategy; valid: {', '.join(sorted(_REGISTRY))}"
+        )
+    return _REGISTRY[name]
+
+
+def build_strategy(cfg: Config, runtime: Runtime) -> Strategy:
+    return strategy_class(cfg.strategy.name)(cfg, runtime)
+
+
+def _load_builtin() -> None:
+    # Imported for their @register side effect; kept here so the registry is complete
+    # whichever module asks first.
+    from dtrain.parallel import ddp  # noqa: F401

@@ -1,0 +1,122 @@
+"""Worker runtime: process group, device, thread count and the rank helpers the rest uses.
+
+Everything here reads the environment torch's elastic launcher sets (RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT), so a worker started by ``dtrain train`` and
+one started by plain ``torchrun`` behave the same. A single process without those variables
+runs as world size 1 with no process group at all.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dtrain.config import DistConfig
+from dtrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+    hostname: str
+    timeout: datetime.timedelta
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1 or dist.is_initialized()
+
+    def describe_rank(self, rank: int | None = None) -> str:
+        return f"rank {self.rank if rank is None else rank}"
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not on Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_worker(local_world_size: int, requested: int = 0) -> int:
+    """The cores of this machine shared out evenly: oversubscribed threads make every rank
+    slower (each one's matmuls fight the others' for the same cores)."""
+    if requested > 0:
+        return requested
+    return max(1, available_cores() // max(1, local_world_size))
+
+
+def choose_device(cfg: DistConfig, local_rank: int) -> torch.device:
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("dist.device = 'cuda' but this machine has no usable CUDA device")
+        count = torch.cuda.device_count()
+        return torch.device("cuda", local_rank % count)
+    return torch.device("cpu")
+
+
+def choose_backend(cfg: DistConfig, device: torch.device) -> str:
+    if cfg.backend != "auto":
+        if cfg.backend == "nccl" and device.type != "cuda":
+            raise ConfigError("dist.backend = 'nccl' needs CUDA devices; use 'gloo' on CPU")
+        return cfg.backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+def init_runtime(cfg: DistConfig) -> Runtime:
+    """Join the process group the launcher prepared (or none, for one plain process)."""
+    rank = env_int("RANK", 0)
+    world_size = env_int("WORLD_SIZE", 1)
+    local_rank = env_int("LOCAL_RANK", 0)
+    local_world_size = env_int("LOCAL_WORLD_SIZE", 1)
+    device = choose_device(cfg, local_rank)
+    backend = choose_backend(cfg, device)
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    torch.set_num_threads(threads_per_worker(local_world_size, cfg.threads))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            device_id=device if device.type == "cuda" else None,
+        )
+    return Runtime(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+        device=device,
+        backend=backend,
+        hostname=socket.gethostname(),
+        timeout=timeout,
+    )
+
+
+def shutdown_runtime() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

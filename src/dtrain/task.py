@@ -1,0 +1,129 @@
+"""What a user gives dtrain: a model, datasets and a loss, built by a task factory.
+
+A task factory is a plain function ``build(cfg) -> Task`` named on the command line as
+``--run.task=package.module:function``. It may declare a dataclass for its own ``[task]`` config
+section with :func:`task_config`, so that those keys are validated with the rest of the config,
+in the parent process, before any worker starts::
+
+    @dataclass
+    class MyOptions:
+        hidden: int = 128
+
+    @dtrain.task_config(MyOptions)
+    def build(cfg: dtrain.Config) -> dtrain.Task:
+        model = MyNet(cfg.task.hidden)
+        return dtrain.Task(model=model, train_data=MyDataset(), loss_fn=per_sample_loss)
+
+Loss contract (the key to exact data parallelism): ``loss_fn(output, targets)`` returns the
+*unreduced* per-item losses (``reduction="none"``). dtrain sums them on every rank and divides by
+the number of items in the whole global batch, so the update is the same as one process taking
+the mean over the whole batch -- also when ranks hold different numbers of samples or tokens.
+"""
+
+from __future__ import annotations
+
+import importlib
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+from torch import nn
+from torch.utils.data import default_collate
+
+from dtrain.errors import UserError
+
+if TYPE_CHECKING:
+    from dtrain.config import Config
+
+IGNORE_INDEX = -100
+
+
+def split_input_target(batch: Any) -> tuple[Any, Any]:
+    """Default batch layout: ``(inputs, targets)`` as an ordinary Dataset of pairs gives it."""
+    if isinstance(batch, dict):
+        return batch["input"], batch["target"]
+    inputs, targets = batch
+    return inputs, targets
+
+
+def count_target_items(targets: Any) -> int:
+    """Items the loss is averaged over: class-index targets count every entry that is not
+    ``IGNORE_INDEX`` (padding), other targets count every element."""
+    if not isinstance(targets, torch.Tensor):
+        raise UserError(
+            "targets are not a tensor: give Task.count_items to say how many items a batch holds"
+        )
+    if targets.dtype in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        return int((targets != IGNORE_INDEX).sum())
+    return targets.numel()
+
+
+@dataclass
+class Task:
+    model: nn.Module
+    train_data: Any
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    val_data: Any = None
+    collate_fn: Callable[[list[Any]], Any] = default_collate
+    split_batch: Callable[[Any], tuple[Any, Any]] = split_input_target
+    count_items: Callable[[Any], int] = count_target_items
+    # Called on rank 0 after training with the trained (unwrapped) model; returns text to print,
+    # e.g. samples from a language model.
+    after_training: Callable[[nn.Module], str] | None = None
+    # Named for the summary and the metrics: "tokens" for language models, else "samples".
+    item_name: str = "samples"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+TaskFactory = Callable[["Config"], Task]
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def task_config(config_class: type) -> Callable[[F], F]:
+    """Declare the dataclass that validates a task factory's ``[task]`` config section."""
+
+    def mark(fn: F) -> F:
+        fn.config_class = config_class  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+def resolve_task(spec: str) -> TaskFactory:
+    """Import ``package.module:function``; a failure is the user's, said in one line."""
+    if ":" not in spec:
+        raise UserError(f"run.task = {spec!r}: expected 'package.module:function'")
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UserError(
+            f"run.task = {spec!r}: cannot import module {module_name!r} ({exc})"
+        ) from None
+    except Exception as exc:
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        raise UserError(
+            f"run.task = {spec!r}: importing {module_name!r} raised {type(exc).__name__}: {exc} "
+            f"({where.filename}:{where.lineno})"
+        ) from None
+    factory = getattr(module, attr, None)
+    if factory is None:
+        raise UserError(f"run.task = {spec!r}: module {module_name!r} has no attribute {attr!r}")
+    if not callable(factory):
+        raise UserError(f"run.task = {spec!r}: {attr!r} is not a function")
+    return factory
+
+
+def task_config_class(factory: TaskFactory) -> type | None:
+    return getattr(factory, "config_class", None)
+
+
+def build_task(factory: TaskFactory, cfg: Config) -> Task:
+    task = factory(cfg)
+    if not isinstance(task, Task):
+        raise UserError(
+            f"run.task = {cfg.run.task!r} returned {type(task).__name__}, expected a dtrain.Task"
+        )
+    return task

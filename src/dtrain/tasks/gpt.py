@@ -1,0 +1,92 @@
+"""The default task: a byte-level GPT on the Python standard library's own sources."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtrain.config import Config
+from dtrain.data.corpus import prepare_stdlib_corpus
+from dtrain.data.shards import ShardedDataset
+from dtrain.data.text import TokenSequences, TokenWindows, collate_padded, collate_windows
+from dtrain.models.gpt import GPT, GPTConfig
+from dtrain.task import IGNORE_INDEX, Task, task_config
+
+PROMPTS = ("def ", "class ", "import ")
+
+
+@dataclass
+class GPTTaskConfig:
+    seq_len: int = 128
+    n_layer: int = 3
+    n_head: int = 4
+    d_model: int = 192
+    dropout: float = 0.0
+    data_dir: str = ""  # a prepared dataset with train/ and val/; empty = the stdlib corpus
+    samples: Literal["windows", "documents"] = "windows"  # documents: one file per sample
+    generate_tokens: int = 160  # printed after training, per prompt (0 = none)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-token cross entropy, unreduced; padding targets contribute 0 and are not counted."""
+    return F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)),
+        targets.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+    )
+
+
+def generate_samples(model: nn.Module, new_tokens: int, seed: int = 0) -> str:
+    if new_tokens <= 0 or not isinstance(model, GPT):
+        return ""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    lines = ["samples from the trained model:"]
+    for prompt in PROMPTS:
+        idx = torch.tensor([list(prompt.encode())], dtype=torch.int64, device=device)
+        out = model.generate(idx, new_tokens, generator=generator)[0].tolist()
+        text = bytes(out).decode("utf-8", errors="replace")
+        lines.append("-" * 60)
+        lines.append(text)
+    return "\n".join(lines)
+
+
+@task_config(GPTTaskConfig)
+def build(cfg: Config) -> Task:
+    opts: GPTTaskConfig = cfg.task
+    root = Path(opts.data_dir) if opts.data_dir else prepare_stdlib_corpus()
+    train, val = ShardedDataset(root / "train"), ShardedDataset(root / "val")
+    model = GPT(
+        GPTConfig(
+            vocab_size=256,
+            seq_len=opts.seq_len,
+            n_layer=opts.n_layer,
+            n_head=opts.n_head,
+            d_model=opts.d_model,
+            dropout=opts.dropout,
+        )
+    )
+    if opts.samples == "documents":
+        train_data: TokenSequences | TokenWindows = TokenSequences(train, opts.seq_len)
+        val_data: TokenSequences | TokenWindows = TokenSequences(val, opts.seq_len)
+        collate = collate_padded
+    else:
+        train_data, val_data = TokenWindows(train, opts.seq_len), TokenWindows(val, opts.seq_len)
+        collate = collate_windows
+    seed = cfg.run.seed
+    tokens = opts.generate_tokens
+    return Task(
+        model=model,
+        train_data=train_data,
+        val_data=val_data,
+        loss_fn=lm_loss,
+        collate_fn=collate,
+        item_name="tokens",
+        after_training=lambda m: generate_samples(m, tokens, seed),
+    )

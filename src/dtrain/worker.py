@@ -1,0 +1,93 @@
+"""The worker process: ``python -m dtrain.worker [CONFIG.toml] [--section.key=value ...]``.
+
+``dtrain train`` starts one per rank through torch's elastic agent; plain ``torchrun -m
+dtrain.worker ...`` works the same. A user mistake found here (a dataset that does not exist, a
+checkpoint that does not fit) ends the worker with exit code 2 and a one-line message, which is
+also written to torch elastic's error file so the launcher can repeat it; dtrain's own bugs
+keep their traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from dtrain.config import Config, load_config
+from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
+from dtrain.fault.rng import seed_everything
+from dtrain.runtime import init_runtime, shutdown_runtime
+from dtrain.task import build_task, resolve_task, task_config_class
+from dtrain.trainer import Summary, Trainer, default_run_dir, print_summary
+
+
+def load_worker_config(argv: Sequence[str]) -> Config:
+    path = argv[0] if argv and not argv[0].startswith("--") else None
+    overrides = list(argv[1:] if path else argv)
+    probe = load_config(path, overrides)
+    factory = resolve_task(probe.run.task)
+    cfg = load_config(path, overrides, task_config_class(factory))
+    if not cfg.run.dir:
+        cfg.run.dir = default_run_dir()
+    return cfg
+
+
+def train(cfg: Config) -> Summary:
+    """Run training in this process, as one rank of the job the environment describes."""
+    runtime = init_runtime(cfg.dist)
+    try:
+        factory = resolve_task(cfg.run.task)
+        seed_everything(cfg.run.seed)  # identical model initialization on every rank
+        task = build_task(factory, cfg)
+        trainer = Trainer(cfg, task, runtime)
+        if runtime.is_main:
+            os.makedirs(cfg.run.dir, exist_ok=True)
+            write_text_atomic(os.path.join(cfg.run.dir, "config.toml"), cfg.to_toml())
+        summary = trainer.fit()
+        if runtime.is_main:
+            print_summary(summary, task.item_name, runtime.world_size)
+        return summary
+    finally:
+        shutdown_runtime()
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def record_user_error(message: str) -> None:
+    """Leave the message where torch elastic's agent looks for a worker's failure."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with open(error_file, "w") as fh:
+            json.dump({"message": message, "timestamp": int(time.time())}, fh)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    rank = os.environ.get("RANK", "0")
+    try:
+        train(load_worker_config(args))
+    except UserError as exc:
+        message = f"rank {rank}: {exc}"
+        record_user_error(message)
+        print(f"dtrain: error: {message}", file=sys.stderr, flush=True)
+        return USER_ERROR_EXIT_CODE
+    except BaseException as exc:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            ErrorHandler().record_exception(exc)
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Small tasks the tests train: importable by worker processes as ``tests.tasks:<name>``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from dtrain.config import Config
+from dtrain.data.text import collate_padded, collate_windows
+from dtrain.models.gpt import GPT, GPTConfig
+from dtrain.task import IGNORE_INDEX, Task, task_config
+
+
+class RandomTokens(Dataset[np.ndarray]):
+    """Deterministic pseudo-text: windows of ``seq_len + 1`` tokens with learnable structure
+    (each token is a function of the previous one plus noise)."""
+
+    def __init__(self, num_samples: int, seq_len: int, seed: int = 0, vocab: int = 64) -> None:
+        rng = np.random.default_rng(seed)
+        data = np.zeros((num_samples, seq_len + 1), dtype=np.int64)
+        data[:, 0] = rng.integers(0, vocab, num_samples)
+        noise = rng.integers(0, 4, (num_samples, seq_len))
+        for t in range(seq_len):
+            data[:, t + 1] = (data[:, t] * 7 + 3 + noise[:, t]) % vocab
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self.data[index]
+
+
+class VariableTokens(Dataset[np.ndarray]):
+    """Sequences of skewed lengths, for token-balanced batches."""
+
+    def __init__(self, num_samples: int, max_len: int, seed: int = 0, vocab: int = 64) -> None:
+        rng = np.random.default_rng(seed)
+        lengths = np.minimum(max_len + 1, 2 + rng.pareto(1.2, num_samples) * 8).astype(np.int64)
+        self.seqs = [rng.integers(0, vocab, int(n)) for n in lengths]
+        self.lengths = lengths - 1
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self.seqs[index]
+
+    def sample_lengths(self) -> np.ndarray:
+        return self.lengths
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)),
+        targets.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+    )
+
+
+@dataclass
+class TinyOptions:
+    samples: int = 256
+    seq_len: int = 16
+    n_layer: int = 2
+    d_model: int = 32
+    dropout: float = 0.0
+    variable: bool = False
+    # Fault injection for tests: fail on this global step (0 = never), on this rank.
+    fail_at_step: int = 0
+    fail_rank: int = 0
+
+
+@task_config(TinyOptions)
+def tiny_gpt(cfg: Config) -> Task:
+    opts: TinyOptions = cfg.task
+    model = GPT(
+        GPTConfig(
+            vocab_size=64,
+            seq_len=opts.seq_len,
+            n_layer=opts.n_layer,
+            n_head=2,
+            d_model=opts.d_model,
+            dropout=opts.dropout,
+        )
+    )
+    if opts.variable:
+        train: Dataset[np.ndarray] = VariableTokens(opts.samples, opts.seq_len, seed=1)
+        val: Dataset[np.ndarray] = VariableTokens(max(8, opts.samples // 8), opts.seq_len, seed=2)
+        collate = collate_padded
+    else:
+        train = RandomTokens(opts.samples, opts.seq_len, seed=1)
+        val = RandomTokens(max(8, opts.samples // 8), opts.seq_len, seed=2)
+        collate = collate_windows
+    return Task(
+        model=model,
+        train_data=train,
+        val_data=val,
+        loss_fn=lm_loss,
+        collate_fn=collate,
+        item_name="tokens",
+    )
+
+
+class Regression(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, n: int, dim: int = 8, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, dim, generator=g)
+        w = torch.randn(dim, 1, generator=g)
+        self.y = self.x @ w + 0.1 * torch.randn(n, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+def mlp_regression(cfg: Config) -> Task:
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    return Task(
+        model=model,
+        train_data=Regression(96),
+        val_data=Regression(17, seed=1),
+        loss_fn=lambda out, y: F.mse_loss(out, y, reduction="none"),
+    )

@@ -1,0 +1,136 @@
+"""The command line: bad input gets one line and exit code 2 before any worker starts; a good
+config trains end to end through torch's elastic launcher."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtrain.cli import main
+from tests.conftest import REPO
+
+
+def run_cli(*args: str, cwd: Path = REPO, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dtrain", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def write_tiny_config(path: Path, run_dir: Path, **extra: str) -> Path:
+    lines = [
+        "[run]",
+        f'dir = "{run_dir}"',
+        'task = "tests.tasks:tiny_gpt"',
+        "[data]",
+        "global_batch_size = 8",
+        "[train]",
+        "steps = 6",
+        "log_every = 2",
+        "[eval]",
+        "every = 3",
+        "[checkpoint]",
+        "every = 3",
+        "[task]",
+        "samples = 64",
+    ]
+    path.write_text("\n".join(lines) + "\n" + "".join(f"{v}\n" for v in extra.values()))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["train", "--train.stepz=3"],
+            "unknown config key train.stepz (did you mean train.steps?)",
+        ),
+        (["train", "--train.steps=abc"], "train.steps = 'abc' has the wrong type"),
+        (["train", "--optim.lr=-1"], "optim.lr = -1.0 is out of range"),
+        (["train", "missing.toml"], "config file missing.toml does not exist"),
+        (
+            ["train", "--nproc", "0"],
+            "--nproc 0: the number of workers per machine must be at least 1",
+        ),
+        (["train", "--nproc", "-2"], "--nproc -2"),
+        (["train", "--run.task=no_such_pkg.mod:build"], "cannot import module 'no_such_pkg.mod'"),
+        (["train", "--run.task=dtrain.tasks.gpt:nope"], "has no attribute 'nope'"),
+        (["train", "--run.task=dtrain.tasks.gpt"], "expected 'package.module:function'"),
+        (
+            ["train", "--task.d_modl=4"],
+            "unknown config key task.d_modl (did you mean task.d_model?)",
+        ),
+        (["train", "--strategy.name=zero9"], "strategy.name = 'zero9' is not a strategy; valid:"),
+        (["train", "--nnodes", "2"], "--nnodes > 1 needs --rdzv-endpoint"),
+        (["train", "--nnodes", "3:1"], "need 1 <= MIN <= MAX"),
+        (["train", "--nproc", "4", "--data.global_batch_size=2"], "smaller than 4 data-parallel"),
+        (["train", "--train.steps", "3"], "has no value"),
+        (["train", "stray", "extra"], "unrecognized argument 'extra'"),
+        (["verify", "/no/such/dataset"], "does not exist"),
+        (["prepare", "/no/such/source", "/tmp/x"], "source /no/such/source does not exist"),
+    ],
+)
+def test_user_mistakes_exit_2_with_one_line(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1 and err.startswith("dtrain: error: ")
+    assert "Traceback" not in err
+
+
+def test_import_error_inside_a_task_module_is_reported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "broken_task.py").write_text("import math\nx = 1 / 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["train", "--run.task=broken_task:build"]) == 2
+    err = capsys.readouterr().err
+    assert "importing 'broken_task' raised ZeroDivisionError: division by zero" in err
+
+
+def test_real_cli_process_gives_no_traceback() -> None:
+    result = run_cli("train", "--train.stepz=3")
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "dtrain: error: unknown config key train.stepz (did you mean train.steps?)"
+    )
+
+
+def test_train_end_to_end_through_the_launcher(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    config = write_tiny_config(tmp_path / "tiny.toml", run_dir)
+    result = run_cli("train", str(config), "--nproc", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (run_dir / "config.toml").exists()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [2, 4, 6]
+    assert all(r["tokens_per_s"] > 0 for r in train)
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [3, 6]
+    final = run_dir / "checkpoints" / "step-00000006"
+    assert (final / "COMMITTED.json").exists()
+    state = torch.load(final / "model.pt", weights_only=True)
+    assert "blocks.0.attn.qkv.weight" in state
+    meta = json.loads((final / "meta.json").read_text())
+    assert meta["world_size"] == 2 and meta["step"] == 6
+    assert "done: 6 steps" in result.stdout
+
+
+def test_worker_side_user_error_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    # A dataset folder that does not exist is found by the workers, after launch.
+    result = run_cli(
+        "train", "--nproc", "1", f"--run.dir={tmp_path / 'r'}", "--task.data_dir=/no/such/data"
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "rank 0: dataset folder /no/such/data/train does not exist" in result.stderr
+    assert "Traceback" not in result.stderr
