@@ -149,6 +149,7 @@ class RankLoader:
         self.pin_memory = pin_memory
         self.fingerprint = fingerprint
         self.consumed = 0  # stream position after the last step handed out
+        self.skipped: dict[int, int] = {}  # start -> end of stream ranges never delivered
         self._source: Iterator[StepBatch] | None = None
         self._stop: threading.Event | None = None
 
@@ -161,6 +162,7 @@ class RankLoader:
             "num_samples": self.order.num_samples,
             "shuffle": self.order.shuffle,
             "fingerprint": self.fingerprint,
+            "skipped": [list(r) for r in sorted(self.skipped.items())],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -183,6 +185,18 @@ class RankLoader:
                     f"{what} {theirs!r}, this run has {mine!r}"
                 )
         self.consumed = int(state["consumed"])
+        self.skipped = {int(a): int(b) for a, b in state.get("skipped", [])}
+        self.reset()
+
+    def skip(self, start: int, end: int) -> None:
+        """Never deliver stream positions ``start .. end-1`` (a batch that made the loss
+        non-finite); kept in the state, so it stays skipped after a resume."""
+        self.skipped[start] = end
+        self.reset()
+
+    def rewind(self, position: int) -> None:
+        """Hand out the step at ``position`` again (it was fetched but not trained on)."""
+        self.consumed = position
         self.reset()
 
     def set_weights(self, weights: Sequence[float] | None) -> None:
@@ -209,6 +223,8 @@ class RankLoader:
     def _plans(self, start: int) -> Iterator[StepPlan]:
         position = start
         while True:
+            while position in self.skipped:
+                position = self.skipped[position]
             plan = self.plan(position)
             yield plan
             position = plan.end

@@ -230,6 +230,7 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: str | None = None
         self.last_committed: int | None = None
+        self.last_saved_step: int | None = None  # the newest step saved or being saved
         self.blocking_seconds: list[float] = []
         self.write_seconds: list[float] = []
         # Hook for fault-injection tests: called between the phases of a save.
@@ -266,6 +267,7 @@ class Checkpointer:
         previous = self.wait()  # at most one save in flight
         if previous:
             self.log(f"warning: {previous}")
+        self.last_saved_step = step
         started = time.perf_counter()
         snap = {name: snapshot(obj) for name, obj in files.items()}
         if blocking:
@@ -311,6 +313,8 @@ class Checkpointer:
                 self._error = f"checkpoint {step_dir_name(step)} was not committed: {exc}"
         elif not outcome.ok:
             self._error = f"checkpoint {step_dir_name(step)} was not committed: {outcome.error}"
+        if self._error:
+            self.last_saved_step = None
         self.write_seconds.append(time.perf_counter() - started)
 
     def _gather(self, outcome: _Outcome) -> list[_Outcome]:
