@@ -201,6 +201,7 @@ class Trainer:
             # Fresh start, or a new world size: a distinct, reproducible stream per rank.
             seed_everything(rank_seed(cfg.run.seed, self.runtime.rank) + self.step)
         summary = Summary(start_step=self.step)
+        self._write_status("running")
         if self.is_main:
             self.metrics = JsonlSink(self.run_dir / "metrics.jsonl")
             self.progress = Progress(cfg.train.steps, self.step, self.task.item_name, True)
@@ -319,7 +320,15 @@ class Trainer:
         if error:
             self.warn(error)
         self.watchdog.set_phase("rollback")
-        point = resolve_resume(self.cfg, self.run_dir / "checkpoints", self.runtime, self.log)
+        # A checkpoint saved during the streak holds the same weights as the one before it
+        # (skipped steps change nothing), so go back to before the first bad step.
+        point = resolve_resume(
+            self.cfg,
+            self.run_dir / "checkpoints",
+            self.runtime,
+            self.log,
+            max_step=first_bad_step - 1,
+        )
         if point is None:
             raise TrainingDiverged(
                 f"the loss was non-finite for {len(bad)} steps in a row (steps "
@@ -346,14 +355,20 @@ class Trainer:
         self._audit.write(json.dumps({**record, "applied": applied, "ids": ids}) + "\n")
         self._audit.flush()
 
+    def _write_status(self, state: str, signal_name: str = "") -> None:
+        """RUN_DIR/status.json: running, completed or preempted (read by the launcher)."""
+        if not self.is_main:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.run_dir / f".status.json.{os.getpid()}"
+        tmp.write_text(json.dumps({"state": state, "step": self.step, "signal": signal_name}))
+        os.replace(tmp, self.run_dir / "status.json")
+
     def _finish_records(self, summary: Summary) -> None:
         if not self.is_main:
             return
         state = "preempted" if summary.preempted else "completed"
-        status = {"state": state, "step": self.step, "signal": summary.preempted}
-        tmp = self.run_dir / f".status.json.{os.getpid()}"
-        tmp.write_text(json.dumps(status))
-        os.replace(tmp, self.run_dir / "status.json")
+        self._write_status(state, summary.preempted)
         if self.metrics is not None:
             self.metrics.write(
                 {

@@ -145,10 +145,15 @@ def committed_steps(root: Path) -> list[int]:
     return [step for step, path in list_step_dirs(root) if (path / MARKER).exists()]
 
 
-def find_latest_valid(root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The newest checkpoint that verifies, and the newer ones skipped with their reason."""
+def find_latest_valid(
+    root: Path, max_step: int | None = None
+) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint (at most ``max_step``) that verifies, and the newer ones skipped
+    with their reason."""
     skipped: list[tuple[Path, str]] = []
-    for _, path in list_step_dirs(root):
+    for step, path in list_step_dirs(root):
+        if max_step is not None and step > max_step:
+            continue
         try:
             verify_checkpoint(path)
         except CheckpointError as exc:

@@ -30,11 +30,15 @@ class ResumePoint:
     rng_restored: bool = False
 
 
-def choose_checkpoint(cfg: Config, root: Path, log: Callable[[str], None]) -> Path | None:
+def choose_checkpoint(
+    cfg: Config, root: Path, log: Callable[[str], None], max_step: int | None = None
+) -> Path | None:
     """Rank 0's choice: the newest valid checkpoint (``auto``), none (``never``), or the one
     named by ``run.resume``. Removes leftovers of interrupted saves first."""
     for leftover in ckpt.remove_leftovers(root):
         log(f"removed the leftover of an interrupted save: {leftover.name}")
+    if max_step is not None:  # a rollback: the newest checkpoint from before a given step
+        return ckpt.find_latest_valid(root, max_step)[0]
     if cfg.run.resume == "never":
         return None
     if cfg.run.resume == "auto":
@@ -47,12 +51,16 @@ def choose_checkpoint(cfg: Config, root: Path, log: Callable[[str], None]) -> Pa
 
 
 def resolve_resume(
-    cfg: Config, root: Path, runtime: Runtime, log: Callable[[str], None]
+    cfg: Config,
+    root: Path,
+    runtime: Runtime,
+    log: Callable[[str], None],
+    max_step: int | None = None,
 ) -> ResumePoint | None:
     decision: list[Any] = [None, None]
     if runtime.is_main:
         try:
-            path = choose_checkpoint(cfg, root, log)
+            path = choose_checkpoint(cfg, root, log, max_step)
             decision = [str(path) if path else None, None]
         except UserError as exc:
             decision = [None, str(exc)]

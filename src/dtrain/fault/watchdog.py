@@ -168,12 +168,13 @@ class Watchdog:
         return out
 
     def _read(self, key: str) -> dict[str, Any] | None:
+        """A record, or None when there is none; a store that cannot be reached raises."""
         assert self.store is not None
+        if not self.store.check([key]):
+            return None
         try:
-            if not self.store.check([key]):
-                return None
             return json.loads(self.store.get(key))
-        except Exception:
+        except ValueError:
             return None
 
     def diagnose(self) -> str:
@@ -184,7 +185,11 @@ class Watchdog:
             failed = self.failures()
             beats = self.peers()
         except Exception as exc:
-            return f"the rendezvous store is unreachable ({exc}); its host may have died"
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            return (
+                f"the rendezvous store is unreachable ({type(exc).__name__}: {first}); the "
+                "process hosting it (the launcher, or rank 0 under a plain launch) has died"
+            )
         now = time.time()
         stale_after = max(3 * self.heartbeat_s, 3.0)
         parts = []
