@@ -165,8 +165,11 @@ def report_failure(exc: object, opts: LaunchOptions) -> int:
         file=sys.stderr,
     )
     for rank, failure in ordered:
-        message = str(failure.message).strip().splitlines()
-        first = message[0] if message else ""
+        message = failure.message
+        if isinstance(message, dict):  # torch's error-file format: the message and a callstack
+            message = message.get("message", "")
+        lines = str(message).strip().splitlines()
+        first = lines[0] if lines else ""
         print(
             f"  rank {rank} (pid {failure.pid}, exit code {failure.exitcode}): {first}",
             file=sys.stderr,

@@ -216,13 +216,12 @@ class Watchdog:
     def peer_failure(self, error: BaseException) -> PeerFailure:
         # Give a failing peer a moment to post its error (it may still be on its way out).
         time.sleep(min(1.0, self.heartbeat_s))
-        cause = (
-            str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
-        )
+        text = str(error).strip()
+        cause = text.splitlines()[0] if text else type(error).__name__
+        cause = cause.split("] ", 1)[-1][:160]  # drop gloo's source location
         return PeerFailure(
-            f"rank {self.rank} ({self.host}) at step {self.step} in "
-            f"{self.phase}: a collective failed: {self.diagnose()} "
-            f"[{cause}]"
+            f"rank {self.rank} ({self.host}) at step {self.step} in {self.phase}: a collective "
+            f"failed: {self.diagnose()} (collective error: {cause})"
         )
 
 
