@@ -11,8 +11,8 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
