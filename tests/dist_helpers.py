@@ -198,3 +198,31 @@ def raise_before_collective(raw: dict[str, Any], bad_rank: int, step: int) -> di
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.time() - started}
     return {"error": None}
+
+
+def save_and_full_state(raw: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Train (saving checkpoints as configured) and return the full model state."""
+    trainer = make_trainer(raw)
+    trainer.fit()
+    state = trainer.strategy.model_state_dict()
+    return {k: v.detach().cpu().numpy().copy() for k, v in state.items()}
+
+
+def load_full_state(raw: dict[str, Any]) -> dict[str, Any]:
+    """Resume from the run folder's newest checkpoint without training; full state + step."""
+    trainer = make_trainer(raw)
+    point = trainer.resume()
+    assert point is not None
+    state = trainer.strategy.model_state_dict()
+    optim = (
+        trainer.strategy.sharded_state_dict(trainer.optimizer)["optimizer"]
+        if not trainer.strategy.replicated_state
+        else trainer.optimizer.state_dict()
+    )
+    steps = sorted({float(v["step"]) for v in optim["state"].values()})
+    return {
+        "params": {k: v.detach().cpu().numpy().copy() for k, v in state.items()},
+        "step": trainer.step,
+        "optimizer_steps": steps,
+        "consumed": trainer.loader.consumed,
+    }

@@ -146,6 +146,12 @@ class StrategyConfig:
     name: str = _opt("ddp", "parallel strategy (see `dtrain strategies`)")
     bucket_mb: float = _opt(25.0, "gradient bucket size in MB", min=0, min_exclusive=True)
     find_unused_parameters: bool = _opt(False, "ddp: allow parameters that get no gradient")
+    precision: Literal["fp32", "bf16"] = _opt(
+        "fp32", "fsdp: compute dtype of the sharded layers (gradients are reduced in fp32)"
+    )
+    reshard_after_forward: bool = _opt(
+        True, "fsdp: free gathered parameters after forward (less memory, one more all-gather)"
+    )
 
 
 @dataclass

@@ -76,6 +76,9 @@ class Task:
     after_training: Callable[[nn.Module], str] | None = None
     # Named for the summary and the metrics: "tokens" for language models, else "samples".
     item_name: str = "samples"
+    # The modules FSDP shards one by one (default: the model's repeated blocks, see
+    # dtrain.parallel.blocks.find_blocks).
+    shard_units: Callable[[nn.Module], list[nn.Module]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -272,9 +272,14 @@ class Trainer:
         summary.items = self.items_seen
         if self.progress is not None:
             self.progress.close()
-        if self.is_main and self.task.after_training is not None and not summary.preempted:
+        # With collectives in forward (sharded parameters), every rank runs the task's final
+        # hook in lockstep (same seed, same calls); otherwise rank 0 alone does.
+        runs_hook = self.is_main or self.strategy.lockstep_eval
+        if self.task.after_training is not None and runs_hook and not summary.preempted:
+            self.watchdog.set_phase("after_training")
             self.strategy.unwrapped.eval()
-            summary.generated = self.task.after_training(self.strategy.unwrapped)
+            text = self.task.after_training(self.strategy.unwrapped)
+            summary.generated = text if self.is_main else ""
         self.loader.close()
         self._finish_records(summary)
         self.watchdog.set_phase("barrier(end)")
@@ -417,17 +422,35 @@ class Trainer:
         module = self.strategy.unwrapped
         module.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.runtime.device)
-        for batch in eval_batches(
-            self.task.val_data,
-            self.strategy.data_parallel_rank,
-            self.strategy.data_parallel_size,
-            self.cfg.eval.batch_size,
-            self.task.collate_fn,
-            max_samples,
-        ):
+        dp_size = self.strategy.data_parallel_size
+        batches = list(
+            eval_batches(
+                self.task.val_data,
+                self.strategy.data_parallel_rank,
+                dp_size,
+                self.cfg.eval.batch_size,
+                self.task.collate_fn,
+                max_samples,
+            )
+        )
+        for batch in batches:
             inputs, targets = to_device(self.task.split_batch(batch), self.runtime.device)
             totals[0] += self.strategy.eval_loss((inputs, targets), self.task.loss_fn).double()
             totals[1] += self.task.count_items(targets)
+        if self.strategy.lockstep_eval:
+            # Strategies with collectives in forward need the same number of forward passes on
+            # every rank: the ranks with a smaller share run padding batches, not counted.
+            total = (
+                len(self.task.val_data)
+                if max_samples <= 0
+                else min(max_samples, len(self.task.val_data))
+            )
+            largest_share = -(-total // dp_size)
+            needed = -(-largest_share // self.cfg.eval.batch_size)
+            padding = batches[0] if batches else self.task.collate_fn([self.task.val_data[0]])
+            for _ in range(needed - len(batches)):
+                inputs, targets = to_device(self.task.split_batch(padding), self.runtime.device)
+                self.strategy.eval_loss((inputs, targets), self.task.loss_fn)
         self.strategy.all_reduce_sum(totals)
         module.train()
         val_loss = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")

@@ -39,6 +39,7 @@ from dtrain.errors import CheckpointError
 
 MARKER = "COMMITTED.json"
 META = "meta.json"
+SHARDED_DIR = "dcp"
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
 
@@ -62,6 +63,52 @@ def snapshot(obj: Any) -> Any:
     if isinstance(obj, tuple):
         return tuple(snapshot(v) for v in obj)
     return obj
+
+
+def snapshot_sharded(obj: Any) -> Any:
+    """:func:`snapshot` for a sharded state: a DTensor keeps its mesh and placements, with a
+    CPU copy of this rank's shard (no communication)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        local = obj.to_local().detach().to("cpu", copy=True)
+        return DTensor.from_local(
+            local,
+            obj.device_mesh,
+            obj.placements,
+            run_check=False,
+            shape=obj.shape,
+            stride=obj.stride(),
+        )
+    if isinstance(obj, dict):
+        return {k: snapshot_sharded(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [snapshot_sharded(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(snapshot_sharded(v) for v in obj)
+    return snapshot(obj)
+
+
+def sharded_metadata(step_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Global shape of every tensor in a checkpoint's sharded state (key -> shape)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(step_dir / SHARDED_DIR)).read_metadata()
+    return {
+        key: tuple(item.size)
+        for key, item in metadata.state_dict_metadata.items()
+        if isinstance(item, TensorStorageMetadata)
+    }
+
+
+def load_sharded(step_dir: Path, template: dict[str, Any]) -> None:
+    """Fill ``template`` (this rank's sharded state, at this world size) in place from the
+    checkpoint, resharding as needed. Collective: every rank calls it."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    load(template, storage_reader=FileSystemReader(str(step_dir / SHARDED_DIR)))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -265,18 +312,28 @@ class Checkpointer:
     # -- saving --------------------------------------------------------------------------
 
     def save(
-        self, step: int, files: dict[str, Any], meta: dict[str, Any] | None, *, blocking: bool
+        self,
+        step: int,
+        files: dict[str, Any],
+        meta: dict[str, Any] | None,
+        *,
+        blocking: bool,
+        sharded: dict[str, Any] | None = None,
     ) -> None:
         """Save this rank's ``files`` (name -> state) for ``step``; rank 0 also gives ``meta``.
-        Every rank must call it for the same step. Raises at once when ``blocking``."""
+        ``sharded`` is a state whose tensors differ across ranks (FSDP's DTensors, pipeline
+        stages): it goes through ``torch.distributed.checkpoint`` into ``dcp/``, one file set
+        per rank, and can be loaded at another world size. Every rank must call ``save`` for
+        the same step. Raises at once when ``blocking``."""
         previous = self.wait()  # at most one save in flight
         if previous:
             self.log(f"warning: {previous}")
         self.last_saved_step = step
         started = time.perf_counter()
         snap = {name: snapshot(obj) for name, obj in files.items()}
+        sharded_snap = snapshot_sharded(sharded) if sharded is not None else None
         if blocking:
-            self._write(step, snap, meta)
+            self._write(step, snap, meta, sharded_snap)
             error = self._error
             self._error = None
             self.blocking_seconds.append(time.perf_counter() - started)
@@ -285,7 +342,10 @@ class Checkpointer:
             return
         self.blocking_seconds.append(time.perf_counter() - started)
         self._thread = threading.Thread(
-            target=self._write, args=(step, snap, meta), name=f"dtrain-ckpt-step{step}", daemon=True
+            target=self._write,
+            args=(step, snap, meta, sharded_snap),
+            name=f"dtrain-ckpt-step{step}",
+            daemon=True,
         )
         self._thread.start()
 
@@ -293,7 +353,13 @@ class Checkpointer:
         if self.fault_hook is not None:
             self.fault_hook(phase)
 
-    def _write(self, step: int, files: dict[str, Any], meta: dict[str, Any] | None) -> None:
+    def _write(
+        self,
+        step: int,
+        files: dict[str, Any],
+        meta: dict[str, Any] | None,
+        sharded: dict[str, Any] | None = None,
+    ) -> None:
         started = time.perf_counter()
         tmp = self.root / f".tmp-{step_dir_name(step)}"
         outcome = _Outcome(ok=True, error="", files={})
@@ -306,6 +372,8 @@ class Checkpointer:
                 outcome.files[META] = _write_bytes(
                     tmp / META, json.dumps(meta, indent=1, sort_keys=True).encode()
                 )
+            if sharded is not None:
+                outcome.files.update(self._write_sharded(tmp, sharded))
         except Exception as exc:
             outcome = _Outcome(
                 ok=False, error=f"rank {self.rank}: {type(exc).__name__}: {exc}", files={}
@@ -321,6 +389,26 @@ class Checkpointer:
         if self._error:
             self.last_saved_step = None
         self.write_seconds.append(time.perf_counter() - started)
+
+    def _write_sharded(self, tmp: Path, state: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """Every rank writes its shards with DCP (coordinated over the side group); returns
+        the files this rank wrote, with sizes and checksums, for the marker."""
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+        from torch.distributed.checkpoint.state_dict_saver import save
+
+        folder = tmp / SHARDED_DIR
+        save(
+            state,
+            storage_writer=FileSystemWriter(str(folder), sync_files=True),
+            process_group=self.group if dist.is_initialized() else None,
+        )
+        mine = [p for p in folder.iterdir() if p.name.startswith(f"__{self.rank}_")]
+        if self.rank == 0:
+            mine += [p for p in folder.iterdir() if p.name == ".metadata"]
+        return {
+            f"{SHARDED_DIR}/{p.name}": {"bytes": p.stat().st_size, "sha256": sha256_of(p)}
+            for p in mine
+        }
 
     def _gather(self, outcome: _Outcome) -> list[_Outcome]:
         if self.world_size == 1 or not dist.is_initialized():

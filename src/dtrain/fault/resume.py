@@ -83,14 +83,19 @@ def state_dict_mismatches(expected: Mapping[str, Any], found: Mapping[str, Any])
     for key in sorted(set(found) - set(expected)):
         problems.append(f"unexpected {key}")
     for key in sorted(set(expected) & set(found)):
-        want, got = expected[key], found[key]
-        if (
-            isinstance(want, torch.Tensor)
-            and isinstance(got, torch.Tensor)
-            and want.shape != got.shape
-        ):
-            problems.append(f"{key}: checkpoint {tuple(got.shape)}, model {tuple(want.shape)}")
+        want, got = _shape(expected[key]), _shape(found[key])
+        if want is not None and got is not None and want != got:
+            problems.append(f"{key}: checkpoint {got}, model {want}")
     return problems
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    """A tensor's shape, or a shape given as a tuple; None for anything else."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape)
+    if isinstance(value, tuple):
+        return value
+    return None
 
 
 def check_model_fits(expected: Mapping[str, Any], found: Mapping[str, Any], where: Path) -> None:

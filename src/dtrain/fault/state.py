@@ -3,8 +3,8 @@
 =================  ========================================  =========================
 key                what                                      file (written by)
 =================  ========================================  =========================
-``model``          parameters and buffers                    model.pt (rank 0)
-``optimizer``      optimizer state                           optimizer.pt (rank 0)
+``model``          parameters and buffers                    model.pt (rank 0), or dcp/
+``optimizer``      optimizer state                           optimizer.pt (rank 0), or dcp/
 ``scheduler``      LR schedule position                      train_state.pt (rank 0)
 ``data``           stream position, seed, dataset identity   train_state.pt (rank 0)
 ``trainer``        step, items seen, skipped steps, ...      train_state.pt (rank 0)
@@ -12,11 +12,14 @@ key                what                                      file (written by)
 meta               step, world size, config, versions        meta.json (rank 0)
 =================  ========================================  =========================
 
-Everything is tensors and plain data, loaded with ``torch.load(weights_only=True)``.
+Everything is tensors and plain data, loaded with ``torch.load(weights_only=True)``. Sharded
+strategies (model and optimizer state differ across ranks) save those two through
+``torch.distributed.checkpoint`` into ``dcp/`` instead, one file set per rank.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,23 +27,44 @@ import torch
 from dtrain import __version__
 from dtrain.fault import checkpoint as ckpt
 from dtrain.fault.resume import ResumePoint, check_model_fits
+from dtrain.errors import CheckpointError
 from dtrain.fault.rng import rng_state, set_rng_state
+from dtrain.parallel.base import ShardedState
 
 if TYPE_CHECKING:
     from dtrain.trainer import Trainer
 
 
+def _load_sharded(strategy: ShardedState, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    if not (path / ckpt.SHARDED_DIR).is_dir():
+        raise CheckpointError(
+            f"{path} holds a full-state checkpoint (model.pt); this sharded strategy loads "
+            "sharded ones: resume it with the strategy that saved it"
+        )
+    template = strategy.sharded_state_dict(optimizer)
+    saved = {
+        key[len("model.") :]: shape
+        for key, shape in ckpt.sharded_metadata(path).items()
+        if key.startswith("model.")
+    }
+    wanted = {key: tuple(value.shape) for key, value in template["model"].items()}
+    check_model_fits(wanted, saved, path)
+    ckpt.load_sharded(path, template)
+    strategy.load_sharded_state_dict(optimizer, template)
+
+
 def checkpoint_files(trainer: Trainer) -> dict[str, Any]:
     """This rank's part of the training state, one file per component."""
     files: dict[str, Any] = {ckpt.rng_file(trainer.runtime.rank): rng_state()}
-    if trainer.strategy.replicated_state and trainer.runtime.is_main:
-        files["model.pt"] = trainer.strategy.model_state_dict()
-        files["optimizer.pt"] = trainer.strategy.optimizer_state_dict(trainer.optimizer)
+    if trainer.runtime.is_main:
         files["train_state.pt"] = {
             "scheduler": trainer.scheduler.state_dict(),
             "data": trainer.loader.state_dict(),
             "trainer": trainer.state_dict(),
         }
+        if trainer.strategy.replicated_state:
+            files["model.pt"] = trainer.strategy.model_state_dict()
+            files["optimizer.pt"] = trainer.strategy.optimizer_state_dict(trainer.optimizer)
     return files
 
 
@@ -59,7 +83,15 @@ def checkpoint_meta(trainer: Trainer) -> dict[str, Any]:
 
 def save(trainer: Trainer, *, blocking: bool) -> None:
     meta = checkpoint_meta(trainer) if trainer.runtime.is_main else None
-    trainer.checkpointer.save(trainer.step, checkpoint_files(trainer), meta, blocking=blocking)
+    strategy = trainer.strategy
+    sharded = (
+        strategy.sharded_state_dict(trainer.optimizer)
+        if isinstance(strategy, ShardedState)
+        else None
+    )
+    trainer.checkpointer.save(
+        trainer.step, checkpoint_files(trainer), meta, blocking=blocking, sharded=sharded
+    )
 
 
 def load(trainer: Trainer, point: ResumePoint, *, restore_data: bool = True) -> None:
@@ -67,10 +99,19 @@ def load(trainer: Trainer, point: ResumePoint, *, restore_data: bool = True) -> 
     position (a NaN rollback goes back in the model, not in the data stream)."""
     strategy = trainer.strategy
     path = point.path
-    model_state = ckpt.load_file(path, "model.pt")
-    check_model_fits(strategy.model_state_dict(), model_state, path)
-    strategy.load_model_state_dict(model_state)
-    strategy.load_optimizer_state_dict(trainer.optimizer, ckpt.load_file(path, "optimizer.pt"))
+    if isinstance(strategy, ShardedState):
+        _load_sharded(strategy, trainer.optimizer, path)
+    else:
+        if not (path / "model.pt").exists():
+            raise CheckpointError(
+                f"{path} holds a sharded checkpoint (made by a sharded strategy such as fsdp); "
+                f"strategy {trainer.cfg.strategy.name!r} loads full-state checkpoints: resume "
+                "it with the strategy that saved it"
+            )
+        model_state = ckpt.load_file(path, "model.pt")
+        check_model_fits(strategy.model_state_dict(), model_state, path)
+        strategy.load_model_state_dict(model_state)
+        strategy.load_optimizer_state_dict(trainer.optimizer, ckpt.load_file(path, "optimizer.pt"))
     train_state = ckpt.load_file(path, "train_state.pt")
     trainer.scheduler.load_state_dict(train_state["scheduler"])
     if restore_data:

@@ -43,6 +43,22 @@ class BackwardSyncControl(ABC):
     def no_backward_sync(self) -> contextlib.AbstractContextManager[None]: ...
 
 
+class ShardedState(ABC):
+    """Capability: model and optimizer state differ across ranks (FSDP shards, pipeline
+    stages). Checkpoints then go through ``torch.distributed.checkpoint``: one file set per
+    rank, resharded on load when the world size changes."""
+
+    @abstractmethod
+    def sharded_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """``{"model": ..., "optimizer": ...}`` in a form DCP saves and loads in place."""
+
+    @abstractmethod
+    def load_sharded_state_dict(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        """Apply a state filled by DCP (see :meth:`sharded_state_dict`)."""
+
+
 class Strategy(ABC):
     name: ClassVar[str] = ""
 
@@ -143,7 +159,14 @@ class Strategy(ABC):
     @property
     def replicated_state(self) -> bool:
         """True when every rank holds the whole model and optimizer state (rank 0 saves it)."""
-        return True
+        return not isinstance(self, ShardedState)
+
+    @property
+    def lockstep_eval(self) -> bool:
+        """True when every rank must run the same number of forward passes (collectives in
+        forward: FSDP's all-gathers, pipeline sends); evaluation then pads with batches that
+        are computed and not counted."""
+        return False
 
     def parameter_bytes(self) -> int:
         """Bytes of parameters this rank holds."""
@@ -184,4 +207,4 @@ def build_strategy(cfg: Config, runtime: Runtime) -> Strategy:
 def _load_builtin() -> None:
     # Imported for their @register side effect; kept here so the registry is complete
     # whichever module asks first.
-    from dtrain.parallel import ddp  # noqa: F401
+    from dtrain.parallel import ddp, fsdp  # noqa: F401
