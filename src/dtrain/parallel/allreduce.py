@@ -23,7 +23,8 @@ Customizing
 -----------
 ``strategy.bucket_mb`` bounds a bucket's size: fewer, larger buckets mean fewer collectives (each
 pays a fixed latency) but less overlap with backward. A parameter larger than the bound gets a
-bucket of its own.
+bucket of its own. The first bucket is bounded at 1 MiB (or ``bucket_mb``, if smaller), as DDP
+does by default, so that the first all-reduce starts early in backward.
 
 Communication hooks have the shape of torch DDP's (``DistributedDataParallel.register_comm_hook``)::
 
@@ -66,6 +67,7 @@ from dtrain.parallel.ddp import run_micro_batches
 from dtrain.task import Task
 
 MIB = 1024 * 1024
+FIRST_BUCKET_BYTES = MIB
 
 
 class GradBucket:
@@ -125,18 +127,23 @@ def allreduce_hook(
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def assign_buckets(params: Sequence[torch.Tensor], cap_bytes: int) -> list[list[int]]:
-    """Indices of ``params`` grouped into buckets of at most ``cap_bytes`` (one tensor larger
-    than that gets a bucket of its own), keeping the given order. A bucket holds one dtype and
-    device only, since it is flattened into one buffer; tensors of another kind fill their own
-    open bucket, as in DDP. Buckets are returned in the order of their first tensor."""
+def assign_buckets(
+    params: Sequence[torch.Tensor], cap_bytes: int, first_cap_bytes: int | None = None
+) -> list[list[int]]:
+    """Indices of ``params`` grouped into buckets of at most ``cap_bytes`` (a tensor larger
+    than that gets a bucket of its own), keeping the given order. ``first_cap_bytes`` bounds
+    the first bucket instead, if smaller. A bucket holds one dtype and device only, since it is
+    flattened into one buffer; tensors of another kind fill their own open bucket, as in DDP.
+    Buckets are returned in the order of their first tensor."""
+    first_cap = min(cap_bytes, first_cap_bytes or cap_bytes)
     buckets: list[list[int]] = []
     filling: dict[tuple[torch.dtype, torch.device], list[int]] = {}  # one open bucket per kind
     filled_bytes: dict[tuple[torch.dtype, torch.device], int] = {}
     for index, param in enumerate(params):
         kind = (param.dtype, param.device)
         size = param.numel() * param.element_size()
-        if kind in filling and filled_bytes[kind] + size > cap_bytes:
+        limit = cap_bytes if buckets else first_cap
+        if kind in filling and filled_bytes[kind] + size > limit:
             buckets.append(filling.pop(kind))  # this tensor would overflow it: close it
         if kind not in filling:
             filling[kind], filled_bytes[kind] = [], 0
@@ -183,7 +190,9 @@ class AllReduceStrategy(Strategy, BackwardSyncControl):
         # so that the first buckets fill (and start communicating) early in backward.
         params.reverse()
         cap = max(1, int(self.cfg.strategy.bucket_mb * MIB))
-        for members in assign_buckets(params, cap):
+        # A small first bucket (DDP's default too) starts communicating early in backward
+        # instead of waiting for a whole bucket_mb of gradients.
+        for members in assign_buckets(params, cap, first_cap_bytes=FIRST_BUCKET_BYTES):
             self._add_bucket([params[i] for i in members])
 
     @torch.no_grad()
