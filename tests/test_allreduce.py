@@ -213,6 +213,8 @@ def pair_runs(tmp: Path) -> list[dict[str, Any]]:
             "one_step": True,
         },
         {**spec("never_lenient", ar, run=GATED), "one_step": True},
+        spec("saved", ar, checkpoint={"every": 10}),
+        spec("resumed", ar, run={"resume": str(tmp / "saved/checkpoints/step-00000010")}),
         {**spec("ddp_fp16", {"name": "ddp"}, train={"steps": 10}), "hook": "fp16"},
         {**spec("allreduce_fp16", ar, train={"steps": 10}), "hook": "fp16"},
         {**spec("powersgd", ar, train={"steps": 6}), "hook": "powersgd"},
@@ -302,6 +304,13 @@ def test_ddp_comm_hooks_plug_in(pair: list[Any]) -> None:
     # PowerSGD uses index(), is_last(), gradients() of the bucket; it must run and keep
     # replicas identical.
     assert max_diff(pair[0]["powersgd"]["params"], pair[1]["powersgd"]["params"]) == 0
+
+
+def test_resume_from_a_checkpoint_continues_exactly(pair: list[Any]) -> None:
+    # 20 steps with a checkpoint at step 10; a new run resumed from it ends equal.
+    assert pair[0]["resumed"]["launches"] == 10 * pair[0]["resumed"]["buckets"]
+    assert max_diff(pair[0]["resumed"]["params"], pair[0]["saved"]["params"]) == 0
+    assert max_diff(pair[0]["saved"]["params"], pair[0]["allreduce"]["params"]) == 0
 
 
 def test_parameter_bytes_count_a_tied_weight_once(pair: list[Any]) -> None:

@@ -3,9 +3,11 @@ activation bytes its forward keeps for backward -- on the device it will run on,
 chain into balanced pipeline stages from those measurements.
 
 Times are medians over several repeats, after warm-up. Each repeat is one forward+backward of
-the whole chain, cut at every layer boundary the way a pipeline cuts between stages, with each
-layer's share timed inside it: so a burst of load from elsewhere on the machine hits all layers
-alike instead of inflating one, and each layer sees the caches as a real step leaves them.
+the whole chain with each layer's share timed inside it: so a burst of load from elsewhere on
+the machine hits all layers alike instead of inflating one, and each layer sees the caches as a
+real step leaves them. ``clock`` picks the timer: wall time by default (with CUDA synchronized
+around each reading); ``time.thread_time`` on a shared CPU machine with one intra-op thread
+counts only this process's own work.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from torch import nn
 
 from dtrain.balance.stages import StagePlan, balance_stages
 from dtrain.models.gpt import GPT
+
+Clock = Callable[[], float]
 
 
 @dataclass(frozen=True)
@@ -167,9 +171,6 @@ def gpt_layers(model: GPT) -> list[nn.Module]:
 
 
 # -- measuring -------------------------------------------------------------------------------
-
-
-Clock = Callable[[], float]
 
 
 def _now(device: torch.device, clock: Clock) -> float:
