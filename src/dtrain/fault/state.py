@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dtrain import __version__
+from dtrain.errors import CheckpointError
 from dtrain.fault import checkpoint as ckpt
 from dtrain.fault.resume import ResumePoint, check_model_fits
-from dtrain.errors import CheckpointError
 from dtrain.fault.rng import rng_state, set_rng_state
 from dtrain.parallel.base import ShardedState
 

@@ -1,0 +1,216 @@
+"""Measure what each layer of a chain costs -- forward+backward time, parameter bytes and the
+activation bytes its forward keeps for backward -- on the device it will run on, and split the
+chain into balanced pipeline stages from those measurements.
+
+Times are medians over several repeats, after warm-up. Each repeat is one forward+backward of
+the whole chain with each layer's share timed inside it: so a burst of load from elsewhere on
+the machine hits all layers alike instead of inflating one, and each layer sees the caches as a
+real step leaves them. ``clock`` picks the timer: wall time by default (with CUDA synchronized
+around each reading); ``time.thread_time`` on a shared CPU machine with one intra-op thread
+counts only this process's own work.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain.balance.stages import StagePlan, balance_stages
+from dtrain.models.gpt import GPT
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    seconds: float  # median forward+backward time of the layer
+    param_bytes: int
+    activation_bytes: int  # tensors its forward saves for backward (parameters excluded)
+
+    @property
+    def memory_bytes(self) -> int:
+        """What the layer adds to its stage's memory for one micro-batch in flight."""
+        return self.param_bytes + self.activation_bytes
+
+
+def profile_layers(
+    layers: Sequence[nn.Module],
+    example_input: torch.Tensor,
+    *,
+    warmup: int = 2,
+    repeats: int = 7,
+    clock: Clock = time.perf_counter,
+) -> list[LayerProfile]:
+    """Profile each layer of the chain ``layers[0] -> layers[1] -> ...`` fed ``example_input``
+    (one micro-batch, on the target device)."""
+    if not layers:
+        raise ValueError("profile_layers: no layers given")
+    if repeats < 1:
+        raise ValueError(f"profile_layers: repeats = {repeats}; use at least 1")
+    for _ in range(warmup):
+        chain_pass(layers, example_input, clock)
+    samples = [chain_pass(layers, example_input, clock) for _ in range(repeats)]
+    inputs = _layer_inputs(layers, example_input)
+    return [
+        LayerProfile(
+            seconds=statistics.median(times),
+            param_bytes=_param_bytes(layer),
+            activation_bytes=_saved_bytes(layer, x, first=index == 0),
+        )
+        for index, (times, (layer, x)) in enumerate(zip(zip(*samples), inputs))
+    ]
+
+
+def chain_pass(
+    layers: Sequence[nn.Module], example_input: torch.Tensor, clock: Clock = time.perf_counter
+) -> list[float]:
+    """One forward+backward of the whole chain; returns each layer's forward+backward seconds.
+
+    Timing each layer inside a full pass, rather than one layer over and over, keeps the
+    memory traffic of a real step: by the time a layer's backward runs, the other layers have
+    evicted its activations and weights from the caches. The chain stays one graph (not cut at
+    every layer, which would add per-cut costs that a stage of many layers never pays): a hook
+    on each layer's output notes when its gradient is complete, which is when that layer's
+    backward starts and the next layer's ends."""
+    device = example_input.device
+    for layer in layers:
+        for param in layer.parameters():
+            param.grad = None  # the first micro-step of a step: no accumulation into .grad
+    seconds: list[float] = []
+    outputs: list[torch.Tensor] = []
+    x = example_input
+    for layer in layers:
+        start = _now(device, clock)
+        x = layer(x)
+        seconds.append(_now(device, clock) - start)
+        outputs.append(x)
+    if not (x.is_floating_point() and x.requires_grad):
+        return seconds  # nothing to differentiate: forward only
+    # marks[i]: when the gradient of layer i's output was complete. The last layer's starts
+    # with backward(); the first layer's backward ends when backward() returns.
+    marks: list[float | None] = [None] * len(layers)
+
+    def mark(index: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            marks[index] = _now(device, clock)
+
+        return hook
+
+    for index, out in enumerate(outputs[:-1]):
+        if out.requires_grad:
+            out.register_hook(mark(index))
+    marks[-1] = _now(device, clock)
+    x.backward(torch.ones_like(x))
+    finished = _now(device, clock)
+    for index in range(len(layers)):
+        began = marks[index]
+        ended = finished if index == 0 else marks[index - 1]
+        if began is not None and ended is not None:  # else: no gradient flowed through it
+            seconds[index] += ended - began
+    return seconds
+
+
+def balance_layers(
+    layers: Sequence[nn.Module],
+    example_input: torch.Tensor,
+    num_stages: int,
+    *,
+    memory_limit: float | Sequence[float] | None = None,
+    warmup: int = 2,
+    repeats: int = 7,
+    clock: Clock = time.perf_counter,
+) -> tuple[StagePlan, list[LayerProfile]]:
+    """Profile the chain, then choose the stage boundaries with the fastest slowest stage
+    (within ``memory_limit`` bytes per stage, if given)."""
+    profiles = profile_layers(layers, example_input, warmup=warmup, repeats=repeats, clock=clock)
+    plan = balance_stages(
+        [p.seconds for p in profiles],
+        num_stages,
+        memory=[p.memory_bytes for p in profiles],
+        memory_limit=memory_limit,
+    )
+    return plan, profiles
+
+
+# -- models as chains of layers --------------------------------------------------------------
+
+
+class GPTEmbedding(nn.Module):
+    """The GPT's first pipeline layer: token + position embeddings."""
+
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+
+
+class GPTHead(nn.Module):
+    """The GPT's last pipeline layer: final norm and the (tied) output projection."""
+
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.ln_f, self.head = model.ln_f, model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
+
+
+def gpt_layers(model: GPT) -> list[nn.Module]:
+    """The GPT as the chain a pipeline cuts: embeddings, each block, norm + head. The layers
+    share the model's modules (no copies), so the chain computes exactly ``model(idx)``."""
+    return [GPTEmbedding(model), *model.blocks, GPTHead(model)]
+
+
+# -- measuring -------------------------------------------------------------------------------
+
+
+def _now(device: torch.device, clock: Clock) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # time the kernels, not their launch
+    return clock()
+
+
+def _layer_inputs(
+    layers: Sequence[nn.Module], example_input: torch.Tensor
+) -> list[tuple[nn.Module, torch.Tensor]]:
+    out = []
+    x = example_input
+    with torch.no_grad():
+        for layer in layers:
+            out.append((layer, x))
+            x = layer(x)
+    return out
+
+
+def _as_stage_input(x: torch.Tensor, first: bool) -> torch.Tensor:
+    x = x.detach()
+    return x if first or not x.is_floating_point() else x.requires_grad_()
+
+
+def _param_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _saved_bytes(module: nn.Module, x: torch.Tensor, *, first: bool) -> int:
+    """Bytes of the distinct tensors autograd keeps from one forward of ``module``."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> Any:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        module(_as_stage_input(x, first))
+    return sum(storages.values())

@@ -1,0 +1,320 @@
+"""``allreduce``: data parallel written directly on ``torch.distributed`` -- the reference
+implementation to read, beside torch's own DDP (``ddp``), which gives the same training math.
+
+How one step goes::
+
+    setup      broadcast parameters and buffers from rank 0        (replicas start equal)
+               buckets = parameters in reverse registration order,  (the order backward
+                         cut so that none passes strategy.bucket_mb   produces gradients)
+               register_post_accumulate_grad_hook on every parameter
+    backward   a parameter's .grad is final -> its hook marks it ready in its bucket;
+               a bucket whose parameters are all ready (and every bucket before it launched)
+               -> flatten its grads into the bucket buffer -> comm hook -> async all_reduce
+               (communication overlaps the rest of the backward pass)
+    finish     launch the buckets backward never completed (parameters without a gradient
+               this step), wait for every bucket, copy the averaged values back into .grad
+    no_backward_sync()   the hooks do nothing: accumulation micro-steps stay local
+
+Buckets are launched strictly in index order, whatever order they became ready in: collectives
+must be issued in the same order on every rank, and ranks whose data leaves different parameters
+without a gradient would otherwise launch them in different orders.
+
+Customizing
+-----------
+``strategy.bucket_mb`` bounds a bucket's size: fewer, larger buckets mean fewer collectives (each
+pays a fixed latency) but less overlap with backward. A parameter larger than the bound gets a
+bucket of its own. The first bucket is bounded at 1 MiB (or ``bucket_mb``, if smaller), as DDP
+does by default, so that the first all-reduce starts early in backward.
+
+Communication hooks have the shape of torch DDP's (``DistributedDataParallel.register_comm_hook``)::
+
+    hook(state, bucket) -> torch.futures.Future[torch.Tensor]
+
+``bucket`` is a :class:`GradBucket` with the methods of ``torch.distributed.GradBucket``
+(``index()``, ``buffer()``, ``gradients()``, ``parameters()``, ``is_last()``, ``set_buffer()``);
+the future's value is the *averaged* flat gradient, which is copied back into ``.grad``. So a hook
+written for DDP -- torch's own ``fp16_compress_hook`` or ``powerSGD_hook`` included -- plugs into
+this strategy unchanged::
+
+    strategy.register_comm_hook(state=None, hook=fp16_compress_hook)   # before the first step
+
+The default, :func:`allreduce_hook`, divides by the group size and starts an asynchronous
+``all_reduce``; its ``state`` is the process group (``None`` = the default group), as for DDP.
+
+Differences from torch DDP worth knowing: buckets are not rebuilt after the first step from the
+observed gradient order; buffers (e.g. BatchNorm statistics) are broadcast once at set-up, not
+before every forward; and a parameter that gets no gradient is not an error. It contributes zeros,
+so after a step every parameter has the averaged gradient -- zeros where no rank produced one;
+with ``strategy.find_unused_parameters = true`` one extra small all-reduce per step finds the
+parameters no rank used, and leaves their ``.grad`` at ``None`` as one process would (so an
+optimizer with weight decay or momentum skips them exactly as it would there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtrain.parallel.base import BackwardSyncControl, LossFn, StepResult, Strategy, register
+from dtrain.parallel.ddp import run_micro_batches
+from dtrain.task import Task
+
+MIB = 1024 * 1024
+FIRST_BUCKET_BYTES = MIB
+
+
+class GradBucket:
+    """What a communication hook sees of one bucket: the interface of
+    ``torch.distributed.GradBucket`` over this strategy's flat buffer."""
+
+    def __init__(
+        self,
+        index: int,
+        buffer: torch.Tensor,
+        params: Sequence[nn.Parameter],
+        views: Sequence[torch.Tensor],
+        is_last: bool,
+    ) -> None:
+        self._index = index
+        self._buffer = buffer
+        self._params = list(params)
+        self._views = list(views)
+        self._is_last = is_last
+
+    def index(self) -> int:
+        """Position of the bucket in launch order (0 = the first gradients backward makes)."""
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        """The flat, 1-D buffer holding this rank's gradients of the bucket's parameters."""
+        return self._buffer
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        # Copied in, not rebound, so that the views of gradients() stay views of the buffer.
+        self._buffer.copy_(tensor)
+
+    def gradients(self) -> list[torch.Tensor]:
+        """One view into the buffer per parameter, shaped like that parameter."""
+        return list(self._views)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self._params)
+
+    def is_last(self) -> bool:
+        """True for the bucket launched last in a step (hooks use it to count iterations)."""
+        return self._is_last
+
+
+CommHook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
+
+
+def allreduce_hook(
+    process_group: dist.ProcessGroup | None, bucket: GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """The default hook: the mean over the group, by an asynchronous all-reduce.
+
+    Dividing *before* summing, as torch's own hook does, keeps low-precision sums in range."""
+    buffer = bucket.buffer().div_(dist.get_world_size(process_group))
+    work = dist.all_reduce(buffer, group=process_group, async_op=True)
+    assert work is not None  # async_op=True always gives a handle
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def assign_buckets(
+    params: Sequence[torch.Tensor], cap_bytes: int, first_cap_bytes: int | None = None
+) -> list[list[int]]:
+    """Indices of ``params`` grouped into buckets of at most ``cap_bytes`` (a tensor larger
+    than that gets a bucket of its own), keeping the given order. ``first_cap_bytes`` bounds
+    the first bucket instead, if smaller. A bucket holds one dtype and device only, since it is
+    flattened into one buffer; tensors of another kind fill their own open bucket, as in DDP.
+    Buckets are returned in the order of their first tensor."""
+    first_cap = min(cap_bytes, first_cap_bytes or cap_bytes)
+    buckets: list[list[int]] = []
+    filling: dict[tuple[torch.dtype, torch.device], list[int]] = {}  # one open bucket per kind
+    filled_bytes: dict[tuple[torch.dtype, torch.device], int] = {}
+    for index, param in enumerate(params):
+        kind = (param.dtype, param.device)
+        size = param.numel() * param.element_size()
+        limit = cap_bytes if buckets else first_cap
+        if kind in filling and filled_bytes[kind] + size > limit:
+            buckets.append(filling.pop(kind))  # this tensor would overflow it: close it
+        if kind not in filling:
+            filling[kind], filled_bytes[kind] = [], 0
+        filling[kind].append(index)
+        filled_bytes[kind] += size
+    buckets.extend(filling.values())
+    return sorted(buckets, key=lambda members: members[0])
+
+
+@dataclass(eq=False)
+class _Bucket:
+    index: int
+    params: list[nn.Parameter]
+    buffer: torch.Tensor
+    views: list[torch.Tensor]  # the buffer seen as one tensor per parameter
+    ready: set[int] = field(default_factory=set)  # id() of params whose grad is final
+    future: torch.futures.Future[torch.Tensor] | None = None
+
+
+@register("allreduce")
+class AllReduceStrategy(Strategy, BackwardSyncControl):
+    """Hand-written data parallel: bucketed, overlapped all-reduce of gradients."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.comm_hook: CommHook = allreduce_hook
+        self.comm_state: Any = None  # the default hook's state: the process group
+        self.buckets: list[_Bucket] = []
+        self.launches = 0  # bucket communications started since set-up (tests count them)
+        self._sync = True  # False inside no_backward_sync()
+        self._next = 0  # the next bucket to launch; buckets go out strictly in index order
+
+    # -- set-up --------------------------------------------------------------------------
+
+    def setup(self, task: Task) -> None:
+        self.module = self.model = task.model.to(self.runtime.device)
+        if self.runtime.world_size == 1:
+            return  # nothing to average: plain local training
+        self._broadcast_from_rank0(self.module)
+        # parameters() yields a shared (tied) parameter once, so it gets one hook and one slot;
+        # autograd sums all its uses into .grad before that hook fires.
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        # Reverse registration order approximates the order backward finishes gradients in,
+        # so that the first buckets fill (and start communicating) early in backward.
+        params.reverse()
+        cap = max(1, int(self.cfg.strategy.bucket_mb * MIB))
+        # A small first bucket (DDP's default too) starts communicating early in backward
+        # instead of waiting for a whole bucket_mb of gradients.
+        for members in assign_buckets(params, cap, first_cap_bytes=FIRST_BUCKET_BYTES):
+            self._add_bucket([params[i] for i in members])
+
+    @torch.no_grad()
+    def _broadcast_from_rank0(self, module: nn.Module) -> None:
+        # Replicas must start equal; after that equal averaged gradients keep them equal.
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor, src=0, group=self.data_parallel_group)
+
+    def _add_bucket(self, params: list[nn.Parameter]) -> None:
+        numel = sum(p.numel() for p in params)
+        buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
+        views = [
+            flat.view_as(p) for flat, p in zip(buffer.split([p.numel() for p in params]), params)
+        ]
+        bucket = _Bucket(index=len(self.buckets), params=params, buffer=buffer, views=views)
+        self.buckets.append(bucket)
+        for param in params:
+            param.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, bucket))
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Use ``hook(state, bucket)`` instead of the plain averaging all-reduce; the same
+        contract as ``DistributedDataParallel.register_comm_hook``. Call it before the first
+        step (before or after set-up)."""
+        if not callable(hook):
+            raise TypeError(f"comm hook must be callable as hook(state, bucket), got {hook!r}")
+        if self.launches:
+            raise RuntimeError("register_comm_hook() must be called before the first step")
+        self.comm_state, self.comm_hook = state, hook
+
+    # -- accumulation --------------------------------------------------------------------
+
+    def no_backward_sync(self) -> contextlib.AbstractContextManager[None]:
+        return self._local_backward()
+
+    @contextlib.contextmanager
+    def _local_backward(self) -> Iterator[None]:
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    # -- the step ------------------------------------------------------------------------
+
+    def forward_backward(
+        self, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, scale: torch.Tensor
+    ) -> StepResult:
+        result = run_micro_batches(self, micro_batches, loss_fn, scale)
+        self.finish_gradient_sync()
+        return result
+
+    def _grad_ready(self, bucket: _Bucket, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: ``param.grad`` holds its final value for this backward."""
+        if not self._sync:
+            return  # an accumulation micro-step: the gradient stays local
+        if id(param) in bucket.ready or bucket.future is not None:
+            raise RuntimeError(
+                "allreduce: a parameter received a second gradient after its bucket was "
+                "reduced in this step; run one backward per synchronized step and put "
+                "accumulation micro-steps inside no_backward_sync()"
+            )
+        bucket.ready.add(id(param))
+        # Launch every bucket that is complete, in order, up to the first incomplete one.
+        while self._next < len(self.buckets):
+            head = self.buckets[self._next]
+            if len(head.ready) < len(head.params):
+                break
+            self._launch(head)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        # A parameter without a gradient on this rank contributes zeros to the sum.
+        for param, view in zip(bucket.params, bucket.views):
+            if param.grad is None:
+                view.zero_()
+            elif param.grad.is_sparse:
+                raise RuntimeError(
+                    "allreduce: sparse gradients are not supported (an Embedding with "
+                    "sparse=True?); use dense gradients or strategy.name = 'ddp'"
+                )
+            else:
+                view.copy_(param.grad)
+        last = bucket.index == len(self.buckets) - 1
+        handle = GradBucket(bucket.index, bucket.buffer, bucket.params, bucket.views, last)
+        bucket.future = self.comm_hook(self.comm_state, handle)
+        self.launches += 1
+        self._next = bucket.index + 1
+
+    def finish_gradient_sync(self) -> None:
+        """Complete the step's gradient sync: launch what backward did not, wait for every
+        bucket and write the averaged gradients into ``.grad``. After it, gradients are equal
+        on every rank. (``forward_backward`` calls it; a hand-written loop calls it after the
+        last backward of a step.)"""
+        if not self.buckets:
+            return
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+        # After every bucket: each rank has then issued the same collectives in the same order.
+        used = self._globally_used() if self.cfg.strategy.find_unused_parameters else None
+        slot = 0
+        for bucket in self.buckets:
+            assert bucket.future is not None
+            averaged = bucket.future.wait()
+            offset = 0
+            for param in bucket.params:
+                value = averaged[offset : offset + param.numel()].view_as(param)
+                offset += param.numel()
+                if used is not None and not used[slot]:
+                    pass  # no rank produced a gradient: leave .grad as one process would
+                elif param.grad is None:
+                    param.grad = value.clone()
+                else:
+                    param.grad.copy_(value)
+                slot += 1
+            bucket.ready.clear()
+            bucket.future = None
+        self._next = 0
+
+    def _globally_used(self) -> list[bool]:
+        """For each parameter (in bucket order), whether any rank has a gradient for it."""
+        params = [p for bucket in self.buckets for p in bucket.params]
+        flags = torch.tensor(
+            [p.grad is not None for p in params], dtype=torch.int32, device=self.runtime.device
+        )
+        dist.all_reduce(flags, group=self.data_parallel_group)
+        return [bool(flag) for flag in flags.tolist()]
