@@ -272,14 +272,13 @@ class Trainer:
         summary.items = self.items_seen
         if self.progress is not None:
             self.progress.close()
-        # With collectives in forward (sharded parameters), every rank runs the task's final
-        # hook in lockstep (same seed, same calls); otherwise rank 0 alone does.
-        runs_hook = self.is_main or self.strategy.lockstep_eval
-        if self.task.after_training is not None and runs_hook and not summary.preempted:
+        if self.task.after_training is not None and not summary.preempted:
             self.watchdog.set_phase("after_training")
-            self.strategy.unwrapped.eval()
-            text = self.task.after_training(self.strategy.unwrapped)
-            summary.generated = text if self.is_main else ""
+            model = self.strategy.model_for_inference()
+            if model is not None:
+                model.eval()
+                text = self.task.after_training(model)
+                summary.generated = text if self.is_main else ""
         self.loader.close()
         self._finish_records(summary)
         self.watchdog.set_phase("barrier(end)")
@@ -451,7 +450,8 @@ class Trainer:
             for _ in range(needed - len(batches)):
                 inputs, targets = to_device(self.task.split_batch(padding), self.runtime.device)
                 self.strategy.eval_loss((inputs, targets), self.task.loss_fn)
-        self.strategy.all_reduce_sum(totals)
+        self.strategy.all_reduce_loss(totals[0:1])
+        self.strategy.all_reduce_sum(totals[1:2])
         module.train()
         val_loss = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
         if self.is_main:
@@ -487,7 +487,7 @@ class _Window:
         self.steps += 1
 
     def flush(self, strategy: Strategy) -> tuple[float, float, int, float]:
-        strategy.all_reduce_sum(self.loss)
+        strategy.all_reduce_loss(self.loss)
         elapsed = time.perf_counter() - self.start
         loss = float(self.loss) / max(1, self.items)
         rate = self.items / elapsed if elapsed > 0 else 0.0

@@ -133,6 +133,18 @@ class Strategy(ABC):
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.data_parallel_group)
         return tensor
 
+    def all_reduce_loss(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a loss total over every rank that computes part of it, in place. Data parallel:
+        the data-parallel group. (A pipeline computes the loss on its last stage only, and
+        overrides this to sum over stages as well.)"""
+        return self.all_reduce_sum(tensor)
+
+    def model_for_inference(self) -> nn.Module | None:
+        """The model to run the task's after-training hook with on this rank, or None when
+        this rank does not run it. Collective: every rank calls it. Default: the unwrapped
+        model on rank 0."""
+        return self.unwrapped if self.runtime.is_main else None
+
     @torch.no_grad()
     def eval_loss(self, batch: tuple[Any, Any], loss_fn: LossFn) -> torch.Tensor:
         """Summed loss of one evaluation batch on this rank (no gradient sync involved)."""

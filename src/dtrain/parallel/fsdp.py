@@ -95,6 +95,11 @@ class FSDPStrategy(Strategy, BackwardSyncControl, ShardedState):
         # The norm of DTensor gradients is itself a DTensor: its full value is the global norm.
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
+    def model_for_inference(self) -> nn.Module | None:
+        # Parameters are gathered in forward: every rank runs the hook in lockstep (same seed,
+        # same calls); only rank 0's text is printed.
+        return self.model
+
     @torch.no_grad()
     def eval_loss(self, batch: tuple[Any, Any], loss_fn: LossFn) -> torch.Tensor:
         inputs, targets = batch
