@@ -23,7 +23,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,7 +59,10 @@ class FieldSpec:
 
 class ShardWriter:
     """Streams samples into shards of about ``shard_bytes`` each. Use as a context manager, or
-    call :meth:`close` (commit) / :meth:`abort` yourself."""
+    call :meth:`close` (commit) / :meth:`abort` yourself.
+
+    ``fields`` declares some or all fields; the others are inferred from the first sample (see
+    :func:`write_shards`)."""
 
     def __init__(
         self,
@@ -76,13 +79,17 @@ class ShardWriter:
                 f"output folder {self.out_dir} already exists; pass --overwrite "
                 "(overwrite=True) to replace it"
             )
-        self.fields: dict[str, FieldSpec] | None = dict(fields) if fields else None
+        if shard_bytes <= 0:
+            raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
+        self.declared: dict[str, FieldSpec] = dict(fields or {})
+        self.fields: dict[str, FieldSpec] | None = None
         self.shard_bytes = shard_bytes
         self.overwrite = overwrite
         self.metadata = dict(metadata or {})
         self.tmp_dir = self.out_dir.parent / f".{self.out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
         self.tmp_dir.mkdir(parents=True)
         self.shards: list[dict[str, Any]] = []
+        # Per field: blocks of rows (fixed-size fields) or one array per sample (variable).
         self._buffer: dict[str, list[np.ndarray]] = {}
         self._buffer_bytes = 0
         self._buffer_count = 0
@@ -98,33 +105,79 @@ class ShardWriter:
         else:
             self.abort()
 
-    def write(self, sample: Sample) -> None:
+    def _set_fields(self, sample: Sample) -> dict[str, FieldSpec]:
         if self.fields is None:
-            self.fields = {name: _infer_field(name, value) for name, value in sample.items()}
+            # Declared fields first, in their order; then the ones the sample adds. A declared
+            # field the sample lacks is reported by the field check that follows.
+            self.fields = dict(self.declared)
+            for name, value in sample.items():
+                if name not in self.fields:
+                    self.fields[name] = _infer_field(name, value)
             self._buffer = {name: [] for name in self.fields}
-        if set(sample) != set(self.fields):
+        return self.fields
+
+    def write(self, sample: Sample) -> None:
+        fields = self._set_fields(sample)
+        if set(sample) != set(fields):
             raise DataError(
-                f"sample {self.num_samples} has fields {sorted(sample)}, expected "
-                f"{sorted(self.fields)}"
+                f"sample {self.num_samples} has fields {sorted(sample)}, expected {sorted(fields)}"
             )
-        if not self._buffer:
-            self._buffer = {name: [] for name in self.fields}
-        for name, spec in self.fields.items():
-            arr = np.asarray(sample[name], dtype=spec.dtype)
+        converted = {}
+        for name, spec in fields.items():
+            where = f"sample {self.num_samples}, field {name!r}"
+            arr = to_field_array(sample[name], spec.dtype, where)
             if spec.variable:
                 if arr.ndim != 1:
-                    raise DataError(f"sample {self.num_samples}: field {name!r} must be 1-D")
+                    raise DataError(
+                        f"{where}: a variable-length field must be 1-D, got {arr.shape}"
+                    )
             elif arr.shape != spec.shape:
-                raise DataError(
-                    f"sample {self.num_samples}: field {name!r} has shape "
-                    f"{arr.shape}, expected {spec.shape}"
-                )
+                raise DataError(f"{where}: shape {arr.shape}, expected {spec.shape}")
+            converted[name] = arr if spec.variable else arr[None]
+        for name, arr in converted.items():
             self._buffer[name].append(arr)
             self._buffer_bytes += arr.nbytes
         self._buffer_count += 1
         self.num_samples += 1
         if self._buffer_bytes >= self.shard_bytes:
             self._flush()
+
+    def write_rows(self, columns: Mapping[str, Any]) -> None:
+        """Many samples at once: one array per field, one row per sample (fixed-size fields
+        only). The fast path for array sources: no Python work per sample."""
+        arrays = {name: np.asarray(col) for name, col in columns.items()}
+        rows = {name: (a.shape[0] if a.ndim else -1) for name, a in arrays.items()}
+        if len(set(rows.values())) != 1 or -1 in rows.values():
+            raise DataError(f"write_rows needs arrays with the same number of rows, got {rows}")
+        n = next(iter(rows.values()))
+        if n == 0:
+            return
+        fields = self._set_fields({name: a[0] for name, a in arrays.items()})
+        if set(arrays) != set(fields):
+            raise DataError(f"rows have fields {sorted(arrays)}, expected {sorted(fields)}")
+        for name, spec in fields.items():
+            where = f"samples {self.num_samples}..{self.num_samples + n - 1}, field {name!r}"
+            if spec.variable:
+                raise DataError(f"{where}: write_rows takes fixed-size fields only; use write()")
+            if arrays[name].shape[1:] != spec.shape:
+                raise DataError(f"{where}: shape {arrays[name].shape[1:]}, expected {spec.shape}")
+        row_bytes = max(1, sum(np.dtype(s.dtype).itemsize * _numel(s) for s in fields.values()))
+        begin = 0
+        while begin < n:
+            room = max(1, -(-(self.shard_bytes - self._buffer_bytes) // row_bytes))
+            end = min(n, begin + room)
+            for name, spec in fields.items():
+                where = f"samples {self.num_samples}..{self.num_samples + end - begin - 1}"
+                block = to_field_array(
+                    arrays[name][begin:end], spec.dtype, f"{where}, field {name!r}"
+                )
+                self._buffer[name].append(block)
+                self._buffer_bytes += block.nbytes
+            self._buffer_count += end - begin
+            self.num_samples += end - begin
+            begin = end
+            if self._buffer_bytes >= self.shard_bytes:
+                self._flush()
 
     def _flush(self) -> None:
         if self._buffer_count == 0 or self.fields is None:
@@ -144,7 +197,7 @@ class ShardWriter:
                 )
             else:
                 files[f"{name}.{field_name}.npy"] = self._save(
-                    f"{name}.{field_name}.npy", np.stack(parts)
+                    f"{name}.{field_name}.npy", np.concatenate(parts)
                 )
         self.shards.append({"name": name, "num_samples": self._buffer_count, "files": files})
         self._buffer = {n: [] for n in self.fields}
@@ -211,9 +264,15 @@ def write_shards(
 ) -> Path:
     """Write an iterable of samples (dicts of arrays) as a sharded dataset; returns its path.
 
-    Fields are inferred from the first sample unless given: a 1-D array whose length may vary
-    becomes a variable-length field only when declared so (``FieldSpec(dtype, None)``) or when
-    it is a ``bytes``/``str``/list value; arrays otherwise keep their shape."""
+    Fields not declared in ``fields`` are inferred from the first sample: a ``bytes``/``str``
+    value becomes a variable-length ``uint8`` field (UTF-8 for text), a list or tuple a
+    variable-length field of its NumPy dtype, and an array keeps its shape (a fixed-size field).
+    Declare a 1-D array whose length varies as ``FieldSpec(dtype, None)``. Values are converted
+    to the field's dtype only when nothing is lost (an integer out of the dtype's range is an
+    error, not a wrap-around).
+
+    The write is atomic: if ``samples`` raises, or the process dies, no dataset appears at
+    ``out_dir`` (an interrupted process may leave a hidden ``.NAME.tmp-*`` folder beside it)."""
     with ShardWriter(
         out_dir, fields, shard_bytes=shard_bytes, overwrite=overwrite, metadata=metadata
     ) as writer:
@@ -225,14 +284,56 @@ def write_shards(
 
 
 def _infer_field(name: str, value: Any) -> FieldSpec:
-    if isinstance(value, (bytes, bytearray)):
+    if isinstance(value, (bytes, bytearray, memoryview, str)):
         return FieldSpec("uint8", None)
     if isinstance(value, (list, tuple)):
-        return FieldSpec(str(np.asarray(value).dtype), None)
+        arr = np.asarray(value)
+        if arr.dtype == object or arr.ndim != 1:
+            raise DataError(f"field {name!r}: a list value must be a flat list of numbers")
+        return FieldSpec(str(arr.dtype) if arr.size else "int64", None)
     arr = np.asarray(value)
-    if arr.dtype == object:
-        raise DataError(f"field {name!r} holds Python objects; give numeric arrays")
+    if arr.dtype == object or arr.dtype.kind in "USV":
+        raise DataError(
+            f"field {name!r} holds {arr.dtype} values; give numbers, bytes or text (str)"
+        )
     return FieldSpec(str(arr.dtype), tuple(arr.shape))
+
+
+def _numel(spec: FieldSpec) -> int:
+    return int(np.prod(spec.shape)) if spec.shape else 1
+
+
+def to_field_array(value: Any, dtype: str, where: str) -> np.ndarray:
+    """``value`` as an array of ``dtype``, refusing conversions that would change values;
+    ``where`` starts the error message (e.g. ``"data.jsonl:12, field 'text'"``)."""
+    if isinstance(value, str):
+        value = value.encode("utf-8")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        arr = np.frombuffer(value, dtype=np.uint8)
+    else:
+        try:
+            arr = np.asarray(value)
+        except (ValueError, TypeError) as exc:
+            raise DataError(f"{where}: cannot be read as an array ({exc})") from None
+    target = np.dtype(dtype)
+    if arr.dtype == target:
+        return arr
+    if arr.size == 0:  # e.g. [] is float64 to NumPy; there is nothing to lose
+        return arr.astype(target)
+    if arr.dtype.kind in "biu" and target.kind in "iu":
+        # Integers narrow only when every value fits: token ids above 255 must not wrap in uint8.
+        info = np.iinfo(target)
+        if arr.size and (int(arr.min()) < info.min or int(arr.max()) > info.max):
+            raise DataError(
+                f"{where}: values {int(arr.min())}..{int(arr.max())} do not fit {target} "
+                f"({info.min}..{info.max}); declare a wider dtype"
+            )
+        return arr.astype(target)
+    if not np.can_cast(arr.dtype, target, casting="same_kind") and not (
+        arr.dtype.kind in "biu" and target.kind in "fc"
+    ):
+        raise DataError(f"{where}: {arr.dtype} values cannot be stored as {target} without loss")
+    return arr.astype(target)
 
 
 def _fingerprint(shards: list[dict[str, Any]]) -> str:
@@ -297,17 +398,58 @@ def _manifest_problems(m: Any) -> str:
     for key, kind in (("num_samples", int), ("fields", dict), ("shards", list)):
         if not isinstance(m.get(key), kind):
             return f"key {key!r} is missing or of the wrong type"
-    if sum(s.get("num_samples", 0) for s in m["shards"]) != m["num_samples"]:
-        return "the shards' sample counts do not add up to num_samples"
+    for name, spec in m["fields"].items():
+        problem = _field_problem(spec)
+        if problem:
+            return f"field {name!r}: {problem}"
     for shard in m["shards"]:
-        if not isinstance(shard.get("files"), dict) or not isinstance(shard.get("name"), str):
-            return f"shard entry {shard!r} lacks name or files"
+        if not (
+            isinstance(shard, dict)
+            and isinstance(shard.get("name"), str)
+            and isinstance(shard.get("num_samples"), int)
+            and isinstance(shard.get("files"), dict)
+        ):
+            return f"shard entry {str(shard)[:80]} lacks name, num_samples or files"
+        for fname, info in shard["files"].items():
+            if not (
+                isinstance(info, dict)
+                and isinstance(info.get("bytes"), int)
+                and isinstance(info.get("sha256"), str)
+            ):
+                return f"file entry {fname!r} lacks bytes or sha256"
+        for field_name, spec in m["fields"].items():
+            wanted = [f"{shard['name']}.{field_name}.npy"]
+            if spec["shape"] is None:
+                wanted.append(f"{shard['name']}.{field_name}.idx.npy")
+            missing = [f for f in wanted if f not in shard["files"]]
+            if missing:
+                return f"shard {shard['name']!r} does not list {missing}"
+    if sum(s["num_samples"] for s in m["shards"]) != m["num_samples"]:
+        return "the shards' sample counts do not add up to num_samples"
+    return ""
+
+
+def _field_problem(spec: Any) -> str:
+    if not isinstance(spec, dict) or "dtype" not in spec or "shape" not in spec:
+        return "needs dtype and shape"
+    try:
+        np.dtype(spec["dtype"])
+    except TypeError:
+        return f"dtype {spec['dtype']!r} is not a NumPy dtype"
+    shape = spec["shape"]
+    if shape is not None and not (
+        isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+    ):
+        return f"shape {shape!r} is neither null nor a list of sizes"
     return ""
 
 
 class ShardedDataset:
     """Random access to a dtrain dataset; samples are dicts of NumPy arrays (views into the
-    memory-mapped files, so nothing is read until used)."""
+    memory-mapped files, so nothing is read until used).
+
+    Opening reads only the manifest and the files' sizes; each file is mapped on first use and
+    its ``.npy`` header checked against the manifest then."""
 
     def __init__(self, data_dir: str | Path) -> None:
         self.path = Path(data_dir)
@@ -318,9 +460,10 @@ class ShardedDataset:
         }
         self.shard_sizes = tuple(int(s["num_samples"]) for s in self.manifest["shards"])
         self._starts = np.concatenate([[0], np.cumsum(self.shard_sizes)]).astype(np.int64)
+        self._shard_names = [str(s["name"]) for s in self.manifest["shards"]]
         self._check_sizes()
-        self._arrays: dict[tuple[int, str], np.ndarray] = {}
-        self._lengths: np.ndarray | None = None
+        self._arrays: dict[str, np.ndarray] = {}
+        self._lengths: dict[str, np.ndarray] = {}
 
     @property
     def fingerprint(self) -> str:
@@ -328,6 +471,13 @@ class ShardedDataset:
 
     def __len__(self) -> int:
         return int(self.manifest["num_samples"])
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Sent to DataLoader workers (spawn/forkserver): pickling a memory map would copy the
+        # whole file, so each process maps the files again on first use.
+        state = self.__dict__.copy()
+        state["_arrays"] = {}
+        return state
 
     def _check_sizes(self) -> None:
         for shard in self.manifest["shards"]:
@@ -342,19 +492,28 @@ class ShardedDataset:
                 if actual != info["bytes"]:
                     raise DataError(
                         f"shard file {path} has {actual} bytes, the manifest says "
-                        f"{info['bytes']}: it is truncated or was changed"
+                        f"{info['bytes']}: it is truncated or was changed; re-run "
+                        "`dtrain prepare` (`dtrain verify` lists every bad file)"
                     )
 
-    def _array(self, shard: int, filename: str) -> np.ndarray:
-        key = (shard, filename)
-        arr = self._arrays.get(key)
+    def _array(self, filename: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+        arr = self._arrays.get(filename)
         if arr is None:
             path = self.path / filename
             try:
-                arr = np.load(path, mmap_mode="r", allow_pickle=False)
+                mapped = np.load(path, mmap_mode="r", allow_pickle=False)
             except (ValueError, OSError) as exc:
                 raise DataError(f"shard file {path} cannot be read as .npy: {exc}") from None
-            self._arrays[key] = arr
+            if mapped.dtype != np.dtype(dtype) or mapped.shape != shape:
+                raise DataError(
+                    f"shard file {path} holds {mapped.dtype} {mapped.shape}, the manifest says "
+                    f"{np.dtype(dtype)} {shape}; re-run `dtrain prepare`"
+                )
+            # A plain ndarray view of the map (it keeps the map alive): indexing it skips
+            # np.memmap's Python-level __getitem__/__array_finalize__, which dominate per-sample
+            # reads of small samples.
+            arr = mapped.view(np.ndarray)
+            self._arrays[filename] = arr
         return arr
 
     def locate(self, index: int) -> tuple[int, int]:
@@ -363,11 +522,20 @@ class ShardedDataset:
         shard = int(np.searchsorted(self._starts, index, side="right")) - 1
         return shard, index - int(self._starts[shard])
 
-    def field_values(self, shard: int, name: str) -> np.ndarray:
-        return self._array(shard, f"{self.manifest['shards'][shard]['name']}.{name}.npy")
-
     def field_offsets(self, shard: int, name: str) -> np.ndarray:
-        return self._array(shard, f"{self.manifest['shards'][shard]['name']}.{name}.idx.npy")
+        n = self.shard_sizes[shard]
+        offsets = self._array(f"{self._shard_names[shard]}.{name}.idx.npy", "int64", (n + 1,))
+        return offsets
+
+    def field_values(self, shard: int, name: str) -> np.ndarray:
+        spec = self.fields[name]
+        filename = f"{self._shard_names[shard]}.{name}.npy"
+        if spec.shape is not None:
+            return self._array(filename, spec.dtype, (self.shard_sizes[shard], *spec.shape))
+        if filename not in self._arrays:
+            total = int(self.field_offsets(shard, name)[-1])
+            return self._array(filename, spec.dtype, (total,))
+        return self._arrays[filename]
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         shard, local = self.locate(int(index))
@@ -384,31 +552,54 @@ class ShardedDataset:
     def __getitems__(self, indices: list[int]) -> list[dict[str, np.ndarray]]:
         return [self[i] for i in indices]
 
-    def gather(self, name: str, indices: np.ndarray) -> np.ndarray:
-        """A fixed-size field for many samples at once, shard by shard, as one array."""
+    def gather(self, name: str, indices: np.ndarray | Sequence[int]) -> np.ndarray:
+        """A fixed-size field for many samples at once, as one new array: one vectorized read
+        per shard touched instead of one Python call per sample."""
         spec = self.fields[name]
-        if spec.variable or spec.shape is None:
+        if spec.shape is None:
             raise ValueError(f"field {name!r} is variable-length; use __getitem__")
-        indices = np.asarray(indices, dtype=np.int64)
-        out = np.empty((len(indices), *spec.shape), dtype=spec.dtype)
-        shards = np.searchsorted(self._starts, indices, side="right") - 1
-        for shard in np.unique(shards):
-            mask = shards == shard
-            out[mask] = self.field_values(int(shard), name)[indices[mask] - self._starts[shard]]
+        idx = np.asarray(indices, dtype=np.int64)
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= len(self)):
+            raise IndexError(f"sample ids {idx.min()}..{idx.max()} out of range for {len(self)}")
+        shard_of = np.searchsorted(self._starts, idx, side="right") - 1
+        first = int(shard_of[0]) if idx.size else 0
+        if not idx.size or bool(np.all(shard_of == first)):
+            local = idx - self._starts[first]
+            return np.take(self.field_values(first, name), local, axis=0)
+        out = np.empty((len(idx), *spec.shape), dtype=spec.dtype)
+        by_shard = np.argsort(shard_of, kind="stable")
+        sorted_shards = shard_of[by_shard]
+        cuts = np.flatnonzero(np.diff(sorted_shards)) + 1
+        for positions in np.split(by_shard, cuts):
+            shard = int(shard_of[positions[0]])
+            out[positions] = self.field_values(shard, name)[idx[positions] - self._starts[shard]]
         return out
+
+    def fetch_collated(self, indices: Sequence[int], collate_fn: Any) -> Any | None:
+        """The batch ``collate_fn`` would make of these samples, read in one vectorized step
+        per field -- or None when there is no fast path (variable-length fields, or a collate
+        function other than torch's ``default_collate``). Used by :mod:`dtrain.data.loader`."""
+        import torch  # here, so that `dtrain prepare` and `verify` start without torch
+        from torch.utils.data import default_collate
+
+        if collate_fn is not default_collate or any(s.variable for s in self.fields.values()):
+            return None
+        return {name: torch.from_numpy(self.gather(name, indices)) for name in self.fields}
 
     def sample_lengths(self, name: str | None = None) -> np.ndarray | None:
         """Length of every sample's variable-length field (the token count), or None for a
-        dataset of fixed-size samples."""
+        dataset of fixed-size samples. Reads only the offsets files."""
         if name is None:
             variable = [n for n, s in self.fields.items() if s.variable]
             if not variable:
                 return None
             name = variable[0]
-        if self._lengths is None:
+        if not self.fields[name].variable:
+            raise ValueError(f"field {name!r} has a fixed size; it has no lengths")
+        if name not in self._lengths:
             parts = [np.diff(self.field_offsets(s, name)) for s in range(len(self.shard_sizes))]
-            self._lengths = np.concatenate(parts).astype(np.int64)
-        return self._lengths
+            self._lengths[name] = np.concatenate(parts).astype(np.int64)
+        return self._lengths[name]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,10 +618,14 @@ class BadFile:
 def verify_dataset(
     data_dir: str | Path, progress: Callable[[int], None] | None = None
 ) -> list[BadFile]:
-    """Check every file of a dataset against the manifest: presence, size, SHA-256."""
+    """Check every file of a dataset against the manifest: presence, size, SHA-256 (reads
+    every byte). Also checks that the manifest's fingerprint matches its checksums, which
+    catches a hand-edited manifest."""
     data_dir = Path(data_dir)
     manifest = read_manifest(data_dir)
     bad: list[BadFile] = []
+    if _fingerprint(manifest["shards"]) != manifest.get("fingerprint"):
+        bad.append(BadFile(data_dir / MANIFEST, "fingerprint does not match the files' checksums"))
     for shard in manifest["shards"]:
         for fname, info in shard["files"].items():
             path = data_dir / fname
