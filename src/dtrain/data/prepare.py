@@ -7,6 +7,7 @@ the write atomic. Text becomes byte-level tokens unless a tokenizer is given (Py
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -53,17 +54,23 @@ def _tokenize(text_or_bytes: str | bytes, tokenizer: Tokenizer | None) -> np.nda
 def list_text_files(
     source: Path, suffixes: Sequence[str] = TEXT_SUFFIXES, exclude_dirs: Sequence[str] = ()
 ) -> list[Path]:
-    """A folder's text files in a stable order (sorted relative paths)."""
+    """A folder's text files in a stable order (sorted by relative path, part by part).
+
+    Excluded folders are pruned during the walk, not filtered afterwards: the stdlib's
+    site-packages can hold far more files than the stdlib itself."""
     if source.is_file():
         return [source]
-    files = []
-    for path in sorted(source.rglob("*")):
-        rel = path.relative_to(source).parts
-        if any(part in exclude_dirs for part in rel[:-1]):
-            continue
-        if path.is_file() and path.suffix in suffixes:
-            files.append(path)
-    return files
+    excluded = set(exclude_dirs)
+    found: list[tuple[tuple[str, ...], Path]] = []
+    for dirpath, dirnames, filenames in os.walk(source):
+        dirnames[:] = [d for d in dirnames if d not in excluded]
+        rel_dir = Path(dirpath).relative_to(source).parts
+        for name in filenames:
+            path = Path(dirpath, name)
+            if path.suffix in suffixes and path.is_file():
+                found.append(((*rel_dir, name), path))
+    found.sort(key=lambda item: item[0])
+    return [path for _, path in found]
 
 
 def text_samples(
