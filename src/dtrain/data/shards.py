@@ -444,6 +444,16 @@ def _field_problem(spec: Any) -> str:
     return ""
 
 
+@dataclass(frozen=True)
+class _Segments:
+    """A batch of ids split by shard: ``parts`` holds (shard, where in the batch -- a slice
+    when the ids ascend, else positions --, ids local to the shard)."""
+
+    count: int
+    ascending: bool
+    parts: list[tuple[int, Any, np.ndarray]]
+
+
 class ShardedDataset:
     """Random access to a dtrain dataset; samples are dicts of NumPy arrays (views into the
     memory-mapped files, so nothing is read until used).
@@ -463,7 +473,10 @@ class ShardedDataset:
         self._shard_names = [str(s["name"]) for s in self.manifest["shards"]]
         self._check_sizes()
         self._arrays: dict[str, np.ndarray] = {}
+        self._columns: dict[str, list[np.ndarray | None]] = {}  # field -> shard -> values
         self._lengths: dict[str, np.ndarray] = {}
+        self._fixed_only: bool | None = None
+        self._collate_fast: tuple[Any, Any] = (None, None)
 
     @property
     def fingerprint(self) -> str:
@@ -476,7 +489,7 @@ class ShardedDataset:
         # Sent to DataLoader workers (spawn/forkserver): pickling a memory map would copy the
         # whole file, so each process maps the files again on first use.
         state = self.__dict__.copy()
-        state["_arrays"] = {}
+        state.update(_arrays={}, _columns={}, _fixed_only=None, _collate_fast=(None, None))
         return state
 
     def _check_sizes(self) -> None:
@@ -554,37 +567,72 @@ class ShardedDataset:
 
     def gather(self, name: str, indices: np.ndarray | Sequence[int]) -> np.ndarray:
         """A fixed-size field for many samples at once, as one new array: one vectorized read
-        per shard touched instead of one Python call per sample."""
-        spec = self.fields[name]
-        if spec.shape is None:
-            raise ValueError(f"field {name!r} is variable-length; use __getitem__")
-        idx = np.asarray(indices, dtype=np.int64)
-        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= len(self)):
-            raise IndexError(f"sample ids {idx.min()}..{idx.max()} out of range for {len(self)}")
-        shard_of = np.searchsorted(self._starts, idx, side="right") - 1
-        first = int(shard_of[0]) if idx.size else 0
-        if not idx.size or bool(np.all(shard_of == first)):
-            local = idx - self._starts[first]
-            return np.take(self.field_values(first, name), local, axis=0)
-        out = np.empty((len(idx), *spec.shape), dtype=spec.dtype)
-        by_shard = np.argsort(shard_of, kind="stable")
-        sorted_shards = shard_of[by_shard]
-        cuts = np.flatnonzero(np.diff(sorted_shards)) + 1
-        for positions in np.split(by_shard, cuts):
-            shard = int(shard_of[positions[0]])
-            out[positions] = self.field_values(shard, name)[idx[positions] - self._starts[shard]]
-        return out
+        per shard touched instead of one Python call per sample. Ascending ids (as the
+        partitioner lists them) are copied once, straight into the result."""
+        return self._gather(name, self._segments(np.asarray(indices, dtype=np.int64)))
 
     def fetch_collated(self, indices: Sequence[int], collate_fn: Any) -> Any | None:
         """The batch ``collate_fn`` would make of these samples, read in one vectorized step
         per field -- or None when there is no fast path (variable-length fields, or a collate
         function other than torch's ``default_collate``). Used by :mod:`dtrain.data.loader`."""
-        import torch  # here, so that `dtrain prepare` and `verify` start without torch
-        from torch.utils.data import default_collate
+        if self._fixed_only is None:
+            # Imported here, so that `dtrain prepare` and `verify` start without torch.
+            import torch
+            from torch.utils.data import default_collate
 
-        if collate_fn is not default_collate or any(s.variable for s in self.fields.values()):
+            self._fixed_only = not any(s.variable for s in self.fields.values())
+            self._collate_fast = (default_collate, torch.from_numpy)
+        default, from_numpy = self._collate_fast
+        if collate_fn is not default or not self._fixed_only:
             return None
-        return {name: torch.from_numpy(self.gather(name, indices)) for name in self.fields}
+        segments = self._segments(np.asarray(indices, dtype=np.int64))
+        return {name: from_numpy(self._gather(name, segments)) for name in self.fields}
+
+    def _segments(self, idx: np.ndarray) -> _Segments:
+        """Where each id lives: per shard touched, the positions in the batch and the local
+        ids. Computed once per batch and shared by its fields."""
+        n = len(idx)
+        if n == 0:
+            return _Segments(n, True, [])
+        ascending = n == 1 or bool(np.all(idx[1:] >= idx[:-1]))
+        low, high = (int(idx[0]), int(idx[-1])) if ascending else (int(idx.min()), int(idx.max()))
+        if low < 0 or high >= len(self):
+            raise IndexError(f"sample ids {low}..{high} out of range for {len(self)} samples")
+        parts: list[tuple[int, Any, np.ndarray]] = []
+        if ascending:
+            # Each shard's ids are one contiguous run of the batch.
+            cuts = np.searchsorted(idx, self._starts)
+            for shard in np.flatnonzero(cuts[1:] > cuts[:-1]).tolist():
+                a, b = int(cuts[shard]), int(cuts[shard + 1])
+                parts.append((shard, slice(a, b), idx[a:b] - self._starts[shard]))
+            return _Segments(n, True, parts)
+        shard_of = np.searchsorted(self._starts, idx, side="right") - 1
+        by_shard = np.argsort(shard_of, kind="stable")
+        cuts = np.flatnonzero(np.diff(shard_of[by_shard])) + 1
+        for positions in np.split(by_shard, cuts):
+            shard = int(shard_of[positions[0]])
+            parts.append((shard, positions, idx[positions] - self._starts[shard]))
+        return _Segments(n, False, parts)
+
+    def _gather(self, name: str, segments: _Segments) -> np.ndarray:
+        spec = self.fields[name]
+        if spec.shape is None:
+            raise ValueError(f"field {name!r} is variable-length; use __getitem__")
+        out = np.empty((segments.count, *spec.shape), dtype=spec.dtype)
+        column = self._columns.get(name)
+        if column is None:
+            column = self._columns[name] = [None] * len(self.shard_sizes)
+        for shard, where, local in segments.parts:
+            values = column[shard]
+            if values is None:
+                values = column[shard] = self.field_values(shard, name)
+            # The range is checked, so take() may skip its own check ("clip"); with the
+            # default ("raise") NumPy buffers a take into ``out``: a second copy.
+            if segments.ascending:
+                values.take(local, 0, out[where], "clip")
+            else:
+                out[where] = values.take(local, 0, None, "clip")
+        return out
 
     def sample_lengths(self, name: str | None = None) -> np.ndarray | None:
         """Length of every sample's variable-length field (the token count), or None for a
