@@ -20,6 +20,7 @@ from dtrain.data.partition import (
     partition_samples,
     partition_tokens,
     plan_step,
+    plan_steps,
     split_counts,
     stream_slice,
 )
@@ -143,6 +144,22 @@ def test_token_balanced_epochs_also_deliver_each_id_exactly_once() -> None:
                     assert all(np.all(np.diff(m) >= 0) for r in plan.ids for m in r)
                 counts = np.bincount([i for p in plans for i in flat(p)], minlength=n)
                 assert counts.min() == counts.max() == steps * gbs // n
+
+
+def test_planning_many_steps_at_once_equals_one_at_a_time() -> None:
+    lengths = pareto_lengths(117)
+    for n in SIZES:
+        spec = OrderSpec(n, seed=6)
+        for world, micro, gbs in [(1, 1, 8), (2, 2, 13), (3, 1, 64), (4, 2, 100)]:
+            unequal = [1.0, 3.0, 2.0, 1.0][:world]
+            for weights, lens in [(None, None), (unequal, None), (None, lengths[:n])]:
+                together = plan_steps(spec, 5, 30, gbs, world, micro, weights, lens)
+                one_by_one = walk(spec, 5, 30, gbs, world, micro, weights, lens)
+                for a, b in zip(together, one_by_one):
+                    assert (a.start, a.end) == (b.start, b.end)
+                    assert [[m.tolist() for m in r] for r in a.ids] == [
+                        [m.tolist() for m in r] for r in b.ids
+                    ]
 
 
 def test_a_batch_spanning_the_epoch_boundary_is_full() -> None:

@@ -23,10 +23,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from dtrain.data.partition import OrderSpec, StepPlan, eval_shard, plan_step
+from dtrain.data.partition import OrderSpec, StepPlan, eval_shard, plan_step, plan_steps
 from dtrain.errors import DataError
 
 Collate = Callable[[list[Any]], Any]
+PLAN_CHUNK = 16  # steps planned at once (a plan is a few KB: 16 are nothing to hold)
 
 
 @dataclass
@@ -178,7 +179,7 @@ class RankLoader:
         self.fingerprint = fingerprint
         self.consumed = 0  # stream position after the last step handed out
         self._source: Iterator[StepBatch] | None = None
-        self._stop: threading.Event | None = None
+        self._halt: Callable[[], None] | None = None  # stops the prefetch thread
 
     # -- position ------------------------------------------------------------------------
 
@@ -242,9 +243,19 @@ class RankLoader:
     def _plans(self, start: int) -> Iterator[StepPlan]:
         position = start
         while True:
-            plan = self.plan(position)
-            yield plan
-            position = plan.end
+            # A few steps at a time: planning them together costs less per step.
+            for plan in plan_steps(
+                self.order,
+                position,
+                PLAN_CHUNK,
+                self.global_batch_size,
+                self.world_size,
+                self.micro_batches,
+                self.weights,
+                self.lengths,
+            ):
+                yield plan
+                position = plan.end
 
     # -- iteration -----------------------------------------------------------------------
 
@@ -260,10 +271,10 @@ class RankLoader:
 
     def reset(self) -> None:
         """Drop what was fetched ahead; the next step starts at ``consumed``."""
-        if self._stop is not None:
-            self._stop.set()
+        if self._halt is not None:
+            self._halt()
         self._source = None
-        self._stop = None
+        self._halt = None
 
     def close(self) -> None:
         self.reset()
@@ -282,24 +293,31 @@ class RankLoader:
         return self._thread_stream(start)
 
     def _thread_stream(self, start: int) -> Iterator[StepBatch]:
+        # Two C-level queues (SimpleQueue): fetched steps go one way, free places the other.
+        # The producer takes a place before each fetch, so it stays ``prefetch`` steps ahead;
+        # a handoff costs less than with queue.Queue, whose Python-level conditions cost
+        # tens of microseconds per step when the loop waits on the loader.
         stop = threading.Event()
-        self._stop = stop
-        buffer: queue.Queue[Any] = queue.Queue(maxsize=self.prefetch)
+        ready: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        places: queue.SimpleQueue[None] = queue.SimpleQueue()
+        for _ in range(self.prefetch):
+            places.put(None)
+
+        def halt() -> None:
+            stop.set()
+            places.put(None)  # wakes the producer if it waits for a place
+
+        self._halt = halt
 
         def produce() -> None:
             try:
                 for plan in self._plans(start):
-                    item = self._fetch_step(plan)
-                    while not stop.is_set():
-                        try:
-                            buffer.put(item, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
+                    places.get()
                     if stop.is_set():
                         return
+                    ready.put(self._fetch_step(plan))
             except BaseException as exc:  # handed to the consumer, raised at its next step
-                buffer.put(exc)
+                ready.put(exc)
 
         thread = threading.Thread(
             target=produce, name=f"dtrain-loader-rank{self.rank}", daemon=True
@@ -308,9 +326,10 @@ class RankLoader:
 
         def consume() -> Iterator[StepBatch]:
             while True:
-                item = buffer.get()
+                item = ready.get()
                 if isinstance(item, BaseException):
                     raise item
+                places.put(None)
                 yield item
 
         return consume()

@@ -35,7 +35,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -259,7 +259,7 @@ class StepPlan:
     start: int  # stream position before the step
     ids: list[list[np.ndarray]]  # [rank][micro-batch] -> sample ids
 
-    @property
+    @cached_property  # read on every step; the plan never changes
     def end(self) -> int:
         return self.start + sum(len(m) for rank in self.ids for m in rank)
 
@@ -285,6 +285,50 @@ def plan_step(
     else:
         parts = partition_tokens(ids, lengths[ids], world_size, micro_batches, weights)
     return StepPlan(start=consumed, ids=parts)
+
+
+def plan_steps(
+    spec: OrderSpec,
+    consumed: int,
+    steps: int,
+    global_batch_size: int,
+    world_size: int,
+    micro_batches: int,
+    weights: Sequence[float] | None = None,
+    lengths: np.ndarray | None = None,
+) -> list[StepPlan]:
+    """``steps`` consecutive plans from stream position ``consumed``: the same as calling
+    :func:`plan_step` for each, and cheaper for the equal-count split, whose slicing and sorting
+    run once per rank and micro-batch for all the steps instead of once per step."""
+    if lengths is not None or weights is not None or steps < 2:
+        plans = []
+        for _ in range(steps):
+            plans.append(
+                plan_step(
+                    spec, consumed, global_batch_size, world_size, micro_batches, weights, lengths
+                )
+            )
+            consumed = plans[-1].end
+        return plans
+    block = stream_slice(spec, consumed, steps * global_batch_size)
+    block = block.reshape(steps, global_batch_size)
+    # Column ranges of every (rank, micro-batch) part, the same in every step.
+    columns: list[list[tuple[int, int]]] = []
+    begin = 0
+    for count in _equal_counts(global_batch_size, world_size, micro_batches):
+        rank_columns = []
+        for size in _equal_counts(count, micro_batches, 1):
+            rank_columns.append((begin, begin + size))
+            begin += size
+        columns.append(rank_columns)
+    parts = [[np.sort(block[:, a:b], axis=1) for a, b in rank] for rank in columns]
+    return [
+        StepPlan(
+            start=consumed + step * global_batch_size,
+            ids=[[micro[step] for micro in rank] for rank in parts],
+        )
+        for step in range(steps)
+    ]
 
 
 def eval_shard(num_samples: int, rank: int, world_size: int) -> range:

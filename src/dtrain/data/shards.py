@@ -470,6 +470,7 @@ class ShardedDataset:
         }
         self.shard_sizes = tuple(int(s["num_samples"]) for s in self.manifest["shards"])
         self._starts = np.concatenate([[0], np.cumsum(self.shard_sizes)]).astype(np.int64)
+        self._start_list: list[int] = self._starts.tolist()
         self._shard_names = [str(s["name"]) for s in self.manifest["shards"]]
         self._check_sizes()
         self._arrays: dict[str, np.ndarray] = {}
@@ -601,10 +602,15 @@ class ShardedDataset:
         parts: list[tuple[int, Any, np.ndarray]] = []
         if ascending:
             # Each shard's ids are one contiguous run of the batch.
-            cuts = np.searchsorted(idx, self._starts)
-            for shard in np.flatnonzero(cuts[1:] > cuts[:-1]).tolist():
-                a, b = int(cuts[shard]), int(cuts[shard + 1])
-                parts.append((shard, slice(a, b), idx[a:b] - self._starts[shard]))
+            found = np.searchsorted(idx, self._starts)
+            cuts = found.tolist()
+            shards: Iterable[int] = range(len(self.shard_sizes))
+            if len(cuts) > 64:  # many shards: visit only the ones this batch touches
+                shards = np.flatnonzero(found[1:] > found[:-1]).tolist()
+            for shard in shards:
+                a, b = cuts[shard], cuts[shard + 1]
+                if a < b:
+                    parts.append((shard, slice(a, b), idx[a:b] - self._start_list[shard]))
             return _Segments(n, True, parts)
         shard_of = np.searchsorted(self._starts, idx, side="right") - 1
         by_shard = np.argsort(shard_of, kind="stable")
