@@ -345,7 +345,14 @@ def main() -> None:
         )
     if mds_error:
         lines += ["", f"mosaicml-streaming: not measured ({mds_error})."]
-    elif STUBBED:
+    else:
+        lines += [
+            "",
+            f"mosaicml-streaming {import_streaming().__version__} from a separate virtual "
+            "environment (`pip install torch==2.13.0 -e '.[bench]'`), which is also the "
+            "Python that ran this whole table.",
+        ]
+    if not mds_error and STUBBED:
         lines += [
             "",
             "mosaicml-streaming: `import streaming` loads its vision helpers, which import "

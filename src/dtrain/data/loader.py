@@ -157,12 +157,13 @@ class RankLoader:
         if world_size * micro_batches > global_batch_size:
             raise DataError(
                 f"a global batch of {global_batch_size} samples cannot give "
-                f"{world_size} ranks x {micro_batches} micro-batches one sample each"
+                f"{world_size} ranks x {micro_batches} micro-batches one sample each; raise "
+                "data.global_batch_size or lower data.micro_batches"
             )
         if world_size > order.num_samples:
             raise DataError(
                 f"the dataset has {order.num_samples} samples, fewer than the "
-                f"{world_size} data-parallel ranks"
+                f"{world_size} data-parallel ranks; train on fewer ranks or on more data"
             )
         self.dataset = dataset
         self.order = order
@@ -214,9 +215,9 @@ class RankLoader:
                     f"{theirs!r}, this run has {mine!r}; use the same {what} or start a new run"
                 )
         consumed = state.get("consumed")
-        if not isinstance(consumed, int) or consumed < 0:
+        if not isinstance(consumed, (int, np.integer)) or consumed < 0:
             raise DataError(f"the checkpoint's data position {consumed!r} is not a count")
-        self.consumed = consumed
+        self.consumed = int(consumed)
         self.reset()
 
     def set_weights(self, weights: Sequence[float] | None) -> None:
