@@ -39,3 +39,162 @@ def train_losses(raw: dict[str, Any]) -> list[float]:
 
     lines = (Path(raw["run"]["dir"]) / "metrics.jsonl").read_text().splitlines()
     return [r["loss"] for r in map(json.loads, lines) if r.get("kind") == "train"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Fault injection inside the ranks
+
+
+def params_of(trainer: Trainer) -> dict[str, np.ndarray]:
+    return {
+        k: v.detach().cpu().numpy().copy() for k, v in trainer.strategy.model_state_dict().items()
+    }
+
+
+def losses_by_step(run_dir: str) -> dict[int, float]:
+    """The last logged training loss of every step (a resumed run overwrites earlier ones)."""
+    import json
+    from pathlib import Path
+
+    out: dict[int, float] = {}
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("kind") == "train":
+            out[record["step"]] = record["loss"]
+    return out
+
+
+class _Injected(RuntimeError):
+    pass
+
+
+def crash_then_resume(raw: dict[str, Any], crash_step: int) -> dict[str, Any]:
+    """Raise on every rank at the start of ``crash_step``, then resume in a fresh trainer from
+    the newest checkpoint and finish. Returns the final parameters."""
+    trainer = make_trainer(raw)
+    original = trainer._train_step
+
+    def step_or_crash(micro: Any, items: int) -> Any:
+        if trainer.step + 1 == crash_step:
+            raise _Injected(f"injected crash at step {crash_step}")
+        return original(micro, items)
+
+    trainer._train_step = step_or_crash  # type: ignore[method-assign]
+    try:
+        trainer.fit()
+    except _Injected:
+        pass
+    trainer.checkpointer.wait()
+    resumed = make_trainer(raw)
+    summary = resumed.fit()
+    return {"params": params_of(resumed), "start_step": summary.start_step}
+
+
+class RecordingLoader:
+    """Forwards to a RankLoader and remembers the last step handed out."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.last: Any = None
+
+    def __next__(self) -> Any:
+        self.last = next(self.inner)
+        return self.last
+
+    def __iter__(self) -> RecordingLoader:
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def train_with_nan(raw: dict[str, Any], bad_starts: list[int], bad_rank: int) -> dict[str, Any]:
+    """The loss is NaN on ``bad_rank`` for the steps whose stream position starts at one of
+    ``bad_starts`` (a bad batch: it stays bad if it comes again)."""
+    import torch
+    import torch.distributed as dist
+
+    trainer = make_trainer(raw)
+    recorder = RecordingLoader(trainer.loader)
+    trainer.loader = recorder  # type: ignore[assignment]
+    loss_fn = trainer.task.loss_fn
+    rank = dist.get_rank() if dist.is_initialized() else 0
+
+    def poisoned(output: Any, targets: Any) -> Any:
+        losses = loss_fn(output, targets)
+        if rank == bad_rank and recorder.last.plan.start in bad_starts:
+            return losses * torch.tensor(float("nan"))
+        return losses
+
+    trainer.task.loss_fn = poisoned
+    try:
+        summary = trainer.fit()
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {
+        "params": params_of(trainer),
+        "skipped": summary.skipped_steps,
+        "rollbacks": summary.rollbacks,
+        "steps": summary.steps,
+    }
+
+
+def signal_self_at_step(
+    raw: dict[str, Any], rank_to_signal: int, step: int, signame: str
+) -> dict[str, Any]:
+    """Send ``signame`` to this process on one rank when it starts ``step``; return what the
+    trainer did, and how long the other ranks took to give up (for hang tests)."""
+    import os
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    trainer = make_trainer(raw)
+    original = trainer._train_step
+    me = dist.get_rank() if dist.is_initialized() else 0
+    fired: dict[str, float] = {}
+
+    def step_and_signal(micro: Any, items: int) -> Any:
+        if trainer.step + 1 == step:
+            fired["t"] = time.time()
+            if me == rank_to_signal:
+                (trainer.run_dir / f"pid-rank{me}").write_text(str(os.getpid()))
+                os.kill(os.getpid(), getattr(signal, signame))
+        return original(micro, items)
+
+    trainer._train_step = step_and_signal  # type: ignore[method-assign]
+    try:
+        summary = trainer.fit()
+    except Exception as exc:
+        seconds = time.time() - fired["t"]
+        stopped = trainer.run_dir / f"pid-rank{rank_to_signal}"
+        if signame == "SIGSTOP" and stopped.exists():  # end the stopped peer, as a launcher would
+            os.kill(int(stopped.read_text()), signal.SIGKILL)
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": seconds}
+    return {"preempted": summary.preempted, "steps": summary.steps, "params": params_of(trainer)}
+
+
+def raise_before_collective(raw: dict[str, Any], bad_rank: int, step: int) -> dict[str, Any]:
+    """``bad_rank`` raises just before the step's first collective; the others must fail fast
+    naming it."""
+    import time
+
+    import torch.distributed as dist
+
+    trainer = make_trainer(raw)
+    me = dist.get_rank()
+    original = trainer.strategy.all_reduce_sum
+    started = time.time()
+
+    def reduce_or_raise(tensor: Any) -> Any:
+        if trainer.step + 1 == step and me == bad_rank:
+            raise ValueError("injected failure before a collective")
+        return original(tensor)
+
+    trainer.strategy.all_reduce_sum = reduce_or_raise  # type: ignore[method-assign]
+    try:
+        trainer.fit()
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.time() - started}
+    return {"error": None}

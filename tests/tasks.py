@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,9 +74,12 @@ class TinyOptions:
     d_model: int = 32
     dropout: float = 0.0
     variable: bool = False
-    # Fault injection for tests: fail on this global step (0 = never), on this rank.
-    fail_at_step: int = 0
-    fail_rank: int = 0
+    # Fault injection (tests.tasks:failing_gpt): fail at this step on this rank, every attempt.
+    fail_at_step: int = 3
+    fail_rank: int = 1
+    # Milliseconds each training forward sleeps: slows a run down so that a test can hit it
+    # at a chosen moment, without changing any number it computes.
+    slow_ms: int = 0
 
 
 @task_config(TinyOptions)
@@ -98,6 +103,8 @@ def tiny_gpt(cfg: Config) -> Task:
         train = RandomTokens(opts.samples, opts.seq_len, seed=1)
         val = RandomTokens(max(8, opts.samples // 8), opts.seq_len, seed=2)
         collate = collate_windows
+    if opts.slow_ms:
+        model = _Slow(model, opts.slow_ms)
     return Task(
         model=model,
         train_data=train,
@@ -106,6 +113,50 @@ def tiny_gpt(cfg: Config) -> Task:
         collate_fn=collate,
         item_name="tokens",
     )
+
+
+class _Slow(nn.Module):
+    def __init__(self, inner: nn.Module, ms: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.ms = ms
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            time.sleep(self.ms / 1000)
+        return self.inner(x)
+
+
+class _FailingModel(nn.Module):
+    """Raises on one rank at a given forward call (= step, with one micro-batch and no
+    evaluation in between): a worker that fails every time it is started."""
+
+    def __init__(self, inner: nn.Module, rank: int, step: int, attempts_file: str) -> None:
+        super().__init__()
+        self.inner = inner
+        self.fail = int(os.environ.get("RANK", "0")) == rank
+        self.step = step
+        self.calls = 0
+        if attempts_file:
+            with open(attempts_file, "a") as fh:
+                fh.write(f"{os.environ.get('RANK')} {os.getpid()}\n")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.fail and self.training and self.calls == self.step:
+            raise RuntimeError(f"injected failure at step {self.step}")
+        return self.inner(x)
+
+
+def failing_gpt(cfg: Config) -> Task:
+    task = tiny_gpt(cfg)
+    opts: TinyOptions = cfg.task
+    attempts = os.path.join(cfg.run.dir, "attempts.log")
+    task.model = _FailingModel(task.model, opts.fail_rank, opts.fail_at_step, attempts)
+    return task
+
+
+failing_gpt.config_class = TinyOptions  # type: ignore[attr-defined]
 
 
 class Regression(Dataset[tuple[torch.Tensor, torch.Tensor]]):

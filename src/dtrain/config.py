@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import signal
 import sys
 import types
 import typing
@@ -105,10 +106,38 @@ class EvalConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = _opt(0, "steps between checkpoints (0 = only the final one)", min=0)
+    every: int = _opt(100, "steps between checkpoints (0 = only the final one)", min=0)
     keep_last: int = _opt(2, "newest checkpoints kept", min=1)
     keep_every: int = _opt(
         0, "also keep every checkpoint whose step divides by this (0 = no)", min=0
+    )
+    async_save: bool = _opt(
+        True, "write checkpoints in the background; the loop waits only for a memory snapshot"
+    )
+
+
+@dataclass
+class FaultConfig:
+    nan_rollback_after: int = _opt(
+        3,
+        "consecutive steps with a non-finite loss or gradient before rolling back to the last "
+        "checkpoint (0 = never roll back, only skip)",
+        min=0,
+    )
+    preempt_signals: list[str] = _opt(
+        ["SIGTERM", "SIGUSR1"], "signals that make every rank save at the next step and exit 0"
+    )
+    preempt_grace_s: float = _opt(
+        120.0, "time the launcher gives workers to save after a preemption signal", min=1
+    )
+    heartbeat_s: float = _opt(
+        1.0,
+        "seconds between liveness beats (names a rank that stops responding)",
+        min=0,
+        min_exclusive=True,
+    )
+    audit_sample_ids: bool = _opt(
+        False, "write every rank's sample ids per step to RUN_DIR/sample_ids/ (exactly-once audit)"
     )
 
 
@@ -137,6 +166,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     # The task's own options, validated against the task's config class when it declares one.
     task: Any = field(default_factory=dict)
 
@@ -332,6 +362,11 @@ def validate_cross_fields(cfg: Config) -> None:
             f"data.global_batch_size = {cfg.data.global_batch_size}: "
             "every micro-step needs a sample"
         )
+    for name in cfg.fault.preempt_signals:
+        if not isinstance(getattr(signal, name, None), signal.Signals):
+            raise ConfigError(
+                f"fault.preempt_signals: {name!r} is not a signal name (e.g. SIGTERM)"
+            )
     if cfg.run.resume not in ("auto", "never") and not cfg.run.resume:
         raise ConfigError("run.resume is empty: use 'auto', 'never' or a checkpoint folder")
 

@@ -8,6 +8,7 @@ worker dies (the workers resume from the newest checkpoint by themselves), and w
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import uuid
@@ -98,8 +99,10 @@ def make_options(
     )
 
 
-def launch_workers(config_path: Path, opts: LaunchOptions) -> int:
-    """Run the job; returns the exit code for the CLI."""
+def launch_workers(config_path: Path, opts: LaunchOptions, grace_s: float = 120.0) -> int:
+    """Run the job; returns the exit code for the CLI. ``grace_s``: how long workers get to
+    save and exit after the launcher is sent a preemption signal, before they are killed."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -119,13 +122,36 @@ def launch_workers(config_path: Path, opts: LaunchOptions) -> int:
         max_restarts=opts.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
+        # On SIGTERM the agent forwards it to the workers, which save at the next step
+        # boundary; this is how long it waits for them before SIGKILL.
+        shutdown_timeout=int(grace_s),
     )
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     try:
         elastic_launch(config, sys.executable)("-u", "-m", "dtrain.worker", str(config_path))
     except ChildFailedError as exc:
         return report_failure(exc, opts)
+    except SignalException as exc:
+        return report_preemption(config_path.parent, int(exc.sigval))
     return 0
+
+
+def report_preemption(run_dir: Path, signum: int) -> int:
+    """After the launcher itself got a preemption signal: 0 when the workers saved."""
+    status_path = run_dir / "status.json"
+    try:
+        status = json.loads(status_path.read_text())
+    except (OSError, ValueError):
+        status = {}
+    if status.get("state") == "preempted":
+        print(
+            f"dtrain: preempted by signal {signum}; saved at step {status.get('step')}. Run "
+            "the same command to resume.",
+            file=sys.stderr,
+        )
+        return 0
+    print(f"dtrain: stopped by signal {signum} before the workers could save", file=sys.stderr)
+    return 128 + signum
 
 
 def report_failure(exc: object, opts: LaunchOptions) -> int:
@@ -139,8 +165,11 @@ def report_failure(exc: object, opts: LaunchOptions) -> int:
         file=sys.stderr,
     )
     for rank, failure in ordered:
-        message = str(failure.message).strip().splitlines()
-        first = message[0] if message else ""
+        message = failure.message
+        if isinstance(message, dict):  # torch's error-file format: the message and a callstack
+            message = message.get("message", "")
+        lines = str(message).strip().splitlines()
+        first = lines[0] if lines else ""
         print(
             f"  rank {rank} (pid {failure.pid}, exit code {failure.exitcode}): {first}",
             file=sys.stderr,

@@ -12,6 +12,7 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -80,6 +81,28 @@ def env_int(name: str, default: int) -> int:
     return int(value) if value not in (None, "") else default
 
 
+def attempt_store(rank: int, timeout: datetime.timedelta) -> Any:
+    """The launcher's key-value store, with a namespace of this restart attempt's own.
+
+    torch's elastic agent keeps one store across restarts. Process groups made after the
+    default one (our checkpoint group) leave keys that a restarted attempt then reads as its
+    own, and its gloo mesh tries to connect to the dead processes of the attempt before
+    ("Connection refused"). A per-attempt prefix keeps every attempt's keys apart.
+    """
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("MASTER_PORT", "29500"))
+    hosted_by_launcher = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        host,
+        port,
+        is_master=not hosted_by_launcher and rank == 0,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"/dtrain/attempt_{attempt}", store)  # type: ignore[attr-defined]
+
+
 def init_runtime(cfg: DistConfig) -> Runtime:
     """Join the process group the launcher prepared (or none, for one plain process)."""
     rank = env_int("RANK", 0)
@@ -98,6 +121,7 @@ def init_runtime(cfg: DistConfig) -> Runtime:
             rank=rank,
             world_size=world_size,
             timeout=timeout,
+            store=attempt_store(rank, timeout),
             device_id=device if device.type == "cuda" else None,
         )
     return Runtime(

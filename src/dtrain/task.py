@@ -23,6 +23,8 @@ the mean over the whole batch -- also when ranks hold different numbers of sampl
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -96,6 +98,10 @@ def resolve_task(spec: str) -> TaskFactory:
     if ":" not in spec:
         raise UserError(f"run.task = {spec!r}: expected 'package.module:function'")
     module_name, _, attr = spec.partition(":")
+    # Tasks are found from the working directory, as with `python -m` (the workers are started
+    # that way); the `dtrain` console script would otherwise not look there.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -62,6 +62,9 @@ def _child(
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "GROUP_RANK": "0",
+            # The store is hosted by the parent (as torch's elastic agent hosts it), so it
+            # outlives any rank: a rank that dies can still be named by the others.
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
         }
     )
     os.environ.update(env)
@@ -101,12 +104,26 @@ def run_ranks(
     env: Mapping[str, str] | None = None,
     init_group: bool = True,
     collective_timeout: float = 60.0,
+    raise_on_failure: bool = True,
 ) -> list[Any]:
     """``[fn(*args) on rank 0, ..., on rank world_size-1]``; ``fn`` must be importable (a
-    module-level function). Raises :class:`RankFailed` naming the first rank that failed."""
+    module-level function). Raises :class:`RankFailed` naming the first rank that failed; with
+    ``raise_on_failure=False`` waits for every rank instead and puts a :class:`RankFailed` in
+    the place of each rank that raised, died or timed out."""
+    import datetime
+
+    import torch.distributed as dist
+
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1",
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
     procs = [
         ctx.Process(
             target=_child,
@@ -130,31 +147,45 @@ def run_ranks(
         proc.start()
     values: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
+
+    def record(status: str, rank: int, value: Any) -> None:
+        if status == "error":
+            failure = RankFailed(f"rank {rank} failed:\n{value}")
+            if raise_on_failure:
+                raise failure
+            values[rank] = failure
+        else:
+            values[rank] = value
+
     try:
         while len(values) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(world_size)) - set(values))
-                raise RankFailed(f"rank(s) {missing} did not finish within {timeout:.0f}s")
+                failure = RankFailed(f"rank(s) {missing} did not finish within {timeout:.0f}s")
+                if raise_on_failure:
+                    raise failure
+                for rank in missing:
+                    values[rank] = failure
+                break
             try:
-                status, rank, value = results.get(timeout=min(0.2, remaining))
-            except queue.Empty:
-                for rank, proc in enumerate(procs):
-                    if rank not in values and proc.exitcode is not None:
-                        # Exited without a result: give a message in flight a moment to land.
-                        try:
-                            status, r, value = results.get(timeout=1.0)
-                        except queue.Empty:
-                            raise RankFailed(
-                                f"rank {rank} died with exit code {proc.exitcode} and no result"
-                            ) from None
-                        if status == "error":
-                            raise RankFailed(f"rank {r} failed:\n{value}") from None
-                        values[r] = value
+                record(*results.get(timeout=min(0.2, remaining)))
                 continue
-            if status == "error":
-                raise RankFailed(f"rank {rank} failed:\n{value}")
-            values[rank] = value
+            except queue.Empty:
+                pass
+            for rank, proc in enumerate(procs):
+                if rank in values or proc.exitcode is None:
+                    continue
+                # Exited: give a message in flight a moment to land, else it died silently.
+                try:
+                    record(*results.get(timeout=1.0))
+                except queue.Empty:
+                    failure = RankFailed(
+                        f"rank {rank} died with exit code {proc.exitcode} and no result"
+                    )
+                    if raise_on_failure:
+                        raise failure from None
+                    values[rank] = failure
         return [values[r] for r in range(world_size)]
     finally:
         for proc in procs:
@@ -165,3 +196,39 @@ def run_ranks(
         for proc in procs:
             proc.join(timeout=5.0)
         results.close()
+        del store
+
+
+def children_of(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc; Linux only)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(entry))
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def worker_pids(launcher_pid: int) -> list[int]:
+    """The ``dtrain.worker`` processes started under a ``dtrain train`` process."""
+    pids = []
+    for pid in children_of(launcher_pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmdline = fh.read()
+        except OSError:
+            continue
+        if b"dtrain.worker" in cmdline:
+            pids.append(pid)
+    return sorted(pids)

@@ -4,26 +4,31 @@ What happens, and where each concern plugs in::
 
     setup:  strategy.setup(task)                  # wrap the model (ddp, allreduce, fsdp, ...)
             build optimizer, LR schedule, loader   # loader = this rank's share of one stream
-            resume(latest valid checkpoint)        # dict of state_dicts -> every component
+            resume(newest valid checkpoint)        # dict of state_dicts -> every component
     loop:   for step in range(start, steps):
-              batch  = next(loader)                # micro-batches of (inputs, targets)
-              count  = all_reduce(items in batch)  # the global number of loss items
+              batch = next(loader)                 # micro-batches of (inputs, targets)
+              count, stop = all_reduce(items in batch, preemption flag)
+              if stop: save, exit 0                # every rank agrees on the same step
               strategy.forward_backward(batch, scale = dp_size / count)
                                                    # grads = d(global mean loss), synced
-              norm   = strategy.clip_grad_norm()   # global norm: the same on every rank
-              if norm is not finite: skip step     # NaN guard, agreed by construction
-              optimizer.step(); scheduler.step()
-              every log_every:   metrics.jsonl + progress
-              every eval.every:  evaluate (each val sample exactly once)
-              every ckpt.every:  checkpoint (async: the loop waits only for a snapshot)
+              norm = strategy.clip_grad_norm()     # global norm: the same on every rank
+              if norm is finite: optimizer.step()
+              else: skip (NaN guard); after N in a row roll back to the last checkpoint
+                    and never deliver those batches again
+              scheduler.step()
+              every log_every:         metrics.jsonl + progress
+              every eval.every:        evaluate (each val sample exactly once)
+              every checkpoint.every:  save (async: the loop waits for a snapshot only)
     end:    evaluate, final checkpoint, summary
 
 The trainer never asks which strategy it runs; everything strategy-specific is behind
-:class:`dtrain.parallel.base.Strategy`.
+:class:`dtrain.parallel.base.Strategy`. A collective that fails because a peer died or hung
+becomes a :class:`~dtrain.fault.watchdog.PeerFailure` naming that peer.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -34,18 +39,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtrain import __version__
 from dtrain.config import Config
 from dtrain.data.build import build_train_loader
-from dtrain.data.loader import RankLoader, eval_batches, to_device
+from dtrain.data.loader import RankLoader, StepBatch, eval_batches, to_device
+from dtrain.errors import UserError
 from dtrain.fault import checkpoint as ckpt
-from dtrain.fault.resume import ResumePoint, load_training_state, resolve_resume
-from dtrain.fault.rng import rank_seed, rng_state, seed_everything
+from dtrain.fault import state as training_state
+from dtrain.fault.preempt import PreemptionFlag
+from dtrain.fault.resume import ResumePoint, resolve_resume
+from dtrain.fault.rng import rank_seed, seed_everything
+from dtrain.fault.watchdog import PeerFailure, Watchdog
 from dtrain.metrics.sinks import JsonlSink, Progress, format_duration, format_rate
 from dtrain.optim import build_optimizer, build_scheduler
 from dtrain.parallel.base import Strategy, build_strategy
 from dtrain.runtime import Runtime, barrier
 from dtrain.task import Task
+
+
+class TrainingDiverged(UserError):
+    """The loss stayed non-finite and there was nothing to roll back to."""
 
 
 @dataclass
@@ -55,12 +67,22 @@ class Summary:
     wall_s: float = 0.0
     train_loss: float = float("nan")
     val_loss: float | None = None
-    items_per_s: float = 0.0
     items: int = 0
     skipped_steps: int = 0
+    rollbacks: int = 0
+    preempted: str = ""  # the signal's name when the run stopped early to be resumed
     checkpoint: str = ""
     generated: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(
+        marker in text for marker in ("gloo", "connection", "timed out", "nccl", "peer")
+    )
 
 
 class Trainer:
@@ -71,17 +93,26 @@ class Trainer:
         self.task = task
         self.runtime = runtime
         self.run_dir = Path(cfg.run.dir)
+        self.is_main = runtime.is_main
         self.strategy = strategy or build_strategy(cfg, runtime)
         self.strategy.setup(task)
         self.optimizer = build_optimizer(self.strategy.named_parameters(), cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.loader: RankLoader = build_train_loader(task, cfg, self.strategy, runtime.device)
+        # Counters that are part of the training state (see state_dict).
         self.step = 0
         self.items_seen = 0
         self.skipped_steps = 0
-        self.is_main = runtime.is_main
+        self.rollbacks = 0
+        self.nan_streak: list[tuple[int, int]] = []  # stream ranges of consecutive bad steps
         self.progress: Progress | None = None
         self.metrics: JsonlSink | None = None
+        self.watchdog = Watchdog(
+            runtime.rank,
+            runtime.world_size,
+            heartbeat_s=cfg.fault.heartbeat_s,
+            timeout_s=cfg.dist.timeout_s,
+        )
         # Saves coordinate over their own gloo group so that a background save never
         # interleaves with the training collectives of the default group.
         side_group = (
@@ -98,6 +129,7 @@ class Trainer:
             group=side_group,
             log=self.log,
         )
+        self._audit: Any = None
 
     # -- logging -------------------------------------------------------------------------
 
@@ -107,6 +139,13 @@ class Trainer:
         elif self.is_main:
             print(text, flush=True)
 
+    def warn(self, text: str) -> None:
+        """A warning from any rank (not only rank 0), tagged with the rank."""
+        if self.is_main:
+            self.log(f"warning: {text}")
+        else:
+            print(f"[rank {self.runtime.rank}] warning: {text}", flush=True)
+
     # -- training state ------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -114,116 +153,101 @@ class Trainer:
             "step": self.step,
             "items_seen": self.items_seen,
             "skipped_steps": self.skipped_steps,
+            "rollbacks": self.rollbacks,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.items_seen = int(state["items_seen"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
-
-    def checkpoint_files(self) -> dict[str, Any]:
-        """This rank's part of the training state: one file per component."""
-        files: dict[str, Any] = {ckpt.rng_file(self.runtime.rank): rng_state()}
-        if self.strategy.replicated_state and self.is_main:
-            files["model.pt"] = self.strategy.model_state_dict()
-            files["optimizer.pt"] = self.strategy.optimizer_state_dict(self.optimizer)
-            files["train_state.pt"] = {
-                "scheduler": self.scheduler.state_dict(),
-                "data": self.loader.state_dict(),
-                "trainer": self.state_dict(),
-            }
-        return files
-
-    def checkpoint_meta(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "world_size": self.runtime.world_size,
-            "data_parallel_size": self.strategy.data_parallel_size,
-            "strategy": self.cfg.strategy.name,
-            "config": self.cfg.to_toml(),
-            "dtrain_version": __version__,
-            "torch_version": torch.__version__,
-            "data": self.loader.state_dict(),
-        }
+        self.rollbacks = int(state.get("rollbacks", 0))
 
     def save_checkpoint(self, *, blocking: bool) -> None:
-        meta = self.checkpoint_meta() if self.is_main else None
-        self.checkpointer.save(self.step, self.checkpoint_files(), meta, blocking=blocking)
+        self.watchdog.set_phase("checkpoint")
+        training_state.save(self, blocking=blocking)
 
     def resume(self) -> ResumePoint | None:
         point = resolve_resume(self.cfg, self.run_dir / "checkpoints", self.runtime, self.log)
-        if point is None:
-            return None
-        load_training_state(point, self)
+        if point is not None:
+            training_state.load(self, point)
         return point
 
     # -- the loop ------------------------------------------------------------------------
 
     def fit(self) -> Summary:
+        preempt = PreemptionFlag(self.cfg.fault.preempt_signals)
+        self.watchdog.start()
+        try:
+            return self._fit(preempt)
+        except PeerFailure:
+            raise
+        except BaseException as exc:
+            if is_collective_failure(exc):
+                raise self.watchdog.peer_failure(exc) from exc
+            self.watchdog.report_failure(exc)
+            raise
+        finally:
+            self.watchdog.stop()
+            preempt.restore()
+            if self._audit is not None:
+                self._audit.close()
+
+    def _fit(self, preempt: PreemptionFlag) -> Summary:
         started = time.perf_counter()
         cfg = self.cfg
+        self.watchdog.set_phase("resume")
         point = self.resume()
         if point is None or not point.rng_restored:
+            # Fresh start, or a new world size: a distinct, reproducible stream per rank.
             seed_everything(rank_seed(cfg.run.seed, self.runtime.rank) + self.step)
-        start_step = self.step
-        summary = Summary(start_step=start_step)
+        summary = Summary(start_step=self.step)
+        self._write_status("running")
         if self.is_main:
             self.metrics = JsonlSink(self.run_dir / "metrics.jsonl")
-            self.progress = Progress(cfg.train.steps, start_step, self.task.item_name, enabled=True)
+            self.progress = Progress(cfg.train.steps, self.step, self.task.item_name, True)
             where = f"resumed from {point.path.name}" if point else "from scratch"
             self.log(
                 f"dtrain: training {self.strategy.name} on {self.runtime.world_size} "
                 f"rank(s), {self.runtime.device.type}, {where}; run folder {self.run_dir}"
             )
-        window_loss = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
-        window_items = 0
-        window_start = time.perf_counter()
-        window_steps = 0
+        if cfg.fault.audit_sample_ids:
+            audit_dir = self.run_dir / "sample_ids"
+            audit_dir.mkdir(parents=True, exist_ok=True)
+            self._audit = (audit_dir / f"rank{self.runtime.rank:05d}.jsonl").open("a")
+        window = _Window(self.runtime.device)
         last_loss = float("nan")
-        dp = self.strategy.data_parallel_size
-        model_module = self.strategy.unwrapped
-        model_module.train()
+        self.strategy.unwrapped.train()
         while self.step < cfg.train.steps:
+            self.watchdog.set_phase("data", self.step + 1)
             batch = next(self.loader)
             micro = [to_device(self.task.split_batch(m), self.runtime.device) for m in batch.micro]
-            count = torch.tensor(
-                sum(self.task.count_items(t) for _, t in micro),
-                dtype=torch.float64,
-                device=self.runtime.device,
+            count = sum(self.task.count_items(t) for _, t in micro)
+            # One small all-reduce: the global item count and whether any rank was asked to
+            # stop. Agreeing here puts every rank's preemption on the same step.
+            self.watchdog.set_phase("all_reduce(item count)")
+            agreed = torch.tensor(
+                [count, float(preempt.requested)], dtype=torch.float64, device=self.runtime.device
             )
-            self.strategy.all_reduce_sum(count)
-            scale = (dp / count.clamp(min=1)).to(torch.float32)
-            result = self.strategy.forward_backward(micro, self.task.loss_fn, scale)
-            grad_norm = self.strategy.clip_grad_norm(cfg.train.grad_clip)
-            norm_value = float(grad_norm)
-            if math.isfinite(norm_value):
-                self.optimizer.step()
-            else:
-                self.skipped_steps += 1
-                self.log(
-                    f"warning: step {self.step + 1}: non-finite gradient norm; step skipped "
-                    "on every rank"
-                )
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.strategy.all_reduce_sum(agreed)
+            if agreed[1] > 0:
+                self.loader.rewind(batch.plan.start)  # fetched, not trained on
+                summary.preempted = preempt.signal_name or "a peer's signal"
+                break
+            global_items = int(agreed[0])
+            loss_sum, norm = self._train_step(micro, global_items)
             self.step += 1
-            items = int(count.item())
-            self.items_seen += items
-            window_loss += result.loss_sum.double()
-            window_items += items
-            window_steps += 1
+            self.items_seen += global_items
+            self._audit_step(batch, applied=math.isfinite(norm))
+            if not math.isfinite(norm):
+                self._on_non_finite(batch)
+            window.add(loss_sum, global_items)
             error = self.checkpointer.poll()
             if error:
-                self.log(f"warning: {error}")
+                self.warn(error)
             if self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps:
-                self.strategy.all_reduce_sum(window_loss)
-                elapsed = time.perf_counter() - window_start
-                last_loss = float(window_loss) / max(1, window_items)
-                rate = window_items / elapsed if elapsed > 0 else 0.0
-                self._log_train(last_loss, norm_value, rate, window_steps, elapsed)
-                window_loss.zero_()
-                window_items, window_steps = 0, 0
-                window_start = time.perf_counter()
+                self.watchdog.set_phase("all_reduce(metrics)")
+                last_loss, rate, steps, elapsed = window.flush(self.strategy)
+                self._log_train(last_loss, norm, rate, steps, elapsed)
             if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.train.steps:
                 self.evaluate(cfg.eval.max_samples)
             if (
@@ -231,38 +255,134 @@ class Trainer:
                 and self.step % cfg.checkpoint.every == 0
                 and self.step < cfg.train.steps
             ):
-                self.save_checkpoint(blocking=False)
-        summary.val_loss = self.evaluate(cfg.eval.max_samples)
+                self.save_checkpoint(blocking=not cfg.checkpoint.async_save)
+        if not summary.preempted:
+            summary.val_loss = self.evaluate(cfg.eval.max_samples)
         final_error = self.checkpointer.wait()
         if final_error:
-            self.log(f"warning: {final_error}")
-        self.save_checkpoint(blocking=True)
+            self.warn(final_error)
+        if final_error or self.checkpointer.last_saved_step != self.step:
+            self.save_checkpoint(blocking=True)
         summary.steps = self.step
         summary.train_loss = last_loss
         summary.skipped_steps = self.skipped_steps
+        summary.rollbacks = self.rollbacks
         summary.checkpoint = str(self.run_dir / "checkpoints" / ckpt.step_dir_name(self.step))
         summary.wall_s = time.perf_counter() - started
         summary.items = self.items_seen
         if self.progress is not None:
             self.progress.close()
-        if self.is_main and self.task.after_training is not None:
-            model_module.eval()
-            summary.generated = self.task.after_training(model_module)
+        if self.is_main and self.task.after_training is not None and not summary.preempted:
+            self.strategy.unwrapped.eval()
+            summary.generated = self.task.after_training(self.strategy.unwrapped)
         self.loader.close()
+        self._finish_records(summary)
+        self.watchdog.set_phase("barrier(end)")
+        barrier()
+        self.watchdog.set_phase("done")
+        return summary
+
+    def _train_step(self, micro: list[Any], global_items: int) -> tuple[torch.Tensor, float]:
+        """Forward, backward, clip and (when the gradient is finite) update."""
+        scale = torch.tensor(
+            self.strategy.data_parallel_size / max(1, global_items),
+            dtype=torch.float32,
+            device=self.runtime.device,
+        )
+        self.watchdog.set_phase("forward_backward")
+        result = self.strategy.forward_backward(micro, self.task.loss_fn, scale)
+        self.watchdog.set_phase("clip_grad_norm")
+        norm = float(self.strategy.clip_grad_norm(self.cfg.train.grad_clip))
+        # The norm is global (gradients are synchronized, or the norm is all-reduced), so
+        # every rank takes the same branch here without another collective.
+        if math.isfinite(norm):
+            self.watchdog.set_phase("optimizer")
+            self.optimizer.step()
+            self.nan_streak.clear()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return result.loss_sum, norm
+
+    def _on_non_finite(self, batch: StepBatch) -> None:
+        """NaN guard: the step was skipped on every rank; roll back after N in a row."""
+        self.skipped_steps += 1
+        self.nan_streak.append((batch.plan.start, batch.plan.end))
+        self.warn(f"step {self.step}: non-finite loss or gradient; update skipped on every rank")
+        limit = self.cfg.fault.nan_rollback_after
+        if limit and len(self.nan_streak) >= limit:
+            self._rollback()
+
+    def _rollback(self) -> None:
+        bad = list(self.nan_streak)
+        self.nan_streak.clear()
+        first_bad_step = self.step - len(bad) + 1
+        error = self.checkpointer.wait()
+        if error:
+            self.warn(error)
+        self.watchdog.set_phase("rollback")
+        # A checkpoint saved during the streak holds the same weights as the one before it
+        # (skipped steps change nothing), so go back to before the first bad step.
+        point = resolve_resume(
+            self.cfg,
+            self.run_dir / "checkpoints",
+            self.runtime,
+            self.log,
+            max_step=first_bad_step - 1,
+        )
+        if point is None:
+            raise TrainingDiverged(
+                f"the loss was non-finite for {len(bad)} steps in a row (steps "
+                f"{first_bad_step}-{self.step}) and there is no checkpoint to roll back to; "
+                "lower optim.lr, clip gradients (train.grad_clip) or check the data"
+            )
+        # Counters of what happened stay cumulative; the skip list keeps earlier skips too.
+        rollbacks, skipped = self.rollbacks + 1, self.skipped_steps
+        earlier_skips = dict(self.loader.skipped)
+        training_state.load(self, point)
+        self.rollbacks, self.skipped_steps = rollbacks, skipped
+        for start, end in [*earlier_skips.items(), *bad]:
+            self.loader.skip(start, end)
+        self.log(
+            f"rolled back to {point.path.name} after {len(bad)} non-finite steps; the "
+            f"{sum(e - s for s, e in bad)} samples of those steps will not be delivered again"
+        )
+
+    def _audit_step(self, batch: StepBatch, *, applied: bool) -> None:
+        if self._audit is None:
+            return
+        ids = [int(i) for micro in batch.ids for i in micro]
+        record = {"step": self.step, "start": batch.plan.start, "end": batch.plan.end}
+        self._audit.write(json.dumps({**record, "applied": applied, "ids": ids}) + "\n")
+        self._audit.flush()
+
+    def _write_status(self, state: str, signal_name: str = "") -> None:
+        """RUN_DIR/status.json: running, completed or preempted (read by the launcher)."""
+        if not self.is_main:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.run_dir / f".status.json.{os.getpid()}"
+        tmp.write_text(json.dumps({"state": state, "step": self.step, "signal": signal_name}))
+        os.replace(tmp, self.run_dir / "status.json")
+
+    def _finish_records(self, summary: Summary) -> None:
+        if not self.is_main:
+            return
+        state = "preempted" if summary.preempted else "completed"
+        self._write_status(state, summary.preempted)
         if self.metrics is not None:
             self.metrics.write(
                 {
                     "kind": "summary",
+                    "state": state,
                     "step": self.step,
                     "wall_s": summary.wall_s,
                     "train_loss": summary.train_loss,
                     "val_loss": summary.val_loss,
                     "skipped_steps": summary.skipped_steps,
+                    "rollbacks": summary.rollbacks,
                 }
             )
             self.metrics.close()
-        barrier()
-        return summary
 
     def _log_train(
         self, loss: float, grad_norm: float, rate: float, steps: int, elapsed: float
@@ -293,6 +413,7 @@ class Trainer:
         counted exactly once across ranks."""
         if self.task.val_data is None:
             return None
+        self.watchdog.set_phase("evaluate")
         module = self.strategy.unwrapped
         module.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.runtime.device)
@@ -328,18 +449,54 @@ class Trainer:
         return val_loss
 
 
+class _Window:
+    """Loss and items since the last metrics line; summed over ranks only when logged."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.loss = torch.zeros((), dtype=torch.float64, device=device)
+        self.items = 0
+        self.steps = 0
+        self.start = time.perf_counter()
+
+    def add(self, loss_sum: torch.Tensor, items: int) -> None:
+        self.loss += loss_sum.double()
+        self.items += items
+        self.steps += 1
+
+    def flush(self, strategy: Strategy) -> tuple[float, float, int, float]:
+        strategy.all_reduce_sum(self.loss)
+        elapsed = time.perf_counter() - self.start
+        loss = float(self.loss) / max(1, self.items)
+        rate = self.items / elapsed if elapsed > 0 else 0.0
+        out = (loss, rate, self.steps, elapsed)
+        self.loss.zero_()
+        self.items, self.steps = 0, 0
+        self.start = time.perf_counter()
+        return out
+
+
 def print_summary(summary: Summary, item_name: str, world_size: int) -> None:
     rate = summary.items / summary.wall_s if summary.wall_s > 0 else 0.0
     val = f"{summary.val_loss:.4f}" if summary.val_loss is not None else "n/a"
+    if summary.preempted:
+        head = (
+            f"stopped by {summary.preempted} at step {summary.steps} and saved; run the same "
+            "command to resume"
+        )
+    else:
+        head = f"done: {summary.steps} steps"
     lines = [
         "",
-        f"done: {summary.steps} steps ({summary.steps - summary.start_step} this run) on "
-        f"{world_size} rank(s) in {format_duration(summary.wall_s)}",
+        f"{head} ({summary.steps - summary.start_step} this run) on {world_size} rank(s) in "
+        f"{format_duration(summary.wall_s)}",
         f"  train loss {summary.train_loss:.4f}   val loss {val}   "
         f"{format_rate(rate)} {item_name}/s overall",
     ]
     if summary.skipped_steps:
-        lines.append(f"  skipped steps (non-finite gradients): {summary.skipped_steps}")
+        lines.append(
+            f"  skipped steps (non-finite loss or gradient): {summary.skipped_steps}, "
+            f"rollbacks: {summary.rollbacks}"
+        )
     lines.append(f"  checkpoint {summary.checkpoint}")
     if summary.generated:
         lines += ["", summary.generated]

@@ -179,6 +179,7 @@ class RankLoader:
         self.pin_memory = pin_memory
         self.fingerprint = fingerprint
         self.consumed = 0  # stream position after the last step handed out
+        self.skipped: dict[int, int] = {}  # start -> end of stream ranges never delivered
         self._source: Iterator[StepBatch] | None = None
         self._halt: Callable[[], None] | None = None  # stops the prefetch thread
 
@@ -194,6 +195,7 @@ class RankLoader:
             "shuffle": self.order.shuffle,
             "shuffle_window": self.order.window,
             "fingerprint": self.fingerprint,
+            "skipped": [list(r) for r in sorted(self.skipped.items())],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -218,6 +220,18 @@ class RankLoader:
         if not isinstance(consumed, (int, np.integer)) or consumed < 0:
             raise DataError(f"the checkpoint's data position {consumed!r} is not a count")
         self.consumed = int(consumed)
+        self.skipped = {int(a): int(b) for a, b in state.get("skipped", [])}
+        self.reset()
+
+    def skip(self, start: int, end: int) -> None:
+        """Never deliver stream positions ``start .. end-1`` (a batch that made the loss
+        non-finite); kept in the state, so it stays skipped after a resume."""
+        self.skipped[start] = end
+        self.reset()
+
+    def rewind(self, position: int) -> None:
+        """Hand out the step at ``position`` again (it was fetched but not trained on)."""
+        self.consumed = position
         self.reset()
 
     def set_weights(self, weights: Sequence[float] | None) -> None:
@@ -244,6 +258,8 @@ class RankLoader:
     def _plans(self, start: int) -> Iterator[StepPlan]:
         position = start
         while True:
+            while position in self.skipped:
+                position = self.skipped[position]
             # A few steps at a time: planning them together costs less per step.
             for plan in plan_steps(
                 self.order,
@@ -255,6 +271,8 @@ class RankLoader:
                 self.weights,
                 self.lengths,
             ):
+                if plan.start in self.skipped:
+                    break  # plan again from the end of the skipped range
                 yield plan
                 position = plan.end
 

@@ -145,10 +145,15 @@ def committed_steps(root: Path) -> list[int]:
     return [step for step, path in list_step_dirs(root) if (path / MARKER).exists()]
 
 
-def find_latest_valid(root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The newest checkpoint that verifies, and the newer ones skipped with their reason."""
+def find_latest_valid(
+    root: Path, max_step: int | None = None
+) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint (at most ``max_step``) that verifies, and the newer ones skipped
+    with their reason."""
     skipped: list[tuple[Path, str]] = []
-    for _, path in list_step_dirs(root):
+    for step, path in list_step_dirs(root):
+        if max_step is not None and step > max_step:
+            continue
         try:
             verify_checkpoint(path)
         except CheckpointError as exc:
@@ -230,6 +235,7 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: str | None = None
         self.last_committed: int | None = None
+        self.last_saved_step: int | None = None  # the newest step saved or being saved
         self.blocking_seconds: list[float] = []
         self.write_seconds: list[float] = []
         # Hook for fault-injection tests: called between the phases of a save.
@@ -266,6 +272,7 @@ class Checkpointer:
         previous = self.wait()  # at most one save in flight
         if previous:
             self.log(f"warning: {previous}")
+        self.last_saved_step = step
         started = time.perf_counter()
         snap = {name: snapshot(obj) for name, obj in files.items()}
         if blocking:
@@ -311,6 +318,8 @@ class Checkpointer:
                 self._error = f"checkpoint {step_dir_name(step)} was not committed: {exc}"
         elif not outcome.ok:
             self._error = f"checkpoint {step_dir_name(step)} was not committed: {outcome.error}"
+        if self._error:
+            self.last_saved_step = None
         self.write_seconds.append(time.perf_counter() - started)
 
     def _gather(self, outcome: _Outcome) -> list[_Outcome]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,11 +19,7 @@ import torch.distributed as dist
 from dtrain.config import Config
 from dtrain.errors import CheckpointError, UserError
 from dtrain.fault import checkpoint as ckpt
-from dtrain.fault.rng import set_rng_state
 from dtrain.runtime import Runtime
-
-if TYPE_CHECKING:
-    from dtrain.trainer import Trainer
 
 
 @dataclass
@@ -34,11 +30,15 @@ class ResumePoint:
     rng_restored: bool = False
 
 
-def choose_checkpoint(cfg: Config, root: Path, log: Callable[[str], None]) -> Path | None:
+def choose_checkpoint(
+    cfg: Config, root: Path, log: Callable[[str], None], max_step: int | None = None
+) -> Path | None:
     """Rank 0's choice: the newest valid checkpoint (``auto``), none (``never``), or the one
     named by ``run.resume``. Removes leftovers of interrupted saves first."""
     for leftover in ckpt.remove_leftovers(root):
         log(f"removed the leftover of an interrupted save: {leftover.name}")
+    if max_step is not None:  # a rollback: the newest checkpoint from before a given step
+        return ckpt.find_latest_valid(root, max_step)[0]
     if cfg.run.resume == "never":
         return None
     if cfg.run.resume == "auto":
@@ -51,12 +51,16 @@ def choose_checkpoint(cfg: Config, root: Path, log: Callable[[str], None]) -> Pa
 
 
 def resolve_resume(
-    cfg: Config, root: Path, runtime: Runtime, log: Callable[[str], None]
+    cfg: Config,
+    root: Path,
+    runtime: Runtime,
+    log: Callable[[str], None],
+    max_step: int | None = None,
 ) -> ResumePoint | None:
     decision: list[Any] = [None, None]
     if runtime.is_main:
         try:
-            path = choose_checkpoint(cfg, root, log)
+            path = choose_checkpoint(cfg, root, log, max_step)
             decision = [str(path) if path else None, None]
         except UserError as exc:
             decision = [None, str(exc)]
@@ -96,20 +100,3 @@ def check_model_fits(expected: Mapping[str, Any], found: Mapping[str, Any], wher
             f"; ... {len(problems) - 8} more" if len(problems) > 8 else ""
         )
         raise CheckpointError(f"checkpoint {where} is from a different model: {shown}")
-
-
-def load_training_state(point: ResumePoint, trainer: Trainer) -> None:
-    strategy = trainer.strategy
-    path = point.path
-    model_state = ckpt.load_file(path, "model.pt")
-    check_model_fits(strategy.model_state_dict(), model_state, path)
-    strategy.load_model_state_dict(model_state)
-    strategy.load_optimizer_state_dict(trainer.optimizer, ckpt.load_file(path, "optimizer.pt"))
-    train_state = ckpt.load_file(path, "train_state.pt")
-    trainer.scheduler.load_state_dict(train_state["scheduler"])
-    trainer.loader.load_state_dict(train_state["data"])
-    trainer.load_state_dict(train_state["trainer"])
-    rng_path = path / ckpt.rng_file(trainer.runtime.rank)
-    if point.world_size == trainer.runtime.world_size and rng_path.exists():
-        set_rng_state(ckpt.load_file(path, rng_path.name))
-        point.rng_restored = True

@@ -1,0 +1,239 @@
+"""Hang and failure detection that names the rank at fault.
+
+Every rank beats into the rendezvous store (the key-value store torch's launcher already runs):
+``dtrain/hb/<rank>`` holds its host, pid, step, phase and the time of the beat, refreshed by a
+daemon thread every ``heartbeat_s`` seconds. A rank that raises posts ``dtrain/failed/<rank>``
+before it exits.
+
+When a collective fails on a rank -- a peer's socket closed, or the collective timeout
+(``dist.timeout_s``) expired because a peer stopped responding -- :meth:`Watchdog.diagnose`
+reads the store and names who is missing: ranks that posted a failure, ranks whose beats are
+stale (a stopped or hung process), ranks that never beat. The trainer raises that as a
+:class:`PeerFailure`. As a backstop for hangs outside a collective with a timeout, the thread
+also watches this rank's own progress: when a phase has not moved for twice the collective
+timeout, it writes the diagnosis as this worker's error and ends the process, so the launcher
+stops (or restarts) the group instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+
+def _prefix() -> str:
+    # Keys of an earlier attempt (before an elastic restart) must not be read as this one's.
+    return f"dtrain/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+class PeerFailure(RuntimeError):
+    """A collective failed because another rank died, raised or stopped responding."""
+
+
+def connect_store(timeout_s: float) -> Any:
+    """A client of the launcher's store (MASTER_ADDR:MASTER_PORT), or None without one."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        return None
+    try:
+        return dist.TCPStore(  # type: ignore[attr-defined]
+            host,
+            int(port),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+    except Exception:
+        return None
+
+
+class Watchdog:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        *,
+        heartbeat_s: float,
+        timeout_s: float,
+        on_hang: Callable[[str], None] | None = None,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.heartbeat_s = heartbeat_s
+        self.timeout_s = timeout_s
+        self.host = socket.gethostname()
+        self.step = 0
+        self.phase = "start"
+        self._phase_since = time.monotonic()
+        self._stop = threading.Event()
+        self._on_hang = on_hang or _exit_on_hang
+        self.store = connect_store(timeout_s=max(2.0, heartbeat_s * 3)) if world_size > 1 else None
+        self._thread: threading.Thread | None = None
+
+    # -- this rank -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.store is None:
+            return
+        self._beat()
+        self._thread = threading.Thread(target=self._run, name="dtrain-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.heartbeat_s + 1)
+            self._thread = None
+
+    def set_phase(self, phase: str, step: int | None = None) -> None:
+        """Called by the main thread at each phase change; cheap (no I/O)."""
+        self.phase = phase
+        if step is not None:
+            self.step = step
+        self._phase_since = time.monotonic()
+
+    def report_failure(self, error: BaseException | str) -> None:
+        """Post this rank's failure so the others can name it. Never raises."""
+        if self.store is None:
+            return
+        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        record = {
+            "host": self.host,
+            "pid": os.getpid(),
+            "step": self.step,
+            "phase": self.phase,
+            "error": text.splitlines()[0][:400] if text else "",
+        }
+        try:
+            self.store.set(f"{_prefix()}failed/{self.rank}", json.dumps(record))
+        except Exception:
+            pass
+
+    def _beat(self) -> None:
+        assert self.store is not None
+        record = {
+            "host": self.host,
+            "pid": os.getpid(),
+            "step": self.step,
+            "phase": self.phase,
+            "time": time.time(),
+        }
+        self.store.set(f"{_prefix()}hb/{self.rank}", json.dumps(record))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                self._beat()
+            except Exception:
+                pass  # the store's host may be gone; a collective will tell
+            stalled = time.monotonic() - self._phase_since
+            if self.phase not in ("done", "idle") and stalled > 2 * self.timeout_s:
+                self._on_hang(
+                    f"rank {self.rank} ({self.host}, pid {os.getpid()}) made no "
+                    f"progress for {stalled:.0f}s in {self.phase} at step "
+                    f"{self.step}; {self.diagnose()}"
+                )
+                return
+
+    # -- the others ----------------------------------------------------------------------
+
+    def peers(self) -> dict[int, dict[str, Any] | None]:
+        """Latest beat of every other rank (None where none was ever seen)."""
+        out: dict[int, dict[str, Any] | None] = {}
+        if self.store is None:
+            return out
+        for rank in range(self.world_size):
+            if rank == self.rank:
+                continue
+            out[rank] = self._read(f"{_prefix()}hb/{rank}")
+        return out
+
+    def failures(self) -> dict[int, dict[str, Any]]:
+        out: dict[int, dict[str, Any]] = {}
+        if self.store is None:
+            return out
+        for rank in range(self.world_size):
+            record = self._read(f"{_prefix()}failed/{rank}")
+            if record is not None and rank != self.rank:
+                out[rank] = record
+        return out
+
+    def _read(self, key: str) -> dict[str, Any] | None:
+        """A record, or None when there is none; a store that cannot be reached raises."""
+        assert self.store is not None
+        if not self.store.check([key]):
+            return None
+        try:
+            return json.loads(self.store.get(key))
+        except ValueError:
+            return None
+
+    def diagnose(self) -> str:
+        """Who is missing, in words."""
+        if self.store is None:
+            return "no rendezvous store to ask which rank is missing"
+        try:
+            failed = self.failures()
+            beats = self.peers()
+        except Exception as exc:
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            return (
+                f"the rendezvous store is unreachable ({type(exc).__name__}: {first}); the "
+                "process hosting it (the launcher, or rank 0 under a plain launch) has died"
+            )
+        now = time.time()
+        stale_after = max(3 * self.heartbeat_s, 3.0)
+        parts = []
+        for rank, record in sorted(failed.items()):
+            parts.append(
+                f"rank {rank} ({record['host']}, pid {record['pid']}) failed at step "
+                f"{record['step']} in {record['phase']}: {record['error']}"
+            )
+        for rank, beat in sorted(beats.items()):
+            if rank in failed:
+                continue
+            if beat is None:
+                parts.append(f"rank {rank} never checked in")
+            elif now - beat["time"] > stale_after:
+                parts.append(
+                    f"rank {rank} ({beat['host']}, pid {beat['pid']}) stopped "
+                    f"responding: last heartbeat {now - beat['time']:.1f}s ago at step "
+                    f"{beat['step']} in {beat['phase']}"
+                )
+        if not parts:
+            return "every other rank is still beating (the failure may be in the network)"
+        return "; ".join(parts)
+
+    def peer_failure(self, error: BaseException) -> PeerFailure:
+        # Give a failing peer a moment to post its error (it may still be on its way out).
+        time.sleep(min(1.0, self.heartbeat_s))
+        text = str(error).strip()
+        cause = text.splitlines()[0] if text else type(error).__name__
+        cause = cause.split("] ", 1)[-1][:160]  # drop gloo's source location
+        return PeerFailure(
+            f"rank {self.rank} ({self.host}) at step {self.step} in {self.phase}: a collective "
+            f"failed: {self.diagnose()} (collective error: {cause})"
+        )
+
+
+def _exit_on_hang(message: str) -> None:
+    """Leave the diagnosis where the launcher reads a worker's failure, then end the process:
+    the main thread is stuck in native code and cannot raise."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        try:
+            with open(error_file, "w") as fh:
+                json.dump({"message": f"PeerFailure: {message}", "timestamp": int(time.time())}, fh)
+        except OSError:
+            pass
+    print(f"dtrain: error: {message}", file=sys.stderr, flush=True)
+    os._exit(3)

@@ -1,0 +1,148 @@
+"""Checkpoint commit, verification, corruption handling and retention (no processes needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtrain.errors import CheckpointError
+from dtrain.fault import checkpoint as ckpt
+
+
+def make_checkpointer(root: Path, **kwargs: int) -> ckpt.Checkpointer:
+    options = {"keep_last": 10, "keep_every": 0} | kwargs
+    return ckpt.Checkpointer(root, rank=0, world_size=1, log=lambda _: None, **options)
+
+
+def state(step: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "model.pt": {"w": torch.randn(64, 64, generator=g), "b": torch.zeros(3)},
+        "train_state.pt": {"trainer": {"step": step}, "data": {"consumed": step * 8}},
+    }
+
+
+def save(c: ckpt.Checkpointer, step: int, blocking: bool = True) -> None:
+    c.save(step, state(step), {"step": step, "world_size": 1}, blocking=blocking)
+
+
+def test_commit_writes_marker_last_with_checksums(tmp_path: Path) -> None:
+    c = make_checkpointer(tmp_path)
+    save(c, 5)
+    folder = tmp_path / "step-00000005"
+    marker = json.loads((folder / "COMMITTED.json").read_text())
+    assert set(marker["files"]) == {"model.pt", "train_state.pt", "meta.json"}
+    ckpt.verify_checkpoint(folder)
+    loaded = ckpt.load_file(folder, "model.pt")
+    assert torch.equal(loaded["w"], state(5)["model.pt"]["w"])  # type: ignore[index]
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_async_save_is_the_snapshot_not_the_later_state(tmp_path: Path) -> None:
+    c = make_checkpointer(tmp_path)
+    weights = {"w": torch.ones(256, 256)}
+    c.save(3, {"model.pt": weights}, {"step": 3}, blocking=False)
+    weights["w"].add_(1.0)  # training goes on changing the live tensors
+    assert c.wait() is None
+    assert torch.equal(
+        ckpt.load_file(tmp_path / "step-00000003", "model.pt")["w"], torch.ones(256, 256)
+    )
+
+
+def corrupt(path: Path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "truncate":
+        path.write_bytes(bytes(data[: len(data) // 2]))
+    elif how == "zero-fill":
+        path.write_bytes(bytes(len(data)))
+    elif how == "bit-flip":
+        data[len(data) // 3] ^= 0x10
+        path.write_bytes(bytes(data))
+    elif how == "delete":
+        path.unlink()
+    elif how == "append":
+        path.write_bytes(bytes(data) + b"x")
+
+
+@pytest.mark.parametrize("how", ["truncate", "zero-fill", "bit-flip", "delete", "append"])
+@pytest.mark.parametrize("victim", ["model.pt", "train_state.pt", "meta.json", "COMMITTED.json"])
+def test_corrupted_newest_is_skipped_for_the_previous(
+    tmp_path: Path, how: str, victim: str
+) -> None:
+    c = make_checkpointer(tmp_path)
+    save(c, 10)
+    save(c, 20)
+    corrupt(tmp_path / "step-00000020" / victim, how)
+    chosen, skipped = ckpt.find_latest_valid(tmp_path)
+    assert chosen == tmp_path / "step-00000010"
+    assert [p.name for p, _ in skipped] == ["step-00000020"]
+    with pytest.raises(CheckpointError):
+        ckpt.verify_checkpoint(tmp_path / "step-00000020")
+
+
+def test_reason_names_the_bad_file(tmp_path: Path) -> None:
+    c = make_checkpointer(tmp_path)
+    save(c, 1)
+    corrupt(tmp_path / "step-00000001" / "model.pt", "bit-flip")
+    with pytest.raises(CheckpointError, match=r"model\.pt fails its SHA-256 checksum"):
+        ckpt.verify_checkpoint(tmp_path / "step-00000001")
+
+
+def test_interrupted_saves_leave_nothing_that_loads(tmp_path: Path) -> None:
+    c = make_checkpointer(tmp_path)
+    save(c, 1)
+    for phase in ("write", "before_rename", "before_marker"):
+
+        def boom(p: str, phase: str = phase) -> None:
+            if p == phase:
+                raise RuntimeError(f"crash at {phase}")
+
+        c.fault_hook = boom
+        with pytest.raises(CheckpointError, match="not committed"):
+            save(c, 2)
+        chosen, _ = ckpt.find_latest_valid(tmp_path)
+        assert chosen == tmp_path / "step-00000001"
+        ckpt.remove_leftovers(tmp_path)  # what a kill -9 would have left (see chaos tests)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]
+
+
+def test_failed_background_save_is_reported_and_never_latest(tmp_path: Path) -> None:
+    c = make_checkpointer(tmp_path)
+    save(c, 1)
+    c.fault_hook = lambda phase: (
+        (_ for _ in ()).throw(OSError("disk full")) if phase == "before_marker" else None
+    )
+    save(c, 2, blocking=False)
+    error = c.wait()
+    assert error is not None and "disk full" in error
+    assert ckpt.find_latest_valid(tmp_path)[0] == tmp_path / "step-00000001"
+
+
+def test_retention_keeps_last_k_and_every_m(tmp_path: Path) -> None:
+    c = make_checkpointer(tmp_path, keep_last=2, keep_every=30)
+    for step in range(10, 101, 10):
+        save(c, step)
+    assert ckpt.committed_steps(tmp_path) == [100, 90, 60, 30]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_loading_never_executes_code(tmp_path: Path) -> None:
+    class Evil:
+        def __reduce__(self) -> tuple[object, ...]:
+            return (os.system, ("echo pwned > " + str(tmp_path / "pwned"),))
+
+    folder = tmp_path / "step-00000001"
+    folder.mkdir()
+    torch.save({"x": Evil()}, folder / "model.pt")
+    with pytest.raises(CheckpointError, match="cannot be loaded"):
+        ckpt.load_file(folder, "model.pt")
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_missing_checkpoint_folder(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="does not exist"):
+        ckpt.verify_checkpoint(tmp_path / "step-00000009")

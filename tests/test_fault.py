@@ -1,0 +1,172 @@
+"""Fault tolerance inside the ranks: exact resume, preemption, NaN guard, hang detection."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dtrain.testing import RankFailed, run_ranks
+from tests.conftest import tiny_config
+from tests.dist_helpers import (
+    crash_then_resume,
+    losses_by_step,
+    raise_before_collective,
+    signal_self_at_step,
+    train_params,
+    train_with_nan,
+)
+
+
+def raw(run_dir: Path, **sections: dict[str, object]) -> dict[str, object]:
+    base: dict[str, dict[str, object]] = {
+        "train": {"steps": 16, "log_every": 1},
+        "checkpoint": {"every": 4},
+        "optim": {"name": "adamw", "lr": 3e-3, "warmup_steps": 2},
+    }
+    for name, values in sections.items():
+        base.setdefault(name, {}).update(values)
+    return tiny_config(run_dir, **base).to_dict()
+
+
+def assert_bit_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert np.array_equal(a[key], b[key]), key
+
+
+def test_resume_after_a_crash_is_bit_identical_with_dropout(tmp_path: Path) -> None:
+    task = {"dropout": 0.2}
+    reference = run_ranks(train_params, 2, raw(tmp_path / "ref", task=task))
+    crashed = run_ranks(crash_then_resume, 2, raw(tmp_path / "crash", task=task), 11)
+    assert crashed[0]["start_step"] == 8  # resumed from the last checkpoint before the crash
+    assert_bit_equal(reference[0], crashed[0]["params"])
+    assert_bit_equal(reference[1], crashed[1]["params"])
+    ref_losses = losses_by_step(str(tmp_path / "ref"))
+    assert losses_by_step(str(tmp_path / "crash")) == ref_losses  # RNG restored on every rank
+
+
+def test_async_checkpoint_equals_the_state_at_its_step(tmp_path: Path) -> None:
+    # A run that saves step 8 synchronously (the loop waits for the write) ...
+    sync_dir = tmp_path / "sync"
+    run_ranks(train_params, 2, raw(sync_dir, checkpoint={"every": 8, "async_save": False}))
+    # ... and one that saves it in the background while training goes on to step 16.
+    async_dir = tmp_path / "async"
+    run_ranks(train_params, 2, raw(async_dir, checkpoint={"every": 8, "async_save": True}))
+    import torch
+
+    for name in ("model.pt", "optimizer.pt"):
+        a = torch.load(sync_dir / "checkpoints/step-00000008" / name, weights_only=True)
+        b = torch.load(async_dir / "checkpoints/step-00000008" / name, weights_only=True)
+        flat_a, flat_b = _flatten(a), _flatten(b)
+        assert flat_a.keys() == flat_b.keys()
+        for key in flat_a:
+            assert torch.equal(flat_a[key], flat_b[key]), (name, key)
+
+
+def _flatten(tree: object, prefix: str = "") -> dict[str, object]:
+    import torch
+
+    out: dict[str, object] = {}
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            out.update(_flatten(v, f"{prefix}{k}/"))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            out.update(_flatten(v, f"{prefix}{i}/"))
+    elif isinstance(tree, torch.Tensor):
+        out[prefix] = tree
+    else:
+        out[prefix] = (
+            torch.tensor(float(tree)) if isinstance(tree, (int, float)) else torch.tensor(0.0)
+        )
+    return out
+
+
+def test_sigterm_saves_at_the_next_step_and_resume_is_bit_identical(tmp_path: Path) -> None:
+    reference = run_ranks(train_params, 2, raw(tmp_path / "ref"))
+    run_dir = tmp_path / "pre"
+    # SIGTERM reaches only rank 1; both ranks must stop at the same step.
+    stopped = run_ranks(signal_self_at_step, 2, raw(run_dir), 1, 6, "SIGTERM")
+    assert [s["preempted"] for s in stopped] == ["a peer's signal", "SIGTERM"]
+    assert stopped[0]["steps"] == stopped[1]["steps"] == 6
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "preempted"
+    assert (run_dir / "checkpoints/step-00000006/COMMITTED.json").exists()
+    resumed = run_ranks(train_params, 2, raw(run_dir))
+    assert_bit_equal(reference[0], resumed[0])
+
+
+def test_one_nan_step_is_skipped_on_every_rank(tmp_path: Path) -> None:
+    # The batch at stream position 40 (step 6 with a global batch of 8) is bad on rank 1 only.
+    out = run_ranks(train_with_nan, 2, raw(tmp_path / "nan"), [40], 1)
+    assert [o["skipped"] for o in out] == [1, 1]
+    assert [o["rollbacks"] for o in out] == [0, 0]
+    assert_bit_equal(out[0]["params"], out[1]["params"])  # the replicas stayed in step
+    assert all(np.isfinite(v).all() for v in out[0]["params"].values())
+
+
+def test_persistent_nan_rolls_back_and_never_sees_those_batches_again(tmp_path: Path) -> None:
+    run_dir = tmp_path / "nan"
+    config = raw(run_dir, fault={"nan_rollback_after": 3, "audit_sample_ids": True})
+    bad = [80, 88, 96]  # steps 11-13: three in a row after the checkpoint at step 8
+    out = run_ranks(train_with_nan, 2, config, bad, 0)
+    assert [o["rollbacks"] for o in out] == [1, 1]
+    assert out[0]["steps"] == 16 and out[0]["skipped"] == 3
+    assert all(np.isfinite(v).all() for v in out[0]["params"].values())
+    # The final trajectory never delivered the bad batches' samples and delivered each other
+    # sample of the stream it walked exactly once.
+    # Per rank, the last record of each step is the one the final trajectory kept.
+    starts_by_step: dict[int, set[int]] = {}
+    for rank in range(2):
+        last: dict[int, dict[str, object]] = {}
+        for line in (run_dir / f"sample_ids/rank{rank:05d}.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            last[record["step"]] = record
+        for step, record in last.items():
+            starts_by_step.setdefault(step, set()).add(int(record["start"]))  # type: ignore[call-overload]
+    assert all(len(v) == 1 for v in starts_by_step.values())  # ranks agree on every step
+    starts = sorted(next(iter(v)) for v in starts_by_step.values())
+    assert not set(bad) & set(starts)
+    assert starts == [s for s in range(0, 19 * 8, 8) if s not in bad][:16]
+
+
+def test_nan_without_a_checkpoint_to_roll_back_to_is_a_clear_error(tmp_path: Path) -> None:
+    config = raw(tmp_path / "nan", checkpoint={"every": 0}, fault={"nan_rollback_after": 2})
+    out = run_ranks(train_with_nan, 2, config, [16, 24], 0)
+    assert all("no checkpoint to roll back to" in o["error"] for o in out)
+
+
+def test_a_stopped_peer_is_named_within_the_timeout(tmp_path: Path) -> None:
+    config = raw(tmp_path / "hang", dist={"timeout_s": 5.0})
+    out = run_ranks(
+        signal_self_at_step,
+        2,
+        config,
+        1,
+        5,
+        "SIGSTOP",
+        timeout=90,
+        raise_on_failure=False,
+        collective_timeout=5.0,
+    )
+    survivor = out[0]
+    assert not isinstance(survivor, RankFailed), survivor
+    assert isinstance(out[1], RankFailed)  # the stopped rank never answered and was killed
+    assert "rank 1" in survivor["error"] and "stopped responding" in survivor["error"]
+    assert survivor["seconds"] < 10
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_an_exception_on_one_rank_fails_the_others_fast_naming_it(
+    tmp_path: Path, bad_rank: int
+) -> None:
+    config = raw(tmp_path / "boom", dist={"timeout_s": 5.0})
+    out = run_ranks(
+        raise_before_collective, 2, config, bad_rank, 4, timeout=40, collective_timeout=5.0
+    )
+    other = out[1 - bad_rank]
+    assert "injected failure before a collective" in out[bad_rank]["error"]
+    assert f"rank {bad_rank}" in other["error"] and "injected failure" in other["error"]
+    assert other["seconds"] < 2 * 5.0

@@ -1,0 +1,177 @@
+"""Faults through the real launcher (torch's elastic agent): kill -9 with restarts, a worker that
+always fails, SIGTERM to the launcher. Each kind runs once here; benchmarks/chaos.py runs many
+trials of each."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dtrain.fault.audit import check_stream, read_trajectory
+from dtrain.testing import children_of, worker_pids
+from tests.conftest import REPO
+
+SAMPLES = 64
+
+
+def write_config(
+    path: Path, run_dir: Path, task: str = "tests.tasks:tiny_gpt", **task_options: object
+) -> Path:
+    options = {"samples": SAMPLES, "slow_ms": 40} | task_options
+    lines = [
+        "[run]",
+        f'dir = "{run_dir}"',
+        f'task = "{task}"',
+        "[data]",
+        "global_batch_size = 8",
+        "[train]",
+        "steps = 20",
+        "log_every = 1",
+        "[eval]",
+        "every = 0",
+        "[checkpoint]",
+        "every = 4",
+        "[optim]",
+        'name = "adamw"',
+        "lr = 0.003",
+        "[fault]",
+        "audit_sample_ids = true",
+        "preempt_grace_s = 30",
+        "[dist]",
+        "timeout_s = 20",
+        "[task]",
+        *(f"{k} = {json.dumps(v)}" for k, v in options.items()),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def start(config: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "dtrain", "train", str(config), "--nproc", "2", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for_step(
+    run_dir: Path, step: int, proc: subprocess.Popen[str], timeout: float = 120
+) -> None:
+    deadline = time.monotonic() + timeout
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        if metrics.exists():
+            steps = [
+                json.loads(line).get("step", 0)
+                for line in metrics.read_text().splitlines()
+                if line.strip()
+            ]
+            if steps and max(steps) >= step:
+                return
+        time.sleep(0.02)
+    raise AssertionError(f"the run did not reach step {step} in {timeout}s")
+
+
+def final_params(run_dir: Path, step: int = 20) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / f"step-{step:08d}" / "model.pt", weights_only=True)
+
+
+def reference(tmp_path: Path) -> Path:
+    run_dir = tmp_path / "ref"
+    proc = start(write_config(tmp_path / "ref.toml", run_dir))
+    _out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    return run_dir
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    pa, pb = final_params(a), final_params(b)
+    assert pa.keys() == pb.keys()
+    for key in pa:
+        assert torch.equal(pa[key], pb[key]), key  # bit-identical
+    ta, tb = read_trajectory(a), read_trajectory(b)
+    assert {s: r.ids for s, r in ta.items()} == {s: r.ids for s, r in tb.items()}
+    audit = check_stream(tb, SAMPLES)
+    assert audit.exactly_once and not audit.gaps, audit
+
+
+def test_kill9_of_a_worker_restarts_and_ends_bit_identical(tmp_path: Path) -> None:
+    ref = reference(tmp_path)
+    run_dir = tmp_path / "chaos"
+    proc = start(write_config(tmp_path / "chaos.toml", run_dir), "--max-restarts", "3")
+    wait_for_step(run_dir, random.Random(os.getpid()).randint(3, 14), proc)
+    victim = random.choice(worker_pids(proc.pid))
+    os.kill(victim, signal.SIGKILL)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    # The group was restarted: from the newest committed checkpoint, or from scratch if the
+    # kill came before the first one committed.
+    assert (err + out).count("dtrain: training ddp on 2 rank(s)") == 2
+    assert_same_run(ref, run_dir)
+
+
+def test_a_worker_that_always_fails_stops_after_max_restarts(tmp_path: Path) -> None:
+    run_dir = tmp_path / "fail"
+    config = write_config(
+        tmp_path / "fail.toml",
+        run_dir,
+        task="tests.tasks:failing_gpt",
+        fail_rank=1,
+        fail_at_step=3,
+        slow_ms=0,
+    )
+    proc = start(config, "--max-restarts", "2")
+    _out, err = proc.communicate(timeout=240)
+    assert proc.returncode not in (0, None)
+    attempts = (run_dir / "attempts.log").read_text().split()
+    assert attempts[0::2].count("1") == 3  # rank 1 started exactly 3 times
+    assert "rank 1" in err and "injected failure at step 3" in err
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _processes_of(run_dir):
+        time.sleep(0.2)
+    assert not _processes_of(run_dir)
+
+
+def _processes_of(run_dir: Path) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                    if str(run_dir).encode() in fh.read():
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def test_sigterm_to_the_launcher_saves_exits_0_and_resumes_bit_identical(tmp_path: Path) -> None:
+    ref = reference(tmp_path)
+    run_dir = tmp_path / "preempt"
+    config = write_config(tmp_path / "pre.toml", run_dir)
+    proc = start(config)
+    wait_for_step(run_dir, 6, proc)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    assert time.monotonic() - sent < 30  # within the grace
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "preempted"
+    assert not children_of(proc.pid)
+    again = start(config)
+    out, err = again.communicate(timeout=240)
+    assert again.returncode == 0, err[-3000:]
+    assert f"resumed from step-{status['step']:08d}" in err + out
+    assert_same_run(ref, run_dir)
