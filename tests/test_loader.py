@@ -139,6 +139,25 @@ def test_loading_a_state_mid_iteration_drops_what_was_fetched_ahead(
     reference.close()
 
 
+def test_skipped_steps_are_jumped_over_inside_a_planning_chunk(
+    features: dict[int, ShardedDataset],
+) -> None:
+    # The loader plans 16 steps at once; a skipped range in the middle of a chunk must still
+    # be jumped over, and stay skipped after a resume.
+    dataset = features[101]
+    loader = make_loader(dataset, prefetch=0)
+    loader.skip(3 * GBS, 4 * GBS)
+    loader.skip(9 * GBS, 11 * GBS)
+    starts = [next(loader).plan.start for _ in range(10)]
+    expected = [s * GBS for s in (0, 1, 2, 4, 5, 6, 7, 8, 11, 12)]
+    assert starts == expected
+    resumed = make_loader(dataset, prefetch=0)
+    resumed.load_state_dict(make_loader(dataset).state_dict() | {"skipped": [[3 * GBS, 40]]})
+    assert [next(resumed).plan.start for _ in range(4)] == [0, GBS, 2 * GBS, 40]
+    loader.close()
+    resumed.close()
+
+
 def test_token_balanced_loader_resumes_exactly(tmp_path: Path) -> None:
     dataset = TokenSequences(ShardedDataset(write_sequences(tmp_path / "seq", 150)), max_len=64)
     lengths = dataset_lengths(dataset)
