@@ -4,6 +4,7 @@ caught with the file named -- truncation at open, corruption by ``verify`` and t
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -153,6 +154,18 @@ def test_random_access_touches_only_the_files_of_its_shard(tmp_path: Path) -> No
     assert dataset[317]["id"] == 317
     assert dataset.gather("x", [317, 317 - local]).shape == (2, 3, 4)
     assert {name.split(".")[0] for name in dataset._arrays} == {f"shard-{shard:05d}"}
+
+
+def test_pickling_does_not_copy_the_mapped_data(tmp_path: Path) -> None:
+    # DataLoader workers started by spawn/forkserver receive the dataset pickled.
+    out = write_features(tmp_path / "ds", 2000, shard_bytes=40_000)
+    dataset = ShardedDataset(out)
+    dataset.gather("x", np.arange(2000))  # maps every file
+    data_bytes = sum(p.stat().st_size for p in files_of(out))
+    blob = pickle.dumps(dataset)
+    assert len(blob) < data_bytes / 10
+    copy = pickle.loads(blob)
+    assert np.array_equal(copy.gather("x", [5, 1999]), dataset.gather("x", [5, 1999]))
 
 
 # -- atomic writes -------------------------------------------------------------------------
