@@ -41,9 +41,9 @@ def cache_root() -> Path:
     return Path(base) / "dtrain"
 
 
-def corpus_dir(root: Path | None = None) -> Path:
+def corpus_dir(root: Path | None = None, files: list[Path] | None = None) -> Path:
     """A folder name that changes when the corpus would (another Python, other files)."""
-    files = stdlib_files()
+    files = stdlib_files() if files is None else files
     digest = hashlib.sha256()
     for path in files:
         stat = path.stat()
@@ -54,7 +54,8 @@ def corpus_dir(root: Path | None = None) -> Path:
 
 def prepare_stdlib_corpus(root: Path | None = None) -> Path:
     """Prepared ``train`` and ``val`` datasets of the stdlib corpus; prepared on first use."""
-    out = corpus_dir(root)
+    files = stdlib_files()
+    out = corpus_dir(root, files)
     if (out / "train" / MANIFEST).exists() and (out / "val" / MANIFEST).exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
@@ -63,7 +64,6 @@ def prepare_stdlib_corpus(root: Path | None = None) -> Path:
         for leftover in out.glob(".*.tmp-*"):  # an interrupted earlier prepare
             shutil.rmtree(leftover, ignore_errors=True)
         base = stdlib_dir()
-        files = stdlib_files()
         splits = {
             "train": [f for f in files if not is_validation(str(f.relative_to(base)))],
             "val": [f for f in files if is_validation(str(f.relative_to(base)))],

@@ -12,6 +12,7 @@ sequence of batches does not depend on ``num_workers``.
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -22,10 +23,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from dtrain.data.partition import OrderSpec, StepPlan, eval_shard, plan_step
+from dtrain.data.partition import OrderSpec, StepPlan, eval_shard, plan_step, plan_steps
 from dtrain.errors import DataError
 
 Collate = Callable[[list[Any]], Any]
+PLAN_CHUNK = 16  # steps planned at once (a plan is a few KB: 16 are nothing to hold)
 
 
 @dataclass
@@ -42,10 +44,25 @@ class StepBatch:
 
 
 def fetch(dataset: Any, ids: Sequence[int] | np.ndarray) -> list[Any]:
+    """The samples ``ids``, through ``__getitems__`` when the dataset has it (as torch's
+    DataLoader does)."""
     getitems = getattr(dataset, "__getitems__", None)
     if getitems is not None:
-        return list(getitems(list(ids)))
+        return list(getitems([int(i) for i in ids]))
     return [dataset[int(i)] for i in ids]
+
+
+def fetch_batch(dataset: Any, ids: Sequence[int] | np.ndarray, collate_fn: Collate) -> Any:
+    """``collate_fn(fetch(dataset, ids))``. A dataset may offer ``fetch_collated(ids,
+    collate_fn)`` returning that same batch faster (one vectorized read instead of one call per
+    sample), or None to decline; :class:`~dtrain.data.shards.ShardedDataset` does for
+    fixed-size fields and torch's ``default_collate``."""
+    fast = getattr(dataset, "fetch_collated", None)
+    if fast is not None:
+        batch = fast(np.asarray(ids, dtype=np.int64), collate_fn)
+        if batch is not None:
+            return batch
+    return collate_fn(fetch(dataset, ids))
 
 
 def pin(batch: Any) -> Any:
@@ -69,13 +86,15 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 
 class _FetchDataset(torch.utils.data.Dataset[Any]):
-    """Lets a DataLoader worker fetch a whole micro-batch of ids in one call."""
+    """Lets a DataLoader worker fetch and collate a whole micro-batch in one call, through the
+    same :func:`fetch_batch` the in-process path uses, so both give the same batches."""
 
-    def __init__(self, dataset: Any) -> None:
+    def __init__(self, dataset: Any, collate_fn: Collate) -> None:
         self.dataset = dataset
+        self.collate_fn = collate_fn
 
     def __getitems__(self, ids: list[int]) -> list[Any]:
-        return fetch(self.dataset, ids)
+        return [fetch_batch(self.dataset, ids, self.collate_fn)]
 
     def __getitem__(self, index: int) -> Any:
         return self.dataset[index]
@@ -84,23 +103,29 @@ class _FetchDataset(torch.utils.data.Dataset[Any]):
         return len(self.dataset)
 
 
-class _PlanSampler(Sampler[list[int]]):
-    """Yields this rank's micro-batch id lists, step after step, from a start position."""
+def _only(items: list[Any]) -> Any:
+    """The DataLoader's collate step: the worker already collated (see _FetchDataset)."""
+    return items[0]
 
-    def __init__(self, plans: Callable[[], Iterator[StepPlan]], rank: int) -> None:
+
+class _PlanSampler(Sampler[list[int]]):
+    """Yields this rank's micro-batch id lists, step after step, from a start position; each
+    plan is also queued in ``planned`` so that the consumer pairs it with its micro-batches
+    without computing it again."""
+
+    def __init__(self, plans: Iterator[StepPlan], rank: int) -> None:
         self.plans = plans
         self.rank = rank
+        self.planned: collections.deque[StepPlan] = collections.deque()
 
     def __iter__(self) -> Iterator[list[int]]:
-        for plan in self.plans():
+        for plan in self.plans:
+            self.planned.append(plan)
             for ids in plan.ids[self.rank]:
                 yield ids.tolist()
 
     def __len__(self) -> int:  # an endless stream
         raise TypeError("the training stream has no length")
-
-
-_END = object()
 
 
 class RankLoader:
@@ -125,15 +150,20 @@ class RankLoader:
     ) -> None:
         if len(dataset) != order.num_samples:
             raise ValueError("order spec and dataset disagree on the number of samples")
+        if lengths is not None and len(lengths) != order.num_samples:
+            raise DataError(
+                f"sample_lengths() gives {len(lengths)} lengths for {order.num_samples} samples"
+            )
         if world_size * micro_batches > global_batch_size:
             raise DataError(
                 f"a global batch of {global_batch_size} samples cannot give "
-                f"{world_size} ranks x {micro_batches} micro-batches one sample each"
+                f"{world_size} ranks x {micro_batches} micro-batches one sample each; raise "
+                "data.global_batch_size or lower data.micro_batches"
             )
         if world_size > order.num_samples:
             raise DataError(
                 f"the dataset has {order.num_samples} samples, fewer than the "
-                f"{world_size} data-parallel ranks"
+                f"{world_size} data-parallel ranks; train on fewer ranks or on more data"
             )
         self.dataset = dataset
         self.order = order
@@ -151,40 +181,45 @@ class RankLoader:
         self.consumed = 0  # stream position after the last step handed out
         self.skipped: dict[int, int] = {}  # start -> end of stream ranges never delivered
         self._source: Iterator[StepBatch] | None = None
-        self._stop: threading.Event | None = None
+        self._halt: Callable[[], None] | None = None  # stops the prefetch thread
 
     # -- position ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
+        """The position (``consumed``) and what identifies the stream it counts in. Nothing
+        per rank: any world size can resume from it."""
         return {
             "consumed": self.consumed,
             "seed": self.order.seed,
             "num_samples": self.order.num_samples,
             "shuffle": self.order.shuffle,
+            "shuffle_window": self.order.window,
             "fingerprint": self.fingerprint,
             "skipped": [list(r) for r in sorted(self.skipped.items())],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key, mine in (
-            ("seed", self.order.seed),
-            ("num_samples", self.order.num_samples),
-            ("shuffle", self.order.shuffle),
-            ("fingerprint", self.fingerprint),
-        ):
+        """Resume at ``state["consumed"]``: O(1), the next plan is computed, not replayed.
+        Refuses a position that counts in a different stream, naming what differs."""
+        checks: list[tuple[str, str, Any]] = [
+            ("seed", "run.seed", self.order.seed),
+            ("num_samples", "the dataset size", self.order.num_samples),
+            ("fingerprint", "the dataset (fingerprint)", self.fingerprint),
+            ("shuffle", "data.shuffle", self.order.shuffle),
+        ]
+        if self.order.shuffle == "locality":
+            checks.append(("shuffle_window", "data.shuffle_window", self.order.window))
+        for key, what, mine in checks:
             theirs = state.get(key)
             if theirs != mine:
-                what = {
-                    "seed": "run.seed",
-                    "num_samples": "dataset size",
-                    "shuffle": "data.shuffle",
-                    "fingerprint": "dataset contents",
-                }[key]
                 raise DataError(
-                    f"cannot resume the data position: the checkpoint was made with "
-                    f"{what} {theirs!r}, this run has {mine!r}"
+                    f"cannot resume the data position: the checkpoint was made with {what} "
+                    f"{theirs!r}, this run has {mine!r}; use the same {what} or start a new run"
                 )
-        self.consumed = int(state["consumed"])
+        consumed = state.get("consumed")
+        if not isinstance(consumed, (int, np.integer)) or consumed < 0:
+            raise DataError(f"the checkpoint's data position {consumed!r} is not a count")
+        self.consumed = int(consumed)
         self.skipped = {int(a): int(b) for a, b in state.get("skipped", [])}
         self.reset()
 
@@ -225,9 +260,21 @@ class RankLoader:
         while True:
             while position in self.skipped:
                 position = self.skipped[position]
-            plan = self.plan(position)
-            yield plan
-            position = plan.end
+            # A few steps at a time: planning them together costs less per step.
+            for plan in plan_steps(
+                self.order,
+                position,
+                PLAN_CHUNK,
+                self.global_batch_size,
+                self.world_size,
+                self.micro_batches,
+                self.weights,
+                self.lengths,
+            ):
+                if plan.start in self.skipped:
+                    break  # plan again from the end of the skipped range
+                yield plan
+                position = plan.end
 
     # -- iteration -----------------------------------------------------------------------
 
@@ -243,16 +290,16 @@ class RankLoader:
 
     def reset(self) -> None:
         """Drop what was fetched ahead; the next step starts at ``consumed``."""
-        if self._stop is not None:
-            self._stop.set()
+        if self._halt is not None:
+            self._halt()
         self._source = None
-        self._stop = None
+        self._halt = None
 
     def close(self) -> None:
         self.reset()
 
     def _fetch_step(self, plan: StepPlan) -> StepBatch:
-        micro = [self.collate_fn(fetch(self.dataset, ids)) for ids in plan.ids[self.rank]]
+        micro = [fetch_batch(self.dataset, ids, self.collate_fn) for ids in plan.ids[self.rank]]
         if self.pin_memory:
             micro = [pin(m) for m in micro]
         return StepBatch(plan=plan, micro=micro, rank=self.rank)
@@ -265,24 +312,31 @@ class RankLoader:
         return self._thread_stream(start)
 
     def _thread_stream(self, start: int) -> Iterator[StepBatch]:
+        # Two C-level queues (SimpleQueue): fetched steps go one way, free places the other.
+        # The producer takes a place before each fetch, so it stays ``prefetch`` steps ahead;
+        # a handoff costs less than with queue.Queue, whose Python-level conditions cost
+        # tens of microseconds per step when the loop waits on the loader.
         stop = threading.Event()
-        self._stop = stop
-        buffer: queue.Queue[Any] = queue.Queue(maxsize=self.prefetch)
+        ready: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        places: queue.SimpleQueue[None] = queue.SimpleQueue()
+        for _ in range(self.prefetch):
+            places.put(None)
+
+        def halt() -> None:
+            stop.set()
+            places.put(None)  # wakes the producer if it waits for a place
+
+        self._halt = halt
 
         def produce() -> None:
             try:
                 for plan in self._plans(start):
-                    item = self._fetch_step(plan)
-                    while not stop.is_set():
-                        try:
-                            buffer.put(item, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
+                    places.get()
                     if stop.is_set():
                         return
+                    ready.put(self._fetch_step(plan))
             except BaseException as exc:  # handed to the consumer, raised at its next step
-                buffer.put(exc)
+                ready.put(exc)
 
         thread = threading.Thread(
             target=produce, name=f"dtrain-loader-rank{self.rank}", daemon=True
@@ -291,19 +345,21 @@ class RankLoader:
 
         def consume() -> Iterator[StepBatch]:
             while True:
-                item = buffer.get()
+                item = ready.get()
                 if isinstance(item, BaseException):
                     raise item
+                places.put(None)
                 yield item
 
         return consume()
 
     def _worker_stream(self, start: int) -> Iterator[StepBatch]:
+        sampler = _PlanSampler(self._plans(start), self.rank)
         loader = DataLoader(
-            _FetchDataset(self.dataset),
-            batch_sampler=_PlanSampler(lambda: self._plans(start), self.rank),
+            _FetchDataset(self.dataset, self.collate_fn),
+            batch_sampler=sampler,
             num_workers=self.num_workers,
-            collate_fn=self.collate_fn,
+            collate_fn=_only,
             pin_memory=self.pin_memory,
             prefetch_factor=max(1, self.prefetch) * self.micro_batches,
             persistent_workers=False,
@@ -311,11 +367,11 @@ class RankLoader:
         micro_iter = iter(loader)
 
         def regroup() -> Iterator[StepBatch]:
-            # The sampler walks the same pure plans in the same order, so recomputing each plan
-            # here pairs it with its micro-batches without passing anything between processes.
-            for plan in self._plans(start):
+            # The DataLoader yields micro-batches in sampler order, and the sampler queues each
+            # plan before yielding its first micro-batch, so the plan is there by now.
+            while True:
                 micro = [next(micro_iter) for _ in range(self.micro_batches)]
-                yield StepBatch(plan=plan, micro=micro, rank=self.rank)
+                yield StepBatch(plan=sampler.planned.popleft(), micro=micro, rank=self.rank)
 
         return regroup()
 
@@ -333,5 +389,5 @@ def eval_batches(
     total = len(dataset) if max_samples <= 0 else min(max_samples, len(dataset))
     mine = eval_shard(total, rank, world_size)
     for begin in range(mine.start, mine.stop, batch_size):
-        ids = list(range(begin, min(begin + batch_size, mine.stop)))
-        yield collate_fn(fetch(dataset, ids))
+        ids = np.arange(begin, min(begin + batch_size, mine.stop), dtype=np.int64)
+        yield fetch_batch(dataset, ids, collate_fn)

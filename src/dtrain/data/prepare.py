@@ -7,6 +7,7 @@ the write atomic. Text becomes byte-level tokens unless a tokenizer is given (Py
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,13 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from dtrain.data.shards import DEFAULT_SHARD_BYTES, FieldSpec, write_shards
+from dtrain.data.shards import (
+    DEFAULT_SHARD_BYTES,
+    FieldSpec,
+    ShardWriter,
+    to_field_array,
+    write_shards,
+)
 from dtrain.errors import DataError
 
 Tokenizer = Callable[[str], Sequence[int]]
@@ -26,8 +33,10 @@ def byte_tokens(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8)
 
 
-def _token_field(tokenizer: Tokenizer | None, vocab_size: int | None) -> FieldSpec:
-    if tokenizer is None:
+def _token_field(tokenized: bool, vocab_size: int | None) -> FieldSpec:
+    """Bytes for byte-level text; the narrowest type that holds the vocabulary for token ids
+    (uint32 when the vocabulary size is not given)."""
+    if not tokenized:
         return FieldSpec("uint8", None)
     if vocab_size is not None and vocab_size <= 2**16:
         return FieldSpec("uint16", None)
@@ -45,17 +54,23 @@ def _tokenize(text_or_bytes: str | bytes, tokenizer: Tokenizer | None) -> np.nda
 def list_text_files(
     source: Path, suffixes: Sequence[str] = TEXT_SUFFIXES, exclude_dirs: Sequence[str] = ()
 ) -> list[Path]:
-    """A folder's text files in a stable order (sorted relative paths)."""
+    """A folder's text files in a stable order (sorted by relative path, part by part).
+
+    Excluded folders are pruned during the walk, not filtered afterwards: the stdlib's
+    site-packages can hold far more files than the stdlib itself."""
     if source.is_file():
         return [source]
-    files = []
-    for path in sorted(source.rglob("*")):
-        rel = path.relative_to(source).parts
-        if any(part in exclude_dirs for part in rel[:-1]):
-            continue
-        if path.is_file() and path.suffix in suffixes:
-            files.append(path)
-    return files
+    excluded = set(exclude_dirs)
+    found: list[tuple[tuple[str, ...], Path]] = []
+    for dirpath, dirnames, filenames in os.walk(source):
+        dirnames[:] = [d for d in dirnames if d not in excluded]
+        rel_dir = Path(dirpath).relative_to(source).parts
+        for name in filenames:
+            path = Path(dirpath, name)
+            if path.suffix in suffixes and path.is_file():
+                found.append(((*rel_dir, name), path))
+    found.sort(key=lambda item: item[0])
+    return [path for _, path in found]
 
 
 def text_samples(
@@ -72,34 +87,52 @@ def text_samples(
 
 
 def jsonl_samples(
-    files: Sequence[Path], field: str, tokenizer: Tokenizer | None = None
+    files: Sequence[Path], field: str, tokenizer: Tokenizer | None = None, dtype: str = "uint8"
 ) -> Iterator[dict[str, np.ndarray]]:
     """One sample per JSON line: the tokens of its ``field`` (a string), or the field itself
-    when it is a list of token ids."""
+    when it is a list of token ids; ids that do not fit ``dtype`` are an error naming the line."""
     for path in files:
         with path.open("rb") as fh:
             for lineno, raw in enumerate(fh, start=1):
                 if not raw.strip():
                     continue
+                where = f"{path}:{lineno}"
                 try:
                     record = json.loads(raw)
                 except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                    raise DataError(f"{path}:{lineno}: not valid JSON ({exc})") from None
+                    raise DataError(f"{where}: not valid JSON ({exc})") from None
                 if not isinstance(record, dict) or field not in record:
                     keys = sorted(record) if isinstance(record, dict) else type(record).__name__
                     raise DataError(
-                        f"{path}:{lineno}: no field {field!r} (has {keys}); choose it with --field"
+                        f"{where}: no field {field!r} (has {keys}); choose it with --field"
                     )
                 value = record[field]
                 if isinstance(value, str):
-                    yield {"tokens": _tokenize(value, tokenizer)}
-                elif isinstance(value, list) and all(isinstance(v, int) for v in value):
-                    yield {"tokens": np.asarray(value, dtype=np.int64)}
+                    tokens = _tokenize(value, tokenizer)
+                elif isinstance(value, list) and all(
+                    isinstance(v, int) and not isinstance(v, bool) for v in value
+                ):
+                    tokens = np.asarray(value, dtype=np.int64)
                 else:
                     raise DataError(
-                        f"{path}:{lineno}: field {field!r} is "
+                        f"{where}: field {field!r} is "
                         f"{type(value).__name__}, expected text or a list of ints"
                     )
+                yield {"tokens": to_field_array(tokens, dtype, f"{where}, field {field!r}")}
+
+
+def first_jsonl_value(files: Sequence[Path], field: str) -> Any:
+    """The ``field`` of the first record, to choose the token dtype (None if there is none)."""
+    for path in files:
+        with path.open("rb") as fh:
+            for raw in fh:
+                if raw.strip():
+                    try:
+                        record = json.loads(raw)
+                    except (json.JSONDecodeError, UnicodeDecodeError):
+                        return None  # jsonl_samples reports it with its line number
+                    return record.get(field) if isinstance(record, dict) else None
+    return None
 
 
 def npy_arrays(source: Path) -> dict[str, np.ndarray]:
@@ -122,10 +155,26 @@ def npy_arrays(source: Path) -> dict[str, np.ndarray]:
     return arrays
 
 
-def npy_samples(arrays: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
+def write_npy(
+    arrays: dict[str, np.ndarray],
+    out: Path,
+    *,
+    shard_bytes: int,
+    overwrite: bool,
+    metadata: dict[str, Any],
+    progress: Callable[[int], object],
+    chunk_rows: int = 1 << 16,
+) -> Path:
+    """Rows of fixed-size arrays, copied a block at a time (no Python work per sample)."""
+    fields = {n: FieldSpec(str(a.dtype), tuple(a.shape[1:])) for n, a in arrays.items()}
     n = next(iter(arrays.values())).shape[0]
-    for i in range(n):
-        yield {name: np.asarray(a[i]) for name, a in arrays.items()}
+    with ShardWriter(
+        out, fields, shard_bytes=shard_bytes, overwrite=overwrite, metadata=metadata
+    ) as writer:
+        for begin in range(0, n, chunk_rows):
+            writer.write_rows({name: a[begin : begin + chunk_rows] for name, a in arrays.items()})
+            progress(min(chunk_rows, n - begin))
+    return writer.out_dir
 
 
 def parquet_samples(
@@ -147,12 +196,18 @@ def parquet_samples(
         missing = [c for c in names if c not in table_file.schema_arrow.names]
         if missing:
             raise DataError(f"{path}: no column(s) {missing} (has {table_file.schema_arrow.names})")
+        row_base = 0
         for batch in table_file.iter_batches(columns=names):
             data = batch.to_pydict()
             for row in range(batch.num_rows):
                 sample: dict[str, Any] = {}
                 for name in names:
                     value = data[name][row]
+                    if value is None:
+                        raise DataError(
+                            f"{path}: row {row_base + row}: column {name!r} is null; "
+                            "drop or fill nulls before preparing"
+                        )
                     if name == text_field and isinstance(value, (str, bytes)):
                         sample["tokens"] = _tokenize(value, tokenizer)
                     elif isinstance(value, (str, bytes)):
@@ -163,6 +218,35 @@ def parquet_samples(
                     else:
                         sample[name] = value
                 yield sample
+            row_base += batch.num_rows
+
+
+def _source_files(source: Path, suffixes: Sequence[str], kind: str) -> list[Path]:
+    files = list_text_files(source, suffixes)
+    if not files:
+        raise DataError(f"no {kind} files ({', '.join(suffixes)}) in {source}")
+    return files
+
+
+def _parquet_has_text(path: Path, text_field: str, columns: Sequence[str] | None) -> bool:
+    """Whether the text column that becomes tokens is among the columns read."""
+    if columns and text_field not in columns:
+        return False
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        schema = pq.read_schema(path)
+    except ImportError:
+        return False  # parquet_samples says how to install pyarrow
+    except Exception as exc:
+        raise DataError(f"{path} is not a readable Parquet file: {exc}") from None
+    if text_field not in schema.names:
+        return False
+    kind = schema.field(text_field).type
+    return bool(
+        pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind)
+    )
 
 
 def detect_format(source: Path) -> str:
@@ -198,27 +282,32 @@ def prepare(
         raise DataError(f"output folder {out} already exists; pass --overwrite to replace it")
     if fmt == "auto":
         fmt = detect_format(src)
+    token_field = _token_field(tokenizer is not None, vocab_size)
     fields: dict[str, FieldSpec] | None = None
-    samples: Iterator[dict[str, Any]]
+    samples: Iterator[dict[str, Any]] | None = None
+    arrays: dict[str, np.ndarray] | None = None
     total: int | None = None
     if fmt == "text":
         files = list_text_files(src)
         if not files:
             raise DataError(f"no text files ({', '.join(TEXT_SUFFIXES)}) in {src}")
         samples, total = text_samples(files, tokenizer), len(files)
-        fields = {"tokens": _token_field(tokenizer, vocab_size)}
+        fields = {"tokens": token_field}
     elif fmt == "jsonl":
-        files = list_text_files(src, (".jsonl", ".json"))
-        samples = jsonl_samples(files, field, tokenizer)
-        fields = {"tokens": _token_field(tokenizer, vocab_size)} if tokenizer is None else None
+        files = _source_files(src, (".jsonl", ".json"), "JSONL")
+        if tokenizer is None and isinstance(first_jsonl_value(files, field), list):
+            # Pre-tokenized ids: bytes would not hold them.
+            token_field = _token_field(True, vocab_size)
+        fields = {"tokens": token_field}
+        samples = jsonl_samples(files, field, tokenizer, token_field.dtype)
     elif fmt == "npy":
         arrays = npy_arrays(src)
         total = next(iter(arrays.values())).shape[0]
-        fields = {n: FieldSpec(str(a.dtype), tuple(a.shape[1:])) for n, a in arrays.items()}
-        samples = npy_samples(arrays)
     elif fmt == "parquet":
-        files = list_text_files(src, (".parquet",))
+        files = _source_files(src, (".parquet",), "Parquet")
         samples = parquet_samples(files, columns, field, tokenizer)
+        # Text columns become variable-length tokens; other columns' types are inferred.
+        fields = {"tokens": token_field} if _parquet_has_text(files[0], field, columns) else None
     else:
         raise DataError(f"unknown format {fmt!r}: expected one of {', '.join(FORMATS)}")
     bar = tqdm(
@@ -228,15 +317,26 @@ def prepare(
         disable=not show_progress,
         mininterval=0.5,
     )
+    metadata = {"source": str(src), "format": fmt}
     try:
+        if arrays is not None:
+            return write_npy(
+                arrays,
+                out,
+                shard_bytes=shard_bytes,
+                overwrite=overwrite,
+                metadata=metadata,
+                progress=bar.update,
+            )
+        assert samples is not None
         return write_shards(
             samples,
             out,
             fields=fields,
             shard_bytes=shard_bytes,
             overwrite=overwrite,
-            metadata={"source": str(src), "format": fmt},
-            progress=lambda n: bar.update(n),
+            metadata=metadata,
+            progress=bar.update,
         )
     finally:
         bar.close()

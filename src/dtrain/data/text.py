@@ -8,8 +8,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
@@ -30,6 +28,10 @@ class TokenWindows:
         self._token_starts = np.concatenate([[0], np.cumsum(shard_tokens)]).astype(np.int64)
         self.num_tokens = int(self._token_starts[-1])
         self._len = max(0, (self.num_tokens - 1) // seq_len)
+        # Windows per storage shard (by the shard of their first token), for the locality
+        # shuffle: it then reads a few shards at a time, as it does for any other dataset.
+        bounds = np.minimum(self._len, -(-self._token_starts // seq_len))
+        self.shard_sizes = tuple(int(n) for n in np.diff(bounds))
 
     @property
     def fingerprint(self) -> str:
@@ -60,9 +62,6 @@ class TokenWindows:
     def __getitems__(self, indices: list[int]) -> list[np.ndarray]:
         return [self[i] for i in indices]
 
-    def __getstate__(self) -> dict[str, Any]:
-        return self.__dict__.copy()
-
 
 class TokenSequences:
     def __init__(self, dataset: ShardedDataset, max_len: int, field: str = "tokens") -> None:
@@ -73,6 +72,7 @@ class TokenSequences:
         assert raw is not None
         # Target tokens per sample: a sequence of n tokens predicts n - 1 of them.
         self._lengths = np.clip(raw, 1, max_len + 1) - 1
+        self.shard_sizes = dataset.shard_sizes  # one sample per document, in storage order
 
     @property
     def fingerprint(self) -> str:

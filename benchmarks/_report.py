@@ -1,0 +1,85 @@
+"""Shared by the benchmark scripts: repeated timing, the machine's description, and writing a
+script's section of ``docs/benchmarks.md`` (between markers, so the scripts never touch each
+other's figures)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "benchmarks.md"
+HEADER = """# Benchmarks
+
+Every figure below was printed by a script in `benchmarks/`, which measures a baseline and
+dtrain side by side in one run and writes its own section here (between its markers). Rerun
+the command shown to refresh a section.
+"""
+
+
+def command_line() -> str:
+    """The command that reproduces this run, relative to the repository root."""
+    script = Path(sys.argv[0]).resolve()
+    try:
+        shown = str(script.relative_to(ROOT))
+    except ValueError:
+        shown = str(script)
+    return " ".join(["python", shown, *(shlex.quote(a) for a in sys.argv[1:])])
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import numpy
+    import torch
+
+    return (
+        f"{os.cpu_count()} CPU cores ({cpu}), Python {platform.python_version()}, "
+        f"torch {torch.__version__}, NumPy {numpy.__version__}"
+    )
+
+
+def median_rate(fn: Callable[[], int], repeats: int) -> tuple[float, list[float]]:
+    """Run ``fn`` (returns the items it processed) ``repeats`` times: median items/s and all."""
+    rates = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        items = fn()
+        rates.append(items / (time.perf_counter() - started))
+    return statistics.median(rates), rates
+
+
+def rss_anon_kib() -> int:
+    """Anonymous resident memory of this process (heap, stacks; not file-backed maps)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1])
+    raise RuntimeError("no RssAnon in /proc/self/status (Linux only)")
+
+
+def update_section(name: str, body: str) -> Path:
+    """Replace (or add) this script's section of docs/benchmarks.md."""
+    begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
+    section = f"{begin}\n{body.rstrip()}\n{end}"
+    text = DOC.read_text() if DOC.exists() else HEADER
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section, text)
+    else:
+        text = text.rstrip() + "\n\n" + section + "\n"
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    DOC.write_text(text)
+    return DOC
