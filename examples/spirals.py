@@ -63,8 +63,10 @@ def accuracy_report(model: nn.Module) -> str:
 def build(cfg: dtrain.Config) -> dtrain.Task:
     opts: SpiralOptions = cfg.task
     model = nn.Sequential(
-        nn.Linear(2, opts.hidden), nn.GELU(),
-        nn.Linear(opts.hidden, opts.hidden), nn.GELU(),
+        nn.Linear(2, opts.hidden),
+        nn.GELU(),
+        nn.Linear(opts.hidden, opts.hidden),
+        nn.GELU(),
         nn.Linear(opts.hidden, 3),
     )
     return dtrain.Task(

@@ -139,7 +139,9 @@ def run_ranks(
                 collective_timeout,
             ),
             name=f"rank{rank}",
-            daemon=True,
+            # Not daemonic, so a rank may start DataLoader workers; every rank is joined or
+            # killed before run_ranks returns.
+            daemon=False,
         )
         for rank in range(world_size)
     ]

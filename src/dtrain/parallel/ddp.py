@@ -22,7 +22,7 @@ def run_micro_batches(
 ) -> StepResult:
     """The data-parallel step: gradient sync only on the last micro-batch."""
     assert strategy.model is not None
-    total = torch.zeros((), device=strategy.runtime.device)
+    total: torch.Tensor | None = None
     last = len(micro_batches) - 1
     for index, (inputs, targets) in enumerate(micro_batches):
         ctx: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
@@ -31,7 +31,8 @@ def run_micro_batches(
         with ctx:
             loss_sum = loss_fn(strategy.model(inputs), targets).sum()
             (loss_sum * scale).backward()
-        total += loss_sum.detach()
+        total = loss_sum.detach() if total is None else total + loss_sum.detach()
+    assert total is not None, "a step has at least one micro-batch"
     return StepResult(loss_sum=total)
 
 
