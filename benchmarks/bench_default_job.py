@@ -47,7 +47,7 @@ def full_job(scratch: Path) -> dict[str, float]:
     if result.returncode != 0:
         raise SystemExit(f"the default job failed:\n{result.stderr[-3000:]}")
     summary = [r for r in records(run_dir) if r.get("kind") == "summary"][-1]
-    first_eval = [r for r in records(run_dir) if r.get("kind") == "train"][0]
+    first_eval = next(r for r in records(run_dir) if r.get("kind") == "train")
     return {
         "wall_s": wall,
         "val_loss": float(summary["val_loss"]),  # type: ignore[arg-type]
