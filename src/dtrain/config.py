@@ -76,7 +76,12 @@ class DataConfig:
         "variable-length data ('auto' picks by the data)",
     )
     num_workers: int = _opt(0, "DataLoader worker processes per rank", min=0)
-    prefetch: int = _opt(2, "batches fetched ahead of the step", min=0)
+    prefetch: int = _opt(
+        -1,
+        "steps fetched ahead on a background thread (-1 = 2 on GPU, 0 on CPU, where the thread "
+        "would compete with the step for the same cores)",
+        min=-1,
+    )
 
 
 @dataclass
