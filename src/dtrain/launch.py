@@ -127,6 +127,13 @@ def launch_workers(config_path: Path, opts: LaunchOptions, grace_s: float = 120.
         shutdown_timeout=int(grace_s),
     )
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    # The workers host a fresh key-value store every rendezvous round, instead of sharing the
+    # launcher's across rounds. Two reasons. (1) An elastic job must admit a machine that joins
+    # later; in torch 2.13 the c10d rendezvous's shared store breaks that: the node that was
+    # rank 0 before keeps its old bootstrap address and never publishes one for the new
+    # round, and the joining node waits for it until the rendezvous times out. (2) A fresh
+    # store per round can hold no stale keys of an earlier attempt (see runtime.py).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         elastic_launch(config, sys.executable)("-u", "-m", "dtrain.worker", str(config_path))
     except ChildFailedError as exc:

@@ -81,26 +81,38 @@ def env_int(name: str, default: int) -> int:
     return int(value) if value not in (None, "") else default
 
 
-def attempt_store(rank: int, timeout: datetime.timedelta) -> Any:
-    """The launcher's key-value store, with a namespace of this restart attempt's own.
+def store_hosted_by_launcher() -> bool:
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
-    torch's elastic agent keeps one store across restarts. Process groups made after the
-    default one (our checkpoint group) leave keys that a restarted attempt then reads as its
-    own, and its gloo mesh tries to connect to the dead processes of the attempt before
-    ("Connection refused"). A per-attempt prefix keeps every attempt's keys apart.
+
+def store_namespace() -> str:
+    """The key prefix of this attempt in the job's key-value store.
+
+    A store hosted by the launcher (torch's agent, plain ``torchrun``) outlives restarts:
+    process groups made after the default one (our checkpoint group, any 2-D mesh) leave keys
+    that a restarted attempt reads as its own, and its gloo mesh then tries to connect to the
+    dead processes of the attempt before ("Connection refused"). There, every restart attempt
+    gets its own prefix. ``dtrain train`` has the workers host a fresh store every round
+    instead (see launch.py), where no prefix is needed -- and where one would be wrong: the
+    restart count is per machine, and a machine that joins later counts from 0.
     """
+    if store_hosted_by_launcher():
+        return f"dtrain/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    return "dtrain/"
+
+
+def attempt_store(rank: int, timeout: datetime.timedelta) -> Any:
+    """The job's key-value store (MASTER_ADDR:MASTER_PORT) under :func:`store_namespace`."""
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = int(os.environ.get("MASTER_PORT", "29500"))
-    hosted_by_launcher = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(  # type: ignore[attr-defined]
         host,
         port,
-        is_master=not hosted_by_launcher and rank == 0,
+        is_master=not store_hosted_by_launcher() and rank == 0,
         timeout=timeout,
         wait_for_workers=False,
     )
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"/dtrain/attempt_{attempt}", store)  # type: ignore[attr-defined]
+    return dist.PrefixStore(store_namespace() + "pg", store)  # type: ignore[attr-defined]
 
 
 def init_runtime(cfg: DistConfig) -> Runtime:

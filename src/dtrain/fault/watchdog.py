@@ -31,8 +31,10 @@ import torch.distributed as dist
 
 
 def _prefix() -> str:
-    # Keys of an earlier attempt (before an elastic restart) must not be read as this one's.
-    return f"dtrain/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    # Keys of an earlier attempt (before a restart) must not be read as this one's.
+    from dtrain.runtime import store_namespace
+
+    return store_namespace() + "watchdog/"
 
 
 class PeerFailure(RuntimeError):
@@ -185,10 +187,13 @@ class Watchdog:
             failed = self.failures()
             beats = self.peers()
         except Exception as exc:
+            from dtrain.runtime import store_hosted_by_launcher
+
             first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            host = "the launcher" if store_hosted_by_launcher() else "rank 0"
             return (
-                f"the rendezvous store is unreachable ({type(exc).__name__}: {first}); the "
-                "process hosting it (the launcher, or rank 0 under a plain launch) has died"
+                f"the job's key-value store is unreachable ({type(exc).__name__}: {first}): "
+                f"{host}, which hosts it, has died"
             )
         now = time.time()
         stale_after = max(3 * self.heartbeat_s, 3.0)
