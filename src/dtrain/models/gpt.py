@@ -3,8 +3,9 @@
 Pre-norm transformer blocks with causal attention through
 ``F.scaled_dot_product_attention`` (the fused kernel where the device has one),
 a learned position embedding and an output head tied to the token embedding.
-The blocks live in ``self.blocks`` so that FSDP can wrap them one by one and the
-pipeline splitter can cut between them.
+The blocks live in ``self.blocks`` so that FSDP can wrap them one by one;
+``pipeline_layers()`` gives the model as the chain a pipeline cuts (embeddings, each
+block, norm + head).
 """
 
 from __future__ import annotations
@@ -103,6 +104,12 @@ class GPT(nn.Module):
             x = block(x)
         return self.head(self.ln_f(x))
 
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The model as a chain of layers for pipeline stages: embeddings, each block, norm +
+        head. The layers share this model's modules (no copies), so the chain computes exactly
+        ``self(idx)``."""
+        return [GPTEmbedding(self), *self.blocks, GPTHead(self)]
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
@@ -119,3 +126,26 @@ class GPT(nn.Module):
             nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
             idx = torch.cat([idx, nxt], dim=1)
         return idx
+
+
+class GPTEmbedding(nn.Module):
+    """The GPT's first pipeline layer: token + position embeddings."""
+
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+
+
+class GPTHead(nn.Module):
+    """The GPT's last pipeline layer: final norm and the (tied) output projection."""
+
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.ln_f, self.head = model.ln_f, model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
