@@ -173,6 +173,12 @@ class StrategyConfig:
         "pipeline: stage boundaries from measured layer times (exact partition), or equal "
         "layer counts",
     )
+    tensor_parallel: int = _opt(
+        0,
+        "tensor: ranks that split each layer (0 = all); world size / tensor_parallel copies "
+        "train data parallel",
+        min=0,
+    )
     data_parallel: Literal["replicate", "fsdp"] = _opt(
         "replicate",
         "pipeline: each stage's data-parallel copies are replicas (all-reduce) or FSDP shards",

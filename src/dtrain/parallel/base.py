@@ -228,4 +228,4 @@ def build_strategy(cfg: Config, runtime: Runtime) -> Strategy:
 def _load_builtin() -> None:
     # Imported for their @register side effect; kept here so the registry is complete
     # whichever module asks first.
-    from dtrain.parallel import allreduce, ddp, fsdp, pipeline  # noqa: F401
+    from dtrain.parallel import allreduce, ddp, fsdp, pipeline, tensor  # noqa: F401

@@ -46,6 +46,7 @@ from dtrain.balance.stages import StagePlan
 from dtrain.config import Config, validate_for_world
 from dtrain.errors import ConfigError, UserError
 from dtrain.parallel.base import LossFn, ShardedState, StepResult, Strategy, register
+from dtrain.parallel.grad_sync import average_gradients
 from dtrain.parallel.mesh import Mesh, MeshShape, build_mesh, mesh_shape
 from dtrain.parallel.split import (
     StageChain,
@@ -333,7 +334,7 @@ class PipelineStrategy(Strategy, ShardedState):
                 # A parameter this micro-batch did not reach: its copies must still agree.
                 param.grad = torch.zeros_like(param)
         if self.shape.dp > 1 and not self._fsdp:
-            _average(
+            average_gradients(
                 [p.grad for p in params if p.grad is not None],
                 self.data_parallel_group,
                 self.cfg.strategy.bucket_mb,
@@ -521,26 +522,3 @@ def _stack(micro_batches: Sequence[tuple[Any, Any]]) -> tuple[torch.Tensor, torc
                 "samples and data.balance = 'samples'"
             )
     return torch.cat(inputs), torch.cat(targets)
-
-
-def _average(grads: list[torch.Tensor], group: dist.ProcessGroup | None, bucket_mb: float) -> None:
-    """Average gradients over the data-parallel group, in flat buckets of at most
-    ``bucket_mb`` MiB (one collective per bucket, not per tensor)."""
-    size = dist.get_world_size(group)
-    limit = max(1, int(bucket_mb * 2**20))
-    bucket: list[torch.Tensor] = []
-    used = 0
-    for grad in [*grads, None]:
-        if grad is not None and (not bucket or used + grad.numel() * grad.element_size() <= limit):
-            bucket.append(grad)
-            used += grad.numel() * grad.element_size()
-            continue
-        if bucket:
-            flat = torch.cat([g.reshape(-1) for g in bucket])
-            dist.all_reduce(flat, group=group)
-            flat /= size
-            offset = 0
-            for g in bucket:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-        bucket, used = ([grad], grad.numel() * grad.element_size()) if grad is not None else ([], 0)
