@@ -1,5 +1,5 @@
 """What one rank holds: bytes of parameters + gradients + optimizer state, ``fsdp`` against
-``ddp`` (and the ``pipeline`` strategy beside them), on 2 and 4 ranks.
+``ddp`` (and the model-parallel strategies beside them), on 2 and 4 ranks.
 
 Each strategy wraps the same default GPT (built from the same seed) on every rank; one AdamW
 step on a real batch fills the gradients and the optimizer state. Then every rank counts the
@@ -7,6 +7,10 @@ bytes of the tensors it holds: its parameters (a DTensor counts its local shard)
 gradients, and every tensor of the optimizer state (AdamW: two moments per parameter and a
 step counter). ``ddp`` holds everything on every rank; ``fsdp`` should hold about 1/N of it
 (each tensor cut in N along its first dimension; the step counters are not sharded).
+
+``pipeline`` cuts the GPT's 5 layers (embeddings, 3 blocks, norm + head) into equal layer
+counts, so its stages differ in size, and both end stages hold the tied embedding/head weight;
+``tensor`` cuts the attention and MLP weights and replicates embeddings and norms.
 
 The counts are exact, so one measurement is the figure (no repeats are needed). What FSDP
 gathers transiently (one block's full parameters during its forward and backward) is not held
@@ -32,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import command_line, machine, update_section
 
 SECTION = "bench_sharding"
-STRATEGIES = ("ddp", "fsdp", "pipeline")
+STRATEGIES = ("ddp", "fsdp", "pipeline", "tensor")
 
 
 def local_bytes(tensor: torch.Tensor) -> int:
@@ -130,7 +134,7 @@ def main() -> None:
         load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
         body = "\n".join(
             [
-                "## Bytes per rank: fsdp vs ddp (and pipeline)",
+                "## Bytes per rank: fsdp vs ddp (and the model-parallel strategies)",
                 "",
                 f"`{command_line()}` on {time.strftime('%Y-%m-%d')}",
                 f"({machine()}; load average {load}):",

@@ -21,6 +21,7 @@ def train_and_report(raw: dict[str, Any]) -> dict[str, Any]:
         "dp": (strategy.data_parallel_rank, strategy.data_parallel_size),
         "val_loss": summary.val_loss,
         "train_loss": summary.train_loss,
+        "bounds": getattr(getattr(strategy, "plan", None), "bounds", None),
     }
     model = strategy.model_for_inference()
     if model is not None:

@@ -73,6 +73,8 @@ def test_two_stages_equal_one_process(
         train_and_report, 2, raw(tmp_path, strategy=pipeline(pipeline_schedule=schedule))
     )
     check_matches(single, ranks)
+    # Boundaries from layer times measured on each rank, averaged: the same plan everywhere.
+    assert ranks[0]["bounds"] == ranks[1]["bounds"] and len(ranks[0]["bounds"]) == 3
     # Each stage holds part of the model: together all of it, the tied weight on both ends.
     total = sum(v.nbytes for v in single["params"].values())
     assert ranks[0]["param_bytes"] < total and ranks[1]["param_bytes"] < total
@@ -213,3 +215,17 @@ def test_eval_batches_split_into_equal_micro_batches() -> None:
     assert eval_chunks(6, 4, 2, False) == 3
     assert eval_chunks(7, 4, 2, False) == 1
     assert eval_chunks(3, 8, 2, True) == 3
+
+
+def test_stage_boundaries_manual_uniform_and_past_the_last_layer() -> None:
+    from dtrain.parallel.stage_plan import choose_plan
+
+    layers = model_layers(
+        GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32))
+    )
+    manual = choose_plan(config(pipeline_boundaries=[1, 5]), layers, 3, None)
+    assert manual.bounds == (0, 1, 5, 6)
+    uniform = choose_plan(config(pipeline_balance="uniform"), layers, 4, None)
+    assert uniform.bounds == (0, 2, 4, 5, 6)
+    with pytest.raises(ConfigError, match=r"the model has only 6 layers"):
+        choose_plan(config(pipeline_boundaries=[3, 6]), layers, 3, None)
