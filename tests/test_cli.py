@@ -134,3 +134,29 @@ def test_worker_side_user_error_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert result.returncode == 2, result.stderr[-2000:]
     assert "rank 0: dataset folder /no/such/data/train does not exist" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_plain_torchrun_runs_the_worker_module(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    config = write_tiny_config(tmp_path / "tiny.toml", run_dir)
+    torchrun = Path(sys.executable).parent / "torchrun"
+    result = subprocess.run(
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "dtrain.worker",
+            str(config),
+            "--train.steps=4",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (run_dir / "checkpoints" / "step-00000004" / "COMMITTED.json").exists()
+    meta = json.loads((run_dir / "checkpoints" / "step-00000004" / "meta.json").read_text())
+    assert meta["world_size"] == 2

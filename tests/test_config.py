@@ -95,3 +95,12 @@ def test_override_parsing() -> None:
         parse_override("--a.b")
     with pytest.raises(ConfigError, match=r"section\.key"):
         parse_override("--steps=3")
+
+
+def test_docs_config_reference_is_up_to_date() -> None:
+    from dtrain.cli import options_markdown
+    from tests.conftest import REPO
+
+    assert (REPO / "docs" / "config.md").read_text() == options_markdown(), (
+        "docs/config.md is stale: run `dtrain config --markdown > docs/config.md`"
+    )

@@ -58,7 +58,7 @@ class RunConfig:
 @dataclass
 class DataConfig:
     global_batch_size: int = _opt(
-        32,
+        16,
         "samples per optimizer step, all ranks and micro-steps "
         "together; kept when the world size changes",
         min=1,
@@ -76,12 +76,17 @@ class DataConfig:
         "variable-length data ('auto' picks by the data)",
     )
     num_workers: int = _opt(0, "DataLoader worker processes per rank", min=0)
-    prefetch: int = _opt(2, "batches fetched ahead of the step", min=0)
+    prefetch: int = _opt(
+        -1,
+        "steps fetched ahead on a background thread (-1 = 2 on GPU, 0 on CPU, where the thread "
+        "would compete with the step for the same cores)",
+        min=-1,
+    )
 
 
 @dataclass
 class TrainConfig:
-    steps: int = _opt(600, "optimizer steps", min=1)
+    steps: int = _opt(700, "optimizer steps", min=1)
     grad_clip: float = _opt(1.0, "max global gradient norm (0 = no clipping)", min=0)
     log_every: int = _opt(10, "steps between metrics lines", min=1)
 
@@ -99,9 +104,14 @@ class OptimConfig:
 
 @dataclass
 class EvalConfig:
-    every: int = _opt(200, "steps between evaluations (0 = only at the end)", min=0)
+    every: int = _opt(250, "steps between evaluations (0 = only at the end)", min=0)
     batch_size: int = _opt(64, "samples per rank per evaluation batch", min=1)
-    max_samples: int = _opt(0, "evaluate on the first N validation samples (0 = all)", min=0)
+    max_samples: int = _opt(
+        512,
+        "periodic evaluations use the first N validation samples (0 = all); the final one "
+        "always uses the whole set",
+        min=0,
+    )
 
 
 @dataclass

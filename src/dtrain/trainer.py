@@ -253,7 +253,7 @@ class Trainer:
             ):
                 self.save_checkpoint(blocking=not cfg.checkpoint.async_save)
         if not summary.preempted:
-            summary.val_loss = self.evaluate(cfg.eval.max_samples)
+            summary.val_loss = self.evaluate()  # the whole validation set
         final_error = self.checkpointer.wait()
         if final_error:
             self.warn(final_error)

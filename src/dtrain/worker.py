@@ -70,8 +70,27 @@ def record_user_error(message: str) -> None:
             json.dump({"message": message, "timestamp": int(time.time())}, fh)
 
 
+def die_with_launcher() -> None:
+    """Ask the kernel to kill this worker when its launcher dies (Linux), so a launcher that is
+    killed outright (kill -9, a lost host) leaves no orphan worker training on alone."""
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the launcher died before the request took effect
+        os._exit(1)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    die_with_launcher()
     rank = os.environ.get("RANK", "0")
     try:
         train(load_worker_config(args))

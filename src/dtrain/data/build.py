@@ -45,6 +45,15 @@ def order_spec(dataset: Any, cfg: Config) -> OrderSpec:
     )
 
 
+def default_prefetch(requested: int, device: torch.device) -> int:
+    """Measured on the default job (2 CPU workers): a prefetch thread cost 20-25% of the
+    throughput, holding the GIL and a core the step needs. On a GPU the step runs on the device
+    and the thread hides the fetch and the pinned copy."""
+    if requested >= 0:
+        return requested
+    return 2 if device.type == "cuda" else 0
+
+
 def build_train_loader(
     task: Task, cfg: Config, strategy: Strategy, device: torch.device
 ) -> RankLoader:
@@ -67,7 +76,7 @@ def build_train_loader(
         collate_fn=task.collate_fn,
         lengths=lengths,
         num_workers=cfg.data.num_workers,
-        prefetch=cfg.data.prefetch,
+        prefetch=default_prefetch(cfg.data.prefetch, device),
         pin_memory=device.type == "cuda",
         fingerprint=dataset_fingerprint(dataset),
     )
