@@ -29,3 +29,10 @@ def train_and_report(raw: dict[str, Any]) -> dict[str, Any]:
         with torch.no_grad():
             out["logits"] = model(idx).numpy().copy()
     return out
+
+
+def resume_only(raw: dict[str, Any]) -> dict[str, Any]:
+    """Load the run folder's newest checkpoint, train nothing; the step and full parameters."""
+    trainer = make_trainer(raw)
+    trainer.resume()
+    return {"step": trainer.step, "params": params_of(trainer)}

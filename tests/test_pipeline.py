@@ -29,7 +29,7 @@ from dtrain.task import Task
 from dtrain.testing import run_ranks
 from tests.conftest import tiny_config
 from tests.dist_helpers import crash_then_resume, train_params
-from tests.pipeline_helpers import train_and_report
+from tests.pipeline_helpers import resume_only, train_and_report
 from tests.test_ddp import assert_params_close
 from tests.test_fault import assert_bit_equal
 
@@ -120,6 +120,12 @@ def test_checkpoint_resume_is_bit_identical(tmp_path: Path) -> None:
     assert_bit_equal(reference[0], crashed[0]["params"])
     files = sorted(p.name for p in (tmp_path / "crash/checkpoints/step-00000012/dcp").iterdir())
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one file set per stage
+    # Keyed by the full model's names, it loads at another layout with the same stages:
+    # 2 data-parallel copies of the 2 stages, each stage FSDP-sharded over its copies.
+    sections["strategy"].update(pipeline_stages=2, data_parallel="fsdp")
+    loaded = run_ranks(resume_only, 4, raw(tmp_path / "crash", **sections))[0]
+    assert loaded["step"] == 12
+    assert_bit_equal(reference[0], loaded["params"])
 
 
 # -- bad input -------------------------------------------------------------------------------

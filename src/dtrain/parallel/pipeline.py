@@ -67,6 +67,7 @@ from dtrain.parallel.stage_plan import (
     choose_plan,
     example_input,
 )
+from dtrain.runtime import Runtime
 from dtrain.task import Task
 
 INTERLEAVED = "interleaved-1f1b"
@@ -124,7 +125,7 @@ class PipelineStrategy(Strategy, ShardedState):
                 )
         check_boundaries(opts.pipeline_boundaries, shape.pp * stages_per_rank(cfg))
 
-    def __init__(self, cfg: Config, runtime: Any) -> None:
+    def __init__(self, cfg: Config, runtime: Runtime) -> None:
         super().__init__(cfg, runtime)
         self.shape: MeshShape = mesh_shape(cfg, runtime.world_size)
         self.mesh: Mesh | None = None

@@ -42,6 +42,7 @@ from dtrain.errors import ConfigError
 from dtrain.parallel.base import LossFn, ShardedState, StepResult, Strategy, register
 from dtrain.parallel.grad_sync import average_gradients
 from dtrain.parallel.split import meta_copy, shared_names, tie
+from dtrain.runtime import Runtime
 from dtrain.task import Task
 
 STYLES: dict[str, type[ParallelStyle]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
@@ -109,7 +110,7 @@ class TensorParallelStrategy(Strategy, ShardedState):
         degree = tensor_degree(cfg, world_size)
         validate_for_world(cfg, world_size // degree)
 
-    def __init__(self, cfg: Config, runtime: Any) -> None:
+    def __init__(self, cfg: Config, runtime: Runtime) -> None:
         super().__init__(cfg, runtime)
         self.degree = tensor_degree(cfg, runtime.world_size)
         self.mesh: DeviceMesh | None = None
