@@ -16,7 +16,8 @@ from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.models.gpt import GPT, GPTConfig
 from dtrain.parallel.base import strategy_class
-from dtrain.parallel.pipeline import PipelineStrategy, eval_chunks
+from dtrain.parallel.micro_batches import eval_chunks
+from dtrain.parallel.pipeline import PipelineStrategy
 from dtrain.parallel.split import (
     StageChain,
     model_layers,

@@ -44,10 +44,16 @@ from torch.distributed.tensor import DTensor
 
 from dtrain.balance.stages import StagePlan
 from dtrain.config import Config, validate_for_world
-from dtrain.errors import ConfigError, UserError
+from dtrain.errors import ConfigError
 from dtrain.parallel.base import LossFn, ShardedState, StepResult, Strategy, register
 from dtrain.parallel.grad_sync import average_gradients
 from dtrain.parallel.mesh import Mesh, MeshShape, build_mesh, mesh_shape
+from dtrain.parallel.micro_batches import (
+    batch_signature,
+    check_tensor,
+    eval_chunks,
+    stack_micro_batches,
+)
 from dtrain.parallel.split import (
     StageChain,
     TiedParameter,
@@ -80,15 +86,6 @@ _STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 def stages_per_rank(cfg: Config) -> int:
     interleaved = cfg.strategy.pipeline_schedule == INTERLEAVED
     return cfg.strategy.pipeline_virtual_stages if interleaved else 1
-
-
-def eval_chunks(rows: int, micro_batches: int, pp: int, interleaved: bool) -> int:
-    """Micro-batches for an evaluation batch of ``rows`` samples: the most (at most the
-    training count) that split it into equal parts, as the schedules need."""
-    for count in range(min(rows, micro_batches), 0, -1):
-        if rows % count == 0 and (not interleaved or count % max(1, count // pp) == 0):
-            return count
-    return 1
 
 
 @register("pipeline")
@@ -249,7 +246,7 @@ class PipelineStrategy(Strategy, ShardedState):
     def _schedule(self, kind: str, chunks: int, inputs: Any, targets: Any) -> Any:
         """The schedule (and stages) for this batch shape; made once per shape, since a
         stage's receive buffers have the shape of the first batch it sees."""
-        key = (kind, chunks, _signature(inputs), _signature(targets))
+        key = (kind, chunks, batch_signature(inputs), batch_signature(targets))
         if key in self._schedules:
             self._schedules.move_to_end(key)
             return self._schedules[key]
@@ -307,7 +304,7 @@ class PipelineStrategy(Strategy, ShardedState):
         if self.num_stages == 1:
             total = self._single_stage(micro_batches, scale)
         else:
-            inputs, targets = _stack(micro_batches)
+            inputs, targets = stack_micro_batches(micro_batches)
             total = self._run("train", len(micro_batches), inputs, targets)
         self._sync_gradients()
         return StepResult(loss_sum=total)
@@ -400,7 +397,7 @@ class PipelineStrategy(Strategy, ShardedState):
             (chain,) = self.chains.values()
             chain.train(self.unwrapped.training)
             return loss_fn(chain(inputs), targets).sum()
-        _check_tensor(inputs, "inputs")
+        check_tensor(inputs, "inputs")
         chunks = eval_chunks(
             inputs.shape[0],
             self.cfg.data.micro_batches,
@@ -492,34 +489,3 @@ class _Tie:
     fqn: str
     group: dist.ProcessGroup | None
     counted: bool
-
-
-def _signature(value: Any) -> tuple[Any, ...]:
-    if isinstance(value, torch.Tensor):
-        return (tuple(value.shape), value.dtype)
-    return (type(value).__name__,)
-
-
-def _check_tensor(value: Any, what: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise UserError(
-            f"strategy 'pipeline': the batch's {what} are a {type(value).__name__}; a pipeline "
-            "feeds its first stage one tensor (have Task.split_batch return tensors)"
-        )
-    return value
-
-
-def _stack(micro_batches: Sequence[tuple[Any, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's micro-batches as one batch (the schedule cuts it back into the same pieces
-    along dim 0). They must have equal shapes: each stage's buffers have one fixed shape."""
-    inputs = [_check_tensor(i, "inputs") for i, _ in micro_batches]
-    targets = [_check_tensor(t, "targets") for _, t in micro_batches]
-    for what, parts in (("inputs", inputs), ("targets", targets)):
-        shapes = {tuple(p.shape) for p in parts}
-        if len(shapes) > 1:
-            raise UserError(
-                f"strategy 'pipeline': the micro-batches of a step have {what} of different "
-                f"shapes {sorted(shapes)}; pipelining needs equal shapes: use fixed-length "
-                "samples and data.balance = 'samples'"
-            )
-    return torch.cat(inputs), torch.cat(targets)
