@@ -162,6 +162,37 @@ class StrategyConfig:
     reshard_after_forward: bool = _opt(
         True, "fsdp: free gathered parameters after forward (less memory, one more all-gather)"
     )
+    pipeline_stages: int = _opt(
+        0,
+        "pipeline: ranks per pipeline (0 = all); world size / pipeline_stages copies of the "
+        "pipeline train data parallel",
+        min=0,
+    )
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = _opt(
+        "1f1b", "pipeline: micro-batch schedule (data.micro_batches micro-batches per step)"
+    )
+    pipeline_virtual_stages: int = _opt(
+        2, "pipeline: model chunks per rank with the interleaved-1f1b schedule", min=1
+    )
+    pipeline_boundaries: list[int] = _opt(
+        [],
+        "pipeline: first layer of every stage but the first, e.g. [3, 6] (empty = balancer)",
+    )
+    pipeline_balance: Literal["profile", "uniform"] = _opt(
+        "profile",
+        "pipeline: stage boundaries from measured layer times (exact partition), or equal "
+        "layer counts",
+    )
+    tensor_parallel: int = _opt(
+        0,
+        "tensor: ranks that split each layer (0 = all); world size / tensor_parallel copies "
+        "train data parallel",
+        min=0,
+    )
+    data_parallel: Literal["replicate", "fsdp"] = _opt(
+        "replicate",
+        "pipeline: each stage's data-parallel copies are replicas (all-reduce) or FSDP shards",
+    )
 
 
 @dataclass

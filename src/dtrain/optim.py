@@ -23,15 +23,25 @@ def build_optimizer(
             continue
         (decay if param.dim() >= 2 else no_decay).append(param)
     groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": part, "weight_decay": weight_decay}
+        for params, weight_decay in ((decay, cfg.weight_decay), (no_decay, 0.0))
+        for part in _by_tensor_type(params)
     ]
-    groups = [g for g in groups if g["params"]]
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
     betas = (cfg.betas[0], cfg.betas[1])
     # foreach kernels: one launch for all tensors instead of one per tensor.
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, foreach=True)
+
+
+def _by_tensor_type(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """Parameters split by tensor type (plain tensors, DTensors), non-empty parts only: the
+    fused foreach kernels take one type per call, and tensor parallelism mixes them (cut
+    weights are DTensors, replicated ones plain)."""
+    parts: dict[type, list[nn.Parameter]] = {}
+    for param in params:
+        parts.setdefault(type(param.data), []).append(param)
+    return list(parts.values())
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:

@@ -225,15 +225,11 @@ class Trainer:
             # One small all-reduce: the global item count and whether any rank was asked to
             # stop. Agreeing here puts every rank's preemption on the same step.
             self.watchdog.set_phase("all_reduce(item count)")
-            agreed = torch.tensor(
-                [count, float(preempt.requested)], dtype=torch.float64, device=self.runtime.device
-            )
-            self.strategy.all_reduce_sum(agreed)
-            if agreed[1] > 0:
+            global_items, stop = self.strategy.agree_on_step(count, preempt.requested)
+            if stop:
                 self.loader.rewind(batch.plan.start)  # fetched, not trained on
                 summary.preempted = preempt.signal_name or "a peer's signal"
                 break
-            global_items = int(agreed[0])
             loss_sum, norm = self._train_step(micro, global_items)
             self.step += 1
             self.items_seen += global_items

@@ -141,33 +141,9 @@ def balance_layers(
 # -- models as chains of layers --------------------------------------------------------------
 
 
-class GPTEmbedding(nn.Module):
-    """The GPT's first pipeline layer: token + position embeddings."""
-
-    def __init__(self, model: GPT) -> None:
-        super().__init__()
-        self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
-
-
-class GPTHead(nn.Module):
-    """The GPT's last pipeline layer: final norm and the (tied) output projection."""
-
-    def __init__(self, model: GPT) -> None:
-        super().__init__()
-        self.ln_f, self.head = model.ln_f, model.head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.ln_f(x))
-
-
 def gpt_layers(model: GPT) -> list[nn.Module]:
-    """The GPT as the chain a pipeline cuts: embeddings, each block, norm + head. The layers
-    share the model's modules (no copies), so the chain computes exactly ``model(idx)``."""
-    return [GPTEmbedding(model), *model.blocks, GPTHead(model)]
+    """The GPT as the chain a pipeline cuts (see :meth:`GPT.pipeline_layers`)."""
+    return model.pipeline_layers()
 
 
 # -- measuring -------------------------------------------------------------------------------

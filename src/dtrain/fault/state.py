@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from dtrain import __version__
 from dtrain.errors import CheckpointError
@@ -48,6 +49,12 @@ def _load_sharded(strategy: ShardedState, optimizer: torch.optim.Optimizer, path
         if key.startswith("model.")
     }
     wanted = {key: tuple(value.shape) for key, value in template["model"].items()}
+    if dist.is_initialized():
+        # A rank may hold only part of the model (a pipeline stage): compare the checkpoint
+        # with what all ranks together hold.
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, wanted)
+        wanted = {key: shape for part in every for key, shape in part.items()}
     check_model_fits(wanted, saved, path)
     ckpt.load_sharded(path, template)
     strategy.load_sharded_state_dict(optimizer, template)

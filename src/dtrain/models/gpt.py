@@ -3,8 +3,9 @@
 Pre-norm transformer blocks with causal attention through
 ``F.scaled_dot_product_attention`` (the fused kernel where the device has one),
 a learned position embedding and an output head tied to the token embedding.
-The blocks live in ``self.blocks`` so that FSDP can wrap them one by one and the
-pipeline splitter can cut between them.
+The blocks live in ``self.blocks`` so that FSDP can wrap them one by one;
+``pipeline_layers()`` gives the model as the chain a pipeline cuts (embeddings, each
+block, norm + head).
 """
 
 from __future__ import annotations
@@ -31,20 +32,25 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
+        self.head_dim = cfg.d_model // cfg.n_head
+        # One projection for queries, keys and values, its outputs grouped by head (q, k, v
+        # of head 0, then of head 1, ...): cut into equal contiguous parts, as tensor
+        # parallelism cuts it, every part holds whole heads.
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, time, channels = x.shape
-        q, k, v = self.qkv(x).split(channels, dim=2)
-        shape = (batch, time, self.n_head, channels // self.n_head)
-        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        batch, time, _ = x.shape
+        # The head count comes from the projection's output: under tensor parallelism a rank
+        # computes only its own heads.
+        qkv = self.qkv(x).view(batch, time, -1, 3, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        y = y.transpose(1, 2).contiguous().view(batch, time, channels)
+        y = y.transpose(1, 2).reshape(batch, time, -1)
         return self.resid_dropout(self.proj(y))
 
 
@@ -103,6 +109,31 @@ class GPT(nn.Module):
             x = block(x)
         return self.head(self.ln_f(x))
 
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The model as a chain of layers for pipeline stages: embeddings, each block, norm +
+        head. The layers share this model's modules (no copies), so the chain computes exactly
+        ``self(idx)``."""
+        return [GPTEmbedding(self), *self.blocks, GPTHead(self)]
+
+    def tensor_parallel_plan(self, degree: int) -> dict[str, str]:
+        """Which linear maps tensor parallelism cuts, and how: in each block the attention's
+        heads and the MLP's hidden units are split over ``degree`` ranks (Megatron-style:
+        column-wise in, row-wise out, so each block needs one all-reduce forward and one
+        backward). Everything else is replicated."""
+        if self.cfg.n_head % degree or (4 * self.cfg.d_model) % degree:
+            raise ValueError(
+                f"n_head = {self.cfg.n_head} and 4 x d_model = {4 * self.cfg.d_model} must be "
+                f"multiples of the tensor-parallel degree {degree}"
+            )
+        plan: dict[str, str] = {}
+        for index in range(len(self.blocks)):
+            prefix = f"blocks.{index}"
+            plan[f"{prefix}.attn.qkv"] = "colwise"
+            plan[f"{prefix}.attn.proj"] = "rowwise"
+            plan[f"{prefix}.mlp.0"] = "colwise"
+            plan[f"{prefix}.mlp.2"] = "rowwise"
+        return plan
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
@@ -119,3 +150,26 @@ class GPT(nn.Module):
             nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
             idx = torch.cat([idx, nxt], dim=1)
         return idx
+
+
+class GPTEmbedding(nn.Module):
+    """The GPT's first pipeline layer: token + position embeddings."""
+
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+
+
+class GPTHead(nn.Module):
+    """The GPT's last pipeline layer: final norm and the (tied) output projection."""
+
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.ln_f, self.head = model.ln_f, model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))

@@ -139,6 +139,15 @@ class Strategy(ABC):
         overrides this to sum over stages as well.)"""
         return self.all_reduce_sum(tensor)
 
+    def agree_on_step(self, items: int, stop: bool) -> tuple[int, bool]:
+        """In one collective, what every rank must agree on before a step: the global item
+        count (each item counted once) and whether any rank was asked to stop. Data parallel:
+        one all-reduce over the data-parallel group, which is every rank. (A pipeline's
+        stages hold the same items and are not in one data-parallel group: it overrides.)"""
+        agreed = torch.tensor([items, float(stop)], dtype=torch.float64, device=self.runtime.device)
+        self.all_reduce_sum(agreed)
+        return int(agreed[0]), bool(agreed[1] > 0)
+
     def model_for_inference(self) -> nn.Module | None:
         """The model to run the task's after-training hook with on this rank, or None when
         this rank does not run it. Collective: every rank calls it. Default: the unwrapped
@@ -219,4 +228,4 @@ def build_strategy(cfg: Config, runtime: Runtime) -> Strategy:
 def _load_builtin() -> None:
     # Imported for their @register side effect; kept here so the registry is complete
     # whichever module asks first.
-    from dtrain.parallel import allreduce, ddp, fsdp  # noqa: F401
+    from dtrain.parallel import allreduce, ddp, fsdp, pipeline, tensor  # noqa: F401

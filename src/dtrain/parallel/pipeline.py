@@ -1,0 +1,491 @@
+"""``pipeline``: the model cut into consecutive stages on consecutive ranks, with torch's
+``torch.distributed.pipelining`` running the micro-batch schedule (GPipe, 1F1B or interleaved
+1F1B). With more ranks than stages, ``world / stages`` copies of the pipeline train data
+parallel on a 2-D mesh (:mod:`dtrain.parallel.mesh`); each stage's copies are replicas
+(gradients all-reduced) or FSDP shards.
+
+One step, on every rank::
+
+    micro-batches (the same on every stage of a pipeline) --stacked--> schedule.step
+        first stage: feeds the inputs      last stage: loss = loss_fn(out, tgt).sum() * scale
+        activations forward, gradients backward between neighbours (point-to-point)
+    data-parallel copies of a stage: average its gradients (or FSDP reduce-scatters them)
+    tied parameters (GPT: the embedding and the head, one at each end): sum their gradients
+    clip_grad_norm: squared norms summed over stages (a tied parameter counted once)
+
+The training math is one process's: the trainer's ``scale`` makes the summed loss of the whole
+global batch the mean, whichever stage or copy computes which part of it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+from torch.distributed.tensor import DTensor
+
+from dtrain.balance.stages import StagePlan
+from dtrain.config import Config, validate_for_world
+from dtrain.errors import ConfigError
+from dtrain.parallel.base import LossFn, ShardedState, StepResult, Strategy, register
+from dtrain.parallel.grad_sync import average_gradients
+from dtrain.parallel.mesh import Mesh, MeshShape, build_mesh, mesh_shape
+from dtrain.parallel.micro_batches import (
+    batch_signature,
+    check_tensor,
+    eval_chunks,
+    stack_micro_batches,
+)
+from dtrain.parallel.split import (
+    StageChain,
+    TiedParameter,
+    check_coverage,
+    local_parameters,
+    meta_copy,
+    model_layers,
+    prune_to_stages,
+    shared_names,
+    stage_entries,
+    tie,
+    tied_parameters,
+)
+from dtrain.parallel.stage_plan import (
+    check_boundaries,
+    check_stage_count,
+    choose_plan,
+    example_input,
+)
+from dtrain.runtime import Runtime
+from dtrain.task import Task
+
+INTERLEAVED = "interleaved-1f1b"
+_CACHED_SCHEDULES = 8  # distinct batch shapes kept (each holds receive buffers of its shape)
+# Optimizer state keyed by parameter name, not by position: each stage holds different
+# parameters, and a name means the same tensor at any pipeline or data-parallel layout.
+_STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def stages_per_rank(cfg: Config) -> int:
+    interleaved = cfg.strategy.pipeline_schedule == INTERLEAVED
+    return cfg.strategy.pipeline_virtual_stages if interleaved else 1
+
+
+@register("pipeline")
+class PipelineStrategy(Strategy, ShardedState):
+    """pipeline parallel (torch.distributed.pipelining), x data parallel on a 2-D mesh"""
+
+    @classmethod
+    def validate_config(cls, cfg: Config, world_size: int) -> None:
+        shape = mesh_shape(cfg, world_size)
+        validate_for_world(cfg, shape.dp)
+        opts, data = cfg.strategy, cfg.data
+        per_step = shape.dp * data.micro_batches
+        if data.global_batch_size % per_step:
+            raise ConfigError(
+                f"data.global_batch_size = {data.global_batch_size} does not split into "
+                f"{shape.dp} data-parallel copies x {data.micro_batches} micro-batches of "
+                "equal size: a pipeline sends activations of one fixed shape between stages; "
+                f"use a multiple of {per_step}"
+            )
+        if opts.pipeline_schedule == "1f1b" and data.micro_batches < shape.pp:
+            raise ConfigError(
+                f"data.micro_batches = {data.micro_batches} is fewer than the {shape.pp} "
+                "pipeline stages: 1F1B runs a micro-batch's backward as soon as it is through "
+                "the last stage, which needs one micro-batch in flight per stage; use "
+                f"data.micro_batches >= {shape.pp}, or pipeline_schedule = 'gpipe'"
+            )
+        if opts.pipeline_schedule == INTERLEAVED:
+            rounds = max(1, data.micro_batches // shape.pp)
+            if data.micro_batches % rounds:
+                raise ConfigError(
+                    f"data.micro_batches = {data.micro_batches}: interleaved 1F1B runs the "
+                    f"micro-batches in rounds of the {shape.pp} stages; use a multiple of "
+                    f"{shape.pp}, or at most {shape.pp}"
+                )
+        check_boundaries(opts.pipeline_boundaries, shape.pp * stages_per_rank(cfg))
+
+    def __init__(self, cfg: Config, runtime: Runtime) -> None:
+        super().__init__(cfg, runtime)
+        self.shape: MeshShape = mesh_shape(cfg, runtime.world_size)
+        self.mesh: Mesh | None = None
+        self.plan: StagePlan | None = None
+        self.num_stages = 1
+        self.chains: dict[int, StageChain] = {}  # stage index -> this rank's layers
+        self.tied: list[_Tie] = []  # parameters this rank shares with other stages
+        self._skeleton: nn.Module | None = None  # rank 0: the full model, on meta
+        self._ties: list[list[str]] = []
+        self._schedules: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+        self._loss_fn: LossFn | None = None
+        self._scale: torch.Tensor | None = None
+        self._losses: list[torch.Tensor] = []
+
+    # -- topology ------------------------------------------------------------------------
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.shape.coords(self.runtime.rank)[0]
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.shape.dp
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        return None if self.mesh is None else self.mesh.dp_group
+
+    @property
+    def pipeline_rank(self) -> int:
+        return self.shape.coords(self.runtime.rank)[1]
+
+    @property
+    def _fsdp(self) -> bool:
+        return self.cfg.strategy.data_parallel == "fsdp" and self.shape.dp > 1
+
+    @property
+    def lockstep_eval(self) -> bool:
+        return True
+
+    # -- set-up --------------------------------------------------------------------------
+
+    def setup(self, task: Task) -> None:
+        device = self.runtime.device
+        model = task.model
+        layers = model_layers(model)
+        self.num_stages = self.shape.pp * stages_per_rank(self.cfg) if self.shape.pp > 1 else 1
+        check_stage_count(self.num_stages, len(layers), model)
+        self.mesh = build_mesh(self.shape, self.runtime.rank, device)
+        model.to(device)
+        rows = self.cfg.data.global_batch_size // (self.shape.dp * self.cfg.data.micro_batches)
+        example = (
+            example_input(task.train_data, task.collate_fn, task.split_batch, rows, device)
+            if self._needs_example()
+            else None
+        )
+        self.plan = choose_plan(self.cfg, layers, self.num_stages, example)
+        all_chains = [StageChain(layers[r.start : r.stop]) for r in self.plan.stages()]
+        kept = [stage_entries(model, [chain]) for chain in all_chains]
+        check_coverage(model, kept)
+        if self.runtime.is_main:
+            self._skeleton = meta_copy(model)
+            self._ties = shared_names(model)
+        mine = list(range(self.pipeline_rank, self.num_stages, self.shape.pp))
+        self.chains = {s: all_chains[s] for s in mine}
+        my_entries = stage_entries(model, list(self.chains.values()))
+        self._setup_ties(tied_parameters(kept))
+        prune_to_stages(model, my_entries)
+        del all_chains, kept, layers
+        if self._fsdp:
+            self._shard()
+        self.module = model
+        self.model = model
+
+    def _needs_example(self) -> bool:
+        opts = self.cfg.strategy
+        return (
+            self.shape.pp > 1
+            and not opts.pipeline_boundaries
+            and opts.pipeline_balance == "profile"
+        )
+
+    def _setup_ties(self, tied: list[TiedParameter]) -> None:
+        """One process group per tied parameter and data-parallel copy, over the ranks whose
+        stages hold it (every rank takes part in making every group, in the same order)."""
+        for tie_info in tied:
+            ranks = sorted({s % self.shape.pp for s in tie_info.stages})
+            group = None
+            if len(ranks) > 1 and dist.is_initialized():
+                for dp_rank in range(self.shape.dp):
+                    members = [self.shape.rank_of(dp_rank, r) for r in ranks]
+                    made = dist.new_group(members)
+                    if self.runtime.rank in members:
+                        group = made
+            held = [i for i, s in enumerate(tie_info.stages) if s in self.chains]
+            if held:
+                # Counted once in the gradient norm: by the first stage that holds it.
+                counted = tie_info.stages[0] in self.chains
+                self.tied.append(_Tie(tie_info.fqns[held[0]], group, counted))
+
+    def _shard(self) -> None:
+        """FSDP over the data-parallel dimension, per layer then per stage (as ``fsdp``)."""
+        assert self.mesh is not None
+        for chain in self.chains.values():
+            for layer in chain.layers:
+                if any(True for _ in layer.parameters()):
+                    fully_shard(layer, mesh=self.mesh.dp_mesh)
+            fully_shard(chain, mesh=self.mesh.dp_mesh)
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.unwrapped.named_parameters()
+
+    # -- the step ------------------------------------------------------------------------
+
+    def _stage_loss(self, output: Any, target: Any) -> torch.Tensor:
+        assert self._loss_fn is not None
+        loss_sum = self._loss_fn(output, target).sum()
+        self._losses.append(loss_sum.detach())
+        return loss_sum if self._scale is None else loss_sum * self._scale
+
+    def _schedule(self, kind: str, chunks: int, inputs: Any, targets: Any) -> Any:
+        """The schedule (and stages) for this batch shape; made once per shape, since a
+        stage's receive buffers have the shape of the first batch it sees."""
+        key = (kind, chunks, batch_signature(inputs), batch_signature(targets))
+        if key in self._schedules:
+            self._schedules.move_to_end(key)
+            return self._schedules[key]
+        assert self.mesh is not None
+        stages: list[Any] = [
+            PipelineStage(
+                chain, index, self.num_stages, self.runtime.device, group=self.mesh.pp_group
+            )
+            for index, chain in self.chains.items()
+        ]
+        name = self.cfg.strategy.pipeline_schedule
+        if name == INTERLEAVED:
+            schedule: Any = ScheduleInterleaved1F1B(
+                stages, chunks, loss_fn=self._stage_loss, scale_grads=False
+            )
+        elif name == "1f1b" and kind == "train":
+            schedule = Schedule1F1B(stages[0], chunks, loss_fn=self._stage_loss, scale_grads=False)
+        else:  # GPipe; also every forward-only pass (all schedules run it the same way)
+            schedule = ScheduleGPipe(stages[0], chunks, loss_fn=self._stage_loss, scale_grads=False)
+        self._schedules[key] = schedule
+        if len(self._schedules) > _CACHED_SCHEDULES:
+            self._schedules.popitem(last=False)
+        return schedule
+
+    @property
+    def _has_first(self) -> bool:
+        return 0 in self.chains
+
+    @property
+    def _has_last(self) -> bool:
+        return self.num_stages - 1 in self.chains
+
+    def _run(self, kind: str, chunks: int, inputs: Any, targets: Any) -> torch.Tensor:
+        """One pass of the schedule; returns this rank's summed loss (0 without the loss)."""
+        for chain in self.chains.values():
+            chain.train(self.unwrapped.training)
+        schedule = self._schedule(kind, chunks, inputs, targets)
+        args = (inputs,) if self._has_first else ()
+        target = targets if self._has_last else None
+        self._losses.clear()
+        if kind == "train":
+            schedule.step(*args, target=target, return_outputs=False)
+        else:
+            schedule.eval(*args, target=target, return_outputs=False)
+        if not self._has_last:
+            return torch.zeros((), device=self.runtime.device)
+        # The first pass of a new shape also calls the loss on placeholder data (torch infers
+        # the gradient shapes that way): only the last `chunks` calls are the batch's.
+        return torch.stack(self._losses[-chunks:]).sum()
+
+    def forward_backward(
+        self, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, scale: torch.Tensor
+    ) -> StepResult:
+        self._loss_fn, self._scale = loss_fn, scale
+        if self.num_stages == 1:
+            total = self._single_stage(micro_batches, scale)
+        else:
+            inputs, targets = stack_micro_batches(micro_batches)
+            total = self._run("train", len(micro_batches), inputs, targets)
+        self._sync_gradients()
+        return StepResult(loss_sum=total)
+
+    def _single_stage(
+        self, micro_batches: Sequence[tuple[Any, Any]], scale: torch.Tensor
+    ) -> torch.Tensor:
+        """One stage (pipeline_stages = 1): plain data parallelism over the chain."""
+        (chain,) = self.chains.values()
+        chain.train(self.unwrapped.training)
+        total = torch.zeros((), device=self.runtime.device)
+        last = len(micro_batches) - 1
+        for index, (inputs, targets) in enumerate(micro_batches):
+            if isinstance(chain, FSDPModule):
+                chain.set_requires_gradient_sync(index == last)
+            loss_sum = self._stage_loss(chain(inputs), targets)
+            loss_sum.backward()
+            total = total + self._losses[-1]
+        return total
+
+    def _sync_gradients(self) -> None:
+        params = list(local_parameters(self.chains.values()))
+        for param in params:
+            if param.grad is None and param.requires_grad:
+                # A parameter this micro-batch did not reach: its copies must still agree.
+                param.grad = torch.zeros_like(param)
+        if self.shape.dp > 1 and not self._fsdp:
+            average_gradients(
+                [p.grad for p in params if p.grad is not None],
+                self.data_parallel_group,
+                self.cfg.strategy.bucket_mb,
+            )
+        for tied in self.tied:
+            if tied.group is not None:
+                grad = self.unwrapped.get_parameter(tied.fqn).grad
+                assert grad is not None
+                dist.all_reduce(
+                    grad.to_local() if isinstance(grad, DTensor) else grad, group=tied.group
+                )
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        skip = {id(self.unwrapped.get_parameter(t.fqn)) for t in self.tied if not t.counted}
+        grads = [
+            p.grad
+            for p in local_parameters(self.chains.values())
+            if p.grad is not None and id(p) not in skip
+        ]
+        locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        squares = torch.zeros((), dtype=torch.float32, device=self.runtime.device)
+        if locals_:
+            norms = torch._foreach_norm(locals_, 2.0)
+            squares = torch.stack([n.float() for n in norms]).square().sum()
+        if dist.is_initialized():
+            # Shards (FSDP) are disjoint over the whole mesh; replicas are equal, so summing
+            # over one pipeline gives the same number on every copy of it.
+            group = None if self._fsdp else self.mesh.pp_group if self.mesh else None
+            dist.all_reduce(squares, group=group)
+        norm = squares.sqrt()
+        if max_norm > 0:
+            coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            every = [p.grad for p in local_parameters(self.chains.values()) if p.grad is not None]
+            torch._foreach_mul_(
+                [g.to_local() if isinstance(g, DTensor) else g for g in every], coefficient
+            )
+        return norm
+
+    def all_reduce_loss(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The loss is computed on the last stage of every pipeline, and is 0 elsewhere: sum
+        over the world."""
+        if dist.is_initialized() and self.runtime.world_size > 1:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def agree_on_step(self, items: int, stop: bool) -> tuple[int, bool]:
+        # Every stage of a pipeline holds the same items: count them on its first stage only,
+        # and agree on stopping over the whole world, not just one data-parallel group.
+        counted = float(items) if self.pipeline_rank == 0 else 0.0
+        agreed = torch.tensor(
+            [counted, float(stop)], dtype=torch.float64, device=self.runtime.device
+        )
+        if dist.is_initialized() and self.runtime.world_size > 1:
+            dist.all_reduce(agreed)
+        return int(agreed[0]), bool(agreed[1] > 0)
+
+    @torch.no_grad()
+    def eval_loss(self, batch: tuple[Any, Any], loss_fn: LossFn) -> torch.Tensor:
+        inputs, targets = batch
+        self._loss_fn, self._scale = loss_fn, None
+        if self.num_stages == 1:
+            (chain,) = self.chains.values()
+            chain.train(self.unwrapped.training)
+            return loss_fn(chain(inputs), targets).sum()
+        check_tensor(inputs, "inputs")
+        chunks = eval_chunks(
+            inputs.shape[0],
+            self.cfg.data.micro_batches,
+            self.shape.pp,
+            self.cfg.strategy.pipeline_schedule == INTERLEAVED,
+        )
+        return self._run("eval", chunks, inputs, targets)
+
+    # -- state ---------------------------------------------------------------------------
+
+    def _full_state_pieces(self) -> list[dict[str, torch.Tensor]] | None:
+        """Every stage's tensors, full (unsharded) and on CPU, gathered to rank 0 (None on
+        the others). Collective."""
+        local: dict[str, torch.Tensor] = {}
+        for name, tensor in self.unwrapped.state_dict().items():
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            local[name] = full.detach().cpu()
+        if not dist.is_initialized() or self.runtime.world_size == 1:
+            return [local]
+        if self.data_parallel_rank != 0:
+            local = {}  # the first copy of the pipeline speaks for all
+        pieces: list[Any] | None = (
+            [None] * self.runtime.world_size if self.runtime.is_main else None
+        )
+        dist.gather_object(local, pieces, dst=0)
+        return pieces
+
+    def model_state_dict(self) -> dict[str, Any]:
+        """The full model's state on rank 0 (names as in the unsplit model), empty on the
+        others. Collective."""
+        pieces = self._full_state_pieces()
+        if pieces is None:
+            return {}
+        merged: dict[str, torch.Tensor] = {}
+        for piece in pieces:
+            merged.update(piece)
+        if self._skeleton is None:
+            return merged
+        order = list(self._skeleton.state_dict())
+        return {k: merged[k] for k in order if k in merged}
+
+    def load_model_state_dict(self, state: dict[str, Any]) -> None:
+        mine = {k: v for k, v in state.items() if k in self.unwrapped.state_dict()}
+        set_model_state_dict(
+            self.unwrapped, mine, options=StateDictOptions(full_state_dict=True, strict=True)
+        )
+
+    def model_for_inference(self) -> nn.Module | None:
+        """Rank 0 gets the whole trained model, on CPU (the other ranks: None). Collective."""
+        state = self.model_state_dict()
+        if self._skeleton is None:
+            return None
+        model = self._skeleton
+        model.load_state_dict(state, assign=True)
+        tie(model, self._ties)
+        return model
+
+    def sharded_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        model_state, optim_state = get_state_dict(self.unwrapped, optimizer, options=_STATE_OPTIONS)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def load_sharded_state_dict(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        set_state_dict(
+            self.unwrapped,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=_STATE_OPTIONS,
+        )
+
+    def parameter_bytes(self) -> int:
+        total = 0
+        for param in self.parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            total += local.numel() * local.element_size()
+        return total
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Tie:
+    """A parameter this rank shares with other stages: its name here, the group of its
+    holders (None when they are all on this rank) and whether this rank counts its norm."""
+
+    fqn: str
+    group: dist.ProcessGroup | None
+    counted: bool

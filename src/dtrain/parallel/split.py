@@ -1,0 +1,185 @@
+"""Cutting a model into pipeline stages, keeping the full model's parameter names.
+
+A model offers itself as a chain of layers -- ``model.pipeline_layers()`` (the built-in GPT:
+embeddings, each block, norm + head) or, for an ``nn.Sequential``, its children. A stage is a
+contiguous run of that chain (:class:`StageChain`). The layers share the model's modules, so a
+rank keeps the model object itself, *pruned* to the parameters and buffers its stages use
+(:func:`prune_to_stages`): its ``state_dict()`` then names every tensor as the full model does
+(``blocks.3.mlp.0.weight``), which is what checkpoints and the full-state gather key on.
+
+A parameter can be used by several stages: the GPT's output head shares the token embedding's
+weight, one at each end of the pipeline. Each of those stages holds its own copy, and
+:func:`tied_parameters` finds them so the strategy can sum their gradients (the copies then
+stay equal, as the one tensor of a single process does).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dtrain.errors import ConfigError
+
+
+def model_layers(model: nn.Module) -> list[nn.Module]:
+    """The model as a chain of layers, each taking the previous one's output."""
+    layers_of = getattr(model, "pipeline_layers", None)
+    if callable(layers_of):
+        layers = list(layers_of())
+    elif isinstance(model, nn.Sequential):
+        layers = list(model)
+    else:
+        raise ConfigError(
+            f"strategy.name = 'pipeline' cannot split {type(model).__name__} into stages: "
+            "expected an nn.Sequential, or a model with a pipeline_layers() method returning "
+            "its layers in order (each one's output the next one's input)"
+        )
+    if not layers or not all(isinstance(layer, nn.Module) for layer in layers):
+        raise ConfigError(
+            f"{type(model).__name__}.pipeline_layers() must return a non-empty list of "
+            "nn.Module layers"
+        )
+    return layers
+
+
+class StageChain(nn.Module):
+    """What one pipeline stage computes: its layers, in order."""
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One registered tensor of the full model: ``module.<name>`` at ``fqn``."""
+
+    fqn: str
+    module: nn.Module
+    name: str
+    tensor: torch.Tensor
+    is_parameter: bool
+
+
+def _entries(model: nn.Module) -> list[Entry]:
+    out = []
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for name, param in module._parameters.items():
+            if param is not None:
+                out.append(Entry(dot + name, module, name, param, True))
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                out.append(Entry(dot + name, module, name, buf, False))
+    return out
+
+
+def stage_entries(model: nn.Module, chains: Sequence[StageChain]) -> list[Entry]:
+    """The model's entries that the stages ``chains`` keep.
+
+    An entry is kept when its tensor is used by the chains and its module is one of theirs; a
+    tensor the chains use that no module of theirs registers (a wrapper layer re-registering a
+    parent's parameter) is kept wherever the model registers it."""
+    used = {id(t) for chain in chains for t in (*chain.parameters(), *chain.buffers())}
+    mine = {id(m) for chain in chains for m in chain.modules()}
+    entries = [e for e in _entries(model) if id(e.tensor) in used]
+    in_my_modules = {id(e.tensor) for e in entries if id(e.module) in mine}
+    return [e for e in entries if id(e.module) in mine or id(e.tensor) not in in_my_modules]
+
+
+def check_coverage(model: nn.Module, kept: Sequence[Sequence[Entry]]) -> None:
+    """Every parameter of the model must belong to some stage (else nothing would train it)."""
+    covered = {id(e.tensor) for stage in kept for e in stage}
+    for entry in _entries(model):
+        if entry.is_parameter and id(entry.tensor) not in covered:
+            raise ConfigError(
+                f"parameter {entry.fqn} of {type(model).__name__} is used by none of the "
+                "layers pipeline_layers() returns: every parameter must belong to a layer"
+            )
+
+
+def prune_to_stages(model: nn.Module, keep: Sequence[Entry]) -> None:
+    """Drop, in place, every parameter and buffer of ``model`` that is not in ``keep`` (they
+    belong to other ranks' stages); the rest keep their full-model names."""
+    kept = {(id(e.module), e.name) for e in keep}
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for name in [n for n, t in store.items() if t is not None]:
+                if (id(module), name) not in kept:
+                    del store[name]
+
+
+@dataclass(frozen=True)
+class TiedParameter:
+    """A parameter that several stages use: ``fqns[i]`` on stage ``stages[i]``."""
+
+    stages: tuple[int, ...]
+    fqns: tuple[str, ...]
+
+
+def tied_parameters(per_stage: Sequence[Sequence[Entry]]) -> list[TiedParameter]:
+    """Parameters kept by more than one stage, in a deterministic order (by first name)."""
+    seen: dict[int, list[tuple[int, str]]] = {}
+    for stage, entries in enumerate(per_stage):
+        for entry in entries:
+            if entry.is_parameter:
+                owners = seen.setdefault(id(entry.tensor), [])
+                if all(s != stage for s, _ in owners):
+                    owners.append((stage, entry.fqn))
+    tied = [
+        TiedParameter(tuple(s for s, _ in owners), tuple(f for _, f in owners))
+        for owners in seen.values()
+        if len(owners) > 1
+    ]
+    return sorted(tied, key=lambda t: t.fqns[0])
+
+
+# -- the full model on one rank ----------------------------------------------------------------
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose tensors are on the meta device (no memory): the skeleton a full
+    state is loaded into later. Tied parameters stay tied."""
+    memo: dict[int, object] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        empty = torch.empty_like(tensor, device="meta")
+        if isinstance(tensor, nn.Parameter):
+            empty = nn.Parameter(empty, requires_grad=tensor.requires_grad)
+        memo[id(tensor)] = empty
+    return copy.deepcopy(model, memo)
+
+
+def shared_names(model: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that are one tensor (e.g. a tied embedding and head)."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def tie(model: nn.Module, groups: Sequence[Sequence[str]]) -> None:
+    """Make each group of names one parameter again (the first one's)."""
+    for names in groups:
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, first)
+
+
+def local_parameters(chains: Iterable[nn.Module]) -> Iterator[nn.Parameter]:
+    """The distinct parameters of this rank's stages."""
+    seen: set[int] = set()
+    for chain in chains:
+        for param in chain.parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                yield param

@@ -1,0 +1,107 @@
+"""Where the pipeline cuts the model: manual boundaries, equal layer counts, or the stage
+balancer fed with layer times measured on this job's own devices."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import pairwise
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtrain.balance.profile import profile_layers
+from dtrain.balance.stages import StagePlan, balance_stages, plan_from_bounds, uniform_bounds
+from dtrain.config import Config
+from dtrain.errors import ConfigError
+
+
+def check_boundaries(boundaries: Sequence[int], num_stages: int) -> None:
+    """Manual boundaries as the config gives them: the first layer of stages 1..K-1."""
+    if not boundaries:
+        return
+    key = "strategy.pipeline_boundaries"
+    if len(boundaries) != num_stages - 1:
+        raise ConfigError(
+            f"{key} = {list(boundaries)} gives {len(boundaries) + 1} stages, but the job has "
+            f"{num_stages}: give the first layer of every stage but the first "
+            f"({num_stages - 1} numbers)"
+        )
+    if boundaries[0] < 1 or any(b <= a for a, b in pairwise(boundaries)):
+        raise ConfigError(
+            f"{key} = {list(boundaries)} must be strictly increasing and start at 1 or more: "
+            "every stage needs at least one layer"
+        )
+
+
+def check_stage_count(num_stages: int, num_layers: int, model: nn.Module) -> None:
+    if num_stages > num_layers:
+        raise ConfigError(
+            f"strategy.pipeline_stages: {num_stages} pipeline stages, but "
+            f"{type(model).__name__} has only {num_layers} layers to split; use at most "
+            f"{num_layers} stages (every stage needs a layer)"
+        )
+
+
+def choose_plan(
+    cfg: Config,
+    layers: Sequence[nn.Module],
+    num_stages: int,
+    example: Any,
+    group: dist.ProcessGroup | None = None,
+) -> StagePlan:
+    """The stage boundaries. Collective when profiling: every rank measures the chain and the
+    times are averaged over ``group`` (default: the world), so that every rank computes the
+    same plan from the same numbers."""
+    opts = cfg.strategy
+    n = len(layers)
+    if opts.pipeline_boundaries:
+        bounds = [0, *opts.pipeline_boundaries, n]
+        if bounds[-2] >= n:
+            raise ConfigError(
+                f"strategy.pipeline_boundaries = {opts.pipeline_boundaries}: the model has "
+                f"only {n} layers (0 to {n - 1}); every stage needs at least one"
+            )
+        return plan_from_bounds([1.0] * n, bounds)
+    if opts.pipeline_balance == "uniform" or num_stages == 1:
+        return plan_from_bounds([1.0] * n, uniform_bounds(n, num_stages))
+    seconds = measure_layers(layers, example, group)
+    return balance_stages(seconds, num_stages)
+
+
+def measure_layers(
+    layers: Sequence[nn.Module], example: Any, group: dist.ProcessGroup | None
+) -> list[float]:
+    """Forward+backward seconds of each layer, averaged over the ranks of ``group``. The
+    measurement leaves no trace: RNG states, buffers (e.g. batch-norm statistics) and
+    gradients are as they were."""
+    if not isinstance(example, torch.Tensor):
+        raise ConfigError(
+            "strategy.pipeline_balance = 'profile' needs the model's input to be one tensor; "
+            "give strategy.pipeline_boundaries, or use pipeline_balance = 'uniform'"
+        )
+    buffers = [(b, b.detach().clone()) for layer in layers for b in layer.buffers()]
+    devices = [example.device] if example.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        profiles = profile_layers(layers, example)
+    with torch.no_grad():
+        for buf, saved in buffers:
+            buf.copy_(saved)
+    for layer in layers:
+        for param in layer.parameters():
+            param.grad = None
+    seconds = torch.tensor([p.seconds for p in profiles], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(seconds, group=group)
+        seconds /= dist.get_world_size(group)
+    return [float(s) for s in seconds]
+
+
+def example_input(task_data: Any, collate: Any, split: Any, rows: int, device: Any) -> Any:
+    """One micro-batch of inputs (the first ``rows`` training samples), for profiling."""
+    from dtrain.data.loader import to_device
+
+    samples = [task_data[i] for i in range(min(rows, len(task_data)))]
+    inputs, _ = split(collate(samples))
+    return to_device(inputs, device)

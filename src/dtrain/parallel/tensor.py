@@ -1,0 +1,255 @@
+"""``tensor``: tensor parallelism with ``torch.distributed.tensor.parallel`` -- each layer's
+weight matrices cut across ranks, Megatron-style (column-wise into a block, row-wise out of
+it, so a block costs one all-reduce in forward and one in backward).
+
+The model names what to cut: ``model.tensor_parallel_plan(degree)`` returns ``{module name:
+"colwise" | "rowwise"}`` (the built-in GPT: the attention's heads and the MLP's hidden units).
+The cut weights become ``DTensor`` shards; activations between the cut layers stay plain
+tensors (each style hands back its local output), as does every other parameter, replicated
+on every rank of the group. With more ranks than the degree, ``world / degree`` copies train
+data parallel on a 2-D mesh (gradients averaged over the copies).
+
+Checkpoints are sharded (DCP), by the full model's names: resharded on load, so a run saved at
+one degree resumes at another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from dtrain.config import Config, validate_for_world
+from dtrain.errors import ConfigError
+from dtrain.parallel.base import LossFn, ShardedState, StepResult, Strategy, register
+from dtrain.parallel.grad_sync import average_gradients
+from dtrain.parallel.split import meta_copy, shared_names, tie
+from dtrain.runtime import Runtime
+from dtrain.task import Task
+
+STYLES: dict[str, type[ParallelStyle]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+
+def tensor_degree(cfg: Config, world_size: int) -> int:
+    degree = cfg.strategy.tensor_parallel or world_size
+    if world_size % degree:
+        raise ConfigError(
+            f"strategy.tensor_parallel = {degree} does not divide the world size {world_size}: "
+            f"the mesh is data parallel x tensor parallel = {world_size} / {degree} x {degree}; "
+            f"use a divisor of {world_size}"
+        )
+    return degree
+
+
+def model_plan(model: nn.Module, degree: int) -> dict[str, ParallelStyle]:
+    plan_of = getattr(model, "tensor_parallel_plan", None)
+    if not callable(plan_of):
+        raise ConfigError(
+            f"strategy.name = 'tensor' cannot split {type(model).__name__}: expected a model "
+            "with a tensor_parallel_plan(degree) method returning {module name: 'colwise' | "
+            "'rowwise'} for the nn.Linear layers to cut"
+        )
+    try:
+        plan = dict(plan_of(degree))
+    except ValueError as exc:
+        raise ConfigError(f"strategy.tensor_parallel = {degree}: {exc}") from None
+    styles: dict[str, ParallelStyle] = {}
+    for name, style in plan.items():
+        module = model.get_submodule(name)
+        if not isinstance(module, nn.Linear) or style not in STYLES:
+            raise ConfigError(
+                f"{type(model).__name__}.tensor_parallel_plan: {name} = {style!r}; expected an "
+                "nn.Linear cut 'colwise' or 'rowwise'"
+            )
+        cut = module.out_features if style == "colwise" else module.in_features
+        if cut % degree:
+            raise ConfigError(
+                f"strategy.tensor_parallel = {degree}: {name} has {cut} features to cut "
+                f"{style}, not a multiple of {degree}"
+            )
+        styles[name] = STYLES[style]()
+    return styles
+
+
+def check_no_dropout(model: nn.Module) -> None:
+    """Every rank of a tensor-parallel group computes the replicated activations itself; with
+    dropout each would draw its own mask, and the copies would drift apart."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Dropout) and module.p > 0:
+            raise ConfigError(
+                f"strategy.name = 'tensor' needs a model without dropout, but {name} drops "
+                f"p = {module.p}: the ranks of a tensor-parallel group would draw different "
+                "masks for the activations they all hold; set the model's dropout to 0"
+            )
+
+
+@register("tensor")
+class TensorParallelStrategy(Strategy, ShardedState):
+    """tensor parallel (torch.distributed.tensor.parallel), x data parallel on a 2-D mesh"""
+
+    @classmethod
+    def validate_config(cls, cfg: Config, world_size: int) -> None:
+        degree = tensor_degree(cfg, world_size)
+        validate_for_world(cfg, world_size // degree)
+
+    def __init__(self, cfg: Config, runtime: Runtime) -> None:
+        super().__init__(cfg, runtime)
+        self.degree = tensor_degree(cfg, runtime.world_size)
+        self.mesh: DeviceMesh | None = None
+        self._skeleton: nn.Module | None = None
+        self._ties: list[list[str]] = []
+
+    # -- topology ------------------------------------------------------------------------
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.runtime.rank // self.degree
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.runtime.world_size // self.degree
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        return None if self.mesh is None else self.mesh.get_group("dp")
+
+    @property
+    def _tp_group(self) -> dist.ProcessGroup | None:
+        return None if self.mesh is None else self.mesh.get_group("tp")
+
+    @property
+    def lockstep_eval(self) -> bool:
+        return True
+
+    # -- set-up --------------------------------------------------------------------------
+
+    def setup(self, task: Task) -> None:
+        device = self.runtime.device
+        model = task.model.to(device)
+        styles = model_plan(model, self.degree)
+        check_no_dropout(model)
+        if self.runtime.is_main:
+            self._skeleton = meta_copy(model)
+            self._ties = shared_names(model)
+        if dist.is_initialized():
+            shape = (self.data_parallel_size, self.degree)
+            self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=("dp", "tp"))
+            tp_mesh = self.mesh["tp"]
+            parallelize_module(model, tp_mesh, styles)
+        self.module = model
+        self.model = model
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.unwrapped.named_parameters()
+
+    # -- the step ------------------------------------------------------------------------
+
+    def _loss_sum(self, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
+        return loss_fn(self.unwrapped(inputs), targets).sum()
+
+    def forward_backward(
+        self, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, scale: torch.Tensor
+    ) -> StepResult:
+        total = torch.zeros((), device=self.runtime.device)
+        for inputs, targets in micro_batches:
+            loss_sum = self._loss_sum(inputs, targets, loss_fn)
+            (loss_sum * scale).backward()
+            total = total + loss_sum.detach()
+        if self.data_parallel_size > 1:
+            grads = [_local(p.grad) for p in self.parameters() if p.grad is not None]
+            average_gradients(grads, self.data_parallel_group, self.cfg.strategy.bucket_mb)
+        return StepResult(loss_sum=total)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        cut = [_local(g) for g in grads if _is_sharded(g)]
+        whole = [_local(g) for g in grads if not _is_sharded(g)]
+        device = self.runtime.device
+        squares = [_sum_of_squares(cut, device), _sum_of_squares(whole, device)]
+        if self._tp_group is not None:
+            # Cut gradients: each rank holds a part. Replicated ones are equal on every rank;
+            # MAX keeps their sum bit-identical everywhere, as the trainer's NaN guard needs.
+            dist.all_reduce(squares[0], group=self._tp_group)
+            norm = (squares[0] + squares[1]).sqrt()
+            dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=self._tp_group)
+        else:
+            norm = (squares[0] + squares[1]).sqrt()
+        if max_norm > 0:
+            coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_([*cut, *whole], coefficient)
+        return norm
+
+    @torch.no_grad()
+    def eval_loss(self, batch: tuple[Any, Any], loss_fn: LossFn) -> torch.Tensor:
+        inputs, targets = batch
+        return self._loss_sum(inputs, targets, loss_fn)
+
+    # -- state ---------------------------------------------------------------------------
+
+    def model_state_dict(self) -> dict[str, Any]:
+        """The full state on CPU, on rank 0 (empty on the others). Collective."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.unwrapped, options=options)
+
+    def load_model_state_dict(self, state: dict[str, Any]) -> None:
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.unwrapped, state, options=options)
+
+    def model_for_inference(self) -> nn.Module | None:
+        """Rank 0 gets the whole trained model as a plain module on CPU. Collective."""
+        state = self.model_state_dict()
+        if self._skeleton is None:
+            return None
+        self._skeleton.load_state_dict(state, assign=True)
+        tie(self._skeleton, self._ties)
+        return self._skeleton
+
+    def sharded_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        model_state, optim_state = get_state_dict(self.unwrapped, optimizer)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def load_sharded_state_dict(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        set_state_dict(
+            self.unwrapped,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+        )
+
+    def parameter_bytes(self) -> int:
+        return sum(_local(p).numel() * p.element_size() for p in self.parameters())
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _is_sharded(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, DTensor) and any(isinstance(p, Shard) for p in tensor.placements)
+
+
+def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm(tensors, 2.0)
+    return torch.stack([n.float() for n in norms]).square().sum()
