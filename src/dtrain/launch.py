@@ -181,5 +181,7 @@ def report_failure(exc: object, opts: LaunchOptions) -> int:
             f"  rank {rank} (pid {failure.pid}, exit code {failure.exitcode}): {first}",
             file=sys.stderr,
         )
-    user_errors = all(f.exitcode == USER_ERROR_EXIT_CODE for _, f in ordered) and ordered
-    return USER_ERROR_EXIT_CODE if user_errors else 1
+    # The root cause decides: a user error (exit 2) on the first rank to fail, whatever the
+    # others died of when the agent stopped them.
+    user_error = bool(ordered) and ordered[0][1].exitcode == USER_ERROR_EXIT_CODE
+    return USER_ERROR_EXIT_CODE if user_error else 1

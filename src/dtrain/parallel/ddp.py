@@ -38,6 +38,8 @@ def run_micro_batches(
 
 @register("ddp")
 class DDPStrategy(Strategy, BackwardSyncControl):
+    """torch DistributedDataParallel: replicated model, bucketed all-reduce in backward"""
+
     def setup(self, task: Task) -> None:
         self.module = task.model.to(self.runtime.device)
         if self.runtime.world_size > 1:
