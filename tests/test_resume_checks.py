@@ -1,0 +1,64 @@
+"""Resuming with something that does not fit: each gets one clear line and exit code 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.test_cli import run_cli, write_tiny_config
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    tmp = tmp_path_factory.mktemp("resume")
+    run_dir = tmp / "run"
+    config = write_tiny_config(tmp / "tiny.toml", run_dir)
+    result = run_cli("train", str(config), "--nproc", "1")
+    assert result.returncode == 0, result.stderr[-2000:]
+    return config, run_dir
+
+
+def test_a_different_config_is_refused_with_the_differing_keys(
+    finished_run: tuple[Path, Path],
+) -> None:
+    config, _ = finished_run
+    result = run_cli("train", str(config), "--nproc", "1", "--task.d_model=48", "--optim.lr=0.5")
+    assert result.returncode == 2
+    assert "was made with a different config" in result.stderr
+    assert "task.d_model: 32 -> 48" in result.stderr
+    assert "optim.lr: 0.005 -> 0.5" in result.stderr
+    assert "--force" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_forced_resume_of_a_different_model_lists_keys_and_shapes(
+    finished_run: tuple[Path, Path],
+) -> None:
+    config, _ = finished_run
+    result = run_cli("train", str(config), "--nproc", "1", "--task.d_model=48", "--force")
+    assert result.returncode == 2
+    assert "is from a different model" in result.stderr
+    assert "blocks.0.ln2.weight: checkpoint (32,), model (48,)" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_forced_resume_with_another_seed_says_which(finished_run: tuple[Path, Path]) -> None:
+    config, _ = finished_run
+    result = run_cli("train", str(config), "--nproc", "1", "--run.seed=7", "--force")
+    assert result.returncode == 2
+    assert "run.seed" in result.stderr and "0" in result.stderr and "7" in result.stderr
+
+
+def test_a_checkpoint_folder_that_does_not_exist(finished_run: tuple[Path, Path]) -> None:
+    config, run_dir = finished_run
+    missing = run_dir / "checkpoints" / "step-00000099"
+    result = run_cli("train", str(config), "--nproc", "1", "--resume", str(missing))
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"dtrain: error: checkpoint folder {missing} does not exist"
+
+
+def test_starting_afresh_over_checkpoints_needs_force(finished_run: tuple[Path, Path]) -> None:
+    config, _ = finished_run
+    result = run_cli("train", str(config), "--nproc", "1", "--resume", "never")
+    assert result.returncode == 2
+    assert "already holds checkpoints" in result.stderr
