@@ -130,6 +130,7 @@ class Trainer:
             log=self.log,
         )
         self._audit: Any = None
+        self._attempt = 0
 
     # -- logging -------------------------------------------------------------------------
 
@@ -211,6 +212,7 @@ class Trainer:
                 f"rank(s), {self.runtime.device.type}, {where}; run folder {self.run_dir}"
             )
         if cfg.fault.audit_sample_ids:
+            self._attempt = self._agree_attempt()
             audit_dir = self.run_dir / "sample_ids"
             audit_dir.mkdir(parents=True, exist_ok=True)
             self._audit = (audit_dir / f"rank{self.runtime.rank:05d}.jsonl").open("a")
@@ -347,11 +349,24 @@ class Trainer:
             f"{sum(e - s for s, e in bad)} samples of those steps will not be delivered again"
         )
 
+    def _agree_attempt(self) -> int:
+        """An id of this attempt that every rank shares and that grows from one attempt to the
+        next (rank 0's clock), so the audit can tell a re-run step from the first run."""
+        token = [time.time_ns()]
+        if dist.is_initialized():
+            dist.broadcast_object_list(token, src=0)
+        return int(token[0])
+
     def _audit_step(self, batch: StepBatch, *, applied: bool) -> None:
         if self._audit is None:
             return
         ids = [int(i) for micro in batch.ids for i in micro]
-        record = {"step": self.step, "start": batch.plan.start, "end": batch.plan.end}
+        record = {
+            "step": self.step,
+            "start": batch.plan.start,
+            "end": batch.plan.end,
+            "attempt": [self._attempt, self.rollbacks],
+        }
         self._audit.write(json.dumps({**record, "applied": applied, "ids": ids}) + "\n")
         self._audit.flush()
 

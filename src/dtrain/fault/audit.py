@@ -15,6 +15,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 @dataclass
@@ -26,29 +27,40 @@ class StepRecord:
 
 
 def read_trajectory(run_dir: Path) -> dict[int, StepRecord]:
-    """step -> what the final trajectory delivered at that step (all ranks)."""
+    """step -> what the final trajectory delivered at that step (all ranks).
+
+    Each record carries its attempt: ``[start time of the attempt, chosen by rank 0, rollbacks
+    so far]``. A step run again (after a restart, at any world size, or after a NaN rollback)
+    is taken from its newest attempt, with the records of every rank of that attempt -- so
+    the stale records of a rank that is gone after a world-size change are left out."""
     folder = Path(run_dir) / "sample_ids"
-    steps: dict[int, StepRecord] = {}
+    by_step: dict[int, dict[tuple[int, ...], list[dict[str, Any]]]] = {}
     for path in sorted(folder.glob("rank*.jsonl")):
-        last: dict[int, dict[str, object]] = {}
         for line in path.read_text().splitlines():
-            if line.strip():
-                record = json.loads(line)
-                last[int(record["step"])] = record
-        for step, record in last.items():
-            entry = steps.setdefault(
-                step,
-                StepRecord(step, int(record["start"]), int(record["end"])),  # type: ignore[call-overload]
-            )
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            attempt = tuple(int(a) for a in record.get("attempt", [0, 0]))
+            record["_file"] = path.name
+            by_step.setdefault(int(record["step"]), {}).setdefault(attempt, []).append(record)
+    steps: dict[int, StepRecord] = {}
+    for step, attempts in sorted(by_step.items()):
+        records = attempts[max(attempts)]
+        first = records[0]
+        entry = StepRecord(step, int(first["start"]), int(first["end"]))
+        seen_files: set[str] = set()
+        for record in records:
             if (entry.start, entry.end) != (record["start"], record["end"]):
                 raise ValueError(
-                    f"ranks disagree on step {step}: {path.name} has positions "
-                    f"{record['start']}-{record['end']}, another rank "
-                    f"{entry.start}-{entry.end}"
+                    f"ranks disagree on step {step}: {record['_file']} has positions "
+                    f"{record['start']}-{record['end']}, another rank {entry.start}-{entry.end}"
                 )
-            entry.ids.extend(record["ids"])  # type: ignore[arg-type]
-    for entry in steps.values():
+            if record["_file"] in seen_files:
+                raise ValueError(f"{record['_file']} has step {step} twice in one attempt")
+            seen_files.add(record["_file"])
+            entry.ids.extend(int(i) for i in record["ids"])
         entry.ids.sort()
+        steps[step] = entry
     return steps
 
 
