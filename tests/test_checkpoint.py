@@ -84,6 +84,22 @@ def test_corrupted_newest_is_skipped_for_the_previous(
         ckpt.verify_checkpoint(tmp_path / "step-00000020")
 
 
+@pytest.mark.parametrize("how", ["truncate", "delete"])
+def test_a_new_save_replaces_an_older_one_of_the_same_step(tmp_path: Path, how: str) -> None:
+    # Resume skipped a corrupted step-20 and went back to step-10; when the run reaches step 20
+    # again, its save must replace the corrupted folder, not be dropped in favour of it.
+    c = make_checkpointer(tmp_path)
+    save(c, 10)
+    save(c, 20)
+    corrupt(tmp_path / "step-00000020" / "model.pt", how)
+    newer = state(21)
+    c.save(20, newer, {"step": 20, "world_size": 1}, blocking=True)
+    assert ckpt.find_latest_valid(tmp_path)[0] == tmp_path / "step-00000020"
+    loaded = ckpt.load_file(tmp_path / "step-00000020", "model.pt")
+    assert torch.equal(loaded["w"], newer["model.pt"]["w"])  # type: ignore[index]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000010", "step-00000020"]
+
+
 def test_reason_names_the_bad_file(tmp_path: Path) -> None:
     c = make_checkpointer(tmp_path)
     save(c, 1)

@@ -346,9 +346,12 @@ class Checkpointer:
             listing.update(o.files)
         self._fault("before_rename")
         final = self.root / step_dir_name(step)
-        if final.exists():  # the same step saved twice (e.g. periodic + final): keep the first
-            shutil.rmtree(tmp, ignore_errors=True)
-            return
+        if final.exists():
+            # An older save of this step from another trajectory: one that resume skipped as
+            # corrupted, or one from before a NaN rollback or a --resume of an earlier step.
+            # This save holds the state the run has now, so it replaces the old one (keeping
+            # the old one would leave a corrupted or stale checkpoint as "latest").
+            self._discard(final)
         os.replace(tmp, final)
         _fsync_dir(self.root)
         self._fault("before_marker")
@@ -375,14 +378,20 @@ class Checkpointer:
         for step in steps:
             if step in keep:
                 continue
-            folder = self.root / step_dir_name(step)
-            (folder / MARKER).unlink(missing_ok=True)  # uncommit first
-            _fsync_dir(folder)
-            trash = self.root / f".trash-{folder.name}"
-            os.replace(folder, trash)
-            shutil.rmtree(trash, ignore_errors=True)
+            self._discard(self.root / step_dir_name(step))
             removed.append(step)
         return removed
+
+    def _discard(self, folder: Path) -> None:
+        """Delete a checkpoint folder, uncommitting it first, so that an interruption never
+        leaves a half-deleted folder that looks whole."""
+        (folder / MARKER).unlink(missing_ok=True)
+        _fsync_dir(folder)
+        trash = self.root / f".trash-{folder.name}"
+        if trash.exists():
+            shutil.rmtree(trash, ignore_errors=True)
+        os.replace(folder, trash)
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def warn_skipped(skipped: list[tuple[Path, str]], log: Callable[[str], None]) -> None:
