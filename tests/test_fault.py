@@ -158,6 +158,27 @@ def test_a_stopped_peer_is_named_within_the_timeout(tmp_path: Path) -> None:
     assert survivor["seconds"] < 10
 
 
+def test_a_killed_peer_is_named_as_gone(tmp_path: Path) -> None:
+    # kill -9: the peer's last heartbeat is still fresh, but its process is gone.
+    config = raw(tmp_path / "killed", dist={"timeout_s": 5.0})
+    out = run_ranks(
+        signal_self_at_step,
+        2,
+        config,
+        1,
+        5,
+        "SIGKILL",
+        timeout=90,
+        raise_on_failure=False,
+        collective_timeout=5.0,
+    )
+    survivor = out[0]
+    assert not isinstance(survivor, RankFailed), survivor
+    assert isinstance(out[1], RankFailed)
+    assert "rank 1" in survivor["error"] and "died: its process is gone" in survivor["error"]
+    assert survivor["seconds"] < 5
+
+
 @pytest.mark.parametrize("bad_rank", [0, 1])
 def test_an_exception_on_one_rank_fails_the_others_fast_naming_it(
     tmp_path: Path, bad_rank: int
