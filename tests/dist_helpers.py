@@ -198,3 +198,15 @@ def raise_before_collective(raw: dict[str, Any], bad_rank: int, step: int) -> di
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.time() - started}
     return {"error": None}
+
+
+def threads_left_by_worker_train(raw: dict[str, Any]) -> list[str]:
+    """Run ``dtrain.worker.train`` (as a worker process does) and list the ``dtrain-*`` threads
+    still alive when it has returned."""
+    import threading
+
+    from dtrain.worker import train
+
+    factory = resolve_task(raw["run"]["task"])
+    train(build_config(raw, task_config_class(factory)))
+    return [t.name for t in threading.enumerate() if t.name.startswith("dtrain-") and t.is_alive()]
