@@ -100,6 +100,23 @@ def test_a_new_save_replaces_an_older_one_of_the_same_step(tmp_path: Path, how: 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000010", "step-00000020"]
 
 
+def test_any_damage_to_the_marker_is_detected(tmp_path: Path) -> None:
+    # Not only the files it lists: a flipped bit anywhere in COMMITTED.json itself (its
+    # timestamp, a key, its own digest) must not leave the checkpoint looking whole.
+    c = make_checkpointer(tmp_path)
+    save(c, 1)
+    path = tmp_path / "step-00000001" / "COMMITTED.json"
+    good = path.read_bytes()
+    for offset in range(len(good)):
+        data = bytearray(good)
+        data[offset] ^= 1 << (offset % 8)
+        path.write_bytes(bytes(data))
+        with pytest.raises(CheckpointError):
+            ckpt.verify_checkpoint(tmp_path / "step-00000001")
+    path.write_bytes(good)
+    ckpt.verify_checkpoint(tmp_path / "step-00000001")
+
+
 def test_reason_names_the_bad_file(tmp_path: Path) -> None:
     c = make_checkpointer(tmp_path)
     save(c, 1)

@@ -8,8 +8,8 @@ Commit protocol (one save):
 3. the ranks report to rank 0 over a side process group (so a background save never interleaves
    with the training collectives); any failure stops the commit here;
 4. rank 0 renames the folder to ``step-N`` (``os.replace``), fsyncs the parent, and only then
-   writes ``COMMITTED.json`` -- the completion marker holding every file's size and SHA-256 --
-   atomically (temp file, rename, fsync);
+   writes ``COMMITTED.json`` -- the completion marker holding every file's size and SHA-256,
+   and a digest of itself -- atomically (temp file, rename, fsync);
 5. rank 0 prunes old checkpoints (marker first, so a half-deleted folder never looks whole).
 
 A folder without a valid marker, or whose files do not match it, is never loaded. Files are
@@ -112,7 +112,22 @@ def list_step_dirs(root: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+# The marker's own keys; ``marker_sha256`` (a digest of the others) is absent from markers
+# written before it existed, which are still read.
+_MARKER_KEYS = frozenset({"step", "files", "world_size", "committed", "marker_sha256"})
+
+
+def marker_digest(marker: dict[str, Any]) -> str:
+    """SHA-256 of the marker's content (all but its own digest), canonically encoded."""
+    rest = {k: v for k, v in marker.items() if k != "marker_sha256"}
+    return hashlib.sha256(
+        json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
+
+
 def read_marker(step_dir: Path) -> dict[str, Any]:
+    """The completion marker, checked against its own digest, so that any damage to it (not
+    only to the files it lists) makes the checkpoint count as corrupted."""
     path = step_dir / MARKER
     if not path.exists():
         raise CheckpointError(f"{step_dir} has no {MARKER}: the save did not finish")
@@ -122,6 +137,18 @@ def read_marker(step_dir: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is corrupted: {exc}") from None
     if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
         raise CheckpointError(f"{path} is corrupted: no file list")
+    unknown = sorted(set(marker) - _MARKER_KEYS)
+    if unknown:
+        raise CheckpointError(f"{path} is corrupted: unexpected key(s) {unknown}")
+    if "marker_sha256" in marker and marker["marker_sha256"] != marker_digest(marker):
+        raise CheckpointError(f"{path} fails its own SHA-256 checksum")
+    for name, info in marker["files"].items():
+        if not (
+            isinstance(info, dict)
+            and isinstance(info.get("bytes"), int)
+            and isinstance(info.get("sha256"), str)
+        ):
+            raise CheckpointError(f"{path} is corrupted: bad entry for {name!r}")
     return marker
 
 
@@ -361,6 +388,7 @@ class Checkpointer:
             "world_size": self.world_size,
             "committed": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
+        marker["marker_sha256"] = marker_digest(marker)
         marker_tmp = final / f".{MARKER}.tmp"
         _write_bytes(marker_tmp, json.dumps(marker, indent=1, sort_keys=True).encode())
         os.replace(marker_tmp, final / MARKER)
