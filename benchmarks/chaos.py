@@ -455,6 +455,31 @@ def trial_raise_save(ctx: Context, index: int) -> Outcome:
     return out
 
 
+def next_save(root: Path, timeout: float = 60) -> tuple[str, float]:
+    """The name of the next temp folder to appear in ``root``, and when it appeared."""
+    seen = {e.name for e in root.iterdir()} if root.is_dir() else set()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        names = {e.name for e in root.iterdir()} if root.is_dir() else set()
+        for name in names - seen:
+            if name.startswith(".tmp-"):
+                return name, time.monotonic()
+        seen = names
+        time.sleep(0.002)
+    raise RuntimeError(f"no save started within {timeout:.0f}s")
+
+
+def committed_at(root: Path, tmp_name: str, timeout: float = 60) -> float:
+    """When the save writing ``tmp_name`` put its completion marker in place."""
+    marker = root / tmp_name.removeprefix(".tmp-") / ckpt.MARKER
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if marker.exists():
+            return time.monotonic()
+        time.sleep(0.002)
+    raise RuntimeError(f"{tmp_name} was not committed within {timeout:.0f}s")
+
+
 def trial_kill_in_save(ctx: Context, index: int) -> Outcome:
     nproc = 2
     secs = sections("tests.tasks:chaos_gpt", every=2, save_slow_ms=80)
@@ -467,18 +492,15 @@ def trial_kill_in_save(ctx: Context, index: int) -> Outcome:
     out = Outcome(ok=False, tags={"killed": "launcher + every worker" if group else "one worker"})
     launch = Launch(config, nproc)
     try:
-        wait_for_step(run_dir, ctx.rng.randint(1, STEPS - 4), launch)
-        seen = {e.name for e in root.iterdir()} if root.is_dir() else set()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # the start of the next save
-            names = {e.name for e in root.iterdir()} if root.is_dir() else set()
-            if any(n.startswith(".tmp-") and n not in seen for n in names):
-                break
-            seen |= {n for n in names if not n.startswith(".tmp-")}
-            time.sleep(0.002)
-        else:
-            raise RuntimeError("no save started within 60 s")
-        time.sleep(ctx.rng.uniform(0.0, 0.6))  # a save takes ~0.5 s: 6 files x 80 ms on rank 0
+        wait_for_step(run_dir, ctx.rng.randint(1, STEPS - 8), launch)
+        # Time one whole save (its temp folder appears .. its marker appears), then kill at a
+        # uniformly random moment of the next one (or just after it: up to 1.15 x as long).
+        name, began = next_save(root)
+        duration = committed_at(root, name) - began
+        _, began = next_save(root)
+        delay = ctx.rng.uniform(0.0, 1.15 * duration)
+        time.sleep(max(0.0, began + delay - time.monotonic()))
+        out.times["save duration (observed)"] = duration
         launch.workers()
         if group:
             launch.kill_all()
@@ -584,8 +606,6 @@ def trial_corrupt(ctx: Context, index: int) -> Outcome:
     newest, previous = ckpt.step_dir_name(STEPS), ckpt.step_dir_name(STEPS - 4)
     mode = CORRUPT_MODES[index % len(CORRUPT_MODES)]
     name = CORRUPT_FILES[(index // len(CORRUPT_MODES)) % len(CORRUPT_FILES)]
-    if mode == "bit-flip" and name == ckpt.MARKER:
-        name = CORRUPT_FILES[(index // len(CORRUPT_MODES) + 1) % len(CORRUPT_FILES)]
     folder = ctx.new_dir("corrupt")
     run_dir = folder / "run"
     shutil.copytree(reference, run_dir)
