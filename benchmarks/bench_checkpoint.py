@@ -257,8 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="blocking,slowdown,resume")
     parser.add_argument("--reps", type=int, default=0, help="repetitions (0 = each one's default)")
     parser.add_argument("--no-docs", action="store_true")
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: tiny sizes, one repetition, no docs"
+    )
     args = parser.parse_args(argv)
     chosen = [n.strip() for n in args.only.split(",") if n.strip()]
+    if args.quick:
+        args.reps, args.no_docs = 1, True
     work = Path(tempfile.mkdtemp(prefix="dtrain-bench-ckpt-"))
     sections: list[str] = []
     began = time.monotonic()
@@ -273,13 +278,15 @@ def main(argv: list[str] | None = None) -> int:
             print("2. training slowdown from checkpointing", flush=True)
             sections += [
                 "2. training slowdown, checkpoint.every = 100 (async) vs none",
-                *bench_slowdown(work, args.reps or 3),
+                *bench_slowdown(
+                    work, args.reps or 3, **({"steps": 20, "every": 10} if args.quick else {})
+                ),
             ]
         if "resume" in chosen:
             print("3. restart to first step", flush=True)
             sections += [
                 "3. restart to first step, step 10,000 vs step 10",
-                *bench_resume(work, args.reps or 5),
+                *bench_resume(work, args.reps or 5, **({"far": 200} if args.quick else {})),
             ]
     finally:
         shutil.rmtree(work, ignore_errors=True)
