@@ -53,6 +53,24 @@ def test_async_save_is_the_snapshot_not_the_later_state(tmp_path: Path) -> None:
     )
 
 
+def test_async_saves_reuse_the_snapshot_and_still_save_each_state(tmp_path: Path) -> None:
+    c = make_checkpointer(tmp_path)
+    weights = {"w": torch.ones(64, 64), "b": torch.zeros(3)}
+    c.save(1, {"model.pt": weights}, {"step": 1}, blocking=False)
+    first = c._staged["model.pt"]["w"]
+    weights["w"].add_(1.0)
+    weights["extra"] = torch.full((2,), 7.0)  # the state may change shape between saves
+    c.save(2, {"model.pt": weights}, {"step": 2}, blocking=False)
+    assert c._staged["model.pt"]["w"] is first  # copied into, not allocated again
+    weights["w"].add_(1.0)  # training goes on
+    assert c.wait() is None
+    one = ckpt.load_file(tmp_path / "step-00000001", "model.pt")
+    two = ckpt.load_file(tmp_path / "step-00000002", "model.pt")
+    assert torch.equal(one["w"], torch.ones(64, 64)) and "extra" not in one
+    assert torch.equal(two["w"], torch.full((64, 64), 2.0))
+    assert torch.equal(two["extra"], torch.full((2,), 7.0))
+
+
 def corrupt(path: Path, how: str) -> None:
     data = bytearray(path.read_bytes())
     if how == "truncate":
