@@ -3,8 +3,9 @@
 1. ``blocking``: how long the training loop is blocked by an asynchronous save, against a
    synchronous save of the same state (target: at most 0.1x). Two real ranks (gloo), the
    default GPT and a larger one, after one AdamW step (so the optimizer state is full size);
-   synchronous and asynchronous saves alternate, the loop's blocked time is what the
-   ``Checkpointer`` records (``blocking_seconds``).
+   blocks of synchronous and of asynchronous saves alternate; the loop's blocked time is what
+   the ``Checkpointer`` records (``blocking_seconds``). An asynchronous save copies into the
+   buffers the previous one kept, so the first of a run (nothing to reuse yet) is shown apart.
 2. ``slowdown``: training time with checkpoints at the default interval (``checkpoint.every``
    = 100, asynchronous) against no checkpoints (target: at most 3.5% slower). The default GPT
    job through the CLI on 2 workers, 200 steps; the figure is the wall time of steps 101-200,
@@ -16,7 +17,7 @@
    the step-10,000 one about 80,000 samples into the stream; resumes of both alternate, each
    on a fresh copy of its run folder.
 
-    python benchmarks/bench_checkpoint.py                       # all three (about 40 min here)
+    python benchmarks/bench_checkpoint.py                       # all three (about 45 min here)
     python benchmarks/bench_checkpoint.py --only blocking --reps 5
 
 Writes its figures into docs/benchmarks.md (section "bench_checkpoint").
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             sections += [
                 "2. training slowdown, checkpoint.every = 100 (async) vs none",
                 *bench_slowdown(
-                    work, args.reps or 3, **({"steps": 20, "every": 10} if args.quick else {})
+                    work, args.reps or 4, **({"steps": 20, "every": 10} if args.quick else {})
                 ),
             ]
         if "resume" in chosen:
