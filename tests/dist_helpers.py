@@ -226,3 +226,15 @@ def load_full_state(raw: dict[str, Any]) -> dict[str, Any]:
         "optimizer_steps": steps,
         "consumed": trainer.loader.consumed,
     }
+
+
+def threads_left_by_worker_train(raw: dict[str, Any]) -> list[str]:
+    """Run ``dtrain.worker.train`` (as a worker process does) and list the ``dtrain-*`` threads
+    still alive when it has returned."""
+    import threading
+
+    from dtrain.worker import train
+
+    factory = resolve_task(raw["run"]["task"])
+    train(build_config(raw, task_config_class(factory)))
+    return [t.name for t in threading.enumerate() if t.name.startswith("dtrain-") and t.is_alive()]

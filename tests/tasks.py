@@ -181,3 +181,90 @@ def mlp_regression(cfg: Config) -> Task:
         val_data=Regression(17, seed=1),
         loss_fn=lambda out, y: F.mse_loss(out, y, reduction="none"),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Fault injection for benchmarks/chaos.py (tests.tasks:chaos_gpt). The factory runs inside each
+# worker, so it can wrap the model and patch the checkpoint writer of that worker only.
+
+
+@dataclass
+class ChaosOptions(TinyOptions):
+    # The rank that raises (-1: none), and where: in the forward of this training step (just
+    # before the step's gradient all-reduce), inside the file writes of this step's save, or
+    # in the main thread while the (asynchronous) save of this step is still being written.
+    raise_rank: int = -1
+    raise_at_step: int = 0
+    raise_in_save_step: int = 0
+    raise_while_saving_step: int = 0
+    # Every checkpoint file write sleeps this long first (-1 = on every rank): widens the
+    # window in which a kill lands inside a save.
+    save_slow_ms: int = 0
+    save_slow_rank: int = -1
+
+
+def _stamp(run_dir: str, what: str) -> None:
+    """Leave the wall-clock time of an injected fault where the chaos script reads it."""
+    path = os.path.join(run_dir, f"injected-rank{os.environ.get('RANK', '0')}.txt")
+    with open(path, "w") as fh:
+        fh.write(f"{time.time()!r} {what}\n")
+
+
+class _RaiseAtStep(nn.Module):
+    """Counts training forwards (one per step: one micro-batch, no evaluation in between) and
+    raises at ``step``, or at the first step after ``armed()`` turns true."""
+
+    def __init__(self, inner: nn.Module, run_dir: str, step: int, armed: object = None) -> None:
+        super().__init__()
+        self.inner = inner
+        self.run_dir = run_dir
+        self.step = step
+        self.armed = armed
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+            hit = self.armed() if callable(self.armed) else self.calls == self.step
+            if hit:
+                _stamp(self.run_dir, f"forward of step {self.calls}")
+                raise RuntimeError(f"injected failure in the forward of step {self.calls}")
+        return self.inner(x)
+
+
+@task_config(ChaosOptions)
+def chaos_gpt(cfg: Config) -> Task:
+    from pathlib import Path
+
+    from dtrain.fault import checkpoint as ckpt
+
+    task = tiny_gpt(cfg)
+    opts: ChaosOptions = cfg.task
+    rank = int(os.environ.get("RANK", "0"))
+    run_dir = cfg.run.dir
+    raising = rank == opts.raise_rank
+    original = ckpt._write_bytes
+    writing: dict[str, int] = {"active": 0}
+
+    def saving(step: int) -> str:
+        return f".tmp-{ckpt.step_dir_name(step)}" if step else "-"
+
+    def write_bytes(path: Path, data: bytes) -> dict[str, object]:
+        if opts.save_slow_ms and opts.save_slow_rank in (-1, rank):
+            time.sleep(opts.save_slow_ms / 1000)
+        step_dir = path.parent.name
+        if raising and step_dir == saving(opts.raise_in_save_step):
+            _stamp(run_dir, f"save of step {opts.raise_in_save_step}")
+            raise OSError(f"injected failure writing {path.name}")
+        if raising and step_dir == saving(opts.raise_while_saving_step):
+            writing["active"] = 1
+        return original(path, data)
+
+    ckpt._write_bytes = write_bytes  # type: ignore[assignment]
+    if raising and opts.raise_at_step:
+        task.model = _RaiseAtStep(task.model, run_dir, opts.raise_at_step)
+    elif raising and opts.raise_while_saving_step:
+        # The background writer has started on this step's files (and, slowed down, is still
+        # at them): the main thread raises at its next forward.
+        task.model = _RaiseAtStep(task.model, run_dir, 0, armed=lambda: writing["active"] == 1)
+    return task

@@ -53,6 +53,24 @@ def test_async_save_is_the_snapshot_not_the_later_state(tmp_path: Path) -> None:
     )
 
 
+def test_async_saves_reuse_the_snapshot_and_still_save_each_state(tmp_path: Path) -> None:
+    c = make_checkpointer(tmp_path)
+    weights = {"w": torch.ones(64, 64), "b": torch.zeros(3)}
+    c.save(1, {"model.pt": weights}, {"step": 1}, blocking=False)
+    first = c._staged["model.pt"]["w"]
+    weights["w"].add_(1.0)
+    weights["extra"] = torch.full((2,), 7.0)  # the state may change shape between saves
+    c.save(2, {"model.pt": weights}, {"step": 2}, blocking=False)
+    assert c._staged["model.pt"]["w"] is first  # copied into, not allocated again
+    weights["w"].add_(1.0)  # training goes on
+    assert c.wait() is None
+    one = ckpt.load_file(tmp_path / "step-00000001", "model.pt")
+    two = ckpt.load_file(tmp_path / "step-00000002", "model.pt")
+    assert torch.equal(one["w"], torch.ones(64, 64)) and "extra" not in one
+    assert torch.equal(two["w"], torch.full((64, 64), 2.0))
+    assert torch.equal(two["extra"], torch.full((2,), 7.0))
+
+
 def corrupt(path: Path, how: str) -> None:
     data = bytearray(path.read_bytes())
     if how == "truncate":
@@ -82,6 +100,39 @@ def test_corrupted_newest_is_skipped_for_the_previous(
     assert [p.name for p, _ in skipped] == ["step-00000020"]
     with pytest.raises(CheckpointError):
         ckpt.verify_checkpoint(tmp_path / "step-00000020")
+
+
+@pytest.mark.parametrize("how", ["truncate", "delete"])
+def test_a_new_save_replaces_an_older_one_of_the_same_step(tmp_path: Path, how: str) -> None:
+    # Resume skipped a corrupted step-20 and went back to step-10; when the run reaches step 20
+    # again, its save must replace the corrupted folder, not be dropped in favour of it.
+    c = make_checkpointer(tmp_path)
+    save(c, 10)
+    save(c, 20)
+    corrupt(tmp_path / "step-00000020" / "model.pt", how)
+    newer = state(21)
+    c.save(20, newer, {"step": 20, "world_size": 1}, blocking=True)
+    assert ckpt.find_latest_valid(tmp_path)[0] == tmp_path / "step-00000020"
+    loaded = ckpt.load_file(tmp_path / "step-00000020", "model.pt")
+    assert torch.equal(loaded["w"], newer["model.pt"]["w"])  # type: ignore[index]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000010", "step-00000020"]
+
+
+def test_any_damage_to_the_marker_is_detected(tmp_path: Path) -> None:
+    # Not only the files it lists: a flipped bit anywhere in COMMITTED.json itself (its
+    # timestamp, a key, its own digest) must not leave the checkpoint looking whole.
+    c = make_checkpointer(tmp_path)
+    save(c, 1)
+    path = tmp_path / "step-00000001" / "COMMITTED.json"
+    good = path.read_bytes()
+    for offset in range(len(good)):
+        data = bytearray(good)
+        data[offset] ^= 1 << (offset % 8)
+        path.write_bytes(bytes(data))
+        with pytest.raises(CheckpointError):
+            ckpt.verify_checkpoint(tmp_path / "step-00000001")
+    path.write_bytes(good)
+    ckpt.verify_checkpoint(tmp_path / "step-00000001")
 
 
 def test_reason_names_the_bad_file(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
@@ -50,7 +51,24 @@ def train(cfg: Config) -> Summary:
             print_summary(summary, task.item_name, runtime.world_size)
         return summary
     finally:
+        join_helper_threads()
         shutdown_runtime()
+
+
+def join_helper_threads(timeout_s: float = 2.0) -> None:
+    """Wait (a little) for dtrain's own threads -- data prefetch, checkpoint writer, watchdog,
+    all named ``dtrain-*`` -- to end before the interpreter shuts down.
+
+    They are daemon threads and have been told to stop, but one may still be on its way out,
+    freeing the tensors of a batch it fetched. If Python finalizes meanwhile, the thread is
+    ended inside torch's C++ code and the whole process aborts (``terminate called without an
+    active exception``, SIGABRT) -- after a run that succeeded, so the launcher reports a
+    failure. Bounded: a thread stuck in a collective of a failed run is left behind.
+    """
+    deadline = time.monotonic() + timeout_s
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and thread.name.startswith("dtrain-"):
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def write_text_atomic(path: str, text: str) -> None:

@@ -3,13 +3,14 @@
 Commit protocol (one save):
 
 1. every rank snapshots its part of the training state into CPU memory (the only part the
-   training loop waits for when saving asynchronously);
+   training loop waits for when saving asynchronously; an asynchronous save keeps its copy,
+   and the next one copies into it instead of allocating the memory again);
 2. every rank writes its files into ``checkpoints/.tmp-step-N/`` and fsyncs each;
 3. the ranks report to rank 0 over a side process group (so a background save never interleaves
    with the training collectives); any failure stops the commit here;
 4. rank 0 renames the folder to ``step-N`` (``os.replace``), fsyncs the parent, and only then
-   writes ``COMMITTED.json`` -- the completion marker holding every file's size and SHA-256 --
-   atomically (temp file, rename, fsync);
+   writes ``COMMITTED.json`` -- the completion marker holding every file's size and SHA-256,
+   and a digest of itself -- atomically (temp file, rename, fsync);
 5. rank 0 prunes old checkpoints (marker first, so a half-deleted folder never looks whole).
 
 A folder without a valid marker, or whose files do not match it, is never loaded. Files are
@@ -51,17 +52,35 @@ def rng_file(rank: int) -> str:
     return f"rng-rank{rank:05d}.pt"
 
 
-def snapshot(obj: Any) -> Any:
+def snapshot(obj: Any, reuse: Any = None) -> Any:
     """A CPU copy of every tensor in a nested state, so training can go on changing the
-    originals while the copy is written."""
+    originals while the copy is written.
+
+    ``reuse``: an earlier snapshot of the same state that nothing reads any more. Its tensors
+    are copied into where shape, dtype and layout match: copying into memory that is already
+    mapped costs a fraction of allocating fresh memory and faulting in every page of it, which
+    is most of what the loop waits for in an asynchronous save of a large state.
+    """
     if isinstance(obj, torch.Tensor):
+        if (
+            isinstance(reuse, torch.Tensor)
+            and reuse.shape == obj.shape
+            and reuse.dtype == obj.dtype
+            and reuse.stride() == obj.stride()
+            and reuse.layout == obj.layout == torch.strided
+            and not reuse.requires_grad
+        ):
+            return reuse.copy_(obj.detach())
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
-        return {k: snapshot(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [snapshot(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(snapshot(v) for v in obj)
+        old = reuse if isinstance(reuse, dict) else {}
+        return {k: snapshot(v, old.get(k)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        old_items = list(reuse) if isinstance(reuse, (list, tuple)) else []
+        items = [
+            snapshot(v, old_items[i] if i < len(old_items) else None) for i, v in enumerate(obj)
+        ]
+        return items if isinstance(obj, list) else tuple(items)
     return obj
 
 
@@ -159,7 +178,22 @@ def list_step_dirs(root: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+# The marker's own keys; ``marker_sha256`` (a digest of the others) is absent from markers
+# written before it existed, which are still read.
+_MARKER_KEYS = frozenset({"step", "files", "world_size", "committed", "marker_sha256"})
+
+
+def marker_digest(marker: dict[str, Any]) -> str:
+    """SHA-256 of the marker's content (all but its own digest), canonically encoded."""
+    rest = {k: v for k, v in marker.items() if k != "marker_sha256"}
+    return hashlib.sha256(
+        json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
+
+
 def read_marker(step_dir: Path) -> dict[str, Any]:
+    """The completion marker, checked against its own digest, so that any damage to it (not
+    only to the files it lists) makes the checkpoint count as corrupted."""
     path = step_dir / MARKER
     if not path.exists():
         raise CheckpointError(f"{step_dir} has no {MARKER}: the save did not finish")
@@ -169,6 +203,18 @@ def read_marker(step_dir: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is corrupted: {exc}") from None
     if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
         raise CheckpointError(f"{path} is corrupted: no file list")
+    unknown = sorted(set(marker) - _MARKER_KEYS)
+    if unknown:
+        raise CheckpointError(f"{path} is corrupted: unexpected key(s) {unknown}")
+    if "marker_sha256" in marker and marker["marker_sha256"] != marker_digest(marker):
+        raise CheckpointError(f"{path} fails its own SHA-256 checksum")
+    for name, info in marker["files"].items():
+        if not (
+            isinstance(info, dict)
+            and isinstance(info.get("bytes"), int)
+            and isinstance(info.get("sha256"), str)
+        ):
+            raise CheckpointError(f"{path} is corrupted: bad entry for {name!r}")
     return marker
 
 
@@ -285,6 +331,7 @@ class Checkpointer:
         self.last_saved_step: int | None = None  # the newest step saved or being saved
         self.blocking_seconds: list[float] = []
         self.write_seconds: list[float] = []
+        self._staged: dict[str, Any] = {}  # the last async snapshot, reused by the next one
         # Hook for fault-injection tests: called between the phases of a save.
         self.fault_hook: Callable[[str], None] | None = None
 
@@ -330,7 +377,9 @@ class Checkpointer:
             self.log(f"warning: {previous}")
         self.last_saved_step = step
         started = time.perf_counter()
-        snap = {name: snapshot(obj) for name, obj in files.items()}
+        # The previous save is written (waited for above): its copy can take this one.
+        staged, self._staged = self._staged, {}
+        snap = {name: snapshot(obj, staged.get(name)) for name, obj in files.items()}
         sharded_snap = snapshot_sharded(sharded) if sharded is not None else None
         if blocking:
             self._write(step, snap, meta, sharded_snap)
@@ -341,6 +390,7 @@ class Checkpointer:
                 raise CheckpointError(error)
             return
         self.blocking_seconds.append(time.perf_counter() - started)
+        self._staged = snap  # kept for the next asynchronous save (one copy of this state)
         self._thread = threading.Thread(
             target=self._write,
             args=(step, snap, meta, sharded_snap),
@@ -434,9 +484,12 @@ class Checkpointer:
             listing.update(o.files)
         self._fault("before_rename")
         final = self.root / step_dir_name(step)
-        if final.exists():  # the same step saved twice (e.g. periodic + final): keep the first
-            shutil.rmtree(tmp, ignore_errors=True)
-            return
+        if final.exists():
+            # An older save of this step from another trajectory: one that resume skipped as
+            # corrupted, or one from before a NaN rollback or a --resume of an earlier step.
+            # This save holds the state the run has now, so it replaces the old one (keeping
+            # the old one would leave a corrupted or stale checkpoint as "latest").
+            self._discard(final)
         os.replace(tmp, final)
         _fsync_dir(self.root)
         self._fault("before_marker")
@@ -446,6 +499,7 @@ class Checkpointer:
             "world_size": self.world_size,
             "committed": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
+        marker["marker_sha256"] = marker_digest(marker)
         marker_tmp = final / f".{MARKER}.tmp"
         _write_bytes(marker_tmp, json.dumps(marker, indent=1, sort_keys=True).encode())
         os.replace(marker_tmp, final / MARKER)
@@ -463,14 +517,20 @@ class Checkpointer:
         for step in steps:
             if step in keep:
                 continue
-            folder = self.root / step_dir_name(step)
-            (folder / MARKER).unlink(missing_ok=True)  # uncommit first
-            _fsync_dir(folder)
-            trash = self.root / f".trash-{folder.name}"
-            os.replace(folder, trash)
-            shutil.rmtree(trash, ignore_errors=True)
+            self._discard(self.root / step_dir_name(step))
             removed.append(step)
         return removed
+
+    def _discard(self, folder: Path) -> None:
+        """Delete a checkpoint folder, uncommitting it first, so that an interruption never
+        leaves a half-deleted folder that looks whole."""
+        (folder / MARKER).unlink(missing_ok=True)
+        _fsync_dir(folder)
+        trash = self.root / f".trash-{folder.name}"
+        if trash.exists():
+            shutil.rmtree(trash, ignore_errors=True)
+        os.replace(folder, trash)
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def warn_skipped(skipped: list[tuple[Path, str]], log: Callable[[str], None]) -> None:

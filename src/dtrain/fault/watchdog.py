@@ -7,7 +7,8 @@ before it exits.
 
 When a collective fails on a rank -- a peer's socket closed, or the collective timeout
 (``dist.timeout_s``) expired because a peer stopped responding -- :meth:`Watchdog.diagnose`
-reads the store and names who is missing: ranks that posted a failure, ranks whose beats are
+reads the store and names who is missing: ranks that posted a failure, ranks on this machine
+whose process is gone (killed outright, so their last beat is still fresh), ranks whose beats are
 stale (a stopped or hung process), ranks that never beat. The trainer raises that as a
 :class:`PeerFailure`. As a backstop for hangs outside a collective with a timeout, the thread
 also watches this rank's own progress: when a phase has not moved for twice the collective
@@ -208,6 +209,12 @@ class Watchdog:
                 continue
             if beat is None:
                 parts.append(f"rank {rank} never checked in")
+            elif beat["host"] == self.host and not process_alive(int(beat["pid"])):
+                # A rank killed outright (kill -9, the OOM killer) still has a fresh beat.
+                parts.append(
+                    f"rank {rank} ({beat['host']}, pid {beat['pid']}) died: its process is "
+                    f"gone (killed or crashed) after step {beat['step']} in {beat['phase']}"
+                )
             elif now - beat["time"] > stale_after:
                 parts.append(
                     f"rank {rank} ({beat['host']}, pid {beat['pid']}) stopped "
@@ -228,6 +235,23 @@ class Watchdog:
             f"rank {self.rank} ({self.host}) at step {self.step} in {self.phase}: a collective "
             f"failed: {self.diagnose()} (collective error: {cause})"
         )
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process of this machine is alive (a zombie, dead but not yet reaped, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
 
 def _exit_on_hang(message: str) -> None:
