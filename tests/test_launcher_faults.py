@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -141,6 +142,25 @@ def test_a_worker_that_always_fails_stops_after_max_restarts(tmp_path: Path) -> 
     while time.monotonic() < deadline and _processes_of(run_dir):
         time.sleep(0.2)
     assert not _processes_of(run_dir)
+
+
+def test_rank0_failing_names_it_although_the_store_it_hosted_is_gone(tmp_path: Path) -> None:
+    # Under `dtrain train` rank 0 hosts the job's store: when it dies, the store goes with it and
+    # rank 1 can only name it by what it read earlier (its host, pid and step).
+    run_dir = tmp_path / "fail0"
+    config = write_config(
+        tmp_path / "fail0.toml",
+        run_dir,
+        task="tests.tasks:failing_gpt",
+        fail_rank=0,
+        fail_at_step=6,
+        slow_ms=0,
+    )
+    proc = start(config)
+    _out, err = proc.communicate(timeout=240)
+    assert proc.returncode not in (0, None)
+    assert "injected failure at step 6" in err
+    assert re.search(r"PeerFailure: rank 1 \(.*rank 0 \([^)]*pid \d+", err), err[-3000:]
 
 
 def _processes_of(run_dir: Path) -> list[int]:

@@ -81,6 +81,10 @@ class Watchdog:
         self._on_hang = on_hang or _exit_on_hang
         self.store = connect_store(timeout_s=max(2.0, heartbeat_s * 3)) if world_size > 1 else None
         self._thread: threading.Thread | None = None
+        # Rank 0's beat, kept while the store answers: when rank 0 hosts the store (it does
+        # unless the launcher hosts it) and dies, the store dies with it, and this is all that
+        # is left to name it by.
+        self._rank0_beat: dict[str, Any] | None = None
 
     # -- this rank -----------------------------------------------------------------------
 
@@ -88,6 +92,15 @@ class Watchdog:
         if self.store is None:
             return
         self._beat()
+        if self.rank != 0:
+            # Every rank gets this far at start-up, so waiting for rank 0's first beat costs
+            # nothing a collective soon after would not; it is what names rank 0 if it dies early.
+            try:
+                key = f"{_prefix()}hb/0"
+                self.store.wait([key], datetime.timedelta(seconds=self.timeout_s))
+                self._rank0_beat = self._read(key)
+            except Exception:
+                pass  # rank 0 is late or gone; a collective will tell
         self._thread = threading.Thread(target=self._run, name="dtrain-watchdog", daemon=True)
         self._thread.start()
 
@@ -136,6 +149,8 @@ class Watchdog:
         while not self._stop.wait(self.heartbeat_s):
             try:
                 self._beat()
+                if self.rank != 0:
+                    self._rank0_beat = self._read(f"{_prefix()}hb/0") or self._rank0_beat
             except Exception:
                 pass  # the store's host may be gone; a collective will tell
             stalled = time.monotonic() - self._phase_since
@@ -191,10 +206,9 @@ class Watchdog:
             from dtrain.runtime import store_hosted_by_launcher
 
             first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-            host = "the launcher" if store_hosted_by_launcher() else "rank 0"
             return (
                 f"the job's key-value store is unreachable ({type(exc).__name__}: {first}): "
-                f"{host}, which hosts it, has died"
+                f"{self._store_host(store_hosted_by_launcher())}, which hosts it, has died"
             )
         now = time.time()
         stale_after = max(3 * self.heartbeat_s, 3.0)
@@ -224,6 +238,22 @@ class Watchdog:
         if not parts:
             return "every other rank is still beating (the failure may be in the network)"
         return "; ".join(parts)
+
+    def _store_host(self, launcher_hosted: bool) -> str:
+        if launcher_hosted:
+            return "the launcher"
+        beat = self._rank0_beat
+        if beat is None:
+            return "rank 0"
+        gone = (
+            ", its process is gone"
+            if beat["host"] == self.host and not process_alive(int(beat["pid"]))
+            else ""
+        )
+        return (
+            f"rank 0 ({beat['host']}, pid {beat['pid']}; last seen at step {beat['step']} in "
+            f"{beat['phase']}{gone})"
+        )
 
     def peer_failure(self, error: BaseException) -> PeerFailure:
         # Give a failing peer a moment to post its error (it may still be on its way out).
