@@ -268,8 +268,8 @@ def main() -> None:
         "raw NumPy: memmap[ids] of one .npy per field",
         "raw NumPy: the shard files",
     )
-    sync_name = "dtrain RankLoader, synchronous (prefetch=0)"
-    thread_name = "dtrain RankLoader, prefetch thread (prefetch=2, default)"
+    sync_name = "dtrain RankLoader, synchronous (prefetch=0, the default on CPU)"
+    thread_name = "dtrain RankLoader, prefetch thread (prefetch=2, the default on GPU)"
     if args.workers:
         sync_name = f"dtrain RankLoader, {args.workers} DataLoader workers"
         thread_name = ""
