@@ -8,7 +8,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import platform
 import re
 import signal
 import subprocess
@@ -18,16 +17,10 @@ import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from _report import machine
 from dtrain.testing import children_of, worker_pids
 
 REPO = Path(__file__).resolve().parent.parent
-DOCS = REPO / "docs" / "benchmarks.md"
-DOCS_HEADER = """# Benchmarks
-
-Every figure below was printed by a script in `benchmarks/`, which measures a baseline and
-dtrain side by side in one run and writes its own section here (between its markers). Rerun
-the command shown to refresh a section.
-"""
 
 _LIVE: set[Launch] = set()
 
@@ -265,34 +258,5 @@ def median(values: list[float]) -> float:
 
 
 def machine_line() -> str:
-    import torch
-
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    cpu = "CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (
-        f"{os.cpu_count()} CPU cores ({cpu}), Python {platform.python_version()}, torch "
-        f"{torch.__version__}; load average {load} when it finished"
-    )
-
-
-def write_docs_section(name: str, body: str, path: Path = DOCS) -> None:
-    """Put ``body`` between this script's markers in docs/benchmarks.md (replacing what was
-    there; appending the section, or creating the file, when missing)."""
-    begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
-    block = f"{begin}\n{body.rstrip()}\n{end}\n"
-    text = path.read_text() if path.exists() else DOCS_HEADER
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        tail = rest.split(end, 1)[1].lstrip("\n")
-        text = head + block + ("\n" + tail if tail else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    return f"{machine()}; load average {load} when it finished"

@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _fault_common import REPO, Launch, machine_line, median, write_docs_section
+from _fault_common import REPO, Launch, machine_line, median
+from _report import update_section
 from dtrain.testing import run_ranks
 
 
@@ -318,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             *sections,
             "```",
         ]
-        write_docs_section("bench_checkpoint", "\n".join(body))
+        update_section("bench_checkpoint", "\n".join(body))
     return 0
 
 

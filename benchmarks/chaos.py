@@ -59,7 +59,8 @@ from _chaos_process import (
     trial_sigstop,
 )
 from _chaos_resume import trial_corrupt, trial_kill_in_save, trial_resize, trial_sigterm
-from _fault_common import machine_line, median, write_docs_section
+from _fault_common import machine_line, median
+from _report import update_section
 
 
 @dataclass(frozen=True)
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             *READING,
             *(["Failed trials:", "", *failures, ""] if failures else ["Every trial passed.", ""]),
         ]
-        write_docs_section("chaos", "\n".join(body))
+        update_section("chaos", "\n".join(body))
     return 0 if not failures else 1
 
 
