@@ -206,10 +206,8 @@ class Watchdog:
             from dtrain.runtime import store_hosted_by_launcher
 
             first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-            return (
-                f"the job's key-value store is unreachable ({type(exc).__name__}: {first}): "
-                f"{self._store_host(store_hosted_by_launcher())}, which hosts it, has died"
-            )
+            why = f"({type(exc).__name__}: {first})"
+            return self._store_lost(why, store_hosted_by_launcher())
         now = time.time()
         stale_after = max(3 * self.heartbeat_s, 3.0)
         parts = []
@@ -239,21 +237,21 @@ class Watchdog:
             return "every other rank is still beating (the failure may be in the network)"
         return "; ".join(parts)
 
-    def _store_host(self, launcher_hosted: bool) -> str:
-        if launcher_hosted:
-            return "the launcher"
+    def _store_lost(self, why: str, launcher_hosted: bool) -> str:
+        """The diagnosis when the store cannot be reached: its host has died."""
         beat = self._rank0_beat
-        if beat is None:
-            return "rank 0"
-        gone = (
-            ", its process is gone"
-            if beat["host"] == self.host and not process_alive(int(beat["pid"]))
-            else ""
-        )
-        return (
-            f"rank 0 ({beat['host']}, pid {beat['pid']}; last seen at step {beat['step']} in "
-            f"{beat['phase']}{gone})"
-        )
+        if launcher_hosted or beat is None:
+            host = "the launcher" if launcher_hosted else "rank 0"
+            return (
+                f"the job's key-value store is unreachable {why}: {host}, which hosts it, has died"
+            )
+        who = f"rank 0 ({beat['host']}, pid {beat['pid']})"
+        where = f"after step {beat['step']} in {beat['phase']}"
+        if beat["host"] == self.host and not process_alive(int(beat["pid"])):
+            fate = f"died: its process is gone (killed or crashed) {where}"
+        else:
+            fate = f"is unreachable (died, or its machine was cut off) {where}"
+        return f"{who} {fate}; it hosted the job's key-value store, now unreachable {why}"
 
     def peer_failure(self, error: BaseException) -> PeerFailure:
         # Give a failing peer a moment to post its error (it may still be on its way out).
