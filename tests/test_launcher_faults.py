@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -161,6 +162,49 @@ def test_rank0_failing_names_it_although_the_store_it_hosted_is_gone(tmp_path: P
     assert proc.returncode not in (0, None)
     assert "injected failure at step 6" in err
     assert re.search(r"PeerFailure: rank 1 \(.*rank 0 \([^)]*pid \d+", err), err[-3000:]
+
+
+def test_a_stopped_rank0_that_hosts_the_store_is_named_and_nothing_hangs(tmp_path: Path) -> None:
+    # SIGSTOP freezes rank 0 and the store it hosts: store calls then block for good, so every
+    # one the watchdog makes must be bounded, or the other ranks hang after their collective
+    # has timed out (the chaos trials caught it).
+    run_dir = tmp_path / "stop0"
+    config = write_config(tmp_path / "stop0.toml", run_dir)
+    proc = start(config, "--dist.timeout_s=5", "--train.steps=1000", "--fault.preempt_grace_s=2")
+    lines: list[tuple[float, str]] = []
+    reader = threading.Thread(
+        target=lambda: lines.extend((time.monotonic(), line) for line in proc.stderr or ()),
+        daemon=True,
+    )
+    reader.start()
+    rank0 = -1
+    try:
+        wait_for_step(run_dir, 3, proc)
+        rank0 = next(p for p in worker_pids(proc.pid) if _rank_of(p) == 0)
+        stopped = time.monotonic()
+        os.kill(rank0, signal.SIGSTOP)
+        proc.wait(timeout=120)  # not stuck: the launcher ends the group
+        reader.join(10)
+    finally:
+        if rank0 > 0 and Path(f"/proc/{rank0}").exists():
+            os.kill(rank0, signal.SIGKILL)
+        proc.kill()
+    named = [
+        at - stopped
+        for at, line in lines
+        if re.search(r"PeerFailure: rank 1 \(.*rank 0 \([^)]*\) stopped responding", line)
+    ]
+    assert named, "".join(line for _, line in lines)[-3000:]
+    assert min(named) < 10.0
+    assert proc.returncode != 0
+
+
+def _rank_of(pid: int) -> int:
+    with open(f"/proc/{pid}/environ", "rb") as fh:
+        for item in fh.read().split(b"\0"):
+            if item.startswith(b"RANK="):
+                return int(item[5:])
+    return -1
 
 
 def _processes_of(run_dir: Path) -> list[int]:

@@ -26,9 +26,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 def _prefix() -> str:
@@ -59,6 +61,32 @@ def connect_store(timeout_s: float) -> Any:
         return None
 
 
+class StoreTimeout(TimeoutError):
+    """The store did not answer in time (its host is stopped, hung or cut off)."""
+
+
+def bounded(call: Callable[[], T], seconds: float, what: str) -> T:
+    """``call()``, given up after ``seconds``. A store client whose server process is stopped
+    (SIGSTOP) or whose machine is cut off can block a call forever despite its own timeout; the
+    call is left to a daemon thread and this raises :class:`StoreTimeout` instead."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="watchdog-store-call", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise StoreTimeout(f"no answer to {what} in {seconds:.0f}s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 class Watchdog:
     def __init__(
         self,
@@ -79,7 +107,11 @@ class Watchdog:
         self._phase_since = time.monotonic()
         self._stop = threading.Event()
         self._on_hang = on_hang or _exit_on_hang
-        self.store = connect_store(timeout_s=max(2.0, heartbeat_s * 3)) if world_size > 1 else None
+        self._store_timeout_s = max(2.0, heartbeat_s * 3)
+        self.store = connect_store(timeout_s=self._store_timeout_s) if world_size > 1 else None
+        # Set when a call was given up on: that call still holds the client's connection, so
+        # the next one connects afresh.
+        self._client_stuck = False
         self._thread: threading.Thread | None = None
         # Rank 0's beat, kept while the store answers: when rank 0 hosts the store (it does
         # unless the launcher hosts it) and dies, the store dies with it, and this is all that
@@ -95,9 +127,10 @@ class Watchdog:
         if self.rank != 0:
             # Every rank gets this far at start-up, so waiting for rank 0's first beat costs
             # nothing a collective soon after would not; it is what names rank 0 if it dies early.
+            key = f"{_prefix()}hb/0"
+            wait = datetime.timedelta(seconds=self.timeout_s)
             try:
-                key = f"{_prefix()}hb/0"
-                self.store.wait([key], datetime.timedelta(seconds=self.timeout_s))
+                self._ask(lambda store: store.wait([key], wait), key, self.timeout_s + 1)
                 self._rank0_beat = self._read(key)
             except Exception:
                 pass  # rank 0 is late or gone; a collective will tell
@@ -129,8 +162,9 @@ class Watchdog:
             "phase": self.phase,
             "error": text.splitlines()[0][:400] if text else "",
         }
+        key, value = f"{_prefix()}failed/{self.rank}", json.dumps(record)
         try:
-            self.store.set(f"{_prefix()}failed/{self.rank}", json.dumps(record))
+            self._ask(lambda store: store.set(key, value), "posting this rank's failure")
         except Exception:
             pass
 
@@ -143,7 +177,8 @@ class Watchdog:
             "phase": self.phase,
             "time": time.time(),
         }
-        self.store.set(f"{_prefix()}hb/{self.rank}", json.dumps(record))
+        key, value = f"{_prefix()}hb/{self.rank}", json.dumps(record)
+        self._ask(lambda store: store.set(key, value), "a heartbeat")
 
     def _run(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
@@ -164,7 +199,7 @@ class Watchdog:
 
     # -- the others ----------------------------------------------------------------------
 
-    def peers(self) -> dict[int, dict[str, Any] | None]:
+    def peers(self, seconds: float | None = None) -> dict[int, dict[str, Any] | None]:
         """Latest beat of every other rank (None where none was ever seen)."""
         out: dict[int, dict[str, Any] | None] = {}
         if self.store is None:
@@ -172,26 +207,49 @@ class Watchdog:
         for rank in range(self.world_size):
             if rank == self.rank:
                 continue
-            out[rank] = self._read(f"{_prefix()}hb/{rank}")
+            out[rank] = self._read(f"{_prefix()}hb/{rank}", seconds)
         return out
 
-    def failures(self) -> dict[int, dict[str, Any]]:
+    def failures(self, seconds: float | None = None) -> dict[int, dict[str, Any]]:
         out: dict[int, dict[str, Any]] = {}
         if self.store is None:
             return out
         for rank in range(self.world_size):
-            record = self._read(f"{_prefix()}failed/{rank}")
+            record = self._read(f"{_prefix()}failed/{rank}", seconds)
             if record is not None and rank != self.rank:
                 out[rank] = record
         return out
 
-    def _read(self, key: str) -> dict[str, Any] | None:
-        """A record, or None when there is none; a store that cannot be reached raises."""
+    def _ask(self, op: Callable[[Any], T], what: str, seconds: float | None = None) -> T:
+        """One store operation, bounded in time (see :func:`bounded`); raises when the store
+        cannot be reached or does not answer."""
         assert self.store is not None
-        if not self.store.check([key]):
+        limit = seconds if seconds is not None else self._store_timeout_s
+        if self._client_stuck:
+            fresh = bounded(
+                lambda: connect_store(timeout_s=self._store_timeout_s), limit, "a new connection"
+            )
+            if fresh is None:
+                raise ConnectionError("cannot connect to the job's key-value store")
+            self.store, self._client_stuck = fresh, False
+        store = self.store
+        try:
+            return bounded(lambda: op(store), limit, what)
+        except StoreTimeout:
+            self._client_stuck = True
+            raise
+
+    def _read(self, key: str, seconds: float | None = None) -> dict[str, Any] | None:
+        """A record, or None when there is none; a store that cannot be reached raises."""
+
+        def read(store: Any) -> bytes | None:
+            return store.get(key) if store.check([key]) else None
+
+        raw = self._ask(read, f"reading {key}", seconds)
+        if raw is None:
             return None
         try:
-            return json.loads(self.store.get(key))
+            return json.loads(raw)
         except ValueError:
             return None
 
@@ -199,15 +257,18 @@ class Watchdog:
         """Who is missing, in words."""
         if self.store is None:
             return "no rendezvous store to ask which rank is missing"
+        # A healthy store answers in milliseconds; a short bound keeps the whole diagnosis
+        # (after the collective's own timeout) within the time a user waits for it.
+        quick = max(1.0, min(2.0, self.heartbeat_s))
         try:
-            failed = self.failures()
-            beats = self.peers()
+            failed = self.failures(quick)
+            beats = self.peers(quick)
         except Exception as exc:
             from dtrain.runtime import store_hosted_by_launcher
 
             first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
             why = f"({type(exc).__name__}: {first})"
-            return self._store_lost(why, store_hosted_by_launcher())
+            return self._store_lost(why, isinstance(exc, StoreTimeout), store_hosted_by_launcher())
         now = time.time()
         stale_after = max(3 * self.heartbeat_s, 3.0)
         parts = []
@@ -237,7 +298,7 @@ class Watchdog:
             return "every other rank is still beating (the failure may be in the network)"
         return "; ".join(parts)
 
-    def _store_lost(self, why: str, launcher_hosted: bool) -> str:
+    def _store_lost(self, why: str, timed_out: bool, launcher_hosted: bool) -> str:
         """The diagnosis when the store cannot be reached: its host has died."""
         beat = self._rank0_beat
         if launcher_hosted or beat is None:
@@ -249,6 +310,8 @@ class Watchdog:
         where = f"after step {beat['step']} in {beat['phase']}"
         if beat["host"] == self.host and not process_alive(int(beat["pid"])):
             fate = f"died: its process is gone (killed or crashed) {where}"
+        elif timed_out:  # alive but silent: stopped (SIGSTOP), hung or cut off
+            fate = f"stopped responding {where}"
         else:
             fate = f"is unreachable (died, or its machine was cut off) {where}"
         return f"{who} {fate}; it hosted the job's key-value store, now unreachable {why}"
