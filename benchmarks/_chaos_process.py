@@ -110,8 +110,10 @@ def trial_sigstop(ctx: Context, index: int) -> Outcome:
     victim = -1
     try:
         wait_for_step(run_dir, ctx.rng.randint(3, 12), launch)
-        victim = ctx.rng.choice(launch.workers())
-        rank = rank_of(victim)
+        # Every rank in turn: rank 0 differs (it hosts the job's store under `dtrain train`).
+        workers = {rank_of(pid): pid for pid in launch.workers()}
+        rank = index % nproc if index % nproc in workers else min(workers)
+        victim = workers[rank]
         out.tags["stopped"] = f"rank {rank} at step {metrics_step(run_dir)}"
         stopped = time.monotonic()
         os.kill(victim, signal.SIGSTOP)
