@@ -281,42 +281,52 @@ def main() -> None:
     }
     if thread_name:
         methods[thread_name] = dtrain_loader(2)
-    if not mds_error:
-        StreamingDataset = import_streaming().StreamingDataset
-        streaming = StreamingDataset(
-            local=str(mds), shuffle=True, shuffle_seed=0, batch_size=per_rank
-        )
-
-        def mosaic() -> int:
-            loader = DataLoader(
-                streaming, batch_size=per_rank, num_workers=args.workers, drop_last=True
-            )
-            done = 0
-            while done < steps:
-                for _, batch in zip(range(steps - done), loader):
-                    assert batch["x"].shape[0] == per_rank
-                    done += 1
-            return samples_per_run
-
-        methods["mosaicml-streaming StreamingDataset (one process)"] = mosaic
-
     wall: dict[str, list[float]] = {name: [] for name in methods}
     cpu: dict[str, list[float]] = {name: [] for name in methods}
-    for name in list(methods):  # one untimed pass each: imports, maps, shuffles
-        try:
-            methods[name]()
-        except Exception:
-            if "mosaic" not in name:
-                raise
-            mds_error = traceback.format_exc().strip().splitlines()[-1]
-            del methods[name], wall[name], cpu[name]
-    for repeat in range(args.repeats):  # interleaved, so drift in the machine hits all alike
+    for fn in methods.values():  # one untimed pass each: imports, maps, shuffles
+        fn()
+    for _ in range(args.repeats):  # interleaved, so drift in the machine hits all alike
         for name, fn in methods.items():
-            if "mosaic" in name and repeat >= 3:
-                continue  # two orders of magnitude slower: three runs say enough
             w, c = timed(fn)
             wall[name].append(w)
             cpu[name].append(c)
+    overlap = (
+        overlap_section(dtrain_loader, per_rank / statistics.median(wall[raw_name]), args.repeats)
+        if not args.workers
+        else []
+    )
+    # mosaicml-streaming last, once everything else is measured: with a StreamingDataset alive
+    # in the process (its shared memory and threads), every other method here ran 3-10x slower
+    # and erratically (medians far below the best runs), which would misstate all the ratios.
+    if not mds_error:
+        name = "mosaicml-streaming StreamingDataset (one process)"
+        try:
+            StreamingDataset = import_streaming().StreamingDataset
+            streaming = StreamingDataset(
+                local=str(mds), shuffle=True, shuffle_seed=0, batch_size=per_rank
+            )
+
+            def mosaic() -> int:
+                loader = DataLoader(
+                    streaming, batch_size=per_rank, num_workers=args.workers, drop_last=True
+                )
+                done = 0
+                while done < steps:
+                    for _, batch in zip(range(steps - done), loader):
+                        assert batch["x"].shape[0] == per_rank
+                        done += 1
+                return samples_per_run
+
+            mosaic()  # untimed, as the others
+            methods[name], wall[name], cpu[name] = mosaic, [], []
+            for _ in range(3):  # two orders of magnitude slower: three runs say enough
+                w, c = timed(mosaic)
+                wall[name].append(w)
+                cpu[name].append(c)
+        except Exception:
+            mds_error = traceback.format_exc().strip().splitlines()[-1]
+            for table in (methods, wall, cpu):
+                table.pop(name, None)
     med_wall = {name: statistics.median(v) for name, v in wall.items()}
     med_cpu = {name: statistics.median(v) for name, v in cpu.items()}
     mb = args.sample_bytes / 1e6
@@ -383,8 +393,7 @@ def main() -> None:
             lines.append(
                 f"- {mine} / {base}: {w:.2f}x wall, {c:.2f}x CPU, {b:.2f}x best wall{verdict}"
             )
-    if not args.workers:
-        lines += overlap_section(dtrain_loader, per_rank / med_wall[raw_name], args.repeats)
+    lines += overlap
     lines.append(f"- measured {time.strftime('%Y-%m-%d')}")
     text = "\n".join(lines)
     print(text)

@@ -206,7 +206,7 @@ class ShardedDataset:
         n = len(idx)
         if n == 0:
             return _Segments(n, True, [])
-        ascending = n == 1 or bool(np.all(idx[1:] >= idx[:-1]))
+        ascending = n == 1 or bool((idx[1:] >= idx[:-1]).all())  # the method: no wrapper
         low, high = (int(idx[0]), int(idx[-1])) if ascending else (int(idx.min()), int(idx.max()))
         if low < 0 or high >= len(self):
             raise IndexError(f"sample ids {low}..{high} out of range for {len(self)} samples")
