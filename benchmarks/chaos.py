@@ -15,8 +15,8 @@ Trials (``--trials``; default counts in brackets):
                         parameters bit-identical to the uninterrupted run, every sample once
   always_fails     [5]  a worker that fails every time, --max-restarts 2: exactly 3 attempts,
                         non-zero exit, the error names the rank, no process left after 10 s
-  sigstop          [10] SIGSTOP of each of 4 workers in turn, dist.timeout_s = 5: every other rank raises
-                        naming it within 10 s; the launcher exits (not stuck)
+  sigstop          [10] SIGSTOP of each of 4 workers in turn, dist.timeout_s = 5: every other
+                        rank raises naming it within 10 s; the launcher exits (not stuck)
   raise_collective [5]  rank 0 raises in the forward, just before the gradient all-reduce: every
                         rank exits within 2 x the timeout
   raise_save       [6]  rank 0 raises during a save (in its file writes with synchronous saves;
