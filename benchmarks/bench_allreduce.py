@@ -204,7 +204,8 @@ def main() -> None:
     our_sync = paired_differences(per_rank, "allreduce", "no sync")
     params = sum(p.numel() for p in GPT(GPTConfig(**gpt)).parameters())
     lines += [
-        f"1. step time, default GPT ({params / 1e6:.2f} M parameters, per-rank batch "
+        f"1. step time, a GPT of 4 layers, d_model 256 ({params / 1e6:.2f} M parameters, "
+        f"per-rank batch "
         f"{step_opts['batch']} x {gpt['seq_len']} tokens, bucket_mb {step_opts['bucket_mb']:g}), "
         f"median of {args.rounds} rounds:",
         f"   ddp {ms(ddp)}   allreduce {ms(ours)}",
