@@ -35,7 +35,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import lru_cache
 
 import numpy as np
 
@@ -258,10 +258,7 @@ class StepPlan:
 
     start: int  # stream position before the step
     ids: list[list[np.ndarray]]  # [rank][micro-batch] -> sample ids
-
-    @cached_property  # read on every step; the plan never changes
-    def end(self) -> int:
-        return self.start + sum(len(m) for rank in self.ids for m in rank)
+    end: int  # stream position after the step (start + the global batch size)
 
     @property
     def global_ids(self) -> np.ndarray:
@@ -284,7 +281,7 @@ def plan_step(
         parts = partition_samples(ids, world_size, micro_batches, weights)
     else:
         parts = partition_tokens(ids, lengths[ids], world_size, micro_batches, weights)
-    return StepPlan(start=consumed, ids=parts)
+    return StepPlan(start=consumed, ids=parts, end=consumed + global_batch_size)
 
 
 def plan_steps(
@@ -326,6 +323,7 @@ def plan_steps(
         StepPlan(
             start=consumed + step * global_batch_size,
             ids=[[micro[step] for micro in rank] for rank in parts],
+            end=consumed + (step + 1) * global_batch_size,
         )
         for step in range(steps)
     ]

@@ -213,15 +213,17 @@ class ShardedDataset:
         parts: list[tuple[int, Any, np.ndarray]] = []
         if ascending:
             # Each shard's ids are one contiguous run of the batch.
-            found = np.searchsorted(idx, self._starts)
+            found = idx.searchsorted(self._starts)
             cuts = found.tolist()
-            shards: Iterable[int] = range(len(self.shard_sizes))
+            starts = self._start_list
+            shards: Iterable[int] = range(len(starts) - 1)
             if len(cuts) > 64:  # many shards: visit only the ones this batch touches
                 shards = np.flatnonzero(found[1:] > found[:-1]).tolist()
-            for shard in shards:
-                a, b = cuts[shard], cuts[shard + 1]
-                if a < b:
-                    parts.append((shard, slice(a, b), idx[a:b] - self._start_list[shard]))
+            parts = [
+                (s, slice(cuts[s], cuts[s + 1]), idx[cuts[s] : cuts[s + 1]] - starts[s])
+                for s in shards
+                if cuts[s] < cuts[s + 1]
+            ]
             return _Segments(n, True, parts)
         shard_of = np.searchsorted(self._starts, idx, side="right") - 1
         by_shard = np.argsort(shard_of, kind="stable")
