@@ -16,7 +16,7 @@ from _fault_common import (
     processes_of,
     write_config,
 )
-from dtrain.fault import checkpoint as ckpt
+from dtrain.fault import checkpoint_read as ckread
 from dtrain.fault.audit import check_stream, read_trajectory
 
 SAMPLES = 64  # 8 steps per epoch at a global batch of 8: a 20-step run crosses two epochs
@@ -89,7 +89,7 @@ class Context:
 
 def final_params(run_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
     return torch.load(
-        run_dir / "checkpoints" / ckpt.step_dir_name(step) / "model.pt", weights_only=True
+        run_dir / "checkpoints" / ckread.step_dir_name(step) / "model.pt", weights_only=True
     )
 
 
@@ -98,7 +98,7 @@ def same_run(reference: Path, run_dir: Path) -> list[str]:
     bit-identical, every step must have trained on the same sample ids, each exactly once."""
     problems = []
     try:
-        ckpt.verify_checkpoint(run_dir / "checkpoints" / ckpt.step_dir_name(STEPS))
+        ckread.verify_checkpoint(run_dir / "checkpoints" / ckread.step_dir_name(STEPS))
         ref, got = final_params(reference), final_params(run_dir)
         if ref.keys() != got.keys():
             problems.append("final parameters: different keys")
@@ -171,7 +171,7 @@ def leftovers(root: Path) -> list[str]:
     out = []
     for entry in sorted(root.iterdir()):
         stale = entry.name.startswith((".tmp-", ".trash-"))
-        if stale or (entry.name.startswith("step-") and not (entry / ckpt.MARKER).exists()):
+        if stale or (entry.name.startswith("step-") and not (entry / ckread.MARKER).exists()):
             out.append(entry.name)
     return out
 

@@ -27,7 +27,7 @@ from _fault_common import (
     wait_for_step,
     write_config,
 )
-from dtrain.fault import checkpoint as ckpt
+from dtrain.fault import checkpoint_read as ckread
 
 
 def trial_kill9(ctx: Context, index: int) -> Outcome:
@@ -188,14 +188,14 @@ def _raise_trial(
         for r in others:
             if launch.first(rf"PeerFailure: rank {r} \(.*rank 0 \(") is None:
                 out.problems.append(f"rank {r}'s error does not name rank 0")
-        folder_k = run_dir / "checkpoints" / ckpt.step_dir_name(save_step)
-        if save_step and failed_save and (folder_k / ckpt.MARKER).exists():
+        folder_k = run_dir / "checkpoints" / ckread.step_dir_name(save_step)
+        if save_step and failed_save and (folder_k / ckread.MARKER).exists():
             out.problems.append(f"the failed save of step {save_step} was committed")
-        elif save_step and (folder_k / ckpt.MARKER).exists():
+        elif save_step and (folder_k / ckread.MARKER).exists():
             # The save itself went well (its snapshot was taken before the raise): it may
             # commit while the process goes down, but only whole.
             try:
-                ckpt.verify_checkpoint(folder_k)
+                ckread.verify_checkpoint(folder_k)
             except Exception as exc:
                 out.problems.append(f"a committed checkpoint does not verify: {exc}")
         if code is not None:

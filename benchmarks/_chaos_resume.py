@@ -28,7 +28,7 @@ from _fault_common import (
     wait_gone,
     write_config,
 )
-from dtrain.fault import checkpoint as ckpt
+from dtrain.fault import checkpoint_read as ckread
 from dtrain.fault.audit import check_stream, read_trajectory
 
 
@@ -48,7 +48,7 @@ def next_save(root: Path, timeout: float = 60) -> tuple[str, float]:
 
 def committed_at(root: Path, tmp_name: str, timeout: float = 60) -> float:
     """When the save writing ``tmp_name`` put its completion marker in place."""
-    marker = root / tmp_name.removeprefix(".tmp-") / ckpt.MARKER
+    marker = root / tmp_name.removeprefix(".tmp-") / ckread.MARKER
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if marker.exists():
@@ -91,7 +91,7 @@ def trial_kill_in_save(ctx: Context, index: int) -> Outcome:
         launch.close()
     # What the kill left: the newest committed step, and what the next start must remove.
     left = leftovers(root)
-    committed = ckpt.committed_steps(root)
+    committed = ckread.committed_steps(root)
     phase = (
         "writing files"
         if any(n.startswith(".tmp-") for n in left)
@@ -105,7 +105,7 @@ def trial_kill_in_save(ctx: Context, index: int) -> Outcome:
     expected = max(committed) if committed else None
     if expected is not None:
         try:
-            ckpt.verify_checkpoint(root / ckpt.step_dir_name(expected))
+            ckread.verify_checkpoint(root / ckread.step_dir_name(expected))
         except Exception as exc:
             out.problems.append(f"a committed checkpoint does not verify: {exc}")
     again = Launch(config, nproc)
@@ -118,7 +118,7 @@ def trial_kill_in_save(ctx: Context, index: int) -> Outcome:
             out.problems.append("the next start did not say where it resumed from")
         else:
             got = started[1].group(3)
-            want = ckpt.step_dir_name(expected) if expected is not None else None
+            want = ckread.step_dir_name(expected) if expected is not None else None
             out.times["start -> training resumed"] = started[0] - again.started
             if got != want:
                 out.problems.append(f"resumed from {got or 'scratch'}, expected {want}")
@@ -144,7 +144,7 @@ CORRUPT_FILES = (
     "meta.json",
     "rng-rank00000.pt",
     "rng-rank00001.pt",
-    ckpt.MARKER,
+    ckread.MARKER,
 )
 
 
@@ -174,7 +174,7 @@ def trial_corrupt(ctx: Context, index: int) -> Outcome:
     nproc = 2
     secs = sections()
     reference = ctx.reference(nproc, secs)  # its checkpoints: step-16 and step-20
-    newest, previous = ckpt.step_dir_name(STEPS), ckpt.step_dir_name(STEPS - 4)
+    newest, previous = ckread.step_dir_name(STEPS), ckread.step_dir_name(STEPS - 4)
     mode = CORRUPT_MODES[index % len(CORRUPT_MODES)]
     name = CORRUPT_FILES[(index // len(CORRUPT_MODES)) % len(CORRUPT_FILES)]
     folder = ctx.new_dir("corrupt")
@@ -248,7 +248,7 @@ def trial_sigterm(ctx: Context, index: int) -> Outcome:
     try:
         if again.wait(600) != 0:
             out.problems.append(f"the resumed run failed: {again.text()[-1500:]}")
-        if again.first(rf"resumed from {ckpt.step_dir_name(step)}") is None:
+        if again.first(rf"resumed from {ckread.step_dir_name(step)}") is None:
             out.problems.append(f"the resumed run did not start from step {step}")
         out.problems += same_run(reference, run_dir)
         out.problems += no_processes_left(run_dir)

@@ -237,6 +237,7 @@ def chaos_gpt(cfg: Config) -> Task:
     from pathlib import Path
 
     from dtrain.fault import checkpoint as ckpt
+    from dtrain.fault import checkpoint_read as ckread
 
     task = tiny_gpt(cfg)
     opts: ChaosOptions = cfg.task
@@ -247,7 +248,7 @@ def chaos_gpt(cfg: Config) -> Task:
     writing: dict[str, int] = {"active": 0}
 
     def saving(step: int) -> str:
-        return f".tmp-{ckpt.step_dir_name(step)}" if step else "-"
+        return f".tmp-{ckread.step_dir_name(step)}" if step else "-"
 
     def write_bytes(path: Path, data: bytes) -> dict[str, object]:
         if opts.save_slow_ms and opts.save_slow_rank in (-1, rank):

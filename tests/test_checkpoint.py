@@ -11,6 +11,7 @@ import torch
 
 from dtrain.errors import CheckpointError
 from dtrain.fault import checkpoint as ckpt
+from dtrain.fault import checkpoint_read as ckread
 
 
 def make_checkpointer(root: Path, **kwargs: int) -> ckpt.Checkpointer:
@@ -36,8 +37,8 @@ def test_commit_writes_marker_last_with_checksums(tmp_path: Path) -> None:
     folder = tmp_path / "step-00000005"
     marker = json.loads((folder / "COMMITTED.json").read_text())
     assert set(marker["files"]) == {"model.pt", "train_state.pt", "meta.json"}
-    ckpt.verify_checkpoint(folder)
-    loaded = ckpt.load_file(folder, "model.pt")
+    ckread.verify_checkpoint(folder)
+    loaded = ckread.load_file(folder, "model.pt")
     assert torch.equal(loaded["w"], state(5)["model.pt"]["w"])  # type: ignore[index]
     assert not list(tmp_path.glob(".tmp-*"))
 
@@ -49,7 +50,7 @@ def test_async_save_is_the_snapshot_not_the_later_state(tmp_path: Path) -> None:
     weights["w"].add_(1.0)  # training goes on changing the live tensors
     assert c.wait() is None
     assert torch.equal(
-        ckpt.load_file(tmp_path / "step-00000003", "model.pt")["w"], torch.ones(256, 256)
+        ckread.load_file(tmp_path / "step-00000003", "model.pt")["w"], torch.ones(256, 256)
     )
 
 
@@ -64,8 +65,8 @@ def test_async_saves_reuse_the_snapshot_and_still_save_each_state(tmp_path: Path
     assert c._staged["model.pt"]["w"] is first  # copied into, not allocated again
     weights["w"].add_(1.0)  # training goes on
     assert c.wait() is None
-    one = ckpt.load_file(tmp_path / "step-00000001", "model.pt")
-    two = ckpt.load_file(tmp_path / "step-00000002", "model.pt")
+    one = ckread.load_file(tmp_path / "step-00000001", "model.pt")
+    two = ckread.load_file(tmp_path / "step-00000002", "model.pt")
     assert torch.equal(one["w"], torch.ones(64, 64)) and "extra" not in one
     assert torch.equal(two["w"], torch.full((64, 64), 2.0))
     assert torch.equal(two["extra"], torch.full((2,), 7.0))
@@ -95,11 +96,11 @@ def test_corrupted_newest_is_skipped_for_the_previous(
     save(c, 10)
     save(c, 20)
     corrupt(tmp_path / "step-00000020" / victim, how)
-    chosen, skipped = ckpt.find_latest_valid(tmp_path)
+    chosen, skipped = ckread.find_latest_valid(tmp_path)
     assert chosen == tmp_path / "step-00000010"
     assert [p.name for p, _ in skipped] == ["step-00000020"]
     with pytest.raises(CheckpointError):
-        ckpt.verify_checkpoint(tmp_path / "step-00000020")
+        ckread.verify_checkpoint(tmp_path / "step-00000020")
 
 
 @pytest.mark.parametrize("how", ["truncate", "delete"])
@@ -112,8 +113,8 @@ def test_a_new_save_replaces_an_older_one_of_the_same_step(tmp_path: Path, how: 
     corrupt(tmp_path / "step-00000020" / "model.pt", how)
     newer = state(21)
     c.save(20, newer, {"step": 20, "world_size": 1}, blocking=True)
-    assert ckpt.find_latest_valid(tmp_path)[0] == tmp_path / "step-00000020"
-    loaded = ckpt.load_file(tmp_path / "step-00000020", "model.pt")
+    assert ckread.find_latest_valid(tmp_path)[0] == tmp_path / "step-00000020"
+    loaded = ckread.load_file(tmp_path / "step-00000020", "model.pt")
     assert torch.equal(loaded["w"], newer["model.pt"]["w"])  # type: ignore[index]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000010", "step-00000020"]
 
@@ -130,9 +131,9 @@ def test_any_damage_to_the_marker_is_detected(tmp_path: Path) -> None:
         data[offset] ^= 1 << (offset % 8)
         path.write_bytes(bytes(data))
         with pytest.raises(CheckpointError):
-            ckpt.verify_checkpoint(tmp_path / "step-00000001")
+            ckread.verify_checkpoint(tmp_path / "step-00000001")
     path.write_bytes(good)
-    ckpt.verify_checkpoint(tmp_path / "step-00000001")
+    ckread.verify_checkpoint(tmp_path / "step-00000001")
 
 
 def test_reason_names_the_bad_file(tmp_path: Path) -> None:
@@ -140,7 +141,7 @@ def test_reason_names_the_bad_file(tmp_path: Path) -> None:
     save(c, 1)
     corrupt(tmp_path / "step-00000001" / "model.pt", "bit-flip")
     with pytest.raises(CheckpointError, match=r"model\.pt fails its SHA-256 checksum"):
-        ckpt.verify_checkpoint(tmp_path / "step-00000001")
+        ckread.verify_checkpoint(tmp_path / "step-00000001")
 
 
 def test_interrupted_saves_leave_nothing_that_loads(tmp_path: Path) -> None:
@@ -155,9 +156,9 @@ def test_interrupted_saves_leave_nothing_that_loads(tmp_path: Path) -> None:
         c.fault_hook = boom
         with pytest.raises(CheckpointError, match="not committed"):
             save(c, 2)
-        chosen, _ = ckpt.find_latest_valid(tmp_path)
+        chosen, _ = ckread.find_latest_valid(tmp_path)
         assert chosen == tmp_path / "step-00000001"
-        ckpt.remove_leftovers(tmp_path)  # what a kill -9 would have left (see chaos tests)
+        ckread.remove_leftovers(tmp_path)  # what a kill -9 would have left (see chaos tests)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]
 
 
@@ -170,14 +171,14 @@ def test_failed_background_save_is_reported_and_never_latest(tmp_path: Path) -> 
     save(c, 2, blocking=False)
     error = c.wait()
     assert error is not None and "disk full" in error
-    assert ckpt.find_latest_valid(tmp_path)[0] == tmp_path / "step-00000001"
+    assert ckread.find_latest_valid(tmp_path)[0] == tmp_path / "step-00000001"
 
 
 def test_retention_keeps_last_k_and_every_m(tmp_path: Path) -> None:
     c = make_checkpointer(tmp_path, keep_last=2, keep_every=30)
     for step in range(10, 101, 10):
         save(c, step)
-    assert ckpt.committed_steps(tmp_path) == [100, 90, 60, 30]
+    assert ckread.committed_steps(tmp_path) == [100, 90, 60, 30]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
@@ -190,10 +191,10 @@ def test_loading_never_executes_code(tmp_path: Path) -> None:
     folder.mkdir()
     torch.save({"x": Evil()}, folder / "model.pt")
     with pytest.raises(CheckpointError, match="cannot be loaded"):
-        ckpt.load_file(folder, "model.pt")
+        ckread.load_file(folder, "model.pt")
     assert not (tmp_path / "pwned").exists()
 
 
 def test_missing_checkpoint_folder(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="does not exist"):
-        ckpt.verify_checkpoint(tmp_path / "step-00000009")
+        ckread.verify_checkpoint(tmp_path / "step-00000009")

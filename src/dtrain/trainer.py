@@ -44,6 +44,7 @@ from dtrain.data.build import build_train_loader
 from dtrain.data.loader import RankLoader, StepBatch, eval_batches, to_device
 from dtrain.errors import UserError
 from dtrain.fault import checkpoint as ckpt
+from dtrain.fault import checkpoint_read as ckread
 from dtrain.fault import state as training_state
 from dtrain.fault.preempt import PreemptionFlag
 from dtrain.fault.resume import ResumePoint, resolve_resume
@@ -265,7 +266,7 @@ class Trainer:
         summary.train_loss = last_loss
         summary.skipped_steps = self.skipped_steps
         summary.rollbacks = self.rollbacks
-        summary.checkpoint = str(self.run_dir / "checkpoints" / ckpt.step_dir_name(self.step))
+        summary.checkpoint = str(self.run_dir / "checkpoints" / ckread.step_dir_name(self.step))
         summary.wall_s = time.perf_counter() - started
         summary.items = self.items_seen
         if self.progress is not None:

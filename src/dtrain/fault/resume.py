@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from dtrain.config import Config
 from dtrain.errors import CheckpointError, UserError
-from dtrain.fault import checkpoint as ckpt
+from dtrain.fault import checkpoint_read as ckread
 from dtrain.runtime import Runtime
 
 
@@ -35,18 +35,18 @@ def choose_checkpoint(
 ) -> Path | None:
     """Rank 0's choice: the newest valid checkpoint (``auto``), none (``never``), or the one
     named by ``run.resume``. Removes leftovers of interrupted saves first."""
-    for leftover in ckpt.remove_leftovers(root):
+    for leftover in ckread.remove_leftovers(root):
         log(f"removed the leftover of an interrupted save: {leftover.name}")
     if max_step is not None:  # a rollback: the newest checkpoint from before a given step
-        return ckpt.find_latest_valid(root, max_step)[0]
+        return ckread.find_latest_valid(root, max_step)[0]
     if cfg.run.resume == "never":
         return None
     if cfg.run.resume == "auto":
-        path, skipped = ckpt.find_latest_valid(root)
-        ckpt.warn_skipped(skipped, log)
+        path, skipped = ckread.find_latest_valid(root)
+        ckread.warn_skipped(skipped, log)
         return path
     path = Path(cfg.run.resume)
-    ckpt.verify_checkpoint(path)
+    ckread.verify_checkpoint(path)
     return path
 
 
@@ -72,7 +72,7 @@ def resolve_resume(
     if chosen is None:
         return None
     path = Path(chosen)
-    meta = ckpt.load_meta(path)
+    meta = ckread.load_meta(path)
     return ResumePoint(path=path, step=int(meta["step"]), world_size=int(meta["world_size"]))
 
 

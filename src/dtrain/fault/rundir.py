@@ -10,7 +10,7 @@ from typing import Any
 
 from dtrain.config import Config
 from dtrain.errors import CheckpointError, UserError
-from dtrain.fault import checkpoint as ckpt
+from dtrain.fault import checkpoint_read as ckread
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -59,7 +59,7 @@ def check_run_dir(cfg: Config, force: bool) -> Path | None:
     when the request does not fit what the folder holds."""
     root = Path(cfg.run.dir) / "checkpoints"
     if cfg.run.resume == "never":
-        if ckpt.committed_steps(root) and not force:
+        if ckread.committed_steps(root) and not force:
             raise UserError(
                 f"run.dir {cfg.run.dir} already holds checkpoints and run.resume = "
                 "'never': choose a new run.dir, resume with --resume auto, or pass "
@@ -67,15 +67,15 @@ def check_run_dir(cfg: Config, force: bool) -> Path | None:
             )
         return None
     if cfg.run.resume == "auto":
-        path, _ = ckpt.find_latest_valid(root)
+        path, _ = ckread.find_latest_valid(root)
     else:
         path = Path(cfg.run.resume)
         if not path.exists():
             raise CheckpointError(f"checkpoint folder {path} does not exist")
-        ckpt.verify_checkpoint(path)
+        ckread.verify_checkpoint(path)
     if path is None:
         return None
-    meta = ckpt.load_meta(path)
+    meta = ckread.load_meta(path)
     try:
         saved = tomllib.loads(meta.get("config", ""))
     except tomllib.TOMLDecodeError:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from dtrain import __version__
 from dtrain.errors import CheckpointError
-from dtrain.fault import checkpoint as ckpt
+from dtrain.fault import checkpoint_read as ckread
 from dtrain.fault.resume import ResumePoint, check_model_fits
 from dtrain.fault.rng import rng_state, set_rng_state
 from dtrain.parallel.base import ShardedState
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 
 def _load_sharded(strategy: ShardedState, optimizer: torch.optim.Optimizer, path: Path) -> None:
-    if not (path / ckpt.SHARDED_DIR).is_dir():
+    if not (path / ckread.SHARDED_DIR).is_dir():
         raise CheckpointError(
             f"{path} holds a full-state checkpoint (model.pt); this sharded strategy loads "
             "sharded ones: resume it with the strategy that saved it"
@@ -45,7 +45,7 @@ def _load_sharded(strategy: ShardedState, optimizer: torch.optim.Optimizer, path
     template = strategy.sharded_state_dict(optimizer)
     saved = {
         key[len("model.") :]: shape
-        for key, shape in ckpt.sharded_metadata(path).items()
+        for key, shape in ckread.sharded_metadata(path).items()
         if key.startswith("model.")
     }
     wanted = {key: tuple(value.shape) for key, value in template["model"].items()}
@@ -56,13 +56,13 @@ def _load_sharded(strategy: ShardedState, optimizer: torch.optim.Optimizer, path
         dist.all_gather_object(every, wanted)
         wanted = {key: shape for part in every for key, shape in part.items()}
     check_model_fits(wanted, saved, path)
-    ckpt.load_sharded(path, template)
+    ckread.load_sharded(path, template)
     strategy.load_sharded_state_dict(optimizer, template)
 
 
 def checkpoint_files(trainer: Trainer) -> dict[str, Any]:
     """This rank's part of the training state, one file per component."""
-    files: dict[str, Any] = {ckpt.rng_file(trainer.runtime.rank): rng_state()}
+    files: dict[str, Any] = {ckread.rng_file(trainer.runtime.rank): rng_state()}
     if trainer.runtime.is_main:
         files["train_state.pt"] = {
             "scheduler": trainer.scheduler.state_dict(),
@@ -115,16 +115,18 @@ def load(trainer: Trainer, point: ResumePoint, *, restore_data: bool = True) -> 
                 f"strategy {trainer.cfg.strategy.name!r} loads full-state checkpoints: resume "
                 "it with the strategy that saved it"
             )
-        model_state = ckpt.load_file(path, "model.pt")
+        model_state = ckread.load_file(path, "model.pt")
         check_model_fits(strategy.model_state_dict(), model_state, path)
         strategy.load_model_state_dict(model_state)
-        strategy.load_optimizer_state_dict(trainer.optimizer, ckpt.load_file(path, "optimizer.pt"))
-    train_state = ckpt.load_file(path, "train_state.pt")
+        strategy.load_optimizer_state_dict(
+            trainer.optimizer, ckread.load_file(path, "optimizer.pt")
+        )
+    train_state = ckread.load_file(path, "train_state.pt")
     trainer.scheduler.load_state_dict(train_state["scheduler"])
     if restore_data:
         trainer.loader.load_state_dict(train_state["data"])
     trainer.load_state_dict(train_state["trainer"])
-    rng_path = path / ckpt.rng_file(trainer.runtime.rank)
+    rng_path = path / ckread.rng_file(trainer.runtime.rank)
     if point.world_size == trainer.runtime.world_size and rng_path.exists():
-        set_rng_state(ckpt.load_file(path, rng_path.name))
+        set_rng_state(ckread.load_file(path, rng_path.name))
         point.rng_restored = True

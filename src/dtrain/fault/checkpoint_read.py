@@ -1,0 +1,209 @@
+"""Reading checkpoints: the on-disk layout of ``step-N`` folders, finding the newest one that
+verifies against its completion marker, removing what interrupted saves left, and loading files.
+
+Files are plain tensors and data read with ``torch.load(weights_only=True)`` (and
+``torch.distributed.checkpoint`` for sharded states), so loading never runs code from a
+checkpoint. Writing, and the commit protocol that makes a folder count, are in
+:mod:`dtrain.fault.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dtrain.errors import CheckpointError
+
+MARKER = "COMMITTED.json"
+META = "meta.json"
+SHARDED_DIR = "dcp"
+_STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng-rank{rank:05d}.pt"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        while block := fh.read(8 * 2**20):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding and verifying
+
+
+def list_step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every ``step-N`` folder, newest first (committed or not)."""
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _STEP_RE.match(entry.name)
+        if match and entry.is_dir():
+            found.append((int(match.group(1)), entry))
+    return sorted(found, reverse=True)
+
+
+# The marker's own keys; ``marker_sha256`` (a digest of the others) is absent from markers
+# written before it existed, which are still read.
+_MARKER_KEYS = frozenset({"step", "files", "world_size", "committed", "marker_sha256"})
+
+
+def marker_digest(marker: dict[str, Any]) -> str:
+    """SHA-256 of the marker's content (all but its own digest), canonically encoded."""
+    rest = {k: v for k, v in marker.items() if k != "marker_sha256"}
+    return hashlib.sha256(
+        json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
+
+
+def read_marker(step_dir: Path) -> dict[str, Any]:
+    """The completion marker, checked against its own digest, so that any damage to it (not
+    only to the files it lists) makes the checkpoint count as corrupted."""
+    path = step_dir / MARKER
+    if not path.exists():
+        raise CheckpointError(f"{step_dir} has no {MARKER}: the save did not finish")
+    try:
+        marker = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is corrupted: {exc}") from None
+    if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
+        raise CheckpointError(f"{path} is corrupted: no file list")
+    unknown = sorted(set(marker) - _MARKER_KEYS)
+    if unknown:
+        raise CheckpointError(f"{path} is corrupted: unexpected key(s) {unknown}")
+    if "marker_sha256" in marker and marker["marker_sha256"] != marker_digest(marker):
+        raise CheckpointError(f"{path} fails its own SHA-256 checksum")
+    for name, info in marker["files"].items():
+        if not (
+            isinstance(info, dict)
+            and isinstance(info.get("bytes"), int)
+            and isinstance(info.get("sha256"), str)
+        ):
+            raise CheckpointError(f"{path} is corrupted: bad entry for {name!r}")
+    return marker
+
+
+def verify_checkpoint(step_dir: Path) -> None:
+    """Raise :class:`CheckpointError` naming the first file that does not match the marker."""
+    if not step_dir.is_dir():
+        raise CheckpointError(f"checkpoint folder {step_dir} does not exist")
+    marker = read_marker(step_dir)
+    for name, info in sorted(marker["files"].items()):
+        path = step_dir / name
+        if not path.exists():
+            raise CheckpointError(f"{path} is missing (listed in {MARKER})")
+        size = path.stat().st_size
+        if size != info["bytes"]:
+            raise CheckpointError(f"{path} has {size} bytes, expected {info['bytes']}")
+        if sha256_of(path) != info["sha256"]:
+            raise CheckpointError(f"{path} fails its SHA-256 checksum")
+
+
+def committed_steps(root: Path) -> list[int]:
+    return [step for step, path in list_step_dirs(root) if (path / MARKER).exists()]
+
+
+def find_latest_valid(
+    root: Path, max_step: int | None = None
+) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint (at most ``max_step``) that verifies, and the newer ones skipped
+    with their reason."""
+    skipped: list[tuple[Path, str]] = []
+    for step, path in list_step_dirs(root):
+        if max_step is not None and step > max_step:
+            continue
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as exc:
+            skipped.append((path, str(exc)))
+            continue
+        return path, skipped
+    return None, skipped
+
+
+def remove_leftovers(root: Path) -> list[Path]:
+    """Delete what interrupted saves and prunes left: temp folders and uncommitted ``step-N``
+    folders. Call on rank 0 before anything else writes checkpoints."""
+    removed: list[Path] = []
+    if not root.is_dir():
+        return removed
+    for entry in root.iterdir():
+        stale = entry.name.startswith((".tmp-", ".trash-"))
+        uncommitted = bool(_STEP_RE.match(entry.name)) and not (entry / MARKER).exists()
+        if entry.is_dir() and (stale or uncommitted):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    if removed:
+        fsync_dir(root)
+    return removed
+
+
+def load_file(step_dir: Path, name: str) -> Any:
+    path = step_dir / name
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except Exception as exc:  # an unpickling refusal or a corrupted archive
+        raise CheckpointError(f"{path} cannot be loaded: {exc}") from None
+
+
+def load_meta(step_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((step_dir / META).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{step_dir / META} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{step_dir / META} is corrupted: {exc}") from None
+
+
+def sharded_metadata(step_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Global shape of every tensor in a checkpoint's sharded state (key -> shape)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(step_dir / SHARDED_DIR)).read_metadata()
+    return {
+        key: tuple(item.size)
+        for key, item in metadata.state_dict_metadata.items()
+        if isinstance(item, TensorStorageMetadata)
+    }
+
+
+def load_sharded(step_dir: Path, template: dict[str, Any]) -> None:
+    """Fill ``template`` (this rank's sharded state, at this world size) in place from the
+    checkpoint, resharding as needed. Collective: every rank calls it."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    load(template, storage_reader=FileSystemReader(str(step_dir / SHARDED_DIR)))
+
+
+def warn_skipped(skipped: list[tuple[Path, str]], log: Callable[[str], None]) -> None:
+    for path, reason in skipped:
+        log(f"warning: skipping checkpoint {path.name}: {reason}")
