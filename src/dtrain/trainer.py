@@ -32,7 +32,6 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +40,9 @@ import torch.distributed as dist
 
 from dtrain.config import Config
 from dtrain.data.build import build_train_loader
-from dtrain.data.loader import RankLoader, StepBatch, eval_batches, to_device
+from dtrain.data.loader import RankLoader, StepBatch, to_device
 from dtrain.errors import UserError
+from dtrain.evaluation import evaluate_loss
 from dtrain.fault import checkpoint as ckpt
 from dtrain.fault import checkpoint_read as ckread
 from dtrain.fault import state as training_state
@@ -50,7 +50,8 @@ from dtrain.fault.preempt import PreemptionFlag
 from dtrain.fault.resume import ResumePoint, resolve_resume
 from dtrain.fault.rng import rank_seed, seed_everything
 from dtrain.fault.watchdog import PeerFailure, Watchdog
-from dtrain.metrics.sinks import JsonlSink, Progress, format_duration, format_rate
+from dtrain.metrics.sinks import JsonlSink, Progress
+from dtrain.metrics.summary import LossWindow, Summary
 from dtrain.optim import build_optimizer, build_scheduler
 from dtrain.parallel.base import Strategy, build_strategy
 from dtrain.runtime import Runtime, barrier
@@ -59,22 +60,6 @@ from dtrain.task import Task
 
 class TrainingDiverged(UserError):
     """The loss stayed non-finite and there was nothing to roll back to."""
-
-
-@dataclass
-class Summary:
-    steps: int = 0
-    start_step: int = 0
-    wall_s: float = 0.0
-    train_loss: float = float("nan")
-    val_loss: float | None = None
-    items: int = 0
-    skipped_steps: int = 0
-    rollbacks: int = 0
-    preempted: str = ""  # the signal's name when the run stopped early to be resumed
-    checkpoint: str = ""
-    generated: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def is_collective_failure(exc: BaseException) -> bool:
@@ -217,7 +202,7 @@ class Trainer:
             audit_dir = self.run_dir / "sample_ids"
             audit_dir.mkdir(parents=True, exist_ok=True)
             self._audit = (audit_dir / f"rank{self.runtime.rank:05d}.jsonl").open("a")
-        window = _Window(self.runtime.device)
+        window = LossWindow(self.runtime.device)
         last_loss = float("nan")
         self.strategy.unwrapped.train()
         while self.step < cfg.train.steps:
@@ -423,49 +408,15 @@ class Trainer:
         self.metrics.write(record)
         self.progress.update(self.step, loss, rate)
 
-    @torch.no_grad()
     def evaluate(self, max_samples: int = 0) -> float | None:
         """Mean validation loss; every sample of the set (or of its first ``max_samples``)
         counted exactly once across ranks."""
         if self.task.val_data is None:
             return None
         self.watchdog.set_phase("evaluate")
-        module = self.strategy.unwrapped
-        module.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.runtime.device)
-        dp_size = self.strategy.data_parallel_size
-        batches = list(
-            eval_batches(
-                self.task.val_data,
-                self.strategy.data_parallel_rank,
-                dp_size,
-                self.cfg.eval.batch_size,
-                self.task.collate_fn,
-                max_samples,
-            )
+        val_loss, items = evaluate_loss(
+            self.task, self.strategy, self.runtime.device, self.cfg.eval.batch_size, max_samples
         )
-        for batch in batches:
-            inputs, targets = to_device(self.task.split_batch(batch), self.runtime.device)
-            totals[0] += self.strategy.eval_loss((inputs, targets), self.task.loss_fn).double()
-            totals[1] += self.task.count_items(targets)
-        if self.strategy.lockstep_eval:
-            # Strategies with collectives in forward need the same number of forward passes on
-            # every rank: the ranks with a smaller share run padding batches, not counted.
-            total = (
-                len(self.task.val_data)
-                if max_samples <= 0
-                else min(max_samples, len(self.task.val_data))
-            )
-            largest_share = -(-total // dp_size)
-            needed = -(-largest_share // self.cfg.eval.batch_size)
-            padding = batches[0] if batches else self.task.collate_fn([self.task.val_data[0]])
-            for _ in range(needed - len(batches)):
-                inputs, targets = to_device(self.task.split_batch(padding), self.runtime.device)
-                self.strategy.eval_loss((inputs, targets), self.task.loss_fn)
-        self.strategy.all_reduce_loss(totals[0:1])
-        self.strategy.all_reduce_sum(totals[1:2])
-        module.train()
-        val_loss = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
         if self.is_main:
             assert self.metrics is not None
             self.metrics.write(
@@ -473,72 +424,11 @@ class Trainer:
                     "kind": "eval",
                     "step": self.step,
                     "val_loss": val_loss,
-                    "val_items": int(totals[1]),
+                    "val_items": items,
                     "time": time.time(),
                 }
             )
             self.log(
-                f"step {self.step}: val_loss {val_loss:.4f} over {int(totals[1])} "
-                f"{self.task.item_name}"
+                f"step {self.step}: val_loss {val_loss:.4f} over {items} {self.task.item_name}"
             )
         return val_loss
-
-
-class _Window:
-    """Loss and items since the last metrics line; summed over ranks only when logged."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.loss = torch.zeros((), dtype=torch.float64, device=device)
-        self.items = 0
-        self.steps = 0
-        self.start = time.perf_counter()
-
-    def add(self, loss_sum: torch.Tensor, items: int) -> None:
-        self.loss += loss_sum.double()
-        self.items += items
-        self.steps += 1
-
-    def flush(self, strategy: Strategy) -> tuple[float, float, int, float]:
-        strategy.all_reduce_loss(self.loss)
-        elapsed = time.perf_counter() - self.start
-        loss = float(self.loss) / max(1, self.items)
-        rate = self.items / elapsed if elapsed > 0 else 0.0
-        out = (loss, rate, self.steps, elapsed)
-        self.loss.zero_()
-        self.items, self.steps = 0, 0
-        self.start = time.perf_counter()
-        return out
-
-
-def print_summary(summary: Summary, item_name: str, world_size: int) -> None:
-    rate = summary.items / summary.wall_s if summary.wall_s > 0 else 0.0
-    val = f"{summary.val_loss:.4f}" if summary.val_loss is not None else "n/a"
-    if summary.preempted:
-        head = (
-            f"stopped by {summary.preempted} at step {summary.steps} and saved; run the same "
-            "command to resume"
-        )
-    else:
-        head = f"done: {summary.steps} steps"
-    lines = [
-        "",
-        f"{head} ({summary.steps - summary.start_step} this run) on {world_size} rank(s) in "
-        f"{format_duration(summary.wall_s)}",
-        f"  train loss {summary.train_loss:.4f}   val loss {val}   "
-        f"{format_rate(rate)} {item_name}/s overall",
-    ]
-    if summary.skipped_steps:
-        lines.append(
-            f"  skipped steps (non-finite loss or gradient): {summary.skipped_steps}, "
-            f"rollbacks: {summary.rollbacks}"
-        )
-    lines.append(f"  checkpoint {summary.checkpoint}")
-    if summary.generated:
-        lines += ["", summary.generated]
-    print("\n".join(lines), flush=True)
-
-
-def default_run_dir() -> str:
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    stamp = run_id if run_id and run_id != "none" else time.strftime("%Y%m%d-%H%M%S")
-    return str(Path("runs") / stamp)

@@ -19,9 +19,10 @@ from collections.abc import Sequence
 from dtrain.config import Config, load_config
 from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
 from dtrain.fault.rng import seed_everything
+from dtrain.metrics.summary import Summary, print_summary
 from dtrain.runtime import init_runtime, shutdown_runtime
 from dtrain.task import build_task, resolve_task, task_config_class
-from dtrain.trainer import Summary, Trainer, default_run_dir, print_summary
+from dtrain.trainer import Trainer
 
 
 def load_worker_config(argv: Sequence[str]) -> Config:
@@ -128,3 +129,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def default_run_dir() -> str:
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    stamp = run_id if run_id and run_id != "none" else time.strftime("%Y%m%d-%H%M%S")
+    return os.path.join("runs", stamp)

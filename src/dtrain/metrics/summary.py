@@ -1,0 +1,83 @@
+"""What a run reports at its end and between metrics lines: the run's summary, the printed
+closing lines, and the loss window behind each metrics line."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dtrain.metrics.sinks import format_duration, format_rate
+from dtrain.parallel.base import Strategy
+
+
+@dataclass
+class Summary:
+    steps: int = 0
+    start_step: int = 0
+    wall_s: float = 0.0
+    train_loss: float = float("nan")
+    val_loss: float | None = None
+    items: int = 0
+    skipped_steps: int = 0
+    rollbacks: int = 0
+    preempted: str = ""  # the signal's name when the run stopped early to be resumed
+    checkpoint: str = ""
+    generated: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class LossWindow:
+    """Loss and items since the last metrics line; summed over ranks only when logged."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.loss = torch.zeros((), dtype=torch.float64, device=device)
+        self.items = 0
+        self.steps = 0
+        self.start = time.perf_counter()
+
+    def add(self, loss_sum: torch.Tensor, items: int) -> None:
+        self.loss += loss_sum.double()
+        self.items += items
+        self.steps += 1
+
+    def flush(self, strategy: Strategy) -> tuple[float, float, int, float]:
+        strategy.all_reduce_loss(self.loss)
+        elapsed = time.perf_counter() - self.start
+        loss = float(self.loss) / max(1, self.items)
+        rate = self.items / elapsed if elapsed > 0 else 0.0
+        out = (loss, rate, self.steps, elapsed)
+        self.loss.zero_()
+        self.items, self.steps = 0, 0
+        self.start = time.perf_counter()
+        return out
+
+
+def print_summary(summary: Summary, item_name: str, world_size: int) -> None:
+    rate = summary.items / summary.wall_s if summary.wall_s > 0 else 0.0
+    val = f"{summary.val_loss:.4f}" if summary.val_loss is not None else "n/a"
+    if summary.preempted:
+        head = (
+            f"stopped by {summary.preempted} at step {summary.steps} and saved; run the same "
+            "command to resume"
+        )
+    else:
+        head = f"done: {summary.steps} steps"
+    lines = [
+        "",
+        f"{head} ({summary.steps - summary.start_step} this run) on {world_size} rank(s) in "
+        f"{format_duration(summary.wall_s)}",
+        f"  train loss {summary.train_loss:.4f}   val loss {val}   "
+        f"{format_rate(rate)} {item_name}/s overall",
+    ]
+    if summary.skipped_steps:
+        lines.append(
+            f"  skipped steps (non-finite loss or gradient): {summary.skipped_steps}, "
+            f"rollbacks: {summary.rollbacks}"
+        )
+    lines.append(f"  checkpoint {summary.checkpoint}")
+    if summary.generated:
+        lines += ["", summary.generated]
+    print("\n".join(lines), flush=True)
