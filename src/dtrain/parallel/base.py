@@ -45,18 +45,39 @@ class BackwardSyncControl(ABC):
 
 class ShardedState(ABC):
     """Capability: model and optimizer state differ across ranks (FSDP shards, pipeline
-    stages). Checkpoints then go through ``torch.distributed.checkpoint``: one file set per
-    rank, resharded on load when the world size changes."""
+    stages, tensor-parallel slices). Checkpoints then go through
+    ``torch.distributed.checkpoint``: one file set per rank, resharded on load when the world
+    size changes. The state moves through torch's distributed state-dict API, which knows
+    every layout these strategies make; a strategy may set its options."""
 
+    state_dict_options: ClassVar[Any] = None  # torch's StateDictOptions, or None for its default
+
+    @property
     @abstractmethod
+    def unwrapped(self) -> nn.Module: ...  # provided by Strategy
+
     def sharded_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """``{"model": ..., "optimizer": ...}`` in a form DCP saves and loads in place."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    @abstractmethod
+        model_state, optim_state = get_state_dict(
+            self.unwrapped, optimizer, options=self.state_dict_options
+        )
+        return {"model": model_state, "optimizer": optim_state}
+
     def load_sharded_state_dict(
         self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
         """Apply a state filled by DCP (see :meth:`sharded_state_dict`)."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            self.unwrapped,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=self.state_dict_options,
+        )
 
 
 class Strategy(ABC):
@@ -190,8 +211,13 @@ class Strategy(ABC):
         return False
 
     def parameter_bytes(self) -> int:
-        """Bytes of parameters this rank holds."""
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        """Bytes of parameters this rank holds (of a sharded parameter, its local part)."""
+        from torch.distributed.tensor import DTensor
+
+        return sum(
+            (p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+            for p in self.parameters()
+        )
 
 
 S = TypeVar("S", bound=type[Strategy])

@@ -22,9 +22,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_state_dict,
     set_model_state_dict,
-    set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -117,26 +115,3 @@ class FSDPStrategy(Strategy, BackwardSyncControl, ShardedState):
     def load_model_state_dict(self, state: dict[str, Any]) -> None:
         assert self.model is not None
         set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
-
-    def sharded_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        assert self.model is not None
-        model_state, optim_state = get_state_dict(self.model, optimizer)
-        return {"model": model_state, "optimizer": optim_state}
-
-    def load_sharded_state_dict(
-        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
-    ) -> None:
-        assert self.model is not None
-        set_state_dict(
-            self.model,
-            optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-        )
-
-    def parameter_bytes(self) -> int:
-        total = 0
-        for param in self.parameters():
-            local = param.to_local() if isinstance(param, DTensor) else param
-            total += local.numel() * local.element_size()
-        return total

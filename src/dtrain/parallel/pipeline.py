@@ -29,9 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_state_dict,
     set_model_state_dict,
-    set_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import (
@@ -78,9 +76,6 @@ from dtrain.task import Task
 
 INTERLEAVED = "interleaved-1f1b"
 _CACHED_SCHEDULES = 8  # distinct batch shapes kept (each holds receive buffers of its shape)
-# Optimizer state keyed by parameter name, not by position: each stage holds different
-# parameters, and a name means the same tensor at any pipeline or data-parallel layout.
-_STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def stages_per_rank(cfg: Config) -> int:
@@ -91,6 +86,10 @@ def stages_per_rank(cfg: Config) -> int:
 @register("pipeline")
 class PipelineStrategy(Strategy, ShardedState):
     """pipeline parallel (torch.distributed.pipelining), x data parallel on a 2-D mesh"""
+
+    # Optimizer state keyed by parameter name, not by position: each stage holds different
+    # parameters, and a name means the same tensor at any pipeline or data-parallel layout.
+    state_dict_options = StateDictOptions(flatten_optimizer_state_dict=True)
 
     @classmethod
     def validate_config(cls, cfg: Config, world_size: int) -> None:
@@ -454,28 +453,6 @@ class PipelineStrategy(Strategy, ShardedState):
         model.load_state_dict(state, assign=True)
         tie(model, self._ties)
         return model
-
-    def sharded_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        model_state, optim_state = get_state_dict(self.unwrapped, optimizer, options=_STATE_OPTIONS)
-        return {"model": model_state, "optimizer": optim_state}
-
-    def load_sharded_state_dict(
-        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
-    ) -> None:
-        set_state_dict(
-            self.unwrapped,
-            optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-            options=_STATE_OPTIONS,
-        )
-
-    def parameter_bytes(self) -> int:
-        total = 0
-        for param in self.parameters():
-            local = param.to_local() if isinstance(param, DTensor) else param
-            total += local.numel() * local.element_size()
-        return total
 
 
 # -- helpers -----------------------------------------------------------------------------------

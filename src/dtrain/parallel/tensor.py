@@ -24,9 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_state_dict,
     set_model_state_dict,
-    set_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -221,23 +219,6 @@ class TensorParallelStrategy(Strategy, ShardedState):
         self._skeleton.load_state_dict(state, assign=True)
         tie(self._skeleton, self._ties)
         return self._skeleton
-
-    def sharded_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        model_state, optim_state = get_state_dict(self.unwrapped, optimizer)
-        return {"model": model_state, "optimizer": optim_state}
-
-    def load_sharded_state_dict(
-        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
-    ) -> None:
-        set_state_dict(
-            self.unwrapped,
-            optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-        )
-
-    def parameter_bytes(self) -> int:
-        return sum(_local(p).numel() * p.element_size() for p in self.parameters())
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
