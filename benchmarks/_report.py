@@ -83,3 +83,23 @@ def update_section(name: str, body: str) -> Path:
     DOC.parent.mkdir(parents=True, exist_ok=True)
     DOC.write_text(text)
     return DOC
+
+
+def write_report_section(name: str, title: str, report: str, setting: str = "") -> Path:
+    """A script's section holding its printed report as is: the title, the command, the date,
+    the machine (and ``setting``), then the report in a code block."""
+    load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
+    where = f"{machine()}; {setting}" if setting else machine()
+    body = "\n".join(
+        [
+            f"## {title}",
+            "",
+            f"`{command_line()}` on {time.strftime('%Y-%m-%d')}",
+            f"({where}; load average {load} when it finished):",
+            "",
+            "```",
+            report,
+            "```",
+        ]
+    )
+    return update_section(name, body)

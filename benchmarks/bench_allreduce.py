@@ -21,8 +21,6 @@ within a round, so that two figures are only ever compared with one taken moment
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import statistics
 import sys
 import time
@@ -43,8 +41,9 @@ from dtrain.runtime import init_runtime
 from dtrain.task import Task
 from dtrain.testing import run_ranks
 
-REPO = Path(__file__).resolve().parent.parent
-DOCS = REPO / "docs" / "benchmarks.md"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import write_report_section
+
 SECTION = "bench_allreduce"
 
 
@@ -230,26 +229,9 @@ def main() -> None:
     report = "\n".join(lines)
     print(report)
     if args.write_docs:
-        write_section(report)
-
-
-def write_section(report: str) -> None:
-    """Replace this script's section of docs/benchmarks.md (other scripts own the others)."""
-    command = " ".join([".venv/bin/python benchmarks/bench_allreduce.py", *sys.argv[1:]])
-    load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
-    body = (
-        f"<!-- {SECTION}:start -->\n## allreduce vs ddp; bucketed vs per-tensor\n\n"
-        f"`{command}` on {time.strftime('%Y-%m-%d')} (torch {torch.__version__}, 2 ranks, "
-        f"gloo on loopback, CPU, 1 thread per rank; load average {load} on "
-        f"{os.cpu_count()} cores):\n\n```\n{report}\n```\n"
-        f"<!-- {SECTION}:end -->"
-    )
-    text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
-    pattern = re.compile(rf"<!-- {SECTION}:start -->.*?<!-- {SECTION}:end -->", re.S)
-    text = pattern.sub(body, text) if pattern.search(text) else text.rstrip() + "\n\n" + body
-    DOCS.parent.mkdir(exist_ok=True)
-    DOCS.write_text(text.rstrip() + "\n")
-    print(f"wrote {DOCS.relative_to(REPO)}", file=sys.stderr)
+        title = "allreduce vs ddp; bucketed vs per-tensor"
+        setting = "2 ranks, gloo on loopback, CPU, 1 thread per rank"
+        print(f"wrote {write_report_section(SECTION, title, report, setting)}")
 
 
 if __name__ == "__main__":

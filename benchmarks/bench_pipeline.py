@@ -41,7 +41,6 @@ load from other users of the machine hits all alike; figures are medians over ro
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -55,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import command_line, machine, update_section
+from _report import write_report_section
 
 SECTION = "bench_pipeline"
 MICRO_BATCHES = (4, 8, 16)
@@ -507,20 +506,8 @@ def main() -> None:
     text = "\n".join(out)
     print(text)
     if args.write_docs:
-        load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
-        body = "\n".join(
-            [
-                "## Pipeline: bubble vs the GPipe bound; 1F1B vs GPipe activation memory",
-                "",
-                f"`{command_line()}` on {time.strftime('%Y-%m-%d')}",
-                f"({machine()}; load average {load} when it finished):",
-                "",
-                "```",
-                text,
-                "```",
-            ]
-        )
-        print(f"wrote {update_section(SECTION, body)}")
+        title = "Pipeline: bubble vs the GPipe bound; 1F1B vs GPipe activation memory"
+        print(f"wrote {write_report_section(SECTION, title, text)}")
 
 
 if __name__ == "__main__":

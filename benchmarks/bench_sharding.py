@@ -23,7 +23,6 @@ between steps and is not counted; the bf16/fp32 policy is fp32 here.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import command_line, machine, update_section
+from _report import write_report_section
 
 SECTION = "bench_sharding"
 STRATEGIES = ("ddp", "fsdp", "pipeline", "tensor")
@@ -131,20 +130,8 @@ def main() -> None:
     text = "\n".join([head, *lines])
     print(text)
     if args.write_docs:
-        load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
-        body = "\n".join(
-            [
-                "## Bytes per rank: fsdp vs ddp (and the model-parallel strategies)",
-                "",
-                f"`{command_line()}` on {time.strftime('%Y-%m-%d')}",
-                f"({machine()}; load average {load}):",
-                "",
-                "```",
-                text,
-                "```",
-            ]
-        )
-        print(f"wrote {update_section(SECTION, body)}")
+        title = "Bytes per rank: fsdp vs ddp (and the model-parallel strategies)"
+        print(f"wrote {write_report_section(SECTION, title, text)}")
 
 
 if __name__ == "__main__":
