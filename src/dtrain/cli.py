@@ -91,10 +91,10 @@ def split_overrides(extra: Sequence[str]) -> list[str]:
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from dtrain.config import load_config
     from dtrain.fault.rundir import check_run_dir
+    from dtrain.fsutil import write_atomic
     from dtrain.launch import launch_workers, make_options
     from dtrain.parallel.base import strategy_class
     from dtrain.task import resolve_task, task_config_class
-    from dtrain.worker import write_text_atomic
 
     if args.resume is not None:
         overrides = [*overrides, f"--run.resume={args.resume}"]
@@ -113,7 +113,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.toml"
-    write_text_atomic(str(config_path), cfg.to_toml())
+    write_atomic(config_path, cfg.to_toml())
     return launch_workers(config_path, opts, grace_s=cfg.fault.preempt_grace_s)
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -50,6 +49,7 @@ from dtrain.fault.preempt import PreemptionFlag
 from dtrain.fault.resume import ResumePoint, resolve_resume
 from dtrain.fault.rng import rank_seed, seed_everything
 from dtrain.fault.watchdog import PeerFailure, Watchdog
+from dtrain.fsutil import write_atomic
 from dtrain.metrics.sinks import JsonlSink, Progress
 from dtrain.metrics.summary import LossWindow, Summary
 from dtrain.optim import build_optimizer, build_scheduler
@@ -361,9 +361,8 @@ class Trainer:
         if not self.is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.run_dir / f".status.json.{os.getpid()}"
-        tmp.write_text(json.dumps({"state": state, "step": self.step, "signal": signal_name}))
-        os.replace(tmp, self.run_dir / "status.json")
+        record = {"state": state, "step": self.step, "signal": signal_name}
+        write_atomic(self.run_dir / "status.json", json.dumps(record))
 
     def _finish_records(self, summary: Summary) -> None:
         if not self.is_main:

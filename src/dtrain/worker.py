@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dtrain.config import Config, load_config
 from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
 from dtrain.fault.rng import seed_everything
+from dtrain.fsutil import write_atomic
 from dtrain.metrics.summary import Summary, print_summary
 from dtrain.runtime import init_runtime, shutdown_runtime
 from dtrain.task import build_task, resolve_task, task_config_class
@@ -46,7 +47,7 @@ def train(cfg: Config) -> Summary:
         trainer = Trainer(cfg, task, runtime)
         if runtime.is_main:
             os.makedirs(cfg.run.dir, exist_ok=True)
-            write_text_atomic(os.path.join(cfg.run.dir, "config.toml"), cfg.to_toml())
+            write_atomic(os.path.join(cfg.run.dir, "config.toml"), cfg.to_toml())
         summary = trainer.fit()
         if runtime.is_main:
             print_summary(summary, task.item_name, runtime.world_size)
@@ -70,15 +71,6 @@ def join_helper_threads(timeout_s: float = 2.0) -> None:
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and thread.name.startswith("dtrain-"):
             thread.join(max(0.0, deadline - time.monotonic()))
-
-
-def write_text_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def record_user_error(message: str) -> None:

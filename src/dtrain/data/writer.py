@@ -28,6 +28,7 @@ from dtrain.data.format import (
     sha256_file,
 )
 from dtrain.errors import DataError
+from dtrain.fsutil import fsync_dir
 
 
 class ShardWriter:
@@ -216,7 +217,7 @@ class ShardWriter:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(self.tmp_dir, self.out_dir)
-        _fsync_dir(self.out_dir.parent)
+        fsync_dir(self.out_dir.parent)
         self.closed = True
         return self.out_dir
 
@@ -307,11 +308,3 @@ def to_field_array(value: Any, dtype: str, where: str) -> np.ndarray:
     ):
         raise DataError(f"{where}: {arr.dtype} values cannot be stored as {target} without loss")
     return arr.astype(target)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

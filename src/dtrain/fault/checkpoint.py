@@ -42,11 +42,11 @@ from dtrain.fault.checkpoint_read import (
     META,
     SHARDED_DIR,
     committed_steps,
-    fsync_dir,
     marker_digest,
     sha256_of,
     step_dir_name,
 )
+from dtrain.fsutil import fsync_dir, write_atomic, write_bytes_synced
 
 
 def snapshot(obj: Any, reuse: Any = None) -> Any:
@@ -106,10 +106,7 @@ def snapshot_sharded(obj: Any) -> Any:
 
 
 def _write_bytes(path: Path, data: bytes) -> dict[str, Any]:
-    with path.open("wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
+    write_bytes_synced(path, data)
     return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
@@ -329,10 +326,7 @@ class Checkpointer:
             "committed": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         marker["marker_sha256"] = marker_digest(marker)
-        marker_tmp = final / f".{MARKER}.tmp"
-        _write_bytes(marker_tmp, json.dumps(marker, indent=1, sort_keys=True).encode())
-        os.replace(marker_tmp, final / MARKER)
-        fsync_dir(final)
+        write_atomic(final / MARKER, json.dumps(marker, indent=1, sort_keys=True))
         self.last_committed = step
         self._fault("after_marker")
         self.prune()

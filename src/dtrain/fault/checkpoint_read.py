@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 
 from dtrain.errors import CheckpointError
+from dtrain.fsutil import fsync_dir
 
 MARKER = "COMMITTED.json"
 META = "meta.json"
@@ -34,14 +34,6 @@ def step_dir_name(step: int) -> str:
 
 def rng_file(rank: int) -> str:
     return f"rng-rank{rank:05d}.pt"
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def sha256_of(path: Path) -> str:
