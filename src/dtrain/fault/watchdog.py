@@ -1,6 +1,7 @@
 """Hang and failure detection that names the rank at fault.
 
-Every rank beats into the rendezvous store (the key-value store torch's launcher already runs):
+Every rank beats into the job's key-value store (hosted by rank 0 under ``dtrain train``, by
+torch's agent under plain ``torchrun``):
 ``dtrain/hb/<rank>`` holds its host, pid, step, phase and the time of the beat, refreshed by a
 daemon thread every ``heartbeat_s`` seconds. A rank that raises posts ``dtrain/failed/<rank>``
 before it exits.
@@ -9,7 +10,9 @@ When a collective fails on a rank -- a peer's socket closed, or the collective t
 (``dist.timeout_s``) expired because a peer stopped responding -- :meth:`Watchdog.diagnose`
 reads the store and names who is missing: ranks that posted a failure, ranks on this machine
 whose process is gone (killed outright, so their last beat is still fresh), ranks whose beats are
-stale (a stopped or hung process), ranks that never beat. The trainer raises that as a
+stale (a stopped or hung process), ranks that never beat; when the store itself is gone or
+frozen with rank 0, rank 0 by its last beat (every store call is bounded in time, so a frozen
+store never hangs a rank). The trainer raises that as a
 :class:`PeerFailure`. As a backstop for hangs outside a collective with a timeout, the thread
 also watches this rank's own progress: when a phase has not moved for twice the collective
 timeout, it writes the diagnosis as this worker's error and ends the process, so the launcher
