@@ -35,22 +35,29 @@ from dtrain.data.loader import RankLoader
 from dtrain.data.partition import OrderSpec, plan_steps
 from dtrain.data.shards import ShardedDataset, ShardWriter
 
+SMALL_SHARD_BYTES = 2**20  # the many-shards variant: 1 MiB shards
+
 
 def build(root: Path, n: int, sample_bytes: int) -> None:
-    """The dataset three ways: dtrain shards, one raw .npy per field, and MDS if available."""
-    if (root / "shards" / "manifest.json").exists():
+    """The dataset four ways: dtrain shards (the default size, and 1 MiB shards: many of
+    them), one raw .npy per field, and MDS if available."""
+    if (root / "small-shards" / "manifest.json").exists():
         return
     root.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     x_all = np.lib.format.open_memmap(root / "x.npy", "w+", np.uint8, (n, sample_bytes))
     y_all = np.lib.format.open_memmap(root / "y.npy", "w+", np.int64, (n,))
-    with ShardWriter(root / "shards", overwrite=True) as writer:
+    with (
+        ShardWriter(root / "shards", overwrite=True) as writer,
+        ShardWriter(root / "small-shards", overwrite=True, shard_bytes=SMALL_SHARD_BYTES) as small,
+    ):
         for begin in range(0, n, 8192):
             end = min(n, begin + 8192)
             x = rng.integers(0, 256, (end - begin, sample_bytes), dtype=np.uint8)
             y = np.arange(begin, end, dtype=np.int64)
             x_all[begin:end], y_all[begin:end] = x, y
             writer.write_rows({"x": x, "y": y})
+            small.write_rows({"x": x, "y": y})
     x_all.flush()
     y_all.flush()
     del x_all, y_all
@@ -157,6 +164,12 @@ def overlap_section(
         f"about {repeat_mm * per * 1e6:.0f} µs, as long as a raw fetch): synchronous {s:,.0f} "
         f"samples/s, prefetch thread {t:,.0f} samples/s, so the thread gives {t / s:.2f}x "
         f"(median of {len(runs['sync'])}).",
+        "",
+        "The prefetch thread's rows above are a loop that does nothing but load: the training "
+        "thread finds the queue empty at every step and sleeps until the loader thread wakes "
+        "it (two context switches a step), which the synchronous loader never pays. That is "
+        "why the thread is not the default on CPU; it pays off when there is a step to hide "
+        "the fetch behind, as here.",
     ]
 
 
@@ -227,11 +240,22 @@ def main() -> None:
             assert batch["x"].shape[0] == len(ids)
         return samples_per_run
 
-    def dtrain_loader(prefetch: int, work: Callable[[], None] | None = None) -> Callable[[], int]:
+    small = ShardedDataset(root / "small-shards")
+    small_order = OrderSpec(n, seed=0, shard_sizes=small.shard_sizes)
+    # The same stream of ids: a full shuffle does not depend on the shard sizes.
+    assert np.array_equal(plan_steps(small_order, 0, 1, gbs, world, 1)[0].ids[0][0], rank_ids[0])
+    small_starts = np.concatenate([[0], np.cumsum(small.shard_sizes)])
+    touched = statistics.mean(
+        len(np.unique(small_starts.searchsorted(ids, "right"))) for ids in rank_ids
+    )
+
+    def dtrain_loader(
+        prefetch: int, work: Callable[[], None] | None = None, many: bool = False
+    ) -> Callable[[], int]:
         def run() -> int:
             loader = RankLoader(
-                dataset,
-                order=order,
+                small if many else dataset,
+                order=small_order if many else order,
                 global_batch_size=gbs,
                 micro_batches=1,
                 rank=0,
@@ -239,7 +263,7 @@ def main() -> None:
                 collate_fn=default_collate,
                 num_workers=args.workers,
                 prefetch=prefetch,
-                fingerprint=dataset.fingerprint,
+                fingerprint=(small if many else dataset).fingerprint,
             )
             for _, batch in zip(range(steps), loader):
                 assert batch.micro[0]["x"].shape[0] == per_rank
@@ -269,6 +293,7 @@ def main() -> None:
         "raw NumPy: the shard files",
     )
     sync_name = "dtrain RankLoader, synchronous (prefetch=0, the default on CPU)"
+    many_name = f"dtrain RankLoader, synchronous, {len(small.shard_sizes)} shards of 1 MiB"
     thread_name = "dtrain RankLoader, prefetch thread (prefetch=2, the default on GPU)"
     if args.workers:
         sync_name = f"dtrain RankLoader, {args.workers} DataLoader workers"
@@ -279,6 +304,8 @@ def main() -> None:
         sync_name: dtrain_loader(0),
         "torch DataLoader + DistributedSampler": torch_dataloader,
     }
+    if not args.workers:
+        methods[many_name] = dtrain_loader(0, many=True)
     if thread_name:
         methods[thread_name] = dtrain_loader(2)
     wall: dict[str, list[float]] = {name: [] for name in methods}
@@ -337,8 +364,11 @@ def main() -> None:
         f"Command: `{command_line()}`  ",
         f"Machine: {machine()}; load average {load:.1f} when it finished  ",
         f"Data: {n:,} samples of {args.sample_bytes} B (uint8) + an int64 label, "
-        f"{n * args.sample_bytes / 1e6:.0f} MB in {len(dataset.shard_sizes)} shards (and the "
-        f"same rows as one .npy per field for the raw baseline); rank 0 of {world}, {per_rank} "
+        f"{n * args.sample_bytes / 1e6:.0f} MB in {len(dataset.shard_sizes)} shards, and again "
+        f"in {len(small.shard_sizes)} shards of 1 MiB (where a step's {per_rank} samples lie in "
+        f"{touched:.0f} different shards on average), and as one .npy per field for the raw "
+        "baseline; "
+        f"rank 0 of {world}, {per_rank} "
         f"samples per step, {steps} steps per run ({args.epochs} epochs of the rank), "
         f"num_workers={args.workers}, warm page cache. Median of {args.repeats} interleaved "
         "runs, by wall-clock time and by this process's CPU time (all threads).",

@@ -162,6 +162,27 @@ def test_planning_many_steps_at_once_equals_one_at_a_time() -> None:
                     ]
 
 
+def test_a_rank_reads_its_own_parts_without_sorting_the_others() -> None:
+    spec = OrderSpec(1000, seed=3, shard_sizes=(400, 600))
+    for world, micro, gbs in [(4, 1, 64), (3, 2, 50)]:
+        for rank in range(world):
+            together = plan_steps(spec, 17, 20, gbs, world, micro)
+            one_by_one = walk(spec, 17, 20, gbs, world, micro, None, None)
+            for a, b in zip(together, one_by_one):
+                assert [m.tolist() for m in a.rank_ids(rank)] == [m.tolist() for m in b.ids[rank]]
+            # The plans share one split, and only this rank's parts were sorted on it.
+            assert together[0]._split is not None
+            assert set(together[0]._split._sorted) == {rank}
+
+
+def test_the_shard_layout_is_not_part_of_a_full_shuffle() -> None:
+    bare, laid_out = OrderSpec(500, seed=1), OrderSpec(500, seed=1, shard_sizes=(100, 400))
+    # One cached permutation serves both: the layout only matters to the locality shuffle.
+    assert epoch_order(bare, 2) is epoch_order(laid_out, 2)
+    local = OrderSpec(500, seed=1, shuffle="locality", shard_sizes=(100, 400))
+    assert not np.array_equal(epoch_order(local, 2), epoch_order(bare, 2))
+
+
 def test_a_batch_spanning_the_epoch_boundary_is_full() -> None:
     spec = OrderSpec(10, seed=1)
     plan = plan_step(spec, 8, 4, 1, 1)  # samples 8, 9 of epoch 0, then 0, 1 of epoch 1

@@ -40,7 +40,7 @@ class StepBatch:
 
     @property
     def ids(self) -> list[np.ndarray]:
-        return self.plan.ids[self.rank]
+        return self.plan.rank_ids(self.rank)
 
 
 def fetch(dataset: Any, ids: Sequence[int] | np.ndarray) -> list[Any]:
@@ -121,7 +121,7 @@ class _PlanSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         for plan in self.plans:
             self.planned.append(plan)
-            for ids in plan.ids[self.rank]:
+            for ids in plan.rank_ids(self.rank):
                 yield ids.tolist()
 
     def __len__(self) -> int:  # an endless stream
@@ -299,7 +299,8 @@ class RankLoader:
         self.reset()
 
     def _fetch_step(self, plan: StepPlan) -> StepBatch:
-        micro = [fetch_batch(self.dataset, ids, self.collate_fn) for ids in plan.ids[self.rank]]
+        mine = plan.rank_ids(self.rank)
+        micro = [fetch_batch(self.dataset, ids, self.collate_fn) for ids in mine]
         if self.pin_memory:
             micro = [pin(m) for m in micro]
         return StepBatch(plan=plan, micro=micro, rank=self.rank)

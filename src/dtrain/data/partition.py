@@ -26,15 +26,17 @@ Rules when a global batch does not divide evenly (documented in docs/data.md and
 
 Under both rules a micro-batch lists its ids in ascending order, not in stream order: the
 order inside a batch changes no sum the step computes, and ascending ids are storage order,
-so a batch is read forward, shard by shard, in one copy per shard (see
-``ShardedDataset.gather``).
+so a batch is read forward through the files (see ``ShardedDataset.gather``).
+
+:func:`plan_steps` plans several steps at once and sorts a rank's parts only when that rank's
+ids are asked for (:meth:`StepPlan.rank_ids`): a loader pays for its own rank, not the world's.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -59,6 +61,10 @@ class OrderSpec:
 
 def epoch_order(spec: OrderSpec, epoch: int) -> np.ndarray:
     """The permutation of ``range(num_samples)`` that epoch ``epoch`` visits."""
+    if spec.shuffle != "locality" and (spec.shard_sizes or spec.window):
+        # Only the locality shuffle reads the shard layout: leave it out of the cache key, so
+        # specs that differ only there share one cached permutation.
+        spec = replace(spec, shard_sizes=(), window=0)
     return _epoch_order_cached(spec, epoch)
 
 
@@ -109,6 +115,11 @@ def _virtual_shards(num_samples: int, size: int = 4096) -> list[int]:
 
 def stream_slice(spec: OrderSpec, start: int, count: int) -> np.ndarray:
     """Ids ``start .. start+count-1`` of the endless stream (epochs back to back)."""
+    return _stream_block(spec, start, count).astype(np.int64)  # a copy: the order is cached
+
+
+def _stream_block(spec: OrderSpec, start: int, count: int) -> np.ndarray:
+    """:func:`stream_slice` in the epoch order's own dtype (int32 below 2**31 samples)."""
     n = spec.num_samples
     parts = []
     pos = start
@@ -120,7 +131,7 @@ def stream_slice(spec: OrderSpec, start: int, count: int) -> np.ndarray:
         pos += take
     if not parts:
         return np.zeros(0, dtype=np.int64)
-    return np.concatenate(parts).astype(np.int64, copy=False)
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def split_counts(total: int, weights: Sequence[float], minimum: int = 0) -> list[int]:
@@ -252,17 +263,76 @@ def _check_weights(weights: Sequence[float], world_size: int) -> None:
         raise ValueError(f"{len(weights)} per-rank weights for a world of {world_size} ranks")
 
 
-@dataclass(frozen=True)
 class StepPlan:
-    """One optimizer step's share of the stream for every rank."""
+    """One optimizer step's share of the stream for every rank: ``ids[rank][micro]``.
 
-    start: int  # stream position before the step
-    ids: list[list[np.ndarray]]  # [rank][micro-batch] -> sample ids
-    end: int  # stream position after the step (start + the global batch size)
+    Plans made together by :func:`plan_steps` share one :class:`_EqualSplit` and sort a
+    rank's parts only when they are asked for: a rank's loader reads its own parts
+    (:meth:`rank_ids`), so the other ranks' parts are never sorted on it."""
+
+    __slots__ = ("_ids", "_row", "_split", "end", "start")
+
+    def __init__(
+        self,
+        start: int,
+        ids: list[list[np.ndarray]] | None,
+        end: int,
+        *,
+        split: _EqualSplit | None = None,
+        row: int = 0,
+    ) -> None:
+        if (ids is None) == (split is None):
+            raise ValueError("a StepPlan takes either ids or a shared split")
+        self.start = start  # stream position before the step
+        self.end = end  # stream position after the step (start + the global batch size)
+        self._ids = ids
+        self._split = split
+        self._row = row
+
+    @property
+    def ids(self) -> list[list[np.ndarray]]:
+        """[rank][micro-batch] -> sample ids, ascending within each micro-batch."""
+        if self._ids is None:
+            assert self._split is not None
+            self._ids = [self.rank_ids(r) for r in range(self._split.world_size)]
+        return self._ids
+
+    def rank_ids(self, rank: int) -> list[np.ndarray]:
+        """Rank ``rank``'s micro-batches: ``ids[rank]``, without sorting any other rank's."""
+        if self._ids is not None:
+            return self._ids[rank]
+        assert self._split is not None
+        return [micro[self._row] for micro in self._split.sorted_parts(rank)]
 
     @property
     def global_ids(self) -> np.ndarray:
         return np.concatenate([m for rank in self.ids for m in rank])
+
+    def __repr__(self) -> str:
+        return f"StepPlan(start={self.start}, end={self.end})"
+
+
+class _EqualSplit:
+    """The equal-count split of ``steps`` consecutive global batches (rows of ``block``), each
+    rank's parts sorted on first use, for all the steps in one call."""
+
+    def __init__(self, block: np.ndarray, columns: list[list[tuple[int, int]]]) -> None:
+        self.block = block  # (steps, global batch size), the epoch order's own dtype
+        self.columns = columns  # [rank][micro] -> (first, last + 1) column of the part
+        self.world_size = len(columns)
+        self._sorted: dict[int, list[np.ndarray]] = {}
+
+    def sorted_parts(self, rank: int) -> list[np.ndarray]:
+        parts = self._sorted.get(rank)
+        if parts is None:
+            # Sorted in the order's dtype (int32 below 2**31 samples sorts about twice as fast
+            # as int64), then widened once: ids are int64 everywhere else.
+            parts = [
+                np.sort(self.block[:, a:b], axis=1).astype(np.int64, copy=False)
+                for a, b in self.columns[rank]
+            ]
+            self._sorted[rank] = parts
+        return parts
 
 
 def plan_step(
@@ -307,7 +377,7 @@ def plan_steps(
             )
             consumed = plans[-1].end
         return plans
-    block = stream_slice(spec, consumed, steps * global_batch_size)
+    block = _stream_block(spec, consumed, steps * global_batch_size)
     block = block.reshape(steps, global_batch_size)
     # Column ranges of every (rank, micro-batch) part, the same in every step.
     columns: list[list[tuple[int, int]]] = []
@@ -318,12 +388,14 @@ def plan_steps(
             rank_columns.append((begin, begin + size))
             begin += size
         columns.append(rank_columns)
-    parts = [[np.sort(block[:, a:b], axis=1) for a, b in rank] for rank in columns]
+    split = _EqualSplit(block, columns)
     return [
         StepPlan(
-            start=consumed + step * global_batch_size,
-            ids=[[micro[step] for micro in rank] for rank in parts],
-            end=consumed + (step + 1) * global_batch_size,
+            consumed + step * global_batch_size,
+            None,
+            consumed + (step + 1) * global_batch_size,
+            split=split,
+            row=step,
         )
         for step in range(steps)
     ]

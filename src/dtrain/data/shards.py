@@ -17,7 +17,7 @@ once, without reading it); ``verify`` also checks every checksum.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from dtrain.data.format import (
     read_manifest,
     sha256_file,
 )
+from dtrain.data.rows import ShardRows
 from dtrain.data.writer import ShardWriter, to_field_array, write_shards
 from dtrain.errors import DataError
 
@@ -53,16 +54,6 @@ __all__ = [
     "verify_dataset",
     "write_shards",
 ]
-
-
-@dataclass(frozen=True)
-class _Segments:
-    """A batch of ids split by shard: ``parts`` holds (shard, where in the batch -- a slice
-    when the ids ascend, else positions --, ids local to the shard)."""
-
-    count: int
-    ascending: bool
-    parts: list[tuple[int, Any, np.ndarray]]
 
 
 class ShardedDataset:
@@ -85,7 +76,7 @@ class ShardedDataset:
         self._shard_names = [str(s["name"]) for s in self.manifest["shards"]]
         self._check_sizes()
         self._arrays: dict[str, np.ndarray] = {}
-        self._columns: dict[str, list[np.ndarray | None]] = {}  # field -> shard -> values
+        self._rows: dict[str, ShardRows] = {}  # fixed-size field -> its batched reader
         self._lengths: dict[str, np.ndarray] = {}
         self._fixed_only: bool | None = None
         self._collate_fast: tuple[Any, Any] = (None, None)
@@ -101,7 +92,7 @@ class ShardedDataset:
         # Sent to DataLoader workers (spawn/forkserver): pickling a memory map would copy the
         # whole file, so each process maps the files again on first use.
         state = self.__dict__.copy()
-        state.update(_arrays={}, _columns={}, _fixed_only=None, _collate_fast=(None, None))
+        state.update(_arrays={}, _rows={}, _fixed_only=None, _collate_fast=(None, None))
         return state
 
     def _check_sizes(self) -> None:
@@ -179,9 +170,9 @@ class ShardedDataset:
 
     def gather(self, name: str, indices: np.ndarray | Sequence[int]) -> np.ndarray:
         """A fixed-size field for many samples at once, as one new array: one vectorized read
-        per shard touched instead of one Python call per sample. Ascending ids (as the
-        partitioner lists them) are copied once, straight into the result."""
-        return self._gather(name, self._segments(np.asarray(indices, dtype=np.int64)))
+        however many shards the ids touch (:class:`~dtrain.data.rows.ShardRows`)."""
+        idx = self._checked_ids(indices)
+        return self._field_rows(name).read(idx, self._starts.searchsorted(idx, "right") - 1)
 
     def fetch_collated(self, indices: Sequence[int], collate_fn: Any) -> Any | None:
         """The batch ``collate_fn`` would make of these samples, read in one vectorized step
@@ -197,61 +188,36 @@ class ShardedDataset:
         default, from_numpy = self._collate_fast
         if collate_fn is not default or not self._fixed_only:
             return None
-        segments = self._segments(np.asarray(indices, dtype=np.int64))
-        return {name: from_numpy(self._gather(name, segments)) for name in self.fields}
+        idx = self._checked_ids(indices)
+        shard_of = self._starts.searchsorted(idx, "right") - 1  # shared by the fields
+        return {
+            name: from_numpy(self._field_rows(name).read(idx, shard_of)) for name in self.fields
+        }
 
-    def _segments(self, idx: np.ndarray) -> _Segments:
-        """Where each id lives: per shard touched, the positions in the batch and the local
-        ids. Computed once per batch and shared by its fields."""
-        n = len(idx)
-        if n == 0:
-            return _Segments(n, True, [])
-        ascending = n == 1 or bool((idx[1:] >= idx[:-1]).all())  # the method: no wrapper
-        low, high = (int(idx[0]), int(idx[-1])) if ascending else (int(idx.min()), int(idx.max()))
-        if low < 0 or high >= len(self):
-            raise IndexError(f"sample ids {low}..{high} out of range for {len(self)} samples")
-        parts: list[tuple[int, Any, np.ndarray]] = []
-        if ascending:
-            # Each shard's ids are one contiguous run of the batch.
-            found = idx.searchsorted(self._starts)
-            cuts = found.tolist()
-            starts = self._start_list
-            shards: Iterable[int] = range(len(starts) - 1)
-            if len(cuts) > 64:  # many shards: visit only the ones this batch touches
-                shards = np.flatnonzero(found[1:] > found[:-1]).tolist()
-            parts = [
-                (s, slice(cuts[s], cuts[s + 1]), idx[cuts[s] : cuts[s + 1]] - starts[s])
-                for s in shards
-                if cuts[s] < cuts[s + 1]
-            ]
-            return _Segments(n, True, parts)
-        shard_of = np.searchsorted(self._starts, idx, side="right") - 1
-        by_shard = np.argsort(shard_of, kind="stable")
-        cuts = np.flatnonzero(np.diff(shard_of[by_shard])) + 1
-        for positions in np.split(by_shard, cuts):
-            shard = int(shard_of[positions[0]])
-            parts.append((shard, positions, idx[positions] - self._starts[shard]))
-        return _Segments(n, False, parts)
+    def _checked_ids(self, indices: np.ndarray | Sequence[int]) -> np.ndarray:
+        idx = np.asarray(indices, dtype=np.int64)
+        # One pass for both ends: read as unsigned, a negative id is above any count.
+        if len(idx) and int(idx.view(np.uint64).max()) >= len(self):
+            raise IndexError(
+                f"sample ids {int(idx.min())}..{int(idx.max())} out of range for "
+                f"{len(self)} samples"
+            )
+        return idx
 
-    def _gather(self, name: str, segments: _Segments) -> np.ndarray:
-        spec = self.fields[name]
-        if spec.shape is None:
-            raise ValueError(f"field {name!r} is variable-length; use __getitem__")
-        out = np.empty((segments.count, *spec.shape), dtype=spec.dtype)
-        column = self._columns.get(name)
-        if column is None:
-            column = self._columns[name] = [None] * len(self.shard_sizes)
-        for shard, where, local in segments.parts:
-            values = column[shard]
-            if values is None:
-                values = column[shard] = self.field_values(shard, name)
-            # The range is checked, so take() may skip its own check ("clip"); with the
-            # default ("raise") NumPy buffers a take into ``out``: a second copy.
-            if segments.ascending:
-                values.take(local, 0, out[where], "clip")
-            else:
-                out[where] = values.take(local, 0, None, "clip")
-        return out
+    def _field_rows(self, name: str) -> ShardRows:
+        rows = self._rows.get(name)
+        if rows is None:
+            spec = self.fields[name]
+            if spec.shape is None:
+                raise ValueError(f"field {name!r} is variable-length; use __getitem__")
+            rows = ShardRows(
+                lambda shard: self.field_values(shard, name),
+                self._starts,
+                np.dtype(spec.dtype),
+                spec.shape,
+            )
+            self._rows[name] = rows
+        return rows
 
     def sample_lengths(self, name: str | None = None) -> np.ndarray | None:
         """Length of every sample's variable-length field (the token count), or None for a
