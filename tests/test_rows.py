@@ -3,6 +3,7 @@ read by ``take`` when the shards' rows line up, a byte-strided view otherwise)."
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -54,7 +55,8 @@ def test_both_paths_read_exactly_the_rows_asked_for(gaps: list[int], on_grid: bo
         got = rows.read(ids, starts.searchsorted(ids, "right") - 1)
         assert got.dtype == np.int32 and got.shape == (len(ids), 3)
         assert np.array_equal(got, everything[ids])
-    assert rows._grid is on_grid and sorted(opened) == [0, 1, 2, 3, 4]
+    assert rows._layout is not None and rows._layout.grid is on_grid
+    assert sorted(opened) == [0, 1, 2, 3, 4]
     assert rows.read(np.zeros(0, np.int64), np.zeros(0, np.int64)).shape == (0, 3)
 
 
@@ -74,3 +76,32 @@ def test_a_dataset_of_many_shards_reads_any_ids_exactly(tmp_path: Path) -> None:
         dataset.gather("y", [0, -1])
     with pytest.raises(IndexError, match="out of range"):
         dataset.gather("y", [n])
+
+
+def test_a_thread_reading_while_another_maps_shards_sees_the_right_rows() -> None:
+    # A prefetch thread and the training thread may read one field while shards are being
+    # mapped. Here thread A maps shards 0 and 1 for its batch; while it opens shard 1 (shard
+    # 0 is open by then), thread B reads from shard 0. B must not use a half-built layout.
+    shards, starts, everything = carved_shards([0, 8, 8], [4, 4, 4], (2,), "int64")
+    results: dict[str, np.ndarray] = {}
+
+    def read(ids: list[int]) -> np.ndarray:
+        idx = np.asarray(ids, dtype=np.int64)
+        return rows.read(idx, starts.searchsorted(idx, "right") - 1)
+
+    def reader_b() -> None:
+        results["b"] = read([1, 2])  # shard 0 only
+
+    thread_b = threading.Thread(target=reader_b)
+
+    def open_shard(s: int) -> np.ndarray:
+        if s == 1:  # shard 0 is open: let B read now, for as long as it will take
+            thread_b.start()
+            thread_b.join(timeout=0.3)
+        return shards[s]
+
+    rows = ShardRows(open_shard, starts, np.dtype("int64"), (2,))
+    results["a"] = read([0, 5, 6])  # shards 0 and 1
+    thread_b.join()
+    assert np.array_equal(results["a"], everything[[0, 5, 6]])
+    assert np.array_equal(results["b"], everything[[1, 2]])

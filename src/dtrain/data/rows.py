@@ -21,7 +21,9 @@ unmapped while it exists.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -39,13 +41,27 @@ class _Span:
         }
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """The spanning array over some mapped shards, and per shard the offset that turns a sample
+    id into its row of the grid (or its first byte in the strided view). Never changed once
+    built: a reader takes one and uses it whole, while another thread may build the next."""
+
+    span: np.ndarray
+    offset: np.ndarray
+    grid: bool  # the span is a (rows, row_bytes) grid read by take
+    mapped: np.ndarray  # bool per shard: the shards this layout covers
+    complete: bool  # every shard is covered: no check needed per batch
+
+
 class ShardRows:
     """Batched reads of one fixed-size field (``dtype``, ``row_shape``) across shards whose
     sample ids start at ``starts[s]`` (``starts`` has one more entry: the total).
 
     Shards are mapped on first use through ``open_shard(s)``, which returns the shard's
     C-contiguous ``(n_s, *row_shape)`` array; a batch that touches only mapped shards maps
-    nothing, so random access still opens only the files it reads."""
+    nothing, so random access still opens only the files it reads. Safe to call from several
+    threads (a prefetch thread and the training thread)."""
 
     def __init__(
         self,
@@ -61,57 +77,56 @@ class ShardRows:
         self.row_bytes = self.dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
         count = len(starts) - 1
         self._maps: list[np.ndarray | None] = [None] * count  # holds every mapped shard
-        self._mapped = np.zeros(count, dtype=bool)
-        self._complete = False  # every shard mapped: no check needed per batch
         self._address = np.zeros(count, dtype=np.int64)
-        self._span: np.ndarray | None = None
-        self._grid = False  # the span is a (rows, row_bytes) grid read by take
-        self._offset = np.zeros(count, dtype=np.int64)  # per shard, see _build
+        self._layout: _Layout | None = None
+        self._lock = threading.Lock()  # one thread maps shards and builds a layout at a time
 
     def read(self, ids: np.ndarray, shard_of: np.ndarray) -> np.ndarray:
         """Rows ``ids`` (int64, each in ``0 .. starts[-1] - 1``; checked by the caller) of
         shards ``shard_of``, as a new ``(len(ids), *row_shape)`` array."""
         if len(ids) == 0 or self.row_bytes == 0:
             return np.empty((len(ids), *self.row_shape), dtype=self.dtype)
-        if not self._complete and not self._mapped[shard_of].all():
-            self._map(np.unique(shard_of[~self._mapped[shard_of]]).tolist())
-        span = self._span
-        assert span is not None
-        if self._grid:
+        layout = self._layout
+        if layout is None or (not layout.complete and not layout.mapped[shard_of].all()):
+            layout = self._extend(shard_of)
+        if layout.grid:
             out = np.empty((len(ids), *self.row_shape), dtype=self.dtype)
             flat = out.reshape(len(ids), -1).view(np.uint8)  # the same memory, as bytes
             # "clip" skips take's bounds check, which would copy into a buffer first; the
             # ids are in range, so the rows are too.
-            span.take(ids + self._offset[shard_of], 0, flat, "clip")
+            layout.span.take(ids + layout.offset[shard_of], 0, flat, "clip")
             return out
-        rows = span[ids * self.row_bytes + self._offset[shard_of]]
+        rows = layout.span[ids * self.row_bytes + layout.offset[shard_of]]
         return rows.view(self.dtype).reshape(len(ids), *self.row_shape)
 
-    def _map(self, shards: list[int]) -> None:
-        for s in shards:
-            values = self.open_shard(s)
-            if not values.flags.c_contiguous:
-                raise ValueError(f"shard {s} is not C-contiguous")
-            self._maps[s] = values
-            self._address[s] = values.__array_interface__["data"][0]
-            self._mapped[s] = True
-        self._complete = bool(self._mapped.all())
-        self._build()
+    def _extend(self, shard_of: np.ndarray) -> _Layout:
+        """A layout that also covers the shards in ``shard_of``, mapping those not mapped."""
+        with self._lock:
+            layout = self._layout  # another thread may have extended it meanwhile
+            mapped = np.zeros(len(self._maps), bool) if layout is None else layout.mapped.copy()
+            for s in np.unique(shard_of[~mapped[shard_of]]).tolist():
+                if self._maps[s] is None:
+                    values = self.open_shard(s)
+                    if not values.flags.c_contiguous:
+                        raise ValueError(f"shard {s} is not C-contiguous")
+                    self._address[s] = values.__array_interface__["data"][0]
+                    self._maps[s] = values
+                mapped[s] = True
+            layout = self._layout = self._build(mapped)
+            return layout
 
-    def _build(self) -> None:
-        """The spanning array over the mapped shards, and per shard the offset that turns a
-        sample id into its row of the grid (or its byte in the strided view)."""
-        mapped = np.flatnonzero(self._mapped)
-        address = self._address[mapped]
-        sizes = np.diff(self.starts)[mapped] * self.row_bytes
-        first, end = int(address.min()), int((address + sizes).max())
+    def _build(self, mapped: np.ndarray) -> _Layout:
+        shards = np.flatnonzero(mapped)
+        address = self._address[shards]
         size = self.row_bytes
-        if bool(np.all((address - first) % size == 0)):
-            self._span = np.asarray(_Span(first, ((end - first) // size, size), None))
-            self._offset[mapped] = (address - first) // size - self.starts[mapped]
-            self._grid = True
+        first = int(address.min())
+        end = int((address + np.diff(self.starts)[shards] * size).max())
+        offset = np.zeros(len(mapped), dtype=np.int64)
+        grid = bool(np.all((address - first) % size == 0))
+        if grid:
+            span = np.asarray(_Span(first, ((end - first) // size, size), None))
+            offset[shards] = (address - first) // size - self.starts[shards]
         else:
-            shape = (end - first - size + 1, size)
-            self._span = np.asarray(_Span(first, shape, (1, 1)))
-            self._offset[mapped] = address - first - self.starts[mapped] * size
-            self._grid = False
+            span = np.asarray(_Span(first, (end - first - size + 1, size), (1, 1)))
+            offset[shards] = address - first - self.starts[shards] * size
+        return _Layout(span, offset, grid, mapped, bool(mapped.all()))
