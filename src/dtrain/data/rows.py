@@ -7,8 +7,9 @@ per-shard calls then cost several times the copy itself. :class:`ShardRows` read
 one fixed-size field in one call, however many shards it touches.
 
 How: every shard's rows are addressed through one array that spans the address range of all
-the maps. When each map's first row lies a whole number of rows away from the others' (it
-does whenever the row size divides the page size, or the maps happen to line up), that array
+the maps. When each map's first row lies a whole number of rows away from the others' (as
+it does when the row size divides the page size and the files' ``.npy`` headers have the same
+length, the usual case: maps start on page boundaries, the rows after the header), that array
 is a plain C-contiguous ``(rows, row_bytes)`` grid and a batch is one ``take`` -- the same
 copy as ``memmap.take`` of a single file. Otherwise it is a byte-strided view (row ``k``
 starts at byte ``k``) read by fancy indexing, one call as well.
