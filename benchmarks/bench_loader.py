@@ -250,12 +250,14 @@ def main() -> None:
     )
 
     def dtrain_loader(
-        prefetch: int, work: Callable[[], None] | None = None, many: bool = False
+        prefetch: int, work: Callable[[], None] | None = None, source: ShardedDataset = dataset
     ) -> Callable[[], int]:
+        source_order = OrderSpec(n, seed=0, shard_sizes=source.shard_sizes)
+
         def run() -> int:
             loader = RankLoader(
-                small if many else dataset,
-                order=small_order if many else order,
+                source,
+                order=source_order,
                 global_batch_size=gbs,
                 micro_batches=1,
                 rank=0,
@@ -263,7 +265,7 @@ def main() -> None:
                 collate_fn=default_collate,
                 num_workers=args.workers,
                 prefetch=prefetch,
-                fingerprint=(small if many else dataset).fingerprint,
+                fingerprint=source.fingerprint,
             )
             for _, batch in zip(range(steps), loader):
                 assert batch.micro[0]["x"].shape[0] == per_rank
@@ -305,7 +307,7 @@ def main() -> None:
         "torch DataLoader + DistributedSampler": torch_dataloader,
     }
     if not args.workers:
-        methods[many_name] = dtrain_loader(0, many=True)
+        methods[many_name] = dtrain_loader(0, source=small)
     if thread_name:
         methods[thread_name] = dtrain_loader(2)
     wall: dict[str, list[float]] = {name: [] for name in methods}

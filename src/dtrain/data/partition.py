@@ -179,15 +179,21 @@ def partition_samples(
     else:
         _check_weights(weights, world_size)
         per_rank = split_counts(len(ids), weights, minimum=micro_batches)
-    out: list[list[np.ndarray]] = []
-    start = 0
+    return [[np.sort(ids[a:b]) for a, b in rank] for rank in _part_bounds(per_rank, micro_batches)]
+
+
+def _part_bounds(per_rank: list[int], micro_batches: int) -> list[list[tuple[int, int]]]:
+    """Where each (rank, micro-batch) part lies in the global batch, ``[rank][micro] ->
+    (first, last + 1)``: ranks in order, each rank's count cut equally into micro-batches."""
+    bounds: list[list[tuple[int, int]]] = []
+    begin = 0
     for count in per_rank:
-        micro = []
+        rank = []
         for size in _equal_counts(count, micro_batches, 1):
-            micro.append(np.sort(ids[start : start + size]))
-            start += size
-        out.append(micro)
-    return out
+            rank.append((begin, begin + size))
+            begin += size
+        bounds.append(rank)
+    return bounds
 
 
 def _equal_counts(total: int, parts: int, minimum: int) -> list[int]:
@@ -379,16 +385,9 @@ def plan_steps(
         return plans
     block = _stream_block(spec, consumed, steps * global_batch_size)
     block = block.reshape(steps, global_batch_size)
-    # Column ranges of every (rank, micro-batch) part, the same in every step.
-    columns: list[list[tuple[int, int]]] = []
-    begin = 0
-    for count in _equal_counts(global_batch_size, world_size, micro_batches):
-        rank_columns = []
-        for size in _equal_counts(count, micro_batches, 1):
-            rank_columns.append((begin, begin + size))
-            begin += size
-        columns.append(rank_columns)
-    split = _EqualSplit(block, columns)
+    # The columns of every (rank, micro-batch) part, the same in every step.
+    per_rank = _equal_counts(global_batch_size, world_size, micro_batches)
+    split = _EqualSplit(block, _part_bounds(per_rank, micro_batches))
     return [
         StepPlan(
             consumed + step * global_batch_size,

@@ -171,8 +171,7 @@ class ShardedDataset:
     def gather(self, name: str, indices: np.ndarray | Sequence[int]) -> np.ndarray:
         """A fixed-size field for many samples at once, as one new array: one vectorized read
         however many shards the ids touch (:class:`~dtrain.data.rows.ShardRows`)."""
-        idx = self._checked_ids(indices)
-        return self._field_rows(name).read(idx, self._starts.searchsorted(idx, "right") - 1)
+        return self._field_rows(name).read(*self._ids_and_shards(indices))
 
     def fetch_collated(self, indices: Sequence[int], collate_fn: Any) -> Any | None:
         """The batch ``collate_fn`` would make of these samples, read in one vectorized step
@@ -188,13 +187,13 @@ class ShardedDataset:
         default, from_numpy = self._collate_fast
         if collate_fn is not default or not self._fixed_only:
             return None
-        idx = self._checked_ids(indices)
-        shard_of = self._starts.searchsorted(idx, "right") - 1  # shared by the fields
+        idx, shard_of = self._ids_and_shards(indices)  # shared by the fields
         return {
             name: from_numpy(self._field_rows(name).read(idx, shard_of)) for name in self.fields
         }
 
-    def _checked_ids(self, indices: np.ndarray | Sequence[int]) -> np.ndarray:
+    def _ids_and_shards(self, indices: np.ndarray | Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The ids as int64, checked to be in range, and the shard each lies in."""
         idx = np.asarray(indices, dtype=np.int64)
         # One pass for both ends: read as unsigned, a negative id is above any count.
         if len(idx) and int(idx.view(np.uint64).max()) >= len(self):
@@ -202,7 +201,7 @@ class ShardedDataset:
                 f"sample ids {int(idx.min())}..{int(idx.max())} out of range for "
                 f"{len(self)} samples"
             )
-        return idx
+        return idx, self._starts.searchsorted(idx, "right") - 1
 
     def _field_rows(self, name: str) -> ShardRows:
         rows = self._rows.get(name)
