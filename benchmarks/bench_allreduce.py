@@ -35,8 +35,9 @@ from torch import nn
 
 from dtrain.config import build_config
 from dtrain.models.gpt import GPT, GPTConfig
+from dtrain.parallel import build_strategy
 from dtrain.parallel.allreduce import AllReduceStrategy
-from dtrain.parallel.base import Strategy, build_strategy
+from dtrain.parallel.base import Strategy
 from dtrain.runtime import init_runtime
 from dtrain.task import Task
 from dtrain.testing import run_ranks

@@ -64,7 +64,7 @@ def rank_main(name: str, model_opts: dict[str, int], rows: int) -> dict[str, int
     from dtrain.config import build_config
     from dtrain.models.gpt import GPT, GPTConfig
     from dtrain.optim import build_optimizer
-    from dtrain.parallel.base import build_strategy
+    from dtrain.parallel import build_strategy
     from dtrain.runtime import init_runtime
     from dtrain.task import Task
     from dtrain.tasks.gpt import lm_loss

@@ -15,7 +15,7 @@ from torch import nn
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.models.gpt import GPT, GPTConfig
-from dtrain.parallel.base import strategy_class
+from dtrain.parallel import strategy_class
 from dtrain.parallel.micro_batches import eval_chunks
 from dtrain.parallel.pipeline import PipelineStrategy
 from dtrain.parallel.split import (

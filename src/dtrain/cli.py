@@ -93,7 +93,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from dtrain.fault.rundir import check_run_dir
     from dtrain.fsutil import write_atomic
     from dtrain.launch import launch_workers, make_options
-    from dtrain.parallel.base import strategy_class
+    from dtrain.parallel import strategy_class
     from dtrain.task import resolve_task, task_config_class
 
     if args.resume is not None:
@@ -204,7 +204,7 @@ def options_markdown() -> str:
 
 
 def cmd_strategies() -> int:
-    from dtrain.parallel.base import strategy_class, strategy_names
+    from dtrain.parallel import strategy_class, strategy_names
 
     for name in strategy_names():
         doc = (strategy_class(name).__doc__ or "").strip().splitlines()

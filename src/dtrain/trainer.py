@@ -53,7 +53,8 @@ from dtrain.fsutil import write_atomic
 from dtrain.metrics.sinks import JsonlSink, Progress
 from dtrain.metrics.summary import LossWindow, Summary
 from dtrain.optim import build_optimizer, build_scheduler
-from dtrain.parallel.base import Strategy, build_strategy
+from dtrain.parallel import build_strategy
+from dtrain.parallel.base import Strategy
 from dtrain.runtime import Runtime, barrier
 from dtrain.task import Task
 

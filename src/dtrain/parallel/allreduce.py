@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtrain.parallel.base import BackwardSyncControl, LossFn, StepResult, Strategy, register
+from dtrain.parallel.base import BackwardSyncControl, LossFn, StepResult, Strategy
 from dtrain.parallel.ddp import run_micro_batches
 from dtrain.task import Task
 
@@ -163,9 +163,10 @@ class _Bucket:
     future: torch.futures.Future[torch.Tensor] | None = None
 
 
-@register("allreduce")
 class AllReduceStrategy(Strategy, BackwardSyncControl):
     """Hand-written data parallel: bucketed, overlapped all-reduce of gradients."""
+
+    name = "allreduce"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

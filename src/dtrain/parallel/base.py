@@ -7,8 +7,9 @@ checkpoints. Abilities that only some strategies have are separate, explicit cap
 (:class:`BackwardSyncControl` for skipping gradient sync on accumulation micro-steps), in the
 manner of Lightning Fabric's ``_BackwardSyncControl``.
 
-Registry: ``@register("name")`` on a subclass; ``build_strategy`` looks the name up, so adding
-a strategy never touches the trainer.
+A subclass sets ``name`` (what ``strategy.name`` says); the registry that looks names up is the
+package's ``__init__`` (``build_strategy``), which imports the strategies: this module imports
+none of them.
 """
 
 from __future__ import annotations
@@ -17,14 +18,13 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from dtrain.config import Config, validate_for_world
-from dtrain.errors import ConfigError
 from dtrain.runtime import Runtime
 from dtrain.task import Task
 
@@ -218,40 +218,3 @@ class Strategy(ABC):
             (p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
             for p in self.parameters()
         )
-
-
-S = TypeVar("S", bound=type[Strategy])
-_REGISTRY: dict[str, type[Strategy]] = {}
-
-
-def register(name: str) -> Callable[[S], S]:
-    def add(cls: S) -> S:
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return add
-
-
-def strategy_names() -> list[str]:
-    _load_builtin()
-    return sorted(_REGISTRY)
-
-
-def strategy_class(name: str) -> type[Strategy]:
-    _load_builtin()
-    if name not in _REGISTRY:
-        raise ConfigError(
-            f"strategy.name = {name!r} is not a strategy; valid: {', '.join(sorted(_REGISTRY))}"
-        )
-    return _REGISTRY[name]
-
-
-def build_strategy(cfg: Config, runtime: Runtime) -> Strategy:
-    return strategy_class(cfg.strategy.name)(cfg, runtime)
-
-
-def _load_builtin() -> None:
-    # Imported for their @register side effect; kept here so the registry is complete
-    # whichever module asks first.
-    from dtrain.parallel import allreduce, ddp, fsdp, pipeline, tensor  # noqa: F401

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from dtrain.parallel.base import BackwardSyncControl, LossFn, StepResult, Strategy, register
+from dtrain.parallel.base import BackwardSyncControl, LossFn, StepResult, Strategy
 from dtrain.task import Task
 
 
@@ -36,9 +36,10 @@ def run_micro_batches(
     return StepResult(loss_sum=total)
 
 
-@register("ddp")
 class DDPStrategy(Strategy, BackwardSyncControl):
     """torch DistributedDataParallel: replicated model, bucketed all-reduce in backward"""
+
+    name = "ddp"
 
     def setup(self, task: Task) -> None:
         self.module = task.model.to(self.runtime.device)

@@ -34,16 +34,16 @@ from dtrain.parallel.base import (
     ShardedState,
     StepResult,
     Strategy,
-    register,
 )
 from dtrain.parallel.blocks import find_blocks
 from dtrain.parallel.ddp import run_micro_batches
 from dtrain.task import Task
 
 
-@register("fsdp")
 class FSDPStrategy(Strategy, BackwardSyncControl, ShardedState):
     """fully sharded data parallel (FSDP2): parameters, gradients and optimizer state 1/N each"""
+
+    name = "fsdp"
 
     def setup(self, task: Task) -> None:
         device = self.runtime.device

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from dtrain.balance.stages import StagePlan
 from dtrain.config import Config, validate_for_world
 from dtrain.errors import ConfigError
-from dtrain.parallel.base import LossFn, ShardedState, StepResult, Strategy, register
+from dtrain.parallel.base import LossFn, ShardedState, StepResult, Strategy
 from dtrain.parallel.grad_sync import average_gradients
 from dtrain.parallel.mesh import Mesh, MeshShape, build_mesh, mesh_shape
 from dtrain.parallel.micro_batches import (
@@ -83,9 +83,10 @@ def stages_per_rank(cfg: Config) -> int:
     return cfg.strategy.pipeline_virtual_stages if interleaved else 1
 
 
-@register("pipeline")
 class PipelineStrategy(Strategy, ShardedState):
     """pipeline parallel (torch.distributed.pipelining), x data parallel on a 2-D mesh"""
+
+    name = "pipeline"
 
     # Optimizer state keyed by parameter name, not by position: each stage holds different
     # parameters, and a name means the same tensor at any pipeline or data-parallel layout.

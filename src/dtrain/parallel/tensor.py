@@ -37,7 +37,7 @@ from torch.distributed.tensor.parallel import (
 
 from dtrain.config import Config, validate_for_world
 from dtrain.errors import ConfigError
-from dtrain.parallel.base import LossFn, ShardedState, StepResult, Strategy, register
+from dtrain.parallel.base import LossFn, ShardedState, StepResult, Strategy
 from dtrain.parallel.grad_sync import average_gradients
 from dtrain.parallel.split import meta_copy, shared_names, tie
 from dtrain.runtime import Runtime
@@ -99,9 +99,10 @@ def check_no_dropout(model: nn.Module) -> None:
             )
 
 
-@register("tensor")
 class TensorParallelStrategy(Strategy, ShardedState):
     """tensor parallel (torch.distributed.tensor.parallel), x data parallel on a 2-D mesh"""
+
+    name = "tensor"
 
     @classmethod
     def validate_config(cls, cfg: Config, world_size: int) -> None:
