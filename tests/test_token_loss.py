@@ -16,7 +16,7 @@ import torch
 from dtrain.data.partition import partition_samples, partition_tokens
 from dtrain.data.text import collate_padded
 from dtrain.models.gpt import GPT, GPTConfig
-from dtrain.parallel.ddp import run_micro_batches
+from dtrain.parallel.base import run_micro_batches
 from dtrain.task import count_target_items
 from tests.tasks import VariableTokens, lm_loss
 

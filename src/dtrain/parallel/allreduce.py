@@ -62,8 +62,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtrain.parallel.base import BackwardSyncControl, LossFn, StepResult, Strategy
-from dtrain.parallel.ddp import run_micro_batches
+from dtrain.parallel.base import (
+    BackwardSyncControl,
+    LossFn,
+    StepResult,
+    Strategy,
+    run_micro_batches,
+)
 from dtrain.task import Task
 
 MIB = 1024 * 1024

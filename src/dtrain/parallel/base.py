@@ -218,3 +218,27 @@ class Strategy(ABC):
             (p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
             for p in self.parameters()
         )
+
+
+def run_micro_batches(
+    strategy: Strategy,
+    micro_batches: Sequence[tuple[Any, Any]],
+    loss_fn: LossFn,
+    scale: torch.Tensor,
+) -> StepResult:
+    """Forward and backward over the step's micro-batches, one after the other; returns the
+    summed loss. A strategy with :class:`BackwardSyncControl` syncs gradients on the last
+    micro-batch only."""
+    assert strategy.model is not None
+    total: torch.Tensor | None = None
+    last = len(micro_batches) - 1
+    for index, (inputs, targets) in enumerate(micro_batches):
+        ctx: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        if index < last and isinstance(strategy, BackwardSyncControl):
+            ctx = strategy.no_backward_sync()
+        with ctx:
+            loss_sum = loss_fn(strategy.model(inputs), targets).sum()
+            (loss_sum * scale).backward()
+        total = loss_sum.detach() if total is None else total + loss_sum.detach()
+    assert total is not None, "a step has at least one micro-batch"
+    return StepResult(loss_sum=total)

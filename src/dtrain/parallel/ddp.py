@@ -10,30 +10,14 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from dtrain.parallel.base import BackwardSyncControl, LossFn, StepResult, Strategy
+from dtrain.parallel.base import (
+    BackwardSyncControl,
+    LossFn,
+    StepResult,
+    Strategy,
+    run_micro_batches,
+)
 from dtrain.task import Task
-
-
-def run_micro_batches(
-    strategy: Strategy,
-    micro_batches: Sequence[tuple[Any, Any]],
-    loss_fn: LossFn,
-    scale: torch.Tensor,
-) -> StepResult:
-    """The data-parallel step: gradient sync only on the last micro-batch."""
-    assert strategy.model is not None
-    total: torch.Tensor | None = None
-    last = len(micro_batches) - 1
-    for index, (inputs, targets) in enumerate(micro_batches):
-        ctx: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-        if index < last and isinstance(strategy, BackwardSyncControl):
-            ctx = strategy.no_backward_sync()
-        with ctx:
-            loss_sum = loss_fn(strategy.model(inputs), targets).sum()
-            (loss_sum * scale).backward()
-        total = loss_sum.detach() if total is None else total + loss_sum.detach()
-    assert total is not None, "a step has at least one micro-batch"
-    return StepResult(loss_sum=total)
 
 
 class DDPStrategy(Strategy, BackwardSyncControl):

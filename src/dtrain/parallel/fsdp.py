@@ -34,9 +34,9 @@ from dtrain.parallel.base import (
     ShardedState,
     StepResult,
     Strategy,
+    run_micro_batches,
 )
 from dtrain.parallel.blocks import find_blocks
-from dtrain.parallel.ddp import run_micro_batches
 from dtrain.task import Task
 
 

@@ -37,7 +37,13 @@ from torch.distributed.tensor.parallel import (
 
 from dtrain.config import Config, validate_for_world
 from dtrain.errors import ConfigError
-from dtrain.parallel.base import LossFn, ShardedState, StepResult, Strategy
+from dtrain.parallel.base import (
+    LossFn,
+    ShardedState,
+    StepResult,
+    Strategy,
+    run_micro_batches,
+)
 from dtrain.parallel.grad_sync import average_gradients
 from dtrain.parallel.split import meta_copy, shared_names, tie
 from dtrain.runtime import Runtime
@@ -161,21 +167,14 @@ class TensorParallelStrategy(Strategy, ShardedState):
 
     # -- the step ------------------------------------------------------------------------
 
-    def _loss_sum(self, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
-        return loss_fn(self.unwrapped(inputs), targets).sum()
-
     def forward_backward(
         self, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, scale: torch.Tensor
     ) -> StepResult:
-        total = torch.zeros((), device=self.runtime.device)
-        for inputs, targets in micro_batches:
-            loss_sum = self._loss_sum(inputs, targets, loss_fn)
-            (loss_sum * scale).backward()
-            total = total + loss_sum.detach()
+        result = run_micro_batches(self, micro_batches, loss_fn, scale)
         if self.data_parallel_size > 1:
             grads = [_local(p.grad) for p in self.parameters() if p.grad is not None]
             average_gradients(grads, self.data_parallel_group, self.cfg.strategy.bucket_mb)
-        return StepResult(loss_sum=total)
+        return result
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         grads = [p.grad for p in self.parameters() if p.grad is not None]
@@ -195,11 +194,6 @@ class TensorParallelStrategy(Strategy, ShardedState):
             coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             torch._foreach_mul_([*cut, *whole], coefficient)
         return norm
-
-    @torch.no_grad()
-    def eval_loss(self, batch: tuple[Any, Any], loss_fn: LossFn) -> torch.Tensor:
-        inputs, targets = batch
-        return self._loss_sum(inputs, targets, loss_fn)
 
     # -- state ---------------------------------------------------------------------------
 
