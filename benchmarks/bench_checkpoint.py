@@ -50,18 +50,11 @@ def spread(values: list[float]) -> str:
 def blocking_in_rank(raw: dict[str, Any], reps: int) -> dict[str, Any]:
     """Runs in each rank: one training step, then ``reps`` pairs of saves (sync and async in
     alternating order), each on every rank together. Returns the loop's blocked seconds."""
-    from dtrain.config import build_config
     from dtrain.fault import state as training_state
-    from dtrain.fault.rng import seed_everything
-    from dtrain.runtime import init_runtime
-    from dtrain.task import build_task, resolve_task, task_config_class
-    from dtrain.trainer import Trainer
+    from dtrain.job import build_job_config, build_trainer
 
-    factory = resolve_task(raw["run"]["task"])
-    cfg = build_config(raw, task_config_class(factory))
-    runtime = init_runtime(cfg.dist)
-    seed_everything(cfg.run.seed)
-    trainer = Trainer(cfg, build_task(factory, cfg), runtime)
+    cfg = build_job_config(raw)
+    trainer = build_trainer(cfg)
     trainer.fit()  # one step, so that the optimizer holds its state; saves step 1
     c = trainer.checkpointer
     out: dict[str, list[float]] = {"sync": [], "async": [], "async_first": [], "async_write": []}

@@ -6,20 +6,12 @@ from typing import Any
 
 import numpy as np
 
-from dtrain.config import build_config
-from dtrain.fault.rng import seed_everything
-from dtrain.runtime import init_runtime
-from dtrain.task import build_task, resolve_task, task_config_class
+from dtrain.job import build_job_config, build_trainer
 from dtrain.trainer import Trainer
 
 
 def make_trainer(raw: dict[str, Any]) -> Trainer:
-    factory = resolve_task(raw["run"]["task"])
-    cfg = build_config(raw, task_config_class(factory))
-    runtime = init_runtime(cfg.dist)
-    seed_everything(cfg.run.seed)
-    task = build_task(factory, cfg)
-    return Trainer(cfg, task, runtime)
+    return build_trainer(build_job_config(raw))
 
 
 def train_params(raw: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -235,6 +227,5 @@ def threads_left_by_worker_train(raw: dict[str, Any]) -> list[str]:
 
     from dtrain.worker import train
 
-    factory = resolve_task(raw["run"]["task"])
-    train(build_config(raw, task_config_class(factory)))
+    train(build_job_config(raw))
     return [t.name for t in threading.enumerate() if t.name.startswith("dtrain-") and t.is_alive()]

@@ -89,26 +89,23 @@ def split_overrides(extra: Sequence[str]) -> list[str]:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from dtrain.config import load_config
     from dtrain.fault.rundir import check_run_dir
     from dtrain.fsutil import write_atomic
+    from dtrain.job import default_run_dir, load_job_config
     from dtrain.launch import launch_workers, make_options
     from dtrain.parallel import strategy_class
-    from dtrain.task import resolve_task, task_config_class
 
     if args.resume is not None:
         overrides = [*overrides, f"--run.resume={args.resume}"]
     opts = make_options(
         args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts, args.run_id
     )
-    probe = load_config(args.config, overrides)
-    factory = resolve_task(probe.run.task)
-    cfg = load_config(args.config, overrides, task_config_class(factory))
+    cfg = load_job_config(args.config, overrides)
     strategy_class(cfg.strategy.name).validate_config(cfg, opts.min_world_size)
     if opts.max_world_size != opts.min_world_size:
         strategy_class(cfg.strategy.name).validate_config(cfg, opts.max_world_size)
     if not cfg.run.dir:
-        cfg.run.dir = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+        cfg.run.dir = default_run_dir(args.run_id)
     check_run_dir(cfg, args.force)
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -166,8 +163,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
-    from dtrain.config import describe_options, load_config
-    from dtrain.task import resolve_task, task_config_class
+    from dtrain.config import describe_options
+    from dtrain.job import load_job_config
 
     if args.list:
         for key, default, text in describe_options():
@@ -176,9 +173,7 @@ def cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.markdown:
         print(options_markdown(), end="")
         return 0
-    probe = load_config(args.config, overrides)
-    cfg = load_config(args.config, overrides, task_config_class(resolve_task(probe.run.task)))
-    print(cfg.to_toml(), end="")
+    print(load_job_config(args.config, overrides).to_toml(), end="")
     return 0
 
 

@@ -46,7 +46,10 @@ def _opt(
 
 @dataclass
 class RunConfig:
-    dir: str = _opt("", "run folder; empty = runs/<timestamp>. An existing folder is resumed")
+    dir: str = _opt(
+        "",
+        "run folder; empty = runs/<run id>, or runs/<date-time> without one. Resumed if it exists",
+    )
     task: str = _opt("dtrain.tasks.gpt:build", "task factory 'package.module:function'")
     seed: int = _opt(0, "seed of the model init, the data order and every rank's RNG", min=0)
     resume: str = _opt(

@@ -16,41 +16,29 @@ import threading
 import time
 from collections.abc import Sequence
 
-from dtrain.config import Config, load_config
+from dtrain.config import Config
 from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
-from dtrain.fault.rng import seed_everything
 from dtrain.fsutil import write_atomic
+from dtrain.job import build_trainer, load_job_config
 from dtrain.metrics.summary import Summary, print_summary
-from dtrain.runtime import init_runtime, shutdown_runtime
-from dtrain.task import build_task, resolve_task, task_config_class
-from dtrain.trainer import Trainer
+from dtrain.runtime import shutdown_runtime
 
 
 def load_worker_config(argv: Sequence[str]) -> Config:
     path = argv[0] if argv and not argv[0].startswith("--") else None
-    overrides = list(argv[1:] if path else argv)
-    probe = load_config(path, overrides)
-    factory = resolve_task(probe.run.task)
-    cfg = load_config(path, overrides, task_config_class(factory))
-    if not cfg.run.dir:
-        cfg.run.dir = default_run_dir()
-    return cfg
+    return load_job_config(path, list(argv[1:] if path else argv))
 
 
 def train(cfg: Config) -> Summary:
     """Run training in this process, as one rank of the job the environment describes."""
-    runtime = init_runtime(cfg.dist)
     try:
-        factory = resolve_task(cfg.run.task)
-        seed_everything(cfg.run.seed)  # identical model initialization on every rank
-        task = build_task(factory, cfg)
-        trainer = Trainer(cfg, task, runtime)
-        if runtime.is_main:
+        trainer = build_trainer(cfg)
+        if trainer.is_main:
             os.makedirs(cfg.run.dir, exist_ok=True)
             write_atomic(os.path.join(cfg.run.dir, "config.toml"), cfg.to_toml())
         summary = trainer.fit()
-        if runtime.is_main:
-            print_summary(summary, task.item_name, runtime.world_size)
+        if trainer.is_main:
+            print_summary(summary, trainer.task.item_name, trainer.runtime.world_size)
         return summary
     finally:
         join_helper_threads()
@@ -121,9 +109,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def default_run_dir() -> str:
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    stamp = run_id if run_id and run_id != "none" else time.strftime("%Y%m%d-%H%M%S")
-    return os.path.join("runs", stamp)

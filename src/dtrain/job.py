@@ -1,0 +1,78 @@
+"""The one path from a config to a trainer, shared by the CLI, the worker, the tests and the
+benchmarks::
+
+    load_job_config(file, overrides)   config file + overrides -> Config, with the task's own
+                                       [task] section validated by the task's dataclass
+    build_job_config(raw)              the same from nested plain data (tests, benchmarks)
+    build_trainer(cfg)                 (in a worker) join the process group, agree on the run
+                                       folder, seed, build the task, then the Trainer
+
+The run folder, when the config names none, follows one rule wherever it is chosen
+(:func:`default_run_dir`): ``runs/<run id>`` when the job has an id (``--run-id``, torchrun's
+``--rdzv-id``), so that every machine of the job and every restart of it land in the same
+folder and resume there; else ``runs/<date-time>``, chosen once (by the CLI, or by rank 0 of a
+plain ``torchrun`` job) and shared with every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from dtrain.config import Config, apply_overrides, build_config, read_toml
+from dtrain.fault.rng import seed_everything
+from dtrain.runtime import Runtime, init_runtime
+from dtrain.task import build_task, resolve_task, task_config_class
+from dtrain.trainer import Trainer
+
+RUNS_DIR = "runs"
+
+
+def load_job_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
+    """The job's validated config from a TOML file (None: the defaults) and overrides."""
+    raw = read_toml(path) if path is not None else {}
+    return build_job_config(apply_overrides(raw, overrides))
+
+
+def build_job_config(raw: Mapping[str, Any]) -> Config:
+    """The job's validated config from nested plain data. The task named in it declares the
+    class of its ``[task]`` section: the rest is checked first (naming the task is part of
+    it), then the task's section by that class."""
+    probe = build_config(raw)
+    factory = resolve_task(probe.run.task)
+    return build_config(raw, task_config_class(factory))
+
+
+def default_run_dir(run_id: str = "") -> str:
+    """``runs/<run id>``, or ``runs/<date-time>`` for a job without an id."""
+    # torchrun without --rdzv-id calls the run "none": that names no job.
+    name = run_id if run_id and run_id != "none" else time.strftime("%Y%m%d-%H%M%S")
+    return str(Path(RUNS_DIR) / name)
+
+
+def agree_on_run_dir(cfg: Config, runtime: Runtime) -> None:
+    """Fill in ``run.dir`` when the config leaves it empty (a worker started by plain
+    ``torchrun``): rank 0 picks it and every rank takes the same, so that two ranks starting
+    on either side of a second boundary never write to two folders."""
+    if cfg.run.dir:
+        return
+    chosen: list[Any] = [default_run_dir(os.environ.get("TORCHELASTIC_RUN_ID", ""))]
+    if runtime.world_size > 1 and dist.is_initialized():
+        dist.broadcast_object_list(chosen, src=0)
+    cfg.run.dir = str(chosen[0])
+
+
+def build_trainer(cfg: Config) -> Trainer:
+    """In a worker: join the job's process group, then build the task and its trainer. Every
+    rank seeds the same before the task builds its model, so the replicas start equal."""
+    runtime = init_runtime(cfg.dist)
+    agree_on_run_dir(cfg, runtime)
+    factory = resolve_task(cfg.run.task)
+    seed_everything(cfg.run.seed)
+    task = build_task(factory, cfg)
+    return Trainer(cfg, task, runtime)
