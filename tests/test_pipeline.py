@@ -172,11 +172,7 @@ def fake_runtime(world_size: int) -> Runtime:
     return Runtime(
         rank=0,
         world_size=world_size,
-        local_rank=0,
-        local_world_size=world_size,
         device=torch.device("cpu"),
-        backend="gloo",
-        hostname="test",
         timeout=datetime.timedelta(seconds=10),
     )
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,25 +22,16 @@ from dtrain.errors import ConfigError
 
 @dataclass(frozen=True)
 class Runtime:
+    """What a worker knows of its place in the job once the process group is up."""
+
     rank: int
     world_size: int
-    local_rank: int
-    local_world_size: int
     device: torch.device
-    backend: str
-    hostname: str
-    timeout: datetime.timedelta
+    timeout: datetime.timedelta  # of every collective, and of the groups made later
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1 or dist.is_initialized()
-
-    def describe_rank(self, rank: int | None = None) -> str:
-        return f"rank {self.rank if rank is None else rank}"
 
 
 def available_cores() -> int:
@@ -136,16 +126,7 @@ def init_runtime(cfg: DistConfig) -> Runtime:
             store=attempt_store(rank, timeout),
             device_id=device if device.type == "cuda" else None,
         )
-    return Runtime(
-        rank=rank,
-        world_size=world_size,
-        local_rank=local_rank,
-        local_world_size=local_world_size,
-        device=device,
-        backend=backend,
-        hostname=socket.gethostname(),
-        timeout=timeout,
-    )
+    return Runtime(rank=rank, world_size=world_size, device=device, timeout=timeout)
 
 
 def shutdown_runtime() -> None:

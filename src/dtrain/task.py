@@ -27,7 +27,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -79,7 +79,6 @@ class Task:
     # The modules FSDP shards one by one (default: the model's repeated blocks, see
     # dtrain.parallel.blocks.find_blocks).
     shard_units: Callable[[nn.Module], list[nn.Module]] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 TaskFactory = Callable[["Config"], Task]

@@ -54,7 +54,6 @@ from dtrain.metrics.sinks import JsonlSink, Progress
 from dtrain.metrics.summary import LossWindow, Summary
 from dtrain.optim import build_optimizer, build_scheduler
 from dtrain.parallel import build_strategy
-from dtrain.parallel.base import Strategy
 from dtrain.runtime import Runtime, barrier
 from dtrain.task import Task
 
@@ -73,15 +72,13 @@ def is_collective_failure(exc: BaseException) -> bool:
 
 
 class Trainer:
-    def __init__(
-        self, cfg: Config, task: Task, runtime: Runtime, strategy: Strategy | None = None
-    ) -> None:
+    def __init__(self, cfg: Config, task: Task, runtime: Runtime) -> None:
         self.cfg = cfg
         self.task = task
         self.runtime = runtime
         self.run_dir = Path(cfg.run.dir)
         self.is_main = runtime.is_main
-        self.strategy = strategy or build_strategy(cfg, runtime)
+        self.strategy = build_strategy(cfg, runtime)
         self.strategy.setup(task)
         self.optimizer = build_optimizer(self.strategy.named_parameters(), cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)

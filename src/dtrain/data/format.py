@@ -49,14 +49,6 @@ def manifest_fingerprint(shards: list[dict[str, Any]]) -> str:
     return h.hexdigest()
 
 
-def sha256_file(path: str | Path, chunk: int = 8 * 2**20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def read_manifest(data_dir: str | Path) -> dict[str, Any]:
     """The manifest of a dataset folder, checked for shape: raises :class:`DataError` naming
     the folder or file and what is wrong."""

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from dtrain.data.partition import OrderSpec, StepPlan, eval_shard, plan_step, plan_steps
+from dtrain.data.partition import OrderSpec, StepPlan, eval_shard, plan_steps
 from dtrain.errors import DataError
 
 Collate = Callable[[list[Any]], Any]
@@ -243,17 +243,6 @@ class RankLoader:
         return self.consumed / self.order.num_samples
 
     # -- planning ------------------------------------------------------------------------
-
-    def plan(self, position: int) -> StepPlan:
-        return plan_step(
-            self.order,
-            position,
-            self.global_batch_size,
-            self.world_size,
-            self.micro_batches,
-            self.weights,
-            self.lengths,
-        )
 
     def _plans(self, start: int) -> Iterator[StepPlan]:
         position = start

@@ -32,11 +32,11 @@ from dtrain.data.format import (
     FieldSpec,
     manifest_fingerprint,
     read_manifest,
-    sha256_file,
 )
 from dtrain.data.rows import ShardRows
 from dtrain.data.writer import ShardWriter, to_field_array, write_shards
 from dtrain.errors import DataError
+from dtrain.fsutil import sha256_file
 
 # The format's public names, importable from here as well (the module users know).
 __all__ = [

@@ -25,10 +25,9 @@ from dtrain.data.format import (
     FieldSpec,
     Sample,
     manifest_fingerprint,
-    sha256_file,
 )
 from dtrain.errors import DataError
-from dtrain.fsutil import fsync_dir
+from dtrain.fsutil import fsync_dir, sha256_file
 
 
 class ShardWriter:

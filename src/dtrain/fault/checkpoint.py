@@ -43,10 +43,9 @@ from dtrain.fault.checkpoint_read import (
     SHARDED_DIR,
     committed_steps,
     marker_digest,
-    sha256_of,
     step_dir_name,
 )
-from dtrain.fsutil import fsync_dir, write_atomic, write_bytes_synced
+from dtrain.fsutil import fsync_dir, sha256_file, write_atomic, write_bytes_synced
 
 
 def snapshot(obj: Any, reuse: Any = None) -> Any:
@@ -153,7 +152,6 @@ class Checkpointer:
         self.log = log
         self._thread: threading.Thread | None = None
         self._error: str | None = None
-        self.last_committed: int | None = None
         self.last_saved_step: int | None = None  # the newest step saved or being saved
         self.blocking_seconds: list[float] = []
         self.write_seconds: list[float] = []
@@ -177,10 +175,6 @@ class Checkpointer:
             self._thread = None
         error, self._error = self._error, None
         return error
-
-    @property
-    def in_flight(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
 
     # -- saving --------------------------------------------------------------------------
 
@@ -282,7 +276,7 @@ class Checkpointer:
         if self.rank == 0:
             mine += [p for p in folder.iterdir() if p.name == ".metadata"]
         return {
-            f"{SHARDED_DIR}/{p.name}": {"bytes": p.stat().st_size, "sha256": sha256_of(p)}
+            f"{SHARDED_DIR}/{p.name}": {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
             for p in mine
         }
 
@@ -327,7 +321,6 @@ class Checkpointer:
         }
         marker["marker_sha256"] = marker_digest(marker)
         write_atomic(final / MARKER, json.dumps(marker, indent=1, sort_keys=True))
-        self.last_committed = step
         self._fault("after_marker")
         self.prune()
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from dtrain.errors import CheckpointError
-from dtrain.fsutil import fsync_dir
+from dtrain.fsutil import fsync_dir, sha256_file
 
 MARKER = "COMMITTED.json"
 META = "meta.json"
@@ -34,14 +34,6 @@ def step_dir_name(step: int) -> str:
 
 def rng_file(rank: int) -> str:
     return f"rng-rank{rank:05d}.pt"
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        while block := fh.read(8 * 2**20):
-            h.update(block)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,7 +104,7 @@ def verify_checkpoint(step_dir: Path) -> None:
         size = path.stat().st_size
         if size != info["bytes"]:
             raise CheckpointError(f"{path} has {size} bytes, expected {info['bytes']}")
-        if sha256_of(path) != info["sha256"]:
+        if sha256_file(path) != info["sha256"]:
             raise CheckpointError(f"{path} fails its SHA-256 checksum")
 
 

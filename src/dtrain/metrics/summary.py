@@ -4,8 +4,7 @@ closing lines, and the loss window behind each metrics line."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -26,7 +25,6 @@ class Summary:
     preempted: str = ""  # the signal's name when the run stopped early to be resumed
     checkpoint: str = ""
     generated: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class LossWindow:
