@@ -44,6 +44,7 @@ from dtrain.balance.stages import StagePlan
 from dtrain.config import Config, validate_for_world
 from dtrain.errors import ConfigError
 from dtrain.parallel.base import LossFn, ShardedState, StepResult, Strategy
+from dtrain.parallel.grad_norm import clip_to_max_norm, local_part, sum_of_squares
 from dtrain.parallel.grad_sync import average_gradients
 from dtrain.parallel.mesh import Mesh, MeshShape, build_mesh, mesh_shape
 from dtrain.parallel.micro_batches import (
@@ -341,9 +342,7 @@ class PipelineStrategy(Strategy, ShardedState):
             if tied.group is not None:
                 grad = self.unwrapped.get_parameter(tied.fqn).grad
                 assert grad is not None
-                dist.all_reduce(
-                    grad.to_local() if isinstance(grad, DTensor) else grad, group=tied.group
-                )
+                dist.all_reduce(local_part(grad), group=tied.group)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         skip = {id(self.unwrapped.get_parameter(t.fqn)) for t in self.tied if not t.counted}
@@ -352,23 +351,17 @@ class PipelineStrategy(Strategy, ShardedState):
             for p in local_parameters(self.chains.values())
             if p.grad is not None and id(p) not in skip
         ]
-        locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        squares = torch.zeros((), dtype=torch.float32, device=self.runtime.device)
-        if locals_:
-            norms = torch._foreach_norm(locals_, 2.0)
-            squares = torch.stack([n.float() for n in norms]).square().sum()
+        squares = sum_of_squares([local_part(g) for g in grads], self.runtime.device)
         if dist.is_initialized():
             # Shards (FSDP) are disjoint over the whole mesh; replicas are equal, so summing
             # over one pipeline gives the same number on every copy of it.
             group = None if self._fsdp else self.mesh.pp_group if self.mesh else None
             dist.all_reduce(squares, group=group)
         norm = squares.sqrt()
-        if max_norm > 0:
-            coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            every = [p.grad for p in local_parameters(self.chains.values()) if p.grad is not None]
-            torch._foreach_mul_(
-                [g.to_local() if isinstance(g, DTensor) else g for g in every], coefficient
-            )
+        # Every gradient is scaled: a tied parameter's on each stage that holds it (its norm
+        # is counted once).
+        every = [p.grad for p in local_parameters(self.chains.values()) if p.grad is not None]
+        clip_to_max_norm([local_part(g) for g in every], norm, max_norm)
         return norm
 
     def all_reduce_loss(self, tensor: torch.Tensor) -> torch.Tensor:

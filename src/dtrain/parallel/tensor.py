@@ -44,6 +44,7 @@ from dtrain.parallel.base import (
     Strategy,
     run_micro_batches,
 )
+from dtrain.parallel.grad_norm import clip_to_max_norm, local_part, sum_of_squares
 from dtrain.parallel.grad_sync import average_gradients
 from dtrain.parallel.split import meta_copy, shared_names, tie
 from dtrain.runtime import Runtime
@@ -172,16 +173,16 @@ class TensorParallelStrategy(Strategy, ShardedState):
     ) -> StepResult:
         result = run_micro_batches(self, micro_batches, loss_fn, scale)
         if self.data_parallel_size > 1:
-            grads = [_local(p.grad) for p in self.parameters() if p.grad is not None]
+            grads = [local_part(p.grad) for p in self.parameters() if p.grad is not None]
             average_gradients(grads, self.data_parallel_group, self.cfg.strategy.bucket_mb)
         return result
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        cut = [_local(g) for g in grads if _is_sharded(g)]
-        whole = [_local(g) for g in grads if not _is_sharded(g)]
+        cut = [local_part(g) for g in grads if _is_sharded(g)]
+        whole = [local_part(g) for g in grads if not _is_sharded(g)]
         device = self.runtime.device
-        squares = [_sum_of_squares(cut, device), _sum_of_squares(whole, device)]
+        squares = [sum_of_squares(cut, device), sum_of_squares(whole, device)]
         if self._tp_group is not None:
             # Cut gradients: each rank holds a part. Replicated ones are equal on every rank;
             # MAX keeps their sum bit-identical everywhere, as the trainer's NaN guard needs.
@@ -190,9 +191,7 @@ class TensorParallelStrategy(Strategy, ShardedState):
             dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=self._tp_group)
         else:
             norm = (squares[0] + squares[1]).sqrt()
-        if max_norm > 0:
-            coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            torch._foreach_mul_([*cut, *whole], coefficient)
+        clip_to_max_norm([*cut, *whole], norm, max_norm)
         return norm
 
     # -- state ---------------------------------------------------------------------------
@@ -216,16 +215,5 @@ class TensorParallelStrategy(Strategy, ShardedState):
         return self._skeleton
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _is_sharded(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor) and any(isinstance(p, Shard) for p in tensor.placements)
-
-
-def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    if not tensors:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch._foreach_norm(tensors, 2.0)
-    return torch.stack([n.float() for n in norms]).square().sum()

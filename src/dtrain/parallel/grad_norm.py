@@ -1,0 +1,35 @@
+"""The global gradient norm of the 2-D strategies (``tensor``, ``pipeline``), whose gradients lie
+in pieces over ranks: each rank sums the squares of the pieces it holds
+(:func:`sum_of_squares`), the strategy adds those sums over the ranks that hold different pieces
+(which ranks those are is the strategy's to say), and every rank scales its pieces by the same
+coefficient (:func:`clip_to_max_norm`).
+
+The 1-D strategies keep torch's ``clip_grad_norm_`` (``Strategy.clip_grad_norm``); these
+functions follow its numerics: float32 sums of squares, ``max_norm / (norm + 1e-6)`` clamped at 1.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a ``DTensor`` (a plain tensor is its own)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of the squared elements of plain tensors, as a float32 scalar (0 for none)."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm(tensors, 2.0)
+    return torch.stack([n.float() for n in norms]).square().sum()
+
+
+def clip_to_max_norm(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+    """Scale plain gradient tensors in place so that a global ``norm`` becomes at most
+    ``max_norm``; ``max_norm = 0`` leaves them as they are (the norm is only measured)."""
+    if max_norm > 0:
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coefficient)
