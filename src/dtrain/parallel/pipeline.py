@@ -53,17 +53,15 @@ from dtrain.parallel.micro_batches import (
     eval_chunks,
     stack_micro_batches,
 )
+from dtrain.parallel.skeleton import ModelSkeleton
 from dtrain.parallel.split import (
     StageChain,
     TiedParameter,
     check_coverage,
     local_parameters,
-    meta_copy,
     model_layers,
     prune_to_stages,
-    shared_names,
     stage_entries,
-    tie,
     tied_parameters,
 )
 from dtrain.parallel.stage_plan import (
@@ -131,8 +129,7 @@ class PipelineStrategy(Strategy, ShardedState):
         self.num_stages = 1
         self.chains: dict[int, StageChain] = {}  # stage index -> this rank's layers
         self.tied: list[_Tie] = []  # parameters this rank shares with other stages
-        self._skeleton: nn.Module | None = None  # rank 0: the full model, on meta
-        self._ties: list[list[str]] = []
+        self._skeleton: ModelSkeleton | None = None  # rank 0: the full model, on meta
         self._schedules: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
         self._loss_fn: LossFn | None = None
         self._scale: torch.Tensor | None = None
@@ -185,8 +182,7 @@ class PipelineStrategy(Strategy, ShardedState):
         kept = [stage_entries(model, [chain]) for chain in all_chains]
         check_coverage(model, kept)
         if self.runtime.is_main:
-            self._skeleton = meta_copy(model)
-            self._ties = shared_names(model)
+            self._skeleton = ModelSkeleton(model)
         mine = list(range(self.pipeline_rank, self.num_stages, self.shape.pp))
         self.chains = {s: all_chains[s] for s in mine}
         my_entries = stage_entries(model, list(self.chains.values()))
@@ -429,7 +425,7 @@ class PipelineStrategy(Strategy, ShardedState):
             merged.update(piece)
         if self._skeleton is None:
             return merged
-        order = list(self._skeleton.state_dict())
+        order = self._skeleton.state_names()
         return {k: merged[k] for k in order if k in merged}
 
     def load_model_state_dict(self, state: dict[str, Any]) -> None:
@@ -443,10 +439,7 @@ class PipelineStrategy(Strategy, ShardedState):
         state = self.model_state_dict()
         if self._skeleton is None:
             return None
-        model = self._skeleton
-        model.load_state_dict(state, assign=True)
-        tie(model, self._ties)
-        return model
+        return self._skeleton.fill(state)
 
 
 # -- helpers -----------------------------------------------------------------------------------

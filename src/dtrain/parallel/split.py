@@ -15,7 +15,6 @@ stay equal, as the one tensor of a single process does).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -141,38 +140,6 @@ def tied_parameters(per_stage: Sequence[Sequence[Entry]]) -> list[TiedParameter]
         if len(owners) > 1
     ]
     return sorted(tied, key=lambda t: t.fqns[0])
-
-
-# -- the full model on one rank ----------------------------------------------------------------
-
-
-def meta_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose tensors are on the meta device (no memory): the skeleton a full
-    state is loaded into later. Tied parameters stay tied."""
-    memo: dict[int, object] = {}
-    for tensor in (*model.parameters(), *model.buffers()):
-        empty = torch.empty_like(tensor, device="meta")
-        if isinstance(tensor, nn.Parameter):
-            empty = nn.Parameter(empty, requires_grad=tensor.requires_grad)
-        memo[id(tensor)] = empty
-    return copy.deepcopy(model, memo)
-
-
-def shared_names(model: nn.Module) -> list[list[str]]:
-    """Groups of parameter names that are one tensor (e.g. a tied embedding and head)."""
-    groups: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), []).append(name)
-    return [names for names in groups.values() if len(names) > 1]
-
-
-def tie(model: nn.Module, groups: Sequence[Sequence[str]]) -> None:
-    """Make each group of names one parameter again (the first one's)."""
-    for names in groups:
-        first = model.get_parameter(names[0])
-        for name in names[1:]:
-            owner, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(owner), attr, first)
 
 
 def local_parameters(chains: Iterable[nn.Module]) -> Iterator[nn.Parameter]:

@@ -46,7 +46,7 @@ from dtrain.parallel.base import (
 )
 from dtrain.parallel.grad_norm import clip_to_max_norm, local_part, sum_of_squares
 from dtrain.parallel.grad_sync import average_gradients
-from dtrain.parallel.split import meta_copy, shared_names, tie
+from dtrain.parallel.skeleton import ModelSkeleton
 from dtrain.runtime import Runtime
 from dtrain.task import Task
 
@@ -120,8 +120,7 @@ class TensorParallelStrategy(Strategy, ShardedState):
         super().__init__(cfg, runtime)
         self.degree = tensor_degree(cfg, runtime.world_size)
         self.mesh: DeviceMesh | None = None
-        self._skeleton: nn.Module | None = None
-        self._ties: list[list[str]] = []
+        self._skeleton: ModelSkeleton | None = None  # rank 0: the full model, on meta
 
     # -- topology ------------------------------------------------------------------------
 
@@ -153,8 +152,7 @@ class TensorParallelStrategy(Strategy, ShardedState):
         styles = model_plan(model, self.degree)
         check_no_dropout(model)
         if self.runtime.is_main:
-            self._skeleton = meta_copy(model)
-            self._ties = shared_names(model)
+            self._skeleton = ModelSkeleton(model)
         if dist.is_initialized():
             shape = (self.data_parallel_size, self.degree)
             self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=("dp", "tp"))
@@ -210,9 +208,7 @@ class TensorParallelStrategy(Strategy, ShardedState):
         state = self.model_state_dict()
         if self._skeleton is None:
             return None
-        self._skeleton.load_state_dict(state, assign=True)
-        tie(self._skeleton, self._ties)
-        return self._skeleton
+        return self._skeleton.fill(state)
 
 
 def _is_sharded(tensor: torch.Tensor) -> bool:
