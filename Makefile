@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest test-slow clean
+.PHONY: demo test lint typecheck pytest test-slow chaos clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,12 @@ test: lint typecheck pytest
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# The system test: every fault-injection trial through the real CLI, many times each (about
+# 50 min on 2 cores); writes its table into docs/benchmarks.md. `make test-slow` runs the
+# quick form (one trial of each kind).
+chaos: $(STAMP)
+	$(PY) -m tests.system.chaos
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,12 +1,11 @@
 """Shared by the benchmark scripts: repeated timing, the machine's description, and writing a
 script's section of ``docs/benchmarks.md`` (between markers, so the scripts never touch each
-other's figures)."""
+other's figures; the marker logic is :func:`dtrain.testing.report.update_section`, which the
+chaos run of ``tests/system/`` uses too)."""
 
 from __future__ import annotations
 
 import os
-import platform
-import re
 import shlex
 import statistics
 import sys
@@ -14,12 +13,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from dtrain.testing.report import machine
+from dtrain.testing.report import update_section as update_doc_section
+
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 HEADER = """# Benchmarks
 
 Every figure below was printed by a script in `benchmarks/`, which measures a baseline and
-dtrain side by side in one run and writes its own section here (between its markers). Rerun
+dtrain side by side in one run and writes its own section here (between its markers); the
+fault-tolerance table comes from the system test `tests/system/chaos.py` (`make chaos`). Rerun
 the command shown to refresh a section.
 """
 
@@ -32,24 +35,6 @@ def command_line() -> str:
     except ValueError:
         shown = str(script)
     return " ".join(["python", shown, *(shlex.quote(a) for a in sys.argv[1:])])
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import numpy
-    import torch
-
-    return (
-        f"{os.cpu_count()} CPU cores ({cpu}), Python {platform.python_version()}, "
-        f"torch {torch.__version__}, NumPy {numpy.__version__}"
-    )
 
 
 def median_rate(fn: Callable[[], int], repeats: int) -> tuple[float, list[float]]:
@@ -72,17 +57,7 @@ def rss_anon_kib() -> int:
 
 def update_section(name: str, body: str) -> Path:
     """Replace (or add) this script's section of docs/benchmarks.md."""
-    begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
-    section = f"{begin}\n{body.rstrip()}\n{end}"
-    text = DOC.read_text() if DOC.exists() else HEADER
-    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section, text)
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    DOC.write_text(text)
-    return DOC
+    return update_doc_section(DOC, name, body, HEADER)
 
 
 def write_report_section(name: str, title: str, report: str, setting: str = "") -> Path:

@@ -32,11 +32,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 from typing import Any
 
-from _fault_common import REPO, Launch, machine_line, median
-from _report import update_section
-from dtrain.testing import run_ranks
+from _report import ROOT, update_section
+from dtrain.testing import Launch, run_ranks
+from dtrain.testing.report import machine_line
 
 
 def spread(values: list[float]) -> str:
@@ -140,7 +141,7 @@ def run_cli(work: Path, args: list[str], nproc: int, timeout: float = 3600) -> L
     """``dtrain train`` with the default config and ``args``; raises when it fails."""
     config = work / "default.toml"
     config.write_text("")  # the built-in job; everything else comes as overrides
-    launch = Launch(config, nproc, *args)
+    launch = Launch(config, nproc, *args, cwd=ROOT)
     try:
         code = launch.wait(timeout)
         if code != 0:
@@ -317,5 +318,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(ROOT))
     sys.exit(main())

@@ -184,7 +184,7 @@ def mlp_regression(cfg: Config) -> Task:
 
 
 # ---------------------------------------------------------------------------------------------
-# Fault injection for benchmarks/chaos.py (tests.tasks:chaos_gpt). The factory runs inside each
+# Fault injection for tests/system/chaos.py (tests.tasks:chaos_gpt). The factory runs inside each
 # worker, so it can wrap the model and patch the checkpoint writer of that worker only.
 
 

@@ -1,5 +1,6 @@
-"""The chaos script's smoke run (one trial of each fault kind through the real CLI). Slow:
-`make test-slow` runs it; the default suite runs each kind of fault once in the other tests."""
+"""The chaos run's smoke form (one trial of each fault kind through the real CLI; the system
+test itself is ``tests/system/chaos.py``, ``make chaos``). Slow: `make test-slow` runs it; the
+default suite runs each kind of fault once in the other tests."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from tests.conftest import REPO
 @pytest.mark.timeout(1800)
 def test_chaos_quick_passes_every_trial() -> None:
     proc = subprocess.run(
-        [sys.executable, "benchmarks/chaos.py", "--quick", "--no-docs"],
+        [sys.executable, "-m", "tests.system.chaos", "--quick", "--no-docs"],
         cwd=REPO,
         capture_output=True,
         text=True,

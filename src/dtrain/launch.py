@@ -8,7 +8,6 @@ worker dies (the workers resume from the newest checkpoint by themselves), and w
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import uuid
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
+from dtrain.fault.status import read_status
 from dtrain.runtime import available_cores
 
 
@@ -145,14 +145,10 @@ def launch_workers(config_path: Path, opts: LaunchOptions, grace_s: float = 120.
 
 def report_preemption(run_dir: Path, signum: int) -> int:
     """After the launcher itself got a preemption signal: 0 when the workers saved."""
-    status_path = run_dir / "status.json"
-    try:
-        status = json.loads(status_path.read_text())
-    except (OSError, ValueError):
-        status = {}
-    if status.get("state") == "preempted":
+    status = read_status(run_dir)
+    if status is not None and status.state == "preempted":
         print(
-            f"dtrain: preempted by signal {signum}; saved at step {status.get('step')}. Run "
+            f"dtrain: preempted by signal {signum}; saved at step {status.step}. Run "
             "the same command to resume.",
             file=sys.stderr,
         )

@@ -28,7 +28,6 @@ becomes a :class:`~dtrain.fault.watchdog.PeerFailure` naming that peer.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -45,11 +44,12 @@ from dtrain.evaluation import evaluate_loss
 from dtrain.fault import checkpoint as ckpt
 from dtrain.fault import checkpoint_read as ckread
 from dtrain.fault import state as training_state
+from dtrain.fault.audit import AuditWriter
 from dtrain.fault.preempt import PreemptionFlag
 from dtrain.fault.resume import ResumePoint, resolve_resume
 from dtrain.fault.rng import rank_seed, seed_everything
+from dtrain.fault.status import RunStatus, write_status
 from dtrain.fault.watchdog import PeerFailure, Watchdog
-from dtrain.fsutil import write_atomic
 from dtrain.metrics.sinks import JsonlSink, Progress
 from dtrain.metrics.summary import LossWindow, Summary
 from dtrain.optim import build_optimizer, build_scheduler
@@ -97,24 +97,16 @@ class Trainer:
             heartbeat_s=cfg.fault.heartbeat_s,
             timeout_s=cfg.dist.timeout_s,
         )
-        # Saves coordinate over their own gloo group so that a background save never
-        # interleaves with the training collectives of the default group.
-        side_group = (
-            dist.new_group(backend="gloo", timeout=runtime.timeout)
-            if dist.is_initialized()
-            else None
-        )
         self.checkpointer = ckpt.Checkpointer(
             self.run_dir / "checkpoints",
             rank=runtime.rank,
             world_size=runtime.world_size,
             keep_last=cfg.checkpoint.keep_last,
             keep_every=cfg.checkpoint.keep_every,
-            group=side_group,
+            timeout=runtime.timeout,
             log=self.log,
         )
-        self._audit: Any = None
-        self._attempt = 0
+        self.audit: AuditWriter | None = None
 
     # -- logging -------------------------------------------------------------------------
 
@@ -174,8 +166,8 @@ class Trainer:
         finally:
             self.watchdog.stop()
             preempt.restore()
-            if self._audit is not None:
-                self._audit.close()
+            if self.audit is not None:
+                self.audit.close()
 
     def _fit(self, preempt: PreemptionFlag) -> Summary:
         started = time.perf_counter()
@@ -186,7 +178,8 @@ class Trainer:
             # Fresh start, or a new world size: a distinct, reproducible stream per rank.
             seed_everything(rank_seed(cfg.run.seed, self.runtime.rank) + self.step)
         summary = Summary(start_step=self.step)
-        self._write_status("running")
+        if self.is_main:
+            write_status(self.run_dir, RunStatus("running", self.step))
         if self.is_main:
             self.metrics = JsonlSink(self.run_dir / "metrics.jsonl")
             self.progress = Progress(cfg.train.steps, self.step, self.task.item_name, True)
@@ -196,10 +189,7 @@ class Trainer:
                 f"rank(s), {self.runtime.device.type}, {where}; run folder {self.run_dir}"
             )
         if cfg.fault.audit_sample_ids:
-            self._attempt = self._agree_attempt()
-            audit_dir = self.run_dir / "sample_ids"
-            audit_dir.mkdir(parents=True, exist_ok=True)
-            self._audit = (audit_dir / f"rank{self.runtime.rank:05d}.jsonl").open("a")
+            self.audit = AuditWriter.open(self.run_dir, self.runtime.rank)
         window = LossWindow(self.runtime.device)
         last_loss = float("nan")
         self.strategy.unwrapped.train()
@@ -219,7 +209,15 @@ class Trainer:
             loss_sum, norm = self._train_step(micro, global_items)
             self.step += 1
             self.items_seen += global_items
-            self._audit_step(batch, applied=math.isfinite(norm))
+            if self.audit is not None:
+                self.audit.record(
+                    self.step,
+                    batch.plan.start,
+                    batch.plan.end,
+                    batch.ids,
+                    rollbacks=self.rollbacks,
+                    applied=math.isfinite(norm),
+                )
             if not math.isfinite(norm):
                 self._on_non_finite(batch)
             window.add(loss_sum, global_items)
@@ -333,40 +331,11 @@ class Trainer:
             f"{sum(e - s for s, e in bad)} samples of those steps will not be delivered again"
         )
 
-    def _agree_attempt(self) -> int:
-        """An id of this attempt that every rank shares and that grows from one attempt to the
-        next (rank 0's clock), so the audit can tell a re-run step from the first run."""
-        token = [time.time_ns()]
-        if dist.is_initialized():
-            dist.broadcast_object_list(token, src=0)
-        return int(token[0])
-
-    def _audit_step(self, batch: StepBatch, *, applied: bool) -> None:
-        if self._audit is None:
-            return
-        ids = [int(i) for micro in batch.ids for i in micro]
-        record = {
-            "step": self.step,
-            "start": batch.plan.start,
-            "end": batch.plan.end,
-            "attempt": [self._attempt, self.rollbacks],
-        }
-        self._audit.write(json.dumps({**record, "applied": applied, "ids": ids}) + "\n")
-        self._audit.flush()
-
-    def _write_status(self, state: str, signal_name: str = "") -> None:
-        """RUN_DIR/status.json: running, completed or preempted (read by the launcher)."""
-        if not self.is_main:
-            return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        record = {"state": state, "step": self.step, "signal": signal_name}
-        write_atomic(self.run_dir / "status.json", json.dumps(record))
-
     def _finish_records(self, summary: Summary) -> None:
         if not self.is_main:
             return
         state = "preempted" if summary.preempted else "completed"
-        self._write_status(state, summary.preempted)
+        write_status(self.run_dir, RunStatus(state, self.step, summary.preempted))
         if self.metrics is not None:
             self.metrics.write(
                 {

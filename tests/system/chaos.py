@@ -5,9 +5,11 @@ elastic agent and real worker processes, gloo on loopback, CPU), injects one fau
 what the user would see: exit codes, log lines, timings, the checkpoints left behind, and the
 final parameters and sample ids against an uninterrupted run of the same job.
 
-    python benchmarks/chaos.py                 # every trial, the counts (about an hour)
-    python benchmarks/chaos.py --quick         # one trial of each kind (a few minutes)
-    python benchmarks/chaos.py --trials kill9,sigstop --count 3
+    python -m tests.system.chaos               # every trial, the counts (about an hour)
+    python -m tests.system.chaos --quick       # one trial of each kind (a few minutes)
+    python -m tests.system.chaos --trials kill9,sigstop --count 3
+
+(from the repository root; ``make chaos`` runs the first.)
 
 Trials (``--trials``; default counts in brackets):
 
@@ -49,18 +51,25 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median
 
-from _chaos_checks import Context, Outcome
-from _chaos_process import (
+from dtrain.testing.report import machine_line, update_section
+from tests.system.chaos_checks import REPO, Context, Outcome
+from tests.system.chaos_process import (
     trial_always_fails,
     trial_kill9,
     trial_raise_collective,
     trial_raise_save,
     trial_sigstop,
 )
-from _chaos_resume import trial_corrupt, trial_kill_in_save, trial_resize, trial_sigterm
-from _fault_common import machine_line, median
-from _report import update_section
+from tests.system.chaos_resume import (
+    trial_corrupt,
+    trial_kill_in_save,
+    trial_resize,
+    trial_sigterm,
+)
+
+DOC = REPO / "docs" / "benchmarks.md"
 
 
 @dataclass(frozen=True)
@@ -243,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     if failures:
         print("\nfailed trials:\n" + "\n".join(failures))
     if not args.no_docs:
-        command = "python benchmarks/chaos.py" + (
+        command = "python -m tests.system.chaos" + (
             " " + " ".join(argv if argv is not None else sys.argv[1:])
             if (argv if argv is not None else sys.argv[1:])
             else ""
@@ -266,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             *READING,
             *(["Failed trials:", "", *failures, ""] if failures else ["Every trial passed.", ""]),
         ]
-        update_section("chaos", "\n".join(body))
+        update_section(DOC, "chaos", "\n".join(body))
     return 0 if not failures else 1
 
 

@@ -5,23 +5,34 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from _fault_common import (
-    Launch,
-    pid_alive,
-    processes_of,
-    write_config,
-)
 from dtrain.fault import checkpoint_read as ckread
 from dtrain.fault.audit import check_stream, read_trajectory
+from dtrain.testing import Launch, pid_alive, processes_of
 
+# Every job starts here, so that the workers import the tasks as ``tests.tasks:...``.
+REPO = Path(__file__).resolve().parents[2]
 SAMPLES = 64  # 8 steps per epoch at a global batch of 8: a 20-step run crosses two epochs
 STEPS = 20
 STARTED = r"dtrain: training \w+ on (\d+) rank\(s\)"
+
+
+def write_config(path: Path, run_dir: Path, **sections: Mapping[str, object]) -> Path:
+    """A TOML config: ``write_config(p, d, train={"steps": 20}, task={...})``."""
+    run = {"dir": str(run_dir), **sections.get("run", {})}
+    lines = ["[run]", *(f"{k} = {json.dumps(v)}" for k, v in run.items())]
+    for name, values in sections.items():
+        if name != "run":
+            lines.append(f"[{name}]")
+            lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def sections(
@@ -76,7 +87,7 @@ class Context:
         if key not in self._references:
             folder = self.new_dir(f"reference-{nproc}")
             run_dir = folder / "run"
-            launch = Launch(write_config(folder / "job.toml", run_dir, **secs), nproc)
+            launch = Launch(write_config(folder / "job.toml", run_dir, **secs), nproc, cwd=REPO)
             try:
                 code = launch.wait(900)
                 if code != 0:
@@ -128,6 +139,36 @@ def same_run(reference: Path, run_dir: Path) -> list[str]:
     return problems
 
 
+def metrics_step(run_dir: Path) -> int:
+    """The highest step in RUN_DIR/metrics.jsonl so far (0 when none)."""
+    path = run_dir / "metrics.jsonl"
+    best = 0
+    try:
+        text = path.read_text()
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        try:
+            best = max(best, int(json.loads(line).get("step", 0)))
+        except (ValueError, AttributeError):
+            pass  # a line being written
+    return best
+
+
+def wait_for_step(run_dir: Path, step: int, launch: Launch, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not launch.alive():
+            raise RuntimeError(
+                f"the run ended (exit {launch.returncode}) before step {step}:\n"
+                + launch.text()[-3000:]
+            )
+        if metrics_step(run_dir) >= step:
+            return
+        time.sleep(0.01)
+    raise RuntimeError(f"the run did not reach step {step} within {timeout:.0f}s")
+
+
 def no_processes_left(run_dir: Path, within: float = 10.0) -> list[str]:
     deadline = time.monotonic() + within
     while processes_of(run_dir) and time.monotonic() < deadline:
@@ -174,7 +215,3 @@ def leftovers(root: Path) -> list[str]:
         if stale or (entry.name.startswith("step-") and not (entry / ckread.MARKER).exists()):
             out.append(entry.name)
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# The trials

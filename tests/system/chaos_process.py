@@ -8,26 +8,23 @@ import re
 import signal
 import time
 
-from _chaos_checks import (
+from dtrain.fault import checkpoint_read as ckread
+from dtrain.testing import Launch, pid_alive, rank_of
+from tests.system.chaos_checks import (
+    REPO,
     STARTED,
     STEPS,
     Context,
     Outcome,
     injected_at,
+    metrics_step,
     no_processes_left,
     same_run,
     sections,
     wait_exit_tracking,
-)
-from _fault_common import (
-    Launch,
-    metrics_step,
-    pid_alive,
-    rank_of,
     wait_for_step,
     write_config,
 )
-from dtrain.fault import checkpoint_read as ckread
 
 
 def trial_kill9(ctx: Context, index: int) -> Outcome:
@@ -36,7 +33,9 @@ def trial_kill9(ctx: Context, index: int) -> Outcome:
     reference = ctx.reference(nproc, secs)
     folder = ctx.new_dir("kill9")
     run_dir = folder / "run"
-    launch = Launch(write_config(folder / "job.toml", run_dir, **secs), nproc, "--max-restarts=3")
+    launch = Launch(
+        write_config(folder / "job.toml", run_dir, **secs), nproc, "--max-restarts=3", cwd=REPO
+    )
     out = Outcome(ok=False)
     try:
         wait_for_step(run_dir, ctx.rng.randint(2, STEPS - 2), launch)
@@ -72,7 +71,9 @@ def trial_always_fails(ctx: Context, index: int) -> Outcome:
     secs["task"]["slow_ms"] = 0
     folder = ctx.new_dir("always-fails")
     run_dir = folder / "run"
-    launch = Launch(write_config(folder / "job.toml", run_dir, **secs), nproc, "--max-restarts=2")
+    launch = Launch(
+        write_config(folder / "job.toml", run_dir, **secs), nproc, "--max-restarts=2", cwd=REPO
+    )
     out = Outcome(ok=False, tags={"failing": f"rank {fail_rank} at step {fail_step}"})
     try:
         code = launch.wait(600)
@@ -105,7 +106,7 @@ def trial_sigstop(ctx: Context, index: int) -> Outcome:
     secs = sections(steps=400, timeout_s=timeout_s, grace_s=2.0)
     folder = ctx.new_dir("sigstop")
     run_dir = folder / "run"
-    launch = Launch(write_config(folder / "job.toml", run_dir, **secs), nproc)
+    launch = Launch(write_config(folder / "job.toml", run_dir, **secs), nproc, cwd=REPO)
     out = Outcome(ok=False)
     victim = -1
     try:
@@ -162,7 +163,7 @@ def _raise_trial(
 ) -> Outcome:
     folder = ctx.new_dir(name)
     run_dir = folder / "run"
-    launch = Launch(write_config(folder / "job.toml", run_dir, **secs), nproc)
+    launch = Launch(write_config(folder / "job.toml", run_dir, **secs), nproc, cwd=REPO)
     out = Outcome(ok=False)
     try:
         wait_for_step(run_dir, 1, launch)

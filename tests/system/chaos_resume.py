@@ -11,7 +11,11 @@ import signal
 import time
 from pathlib import Path
 
-from _chaos_checks import (
+from dtrain.fault import checkpoint_read as ckread
+from dtrain.fault.audit import check_stream, read_trajectory
+from dtrain.testing import Launch, wait_gone
+from tests.system.chaos_checks import (
+    REPO,
     SAMPLES,
     STARTED,
     STEPS,
@@ -21,15 +25,9 @@ from _chaos_checks import (
     no_processes_left,
     same_run,
     sections,
-)
-from _fault_common import (
-    Launch,
     wait_for_step,
-    wait_gone,
     write_config,
 )
-from dtrain.fault import checkpoint_read as ckread
-from dtrain.fault.audit import check_stream, read_trajectory
 
 
 def next_save(root: Path, timeout: float = 60) -> tuple[str, float]:
@@ -67,7 +65,7 @@ def trial_kill_in_save(ctx: Context, index: int) -> Outcome:
     config = write_config(folder / "job.toml", run_dir, **secs)
     group = index % 2 == 1
     out = Outcome(ok=False, tags={"killed": "launcher + every worker" if group else "one worker"})
-    launch = Launch(config, nproc)
+    launch = Launch(config, nproc, cwd=REPO)
     try:
         wait_for_step(run_dir, ctx.rng.randint(1, STEPS - 8), launch)
         # Time one whole save (its temp folder appears .. its marker appears), then kill at a
@@ -108,7 +106,7 @@ def trial_kill_in_save(ctx: Context, index: int) -> Outcome:
             ckread.verify_checkpoint(root / ckread.step_dir_name(expected))
         except Exception as exc:
             out.problems.append(f"a committed checkpoint does not verify: {exc}")
-    again = Launch(config, nproc)
+    again = Launch(config, nproc, cwd=REPO)
     try:
         code = again.wait(600)
         if code != 0:
@@ -183,7 +181,7 @@ def trial_corrupt(ctx: Context, index: int) -> Outcome:
     config = write_config(folder / "job.toml", run_dir, **secs)
     what = corrupt(run_dir / "checkpoints" / newest / name, mode, ctx.rng)
     out = Outcome(ok=False, tags={"corrupted": f"{name}: {what}"})
-    launch = Launch(config, nproc)
+    launch = Launch(config, nproc, cwd=REPO)
     try:
         code = launch.wait(600)
         if code != 0:
@@ -221,7 +219,7 @@ def trial_sigterm(ctx: Context, index: int) -> Outcome:
     run_dir = folder / "run"
     config = write_config(folder / "job.toml", run_dir, **secs)
     out = Outcome(ok=False)
-    launch = Launch(config, nproc)
+    launch = Launch(config, nproc, cwd=REPO)
     try:
         wait_for_step(run_dir, ctx.rng.randint(2, STEPS - 3), launch)
         sent = time.monotonic()
@@ -244,7 +242,7 @@ def trial_sigterm(ctx: Context, index: int) -> Outcome:
         out.problems += no_processes_left(run_dir)
     finally:
         launch.close()
-    again = Launch(config, nproc)
+    again = Launch(config, nproc, cwd=REPO)
     try:
         if again.wait(600) != 0:
             out.problems.append(f"the resumed run failed: {again.text()[-1500:]}")
@@ -269,7 +267,7 @@ def trial_resize(ctx: Context, index: int) -> Outcome:
     run_dir = folder / "run"
     config = write_config(folder / "job.toml", run_dir, **secs)
     out = Outcome(ok=False, tags={"resize": f"{before} -> {after}"})
-    launch = Launch(config, before)
+    launch = Launch(config, before, cwd=REPO)
     try:
         wait_for_step(run_dir, ctx.rng.randint(2, STEPS - 3), launch)
         launch.proc.send_signal(signal.SIGTERM)
@@ -279,7 +277,7 @@ def trial_resize(ctx: Context, index: int) -> Outcome:
         launch.close()
     status = json.loads((run_dir / "status.json").read_text())
     out.tags["stopped"] = f"step {status.get('step')}"
-    again = Launch(config, after)
+    again = Launch(config, after, cwd=REPO)
     try:
         if again.wait(600) != 0:
             out.problems.append(f"the resumed run failed: {again.text()[-1500:]}")

@@ -1,21 +1,77 @@
-"""Exactly-once audit of the samples a run trained on.
+"""Exactly-once audit of the samples a run trained on: the writer the ranks use, and the reader
+and checker that tests and the chaos trials use.
 
 With ``fault.audit_sample_ids = true`` every rank appends, after every step, a JSON line with
 the step, the stream positions it covered and this rank's sample ids to
-``RUN_DIR/sample_ids/rankNNNNN.jsonl``. Restarts and rollbacks re-run steps and append again;
-the final trajectory keeps, per rank, the last record of each step. :func:`check_stream` then
-verifies that trajectory against the stream's rules, without needing the order itself: the
-positions are contiguous (apart from ranges skipped on purpose), and each epoch's window of
-positions holds every sample id exactly once.
+``RUN_DIR/sample_ids/rankNNNNN.jsonl`` (:class:`AuditWriter`). Restarts and rollbacks re-run
+steps and append again; the final trajectory keeps, per rank, the last record of each step.
+:func:`check_stream` then verifies that trajectory against the stream's rules, without needing
+the order itself: the positions are contiguous (apart from ranges skipped on purpose), and each
+epoch's window of positions holds every sample id exactly once.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+import numpy as np
+import torch.distributed as dist
+
+AUDIT_DIR = "sample_ids"
+
+
+class AuditWriter:
+    """This rank's audit file, opened for appending. Each record carries its attempt: an id
+    every rank of this attempt shares and that grows from one attempt to the next (rank 0's
+    clock, agreed at :meth:`open`), and the rollbacks so far, so that :func:`read_trajectory`
+    can tell a re-run step from its first run."""
+
+    def __init__(self, file: IO[str], attempt: int) -> None:
+        self._file = file
+        self.attempt = attempt
+
+    @classmethod
+    def open(cls, run_dir: Path, rank: int) -> AuditWriter:
+        """Collective: every rank opens its writer at the same point."""
+        token = [time.time_ns()]
+        if dist.is_initialized():
+            dist.broadcast_object_list(token, src=0)
+        folder = Path(run_dir) / AUDIT_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        return cls((folder / f"rank{rank:05d}.jsonl").open("a"), int(token[0]))
+
+    def record(
+        self,
+        step: int,
+        start: int,
+        end: int,
+        ids: Sequence[np.ndarray],
+        *,
+        rollbacks: int,
+        applied: bool,
+    ) -> None:
+        """One step: its stream positions ``start .. end-1``, this rank's sample ids (one
+        array per micro-batch) and whether the update was applied (the NaN guard skips)."""
+        record = {
+            "step": step,
+            "start": start,
+            "end": end,
+            "attempt": [self.attempt, rollbacks],
+            "applied": applied,
+            "ids": [int(i) for micro in ids for i in micro],
+        }
+        # Flushed each step: a rank killed outright leaves every step it finished on record.
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
 
 
 @dataclass
@@ -33,7 +89,7 @@ def read_trajectory(run_dir: Path) -> dict[int, StepRecord]:
     so far]``. A step run again (after a restart, at any world size, or after a NaN rollback)
     is taken from its newest attempt, with the records of every rank of that attempt -- so
     the stale records of a rank that is gone after a world-size change are left out."""
-    folder = Path(run_dir) / "sample_ids"
+    folder = Path(run_dir) / AUDIT_DIR
     by_step: dict[int, dict[tuple[int, ...], list[dict[str, Any]]]] = {}
     for path in sorted(folder.glob("rank*.jsonl")):
         for line in path.read_text().splitlines():

@@ -21,6 +21,7 @@ code from a checkpoint.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import io
 import json
@@ -140,15 +141,21 @@ class Checkpointer:
         world_size: int,
         keep_last: int,
         keep_every: int,
-        group: dist.ProcessGroup | None = None,
+        timeout: datetime.timedelta = datetime.timedelta(minutes=5),
         log: Callable[[str], None] = print,
     ) -> None:
+        """Collective when the process group is up: every rank makes the checkpointer's own
+        group (``timeout``: its collectives' limit) at the same point."""
         self.root = root
         self.rank = rank
         self.world_size = world_size
         self.keep_last = keep_last
         self.keep_every = keep_every
-        self.group = group
+        # Saves coordinate over their own gloo group, so that a background save never
+        # interleaves its collectives with the training collectives of the default group.
+        self.group: dist.ProcessGroup | None = (
+            dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
+        )
         self.log = log
         self._thread: threading.Thread | None = None
         self._error: str | None = None

@@ -1,12 +1,15 @@
-"""What benchmarks/chaos.py and benchmarks/bench_checkpoint.py share: starting ``dtrain train``
-as a user would (the real CLI, torch's elastic agent, real worker processes), watching its
-output with timestamps, killing every process it started, and writing a section of
-docs/benchmarks.md."""
+"""Start ``dtrain train`` as a user would and watch its processes -- for system tests and
+benchmarks.
+
+:class:`Launch` runs the real CLI (torch's elastic agent, real worker processes) with every
+output line kept together with the monotonic time it arrived, and ends every process it started
+(on :meth:`Launch.close`, or when this process exits). The other functions read ``/proc``
+(Linux only): a process's descendants, its rank, whether it is still alive.
+"""
 
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import re
 import signal
@@ -14,36 +17,18 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
-
-from _report import machine
-from dtrain.testing import children_of, worker_pids
-
-REPO = Path(__file__).resolve().parent.parent
+from typing import IO
 
 _LIVE: set[Launch] = set()
 
 
-def write_config(path: Path, run_dir: Path, **sections: Mapping[str, object]) -> Path:
-    """A TOML config: ``write_config(p, d, train={"steps": 20}, task={...})``."""
-    run = {"dir": str(run_dir), **sections.get("run", {})}
-    lines = ["[run]", *(f"{k} = {json.dumps(v)}" for k, v in run.items())]
-    for name, values in sections.items():
-        if name != "run":
-            lines.append(f"[{name}]")
-            lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
 class Launch:
-    """One ``python -m dtrain train CONFIG --nproc N ...`` started from the repository root
-    (so that ``tests.tasks:...`` imports in the workers), with every output line kept together
-    with the monotonic time it arrived."""
+    """One ``python -m dtrain train CONFIG --nproc N ...``, started in ``cwd`` (the repository
+    root, for a task such as ``tests.tasks:...`` to import in the workers)."""
 
-    def __init__(self, config: Path, nproc: int, *args: str) -> None:
+    def __init__(self, config: Path, nproc: int, *args: str, cwd: Path | None = None) -> None:
         self.command = [
             sys.executable,
             "-m",
@@ -63,7 +48,7 @@ class Launch:
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
             self.command,
-            cwd=REPO,
+            cwd=cwd,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -82,8 +67,8 @@ class Launch:
         self.known_workers: set[int] = set()
         _LIVE.add(self)
 
-    def _read(self, stream: object) -> None:
-        for line in stream:  # type: ignore[attr-defined]
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
             with self._lock:
                 self.lines.append((time.monotonic(), line.rstrip("\n")))
 
@@ -169,6 +154,41 @@ def _kill_leftovers() -> None:
         launch.close()
 
 
+def children_of(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc; Linux only)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(entry))
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def worker_pids(launcher_pid: int) -> list[int]:
+    """The ``dtrain.worker`` processes started under a ``dtrain train`` process."""
+    pids = []
+    for pid in children_of(launcher_pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmdline = fh.read()
+        except OSError:
+            continue
+        if b"dtrain.worker" in cmdline:
+            pids.append(pid)
+    return sorted(pids)
+
+
 def rank_of(pid: int) -> int:
     """The RANK a worker process was started with (-1 when unknown)."""
     try:
@@ -217,46 +237,3 @@ def processes_of(run_dir: Path) -> list[int]:
             except OSError:
                 pass
     return found
-
-
-def metrics_step(run_dir: Path) -> int:
-    """The highest step in RUN_DIR/metrics.jsonl so far (0 when none)."""
-    path = run_dir / "metrics.jsonl"
-    best = 0
-    try:
-        text = path.read_text()
-    except OSError:
-        return 0
-    for line in text.splitlines():
-        try:
-            best = max(best, int(json.loads(line).get("step", 0)))
-        except (ValueError, AttributeError):
-            pass  # a line being written
-    return best
-
-
-def wait_for_step(run_dir: Path, step: int, launch: Launch, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not launch.alive():
-            raise RuntimeError(
-                f"the run ended (exit {launch.returncode}) before step {step}:\n"
-                + launch.text()[-3000:]
-            )
-        if metrics_step(run_dir) >= step:
-            return
-        time.sleep(0.01)
-    raise RuntimeError(f"the run did not reach step {step} within {timeout:.0f}s")
-
-
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
-def machine_line() -> str:
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return f"{machine()}; load average {load} when it finished"

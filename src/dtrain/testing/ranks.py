@@ -199,38 +199,3 @@ def run_ranks(
             proc.join(timeout=5.0)
         results.close()
         del store
-
-
-def children_of(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (from /proc; Linux only)."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents.setdefault(int(fields[1]), []).append(int(entry))
-    out: list[int] = []
-    todo = [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def worker_pids(launcher_pid: int) -> list[int]:
-    """The ``dtrain.worker`` processes started under a ``dtrain train`` process."""
-    pids = []
-    for pid in children_of(launcher_pid):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                cmdline = fh.read()
-        except OSError:
-            continue
-        if b"dtrain.worker" in cmdline:
-            pids.append(pid)
-    return sorted(pids)

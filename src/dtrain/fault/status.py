@@ -1,0 +1,38 @@
+"""``RUN_DIR/status.json``: what state a run is in, written by rank 0 and read by the launcher
+(and by anyone watching the run folder).
+
+``state`` is ``running`` while training, ``completed`` at the end, or ``preempted`` when a
+signal stopped the run after it saved (``signal`` names it); ``step`` is the step it was at.
+The file is replaced atomically, so a reader never sees half of it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dtrain.fsutil import write_atomic
+
+STATUS_FILE = "status.json"
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    state: str  # running | completed | preempted
+    step: int
+    signal: str = ""  # the signal that preempted the run, or "a peer's signal"
+
+
+def write_status(run_dir: Path, status: RunStatus) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(run_dir / STATUS_FILE, json.dumps(asdict(status)))
+
+
+def read_status(run_dir: Path) -> RunStatus | None:
+    """The run's last status, or None when it has written none (or it cannot be read)."""
+    try:
+        record = json.loads((run_dir / STATUS_FILE).read_text())
+        return RunStatus(str(record["state"]), int(record["step"]), str(record.get("signal", "")))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -1,0 +1,33 @@
+"""What tests, system tests and benchmarks share, each in its own module:
+
+- :mod:`~dtrain.testing.ranks`: :func:`run_ranks`, a function on N real ranks (processes, gloo
+  on loopback), the multi-process test helper;
+- :mod:`~dtrain.testing.processes`: :class:`Launch`, the real ``dtrain train`` started as a user
+  would, and what ``/proc`` says about its processes;
+- :mod:`~dtrain.testing.report`: the machine's description, and a script's section of a
+  Markdown file (``docs/benchmarks.md``).
+"""
+
+from dtrain.testing.processes import (
+    Launch,
+    children_of,
+    pid_alive,
+    processes_of,
+    rank_of,
+    wait_gone,
+    worker_pids,
+)
+from dtrain.testing.ranks import RankFailed, free_port, run_ranks
+
+__all__ = [
+    "Launch",
+    "RankFailed",
+    "children_of",
+    "free_port",
+    "pid_alive",
+    "processes_of",
+    "rank_of",
+    "run_ranks",
+    "wait_gone",
+    "worker_pids",
+]
