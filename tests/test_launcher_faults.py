@@ -1,5 +1,5 @@
 """Faults through the real launcher (torch's elastic agent): kill -9 with restarts, a worker that
-always fails, SIGTERM to the launcher. Each kind runs once here; benchmarks/chaos.py runs many
+always fails, SIGTERM to the launcher. Each kind runs once here; tests/system/chaos.py runs many
 trials of each."""
 
 from __future__ import annotations
