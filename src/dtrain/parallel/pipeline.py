@@ -46,15 +46,20 @@ from dtrain.errors import ConfigError
 from dtrain.parallel.base import LossFn, ShardedState, StepResult, Strategy
 from dtrain.parallel.grad_norm import clip_to_max_norm, local_part, sum_of_squares
 from dtrain.parallel.grad_sync import average_gradients
-from dtrain.parallel.mesh import Mesh, MeshShape, build_mesh, mesh_shape
-from dtrain.parallel.micro_batches import (
+from dtrain.parallel.mesh import PIPELINE, Mesh, MeshShape, build_mesh, mesh_shape
+from dtrain.parallel.pipeline_batches import (
     batch_signature,
     check_tensor,
     eval_chunks,
     stack_micro_batches,
 )
-from dtrain.parallel.skeleton import ModelSkeleton
-from dtrain.parallel.split import (
+from dtrain.parallel.pipeline_plan import (
+    check_boundaries,
+    check_stage_count,
+    choose_plan,
+    example_input,
+)
+from dtrain.parallel.pipeline_split import (
     StageChain,
     TiedParameter,
     check_coverage,
@@ -64,12 +69,7 @@ from dtrain.parallel.split import (
     stage_entries,
     tied_parameters,
 )
-from dtrain.parallel.stage_plan import (
-    check_boundaries,
-    check_stage_count,
-    choose_plan,
-    example_input,
-)
+from dtrain.parallel.skeleton import ModelSkeleton
 from dtrain.runtime import Runtime
 from dtrain.task import Task
 
@@ -93,8 +93,9 @@ class PipelineStrategy(Strategy, ShardedState):
 
     @classmethod
     def validate_config(cls, cfg: Config, world_size: int) -> None:
-        shape = mesh_shape(cfg, world_size)
+        shape = mesh_shape(world_size, cfg.strategy.pipeline_stages, PIPELINE)
         validate_for_world(cfg, shape.dp)
+        pp = shape.inner  # ranks per pipeline
         opts, data = cfg.strategy, cfg.data
         per_step = shape.dp * data.micro_batches
         if data.global_batch_size % per_step:
@@ -104,26 +105,28 @@ class PipelineStrategy(Strategy, ShardedState):
                 "equal size: a pipeline sends activations of one fixed shape between stages; "
                 f"use a multiple of {per_step}"
             )
-        if opts.pipeline_schedule == "1f1b" and data.micro_batches < shape.pp:
+        if opts.pipeline_schedule == "1f1b" and data.micro_batches < pp:
             raise ConfigError(
-                f"data.micro_batches = {data.micro_batches} is fewer than the {shape.pp} "
+                f"data.micro_batches = {data.micro_batches} is fewer than the {pp} "
                 "pipeline stages: 1F1B runs a micro-batch's backward as soon as it is through "
                 "the last stage, which needs one micro-batch in flight per stage; use "
-                f"data.micro_batches >= {shape.pp}, or pipeline_schedule = 'gpipe'"
+                f"data.micro_batches >= {pp}, or pipeline_schedule = 'gpipe'"
             )
         if opts.pipeline_schedule == INTERLEAVED:
-            rounds = max(1, data.micro_batches // shape.pp)
+            rounds = max(1, data.micro_batches // pp)
             if data.micro_batches % rounds:
                 raise ConfigError(
                     f"data.micro_batches = {data.micro_batches}: interleaved 1F1B runs the "
-                    f"micro-batches in rounds of the {shape.pp} stages; use a multiple of "
-                    f"{shape.pp}, or at most {shape.pp}"
+                    f"micro-batches in rounds of the {pp} stages; use a multiple of "
+                    f"{pp}, or at most {pp}"
                 )
-        check_boundaries(opts.pipeline_boundaries, shape.pp * stages_per_rank(cfg))
+        check_boundaries(opts.pipeline_boundaries, pp * stages_per_rank(cfg))
 
     def __init__(self, cfg: Config, runtime: Runtime) -> None:
         super().__init__(cfg, runtime)
-        self.shape: MeshShape = mesh_shape(cfg, runtime.world_size)
+        self.shape: MeshShape = mesh_shape(
+            runtime.world_size, cfg.strategy.pipeline_stages, PIPELINE
+        )
         self.mesh: Mesh | None = None
         self.plan: StagePlan | None = None
         self.num_stages = 1
@@ -154,6 +157,11 @@ class PipelineStrategy(Strategy, ShardedState):
         return self.shape.coords(self.runtime.rank)[1]
 
     @property
+    def pipeline_size(self) -> int:
+        """Ranks per pipeline: the mesh's inner dimension."""
+        return self.shape.inner
+
+    @property
     def _fsdp(self) -> bool:
         return self.cfg.strategy.data_parallel == "fsdp" and self.shape.dp > 1
 
@@ -167,7 +175,9 @@ class PipelineStrategy(Strategy, ShardedState):
         device = self.runtime.device
         model = task.model
         layers = model_layers(model)
-        self.num_stages = self.shape.pp * stages_per_rank(self.cfg) if self.shape.pp > 1 else 1
+        self.num_stages = (
+            self.pipeline_size * stages_per_rank(self.cfg) if self.pipeline_size > 1 else 1
+        )
         check_stage_count(self.num_stages, len(layers), model)
         self.mesh = build_mesh(self.shape, self.runtime.rank, device)
         model.to(device)
@@ -183,7 +193,7 @@ class PipelineStrategy(Strategy, ShardedState):
         check_coverage(model, kept)
         if self.runtime.is_main:
             self._skeleton = ModelSkeleton(model)
-        mine = list(range(self.pipeline_rank, self.num_stages, self.shape.pp))
+        mine = list(range(self.pipeline_rank, self.num_stages, self.pipeline_size))
         self.chains = {s: all_chains[s] for s in mine}
         my_entries = stage_entries(model, list(self.chains.values()))
         self._setup_ties(tied_parameters(kept))
@@ -197,7 +207,7 @@ class PipelineStrategy(Strategy, ShardedState):
     def _needs_example(self) -> bool:
         opts = self.cfg.strategy
         return (
-            self.shape.pp > 1
+            self.pipeline_size > 1
             and not opts.pipeline_boundaries
             and opts.pipeline_balance == "profile"
         )
@@ -206,7 +216,7 @@ class PipelineStrategy(Strategy, ShardedState):
         """One process group per tied parameter and data-parallel copy, over the ranks whose
         stages hold it (every rank takes part in making every group, in the same order)."""
         for tie_info in tied:
-            ranks = sorted({s % self.shape.pp for s in tie_info.stages})
+            ranks = sorted({s % self.pipeline_size for s in tie_info.stages})
             group = None
             if len(ranks) > 1 and dist.is_initialized():
                 for dp_rank in range(self.shape.dp):
@@ -250,7 +260,7 @@ class PipelineStrategy(Strategy, ShardedState):
         assert self.mesh is not None
         stages: list[Any] = [
             PipelineStage(
-                chain, index, self.num_stages, self.runtime.device, group=self.mesh.pp_group
+                chain, index, self.num_stages, self.runtime.device, group=self.mesh.inner_group
             )
             for index, chain in self.chains.items()
         ]
@@ -351,7 +361,7 @@ class PipelineStrategy(Strategy, ShardedState):
         if dist.is_initialized():
             # Shards (FSDP) are disjoint over the whole mesh; replicas are equal, so summing
             # over one pipeline gives the same number on every copy of it.
-            group = None if self._fsdp else self.mesh.pp_group if self.mesh else None
+            group = None if self._fsdp else self.mesh.inner_group if self.mesh else None
             dist.all_reduce(squares, group=group)
         norm = squares.sqrt()
         # Every gradient is scaled: a tied parameter's on each stage that holds it (its norm
@@ -390,7 +400,7 @@ class PipelineStrategy(Strategy, ShardedState):
         chunks = eval_chunks(
             inputs.shape[0],
             self.cfg.data.micro_batches,
-            self.shape.pp,
+            self.pipeline_size,
             self.cfg.strategy.pipeline_schedule == INTERLEAVED,
         )
         return self._run("eval", chunks, inputs, targets)

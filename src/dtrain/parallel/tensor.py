@@ -7,7 +7,8 @@ The model names what to cut: ``model.tensor_parallel_plan(degree)`` returns ``{m
 The cut weights become ``DTensor`` shards; activations between the cut layers stay plain
 tensors (each style hands back its local output), as does every other parameter, replicated
 on every rank of the group. With more ranks than the degree, ``world / degree`` copies train
-data parallel on a 2-D mesh (gradients averaged over the copies).
+data parallel on a 2-D mesh (:mod:`dtrain.parallel.mesh`, the ranks of one tensor-parallel
+group consecutive; gradients averaged over the copies).
 
 Checkpoints are sharded (DCP), by the full model's names: resharded on load, so a run saved at
 one degree resumes at another.
@@ -26,7 +27,6 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -46,22 +46,12 @@ from dtrain.parallel.base import (
 )
 from dtrain.parallel.grad_norm import clip_to_max_norm, local_part, sum_of_squares
 from dtrain.parallel.grad_sync import average_gradients
+from dtrain.parallel.mesh import TENSOR, Mesh, build_mesh, mesh_shape
 from dtrain.parallel.skeleton import ModelSkeleton
 from dtrain.runtime import Runtime
 from dtrain.task import Task
 
 STYLES: dict[str, type[ParallelStyle]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-
-
-def tensor_degree(cfg: Config, world_size: int) -> int:
-    degree = cfg.strategy.tensor_parallel or world_size
-    if world_size % degree:
-        raise ConfigError(
-            f"strategy.tensor_parallel = {degree} does not divide the world size {world_size}: "
-            f"the mesh is data parallel x tensor parallel = {world_size} / {degree} x {degree}; "
-            f"use a divisor of {world_size}"
-        )
-    return degree
 
 
 def model_plan(model: nn.Module, degree: int) -> dict[str, ParallelStyle]:
@@ -113,32 +103,32 @@ class TensorParallelStrategy(Strategy, ShardedState):
 
     @classmethod
     def validate_config(cls, cfg: Config, world_size: int) -> None:
-        degree = tensor_degree(cfg, world_size)
-        validate_for_world(cfg, world_size // degree)
+        validate_for_world(cfg, mesh_shape(world_size, cfg.strategy.tensor_parallel, TENSOR).dp)
 
     def __init__(self, cfg: Config, runtime: Runtime) -> None:
         super().__init__(cfg, runtime)
-        self.degree = tensor_degree(cfg, runtime.world_size)
-        self.mesh: DeviceMesh | None = None
+        # dp copies x inner = the tensor-parallel degree
+        self.shape = mesh_shape(runtime.world_size, cfg.strategy.tensor_parallel, TENSOR)
+        self.mesh: Mesh | None = None
         self._skeleton: ModelSkeleton | None = None  # rank 0: the full model, on meta
 
     # -- topology ------------------------------------------------------------------------
 
     @property
     def data_parallel_rank(self) -> int:
-        return self.runtime.rank // self.degree
+        return self.shape.coords(self.runtime.rank)[0]
 
     @property
     def data_parallel_size(self) -> int:
-        return self.runtime.world_size // self.degree
+        return self.shape.dp
 
     @property
     def data_parallel_group(self) -> dist.ProcessGroup | None:
-        return None if self.mesh is None else self.mesh.get_group("dp")
+        return None if self.mesh is None else self.mesh.dp_group
 
     @property
     def _tp_group(self) -> dist.ProcessGroup | None:
-        return None if self.mesh is None else self.mesh.get_group("tp")
+        return None if self.mesh is None else self.mesh.inner_group
 
     @property
     def lockstep_eval(self) -> bool:
@@ -149,15 +139,13 @@ class TensorParallelStrategy(Strategy, ShardedState):
     def setup(self, task: Task) -> None:
         device = self.runtime.device
         model = task.model.to(device)
-        styles = model_plan(model, self.degree)
+        styles = model_plan(model, self.shape.inner)
         check_no_dropout(model)
         if self.runtime.is_main:
             self._skeleton = ModelSkeleton(model)
-        if dist.is_initialized():
-            shape = (self.data_parallel_size, self.degree)
-            self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=("dp", "tp"))
-            tp_mesh = self.mesh["tp"]
-            parallelize_module(model, tp_mesh, styles)
+        self.mesh = build_mesh(self.shape, self.runtime.rank, device)
+        if self.mesh.inner_mesh is not None:  # None in a single process: nothing to cut
+            parallelize_module(model, self.mesh.inner_mesh, styles)
         self.module = model
         self.model = model
 
