@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from dtrain.fault.failpoints import failpoints
 from dtrain.job import build_job_config, build_trainer
 from dtrain.trainer import Trainer
 
@@ -34,7 +35,7 @@ def train_losses(raw: dict[str, Any]) -> list[float]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Fault injection inside the ranks
+# Fault injection inside the ranks (through the fail points of dtrain.fault.failpoints)
 
 
 def params_of(trainer: Trainer) -> dict[str, np.ndarray]:
@@ -64,19 +65,17 @@ def crash_then_resume(raw: dict[str, Any], crash_step: int) -> dict[str, Any]:
     """Raise on every rank at the start of ``crash_step``, then resume in a fresh trainer from
     the newest checkpoint and finish. Returns the final parameters."""
     trainer = make_trainer(raw)
-    original = trainer._train_step
 
-    def step_or_crash(micro: Any, items: int) -> Any:
-        if trainer.step + 1 == crash_step:
+    def crash(name: str, **args: Any) -> None:
+        if name == "train.step" and args["step"] == crash_step:
             raise _Injected(f"injected crash at step {crash_step}")
-        return original(micro, items)
 
-    trainer._train_step = step_or_crash  # type: ignore[method-assign]
-    try:
-        trainer.fit()
-    except _Injected:
-        pass
-    trainer.checkpointer.wait()
+    with failpoints(crash):
+        try:
+            trainer.fit()
+        except _Injected:
+            pass
+        trainer.checkpointer.wait()
     resumed = make_trainer(raw)
     summary = resumed.fit()
     return {"params": params_of(resumed), "start_step": summary.start_step}
@@ -143,21 +142,19 @@ def signal_self_at_step(
     import torch.distributed as dist
 
     trainer = make_trainer(raw)
-    original = trainer._train_step
     me = dist.get_rank() if dist.is_initialized() else 0
     fired: dict[str, float] = {}
 
-    def step_and_signal(micro: Any, items: int) -> Any:
-        if trainer.step + 1 == step:
+    def signal_at_step(name: str, **args: Any) -> None:
+        if name == "train.step" and args["step"] == step:
             fired["t"] = time.time()
             if me == rank_to_signal:
                 (trainer.run_dir / f"pid-rank{me}").write_text(str(os.getpid()))
                 os.kill(os.getpid(), getattr(signal, signame))
-        return original(micro, items)
 
-    trainer._train_step = step_and_signal  # type: ignore[method-assign]
     try:
-        summary = trainer.fit()
+        with failpoints(signal_at_step):
+            summary = trainer.fit()
     except Exception as exc:
         seconds = time.time() - fired["t"]
         stopped = trainer.run_dir / f"pid-rank{rank_to_signal}"
@@ -176,17 +173,15 @@ def raise_before_collective(raw: dict[str, Any], bad_rank: int, step: int) -> di
 
     trainer = make_trainer(raw)
     me = dist.get_rank()
-    original = trainer.strategy.all_reduce_sum
     started = time.time()
 
-    def reduce_or_raise(tensor: Any) -> Any:
-        if trainer.step + 1 == step and me == bad_rank:
+    def raise_at_step(name: str, **args: Any) -> None:
+        if name == "train.before_collective" and args["step"] == step and me == bad_rank:
             raise ValueError("injected failure before a collective")
-        return original(tensor)
 
-    trainer.strategy.all_reduce_sum = reduce_or_raise  # type: ignore[method-assign]
     try:
-        trainer.fit()
+        with failpoints(raise_at_step):
+            trainer.fit()
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.time() - started}
     return {"error": None}

@@ -185,7 +185,8 @@ def mlp_regression(cfg: Config) -> Task:
 
 # ---------------------------------------------------------------------------------------------
 # Fault injection for tests/system/chaos.py (tests.tasks:chaos_gpt). The factory runs inside each
-# worker, so it can wrap the model and patch the checkpoint writer of that worker only.
+# worker, so it can wrap the model and install fail points (dtrain.fault.failpoints) in that
+# worker only.
 
 
 @dataclass
@@ -234,34 +235,30 @@ class _RaiseAtStep(nn.Module):
 
 @task_config(ChaosOptions)
 def chaos_gpt(cfg: Config) -> Task:
-    from pathlib import Path
+    from typing import Any
 
-    from dtrain.fault import checkpoint as ckpt
-    from dtrain.fault import checkpoint_read as ckread
+    from dtrain.fault.failpoints import set_handler
 
     task = tiny_gpt(cfg)
     opts: ChaosOptions = cfg.task
     rank = int(os.environ.get("RANK", "0"))
     run_dir = cfg.run.dir
     raising = rank == opts.raise_rank
-    original = ckpt._write_bytes
     writing: dict[str, int] = {"active": 0}
 
-    def saving(step: int) -> str:
-        return f".tmp-{ckread.step_dir_name(step)}" if step else "-"
-
-    def write_bytes(path: Path, data: bytes) -> dict[str, object]:
+    def on_failpoint(name: str, **args: Any) -> None:
+        if name != "checkpoint.write_file":
+            return
         if opts.save_slow_ms and opts.save_slow_rank in (-1, rank):
             time.sleep(opts.save_slow_ms / 1000)
-        step_dir = path.parent.name
-        if raising and step_dir == saving(opts.raise_in_save_step):
+        step = args["step"]
+        if raising and opts.raise_in_save_step and step == opts.raise_in_save_step:
             _stamp(run_dir, f"save of step {opts.raise_in_save_step}")
-            raise OSError(f"injected failure writing {path.name}")
-        if raising and step_dir == saving(opts.raise_while_saving_step):
+            raise OSError(f"injected failure writing {args['path'].name}")
+        if raising and opts.raise_while_saving_step and step == opts.raise_while_saving_step:
             writing["active"] = 1
-        return original(path, data)
 
-    ckpt._write_bytes = write_bytes  # type: ignore[assignment]
+    set_handler(on_failpoint)  # for this worker's whole life, in every thread
     if raising and opts.raise_at_step:
         task.model = _RaiseAtStep(task.model, run_dir, opts.raise_at_step)
     elif raising and opts.raise_while_saving_step:

@@ -12,6 +12,7 @@ import torch
 from dtrain.errors import CheckpointError
 from dtrain.fault import checkpoint as ckpt
 from dtrain.fault import checkpoint_read as ckread
+from dtrain.fault.failpoints import failpoints
 
 
 def make_checkpointer(root: Path, **kwargs: int) -> ckpt.Checkpointer:
@@ -149,12 +150,11 @@ def test_interrupted_saves_leave_nothing_that_loads(tmp_path: Path) -> None:
     save(c, 1)
     for phase in ("write", "before_rename", "before_marker"):
 
-        def boom(p: str, phase: str = phase) -> None:
-            if p == phase:
+        def boom(name: str, phase: str = phase, **_: object) -> None:
+            if name == f"checkpoint.{phase}":
                 raise RuntimeError(f"crash at {phase}")
 
-        c.fault_hook = boom
-        with pytest.raises(CheckpointError, match="not committed"):
+        with failpoints(boom), pytest.raises(CheckpointError, match="not committed"):
             save(c, 2)
         chosen, _ = ckread.find_latest_valid(tmp_path)
         assert chosen == tmp_path / "step-00000001"
@@ -165,11 +165,14 @@ def test_interrupted_saves_leave_nothing_that_loads(tmp_path: Path) -> None:
 def test_failed_background_save_is_reported_and_never_latest(tmp_path: Path) -> None:
     c = make_checkpointer(tmp_path)
     save(c, 1)
-    c.fault_hook = lambda phase: (
-        (_ for _ in ()).throw(OSError("disk full")) if phase == "before_marker" else None
-    )
-    save(c, 2, blocking=False)
-    error = c.wait()
+
+    def disk_full(name: str, **_: object) -> None:
+        if name == "checkpoint.before_marker":
+            raise OSError("disk full")
+
+    with failpoints(disk_full):  # in the background writer's thread
+        save(c, 2, blocking=False)
+        error = c.wait()
     assert error is not None and "disk full" in error
     assert ckread.find_latest_valid(tmp_path)[0] == tmp_path / "step-00000001"
 

@@ -45,6 +45,7 @@ from dtrain.fault import checkpoint as ckpt
 from dtrain.fault import checkpoint_read as ckread
 from dtrain.fault import state as training_state
 from dtrain.fault.audit import AuditWriter
+from dtrain.fault.failpoints import failpoint
 from dtrain.fault.preempt import PreemptionFlag
 from dtrain.fault.resume import ResumePoint, resolve_resume
 from dtrain.fault.rng import rank_seed, seed_everything
@@ -201,6 +202,7 @@ class Trainer:
             # One small all-reduce: the global item count and whether any rank was asked to
             # stop. Agreeing here puts every rank's preemption on the same step.
             self.watchdog.set_phase("all_reduce(item count)")
+            failpoint("train.before_collective", step=self.step + 1)
             global_items, stop = self.strategy.agree_on_step(count, preempt.requested)
             if stop:
                 self.loader.rewind(batch.plan.start)  # fetched, not trained on
@@ -268,6 +270,7 @@ class Trainer:
 
     def _train_step(self, micro: list[Any], global_items: int) -> tuple[torch.Tensor, float]:
         """Forward, backward, clip and (when the gradient is finite) update."""
+        failpoint("train.step", step=self.step + 1)
         scale = torch.tensor(
             self.strategy.data_parallel_size / max(1, global_items),
             dtype=torch.float32,

@@ -46,6 +46,7 @@ from dtrain.fault.checkpoint_read import (
     marker_digest,
     step_dir_name,
 )
+from dtrain.fault.failpoints import failpoint
 from dtrain.fsutil import fsync_dir, sha256_file, write_atomic, write_bytes_synced
 
 
@@ -105,7 +106,8 @@ def snapshot_sharded(obj: Any) -> Any:
     return snapshot(obj)
 
 
-def _write_bytes(path: Path, data: bytes) -> dict[str, Any]:
+def _write_bytes(path: Path, data: bytes, step: int) -> dict[str, Any]:
+    failpoint("checkpoint.write_file", step=step, path=path)
     write_bytes_synced(path, data)
     return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
@@ -163,8 +165,6 @@ class Checkpointer:
         self.blocking_seconds: list[float] = []
         self.write_seconds: list[float] = []
         self._staged: dict[str, Any] = {}  # the last async snapshot, reused by the next one
-        # Hook for fault-injection tests: called between the phases of a save.
-        self.fault_hook: Callable[[str], None] | None = None
 
     # -- in flight -----------------------------------------------------------------------
 
@@ -226,10 +226,6 @@ class Checkpointer:
         )
         self._thread.start()
 
-    def _fault(self, phase: str) -> None:
-        if self.fault_hook is not None:
-            self.fault_hook(phase)
-
     def _write(
         self,
         step: int,
@@ -242,12 +238,12 @@ class Checkpointer:
         outcome = _Outcome(ok=True, error="", files={})
         try:
             tmp.mkdir(parents=True, exist_ok=True)
-            self._fault("write")
+            failpoint("checkpoint.write", step=step)
             for name, obj in files.items():
-                outcome.files[name] = _write_bytes(tmp / name, encode(obj))
+                outcome.files[name] = _write_bytes(tmp / name, encode(obj), step)
             if meta is not None:
                 outcome.files[META] = _write_bytes(
-                    tmp / META, json.dumps(meta, indent=1, sort_keys=True).encode()
+                    tmp / META, json.dumps(meta, indent=1, sort_keys=True).encode(), step
                 )
             if sharded is not None:
                 outcome.files.update(self._write_sharded(tmp, sharded))
@@ -309,7 +305,7 @@ class Checkpointer:
         listing: dict[str, dict[str, Any]] = {}
         for o in outcomes:
             listing.update(o.files)
-        self._fault("before_rename")
+        failpoint("checkpoint.before_rename", step=step)
         final = self.root / step_dir_name(step)
         if final.exists():
             # An older save of this step from another trajectory: one that resume skipped as
@@ -319,7 +315,7 @@ class Checkpointer:
             self._discard(final)
         os.replace(tmp, final)
         fsync_dir(self.root)
-        self._fault("before_marker")
+        failpoint("checkpoint.before_marker", step=step)
         marker = {
             "step": step,
             "files": listing,
@@ -328,7 +324,7 @@ class Checkpointer:
         }
         marker["marker_sha256"] = marker_digest(marker)
         write_atomic(final / MARKER, json.dumps(marker, indent=1, sort_keys=True))
-        self._fault("after_marker")
+        failpoint("checkpoint.after_marker", step=step)
         self.prune()
 
     def prune(self) -> list[int]:
