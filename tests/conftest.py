@@ -1,8 +1,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,8 +25,15 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         os.environ["XDG_CACHE_HOME"] = old
 
 
-def tiny_config(run_dir: Path, **sections: dict[str, object]) -> Config:
-    """A fast config on the tiny test GPT; keyword arguments override whole sections' keys."""
+Sections = Mapping[str, Mapping[str, object]]
+
+
+def tiny_config(
+    run_dir: Path, job: Sections | None = None, /, **sections: Mapping[str, object]
+) -> Config:
+    """A fast config on the tiny test GPT: the defaults below, then ``job`` (a test module's
+    own defaults, as ``{"train": {...}, ...}``), then ``sections``, each merged key by key
+    into its section (``train={"steps": 6}`` keeps the other train keys)."""
     from tests.tasks import TinyOptions
 
     raw: dict[str, dict[str, object]] = {
@@ -40,6 +48,15 @@ def tiny_config(run_dir: Path, **sections: dict[str, object]) -> Config:
         "checkpoint": {"every": 0},
         "task": {},
     }
-    for name, values in sections.items():
-        raw.setdefault(name, {}).update(values)
+    for overrides in (job or {}, sections):
+        for name, values in overrides.items():
+            raw.setdefault(name, {}).update(values)
     return build_config(raw, TinyOptions)
+
+
+def tiny_raw(
+    run_dir: Path, job: Sections | None = None, /, **sections: Mapping[str, object]
+) -> dict[str, Any]:
+    """:func:`tiny_config` as the dict a rank builds its config from (what ``run_ranks``
+    passes to the ranks), validated here first."""
+    return tiny_config(run_dir, job, **sections).to_dict()

@@ -21,15 +21,11 @@ from dtrain.config import Config
 from dtrain.parallel.allreduce import AllReduceStrategy, assign_buckets
 from dtrain.task import Task, task_config
 from dtrain.testing import run_ranks
-from tests.conftest import tiny_config
+from tests.conftest import tiny_raw
 from tests.dist_helpers import make_trainer
 from tests.tasks import TinyOptions, tiny_gpt
 
 ATOL = 1e-6  # the bound: parameters equal within 1e-6
-
-
-def raw(run_dir: Path, **sections: dict[str, object]) -> dict[str, Any]:
-    return tiny_config(run_dir, **sections).to_dict()
 
 
 def max_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
@@ -198,7 +194,7 @@ def pair_runs(tmp: Path) -> list[dict[str, Any]]:
     tiny_buckets = {"name": "allreduce", "bucket_mb": 1e-9}  # every tensor its own bucket
 
     def spec(name: str, strategy: dict[str, object], **sections: Any) -> dict[str, Any]:
-        return {"name": name, "raw": raw(tmp / name, strategy=strategy, **sections)}
+        return {"name": name, "raw": tiny_raw(tmp / name, strategy=strategy, **sections)}
 
     return [
         spec("allreduce", ar),
@@ -231,9 +227,9 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict[str, A
 def single(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("single")
     runs = [
-        {"name": "plain", "raw": raw(tmp / "plain", strategy={"name": "allreduce"})},
-        {"name": "gated", "raw": raw(tmp / "gated", run=GATED)},
-        {"name": "start", "raw": raw(tmp / "start", train={"steps": 1})},
+        {"name": "plain", "raw": tiny_raw(tmp / "plain", strategy={"name": "allreduce"})},
+        {"name": "gated", "raw": tiny_raw(tmp / "gated", run=GATED)},
+        {"name": "start", "raw": tiny_raw(tmp / "start", train={"steps": 1})},
     ]
     return run_ranks(run_suite, 1, runs, timeout=120)[0]
 

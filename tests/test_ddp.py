@@ -8,12 +8,8 @@ import numpy as np
 import pytest
 
 from dtrain.testing import run_ranks
-from tests.conftest import tiny_config
+from tests.conftest import tiny_raw
 from tests.dist_helpers import train_params
-
-
-def raw_config(run_dir: Path, **sections: dict[str, object]) -> dict[str, object]:
-    return tiny_config(run_dir, **sections).to_dict()
 
 
 def assert_params_close(
@@ -26,32 +22,32 @@ def assert_params_close(
 
 def test_two_ranks_equal_one_process_with_the_same_global_batch(tmp_path: Path) -> None:
     # 2 ranks x per-rank batch 4 against 1 process x batch 8, 20 steps.
-    single = run_ranks(train_params, 1, raw_config(tmp_path / "one"))[0]
-    pair = run_ranks(train_params, 2, raw_config(tmp_path / "two"))
+    single = run_ranks(train_params, 1, tiny_raw(tmp_path / "one"))[0]
+    pair = run_ranks(train_params, 2, tiny_raw(tmp_path / "two"))
     assert_params_close(pair[0], pair[1], rtol=0, atol=0)  # replicas stay identical
     assert_params_close(single, pair[0])
     # ... and training did move the parameters.
-    initial = run_ranks(train_params, 1, raw_config(tmp_path / "zero", train={"steps": 1}))[0]
+    initial = run_ranks(train_params, 1, tiny_raw(tmp_path / "zero", train={"steps": 1}))[0]
     assert max(np.abs(single[k] - initial[k]).max() for k in single) > 1e-3
 
 
 @pytest.mark.parametrize("micro_batches", [2, 4])
 def test_accumulation_equals_one_large_batch(tmp_path: Path, micro_batches: int) -> None:
-    big = run_ranks(train_params, 1, raw_config(tmp_path / "big"))[0]
+    big = run_ranks(train_params, 1, tiny_raw(tmp_path / "big"))[0]
     accumulated = run_ranks(
         train_params,
         1,
-        raw_config(tmp_path / "acc", data={"global_batch_size": 8, "micro_batches": micro_batches}),
+        tiny_raw(tmp_path / "acc", data={"global_batch_size": 8, "micro_batches": micro_batches}),
     )[0]
     assert_params_close(big, accumulated)
 
 
 def test_accumulation_on_two_ranks_equals_one_process(tmp_path: Path) -> None:
-    single = run_ranks(train_params, 1, raw_config(tmp_path / "one"))[0]
+    single = run_ranks(train_params, 1, tiny_raw(tmp_path / "one"))[0]
     pair = run_ranks(
         train_params,
         2,
-        raw_config(tmp_path / "two", data={"global_batch_size": 8, "micro_batches": 2}),
+        tiny_raw(tmp_path / "two", data={"global_batch_size": 8, "micro_batches": 2}),
     )
     assert_params_close(single, pair[0])
 
@@ -59,15 +55,14 @@ def test_accumulation_on_two_ranks_equals_one_process(tmp_path: Path) -> None:
 def test_uneven_split_is_exact(tmp_path: Path) -> None:
     # A global batch of 7 on 2 ranks: 4 + 3 samples. Normalizing by the global item count
     # keeps the update equal to one process's mean over all 7.
-    single = run_ranks(
-        train_params, 1, raw_config(tmp_path / "one", data={"global_batch_size": 7})
-    )[0]
-    pair = run_ranks(train_params, 2, raw_config(tmp_path / "two", data={"global_batch_size": 7}))
+    data = {"global_batch_size": 7}
+    single = run_ranks(train_params, 1, tiny_raw(tmp_path / "one", data=data))[0]
+    pair = run_ranks(train_params, 2, tiny_raw(tmp_path / "two", data=data))
     assert_params_close(single, pair[0])
 
 
 def test_token_balanced_variable_lengths_are_exact(tmp_path: Path) -> None:
     task = {"variable": True, "seq_len": 32}
-    single = run_ranks(train_params, 1, raw_config(tmp_path / "one", task=task))[0]
-    pair = run_ranks(train_params, 2, raw_config(tmp_path / "two", task=task))
+    single = run_ranks(train_params, 1, tiny_raw(tmp_path / "one", task=task))[0]
+    pair = run_ranks(train_params, 2, tiny_raw(tmp_path / "two", task=task))
     assert_params_close(single, pair[0])

@@ -8,26 +8,23 @@ import pytest
 
 from dtrain.fault.audit import check_stream, read_trajectory
 from dtrain.testing import run_ranks
-from tests.conftest import tiny_config
+from tests.conftest import tiny_raw
 from tests.dist_helpers import train_params
 
 SAMPLES = 40  # 5 steps per epoch at a global batch of 8: the run crosses epochs
 
 
-def raw(run_dir: Path, steps: int) -> dict[str, object]:
-    return tiny_config(
-        run_dir,
-        train={"steps": steps},
-        task={"samples": SAMPLES},
-        checkpoint={"every": 3},
-        fault={"audit_sample_ids": True},
-    ).to_dict()
+JOB = {
+    "task": {"samples": SAMPLES},
+    "checkpoint": {"every": 3},
+    "fault": {"audit_sample_ids": True},
+}
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[int]]:
     run_dir = tmp_path_factory.mktemp("ref")
-    run_ranks(train_params, 1, raw(run_dir, 12))
+    run_ranks(train_params, 1, tiny_raw(run_dir, JOB, train={"steps": 12}))
     return {step: record.ids for step, record in read_trajectory(run_dir).items()}
 
 
@@ -35,8 +32,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[int]]:
 def test_resume_at_another_world_size_keeps_exactly_once(
     tmp_path: Path, reference: dict[int, list[int]], before: int, after: int
 ) -> None:
-    run_ranks(train_params, before, raw(tmp_path, 7))  # stops after step 7 (saved at 6, 7)
-    run_ranks(train_params, after, raw(tmp_path, 12))  # resumes from step 7 at a new size
+    # Stops after step 7 (saved at 6, 7) ...
+    run_ranks(train_params, before, tiny_raw(tmp_path, JOB, train={"steps": 7}))
+    # ... and resumes from step 7 at a new size.
+    run_ranks(train_params, after, tiny_raw(tmp_path, JOB, train={"steps": 12}))
     trajectory = read_trajectory(tmp_path)
     assert {step: record.ids for step, record in trajectory.items()} == reference
     audit = check_stream(trajectory, SAMPLES)

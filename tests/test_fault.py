@@ -10,7 +10,7 @@ import pytest
 
 from dtrain.fault.audit import read_trajectory
 from dtrain.testing import RankFailed, run_ranks
-from tests.conftest import tiny_config
+from tests.conftest import tiny_raw
 from tests.dist_helpers import (
     crash_then_resume,
     losses_by_step,
@@ -21,16 +21,12 @@ from tests.dist_helpers import (
     train_with_nan,
 )
 
-
-def raw(run_dir: Path, **sections: dict[str, object]) -> dict[str, object]:
-    base: dict[str, dict[str, object]] = {
-        "train": {"steps": 16, "log_every": 1},
-        "checkpoint": {"every": 4},
-        "optim": {"name": "adamw", "lr": 3e-3, "warmup_steps": 2},
-    }
-    for name, values in sections.items():
-        base.setdefault(name, {}).update(values)
-    return tiny_config(run_dir, **base).to_dict()
+# This module's job: 16 AdamW steps, a checkpoint every 4, every step logged.
+JOB = {
+    "train": {"steps": 16, "log_every": 1},
+    "checkpoint": {"every": 4},
+    "optim": {"name": "adamw", "lr": 3e-3, "warmup_steps": 2},
+}
 
 
 def assert_bit_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
@@ -41,8 +37,8 @@ def assert_bit_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None
 
 def test_resume_after_a_crash_is_bit_identical_with_dropout(tmp_path: Path) -> None:
     task = {"dropout": 0.2}
-    reference = run_ranks(train_params, 2, raw(tmp_path / "ref", task=task))
-    crashed = run_ranks(crash_then_resume, 2, raw(tmp_path / "crash", task=task), 11)
+    reference = run_ranks(train_params, 2, tiny_raw(tmp_path / "ref", JOB, task=task))
+    crashed = run_ranks(crash_then_resume, 2, tiny_raw(tmp_path / "crash", JOB, task=task), 11)
     assert crashed[0]["start_step"] == 8  # resumed from the last checkpoint before the crash
     assert_bit_equal(reference[0], crashed[0]["params"])
     assert_bit_equal(reference[1], crashed[1]["params"])
@@ -53,10 +49,14 @@ def test_resume_after_a_crash_is_bit_identical_with_dropout(tmp_path: Path) -> N
 def test_async_checkpoint_equals_the_state_at_its_step(tmp_path: Path) -> None:
     # A run that saves step 8 synchronously (the loop waits for the write) ...
     sync_dir = tmp_path / "sync"
-    run_ranks(train_params, 2, raw(sync_dir, checkpoint={"every": 8, "async_save": False}))
+    run_ranks(
+        train_params, 2, tiny_raw(sync_dir, JOB, checkpoint={"every": 8, "async_save": False})
+    )
     # ... and one that saves it in the background while training goes on to step 16.
     async_dir = tmp_path / "async"
-    run_ranks(train_params, 2, raw(async_dir, checkpoint={"every": 8, "async_save": True}))
+    run_ranks(
+        train_params, 2, tiny_raw(async_dir, JOB, checkpoint={"every": 8, "async_save": True})
+    )
     import torch
 
     for name in ("model.pt", "optimizer.pt"):
@@ -88,21 +88,21 @@ def _flatten(tree: object, prefix: str = "") -> dict[str, object]:
 
 
 def test_sigterm_saves_at_the_next_step_and_resume_is_bit_identical(tmp_path: Path) -> None:
-    reference = run_ranks(train_params, 2, raw(tmp_path / "ref"))
+    reference = run_ranks(train_params, 2, tiny_raw(tmp_path / "ref", JOB))
     run_dir = tmp_path / "pre"
     # SIGTERM reaches only rank 1; both ranks must stop at the same step.
-    stopped = run_ranks(signal_self_at_step, 2, raw(run_dir), 1, 6, "SIGTERM")
+    stopped = run_ranks(signal_self_at_step, 2, tiny_raw(run_dir, JOB), 1, 6, "SIGTERM")
     assert [s["preempted"] for s in stopped] == ["a peer's signal", "SIGTERM"]
     assert stopped[0]["steps"] == stopped[1]["steps"] == 6
     assert json.loads((run_dir / "status.json").read_text())["state"] == "preempted"
     assert (run_dir / "checkpoints/step-00000006/COMMITTED.json").exists()
-    resumed = run_ranks(train_params, 2, raw(run_dir))
+    resumed = run_ranks(train_params, 2, tiny_raw(run_dir, JOB))
     assert_bit_equal(reference[0], resumed[0])
 
 
 def test_one_nan_step_is_skipped_on_every_rank(tmp_path: Path) -> None:
     # The batch at stream position 40 (step 6 with a global batch of 8) is bad on rank 1 only.
-    out = run_ranks(train_with_nan, 2, raw(tmp_path / "nan"), [40], 1)
+    out = run_ranks(train_with_nan, 2, tiny_raw(tmp_path / "nan", JOB), [40], 1)
     assert [o["skipped"] for o in out] == [1, 1]
     assert [o["rollbacks"] for o in out] == [0, 0]
     assert_bit_equal(out[0]["params"], out[1]["params"])  # the replicas stayed in step
@@ -111,7 +111,7 @@ def test_one_nan_step_is_skipped_on_every_rank(tmp_path: Path) -> None:
 
 def test_persistent_nan_rolls_back_and_never_sees_those_batches_again(tmp_path: Path) -> None:
     run_dir = tmp_path / "nan"
-    config = raw(run_dir, fault={"nan_rollback_after": 3, "audit_sample_ids": True})
+    config = tiny_raw(run_dir, JOB, fault={"nan_rollback_after": 3, "audit_sample_ids": True})
     bad = [80, 88, 96]  # steps 11-13: three in a row after the checkpoint at step 8
     out = run_ranks(train_with_nan, 2, config, bad, 0)
     assert [o["rollbacks"] for o in out] == [1, 1]
@@ -127,13 +127,15 @@ def test_persistent_nan_rolls_back_and_never_sees_those_batches_again(tmp_path: 
 
 
 def test_nan_without_a_checkpoint_to_roll_back_to_is_a_clear_error(tmp_path: Path) -> None:
-    config = raw(tmp_path / "nan", checkpoint={"every": 0}, fault={"nan_rollback_after": 2})
+    config = tiny_raw(
+        tmp_path / "nan", JOB, checkpoint={"every": 0}, fault={"nan_rollback_after": 2}
+    )
     out = run_ranks(train_with_nan, 2, config, [16, 24], 0)
     assert all("no checkpoint to roll back to" in o["error"] for o in out)
 
 
 def test_a_stopped_peer_is_named_within_the_timeout(tmp_path: Path) -> None:
-    config = raw(tmp_path / "hang", dist={"timeout_s": 5.0})
+    config = tiny_raw(tmp_path / "hang", JOB, dist={"timeout_s": 5.0})
     out = run_ranks(
         signal_self_at_step,
         2,
@@ -154,7 +156,7 @@ def test_a_stopped_peer_is_named_within_the_timeout(tmp_path: Path) -> None:
 
 def test_a_killed_peer_is_named_as_gone(tmp_path: Path) -> None:
     # kill -9: the peer's last heartbeat is still fresh, but its process is gone.
-    config = raw(tmp_path / "killed", dist={"timeout_s": 5.0})
+    config = tiny_raw(tmp_path / "killed", JOB, dist={"timeout_s": 5.0})
     out = run_ranks(
         signal_self_at_step,
         2,
@@ -176,7 +178,7 @@ def test_a_killed_peer_is_named_as_gone(tmp_path: Path) -> None:
 def test_a_finished_worker_leaves_no_thread_of_ours_behind(tmp_path: Path) -> None:
     # A prefetch thread still freeing its last batch while Python shuts down aborts the process
     # (SIGABRT) after a successful run; the chaos trials caught it about 1 run in 30.
-    config = raw(tmp_path / "run", data={"prefetch": 2}, train={"steps": 6})
+    config = tiny_raw(tmp_path / "run", JOB, data={"prefetch": 2}, train={"steps": 6})
     for left in run_ranks(threads_left_by_worker_train, 2, config):
         assert left == []
 
@@ -185,7 +187,7 @@ def test_a_finished_worker_leaves_no_thread_of_ours_behind(tmp_path: Path) -> No
 def test_an_exception_on_one_rank_fails_the_others_fast_naming_it(
     tmp_path: Path, bad_rank: int
 ) -> None:
-    config = raw(tmp_path / "boom", dist={"timeout_s": 5.0})
+    config = tiny_raw(tmp_path / "boom", JOB, dist={"timeout_s": 5.0})
     out = run_ranks(
         raise_before_collective, 2, config, bad_rank, 4, timeout=40, collective_timeout=5.0
     )
@@ -199,7 +201,7 @@ def test_resume_on_three_ranks_is_bit_identical(tmp_path: Path) -> None:
     # With 3+ ranks the order in which DDP adds the ranks' gradients depends on its bucket
     # layout, which it rebuilds after the first backward of every new process: the first step
     # after a resume must not be summed in another layout than the uninterrupted run's.
-    reference = run_ranks(train_params, 3, raw(tmp_path / "ref"))
-    crashed = run_ranks(crash_then_resume, 3, raw(tmp_path / "crash"), 11)
+    reference = run_ranks(train_params, 3, tiny_raw(tmp_path / "ref", JOB))
+    crashed = run_ranks(crash_then_resume, 3, tiny_raw(tmp_path / "crash", JOB), 11)
     assert crashed[0]["start_step"] == 8
     assert_bit_equal(reference[0], crashed[0]["params"])

@@ -7,28 +7,26 @@ from pathlib import Path
 import numpy as np
 
 from dtrain.testing import run_ranks
-from tests.conftest import tiny_config
+from tests.conftest import tiny_raw
 from tests.dist_helpers import load_full_state, save_and_full_state, train_params
 from tests.test_ddp import assert_params_close
 
 
-def raw(run_dir: Path, **sections: dict[str, object]) -> dict[str, object]:
-    return tiny_config(run_dir, **sections).to_dict()
-
-
 def test_fsdp_equals_one_process(tmp_path: Path) -> None:
-    single = run_ranks(train_params, 1, raw(tmp_path / "one"))[0]
-    sharded = run_ranks(save_and_full_state, 2, raw(tmp_path / "fsdp", strategy={"name": "fsdp"}))
+    single = run_ranks(train_params, 1, tiny_raw(tmp_path / "one"))[0]
+    sharded = run_ranks(
+        save_and_full_state, 2, tiny_raw(tmp_path / "fsdp", strategy={"name": "fsdp"})
+    )
     assert sharded[1] == {}  # the full state is gathered to rank 0 only
     assert_params_close(single, sharded[0], rtol=1e-5, atol=1e-6)
 
 
 def test_fsdp_accumulation_equals_one_process(tmp_path: Path) -> None:
-    single = run_ranks(train_params, 1, raw(tmp_path / "one"))[0]
+    single = run_ranks(train_params, 1, tiny_raw(tmp_path / "one"))[0]
     sharded = run_ranks(
         save_and_full_state,
         2,
-        raw(tmp_path / "fsdp", strategy={"name": "fsdp"}, data={"micro_batches": 2}),
+        tiny_raw(tmp_path / "fsdp", strategy={"name": "fsdp"}, data={"micro_batches": 2}),
     )
     assert_params_close(single, sharded[0], rtol=1e-5, atol=1e-6)
 
@@ -36,11 +34,11 @@ def test_fsdp_accumulation_equals_one_process(tmp_path: Path) -> None:
 def test_checkpoint_saved_on_4_ranks_loads_on_2_and_1(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     fsdp = {"strategy": {"name": "fsdp"}, "optim": {"name": "adamw", "lr": 1e-3}}
-    saved = run_ranks(save_and_full_state, 4, raw(run_dir, **fsdp))[0]
+    saved = run_ranks(save_and_full_state, 4, tiny_raw(run_dir, **fsdp))[0]
     files = sorted(p.name for p in (run_dir / "checkpoints/step-00000020/dcp").iterdir())
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
     for world in (2, 1):
-        loaded = run_ranks(load_full_state, world, raw(run_dir, **fsdp))
+        loaded = run_ranks(load_full_state, world, tiny_raw(run_dir, **fsdp))
         for rank, rank_result in enumerate(loaded):
             assert rank_result["step"] == 20
             assert rank_result["consumed"] == 20 * 8

@@ -28,7 +28,7 @@ from dtrain.parallel.pipeline_split import (
 from dtrain.runtime import Runtime
 from dtrain.task import Task
 from dtrain.testing import run_ranks
-from tests.conftest import tiny_config
+from tests.conftest import tiny_config, tiny_raw
 from tests.dist_helpers import crash_then_resume, train_params
 from tests.pipeline_helpers import resume_only, train_and_report
 from tests.test_ddp import assert_params_close
@@ -36,11 +36,6 @@ from tests.test_fault import assert_bit_equal
 
 # 4 micro-batches of 2 samples: enough for 1F1B on 2 stages, and for 2 x 2 on 4 ranks.
 DATA = {"global_batch_size": 8, "micro_batches": 4}
-
-
-def raw(run_dir: Path, **sections: dict[str, object]) -> dict[str, object]:
-    sections.setdefault("data", DATA)
-    return tiny_config(run_dir, **sections).to_dict()
 
 
 def pipeline(**options: object) -> dict[str, object]:
@@ -51,7 +46,7 @@ def pipeline(**options: object) -> dict[str, object]:
 def single(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One process, the same global batch (and micro-batches), 20 steps."""
     run_dir = tmp_path_factory.mktemp("single")
-    result: dict[str, Any] = run_ranks(train_and_report, 1, raw(run_dir))[0]
+    result: dict[str, Any] = run_ranks(train_and_report, 1, tiny_raw(run_dir, data=DATA))[0]
     return result
 
 
@@ -71,7 +66,9 @@ def test_two_stages_equal_one_process(
     single: dict[str, Any], tmp_path: Path, schedule: str
 ) -> None:
     ranks = run_ranks(
-        train_and_report, 2, raw(tmp_path, strategy=pipeline(pipeline_schedule=schedule))
+        train_and_report,
+        2,
+        tiny_raw(tmp_path, data=DATA, strategy=pipeline(pipeline_schedule=schedule)),
     )
     check_matches(single, ranks)
     # Boundaries from layer times measured on each rank, averaged: the same plan everywhere.
@@ -85,13 +82,13 @@ def test_two_stages_equal_one_process(
 def test_interleaved_1f1b_two_chunks_per_rank(single: dict[str, Any], tmp_path: Path) -> None:
     # The tiny GPT has 4 layers (embeddings, 2 blocks, head): 4 stages, 2 on each rank.
     strategy = pipeline(pipeline_schedule="interleaved-1f1b", pipeline_virtual_stages=2)
-    ranks = run_ranks(train_and_report, 2, raw(tmp_path, strategy=strategy))
+    ranks = run_ranks(train_and_report, 2, tiny_raw(tmp_path, data=DATA, strategy=strategy))
     check_matches(single, ranks)
 
 
 def test_data_parallel_x_pipeline_on_4_ranks(single: dict[str, Any], tmp_path: Path) -> None:
     strategy = pipeline(pipeline_stages=2, pipeline_schedule="1f1b", pipeline_balance="uniform")
-    ranks = run_ranks(train_and_report, 4, raw(tmp_path, strategy=strategy))
+    ranks = run_ranks(train_and_report, 4, tiny_raw(tmp_path, data=DATA, strategy=strategy))
     check_matches(single, ranks)
     assert [r["dp"] for r in ranks] == [(0, 2), (0, 2), (1, 2), (1, 2)]
     # The two copies of a stage hold the same parameters.
@@ -100,7 +97,7 @@ def test_data_parallel_x_pipeline_on_4_ranks(single: dict[str, Any], tmp_path: P
 
 def test_fsdp_x_pipeline_on_4_ranks(single: dict[str, Any], tmp_path: Path) -> None:
     strategy = pipeline(pipeline_stages=2, pipeline_balance="uniform", data_parallel="fsdp")
-    ranks = run_ranks(train_and_report, 4, raw(tmp_path, strategy=strategy))
+    ranks = run_ranks(train_and_report, 4, tiny_raw(tmp_path, data=DATA, strategy=strategy))
     check_matches(single, ranks)
     # Each stage's parameters are sharded over its 2 copies: half of a 2-stage rank's bytes.
     total = sum(v.nbytes for v in single["params"].values())
@@ -115,8 +112,10 @@ def test_checkpoint_resume_is_bit_identical(tmp_path: Path) -> None:
         "optim": {"name": "adamw", "lr": 3e-3, "warmup_steps": 2},
         "task": {"dropout": 0.2},
     }
-    reference = run_ranks(train_params, 2, raw(tmp_path / "ref", **sections))
-    crashed = run_ranks(crash_then_resume, 2, raw(tmp_path / "crash", **sections), 7)
+    reference = run_ranks(train_params, 2, tiny_raw(tmp_path / "ref", data=DATA, **sections))
+    crashed = run_ranks(
+        crash_then_resume, 2, tiny_raw(tmp_path / "crash", data=DATA, **sections), 7
+    )
     assert crashed[0]["start_step"] == 4  # resumed from the checkpoint before the crash
     assert_bit_equal(reference[0], crashed[0]["params"])
     files = sorted(p.name for p in (tmp_path / "crash/checkpoints/step-00000012/dcp").iterdir())
@@ -124,7 +123,7 @@ def test_checkpoint_resume_is_bit_identical(tmp_path: Path) -> None:
     # Keyed by the full model's names, it loads at another layout with the same stages:
     # 2 data-parallel copies of the 2 stages, each stage FSDP-sharded over its copies.
     sections["strategy"].update(pipeline_stages=2, data_parallel="fsdp")
-    loaded = run_ranks(resume_only, 4, raw(tmp_path / "crash", **sections))[0]
+    loaded = run_ranks(resume_only, 4, tiny_raw(tmp_path / "crash", data=DATA, **sections))[0]
     assert loaded["step"] == 12
     assert_bit_equal(reference[0], loaded["params"])
 

@@ -14,7 +14,7 @@ from dtrain.models.gpt import GPT, GPTConfig
 from dtrain.parallel import strategy_class
 from dtrain.parallel.tensor import check_no_dropout, model_plan
 from dtrain.testing import run_ranks
-from tests.conftest import tiny_config
+from tests.conftest import tiny_config, tiny_raw
 from tests.dist_helpers import crash_then_resume, train_params
 from tests.pipeline_helpers import train_and_report
 from tests.test_ddp import assert_params_close
@@ -23,13 +23,12 @@ from tests.test_fault import assert_bit_equal
 DATA = {"global_batch_size": 8, "micro_batches": 2}
 
 
-def raw(run_dir: Path, **sections: dict[str, object]) -> dict[str, object]:
-    return tiny_config(run_dir, data=DATA, **sections).to_dict()
-
-
 def test_two_way_tensor_parallel_equals_one_process(tmp_path: Path) -> None:
-    single: dict[str, Any] = run_ranks(train_and_report, 1, raw(tmp_path / "one"))[0]
-    ranks = run_ranks(train_and_report, 2, raw(tmp_path / "tp", strategy={"name": "tensor"}))
+    one = tiny_raw(tmp_path / "one", data=DATA)
+    single: dict[str, Any] = run_ranks(train_and_report, 1, one)[0]
+    ranks = run_ranks(
+        train_and_report, 2, tiny_raw(tmp_path / "tp", data=DATA, strategy={"name": "tensor"})
+    )
     assert ranks[1]["params"] == {}
     assert_params_close(single["params"], ranks[0]["params"], rtol=1e-5, atol=1e-6)
     assert ranks[0]["val_loss"] == pytest.approx(single["val_loss"], rel=1e-5)
@@ -64,7 +63,9 @@ def test_checkpoint_resume_is_bit_identical(tmp_path: Path) -> None:
         "checkpoint": {"every": 4},
         "optim": {"name": "adamw", "lr": 3e-3, "warmup_steps": 2},
     }
-    reference = run_ranks(train_params, 2, raw(tmp_path / "ref", **sections))
-    crashed = run_ranks(crash_then_resume, 2, raw(tmp_path / "crash", **sections), 7)
+    reference = run_ranks(train_params, 2, tiny_raw(tmp_path / "ref", data=DATA, **sections))
+    crashed = run_ranks(
+        crash_then_resume, 2, tiny_raw(tmp_path / "crash", data=DATA, **sections), 7
+    )
     assert crashed[0]["start_step"] == 4
     assert_bit_equal(reference[0], crashed[0]["params"])
