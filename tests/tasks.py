@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import dataclass
 
@@ -77,6 +78,9 @@ class TinyOptions:
     # Fault injection (tests.tasks:failing_gpt): fail at this step on this rank, every attempt.
     fail_at_step: int = 3
     fail_rank: int = 1
+    # ... or, when set, kill that rank outright (SIGKILL, as kill -9 or the OOM killer would)
+    # in the forward of this step instead of raising.
+    kill_at_step: int = 0
     # Milliseconds each training forward sleeps: slows a run down so that a test can hit it
     # at a chosen moment, without changing any number it computes.
     slow_ms: int = 0
@@ -128,14 +132,18 @@ class _Slow(nn.Module):
 
 
 class _FailingModel(nn.Module):
-    """Raises on one rank at a given forward call (= step, with one micro-batch and no
-    evaluation in between): a worker that fails every time it is started."""
+    """Raises (or, with ``kill``, dies by SIGKILL) on one rank at a given forward call (= step,
+    with one micro-batch and no evaluation in between): a worker that fails every time it is
+    started."""
 
-    def __init__(self, inner: nn.Module, rank: int, step: int, attempts_file: str) -> None:
+    def __init__(
+        self, inner: nn.Module, rank: int, step: int, attempts_file: str, kill: bool = False
+    ) -> None:
         super().__init__()
         self.inner = inner
         self.fail = int(os.environ.get("RANK", "0")) == rank
         self.step = step
+        self.kill = kill
         self.calls = 0
         if attempts_file:
             with open(attempts_file, "a") as fh:
@@ -144,6 +152,8 @@ class _FailingModel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         if self.fail and self.training and self.calls == self.step:
+            if self.kill:  # no exception, no cleanup, no last heartbeat: gone mid-step
+                os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"injected failure at step {self.step}")
         return self.inner(x)
 
@@ -152,7 +162,9 @@ def failing_gpt(cfg: Config) -> Task:
     task = tiny_gpt(cfg)
     opts: TinyOptions = cfg.task
     attempts = os.path.join(cfg.run.dir, "attempts.log")
-    task.model = _FailingModel(task.model, opts.fail_rank, opts.fail_at_step, attempts)
+    kill = opts.kill_at_step > 0
+    step = opts.kill_at_step if kill else opts.fail_at_step
+    task.model = _FailingModel(task.model, opts.fail_rank, step, attempts, kill)
     return task
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from dtrain.fault.audit import check_stream, read_trajectory
+from dtrain.fault.progress import progress_dir
 from dtrain.testing import children_of, worker_pids
 from tests.conftest import REPO
 
@@ -239,3 +240,35 @@ def test_sigterm_to_the_launcher_saves_exits_0_and_resumes_bit_identical(tmp_pat
     assert again.returncode == 0, err[-3000:]
     assert f"resumed from step-{status['step']:08d}" in err + out
     assert_same_run(ref, run_dir)
+
+
+def test_a_rank_killed_mid_run_is_named_with_the_step_and_phase_it_reached(
+    tmp_path: Path,
+) -> None:
+    # Steps of a few milliseconds: by step 26 the killed rank's last heartbeat in the store
+    # (one a second) is far behind; the survivor must still say where it really died.
+    run_dir = tmp_path / "kill"
+    config = write_config(
+        tmp_path / "kill.toml",
+        run_dir,
+        task="tests.tasks:failing_gpt",
+        fail_rank=1,
+        kill_at_step=26,
+        slow_ms=0,
+    )
+    proc = start(config, "--train.steps=200", "--train.log_every=1000", "--checkpoint.every=0")
+    _out, err = proc.communicate(timeout=120)
+    assert proc.returncode not in (0, None)
+    died = re.search(
+        r"PeerFailure: rank 0 \(.*?rank 1 \([^)]*pid \d+\) died: (.*?)(?:; | \(collective error)",
+        err,
+    )
+    assert died, err[-3000:]
+    # Where it was, not where its last heartbeat (step 0 at start-up, or some steps behind) was.
+    assert re.fullmatch(
+        r"its process is gone \(killed or crashed\) at step 26 in forward_backward", died.group(1)
+    ), died.group(1)
+    # Rank 0 removed rank 1's progress file after reading it, and its own on the way out.
+    pids = {int(pid) for pid in re.findall(r"pid (\d+)", err)}
+    left = [f for pid in pids for f in Path(progress_dir()).glob(f"dtrain-progress-*-pid{pid}-*")]
+    assert not left, left

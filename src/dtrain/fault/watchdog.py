@@ -1,22 +1,44 @@
-"""Hang and failure detection that names the rank at fault.
+"""Hang and failure detection that names the rank at fault, and where it was.
 
 Every rank beats into the job's key-value store (hosted by rank 0 under ``dtrain train``, by
-torch's agent under plain ``torchrun``):
-``dtrain/hb/<rank>`` holds its host, pid, step, phase and the time of the beat, refreshed by a
-daemon thread every ``heartbeat_s`` seconds. A rank that raises posts ``dtrain/failed/<rank>``
-before it exits.
+torch's agent under plain ``torchrun``): ``dtrain/hb/<rank>`` holds its host, pid, step, phase,
+the time of the beat and the path of its progress file. A daemon thread writes it every
+``heartbeat_s`` seconds, and soon (within ~0.2 s) after the step or phase changed, so a rank's
+beat is rarely far behind; the main thread only sets attributes and never waits on the store.
+A rank that raises posts ``dtrain/failed/<rank>`` before it exits.
+
+A beat can still be behind: a rank whose steps take milliseconds may be dozens of steps past its
+last beat when it is killed. So each rank also keeps its live step and phase in a small
+memory-mapped file (:mod:`dtrain.fault.progress`), updated by :meth:`Watchdog.set_phase` at every
+phase change for well under a microsecond and without a system call. The file outlives a rank
+killed outright, and the ranks of its machine read it.
 
 When a collective fails on a rank -- a peer's socket closed, or the collective timeout
 (``dist.timeout_s``) expired because a peer stopped responding -- :meth:`Watchdog.diagnose`
-reads the store and names who is missing: ranks that posted a failure, ranks on this machine
-whose process is gone (killed outright, so their last beat is still fresh), ranks whose beats are
-stale (a stopped or hung process), ranks that never beat; when the store itself is gone or
-frozen with rank 0, rank 0 by its last beat (every store call is bounded in time, so a frozen
-store never hangs a rank). The trainer raises that as a
-:class:`PeerFailure`. As a backstop for hangs outside a collective with a timeout, the thread
-also watches this rank's own progress: when a phase has not moved for twice the collective
-timeout, it writes the diagnosis as this worker's error and ends the process, so the launcher
-stops (or restarts) the group instead of hanging.
+reads the store and names who is missing, and where:
+
+- a rank that posted a failure: its error, and the step and phase it raised in;
+- a rank of this machine whose process is gone (``kill -9``, the OOM killer): the exact step
+  and phase it died in, from its progress file (which the last rank of the machine to read it
+  then removes); without a readable file, the step is said to be unknown and the last beat is
+  given with its age;
+- a rank whose beat is stale (stopped, hung, or on a machine that was cut off): how long it has
+  made no progress and where, from its progress file on this machine; elsewhere, its last
+  beat with its age -- never a stale step presented as where it is;
+- a rank that never beat;
+- when the store itself is gone or frozen with rank 0: rank 0, by its last beat (kept while the
+  store answered) or its progress file. Every store call is bounded in time, so a frozen store
+  never hangs a rank.
+
+The trainer raises that as a :class:`PeerFailure`. As a backstop for hangs outside a collective
+with a timeout, the thread also watches this rank's own progress: when a phase has not moved for
+twice the collective timeout, it writes the diagnosis as this worker's error and ends the
+process, so the launcher stops (or restarts) the group instead of hanging.
+
+A rank removes its own progress file when it stops; files of ranks killed with no rank left to
+read them (their whole group killed) are removed by the next job that starts on that machine,
+once no rank of their job can still need them (twice its collective timeout, plus a minute,
+after the rank was last seen alive).
 """
 
 from __future__ import annotations
@@ -33,7 +55,24 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from dtrain.fault.progress import (
+    Progress,
+    ProgressFile,
+    process_alive,
+    progress_path,
+    read_progress,
+    remove_progress_file,
+    sweep_progress_files,
+)
+
 T = TypeVar("T")
+
+# A beat follows a change of step or phase after at most this long (instead of waiting for the
+# next regular beat), so the store's view of a rank on another machine is rarely more than
+# that behind. Per rank: with many ranks the interval grows so that the store, which serves
+# them all, gets at most about _PROMPT_BEATS_PER_S of them a second.
+_PROMPT_BEAT_S = 0.2
+_PROMPT_BEATS_PER_S = 2000.0
 
 
 def _prefix() -> str:
@@ -120,12 +159,19 @@ class Watchdog:
         # unless the launcher hosts it) and dies, the store dies with it, and this is all that
         # is left to name it by.
         self._rank0_beat: dict[str, Any] | None = None
+        # This rank's live step and phase, for the ranks of its machine (see progress.py);
+        # None without peers or where the file cannot be made.
+        self._progress: ProgressFile | None = None
+        # What dead peers' progress files said, by pid: the file is removed once read, and a
+        # later diagnosis must still say the same.
+        self._last_words: dict[int, Progress] = {}
 
     # -- this rank -----------------------------------------------------------------------
 
     def start(self) -> None:
         if self.store is None:
             return
+        self._open_progress()
         self._beat()
         if self.rank != 0:
             # Every rank gets this far at start-up, so waiting for rank 0's first beat costs
@@ -145,13 +191,33 @@ class Watchdog:
         if self._thread is not None:
             self._thread.join(timeout=2 * self.heartbeat_s + 1)
             self._thread = None
+        if self._progress is not None:  # this rank ends normally: nobody needs its file
+            self._progress.close()
+            self._progress = None
 
     def set_phase(self, phase: str, step: int | None = None) -> None:
-        """Called by the main thread at each phase change; cheap (no I/O)."""
+        """Called by the main thread at each phase change; cheap: no I/O, no system call, only
+        a few stores into the progress file's shared memory (~0.4 µs in all)."""
         self.phase = phase
         if step is not None:
             self.step = step
-        self._phase_since = time.monotonic()
+        self._phase_since = now = time.monotonic()
+        if self._progress is not None:
+            self._progress.write(self.step, phase, now)
+
+    def _open_progress(self) -> None:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            # Files of killed ranks that no rank removed (their whole group was killed).
+            sweep_progress_files()
+        # Every rank of the job has read this rank's file (or been ended by its own hang
+        # check) within twice the collective timeout of its death.
+        keep_s = 2 * self.timeout_s + 60
+        try:
+            self._progress = ProgressFile(progress_path(self.rank), self.rank, keep_s)
+        except (OSError, ValueError):
+            self._progress = None  # the beat alone will have to do
+            return
+        self._progress.write(self.step, self.phase, self._phase_since)
 
     def report_failure(self, error: BaseException | str) -> None:
         """Post this rank's failure so the others can name it. Never raises."""
@@ -179,20 +245,40 @@ class Watchdog:
             "step": self.step,
             "phase": self.phase,
             "time": time.time(),
+            # Where the ranks of this machine read this rank's live step if it is killed.
+            "progress": self._progress.path if self._progress is not None else None,
         }
         key, value = f"{_prefix()}hb/{self.rank}", json.dumps(record)
         self._ask(lambda store: store.set(key, value), "a heartbeat")
 
     def _run(self) -> None:
-        while not self._stop.wait(self.heartbeat_s):
+        # Wakes often, beats when due or soon after the step or phase changed: the main thread
+        # only sets attributes, all store I/O stays here.
+        prompt_s = max(_PROMPT_BEAT_S, self.world_size / _PROMPT_BEATS_PER_S)
+        tick = min(self.heartbeat_s, prompt_s)
+        last_beat = last_read = time.monotonic()
+        beaten = (self.step, self.phase)
+        while not self._stop.wait(tick):
+            now = time.monotonic()
+            if self._progress is not None:
+                self._progress.alive()
+            moved = (self.step, self.phase) != beaten
             try:
-                self._beat()
-                if self.rank != 0:
+                if moved or now - last_beat >= self.heartbeat_s:
+                    # Counted as done even if it fails: a store that is gone is retried at
+                    # the regular pace, not hammered.
+                    beaten, last_beat = (self.step, self.phase), now
+                    self._beat()
+                if self.rank != 0 and now - last_read >= self.heartbeat_s:
+                    last_read = now
                     self._rank0_beat = self._read(f"{_prefix()}hb/0") or self._rank0_beat
             except Exception:
                 pass  # the store's host may be gone; a collective will tell
             stalled = time.monotonic() - self._phase_since
             if self.phase not in ("done", "idle") and stalled > 2 * self.timeout_s:
+                if self._progress is not None:
+                    # The default reaction ends the process without running stop().
+                    remove_progress_file(self._progress.path)
                 self._on_hang(
                     f"rank {self.rank} ({self.host}, pid {os.getpid()}) made no "
                     f"progress for {stalled:.0f}s in {self.phase} at step "
@@ -280,26 +366,60 @@ class Watchdog:
                 f"rank {rank} ({record['host']}, pid {record['pid']}) failed at step "
                 f"{record['step']} in {record['phase']}: {record['error']}"
             )
+        read_files = []
         for rank, beat in sorted(beats.items()):
             if rank in failed:
                 continue
             if beat is None:
                 parts.append(f"rank {rank} never checked in")
             elif beat["host"] == self.host and not process_alive(int(beat["pid"])):
-                # A rank killed outright (kill -9, the OOM killer) still has a fresh beat.
-                parts.append(
-                    f"rank {rank} ({beat['host']}, pid {beat['pid']}) died: its process is "
-                    f"gone (killed or crashed) after step {beat['step']} in {beat['phase']}"
-                )
+                # Killed outright (kill -9, the OOM killer): no error posted, and a beat that
+                # may be many steps behind; its progress file says where it was.
+                parts.append(f"{_who(rank, beat)} died: {self._last_words_of(beat, now)}")
+                read_files.append(beat.get("progress"))
             elif now - beat["time"] > stale_after:
                 parts.append(
-                    f"rank {rank} ({beat['host']}, pid {beat['pid']}) stopped "
-                    f"responding: last heartbeat {now - beat['time']:.1f}s ago at step "
-                    f"{beat['step']} in {beat['phase']}"
+                    f"{_who(rank, beat)} stopped responding: {self._last_known(beat, now)}"
                 )
+        if read_files and not self._peer_alive_here(beats):
+            # No other rank of this machine is left to read the dead ranks' files.
+            for path in read_files:
+                if path:
+                    remove_progress_file(path)
         if not parts:
             return "every other rank is still beating (the failure may be in the network)"
         return "; ".join(parts)
+
+    def _peer_alive_here(self, beats: dict[int, dict[str, Any] | None]) -> bool:
+        return any(
+            beat is not None and beat["host"] == self.host and process_alive(int(beat["pid"]))
+            for beat in beats.values()
+        )
+
+    def _last_words_of(self, beat: dict[str, Any], now: float) -> str:
+        """Where a rank of this machine whose process is gone was when it died."""
+        pid = int(beat["pid"])
+        progress = self._last_words.get(pid)
+        if progress is None and beat.get("progress"):
+            progress = read_progress(str(beat["progress"]), pid)
+            if progress is not None:
+                self._last_words[pid] = progress
+        gone = "its process is gone (killed or crashed)"
+        if progress is None:  # no file to read: say plainly how old what we know is
+            return f"{gone} at an unknown step: {_beat_words(beat, now)}"
+        return f"{gone} {progress.where()}"
+
+    def _last_known(self, beat: dict[str, Any], now: float) -> str:
+        """Where a rank that is alive but silent is: exact for a rank of this machine (from
+        its progress file), else its last heartbeat and how old it is."""
+        progress = None
+        if beat["host"] == self.host and beat.get("progress"):
+            progress = read_progress(str(beat["progress"]), int(beat["pid"]))
+        if progress is None:
+            return _beat_words(beat, now)
+        still = max(0.0, time.monotonic() - progress.since)
+        age = max(0.0, now - beat["time"])
+        return f"no progress for {still:.1f}s, {progress.where()} (last heartbeat {age:.1f}s ago)"
 
     def _store_lost(self, why: str, timed_out: bool, launcher_hosted: bool) -> str:
         """The diagnosis when the store cannot be reached: its host has died."""
@@ -309,15 +429,16 @@ class Watchdog:
             return (
                 f"the job's key-value store is unreachable {why}: {host}, which hosts it, has died"
             )
-        who = f"rank 0 ({beat['host']}, pid {beat['pid']})"
-        where = f"after step {beat['step']} in {beat['phase']}"
+        now = time.time()
         if beat["host"] == self.host and not process_alive(int(beat["pid"])):
-            fate = f"died: its process is gone (killed or crashed) {where}"
+            fate = f"died: {self._last_words_of(beat, now)}"
+            if self.world_size == 2 and beat.get("progress"):
+                remove_progress_file(str(beat["progress"]))  # no other rank can need it
         elif timed_out:  # alive but silent: stopped (SIGSTOP), hung or cut off
-            fate = f"stopped responding {where}"
+            fate = f"stopped responding: {self._last_known(beat, now)}"
         else:
-            fate = f"is unreachable (died, or its machine was cut off) {where}"
-        return f"{who} {fate}; it hosted the job's key-value store, now unreachable {why}"
+            fate = f"is unreachable (died, or its machine was cut off): {_beat_words(beat, now)}"
+        return f"{_who(0, beat)} {fate}; it hosted the job's key-value store, now unreachable {why}"
 
     def peer_failure(self, error: BaseException) -> PeerFailure:
         # Give a failing peer a moment to post its error (it may still be on its way out).
@@ -331,21 +452,14 @@ class Watchdog:
         )
 
 
-def process_alive(pid: int) -> bool:
-    """Whether a process of this machine is alive (a zombie, dead but not yet reaped, is not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+def _who(rank: int, beat: dict[str, Any]) -> str:
+    return f"rank {rank} ({beat['host']}, pid {beat['pid']})"
+
+
+def _beat_words(beat: dict[str, Any], now: float) -> str:
+    """A heartbeat as what it is: a report from some time ago, never where the rank is now."""
+    age = max(0.0, now - beat["time"])
+    return f"its last heartbeat, {age:.1f}s old, was at step {beat['step']} in {beat['phase']}"
 
 
 def _exit_on_hang(message: str) -> None:
