@@ -51,7 +51,6 @@ def spread(values: list[float]) -> str:
 def blocking_in_rank(raw: dict[str, Any], reps: int) -> dict[str, Any]:
     """Runs in each rank: one training step, then ``reps`` pairs of saves (sync and async in
     alternating order), each on every rank together. Returns the loop's blocked seconds."""
-    from dtrain.fault import state as training_state
     from dtrain.job import build_job_config, build_trainer
 
     cfg = build_job_config(raw)
@@ -69,7 +68,7 @@ def blocking_in_rank(raw: dict[str, Any], reps: int) -> dict[str, Any]:
             for index in range(3):
                 step += 1
                 trainer.step = step
-                training_state.save(trainer, blocking=blocking)
+                trainer.save_checkpoint(blocking=blocking)
                 blocked = c.blocking_seconds[-1]
                 error = c.wait()
                 assert error is None, error

@@ -90,6 +90,15 @@ class Trainer:
         self.skipped_steps = 0
         self.rollbacks = 0
         self.nan_streak: list[tuple[int, int]] = []  # stream ranges of consecutive bad steps
+        # What a checkpoint holds, built once: save and load see these parts, not the trainer
+        # (whose own part is its counters, see state_dict).
+        self.state = training_state.TrainingState(
+            strategy=self.strategy,
+            optimizer=self.optimizer,
+            parts={"scheduler": self.scheduler, "data": self.loader, "trainer": self},
+            runtime=runtime,
+            config=cfg,
+        )
         self.progress: Progress | None = None
         self.metrics: JsonlSink | None = None
         self.watchdog = Watchdog(
@@ -142,12 +151,15 @@ class Trainer:
 
     def save_checkpoint(self, *, blocking: bool) -> None:
         self.watchdog.set_phase("checkpoint")
-        training_state.save(self, blocking=blocking)
+        training_state.save(self.state, self.checkpointer, self.step, blocking=blocking)
 
     def resume(self) -> ResumePoint | None:
+        """Load the checkpoint ``run.resume`` asks for, if any; then every RNG either holds
+        the saved state or, on a fresh start or at a new world size, a distinct, reproducible
+        stream per rank."""
         point = resolve_resume(self.cfg, self.run_dir / "checkpoints", self.runtime, self.log)
-        if point is not None:
-            training_state.load(self, point)
+        if point is None or not training_state.load(self.state, point):
+            seed_everything(rank_seed(self.cfg.run.seed, self.runtime.rank) + self.step)
         return point
 
     # -- the loop ------------------------------------------------------------------------
@@ -175,13 +187,9 @@ class Trainer:
         cfg = self.cfg
         self.watchdog.set_phase("resume")
         point = self.resume()
-        if point is None or not point.rng_restored:
-            # Fresh start, or a new world size: a distinct, reproducible stream per rank.
-            seed_everything(rank_seed(cfg.run.seed, self.runtime.rank) + self.step)
         summary = Summary(start_step=self.step)
         if self.is_main:
             write_status(self.run_dir, RunStatus("running", self.step))
-        if self.is_main:
             self.metrics = JsonlSink(self.run_dir / "metrics.jsonl")
             self.progress = Progress(cfg.train.steps, self.step, self.task.item_name, True)
             where = f"resumed from {point.path.name}" if point else "from scratch"
@@ -325,7 +333,7 @@ class Trainer:
         # Counters of what happened stay cumulative; the skip list keeps earlier skips too.
         rollbacks, skipped = self.rollbacks + 1, self.skipped_steps
         earlier_skips = dict(self.loader.skipped)
-        training_state.load(self, point)
+        training_state.load(self.state, point)
         self.rollbacks, self.skipped_steps = rollbacks, skipped
         for start, end in [*earlier_skips.items(), *bad]:
             self.loader.skip(start, end)

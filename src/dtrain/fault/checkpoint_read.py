@@ -24,7 +24,10 @@ from dtrain.fsutil import fsync_dir, sha256_file
 
 MARKER = "COMMITTED.json"
 META = "meta.json"
-SHARDED_DIR = "dcp"
+SHARDED_DIR = "dcp"  # the sharded model and optimizer state, one file set per rank (DCP)
+MODEL_FILE = "model.pt"  # the whole model state (replicated strategies, from rank 0)
+OPTIMIZER_FILE = "optimizer.pt"  # the whole optimizer state (replicated strategies)
+TRAIN_STATE_FILE = "train_state.pt"  # scheduler, data position, trainer counters (rank 0)
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
 

@@ -27,7 +27,6 @@ class ResumePoint:
     path: Path
     step: int
     world_size: int
-    rng_restored: bool = False
 
 
 def choose_checkpoint(

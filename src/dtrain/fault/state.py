@@ -12,121 +12,91 @@ key                what                                      file (written by)
 meta               step, world size, config, versions        meta.json (rank 0)
 =================  ========================================  =========================
 
-Everything is tensors and plain data, loaded with ``torch.load(weights_only=True)``. Sharded
-strategies (model and optimizer state differ across ranks) save those two through
-``torch.distributed.checkpoint`` into ``dcp/`` instead, one file set per rank.
+The trainer builds a :class:`TrainingState` once -- the stateful parts, never the trainer
+itself -- and hands it to :func:`save` and :func:`load` (as torchtitan's checkpointer takes
+``states=``). The strategy decides how the model and optimizer are laid out
+(:meth:`~dtrain.parallel.base.Strategy.checkpoint_parts`): whole files from rank 0 for the
+replicated strategies, shards from every rank through ``torch.distributed.checkpoint`` for the
+sharded ones. Everything is tensors and plain data, loaded with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 from dtrain import __version__
+from dtrain.config import Config
 from dtrain.errors import CheckpointError
 from dtrain.fault import checkpoint_read as ckread
-from dtrain.fault.resume import ResumePoint, check_model_fits
+from dtrain.fault.checkpoint import Checkpointer
+from dtrain.fault.resume import ResumePoint
 from dtrain.fault.rng import rng_state, set_rng_state
-from dtrain.parallel.base import ShardedState
-
-if TYPE_CHECKING:
-    from dtrain.trainer import Trainer
+from dtrain.parallel.base import Strategy
+from dtrain.runtime import Runtime
 
 
-def _load_sharded(strategy: ShardedState, optimizer: torch.optim.Optimizer, path: Path) -> None:
-    if not (path / ckread.SHARDED_DIR).is_dir():
-        raise CheckpointError(
-            f"{path} holds a full-state checkpoint (model.pt); this sharded strategy loads "
-            "sharded ones: resume it with the strategy that saved it"
-        )
-    template = strategy.sharded_state_dict(optimizer)
-    saved = {
-        key[len("model.") :]: shape
-        for key, shape in ckread.sharded_metadata(path).items()
-        if key.startswith("model.")
-    }
-    wanted = {key: tuple(value.shape) for key, value in template["model"].items()}
-    if dist.is_initialized():
-        # A rank may hold only part of the model (a pipeline stage): compare the checkpoint
-        # with what all ranks together hold.
-        every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, wanted)
-        wanted = {key: shape for part in every for key, shape in part.items()}
-    check_model_fits(wanted, saved, path)
-    ckread.load_sharded(path, template)
-    strategy.load_sharded_state_dict(optimizer, template)
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def checkpoint_files(trainer: Trainer) -> dict[str, Any]:
-    """This rank's part of the training state, one file per component."""
-    files: dict[str, Any] = {ckread.rng_file(trainer.runtime.rank): rng_state()}
-    if trainer.runtime.is_main:
-        files["train_state.pt"] = {
-            "scheduler": trainer.scheduler.state_dict(),
-            "data": trainer.loader.state_dict(),
-            "trainer": trainer.state_dict(),
+@dataclass(frozen=True)
+class TrainingState:
+    """What a checkpoint holds, as the parts that hold it."""
+
+    strategy: Strategy  # the model, and how it and the optimizer are laid out
+    optimizer: torch.optim.Optimizer
+    # Saved whole by rank 0 into train_state.pt, one key each: scheduler, data, trainer.
+    parts: Mapping[str, Stateful]
+    runtime: Runtime
+    config: Config
+
+
+def save(state: TrainingState, checkpointer: Checkpointer, step: int, *, blocking: bool) -> None:
+    """Collective: every rank saves its part of ``state`` as checkpoint ``step``."""
+    runtime = state.runtime
+    model_parts = state.strategy.checkpoint_parts(state.optimizer)
+    files: dict[str, Any] = {ckread.rng_file(runtime.rank): rng_state()}
+    meta: dict[str, Any] | None = None
+    if runtime.is_main:
+        train_state = {name: part.state_dict() for name, part in state.parts.items()}
+        files[ckread.TRAIN_STATE_FILE] = train_state
+        meta = {
+            "step": step,
+            "world_size": runtime.world_size,
+            "data_parallel_size": state.strategy.data_parallel_size,
+            "strategy": state.config.strategy.name,
+            "config": state.config.to_toml(),
+            "dtrain_version": __version__,
+            "torch_version": torch.__version__,
+            "data": train_state.get("data"),
         }
-        if trainer.strategy.replicated_state:
-            files["model.pt"] = trainer.strategy.model_state_dict()
-            files["optimizer.pt"] = trainer.strategy.optimizer_state_dict(trainer.optimizer)
-    return files
+    files.update(model_parts.files)
+    checkpointer.save(step, files, meta, blocking=blocking, sharded=model_parts.sharded)
 
 
-def checkpoint_meta(trainer: Trainer) -> dict[str, Any]:
-    return {
-        "step": trainer.step,
-        "world_size": trainer.runtime.world_size,
-        "data_parallel_size": trainer.strategy.data_parallel_size,
-        "strategy": trainer.cfg.strategy.name,
-        "config": trainer.cfg.to_toml(),
-        "dtrain_version": __version__,
-        "torch_version": torch.__version__,
-        "data": trainer.loader.state_dict(),
-    }
-
-
-def save(trainer: Trainer, *, blocking: bool) -> None:
-    meta = checkpoint_meta(trainer) if trainer.runtime.is_main else None
-    strategy = trainer.strategy
-    sharded = (
-        strategy.sharded_state_dict(trainer.optimizer)
-        if isinstance(strategy, ShardedState)
-        else None
-    )
-    trainer.checkpointer.save(
-        trainer.step, checkpoint_files(trainer), meta, blocking=blocking, sharded=sharded
-    )
-
-
-def load(trainer: Trainer, point: ResumePoint, *, restore_data: bool = True) -> None:
-    """Load every component from ``point``. With ``restore_data=False`` the loader keeps its
-    position (a NaN rollback goes back in the model, not in the data stream)."""
-    strategy = trainer.strategy
-    path = point.path
-    if isinstance(strategy, ShardedState):
-        _load_sharded(strategy, trainer.optimizer, path)
-    else:
-        if not (path / "model.pt").exists():
-            raise CheckpointError(
-                f"{path} holds a sharded checkpoint (made by a sharded strategy such as fsdp); "
-                f"strategy {trainer.cfg.strategy.name!r} loads full-state checkpoints: resume "
-                "it with the strategy that saved it"
-            )
-        model_state = ckread.load_file(path, "model.pt")
-        check_model_fits(strategy.model_state_dict(), model_state, path)
-        strategy.load_model_state_dict(model_state)
-        strategy.load_optimizer_state_dict(
-            trainer.optimizer, ckread.load_file(path, "optimizer.pt")
+def load(state: TrainingState, point: ResumePoint) -> bool:
+    """Collective: load every part of ``state`` from checkpoint ``point``. Returns whether this
+    rank's RNG state was restored too: only at the world size that saved it (after a change,
+    the ranks are other processes, and each needs a fresh stream of its own)."""
+    state.strategy.load_checkpoint_parts(state.optimizer, point.path)
+    train_state = ckread.load_file(point.path, ckread.TRAIN_STATE_FILE)
+    missing = sorted(set(state.parts) - set(train_state))
+    if missing:
+        raise CheckpointError(
+            f"{point.path / ckread.TRAIN_STATE_FILE} holds no {', '.join(missing)} state: it "
+            "was saved by a version of dtrain that did not have it; resume it with that "
+            "version or start a new run"
         )
-    train_state = ckread.load_file(path, "train_state.pt")
-    trainer.scheduler.load_state_dict(train_state["scheduler"])
-    if restore_data:
-        trainer.loader.load_state_dict(train_state["data"])
-    trainer.load_state_dict(train_state["trainer"])
-    rng_path = path / ckread.rng_file(trainer.runtime.rank)
-    if point.world_size == trainer.runtime.world_size and rng_path.exists():
-        set_rng_state(ckread.load_file(path, rng_path.name))
-        point.rng_restored = True
+    for name, part in state.parts.items():
+        part.load_state_dict(train_state[name])
+    rng_path = point.path / ckread.rng_file(state.runtime.rank)
+    if point.world_size != state.runtime.world_size or not rng_path.exists():
+        return False
+    set_rng_state(ckread.load_file(point.path, rng_path.name))
+    return True

@@ -3,9 +3,10 @@
 The trainer talks to a strategy only through :class:`Strategy`; it never asks which one it has.
 A strategy owns the wrapped model, runs forward and backward over one step's micro-batches
 (leaving gradients synchronized and normalized), and moves the model's state in and out of
-checkpoints. Abilities that only some strategies have are separate, explicit capabilities
-(:class:`BackwardSyncControl` for skipping gradient sync on accumulation micro-steps), in the
-manner of Lightning Fabric's ``_BackwardSyncControl``.
+checkpoints (:meth:`Strategy.checkpoint_parts`: whole files from rank 0 here; shards from every
+rank in :class:`~dtrain.parallel.sharded.ShardedStrategy`). Abilities that only some strategies
+have are separate, explicit capabilities (:class:`BackwardSyncControl` for skipping gradient
+sync on accumulation micro-steps), in the manner of Lightning Fabric's ``_BackwardSyncControl``.
 
 A subclass sets ``name`` (what ``strategy.name`` says); the registry that looks names up is the
 package's ``__init__`` (``build_strategy``), which imports the strategies: this module imports
@@ -17,7 +18,8 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -25,6 +27,9 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.config import Config, validate_for_world
+from dtrain.errors import CheckpointError
+from dtrain.fault import checkpoint_read as ckread
+from dtrain.fault.resume import check_model_fits
 from dtrain.runtime import Runtime
 from dtrain.task import Task
 
@@ -36,48 +41,19 @@ class StepResult:
     loss_sum: torch.Tensor  # this rank's summed per-item loss over the step (detached)
 
 
+@dataclass
+class CheckpointParts:
+    """This rank's share of the model and optimizer state in a checkpoint."""
+
+    files: dict[str, Any] = field(default_factory=dict)  # file name -> state (torch.save)
+    sharded: dict[str, Any] | None = None  # a state every rank writes through DCP
+
+
 class BackwardSyncControl(ABC):
     """Capability: run a backward pass without synchronizing gradients."""
 
     @abstractmethod
     def no_backward_sync(self) -> contextlib.AbstractContextManager[None]: ...
-
-
-class ShardedState(ABC):
-    """Capability: model and optimizer state differ across ranks (FSDP shards, pipeline
-    stages, tensor-parallel slices). Checkpoints then go through
-    ``torch.distributed.checkpoint``: one file set per rank, resharded on load when the world
-    size changes. The state moves through torch's distributed state-dict API, which knows
-    every layout these strategies make; a strategy may set its options."""
-
-    state_dict_options: ClassVar[Any] = None  # torch's StateDictOptions, or None for its default
-
-    @property
-    @abstractmethod
-    def unwrapped(self) -> nn.Module: ...  # provided by Strategy
-
-    def sharded_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """``{"model": ..., "optimizer": ...}`` in a form DCP saves and loads in place."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_state, optim_state = get_state_dict(
-            self.unwrapped, optimizer, options=self.state_dict_options
-        )
-        return {"model": model_state, "optimizer": optim_state}
-
-    def load_sharded_state_dict(
-        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
-    ) -> None:
-        """Apply a state filled by DCP (see :meth:`sharded_state_dict`)."""
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        set_state_dict(
-            self.unwrapped,
-            optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-            options=self.state_dict_options,
-        )
 
 
 class Strategy(ABC):
@@ -184,6 +160,33 @@ class Strategy(ABC):
 
     # -- state ---------------------------------------------------------------------------
 
+    def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> CheckpointParts:
+        """What this rank writes of the model and optimizer into a checkpoint. Replicated (this
+        default): every rank holds the same, so rank 0 writes both whole, as ``model.pt`` and
+        ``optimizer.pt``. (:class:`~dtrain.parallel.sharded.ShardedStrategy` overrides.)"""
+        if not self.runtime.is_main:
+            return CheckpointParts()
+        return CheckpointParts(
+            files={
+                ckread.MODEL_FILE: self.model_state_dict(),
+                ckread.OPTIMIZER_FILE: self.optimizer_state_dict(optimizer),
+            }
+        )
+
+    def load_checkpoint_parts(self, optimizer: torch.optim.Optimizer, step_dir: Path) -> None:
+        """Load the model and optimizer from what :meth:`checkpoint_parts` wrote into
+        ``step_dir``; a model that does not fit is named key by key."""
+        if not (step_dir / ckread.MODEL_FILE).exists():
+            raise CheckpointError(
+                f"{step_dir} holds a sharded checkpoint (made by a sharded strategy such as "
+                f"fsdp); strategy {self.name!r} loads full-state checkpoints: resume it with "
+                "the strategy that saved it"
+            )
+        model_state = ckread.load_file(step_dir, ckread.MODEL_FILE)
+        check_model_fits(self.model_state_dict(), model_state, step_dir)
+        self.load_model_state_dict(model_state)
+        self.load_optimizer_state_dict(optimizer, ckread.load_file(step_dir, ckread.OPTIMIZER_FILE))
+
     def model_state_dict(self) -> dict[str, Any]:
         return self.unwrapped.state_dict()
 
@@ -201,7 +204,7 @@ class Strategy(ABC):
     @property
     def replicated_state(self) -> bool:
         """True when every rank holds the whole model and optimizer state (rank 0 saves it)."""
-        return not isinstance(self, ShardedState)
+        return True
 
     @property
     def lockstep_eval(self) -> bool:

@@ -7,8 +7,8 @@ so that the root's unit holds only what is left: embeddings, final norm, head). 
 data parallelism's: gradients are averaged over ranks, and the trainer's loss scaling makes them
 the gradient of the global mean.
 
-Checkpoints are sharded (:class:`ShardedState`): one DCP file set per rank, resharded on load,
-so a run saved on 4 ranks resumes on 2 or on 1.
+Checkpoints are sharded (:class:`~dtrain.parallel.sharded.ShardedStrategy`): one DCP file set
+per rank, resharded on load, so a run saved on 4 ranks resumes on 2 or on 1.
 """
 
 from __future__ import annotations
@@ -31,16 +31,15 @@ from torch.distributed.tensor import DTensor
 from dtrain.parallel.base import (
     BackwardSyncControl,
     LossFn,
-    ShardedState,
     StepResult,
-    Strategy,
     run_micro_batches,
 )
 from dtrain.parallel.blocks import find_blocks
+from dtrain.parallel.sharded import ShardedStrategy
 from dtrain.task import Task
 
 
-class FSDPStrategy(Strategy, BackwardSyncControl, ShardedState):
+class FSDPStrategy(ShardedStrategy, BackwardSyncControl):
     """fully sharded data parallel (FSDP2): parameters, gradients and optimizer state 1/N each"""
 
     name = "fsdp"

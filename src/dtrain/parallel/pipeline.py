@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from dtrain.balance.stages import StagePlan
 from dtrain.config import Config, validate_for_world
 from dtrain.errors import ConfigError
-from dtrain.parallel.base import LossFn, ShardedState, StepResult, Strategy
+from dtrain.parallel.base import LossFn, StepResult
 from dtrain.parallel.grad_norm import clip_to_max_norm, local_part, sum_of_squares
 from dtrain.parallel.grad_sync import average_gradients
 from dtrain.parallel.mesh import PIPELINE, Mesh, MeshShape, build_mesh, mesh_shape
@@ -69,6 +69,7 @@ from dtrain.parallel.pipeline_split import (
     stage_entries,
     tied_parameters,
 )
+from dtrain.parallel.sharded import ShardedStrategy
 from dtrain.parallel.skeleton import ModelSkeleton
 from dtrain.runtime import Runtime
 from dtrain.task import Task
@@ -82,7 +83,7 @@ def stages_per_rank(cfg: Config) -> int:
     return cfg.strategy.pipeline_virtual_stages if interleaved else 1
 
 
-class PipelineStrategy(Strategy, ShardedState):
+class PipelineStrategy(ShardedStrategy):
     """pipeline parallel (torch.distributed.pipelining), x data parallel on a 2-D mesh"""
 
     name = "pipeline"

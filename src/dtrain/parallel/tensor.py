@@ -39,14 +39,13 @@ from dtrain.config import Config, validate_for_world
 from dtrain.errors import ConfigError
 from dtrain.parallel.base import (
     LossFn,
-    ShardedState,
     StepResult,
-    Strategy,
     run_micro_batches,
 )
 from dtrain.parallel.grad_norm import clip_to_max_norm, local_part, sum_of_squares
 from dtrain.parallel.grad_sync import average_gradients
 from dtrain.parallel.mesh import TENSOR, Mesh, build_mesh, mesh_shape
+from dtrain.parallel.sharded import ShardedStrategy
 from dtrain.parallel.skeleton import ModelSkeleton
 from dtrain.runtime import Runtime
 from dtrain.task import Task
@@ -96,7 +95,7 @@ def check_no_dropout(model: nn.Module) -> None:
             )
 
 
-class TensorParallelStrategy(Strategy, ShardedState):
+class TensorParallelStrategy(ShardedStrategy):
     """tensor parallel (torch.distributed.tensor.parallel), x data parallel on a 2-D mesh"""
 
     name = "tensor"

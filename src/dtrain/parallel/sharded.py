@@ -1,0 +1,82 @@
+"""Strategies whose model and optimizer state differ across ranks (FSDP shards, pipeline stages,
+tensor-parallel slices): their checkpoints go through ``torch.distributed.checkpoint``, one file
+set per rank, resharded on load when the world size or the layout changes.
+
+The state moves through torch's distributed state-dict API, which knows every layout these
+strategies make; a strategy may set its options (``state_dict_options``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from dtrain.errors import CheckpointError
+from dtrain.fault import checkpoint_read as ckread
+from dtrain.fault.resume import check_model_fits
+from dtrain.parallel.base import CheckpointParts, Strategy
+
+
+class ShardedStrategy(Strategy):
+    """A strategy whose ranks each hold part of the model and optimizer state."""
+
+    state_dict_options: ClassVar[Any] = None  # torch's StateDictOptions, or None for its default
+
+    @property
+    def replicated_state(self) -> bool:
+        return False
+
+    def sharded_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """``{"model": ..., "optimizer": ...}`` in a form DCP saves and loads in place."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(
+            self.unwrapped, optimizer, options=self.state_dict_options
+        )
+        return {"model": model_state, "optimizer": optim_state}
+
+    def load_sharded_state_dict(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        """Apply a state filled by DCP (see :meth:`sharded_state_dict`)."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            self.unwrapped,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=self.state_dict_options,
+        )
+
+    def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> CheckpointParts:
+        """Every rank writes its shards (collective)."""
+        return CheckpointParts(sharded=self.sharded_state_dict(optimizer))
+
+    def load_checkpoint_parts(self, optimizer: torch.optim.Optimizer, step_dir: Path) -> None:
+        """Collective: every rank reads its shards, after checking that the checkpoint holds
+        the model that all ranks together hold."""
+        if not (step_dir / ckread.SHARDED_DIR).is_dir():
+            raise CheckpointError(
+                f"{step_dir} holds a full-state checkpoint ({ckread.MODEL_FILE}); this sharded "
+                "strategy loads sharded ones: resume it with the strategy that saved it"
+            )
+        template = self.sharded_state_dict(optimizer)
+        saved = {
+            key[len("model.") :]: shape
+            for key, shape in ckread.sharded_metadata(step_dir).items()
+            if key.startswith("model.")
+        }
+        wanted = {key: tuple(value.shape) for key, value in template["model"].items()}
+        if dist.is_initialized():
+            # A rank may hold only part of the model (a pipeline stage): compare the
+            # checkpoint with what all ranks together hold.
+            every: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(every, wanted)
+            wanted = {key: shape for part in every for key, shape in part.items()}
+        check_model_fits(wanted, saved, step_dir)
+        ckread.load_sharded(step_dir, template)
+        self.load_sharded_state_dict(optimizer, template)
