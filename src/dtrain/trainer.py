@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from dtrain.config import Config
 from dtrain.data.build import build_train_loader
@@ -50,7 +49,7 @@ from dtrain.fault.preempt import PreemptionFlag
 from dtrain.fault.resume import ResumePoint, resolve_resume
 from dtrain.fault.rng import rank_seed, seed_everything
 from dtrain.fault.status import RunStatus, write_status
-from dtrain.fault.watchdog import PeerFailure, Watchdog
+from dtrain.fault.watchdog import PeerFailure, Watchdog, is_collective_failure
 from dtrain.metrics.sinks import JsonlSink, Progress
 from dtrain.metrics.summary import LossWindow, Summary
 from dtrain.optim import build_optimizer, build_scheduler
@@ -61,15 +60,6 @@ from dtrain.task import Task
 
 class TrainingDiverged(UserError):
     """The loss stayed non-finite and there was nothing to roll back to."""
-
-
-def is_collective_failure(exc: BaseException) -> bool:
-    if isinstance(exc, dist.DistError):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(
-        marker in text for marker in ("gloo", "connection", "timed out", "nccl", "peer")
-    )
 
 
 class Trainer:

@@ -86,6 +86,17 @@ class PeerFailure(RuntimeError):
     """A collective failed because another rank died, raised or stopped responding."""
 
 
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether an exception is a collective failing (a peer's socket closed, the collective
+    timeout expired) rather than this rank's own error: only then is a peer to be named."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(
+        marker in text for marker in ("gloo", "connection", "timed out", "nccl", "peer")
+    )
+
+
 def connect_store(timeout_s: float) -> Any:
     """A client of the launcher's store (MASTER_ADDR:MASTER_PORT), or None without one."""
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
