@@ -39,30 +39,26 @@ def _run_folders(cwd: Path) -> list[Path]:
     return sorted(runs.iterdir()) if runs.exists() else []
 
 
-def test_plain_torchrun_without_a_run_dir_trains_into_one_folder(tmp_path: Path) -> None:
-    # The bug: worker.py defined its default run folder after `sys.exit(main())`, so this
-    # command died with "NameError: name 'default_run_dir' is not defined" on every rank.
-    (tmp_path / "job.toml").write_text(CONFIG)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}  # tests.tasks, from another folder
+def _run_in(cwd: Path, *module_and_args: str) -> None:
+    """``python -m ...`` in ``cwd`` (not the repository: the default folder is relative), with
+    the repository on the path for the task ``tests.tasks:tiny_gpt``; it must succeed."""
+    (cwd / "job.toml").write_text(CONFIG)
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "dtrain.worker",
-            "job.toml",
-        ],
-        cwd=tmp_path,
-        env=env,
+        [sys.executable, "-m", *module_and_args],
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True,
         text=True,
         timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_plain_torchrun_without_a_run_dir_trains_into_one_folder(tmp_path: Path) -> None:
+    # The bug: worker.py defined its default run folder after `sys.exit(main())`, so this
+    # command died with "NameError: name 'default_run_dir' is not defined" on every rank.
+    torchrun = ("torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+    _run_in(tmp_path, *torchrun, "-m", "dtrain.worker", "job.toml")
     # Both ranks wrote into one folder, named by the job's rendezvous id, and it holds the run.
     (run_dir,) = _run_folders(tmp_path)
     assert (run_dir / "metrics.jsonl").exists()
@@ -71,17 +67,6 @@ def test_plain_torchrun_without_a_run_dir_trains_into_one_folder(tmp_path: Path)
 
 
 def test_dtrain_train_with_a_run_id_and_no_run_dir_uses_runs_slash_the_id(tmp_path: Path) -> None:
-    (tmp_path / "job.toml").write_text(CONFIG)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "dtrain", "train", "job.toml", "--nproc", "1"]
-    proc = subprocess.run(
-        [*command, "--run-id", "myjob"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _run_in(tmp_path, "dtrain", "train", "job.toml", "--nproc", "1", "--run-id", "myjob")
     assert _run_folders(tmp_path) == [tmp_path / "runs" / "myjob"]
     assert (tmp_path / "runs" / "myjob" / "checkpoints" / "step-00000004").is_dir()

@@ -3,7 +3,6 @@ the peers' heartbeats are written into a real store by hand."""
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import re
@@ -15,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.distributed as dist
 
 from dtrain.fault import progress
 from dtrain.fault.progress import (
@@ -26,21 +24,14 @@ from dtrain.fault.progress import (
     sweep_progress_files,
 )
 from dtrain.fault.watchdog import Watchdog
-from dtrain.testing import free_port
+from dtrain.testing import loopback_store
 from tests.conftest import REPO
 
 
 @pytest.fixture
 def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A job store on loopback, as the launcher's rank 0 would host it."""
-    port = free_port()
-    server = dist.TCPStore(  # type: ignore[attr-defined]
-        "127.0.0.1",
-        port,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=10),
-    )
+    server, port = loopback_store(10)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)  # keys under dtrain/

@@ -17,13 +17,14 @@ from dtrain.testing.processes import (
     wait_gone,
     worker_pids,
 )
-from dtrain.testing.ranks import RankFailed, free_port, run_ranks
+from dtrain.testing.ranks import RankFailed, free_port, loopback_store, run_ranks
 
 __all__ = [
     "Launch",
     "RankFailed",
     "children_of",
     "free_port",
+    "loopback_store",
     "pid_alive",
     "processes_of",
     "rank_of",

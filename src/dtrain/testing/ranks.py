@@ -36,6 +36,24 @@ class RankFailed(AssertionError):
     """A rank raised, crashed or did not finish in time; the message holds its traceback."""
 
 
+def loopback_store(timeout_s: float) -> tuple[Any, int]:
+    """A job key-value store hosted here on a free loopback port, as rank 0 of a job hosts
+    it: ``(store, port)``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    port = free_port()
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1",
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return store, port
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -110,20 +128,9 @@ def run_ranks(
     module-level function). Raises :class:`RankFailed` naming the first rank that failed; with
     ``raise_on_failure=False`` waits for every rank instead and puts a :class:`RankFailed` in
     the place of each rank that raised, died or timed out."""
-    import datetime
-
-    import torch.distributed as dist
-
     ctx = _context()
     results = ctx.Queue()
-    port = free_port()
-    store = dist.TCPStore(  # type: ignore[attr-defined]
-        "127.0.0.1",
-        port,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=timeout),
-    )
+    store, port = loopback_store(timeout)
     procs = [
         ctx.Process(
             target=_child,
