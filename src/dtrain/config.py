@@ -199,6 +199,33 @@ class StrategyConfig:
 
 
 @dataclass
+class CommConfig:
+    compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = _opt(
+        "none",
+        "gradient compression of ddp and allreduce: none, fp16, bf16, powersgd (low rank, "
+        "error feedback) or topk (largest entries, error feedback)",
+    )
+    powersgd_rank: int = _opt(4, "powersgd: rank of the low-rank approximation", min=1)
+    powersgd_start_step: int = _opt(
+        10, "powersgd: steps of plain all-reduce before compressing (warm start)", min=0
+    )
+    topk_fraction: float = _opt(
+        0.01,
+        "topk: fraction of each bucket's entries sent per step",
+        min=0,
+        max=1,
+        min_exclusive=True,
+    )
+    sync_every: int = _opt(
+        8, "localsgd, diloco: local optimizer steps between synchronizations (H)", min=1
+    )
+    outer_lr: float = _opt(
+        0.7, "diloco: learning rate of the outer Nesterov step", min=0, min_exclusive=True
+    )
+    outer_momentum: float = _opt(0.9, "diloco: momentum of the outer Nesterov step", min=0, max=1)
+
+
+@dataclass
 class DistConfig:
     backend: Literal["auto", "gloo", "nccl"] = _opt("auto", "collective backend")
     device: Literal["auto", "cpu", "cuda"] = _opt("auto", "compute device")
@@ -215,6 +242,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     # The task's own options, validated against the task's config class when it declares one.

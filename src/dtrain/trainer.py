@@ -107,6 +107,7 @@ class Trainer:
             log=self.log,
         )
         self.audit: AuditWriter | None = None
+        self._comm_mark = (0, 0.0)  # this rank's communication totals at the last metrics line
 
     # -- logging -------------------------------------------------------------------------
 
@@ -250,6 +251,7 @@ class Trainer:
         summary.checkpoint = str(self.run_dir / "checkpoints" / ckread.step_dir_name(self.step))
         summary.wall_s = time.perf_counter() - started
         summary.items = self.items_seen
+        summary.comm_bytes, summary.comm_wait_s = self.strategy.comm.totals()
         if self.progress is not None:
             self.progress.close()
         if self.task.after_training is not None and not summary.preempted:
@@ -348,6 +350,8 @@ class Trainer:
                     "val_loss": summary.val_loss,
                     "skipped_steps": summary.skipped_steps,
                     "rollbacks": summary.rollbacks,
+                    "comm_bytes": summary.comm_bytes,
+                    "comm_wait_s": summary.comm_wait_s,
                 }
             )
             self.metrics.close()
@@ -355,8 +359,14 @@ class Trainer:
     def _log_train(
         self, loss: float, grad_norm: float, rate: float, steps: int, elapsed: float
     ) -> None:
+        # This rank's communication since the last line (every rank counts its own; rank 0's
+        # is logged: data-parallel ranks send alike).
+        sent, waited = self.strategy.comm.totals()
+        sent_since, waited_since = sent - self._comm_mark[0], waited - self._comm_mark[1]
+        self._comm_mark = (sent, waited)
         if not self.is_main:
             return
+        per_step = max(1, steps)
         record = {
             "kind": "train",
             "step": self.step,
@@ -369,11 +379,14 @@ class Trainer:
             "items_seen": self.items_seen,
             "skipped_steps": self.skipped_steps,
             "param_bytes_rank0": self.strategy.parameter_bytes(),
+            "comm_bytes_per_step": sent_since / per_step,
+            "comm_wait_s_per_step": waited_since / per_step,
+            "comm_wait_share": waited_since / elapsed if elapsed > 0 else 0.0,
             "time": time.time(),
         }
         assert self.metrics is not None and self.progress is not None
         self.metrics.write(record)
-        self.progress.update(self.step, loss, rate)
+        self.progress.update(self.step, loss, rate, sent_since / per_step)
 
     def evaluate(self, max_samples: int = 0) -> float | None:
         """Mean validation loss; every sample of the set (or of its first ``max_samples``)

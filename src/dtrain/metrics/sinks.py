@@ -38,6 +38,13 @@ def format_rate(value: float) -> str:
     return f"{value:.0f}"
 
 
+def format_bytes(value: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value:.0f} B"
+
+
 def format_duration(seconds: float) -> str:
     seconds = max(0, int(seconds))
     hours, rest = divmod(seconds, 3600)
@@ -64,13 +71,16 @@ class Progress:
             file=sys.stderr,
         )
 
-    def update(self, step: int, loss: float, items_per_s: float) -> None:
+    def update(self, step: int, loss: float, items_per_s: float, comm_bytes: float = 0.0) -> None:
+        """``comm_bytes``: what this rank sent per step since the last update."""
         if not self.enabled:
             return
         done = step - self.start_step
         elapsed = time.perf_counter() - self.start
         eta = elapsed / done * (self.total - step) if done > 0 else float("nan")
         rate = f"{format_rate(items_per_s)} {self.item_name}/s"
+        if comm_bytes:
+            rate += f"  comm {format_bytes(comm_bytes)}/step"
         if self.interactive:
             self.bar.set_postfix_str(f"loss {loss:.3f} {rate}", refresh=False)
             self.bar.update(step - self.bar.n)

@@ -25,6 +25,8 @@ class Summary:
     preempted: str = ""  # the signal's name when the run stopped early to be resumed
     checkpoint: str = ""
     generated: str = ""
+    comm_bytes: int = 0  # this rank's, over the run (dtrain.comm.accounting)
+    comm_wait_s: float = 0.0
 
 
 class LossWindow:
@@ -74,6 +76,12 @@ def print_summary(summary: Summary, item_name: str, world_size: int) -> None:
         lines.append(
             f"  skipped steps (non-finite loss or gradient): {summary.skipped_steps}, "
             f"rollbacks: {summary.rollbacks}"
+        )
+    if summary.comm_bytes:
+        share = summary.comm_wait_s / summary.wall_s if summary.wall_s > 0 else 0.0
+        lines.append(
+            f"  communication: {summary.comm_bytes / 1e9:.3f} GB sent by rank 0, "
+            f"{share:.0%} of the wall time waiting on it"
         )
     lines.append(f"  checkpoint {summary.checkpoint}")
     if summary.generated:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtrain.comm.accounting import CommCounter
 from dtrain.config import Config, validate_for_world
 from dtrain.errors import CheckpointError
 from dtrain.fault import checkpoint_read as ckread
@@ -64,6 +65,9 @@ class Strategy(ABC):
         self.runtime = runtime
         self.module: nn.Module | None = None  # the user's model, unwrapped
         self.model: nn.Module | None = None  # what forward runs through
+        # Bytes this rank sends and time it waits on communication (dtrain.comm.accounting):
+        # every collective a strategy issues is counted here.
+        self.comm = CommCounter()
 
     @classmethod
     def validate_config(cls, cfg: Config, world_size: int) -> None:
@@ -127,7 +131,9 @@ class Strategy(ABC):
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel group, in place; returns the tensor."""
         if self.data_parallel_size > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.data_parallel_group)
+            with self.comm.waiting():
+                dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.data_parallel_group)
+            self.comm.all_reduce(tensor.numel() * tensor.element_size(), self.data_parallel_size)
         return tensor
 
     def all_reduce_loss(self, tensor: torch.Tensor) -> torch.Tensor:
