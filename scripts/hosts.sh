@@ -19,7 +19,7 @@
 # other, never the machine's own network or anything beyond it. Needs root, `ip` and `tc`.
 # dtrain.testing.hosts drives this script from Python (tests, benchmarks).
 
-set -euo pipefail
+set -Eeuo pipefail # -E: the ERR trap of `up` also fires inside functions
 
 PREFIX="${DTRAIN_HOSTS_PREFIX:-dtrain}"
 SUBNET="${DTRAIN_HOSTS_SUBNET:-10.77.0}"
@@ -119,7 +119,9 @@ shape() {
     fi
     if [[ -n "$DELAY" ]]; then
         tc "${dev[@]}" root handle 1: netem delay "$DELAY"
-        ((${#tbf[@]})) && tc "${dev[@]}" parent 1:1 handle 10: "${tbf[@]}"
+        if ((${#tbf[@]})); then
+            tc "${dev[@]}" parent 1:1 handle 10: "${tbf[@]}"
+        fi
     else
         tc "${dev[@]}" root "${tbf[@]}"
     fi
@@ -131,7 +133,7 @@ up() {
         die "N='$n': a number of hosts, 1 to 250"
     fi
     if [[ "$RATE" != none ]]; then
-        RATE_BYTES="$(rate_bytes "$RATE")" ||
+        RATE_BYTES="$(rate_bytes "$RATE")" && ((RATE_BYTES > 0)) ||
             die "RATE='$RATE': a tc rate such as 100mbit, 1gbit or 10gbit, or none"
     fi
     if [[ -n "$(our_links)$(our_namespaces)" ]]; then
