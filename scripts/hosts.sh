@@ -133,8 +133,10 @@ up() {
         die "N='$n': a number of hosts, 1 to 250"
     fi
     if [[ "$RATE" != none ]]; then
-        RATE_BYTES="$(rate_bytes "$RATE")" && ((RATE_BYTES > 0)) ||
+        RATE_BYTES="$(rate_bytes "$RATE" || echo 0)"
+        if ((RATE_BYTES <= 0)); then
             die "RATE='$RATE': a tc rate such as 100mbit, 1gbit or 10gbit, or none"
+        fi
     fi
     if [[ -n "$(our_links)$(our_namespaces)" ]]; then
         die "hosts named ${PREFIX}-* exist already: run '$0 down' first (or set DTRAIN_HOSTS_PREFIX)"
