@@ -1,0 +1,56 @@
+"""Gradient compression for the strategies that average whole gradients through comm hooks
+(``ddp``, ``allreduce``): ``comm.compression`` names the hook, :func:`build_comm_hook` makes it.
+
+=============  ======================================  ==========================================
+compression    what a rank sends per bucket             state
+=============  ======================================  ==========================================
+``none``       the bucket (all-reduce)                  none
+``fp16``       the bucket in fp16 (all-reduce): 1/2     none
+``bf16``       the bucket in bf16 (all-reduce): 1/2     none
+``powersgd``   P and Q, (n + m) r per matrix, and the   error feedback, P and Q memories, step,
+               small tensors whole (3 all-reduces)      RNG (:mod:`dtrain.comm.powersgd`)
+``topk``       k values + k int32 positions             a residual per bucket
+               (all-gather), k = ceil(fraction n)       (:mod:`dtrain.comm.topk`)
+=============  ======================================  ==========================================
+
+Each hook counts what it sends in the strategy's :class:`~dtrain.comm.accounting.CommCounter`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from dtrain.comm.accounting import CommCounter
+from dtrain.comm.hooks import Bf16Hook, CommHook, Fp16Hook, MeanHook
+from dtrain.comm.powersgd import MIN_START_STEP, PowerSGDHook
+from dtrain.comm.topk import TopKHook
+from dtrain.config import CommConfig, Config
+from dtrain.errors import ConfigError
+
+HOOKS: dict[str, type[CommHook]] = {
+    cls.name: cls for cls in (MeanHook, Fp16Hook, Bf16Hook, PowerSGDHook, TopKHook)
+}
+
+
+def build_comm_hook(
+    cfg: CommConfig,
+    counter: CommCounter,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> CommHook:
+    """The hook ``cfg.compression`` names, counting into ``counter``, over ``group``."""
+    return HOOKS[cfg.compression].from_config(cfg, counter, group, device)
+
+
+def validate_compression(cfg: Config) -> None:
+    """Checks of the ``[comm]`` compression keys beyond their own ranges (in the parent,
+    before any worker starts)."""
+    comm = cfg.comm
+    if comm.compression == "powersgd" and comm.powersgd_start_step < MIN_START_STEP:
+        raise ConfigError(
+            f"comm.powersgd_start_step = {comm.powersgd_start_step} is too small for "
+            f"powersgd: torch's PowerSGD with error feedback and warm start needs at least "
+            f"{MIN_START_STEP} steps of plain all-reduce first; set it to {MIN_START_STEP} "
+            "or more"
+        )

@@ -1,0 +1,179 @@
+"""Gradient communication hooks: what a data-parallel strategy does with one bucket of gradients.
+
+A hook has the shape of torch DDP's communication hooks,
+``hook(state, bucket) -> torch.futures.Future[torch.Tensor]`` (the future's value: the bucket's
+gradients averaged over the group), so one hook serves both ``DistributedDataParallel``
+(``register_comm_hook``) and the ``allreduce`` strategy, on gloo and NCCL alike. Here the
+function registered is always :func:`run_comm_hook`, and the state is a :class:`CommHook`: the
+object that does the work, counts every byte it hands to a collective in the strategy's
+:class:`~dtrain.comm.accounting.CommCounter`, and holds whatever training state the method
+keeps (error-feedback residuals), with ``state_dict()`` / ``load_state_dict()`` for
+checkpoints.
+
+This module leaves out ``from __future__ import annotations`` on purpose: DDP's
+``register_comm_hook`` reads the hook's annotations as objects and accepts only torch's own
+``dist.GradBucket`` there (a string annotation is refused).
+"""
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any, ClassVar, Protocol
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import GradBucket
+
+from dtrain.comm.accounting import CommCounter
+from dtrain.config import CommConfig
+
+
+class Bucket(Protocol):
+    """What a hook uses of a bucket: ``torch.distributed.GradBucket`` in DDP,
+    :class:`dtrain.parallel.allreduce.GradBucket` in the ``allreduce`` strategy."""
+
+    def index(self) -> int: ...
+
+    def buffer(self) -> torch.Tensor: ...
+
+    def gradients(self) -> list[torch.Tensor]: ...
+
+    def is_last(self) -> bool: ...
+
+
+class CommHook:
+    """A hook's state and work: :meth:`reduce` one bucket, counting what it sends.
+
+    ``stateful`` hooks keep training state from step to step (error feedback); a strategy
+    saves it per rank in checkpoints, since it differs from rank to rank.
+    """
+
+    name: ClassVar[str] = ""
+    stateful: ClassVar[bool] = False
+
+    def __init__(
+        self, counter: CommCounter, group: dist.ProcessGroup | None, device: torch.device
+    ) -> None:
+        self.counter = counter
+        self.group = group
+        self.device = device
+        self.world_size = dist.get_world_size(group)
+        # time.perf_counter() when the latest bucket was handed to this hook; the strategy
+        # measures the time waiting on communication from there (dtrain.comm.accounting).
+        self.last_launch: float | None = None
+        self._local = False
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: CommConfig,
+        counter: CommCounter,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+    ) -> "CommHook":
+        return cls(counter, group, device)
+
+    def launch(self, bucket: Bucket) -> torch.futures.Future[torch.Tensor]:
+        if self._local:
+            return _done(bucket.buffer())
+        self.last_launch = time.perf_counter()
+        return self.reduce(bucket)
+
+    def reduce(self, bucket: Bucket) -> torch.futures.Future[torch.Tensor]:
+        """Start averaging ``bucket`` over the group; the future's value is the mean, shaped
+        like ``bucket.buffer()``."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def local_only(self) -> Iterator[None]:
+        """Inside, buckets are returned as they are: no communication, no state change, no
+        bytes counted (for a throwaway backward that only makes DDP build its buckets)."""
+        self._local = True
+        try:
+            yield
+        finally:
+            self._local = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's training state held by the hook: tensors and plain data only."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def reset(self) -> None:
+        """Back to the state of a fresh start."""
+
+    def _to_device(self, tensors: dict[Any, torch.Tensor]) -> dict[int, torch.Tensor]:
+        return {int(key): value.to(self.device) for key, value in tensors.items()}
+
+
+def run_comm_hook(state: CommHook, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The function registered as the communication hook; ``state`` does the work."""
+    return state.launch(bucket)
+
+
+def _done(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(value)
+    return future
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def all_reduce_future(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None
+) -> torch.futures.Future[torch.Tensor]:
+    """Start a summing all-reduce of ``tensor`` in place; the future's value is ``tensor``."""
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    assert work is not None  # async_op=True always gives a handle
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+class MeanHook(CommHook):
+    """No compression: the mean by one all-reduce of the bucket (torch's ``allreduce_hook``,
+    counted). Dividing *before* summing keeps the sum in range, as torch does."""
+
+    name = "none"
+
+    def reduce(self, bucket: Bucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer().div_(self.world_size)
+        self.counter.all_reduce(nbytes(buffer), self.world_size)
+        return all_reduce_future(buffer, self.group)
+
+
+class CastHook(CommHook):
+    """Send the bucket in a 16-bit format: divide by the group size (in the bucket's own
+    precision, so that the sum stays in range), cast, all-reduce, cast back. Half the bytes
+    of fp32; each element of the mean is off by at most about 2 u x the mean of the ranks'
+    magnitudes with 2 ranks (u = 2^-11 for fp16, 2^-8 for bf16: the casts and the sum each
+    round once)."""
+
+    dtype: ClassVar[torch.dtype]
+
+    def reduce(self, bucket: Bucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        compressed = buffer.div_(self.world_size).to(self.dtype)
+        self.counter.all_reduce(nbytes(compressed), self.world_size)
+
+        def decompress(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            return buffer.copy_(fut.value())
+
+        return all_reduce_future(compressed, self.group).then(decompress)
+
+
+class Fp16Hook(CastHook):
+    """fp16: 10 significant bits, range to 65504 (small gradients may underflow)."""
+
+    name = "fp16"
+    dtype = torch.float16
+
+
+class Bf16Hook(CastHook):
+    """bf16: 7 significant bits, the range of fp32. Our own: torch's ``bf16_compress_hook``
+    refuses to register without NCCL."""
+
+    name = "bf16"
+    dtype = torch.bfloat16
