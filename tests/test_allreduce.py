@@ -72,9 +72,7 @@ def _params(module: nn.Module) -> dict[str, np.ndarray]:
 def _register_hook(trainer: Any, hook_name: str) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-    target = (
-        trainer.strategy if trainer.cfg.strategy.name == "allreduce" else trainer.strategy.model
-    )
+    target = trainer.strategy  # ddp and allreduce take a DDP comm hook alike
     if hook_name == "fp16":
         target.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif hook_name == "powersgd":

@@ -207,7 +207,10 @@ class CommConfig:
     )
     powersgd_rank: int = _opt(4, "powersgd: rank of the low-rank approximation", min=1)
     powersgd_start_step: int = _opt(
-        10, "powersgd: steps of plain all-reduce before compressing (warm start)", min=0
+        10,
+        "powersgd: steps of plain all-reduce before compressing (at least 2, as torch's "
+        "PowerSGD requires)",
+        min=0,
     )
     topk_fraction: float = _opt(
         0.01,

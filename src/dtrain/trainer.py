@@ -107,7 +107,9 @@ class Trainer:
             log=self.log,
         )
         self.audit: AuditWriter | None = None
-        self._comm_mark = (0, 0.0)  # this rank's communication totals at the last metrics line
+        # This rank's communication totals at the last metrics line; set-up's (the broadcast
+        # of rank 0's parameters) belongs to no step.
+        self._comm_mark = self.strategy.comm.totals()
 
     # -- logging -------------------------------------------------------------------------
 

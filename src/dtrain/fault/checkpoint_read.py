@@ -39,6 +39,11 @@ def rng_file(rank: int) -> str:
     return f"rng-rank{rank:05d}.pt"
 
 
+def comm_file(rank: int) -> str:
+    """A rank's communication-hook state (error-feedback residuals differ per rank)."""
+    return f"comm-rank{rank:05d}.pt"
+
+
 # ---------------------------------------------------------------------------------------------
 # Finding and verifying
 

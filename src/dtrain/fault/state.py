@@ -9,6 +9,7 @@ key                what                                      file (written by)
 ``data``           stream position, seed, dataset identity   train_state.pt (rank 0)
 ``trainer``        step, items seen, skipped steps, ...      train_state.pt (rank 0)
 ``rng``            Python, NumPy, torch (and CUDA) RNG       rng-rankNNNNN.pt (each rank)
+``comm``           error feedback of powersgd, topk          comm-rankNNNNN.pt (each rank)
 meta               step, world size, config, versions        meta.json (rank 0)
 =================  ========================================  =========================
 

@@ -10,6 +10,7 @@ How one step goes::
     backward   a parameter's .grad is final -> its hook marks it ready in its bucket;
                a bucket whose parameters are all ready (and every bucket before it launched)
                -> flatten its grads into the bucket buffer -> comm hook -> async all_reduce
+                  (or a compressed exchange: comm.compression)
                (communication overlaps the rest of the backward pass)
     finish     launch the buckets backward never completed (parameters without a gradient
                this step), wait for every bucket, copy the averaged values back into .grad
@@ -38,8 +39,13 @@ this strategy unchanged::
 
     strategy.register_comm_hook(state=None, hook=fp16_compress_hook)   # before the first step
 
-The default, :func:`allreduce_hook`, divides by the group size and starts an asynchronous
-``all_reduce``; its ``state`` is the process group (``None`` = the default group), as for DDP.
+Set-up registers the hook ``comm.compression`` names (:mod:`dtrain.comm.compression`; ``none``
+is :class:`~dtrain.comm.hooks.MeanHook`: divide by the group size, one asynchronous
+``all_reduce``), which counts its bytes in ``strategy.comm``; a hook registered by hand replaces
+it (and counts nothing unless it does so itself). :func:`allreduce_hook` is the same plain
+average without the counting; its ``state`` is the process group (``None`` = the default
+group), as for DDP. The time waited on communication is measured in ``finish_gradient_sync``:
+from the last bucket's launch until every bucket is reduced.
 
 Differences from torch DDP worth knowing: buckets are not rebuilt after the first step from the
 observed gradient order; buffers (e.g. BatchNorm statistics) are broadcast once at set-up, not
@@ -54,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +69,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtrain.comm.compression import build_comm_hook
+from dtrain.comm.hooks import CommHook, run_comm_hook
 from dtrain.parallel.base import (
     BackwardSyncControl,
     LossFn,
@@ -117,7 +126,8 @@ class GradBucket:
         return self._is_last
 
 
-CommHook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
+# hook(state, bucket): bucket is a GradBucket here (torch's own in DDP, hence Any).
+HookFn = Callable[[Any, Any], torch.futures.Future[torch.Tensor]]
 
 
 def allreduce_hook(
@@ -172,11 +182,15 @@ class AllReduceStrategy(Strategy, BackwardSyncControl):
     """Hand-written data parallel: bucketed, overlapped all-reduce of gradients."""
 
     name = "allreduce"
+    takes_compression = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.comm_hook: CommHook = allreduce_hook
+        # Set-up replaces these with the hook comm.compression names (dtrain.comm), which
+        # counts its bytes; a hook registered by hand (register_comm_hook) replaces that.
+        self.comm_hook: HookFn = allreduce_hook
         self.comm_state: Any = None  # the default hook's state: the process group
+        self._last_launch = 0.0  # time.perf_counter() when the latest bucket was launched
         self.buckets: list[_Bucket] = []
         self.launches = 0  # bucket communications started since set-up (tests count them)
         self._sync = True  # False inside no_backward_sync()
@@ -200,12 +214,17 @@ class AllReduceStrategy(Strategy, BackwardSyncControl):
         # instead of waiting for a whole bucket_mb of gradients.
         for members in assign_buckets(params, cap, first_cap_bytes=FIRST_BUCKET_BYTES):
             self._add_bucket([params[i] for i in members])
+        hook = build_comm_hook(
+            self.cfg.comm, self.comm, self.data_parallel_group, self.runtime.device
+        )
+        self.register_comm_hook(hook, run_comm_hook)
 
     @torch.no_grad()
     def _broadcast_from_rank0(self, module: nn.Module) -> None:
         # Replicas must start equal; after that equal averaged gradients keep them equal.
         for tensor in [*module.parameters(), *module.buffers()]:
             dist.broadcast(tensor, src=0, group=self.data_parallel_group)
+            self.comm.broadcast(tensor.numel() * tensor.element_size(), self.data_parallel_size)
 
     def _add_bucket(self, params: list[nn.Parameter]) -> None:
         numel = sum(p.numel() for p in params)
@@ -218,7 +237,7 @@ class AllReduceStrategy(Strategy, BackwardSyncControl):
         for param in params:
             param.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, bucket))
 
-    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+    def register_comm_hook(self, state: Any, hook: HookFn) -> None:
         """Use ``hook(state, bucket)`` instead of the plain averaging all-reduce; the same
         contract as ``DistributedDataParallel.register_comm_hook``. Call it before the first
         step (before or after set-up)."""
@@ -227,6 +246,10 @@ class AllReduceStrategy(Strategy, BackwardSyncControl):
         if self.launches:
             raise RuntimeError("register_comm_hook() must be called before the first step")
         self.comm_state, self.comm_hook = state, hook
+
+    def stateful_comm_hook(self) -> CommHook | None:
+        state = self.comm_state
+        return state if isinstance(state, CommHook) and state.stateful else None
 
     # -- accumulation --------------------------------------------------------------------
 
@@ -282,6 +305,7 @@ class AllReduceStrategy(Strategy, BackwardSyncControl):
                 view.copy_(param.grad)
         last = bucket.index == len(self.buckets) - 1
         handle = GradBucket(bucket.index, bucket.buffer, bucket.params, bucket.views, last)
+        self._last_launch = time.perf_counter()
         bucket.future = self.comm_hook(self.comm_state, handle)
         self.launches += 1
         self._next = bucket.index + 1
@@ -297,10 +321,15 @@ class AllReduceStrategy(Strategy, BackwardSyncControl):
             self._launch(self.buckets[self._next])
         # After every bucket: each rank has then issued the same collectives in the same order.
         used = self._globally_used() if self.cfg.strategy.find_unused_parameters else None
-        slot = 0
+        results = []
         for bucket in self.buckets:
             assert bucket.future is not None
-            averaged = bucket.future.wait()
+            results.append(bucket.future.wait())
+        # Waiting on communication: from the last bucket's launch (backward's computation had
+        # ended) until every bucket is reduced; copying into .grad is not counted.
+        self.comm.waited(time.perf_counter() - self._last_launch)
+        slot = 0
+        for bucket, averaged in zip(self.buckets, results):
             offset = 0
             for param in bucket.params:
                 value = averaged[offset : offset + param.numel()].view_as(param)
@@ -323,4 +352,5 @@ class AllReduceStrategy(Strategy, BackwardSyncControl):
             [p.grad is not None for p in params], dtype=torch.int32, device=self.runtime.device
         )
         dist.all_reduce(flags, group=self.data_parallel_group)
+        self.comm.all_reduce(flags.numel() * flags.element_size(), self.data_parallel_size)
         return [bool(flag) for flag in flags.tolist()]

@@ -27,8 +27,10 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.comm.accounting import CommCounter
+from dtrain.comm.compression import validate_compression
+from dtrain.comm.hooks import CommHook
 from dtrain.config import Config, validate_for_world
-from dtrain.errors import CheckpointError
+from dtrain.errors import CheckpointError, ConfigError
 from dtrain.fault import checkpoint_read as ckread
 from dtrain.fault.resume import check_model_fits
 from dtrain.runtime import Runtime
@@ -59,6 +61,9 @@ class BackwardSyncControl(ABC):
 
 class Strategy(ABC):
     name: ClassVar[str] = ""
+    # Whether gradients go through comm hooks that comm.compression can replace (ddp,
+    # allreduce); any other strategy rejects compression in validate_config.
+    takes_compression: ClassVar[bool] = False
 
     def __init__(self, cfg: Config, runtime: Runtime) -> None:
         self.cfg = cfg
@@ -72,8 +77,19 @@ class Strategy(ABC):
     @classmethod
     def validate_config(cls, cfg: Config, world_size: int) -> None:
         """Reject, in the parent process, a config this strategy cannot run at this world
-        size. Data parallel by default: every rank is a data-parallel rank."""
+        size. Data parallel by default: every rank is a data-parallel rank. (A strategy with
+        another mesh dimension calls this with its data-parallel size.) Compression is
+        rejected here for every strategy that does not take it."""
         validate_for_world(cfg, world_size)
+        if cfg.comm.compression != "none" and not cls.takes_compression:
+            raise ConfigError(
+                f"comm.compression = {cfg.comm.compression!r} does not work with "
+                f"strategy.name = {cls.name!r}: it takes comm.compression = 'none' only "
+                "(gradient compression needs a strategy that all-reduces whole gradients "
+                "through comm hooks: ddp or allreduce)"
+            )
+        if cls.takes_compression:
+            validate_compression(cfg)
 
     # -- topology ------------------------------------------------------------------------
 
@@ -170,14 +186,14 @@ class Strategy(ABC):
         """What this rank writes of the model and optimizer into a checkpoint. Replicated (this
         default): every rank holds the same, so rank 0 writes both whole, as ``model.pt`` and
         ``optimizer.pt``. (:class:`~dtrain.parallel.sharded.ShardedStrategy` overrides.)"""
-        if not self.runtime.is_main:
-            return CheckpointParts()
-        return CheckpointParts(
-            files={
-                ckread.MODEL_FILE: self.model_state_dict(),
-                ckread.OPTIMIZER_FILE: self.optimizer_state_dict(optimizer),
-            }
-        )
+        parts = CheckpointParts()
+        if self.runtime.is_main:
+            parts.files[ckread.MODEL_FILE] = self.model_state_dict()
+            parts.files[ckread.OPTIMIZER_FILE] = self.optimizer_state_dict(optimizer)
+        hook = self.stateful_comm_hook()
+        if hook is not None:  # every rank: the residuals differ from rank to rank
+            parts.files[ckread.comm_file(self.data_parallel_rank)] = hook.state_dict()
+        return parts
 
     def load_checkpoint_parts(self, optimizer: torch.optim.Optimizer, step_dir: Path) -> None:
         """Load the model and optimizer from what :meth:`checkpoint_parts` wrote into
@@ -192,6 +208,27 @@ class Strategy(ABC):
         check_model_fits(self.model_state_dict(), model_state, step_dir)
         self.load_model_state_dict(model_state)
         self.load_optimizer_state_dict(optimizer, ckread.load_file(step_dir, ckread.OPTIMIZER_FILE))
+        self.load_comm_hook_state(step_dir)
+
+    def stateful_comm_hook(self) -> CommHook | None:
+        """The communication hook whose training state (error-feedback residuals, ...) a
+        checkpoint holds, one ``comm-rankNNNNN.pt`` per rank; None when there is none."""
+        return None
+
+    def load_comm_hook_state(self, step_dir: Path) -> None:
+        """Restore this rank's hook state from ``step_dir``. Only at the data-parallel size
+        that saved it (residuals belong to a rank's share of the data, as RNG streams do);
+        else, or when the checkpoint has none (saved without compression), the hook starts
+        afresh."""
+        hook = self.stateful_comm_hook()
+        if hook is None:
+            return
+        name = ckread.comm_file(self.data_parallel_rank)
+        saved_size = ckread.load_meta(step_dir).get("data_parallel_size")
+        if (step_dir / name).exists() and saved_size == self.data_parallel_size:
+            hook.load_state_dict(ckread.load_file(step_dir, name))
+        else:
+            hook.reset()
 
     def model_state_dict(self) -> dict[str, Any]:
         return self.unwrapped.state_dict()

@@ -1,15 +1,29 @@
 """``ddp``: torch's DistributedDataParallel, with gradient sync skipped on accumulation
-micro-steps through its ``no_sync`` context."""
+micro-steps through its ``no_sync`` context.
+
+Gradients go through a comm hook of ours (:mod:`dtrain.comm`) even without compression:
+``comm.compression = 'none'`` is :class:`~dtrain.comm.hooks.MeanHook`, DDP's own averaging
+all-reduce written in Python, so that the bytes of every bucket and the time waited on them are
+counted. That costs no measurable step time against DDP's built-in C++ all-reduce
+(``benchmarks/bench_ddp_hook.py``). The other collectives DDP issues are counted from their
+sizes: the broadcast of rank 0's parameters and buffers at set-up, of the buffers before every
+forward that syncs them, and the all-reduce of the used-parameter map (one int32 per parameter)
+in every synchronized backward with ``strategy.find_unused_parameters``.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from dtrain.comm.compression import build_comm_hook
+from dtrain.comm.hooks import CommHook, run_comm_hook
 from dtrain.parallel.base import (
     BackwardSyncControl,
     LossFn,
@@ -24,6 +38,16 @@ class DDPStrategy(Strategy, BackwardSyncControl):
     """torch DistributedDataParallel: replicated model, bucketed all-reduce in backward"""
 
     name = "ddp"
+    takes_compression = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # The comm hook, as DDP takes it: hook(state, bucket). Set-up builds the one
+        # comm.compression names; register_comm_hook replaces it. DDP takes one hook, once:
+        # it is registered with the first step.
+        self.comm_state: Any = None
+        self.comm_hook: Any = None
+        self._hook_registered = False
 
     def setup(self, task: Task) -> None:
         self.module = task.model.to(self.runtime.device)
@@ -35,8 +59,45 @@ class DDPStrategy(Strategy, BackwardSyncControl):
                 bucket_cap_mb=self.cfg.strategy.bucket_mb,
                 find_unused_parameters=self.cfg.strategy.find_unused_parameters,
             )
+            # DDP's constructor broadcast rank 0's parameters and buffers.
+            self.comm.broadcast(_state_bytes(self.module), self.data_parallel_size)
+            self.model.register_forward_pre_hook(self._count_buffer_sync)
+            self.comm_state = build_comm_hook(
+                self.cfg.comm, self.comm, self.data_parallel_group, self.runtime.device
+            )
+            self.comm_hook = run_comm_hook
         else:
             self.model = self.module
+
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        """Use ``hook(state, bucket)`` (a DDP comm hook) instead of the one
+        ``comm.compression`` names; before the first step. Its bytes are not counted unless
+        it counts them itself."""
+        if self._hook_registered:
+            raise RuntimeError("register_comm_hook() must be called before the first step")
+        self.comm_state, self.comm_hook = state, hook
+
+    def stateful_comm_hook(self) -> CommHook | None:
+        state = self.comm_state
+        return state if isinstance(state, CommHook) and state.stateful else None
+
+    def _register_hook(self) -> None:
+        self._hook_registered = True
+        if not isinstance(self.model, DistributedDataParallel) or self.comm_hook is None:
+            return
+        if getattr(self.model, "_comm_hooks", None):
+            # One registered on the DDP module itself: DDP takes no second; it stays.
+            self.comm_state = self.comm_hook = None
+            return
+        self.model.register_comm_hook(self.comm_state, self.comm_hook)
+
+    def _count_buffer_sync(self, model: nn.Module, inputs: Any) -> None:
+        # Runs just before DDP's forward, which broadcasts the buffers from rank 0 when this
+        # says so (in training, with broadcast_buffers, when there are any).
+        assert isinstance(model, DistributedDataParallel)
+        if torch.is_grad_enabled() and model.will_sync_module_buffers():
+            size = sum(b.numel() * b.element_size() for b in model.modules_buffers)
+            self.comm.broadcast(size, self.data_parallel_size)
 
     def no_backward_sync(self) -> contextlib.AbstractContextManager[None]:
         if isinstance(self.model, DistributedDataParallel):
@@ -46,9 +107,27 @@ class DDPStrategy(Strategy, BackwardSyncControl):
     def forward_backward(
         self, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, scale: torch.Tensor
     ) -> StepResult:
+        if not self._hook_registered:
+            self._register_hook()
         if not self._warmed_up:
             self._warm_up(micro_batches[0], loss_fn)
-        return run_micro_batches(self, micro_batches, loss_fn, scale)
+        result = run_micro_batches(self, micro_batches, loss_fn, scale)
+        if isinstance(self.model, DistributedDataParallel):
+            self._count_backward_sync()
+        return result
+
+    def _count_backward_sync(self) -> None:
+        """After a step's synchronized backward: the time waited on its buckets, and the
+        used-parameter map's all-reduce."""
+        hook = self.comm_state
+        if isinstance(hook, CommHook) and hook.last_launch is not None:
+            # From the last bucket's hook call (backward's computation had ended) until
+            # backward returned: DDP waits for every bucket, then copies them into .grad.
+            self.comm.waited(time.perf_counter() - hook.last_launch)
+            hook.last_launch = None
+        if self.cfg.strategy.find_unused_parameters:
+            flags = sum(1 for p in self.unwrapped.parameters() if p.requires_grad)
+            self.comm.all_reduce(4 * flags, self.data_parallel_size)  # int32 each
 
     _warmed_up = False
 
@@ -62,18 +141,36 @@ class DDPStrategy(Strategy, BackwardSyncControl):
         be summed in another layout than the same step of the uninterrupted run, and the
         resumed run would not be bit-identical to it. Eval mode and a zero scale: no dropout
         draws, no BatchNorm statistics, no gradient left behind.
+
+        A hook with state kept per bucket (error feedback of powersgd, topk) needs the final
+        buckets from its first step on, in every run, so it gets this pass at any world size.
+        Our hooks send nothing in it. (With ``find_unused_parameters`` DDP never rebuilds.)
         """
         self._warmed_up = True
-        if not isinstance(self.model, DistributedDataParallel) or self.runtime.world_size < 3:
+        if (
+            not isinstance(self.model, DistributedDataParallel)
+            or self.cfg.strategy.find_unused_parameters
+        ):
+            return
+        hook = self.comm_state if isinstance(self.comm_state, CommHook) else None
+        if self.runtime.world_size < 3 and not (hook is not None and hook.stateful):
             return  # a sum of two values does not depend on their order
         assert self.module is not None
         inputs, targets = micro_batch
         was_training = self.module.training
         self.module.eval()
+        local = hook.local_only() if hook is not None else contextlib.nullcontext()
         try:
-            loss_sum = loss_fn(self.model(inputs), targets).sum()
-            (loss_sum * 0.0).backward()
+            with local:
+                loss_sum = loss_fn(self.model(inputs), targets).sum()
+                (loss_sum * 0.0).backward()
         finally:
             self.module.train(was_training)
             for param in self.module.parameters():
                 param.grad = None
+
+
+def _state_bytes(module: nn.Module) -> int:
+    """Bytes of a module's parameters and buffers (a shared tensor once)."""
+    tensors = {id(t): t for t in [*module.parameters(), *module.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -41,7 +41,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from dtrain.balance.stages import StagePlan
-from dtrain.config import Config, validate_for_world
+from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.parallel.base import LossFn, StepResult
 from dtrain.parallel.grad_norm import clip_to_max_norm, local_part, sum_of_squares
@@ -95,7 +95,7 @@ class PipelineStrategy(ShardedStrategy):
     @classmethod
     def validate_config(cls, cfg: Config, world_size: int) -> None:
         shape = mesh_shape(world_size, cfg.strategy.pipeline_stages, PIPELINE)
-        validate_for_world(cfg, shape.dp)
+        super().validate_config(cfg, shape.dp)  # the base's checks, at the data-parallel size
         pp = shape.inner  # ranks per pipeline
         opts, data = cfg.strategy, cfg.data
         per_step = shape.dp * data.micro_batches

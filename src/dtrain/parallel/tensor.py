@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from dtrain.config import Config, validate_for_world
+from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.parallel.base import (
     LossFn,
@@ -102,7 +102,11 @@ class TensorParallelStrategy(ShardedStrategy):
 
     @classmethod
     def validate_config(cls, cfg: Config, world_size: int) -> None:
-        validate_for_world(cfg, mesh_shape(world_size, cfg.strategy.tensor_parallel, TENSOR).dp)
+        # The base's checks, at the data-parallel size (the mesh's other dimension splits
+        # layers, not batches).
+        super().validate_config(
+            cfg, mesh_shape(world_size, cfg.strategy.tensor_parallel, TENSOR).dp
+        )
 
     def __init__(self, cfg: Config, runtime: Runtime) -> None:
         super().__init__(cfg, runtime)
