@@ -9,6 +9,7 @@ and the hook-level runs another (``feedback``); each test asserts one property o
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -163,6 +164,10 @@ def strategy_runs(tmp: Path) -> list[dict[str, Any]]:
             raw = _raw(tmp, f"{strategy}-{compression}", strategy, compression=compression)
             runs.append({"name": f"{strategy}-{compression}", "kind": "steps", "raw": raw})
             runs[-1]["steps"] = 1
+        for compression in ("none", "fp16"):  # whole runs: what metrics.jsonl says
+            raw = _raw(tmp, f"{strategy}-{compression}-fit", strategy, compression=compression)
+            raw["train"].update(steps=10, log_every=5)
+            runs.append({"name": f"{strategy}-{compression}-fit", "kind": "train", "raw": raw})
         raw = _raw(tmp, f"{strategy}-powersgd", strategy, compression="powersgd")
         raw["comm"]["powersgd_start_step"] = 2
         runs.append({"name": f"{strategy}-powersgd", "kind": "steps", "raw": raw, "steps": 3})
@@ -234,6 +239,25 @@ def test_cast_hooks_send_half_the_bytes(strategies: list[dict[str, Any]], strate
     assert full == 4 * numel  # 2 ranks: an all-reduce sends its payload once
     for compression in ("fp16", "bf16"):
         assert 2 * rank[f"{strategy}-{compression}"]["sent"][0] == full
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+def test_metrics_lines_show_the_bytes_per_step(
+    strategies: list[dict[str, Any]], tmp: Path, strategy: str
+) -> None:
+    # What a benchmark reads: comm_bytes_per_step in metrics.jsonl. The two runs differ only
+    # in the gradients' format, so per step fp16 sends 2 bytes less per gradient entry.
+    numel = sum(math.prod(s) for s in strategies[0][f"{strategy}-none"]["shapes"])
+
+    def per_step(compression: str) -> list[float]:
+        lines = (tmp / f"{strategy}-{compression}-fit" / "metrics.jsonl").read_text()
+        records = [json.loads(line) for line in lines.splitlines()]
+        return [r["comm_bytes_per_step"] for r in records if r["kind"] == "train"]
+
+    full, half = per_step("none"), per_step("fp16")
+    assert len(full) == len(half) == 2
+    assert all(a - b == pytest.approx(2 * numel, abs=1e-6) for a, b in zip(full, half))
+    assert all(b > 2 * numel for b in half)  # the gradients, and the step's small all-reduces
 
 
 # -- powersgd, topk: bytes -------------------------------------------------------------------
