@@ -16,6 +16,7 @@ What happens, and where each concern plugs in::
               else: skip (NaN guard); after N in a row roll back to the last checkpoint
                     and never deliver those batches again
               scheduler.step()
+              strategy.after_optimizer_step(step)  # localsgd, diloco: sync every H steps
               every log_every:         metrics.jsonl + progress
               every eval.every:        evaluate (each val sample exactly once)
               every checkpoint.every:  save (async: the loop waits for a snapshot only)
@@ -211,6 +212,10 @@ class Trainer:
                 break
             loss_sum, norm = self._train_step(micro, global_items)
             self.step += 1
+            # Strategies that synchronize every few steps (localsgd, diloco) do it here,
+            # before a rollback, a checkpoint or an evaluation of this step sees the model.
+            self.watchdog.set_phase("after_optimizer_step")
+            self.strategy.after_optimizer_step(self.step)
             self.items_seen += global_items
             if self.audit is not None:
                 self.audit.record(

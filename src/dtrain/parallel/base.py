@@ -144,6 +144,13 @@ class Strategy(ABC):
             return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
 
+    def after_optimizer_step(self, step: int) -> None:
+        """Called by the trainer after each step's update (or its skip by the NaN guard) with
+        the step just finished, counted from the start of the run (a resumed run calls it with
+        the same numbers). Strategies that synchronize every few steps (``localsgd``,
+        ``diloco``) do it here; collective for them. Default: nothing."""
+        return None
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel group, in place; returns the tensor."""
         if self.data_parallel_size > 1:
