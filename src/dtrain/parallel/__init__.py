@@ -8,6 +8,7 @@ touches the trainer.
 
 from __future__ import annotations
 
+from dtrain.comm.local_sgd import DiLoCoStrategy, LocalSGDStrategy
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.parallel.allreduce import AllReduceStrategy
@@ -26,6 +27,8 @@ STRATEGIES: dict[str, type[Strategy]] = {
         FSDPStrategy,
         PipelineStrategy,
         TensorParallelStrategy,
+        LocalSGDStrategy,
+        DiLoCoStrategy,
     )
 }
 

@@ -1,0 +1,339 @@
+"""``localsgd`` and ``diloco``: data parallelism that communicates every H steps, not every step.
+
+Each rank trains its own replica of the model with the normal (inner) optimizer on its share of
+every global batch; nothing is synchronized in backward. Every H = ``comm.sync_every`` steps
+(and at the last step of the run, so that the run ends on one model) the replicas meet::
+
+    setup      broadcast parameters and buffers from rank 0           (replicas start equal)
+    step t     forward/backward on this rank's share, local clip,
+               one 4-byte all-reduce: the largest local gradient norm  (every rank agrees
+                                                                        whether to skip)
+               inner optimizer step on this rank's replica
+    t % H == 0 localsgd: average the parameters over the data-parallel group
+               diloco:   outer gradient = anchor - mean(replicas); an outer SGD step with
+                         Nesterov momentum moves the anchor; every replica restarts from it
+               (one all-reduce of every parameter, in flat buckets of ``strategy.bucket_mb``;
+               floating-point buffers are averaged in the same way)
+
+A step's traffic is 2 small collectives (the trainer's item count and the norm agreement);
+a sync's is one all-reduce of the parameters: 1/H of plain data parallelism's gradient traffic.
+
+The loss scale. The trainer multiplies each rank's loss sum by ``data_parallel_size /
+global_items``. With equal shares (n items on each of N ranks) that is ``1 / n``: each rank's
+gradient is exactly the gradient of its local mean loss, the objective of local SGD. With
+unequal shares (a batch that does not divide, token balancing) rank r's gradient is
+``N n_r / G`` times its local mean, i.e. each replica's step is weighted by its share of the
+items; averaging the parameters with equal weights then gives, to first order in the learning
+rate, ``sum_r n_r g_r / G``: the gradient of the global mean, as for one process. (With an
+optimizer that normalizes the gradient's scale -- AdamW -- the weight mostly cancels and each
+replica follows its own local mean.) With H = 1 and an optimizer linear in the gradient (SGD,
+momentum, weight decay) the average of the replicas after one step *is* data parallelism's step,
+which the tests check to 1e-6.
+
+Clipping is per replica, by the local gradient's norm (DiLoCo's inner optimizer does the same).
+The trainer's NaN guard needs every rank to take the same skip/step branch, so
+:meth:`LocalSGDStrategy.clip_grad_norm` returns the largest local norm over the ranks (+inf where
+any rank's is not finite): the logged ``grad_norm`` is that maximum.
+
+Checkpoints. Between syncs the replicas and their inner optimizer states differ, so every rank
+saves its own: rank 0 as ``model.pt`` / ``optimizer.pt`` (the files of a replicated strategy, so
+``ddp`` or ``allreduce`` can resume from them: at a sync step they hold the synchronized model),
+rank r > 0 as ``model-rankNNNNN.pt`` / ``optimizer-rankNNNNN.pt``; diloco adds ``outer.pt``
+(rank 0: the anchor and the outer optimizer's momentum). Resuming at the same data-parallel size
+restores every replica and is bit-identical to the uninterrupted run, mid-interval too. At
+another size the replicas cannot be carried over (there is no rank 3 of 2): every rank starts
+from rank 0's inner optimizer state and, for ``localsgd``, rank 0's replica; for ``diloco``, the
+anchor (the global model of the last outer step). A line on rank 0 says so.
+
+Evaluation runs on every rank's own replica over its share of the validation set, so a periodic
+evaluation between syncs measures the replicas' mixture; the final one always sees the
+synchronized model. Set ``eval.every`` to a multiple of H to evaluate synchronized models only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtrain.errors import CheckpointError
+from dtrain.fault import checkpoint_read as ckread
+from dtrain.fault.resume import check_model_fits
+from dtrain.parallel.allreduce import MIB, assign_buckets
+from dtrain.parallel.base import (
+    CheckpointParts,
+    LossFn,
+    StepResult,
+    Strategy,
+    run_micro_batches,
+)
+from dtrain.task import Task
+
+OUTER_FILE = "outer.pt"  # diloco: the anchor and the outer optimizer's state (rank 0)
+
+
+def replica_file(kind: str, rank: int) -> str:
+    """Where rank ``rank`` saves its replica (``kind`` = ``"model"``) or its inner optimizer
+    state (``"optimizer"``): rank 0 in the replicated strategies' files."""
+    if rank == 0:
+        return ckread.MODEL_FILE if kind == "model" else ckread.OPTIMIZER_FILE
+    return f"{kind}-rank{rank:05d}.pt"
+
+
+class LocalSGDStrategy(Strategy):
+    """local SGD: a replica per rank, parameters averaged every comm.sync_every steps"""
+
+    name = "localsgd"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.params: list[nn.Parameter] = []  # what the inner optimizer updates (tied: once)
+        self.param_buckets: list[list[nn.Parameter]] = []
+        self.buffer_buckets: list[list[torch.Tensor]] = []  # floating-point buffers
+        self.syncs = 0  # synchronizations since set-up (tests count them)
+
+    @property
+    def sync_every(self) -> int:
+        return self.cfg.comm.sync_every
+
+    # -- set-up --------------------------------------------------------------------------
+
+    def setup(self, task: Task) -> None:
+        self.module = self.model = task.model.to(self.runtime.device)
+        # parameters() yields a tied parameter once, so it is averaged once.
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        buffers = [b for b in self.module.buffers() if b.is_floating_point()]
+        cap = max(1, int(self.cfg.strategy.bucket_mb * MIB))
+        self.param_buckets = [[self.params[i] for i in m] for m in assign_buckets(self.params, cap)]
+        self.buffer_buckets = [[buffers[i] for i in m] for m in assign_buckets(buffers, cap)]
+        if self.data_parallel_size > 1:
+            self._broadcast_from_rank0()
+
+    @torch.no_grad()
+    def _broadcast_from_rank0(self) -> None:
+        # Replicas start equal (frozen parameters and integer buffers then stay equal).
+        assert self.module is not None
+        for tensor in [*self.module.parameters(), *self.module.buffers()]:
+            with self.comm.waiting():
+                dist.broadcast(tensor, src=0, group=self.data_parallel_group)
+            self.comm.broadcast(tensor.numel() * tensor.element_size(), self.data_parallel_size)
+
+    # -- the step ------------------------------------------------------------------------
+
+    def forward_backward(
+        self, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, scale: torch.Tensor
+    ) -> StepResult:
+        # Plain local accumulation: no gradient leaves this rank.
+        return run_micro_batches(self, micro_batches, loss_fn, scale)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip this replica's gradient by its own norm; return the largest local norm over the
+        ranks (+inf if any rank's is not finite), so that every rank skips or steps alike."""
+        local = super().clip_grad_norm(max_norm).detach().float()
+        agreed = torch.where(torch.isfinite(local), local, torch.full_like(local, float("inf")))
+        agreed = agreed.reshape(1).to(self.runtime.device)
+        if self.data_parallel_size > 1:
+            with self.comm.waiting():
+                dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.data_parallel_group)
+            self.comm.all_reduce(agreed.element_size(), self.data_parallel_size)
+        return agreed[0]
+
+    def sync_due(self, step: int) -> bool:
+        """Whether the replicas meet after ``step``: every H steps from the start of the run
+        (a resumed run meets at the same steps), and at the last step."""
+        return step % self.sync_every == 0 or step == self.cfg.train.steps
+
+    def after_optimizer_step(self, step: int) -> None:
+        if self.sync_due(step):
+            self.synchronize()
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Collective: average the replicas' parameters and floating-point buffers."""
+        for params in self.param_buckets:
+            self._average(params)
+        for buffers in self.buffer_buckets:
+            self._average(buffers)
+        self.syncs += 1
+
+    @torch.no_grad()
+    def _average(self, tensors: Sequence[torch.Tensor]) -> None:
+        flat = torch.cat([t.reshape(-1) for t in tensors])  # (bucket numel,)
+        self._all_reduce_mean(flat)
+        for tensor, part in zip(tensors, _split(flat, tensors)):
+            tensor.copy_(part)
+
+    def _all_reduce_mean(self, flat: torch.Tensor) -> None:
+        """Mean over the data-parallel group, in place. Summed, then divided: every rank ends
+        with the same bits (the sum is the same reduced buffer on all of them)."""
+        if self.data_parallel_size == 1:
+            return
+        with self.comm.waiting():
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.data_parallel_group)
+        self.comm.all_reduce(flat.numel() * flat.element_size(), self.data_parallel_size)
+        flat.div_(self.data_parallel_size)
+
+    # -- state ---------------------------------------------------------------------------
+
+    def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> CheckpointParts:
+        """Every rank writes its replica and inner optimizer state (they differ between
+        syncs); rank 0 in the replicated strategies' files."""
+        rank = self.data_parallel_rank
+        return CheckpointParts(
+            files={
+                replica_file("model", rank): self.model_state_dict(),
+                replica_file("optimizer", rank): self.optimizer_state_dict(optimizer),
+            }
+        )
+
+    def load_checkpoint_parts(self, optimizer: torch.optim.Optimizer, step_dir: Path) -> None:
+        """Every rank loads its own replica when the checkpoint was saved at this
+        data-parallel size with one replica per rank; otherwise every rank loads rank 0's (a
+        checkpoint of a replicated strategy, or another world size: see the module's doc)."""
+        meta = ckread.load_meta(step_dir)
+        saved = int(meta.get("data_parallel_size", meta.get("world_size", 1)))
+        per_replica = saved > 1 and (step_dir / replica_file("model", 1)).exists()
+        exact = saved == self.data_parallel_size and (per_replica or saved == 1)
+        rank = self.data_parallel_rank if exact else 0
+        if rank == 0:
+            super().load_checkpoint_parts(optimizer, step_dir)  # model.pt, optimizer.pt
+        else:
+            state = ckread.load_file(step_dir, replica_file("model", rank))
+            check_model_fits(self.model_state_dict(), state, step_dir)
+            self.load_model_state_dict(state)
+            self.load_optimizer_state_dict(
+                optimizer, ckread.load_file(step_dir, replica_file("optimizer", rank))
+            )
+        self._after_load(step_dir, exact)
+        if per_replica and not exact and self.runtime.is_main:
+            step = int(meta.get("step", 0))
+            print(f"dtrain: {self._resize_message(step_dir, saved, step)}", flush=True)
+
+    def _after_load(self, step_dir: Path, exact: bool) -> None:
+        """What a subclass restores beside the replica (diloco: the anchor)."""
+
+    def _resize_message(self, step_dir: Path, saved: int, step: int) -> str:
+        since = step % self.sync_every
+        dropped = (
+            f"; it was saved {since} step(s) after the sync at step {step - since}: the other "
+            "replicas' local progress since then is not carried over"
+            if since
+            else ""
+        )
+        return (
+            f"{self.name}: {step_dir.name} holds {saved} replicas and this run has "
+            f"{self.data_parallel_size} ranks; every rank starts from rank 0's replica and "
+            f"inner optimizer state{dropped}"
+        )
+
+
+class DiLoCoStrategy(LocalSGDStrategy):
+    """DiLoCo: local steps, then an outer Nesterov step on the averaged update every H steps"""
+
+    name = "diloco"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.anchor: list[torch.Tensor] = []  # the global parameters of the last sync
+        self.anchor_names: list[str] = []
+        self.outer_optimizer: torch.optim.SGD | None = None
+
+    def setup(self, task: Task) -> None:
+        super().setup(task)
+        assert self.module is not None
+        trained = {id(p) for p in self.params}
+        # named_parameters() yields a tied parameter once, under its first name.
+        self.anchor_names = [n for n, p in self.module.named_parameters() if id(p) in trained]
+        self.anchor = [p.detach().clone() for p in self.params]
+        self.outer_optimizer = self._build_outer_optimizer()
+
+    def _build_outer_optimizer(self) -> torch.optim.SGD:
+        momentum = self.cfg.comm.outer_momentum
+        # torch refuses Nesterov without momentum; with momentum 0 both are plain SGD.
+        return torch.optim.SGD(
+            self.anchor, lr=self.cfg.comm.outer_lr, momentum=momentum, nesterov=momentum > 0
+        )
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Collective: the outer step. Each bucket's outer gradient (anchor - replica) is
+        averaged over the group; the outer optimizer moves the anchor by it; every replica
+        restarts from the new anchor. Floating-point buffers are averaged."""
+        assert self.outer_optimizer is not None
+        anchor_of = {id(p): a for p, a in zip(self.params, self.anchor)}
+        for bucket in self.param_buckets:
+            anchors = [anchor_of[id(p)] for p in bucket]
+            # delta: (bucket numel,), this replica's move since the last sync, negated.
+            delta = torch.cat([(a - p).reshape(-1) for a, p in zip(anchors, bucket)])
+            self._all_reduce_mean(delta)
+            for anchor, part in zip(anchors, _split(delta, anchors)):
+                anchor.grad = part
+        self.outer_optimizer.step()
+        for param, anchor in zip(self.params, self.anchor):
+            anchor.grad = None
+            param.copy_(anchor)
+        for buffers in self.buffer_buckets:
+            self._average(buffers)
+        self.syncs += 1
+
+    # -- state ---------------------------------------------------------------------------
+
+    def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> CheckpointParts:
+        parts = super().checkpoint_parts(optimizer)
+        if self.runtime.is_main:  # the anchor and the outer optimizer are the same on every rank
+            assert self.outer_optimizer is not None
+            parts.files[OUTER_FILE] = {
+                "anchor": dict(zip(self.anchor_names, self.anchor)),
+                "optimizer": self.outer_optimizer.state_dict(),
+            }
+        return parts
+
+    @torch.no_grad()
+    def _after_load(self, step_dir: Path, exact: bool) -> None:
+        """The anchor and the outer momentum from ``outer.pt``; at another world size every
+        replica restarts from the anchor. A checkpoint without ``outer.pt`` (saved by another
+        strategy) starts the anchor at rank 0's model with no outer momentum."""
+        if (step_dir / OUTER_FILE).exists():
+            outer = ckread.load_file(step_dir, OUTER_FILE)
+            anchor, outer_state = outer["anchor"], outer["optimizer"]
+        else:
+            model = ckread.load_file(step_dir, ckread.MODEL_FILE)
+            anchor, outer_state = {n: model[n] for n in self.anchor_names if n in model}, None
+        if sorted(anchor) != sorted(self.anchor_names):
+            raise CheckpointError(
+                f"{step_dir / OUTER_FILE}: the anchor's parameters do not match the model's "
+                f"({sorted(set(anchor) ^ set(self.anchor_names))[:5]}); resume with the "
+                "model that saved it"
+            )
+        for name, tensor in zip(self.anchor_names, self.anchor):
+            tensor.copy_(anchor[name])
+        self.outer_optimizer = self._build_outer_optimizer()
+        if outer_state is not None:
+            self.outer_optimizer.load_state_dict(outer_state)
+        if not exact:
+            for param, tensor in zip(self.params, self.anchor):
+                param.copy_(tensor)
+
+    def _resize_message(self, step_dir: Path, saved: int, step: int) -> str:
+        since = step % self.sync_every
+        dropped = (
+            f"; the replicas' {since} local step(s) since the outer step at step "
+            f"{step - since} are not carried over"
+            if since
+            else ""
+        )
+        return (
+            f"{self.name}: {step_dir.name} holds {saved} replicas and this run has "
+            f"{self.data_parallel_size} ranks; every rank restarts from the anchor (the global "
+            f"model of the last outer step) with rank 0's inner optimizer state{dropped}"
+        )
+
+
+def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """``flat`` cut into views shaped like ``like``, in order."""
+    for part, tensor in zip(flat.split([t.numel() for t in like]), like):
+        yield part.view_as(tensor)

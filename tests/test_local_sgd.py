@@ -1,0 +1,298 @@
+"""``localsgd`` and ``diloco`` on 2 real ranks: H = 1 is data parallelism, replicas meet every H
+steps and only then, a resume mid-interval is bit-identical, and the bytes follow the formula.
+
+Every 2-rank training runs inside one ``run_ranks`` call (the ``pair`` fixture), one after the
+other in the same two processes, so the module costs one process start-up."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from dtrain.comm.accounting import all_reduce_bytes
+from dtrain.comm.local_sgd import OUTER_FILE, DiLoCoStrategy, LocalSGDStrategy, replica_file
+from dtrain.testing import run_ranks
+from tests.conftest import tiny_raw
+from tests.dist_helpers import crash_then_resume, losses_by_step, make_trainer, train_with_nan
+
+STEPS, H = 20, 8
+SYNC_STEPS = [8, 16, 20]  # every H steps, and the last step: the run ends on one model
+# Plain SGD and no clipping for the comparisons with ddp: SGD's update is linear in the
+# gradient (so the average of replicas after one step is data parallelism's step), and
+# clipping is by the replica's own norm here, by the global one in ddp.
+LINEAR = {"optim": {"name": "sgd", "lr": 0.5}, "train": {"steps": 10, "grad_clip": 0.0}}
+# AdamW (per-rank optimizer state to restore), a checkpoint every 5 steps (step 10 is 2 steps
+# into the second interval), all kept; every step logged.
+INTERVALS = {
+    "train": {"steps": STEPS, "log_every": 1},
+    "optim": {"name": "adamw", "lr": 3e-3, "warmup_steps": 2},
+    "checkpoint": {"every": 5, "keep_last": 10},
+    "comm": {"sync_every": H},
+}
+
+
+def flat(tensors: list[torch.Tensor]) -> np.ndarray:
+    return torch.cat([t.detach().reshape(-1) for t in tensors]).numpy().copy()
+
+
+def train_recorded(raw: dict[str, Any]) -> dict[str, Any]:
+    """Train; record after every step's hook the replica (and diloco's anchor), the bytes the
+    hook and the clipping sent, and the run's total bytes."""
+    trainer = make_trainer(raw)
+    strategy = trainer.strategy
+    assert isinstance(strategy, LocalSGDStrategy)
+    out: dict[str, Any] = {"params": [], "anchor": [], "sync_bytes": [], "clip_bytes": []}
+    hook, clip = strategy.after_optimizer_step, strategy.clip_grad_norm
+
+    def recorded_hook(step: int) -> None:
+        before = strategy.comm.bytes_sent
+        hook(step)
+        out["sync_bytes"].append(strategy.comm.bytes_sent - before)
+        out["params"].append(flat(strategy.params))
+        if isinstance(strategy, DiLoCoStrategy):
+            out["anchor"].append(flat(strategy.anchor))
+
+    def recorded_clip(max_norm: float) -> torch.Tensor:
+        before = strategy.comm.bytes_sent
+        norm = clip(max_norm)
+        out["clip_bytes"].append(strategy.comm.bytes_sent - before)
+        return norm
+
+    strategy.after_optimizer_step = recorded_hook  # type: ignore[method-assign]
+    strategy.clip_grad_norm = recorded_clip  # type: ignore[method-assign]
+    trainer.fit()
+    out["total_bytes"] = strategy.comm.bytes_sent
+    out["param_bytes"] = strategy.parameter_bytes()
+    out["syncs"] = strategy.syncs
+    out["final"] = params_of(trainer)
+    return out
+
+
+def params_of(trainer: Any) -> dict[str, np.ndarray]:
+    return {k: v.detach().numpy().copy() for k, v in trainer.strategy.model_state_dict().items()}
+
+
+def train_final(raw: dict[str, Any]) -> dict[str, np.ndarray]:
+    trainer = make_trainer(raw)
+    trainer.fit()
+    return params_of(trainer)
+
+
+def run_suite(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each run in turn on this rank."""
+    kinds = {
+        "init": lambda raw: params_of(make_trainer(raw)),
+        "final": train_final,
+        "recorded": train_recorded,
+        "crash": lambda raw: crash_then_resume(raw, 12),  # resumes from step 10
+        "nan": lambda raw: train_with_nan(raw, [40], 1),  # step 6's batch, on rank 1 only
+        # Steps 11-13 bad on rank 0: a rollback to step 10, mid-interval.
+        "nan3": lambda raw: train_with_nan(raw, [80, 88, 96], 0),
+    }
+    return {run["name"]: kinds[run["kind"]](run["raw"]) for run in runs}
+
+
+def resume_only(raw: dict[str, Any]) -> dict[str, Any]:
+    """Load the checkpoint ``run.resume`` names without training: what each rank starts from,
+    and what rank 0 printed."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        trainer = make_trainer(raw)
+        trainer.resume()
+    out: dict[str, Any] = {"params": params_of(trainer), "step": trainer.step}
+    out["printed"] = printed.getvalue()
+    state = trainer.optimizer.state_dict()["state"]
+    out["exp_avg"] = {i: s["exp_avg"].numpy().copy() for i, s in state.items()}
+    if isinstance(trainer.strategy, DiLoCoStrategy):
+        anchor = zip(trainer.strategy.anchor_names, trainer.strategy.anchor)
+        out["anchor"] = {name: tensor.numpy().copy() for name, tensor in anchor}
+    return out
+
+
+def runs(tmp: Path) -> list[dict[str, Any]]:
+    def run(name: str, kind: str, strategy: str, job: Any, **sections: Any) -> dict[str, Any]:
+        sections["strategy"] = {"name": strategy}
+        return {"name": name, "kind": kind, "raw": tiny_raw(tmp / name, job, **sections)}
+
+    h1 = {"sync_every": 1, "outer_lr": 1.0, "outer_momentum": 0.0}
+    return [
+        run("init", "init", "ddp", LINEAR),
+        run("ddp", "final", "ddp", LINEAR),
+        run("localsgd_h1", "final", "localsgd", LINEAR, comm=h1),
+        run("diloco_h1", "final", "diloco", LINEAR, comm=h1),
+        run("localsgd", "recorded", "localsgd", INTERVALS),
+        run("diloco", "recorded", "diloco", INTERVALS),
+        run("localsgd_crash", "crash", "localsgd", INTERVALS),
+        run("diloco_crash", "crash", "diloco", INTERVALS),
+        run("localsgd_nan", "nan", "localsgd", INTERVALS),
+        run("diloco_rollback", "nan3", "diloco", INTERVALS, fault={"nan_rollback_after": 3}),
+    ]
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("local_sgd")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp: Path) -> list[dict[str, Any]]:
+    return run_ranks(run_suite, 2, runs(tmp), timeout=240)
+
+
+def max_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    assert a.keys() == b.keys()
+    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
+
+
+# -- H = 1 is data parallelism -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["localsgd_h1", "diloco_h1"])
+def test_one_step_intervals_equal_data_parallel(pair: list[Any], strategy: str) -> None:
+    # localsgd, H = 1: each replica takes an SGD step from the same parameters with its own
+    # gradient, and the average of those steps is the step with the averaged gradient (SGD,
+    # its momentum and weight decay are linear in the gradient; momentum buffers, kept per
+    # rank, average to ddp's buffer). diloco, H = 1, outer lr 1, no momentum: the outer step
+    # sets the anchor to anchor - mean(anchor - replica) = the replicas' average: the same.
+    # 10 steps of 2 ranks against ddp; only the rounding of the sums differs.
+    ddp = pair[0]["ddp"]
+    for rank in (0, 1):
+        assert max_diff(pair[rank][strategy], ddp) < 1e-6
+    assert max_diff(pair[0][strategy], pair[1][strategy]) == 0.0
+    # ... and the parameters did move (the comparison is not between two starting points).
+    assert max_diff(ddp, pair[0]["init"]) > 1e-2
+
+
+# -- replicas meet every H steps, and only then -------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["localsgd", "diloco"])
+def test_replicas_agree_right_after_each_sync_and_differ_in_between(
+    pair: list[Any], strategy: str
+) -> None:
+    a, b = pair[0][strategy]["params"], pair[1][strategy]["params"]
+    assert len(a) == len(b) == STEPS
+    for step in range(1, STEPS + 1):
+        same = np.array_equal(a[step - 1], b[step - 1])
+        # Each rank trains on its own share between syncs: a strategy that synchronized
+        # every step (or never) fails one of these.
+        assert same == (step in SYNC_STEPS), f"step {step}: replicas equal = {same}"
+    assert pair[0][strategy]["syncs"] == len(SYNC_STEPS)
+
+
+def test_diloco_replicas_restart_from_the_anchor(pair: list[Any]) -> None:
+    run = pair[0]["diloco"]
+    for step in range(1, STEPS + 1):
+        at_anchor = np.array_equal(run["params"][step - 1], run["anchor"][step - 1])
+        assert at_anchor == (step in SYNC_STEPS), step
+    # The anchor moves at syncs only, and the same on both ranks.
+    anchors = np.stack(run["anchor"])
+    moved = [s for s in range(2, STEPS + 1) if not np.array_equal(anchors[s - 1], anchors[s - 2])]
+    assert moved == SYNC_STEPS
+    assert np.array_equal(anchors, np.stack(pair[1]["diloco"]["anchor"]))
+
+
+# -- bytes ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["localsgd", "diloco"])
+def test_bytes_follow_the_formula(pair: list[Any], strategy: str) -> None:
+    run = pair[0][strategy]
+    params = run["param_bytes"]  # the tiny GPT has no floating-point buffers
+    # One all-reduce of every parameter per sync, nothing on the other steps ...
+    sync = all_reduce_bytes(params, 2)
+    assert run["sync_bytes"] == [sync if s in SYNC_STEPS else 0 for s in range(1, STEPS + 1)]
+    # ... and one 4-byte all-reduce per step for the NaN guard's agreement.
+    assert run["clip_bytes"] == [all_reduce_bytes(4, 2)] * STEPS
+    # The run's total: the set-up broadcast of the parameters, the syncs, the norm
+    # agreement, and the trainer's own collectives: the item count (2 float64) every step,
+    # the loss (1 float64) at every metrics line, the final evaluation (2 float64).
+    trainer_own = STEPS * all_reduce_bytes(16, 2) + STEPS * all_reduce_bytes(8, 2) + 2 * 8
+    expected = params + len(SYNC_STEPS) * sync + STEPS * 4 + trainer_own
+    assert run["total_bytes"] == expected
+
+
+# -- resume ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["localsgd", "diloco"])
+def test_resume_mid_interval_is_bit_identical(pair: list[Any], tmp: Path, strategy: str) -> None:
+    for rank in (0, 1):
+        crashed = pair[rank][f"{strategy}_crash"]
+        assert crashed["start_step"] == 10  # 2 steps into the interval that ends at 16
+        reference = pair[rank][strategy]["final"]
+        assert reference.keys() == crashed["params"].keys()
+        for key in reference:
+            assert np.array_equal(reference[key], crashed["params"][key]), (rank, key)
+    losses = losses_by_step(str(tmp / f"{strategy}_crash"))
+    assert losses == losses_by_step(str(tmp / strategy))
+    step_dir = tmp / f"{strategy}_crash/checkpoints/step-00000010"
+    assert (step_dir / replica_file("model", 1)).exists()
+    assert (step_dir / OUTER_FILE).exists() == (strategy == "diloco")
+
+
+@pytest.mark.parametrize("strategy", ["localsgd", "diloco"])
+def test_resume_at_another_world_size_starts_every_rank_alike(
+    pair: list[Any], tmp: Path, strategy: str
+) -> None:
+    step_dir = tmp / f"{strategy}_crash/checkpoints/step-00000010"
+    raw = tiny_raw(
+        tmp / f"{strategy}_one",
+        INTERVALS,
+        strategy={"name": strategy},
+        run={"resume": str(step_dir)},
+    )
+    one = run_ranks(resume_only, 1, raw)[0]
+    assert one["step"] == 10
+    saved = torch.load(step_dir / "model.pt", weights_only=True)
+    if strategy == "diloco":
+        # The anchor (the model of the outer step at step 8), not a replica.
+        outer = torch.load(step_dir / OUTER_FILE, weights_only=True)
+        for name, value in outer["anchor"].items():
+            assert np.array_equal(one["anchor"][name], value.numpy()), name
+            assert np.array_equal(one["params"][name], value.numpy()), name
+        assert max_diff(one["params"], {k: v.numpy() for k, v in saved.items()}) > 0
+        assert "restarts from the anchor" in one["printed"]
+    else:
+        assert max_diff(one["params"], {k: v.numpy() for k, v in saved.items()}) == 0.0
+        assert "starts from rank 0's replica" in one["printed"]
+    assert "not carried over" in one["printed"]  # saved mid-interval
+    inner = torch.load(step_dir / "optimizer.pt", weights_only=True)["state"]
+    assert all(np.array_equal(one["exp_avg"][i], inner[i]["exp_avg"].numpy()) for i in inner)
+
+
+# -- the NaN guard -------------------------------------------------------------------------
+
+
+def test_a_nan_on_one_rank_is_skipped_on_every_rank(pair: list[Any]) -> None:
+    out = [pair[rank]["localsgd_nan"] for rank in (0, 1)]
+    assert [o["skipped"] for o in out] == [1, 1]  # both took the same branch: no hang
+    assert [o["steps"] for o in out] == [STEPS, STEPS]
+    assert max_diff(out[0]["params"], out[1]["params"]) == 0.0  # the run ended on a sync
+    assert all(np.isfinite(v).all() for v in out[0]["params"].values())
+
+
+def test_persistent_nan_rolls_back_mid_interval(pair: list[Any]) -> None:
+    out = [pair[rank]["diloco_rollback"] for rank in (0, 1)]
+    assert [o["rollbacks"] for o in out] == [1, 1]
+    assert [o["skipped"] for o in out] == [3, 3]
+    assert [o["steps"] for o in out] == [STEPS, STEPS]
+    assert max_diff(out[0]["params"], out[1]["params"]) == 0.0
+    assert all(np.isfinite(v).all() for v in out[0]["params"].values())
+
+
+def test_the_module_imports_on_its_own() -> None:
+    # The registry (dtrain.parallel) lists these strategies and they build on its base:
+    # importing this module first, in a fresh interpreter, must not trip over that cycle.
+    code = "import dtrain.comm.local_sgd as m; print(m.DiLoCoStrategy.name)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "diloco"
