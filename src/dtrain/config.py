@@ -234,6 +234,13 @@ class DistConfig:
     device: Literal["auto", "cpu", "cuda"] = _opt("auto", "compute device")
     timeout_s: float = _opt(300.0, "collective timeout in seconds", min=0, min_exclusive=True)
     threads: int = _opt(0, "torch threads per worker (0 = cores / local workers)", min=0)
+    connect_timeout_s: float = _opt(
+        30.0,
+        "at start, how long a rank tries to reach the job's store and its peers before it fails "
+        "naming the address it could not reach",
+        min=0,
+        min_exclusive=True,
+    )
 
 
 @dataclass

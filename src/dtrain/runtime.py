@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from dtrain.config import DistConfig
 from dtrain.errors import ConfigError
+from dtrain.reachability import check_store, open_store, peers_checked
 
 
 @dataclass(frozen=True)
@@ -91,18 +92,13 @@ def store_namespace() -> str:
     return "dtrain/"
 
 
-def attempt_store(rank: int, timeout: datetime.timedelta) -> Any:
-    """The job's key-value store (MASTER_ADDR:MASTER_PORT) under :func:`store_namespace`."""
-    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = int(os.environ.get("MASTER_PORT", "29500"))
-    store = dist.TCPStore(  # type: ignore[attr-defined]
-        host,
-        port,
-        is_master=not store_hosted_by_launcher() and rank == 0,
-        timeout=timeout,
-        wait_for_workers=False,
+def attempt_store(rank: int, timeout: datetime.timedelta, connect_timeout_s: float) -> Any:
+    """The job's key-value store (MASTER_ADDR:MASTER_PORT), opened (or, by rank 0, hosted)
+    within ``connect_timeout_s``; the caller prefixes it with :func:`store_namespace`."""
+    is_master = not store_hosted_by_launcher() and rank == 0
+    return open_store(
+        rank, is_master=is_master, timeout=timeout, connect_timeout_s=connect_timeout_s
     )
-    return dist.PrefixStore(store_namespace() + "pg", store)  # type: ignore[attr-defined]
 
 
 def init_runtime(cfg: DistConfig) -> Runtime:
@@ -118,14 +114,23 @@ def init_runtime(cfg: DistConfig) -> Runtime:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend,
-            rank=rank,
-            world_size=world_size,
-            timeout=timeout,
-            store=attempt_store(rank, timeout),
-            device_id=device if device.type == "cuda" else None,
-        )
+        # Every address this rank needs is checked first, each within dist.connect_timeout_s:
+        # an unreachable one is a one-line error naming it, not a hang (reachability.py).
+        connect_s = cfg.connect_timeout_s
+        if store_hosted_by_launcher() or rank != 0:
+            check_store(rank, env_int("GROUP_WORLD_SIZE", 1), connect_s)
+        store = attempt_store(rank, timeout, connect_s)
+        reach = dist.PrefixStore(store_namespace() + "reach/", store)  # type: ignore[attr-defined]
+        hosts_store = not store_hosted_by_launcher() and rank == 0
+        with peers_checked(reach, rank, world_size, backend, connect_s, hosts_store):
+            dist.init_process_group(
+                backend=backend,
+                rank=rank,
+                world_size=world_size,
+                timeout=timeout,
+                store=dist.PrefixStore(store_namespace() + "pg", store),  # type: ignore[attr-defined]
+                device_id=device if device.type == "cuda" else None,
+            )
     return Runtime(rank=rank, world_size=world_size, device=device, timeout=timeout)
 
 

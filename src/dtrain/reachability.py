@@ -1,0 +1,294 @@
+"""At start, every rank checks that it can reach what the job needs: an address that does not
+route is one line naming the host and the address, within seconds, not a hang.
+
+Without it, a job whose machines were given addresses they cannot use hangs in
+``init_process_group`` until the collective timeout and is killed with nothing useful said. The
+classic case: the first machine advertises its hostname, which resolves to 127.0.0.1 there
+(``torchrun`` without ``--local-addr``), and every other machine's workers try ``localhost``.
+
+What is checked, in :func:`dtrain.runtime.init_runtime`, before ``init_process_group``:
+
+1. **The job's store** (``MASTER_ADDR:MASTER_PORT``; rank 0 hosts it under ``dtrain train``,
+   torch's agent under plain ``torchrun``). A name that does not resolve fails at once, and so
+   does a loopback address when this node advertises a real one (``DTRAIN_NODE_ADDR``, set by
+   ``dtrain train``): the first machine then advertised an address no other machine can use.
+   Otherwise a rank tries for ``dist.connect_timeout_s`` ("connection refused" is normal for
+   the second or two rank 0 takes to start), then names the address. Rank 0 opens the store
+   with the same bound: an advertised address that is not its own fails there.
+2. **The peers' collective addresses.** Each rank listens on the address its collectives will
+   use -- gloo's choice: the interface named by ``GLOO_SOCKET_IFNAME`` (``--iface``), else the
+   address its hostname resolves to -- publishes it in the store, and opens a TCP connection
+   to rank 0 and to its two ring neighbours, each bounded by ``dist.connect_timeout_s``. Three
+   connections per rank whatever the job's size (rank 0 accepts one from every rank), and every
+   node is checked against rank 0's and against the next node's: a cheap sample of gloo's full
+   mesh that catches a wrong interface or an unreachable node, not every broken pair. The
+   listening socket stays open until ``init_process_group`` returns, which no rank passes
+   before every rank has finished its own connections.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import ipaddress
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch.distributed as dist
+
+from dtrain.errors import UserError
+from dtrain.network import interface_addresses, is_loopback, resolve
+
+# Set by ``dtrain train`` for its workers: the address this node advertises to the others.
+NODE_ADDR_ENV = "DTRAIN_NODE_ADDR"
+
+_ATTEMPT_S = 2.0  # one connection attempt: an unreachable host answers in well under that
+_RETRY_S = 0.25
+
+
+class Unreachable(UserError):
+    """An address this rank must reach does not answer (or cannot be one that would)."""
+
+
+def node_label() -> str:
+    """How this rank's machine is named in messages: its advertised address where known
+    (machines, containers and namespaces often share a hostname), else its hostname."""
+    return f"host {os.environ.get(NODE_ADDR_ENV) or socket.gethostname()}"
+
+
+def connect_error(host: str, port: int, timeout_s: float) -> OSError | None:
+    """Try a TCP connection to ``host:port`` until one succeeds or ``timeout_s`` has passed;
+    None on success, else the last error (refused, no route, timed out)."""
+    deadline = time.monotonic() + timeout_s
+    last: OSError = TimeoutError(errno.ETIMEDOUT, "timed out")
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return last
+        try:
+            with socket.create_connection((host, port), timeout=min(_ATTEMPT_S, left)):
+                return None
+        except socket.gaierror:
+            raise
+        except OSError as exc:
+            # A timeout says less than what an earlier attempt said ("No route to host").
+            if not isinstance(exc, TimeoutError) or isinstance(last, TimeoutError):
+                last = exc
+        time.sleep(min(_RETRY_S, max(0.0, deadline - time.monotonic())))
+
+
+def describe(error: OSError) -> str:
+    return error.strerror or str(error) or type(error).__name__
+
+
+def wait_for_endpoint(
+    host: str, port: int, timeout_s: float, on_wait: Callable[[str], None] | None = None
+) -> OSError | None:
+    """Wait up to ``timeout_s`` for ``host:port`` to accept a TCP connection; None once it does,
+    else the last error. ``on_wait(reason)`` is called once, after a few seconds of waiting."""
+    first = connect_error(host, port, min(timeout_s, 5.0))
+    if first is None or timeout_s <= 5.0:
+        return first
+    if on_wait is not None:
+        on_wait(describe(first))
+    return connect_error(host, port, timeout_s - 5.0)
+
+
+def _hint_loopback(host: str) -> str:
+    return (
+        f"{host} is a loopback address here: the first machine advertised its hostname, which "
+        "resolves to 127.0.0.1 there; pass --local-addr ADDR (an address the other machines "
+        "reach it at) to `dtrain train` on the first machine (`torchrun --local-addr`)"
+    )
+
+
+def check_store(rank: int, nodes: int, timeout_s: float) -> None:
+    """Raise :class:`Unreachable` unless the job's store answers at MASTER_ADDR:MASTER_PORT."""
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("MASTER_PORT", "29500"))
+    where = f"the job's store at {host}:{port} (MASTER_ADDR:MASTER_PORT, from the first machine)"
+    try:
+        resolve(host)
+    except OSError as exc:
+        raise Unreachable(
+            f"{node_label()} cannot resolve {where}: {exc}; pass --local-addr ADDR to the first "
+            "machine's `dtrain train`"
+        ) from None
+    loopback = is_loopback(host)
+    own = os.environ.get(NODE_ADDR_ENV)
+    if nodes > 1 and loopback and own and not is_loopback(own):
+        # This node talks to the others over a network; the first one advertised loopback.
+        raise Unreachable(f"{node_label()} cannot use {where}: {_hint_loopback(host)}")
+    error = connect_error(host, port, timeout_s)
+    if error is not None:
+        hint = f"; {_hint_loopback(host)}" if nodes > 1 and loopback else ""
+        raise Unreachable(
+            f"{node_label()} cannot reach {where} within {timeout_s:.0f}s: {describe(error)}{hint}"
+        )
+
+
+def open_store(
+    rank: int, *, is_master: bool, timeout: datetime.timedelta, connect_timeout_s: float
+) -> Any:
+    """The job's store (MASTER_ADDR:MASTER_PORT), opened within ``connect_timeout_s``; its later
+    calls wait up to ``timeout``."""
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("MASTER_PORT", "29500"))
+    try:
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            host,
+            port,
+            is_master=is_master,
+            timeout=datetime.timedelta(seconds=connect_timeout_s),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, OSError) as exc:
+        role = "host" if is_master else "reach"
+        # torch's message is long and mangles addresses; a plain connection says why in a word.
+        probe = None if is_master else connect_error(host, port, _ATTEMPT_S)
+        first = describe(probe) if probe else (str(exc).strip().splitlines() or [""])[0]
+        extra = (
+            " (the address this machine advertises, --local-addr, must be one of its own or "
+            "lead to it)"
+            if is_master
+            else ""
+        )
+        raise Unreachable(
+            f"{node_label()} cannot {role} the job's store at {host}:{port}{extra} within "
+            f"{connect_timeout_s:.0f}s: {first}"
+        ) from None
+    store.set_timeout(timeout)
+    return store
+
+
+def collective_address(backend: str) -> str:
+    """The address this rank's collectives listen on, as gloo chooses it: the interface in
+    ``GLOO_SOCKET_IFNAME`` (``NCCL_SOCKET_IFNAME`` for nccl), else this machine's hostname."""
+    variable = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
+    interface = os.environ.get(variable, "").split(",")[0]
+    if interface and not interface.startswith(("^", "=")):
+        addresses = interface_addresses(interface)
+        if not addresses:
+            raise Unreachable(
+                f"{node_label()}: {variable}={interface}: no such network interface here, or "
+                "it has no address (--iface names an interface of every machine)"
+            )
+        return addresses[0]
+    try:
+        return resolve(socket.gethostname())[0]
+    except (OSError, IndexError):
+        return "127.0.0.1"  # gloo's own fallback
+
+
+def peers_of(rank: int, world_size: int) -> list[int]:
+    """Whom ``rank`` checks: rank 0 and its ring neighbours."""
+    return sorted({0, (rank - 1) % world_size, (rank + 1) % world_size} - {rank})
+
+
+def _accept_forever(listener: socket.socket) -> None:
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return  # closed: the check is over
+        conn.close()
+
+
+@contextlib.contextmanager
+def peers_checked(
+    store: Any, rank: int, world_size: int, backend: str, timeout_s: float, hosts_store: bool
+) -> Iterator[None]:
+    """Publish this rank's collective address under ``store`` (a prefix of its own), connect to
+    :func:`peers_of`, raise :class:`Unreachable` naming the first that does not answer; the
+    listening socket stays open for the body (``init_process_group``)."""
+    address = collective_address(backend)
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        try:
+            listener.bind((address, 0))
+        except OSError as exc:
+            raise Unreachable(
+                f"{node_label()}: rank {rank}'s collectives would use {address}, which is not an "
+                f"address of this machine ({describe(exc)}); pass --iface NAME"
+            ) from None
+        listener.listen(128)
+        threading.Thread(
+            target=_accept_forever, args=(listener,), name="dtrain-reach", daemon=True
+        ).start()
+        record = {"addr": address, "port": listener.getsockname()[1], "host": node_label()}
+        store.set(str(rank), json.dumps(record))
+        try:
+            for peer in peers_of(rank, world_size):
+                _check_peer(store, rank, peer, timeout_s)
+        except Unreachable as exc:
+            _post_failure(store, f"rank {rank}: {exc}", linger=hosts_store)
+            raise
+        _wait_for_all(store, world_size, timeout_s)
+        yield
+    finally:
+        listener.close()
+
+
+def _post_failure(store: Any, message: str, linger: bool) -> None:
+    """Tell the other ranks why the job cannot start (they wait in :func:`_wait_for_all`); a
+    rank that hosts the store gives them a moment to read it before its exit takes the store
+    down."""
+    try:
+        store.set("failed", message)
+        store.set("all", "1")
+    except RuntimeError:
+        return
+    if linger:
+        time.sleep(1.0)
+
+
+def _wait_for_all(store: Any, world_size: int, timeout_s: float) -> None:
+    """Every rank's check done, or the first failure named: so that a rank whose own checks
+    passed does not go on to fail obscurely in ``init_process_group`` (one store key each)."""
+    if int(store.add("checked", 1)) == world_size:
+        store.set("all", "1")
+    try:
+        store.wait(["all"], datetime.timedelta(seconds=2 * timeout_s))
+        failed = store.get("failed").decode() if store.check(["failed"]) else ""
+    except RuntimeError:
+        raise Unreachable(
+            f"{node_label()}: not every rank finished its start-up check within "
+            f"{2 * timeout_s:.0f}s (the job's store went away, or a rank is stuck: see their "
+            "errors)"
+        ) from None
+    if failed:
+        raise Unreachable(f"{node_label()}: the job cannot start: {failed}")
+
+
+def _check_peer(store: Any, rank: int, peer: int, timeout_s: float) -> None:
+    try:
+        store.wait([str(peer)], datetime.timedelta(seconds=timeout_s))
+        found = json.loads(store.get(str(peer)))
+    except (RuntimeError, ValueError) as exc:
+        if "timeout" not in str(exc).lower():
+            raise
+        raise Unreachable(
+            f"{node_label()}: rank {peer} did not publish its address within {timeout_s:.0f}s "
+            "(it failed before, see its own error, or has not started)"
+        ) from None
+    address, port = found["addr"], int(found["port"])
+    error = connect_error(address, port, timeout_s)
+    if error is not None:
+        hint = ""
+        if ipaddress.ip_address(address).is_loopback:
+            hint = (
+                f"; rank {peer}'s collectives are on loopback (its hostname's address, or "
+                "--iface lo): pass --iface NAME on its machine, the interface that reaches the "
+                "other machines"
+            )
+        raise Unreachable(
+            f"{node_label()} cannot reach rank {peer} ({found['host']}) at {address}:{port}, the "
+            f"address its collectives use, within {timeout_s:.0f}s: {describe(error)}{hint}"
+        )
