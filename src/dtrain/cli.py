@@ -34,6 +34,24 @@ def _train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="HOST:PORT of the rendezvous (needed with several machines)",
     )
     p.add_argument(
+        "--local-addr",
+        default="",
+        help="the address this machine advertises to the others (default: the one it reaches "
+        "the rendezvous host from); on the first machine, the job's store's address",
+    )
+    p.add_argument(
+        "--iface",
+        default="",
+        help="network interface of the collectives (GLOO/NCCL_SOCKET_IFNAME; default: the one "
+        "holding the advertised address)",
+    )
+    p.add_argument(
+        "--rdzv-timeout",
+        type=int,
+        default=900,
+        help="seconds to wait for the rendezvous host and the other machines",
+    )
+    p.add_argument(
         "--max-restarts",
         type=int,
         default=0,
@@ -98,7 +116,15 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.resume is not None:
         overrides = [*overrides, f"--run.resume={args.resume}"]
     opts = make_options(
-        args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts, args.run_id
+        args.nproc,
+        args.nnodes,
+        args.node_rank,
+        args.rdzv_endpoint,
+        args.max_restarts,
+        args.run_id,
+        local_addr=args.local_addr,
+        iface=args.iface,
+        rdzv_timeout_s=args.rdzv_timeout,
     )
     cfg = load_job_config(args.config, overrides)
     strategy_class(cfg.strategy.name).validate_config(cfg, opts.min_world_size)

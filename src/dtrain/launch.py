@@ -16,6 +16,8 @@ from pathlib import Path
 
 from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
 from dtrain.fault.status import read_status
+from dtrain.network import choose_node_network, interface_of_host, split_endpoint
+from dtrain.reachability import NODE_ADDR_ENV, describe, wait_for_endpoint
 from dtrain.runtime import available_cores
 
 
@@ -29,6 +31,9 @@ class LaunchOptions:
     max_restarts: int = 0
     run_id: str = ""
     rdzv_timeout_s: int = 900
+    # The address this node advertises and the interface of its collectives (network.py).
+    local_addr: str | None = None
+    iface: str = ""
 
     @property
     def max_world_size(self) -> int:
@@ -72,6 +77,10 @@ def make_options(
     rdzv_endpoint: str,
     max_restarts: int,
     run_id: str,
+    *,
+    local_addr: str = "",
+    iface: str = "",
+    rdzv_timeout_s: int = 900,
 ) -> LaunchOptions:
     nproc = default_nproc() if nproc is None else nproc
     if nproc < 1:
@@ -86,8 +95,14 @@ def make_options(
         )
     if node_rank is not None and node_rank < 0:
         raise UserError(f"--node-rank {node_rank}: must be 0 or more")
-    if rdzv_endpoint and ":" not in rdzv_endpoint:
-        raise UserError(f"--rdzv-endpoint {rdzv_endpoint!r}: expected HOST:PORT")
+    if rdzv_endpoint:
+        try:
+            split_endpoint(rdzv_endpoint)
+        except ValueError:
+            raise UserError(f"--rdzv-endpoint {rdzv_endpoint!r}: expected HOST:PORT") from None
+    if rdzv_timeout_s < 1:
+        raise UserError(f"--rdzv-timeout {rdzv_timeout_s}: must be at least 1 second")
+    node_addr, iface = choose_node_network(rdzv_endpoint, local_addr, iface)
     return LaunchOptions(
         nproc=nproc,
         min_nodes=low,
@@ -96,6 +111,9 @@ def make_options(
         rdzv_endpoint=rdzv_endpoint,
         max_restarts=max_restarts,
         run_id=run_id or uuid.uuid4().hex[:12],
+        rdzv_timeout_s=rdzv_timeout_s,
+        local_addr=node_addr,
+        iface=iface,
     )
 
 
@@ -104,6 +122,7 @@ def launch_workers(config_path: Path, opts: LaunchOptions, grace_s: float = 120.
     save and exit after the launcher is sent a preemption signal, before they are killed."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     standalone = not opts.rdzv_endpoint
@@ -119,6 +138,7 @@ def launch_workers(config_path: Path, opts: LaunchOptions, grace_s: float = 120.
         # Port 0: the agent of a single machine opens its rendezvous store on a free port.
         rdzv_endpoint="localhost:0" if standalone else opts.rdzv_endpoint,
         rdzv_configs=rdzv_configs,
+        local_addr=opts.local_addr,
         max_restarts=opts.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
@@ -134,13 +154,54 @@ def launch_workers(config_path: Path, opts: LaunchOptions, grace_s: float = 120.
     # round, and the joining node waits for it until the rendezvous times out. (2) A fresh
     # store per round can hold no stale keys of an earlier attempt (see runtime.py).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # The workers' network: the interface of their collectives, and this node's advertised
+    # address for their start-up check (reachability.py).
+    if opts.iface:
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = opts.iface
+    if opts.local_addr:
+        os.environ[NODE_ADDR_ENV] = opts.local_addr
+    if not standalone and opts.node_rank != 0:
+        wait_for_rendezvous_host(opts)
     try:
         elastic_launch(config, sys.executable)("-u", "-m", "dtrain.worker", str(config_path))
+    except RendezvousError as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"rendezvous at {opts.rdzv_endpoint} failed: {first}") from None
     except ChildFailedError as exc:
         return report_failure(exc, opts)
     except SignalException as exc:
         return report_preemption(config_path.parent, int(exc.sigval))
     return 0
+
+
+def wait_for_rendezvous_host(opts: LaunchOptions) -> None:
+    """Before joining: wait (up to the rendezvous timeout) for the rendezvous host to accept a
+    connection, and name it when it does not -- torch's own attempt ends in a traceback after
+    its read timeout, or retries in silence. Not on the node that hosts the rendezvous."""
+    host, port = split_endpoint(opts.rdzv_endpoint)
+    if opts.node_rank is None and interface_of_host(host):
+        return  # this machine may be the host (torch decides by its addresses)
+
+    def notice(reason: str) -> None:
+        print(
+            f"dtrain: waiting for the rendezvous host at {opts.rdzv_endpoint} ({reason}); "
+            f"giving up after {opts.rdzv_timeout_s}s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    try:
+        error = wait_for_endpoint(host, port, opts.rdzv_timeout_s, notice)
+    except OSError as exc:  # the name does not resolve
+        raise UserError(
+            f"--rdzv-endpoint {opts.rdzv_endpoint}: {host} does not resolve ({exc})"
+        ) from None
+    if error is not None:
+        raise UserError(
+            f"--rdzv-endpoint {opts.rdzv_endpoint}: cannot reach the rendezvous host within "
+            f"{opts.rdzv_timeout_s}s: {describe(error)} (is `dtrain train --node-rank 0` running "
+            "there, and is the address right?)"
+        )
 
 
 def report_preemption(run_dir: Path, signum: int) -> int:
