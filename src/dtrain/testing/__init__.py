@@ -5,9 +5,12 @@
 - :mod:`~dtrain.testing.processes`: :class:`Launch`, the real ``dtrain train`` started as a user
   would, and what ``/proc`` says about its processes;
 - :mod:`~dtrain.testing.report`: the machine's description, and a script's section of a
-  Markdown file (``docs/benchmarks.md``).
+  Markdown file (``docs/benchmarks.md``);
+- :mod:`~dtrain.testing.hosts`: :class:`Hosts`, several hosts on this machine (network
+  namespaces from ``scripts/hosts.sh``, links limited with ``tc``) to run commands in.
 """
 
+from dtrain.testing.hosts import Hosts, hosts_unavailable, leftovers
 from dtrain.testing.processes import (
     Launch,
     children_of,
@@ -20,10 +23,13 @@ from dtrain.testing.processes import (
 from dtrain.testing.ranks import RankFailed, free_port, loopback_store, run_ranks
 
 __all__ = [
+    "Hosts",
     "Launch",
     "RankFailed",
     "children_of",
     "free_port",
+    "hosts_unavailable",
+    "leftovers",
     "loopback_store",
     "pid_alive",
     "processes_of",

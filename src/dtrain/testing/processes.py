@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -26,10 +26,19 @@ _LIVE: set[Launch] = set()
 
 class Launch:
     """One ``python -m dtrain train CONFIG --nproc N ...``, started in ``cwd`` (the repository
-    root, for a task such as ``tests.tasks:...`` to import in the workers)."""
+    root, for a task such as ``tests.tasks:...`` to import in the workers); after
+    ``exec_prefix`` when given (``Hosts.exec_prefix(i)``: in host i, see ``testing/hosts.py``)."""
 
-    def __init__(self, config: Path, nproc: int, *args: str, cwd: Path | None = None) -> None:
+    def __init__(
+        self,
+        config: Path,
+        nproc: int,
+        *args: str,
+        cwd: Path | None = None,
+        exec_prefix: Sequence[str] = (),
+    ) -> None:
         self.command = [
+            *exec_prefix,
             sys.executable,
             "-m",
             "dtrain",
