@@ -181,9 +181,18 @@ def collective_address(backend: str) -> str:
             )
         return addresses[0]
     try:
-        return resolve(socket.gethostname())[0]
-    except (OSError, IndexError):
-        return "127.0.0.1"  # gloo's own fallback
+        candidates = resolve(socket.gethostname())
+    except OSError:
+        candidates = []
+    for address in candidates:  # gloo takes the first it can bind to
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((address, 0))
+            except OSError:
+                continue
+        return address
+    return "127.0.0.1"  # gloo's own fallback
 
 
 def peers_of(rank: int, world_size: int) -> list[int]:
