@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dtrain.comm.accounting import all_reduce_bytes
-from dtrain.comm.local_sgd import OUTER_FILE, DiLoCoStrategy, LocalSGDStrategy, replica_file
+from dtrain.parallel.local_sgd import OUTER_FILE, DiLoCoStrategy, LocalSGDStrategy, replica_file
 from dtrain.testing import run_ranks
 from tests.conftest import tiny_raw
 from tests.dist_helpers import crash_then_resume, losses_by_step, make_trainer, train_with_nan
@@ -290,9 +290,9 @@ def test_persistent_nan_rolls_back_mid_interval(pair: list[Any]) -> None:
 
 
 def test_the_module_imports_on_its_own() -> None:
-    # The registry (dtrain.parallel) lists these strategies and they build on its base:
-    # importing this module first, in a fresh interpreter, must not trip over that cycle.
-    code = "import dtrain.comm.local_sgd as m; print(m.DiLoCoStrategy.name)"
+    # The registry (dtrain.parallel's __init__) lists these strategies and they build on its
+    # base: importing this module first, in a fresh interpreter, must work.
+    code = "import dtrain.parallel.local_sgd as m; print(m.DiLoCoStrategy.name)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "diloco"

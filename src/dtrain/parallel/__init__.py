@@ -8,13 +8,13 @@ touches the trainer.
 
 from __future__ import annotations
 
-from dtrain.comm.local_sgd import DiLoCoStrategy, LocalSGDStrategy
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.parallel.allreduce import AllReduceStrategy
 from dtrain.parallel.base import Strategy
 from dtrain.parallel.ddp import DDPStrategy
 from dtrain.parallel.fsdp import FSDPStrategy
+from dtrain.parallel.local_sgd import DiLoCoStrategy, LocalSGDStrategy
 from dtrain.parallel.pipeline import PipelineStrategy
 from dtrain.parallel.tensor import TensorParallelStrategy
 from dtrain.runtime import Runtime
