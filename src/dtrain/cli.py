@@ -36,8 +36,9 @@ def _train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--local-addr",
         default="",
-        help="the address this machine advertises to the others (default: the one it reaches "
-        "the rendezvous host from); on the first machine, the job's store's address",
+        help="the address this machine advertises to the others, where they reach its ranks "
+        "and, if rank 0 is here, the job's store (default: the one it reaches the rendezvous "
+        "host from)",
     )
     p.add_argument(
         "--iface",
