@@ -331,7 +331,14 @@ def test_resume_continues_bit_for_bit(
             np.testing.assert_array_equal(resumed[key], saved[key], err_msg=key)
     step10 = tmp / f"{strategy}-{compression}-saved/checkpoints/step-00000010"
     for rank_index in range(2):  # each rank's error-feedback state, in the checkpoint
-        state = ckread.load_file(step10, ckread.comm_file(rank_index))
+        saved = ckread.load_file(step10, ckread.comm_file(rank_index))
+        assert saved["layout"] == {
+            "compression": compression,
+            "strategy": strategy,
+            "bucket_mb": 25.0,
+            "data_parallel_size": 2,
+        }
+        state = saved["hook"]
         tensors = state["residuals"] if compression == "topk" else state["error"]
         assert tensors and any(t.abs().sum() > 0 for t in tensors.values())
 

@@ -199,7 +199,10 @@ class Strategy(ABC):
             parts.files[ckread.OPTIMIZER_FILE] = self.optimizer_state_dict(optimizer)
         hook = self.stateful_comm_hook()
         if hook is not None:  # every rank: the residuals differ from rank to rank
-            parts.files[ckread.comm_file(self.data_parallel_rank)] = hook.state_dict()
+            parts.files[ckread.comm_file(self.data_parallel_rank)] = {
+                "layout": self._comm_layout(hook),
+                "hook": hook.state_dict(),
+            }
         return parts
 
     def load_checkpoint_parts(self, optimizer: torch.optim.Optimizer, step_dir: Path) -> None:
@@ -223,19 +226,28 @@ class Strategy(ABC):
         return None
 
     def load_comm_hook_state(self, step_dir: Path) -> None:
-        """Restore this rank's hook state from ``step_dir``. Only at the data-parallel size
-        that saved it (residuals belong to a rank's share of the data, as RNG streams do);
-        else, or when the checkpoint has none (saved without compression), the hook starts
-        afresh."""
+        """Restore this rank's hook state from ``step_dir`` when it was saved with the same
+        layout: the same method, strategy, bucket size and data-parallel size (residuals are
+        kept per bucket, and belong to a rank's share of the data, as RNG streams do). Else,
+        or when the checkpoint has none (saved without compression), the hook starts afresh."""
         hook = self.stateful_comm_hook()
         if hook is None:
             return
         name = ckread.comm_file(self.data_parallel_rank)
-        saved_size = ckread.load_meta(step_dir).get("data_parallel_size")
-        if (step_dir / name).exists() and saved_size == self.data_parallel_size:
-            hook.load_state_dict(ckread.load_file(step_dir, name))
+        saved = ckread.load_file(step_dir, name) if (step_dir / name).exists() else {}
+        if saved.get("layout") == self._comm_layout(hook):
+            hook.load_state_dict(saved["hook"])
         else:
             hook.reset()
+
+    def _comm_layout(self, hook: CommHook) -> dict[str, Any]:
+        """What a hook's saved state is only valid under."""
+        return {
+            "compression": hook.name,
+            "strategy": self.name,
+            "bucket_mb": self.cfg.strategy.bucket_mb,
+            "data_parallel_size": self.data_parallel_size,
+        }
 
     def model_state_dict(self) -> dict[str, Any]:
         return self.unwrapped.state_dict()
