@@ -309,7 +309,7 @@ def test_plain_torchrun_without_local_addr_names_the_loopback_store(tmp_path: Pa
     assert all(proc.returncode != 0 for proc in procs), text[-4000:]
     assert elapsed < 90, elapsed
     print(f"plain torchrun without --local-addr: failed in {elapsed:.1f}s")
-    assert "cannot reach the job's store at" in text and "pass --local-addr" in text, text[-4000:]
+    assert "cannot reach the job's store at" in text and "--local-addr ADDR" in text, text[-4000:]
 
 
 # -- the helper itself -----------------------------------------------------------------------

@@ -3,7 +3,7 @@ route is one line naming the host and the address, within seconds, not a hang.
 
 Without it, a job whose machines were given addresses they cannot use hangs in
 ``init_process_group`` until the collective timeout and is killed with nothing useful said. The
-classic case: the first machine advertises its hostname, which resolves to 127.0.0.1 there
+classic case: rank 0's machine advertises its hostname, which resolves to 127.0.0.1 there
 (``torchrun`` without ``--local-addr``), and every other machine's workers try ``localhost``.
 
 What is checked, in :func:`dtrain.runtime.init_runtime`, before ``init_process_group``:
@@ -11,7 +11,7 @@ What is checked, in :func:`dtrain.runtime.init_runtime`, before ``init_process_g
 1. **The job's store** (``MASTER_ADDR:MASTER_PORT``; rank 0 hosts it under ``dtrain train``,
    torch's agent under plain ``torchrun``). A name that does not resolve fails at once, and so
    does a loopback address when this node advertises a real one (``DTRAIN_NODE_ADDR``, set by
-   ``dtrain train``): the first machine then advertised an address no other machine can use.
+   ``dtrain train``): rank 0's machine then advertised an address no other machine can use.
    Otherwise a rank tries for ``dist.connect_timeout_s`` ("connection refused" is normal for
    the second or two rank 0 takes to start), then names the address. Rank 0 opens the store
    with the same bound: an advertised address that is not its own fails there.
@@ -102,28 +102,28 @@ def wait_for_endpoint(
 
 def _hint_loopback(host: str) -> str:
     return (
-        f"{host} is a loopback address here: the first machine advertised its hostname, which "
-        "resolves to 127.0.0.1 there; pass --local-addr ADDR (an address the other machines "
-        "reach it at) to `dtrain train` on the first machine (`torchrun --local-addr`)"
+        f"{host} is a loopback address here: rank 0's machine advertised its hostname, which "
+        "resolves to 127.0.0.1 there; pass each machine's --local-addr ADDR (an address the "
+        "others reach it at) to `dtrain train` or `torchrun`"
     )
 
 
-def check_store(rank: int, nodes: int, timeout_s: float) -> None:
+def check_store(nodes: int, timeout_s: float) -> None:
     """Raise :class:`Unreachable` unless the job's store answers at MASTER_ADDR:MASTER_PORT."""
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = int(os.environ.get("MASTER_PORT", "29500"))
-    where = f"the job's store at {host}:{port} (MASTER_ADDR:MASTER_PORT, from the first machine)"
+    where = f"the job's store at {host}:{port} (MASTER_ADDR:MASTER_PORT, from rank 0's machine)"
     try:
         resolve(host)
     except OSError as exc:
         raise Unreachable(
-            f"{node_label()} cannot resolve {where}: {exc}; pass --local-addr ADDR to the first "
-            "machine's `dtrain train`"
+            f"{node_label()} cannot resolve {where}: {exc}; pass --local-addr ADDR (an address, "
+            "not a name) on every machine"
         ) from None
     loopback = is_loopback(host)
     own = os.environ.get(NODE_ADDR_ENV)
     if nodes > 1 and loopback and own and not is_loopback(own):
-        # This node talks to the others over a network; the first one advertised loopback.
+        # This node talks to the others over a network; rank 0's advertised loopback.
         raise Unreachable(f"{node_label()} cannot use {where}: {_hint_loopback(host)}")
     error = connect_error(host, port, timeout_s)
     if error is not None:
@@ -133,9 +133,7 @@ def check_store(rank: int, nodes: int, timeout_s: float) -> None:
         )
 
 
-def open_store(
-    rank: int, *, is_master: bool, timeout: datetime.timedelta, connect_timeout_s: float
-) -> Any:
+def open_store(*, is_master: bool, timeout: datetime.timedelta, connect_timeout_s: float) -> Any:
     """The job's store (MASTER_ADDR:MASTER_PORT), opened within ``connect_timeout_s``; its later
     calls wait up to ``timeout``."""
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")

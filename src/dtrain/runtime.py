@@ -96,9 +96,7 @@ def attempt_store(rank: int, timeout: datetime.timedelta, connect_timeout_s: flo
     """The job's key-value store (MASTER_ADDR:MASTER_PORT), opened (or, by rank 0, hosted)
     within ``connect_timeout_s``; the caller prefixes it with :func:`store_namespace`."""
     is_master = not store_hosted_by_launcher() and rank == 0
-    return open_store(
-        rank, is_master=is_master, timeout=timeout, connect_timeout_s=connect_timeout_s
-    )
+    return open_store(is_master=is_master, timeout=timeout, connect_timeout_s=connect_timeout_s)
 
 
 def init_runtime(cfg: DistConfig) -> Runtime:
@@ -118,7 +116,7 @@ def init_runtime(cfg: DistConfig) -> Runtime:
         # an unreachable one is a one-line error naming it, not a hang (reachability.py).
         connect_s = cfg.connect_timeout_s
         if store_hosted_by_launcher() or rank != 0:
-            check_store(rank, env_int("GROUP_WORLD_SIZE", 1), connect_s)
+            check_store(env_int("GROUP_WORLD_SIZE", 1), connect_s)
         store = attempt_store(rank, timeout, connect_s)
         reach = dist.PrefixStore(store_namespace() + "reach/", store)  # type: ignore[attr-defined]
         hosts_store = not store_hosted_by_launcher() and rank == 0
