@@ -258,7 +258,8 @@ class Trainer:
         summary.checkpoint = str(self.run_dir / "checkpoints" / ckread.step_dir_name(self.step))
         summary.wall_s = time.perf_counter() - started
         summary.items = self.items_seen
-        summary.comm_bytes, summary.comm_wait_s = self.strategy.comm.totals()
+        if self.strategy.counts_all_traffic:
+            summary.comm_bytes, summary.comm_wait_s = self.strategy.comm.totals()
         if self.progress is not None:
             self.progress.close()
         if self.task.after_training is not None and not summary.preempted:
@@ -386,14 +387,25 @@ class Trainer:
             "items_seen": self.items_seen,
             "skipped_steps": self.skipped_steps,
             "param_bytes_rank0": self.strategy.parameter_bytes(),
-            "comm_bytes_per_step": sent_since / per_step,
-            "comm_wait_s_per_step": waited_since / per_step,
-            "comm_wait_share": waited_since / elapsed if elapsed > 0 else 0.0,
+            **self._comm_fields(sent_since / per_step, waited_since, per_step, elapsed),
             "time": time.time(),
         }
         assert self.metrics is not None and self.progress is not None
         self.metrics.write(record)
-        self.progress.update(self.step, loss, rate, sent_since / per_step)
+        counted = self.strategy.counts_all_traffic
+        self.progress.update(self.step, loss, rate, sent_since / per_step if counted else 0.0)
+
+    def _comm_fields(
+        self, sent_per_step: float, waited: float, steps: int, elapsed: float
+    ) -> dict[str, float | None]:
+        """Communication per step; None where the strategy cannot count all of it."""
+        if not self.strategy.counts_all_traffic:
+            return {"comm_bytes_per_step": None, "comm_wait_s_per_step": None}
+        return {
+            "comm_bytes_per_step": sent_per_step,
+            "comm_wait_s_per_step": waited / steps,
+            "comm_wait_share": waited / elapsed if elapsed > 0 else 0.0,
+        }
 
     def evaluate(self, max_samples: int = 0) -> float | None:
         """Mean validation loss; every sample of the set (or of its first ``max_samples``)

@@ -64,6 +64,10 @@ class Strategy(ABC):
     # Whether gradients go through comm hooks that comm.compression can replace (ddp,
     # allreduce); any other strategy rejects compression in validate_config.
     takes_compression: ClassVar[bool] = False
+    # Whether ``comm`` counts every byte this strategy sends. Strategies whose collectives run
+    # inside torch (FSDP's gathers, pipeline sends, tensor-parallel all-reduces) count only
+    # dtrain's own, so their totals are left out of the metrics rather than understated.
+    counts_all_traffic: ClassVar[bool] = True
 
     def __init__(self, cfg: Config, runtime: Runtime) -> None:
         self.cfg = cfg

@@ -24,6 +24,7 @@ class ShardedStrategy(Strategy):
     """A strategy whose ranks each hold part of the model and optimizer state."""
 
     state_dict_options: ClassVar[Any] = None  # torch's StateDictOptions, or None for its default
+    counts_all_traffic = False  # their collectives run inside torch (see Strategy)
 
     @property
     def replicated_state(self) -> bool:
