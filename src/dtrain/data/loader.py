@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from dtrain.data.partition import OrderSpec, StepPlan, eval_shard, plan_steps
+from dtrain.data.partition import OrderSpec, StepPlan, check_weights, eval_shard, plan_steps
 from dtrain.errors import DataError
 
 Collate = Callable[[list[Any]], Any]
@@ -143,6 +143,7 @@ class RankLoader:
         collate_fn: Collate,
         lengths: np.ndarray | None = None,
         weights: Sequence[float] | None = None,
+        max_micro_batch: int = 0,
         num_workers: int = 0,
         prefetch: int = 2,
         pin_memory: bool = False,
@@ -154,12 +155,17 @@ class RankLoader:
             raise DataError(
                 f"sample_lengths() gives {len(lengths)} lengths for {order.num_samples} samples"
             )
-        if world_size * micro_batches > global_batch_size:
+        # Under a micro-batch cap (load balancing) each rank needs one sample, not one per
+        # micro-step: its micro-steps follow its share (partition.step_shape).
+        per_rank = micro_batches if max_micro_batch <= 0 else 1
+        if world_size * per_rank > global_batch_size:
             raise DataError(
                 f"a global batch of {global_batch_size} samples cannot give "
-                f"{world_size} ranks x {micro_batches} micro-batches one sample each; raise "
+                f"{world_size} ranks x {per_rank} micro-batches one sample each; raise "
                 "data.global_batch_size or lower data.micro_batches"
             )
+        if weights is not None:
+            check_weights(weights, world_size)
         if world_size > order.num_samples:
             raise DataError(
                 f"the dataset has {order.num_samples} samples, fewer than the "
@@ -174,6 +180,8 @@ class RankLoader:
         self.collate_fn = collate_fn
         self.lengths = lengths
         self.weights = list(weights) if weights is not None else None
+        # Samples a rank holds per micro-batch at most (0 = data.micro_batches for every rank).
+        self.max_micro_batch = max_micro_batch
         self.num_workers = num_workers
         self.prefetch = prefetch
         self.pin_memory = pin_memory
@@ -235,8 +243,16 @@ class RankLoader:
         self.reset()
 
     def set_weights(self, weights: Sequence[float] | None) -> None:
-        """New per-rank shares from the next step on (load balancing)."""
-        self.weights = list(weights) if weights is not None else None
+        """New per-rank shares (one positive number per rank; None = equal) from the next step
+        on (load balancing). Every rank must set the same weights before the same step. What
+        was planned and fetched ahead with the old weights is dropped; the position stays, so
+        every sample is still delivered exactly once."""
+        new = [float(w) for w in weights] if weights is not None else None
+        if new is not None:
+            check_weights(new, self.world_size)
+        if new == self.weights:
+            return  # nothing changes: keep what was fetched ahead
+        self.weights = new
         self.reset()
 
     def epoch(self) -> float:
@@ -259,6 +275,7 @@ class RankLoader:
                 self.micro_batches,
                 self.weights,
                 self.lengths,
+                self.max_micro_batch,
             ):
                 if plan.start in self.skipped:
                     break  # plan again from the end of the skipped range
@@ -358,10 +375,13 @@ class RankLoader:
 
         def regroup() -> Iterator[StepBatch]:
             # The DataLoader yields micro-batches in sampler order, and the sampler queues each
-            # plan before yielding its first micro-batch, so the plan is there by now.
+            # plan before yielding its first micro-batch, so the plan is there once the first
+            # micro-batch is; it says how many this rank has (per rank under a cap).
             while True:
-                micro = [next(micro_iter) for _ in range(self.micro_batches)]
-                yield StepBatch(plan=sampler.planned.popleft(), micro=micro, rank=self.rank)
+                micro = [next(micro_iter)]
+                plan = sampler.planned.popleft()
+                micro += [next(micro_iter) for _ in range(len(plan.rank_ids(self.rank)) - 1)]
+                yield StepBatch(plan=plan, micro=micro, rank=self.rank)
 
         return regroup()
 

@@ -24,6 +24,12 @@ Rules when a global batch does not divide evenly (documented in docs/data.md and
   floor, ``max(1, longest / (tokens / world_size))`` (:func:`imbalance_bound`); the greedy rule
   lands within a few percent of it (measured in tests/test_partition.py).
 
+With a per-rank micro-batch cap (``micro_cap``, load balancing: ``balance.max_micro_batch``)
+the number of micro-steps is per rank instead of ``micro_batches`` for all: a rank holding
+``n`` samples runs ``ceil(n / micro_cap)`` micro-steps, and each rank keeps at least one sample
+(:func:`step_shape`). A rank with a larger share accumulates over more micro-steps rather than
+holding a larger micro-batch in memory.
+
 Under both rules a micro-batch lists its ids in ascending order, not in stream order: the
 order inside a batch changes no sum the step computes, and ascending ids are storage order,
 so a batch is read forward through the files (see ``ShardedDataset.gather``).
@@ -169,27 +175,75 @@ def equal_weights(world_size: int) -> list[float]:
     return [1.0] * world_size
 
 
-def partition_samples(
-    ids: np.ndarray, world_size: int, micro_batches: int, weights: Sequence[float] | None = None
-) -> list[list[np.ndarray]]:
-    """Equal-count (or weight-proportional) contiguous split: ``result[rank][micro]``."""
+def check_weights(weights: Sequence[float], world_size: int) -> None:
+    """Raise ``ValueError`` naming what is wrong with per-rank ``weights``: one positive,
+    finite number per rank."""
+    values = list(weights)
+    if len(values) != world_size:
+        raise ValueError(
+            f"{len(values)} per-rank weights {values} for a world of {world_size} ranks: give "
+            "one weight per data-parallel rank"
+        )
+    for rank, weight in enumerate(values):
+        if isinstance(weight, bool) or not isinstance(weight, (int, float, np.number)):
+            raise ValueError(f"per-rank weights {values}: rank {rank}'s {weight!r} is no number")
+        if not (np.isfinite(weight) and weight > 0):
+            raise ValueError(
+                f"per-rank weights {values}: rank {rank}'s weight {weight} is not positive and "
+                "finite; every rank needs a positive share"
+            )
+
+
+def step_shape(
+    total: int,
+    world_size: int,
+    micro_batches: int,
+    weights: Sequence[float] | None = None,
+    micro_cap: int = 0,
+) -> list[list[int]]:
+    """The sizes of every rank's micro-batches in a global batch of ``total`` samples split by
+    count (the ``samples`` rule): ``result[rank][micro]``.
+
+    ``micro_cap == 0``: every rank runs ``micro_batches`` micro-steps and holds at least that
+    many samples. ``micro_cap > 0`` (load balancing): every rank holds at least one sample and
+    runs ``ceil(share / micro_cap)`` micro-steps, so that no micro-batch exceeds the cap."""
+    minimum = micro_batches if micro_cap <= 0 else 1
     if weights is None:
         # Equal shares, the common case; computed directly, as this runs on every step.
-        per_rank = _equal_counts(len(ids), world_size, micro_batches)
+        per_rank = _equal_counts(total, world_size, minimum)
     else:
         _check_weights(weights, world_size)
-        per_rank = split_counts(len(ids), weights, minimum=micro_batches)
-    return [[np.sort(ids[a:b]) for a, b in rank] for rank in _part_bounds(per_rank, micro_batches)]
+        per_rank = split_counts(total, weights, minimum=minimum)
+    return [_equal_counts(n, _micro_steps(n, micro_batches, micro_cap), 1) for n in per_rank]
 
 
-def _part_bounds(per_rank: list[int], micro_batches: int) -> list[list[tuple[int, int]]]:
+def _micro_steps(samples: int, micro_batches: int, micro_cap: int) -> int:
+    """Micro-steps of a rank holding ``samples``: ``micro_batches``, or under a cap as few as
+    keep every micro-batch within it."""
+    return micro_batches if micro_cap <= 0 else max(1, -(-samples // micro_cap))
+
+
+def partition_samples(
+    ids: np.ndarray,
+    world_size: int,
+    micro_batches: int,
+    weights: Sequence[float] | None = None,
+    micro_cap: int = 0,
+) -> list[list[np.ndarray]]:
+    """Equal-count (or weight-proportional) contiguous split: ``result[rank][micro]``."""
+    shape = step_shape(len(ids), world_size, micro_batches, weights, micro_cap)
+    return [[np.sort(ids[a:b]) for a, b in rank] for rank in _part_bounds(shape)]
+
+
+def _part_bounds(shape: list[list[int]]) -> list[list[tuple[int, int]]]:
     """Where each (rank, micro-batch) part lies in the global batch, ``[rank][micro] ->
-    (first, last + 1)``: ranks in order, each rank's count cut equally into micro-batches."""
+    (first, last + 1)``: ranks in order, each rank's micro-batches of the sizes ``shape``
+    gives (:func:`step_shape`) one after the other."""
     bounds: list[list[tuple[int, int]]] = []
     begin = 0
-    for count in per_rank:
+    for sizes in shape:
         rank = []
-        for size in _equal_counts(count, micro_batches, 1):
+        for size in sizes:
             rank.append((begin, begin + size))
             begin += size
         bounds.append(rank)
@@ -210,25 +264,28 @@ def partition_tokens(
     world_size: int,
     micro_batches: int,
     weights: Sequence[float] | None = None,
+    micro_cap: int = 0,
 ) -> list[list[np.ndarray]]:
     """Token-balanced split: every rank (and micro-batch) gets close to its share of tokens.
 
     ``lengths[i]`` is the token count of ``ids[i]``. Greedy longest-processing-time: samples,
     longest first, go to the part with the lowest load relative to its weight, each part keeping
-    at least one sample per micro-step (see the module docstring for the exact rule).
+    at least one sample per micro-step (see the module docstring for the exact rule). With
+    ``micro_cap`` a rank's micro-steps follow its sample count, as in :func:`step_shape`.
     """
     weights = list(weights) if weights is not None else equal_weights(world_size)
     _check_weights(weights, world_size)
-    if len(ids) < world_size * micro_batches:
+    minimum = micro_batches if micro_cap <= 0 else 1
+    if len(ids) < world_size * minimum:
         raise ValueError(
-            f"{len(ids)} samples cannot give {world_size} ranks x {micro_batches} "
-            "micro-batches one each"
+            f"{len(ids)} samples cannot give {world_size} ranks x {minimum} micro-batches one each"
         )
     lengths = np.asarray(lengths, dtype=np.int64)
-    rank_positions = _lpt_assign(lengths, weights, micro_batches)
+    rank_positions = _lpt_assign(lengths, weights, minimum)
     out: list[list[np.ndarray]] = []
     for positions in rank_positions:
-        micro_positions = _lpt_assign(lengths[positions], equal_weights(micro_batches), 1)
+        steps = _micro_steps(len(positions), micro_batches, micro_cap)
+        micro_positions = _lpt_assign(lengths[positions], equal_weights(steps), 1)
         out.append([np.sort(ids[positions[mp]]) for mp in micro_positions])
     return out
 
@@ -266,7 +323,7 @@ def _lpt_assign(lengths: np.ndarray, weights: Sequence[float], minimum: int) -> 
 
 def _check_weights(weights: Sequence[float], world_size: int) -> None:
     if len(weights) != world_size:
-        raise ValueError(f"{len(weights)} per-rank weights for a world of {world_size} ranks")
+        check_weights(weights, world_size)  # raises, naming them
 
 
 class StepPlan:
@@ -319,8 +376,8 @@ class StepPlan:
 
 
 class _EqualSplit:
-    """The equal-count split of ``steps`` consecutive global batches (rows of ``block``), each
-    rank's parts sorted on first use, for all the steps in one call."""
+    """The count split (equal or weighted) of ``steps`` consecutive global batches (rows of
+    ``block``), each rank's parts sorted on first use, for all the steps in one call."""
 
     def __init__(self, block: np.ndarray, columns: list[list[tuple[int, int]]]) -> None:
         self.block = block  # (steps, global batch size), the epoch order's own dtype
@@ -349,14 +406,16 @@ def plan_step(
     micro_batches: int,
     weights: Sequence[float] | None = None,
     lengths: np.ndarray | None = None,
+    micro_cap: int = 0,
 ) -> StepPlan:
     """The step that starts at stream position ``consumed``. With ``lengths`` (the token count
-    of every sample id) the split is token-balanced, else equal-count."""
+    of every sample id) the split is token-balanced, else equal-count (in proportion to
+    ``weights`` when given). ``micro_cap``: see :func:`step_shape`."""
     ids = stream_slice(spec, consumed, global_batch_size)
     if lengths is None:
-        parts = partition_samples(ids, world_size, micro_batches, weights)
+        parts = partition_samples(ids, world_size, micro_batches, weights, micro_cap)
     else:
-        parts = partition_tokens(ids, lengths[ids], world_size, micro_batches, weights)
+        parts = partition_tokens(ids, lengths[ids], world_size, micro_batches, weights, micro_cap)
     return StepPlan(start=consumed, ids=parts, end=consumed + global_batch_size)
 
 
@@ -369,25 +428,35 @@ def plan_steps(
     micro_batches: int,
     weights: Sequence[float] | None = None,
     lengths: np.ndarray | None = None,
+    micro_cap: int = 0,
 ) -> list[StepPlan]:
     """``steps`` consecutive plans from stream position ``consumed``: the same as calling
-    :func:`plan_step` for each, and cheaper for the equal-count split, whose slicing and sorting
-    run once per rank and micro-batch for all the steps instead of once per step."""
-    if lengths is not None or weights is not None or steps < 2:
+    :func:`plan_step` for each, and cheaper for the count split (equal or weighted), whose
+    slicing and sorting run once per rank and micro-batch for all the steps instead of once
+    per step."""
+    if lengths is not None or steps < 2:
         plans = []
         for _ in range(steps):
             plans.append(
                 plan_step(
-                    spec, consumed, global_batch_size, world_size, micro_batches, weights, lengths
+                    spec,
+                    consumed,
+                    global_batch_size,
+                    world_size,
+                    micro_batches,
+                    weights,
+                    lengths,
+                    micro_cap,
                 )
             )
             consumed = plans[-1].end
         return plans
     block = _stream_block(spec, consumed, steps * global_batch_size)
     block = block.reshape(steps, global_batch_size)
-    # The columns of every (rank, micro-batch) part, the same in every step.
-    per_rank = _equal_counts(global_batch_size, world_size, micro_batches)
-    split = _EqualSplit(block, _part_bounds(per_rank, micro_batches))
+    # The columns of every (rank, micro-batch) part, the same in every step: the count split
+    # depends on the batch size, the weights and the cap only.
+    shape = step_shape(global_batch_size, world_size, micro_batches, weights, micro_cap)
+    split = _EqualSplit(block, _part_bounds(shape))
     return [
         StepPlan(
             consumed + step * global_batch_size,
