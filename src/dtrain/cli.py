@@ -108,6 +108,7 @@ def split_overrides(extra: Sequence[str]) -> list[str]:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from dtrain.config import validate_ranks
     from dtrain.fault.rundir import check_run_dir
     from dtrain.fsutil import write_atomic
     from dtrain.job import default_run_dir, load_job_config
@@ -129,6 +130,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     )
     cfg = load_job_config(args.config, overrides)
     strategy_class(cfg.strategy.name).validate_config(cfg, opts.min_world_size)
+    validate_ranks(cfg, opts.min_world_size)  # a rank the config names exists in every world
     if opts.max_world_size != opts.min_world_size:
         strategy_class(cfg.strategy.name).validate_config(cfg, opts.max_world_size)
     if not cfg.run.dir:

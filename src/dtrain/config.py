@@ -229,6 +229,70 @@ class CommConfig:
 
 
 @dataclass
+class BalanceConfig:
+    mode: Literal["off", "throughput"] = _opt(
+        "off",
+        "per-rank batch shares: 'off' (equal), or 'throughput' (in proportion to each rank's "
+        "measured speed; ddp and allreduce). Per-rank timing and straggler reports run either way",
+    )
+    every: int = _opt(
+        10, "steps between gathers of every rank's timing (and updates of the shares)", min=1
+    )
+    smoothing: float = _opt(
+        0.5,
+        "weight of the newest timing window in the smoothed per-item times (1 = no smoothing)",
+        min=0,
+        max=1,
+        min_exclusive=True,
+    )
+    max_change: float = _opt(
+        0.25, "largest relative change of a rank's weight in one update", min=0, min_exclusive=True
+    )
+    hysteresis: float = _opt(
+        0.05,
+        "shares move only when the predicted step time would drop by more than this fraction",
+        min=0,
+    )
+    min_weight: float = _opt(
+        0.1,
+        "floor of a rank's weight, as a fraction of an equal share (no rank gets nothing)",
+        min=0,
+        max=1,
+        min_exclusive=True,
+    )
+    max_micro_batch: int = _opt(
+        0,
+        "samples a rank holds per micro-batch at most; a larger share accumulates over more "
+        "micro-steps (0 = the equal split's micro-batch, global_batch_size / (ranks x "
+        "micro_batches) rounded up)",
+        min=0,
+    )
+    straggler_threshold: float = _opt(
+        1.25,
+        "a rank whose time per item (data + compute) exceeds the other ranks' median by this "
+        "factor is a straggler",
+        min=1,
+        min_exclusive=True,
+    )
+    straggler_window: int = _opt(
+        50, "steps a rank must stay that slow before it is named in the log", min=1
+    )
+
+
+@dataclass
+class DebugConfig:
+    slowdown_rank: int = _opt(
+        -1,
+        "testing aid: the rank made slower (-1 = none); it sleeps (factor - 1) x its own "
+        "measured forward + backward time, so a smaller share makes it faster",
+        min=-1,
+    )
+    slowdown_factor: float = _opt(2.0, "testing aid: how many times slower that rank is", min=1)
+    slowdown_from_step: int = _opt(0, "testing aid: first step that is slowed", min=0)
+    slowdown_to_step: int = _opt(-1, "testing aid: last step that is slowed (-1 = the end)", min=-1)
+
+
+@dataclass
 class DistConfig:
     backend: Literal["auto", "gloo", "nccl"] = _opt("auto", "collective backend")
     device: Literal["auto", "cpu", "cuda"] = _opt("auto", "compute device")
@@ -255,6 +319,8 @@ class Config:
     comm: CommConfig = field(default_factory=CommConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
     # The task's own options, validated against the task's config class when it declares one.
     task: Any = field(default_factory=dict)
 
@@ -457,16 +523,38 @@ def validate_cross_fields(cfg: Config) -> None:
             )
     if cfg.run.resume not in ("auto", "never") and not cfg.run.resume:
         raise ConfigError("run.resume is empty: use 'auto', 'never' or a checkpoint folder")
+    debug = cfg.debug
+    if 0 <= debug.slowdown_to_step < debug.slowdown_from_step:
+        raise ConfigError(
+            f"debug.slowdown_to_step = {debug.slowdown_to_step} is before "
+            f"debug.slowdown_from_step = {debug.slowdown_from_step}: no step would be slowed"
+        )
 
 
 def validate_for_world(cfg: Config, data_parallel_size: int) -> None:
     """Checks that depend on how many data-parallel ranks share a global batch."""
+    if cfg.balance.mode != "off" and cfg.data.global_batch_size < data_parallel_size:
+        raise ConfigError(
+            f"data.global_batch_size = {cfg.data.global_batch_size} is smaller than the "
+            f"{data_parallel_size} data-parallel ranks: balance.mode = {cfg.balance.mode!r} "
+            "gives every rank at least one sample of each global batch"
+        )
     per_step = data_parallel_size * cfg.data.micro_batches
     if cfg.data.global_batch_size < per_step:
         raise ConfigError(
             f"data.global_batch_size = {cfg.data.global_batch_size} is smaller than "
             f"{data_parallel_size} data-parallel ranks x {cfg.data.micro_batches} micro-batches = "
             f"{per_step}: every rank needs at least one sample per micro-step"
+        )
+
+
+def validate_ranks(cfg: Config, world_size: int) -> None:
+    """Checks that name a rank: it must exist in a world of ``world_size`` ranks."""
+    rank = cfg.debug.slowdown_rank
+    if rank >= world_size:
+        raise ConfigError(
+            f"debug.slowdown_rank = {rank}: there is no rank {rank} in a job of {world_size} "
+            f"rank(s) (ranks are 0..{world_size - 1}); pick one of those, or -1 for none"
         )
 
 

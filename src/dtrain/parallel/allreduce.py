@@ -183,6 +183,7 @@ class AllReduceStrategy(Strategy, BackwardSyncControl):
 
     name = "allreduce"
     takes_compression = True
+    takes_load_balancing = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -64,6 +64,10 @@ class Strategy(ABC):
     # Whether gradients go through comm hooks that comm.compression can replace (ddp,
     # allreduce); any other strategy rejects compression in validate_config.
     takes_compression: ClassVar[bool] = False
+    # Whether ranks may hold different shares of a global batch and run different numbers of
+    # micro-steps (balance.mode = 'throughput'): true where gradients meet once per step, on
+    # each rank's last micro-batch, and nothing else in a step is collective (ddp, allreduce).
+    takes_load_balancing: ClassVar[bool] = False
     # Whether ``comm`` counts every byte this strategy sends. Strategies whose collectives run
     # inside torch (FSDP's gathers, pipeline sends, tensor-parallel all-reduces) count only
     # dtrain's own, so their totals are left out of the metrics rather than understated.
@@ -94,6 +98,12 @@ class Strategy(ABC):
             )
         if cls.takes_compression:
             validate_compression(cfg)
+        if cfg.balance.mode != "off" and not cls.takes_load_balancing:
+            raise ConfigError(
+                f"balance.mode = {cfg.balance.mode!r} does not work with strategy.name = "
+                f"{cls.name!r}: per-rank batch shares need a strategy whose ranks may run "
+                "different numbers of micro-steps (ddp or allreduce); use balance.mode = 'off'"
+            )
 
     # -- topology ------------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ class DDPStrategy(Strategy, BackwardSyncControl):
 
     name = "ddp"
     takes_compression = True
+    takes_load_balancing = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
