@@ -6,7 +6,9 @@ What happens, and where each concern plugs in::
             build optimizer, LR schedule, loader   # loader = this rank's share of one stream
             resume(newest valid checkpoint)        # dict of state_dicts -> every component
     loop:   for step in range(start, steps):
+              balance.step_started()               # per-rank phase timing (balance/)
               batch = next(loader)                 # micro-batches of (inputs, targets)
+              balance.data_ready(step, batch)      # data wait ends; the slowdown aid arms
               count, stop = all_reduce(items in batch, preemption flag)
               if stop: save, exit 0                # every rank agrees on the same step
               strategy.forward_backward(batch, scale = dp_size / count)
@@ -17,6 +19,8 @@ What happens, and where each concern plugs in::
                     and never deliver those batches again
               scheduler.step()
               strategy.after_optimizer_step(step)  # localsgd, diloco: sync every H steps
+              balance.step_finished(step)          # every balance.every: gather the ranks'
+                                                   # timings, name stragglers, new shares
               every log_every:         metrics.jsonl + progress
               every eval.every:        evaluate (each val sample exactly once)
               every checkpoint.every:  save (async: the loop waits for a snapshot only)
@@ -36,6 +40,7 @@ from typing import Any
 
 import torch
 
+from dtrain.balance.balancer import LoadBalancer, Record
 from dtrain.config import Config
 from dtrain.data.build import build_train_loader
 from dtrain.data.loader import RankLoader, StepBatch, to_device
@@ -75,6 +80,17 @@ class Trainer:
         self.optimizer = build_optimizer(self.strategy.named_parameters(), cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.loader: RankLoader = build_train_loader(task, cfg, self.strategy, runtime.device)
+        # Per-rank phase timing, straggler reports and (balance.mode) per-rank batch shares.
+        self.balance = LoadBalancer(
+            cfg,
+            runtime,
+            self.loader,
+            self.strategy.comm,
+            self.optimizer,
+            self.strategy.unwrapped,
+            self.log,
+            task.item_name,
+        )
         # Counters that are part of the training state (see state_dict).
         self.step = 0
         self.items_seen = 0
@@ -86,9 +102,15 @@ class Trainer:
         self.state = training_state.TrainingState(
             strategy=self.strategy,
             optimizer=self.optimizer,
-            parts={"scheduler": self.scheduler, "data": self.loader, "trainer": self},
+            parts={
+                "scheduler": self.scheduler,
+                "data": self.loader,
+                "trainer": self,
+                "balance": self.balance,
+            },
             runtime=runtime,
             config=cfg,
+            optional=frozenset({"balance"}),  # checkpoints from before load balancing
         )
         self.progress: Progress | None = None
         self.metrics: JsonlSink | None = None
@@ -198,9 +220,11 @@ class Trainer:
         self.strategy.unwrapped.train()
         while self.step < cfg.train.steps:
             self.watchdog.set_phase("data", self.step + 1)
+            self.balance.step_started()
             batch = next(self.loader)
             micro = [to_device(self.task.split_batch(m), self.runtime.device) for m in batch.micro]
             count = sum(self.task.count_items(t) for _, t in micro)
+            self.balance.data_ready(self.step + 1, batch, count)
             # One small all-reduce: the global item count and whether any rank was asked to
             # stop. Agreeing here puts every rank's preemption on the same step.
             self.watchdog.set_phase("all_reduce(item count)")
@@ -216,6 +240,10 @@ class Trainer:
             # before a rollback, a checkpoint or an evaluation of this step sees the model.
             self.watchdog.set_phase("after_optimizer_step")
             self.strategy.after_optimizer_step(self.step)
+            # Every balance.every steps: gather the ranks' timings; new shares from the next
+            # step on (the same on every rank).
+            self.watchdog.set_phase("balance")
+            self._write_records(self.balance.step_finished(self.step))
             self.items_seen += global_items
             if self.audit is not None:
                 self.audit.record(
@@ -363,6 +391,11 @@ class Trainer:
                 }
             )
             self.metrics.close()
+
+    def _write_records(self, records: list[Record]) -> None:
+        if self.metrics is not None:
+            for record in records:
+                self.metrics.write(record)
 
     def _log_train(
         self, loss: float, grad_norm: float, rate: float, steps: int, elapsed: float

@@ -54,6 +54,19 @@ def default_prefetch(requested: int, device: torch.device) -> int:
     return 2 if device.type == "cuda" else 0
 
 
+def max_micro_batch(cfg: Config, data_parallel_size: int) -> int:
+    """Samples a rank holds per micro-batch at most under load balancing: ``balance.
+    max_micro_batch``, by default the micro-batch of an equal split (so a rank given a larger
+    share accumulates over more micro-steps instead of needing more memory). 0 without load
+    balancing: every rank runs ``data.micro_batches`` micro-steps."""
+    if cfg.balance.mode == "off":
+        return 0
+    if cfg.balance.max_micro_batch > 0:
+        return cfg.balance.max_micro_batch
+    per_step = data_parallel_size * cfg.data.micro_batches
+    return -(-cfg.data.global_batch_size // per_step)
+
+
 def build_train_loader(
     task: Task, cfg: Config, strategy: Strategy, device: torch.device
 ) -> RankLoader:
@@ -75,6 +88,7 @@ def build_train_loader(
         world_size=strategy.data_parallel_size,
         collate_fn=task.collate_fn,
         lengths=lengths,
+        max_micro_batch=max_micro_batch(cfg, strategy.data_parallel_size),
         num_workers=cfg.data.num_workers,
         prefetch=default_prefetch(cfg.data.prefetch, device),
         pin_memory=device.type == "cuda",

@@ -42,6 +42,14 @@ The training loop (:mod:`dtrain.trainer`); ``step`` is the number of the step be
     all-reduce in which the ranks agree on its item count and on stopping);
 ``train.step`` (step)
     every rank, the ranks agreed to train the step, before its forward and backward.
+
+Load balancing (:mod:`dtrain.balance.balancer`):
+
+``balance.timing`` (step, window)
+    every rank, every ``balance.every`` steps, before the ranks exchange their timing
+    windows; ``window`` is this rank's (a NumPy array laid out as
+    :data:`dtrain.balance.timing.FIELDS`), which a handler may overwrite in place to feed the
+    controller exact numbers.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ key                what                                      file (written by)
 ``scheduler``      LR schedule position                      train_state.pt (rank 0)
 ``data``           stream position, seed, dataset identity   train_state.pt (rank 0)
 ``trainer``        step, items seen, skipped steps, ...      train_state.pt (rank 0)
+``balance``        per-rank weights, smoothed rank timings   train_state.pt (rank 0)
 ``rng``            Python, NumPy, torch (and CUDA) RNG       rng-rankNNNNN.pt (each rank)
 ``comm``           error feedback of powersgd, topk          comm-rankNNNNN.pt (each rank)
 meta               step, world size, config, versions        meta.json (rank 0)
@@ -56,6 +57,9 @@ class TrainingState:
     parts: Mapping[str, Stateful]
     runtime: Runtime
     config: Config
+    # Parts a checkpoint saved before they existed may lack; such a part keeps the state it
+    # was built with (load balancing: equal shares, which is what those runs used).
+    optional: frozenset[str] = frozenset()
 
 
 def save(state: TrainingState, checkpointer: Checkpointer, step: int, *, blocking: bool) -> None:
@@ -87,7 +91,7 @@ def load(state: TrainingState, point: ResumePoint) -> bool:
     the ranks are other processes, and each needs a fresh stream of its own)."""
     state.strategy.load_checkpoint_parts(state.optimizer, point.path)
     train_state = ckread.load_file(point.path, ckread.TRAIN_STATE_FILE)
-    missing = sorted(set(state.parts) - set(train_state))
+    missing = sorted(set(state.parts) - set(train_state) - state.optional)
     if missing:
         raise CheckpointError(
             f"{point.path / ckread.TRAIN_STATE_FILE} holds no {', '.join(missing)} state: it "
@@ -95,7 +99,8 @@ def load(state: TrainingState, point: ResumePoint) -> bool:
             "version or start a new run"
         )
     for name, part in state.parts.items():
-        part.load_state_dict(train_state[name])
+        if name in train_state:
+            part.load_state_dict(train_state[name])
     rng_path = point.path / ckread.rng_file(state.runtime.rank)
     if point.world_size != state.runtime.world_size or not rng_path.exists():
         return False

@@ -1,0 +1,242 @@
+"""The trainer's one hook for load balancing: per-rank timing, straggler reports, the
+throughput controller and the slowdown aid. Its state (the controller: weights and smoothed
+times) is a part of the training state (``balance`` in ``train_state.pt``).
+
+The trainer calls, on every rank, in every step::
+
+    balancer.step_started()                     before the loader is asked for the batch
+    balancer.data_ready(step, batch, items)     the batch is on the device
+    records = balancer.step_finished(step)      after the update; every balance.every steps:
+                                                all-gather every rank's timing window,
+                                                a "ranks" record, straggler events, and with
+                                                balance.mode = "throughput" new weights for
+                                                the loader from the next step on
+
+Every rank gets the same gathered numbers and runs the same controller on them, so every rank
+sets the same weights before the same step, and the loader cuts the next global batch by them
+(the position stays one global number: exactly-once delivery holds). The records go to
+``metrics.jsonl`` (rank 0 writes them); their fields are documented in docs/load-balancing.md.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from dtrain.balance.slowdown import Slowdown
+from dtrain.balance.throughput import (
+    ControllerSettings,
+    StragglerDetector,
+    StragglerEvent,
+    ThroughputController,
+    slowdowns,
+)
+from dtrain.balance.timing import INDEX, StepTimer, gather_hosts, gather_windows
+from dtrain.comm.accounting import CommCounter
+from dtrain.config import Config, validate_ranks
+from dtrain.data.loader import RankLoader, StepBatch
+from dtrain.fault.failpoints import failpoint
+from dtrain.runtime import Runtime
+
+Record = dict[str, Any]
+
+
+class LoadBalancer:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        runtime: Runtime,
+        loader: RankLoader,
+        comm: CommCounter,
+        optimizer: torch.optim.Optimizer,
+        module: nn.Module,
+        log: Callable[[str], None],
+        item_name: str = "items",
+    ) -> None:
+        validate_ranks(cfg, runtime.world_size)  # a worker started without the CLI's check
+        opts = cfg.balance
+        self.every = opts.every
+        self.world_size = runtime.world_size
+        self.loader = loader
+        self.comm = comm
+        self.log = log
+        self.item_name = item_name
+        self.hosts = gather_hosts(runtime.world_size)
+        self.timer = StepTimer(comm, optimizer)
+        self.detector = StragglerDetector(
+            runtime.world_size, opts.straggler_threshold, opts.straggler_window
+        )
+        self.controller: ThroughputController | None = None
+        if opts.mode == "throughput":
+            # The strategy said it takes per-rank shares (Strategy.takes_load_balancing): its
+            # data-parallel ranks are all the ranks.
+            assert loader.world_size == runtime.world_size
+            settings = ControllerSettings(
+                opts.smoothing, opts.max_change, opts.hysteresis, opts.min_weight
+            )
+            self.controller = ThroughputController(loader.world_size, settings)
+        debug = cfg.debug
+        self.slowdown: Slowdown | None = None
+        if debug.slowdown_rank == runtime.rank and debug.slowdown_factor > 1:
+            self.slowdown = Slowdown(
+                module, debug.slowdown_factor, debug.slowdown_from_step, debug.slowdown_to_step
+            )
+        self._step = 0  # the step being timed
+
+    # -- the step ------------------------------------------------------------------------
+
+    def step_started(self) -> None:
+        self.timer.start()
+
+    def data_ready(self, step: int, batch: StepBatch, items: int) -> None:
+        """Step ``step`` (1 = the first of the run) has its batch; ``items`` on this rank."""
+        self._step = step
+        samples = sum(len(ids) for ids in batch.ids)
+        self.timer.data_ready(items, samples, len(batch.micro))
+        if self.slowdown is not None:
+            self.slowdown.begin(step, items, len(batch.micro))
+
+    def step_finished(self, step: int) -> list[Record]:
+        """After step ``step``'s update. Collective every ``balance.every`` steps; returns the
+        metrics records to write (rank 0 writes them)."""
+        last = self.timer.finish()
+        if self.slowdown is not None:
+            self.slowdown.end(last["compute_s"], int(last["items"]))
+        if step % self.every:
+            return []
+        window = self.timer.take()
+        # Tests replace the measured window here to make the controller's input exact.
+        failpoint("balance.timing", step=step, window=window)
+        rows = gather_windows(window, self.world_size, self.comm)
+        return self._on_window(step, rows)
+
+    def _on_window(self, step: int, rows: np.ndarray) -> list[Record]:
+        steps = rows[:, INDEX["steps"]]
+        if np.any(steps <= 0):
+            return []  # nothing timed since the last window (a resume on a window boundary)
+        per_step = rows / steps[:, None]
+        items = rows[:, INDEX["items"]]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            data_per_item = rows[:, INDEX["data_s"]] / items
+            compute_per_item = rows[:, INDEX["compute_s"]] / items
+        per_item = rows[:, INDEX["time_per_item_s"]]  # each rank's median over the window
+        samples = per_step[:, INDEX["samples"]]
+        records: list[Record] = [
+            {
+                "kind": "ranks",
+                "step": step,
+                "steps": int(steps[0]),
+                "hosts": self.hosts,
+                **{
+                    name: _floats(per_step[:, INDEX[name]])
+                    for name in ("data_s", "compute_s", "comm_s", "optimizer_s", "step_s")
+                },
+                "samples": _floats(samples),
+                "items": _floats(per_step[:, INDEX["items"]]),
+                "micro_steps": _floats(per_step[:, INDEX["micro_steps"]]),
+                "share": _floats(samples / samples.sum()),
+                "weight": list(self.weights),
+                "time_per_item_s": _floats(per_item),
+                "slowdown": _floats(slowdowns(per_item)),
+                "time": time.time(),
+            }
+        ]
+        for event in self.detector.observe(
+            int(steps[0]), per_item, data_per_item, compute_per_item
+        ):
+            records.append(self._on_straggler(step, event.rank, event))
+        if self.controller is not None and self.controller.observe(per_item):
+            records.append(self._apply(step))
+        return records
+
+    def _on_straggler(self, step: int, rank: int, event: StragglerEvent) -> Record:
+        host = self.hosts[rank]
+        if event.state == "slow":
+            self.log(
+                f"straggler: rank {rank} on {host}: {event.slowdown:.1f}x slower than median, "
+                f"{event.phase}-bound (time per {_singular(self.item_name)}, data + compute, "
+                f"against the other ranks' median over the last {event.steps} steps)"
+            )
+        else:
+            self.log(
+                f"rank {rank} on {host} is no longer a straggler ({event.slowdown:.2f}x the median)"
+            )
+        return {
+            "kind": "straggler",
+            "step": step,
+            "rank": rank,
+            "host": host,
+            "state": event.state,
+            "slowdown": event.slowdown,
+            "phase": event.phase,
+            "steps": event.steps,
+            "time": time.time(),
+        }
+
+    def _apply(self, step: int) -> Record:
+        """New weights from the controller: the loader cuts every batch from the next on by
+        them (the same step on every rank: they all saw the same window)."""
+        weights = self.weights
+        self.loader.set_weights(None if all(w == 1.0 for w in weights) else weights)
+        shares = np.asarray(weights) / sum(weights)
+        self.log(
+            f"step {step}: load balancing: shares of the global batch now "
+            + ", ".join(f"{100 * s:.1f}%" for s in shares)
+            + " (rank 0 first)"
+        )
+        return {
+            "kind": "balance",
+            "step": step,
+            "weight": list(weights),
+            "share": _floats(shares),
+            "time": time.time(),
+        }
+
+    @property
+    def weights(self) -> list[float]:
+        """The per-rank weights in effect (equal without a controller)."""
+        if self.controller is None:
+            return [1.0] * self.loader.world_size
+        return list(self.controller.weights)
+
+    # -- training state ------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "world_size": self.loader.world_size,
+            "controller": None if self.controller is None else self.controller.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the controller (weights and smoothed times) when it was saved by a run at
+        the same data-parallel size with balancing on; else start from equal shares."""
+        if self.controller is None:
+            return
+        saved = state.get("controller")
+        if saved is not None and state.get("world_size") == self.loader.world_size:
+            self.controller.load_state_dict(saved)
+        else:
+            fresh = ThroughputController(self.loader.world_size, self.controller.settings)
+            self.controller = fresh
+            if saved is not None:
+                self.log(
+                    f"load balancing starts from equal shares: the checkpoint's weights are for "
+                    f"{state.get('world_size')} ranks, this run has {self.loader.world_size}"
+                )
+        weights = self.weights
+        self.loader.set_weights(None if all(w == 1.0 for w in weights) else weights)
+
+
+def _floats(values: np.ndarray) -> list[float | None]:
+    return [float(v) if np.isfinite(v) else None for v in values]
+
+
+def _singular(item_name: str) -> str:
+    return item_name[:-1] if item_name.endswith("s") else item_name

@@ -1,0 +1,139 @@
+"""Each rank's time per step, split into phases, and the gather that brings every rank's to all.
+
+A step on one rank, as :class:`StepTimer` splits it (``time.perf_counter``)::
+
+    start ── data ──► data_ready ── comm + compute + optimizer ──► finish
+             next(loader), the batch to the device
+                                   comm:      time waited on communication, from the strategy's
+                                              counter (dtrain.comm.accounting): the step's item-
+                                              count all-reduce and the gradient sync
+                                   optimizer: optimizer.step() (timed by the optimizer's hooks)
+                                   compute:   the rest: forward, backward, clipping
+
+Logging, evaluation and checkpoints come after ``finish`` and belong to no phase. A rank that
+waits for a slower peer shows it as ``comm``; the slow rank's own extra time shows in ``data``
+or ``compute``. So a rank's *time per item*, ``(data + compute) / items``, measures its own
+speed whatever its share and however long it waited for the others: it is what the straggler
+report and the throughput controller compare (:mod:`dtrain.balance.throughput`). A window
+reports the median over its steps of each step's time per item, so that one step slowed by
+something else on the machine (a checkpoint write, another process) does not move the shares.
+
+The sums of a window of steps are exchanged every ``balance.every`` steps in one small
+all-gather of ``len(FIELDS)`` float64 per rank (:func:`gather_windows`): no step pays a
+blocking gather, and every rank receives the same numbers, so every rank's controller makes the
+same decision at the same step without another collective.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dtrain.comm.accounting import CommCounter
+
+# What a rank sums over a window of steps, in this order (one row per rank once gathered).
+FIELDS = (
+    "steps",
+    "data_s",
+    "compute_s",
+    "comm_s",
+    "optimizer_s",
+    "step_s",
+    "items",
+    "samples",
+    "micro_steps",
+    "time_per_item_s",  # not a sum: the median over the window's steps
+)
+INDEX = {name: i for i, name in enumerate(FIELDS)}
+
+
+class StepTimer:
+    """This rank's phase times, summed over the steps since the last :meth:`take`."""
+
+    def __init__(self, comm: CommCounter, optimizer: torch.optim.Optimizer | None = None) -> None:
+        self.comm = comm
+        self.window = np.zeros(len(FIELDS), dtype=np.float64)
+        self._per_item: list[float] = []  # each step's (data + compute) / items in the window
+        self._start = 0.0
+        self._ready = 0.0
+        self._comm_start = 0.0
+        self._optimizer_s = 0.0
+        self._optimizer_began = 0.0
+        self._counts = (0, 0, 0)  # items, samples, micro-steps of the step being timed
+        self.last: dict[str, float] = {}  # the phases of the last step finished
+        if optimizer is not None:
+            optimizer.register_step_pre_hook(self._optimizer_begins)
+            optimizer.register_step_post_hook(self._optimizer_ends)
+
+    def _optimizer_begins(self, *_: Any) -> None:
+        self._optimizer_began = time.perf_counter()
+
+    def _optimizer_ends(self, *_: Any) -> None:
+        self._optimizer_s += time.perf_counter() - self._optimizer_began
+
+    def start(self) -> None:
+        """The step begins (before the loader is asked for its batch)."""
+        self._start = time.perf_counter()
+        self._optimizer_s = 0.0
+
+    def data_ready(self, items: int, samples: int, micro_steps: int) -> None:
+        """The step's batch is on the device; what it holds on this rank."""
+        self._ready = time.perf_counter()
+        self._comm_start = self.comm.wait_s
+        self._counts = (items, samples, micro_steps)
+
+    def finish(self) -> dict[str, float]:
+        """The step's update is done: add its phases to the window; returns them."""
+        end = time.perf_counter()
+        data = self._ready - self._start
+        comm = max(0.0, self.comm.wait_s - self._comm_start)
+        optimizer = self._optimizer_s
+        compute = max(0.0, end - self._ready - comm - optimizer)
+        items, samples, micro_steps = self._counts
+        per_item = (data + compute) / items if items > 0 else float("nan")
+        row = (1, data, compute, comm, optimizer, end - self._start, items, samples, micro_steps)
+        self.window[: len(row)] += np.asarray(row, dtype=np.float64)
+        if items > 0:
+            self._per_item.append(per_item)
+        self.last = dict(zip(FIELDS, (*row, per_item)))
+        return self.last
+
+    def take(self) -> np.ndarray:
+        """The window's sums and median time per item (a copy); the next window starts
+        empty."""
+        window = self.window.copy()
+        window[INDEX["time_per_item_s"]] = (
+            float(np.median(self._per_item)) if self._per_item else float("nan")
+        )
+        self.window[:] = 0.0
+        self._per_item.clear()
+        return window
+
+
+def gather_windows(window: np.ndarray, world_size: int, comm: CommCounter) -> np.ndarray:
+    """Collective: every rank's window, ``(ranks, len(FIELDS))``, on every rank. Counted in
+    ``comm`` like the strategy's collectives (bytes sent, time waited)."""
+    if world_size < 2:
+        return window.reshape(1, -1).copy()
+    mine = torch.from_numpy(np.ascontiguousarray(window, dtype=np.float64))
+    parts = [torch.empty_like(mine) for _ in range(world_size)]
+    with comm.waiting():
+        dist.all_gather(parts, mine)
+    comm.all_gather(mine.numel() * mine.element_size(), world_size)
+    return torch.stack(parts).numpy()
+
+
+def gather_hosts(world_size: int) -> list[str]:
+    """Collective: every rank's host name (``socket.gethostname()``), in rank order; once, at
+    start."""
+    mine = socket.gethostname()
+    if world_size < 2:
+        return [mine]
+    hosts: list[Any] = [None] * world_size
+    dist.all_gather_object(hosts, mine)
+    return [str(h) for h in hosts]
