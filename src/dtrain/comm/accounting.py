@@ -29,9 +29,10 @@ What ``ddp`` and ``allreduce`` count, exactly:
   flags with ``strategy.find_unused_parameters`` (one int32 per parameter); DDP's broadcast of
   the buffers before a forward that syncs them; the step's small all-reduces
   (``all_reduce_sum``: item count, loss); the load balancer's all-gather of every rank's
-  timing window every ``balance.every`` steps (``dtrain.balance.timing``); and, once, set-up's broadcast of rank 0's parameters
-  and buffers (in the totals, in no step's figure). Not counted: DDP's own small metadata
-  exchanges (parameter shapes at construction, bucket order at its rebuild).
+  timing window every ``balance.every`` steps (``dtrain.balance.timing``); and, once, set-up's
+  broadcast of rank 0's parameters and buffers (in the totals, in no step's figure). Not
+  counted: DDP's own small metadata exchanges (parameter shapes at construction, bucket order
+  at its rebuild).
 - *waiting*: ``allreduce``: from the time the last bucket is handed to its hook (backward's
   computation has ended; the buckets a parameter without gradient held back are launched at
   the start of ``finish_gradient_sync``) until every bucket's future has its value, the used-
