@@ -235,6 +235,33 @@ def test_the_loader_switches_weights_at_a_step_boundary_exactly_once() -> None:
     assert counts.min() == counts.max() == 4
 
 
+def collate_array(items: list[int]) -> np.ndarray:
+    return np.asarray(items)
+
+
+def test_worker_processes_regroup_per_rank_micro_steps() -> None:
+    # DataLoader workers hand micro-batches back one by one; a step's count is per rank now.
+    n = 60
+    kwargs = dict(
+        order=OrderSpec(n, seed=4),
+        global_batch_size=12,
+        micro_batches=1,
+        world_size=2,
+        collate_fn=collate_array,
+        weights=[3.0, 1.0],
+        max_micro_batch=2,
+    )
+    for rank, micro_steps in [(0, 5), (1, 2)]:  # 9 samples in 5 micro-steps, 3 in 2
+        inline = RankLoader(np.arange(n), rank=rank, prefetch=0, **kwargs)  # type: ignore[arg-type]
+        workers = RankLoader(np.arange(n), rank=rank, num_workers=1, **kwargs)  # type: ignore[arg-type]
+        for _ in range(7):
+            a, b = next(inline), next(workers)
+            assert len(b.micro) == micro_steps
+            assert [m.tolist() for m in a.micro] == [m.tolist() for m in b.micro]
+            assert a.plan.start == b.plan.start
+        workers.close()
+
+
 def test_bad_weights_are_refused_with_their_values() -> None:
     kwargs = dict(
         order=OrderSpec(20, seed=0),

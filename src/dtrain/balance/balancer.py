@@ -64,6 +64,7 @@ class LoadBalancer:
         opts = cfg.balance
         self.every = opts.every
         self.world_size = runtime.world_size
+        self.device = runtime.device
         self.loader = loader
         self.comm = comm
         self.log = log
@@ -114,7 +115,7 @@ class LoadBalancer:
         window = self.timer.take()
         # Tests replace the measured window here to make the controller's input exact.
         failpoint("balance.timing", step=step, window=window)
-        rows = gather_windows(window, self.world_size, self.comm)
+        rows = gather_windows(window, self.world_size, self.comm, self.device)
         return self._on_window(step, rows)
 
     def _on_window(self, step: int, rows: np.ndarray) -> list[Record]:

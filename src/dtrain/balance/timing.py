@@ -115,17 +115,21 @@ class StepTimer:
         return window
 
 
-def gather_windows(window: np.ndarray, world_size: int, comm: CommCounter) -> np.ndarray:
+def gather_windows(
+    window: np.ndarray, world_size: int, comm: CommCounter, device: torch.device
+) -> np.ndarray:
     """Collective: every rank's window, ``(ranks, len(FIELDS))``, on every rank. Counted in
-    ``comm`` like the strategy's collectives (bytes sent, time waited)."""
+    ``comm`` like the strategy's collectives (bytes sent, time waited). On ``device``: the
+    job's backend may have no CPU collectives (NCCL)."""
     if world_size < 2:
         return window.reshape(1, -1).copy()
-    mine = torch.from_numpy(np.ascontiguousarray(window, dtype=np.float64))
+    mine = torch.tensor(window, dtype=torch.float64, device=device)
     parts = [torch.empty_like(mine) for _ in range(world_size)]
     with comm.waiting():
         dist.all_gather(parts, mine)
+        gathered = torch.stack(parts).cpu().numpy()
     comm.all_gather(mine.numel() * mine.element_size(), world_size)
-    return torch.stack(parts).numpy()
+    return gathered
 
 
 def gather_hosts(world_size: int) -> list[str]:
