@@ -293,6 +293,15 @@ class DebugConfig:
 
 
 @dataclass
+class MetricsConfig:
+    tensorboard: bool = _opt(
+        False,
+        "also write TensorBoard event files to RUN_DIR/tensorboard (needs the tensorboard "
+        "extra: pip install 'dtrain[tensorboard]')",
+    )
+
+
+@dataclass
 class DistConfig:
     backend: Literal["auto", "gloo", "nccl"] = _opt("auto", "collective backend")
     device: Literal["auto", "cpu", "cuda"] = _opt("auto", "compute device")
@@ -321,6 +330,7 @@ class Config:
     fault: FaultConfig = field(default_factory=FaultConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     # The task's own options, validated against the task's config class when it declares one.
     task: Any = field(default_factory=dict)
 

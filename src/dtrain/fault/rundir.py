@@ -29,6 +29,7 @@ SAFE_TO_CHANGE = (
     "data.num_workers",
     "data.prefetch",
     "strategy.",
+    "metrics.",
 )
 
 
