@@ -35,6 +35,10 @@ with a timeout, the thread also watches this rank's own progress: when a phase h
 twice the collective timeout, it writes the diagnosis as this worker's error and ends the
 process, so the launcher stops (or restarts) the group instead of hanging.
 
+Each rank also writes its beat to ``RUN_DIR/heartbeats/rankN.json`` from the same thread
+(:mod:`dtrain.fault.beats`), for ``dtrain status`` and anyone else outside the job; a job of
+one rank, which has no store, writes that file too.
+
 A rank removes its own progress file when it stops; files of ranks killed with no rank left to
 read them (their whole group killed) are removed by the next job that starts on that machine,
 once no rank of their job can still need them (twice its collective timeout, plus a minute,
@@ -51,10 +55,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from dtrain.fault.beats import write_beat
 from dtrain.fault.progress import (
     Progress,
     ProgressFile,
@@ -149,7 +155,11 @@ class Watchdog:
         heartbeat_s: float,
         timeout_s: float,
         on_hang: Callable[[str], None] | None = None,
+        run_dir: Path | None = None,
+        stats: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
+        """``run_dir``: where this rank's beat file goes (None: no file); ``stats``: called on
+        the watchdog's thread for the file's speed fields."""
         self.rank = rank
         self.world_size = world_size
         self.heartbeat_s = heartbeat_s
@@ -176,15 +186,20 @@ class Watchdog:
         # What dead peers' progress files said, by pid: the file is removed once read, and a
         # later diagnosis must still say the same.
         self._last_words: dict[int, Progress] = {}
+        self.run_dir = run_dir
+        self.stats = stats
+        self._file_every_s = max(1.0, heartbeat_s)
+        self._file_mark = (0, 0.0)  # step and time of the last beat file, for its speed
 
     # -- this rank -----------------------------------------------------------------------
 
     def start(self) -> None:
-        if self.store is None:
+        if self.store is not None:
+            self._open_progress()
+            self._beat()
+        elif self.run_dir is None:
             return
-        self._open_progress()
-        self._beat()
-        if self.rank != 0:
+        if self.store is not None and self.rank != 0:
             # Every rank gets this far at start-up, so waiting for rank 0's first beat costs
             # nothing a collective soon after would not; it is what names rank 0 if it dies early.
             key = f"{_prefix()}hb/0"
@@ -194,6 +209,8 @@ class Watchdog:
                 self._rank0_beat = self._read(key)
             except Exception:
                 pass  # rank 0 is late or gone; a collective will tell
+        self._file_mark = (self.step, time.monotonic())
+        self._write_beat_file()
         self._thread = threading.Thread(target=self._run, name="dtrain-watchdog", daemon=True)
         self._thread.start()
 
@@ -202,6 +219,7 @@ class Watchdog:
         if self._thread is not None:
             self._thread.join(timeout=2 * self.heartbeat_s + 1)
             self._thread = None
+            self._write_beat_file()  # the last word: "done", or where it failed
         if self._progress is not None:  # this rank ends normally: nobody needs its file
             self._progress.close()
             self._progress = None
@@ -262,17 +280,47 @@ class Watchdog:
         key, value = f"{_prefix()}hb/{self.rank}", json.dumps(record)
         self._ask(lambda store: store.set(key, value), "a heartbeat")
 
+    def _write_beat_file(self) -> None:
+        """This rank's beat in the run folder (see :mod:`dtrain.fault.beats`). Never raises."""
+        if self.run_dir is None:
+            return
+        step, now = self.step, time.monotonic()
+        last_step, last_time = self._file_mark
+        record: dict[str, Any] = {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+            "host": self.host,
+            "pid": os.getpid(),
+            "step": step,
+            "phase": self.phase,
+            "time": time.time(),
+            "steps_per_s": (step - last_step) / (now - last_time) if now > last_time else None,
+        }
+        self._file_mark = (step, now)
+        try:
+            if self.stats is not None:
+                record.update(self.stats())
+            write_beat(self.run_dir, self.rank, record)
+        except Exception:
+            pass  # a full disk or a folder removed under the run: the next beat retries
+
     def _run(self) -> None:
         # Wakes often, beats when due or soon after the step or phase changed: the main thread
         # only sets attributes, all store I/O stays here.
         prompt_s = max(_PROMPT_BEAT_S, self.world_size / _PROMPT_BEATS_PER_S)
         tick = min(self.heartbeat_s, prompt_s)
-        last_beat = last_read = time.monotonic()
+        last_beat = last_read = last_file = time.monotonic()
         beaten = (self.step, self.phase)
         while not self._stop.wait(tick):
             now = time.monotonic()
             if self._progress is not None:
                 self._progress.alive()
+            if now - last_file >= self._file_every_s:
+                last_file = now
+                self._write_beat_file()
+            if self.store is None:
+                continue  # no peers: nothing more to beat to, nor a collective to hang in
             moved = (self.step, self.phase) != beaten
             try:
                 if moved or now - last_beat >= self.heartbeat_s:
