@@ -21,7 +21,8 @@ What happens, and where each concern plugs in::
               strategy.after_optimizer_step(step)  # localsgd, diloco: sync every H steps
               balance.step_finished(step)          # every balance.every: gather the ranks'
                                                    # timings, name stragglers, new shares
-              every log_every:         metrics.jsonl + progress
+              every log_every:         a train record to every sink (metrics.jsonl,
+                                       progress line, TensorBoard); events as they happen
               every eval.every:        evaluate (each val sample exactly once)
               every checkpoint.every:  save (async: the loop waits for a snapshot only)
     end:    evaluate, final checkpoint, summary
@@ -56,8 +57,10 @@ from dtrain.fault.resume import ResumePoint, resolve_resume
 from dtrain.fault.rng import rank_seed, seed_everything
 from dtrain.fault.status import RunStatus, write_status
 from dtrain.fault.watchdog import PeerFailure, Watchdog, is_collective_failure
-from dtrain.metrics.sinks import JsonlSink, Progress
+from dtrain.metrics import records
+from dtrain.metrics.sinks import Progress, Sinks, open_sinks
 from dtrain.metrics.summary import LossWindow, Summary
+from dtrain.metrics.tensorboard import check_available as check_tensorboard
 from dtrain.optim import build_optimizer, build_scheduler
 from dtrain.parallel import build_strategy
 from dtrain.runtime import Runtime, barrier
@@ -75,6 +78,8 @@ class Trainer:
         self.runtime = runtime
         self.run_dir = Path(cfg.run.dir)
         self.is_main = runtime.is_main
+        if cfg.metrics.tensorboard:  # every rank, before the first collective
+            check_tensorboard()
         self.strategy = build_strategy(cfg, runtime)
         self.strategy.setup(task)
         self.optimizer = build_optimizer(self.strategy.named_parameters(), cfg.optim)
@@ -113,12 +118,14 @@ class Trainer:
             optional=frozenset({"balance"}),  # checkpoints from before load balancing
         )
         self.progress: Progress | None = None
-        self.metrics: JsonlSink | None = None
+        self.metrics: Sinks | None = None  # rank 0's: metrics.jsonl, progress, TensorBoard
         self.watchdog = Watchdog(
             runtime.rank,
             runtime.world_size,
             heartbeat_s=cfg.fault.heartbeat_s,
             timeout_s=cfg.dist.timeout_s,
+            run_dir=self.run_dir,  # RUN_DIR/heartbeats/rankN.json, for `dtrain status`
+            stats=self._beat_stats,
         )
         self.checkpointer = ckpt.Checkpointer(
             self.run_dir / "checkpoints",
@@ -168,6 +175,8 @@ class Trainer:
     def save_checkpoint(self, *, blocking: bool) -> None:
         self.watchdog.set_phase("checkpoint")
         training_state.save(self.state, self.checkpointer, self.step, blocking=blocking)
+        blocked = self.checkpointer.blocking_seconds[-1]
+        self._event("checkpoint", blocked_s=blocked, async_save=not blocking)
 
     def resume(self) -> ResumePoint | None:
         """Load the checkpoint ``run.resume`` asks for, if any; then every RNG either holds
@@ -206,8 +215,18 @@ class Trainer:
         summary = Summary(start_step=self.step)
         if self.is_main:
             write_status(self.run_dir, RunStatus("running", self.step))
-            self.metrics = JsonlSink(self.run_dir / "metrics.jsonl")
             self.progress = Progress(cfg.train.steps, self.step, self.task.item_name, True)
+            self.metrics = open_sinks(
+                self.run_dir, self.progress, tensorboard=cfg.metrics.tensorboard
+            )
+            hosts, item_name = self.balance.hosts, self.task.item_name
+            self.metrics.write(
+                records.start_record(cfg, self.runtime, self.strategy, item_name, hosts, self.step)
+            )
+            if records.restart_attempt():
+                self._event("restart", attempt=records.restart_attempt())
+            if point is not None:
+                self._event("resumed", checkpoint=point.path.name)
             where = f"resumed from {point.path.name}" if point else "from scratch"
             self.log(
                 f"dtrain: training {self.strategy.name} on {self.runtime.world_size} "
@@ -233,6 +252,7 @@ class Trainer:
             if stop:
                 self.loader.rewind(batch.plan.start)  # fetched, not trained on
                 summary.preempted = preempt.signal_name or "a peer's signal"
+                self._event("preempted", signal=summary.preempted)
                 break
             loss_sum, norm = self._train_step(micro, global_items)
             self.step += 1
@@ -260,6 +280,7 @@ class Trainer:
             error = self.checkpointer.poll()
             if error:
                 self.warn(error)
+                self._event("checkpoint_failed", error=error)
             if self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps:
                 self.watchdog.set_phase("all_reduce(metrics)")
                 last_loss, rate, steps, elapsed = window.flush(self.strategy)
@@ -330,6 +351,7 @@ class Trainer:
         """NaN guard: the step was skipped on every rank; roll back after N in a row."""
         self.skipped_steps += 1
         self.nan_streak.append((batch.plan.start, batch.plan.end))
+        self._event("step_skipped", in_a_row=len(self.nan_streak))
         self.warn(f"step {self.step}: non-finite loss or gradient; update skipped on every rank")
         limit = self.cfg.fault.nan_rollback_after
         if limit and len(self.nan_streak) >= limit:
@@ -365,6 +387,7 @@ class Trainer:
         self.rollbacks, self.skipped_steps = rollbacks, skipped
         for start, end in [*earlier_skips.items(), *bad]:
             self.loader.skip(start, end)
+        self._event("rollback", from_step=first_bad_step + len(bad) - 1, checkpoint=point.path.name)
         self.log(
             f"rolled back to {point.path.name} after {len(bad)} non-finite steps; the "
             f"{sum(e - s for s, e in bad)} samples of those steps will not be delivered again"
@@ -397,6 +420,17 @@ class Trainer:
             for record in records:
                 self.metrics.write(record)
 
+    def _event(self, name: str, **fields: Any) -> None:
+        """An event record (docs/metrics.md) at the current step; rank 0 writes it."""
+        if self.metrics is not None:
+            self.metrics.write(records.event(name, self.step, **fields))
+
+    def _beat_stats(self) -> dict[str, Any]:
+        """This rank's speed for its heartbeat file; called on the watchdog's thread (the
+        timer replaces its ``last`` dict whole, so reading it there is safe)."""
+        last = self.balance.timer.last
+        return records.beat_stats(last, self.task.item_name, self.runtime.device)
+
     def _log_train(
         self, loss: float, grad_norm: float, rate: float, steps: int, elapsed: float
     ) -> None:
@@ -415,6 +449,10 @@ class Trainer:
             "grad_norm": grad_norm,
             "lr": self.scheduler.get_last_lr()[0],
             f"{self.task.item_name}_per_s": rate,
+            # Every step holds the global batch's samples, whatever the items are.
+            "samples_per_s": steps * self.cfg.data.global_batch_size / elapsed
+            if elapsed > 0
+            else 0.0,
             "step_time_s": elapsed / max(1, steps),
             "epoch": self.loader.epoch(),
             "items_seen": self.items_seen,
@@ -423,10 +461,8 @@ class Trainer:
             **self._comm_fields(sent_since / per_step, waited_since, per_step, elapsed),
             "time": time.time(),
         }
-        assert self.metrics is not None and self.progress is not None
-        self.metrics.write(record)
-        counted = self.strategy.counts_all_traffic
-        self.progress.update(self.step, loss, rate, sent_since / per_step if counted else 0.0)
+        assert self.metrics is not None
+        self.metrics.write(record)  # the progress line is one of the sinks
 
     def _comm_fields(
         self, sent_per_step: float, waited: float, steps: int, elapsed: float

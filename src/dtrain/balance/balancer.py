@@ -70,7 +70,7 @@ class LoadBalancer:
         self.log = log
         self.item_name = item_name
         self.hosts = gather_hosts(runtime.world_size)
-        self.timer = StepTimer(comm, optimizer)
+        self.timer = StepTimer(comm, optimizer, runtime.device)
         self.detector = StragglerDetector(
             runtime.world_size, opts.straggler_threshold, opts.straggler_window
         )
@@ -146,6 +146,7 @@ class LoadBalancer:
                 "weight": list(self.weights),
                 "time_per_item_s": _floats(per_item),
                 "slowdown": _floats(slowdowns(per_item)),
+                "memory_bytes": _floats(rows[:, INDEX["memory_bytes"]]),
                 "time": time.time(),
             }
         ]

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain.comm.accounting import CommCounter
+from dtrain.metrics.hardware import memory_bytes
 
 # What a rank sums over a window of steps, in this order (one row per rank once gathered).
 FIELDS = (
@@ -48,6 +49,7 @@ FIELDS = (
     "samples",
     "micro_steps",
     "time_per_item_s",  # not a sum: the median over the window's steps
+    "memory_bytes",  # not a sum: this rank's memory at the window's end (metrics.hardware)
 )
 INDEX = {name: i for i, name in enumerate(FIELDS)}
 
@@ -55,8 +57,14 @@ INDEX = {name: i for i, name in enumerate(FIELDS)}
 class StepTimer:
     """This rank's phase times, summed over the steps since the last :meth:`take`."""
 
-    def __init__(self, comm: CommCounter, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def __init__(
+        self,
+        comm: CommCounter,
+        optimizer: torch.optim.Optimizer | None = None,
+        device: torch.device | None = None,
+    ) -> None:
         self.comm = comm
+        self.device = device or torch.device("cpu")  # whose memory a window reports
         self.window = np.zeros(len(FIELDS), dtype=np.float64)
         self._per_item: list[float] = []  # each step's (data + compute) / items in the window
         self._start = 0.0
@@ -110,6 +118,7 @@ class StepTimer:
         window[INDEX["time_per_item_s"]] = (
             float(np.median(self._per_item)) if self._per_item else float("nan")
         )
+        window[INDEX["memory_bytes"]] = memory_bytes(self.device)
         self.window[:] = 0.0
         self._per_item.clear()
         return window

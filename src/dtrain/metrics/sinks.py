@@ -1,4 +1,8 @@
-"""Where metrics go: ``RUN_DIR/metrics.jsonl`` (one JSON object per line) and the console."""
+"""Where metrics go: ``RUN_DIR/metrics.jsonl`` (one JSON object per line, the schema is
+docs/metrics.md), the console, and TensorBoard (:mod:`dtrain.metrics.tensorboard`).
+
+Every sink takes the same records (:class:`Sink`); the trainer writes each record once, to
+:class:`Sinks`, which hands it to every sink it holds. Only rank 0 has sinks."""
 
 from __future__ import annotations
 
@@ -6,10 +10,45 @@ import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from tqdm import tqdm
+
+Record = dict[str, Any]
+
+
+class Sink(Protocol):
+    def write(self, record: Record) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Sinks:
+    """Every record to every sink, in order."""
+
+    def __init__(self, sinks: Sequence[Sink]) -> None:
+        self.sinks = list(sinks)
+
+    def write(self, record: Record) -> None:
+        for sink in self.sinks:
+            sink.write(record)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+def open_sinks(run_dir: Path, progress: Progress, *, tensorboard: bool) -> Sinks:
+    """Rank 0's sinks: ``RUN_DIR/metrics.jsonl``, the progress line, and TensorBoard when
+    ``metrics.tensorboard`` asks for it."""
+    sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl"), progress]
+    if tensorboard:
+        from dtrain.metrics.tensorboard import TensorBoardSink
+
+        sinks.append(TensorBoardSink(run_dir))
+    return Sinks(sinks)
 
 
 class JsonlSink:
@@ -18,7 +57,16 @@ class JsonlSink:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        # A run that crashed mid-line left the file without its last newline: start on a
+        # line of our own, so the cut line stays the only one lost.
+        cut = False
+        if path.exists() and path.stat().st_size > 0:
+            with path.open("rb") as fh:
+                fh.seek(-1, 2)
+                cut = fh.read(1) != b"\n"
         self._fh: TextIO = path.open("a", buffering=1)
+        if cut:
+            self._fh.write("\n")
 
     def write(self, record: dict[str, Any]) -> None:
         clean = {
@@ -53,7 +101,9 @@ def format_duration(seconds: float) -> str:
 
 
 class Progress:
-    """A progress bar on a terminal; on a pipe (CI logs), one plain line per logged step."""
+    """A progress bar on a terminal; on a pipe (CI logs), one plain line per logged step. As
+    a sink it shows ``train`` records and remembers the slowest rank of the latest ``ranks``
+    record."""
 
     def __init__(self, total: int, initial: int, item_name: str, enabled: bool) -> None:
         self.total = total
@@ -70,6 +120,22 @@ class Progress:
             disable=not self.interactive,
             file=sys.stderr,
         )
+        self.slowest = ""  # "slowest rank 1 1.3x", from the latest per-rank record
+
+    def write(self, record: Record) -> None:
+        kind = record.get("kind")
+        if kind == "ranks":
+            self.slowest = slowest_rank(record)
+        elif kind == "train":
+            comm = record.get("comm_bytes_per_step")
+            rate = record.get(f"{self.item_name}_per_s")
+            loss = record.get("loss")
+            self.update(
+                int(record["step"]),
+                float("nan") if loss is None else float(loss),
+                float(rate or 0.0),
+                float(comm or 0.0),
+            )
 
     def update(self, step: int, loss: float, items_per_s: float, comm_bytes: float = 0.0) -> None:
         """``comm_bytes``: what this rank sent per step since the last update."""
@@ -81,6 +147,8 @@ class Progress:
         rate = f"{format_rate(items_per_s)} {self.item_name}/s"
         if comm_bytes:
             rate += f"  comm {format_bytes(comm_bytes)}/step"
+        if self.slowest:
+            rate += f"  {self.slowest}"
         if self.interactive:
             self.bar.set_postfix_str(f"loss {loss:.3f} {rate}", refresh=False)
             self.bar.update(step - self.bar.n)
@@ -102,3 +170,13 @@ class Progress:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def slowest_rank(record: Record) -> str:
+    """``"slowest rank R 1.3x"`` from a ``ranks`` record: the rank whose own time per item is
+    the most above the others' median; empty with one rank or no timings."""
+    slowdown = [s if s is not None else float("nan") for s in record.get("slowdown") or []]
+    if len(slowdown) < 2 or not any(math.isfinite(s) for s in slowdown):
+        return ""
+    rank = max((r for r, s in enumerate(slowdown) if math.isfinite(s)), key=lambda r: slowdown[r])
+    return f"slowest rank {rank} {slowdown[rank]:.2f}x"

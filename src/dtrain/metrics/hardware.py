@@ -1,0 +1,68 @@
+"""What a run ran on, and how much memory a rank holds: for the ``start`` and ``ranks``
+records of ``metrics.jsonl``."""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import Any
+
+import torch
+
+
+def rss_anon_bytes() -> float:
+    """This process's anonymous resident memory (heap, stacks, tensors on the CPU; not the
+    file-backed pages of memory-mapped shards and libraries, which the kernel can drop):
+    ``RssAnon`` of ``/proc/self/status``; NaN where there is none (not Linux)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("RssAnon:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def memory_bytes(device: torch.device) -> float:
+    """A rank's memory, as ``memory_kind`` says: on CUDA the most the caching allocator has
+    held for tensors since the start (``torch.cuda.max_memory_allocated``), else RssAnon."""
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device))
+    return rss_anon_bytes()
+
+
+def memory_kind(device: torch.device) -> str:
+    return "cuda_max_allocated" if device.type == "cuda" else "rss_anon"
+
+
+def describe(device: torch.device) -> dict[str, Any]:
+    """This machine: CPU model and cores, memory, accelerator, versions."""
+    cpu = platform.processor() or platform.machine()
+    memory_gb: float | None = None
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemTotal:"):
+                    memory_gb = round(int(line.split()[1]) * 1024 / 1e9, 1)
+                    break
+    except OSError:
+        pass
+    out: dict[str, Any] = {
+        "device": device.type,
+        "cpu": cpu,
+        "cpu_cores": os.cpu_count(),
+        "memory_gb": memory_gb,
+        "gpu": None,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(terse=True),
+    }
+    if device.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(device)
+    return out
