@@ -90,6 +90,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--markdown", action="store_true", help="every option as a Markdown table (docs/config.md)"
     )
     sub.add_parser("strategies", help="list the parallel strategies")
+    p = sub.add_parser(
+        "report",
+        help="plots and an HTML page of one or more runs (several: their curves overlaid)",
+        description="Write PNG plots and one self-contained HTML page from run folders' "
+        "metrics.jsonl (needs matplotlib: pip install 'dtrain[report]').",
+    )
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folder(s) to report on")
+    p.add_argument(
+        "--out",
+        default="",
+        help="output folder (default: RUN_DIR/report for one run, ./report for several)",
+    )
+    p = sub.add_parser(
+        "status",
+        help="a run's step, ETA, last loss and every rank's last heartbeat and speed",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR")
     return parser
 
 
@@ -129,6 +146,10 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         rdzv_timeout_s=args.rdzv_timeout,
     )
     cfg = load_job_config(args.config, overrides)
+    if cfg.metrics.tensorboard:
+        from dtrain.metrics.tensorboard import check_available
+
+        check_available()
     strategy_class(cfg.strategy.name).validate_config(cfg, opts.min_world_size)
     validate_ranks(cfg, opts.min_world_size)  # a rank the config names exists in every world
     if opts.max_world_size != opts.min_world_size:
@@ -227,6 +248,22 @@ def options_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from dtrain.report import write_report
+
+    out = Path(args.out) if args.out else None
+    page = write_report([Path(d) for d in args.run_dirs], out)
+    print(f"wrote {page}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from dtrain.report.status import run_status
+
+    print(run_status(Path(args.run_dir)))
+    return 0
+
+
 def cmd_strategies() -> int:
     from dtrain.parallel import strategy_class, strategy_names
 
@@ -251,6 +288,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_verify(args)
         if args.command == "config":
             return cmd_config(args, overrides)
+        if args.command == "report":
+            return cmd_report(args)
+        if args.command == "status":
+            return cmd_status(args)
         return cmd_strategies()
     except UserError as exc:
         print(f"dtrain: error: {exc}", file=sys.stderr)

@@ -1,0 +1,382 @@
+"""The report's figures, one function each, over one or more runs (their curves overlaid).
+
+Each function takes the runs and a list it appends notes to, and returns a :class:`Plot` (a
+matplotlib ``Figure``, never shown: the Agg canvas only renders it to PNG) or None when no run
+has what it needs. A run that lacks a plot's data is left out of that plot and a note says so:
+several runs are compared on what they share.
+
+Every figure is :data:`SIZE_PX` pixels. Series carry labels (the legend); unlabelled artists
+are decoration.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from dtrain.report.read import Record, Run
+
+DPI = 100
+SIZE_PX = (960, 480)
+PHASES = (("data_s", "data wait"), ("compute_s", "compute"), ("comm_s", "comm wait"),
+          ("optimizer_s", "optimizer"))  # fmt: skip
+COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
+          "tab:pink", "tab:gray", "tab:olive", "tab:cyan")  # fmt: skip
+STYLES = ("-", "--", ":", "-.")
+
+
+@dataclass
+class Plot:
+    name: str  # the PNG's file stem
+    title: str
+    figure: Figure
+
+    def png(self) -> bytes:
+        buffer = io.BytesIO()
+        FigureCanvasAgg(self.figure)
+        self.figure.savefig(buffer, format="png", dpi=DPI)
+        return buffer.getvalue()
+
+
+def _figure() -> tuple[Figure, Axes]:
+    fig = Figure(figsize=(SIZE_PX[0] / DPI, SIZE_PX[1] / DPI), dpi=DPI, layout="constrained")
+    ax = fig.add_subplot()
+    ax.grid(True, alpha=0.3)
+    return fig, ax
+
+
+def _color(i: int) -> str:
+    return COLORS[i % len(COLORS)]
+
+
+def _points(
+    records: list[Record], x: Callable[[Record], float | None], field: str
+) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for record in records:
+        value, at = record.get(field), x(record)
+        if isinstance(value, (int, float)) and math.isfinite(value) and at is not None:
+            xs.append(at)
+            ys.append(float(value))
+    return xs, ys
+
+
+def _left_out(notes: list[str], title: str, run: Run, why: str) -> None:
+    notes.append(f"{title}: left out {run.label} ({why})")
+
+
+# -- loss ------------------------------------------------------------------------------------
+
+
+def _by_step(record: Record) -> float | None:
+    step = record.get("step")
+    return float(step) if isinstance(step, int) else None
+
+
+def _wall_clock(run: Run, scale: float) -> Callable[[Record], float | None]:
+    origin = run.first_time or 0.0
+
+    def at(record: Record) -> float | None:
+        t = record.get("time")
+        return (float(t) - origin) / scale if isinstance(t, (int, float)) else None
+
+    return at
+
+
+def _time_scale(runs: list[Run]) -> tuple[float, str]:
+    span = max(
+        (max((r.get("time") or 0.0) for r in run.records) - (run.first_time or 0.0)) for run in runs
+    )
+    if span > 2 * 3600:
+        return 3600.0, "wall time (h)"
+    if span > 300:
+        return 60.0, "wall time (min)"
+    return 1.0, "wall time (s)"
+
+
+def _mark_events(
+    ax: Axes, runs: list[Run], x_of: Callable[[Run], Callable[[Record], float | None]]
+) -> None:
+    """Checkpoints, restarts / resumes and rollbacks as vertical lines, skipped steps as
+    crosses at the bottom: each kind labelled once."""
+    labelled: set[str] = set()
+
+    def label(text: str) -> str:
+        if text in labelled:
+            return "_"
+        labelled.add(text)
+        return text
+
+    for run in runs:
+        x = x_of(run)
+        for record in run.events("checkpoint"):
+            at = x(record)
+            if at is not None:
+                ax.axvline(at, color="0.55", ls=":", lw=1, label=label("checkpoint"))
+        resumed = {r["step"]: r for r in run.events("resumed", "restart")}
+        for record in resumed.values():
+            at = x(record)
+            if at is not None:
+                ax.axvline(at, color="tab:red", ls="--", lw=1.2, label=label("restart / resume"))
+        for record in run.events("rollback"):
+            at = x(record)
+            if at is not None:
+                ax.axvline(at, color="tab:purple", ls="-.", lw=1.2, label=label("rollback"))
+        skipped = [a for a in (x(r) for r in run.events("step_skipped")) if a is not None]
+        if skipped:
+            ax.plot(
+                skipped,
+                [0.03] * len(skipped),
+                "x",
+                color="black",
+                transform=ax.get_xaxis_transform(),
+                label=label("skipped step"),
+            )
+
+
+def plot_loss(runs: list[Run], notes: list[str], by: str = "step") -> Plot | None:
+    """Training and validation loss against the step (``by="step"``) or the wall time."""
+    title = "loss by step" if by == "step" else "loss by wall time"
+    fig, ax = _figure()
+    scale, xlabel = _time_scale(runs) if by == "time" else (1.0, "step")
+
+    def x_of(run: Run) -> Callable[[Record], float | None]:
+        return _by_step if by == "step" else _wall_clock(run, scale)
+
+    drawn = False
+    several = len(runs) > 1
+    for i, run in enumerate(runs):
+        prefix = f"{run.label}: " if several else ""
+        xs, ys = _points(run.of("train"), x_of(run), "loss")
+        if not xs:
+            _left_out(notes, title, run, "no train records with a loss")
+            continue
+        ax.plot(xs, ys, color=_color(i), lw=1.5, label=f"{prefix}train loss")
+        drawn = True
+        vx, vy = _points(run.of("eval"), x_of(run), "val_loss")
+        if vx:
+            ax.plot(vx, vy, "o--", color=_color(i), ms=4, lw=1, label=f"{prefix}val loss")
+    if not drawn:
+        return None
+    _mark_events(ax, runs, x_of)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    return Plot("loss_by_step" if by == "step" else "loss_by_time", title, fig)
+
+
+# -- throughput, communication ---------------------------------------------------------------
+
+
+def plot_throughput(runs: list[Run], notes: list[str]) -> Plot | None:
+    """Items per second: the task's items when every run counts the same ones, else samples."""
+    title = "throughput"
+    items = {run.item_name for run in runs}
+    item = items.pop() if len(items) == 1 else "samples"
+    field = f"{item}_per_s"
+    fig, ax = _figure()
+    drawn = False
+    for i, run in enumerate(runs):
+        xs, ys = _points(run.of("train"), _by_step, field)
+        if not xs:
+            _left_out(notes, title, run, f"its train records have no {field}")
+            continue
+        ax.plot(xs, ys, color=_color(i), lw=1.5, label=run.label if len(runs) > 1 else item)
+        drawn = True
+    if not drawn:
+        return None
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"{item} / s")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"{title} ({item} per second, whole job)")
+    ax.legend(fontsize="small")
+    return Plot("throughput", title, fig)
+
+
+def plot_comm(runs: list[Run], notes: list[str]) -> Plot | None:
+    """Bytes each rank sends per step (rank 0's count)."""
+    title = "bytes communicated"
+    fig, ax = _figure()
+    drawn = False
+    for i, run in enumerate(runs):
+        xs, ys = _points(run.of("train"), _by_step, "comm_bytes_per_step")
+        if not xs:
+            strategy = next((r.get("strategy") for r in run.of("start")), None)
+            why = "no comm_bytes_per_step"
+            if run.of("train") and all(
+                "comm_bytes_per_step" in r and r["comm_bytes_per_step"] is None
+                for r in run.of("train")
+            ):
+                named = f" ({strategy})" if strategy else ""
+                why = f"its strategy{named} does not count its traffic"
+            _left_out(notes, title, run, why)
+            continue
+        ax.plot(
+            xs, [y / 1e6 for y in ys], color=_color(i), lw=1.5,
+            label=run.label if len(runs) > 1 else "rank 0",
+        )  # fmt: skip
+        drawn = True
+    if not drawn:
+        return None
+    ax.set_xlabel("step")
+    ax.set_ylabel("MB sent per step")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"{title} (per step, by one rank)")
+    ax.legend(fontsize="small")
+    return Plot("comm", title, fig)
+
+
+# -- per rank --------------------------------------------------------------------------------
+
+
+def _rank_records(run: Run, notes: list[str], title: str) -> list[Record]:
+    records = run.of("ranks")
+    if not records:
+        _left_out(notes, title, run, "no per-rank records")
+    return records
+
+
+def phase_means(records: list[Record]) -> dict[str, list[float]]:
+    """Each phase's mean time per step for every rank, over all the windows (weighted by
+    their steps); ranks as in the newest record."""
+    ranks = len(records[-1].get("step_s") or [])
+    sums = {field: [0.0] * ranks for field, _ in PHASES}
+    steps = [0.0] * ranks
+    for record in records:
+        n = float(record.get("steps") or 0)
+        values = {field: record.get(field) or [] for field, _ in PHASES}
+        if any(len(v) != ranks for v in values.values()):
+            continue  # another world size (an elastic restart): not comparable
+        for rank in range(ranks):
+            if all(values[f][rank] is not None for f, _ in PHASES):
+                for field, _ in PHASES:
+                    sums[field][rank] += values[field][rank] * n
+                steps[rank] += n
+    return {f: [s / n if n else 0.0 for s, n in zip(sums[f], steps)] for f, _ in PHASES}
+
+
+def plot_time_breakdown(runs: list[Run], notes: list[str]) -> Plot | None:
+    """Every rank's mean step, stacked by phase: a slow rank's extra time shows in data or
+    compute, the others' waiting for it in comm wait."""
+    title = "time per step by rank"
+    labels: list[str] = []
+    stacks: list[dict[str, float]] = []
+    for run in runs:
+        records = _rank_records(run, notes, title)
+        if not records:
+            continue
+        means = phase_means(records)
+        for rank in range(len(means[PHASES[0][0]])):
+            labels.append(f"{run.label}\nrank {rank}" if len(runs) > 1 else f"rank {rank}")
+            stacks.append({field: means[field][rank] * 1e3 for field, _ in PHASES})
+    if not stacks:
+        return None
+    fig, ax = _figure()
+    bottom = [0.0] * len(stacks)
+    positions = list(range(len(stacks)))
+    for j, (field, name) in enumerate(PHASES):
+        heights = [s[field] for s in stacks]
+        ax.bar(positions, heights, bottom=bottom, color=_color(j), label=name, width=0.6)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set_xticks(positions, labels, fontsize="small")
+    ax.set_ylabel("ms per step (mean)")
+    ax.set_title(title)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return Plot("time_breakdown", title, fig)
+
+
+def _per_rank_lines(
+    runs: list[Run],
+    notes: list[str],
+    title: str,
+    field: str,
+    factor: float,
+) -> tuple[Figure, Axes] | None:
+    fig, ax = _figure()
+    drawn = False
+    for i, run in enumerate(runs):
+        records = _rank_records(run, notes, title)
+        if not records:
+            continue
+        if not any(record.get(field) for record in records):
+            _left_out(notes, title, run, f"its per-rank records have no {field}")
+            continue
+        ranks = max(len(record.get(field) or []) for record in records)
+        for rank in range(ranks):
+            xs, ys = [], []
+            for record in records:
+                values = record.get(field) or []
+                if rank < len(values) and values[rank] is not None:
+                    xs.append(record["step"])
+                    ys.append(values[rank] * factor)
+            prefix = f"{run.label}: " if len(runs) > 1 else ""
+            color, style = (_color(rank), STYLES[i % len(STYLES)])
+            ax.plot(xs, ys, style, color=color, lw=1.5, label=f"{prefix}rank {rank}")
+            drawn = True
+    if not drawn:
+        return None
+    ax.set_xlabel("step")
+    ax.legend(fontsize="small")
+    return fig, ax
+
+
+def plot_shares(runs: list[Run], notes: list[str]) -> Plot | None:
+    """Each rank's share of the global batch over time (moves under balance.mode)."""
+    title = "batch share by rank"
+    drawn = _per_rank_lines(runs, notes, title, "share", 100.0)
+    if drawn is None:
+        return None
+    fig, ax = drawn
+    ax.set_ylabel("% of the global batch's samples")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title)
+    return Plot("shares", title, fig)
+
+
+def plot_memory(runs: list[Run], notes: list[str]) -> Plot | None:
+    """Each rank's memory (RssAnon on CPU, the peak allocated on CUDA)."""
+    title = "memory by rank"
+    drawn = _per_rank_lines(runs, notes, title, "memory_bytes", 1e-6)
+    if drawn is None:
+        return None
+    fig, ax = drawn
+    kinds = {r.get("memory_kind") for run in runs for r in run.of("start")} - {None}
+    what = {"rss_anon": "RssAnon", "cuda_max_allocated": "CUDA max allocated"}
+    ax.set_ylabel("MB" + (f" ({', '.join(what.get(str(k), str(k)) for k in kinds)})"))
+    ax.set_title(title)
+    return Plot("memory", title, fig)
+
+
+ALL: tuple[Callable[[list[Run], list[str]], Plot | None], ...] = (
+    plot_loss,
+    lambda runs, notes: plot_loss(runs, notes, by="time"),
+    plot_throughput,
+    plot_time_breakdown,
+    plot_shares,
+    plot_comm,
+    plot_memory,
+)
+
+
+def make_plots(runs: list[Run], notes: list[str]) -> list[Plot]:
+    """Every plot that at least one run has data for."""
+    plots = [plot(runs, notes) for plot in ALL]
+    return [p for p in plots if p is not None]
+
+
+def legend_labels(plot: Plot) -> list[str]:
+    """The labelled series of a plot (its legend's entries)."""
+    out: list[str] = []
+    for ax in plot.figure.axes:
+        legend: Any = ax.get_legend()
+        if legend is not None:
+            out += [t.get_text() for t in legend.get_texts()]
+    return out

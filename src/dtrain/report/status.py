@@ -1,0 +1,164 @@
+"""``dtrain status RUN_DIR``: where a run is, read from its folder while it runs (or after).
+
+It reads three things, none of which the job waits for:
+
+- ``status.json`` (rank 0: running, completed, preempted);
+- the tail of ``metrics.jsonl`` (the last MiB, never the whole file): the newest train
+  record's step, loss and time per step, the newest evaluation;
+- ``heartbeats/rankN.json``: every rank's last beat, written every second or so by its
+  watchdog thread (:mod:`dtrain.fault.beats`): host, step, phase, and its own speed.
+
+The total number of steps comes from the run's ``config.toml``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dtrain.errors import UserError
+from dtrain.fault.beats import read_beats
+from dtrain.fault.status import read_status
+from dtrain.metrics.sinks import format_bytes, format_duration, format_rate
+from dtrain.report.read import CONFIG_FILE, METRICS_FILE, Record, read_tail
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+# A beat older than this is called stale: the watchdog's thread writes one every second or so.
+STALE_S = 10.0
+
+
+def _total_steps(run_dir: Path, tail: list[Record]) -> int | None:
+    try:
+        with (run_dir / CONFIG_FILE).open("rb") as fh:
+            return int(tomllib.load(fh)["train"]["steps"])
+    except (OSError, ValueError, KeyError, TypeError, tomllib.TOMLDecodeError):
+        pass
+    starts = [r for r in tail if r.get("kind") == "start"]
+    return int(starts[-1]["steps"]) if starts else None
+
+
+def _last(tail: list[Record], kind: str) -> Record | None:
+    for record in reversed(tail):
+        if record.get("kind") == kind:
+            return record
+    return None
+
+
+def _ago(seconds: float) -> str:
+    if seconds < 60:
+        return f"{max(0.0, seconds):.1f}s ago"
+    return f"{format_duration(seconds)} ago"
+
+
+def run_status(run_dir: Path, now: float | None = None) -> str:
+    """The status, as lines of text; a folder with nothing to read is a user error."""
+    now = time.time() if now is None else now
+    if not run_dir.is_dir():
+        raise UserError(f"run folder {run_dir} does not exist")
+    status = read_status(run_dir)
+    metrics = run_dir / METRICS_FILE
+    tail = read_tail(metrics) if metrics.exists() else []
+    beats = read_beats(run_dir)
+    if status is None and not tail and not beats:
+        raise UserError(
+            f"{run_dir} has no status.json, {METRICS_FILE} or heartbeats: not a run folder, "
+            "or its run has not started yet"
+        )
+    total = _total_steps(run_dir, tail)
+    train, evaluation = _last(tail, "train"), _last(tail, "eval")
+    newest_attempt = max((int(b.get("attempt", 0)) for b in beats.values()), default=0)
+    current = [b for b in beats.values() if int(b.get("attempt", 0)) == newest_attempt]
+    steps = [int(b["step"]) for b in current if isinstance(b.get("step"), int)]
+    if train is not None:
+        steps.append(int(train["step"]))
+    if status is not None:
+        steps.append(status.step)
+    step = max(steps) if steps else 0
+    state = status.state if status is not None else "unknown (no status.json)"
+    lines = []
+    head = f"{run_dir}: {state}, step {step}"
+    if total:
+        head += f"/{total} ({100 * step / total:.1f}%)"
+    if state == "running" and train is not None and total:
+        per_step = train.get("step_time_s")
+        if isinstance(per_step, (int, float)) and per_step > 0:
+            head += f", ETA {format_duration((total - step) * per_step)}"
+    if status is not None and status.signal:
+        head += f" (stopped by {status.signal})"
+    lines.append(head)
+    if train is not None:
+        loss = train.get("loss")
+        shown = f"{loss:.4f}" if isinstance(loss, (int, float)) else "n/a (non-finite)"
+        text = f"  last loss {shown} at step {train['step']} ({_ago(now - train['time'])})"
+        item = _item_name(tail, train)
+        rate = train.get(f"{item}_per_s")
+        if isinstance(rate, (int, float)):
+            text += f", {format_rate(rate)} {item}/s"
+        if isinstance(train.get("step_time_s"), (int, float)):
+            text += f", {train['step_time_s'] * 1e3:.0f} ms/step"
+        lines.append(text)
+    else:
+        lines.append("  no train record yet")
+    if evaluation is not None and isinstance(evaluation.get("val_loss"), (int, float)):
+        lines.append(f"  val loss {evaluation['val_loss']:.4f} at step {evaluation['step']}")
+    if state == "running" and current and all(now - b["time"] > STALE_S for b in current):
+        newest = min(now - b["time"] for b in current)
+        lines.append(
+            f"  no heartbeat for {format_duration(newest)}: the job may have stopped (killed, "
+            "or its machine lost) without updating status.json"
+        )
+    lines += _rank_table(beats, newest_attempt, _item_name(tail, train), now)
+    return "\n".join(lines)
+
+
+def _item_name(tail: list[Record], train: Record | None) -> str:
+    start = _last(tail, "start")
+    if start is not None and start.get("item_name"):
+        return str(start["item_name"])
+    for key in train or {}:
+        if key.endswith("_per_s") and key != "samples_per_s":
+            return key[: -len("_per_s")]
+    return "samples"
+
+
+def _rank_table(beats: dict[int, dict[str, Any]], attempt: int, item: str, now: float) -> list[str]:
+    if not beats:
+        return ["  no heartbeat files (heartbeats/rankN.json): a run from before them"]
+    header = ("rank", "host", "pid", "last beat", "step", "phase", "own speed", "step", "memory")
+    rows = [header]
+    for rank, beat in beats.items():
+        age = now - float(beat.get("time", 0.0))
+        when = _ago(age) + (" (stale)" if age > STALE_S else "")
+        if int(beat.get("attempt", 0)) != attempt:
+            when += f" (attempt {beat.get('attempt', 0)})"
+        speed = _number(beat.get(f"{item}_per_s"))
+        step_s = _number(beat.get("step_s"))
+        memory = _number(beat.get("memory_bytes"))
+        rows.append(
+            (
+                str(rank),
+                str(beat.get("host", "?")),
+                str(beat.get("pid", "?")),
+                when,
+                str(beat.get("step", "?")),
+                str(beat.get("phase", "?")),
+                f"{format_rate(speed)} {item}/s" if speed is not None else "-",
+                f"{step_s * 1e3:.0f} ms" if step_s is not None else "-",
+                format_bytes(memory) if memory is not None else "-",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+
+
+def _number(value: Any) -> float | None:
+    """A finite number, else None."""
+    ok = isinstance(value, (int, float)) and math.isfinite(value)
+    return float(value) if ok else None
