@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest test-slow chaos clean
+.PHONY: demo test lint typecheck pytest test-slow chaos clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,8 +25,23 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-pytest: $(STAMP)
+pytest: $(STAMP) browser
 	$(PY) -m pytest -q
+
+# The report's test opens the HTML report in headless Chromium (Debian's chromium package):
+# installed here when missing and this can (root, apt-get); otherwise that one test skips and
+# says why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing chromium (apt-get) for the report's browser test"; \
+		{ apt-get install -y -qq chromium >/dev/null 2>&1 || \
+		  { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1; }; } || \
+		echo "note: apt-get could not install chromium; the report's browser test will skip"; \
+	else \
+		echo "note: chromium is missing and cannot be installed here (needs root and apt-get);" \
+			"the report's browser test will skip"; \
+	fi
 
 test: lint typecheck pytest
 

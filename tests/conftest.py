@@ -60,3 +60,13 @@ def tiny_raw(
     """:func:`tiny_config` as the dict a rank builds its config from (what ``run_ranks``
     passes to the ranks), validated here first."""
     return tiny_config(run_dir, job, **sections).to_dict()
+
+
+@pytest.fixture(scope="session")
+def observed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small real run for the report and status tests (2 ranks, 12 steps: train records
+    every 2 steps, per-rank records every 3, evaluations and checkpoints every 6, TensorBoard
+    when installed), made once per session."""
+    from tests.report_helpers import make_observed_run
+
+    return make_observed_run(tmp_path_factory.mktemp("observed") / "run")
