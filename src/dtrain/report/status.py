@@ -114,7 +114,8 @@ def run_status(run_dir: Path, now: float | None = None) -> str:
             f"  no heartbeat for {format_duration(newest)}: the job may have stopped (killed, "
             "or its machine lost) without updating status.json"
         )
-    lines += _rank_table(beats, newest_attempt, _item_name(tail, train), now)
+    running = state == "running"
+    lines += _rank_table(beats, newest_attempt, _item_name(tail, train), now, running)
     return "\n".join(lines)
 
 
@@ -128,14 +129,16 @@ def _item_name(tail: list[Record], train: Record | None) -> str:
     return "samples"
 
 
-def _rank_table(beats: dict[int, dict[str, Any]], attempt: int, item: str, now: float) -> list[str]:
+def _rank_table(
+    beats: dict[int, dict[str, Any]], attempt: int, item: str, now: float, running: bool
+) -> list[str]:
     if not beats:
         return ["  no heartbeat files (heartbeats/rankN.json): a run from before them"]
     header = ("rank", "host", "pid", "last beat", "step", "phase", "own speed", "step", "memory")
     rows = [header]
     for rank, beat in beats.items():
         age = now - float(beat.get("time", 0.0))
-        when = _ago(age) + (" (stale)" if age > STALE_S else "")
+        when = _ago(age) + (" (stale)" if running and age > STALE_S else "")
         if int(beat.get("attempt", 0)) != attempt:
             when += f" (attempt {beat.get('attempt', 0)})"
         speed = _number(beat.get(f"{item}_per_s"))
