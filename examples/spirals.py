@@ -75,4 +75,6 @@ def build(cfg: dtrain.Config) -> dtrain.Task:
         val_data=Spirals(opts.val_size, seed=1),
         loss_fn=lambda logits, labels: F.cross_entropy(logits, labels, reduction="none"),
         after_training=accuracy_report,
+        # One label per sample: the ranks know each step's item count without counting it.
+        items_per_sample=1,
     )

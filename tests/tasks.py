@@ -84,6 +84,8 @@ class TinyOptions:
     # Milliseconds each training forward sleeps: slows a run down so that a test can hit it
     # at a chosen moment, without changing any number it computes.
     slow_ms: int = 0
+    # Task.items_per_sample (0 = None: the ranks count every step's items).
+    items_per_sample: int = 0
 
 
 @task_config(TinyOptions)
@@ -116,6 +118,7 @@ def tiny_gpt(cfg: Config) -> Task:
         loss_fn=lm_loss,
         collate_fn=collate,
         item_name="tokens",
+        items_per_sample=opts.items_per_sample or None,
     )
 
 

@@ -79,6 +79,12 @@ class Task:
     # The modules FSDP shards one by one (default: the model's repeated blocks, see
     # dtrain.parallel.blocks.find_blocks).
     shard_units: Callable[[nn.Module], list[nn.Module]] | None = None
+    # Items (what count_items counts) every training sample holds, when all hold the same
+    # number: a fixed-length window's tokens, 1 for a classifier's sample. Every rank then
+    # knows a step's global item count from its plan, and the step makes no collective to
+    # count it (nor to agree on preemption, see fault.preempt_check_s); each rank checks every
+    # batch against it. None: the ranks count every step's items in a small all-reduce.
+    items_per_sample: int | None = None
 
 
 TaskFactory = Callable[["Config"], Task]

@@ -11,6 +11,9 @@ What happens, and where each concern plugs in::
               balance.data_ready(step, batch)      # data wait ends; the slowdown aid arms
               count, stop = all_reduce(items in batch, preemption flag)
               if stop: save, exit 0                # every rank agrees on the same step
+                                                   # (Task.items_per_sample: count = the plan's,
+                                                   # no collective; stop agreed after the step,
+                                                   # about every fault.preempt_check_s)
               strategy.forward_backward(batch, scale = dp_size / count)
                                                    # grads = d(global mean loss), synced
               norm = strategy.clip_grad_norm()     # global norm: the same on every rank
@@ -40,19 +43,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from dtrain.balance.balancer import LoadBalancer, Record
 from dtrain.config import Config
 from dtrain.data.build import build_train_loader
 from dtrain.data.loader import RankLoader, StepBatch, to_device
-from dtrain.errors import UserError
+from dtrain.errors import DataError, UserError
 from dtrain.evaluation import evaluate_loss
 from dtrain.fault import checkpoint as ckpt
 from dtrain.fault import checkpoint_read as ckread
 from dtrain.fault import state as training_state
 from dtrain.fault.audit import AuditWriter
 from dtrain.fault.failpoints import failpoint
-from dtrain.fault.preempt import PreemptionFlag
+from dtrain.fault.preempt import PreemptionFlag, StopChecks
 from dtrain.fault.resume import ResumePoint, resolve_resume
 from dtrain.fault.rng import rank_seed, seed_everything
 from dtrain.fault.status import RunStatus, write_status
@@ -137,6 +141,13 @@ class Trainer:
             log=self.log,
         )
         self.audit: AuditWriter | None = None
+        # With Task.items_per_sample no step counts its items in a collective, so none carries
+        # the preemption flag: the ranks agree on it after the steps these checks pick.
+        per_sample = task.items_per_sample
+        if per_sample is not None and (isinstance(per_sample, bool) or per_sample < 1):
+            raise UserError(f"Task.items_per_sample = {per_sample!r}: expected a positive integer")
+        self.stop_checks = StopChecks(cfg.fault.preempt_check_s) if per_sample else None
+        self._stop_mark = (0, 0.0)  # (step, time.perf_counter()) of the last stop check
         # This rank's communication totals at the last metrics line; set-up's (the broadcast
         # of rank 0's parameters) belongs to no step.
         self._comm_mark = self.strategy.comm.totals()
@@ -235,6 +246,7 @@ class Trainer:
         if cfg.fault.audit_sample_ids:
             self.audit = AuditWriter.open(self.run_dir, self.runtime.rank)
         window = LossWindow(self.runtime.device)
+        self._stop_mark = (self.step, time.perf_counter())
         last_loss = float("nan")
         self.strategy.unwrapped.train()
         while self.step < cfg.train.steps:
@@ -244,16 +256,22 @@ class Trainer:
             micro = [to_device(self.task.split_batch(m), self.runtime.device) for m in batch.micro]
             count = sum(self.task.count_items(t) for _, t in micro)
             self.balance.data_ready(self.step + 1, batch, count)
-            # One small all-reduce: the global item count and whether any rank was asked to
-            # stop. Agreeing here puts every rank's preemption on the same step.
-            self.watchdog.set_phase("all_reduce(item count)")
             failpoint("train.before_collective", step=self.step + 1)
-            global_items, stop = self.strategy.agree_on_step(count, preempt.requested)
-            if stop:
-                self.loader.rewind(batch.plan.start)  # fetched, not trained on
-                summary.preempted = preempt.signal_name or "a peer's signal"
-                self._event("preempted", signal=summary.preempted)
-                break
+            if self.stop_checks is None:
+                # One small all-reduce: the global item count and whether any rank was asked
+                # to stop. Agreeing here puts every rank's preemption on the same step.
+                self.watchdog.set_phase("all_reduce(item count)")
+                global_items, stop = self.strategy.agree_on_step(count, preempt.requested)
+                if stop:
+                    self.loader.rewind(batch.plan.start)  # fetched, not trained on
+                    summary.preempted = preempt.signal_name or "a peer's signal"
+                    self._event("preempted", signal=summary.preempted)
+                    break
+            else:
+                # The count is the plan's, on every rank, without a collective: a collective
+                # costs a step its fixed latency and CPU (about 0.3 ms on gloo), which a step of
+                # a few milliseconds feels.
+                global_items = self._planned_items(batch, count)
             loss_sum, norm = self._train_step(micro, global_items)
             self.step += 1
             # Strategies that synchronize every few steps (localsgd, diloco) do it here,
@@ -285,6 +303,15 @@ class Trainer:
                 self.watchdog.set_phase("all_reduce(metrics)")
                 last_loss, rate, steps, elapsed = window.flush(self.strategy)
                 self._log_train(last_loss, norm, rate, steps, elapsed)
+            if (
+                self.stop_checks is not None
+                and self.step < cfg.train.steps
+                and self.stop_checks.due(self.step)
+                and self._agree_to_stop(preempt)
+            ):
+                summary.preempted = preempt.signal_name or "a peer's signal"
+                self._event("preempted", signal=summary.preempted)
+                break  # after this step's update, on every rank: the final save follows
             if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.train.steps:
                 self.evaluate(cfg.eval.max_samples)
             if (
@@ -346,6 +373,45 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return result.loss_sum, norm
+
+    def _planned_items(self, batch: StepBatch, count: int) -> int:
+        """The step's global item count from its plan, every sample holding
+        ``Task.items_per_sample`` items; this rank's own batch is checked against that."""
+        per_sample = self.task.items_per_sample
+        assert per_sample is not None
+        samples = sum(len(ids) for ids in batch.ids)
+        if count != samples * per_sample:
+            raise DataError(
+                f"rank {self.runtime.rank}, step {self.step + 1}: Task.items_per_sample = "
+                f"{per_sample}, but this rank's {samples} samples hold {count} items; declare it "
+                "only when every sample holds that many (or leave it None: the ranks then "
+                "count every step's items)"
+            )
+        return (batch.plan.end - batch.plan.start) * per_sample
+
+    def _agree_to_stop(self, preempt: PreemptionFlag) -> bool:
+        """After a step StopChecks picked: whether any rank was asked to stop, in one small
+        all-reduce over every rank, which also agrees on the mean step time that spaces the
+        next check."""
+        assert self.stop_checks is not None
+        self.watchdog.set_phase("all_reduce(stop)")
+        mark_step, mark_time = self._stop_mark
+        now = time.perf_counter()
+        # Whole microseconds: their sum is exact, so every rank computes the same spacing.
+        step_us = round(1e6 * (now - mark_time) / max(1, self.step - mark_step))
+        agreed = torch.tensor(
+            [float(preempt.requested), float(step_us)],
+            dtype=torch.float64,
+            device=self.runtime.device,
+        )
+        world = self.runtime.world_size
+        if world > 1 and dist.is_initialized():
+            with self.strategy.comm.waiting():
+                dist.all_reduce(agreed)  # every rank, whatever groups the strategy uses
+            self.strategy.comm.all_reduce(agreed.numel() * agreed.element_size(), world)
+        self.stop_checks.checked(self.step, float(agreed[1]) / world / 1e6)
+        self._stop_mark = (self.step, now)
+        return bool(agreed[0] > 0)
 
     def _on_non_finite(self, batch: StepBatch) -> None:
         """NaN guard: the step was skipped on every rank; roll back after N in a row."""

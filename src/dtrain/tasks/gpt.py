@@ -89,4 +89,6 @@ def build(cfg: Config) -> Task:
         collate_fn=collate,
         item_name="tokens",
         after_training=lambda m: generate_samples(m, tokens, seed),
+        # Windows hold seq_len targets each, none of them padding: the ranks need not count.
+        items_per_sample=opts.seq_len if opts.samples == "windows" else None,
     )

@@ -1,0 +1,124 @@
+"""What a step costs beside its math, and that cutting it keeps the guarantees.
+
+A step's global item count from its plan (``Task.items_per_sample``): the same training, bit
+for bit, as counting every step in an all-reduce; no per-step collective; a wrong declaration
+is an error naming the rank; preemption still stops every rank after the same step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dtrain.fault.preempt import StopChecks
+from dtrain.testing import RankFailed, run_ranks
+from tests.conftest import tiny_raw
+from tests.dist_helpers import make_trainer, params_of, signal_self_at_step, train_params
+
+SEQ_LEN = 16  # the tiny GPT's windows: 16 targets each, none of them padding
+DECLARED = {"items_per_sample": SEQ_LEN}
+
+
+def assert_bit_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert np.array_equal(a[key], b[key]), key
+
+
+def train_counting_collectives(raw: dict[str, Any]) -> dict[str, Any]:
+    """Train; the collectives and bytes this rank's strategy counted, and the parameters."""
+    trainer = make_trainer(raw)
+    before = trainer.strategy.comm.collectives
+    summary = trainer.fit()
+    return {
+        "collectives": trainer.strategy.comm.collectives - before,
+        "bytes": summary.comm_bytes,
+        "items": summary.items,
+        "params": params_of(trainer),
+    }
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "allreduce"])
+def test_the_planned_count_trains_bit_identically_to_the_counted_one(
+    tmp_path: Path, strategy: str
+) -> None:
+    # A global batch of 7 on 2 ranks (4 + 3 samples) and 2 micro-batches: the scale differs
+    # from rank to rank's own share, and only the exact global count gives the same update.
+    job = {
+        "strategy": {"name": strategy},
+        "data": {"global_batch_size": 7, "micro_batches": 2},
+        "train": {"steps": 6, "log_every": 3},
+        # Checks after every step: the same collectives as the counting run, one step later.
+        "fault": {"preempt_check_s": 0},
+    }
+    counted = run_ranks(train_counting_collectives, 2, tiny_raw(tmp_path / "count", job))
+    planned = run_ranks(
+        train_counting_collectives, 2, tiny_raw(tmp_path / "plan", job, task=DECLARED)
+    )
+    for rank in (0, 1):
+        assert_bit_equal(counted[rank]["params"], planned[rank]["params"])
+        assert planned[rank]["items"] == counted[rank]["items"] == 6 * 7 * SEQ_LEN
+
+
+def test_the_planned_count_makes_no_collective_in_a_step(tmp_path: Path) -> None:
+    job = {"train": {"steps": 12, "log_every": 100}}
+    counted = run_ranks(train_counting_collectives, 2, tiny_raw(tmp_path / "count", job))
+    # A stop check far apart: only the one after the first step.
+    planned = run_ranks(
+        train_counting_collectives,
+        2,
+        tiny_raw(tmp_path / "plan", job, task=DECLARED, fault={"preempt_check_s": 1e6}),
+    )
+    # Counting: one all-reduce of [items, stop] in each of the 12 steps; the plan: one check.
+    assert counted[0]["collectives"] - planned[0]["collectives"] == 12 - 1
+    assert_bit_equal(counted[0]["params"], planned[0]["params"])
+
+
+def test_a_wrong_items_per_sample_is_an_error_naming_the_rank(tmp_path: Path) -> None:
+    # Padded sequences of different lengths: their batches hold fewer items than declared.
+    raw = tiny_raw(tmp_path / "bad", task={"variable": True, "items_per_sample": SEQ_LEN})
+    with pytest.raises(RankFailed) as failure:
+        run_ranks(train_params, 2, raw)
+    text = str(failure.value)
+    assert "Task.items_per_sample = 16, but this rank's" in text
+    assert "rank " in text and "step 1" in text
+
+
+def test_sigterm_with_the_planned_count_stops_every_rank_after_the_same_step(
+    tmp_path: Path,
+) -> None:
+    job = {
+        "train": {"steps": 16, "log_every": 1},
+        "checkpoint": {"every": 4},
+        "optim": {"name": "adamw", "lr": 3e-3, "warmup_steps": 2},
+        "fault": {"preempt_check_s": 0},
+    }
+    reference = run_ranks(train_params, 2, tiny_raw(tmp_path / "ref", job, task=DECLARED))
+    run_dir = tmp_path / "pre"
+    # SIGTERM reaches only rank 1, at the start of step 6; the check after step 6 carries it.
+    stopped = run_ranks(
+        signal_self_at_step, 2, tiny_raw(run_dir, job, task=DECLARED), 1, 6, "SIGTERM"
+    )
+    assert [s["preempted"] for s in stopped] == ["a peer's signal", "SIGTERM"]
+    assert stopped[0]["steps"] == stopped[1]["steps"] == 6
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "preempted"
+    assert (run_dir / "checkpoints/step-00000006/COMMITTED.json").exists()
+    resumed = run_ranks(train_params, 2, tiny_raw(run_dir, job, task=DECLARED))
+    assert_bit_equal(reference[0], resumed[0])
+
+
+def test_stop_checks_space_out_to_the_interval_and_start_after_the_first_step() -> None:
+    checks = StopChecks(interval_s=1.0)
+    assert checks.due(1)  # the first step of a run (or of a resumed one)
+    checks.checked(1, mean_step_s=0.004)  # 4 ms steps: the next check 250 steps later
+    assert not checks.due(250) and checks.due(251)
+    checks.checked(251, mean_step_s=3.0)  # steps longer than the interval: after every step
+    assert checks.due(252)
+    checks.checked(252, mean_step_s=1e-6)  # never more than MAX_EVERY steps apart
+    assert checks.next_step == 252 + StopChecks.MAX_EVERY
+    every_step = StopChecks(interval_s=0.0)
+    every_step.checked(5, mean_step_s=0.001)
+    assert every_step.due(6)
