@@ -59,6 +59,10 @@ class DDPStrategy(Strategy, BackwardSyncControl):
                 device_ids=device_ids,
                 bucket_cap_mb=self.cfg.strategy.bucket_mb,
                 find_unused_parameters=self.cfg.strategy.find_unused_parameters,
+                # Gradients live in the buckets the all-reduce works on, instead of being copied
+                # in before it and out after: one gradient-sized buffer less, and 1-4% less step
+                # time on CPU (benchmarks/peers.py).
+                gradient_as_bucket_view=True,
             )
             # DDP's constructor broadcast rank 0's parameters and buffers.
             self.comm.broadcast(_state_bytes(self.module), self.data_parallel_size)
