@@ -2,11 +2,13 @@
 
 A step's global item count from its plan (``Task.items_per_sample``): the same training, bit
 for bit, as counting every step in an all-reduce; no per-step collective; a wrong declaration
-is an error naming the rank; preemption still stops every rank after the same step."""
+is an error naming the rank; preemption still stops every rank after the same step. Workers
+bound to their own cores (``dist.pin_cores``)."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 
 from dtrain.fault.preempt import StopChecks
+from dtrain.runtime import core_share
 from dtrain.testing import RankFailed, run_ranks
 from tests.conftest import tiny_raw
 from tests.dist_helpers import make_trainer, params_of, signal_self_at_step, train_params
@@ -122,3 +125,35 @@ def test_stop_checks_space_out_to_the_interval_and_start_after_the_first_step() 
     every_step = StopChecks(interval_s=0.0)
     every_step.checked(5, mean_step_s=0.001)
     assert every_step.due(6)
+
+
+def test_core_share_splits_the_cores_evenly_in_local_rank_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {8, 9, 10, 11, 12, 13, 14, 15})
+    assert [core_share(rank, 4, 1) for rank in range(4)] == [
+        {8, 9},
+        {10, 11},
+        {12, 13},
+        {14, 15},
+    ]
+    assert core_share(0, 3, 2) == {8, 9}  # 8 // 3: two each, the rest left to the OS
+    assert core_share(0, 4, 4) is None  # 4 threads would crowd a share of 2 cores
+    assert core_share(0, 16, 1) is None  # more workers than cores: nothing to share out
+
+
+def affinity_after_start(raw: dict[str, Any]) -> list[int]:
+    make_trainer(raw)
+    return sorted(os.sched_getaffinity(0))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+def test_each_cpu_worker_is_bound_to_its_own_cores(tmp_path: Path) -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    bound = run_ranks(affinity_after_start, 2, tiny_raw(tmp_path / "pin"))
+    half = len(cores) // 2
+    assert bound == [cores[:half], cores[half : 2 * half]]
+    free = run_ranks(
+        affinity_after_start, 2, tiny_raw(tmp_path / "free", dist={"pin_cores": False})
+    )
+    assert free == [cores, cores]

@@ -314,6 +314,11 @@ class DistConfig:
     device: Literal["auto", "cpu", "cuda"] = _opt("auto", "compute device")
     timeout_s: float = _opt(300.0, "collective timeout in seconds", min=0, min_exclusive=True)
     threads: int = _opt(0, "torch threads per worker (0 = cores / local workers)", min=0)
+    pin_cores: bool = _opt(
+        True,
+        "CPU workers: bind each worker of a machine to its own equal share of the cores (when "
+        "every worker gets at least its threads); false = the OS places them",
+    )
     connect_timeout_s: float = _opt(
         30.0,
         "at start, how long a rank tries to reach the job's store and its peers before it fails "
