@@ -1,0 +1,582 @@
+"""dtrain against the tools a user would pick instead: a hand-written PyTorch DDP loop, Hugging
+Face Accelerate and Lightning Fabric, measured side by side on this machine in one run.
+
+    .venv/bin/python benchmarks/peers.py                    # dtrain rows and the raw loop only
+    .venv-peers/bin/python benchmarks/peers.py --write-docs # all five rows (see docs/benchmarks.md)
+
+Every runner trains the same model from the same initial weights (one state dict), on the same
+data in memory, in the same order and per-rank split (dtrain's partition of its seeded stream,
+written out per step and rank for the others), with the same optimizer (AdamW, constant LR, no
+weight decay, no clipping), global batch, seed and step count, on 2 processes of 1 thread each
+under torch's elastic launcher: ``torchrun`` for the raw loop (``peer_raw.py``), Accelerate
+(``peer_accelerate.py``) and Fabric (``peer_fabric.py``); ``dtrain train --run.task=...`` for
+dtrain's ``ddp`` and ``allreduce``, as a user runs it (the CLI, reading its ``metrics.jsonl``:
+what dtrain costs includes its launcher, its loop and its defaults, which a call to
+``Trainer.fit`` in a test harness would leave out).
+
+Runners alternate (A B C D E, then E D C B A, ...) over ``--repeats`` rounds. A run reports, for
+each rank, the end time of every optimizer step (a global post-hook on ``Optimizer.step``: the
+same clock for everyone), the process's CPU time at each, and its peak resident memory
+(``ru_maxrss``). Step time: rank 0's median time between consecutive step ends after
+``--warmup`` steps; CPU per step likewise (all of the process's threads: steadier than wall
+time when other jobs share the machine). A ratio is the median over rounds of the ratio to the
+raw loop of the same round.
+
+All runners must reach the same loss: the mean training loss of every ``log_every`` window
+(dtrain's metrics lines) and the final validation loss agree with the raw loop's within
+``--tolerance``, or the script refuses to print a table. A peer whose package is missing is
+reported and its row skipped.
+
+Weak scaling: per-worker throughput at 2 workers over 1 worker (the same per-worker batch, 1
+thread each), for the raw loop and dtrain ``ddp`` (also with ``dist.pin_cores = false``, to show
+what binding each worker to its core gives), with the launcher's own CPU use while the workers
+train (sampled from ``/proc``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peer_task as common
+from _report import ROOT, command_line, machine, update_section
+from dtrain.data.partition import OrderSpec, plan_steps
+
+HERE = Path(__file__).resolve().parent
+SECTION = "bench_peers"
+RUNNERS = ("raw", "ddp", "allreduce", "accelerate", "fabric")
+# Which package each peer needs; dtrain's rows and the raw loop need only torch.
+PACKAGES = {"accelerate": "accelerate", "fabric": "lightning"}
+SCRIPTS = {"raw": "peer_raw.py", "accelerate": "peer_accelerate.py", "fabric": "peer_fabric.py"}
+# dtrain's runners: the strategy, then any other config the run gets.
+DTRAIN = {
+    "ddp": ["ddp"],
+    "allreduce": ["allreduce"],
+    "ddp-unpinned": ["ddp", "--dist.pin_cores=false"],  # weak scaling: what the binding gives
+}
+LABELS = {
+    "raw": "raw PyTorch DDP loop (peer_raw.py)",
+    "ddp": "dtrain ddp",
+    "allreduce": "dtrain allreduce",
+    "accelerate": "Hugging Face Accelerate",
+    "fabric": "Lightning Fabric",
+    "ddp-unpinned": "dtrain ddp, dist.pin_cores = false",
+}
+
+# The models: the default job's GPT (dtrain.tasks.gpt's defaults) and a small MLP.
+MODELS: dict[str, dict[str, Any]] = {
+    "gpt": {
+        "model": {
+            "kind": "gpt",
+            "gpt": {"vocab_size": 256, "seq_len": 128, "n_layer": 3, "n_head": 4, "d_model": 192},
+        },
+        "global_batch": 32,
+        "train_samples": 4096,
+        "val_samples": 256,
+    },
+    "mlp": {
+        "model": {"kind": "mlp", "inputs": 64, "width": 256, "depth": 3, "classes": 10},
+        "global_batch": 256,
+        "train_samples": 32768,
+        "val_samples": 2048,
+    },
+}
+OPTIM = {"lr": 1e-3, "betas": [0.9, 0.95]}
+
+
+# -- preparing what every runner reads --------------------------------------------------------
+
+
+def stdlib_bytes(count: int) -> torch.Tensor:
+    """The first ``count`` bytes of the standard library's sources, in file-name order."""
+    chunks, total = [], 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        data = path.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if total >= count:
+            break
+    raw = b"".join(chunks)[:count]
+    if len(raw) < count:
+        raise SystemExit(f"the standard library holds only {len(raw)} bytes of sources")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
+
+
+def make_data(setup: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    train_n, val_n = setup["train_samples"], setup["val_samples"]
+    model = setup["model"]
+    if model["kind"] == "gpt":
+        width = model["gpt"]["seq_len"] + 1
+        windows = stdlib_bytes((train_n + val_n) * width).view(-1, width)
+        x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    else:
+        # Labels from a fixed random teacher: a task the MLP can learn.
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(train_n + val_n, model["inputs"], generator=gen)
+        teacher = torch.randn(model["inputs"], model["classes"], generator=gen)
+        y = torch.tanh(x @ teacher).argmax(dim=1)
+    return {
+        "train_x": x[:train_n],
+        "train_y": y[:train_n],
+        "val_x": x[train_n:],
+        "val_y": y[train_n:],
+    }
+
+
+def prepare(scratch: Path, name: str, steps: int, seed: int, worlds: list[int]) -> dict[str, Any]:
+    """Write the scratch folder every runner of one model reads (see peer_task.py)."""
+    setup = MODELS[name]
+    scratch.mkdir(parents=True, exist_ok=True)
+    spec = {"name": name, "model": setup["model"], "optim": OPTIM, "steps": steps, "seed": seed}
+    (scratch / common.SPEC).write_text(json.dumps(spec))
+    torch.save(make_data(setup, seed), scratch / common.DATA)
+    torch.manual_seed(seed)
+    torch.save(common.build_model(spec).state_dict(), scratch / common.INIT)
+    per_worker = setup["global_batch"] // 2
+    order = OrderSpec(num_samples=setup["train_samples"], seed=seed, shuffle="full")
+    for world in worlds:
+        # dtrain's own plan of its stream at this world size: (steps, ranks, per-rank batch).
+        plans = plan_steps(order, 0, steps, per_worker * world, world, 1)
+        ids = np.stack([np.stack([p.rank_ids(rank)[0] for rank in range(world)]) for p in plans])
+        torch.save(torch.from_numpy(ids).long(), scratch / common.plan_file(world))
+    return spec
+
+
+# -- running ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    runner: str
+    world: int
+    step_s: float  # rank 0's median step time after warm-up
+    peak_rss_kib: list[int]  # per rank
+    wall_s: float  # the whole launch, from the command to its exit
+    launcher_share: float  # the launcher's own CPU while the workers trained, of one core
+    window_losses: list[float]  # mean training loss of every log_every window
+    val_loss: float
+    step_cpu_s: list[float] = field(default_factory=list)  # per rank, median CPU time a step
+
+
+class RunFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class Launch:
+    wall_s: float  # from the command to its exit
+    samples: list[tuple[float, float]]  # (perf_counter, the launcher's own CPU seconds)
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) a process has used itself, or None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_command(cmd: list[str], env: dict[str, str]) -> Launch:
+    """Run ``cmd`` (a launcher) to its end, sampling the launcher's own CPU time (perf_counter
+    is one clock for every process of the machine, so the samples line up with the step times
+    the workers report)."""
+    started = time.perf_counter()
+    samples: list[tuple[float, float]] = []
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            cpu = process_cpu_s(proc.pid)
+            if cpu is not None:
+                samples.append((time.perf_counter(), cpu))
+            time.sleep(0.1)
+        wall = time.perf_counter() - started
+        out.seek(0)
+        text = out.read()
+    if proc.returncode != 0:
+        raise RunFailed(f"exit code {proc.returncode}:\n{text[-3000:]}")
+    return Launch(wall, samples)
+
+
+def launcher_share(launch: Launch, first: float, last: float) -> float:
+    """The launcher's CPU use while the workers trained (between two step ends), as a share of
+    one core."""
+    inside = [(t, c) for t, c in launch.samples if first <= t <= last]
+    if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+        return float("nan")
+    return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def run_once(
+    runner: str, scratch: Path, spec: dict[str, Any], world: int, run_dir: Path, args: Any
+) -> Result:
+    """One launch of ``runner`` on ``world`` processes; what its ranks reported."""
+    global_batch = MODELS[spec["name"]]["global_batch"] // 2 * world
+    prefix = run_dir / "peer"  # each rank writes prefix-rankN.json (peer_task.report_path)
+    if runner in DTRAIN:
+        cmd = [
+            sys.executable,
+            "-m",
+            "dtrain",
+            "train",
+            "--nproc",
+            str(world),
+            f"--run.dir={run_dir}",
+            "--run.task=peer_task:build",
+            f"--task.scratch={scratch}",
+            f"--run.seed={spec['seed']}",
+            f"--strategy.name={DTRAIN[runner][0]}",
+            *DTRAIN[runner][1:],
+            f"--data.global_batch_size={global_batch}",
+            f"--train.steps={spec['steps']}",
+            "--train.grad_clip=0",
+            f"--train.log_every={args.log_every}",
+            f"--optim.lr={OPTIM['lr']}",
+            "--optim.betas=[" + ",".join(str(b) for b in OPTIM["betas"]) + "]",
+            "--optim.weight_decay=0",
+            "--optim.warmup_steps=0",
+            "--optim.min_lr_ratio=1",
+            "--eval.every=0",
+            "--checkpoint.every=0",
+            "--dist.threads=1",
+        ]
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(world),
+            str(HERE / SCRIPTS[runner]),
+            str(scratch),
+            str(prefix),
+        ]
+    launch = run_command(cmd, child_env())
+    reports = [json.loads(common.report_path(prefix, r).read_text()) for r in range(world)]
+    if runner in DTRAIN:
+        records = [
+            json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        ]
+        windows = [float(r["loss"]) for r in records if r.get("kind") == "train"]
+        val_loss = float(next(r for r in records if r.get("kind") == "summary")["val_loss"])
+    else:
+        losses = reports[0]["step_losses"]
+        windows = [
+            statistics.fmean(losses[i : i + args.log_every])
+            for i in range(0, len(losses), args.log_every)
+        ]
+        val_loss = float(reports[0]["val_loss"])
+    ends = reports[0]["step_ends"]
+    return Result(
+        runner=runner,
+        world=world,
+        step_s=common.median_step_s(ends, args.warmup),
+        peak_rss_kib=[int(r["peak_rss_kib"]) for r in reports],
+        wall_s=launch.wall_s,
+        launcher_share=launcher_share(launch, ends[min(args.warmup, len(ends) - 1)], ends[-1]),
+        window_losses=windows,
+        val_loss=val_loss,
+        step_cpu_s=[common.median_step_s(r["cpu_ends"], args.warmup) for r in reports],
+    )
+
+
+def missing_package(runner: str) -> str | None:
+    package = PACKAGES.get(runner)
+    if package is not None and importlib.util.find_spec(package) is None:
+        return package
+    return None
+
+
+# -- checking and reporting -------------------------------------------------------------------
+
+
+def loss_gap(result: Result, baseline: Result) -> float:
+    """The largest difference between two runs' window losses and final validation losses."""
+    if len(result.window_losses) != len(baseline.window_losses):
+        return float("inf")
+    pairs = [
+        *zip(result.window_losses, baseline.window_losses),
+        (result.val_loss, baseline.val_loss),
+    ]
+    return max(abs(a - b) for a, b in pairs)
+
+
+def check_same_training(results: list[Result], tolerance: float, what: str) -> float:
+    """Refuse (exit) when any run's losses differ from the raw loop's beyond ``tolerance``."""
+    baseline = next(r for r in results if r.runner == "raw")
+    worst = 0.0
+    for result in results:
+        gap = loss_gap(result, baseline)
+        worst = max(worst, gap)
+        if gap > tolerance:
+            raise SystemExit(
+                f"{what}: {LABELS[result.runner]} did not train the same thing as the raw loop: "
+                f"its losses differ by {gap:.3g} (tolerance {tolerance:g}); windows "
+                f"{_fmt(result.window_losses)} val {result.val_loss:.6f} against the raw loop's "
+                f"{_fmt(baseline.window_losses)} val {baseline.val_loss:.6f}. No table printed: "
+                "a comparison of runs that trained different things would mislead."
+            )
+    return worst
+
+
+def _fmt(values: list[float]) -> str:
+    return "[" + ", ".join(f"{v:.6f}" for v in values) + "]"
+
+
+def mib(kib: float) -> float:
+    return kib / 1024
+
+
+def table(name: str, rounds: list[dict[str, Result]], skipped: dict[str, str]) -> list[str]:
+    runners = [r for r in RUNNERS if r in rounds[0]]
+    lines = [
+        "| runner | step time, median (ms) | x raw loop (rounds) | CPU per step, rank 0 (ms) "
+        "| peak RSS per rank (MiB) | x raw loop | launch wall (s) | final val loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    raw_rss = [max(r["raw"].peak_rss_kib) for r in rounds]
+    for runner in runners:
+        step = statistics.median(r[runner].step_s for r in rounds)
+        ratios = [r[runner].step_s / r["raw"].step_s for r in rounds]
+        rss = [max(r[runner].peak_rss_kib) for r in rounds]
+        per_rank = " / ".join(
+            f"{mib(statistics.median(r[runner].peak_rss_kib[k] for r in rounds)):.0f}"
+            for k in range(len(rounds[0][runner].peak_rss_kib))
+        )
+        rss_ratio = statistics.median(a / b for a, b in zip(rss, raw_rss))
+        wall = statistics.median(r[runner].wall_s for r in rounds)
+        cpu = statistics.median(r[runner].step_cpu_s[0] for r in rounds)
+        lines.append(
+            f"| {LABELS[runner]} | {step * 1e3:.2f} | **{statistics.median(ratios):.3f}x** "
+            f"({', '.join(f'{x:.3f}' for x in ratios)}) | {cpu * 1e3:.2f} | {per_rank} "
+            f"| {rss_ratio:.3f}x | {wall:.1f} | {rounds[-1][runner].val_loss:.6f} |"
+        )
+    for runner, why in skipped.items():
+        lines.append(f"| {LABELS[runner]} | skipped: {why} | | | | | | |")
+    return lines
+
+
+def scaling_lines(name: str, rounds: list[dict[str, Result]]) -> list[str]:
+    lines = [
+        "| runner | step time, 1 worker (ms) | step time, 2 workers (ms) | efficiency "
+        "(per-worker throughput 2/1; rounds) | launcher's CPU while 2 workers train |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for runner in ("raw", "ddp", "ddp-unpinned"):
+        # One worker: nothing to bind (its share is every core), the same run as ddp's.
+        one = [r[f"{'ddp' if runner == 'ddp-unpinned' else runner}-1"].step_s for r in rounds]
+        two = [r[f"{runner}-2"].step_s for r in rounds]
+        eff = [a / b for a, b in zip(one, two)]
+        launcher = statistics.median(r[f"{runner}-2"].launcher_share for r in rounds)
+        lines.append(
+            f"| {LABELS[runner]} | {statistics.median(one) * 1e3:.2f} | "
+            f"{statistics.median(two) * 1e3:.2f} | **{statistics.median(eff):.3f}** "
+            f"({', '.join(f'{x:.3f}' for x in eff)}) | {share(launcher)} |"
+        )
+    return lines
+
+
+def share(value: float) -> str:
+    return "n/a (too short to sample)" if value != value else f"{value:.1%} of a core"
+
+
+def versions() -> str:
+    parts = [f"torch {torch.__version__}"]
+    for package in ("accelerate", "lightning"):
+        try:
+            from importlib.metadata import version
+
+            parts.append(f"{package} {version(package)}")
+        except Exception:
+            parts.append(f"{package} not installed")
+    return ", ".join(parts)
+
+
+# -- main -------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="gpt,mlp", help="comma-separated: gpt, mlp")
+    parser.add_argument("--runners", default=",".join(RUNNERS), help="comma-separated runners")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of every runner")
+    parser.add_argument("--steps", type=int, default=80, help="optimizer steps per run")
+    parser.add_argument("--warmup", type=int, default=10, help="steps left out of the median")
+    parser.add_argument("--log-every", type=int, default=10, help="dtrain's train.log_every")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tolerance", type=float, default=1e-4, help="largest loss difference")
+    parser.add_argument("--scaling", default="gpt", help="models for weak scaling ('' = none)")
+    parser.add_argument("--scaling-repeats", type=int, default=3)
+    parser.add_argument("--keep", action="store_true", help="keep the scratch folder")
+    parser.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
+    args = parser.parse_args()
+    models = [m for m in args.models.split(",") if m]
+    wanted = [r for r in args.runners.split(",") if r]
+    for name in [*models, *[m for m in args.scaling.split(",") if m]]:
+        if name not in MODELS:
+            raise SystemExit(f"unknown model {name!r}: choose from {', '.join(MODELS)}")
+    unknown = [r for r in wanted if r not in RUNNERS]
+    if unknown or "raw" not in wanted:
+        raise SystemExit(f"--runners: choose from {', '.join(RUNNERS)}, raw included")
+    skipped: dict[str, str] = {}
+    for runner in wanted:
+        package = missing_package(runner)
+        if package is not None:
+            skipped[runner] = (
+                f"`{package}` is not installed in {sys.executable} "
+                "(pip install -e '.[peers]' in a separate venv, see docs/benchmarks.md)"
+            )
+            print(f"{LABELS[runner]}: skipped, {skipped[runner]}", flush=True)
+    runners = [r for r in wanted if r not in skipped]
+    scratch_root = Path(tempfile.mkdtemp(prefix="dtrain-peers-"))
+    report: list[str] = []
+    started = time.perf_counter()
+    try:
+        for name in models:
+            scratch = scratch_root / name
+            spec = prepare(scratch, name, args.steps, args.seed, [1, 2])
+            rounds: list[dict[str, Result]] = []
+            failed: dict[str, str] = {}
+            for index in range(args.repeats):
+                order = runners if index % 2 == 0 else runners[::-1]
+                results: dict[str, Result] = {}
+                for runner in order:
+                    if runner in failed:
+                        continue
+                    run_dir = scratch_root / f"{name}-{runner}-{index}"
+                    try:
+                        results[runner] = run_once(runner, scratch, spec, 2, run_dir, args)
+                    except RunFailed as exc:
+                        if runner == "raw" or runner in DTRAIN:
+                            raise SystemExit(f"{LABELS[runner]} failed: {exc}") from None
+                        failed[runner] = f"failed ({str(exc).splitlines()[0]})"
+                        print(f"{LABELS[runner]} failed: {exc}", flush=True)
+                        continue
+                    shutil.rmtree(run_dir, ignore_errors=True)
+                    r = results[runner]
+                    print(
+                        f"{name} round {index} {runner}: {r.step_s * 1e3:.2f} ms/step "
+                        f"({r.step_cpu_s[0] * 1e3:.2f} ms CPU), peak RSS "
+                        f"{'/'.join(f'{mib(k):.0f}' for k in r.peak_rss_kib)} MiB, wall "
+                        f"{r.wall_s:.1f} s, val loss {r.val_loss:.6f}",
+                        flush=True,
+                    )
+                for runner in failed:
+                    results.pop(runner, None)
+                worst = check_same_training(list(results.values()), args.tolerance, name)
+                rounds.append(results)
+            for runner in failed:
+                for r in rounds:
+                    r.pop(runner, None)
+            gpt = spec["model"].get("gpt")
+            shape = (
+                f"GPT, {gpt['n_layer']} layers, d_model {gpt['d_model']}, seq {gpt['seq_len']}"
+                if gpt
+                else f"MLP {spec['model']['inputs']}-{spec['model']['width']}x"
+                f"{spec['model']['depth']}-{spec['model']['classes']}"
+            )
+            params = sum(p.numel() for p in common.build_model(spec).parameters())
+            report += [
+                f"### {name}: {shape} ({params / 1e6:.2f} M parameters), global batch "
+                f"{MODELS[name]['global_batch']}, {args.steps} steps (median after "
+                f"{args.warmup}), {args.repeats} rounds",
+                "",
+                *table(name, rounds, {**skipped, **failed}),
+                "",
+                f"Every run's window losses and final validation loss agree with the raw "
+                f"loop's of its round within {worst:.2g} (tolerance {args.tolerance:g}).",
+                "",
+            ]
+            print("\n".join(report[-(len(runners) + len(skipped) + 7) :]), flush=True)
+        for name in [m for m in args.scaling.split(",") if m]:
+            scratch = scratch_root / name
+            if not (scratch / common.SPEC).exists():
+                prepare(scratch, name, args.steps, args.seed, [1, 2])
+            spec = common.load_spec(scratch)
+            scaling: list[dict[str, Result]] = []
+            for index in range(args.scaling_repeats):
+                results = {}
+                keys = [("raw", 1), ("raw", 2), ("ddp", 1), ("ddp", 2), ("ddp-unpinned", 2)]
+                for runner, world in keys if index % 2 == 0 else keys[::-1]:
+                    run_dir = scratch_root / f"scale-{name}-{runner}-{world}-{index}"
+                    r = run_once(runner, scratch, spec, world, run_dir, args)
+                    shutil.rmtree(run_dir, ignore_errors=True)
+                    results[f"{runner}-{world}"] = r
+                    print(
+                        f"scaling {name} round {index} {runner} x{world}: "
+                        f"{r.step_s * 1e3:.2f} ms/step, launcher {share(r.launcher_share)}, "
+                        f"wall {r.wall_s:.1f} s",
+                        flush=True,
+                    )
+                for world, runs in ((1, ["ddp-1"]), (2, ["ddp-2", "ddp-unpinned-2"])):
+                    same = [results[f"raw-{world}"], *(results[k] for k in runs)]
+                    check_same_training(same, args.tolerance, f"{name} at {world} worker(s)")
+                scaling.append(results)
+            per_worker = MODELS[name]["global_batch"] // 2
+            report += [
+                f"### Weak scaling: {name}, {per_worker} samples per worker, 1 thread each, "
+                f"{args.scaling_repeats} rounds",
+                "",
+                *scaling_lines(name, scaling),
+                "",
+            ]
+            print("\n".join(report[-6:]), flush=True)
+    finally:
+        if args.keep:
+            print(f"scratch folder kept: {scratch_root}")
+        else:
+            shutil.rmtree(scratch_root, ignore_errors=True)
+    minutes = (time.perf_counter() - started) / 60
+    if args.write_docs:
+        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        body = "\n".join(
+            [
+                "## dtrain against a raw DDP loop, Accelerate and Lightning Fabric (`peers.py`)",
+                "",
+                f"Command: `{command_line()}` ({minutes:.0f} min)  ",
+                f"Machine: {machine()}; {versions()}; load average {load} when it finished  ",
+                f"Date: {time.strftime('%Y-%m-%d')}",
+                "",
+                "Every runner: the same initial weights, data in memory, per-rank sample ids "
+                "(dtrain's partition), AdamW (foreach, constant LR, no weight decay, no "
+                "clipping), 2 processes of 1 thread each (gloo on loopback, CPU) started by "
+                "torch's elastic launcher (`torchrun`; `dtrain train --run.task=peer_task:build` "
+                "for dtrain, whose task declares `items_per_sample`). The raw loop, Accelerate "
+                "and Fabric read through a torch `DataLoader` with the plan as its batch "
+                "sampler. Step time: rank 0's median time between the ends of consecutive "
+                "optimizer steps; CPU per step: rank 0's process, all threads; peak RSS: each "
+                "rank's `ru_maxrss`; ratios: the median over rounds of the ratio to the raw "
+                "loop of the same round.",
+                "",
+                *report,
+            ]
+        )
+        print(f"wrote {update_section(SECTION, body)}")
+
+
+if __name__ == "__main__":
+    main()
