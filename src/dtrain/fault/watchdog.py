@@ -3,8 +3,9 @@
 Every rank beats into the job's key-value store (hosted by rank 0 under ``dtrain train``, by
 torch's agent under plain ``torchrun``): ``dtrain/hb/<rank>`` holds its host, pid, step, phase,
 the time of the beat and the path of its progress file. A daemon thread writes it every
-``heartbeat_s`` seconds, and soon (within ~0.2 s) after the step or phase changed, so a rank's
-beat is rarely far behind; the main thread only sets attributes and never waits on the store.
+``heartbeat_s`` seconds, and soon (within ~0.4 s) after it enters a step or phase that lasts,
+so a rank's beat is rarely far behind where it sits; the main thread only sets attributes and
+never waits on the store.
 A rank that raises posts ``dtrain/failed/<rank>`` before it exits.
 
 A beat can still be behind: a rank whose steps take milliseconds may be dozens of steps past its
@@ -321,7 +322,12 @@ class Watchdog:
                 self._write_beat_file()
             if self.store is None:
                 continue  # no peers: nothing more to beat to, nor a collective to hang in
-            moved = (self.step, self.phase) != beaten
+            # A prompt beat announces where a rank sits: a step or phase that has lasted a tick.
+            # A loop whose phases change faster (steps of milliseconds) beats at the regular
+            # pace instead of five times a second: each beat is a thread and a store round
+            # trip, and the training thread waits for their handoffs of the GIL (measured in
+            # docs/benchmarks.md, benchmarks/peers.py).
+            moved = (self.step, self.phase) != beaten and now - self._phase_since >= tick
             try:
                 if moved or now - last_beat >= self.heartbeat_s:
                     # Counted as done even if it fails: a store that is gone is retried at
