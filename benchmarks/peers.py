@@ -28,8 +28,8 @@ All runners must reach the same loss: the mean training loss of every ``log_ever
 reported and its row skipped.
 
 Weak scaling: per-worker throughput at 2 workers over 1 worker (the same per-worker batch, 1
-thread each), for the raw loop and dtrain ``ddp`` (also with ``dist.pin_cores = false``, to show
-what binding each worker to its core gives), with the launcher's own CPU use while the workers
+thread each), for the raw loop and dtrain ``ddp`` (also with ``dist.pin_cores = true``, to show
+what binding each worker to its own core gives), with the launcher's own CPU use while the workers
 train (sampled from ``/proc``).
 """
 
@@ -68,7 +68,7 @@ SCRIPTS = {"raw": "peer_raw.py", "accelerate": "peer_accelerate.py", "fabric": "
 DTRAIN = {
     "ddp": ["ddp"],
     "allreduce": ["allreduce"],
-    "ddp-unpinned": ["ddp", "--dist.pin_cores=false"],  # weak scaling: what the binding gives
+    "ddp-pinned": ["ddp", "--dist.pin_cores=true"],  # weak scaling: what binding gives
 }
 LABELS = {
     "raw": "raw PyTorch DDP loop (peer_raw.py)",
@@ -76,7 +76,7 @@ LABELS = {
     "allreduce": "dtrain allreduce",
     "accelerate": "Hugging Face Accelerate",
     "fabric": "Lightning Fabric",
-    "ddp-unpinned": "dtrain ddp, dist.pin_cores = false",
+    "ddp-pinned": "dtrain ddp, dist.pin_cores = true",
 }
 
 # The models: the default job's GPT (dtrain.tasks.gpt's defaults) and a small MLP.
@@ -386,9 +386,9 @@ def scaling_lines(name: str, rounds: list[dict[str, Result]]) -> list[str]:
         "(per-worker throughput 2/1; rounds) | launcher's CPU while 2 workers train |",
         "|---|---:|---:|---:|---:|",
     ]
-    for runner in ("raw", "ddp", "ddp-unpinned"):
+    for runner in ("raw", "ddp", "ddp-pinned"):
         # One worker: nothing to bind (its share is every core), the same run as ddp's.
-        one = [r[f"{'ddp' if runner == 'ddp-unpinned' else runner}-1"].step_s for r in rounds]
+        one = [r[f"{'ddp' if runner == 'ddp-pinned' else runner}-1"].step_s for r in rounds]
         two = [r[f"{runner}-2"].step_s for r in rounds]
         eff = [a / b for a, b in zip(one, two)]
         launcher = statistics.median(r[f"{runner}-2"].launcher_share for r in rounds)
@@ -520,7 +520,7 @@ def main() -> None:
             scaling: list[dict[str, Result]] = []
             for index in range(args.scaling_repeats):
                 results = {}
-                keys = [("raw", 1), ("raw", 2), ("ddp", 1), ("ddp", 2), ("ddp-unpinned", 2)]
+                keys = [("raw", 1), ("raw", 2), ("ddp", 1), ("ddp", 2), ("ddp-pinned", 2)]
                 for runner, world in keys if index % 2 == 0 else keys[::-1]:
                     run_dir = scratch_root / f"scale-{name}-{runner}-{world}-{index}"
                     r = run_once(runner, scratch, spec, world, run_dir, args)
@@ -532,7 +532,7 @@ def main() -> None:
                         f"wall {r.wall_s:.1f} s",
                         flush=True,
                     )
-                for world, runs in ((1, ["ddp-1"]), (2, ["ddp-2", "ddp-unpinned-2"])):
+                for world, runs in ((1, ["ddp-1"]), (2, ["ddp-2", "ddp-pinned-2"])):
                     same = [results[f"raw-{world}"], *(results[k] for k in runs)]
                     check_same_training(same, args.tolerance, f"{name} at {world} worker(s)")
                 scaling.append(results)

@@ -3,7 +3,7 @@
 A step's global item count from its plan (``Task.items_per_sample``): the same training, bit
 for bit, as counting every step in an all-reduce; no per-step collective; a wrong declaration
 is an error naming the rank; preemption still stops every rank after the same step. Workers
-bound to their own cores (``dist.pin_cores``)."""
+bound to their own cores on request (``dist.pin_cores``)."""
 
 from __future__ import annotations
 
@@ -148,12 +148,10 @@ def affinity_after_start(raw: dict[str, Any]) -> list[int]:
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
-def test_each_cpu_worker_is_bound_to_its_own_cores(tmp_path: Path) -> None:
+def test_with_pin_cores_each_cpu_worker_is_bound_to_its_own_cores(tmp_path: Path) -> None:
     cores = sorted(os.sched_getaffinity(0))
-    bound = run_ranks(affinity_after_start, 2, tiny_raw(tmp_path / "pin"))
+    bound = run_ranks(affinity_after_start, 2, tiny_raw(tmp_path / "pin", dist={"pin_cores": True}))
     half = len(cores) // 2
     assert bound == [cores[:half], cores[half : 2 * half]]
-    free = run_ranks(
-        affinity_after_start, 2, tiny_raw(tmp_path / "free", dist={"pin_cores": False})
-    )
+    free = run_ranks(affinity_after_start, 2, tiny_raw(tmp_path / "free"))  # the default
     assert free == [cores, cores]

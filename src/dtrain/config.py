@@ -315,7 +315,7 @@ class DistConfig:
     timeout_s: float = _opt(300.0, "collective timeout in seconds", min=0, min_exclusive=True)
     threads: int = _opt(0, "torch threads per worker (0 = cores / local workers)", min=0)
     pin_cores: bool = _opt(
-        True,
+        False,
         "CPU workers: bind each worker of a machine to its own equal share of the cores (when "
         "every worker gets at least its threads); false = the OS places them",
     )
