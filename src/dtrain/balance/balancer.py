@@ -89,7 +89,6 @@ class LoadBalancer:
             self.slowdown = Slowdown(
                 module, debug.slowdown_factor, debug.slowdown_from_step, debug.slowdown_to_step
             )
-        self._step = 0  # the step being timed
 
     # -- the step ------------------------------------------------------------------------
 
@@ -98,7 +97,6 @@ class LoadBalancer:
 
     def data_ready(self, step: int, batch: StepBatch, items: int) -> None:
         """Step ``step`` (1 = the first of the run) has its batch; ``items`` on this rank."""
-        self._step = step
         samples = sum(len(ids) for ids in batch.ids)
         self.timer.data_ready(items, samples, len(batch.micro))
         if self.slowdown is not None:
