@@ -405,7 +405,8 @@ def share(value: float) -> str:
 
 
 def versions() -> str:
-    parts = [f"torch {torch.__version__}"]
+    """The peers' versions (machine() names torch's)."""
+    parts = []
     for package in ("accelerate", "lightning"):
         try:
             from importlib.metadata import version
