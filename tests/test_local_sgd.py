@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from dtrain.comm.accounting import all_reduce_bytes
+from dtrain.balance.timing import FIELDS as TIMING_FIELDS
+from dtrain.comm.accounting import all_gather_bytes, all_reduce_bytes
+from dtrain.config import BalanceConfig
 from dtrain.parallel.local_sgd import OUTER_FILE, DiLoCoStrategy, LocalSGDStrategy, replica_file
 from dtrain.testing import run_ranks
 from tests.conftest import tiny_raw
@@ -214,8 +216,10 @@ def test_bytes_follow_the_formula(pair: list[Any], strategy: str) -> None:
     assert run["clip_bytes"] == [all_reduce_bytes(4, 2)] * STEPS
     # The run's total: the set-up broadcast of the parameters, the syncs, the norm
     # agreement, and the trainer's own collectives: the item count (2 float64) every step,
-    # the loss (1 float64) at every metrics line, the final evaluation (2 float64).
-    trainer_own = STEPS * all_reduce_bytes(16, 2) + STEPS * all_reduce_bytes(8, 2) + 2 * 8
+    # the loss (1 float64) at every metrics line, the final evaluation (2 float64), and the
+    # per-rank timing window (one float64 per field, all-gathered every balance.every steps).
+    timing = (STEPS // BalanceConfig().every) * all_gather_bytes(8 * len(TIMING_FIELDS), 2)
+    trainer_own = STEPS * all_reduce_bytes(16, 2) + STEPS * all_reduce_bytes(8, 2) + 2 * 8 + timing
     expected = params + len(SYNC_STEPS) * sync + STEPS * 4 + trainer_own
     assert run["total_bytes"] == expected
 
