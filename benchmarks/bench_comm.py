@@ -11,8 +11,9 @@ one run.
    ``--rate``, 1 worker and 1 thread each) train the default GPT through ``dtrain train
    --nnodes 2`` with none, powersgd and diloco, rounds alternating. The step time is the mean
    over the steps after the warm-up. Its floor: the compute-only step time (the same per-rank
-   batch on 1 worker, no communication, measured in the same round) plus the bytes the method
-   sends per step over the link's rate.
+   batch on 1 worker, no communication, measured in the same round with both hosts computing
+   at once, since the two "hosts" share this machine's cores) plus the bytes the method sends
+   per step over the link's rate. The lone worker's step is reported beside it.
 
     python benchmarks/bench_comm.py                      # both (about 20 min here)
     python benchmarks/bench_comm.py --only hosts --rounds 3
@@ -191,34 +192,41 @@ def host_run(hosts: Hosts, work: Path, label: str, steps: int, round_index: int)
     return run_dir
 
 
-def compute_only(hosts: Hosts, work: Path, steps: int, round_index: int) -> float:
-    """The same per-rank work (half the global batch) on 1 worker: no communication."""
-    run_dir = work / f"compute-{round_index}"
-    done = hosts.run(
-        0,
-        [
-            sys.executable,
-            "-m",
-            "dtrain",
-            "train",
-            f"--run.dir={run_dir}",
-            "--nproc=1",
-            f"--train.steps={steps}",
-            "--train.log_every=5",
-            "--data.global_batch_size=8",  # the default 16 over 2 ranks
-            "--eval.every=0",
-            "--eval.max_samples=64",
-            "--checkpoint.every=0",
-            "--task.generate_tokens=0",
-            "--dist.threads=1",
-        ],
-        cwd=ROOT,
-    )
+def compute_only(hosts: Hosts, work: Path, steps: int, round_index: int) -> tuple[float, float]:
+    """The same per-rank work (half the global batch) on 1 worker, no communication: (a)
+    alone on this machine, and (b) in both hosts at once, as in the two-host runs, where the
+    two workers share this machine's 2 cores (two real hosts would not: the floor takes (b) so
+    that the simulation's own contention is not charged to the method)."""
+    argv = [
+        sys.executable,
+        "-m",
+        "dtrain",
+        "train",
+        "--nproc=1",
+        f"--train.steps={steps}",
+        "--train.log_every=5",
+        "--data.global_batch_size=8",  # the default 16 over 2 ranks
+        "--eval.every=0",
+        "--eval.max_samples=64",
+        "--checkpoint.every=0",
+        "--task.generate_tokens=0",
+        "--dist.threads=1",
+    ]
+    alone_dir = work / f"compute-{round_index}"
+    done = hosts.run(0, [*argv, f"--run.dir={alone_dir}"], cwd=ROOT)
     if done.returncode != 0:
         raise SystemExit(f"the compute-only run failed:\n{done.stderr[-3000:]}")
-    seconds = step_time(run_dir, 2 * POWERSGD_START)
-    shutil.rmtree(run_dir, ignore_errors=True)
-    return seconds
+    alone = step_time(alone_dir, 2 * POWERSGD_START)
+    both_dirs = [work / f"compute-{round_index}-host{i}" for i in range(2)]
+    procs = [hosts.popen(i, [*argv, f"--run.dir={d}"], cwd=ROOT) for i, d in enumerate(both_dirs)]
+    for proc in procs:
+        output, _ = proc.communicate(timeout=900)
+        if proc.returncode != 0:
+            raise SystemExit(f"the concurrent compute-only run failed:\n{output[-3000:]}")
+    both = statistics.fmean(step_time(d, 2 * POWERSGD_START) for d in both_dirs)
+    for run_dir in [alone_dir, *both_dirs]:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return alone, both
 
 
 def bench_hosts(work: Path, steps: int, rounds: int, rate: str) -> list[str]:
@@ -228,7 +236,7 @@ def bench_hosts(work: Path, steps: int, rounds: int, rate: str) -> list[str]:
     rate_bytes = parse_rate(rate)
     times: dict[str, list[float]] = {label: [] for label in HOST_METHODS}
     sent: dict[str, list[float]] = {label: [] for label in HOST_METHODS}
-    compute: list[float] = []
+    compute: list[tuple[float, float]] = []  # (alone, both hosts at once) per round
     with Hosts(2, rate=rate) as hosts:
         for round_index in range(rounds):
             order = HOST_METHODS if round_index % 2 == 0 else HOST_METHODS[::-1]
@@ -241,28 +249,36 @@ def bench_hosts(work: Path, steps: int, rounds: int, rate: str) -> list[str]:
             print(f"  round {round_index + 1}: compute only ...", flush=True)
             compute.append(compute_only(hosts, work, steps, round_index))
     base = statistics.median(times["none (fp32)"])
-    compute_s = statistics.median(compute)
+    alone_s = statistics.median(c[0] for c in compute)
+    compute_s = statistics.median(c[1] for c in compute)
     lines = [
         f"Two hosts (network namespaces), 1 worker and 1 thread each, links limited to {rate} "
         f"(no added delay: this kernel has no netem); the default GPT, {steps} steps, step "
         f"time = mean over steps {2 * POWERSGD_START}-{steps}, median of {rounds} alternating "
-        f"rounds. Compute-only step (1 worker, the same per-rank batch): "
-        f"{compute_s:.3f} s (rounds: {', '.join(f'{c:.3f}' for c in compute)}).",
+        f"rounds. Compute-only step (the same per-rank batch, 1 worker, no communication) "
+        f"with both hosts computing at once, as in the two-host runs (they share this "
+        f"machine's 2 cores): {compute_s:.3f} s (rounds: "
+        f"{', '.join(f'{c[1]:.3f}' for c in compute)}); one worker alone on the machine: "
+        f"{alone_s:.3f} s ({', '.join(f'{c[0]:.3f}' for c in compute)}). Floor = the "
+        "compute-only step with both hosts computing + the bytes a rank sends per step over "
+        "the link's rate; the last column takes the lone worker's step instead.",
         "",
-        "| method | step time (s) | vs none | target | bytes/step | floor (s) | vs floor | |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | step time (s) | vs none | target | bytes/step | floor (s) | vs floor | "
+        "| vs floor, 1 worker alone |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for label in HOST_METHODS:
         seconds = statistics.median(times[label])
         per_step = statistics.median(sent[label])
         floor = compute_s + per_step / rate_bytes
+        floor_alone = alone_s + per_step / rate_bytes
         target = HOST_TARGETS.get(label)
         ok = seconds / floor <= FLOOR_TARGET and (target is None or seconds / base <= target)
         lines.append(
             f"| {label} | {seconds:.3f} ({', '.join(f'{t:.3f}' for t in times[label])}) "
             f"| {seconds / base:.3f}x | {f'<= {target}x' if target else ''} "
             f"| {per_step:,.0f} | {floor:.3f} | {seconds / floor:.3f}x (<= {FLOOR_TARGET}x) "
-            f"| {'met' if ok else 'MISSED'} |"
+            f"| {'met' if ok else 'MISSED'} | {seconds / floor_alone:.3f}x |"
         )
     return lines
 
