@@ -151,6 +151,10 @@ class Trainer:
         # This rank's communication totals at the last metrics line; set-up's (the broadcast
         # of rank 0's parameters) belongs to no step.
         self._comm_mark = self.strategy.comm.totals()
+        # What rank 0's parameters take, for every train record: counted once, at the first
+        # (walking the parameters costs a step of a small model a few hundred microseconds,
+        # and their sizes do not change during a run).
+        self._param_bytes: int | None = None
 
     # -- logging -------------------------------------------------------------------------
 
@@ -272,7 +276,8 @@ class Trainer:
                 # costs a step its fixed latency and CPU (about 0.3 ms on gloo), which a step of
                 # a few milliseconds feels.
                 global_items = self._planned_items(batch, count)
-            loss_sum, norm = self._train_step(micro, global_items)
+            logs = (self.step + 1) % cfg.train.log_every == 0 or self.step + 1 == cfg.train.steps
+            norm = self._train_step(micro, global_items, window, logs)
             self.step += 1
             # Strategies that synchronize every few steps (localsgd, diloco) do it here,
             # before a rollback, a checkpoint or an evaluation of this step sees the model.
@@ -294,12 +299,11 @@ class Trainer:
                 )
             if not math.isfinite(norm):
                 self._on_non_finite(batch)
-            window.add(loss_sum, global_items)
             error = self.checkpointer.poll()
             if error:
                 self.warn(error)
                 self._event("checkpoint_failed", error=error)
-            if self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps:
+            if logs:
                 self.watchdog.set_phase("all_reduce(metrics)")
                 last_loss, rate, steps, elapsed = window.flush(self.strategy)
                 self._log_train(last_loss, norm, rate, steps, elapsed)
@@ -352,8 +356,12 @@ class Trainer:
         self.watchdog.set_phase("done")
         return summary
 
-    def _train_step(self, micro: list[Any], global_items: int) -> tuple[torch.Tensor, float]:
-        """Forward, backward, clip and (when the gradient is finite) update."""
+    def _train_step(
+        self, micro: list[Any], global_items: int, window: LossWindow, logs: bool
+    ) -> float:
+        """Forward, backward, clip and (when the gradient is finite) update; the step's loss
+        goes into ``window``, whose sum over the ranks starts here on a step that logs.
+        Returns the global gradient norm."""
         failpoint("train.step", step=self.step + 1)
         scale = torch.tensor(
             self.strategy.data_parallel_size / max(1, global_items),
@@ -362,6 +370,9 @@ class Trainer:
         )
         self.watchdog.set_phase("forward_backward")
         result = self.strategy.forward_backward(micro, self.task.loss_fn, scale)
+        window.add(result.loss_sum, global_items)
+        if logs:
+            window.start_sum(self.strategy)
         self.watchdog.set_phase("clip_grad_norm")
         norm = float(self.strategy.clip_grad_norm(self.cfg.train.grad_clip))
         # The norm is global (gradients are synchronized, or the norm is all-reduced), so
@@ -372,7 +383,7 @@ class Trainer:
             self.nan_streak.clear()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return result.loss_sum, norm
+        return norm
 
     def _planned_items(self, batch: StepBatch, count: int) -> int:
         """The step's global item count from its plan, every sample holding
@@ -508,6 +519,8 @@ class Trainer:
         if not self.is_main:
             return
         per_step = max(1, steps)
+        if self._param_bytes is None:
+            self._param_bytes = self.strategy.parameter_bytes()
         record = {
             "kind": "train",
             "step": self.step,
@@ -523,7 +536,7 @@ class Trainer:
             "epoch": self.loader.epoch(),
             "items_seen": self.items_seen,
             "skipped_steps": self.skipped_steps,
-            "param_bytes_rank0": self.strategy.parameter_bytes(),
+            "param_bytes_rank0": self._param_bytes,
             **self._comm_fields(sent_since / per_step, waited_since, per_step, elapsed),
             "time": time.time(),
         }

@@ -4,6 +4,7 @@ closing lines, and the loss window behind each metrics line."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,21 +31,38 @@ class Summary:
 
 
 class LossWindow:
-    """Loss and items since the last metrics line; summed over ranks only when logged."""
+    """Loss and items since the last metrics line; summed over ranks only when logged.
+
+    The sum starts right after the logged step's backward (:meth:`start_sum`), when the
+    gradient all-reduce has just brought the ranks together, and is waited for at the step's
+    end (:meth:`flush`): it overlaps the optimizer step instead of making every logged step
+    wait for the slowest rank a second time."""
 
     def __init__(self, device: torch.device) -> None:
         self.loss = torch.zeros((), dtype=torch.float64, device=device)
         self.items = 0
         self.steps = 0
         self.start = time.perf_counter()
+        self._wait: Callable[[], None] | None = None  # the sum in flight
 
     def add(self, loss_sum: torch.Tensor, items: int) -> None:
+        assert self._wait is None, "LossWindow.add while its sum is in flight"
         self.loss += loss_sum.double()
         self.items += items
         self.steps += 1
 
+    def start_sum(self, strategy: Strategy) -> None:
+        """Start summing the window's loss over the ranks (collective)."""
+        self._wait = strategy.start_loss_all_reduce(self.loss)
+
     def flush(self, strategy: Strategy) -> tuple[float, float, int, float]:
-        strategy.all_reduce_loss(self.loss)
+        """The window's (mean loss over all ranks, items per second, steps, seconds); starts
+        the sum first if :meth:`start_sum` was not called. A new window begins."""
+        if self._wait is None:
+            self.start_sum(strategy)
+        assert self._wait is not None
+        self._wait()
+        self._wait = None
         elapsed = time.perf_counter() - self.start
         loss = float(self.loss) / max(1, self.items)
         rate = self.items / elapsed if elapsed > 0 else 0.0

@@ -174,10 +174,31 @@ class Strategy(ABC):
         return tensor
 
     def all_reduce_loss(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum a loss total over every rank that computes part of it, in place. Data parallel:
-        the data-parallel group. (A pipeline computes the loss on its last stage only, and
-        overrides this to sum over stages as well.)"""
-        return self.all_reduce_sum(tensor)
+        """Sum a loss total over every rank that computes part of it, in place."""
+        self.start_loss_all_reduce(tensor)()
+        return tensor
+
+    def start_loss_all_reduce(self, tensor: torch.Tensor) -> Callable[[], None]:
+        """:meth:`all_reduce_loss` started, not waited for: call what it returns to wait.
+        Data parallel: the data-parallel group. (A pipeline computes the loss on its last
+        stage only, and overrides this to sum over stages as well.)"""
+        if self.data_parallel_size == 1:
+            return _nothing_to_wait_for
+        work = dist.all_reduce(
+            tensor, op=dist.ReduceOp.SUM, group=self.data_parallel_group, async_op=True
+        )
+        self.comm.all_reduce(tensor.numel() * tensor.element_size(), self.data_parallel_size)
+        return self._waiter(work)
+
+    def _waiter(self, work: dist.Work | None) -> Callable[[], None]:
+        """A function that waits for ``work``, counting the wait as communication."""
+
+        def wait() -> None:
+            if work is not None:
+                with self.comm.waiting():
+                    work.wait()
+
+        return wait
 
     def agree_on_step(self, items: int, stop: bool) -> tuple[int, bool]:
         """In one collective, what every rank must agree on before a step: the global item
@@ -321,3 +342,7 @@ def run_micro_batches(
         total = loss_sum.detach() if total is None else total + loss_sum.detach()
     assert total is not None, "a step has at least one micro-batch"
     return StepResult(loss_sum=total)
+
+
+def _nothing_to_wait_for() -> None:
+    """What a collective that had nothing to do (one rank) returns to wait on."""

@@ -20,7 +20,7 @@ global batch the mean, whichever stage or copy computes which part of it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -371,12 +371,12 @@ class PipelineStrategy(ShardedStrategy):
         clip_to_max_norm([local_part(g) for g in every], norm, max_norm)
         return norm
 
-    def all_reduce_loss(self, tensor: torch.Tensor) -> torch.Tensor:
+    def start_loss_all_reduce(self, tensor: torch.Tensor) -> Callable[[], None]:
         """The loss is computed on the last stage of every pipeline, and is 0 elsewhere: sum
         over the world."""
         if dist.is_initialized() and self.runtime.world_size > 1:
-            dist.all_reduce(tensor)
-        return tensor
+            return self._waiter(dist.all_reduce(tensor, async_op=True))
+        return self._waiter(None)
 
     def agree_on_step(self, items: int, stop: bool) -> tuple[int, bool]:
         # Every stage of a pipeline holds the same items: count them on its first stage only,
