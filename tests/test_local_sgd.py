@@ -40,6 +40,16 @@ INTERVALS = {
     "comm": {"sync_every": H},
 }
 
+# comm.local_start_step: data parallelism first, local steps after. With AdamW for the whole
+# run (10 steps) against ddp; then 4 warm-up steps (replicas meet at 4 + 8 = 12 and at the last
+# step) and 12 (a crash at 12 resumes from step 10, inside the warm-up).
+ADAMW = {"optim": {"name": "adamw", "lr": 3e-3, "warmup_steps": 2}, "train": {"steps": 10}}
+WARM4_SYNC_STEPS = [12, 20]
+
+
+def warm(start: int) -> dict[str, Any]:
+    return {**INTERVALS, "comm": {"sync_every": H, "local_start_step": start}}
+
 
 def flat(tensors: list[torch.Tensor]) -> np.ndarray:
     return torch.cat([t.detach().reshape(-1) for t in tensors]).numpy().copy()
@@ -74,6 +84,7 @@ def train_recorded(raw: dict[str, Any]) -> dict[str, Any]:
     out["total_bytes"] = strategy.comm.bytes_sent
     out["param_bytes"] = strategy.parameter_bytes()
     out["syncs"] = strategy.syncs
+    out["param_tensors"] = len(strategy.params)
     out["final"] = params_of(trainer)
     return out
 
@@ -136,6 +147,17 @@ def runs(tmp: Path) -> list[dict[str, Any]]:
         run("diloco_crash", "crash", "diloco", INTERVALS),
         run("localsgd_nan", "nan", "localsgd", INTERVALS),
         run("diloco_rollback", "nan3", "diloco", INTERVALS, fault={"nan_rollback_after": 3}),
+        run("ddp_adamw", "final", "ddp", ADAMW),
+        run("localsgd_all_dp", "final", "localsgd", ADAMW, comm={"local_start_step": 10}),
+        run("diloco_all_dp", "final", "diloco", ADAMW, comm={"local_start_step": 10}),
+        run("localsgd_w4", "recorded", "localsgd", warm(4)),
+        run("diloco_w4", "recorded", "diloco", warm(4)),
+        run("localsgd_w4_crash", "crash", "localsgd", warm(4)),
+        run("diloco_w4_crash", "crash", "diloco", warm(4)),
+        run("localsgd_w12", "final", "localsgd", warm(12)),
+        run("diloco_w12", "final", "diloco", warm(12)),
+        run("localsgd_w12_crash", "crash", "localsgd", warm(12)),
+        run("diloco_w12_crash", "crash", "diloco", warm(12)),
     ]
 
 
@@ -271,6 +293,74 @@ def test_resume_at_another_world_size_starts_every_rank_alike(
     assert "not carried over" in one["printed"]  # saved mid-interval
     inner = torch.load(step_dir / "optimizer.pt", weights_only=True)["state"]
     assert all(np.array_equal(one["exp_avg"][i], inner[i]["exp_avg"].numpy()) for i in inner)
+
+
+# -- a data-parallel warm-up (comm.local_start_step) -----------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["localsgd_all_dp", "diloco_all_dp"])
+def test_warm_up_steps_are_data_parallel_steps_with_any_optimizer(
+    pair: list[Any], strategy: str
+) -> None:
+    # Every step in the warm-up: the gradients are averaged before the step, so with AdamW
+    # (not linear in the gradient, unlike the H = 1 comparison) the replicas stay one model,
+    # the one ddp trains; only the rounding of the all-reduce differs (ddp divides first).
+    ddp = pair[0]["ddp_adamw"]
+    for rank in (0, 1):
+        assert max_diff(pair[rank][strategy], ddp) < 1e-6
+    assert max_diff(pair[0][strategy], pair[1][strategy]) == 0.0
+    assert max_diff(ddp, pair[0]["init"]) > 1e-3
+
+
+@pytest.mark.parametrize("strategy", ["localsgd_w4", "diloco_w4"])
+def test_after_the_warm_up_replicas_meet_every_h_steps_counted_from_it(
+    pair: list[Any], strategy: str
+) -> None:
+    a, b = pair[0][strategy]["params"], pair[1][strategy]["params"]
+    for step in range(1, STEPS + 1):
+        same = np.array_equal(a[step - 1], b[step - 1])
+        assert same == (step <= 4 or step in WARM4_SYNC_STEPS), f"step {step}: equal = {same}"
+    assert pair[0][strategy]["syncs"] == len(WARM4_SYNC_STEPS)
+    run = pair[0][strategy]
+    # The warm-up all-reduces every gradient (and a used-flag per parameter tensor) each step.
+    grads = all_reduce_bytes(run["param_bytes"] + 4 * run["param_tensors"], 2)
+    plain = pair[0][strategy.removesuffix("_w4")]
+    warm_total = (
+        plain["total_bytes"]
+        + 4 * grads
+        + all_reduce_bytes(run["param_bytes"], 2) * (len(WARM4_SYNC_STEPS) - len(SYNC_STEPS))
+    )
+    assert run["total_bytes"] == warm_total
+
+
+def test_diloco_anchors_on_the_model_at_the_end_of_the_warm_up(pair: list[Any]) -> None:
+    run = pair[0]["diloco_w4"]
+    assert np.array_equal(run["anchor"][3], run["params"][3])  # after step 4
+    anchors = np.stack(run["anchor"])
+    moved = [s for s in range(2, STEPS + 1) if not np.array_equal(anchors[s - 1], anchors[s - 2])]
+    assert moved == [4, *WARM4_SYNC_STEPS]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "reference"),
+    [
+        ("localsgd_w4_crash", "localsgd_w4"),  # resumed at 10: 6 steps after the warm-up
+        ("diloco_w4_crash", "diloco_w4"),
+        ("localsgd_w12_crash", "localsgd_w12"),  # resumed at 10: inside the warm-up
+        ("diloco_w12_crash", "diloco_w12"),
+    ],
+)
+def test_resume_around_the_warm_up_is_bit_identical(
+    pair: list[Any], strategy: str, reference: str
+) -> None:
+    for rank in (0, 1):
+        crashed = pair[rank][strategy]
+        assert crashed["start_step"] == 10
+        done = pair[rank][reference]
+        if reference.endswith("_w4"):  # a recorded run: its parameters are under "final"
+            done = done["final"]
+        for key in done:
+            assert np.array_equal(done[key], crashed["params"][key]), (rank, key)
 
 
 # -- the NaN guard -------------------------------------------------------------------------

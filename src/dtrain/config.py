@@ -229,6 +229,13 @@ class CommConfig:
     sync_every: int = _opt(
         8, "localsgd, diloco: local optimizer steps between synchronizations (H)", min=1
     )
+    local_start_step: int = _opt(
+        0,
+        "localsgd, diloco: steps of plain data parallelism first (gradients all-reduced every "
+        "step, one model), then local steps (post-local SGD; DiLoCo's start from a "
+        "data-parallel model)",
+        min=0,
+    )
     outer_lr: float = _opt(
         0.7, "diloco: learning rate of the outer Nesterov step", min=0, min_exclusive=True
     )

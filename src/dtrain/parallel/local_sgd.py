@@ -18,6 +18,15 @@ every global batch; nothing is synchronized in backward. Every H = ``comm.sync_e
 A step's traffic is 2 small collectives (the trainer's item count and the norm agreement);
 a sync's is one all-reduce of the parameters: 1/H of plain data parallelism's gradient traffic.
 
+Warm-up (``comm.local_start_step`` = S > 0). The first S steps are plain data parallelism: each
+step's gradients are averaged over the group (flat buckets, as the parameters are at a sync)
+before the optimizer step, so every replica takes the same step from the same state -- the
+same update as ``ddp``, with any optimizer. Local steps begin after step S (post-local SGD,
+Lin et al. 2020; DiLoCo starts its replicas from a data-parallel model the same way, and its
+anchor is the model of step S). The replicas then meet every H steps counted from S, and at
+the last step. Early steps, where the loss falls fastest and replicas on half a batch each pull
+apart most, are the ones local steps cost most; ``benchmarks/bench_comm.py`` shows how much.
+
 The loss scale. The trainer multiplies each rank's loss sum by ``data_parallel_size /
 global_items``. With equal shares (n items on each of N ranks) that is ``1 / n``: each rank's
 gradient is exactly the gradient of its local mean loss, the objective of local SGD. With
@@ -95,6 +104,15 @@ class LocalSGDStrategy(Strategy):
         self.param_buckets: list[list[nn.Parameter]] = []
         self.buffer_buckets: list[list[torch.Tensor]] = []  # floating-point buffers
         self.syncs = 0  # synchronizations since set-up (tests count them)
+        self.next_step = 1  # the step the next forward_backward is for
+
+    @property
+    def local_start_step(self) -> int:
+        return self.cfg.comm.local_start_step
+
+    def warming_up(self, step: int) -> bool:
+        """Whether ``step`` is one of the data-parallel steps before the local ones."""
+        return step <= self.local_start_step
 
     @property
     def sync_every(self) -> int:
@@ -127,8 +145,32 @@ class LocalSGDStrategy(Strategy):
     def forward_backward(
         self, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, scale: torch.Tensor
     ) -> StepResult:
-        # Plain local accumulation: no gradient leaves this rank.
-        return run_micro_batches(self, micro_batches, loss_fn, scale)
+        # Plain local accumulation: no gradient leaves this rank -- except in the warm-up,
+        # where the gradients are averaged as data parallelism does.
+        result = run_micro_batches(self, micro_batches, loss_fn, scale)
+        if self.warming_up(self.next_step) and self.data_parallel_size > 1:
+            self._average_gradients()
+        return result
+
+    @torch.no_grad()
+    def _average_gradients(self) -> None:
+        """Collective: every parameter's gradient becomes the mean over the group. Each
+        rank's loss is scaled by ``data_parallel_size / global_items``, so the mean is the
+        gradient of the global mean loss, as in ``ddp``. A parameter this rank did not use
+        contributes zeros; one that no rank used keeps no gradient (a flag per parameter
+        rides in the same buffer), so the optimizer skips it as it would under ``ddp``."""
+        for params in self.param_buckets:
+            used = [p.grad is not None for p in params]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flags = torch.tensor(used, dtype=grads[0].dtype, device=grads[0].device)
+            flat = torch.cat([*(g.reshape(-1) for g in grads), flags])
+            self._all_reduce_mean(flat)
+            grads_part, flags_part = flat[: -len(params)], flat[-len(params) :]
+            for param, part, anyone in zip(params, _split(grads_part, params), flags_part):
+                if param.grad is not None:
+                    param.grad.copy_(part)
+                elif anyone > 0:
+                    param.grad = part.clone()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip this replica's gradient by its own norm; return the largest local norm over the
@@ -143,13 +185,28 @@ class LocalSGDStrategy(Strategy):
         return agreed[0]
 
     def sync_due(self, step: int) -> bool:
-        """Whether the replicas meet after ``step``: every H steps from the start of the run
-        (a resumed run meets at the same steps), and at the last step."""
-        return step % self.sync_every == 0 or step == self.cfg.train.steps
+        """Whether the replicas meet after ``step``: every H steps counted from the end of the
+        warm-up (a resumed run meets at the same steps), and at the last step; never in the
+        warm-up, where they do not part."""
+        if self.warming_up(step):
+            return False
+        return self._since_sync(step) == 0 or step == self.cfg.train.steps
+
+    def _since_sync(self, step: int) -> int:
+        """Local steps after ``step`` since the replicas last met (0 in the warm-up)."""
+        return (
+            (step - self.local_start_step) % self.sync_every if step > self.local_start_step else 0
+        )
 
     def after_optimizer_step(self, step: int) -> None:
+        self.next_step = step + 1
+        if step == self.local_start_step:
+            self._start_local()
         if self.sync_due(step):
             self.synchronize()
+
+    def _start_local(self) -> None:
+        """At the end of the warm-up (diloco: the anchor becomes the model)."""
 
     @torch.no_grad()
     def synchronize(self) -> None:
@@ -195,6 +252,7 @@ class LocalSGDStrategy(Strategy):
         data-parallel size with one replica per rank; otherwise every rank loads rank 0's (a
         checkpoint of a replicated strategy, or another world size: see the module's doc)."""
         meta = ckread.load_meta(step_dir)
+        self.next_step = int(meta.get("step", 0)) + 1
         saved = int(meta.get("data_parallel_size", meta.get("world_size", 1)))
         per_replica = saved > 1 and (step_dir / replica_file("model", 1)).exists()
         exact = saved == self.data_parallel_size and (per_replica or saved == 1)
@@ -217,7 +275,7 @@ class LocalSGDStrategy(Strategy):
         """What a subclass restores beside the replica (diloco: the anchor)."""
 
     def _resize_message(self, step_dir: Path, saved: int, step: int) -> str:
-        since = step % self.sync_every
+        since = self._since_sync(step)
         dropped = (
             f"; it was saved {since} step(s) after the sync at step {step - since}: the other "
             "replicas' local progress since then is not carried over"
@@ -250,6 +308,12 @@ class DiLoCoStrategy(LocalSGDStrategy):
         self.anchor_names = [n for n, p in self.module.named_parameters() if id(p) in trained]
         self.anchor = [p.detach().clone() for p in self.params]
         self.outer_optimizer = self._build_outer_optimizer()
+
+    @torch.no_grad()
+    def _start_local(self) -> None:
+        # The replicas are one data-parallel model now: the outer steps start from it.
+        for anchor, param in zip(self.anchor, self.params):
+            anchor.copy_(param)
 
     def _build_outer_optimizer(self) -> torch.optim.SGD:
         momentum = self.cfg.comm.outer_momentum
@@ -314,12 +378,14 @@ class DiLoCoStrategy(LocalSGDStrategy):
         self.outer_optimizer = self._build_outer_optimizer()
         if outer_state is not None:
             self.outer_optimizer.load_state_dict(outer_state)
-        if not exact:
+        # At another world size every replica restarts from the anchor -- after the
+        # warm-up; in it, the model (rank 0's, the same on every rank) is already the one.
+        if not exact and not self.warming_up(self.next_step - 1):
             for param, tensor in zip(self.params, self.anchor):
                 param.copy_(tensor)
 
     def _resize_message(self, step_dir: Path, saved: int, step: int) -> str:
-        since = step % self.sync_every
+        since = self._since_sync(step)
         dropped = (
             f"; the replicas' {since} local step(s) since the outer step at step "
             f"{step - since} are not carried over"
