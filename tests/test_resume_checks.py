@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
 
+from dtrain.config import Config
+from dtrain.fault.rundir import config_differences
 from tests.test_cli import run_cli, write_tiny_config
 
 
@@ -29,6 +32,17 @@ def test_a_different_config_is_refused_with_the_differing_keys(
     assert "task.d_model: 32 -> 48" in result.stderr
     assert "optim.lr: 0.005 -> 0.5" in result.stderr
     assert "--force" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_key_added_after_the_checkpoint_counts_as_its_default() -> None:
+    # A checkpoint made before comm.local_start_step existed trained with its default (0):
+    # resuming with the default is no change; with another value it is.
+    current = Config().to_dict()
+    older = copy.deepcopy(current)
+    del older["comm"]["local_start_step"]
+    assert config_differences(older, current) == []
+    current["comm"]["local_start_step"] = 5
+    assert config_differences(older, current) == ["comm.local_start_step: 0 -> 5"]
 
 
 def test_forced_resume_of_a_different_model_lists_keys_and_shapes(

@@ -45,7 +45,11 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The keys that differ and may not; a key the saved config lacks (a checkpoint made
+    before the key existed) counts as its default, which is what that run trained with."""
     before, after = flatten(saved), flatten(current)
+    for key, default in flatten(Config().to_dict()).items():
+        before.setdefault(key, default)
     diffs = []
     for key in sorted(set(before) | set(after)):
         if key.startswith(SAFE_TO_CHANGE) or key in SAFE_TO_CHANGE:
