@@ -4,9 +4,10 @@ one run.
 
 1. ``quality``: the default job (``dtrain train``, 2 workers, the default GPT, 700 steps) once
    per method: none (fp32 ddp), fp16, bf16, powersgd (rank 4), topk (1%), localsgd and diloco
-   (H = 8). From each run: bytes one rank sends per step (``comm_bytes_per_step`` in
-   metrics.jsonl, averaged over the run after PowerSGD's warm start) and the final validation
-   loss (the whole validation set), each as a ratio to ``none``.
+   (H = 8), from step 0 and after 100 data-parallel steps (``comm.local_start_step``). From
+   each run: bytes one rank sends per step (``comm_bytes_per_step`` in metrics.jsonl, averaged
+   over the run after PowerSGD's warm start) and the final validation loss (the whole
+   validation set), each as a ratio to ``none``.
 2. ``hosts``: two "hosts" (network namespaces from ``scripts/hosts.sh``, each link limited to
    ``--rate``, 1 worker and 1 thread each) train the default GPT through ``dtrain train
    --nnodes 2`` with none, powersgd and diloco, rounds alternating. The step time is the mean
@@ -43,6 +44,7 @@ from dtrain.testing.hosts import Hosts, hosts_unavailable
 
 SECTION = "bench_comm"
 POWERSGD_START = 10  # comm.powersgd_start_step: steps of plain all-reduce first
+LOCAL_START = 100  # comm.local_start_step of the post-local rows
 
 METHODS: dict[str, list[str]] = {
     "none (fp32)": [],
@@ -52,6 +54,17 @@ METHODS: dict[str, list[str]] = {
     "topk 1%": ["--comm.compression=topk", "--comm.topk_fraction=0.01"],
     "localsgd H8": ["--strategy.name=localsgd", "--comm.sync_every=8"],
     "diloco H8": ["--strategy.name=diloco", "--comm.sync_every=8"],
+    # Post-local SGD: plain data parallelism for the first LOCAL_START steps (1/7 of the job).
+    f"localsgd H8, ddp first {LOCAL_START}": [
+        "--strategy.name=localsgd",
+        "--comm.sync_every=8",
+        f"--comm.local_start_step={LOCAL_START}",
+    ],
+    f"diloco H8, ddp first {LOCAL_START}": [
+        "--strategy.name=diloco",
+        "--comm.sync_every=8",
+        f"--comm.local_start_step={LOCAL_START}",
+    ],
 }
 # What each must reach against none: bytes ratio at most / val loss ratio at most.
 TARGETS: dict[str, tuple[float | None, float]] = {
@@ -60,6 +73,8 @@ TARGETS: dict[str, tuple[float | None, float]] = {
     "powersgd r4": (0.1, 1.03),
     "localsgd H8": (None, 1.05),
     "diloco H8": (None, 1.05),
+    f"localsgd H8, ddp first {LOCAL_START}": (None, 1.05),
+    f"diloco H8, ddp first {LOCAL_START}": (None, 1.05),
 }
 HOST_METHODS = ["none (fp32)", "powersgd r4", "diloco H8"]
 HOST_TARGETS = {"powersgd r4": 0.6, "diloco H8": 0.5}  # step time against none, at most
