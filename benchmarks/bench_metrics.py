@@ -106,8 +106,12 @@ def measure(raw: dict[str, Any], opts: dict[str, Any]) -> dict[str, list[float]]
     balancer._on_window = timed("per-rank records", balancer._on_window)  # type: ignore[method-assign]
     import dtrain.balance.balancer as balancer_module
 
-    gather = balancer_module.gather_windows
-    balancer_module.gather_windows = timed("per-rank gather", gather)
+    start_gather = balancer_module.start_gather_windows
+
+    def start_gather_timed(*a: Any) -> Any:  # the start and the result, each timed
+        return timed("per-rank gather", timed("per-rank gather", start_gather)(*a))
+
+    balancer_module.start_gather_windows = start_gather_timed
 
     def switch(name: str, **args: Any) -> None:
         nonlocal tensorboard

@@ -16,6 +16,8 @@ What happens, and where each concern plugs in::
                                                    # about every fault.preempt_check_s)
               strategy.forward_backward(batch, scale = dp_size / count)
                                                    # grads = d(global mean loss), synced
+              start the logged step's loss sum and, every balance.every, the timing gather
+                                                   # (both complete during the update)
               norm = strategy.clip_grad_norm()     # global norm: the same on every rank
               if norm is finite: optimizer.step()
               else: skip (NaN guard); after N in a row roll back to the last checkpoint
@@ -370,9 +372,12 @@ class Trainer:
         )
         self.watchdog.set_phase("forward_backward")
         result = self.strategy.forward_backward(micro, self.task.loss_fn, scale)
+        # The gradient sync has just brought the ranks together: start the step's small
+        # collectives now, to complete during the optimizer step.
         window.add(result.loss_sum, global_items)
         if logs:
             window.start_sum(self.strategy)
+        self.balance.backward_done(self.step + 1)
         self.watchdog.set_phase("clip_grad_norm")
         norm = float(self.strategy.clip_grad_norm(self.cfg.train.grad_clip))
         # The norm is global (gradients are synchronized, or the norm is all-reduced), so

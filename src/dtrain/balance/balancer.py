@@ -6,9 +6,12 @@ The trainer calls, on every rank, in every step::
 
     balancer.step_started()                     before the loader is asked for the batch
     balancer.data_ready(step, batch, items)     the batch is on the device
+    balancer.backward_done(step)                after backward; every balance.every steps:
+                                                start all-gathering every rank's timing
+                                                window (the steps before this one)
     records = balancer.step_finished(step)      after the update; every balance.every steps:
-                                                all-gather every rank's timing window,
-                                                a "ranks" record, straggler events, and with
+                                                the gathered windows, a "ranks" record,
+                                                straggler events, and with
                                                 balance.mode = "throughput" new weights for
                                                 the loader from the next step on
 
@@ -36,7 +39,7 @@ from dtrain.balance.throughput import (
     ThroughputController,
     slowdowns,
 )
-from dtrain.balance.timing import INDEX, StepTimer, gather_hosts, gather_windows
+from dtrain.balance.timing import INDEX, StepTimer, gather_hosts, start_gather_windows
 from dtrain.comm.accounting import CommCounter
 from dtrain.config import Config, validate_ranks
 from dtrain.data.loader import RankLoader, StepBatch
@@ -63,6 +66,7 @@ class LoadBalancer:
         validate_ranks(cfg, runtime.world_size)  # a worker started without the CLI's check
         opts = cfg.balance
         self.every = opts.every
+        self._gathering: Callable[[], np.ndarray] | None = None  # a window's gather in flight
         self.world_size = runtime.world_size
         self.device = runtime.device
         self.loader = loader
@@ -102,19 +106,31 @@ class LoadBalancer:
         if self.slowdown is not None:
             self.slowdown.begin(step, items, len(batch.micro))
 
+    def backward_done(self, step: int) -> None:
+        """Step ``step``'s backward is done. Collective every ``balance.every`` steps: start
+        gathering the window -- the steps finished since the last one, i.e. up to step - 1
+        (this step's update is not timed yet; it opens the next window). Started here, when
+        the gradient all-reduce has just brought the ranks together, the gather completes
+        while they run their optimizer steps; :meth:`step_finished` takes the result."""
+        if step % self.every:
+            return
+        window = self.timer.take()
+        # Tests replace the measured window here to make the controller's input exact.
+        failpoint("balance.timing", step=step, window=window)
+        self._gathering = start_gather_windows(window, self.world_size, self.comm, self.device)
+
     def step_finished(self, step: int) -> list[Record]:
-        """After step ``step``'s update. Collective every ``balance.every`` steps; returns the
-        metrics records to write (rank 0 writes them)."""
+        """After step ``step``'s update. Every ``balance.every`` steps, the window whose gather
+        :meth:`backward_done` started: returns the metrics records to write (rank 0 writes
+        them); the controller's new weights hold from the next step on."""
         last = self.timer.finish()
         if self.slowdown is not None:
             self.slowdown.end(last["compute_s"], int(last["items"]))
         if step % self.every:
             return []
-        window = self.timer.take()
-        # Tests replace the measured window here to make the controller's input exact.
-        failpoint("balance.timing", step=step, window=window)
-        rows = gather_windows(window, self.world_size, self.comm, self.device)
-        return self._on_window(step, rows)
+        gathering, self._gathering = self._gathering, None
+        assert gathering is not None, f"step {step}: no timing window was gathered after backward"
+        return self._on_window(step, gathering())
 
     def _on_window(self, step: int, rows: np.ndarray) -> list[Record]:
         steps = rows[:, INDEX["steps"]]

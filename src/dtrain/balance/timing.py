@@ -19,15 +19,19 @@ reports the median over its steps of each step's time per item, so that one step
 something else on the machine (a checkpoint write, another process) does not move the shares.
 
 The sums of a window of steps are exchanged every ``balance.every`` steps in one small
-all-gather of ``len(FIELDS)`` float64 per rank (:func:`gather_windows`): no step pays a
+all-gather of ``len(FIELDS)`` float64 per rank (:func:`start_gather_windows`): no step pays a
 blocking gather, and every rank receives the same numbers, so every rank's controller makes the
-same decision at the same step without another collective.
+same decision at the same step without another collective. The load balancer starts that
+gather right after backward of every ``balance.every``-th step (when the gradient all-reduce has
+just brought the ranks together) with the steps finished before it, and takes the result at
+that step's end: the gather overlaps the optimizer step instead of waiting for the slowest rank.
 """
 
 from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -124,21 +128,35 @@ class StepTimer:
         return window
 
 
+def start_gather_windows(
+    window: np.ndarray, world_size: int, comm: CommCounter, device: torch.device
+) -> Callable[[], np.ndarray]:
+    """Collective: start gathering every rank's window; call what it returns for the result,
+    ``(ranks, len(FIELDS))``, the same on every rank. Counted in ``comm`` like the strategy's
+    collectives (bytes sent; time waited, from the call that takes the result). On ``device``:
+    the job's backend may have no CPU collectives (NCCL)."""
+    if world_size < 2:
+        alone = window.reshape(1, -1).copy()
+        return lambda: alone
+    mine = torch.tensor(window, dtype=torch.float64, device=device)
+    parts = [torch.empty_like(mine) for _ in range(world_size)]
+    work = dist.all_gather(parts, mine, async_op=True)
+    comm.all_gather(mine.numel() * mine.element_size(), world_size)
+
+    def result() -> np.ndarray:
+        with comm.waiting():
+            if work is not None:
+                work.wait()
+            return torch.stack(parts).cpu().numpy()
+
+    return result
+
+
 def gather_windows(
     window: np.ndarray, world_size: int, comm: CommCounter, device: torch.device
 ) -> np.ndarray:
-    """Collective: every rank's window, ``(ranks, len(FIELDS))``, on every rank. Counted in
-    ``comm`` like the strategy's collectives (bytes sent, time waited). On ``device``: the
-    job's backend may have no CPU collectives (NCCL)."""
-    if world_size < 2:
-        return window.reshape(1, -1).copy()
-    mine = torch.tensor(window, dtype=torch.float64, device=device)
-    parts = [torch.empty_like(mine) for _ in range(world_size)]
-    with comm.waiting():
-        dist.all_gather(parts, mine)
-        gathered = torch.stack(parts).cpu().numpy()
-    comm.all_gather(mine.numel() * mine.element_size(), world_size)
-    return gathered
+    """Collective: :func:`start_gather_windows` and its result at once."""
+    return start_gather_windows(window, world_size, comm, device)()
 
 
 def gather_hosts(world_size: int) -> list[str]:
