@@ -70,19 +70,21 @@ TARGET_BALANCED = 0.9
 NOTES = """\
 Fractions of ideal are measured within each run (the ideal from that run's own per-rank busy
 times), so they hold steady while the absolute rates move with whatever else the machine runs
-(another engineer's benchmarks and tests ran on the same 2 cores throughout; the rates, and so
-the balanced / equal ratios, vary from round to round with that load). Balanced shares settle a
+(on a machine shared with other work the rates, and so the balanced / equal ratios, vary
+from round to round with that load; an earlier run beside other benchmarks, at load average
+5-7, gave 0.964 of ideal on 2 ranks and 0.895 on 4). Balanced shares settle a
 little above 2:1 (rank 0's share above 0.67 on 2 ranks): the slowed rank sleeps for as
 long as its own compute, and its compute also carries the part of the gradient all-reduce that
 runs during its backward and per-step costs that do not shrink with its share; the controller
 equalizes measured busy time, which is what the fraction of ideal checks. With 4 ranks two
 ranks share each core: while the slowed rank sleeps its core serves another rank, so the equal
-split reads above its 4/7 and the 4-rank figures say less than the 2-rank ones. Before the
-slowdown of part 2 switches on, the windows that dip (and the shares that leave 0.50) are load
-from other processes on one rank's core, which the controller answers as it would a slow rank.
+split reads above its 4/7 and the 4-rank figures say less than the 2-rank ones. Where windows
+dip before the slowdown of part 2 switches on (and the shares leave 0.50), that is load from
+other processes on one rank's core, which the controller answers as it would a slow rank.
 The overhead segments are 50 steps of one run, so the on/off comparison is made moments apart
-on the same ranks; the spread over segments is the machine's noise, larger than the 1% target,
-so the median is the figure to read."""
+on the same ranks; the spread over segments is the machine's noise, larger than the 1% target
+(no share changes in those segments: the controller does only its arithmetic there), so the
+median is the figure to read."""
 TARGET_OVERHEAD = 0.99
 
 
