@@ -83,8 +83,8 @@ dip before the slowdown of part 2 switches on (and the shares leave 0.50), that 
 other processes on one rank's core, which the controller answers as it would a slow rank.
 The overhead segments are 50 steps of one run, so the on/off comparison is made moments apart
 on the same ranks; the spread over segments is the machine's noise, larger than the 1% target
-(no share changes in those segments: the controller does only its arithmetic there), so the
-median is the figure to read."""
+(where no share changes in a segment, listed above, the controller did only its arithmetic
+there), so the median is the figure to read."""
 TARGET_OVERHEAD = 0.99
 
 
