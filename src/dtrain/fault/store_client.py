@@ -1,0 +1,57 @@
+"""The watchdog's client of the job's store: connecting to the launcher's store, and every call
+to it bounded in time, so that a store whose host is stopped or cut off never hangs a rank."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+def connect_store(timeout_s: float) -> Any:
+    """A client of the launcher's store (MASTER_ADDR:MASTER_PORT), or None without one."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        return None
+    try:
+        return dist.TCPStore(  # type: ignore[attr-defined]
+            host,
+            int(port),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+    except Exception:
+        return None
+
+
+class StoreTimeout(TimeoutError):
+    """The store did not answer in time (its host is stopped, hung or cut off)."""
+
+
+def bounded(call: Callable[[], T], seconds: float, what: str) -> T:
+    """``call()``, given up after ``seconds``. A store client whose server process is stopped
+    (SIGSTOP) or whose machine is cut off can block a call forever despite its own timeout; the
+    call is left to a daemon thread and this raises :class:`StoreTimeout` instead."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="watchdog-store-call", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise StoreTimeout(f"no answer to {what} in {seconds:.0f}s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
