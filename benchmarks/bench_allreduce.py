@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dtrain.config import build_config
+from dtrain.config_load import build_config
 from dtrain.models.gpt import GPT, GPTConfig
 from dtrain.parallel import build_strategy
 from dtrain.parallel.allreduce import AllReduceStrategy

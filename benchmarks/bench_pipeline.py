@@ -213,7 +213,7 @@ def rss_kib(field: str) -> int:
 
 
 def rank_main(opts: dict[str, Any]) -> dict[str, Any]:
-    from dtrain.config import build_config
+    from dtrain.config_load import build_config
     from dtrain.parallel import build_strategy
     from dtrain.runtime import init_runtime
     from dtrain.task import Task

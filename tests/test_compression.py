@@ -24,7 +24,8 @@ from torch import nn
 from dtrain.cli import main
 from dtrain.comm.accounting import CommCounter
 from dtrain.comm.compression import HOOKS
-from dtrain.config import CommConfig, build_config
+from dtrain.config import CommConfig
+from dtrain.config_load import build_config
 from dtrain.data.loader import to_device
 from dtrain.errors import ConfigError
 from dtrain.fault import checkpoint_read as ckread

@@ -20,7 +20,7 @@ from dtrain.balance.throughput import (
     target_weights,
 )
 from dtrain.cli import main
-from dtrain.config import build_config
+from dtrain.config_load import build_config
 from dtrain.data.loader import RankLoader
 from dtrain.data.partition import OrderSpec, plan_step, plan_steps, step_shape
 from dtrain.errors import ConfigError
