@@ -45,13 +45,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from dtrain.balance.balancer import LoadBalancer, Record
 from dtrain.config import Config
 from dtrain.data.build import build_train_loader
 from dtrain.data.loader import RankLoader, StepBatch, to_device
-from dtrain.errors import DataError, UserError
+from dtrain.errors import UserError
 from dtrain.evaluation import evaluate_loss
 from dtrain.fault import checkpoint as ckpt
 from dtrain.fault import checkpoint_read as ckread
@@ -59,7 +58,7 @@ from dtrain.fault import state as training_state
 from dtrain.fault.audit import AuditWriter
 from dtrain.fault.failpoints import failpoint
 from dtrain.fault.preempt import PreemptionFlag, StopChecks
-from dtrain.fault.resume import ResumePoint, resolve_resume
+from dtrain.fault.resume import ResumePoint, resolve_resume, rollback_point
 from dtrain.fault.rng import rank_seed, seed_everything
 from dtrain.fault.status import RunStatus, write_status
 from dtrain.fault.watchdog import PeerFailure, Watchdog, is_collective_failure
@@ -71,10 +70,6 @@ from dtrain.optim import build_optimizer, build_scheduler
 from dtrain.parallel import build_strategy
 from dtrain.runtime import Runtime, barrier
 from dtrain.task import Task
-
-
-class TrainingDiverged(UserError):
-    """The loss stayed non-finite and there was nothing to roll back to."""
 
 
 class Trainer:
@@ -149,14 +144,11 @@ class Trainer:
         if per_sample is not None and (isinstance(per_sample, bool) or per_sample < 1):
             raise UserError(f"Task.items_per_sample = {per_sample!r}: expected a positive integer")
         self.stop_checks = StopChecks(cfg.fault.preempt_check_s) if per_sample else None
-        self._stop_mark = (0, 0.0)  # (step, time.perf_counter()) of the last stop check
         # This rank's communication totals at the last metrics line; set-up's (the broadcast
         # of rank 0's parameters) belongs to no step.
         self._comm_mark = self.strategy.comm.totals()
-        # What rank 0's parameters take, for every train record: counted once, at the first
-        # (walking the parameters costs a step of a small model a few hundred microseconds,
-        # and their sizes do not change during a run).
-        self._param_bytes: int | None = None
+        # This rank's parameter bytes, for the start and train records (sizes do not change).
+        self.param_bytes = self.strategy.parameter_bytes()
 
     # -- logging -------------------------------------------------------------------------
 
@@ -238,7 +230,9 @@ class Trainer:
             )
             hosts, item_name = self.balance.hosts, self.task.item_name
             self.metrics.write(
-                records.start_record(cfg, self.runtime, self.strategy, item_name, hosts, self.step)
+                records.start_record(
+                    cfg, self.runtime, self.strategy, item_name, hosts, self.step, self.param_bytes
+                )
             )
             if records.restart_attempt():
                 self._event("restart", attempt=records.restart_attempt())
@@ -252,7 +246,8 @@ class Trainer:
         if cfg.fault.audit_sample_ids:
             self.audit = AuditWriter.open(self.run_dir, self.runtime.rank)
         window = LossWindow(self.runtime.device)
-        self._stop_mark = (self.step, time.perf_counter())
+        if self.stop_checks is not None:
+            self.stop_checks.start(self.step)
         last_loss = float("nan")
         self.strategy.unwrapped.train()
         while self.step < cfg.train.steps:
@@ -277,7 +272,8 @@ class Trainer:
                 # The count is the plan's, on every rank, without a collective: a collective
                 # costs a step its fixed latency and CPU (about 0.3 ms on gloo), which a step of
                 # a few milliseconds feels.
-                global_items = self._planned_items(batch, count)
+                assert self.task.items_per_sample is not None
+                global_items = batch.planned_items(self.task.items_per_sample, count, self.step + 1)
             logs = (self.step + 1) % cfg.train.log_every == 0 or self.step + 1 == cfg.train.steps
             norm = self._train_step(micro, global_items, window, logs)
             self.step += 1
@@ -390,44 +386,17 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    def _planned_items(self, batch: StepBatch, count: int) -> int:
-        """The step's global item count from its plan, every sample holding
-        ``Task.items_per_sample`` items; this rank's own batch is checked against that."""
-        per_sample = self.task.items_per_sample
-        assert per_sample is not None
-        samples = sum(len(ids) for ids in batch.ids)
-        if count != samples * per_sample:
-            raise DataError(
-                f"rank {self.runtime.rank}, step {self.step + 1}: Task.items_per_sample = "
-                f"{per_sample}, but this rank's {samples} samples hold {count} items; declare it "
-                "only when every sample holds that many (or leave it None: the ranks then "
-                "count every step's items)"
-            )
-        return (batch.plan.end - batch.plan.start) * per_sample
-
     def _agree_to_stop(self, preempt: PreemptionFlag) -> bool:
-        """After a step StopChecks picked: whether any rank was asked to stop, in one small
-        all-reduce over every rank, which also agrees on the mean step time that spaces the
-        next check."""
+        """After a step StopChecks picked: whether any rank was asked to stop."""
         assert self.stop_checks is not None
         self.watchdog.set_phase("all_reduce(stop)")
-        mark_step, mark_time = self._stop_mark
-        now = time.perf_counter()
-        # Whole microseconds: their sum is exact, so every rank computes the same spacing.
-        step_us = round(1e6 * (now - mark_time) / max(1, self.step - mark_step))
-        agreed = torch.tensor(
-            [float(preempt.requested), float(step_us)],
-            dtype=torch.float64,
-            device=self.runtime.device,
+        return self.stop_checks.agree(
+            self.step,
+            preempt.requested,
+            self.strategy.comm,
+            self.runtime.device,
+            self.runtime.world_size,
         )
-        world = self.runtime.world_size
-        if world > 1 and dist.is_initialized():
-            with self.strategy.comm.waiting():
-                dist.all_reduce(agreed)  # every rank, whatever groups the strategy uses
-            self.strategy.comm.all_reduce(agreed.numel() * agreed.element_size(), world)
-        self.stop_checks.checked(self.step, float(agreed[1]) / world / 1e6)
-        self._stop_mark = (self.step, now)
-        return bool(agreed[0] > 0)
 
     def _on_non_finite(self, batch: StepBatch) -> None:
         """NaN guard: the step was skipped on every rank; roll back after N in a row."""
@@ -447,21 +416,8 @@ class Trainer:
         if error:
             self.warn(error)
         self.watchdog.set_phase("rollback")
-        # A checkpoint saved during the streak holds the same weights as the one before it
-        # (skipped steps change nothing), so go back to before the first bad step.
-        point = resolve_resume(
-            self.cfg,
-            self.run_dir / "checkpoints",
-            self.runtime,
-            self.log,
-            max_step=first_bad_step - 1,
-        )
-        if point is None:
-            raise TrainingDiverged(
-                f"the loss was non-finite for {len(bad)} steps in a row (steps "
-                f"{first_bad_step}-{self.step}) and there is no checkpoint to roll back to; "
-                "lower optim.lr, clip gradients (train.grad_clip) or check the data"
-            )
+        root = self.run_dir / "checkpoints"
+        point = rollback_point(self.cfg, root, self.runtime, self.log, first_bad_step, self.step)
         # Counters of what happened stay cumulative; the skip list keeps earlier skips too.
         rollbacks, skipped = self.rollbacks + 1, self.skipped_steps
         earlier_skips = dict(self.loader.skipped)
@@ -481,20 +437,7 @@ class Trainer:
         state = "preempted" if summary.preempted else "completed"
         write_status(self.run_dir, RunStatus(state, self.step, summary.preempted))
         if self.metrics is not None:
-            self.metrics.write(
-                {
-                    "kind": "summary",
-                    "state": state,
-                    "step": self.step,
-                    "wall_s": summary.wall_s,
-                    "train_loss": summary.train_loss,
-                    "val_loss": summary.val_loss,
-                    "skipped_steps": summary.skipped_steps,
-                    "rollbacks": summary.rollbacks,
-                    "comm_bytes": summary.comm_bytes,
-                    "comm_wait_s": summary.comm_wait_s,
-                }
-            )
+            self.metrics.write(records.summary_record(summary, state, self.step))
             self.metrics.close()
 
     def _write_records(self, records: list[Record]) -> None:
@@ -518,47 +461,26 @@ class Trainer:
     ) -> None:
         # This rank's communication since the last line (every rank counts its own; rank 0's
         # is logged: data-parallel ranks send alike).
-        sent, waited = self.strategy.comm.totals()
-        sent_since, waited_since = sent - self._comm_mark[0], waited - self._comm_mark[1]
-        self._comm_mark = (sent, waited)
+        total_sent, total_waited = self.strategy.comm.totals()
+        sent, waited = total_sent - self._comm_mark[0], total_waited - self._comm_mark[1]
+        self._comm_mark = (total_sent, total_waited)
         if not self.is_main:
             return
-        per_step = max(1, steps)
-        if self._param_bytes is None:
-            self._param_bytes = self.strategy.parameter_bytes()
-        record = {
-            "kind": "train",
-            "step": self.step,
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "lr": self.scheduler.get_last_lr()[0],
-            f"{self.task.item_name}_per_s": rate,
-            # Every step holds the global batch's samples, whatever the items are.
-            "samples_per_s": steps * self.cfg.data.global_batch_size / elapsed
-            if elapsed > 0
-            else 0.0,
-            "step_time_s": elapsed / max(1, steps),
-            "epoch": self.loader.epoch(),
-            "items_seen": self.items_seen,
-            "skipped_steps": self.skipped_steps,
-            "param_bytes_rank0": self._param_bytes,
-            **self._comm_fields(sent_since / per_step, waited_since, per_step, elapsed),
-            "time": time.time(),
-        }
+        window = records.TrainWindow(loss, grad_norm, rate, steps, elapsed, sent, waited)
+        record = records.train_record(
+            self.step,
+            window,
+            lr=float(self.scheduler.get_last_lr()[0]),
+            item_name=self.task.item_name,
+            global_batch_size=self.cfg.data.global_batch_size,
+            epoch=self.loader.epoch(),
+            items_seen=self.items_seen,
+            skipped_steps=self.skipped_steps,
+            param_bytes=self.param_bytes,
+            counted=self.strategy.counts_all_traffic,
+        )
         assert self.metrics is not None
         self.metrics.write(record)  # the progress line is one of the sinks
-
-    def _comm_fields(
-        self, sent_per_step: float, waited: float, steps: int, elapsed: float
-    ) -> dict[str, float | None]:
-        """Communication per step; None where the strategy cannot count all of it."""
-        if not self.strategy.counts_all_traffic:
-            return {"comm_bytes_per_step": None, "comm_wait_s_per_step": None}
-        return {
-            "comm_bytes_per_step": sent_per_step,
-            "comm_wait_s_per_step": waited / steps,
-            "comm_wait_share": waited / elapsed if elapsed > 0 else 0.0,
-        }
 
     def evaluate(self, max_samples: int = 0) -> float | None:
         """Mean validation loss; every sample of the set (or of its first ``max_samples``)
@@ -571,15 +493,7 @@ class Trainer:
         )
         if self.is_main:
             assert self.metrics is not None
-            self.metrics.write(
-                {
-                    "kind": "eval",
-                    "step": self.step,
-                    "val_loss": val_loss,
-                    "val_items": items,
-                    "time": time.time(),
-                }
-            )
+            self.metrics.write(records.eval_record(self.step, val_loss, items))
             self.log(
                 f"step {self.step}: val_loss {val_loss:.4f} over {items} {self.task.item_name}"
             )

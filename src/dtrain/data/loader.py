@@ -42,6 +42,20 @@ class StepBatch:
     def ids(self) -> list[np.ndarray]:
         return self.plan.rank_ids(self.rank)
 
+    def planned_items(self, items_per_sample: int, count: int, step: int) -> int:
+        """The step's global item count from its plan, when every sample holds
+        ``items_per_sample`` items (``Task.items_per_sample``): no collective needed. This
+        rank's own ``count`` is checked against it."""
+        samples = sum(len(ids) for ids in self.ids)
+        if count != samples * items_per_sample:
+            raise DataError(
+                f"data-parallel rank {self.rank}, step {step}: Task.items_per_sample = "
+                f"{items_per_sample}, but this rank's {samples} samples hold {count} items; "
+                "declare it only when every sample holds that many (or leave it None: the "
+                "ranks then count every step's items)"
+            )
+        return (self.plan.end - self.plan.start) * items_per_sample
+
 
 def fetch(dataset: Any, ids: Sequence[int] | np.ndarray) -> list[Any]:
     """The samples ``ids``, through ``__getitems__`` when the dataset has it (as torch's

@@ -16,9 +16,15 @@ flag that is almost never set.
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Sequence
 from types import FrameType
 from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dtrain.comm.accounting import CommCounter
 
 
 class PreemptionFlag:
@@ -58,6 +64,32 @@ class StopChecks:
         self.interval_s = interval_s
         self.next_step = 0  # check after the first step this process trains
         self.last_step = 0  # the step of the last check (0: none yet)
+        self._mark = (0, time.perf_counter())  # (step, time) the next mean step time runs from
+
+    def start(self, step: int) -> None:
+        """Training starts (or resumes) after ``step``: the first mean step time runs from now."""
+        self._mark = (step, time.perf_counter())
+
+    def agree(
+        self, step: int, requested: bool, comm: CommCounter, device: torch.device, world: int
+    ) -> bool:
+        """Collective, over every rank, after a step :meth:`due` picked: whether any rank was
+        asked to stop, in one small all-reduce that also agrees on the mean step time that
+        spaces the next check."""
+        mark_step, mark_time = self._mark
+        now = time.perf_counter()
+        # Whole microseconds: their sum is exact, so every rank computes the same spacing.
+        step_us = round(1e6 * (now - mark_time) / max(1, step - mark_step))
+        agreed = torch.tensor(
+            [float(requested), float(step_us)], dtype=torch.float64, device=device
+        )
+        if world > 1 and dist.is_initialized():
+            with comm.waiting():
+                dist.all_reduce(agreed)  # every rank, whatever groups the strategy uses
+            comm.all_reduce(agreed.numel() * agreed.element_size(), world)
+        self.checked(step, float(agreed[1]) / world / 1e6)
+        self._mark = (step, now)
+        return bool(agreed[0] > 0)
 
     def due(self, step: int) -> bool:
         return step >= self.next_step

@@ -49,6 +49,10 @@ def choose_checkpoint(
     return path
 
 
+class TrainingDiverged(UserError):
+    """The loss stayed non-finite and there was nothing to roll back to."""
+
+
 def resolve_resume(
     cfg: Config,
     root: Path,
@@ -104,3 +108,24 @@ def check_model_fits(expected: Mapping[str, Any], found: Mapping[str, Any], wher
             f"; ... {len(problems) - 8} more" if len(problems) > 8 else ""
         )
         raise CheckpointError(f"checkpoint {where} is from a different model: {shown}")
+
+
+def rollback_point(
+    cfg: Config,
+    root: Path,
+    runtime: Runtime,
+    log: Callable[[str], None],
+    first_bad_step: int,
+    last_bad_step: int,
+) -> ResumePoint:
+    """Collective: where the NaN guard rolls back to after non-finite steps ``first_bad_step``
+    to ``last_bad_step``. A checkpoint saved during the streak holds the same weights as the one
+    before it (skipped steps change nothing), so: the newest one before the first bad step."""
+    point = resolve_resume(cfg, root, runtime, log, max_step=first_bad_step - 1)
+    if point is None:
+        raise TrainingDiverged(
+            f"the loss was non-finite for {last_bad_step - first_bad_step + 1} steps in a row "
+            f"(steps {first_bad_step}-{last_bad_step}) and there is no checkpoint to roll back "
+            "to; lower optim.lr, clip gradients (train.grad_clip) or check the data"
+        )
+    return point
