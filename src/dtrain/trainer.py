@@ -303,7 +303,7 @@ class Trainer:
                 self._event("checkpoint_failed", error=error)
             if logs:
                 self.watchdog.set_phase("all_reduce(metrics)")
-                last_loss, rate, steps, elapsed = window.flush(self.strategy)
+                last_loss, rate, steps, elapsed = window.flush()
                 self._log_train(last_loss, norm, rate, steps, elapsed)
             if (
                 self.stop_checks is not None

@@ -55,12 +55,10 @@ class LossWindow:
         """Start summing the window's loss over the ranks (collective)."""
         self._wait = strategy.start_loss_all_reduce(self.loss)
 
-    def flush(self, strategy: Strategy) -> tuple[float, float, int, float]:
-        """The window's (mean loss over all ranks, items per second, steps, seconds); starts
-        the sum first if :meth:`start_sum` was not called. A new window begins."""
-        if self._wait is None:
-            self.start_sum(strategy)
-        assert self._wait is not None
+    def flush(self) -> tuple[float, float, int, float]:
+        """The window's (mean loss over all ranks, items per second, steps, seconds), once
+        :meth:`start_sum` has been called. A new window begins."""
+        assert self._wait is not None, "LossWindow.flush before start_sum"
         self._wait()
         self._wait = None
         elapsed = time.perf_counter() - self.start

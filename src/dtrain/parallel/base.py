@@ -183,7 +183,7 @@ class Strategy(ABC):
         Data parallel: the data-parallel group. (A pipeline computes the loss on its last
         stage only, and overrides this to sum over stages as well.)"""
         if self.data_parallel_size == 1:
-            return _nothing_to_wait_for
+            return self._waiter(None)
         work = dist.all_reduce(
             tensor, op=dist.ReduceOp.SUM, group=self.data_parallel_group, async_op=True
         )
@@ -191,7 +191,8 @@ class Strategy(ABC):
         return self._waiter(work)
 
     def _waiter(self, work: dist.Work | None) -> Callable[[], None]:
-        """A function that waits for ``work``, counting the wait as communication."""
+        """A function that waits for ``work`` (None: nothing was sent), counting the wait as
+        communication."""
 
         def wait() -> None:
             if work is not None:
@@ -342,7 +343,3 @@ def run_micro_batches(
         total = loss_sum.detach() if total is None else total + loss_sum.detach()
     assert total is not None, "a step has at least one micro-batch"
     return StepResult(loss_sum=total)
-
-
-def _nothing_to_wait_for() -> None:
-    """What a collective that had nothing to do (one rank) returns to wait on."""
