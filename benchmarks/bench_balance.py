@@ -103,7 +103,9 @@ def job(run_dir: Path, steps: int, mode: str, slowdown: tuple[int, int] | None) 
         "train": {"steps": steps, "log_every": EVERY},
         "eval": {"every": 0},
         "checkpoint": {"every": 0},
-        "balance": {"mode": mode, "every": EVERY},
+        # Windows of exactly EVERY steps (window_s = 0), whatever the step time: the segments
+        # below are counted in windows.
+        "balance": {"mode": mode, "every": EVERY, "window_s": 0},
         "task": GPT,
     }
     if slowdown is not None:

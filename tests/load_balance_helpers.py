@@ -155,3 +155,17 @@ def train_and_read_records(raw: dict[str, Any]) -> list[dict[str, Any]]:
     trainer.fit()
     path = Path(raw["run"]["dir"]) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if _rank() == 0 else []
+
+
+def train_with_step_time(raw: dict[str, Any], step_s: float) -> list[dict[str, Any]]:
+    """Train with every timing window reporting exactly ``step_s`` seconds a step (the
+    fail point before the gather), so that the spacing of the windows is known; return rank
+    0's metrics records."""
+
+    def handler(name: str, **args: Any) -> None:
+        if name == "balance.timing":
+            window = args["window"]
+            window[INDEX["step_s"]] = step_s * window[INDEX["steps"]]
+
+    with failpoints(handler):
+        return train_and_read_records(raw)

@@ -16,7 +16,7 @@ OBSERVED = {
     "train": {"steps": 12, "log_every": 2},
     "eval": {"every": 6},
     "checkpoint": {"every": 6},
-    "balance": {"every": 3},
+    "balance": {"every": 3, "window_s": 0},  # per-rank records at steps 3, 6, 9, 12
 }
 
 

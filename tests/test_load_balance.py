@@ -19,6 +19,7 @@ from dtrain.balance.throughput import (
     predicted_gain,
     target_weights,
 )
+from dtrain.balance.timing import FIELDS, INDEX, MAX_WINDOW_STEPS, window_steps
 from dtrain.cli import main
 from dtrain.config_load import build_config
 from dtrain.data.loader import RankLoader
@@ -32,6 +33,7 @@ from tests.load_balance_helpers import (
     shares_by_step,
     train_and_read_records,
     train_saving_without_balance_part,
+    train_with_step_time,
     train_with_timings,
     train_with_weights,
 )
@@ -362,7 +364,13 @@ def test_weights_changing_every_few_steps_keep_exactly_once_in_the_trainer(
         tmp_path,
         data={"global_batch_size": 16},
         train={"steps": 40},
-        balance={"mode": "throughput", "every": 3, "max_change": 2.0, "hysteresis": 0.0},
+        balance={
+            "mode": "throughput",
+            "every": 3,
+            "window_s": 0,  # a window every 3 steps however fast they are
+            "max_change": 2.0,
+            "hysteresis": 0.0,
+        },
         fault={"audit_sample_ids": True},
     )
     slow, fast = 3e-3, 1e-3
@@ -381,7 +389,7 @@ def test_resume_restores_the_weights_and_continues_bit_identically(tmp_path: Pat
     job = {
         "data": {"global_batch_size": 16},
         "train": {"steps": 16},
-        "balance": {"mode": "throughput", "every": 4, "max_change": 0.2},
+        "balance": {"mode": "throughput", "every": 4, "window_s": 0, "max_change": 0.2},
         "checkpoint": {"every": 8, "async_save": False},
     }
     times = {0: [1e-3], 1: [2e-3]}
@@ -411,7 +419,7 @@ def test_timing_records_and_a_dialed_straggler_are_in_the_metrics(tmp_path: Path
         data={"global_batch_size": 32},
         train={"steps": 30},
         task={"seq_len": 32, "d_model": 64},
-        balance={"every": 5, "straggler_window": 15},
+        balance={"every": 5, "window_s": 0, "straggler_window": 15},
         debug={"slowdown_rank": 1, "slowdown_factor": 3.0},
     )
     records = run_ranks(train_and_read_records, 2, raw)[0]
@@ -440,6 +448,36 @@ def test_timing_records_and_a_dialed_straggler_are_in_the_metrics(tmp_path: Path
     assert named["step"] == 20 and not [r for r in records if r["kind"] == "balance"]
 
 
+def test_windows_last_balance_every_steps_or_balance_window_s() -> None:
+    def rows(steps: float, step_s: float) -> np.ndarray:  # two ranks' gathered windows
+        out = np.zeros((2, len(FIELDS)))
+        out[:, INDEX["steps"]], out[:, INDEX["step_s"]] = steps, step_s
+        return out
+
+    assert window_steps(rows(10, 0.02), every=10, window_s=1.0) == 500  # 2 ms steps
+    assert window_steps(rows(10, 5.0), every=10, window_s=1.0) == 10  # 0.5 s steps
+    assert window_steps(rows(10, 1e-4), every=10, window_s=1.0) == MAX_WINDOW_STEPS
+    assert window_steps(rows(10, 0.02), every=10, window_s=0.0) == 10  # 0: exactly every
+    assert window_steps(rows(0, 0.0), every=10, window_s=1.0) == 10  # nothing timed
+
+
+def test_every_rank_spaces_the_windows_by_the_gathered_step_time(tmp_path: Path) -> None:
+    # Every window reports 10 ms a step: 0.105 s fit 10 steps, so after the first window
+    # (ending on a multiple of balance.every) the gathers come every 10 steps, on both ranks
+    # alike (a rank gathering at another step would leave its peer waiting: the run would
+    # hang, not finish).
+    raw = tiny_raw(
+        tmp_path,
+        data={"global_batch_size": 8},
+        train={"steps": 30},
+        balance={"every": 5, "window_s": 0.105},
+    )
+    records = run_ranks(train_with_step_time, 2, raw, 0.01)[0]
+    ranks = [r for r in records if r["kind"] == "ranks"]
+    assert [r["step"] for r in ranks] == [5, 15, 25]
+    assert [r["steps"] for r in ranks] == [4, 10, 10]
+
+
 def test_the_controller_converges_to_2_to_1_and_back_in_the_trainer(tmp_path: Path) -> None:
     # Rank 1 reported exactly 2x slower for steps 1-60, then as fast (injected at the timing
     # fail point, so the run is the same on a loaded machine). Stated in the docs, for the
@@ -451,7 +489,7 @@ def test_the_controller_converges_to_2_to_1_and_back_in_the_trainer(tmp_path: Pa
         tmp_path,
         data={"global_batch_size": 64},
         train={"steps": 100, "log_every": 50},
-        balance={"mode": "throughput", "every": every},
+        balance={"mode": "throughput", "every": every, "window_s": 0},
     )
     times = {0: [1e-3] * 20, 1: [2e-3] * 12 + [1e-3] * 8}  # windows ending at 5, 10, ..., 100
     result = run_ranks(train_with_timings, 2, raw, times)[0]
@@ -475,7 +513,7 @@ def test_the_controller_converges_under_a_dialed_slowdown_and_back(tmp_path: Pat
         data={"global_batch_size": 64},
         train={"steps": 120, "log_every": 20},
         task={"seq_len": 64, "d_model": 128, "samples": 2048},
-        balance={"mode": "throughput", "every": 5},
+        balance={"mode": "throughput", "every": 5, "window_s": 0},
         debug={"slowdown_rank": 1, "slowdown_factor": 2.0, "slowdown_to_step": 60},
     )
     run_ranks(train_and_read_records, 2, raw, timeout=400)

@@ -38,6 +38,8 @@ INTERVALS = {
     "optim": {"name": "adamw", "lr": 3e-3, "warmup_steps": 2},
     "checkpoint": {"every": 5, "keep_last": 10},
     "comm": {"sync_every": H},
+    # Timing windows of exactly balance.every steps, for the byte count below.
+    "balance": {"window_s": 0},
 }
 
 # comm.local_start_step: data parallelism first, local steps after. With AdamW for the whole

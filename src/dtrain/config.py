@@ -249,6 +249,13 @@ class BalanceConfig:
     every: int = _opt(
         10, "steps between gathers of every rank's timing (and updates of the shares)", min=1
     )
+    window_s: float = _opt(
+        1.0,
+        "seconds a timing window lasts at least: where balance.every steps take less, the "
+        "gathers are spaced by the steps that fit in this time at the ranks' mean step time "
+        "(at most 1000); 0 = exactly every balance.every steps",
+        min=0,
+    )
     smoothing: float = _opt(
         0.5,
         "weight of the newest timing window in the smoothed per-item times (1 = no smoothing)",

@@ -16,7 +16,7 @@ What happens, and where each concern plugs in::
                                                    # about every fault.preempt_check_s)
               strategy.forward_backward(batch, scale = dp_size / count)
                                                    # grads = d(global mean loss), synced
-              start the logged step's loss sum and, every balance.every, the timing gather
+              start the logged step's loss sum and, once a timing window, its gather
                                                    # (both complete during the update)
               norm = strategy.clip_grad_norm()     # global norm: the same on every rank
               if norm is finite: optimizer.step()
@@ -24,7 +24,7 @@ What happens, and where each concern plugs in::
                     and never deliver those batches again
               scheduler.step()
               strategy.after_optimizer_step(step)  # localsgd, diloco: sync every H steps
-              balance.step_finished(step)          # every balance.every: gather the ranks'
+              balance.step_finished(step)          # once a window: gather the ranks'
                                                    # timings, name stragglers, new shares
               every log_every:         a train record to every sink (metrics.jsonl,
                                        progress line, TensorBoard); events as they happen
@@ -281,7 +281,7 @@ class Trainer:
             # before a rollback, a checkpoint or an evaluation of this step sees the model.
             self.watchdog.set_phase("after_optimizer_step")
             self.strategy.after_optimizer_step(self.step)
-            # Every balance.every steps: gather the ranks' timings; new shares from the next
+            # Once a timing window: gather the ranks' timings; new shares from the next
             # step on (the same on every rank).
             self.watchdog.set_phase("balance")
             self._write_records(self.balance.step_finished(self.step))

@@ -6,10 +6,10 @@ The trainer calls, on every rank, in every step::
 
     balancer.step_started()                     before the loader is asked for the batch
     balancer.data_ready(step, batch, items)     the batch is on the device
-    balancer.backward_done(step)                after backward; every balance.every steps:
+    balancer.backward_done(step)                after backward; on a window's last step:
                                                 start all-gathering every rank's timing
                                                 window (the steps before this one)
-    records = balancer.step_finished(step)      after the update; every balance.every steps:
+    records = balancer.step_finished(step)      after the update; on a window's last step:
                                                 the gathered windows, a "ranks" record,
                                                 straggler events, and with
                                                 balance.mode = "throughput" new weights for
@@ -17,7 +17,10 @@ The trainer calls, on every rank, in every step::
 
 Every rank gets the same gathered numbers and runs the same controller on them, so every rank
 sets the same weights before the same step, and the loader cuts the next global batch by them
-(the position stays one global number: exactly-once delivery holds). The records go to
+(the position stays one global number: exactly-once delivery holds). A window is
+``balance.every`` steps, or more where those take less than ``balance.window_s``: the next
+window's length comes from the mean step time in the gathered numbers, so every rank picks the
+same step for the next gather. The records go to
 ``metrics.jsonl`` (rank 0 writes them); their fields are documented in docs/load-balancing.md.
 """
 
@@ -39,7 +42,13 @@ from dtrain.balance.throughput import (
     ThroughputController,
     slowdowns,
 )
-from dtrain.balance.timing import INDEX, StepTimer, gather_hosts, start_gather_windows
+from dtrain.balance.timing import (
+    INDEX,
+    StepTimer,
+    gather_hosts,
+    start_gather_windows,
+    window_steps,
+)
 from dtrain.comm.accounting import CommCounter
 from dtrain.config import Config, validate_ranks
 from dtrain.data.loader import RankLoader, StepBatch
@@ -66,6 +75,8 @@ class LoadBalancer:
         validate_ranks(cfg, runtime.world_size)  # a worker started without the CLI's check
         opts = cfg.balance
         self.every = opts.every
+        self.window_s = opts.window_s
+        self._next_gather: int | None = None  # the step whose backward starts the next gather
         self._gathering: Callable[[], np.ndarray] | None = None  # a window's gather in flight
         self.world_size = runtime.world_size
         self.device = runtime.device
@@ -107,12 +118,16 @@ class LoadBalancer:
             self.slowdown.begin(step, items, len(batch.micro))
 
     def backward_done(self, step: int) -> None:
-        """Step ``step``'s backward is done. Collective every ``balance.every`` steps: start
-        gathering the window -- the steps finished since the last one, i.e. up to step - 1
-        (this step's update is not timed yet; it opens the next window). Started here, when
-        the gradient all-reduce has just brought the ranks together, the gather completes
-        while they run their optimizer steps; :meth:`step_finished` takes the result."""
-        if step % self.every:
+        """Step ``step``'s backward is done. Collective on a window's last step
+        (:func:`~dtrain.balance.timing.window_steps`): start gathering the window -- the steps
+        finished since the last one, i.e. up to step - 1 (this step's update is not timed yet;
+        it opens the next window). Started here, when the gradient all-reduce has just
+        brought the ranks together, the gather completes while they run their optimizer
+        steps; :meth:`step_finished` takes the result."""
+        if self._next_gather is None:
+            # The first window after a start or a resume ends on a multiple of balance.every.
+            self._next_gather = -(-step // self.every) * self.every
+        if step < self._next_gather:
             return
         window = self.timer.take()
         # Tests replace the measured window here to make the controller's input exact.
@@ -120,17 +135,18 @@ class LoadBalancer:
         self._gathering = start_gather_windows(window, self.world_size, self.comm, self.device)
 
     def step_finished(self, step: int) -> list[Record]:
-        """After step ``step``'s update. Every ``balance.every`` steps, the window whose gather
+        """After step ``step``'s update. On a window's last step, the window whose gather
         :meth:`backward_done` started: returns the metrics records to write (rank 0 writes
         them); the controller's new weights hold from the next step on."""
         last = self.timer.finish()
         if self.slowdown is not None:
             self.slowdown.end(last["compute_s"], int(last["items"]))
-        if step % self.every:
+        if self._gathering is None:
             return []
         gathering, self._gathering = self._gathering, None
-        assert gathering is not None, f"step {step}: no timing window was gathered after backward"
-        return self._on_window(step, gathering())
+        rows = gathering()
+        self._next_gather = step + window_steps(rows, self.every, self.window_s)
+        return self._on_window(step, rows)
 
     def _on_window(self, step: int, rows: np.ndarray) -> list[Record]:
         steps = rows[:, INDEX["steps"]]

@@ -29,7 +29,7 @@ What ``ddp`` and ``allreduce`` count, exactly:
   flags with ``strategy.find_unused_parameters`` (one int32 per parameter); DDP's broadcast of
   the buffers before a forward that syncs them; the step's small all-reduces
   (``all_reduce_sum``: item count, loss); the load balancer's all-gather of every rank's
-  timing window every ``balance.every`` steps (``dtrain.balance.timing``); and, once, set-up's
+  timing window once a window (``dtrain.balance.timing``); and, once, set-up's
   broadcast of rank 0's parameters and buffers (in the totals, in no step's figure). Not
   counted: DDP's own small metadata exchanges (parameter shapes at construction, bucket order
   at its rebuild).

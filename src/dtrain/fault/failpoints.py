@@ -46,7 +46,7 @@ The training loop (:mod:`dtrain.trainer`); ``step`` is the number of the step be
 Load balancing (:mod:`dtrain.balance.balancer`):
 
 ``balance.timing`` (step, window)
-    every rank, every ``balance.every`` steps, before the ranks exchange their timing
+    every rank, on a timing window's last step, before the ranks exchange their timing
     windows; ``window`` is this rank's (a NumPy array laid out as
     :data:`dtrain.balance.timing.FIELDS`), which a handler may overwrite in place to feed the
     controller exact numbers.
