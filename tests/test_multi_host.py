@@ -9,8 +9,10 @@ Tests that need namespaces skip where they cannot be made (not root, no `ip`, no
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +21,7 @@ import torch
 
 from dtrain.cli import main
 from dtrain.network import choose_node_network, split_endpoint
-from dtrain.reachability import peers_of
+from dtrain.reachability import _accept_forever, close_listener, peers_of
 from dtrain.testing import Launch, free_port
 from dtrain.testing.hosts import Hosts, hosts_unavailable, leftovers
 from tests.conftest import REPO, tiny_config
@@ -87,6 +89,20 @@ def test_each_rank_checks_rank_0_and_its_ring_neighbours() -> None:
         checks = [peers_of(rank, world) for rank in range(world)]
         assert max(len(c) for c in checks) <= 3  # cheap whatever the size
         assert {peer for c in checks for peer in c} == set(range(world))  # everyone is tried
+
+
+def test_the_check_s_accept_thread_ends_when_its_socket_is_closed() -> None:
+    # A thread blocked in accept() outlived a plain close() on Linux, and every worker's exit
+    # then waited for it (2 s, the bound of join_helper_threads).
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    thread = threading.Thread(target=_accept_forever, args=(listener,), daemon=True)
+    thread.start()
+    time.sleep(0.05)  # in accept()
+    close_listener(listener)
+    thread.join(1.0)
+    assert not thread.is_alive()
 
 
 def test_a_node_advertises_the_address_it_reaches_the_rendezvous_host_from(

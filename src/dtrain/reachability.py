@@ -240,7 +240,18 @@ def peers_checked(
         _wait_for_all(store, world_size, timeout_s)
         yield
     finally:
-        listener.close()
+        close_listener(listener)
+
+
+def close_listener(listener: socket.socket) -> None:
+    """Close the check's listening socket and so end its accept thread. Closing alone does not
+    wake a thread blocked in ``accept`` on Linux: it stayed blocked for the whole run, and the
+    worker's exit waited 2 s for it (``dtrain.worker.join_helper_threads``) after every run."""
+    try:
+        listener.shutdown(socket.SHUT_RDWR)  # wakes accept() (EINVAL)
+    except OSError:
+        pass  # never listening, or already shut
+    listener.close()
 
 
 def _post_failure(store: Any, message: str, linger: bool) -> None:
