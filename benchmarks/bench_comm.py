@@ -4,7 +4,8 @@ one run.
 
 1. ``quality``: the default job (``dtrain train``, 2 workers, the default GPT, 700 steps) once
    per method: none (fp32 ddp), fp16, bf16, powersgd (rank 4), topk (1%), localsgd and diloco
-   (H = 8), from step 0 and after 100 data-parallel steps (``comm.local_start_step``). From
+   (H = 8), from step 0 and after 100 data-parallel steps (``comm.local_start_step``), diloco
+   also with outer lr / momentum 0.5 / 0.5 besides the paper's 0.7 / 0.9. From
    each run: bytes one rank sends per step (``comm_bytes_per_step`` in metrics.jsonl, averaged
    over the run after PowerSGD's warm start) and the final validation loss (the whole
    validation set), each as a ratio to ``none``.
@@ -45,6 +46,8 @@ from dtrain.testing.hosts import Hosts, hosts_unavailable
 SECTION = "bench_comm"
 POWERSGD_START = 10  # comm.powersgd_start_step: steps of plain all-reduce first
 LOCAL_START = 100  # comm.local_start_step of the post-local rows
+SMALL_H_OUTER = "0.5 / 0.5"  # comm.outer_lr / comm.outer_momentum of the small-H DiLoCo rows
+SMALL_H_OUTER_FLAGS = ["--comm.outer_lr=0.5", "--comm.outer_momentum=0.5"]
 
 METHODS: dict[str, list[str]] = {
     "none (fp32)": [],
@@ -65,6 +68,19 @@ METHODS: dict[str, list[str]] = {
         "--comm.sync_every=8",
         f"--comm.local_start_step={LOCAL_START}",
     ],
+    # The same with a gentler outer step (docs/communication.md, "Outer values at small H"):
+    # the paper's 0.7 / 0.9 were chosen for H = 500.
+    f"diloco H8, outer {SMALL_H_OUTER}": [
+        "--strategy.name=diloco",
+        "--comm.sync_every=8",
+        *SMALL_H_OUTER_FLAGS,
+    ],
+    f"diloco H8, outer {SMALL_H_OUTER}, ddp first {LOCAL_START}": [
+        "--strategy.name=diloco",
+        "--comm.sync_every=8",
+        f"--comm.local_start_step={LOCAL_START}",
+        *SMALL_H_OUTER_FLAGS,
+    ],
 }
 # What each must reach against none: bytes ratio at most / val loss ratio at most.
 TARGETS: dict[str, tuple[float | None, float]] = {
@@ -75,6 +91,8 @@ TARGETS: dict[str, tuple[float | None, float]] = {
     "diloco H8": (None, 1.05),
     f"localsgd H8, ddp first {LOCAL_START}": (None, 1.05),
     f"diloco H8, ddp first {LOCAL_START}": (None, 1.05),
+    f"diloco H8, outer {SMALL_H_OUTER}": (None, 1.05),
+    f"diloco H8, outer {SMALL_H_OUTER}, ddp first {LOCAL_START}": (None, 1.05),
 }
 HOST_METHODS = ["none (fp32)", "powersgd r4", "diloco H8"]
 HOST_TARGETS = {"powersgd r4": 0.6, "diloco H8": 0.5}  # step time against none, at most

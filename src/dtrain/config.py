@@ -234,9 +234,16 @@ class CommConfig:
         min=0,
     )
     outer_lr: float = _opt(
-        0.7, "diloco: learning rate of the outer Nesterov step", min=0, min_exclusive=True
+        0.7,
+        "diloco: learning rate of the outer Nesterov step (the DiLoCo paper's, for H in the "
+        "hundreds; at small H lower it and outer_momentum, e.g. 0.5 and 0.5 at H = 8: "
+        "docs/communication.md)",
+        min=0,
+        min_exclusive=True,
     )
-    outer_momentum: float = _opt(0.9, "diloco: momentum of the outer Nesterov step", min=0, max=1)
+    outer_momentum: float = _opt(
+        0.9, "diloco: momentum of the outer Nesterov step (the DiLoCo paper's)", min=0, max=1
+    )
 
 
 @dataclass
