@@ -17,7 +17,7 @@ one run.
    at once, since the two "hosts" share this machine's cores) plus the bytes the method sends
    per step over the link's rate. The lone worker's step is reported beside it.
 
-    python benchmarks/bench_comm.py                      # both (about 20 min here)
+    python benchmarks/bench_comm.py                      # both (about 30 min here; quality 22)
     python benchmarks/bench_comm.py --only hosts --rounds 3
     python benchmarks/bench_comm.py --write-docs         # and update docs/benchmarks.md
 
