@@ -12,18 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import signal
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import tomli_w
 
 from dtrain.errors import ConfigError
-
-if sys.version_info >= (3, 11):
-    pass
-else:  # pragma: no cover - exercised on Python 3.10 only
-    pass
 
 
 def _opt(
