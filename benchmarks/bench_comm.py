@@ -46,8 +46,9 @@ from dtrain.testing.hosts import Hosts, hosts_unavailable
 SECTION = "bench_comm"
 POWERSGD_START = 10  # comm.powersgd_start_step: steps of plain all-reduce first
 LOCAL_START = 100  # comm.local_start_step of the post-local rows
-SMALL_H_OUTER = "0.5 / 0.5"  # comm.outer_lr / comm.outer_momentum of the small-H DiLoCo rows
-SMALL_H_OUTER_FLAGS = ["--comm.outer_lr=0.5", "--comm.outer_momentum=0.5"]
+OUTER_LR, OUTER_MOMENTUM = 0.5, 0.5  # comm.outer_lr / comm.outer_momentum, small-H DiLoCo rows
+SMALL_H_OUTER = f"{OUTER_LR} / {OUTER_MOMENTUM}"
+SMALL_H_OUTER_FLAGS = [f"--comm.outer_lr={OUTER_LR}", f"--comm.outer_momentum={OUTER_MOMENTUM}"]
 
 METHODS: dict[str, list[str]] = {
     "none (fp32)": [],
