@@ -468,7 +468,9 @@ class Watchdog:
         time.sleep(min(1.0, self.heartbeat_s))
         text = str(error).strip()
         cause = text.splitlines()[0] if text else type(error).__name__
-        cause = cause.split("] ", 1)[-1][:160]  # drop gloo's source location
+        cause = cause.split("] ", 1)[-1]  # drop gloo's source location
+        if len(cause) > 160:  # gloo's advice that follows adds nothing to the diagnosis
+            cause = cause[:160].rsplit(" ", 1)[0] + " ..."
         return PeerFailure(
             f"rank {self.rank} ({self.host}) at step {self.step} in {self.phase}: a collective "
             f"failed: {self.diagnose()} (collective error: {cause})"
