@@ -46,7 +46,7 @@ from dtrain.errors import ConfigError
 from dtrain.parallel.base import LossFn, StepResult
 from dtrain.parallel.grad_norm import clip_to_max_norm, local_part, sum_of_squares
 from dtrain.parallel.grad_sync import average_gradients
-from dtrain.parallel.mesh import PIPELINE, Mesh, MeshShape, build_mesh, mesh_shape
+from dtrain.parallel.mesh import PIPELINE, build_mesh
 from dtrain.parallel.pipeline_batches import (
     batch_signature,
     check_tensor,
@@ -69,7 +69,7 @@ from dtrain.parallel.pipeline_split import (
     stage_entries,
     tied_parameters,
 )
-from dtrain.parallel.sharded import ShardedStrategy
+from dtrain.parallel.sharded import MeshStrategy
 from dtrain.parallel.skeleton import ModelSkeleton
 from dtrain.runtime import Runtime
 from dtrain.task import Task
@@ -83,10 +83,11 @@ def stages_per_rank(cfg: Config) -> int:
     return cfg.strategy.pipeline_virtual_stages if interleaved else 1
 
 
-class PipelineStrategy(ShardedStrategy):
+class PipelineStrategy(MeshStrategy):
     """pipeline parallel (torch.distributed.pipelining), x data parallel on a 2-D mesh"""
 
     name = "pipeline"
+    inner_dim = PIPELINE
 
     # Optimizer state keyed by parameter name, not by position: each stage holds different
     # parameters, and a name means the same tensor at any pipeline or data-parallel layout.
@@ -94,7 +95,7 @@ class PipelineStrategy(ShardedStrategy):
 
     @classmethod
     def validate_config(cls, cfg: Config, world_size: int) -> None:
-        shape = mesh_shape(world_size, cfg.strategy.pipeline_stages, PIPELINE)
+        shape = cls.mesh_shape_of(cfg, world_size)
         super().validate_config(cfg, shape.dp)  # the base's checks, at the data-parallel size
         pp = shape.inner  # ranks per pipeline
         opts, data = cfg.strategy, cfg.data
@@ -125,10 +126,6 @@ class PipelineStrategy(ShardedStrategy):
 
     def __init__(self, cfg: Config, runtime: Runtime) -> None:
         super().__init__(cfg, runtime)
-        self.shape: MeshShape = mesh_shape(
-            runtime.world_size, cfg.strategy.pipeline_stages, PIPELINE
-        )
-        self.mesh: Mesh | None = None
         self.plan: StagePlan | None = None
         self.num_stages = 1
         self.chains: dict[int, StageChain] = {}  # stage index -> this rank's layers
@@ -141,17 +138,9 @@ class PipelineStrategy(ShardedStrategy):
 
     # -- topology ------------------------------------------------------------------------
 
-    @property
-    def data_parallel_rank(self) -> int:
-        return self.shape.coords(self.runtime.rank)[0]
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.shape.dp
-
-    @property
-    def data_parallel_group(self) -> dist.ProcessGroup | None:
-        return None if self.mesh is None else self.mesh.dp_group
+    @classmethod
+    def inner_size(cls, cfg: Config) -> int:
+        return cfg.strategy.pipeline_stages
 
     @property
     def pipeline_rank(self) -> int:

@@ -14,10 +14,13 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from dtrain.config import Config
 from dtrain.errors import CheckpointError
 from dtrain.fault import checkpoint_read as ckread
 from dtrain.fault.resume import check_model_fits
 from dtrain.parallel.base import CheckpointParts, Strategy
+from dtrain.parallel.mesh import InnerDim, Mesh, MeshShape, mesh_shape
+from dtrain.runtime import Runtime
 
 
 class ShardedStrategy(Strategy):
@@ -81,3 +84,38 @@ class ShardedStrategy(Strategy):
         check_model_fits(wanted, saved, step_dir)
         ckread.load_sharded(step_dir, template)
         self.load_sharded_state_dict(optimizer, template)
+
+
+class MeshStrategy(ShardedStrategy):
+    """A sharded strategy on a 2-D mesh: data-parallel copies x an inner dimension (pipeline
+    stages, tensor-parallel slices) that splits the model, not the batch. The mesh's process
+    groups are built in ``setup`` (:func:`~dtrain.parallel.mesh.build_mesh`)."""
+
+    inner_dim: ClassVar[InnerDim]
+
+    @classmethod
+    def inner_size(cls, cfg: Config) -> int:
+        """Ranks along the inner dimension (the config key ``inner_dim`` names)."""
+        raise NotImplementedError
+
+    @classmethod
+    def mesh_shape_of(cls, cfg: Config, world_size: int) -> MeshShape:
+        """The mesh ``cfg`` asks for at ``world_size`` (a config error when it does not fit)."""
+        return mesh_shape(world_size, cls.inner_size(cfg), cls.inner_dim)
+
+    def __init__(self, cfg: Config, runtime: Runtime) -> None:
+        super().__init__(cfg, runtime)
+        self.shape = self.mesh_shape_of(cfg, runtime.world_size)
+        self.mesh: Mesh | None = None
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.shape.coords(self.runtime.rank)[0]
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.shape.dp
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        return None if self.mesh is None else self.mesh.dp_group

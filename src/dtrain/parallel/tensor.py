@@ -44,8 +44,8 @@ from dtrain.parallel.base import (
 )
 from dtrain.parallel.grad_norm import clip_to_max_norm, local_part, sum_of_squares
 from dtrain.parallel.grad_sync import average_gradients
-from dtrain.parallel.mesh import TENSOR, Mesh, build_mesh, mesh_shape
-from dtrain.parallel.sharded import ShardedStrategy
+from dtrain.parallel.mesh import TENSOR, build_mesh
+from dtrain.parallel.sharded import MeshStrategy
 from dtrain.parallel.skeleton import ModelSkeleton
 from dtrain.runtime import Runtime
 from dtrain.task import Task
@@ -95,39 +95,27 @@ def check_no_dropout(model: nn.Module) -> None:
             )
 
 
-class TensorParallelStrategy(ShardedStrategy):
+class TensorParallelStrategy(MeshStrategy):
     """tensor parallel (torch.distributed.tensor.parallel), x data parallel on a 2-D mesh"""
 
     name = "tensor"
+    inner_dim = TENSOR
 
     @classmethod
     def validate_config(cls, cfg: Config, world_size: int) -> None:
         # The base's checks, at the data-parallel size (the mesh's other dimension splits
         # layers, not batches).
-        super().validate_config(
-            cfg, mesh_shape(world_size, cfg.strategy.tensor_parallel, TENSOR).dp
-        )
+        super().validate_config(cfg, cls.mesh_shape_of(cfg, world_size).dp)
 
     def __init__(self, cfg: Config, runtime: Runtime) -> None:
         super().__init__(cfg, runtime)
-        # dp copies x inner = the tensor-parallel degree
-        self.shape = mesh_shape(runtime.world_size, cfg.strategy.tensor_parallel, TENSOR)
-        self.mesh: Mesh | None = None
         self._skeleton: ModelSkeleton | None = None  # rank 0: the full model, on meta
 
     # -- topology ------------------------------------------------------------------------
 
-    @property
-    def data_parallel_rank(self) -> int:
-        return self.shape.coords(self.runtime.rank)[0]
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.shape.dp
-
-    @property
-    def data_parallel_group(self) -> dist.ProcessGroup | None:
-        return None if self.mesh is None else self.mesh.dp_group
+    @classmethod
+    def inner_size(cls, cfg: Config) -> int:
+        return cfg.strategy.tensor_parallel
 
     @property
     def _tp_group(self) -> dist.ProcessGroup | None:
