@@ -34,7 +34,7 @@ What happens, and where each concern plugs in::
 
 The trainer never asks which strategy it runs; everything strategy-specific is behind
 :class:`dtrain.parallel.base.Strategy`. A collective that fails because a peer died or hung
-becomes a :class:`~dtrain.fault.watchdog.PeerFailure` naming that peer.
+becomes a :class:`~dtrain.fault.peer_failure.PeerFailure` naming that peer.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from dtrain.fault.preempt import PreemptionFlag, StopChecks
 from dtrain.fault.resume import ResumePoint, resolve_resume, rollback_point
 from dtrain.fault.rng import rank_seed, seed_everything
 from dtrain.fault.status import RunStatus, write_status
-from dtrain.fault.watchdog import PeerFailure, Watchdog, is_collective_failure
+from dtrain.fault.watchdog import Watchdog
 from dtrain.metrics import records
 from dtrain.metrics.sinks import Progress, Sinks, open_sinks
 from dtrain.metrics.summary import LossWindow, Summary
@@ -203,13 +203,11 @@ class Trainer:
         self.watchdog.start()
         try:
             return self._fit(preempt)
-        except PeerFailure:
-            raise
         except BaseException as exc:
-            if is_collective_failure(exc):
-                raise self.watchdog.peer_failure(exc) from exc
-            self.watchdog.report_failure(exc)
-            raise
+            error = self.watchdog.on_error(exc)
+            if error is exc:
+                raise
+            raise error from exc
         finally:
             self.watchdog.stop()
             preempt.restore()

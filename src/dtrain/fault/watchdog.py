@@ -31,10 +31,10 @@ reads the store and names who is missing, and where:
   store answered) or its progress file. Every store call is bounded in time, so a frozen store
   never hangs a rank.
 
-The trainer raises that as a :class:`PeerFailure`. As a backstop for hangs outside a collective
-with a timeout, the thread also watches this rank's own progress: when a phase has not moved for
-twice the collective timeout, it writes the diagnosis as this worker's error and ends the
-process, so the launcher stops (or restarts) the group instead of hanging.
+The trainer raises that as a :class:`~dtrain.fault.peer_failure.PeerFailure`. As a backstop for
+hangs outside a collective with a timeout, the thread also watches this rank's own progress: when
+a phase has not moved for twice the collective timeout, it writes the diagnosis as this worker's
+error and ends the process, so the launcher stops (or restarts) the group instead of hanging.
 
 Each rank also writes its beat to ``RUN_DIR/heartbeats/rankN.json`` from the same thread
 (:mod:`dtrain.fault.beats`), for ``dtrain status`` and anyone else outside the job; a job of
@@ -59,9 +59,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch.distributed as dist
-
 from dtrain.fault.beats import write_beat
+from dtrain.fault.peer_failure import (
+    PeerFailure,
+    beat_words,
+    collective_cause,
+    is_collective_failure,
+    who,
+)
 from dtrain.fault.progress import (
     Progress,
     ProgressFile,
@@ -88,21 +93,6 @@ def _prefix() -> str:
     from dtrain.runtime import store_namespace
 
     return store_namespace() + "watchdog/"
-
-
-class PeerFailure(RuntimeError):
-    """A collective failed because another rank died, raised or stopped responding."""
-
-
-def is_collective_failure(exc: BaseException) -> bool:
-    """Whether an exception is a collective failing (a peer's socket closed, the collective
-    timeout expired) rather than this rank's own error: only then is a peer to be named."""
-    if isinstance(exc, dist.DistError):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(
-        marker in text for marker in ("gloo", "connection", "timed out", "nccl", "peer")
-    )
 
 
 class Watchdog:
@@ -398,12 +388,10 @@ class Watchdog:
             elif beat["host"] == self.host and not process_alive(int(beat["pid"])):
                 # Killed outright (kill -9, the OOM killer): no error posted, and a beat that
                 # may be many steps behind; its progress file says where it was.
-                parts.append(f"{_who(rank, beat)} died: {self._last_words_of(beat, now)}")
+                parts.append(f"{who(rank, beat)} died: {self._last_words_of(beat, now)}")
                 read_files.append(beat.get("progress"))
             elif now - beat["time"] > stale_after:
-                parts.append(
-                    f"{_who(rank, beat)} stopped responding: {self._last_known(beat, now)}"
-                )
+                parts.append(f"{who(rank, beat)} stopped responding: {self._last_known(beat, now)}")
         if read_files and not self._peer_alive_here(beats):
             # No other rank of this machine is left to read the dead ranks' files.
             for path in read_files:
@@ -429,7 +417,7 @@ class Watchdog:
                 self._last_words[pid] = progress
         gone = "its process is gone (killed or crashed)"
         if progress is None:  # no file to read: say plainly how old what we know is
-            return f"{gone} at an unknown step: {_beat_words(beat, now)}"
+            return f"{gone} at an unknown step: {beat_words(beat, now)}"
         return f"{gone} {progress.where()}"
 
     def _last_known(self, beat: dict[str, Any], now: float) -> str:
@@ -439,7 +427,7 @@ class Watchdog:
         if beat["host"] == self.host and beat.get("progress"):
             progress = read_progress(str(beat["progress"]), int(beat["pid"]))
         if progress is None:
-            return _beat_words(beat, now)
+            return beat_words(beat, now)
         still = max(0.0, time.monotonic() - progress.since)
         age = max(0.0, now - beat["time"])
         return f"no progress for {still:.1f}s, {progress.where()} (last heartbeat {age:.1f}s ago)"
@@ -460,31 +448,27 @@ class Watchdog:
         elif timed_out:  # alive but silent: stopped (SIGSTOP), hung or cut off
             fate = f"stopped responding: {self._last_known(beat, now)}"
         else:
-            fate = f"is unreachable (died, or its machine was cut off): {_beat_words(beat, now)}"
-        return f"{_who(0, beat)} {fate}; it hosted the job's key-value store, now unreachable {why}"
+            fate = f"is unreachable (died, or its machine was cut off): {beat_words(beat, now)}"
+        return f"{who(0, beat)} {fate}; it hosted the job's key-value store, now unreachable {why}"
+
+    def on_error(self, error: BaseException) -> BaseException:
+        """What the trainer raises for an error out of its loop: a collective that failed
+        becomes a :class:`PeerFailure` naming the peer at fault; this rank's own error is
+        posted for the other ranks to name, and stays as it is."""
+        if isinstance(error, PeerFailure):
+            return error
+        if is_collective_failure(error):
+            return self.peer_failure(error)
+        self.report_failure(error)
+        return error
 
     def peer_failure(self, error: BaseException) -> PeerFailure:
         # Give a failing peer a moment to post its error (it may still be on its way out).
         time.sleep(min(1.0, self.heartbeat_s))
-        text = str(error).strip()
-        cause = text.splitlines()[0] if text else type(error).__name__
-        cause = cause.split("] ", 1)[-1]  # drop gloo's source location
-        if len(cause) > 160:  # gloo's advice that follows adds nothing to the diagnosis
-            cause = cause[:160].rsplit(" ", 1)[0] + " ..."
         return PeerFailure(
             f"rank {self.rank} ({self.host}) at step {self.step} in {self.phase}: a collective "
-            f"failed: {self.diagnose()} (collective error: {cause})"
+            f"failed: {self.diagnose()} (collective error: {collective_cause(error)})"
         )
-
-
-def _who(rank: int, beat: dict[str, Any]) -> str:
-    return f"rank {rank} ({beat['host']}, pid {beat['pid']})"
-
-
-def _beat_words(beat: dict[str, Any], now: float) -> str:
-    """A heartbeat as what it is: a report from some time ago, never where the rank is now."""
-    age = max(0.0, now - beat["time"])
-    return f"its last heartbeat, {age:.1f}s old, was at step {beat['step']} in {beat['phase']}"
 
 
 def _exit_on_hang(message: str) -> None:

@@ -1,0 +1,51 @@
+"""What a failed collective is, and the words that report it: the error the trainer raises
+(:class:`PeerFailure`), the test for whether an exception is a collective failing at all, and
+the phrases :class:`~dtrain.fault.watchdog.Watchdog` builds its diagnosis from (a rank and its
+process, a heartbeat as the old report it is, the collective's own error in one line).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+# How much of the collective's own error a PeerFailure quotes: its first line, which names the
+# socket or timeout; gloo's advice that follows adds nothing to the diagnosis.
+CAUSE_CHARS = 160
+
+
+class PeerFailure(RuntimeError):
+    """A collective failed because another rank died, raised or stopped responding."""
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether an exception is a collective failing (a peer's socket closed, the collective
+    timeout expired) rather than this rank's own error: only then is a peer to be named."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(
+        marker in text for marker in ("gloo", "connection", "timed out", "nccl", "peer")
+    )
+
+
+def collective_cause(error: BaseException) -> str:
+    """The collective's error in one line, without gloo's source location, cut at a word."""
+    text = str(error).strip()
+    cause = text.splitlines()[0] if text else type(error).__name__
+    cause = cause.split("] ", 1)[-1]  # drop gloo's source location
+    if len(cause) > CAUSE_CHARS:
+        cause = cause[:CAUSE_CHARS].rsplit(" ", 1)[0] + " ..."
+    return cause
+
+
+def who(rank: int, beat: dict[str, Any]) -> str:
+    """A rank and the process its heartbeat names."""
+    return f"rank {rank} ({beat['host']}, pid {beat['pid']})"
+
+
+def beat_words(beat: dict[str, Any], now: float) -> str:
+    """A heartbeat as what it is: a report from some time ago, never where the rank is now."""
+    age = max(0.0, now - beat["time"])
+    return f"its last heartbeat, {age:.1f}s old, was at step {beat['step']} in {beat['phase']}"
