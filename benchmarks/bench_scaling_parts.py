@@ -46,7 +46,7 @@ from dtrain.testing import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import write_report_section
-from bench_allreduce import Run, alternate, ms, paired_differences, slowest_rank
+from bench_allreduce import Run, alternate, ms, paired_differences, paired_ratios, slowest_rank
 
 SECTION = "bench_scaling_parts"
 # The default job's GPT (dtrain.tasks.gpt) and peers.py's weak-scaling batch per worker.
@@ -119,11 +119,6 @@ def step_times(opts: dict[str, Any]) -> dict[str, list[float]]:
     return alternate(runs, opts["rounds"], opts["warmup"])
 
 
-def efficiency(per_rank: list[dict[str, list[float]]], label: str) -> list[float]:
-    """1-worker step / the variant's step, within each round."""
-    return [a / b for a, b in zip(slowest_rank(per_rank, SOLO), slowest_rank(per_rank, label))]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
@@ -134,15 +129,17 @@ def main() -> None:
     per_rank = run_ranks(step_times, 2, opts, timeout=3600)
     params = sum(p.numel() for p in GPT(GPTConfig(**GPT_OPTS)).parameters())
     lines = [
-        f"The default job's GPT (3 layers, d_model 192, {params / 1e6:.2f} M parameters, "
-        f"{params * 4 / 1e6:.1f} MB of fp32 gradient), {args.batch} x 128 tokens per worker, "
+        f"The default job's GPT ({GPT_OPTS['n_layer']} layers, d_model {GPT_OPTS['d_model']}, "
+        f"{params / 1e6:.2f} M parameters, {params * 4 / 1e6:.1f} MB of fp32 gradient), "
+        f"{args.batch} x {GPT_OPTS['seq_len']} tokens per worker, "
         f"AdamW; median of {args.rounds} rounds (step time: the slower rank's):",
         "",
         f"  {'variant':34s} {'step':>10s} {'efficiency':>28s} {'added':>18s}",
     ]
     for label in VARIANTS:
         step = statistics.median(slowest_rank(per_rank, label))
-        low, mid, high = statistics.quantiles(efficiency(per_rank, label), n=4)
+        # efficiency: the 1-worker step / the variant's, within each round
+        low, mid, high = statistics.quantiles(paired_ratios(per_rank, SOLO, label), n=4)
         shown = f"{mid:.3f} (middle half {low:.3f}-{high:.3f})"
         added = ""
         if label in BASE:
