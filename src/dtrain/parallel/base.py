@@ -33,6 +33,7 @@ from dtrain.config import Config, validate_for_world
 from dtrain.errors import CheckpointError, ConfigError
 from dtrain.fault import checkpoint_read as ckread
 from dtrain.fault.resume import check_model_fits
+from dtrain.optim import fit_saved_groups
 from dtrain.parallel.grad_norm import gradient_norm
 from dtrain.runtime import Runtime
 from dtrain.task import Task
@@ -303,7 +304,7 @@ class Strategy(ABC):
     def load_optimizer_state_dict(
         self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
-        optimizer.load_state_dict(state)
+        optimizer.load_state_dict(fit_saved_groups(state, optimizer))
 
     @property
     def replicated_state(self) -> bool:

@@ -1,0 +1,103 @@
+"""The optimizer built from the config: which parameters take weight decay, and that sharing
+one group when none do changes nothing but the number of kernel launches."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from dtrain.config import OptimConfig
+from dtrain.optim import build_optimizer, fit_saved_groups
+
+
+def small_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 4))
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int = 5) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(32, 8, generator=generator)
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_weight_decay_goes_to_matrices_only() -> None:
+    model = small_model()
+    optimizer = build_optimizer(model.named_parameters(), OptimConfig(weight_decay=0.1))
+    decays = {
+        id(p): group["weight_decay"] for group in optimizer.param_groups for p in group["params"]
+    }
+    for name, param in model.named_parameters():
+        assert decays[id(param)] == (0.1 if param.dim() >= 2 else 0.0), name
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_without_weight_decay_one_group_trains_bit_identically_to_two(name: str) -> None:
+    cfg = OptimConfig(name=name, weight_decay=0.0, lr=1e-2)
+    one = small_model()
+    optimizer = build_optimizer(one.named_parameters(), cfg)
+    assert len(optimizer.param_groups) == 1
+    two = small_model()
+    params = list(two.parameters())
+    split = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.0},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    reference: torch.optim.Optimizer
+    if name == "sgd":
+        reference = torch.optim.SGD(split, lr=cfg.lr, momentum=cfg.momentum)
+    else:
+        reference = torch.optim.AdamW(split, lr=cfg.lr, betas=tuple(cfg.betas), foreach=True)
+    for a, b in zip(train(one, optimizer), train(two, reference), strict=True):
+        assert torch.equal(a, b)
+    # The state's indices follow the parameters in the same order as the split's (matrices
+    # first), so a state dict of either layout names the same parameter by the same index.
+    ours, theirs = optimizer.state_dict()["state"], reference.state_dict()["state"]
+    assert ours.keys() == theirs.keys()
+    for index in ours:
+        for key, value in ours[index].items():
+            assert torch.equal(value, theirs[index][key]), (index, key)
+
+
+def test_a_state_saved_with_two_groups_loads_where_they_share_one() -> None:
+    # What a checkpoint of an earlier dtrain holds: the same parameters, matrices first, in
+    # a group with weight decay 0 and a group of biases and norms with weight decay 0.
+    cfg = OptimConfig(weight_decay=0.0, lr=1e-2)
+    two = small_model()
+    params = list(two.parameters())
+    split = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.0},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    reference = torch.optim.AdamW(split, lr=cfg.lr, betas=tuple(cfg.betas), foreach=True)
+    train(two, reference)
+    one = small_model()
+    one.load_state_dict(two.state_dict())
+    optimizer = build_optimizer(one.named_parameters(), cfg)
+    # A copy, as a checkpoint gives: torch's state_dict() shares the step counters.
+    saved = copy.deepcopy(reference.state_dict())
+    optimizer.load_state_dict(fit_saved_groups(saved, optimizer))
+    for a, b in zip(train(one, optimizer), train(two, reference), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_groups_with_different_settings_are_not_merged() -> None:
+    model = small_model()
+    optimizer = build_optimizer(model.named_parameters(), OptimConfig(weight_decay=0.0))
+    params = list(small_model().parameters())
+    saved = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+    ).state_dict()
+    assert fit_saved_groups(saved, optimizer) is saved
+    with pytest.raises(ValueError, match="parameter groups"):
+        optimizer.load_state_dict(saved)
