@@ -304,6 +304,23 @@ def run_once(
     )
 
 
+def run_retrying(
+    runner: str, scratch: Path, spec: dict[str, Any], world: int, run_dir: Path, args: Any
+) -> Result:
+    """:func:`run_once`, launched a second time after a failure: torch's processes now and then
+    abort at exit ("terminate called without an active exception", seen with the raw loop and
+    Accelerate), which would drop a row or end the benchmark over a crash after training.
+    Only a fresh launch's figures are used; a second failure is the caller's to handle."""
+    try:
+        return run_once(runner, scratch, spec, world, run_dir, args)
+    except RunFailed as exc:
+        lines = str(exc).splitlines()
+        cause = next((line for line in lines if "terminate called" in line), lines[0])
+        print(f"{LABELS[runner]} failed ({cause.strip()}); launching it once more", flush=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return run_once(runner, scratch, spec, world, run_dir, args)
+
+
 def missing_package(runner: str) -> str | None:
     package = PACKAGES.get(runner)
     if package is not None and importlib.util.find_spec(package) is None:
@@ -470,7 +487,7 @@ def main() -> None:
                         continue
                     run_dir = scratch_root / f"{name}-{runner}-{index}"
                     try:
-                        results[runner] = run_once(runner, scratch, spec, 2, run_dir, args)
+                        results[runner] = run_retrying(runner, scratch, spec, 2, run_dir, args)
                     except RunFailed as exc:
                         if runner == "raw" or runner in DTRAIN:
                             raise SystemExit(f"{LABELS[runner]} failed: {exc}") from None
@@ -524,7 +541,7 @@ def main() -> None:
                 keys = [("raw", 1), ("raw", 2), ("ddp", 1), ("ddp", 2), ("ddp-pinned", 2)]
                 for runner, world in keys if index % 2 == 0 else keys[::-1]:
                     run_dir = scratch_root / f"scale-{name}-{runner}-{world}-{index}"
-                    r = run_once(runner, scratch, spec, world, run_dir, args)
+                    r = run_retrying(runner, scratch, spec, world, run_dir, args)
                     shutil.rmtree(run_dir, ignore_errors=True)
                     results[f"{runner}-{world}"] = r
                     print(
