@@ -1,16 +1,24 @@
 """The optimizer built from the config: which parameters take weight decay, and that sharing
-one group when none do changes nothing but the number of kernel launches."""
+one group when none do changes nothing but the number of kernel launches -- also for a run
+resumed from a checkpoint that an earlier dtrain saved with two groups."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from dtrain.config import OptimConfig
 from dtrain.optim import build_optimizer, fit_saved_groups
+from dtrain.testing import run_ranks
+from tests.conftest import tiny_raw
+from tests.dist_helpers import make_trainer, params_of, train_params
 
 
 def small_model() -> nn.Module:
@@ -101,3 +109,55 @@ def test_groups_with_different_settings_are_not_merged() -> None:
     assert fit_saved_groups(saved, optimizer) is saved
     with pytest.raises(ValueError, match="parameter groups"):
         optimizer.load_state_dict(saved)
+
+
+def two_groups_as_before(
+    named_params: Iterable[tuple[str, nn.Parameter]], cfg: OptimConfig
+) -> torch.optim.Optimizer:
+    """The optimizer of a dtrain before one group: biases and norms in a group of their own."""
+    params = [p for _, p in named_params if p.requires_grad]
+    return torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        betas=(cfg.betas[0], cfg.betas[1]),
+        foreach=True,
+    )
+
+
+def resume_across_the_regrouping(raw: dict[str, Any]) -> dict[str, Any]:
+    """Train ``train.steps`` with the two groups and checkpoint; resume with today's one group
+    for 4 steps more; the parameters."""
+    import dtrain.trainer as trainer_module
+
+    trainer_module.build_optimizer = two_groups_as_before  # this rank's process only
+    try:
+        make_trainer(raw).fit()
+    finally:
+        trainer_module.build_optimizer = build_optimizer
+    steps = raw["train"]["steps"] + 4
+    resumed = make_trainer({**raw, "train": {**raw["train"], "steps": steps}})
+    resumed.fit()
+    return params_of(resumed)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_run_resumed_from_a_two_group_checkpoint_is_bit_identical(
+    tmp_path: Path, strategy: str
+) -> None:
+    # AdamW without weight decay at a constant learning rate (the schedule does not depend on
+    # the run's length, so 4 + 4 steps follow the same one as 8).
+    job = {
+        "strategy": {"name": strategy},
+        "optim": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.0, "warmup_steps": 0},
+    }
+    job["optim"]["min_lr_ratio"] = 1.0
+    straight = run_ranks(train_params, 2, tiny_raw(tmp_path / "straight", job, train={"steps": 8}))
+    resumed = run_ranks(
+        resume_across_the_regrouping, 2, tiny_raw(tmp_path / "resumed", job, train={"steps": 4})
+    )
+    assert straight[0].keys() == resumed[0].keys()
+    for key, value in straight[0].items():
+        assert np.array_equal(value, resumed[0][key]), key

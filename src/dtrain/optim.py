@@ -92,12 +92,24 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float) 
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+class Schedule(torch.optim.lr_scheduler.LambdaLR):
+    """torch's ``LambdaLR`` with one factor for every group, whose saved state also loads where
+    the optimizer has another number of groups than the run that saved it (see
+    :func:`fit_saved_groups`): every group starts from ``optim.lr`` under the same factor, so
+    the state's per-group lists hold one value, repeated."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        groups = len(self.optimizer.param_groups)
+        state = dict(state_dict)
+        for key in ("base_lrs", "_last_lr"):
+            values = state.get(key)
+            if isinstance(values, list) and len(values) != groups and len(set(values)) == 1:
+                state[key] = values[:1] * groups
+        super().load_state_dict(state)
+
+
 def build_scheduler(
-    optimizer: torch.optim.Optimizer,
-    cfg: OptimConfig,
-    total_steps: int,
-) -> torch.optim.lr_scheduler.LambdaLR:
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
+) -> Schedule:
     warmup, floor = cfg.warmup_steps, cfg.min_lr_ratio
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, total_steps, warmup, floor)
-    )
+    return Schedule(optimizer, lambda step: lr_factor(step, total_steps, warmup, floor))
