@@ -184,7 +184,17 @@ def test_a_stopped_rank0_that_hosts_the_store_is_named_and_nothing_hangs(tmp_pat
         rank0 = next(p for p in worker_pids(proc.pid) if _rank_of(p) == 0)
         stopped = time.monotonic()
         os.kill(rank0, signal.SIGSTOP)
-        proc.wait(timeout=120)  # not stuck: the launcher ends the group
+        # Not stuck: rank 1 fails and the launcher ends the group. Its SIGTERM reaches the
+        # stopped rank 0 only once it runs again; torch's agent would SIGKILL it after its own
+        # 30 s grace, which is torch's to test, not ours: once the agent has sent it, let rank 0
+        # go on (and end at the SIGTERM).
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            if any("closing signal SIGTERM" in line for _, line in list(lines)):
+                os.kill(rank0, signal.SIGCONT)
+                break
+            time.sleep(0.2)
+        proc.wait(timeout=120)
         reader.join(10)
     finally:
         if rank0 > 0 and Path(f"/proc/{rank0}").exists():
