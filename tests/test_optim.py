@@ -36,6 +36,24 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int = 5) ->
     return [p.detach().clone() for p in model.parameters()]
 
 
+def two_groups(params: Iterable[nn.Parameter], weight_decay: float = 0.0) -> list[dict[str, Any]]:
+    """dtrain's groups before they could be one: matrices (with ``weight_decay``) first, then
+    biases and norms without."""
+    params = [p for p in params if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def two_groups_as_before(
+    named_params: Iterable[tuple[str, nn.Parameter]], cfg: OptimConfig
+) -> torch.optim.Optimizer:
+    """The AdamW of a dtrain before one group (``build_optimizer``'s signature)."""
+    groups = two_groups((p for _, p in named_params), cfg.weight_decay)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), foreach=True)
+
+
 def test_weight_decay_goes_to_matrices_only() -> None:
     model = small_model()
     optimizer = build_optimizer(model.named_parameters(), OptimConfig(weight_decay=0.1))
@@ -53,16 +71,11 @@ def test_without_weight_decay_one_group_trains_bit_identically_to_two(name: str)
     optimizer = build_optimizer(one.named_parameters(), cfg)
     assert len(optimizer.param_groups) == 1
     two = small_model()
-    params = list(two.parameters())
-    split = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.0},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
     reference: torch.optim.Optimizer
     if name == "sgd":
-        reference = torch.optim.SGD(split, lr=cfg.lr, momentum=cfg.momentum)
+        reference = torch.optim.SGD(two_groups(two.parameters()), lr=cfg.lr, momentum=cfg.momentum)
     else:
-        reference = torch.optim.AdamW(split, lr=cfg.lr, betas=tuple(cfg.betas), foreach=True)
+        reference = two_groups_as_before(two.named_parameters(), cfg)
     for a, b in zip(train(one, optimizer), train(two, reference), strict=True):
         assert torch.equal(a, b)
     # The state's indices follow the parameters in the same order as the split's (matrices
@@ -79,12 +92,7 @@ def test_a_state_saved_with_two_groups_loads_where_they_share_one() -> None:
     # a group with weight decay 0 and a group of biases and norms with weight decay 0.
     cfg = OptimConfig(weight_decay=0.0, lr=1e-2)
     two = small_model()
-    params = list(two.parameters())
-    split = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.0},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    reference = torch.optim.AdamW(split, lr=cfg.lr, betas=tuple(cfg.betas), foreach=True)
+    reference = two_groups_as_before(two.named_parameters(), cfg)
     train(two, reference)
     one = small_model()
     one.load_state_dict(two.state_dict())
@@ -99,32 +107,10 @@ def test_a_state_saved_with_two_groups_loads_where_they_share_one() -> None:
 def test_groups_with_different_settings_are_not_merged() -> None:
     model = small_model()
     optimizer = build_optimizer(model.named_parameters(), OptimConfig(weight_decay=0.0))
-    params = list(small_model().parameters())
-    saved = torch.optim.AdamW(
-        [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-    ).state_dict()
+    saved = torch.optim.AdamW(two_groups(small_model().parameters(), 0.1)).state_dict()
     assert fit_saved_groups(saved, optimizer) is saved
     with pytest.raises(ValueError, match="parameter groups"):
         optimizer.load_state_dict(saved)
-
-
-def two_groups_as_before(
-    named_params: Iterable[tuple[str, nn.Parameter]], cfg: OptimConfig
-) -> torch.optim.Optimizer:
-    """The optimizer of a dtrain before one group: biases and norms in a group of their own."""
-    params = [p for _, p in named_params if p.requires_grad]
-    return torch.optim.AdamW(
-        [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ],
-        lr=cfg.lr,
-        betas=(cfg.betas[0], cfg.betas[1]),
-        foreach=True,
-    )
 
 
 def resume_across_the_regrouping(raw: dict[str, Any]) -> dict[str, Any]:
