@@ -24,6 +24,7 @@ from torch import nn
 from dtrain.cli import main
 from dtrain.comm.accounting import CommCounter
 from dtrain.comm.compression import HOOKS
+from dtrain.comm.hooks import divide_
 from dtrain.config import CommConfig
 from dtrain.config_load import build_config
 from dtrain.data.loader import to_device
@@ -409,3 +410,21 @@ def test_cli_rejects_compression_where_it_cannot_run(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("dtrain: error: ")
     assert f"comm.compression = 'fp16' does not work with strategy.name = '{strategy}'" in err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_divide_gives_the_bits_of_a_division(dtype: torch.dtype) -> None:
+    # The mean hooks divide every bucket by the group size through divide_, which multiplies
+    # by the reciprocal where that is exact: the bits must be the division's, for every value.
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(100_000, generator=generator, dtype=torch.float64)
+    exponents = torch.randint(-150, 130, (100_000,), generator=generator).double()
+    tensor = (values * torch.exp2(exponents)).to(dtype)  # zero, subnormal, normal, infinite
+    tiny = torch.finfo(dtype).tiny
+    tensor[:1000] = torch.linspace(-8 * tiny, 8 * tiny, 1000, dtype=torch.float64).to(dtype)
+    tensor[1000:1004] = torch.tensor([math.nan, math.inf, -math.inf, -0.0]).to(dtype)
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+    for divisor in (1, 2, 3, 4, 6, 8, 64, 1024):
+        divided = tensor.clone().div_(divisor)
+        result = divide_(tensor.clone(), divisor)
+        assert torch.equal(result.view(as_int), divided.view(as_int)), divisor

