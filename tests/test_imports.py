@@ -7,8 +7,12 @@ package ``__init__`` that importing a module of another package runs first."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+
+from dtrain.parallel import strategy_class, strategy_names
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 
@@ -113,3 +117,38 @@ def test_no_module_of_dtrain_imports_itself_back() -> None:
     graph = import_graph()
     assert "dtrain.trainer" in graph and "dtrain.parallel.base" in graph  # it read the tree
     assert cycles(graph) == []
+
+
+# torch modules a data-parallel run never uses, ~1.2 s of imports together (TorchDynamo comes
+# with them); the launcher and every worker paid them while the strategy registry imported
+# every strategy up front.
+HEAVY = ("torch.distributed.pipelining", "torch.distributed.tensor", "torch._dynamo")
+
+
+def loaded_after(code: str) -> set[str]:
+    """Which of HEAVY a fresh interpreter has imported after running ``code``."""
+    probe = f"{code}\nimport sys\nprint(' '.join(m for m in {HEAVY!r} if m in sys.modules))"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
+    )
+    return set(out.stdout.split())
+
+
+def test_the_launcher_and_a_ddp_worker_import_no_model_parallel_machinery() -> None:
+    launcher = "import dtrain.cli, dtrain.job, dtrain.launch"
+    worker = (
+        "import dtrain.worker\n"
+        "from dtrain.parallel import strategy_class\n"
+        "for name in ('ddp', 'allreduce', 'localsgd', 'diloco'):\n"
+        "    strategy_class(name)"
+    )
+    assert loaded_after(launcher) == set()
+    assert loaded_after(worker) == set()
+    # The probe sees them when they are there: the pipeline strategy needs them.
+    pipeline = "from dtrain.parallel import strategy_class\nstrategy_class('pipeline')"
+    assert {"torch.distributed.pipelining", "torch.distributed.tensor"} <= loaded_after(pipeline)
+
+
+def test_every_registered_strategy_has_its_name() -> None:
+    for name in strategy_names():
+        assert strategy_class(name).name == name

@@ -9,8 +9,8 @@ have are separate, explicit capabilities (:class:`BackwardSyncControl` for skipp
 sync on accumulation micro-steps), in the manner of Lightning Fabric's ``_BackwardSyncControl``.
 
 A subclass sets ``name`` (what ``strategy.name`` says); the registry that looks names up is the
-package's ``__init__`` (``build_strategy``), which imports the strategies: this module imports
-none of them.
+package's ``__init__`` (``build_strategy``), which imports the strategy a run uses: this module
+imports none of them.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from dtrain.errors import CheckpointError, ConfigError
 from dtrain.fault import checkpoint_read as ckread
 from dtrain.fault.resume import check_model_fits
 from dtrain.optim import fit_saved_groups
-from dtrain.parallel.grad_norm import gradient_norm
+from dtrain.parallel.grad_norm import gradient_norm, local_part
 from dtrain.runtime import Runtime
 from dtrain.task import Task
 
@@ -320,12 +320,7 @@ class Strategy(ABC):
 
     def parameter_bytes(self) -> int:
         """Bytes of parameters this rank holds (of a sharded parameter, its local part)."""
-        from torch.distributed.tensor import DTensor
-
-        return sum(
-            (p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
-            for p in self.parameters()
-        )
+        return sum(local_part(p).numel() * p.element_size() for p in self.parameters())
 
 
 def run_micro_batches(
