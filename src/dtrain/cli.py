@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
+from dtrain.process_exit import freeze_heap_at_exit
 
 
 def _train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -274,6 +275,7 @@ def cmd_strategies() -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    freeze_heap_at_exit()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     try:

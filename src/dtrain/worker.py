@@ -21,6 +21,7 @@ from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
 from dtrain.fsutil import write_atomic
 from dtrain.job import build_trainer, load_job_config
 from dtrain.metrics.summary import Summary, print_summary
+from dtrain.process_exit import freeze_heap_at_exit
 from dtrain.runtime import shutdown_runtime
 
 
@@ -89,6 +90,7 @@ def die_with_launcher() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    freeze_heap_at_exit()
     die_with_launcher()
     rank = os.environ.get("RANK", "0")
     try:
