@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
-from dtrain.config import Config
-from dtrain.config_load import load_config
-from dtrain.task import Task, task_config
+if TYPE_CHECKING:
+    from dtrain.config import Config
+    from dtrain.config_load import load_config
+    from dtrain.task import Task, task_config
 
 __all__ = ["Config", "Task", "__version__", "load_config", "task_config"]
+
+# Imported when first used (PEP 562), not with the package: `dtrain.task` imports torch (1.2 s
+# here), which commands that only read files (`dtrain status`, `dtrain report`) never need.
+_EXPORTS = {
+    "Config": "dtrain.config",
+    "load_config": "dtrain.config_load",
+    "Task": "dtrain.task",
+    "task_config": "dtrain.task",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dtrain' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
