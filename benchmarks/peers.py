@@ -87,12 +87,16 @@ MODELS: dict[str, dict[str, Any]] = {
             "gpt": {"vocab_size": 256, "seq_len": 128, "n_layer": 3, "n_head": 4, "d_model": 192},
         },
         "global_batch": 32,
+        "steps": 80,
         "train_samples": 4096,
         "val_samples": 256,
     },
     "mlp": {
         "model": {"kind": "mlp", "inputs": 64, "width": 256, "depth": 3, "classes": 10},
         "global_batch": 256,
+        # 80 steps of 4-5 ms are 0.35 s of training: one busy moment of this shared machine
+        # moved a round by up to 0.3x; 400 steps keep a round's median steadier.
+        "steps": 400,
         "train_samples": 32768,
         "val_samples": 2048,
     },
@@ -437,12 +441,19 @@ def versions() -> str:
 # -- main -------------------------------------------------------------------------------------
 
 
+def steps_of(model: str, args: Any) -> int:
+    """Optimizer steps of every run of ``model``: ``--steps``, else the model's own."""
+    return int(args.steps or MODELS[model]["steps"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt,mlp", help="comma-separated: gpt, mlp")
     parser.add_argument("--runners", default=",".join(RUNNERS), help="comma-separated runners")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of every runner")
-    parser.add_argument("--steps", type=int, default=80, help="optimizer steps per run")
+    parser.add_argument(
+        "--steps", type=int, default=0, help="optimizer steps per run (0: gpt 80, mlp 400)"
+    )
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the median")
     parser.add_argument("--log-every", type=int, default=10, help="dtrain's train.log_every")
     parser.add_argument("--seed", type=int, default=0)
@@ -476,7 +487,7 @@ def main() -> None:
     try:
         for name in models:
             scratch = scratch_root / name
-            spec = prepare(scratch, name, args.steps, args.seed, [1, 2])
+            spec = prepare(scratch, name, steps_of(name, args), args.seed, [1, 2])
             rounds: list[dict[str, Result]] = []
             failed: dict[str, str] = {}
             for index in range(args.repeats):
@@ -520,7 +531,7 @@ def main() -> None:
             params = sum(p.numel() for p in common.build_model(spec).parameters())
             report += [
                 f"### {name}: {shape} ({params / 1e6:.2f} M parameters), global batch "
-                f"{MODELS[name]['global_batch']}, {args.steps} steps (median after "
+                f"{MODELS[name]['global_batch']}, {steps_of(name, args)} steps (median after "
                 f"{args.warmup}), {args.repeats} rounds",
                 "",
                 *table(name, rounds, {**skipped, **failed}),
@@ -533,7 +544,7 @@ def main() -> None:
         for name in [m for m in args.scaling.split(",") if m]:
             scratch = scratch_root / name
             if not (scratch / common.SPEC).exists():
-                prepare(scratch, name, args.steps, args.seed, [1, 2])
+                prepare(scratch, name, steps_of(name, args), args.seed, [1, 2])
             spec = common.load_spec(scratch)
             scaling: list[dict[str, Result]] = []
             for index in range(args.scaling_repeats):
