@@ -29,3 +29,7 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'dtrain' has no attribute {name!r}")
     return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
