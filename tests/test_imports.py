@@ -119,9 +119,10 @@ def test_no_module_of_dtrain_imports_itself_back() -> None:
     assert cycles(graph) == []
 
 
-# torch modules a data-parallel run never uses, ~1.2 s of imports together (TorchDynamo comes
-# with them); the launcher and every worker paid them while the strategy registry imported
-# every strategy up front.
+# torch modules that importing dtrain's launcher, worker and data-parallel strategies must not
+# bring in, ~1.2 s of imports together: the launcher and every worker paid them while the
+# strategy registry imported every strategy up front. (At run time torch itself imports
+# TorchDynamo in a worker, from its optimizers and DDP; the launcher never does.)
 HEAVY = ("torch.distributed.pipelining", "torch.distributed.tensor", "torch._dynamo")
 
 

@@ -7,8 +7,8 @@ touches the trainer.
 
 A strategy's module is imported when a run (or ``dtrain strategies``) asks for it, not before:
 the model-parallel ones bring in torch's DTensor and pipelining, and with them TorchDynamo --
-about 1.2 s of imports in every process (the launcher and each worker) that a ``ddp`` run
-never uses.
+about 1.2 s of imports that the launcher never needs, nor a data-parallel worker torch's
+pipelining.
 """
 
 from __future__ import annotations
