@@ -5,8 +5,6 @@ from __future__ import annotations
 import atexit
 import gc
 
-_registered = False
-
 
 def freeze_heap_at_exit() -> None:
     """At exit, before the interpreter finalizes, move every object it holds into the garbage
@@ -18,8 +16,7 @@ def freeze_heap_at_exit() -> None:
     the workers and then by the launcher. Nothing else changes: atexit handlers (registered
     before this one) run, modules are torn down, and files, loggers and threads are closed as
     before; only reference cycles still unreachable at exit are not collected, and Python does
-    not promise to finalize objects that exist at exit anyway. Idempotent."""
-    global _registered
-    if not _registered:
-        _registered = True
-        atexit.register(gc.freeze)
+    not promise to finalize objects that exist at exit anyway. Idempotent: a second call
+    replaces the first registration."""
+    atexit.unregister(gc.freeze)
+    atexit.register(gc.freeze)
