@@ -3,20 +3,27 @@
 A step's global item count from its plan (``Task.items_per_sample``): the same training, bit
 for bit, as counting every step in an all-reduce; no per-step collective; a wrong declaration
 is an error naming the rank; preemption still stops every rank after the same step. Workers
-bound to their own cores on request (``dist.pin_cores``)."""
+bound to their own cores on request (``dist.pin_cores``). The loop's small exact shortcuts
+(the item count, the loss scale handed to backward, no copy to where a tensor already is)
+give what the long way gives."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
+from dtrain.data.loader import to_device
 from dtrain.fault.preempt import StopChecks
+from dtrain.parallel.base import run_micro_batches
 from dtrain.runtime import core_share
+from dtrain.task import IGNORE_INDEX, count_target_items
 from dtrain.testing import RankFailed, run_ranks
 from tests.conftest import tiny_raw
 from tests.dist_helpers import make_trainer, params_of, signal_self_at_step, train_params
@@ -155,3 +162,60 @@ def test_with_pin_cores_each_cpu_worker_is_bound_to_its_own_cores(tmp_path: Path
     assert bound == [cores[:half], cores[half : 2 * half]]
     free = run_ranks(affinity_after_start, 2, tiny_raw(tmp_path / "free"))  # the default
     assert free == [cores, cores]
+
+
+@pytest.mark.parametrize(
+    "targets",
+    [
+        torch.tensor([3, 0, 7, 1]),  # no padding: the shortcut
+        torch.tensor([3, IGNORE_INDEX, 7, IGNORE_INDEX]),  # padding: counted
+        torch.tensor([[2, -1], [IGNORE_INDEX, 5]], dtype=torch.int32),  # other negatives count
+        torch.tensor([], dtype=torch.int64),
+        torch.tensor([0, 255, 9], dtype=torch.uint8),
+        torch.tensor([[0.5, 1.0], [2.0, -3.0]]),  # not class indices: every element
+    ],
+)
+def test_counting_items_agrees_with_counting_every_non_padding_entry(
+    targets: torch.Tensor,
+) -> None:
+    # The shortcut (no negative entry, so no padding) must give what the full count gives.
+    if targets.is_floating_point():
+        expected = targets.numel()
+    else:
+        expected = int((targets.long() != IGNORE_INDEX).sum())
+    assert count_target_items(targets) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_backward_from_the_scale_equals_backward_of_the_scaled_loss_bit_for_bit(
+    dtype: torch.dtype,
+) -> None:
+    # run_micro_batches hands the scale to backward() as the loss sum's gradient instead of
+    # multiplying the loss by it: the gradients must not change by a bit.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.GELU(), torch.nn.Linear(24, 5))
+    model = model.to(dtype)
+    micro = [(torch.randn(16, 12, dtype=dtype), torch.randint(0, 5, (16,))) for _ in range(3)]
+    scale = torch.tensor(2 / 48, dtype=torch.float32)
+
+    def item_losses(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(output, targets, reduction="none")
+
+    model.zero_grad(set_to_none=True)
+    for inputs, targets in micro:
+        (item_losses(model(inputs), targets).sum() * scale).backward()
+    expected = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    fake = SimpleNamespace(model=model)
+    result = run_micro_batches(fake, micro, item_losses, scale)  # type: ignore[arg-type]
+    got = [p.grad for p in model.parameters() if p.grad is not None]
+    assert len(got) == len(expected) == 4
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert result.loss_sum.dtype == dtype
+
+
+def test_to_device_hands_back_a_tensor_already_on_the_device() -> None:
+    inputs, targets = torch.zeros(2, 3), torch.ones(2, dtype=torch.long)
+    moved = to_device((inputs, targets), torch.device("cpu"))
+    assert isinstance(moved, tuple)
+    assert moved[0] is inputs and moved[1] is targets

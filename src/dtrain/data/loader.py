@@ -94,7 +94,8 @@ def pin(batch: Any) -> Any:
 
 def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        # Already there (CPU training): no call into torch's dispatcher.
+        return batch if batch.device == device else batch.to(device, non_blocking=True)
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(b, device) for b in batch)
     if isinstance(batch, dict):

@@ -341,7 +341,9 @@ def run_micro_batches(
             ctx = strategy.no_backward_sync()
         with ctx:
             loss_sum = loss_fn(strategy.model(inputs), targets).sum()
-            (loss_sum * scale).backward()
+            # The gradient of ``loss_sum * scale``, bit for bit (the product's backward would
+            # pass on 1.0 x scale), without the product and its backward node.
+            loss_sum.backward(scale if scale.dtype == loss_sum.dtype else scale.to(loss_sum.dtype))
         total = loss_sum.detach() if total is None else total + loss_sum.detach()
     assert total is not None, "a step has at least one micro-batch"
     return StepResult(loss_sum=total)
