@@ -198,6 +198,14 @@ def mlp_regression(cfg: Config) -> Task:
     )
 
 
+def batchnorm_regression(cfg: Config) -> Task:
+    """:func:`mlp_regression` with a BatchNorm: a module with buffers (running statistics and
+    a step count), which DDP broadcasts from rank 0 before each training forward."""
+    task = mlp_regression(cfg)
+    task.model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
+    return task
+
+
 # ---------------------------------------------------------------------------------------------
 # Fault injection for tests/system/chaos.py (tests.tasks:chaos_gpt). The factory runs inside each
 # worker, so it can wrap the model and install fail points (dtrain.fault.failpoints) in that

@@ -170,6 +170,10 @@ def strategy_runs(tmp: Path) -> list[dict[str, Any]]:
             raw = _raw(tmp, f"{strategy}-{compression}-fit", strategy, compression=compression)
             raw["train"].update(steps=10, log_every=5)
             runs.append({"name": f"{strategy}-{compression}-fit", "kind": "train", "raw": raw})
+        for task in ("mlp_regression", "batchnorm_regression"):  # buffers: none, then some
+            raw = _raw(tmp, f"{strategy}-{task}", strategy)
+            raw["run"]["task"] = f"tests.tasks:{task}"
+            runs.append({"name": f"{strategy}-{task}", "kind": "steps", "raw": raw, "steps": 2})
         raw = _raw(tmp, f"{strategy}-powersgd", strategy, compression="powersgd")
         raw["comm"]["powersgd_start_step"] = 2
         runs.append({"name": f"{strategy}-powersgd", "kind": "steps", "raw": raw, "steps": 3})
@@ -260,6 +264,21 @@ def test_metrics_lines_show_the_bytes_per_step(
     assert len(full) == len(half) == 2
     assert all(a - b == pytest.approx(2 * numel, abs=1e-6) for a, b in zip(full, half))
     assert all(b > 2 * numel for b in half)  # the gradients, and the step's small all-reduces
+
+
+def test_ddp_counts_the_buffers_it_broadcasts_and_nothing_without_them(
+    strategies: list[dict[str, Any]],
+) -> None:
+    # DDP sends rank 0's buffers (here BatchNorm's statistics and step count) before each
+    # training forward; a module without buffers sends only its gradients.
+    rank = strategies[0]
+    for task, buffers in (("mlp_regression", 0), ("batchnorm_regression", 2 * 16 * 4 + 8)):
+        run = rank[f"ddp-{task}"]
+        gradients = 4 * sum(math.prod(s) for s in run["shapes"])
+        assert run["sent"][1] == gradients + buffers, task  # 2 ranks: sent once
+    # The allreduce strategy broadcasts buffers once, at set-up, not per step.
+    run = rank["allreduce-batchnorm_regression"]
+    assert run["sent"][1] == 4 * sum(math.prod(s) for s in run["shapes"])
 
 
 # -- powersgd, topk: bytes -------------------------------------------------------------------

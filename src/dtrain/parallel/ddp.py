@@ -66,7 +66,11 @@ class DDPStrategy(Strategy, BackwardSyncControl):
             )
             # DDP's constructor broadcast rank 0's parameters and buffers.
             self.comm.broadcast(_state_bytes(self.module), self.data_parallel_size)
-            self.model.register_forward_pre_hook(self._count_buffer_sync)
+            if self.model.broadcast_buffers and self.model.modules_buffers:
+                # Counts the buffers DDP broadcasts before a training forward. A module
+                # without buffers has none to count, and a forward hook costs every step
+                # (a Python call where torch otherwise takes its hook-free path).
+                self.model.register_forward_pre_hook(self._count_buffer_sync)
             self.comm_state = build_comm_hook(
                 self.cfg.comm, self.comm, self.data_parallel_group, self.runtime.device
             )
