@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import torch
 
-from dtrain.data.loader import to_device
+from dtrain.data.loader import split_to_device, to_device
 from dtrain.fault.preempt import StopChecks
-from dtrain.parallel.base import run_micro_batches
+from dtrain.parallel.base import LossScale, run_micro_batches
 from dtrain.runtime import core_share
-from dtrain.task import IGNORE_INDEX, count_target_items
+from dtrain.task import IGNORE_INDEX, count_target_items, split_input_target
 from dtrain.testing import RankFailed, run_ranks
 from tests.conftest import tiny_raw
 from tests.dist_helpers import make_trainer, params_of, signal_self_at_step, train_params
@@ -219,3 +219,21 @@ def test_to_device_hands_back_a_tensor_already_on_the_device() -> None:
     moved = to_device((inputs, targets), torch.device("cpu"))
     assert isinstance(moved, tuple)
     assert moved[0] is inputs and moved[1] is targets
+
+
+def test_the_loss_scale_is_kept_while_its_value_stays() -> None:
+    scale = LossScale(torch.device("cpu"))
+    first = scale(2 / 7)
+    assert scale(2 / 7) is first  # the same tensor again: no new one a step
+    assert first.dtype == torch.float32 and float(first) == float(torch.tensor(2 / 7))
+    other = scale(2 / 9)
+    assert other is not first and float(other) == float(torch.tensor(2 / 9))
+    assert float(first) == float(torch.tensor(2 / 7))  # the one handed out is not changed
+
+
+def test_split_to_device_counts_the_targets_it_moves() -> None:
+    task = SimpleNamespace(split_batch=split_input_target, count_items=count_target_items)
+    batch = (torch.zeros(3, 2), torch.tensor([1, IGNORE_INDEX, 4]))
+    (inputs, targets), items = split_to_device(task, batch, torch.device("cpu"))  # type: ignore[arg-type]
+    assert items == 2
+    assert inputs is batch[0] and targets is batch[1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from dtrain.data.loader import eval_batches, to_device
+from dtrain.data.loader import eval_batches, split_to_device, to_device
 from dtrain.parallel.base import Strategy
 from dtrain.task import Task
 
@@ -32,11 +32,8 @@ def evaluate_loss(
         )
     )
     for batch in batches:
-        inputs, targets = task.split_batch(batch)
-        # Counted on the host, as in training: on a GPU, no wait for the device per batch.
-        items = task.count_items(targets)
-        inputs, targets = to_device((inputs, targets), device)
-        totals[0] += strategy.eval_loss((inputs, targets), task.loss_fn).double()
+        pair, items = split_to_device(task, batch, device)
+        totals[0] += strategy.eval_loss(pair, task.loss_fn).double()
         totals[1] += items
     if strategy.lockstep_eval:
         # Strategies with collectives in forward need the same number of forward passes on

@@ -44,12 +44,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dtrain.balance.balancer import LoadBalancer, Record
 from dtrain.config import Config
 from dtrain.data.build import build_train_loader
-from dtrain.data.loader import RankLoader, StepBatch, to_device
+from dtrain.data.loader import RankLoader, StepBatch, split_to_device
 from dtrain.errors import UserError
 from dtrain.evaluation import evaluate_loss
 from dtrain.fault import checkpoint as ckpt
@@ -68,6 +66,7 @@ from dtrain.metrics.summary import LossWindow, Summary
 from dtrain.metrics.tensorboard import check_available as check_tensorboard
 from dtrain.optim import build_optimizer, build_scheduler
 from dtrain.parallel import build_strategy
+from dtrain.parallel.base import LossScale
 from dtrain.runtime import Runtime, barrier
 from dtrain.task import Task
 
@@ -149,10 +148,7 @@ class Trainer:
         self._comm_mark = self.strategy.comm.totals()
         # This rank's parameter bytes, for the start and train records (sizes do not change).
         self.param_bytes = self.strategy.parameter_bytes()
-        # The last step's loss scale, kept while the value stays (every step of fixed-length
-        # data): a new tensor from a Python float took ~20 µs of a 3 ms CPU step, and is a
-        # host-to-device copy on a GPU.
-        self._scale: tuple[float, torch.Tensor] | None = None
+        self.loss_scale = LossScale(runtime.device)
 
     # -- logging -------------------------------------------------------------------------
 
@@ -256,11 +252,9 @@ class Trainer:
             self.watchdog.set_phase("data", self.step + 1)
             self.balance.step_started()
             batch = next(self.loader)
-            parts = [self.task.split_batch(m) for m in batch.micro]
-            # Counted where the loader left the targets: on a GPU, counting after the copy
-            # would make the host wait for the device before every step.
-            count = sum(self.task.count_items(targets) for _, targets in parts)
-            micro = [to_device(part, self.runtime.device) for part in parts]
+            parts = [split_to_device(self.task, m, self.runtime.device) for m in batch.micro]
+            micro = [part for part, _ in parts]
+            count = sum(items for _, items in parts)
             self.balance.data_ready(self.step + 1, batch, count)
             failpoint("train.before_collective", step=self.step + 1)
             if self.stop_checks is None:
@@ -366,7 +360,7 @@ class Trainer:
         goes into ``window``, whose sum over the ranks starts here on a step that logs.
         Returns the global gradient norm."""
         failpoint("train.step", step=self.step + 1)
-        scale = self._loss_scale(self.strategy.data_parallel_size / max(1, global_items))
+        scale = self.loss_scale(self.strategy.data_parallel_size / max(1, global_items))
         self.watchdog.set_phase("forward_backward")
         result = self.strategy.forward_backward(micro, self.task.loss_fn, scale)
         # The gradient sync has just brought the ranks together: start the step's small
@@ -386,14 +380,6 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
-
-    def _loss_scale(self, value: float) -> torch.Tensor:
-        """``value`` as a float32 tensor on the training device; the last one again while the
-        value does not change (strategies only read it)."""
-        if self._scale is None or self._scale[0] != value:
-            tensor = torch.tensor(value, dtype=torch.float32, device=self.runtime.device)
-            self._scale = (value, tensor)
-        return self._scale[1]
 
     def _agree_to_stop(self, preempt: PreemptionFlag) -> bool:
         """After a step StopChecks picked: whether any rank was asked to stop."""

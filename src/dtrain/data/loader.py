@@ -17,7 +17,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -25,6 +25,9 @@ from torch.utils.data import DataLoader, Sampler
 
 from dtrain.data.partition import OrderSpec, StepPlan, check_weights, eval_shard, plan_steps
 from dtrain.errors import DataError
+
+if TYPE_CHECKING:
+    from dtrain.task import Task
 
 Collate = Callable[[list[Any]], Any]
 PLAN_CHUNK = 16  # steps planned at once (a plan is a few KB: 16 are nothing to hold)
@@ -101,6 +104,15 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, dict):
         return {k: to_device(v, device) for k, v in batch.items()}
     return batch
+
+
+def split_to_device(task: Task, batch: Any, device: torch.device) -> tuple[Any, int]:
+    """``task.split_batch(batch)`` on ``device``, and the items it holds (``task.count_items``).
+    Counted where the loader left the targets: on a GPU, counting after the copy would make the
+    host wait for the device before every batch."""
+    inputs, targets = task.split_batch(batch)
+    items = task.count_items(targets)
+    return to_device((inputs, targets), device), items
 
 
 class _FetchDataset(torch.utils.data.Dataset[Any]):
