@@ -152,6 +152,11 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
         check_available()
     strategy_class(cfg.strategy.name).validate_config(cfg, opts.min_world_size)
+    if cfg.comm.transport == "shm" and opts.max_nodes > 1:
+        raise UserError(
+            f"comm.transport = 'shm' needs every rank on one machine, but --nnodes {args.nnodes} "
+            "allows more; use comm.transport = 'auto' (shared memory where it can be used)"
+        )
     validate_ranks(cfg, opts.min_world_size)  # a rank the config names exists in every world
     if opts.max_world_size != opts.min_world_size:
         strategy_class(cfg.strategy.name).validate_config(cfg, opts.max_world_size)

@@ -79,6 +79,12 @@ class CommCounter:
         self.bytes_sent += all_reduce_bytes(payload, world_size)
         self.collectives += world_size > 1
 
+    def shared_all_reduce(self, payload: int, world_size: int) -> None:
+        """An all-reduce through a shared-memory segment (dtrain.comm.shm): a rank writes its
+        payload into the segment once and reads its peers' from there."""
+        self.bytes_sent += payload if world_size > 1 else 0
+        self.collectives += world_size > 1
+
     def all_gather(self, part: int, world_size: int) -> None:
         self.bytes_sent += all_gather_bytes(part, world_size)
         self.collectives += world_size > 1

@@ -24,8 +24,9 @@ import torch.distributed as dist
 from dtrain.comm.accounting import CommCounter
 from dtrain.comm.hooks import Bf16Hook, CommHook, Fp16Hook, MeanHook
 from dtrain.comm.powersgd import MIN_START_STEP, PowerSGDHook
+from dtrain.comm.shm import shared_all_reduce_for
 from dtrain.comm.topk import TopKHook
-from dtrain.config import CommConfig, Config
+from dtrain.config import Config
 from dtrain.errors import ConfigError
 
 HOOKS: dict[str, type[CommHook]] = {
@@ -34,19 +35,35 @@ HOOKS: dict[str, type[CommHook]] = {
 
 
 def build_comm_hook(
-    cfg: CommConfig,
+    cfg: Config,
     counter: CommCounter,
     group: dist.ProcessGroup | None,
     device: torch.device,
+    capacity: int,
 ) -> CommHook:
-    """The hook ``cfg.compression`` names, counting into ``counter``, over ``group``."""
-    return HOOKS[cfg.compression].from_config(cfg, counter, group, device)
+    """The hook ``comm.compression`` names, counting into ``counter``, over ``group``, its sums
+    carried as ``comm.transport`` says; ``capacity``: the largest bucket in bytes. Every rank of
+    ``group`` calls this at once (a shared segment is agreed on with collectives)."""
+    hook = HOOKS[cfg.comm.compression].from_config(cfg.comm, counter, group, device)
+    hook.shared = shared_all_reduce_for(cfg, hook.sums_only, group, device, capacity)
+    return hook
 
 
 def validate_compression(cfg: Config) -> None:
     """Checks of the ``[comm]`` compression keys beyond their own ranges (in the parent,
     before any worker starts)."""
     comm = cfg.comm
+    if comm.transport == "shm" and not HOOKS[comm.compression].sums_only:
+        raise ConfigError(
+            f"comm.transport = 'shm' does not work with comm.compression = "
+            f"{comm.compression!r}: a shared-memory segment carries summing all-reduces only "
+            "(compression none, fp16 or bf16); use comm.transport = 'auto' or 'backend'"
+        )
+    if comm.transport == "shm" and cfg.dist.device == "cuda":
+        raise ConfigError(
+            "comm.transport = 'shm' does not work with dist.device = 'cuda': it sums tensors "
+            "in host memory; use comm.transport = 'auto' or 'backend' (NCCL has its own)"
+        )
     if comm.compression == "powersgd" and comm.powersgd_start_step < MIN_START_STEP:
         raise ConfigError(
             f"comm.powersgd_start_step = {comm.powersgd_start_step} is too small for "

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket
 
 from dtrain.comm.accounting import CommCounter
+from dtrain.comm.shm import SharedMemoryAllReduce
 from dtrain.config import CommConfig
 
 
@@ -50,6 +51,9 @@ class CommHook:
 
     name: ClassVar[str] = ""
     stateful: ClassVar[bool] = False
+    # Whether its collectives are summing all-reduces that a shared-memory segment can carry
+    # between the ranks of one machine (comm.transport; dtrain.comm.shm).
+    sums_only: ClassVar[bool] = False
 
     def __init__(
         self, counter: CommCounter, group: dist.ProcessGroup | None, device: torch.device
@@ -62,6 +66,9 @@ class CommHook:
         # measures the time waiting on communication from there (dtrain.comm.accounting).
         self.last_launch: float | None = None
         self._local = False
+        # Set by build_comm_hook where comm.transport puts the sums in shared memory.
+        self.shared: SharedMemoryAllReduce | None = None
+        self._last_bucket = False  # whether the bucket being reduced is the step's last
 
     @classmethod
     def from_config(
@@ -77,6 +84,7 @@ class CommHook:
         if self._local:
             return _done(bucket.buffer())
         self.last_launch = time.perf_counter()
+        self._last_bucket = bucket.is_last()
         return self.reduce(bucket)
 
     def reduce(self, bucket: Bucket) -> torch.futures.Future[torch.Tensor]:
@@ -103,6 +111,21 @@ class CommHook:
 
     def reset(self) -> None:
         """Back to the state of a fresh start."""
+
+    def sum_future(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """Sum ``tensor`` over the group in place: through the shared segment (done when this
+        returns) or the process group (started); the future's value is ``tensor``."""
+        if self.shared is not None:
+            self.counter.shared_all_reduce(nbytes(tensor), self.world_size)
+            started = time.perf_counter()
+            self.shared.all_reduce_(tensor)
+            if not self._last_bucket:
+                # Done before this returns, in the middle of backward: time that no computation
+                # hides. (The strategy counts the last bucket's from its launch.)
+                self.counter.waited(time.perf_counter() - started)
+            return _done(tensor)
+        self.counter.all_reduce(nbytes(tensor), self.world_size)
+        return all_reduce_future(tensor, self.group)
 
     def _to_device(self, tensors: dict[Any, torch.Tensor]) -> dict[int, torch.Tensor]:
         return {int(key): value.to(self.device) for key, value in tensors.items()}
@@ -159,11 +182,10 @@ class MeanHook(CommHook):
     counted). Dividing *before* summing keeps the sum in range, as torch does."""
 
     name = "none"
+    sums_only = True
 
     def reduce(self, bucket: Bucket) -> torch.futures.Future[torch.Tensor]:
-        buffer = divide_(bucket.buffer(), self.world_size)
-        self.counter.all_reduce(nbytes(buffer), self.world_size)
-        return all_reduce_future(buffer, self.group)
+        return self.sum_future(divide_(bucket.buffer(), self.world_size))
 
 
 class CastHook(CommHook):
@@ -174,16 +196,16 @@ class CastHook(CommHook):
     round once)."""
 
     dtype: ClassVar[torch.dtype]
+    sums_only = True
 
     def reduce(self, bucket: Bucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
         compressed = divide_(buffer, self.world_size).to(self.dtype)
-        self.counter.all_reduce(nbytes(compressed), self.world_size)
 
         def decompress(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
             return buffer.copy_(fut.value())
 
-        return all_reduce_future(compressed, self.group).then(decompress)
+        return self.sum_future(compressed).then(decompress)
 
 
 class Fp16Hook(CastHook):

@@ -216,7 +216,13 @@ class AllReduceStrategy(Strategy, BackwardSyncControl):
         for members in assign_buckets(params, cap, first_cap_bytes=FIRST_BUCKET_BYTES):
             self._add_bucket([params[i] for i in members])
         hook = build_comm_hook(
-            self.cfg.comm, self.comm, self.data_parallel_group, self.runtime.device
+            self.cfg,
+            self.comm,
+            self.data_parallel_group,
+            self.runtime.device,
+            capacity=max(
+                (b.buffer.numel() * b.buffer.element_size() for b in self.buckets), default=0
+            ),
         )
         self.register_comm_hook(hook, run_comm_hook)
 

@@ -99,6 +99,12 @@ class Strategy(ABC):
                 "(gradient compression needs a strategy that all-reduces whole gradients "
                 "through comm hooks: ddp or allreduce)"
             )
+        if cfg.comm.transport == "shm" and not cls.takes_compression:
+            raise ConfigError(
+                f"comm.transport = 'shm' does not work with strategy.name = {cls.name!r}: it "
+                "carries the gradient all-reduce of ddp and allreduce only; use "
+                "comm.transport = 'auto'"
+            )
         if cls.takes_compression:
             validate_compression(cfg)
         if cfg.balance.mode != "off" and not cls.takes_load_balancing:

@@ -72,7 +72,11 @@ class DDPStrategy(Strategy, BackwardSyncControl):
                 # (a Python call where torch otherwise takes its hook-free path).
                 self.model.register_forward_pre_hook(self._count_buffer_sync)
             self.comm_state = build_comm_hook(
-                self.cfg.comm, self.comm, self.data_parallel_group, self.runtime.device
+                self.cfg,
+                self.comm,
+                self.data_parallel_group,
+                self.runtime.device,
+                capacity=_largest_bucket_bound(self.module),
             )
             self.comm_hook = run_comm_hook
         else:
@@ -177,6 +181,15 @@ class DDPStrategy(Strategy, BackwardSyncControl):
             self.module.train(was_training)
             for param in self.module.parameters():
                 param.grad = None
+
+
+def _largest_bucket_bound(module: nn.Module) -> int:
+    """At least the bytes of DDP's largest gradient bucket: all the gradients of a dtype."""
+    sizes: dict[torch.dtype, int] = {}
+    for param in module.parameters():
+        if param.requires_grad:
+            sizes[param.dtype] = sizes.get(param.dtype, 0) + param.numel() * param.element_size()
+    return max(sizes.values(), default=0)
 
 
 def _state_bytes(module: nn.Module) -> int:
