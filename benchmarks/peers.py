@@ -2,7 +2,7 @@
 Face Accelerate and Lightning Fabric, measured side by side on this machine in one run.
 
     .venv/bin/python benchmarks/peers.py                    # dtrain rows and the raw loop only
-    .venv-peers/bin/python benchmarks/peers.py --write-docs # all five rows (see docs/benchmarks.md)
+    .venv-peers/bin/python benchmarks/peers.py --write-docs # every row (see docs/benchmarks.md)
 
 Every runner trains the same model from the same initial weights (one state dict), on the same
 data in memory, in the same order and per-rank split (dtrain's partition of its seeded stream,
@@ -12,7 +12,10 @@ under torch's elastic launcher: ``torchrun`` for the raw loop (``peer_raw.py``),
 (``peer_accelerate.py``) and Fabric (``peer_fabric.py``); ``dtrain train --run.task=...`` for
 dtrain's ``ddp`` and ``allreduce``, as a user runs it (the CLI, reading its ``metrics.jsonl``:
 what dtrain costs includes its launcher, its loop and its defaults, which a call to
-``Trainer.fit`` in a test harness would leave out).
+``Trainer.fit`` in a test harness would leave out). By default dtrain sums gradients between
+the ranks of one machine through shared memory (``comm.transport = "auto"``), the others through
+gloo on loopback; a third dtrain row, ``ddp`` with ``comm.transport = "backend"``, uses gloo too,
+which separates what dtrain's loop costs from what its transport saves.
 
 Runners alternate (A B C D E, then E D C B A, ...) over ``--repeats`` rounds. A run reports, for
 each rank, the end time of every optimizer step (a global post-hook on ``Optimizer.step``: the
@@ -28,9 +31,9 @@ All runners must reach the same loss: the mean training loss of every ``log_ever
 reported and its row skipped.
 
 Weak scaling: per-worker throughput at 2 workers over 1 worker (the same per-worker batch, 1
-thread each), for the raw loop and dtrain ``ddp`` (also with ``dist.pin_cores = true``, to show
-what binding each worker to its own core gives), with the launcher's own CPU use while the workers
-train (sampled from ``/proc``).
+thread each), for the raw loop and dtrain ``ddp`` (also through gloo, and with
+``dist.pin_cores = true``, to show what binding each worker to its own core gives), with the
+launcher's own CPU use while the workers train (sampled from ``/proc``).
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ from dtrain.data.partition import OrderSpec, plan_steps
 
 HERE = Path(__file__).resolve().parent
 SECTION = "bench_peers"
-RUNNERS = ("raw", "ddp", "allreduce", "accelerate", "fabric")
+RUNNERS = ("raw", "ddp", "ddp-gloo", "allreduce", "accelerate", "fabric")
 # Which package each peer needs; dtrain's rows and the raw loop need only torch.
 PACKAGES = {"accelerate": "accelerate", "fabric": "lightning"}
 SCRIPTS = {"raw": "peer_raw.py", "accelerate": "peer_accelerate.py", "fabric": "peer_fabric.py"}
@@ -68,6 +71,9 @@ SCRIPTS = {"raw": "peer_raw.py", "accelerate": "peer_accelerate.py", "fabric": "
 DTRAIN = {
     "ddp": ["ddp"],
     "allreduce": ["allreduce"],
+    # Gradients summed by gloo over loopback instead of through shared memory (dtrain.comm.shm):
+    # what dtrain's own loop costs, apart from its transport.
+    "ddp-gloo": ["ddp", "--comm.transport=backend"],
     "ddp-pinned": ["ddp", "--dist.pin_cores=true"],  # weak scaling: what binding gives
 }
 LABELS = {
@@ -76,6 +82,7 @@ LABELS = {
     "allreduce": "dtrain allreduce",
     "accelerate": "Hugging Face Accelerate",
     "fabric": "Lightning Fabric",
+    "ddp-gloo": "dtrain ddp, comm.transport = backend (gloo)",
     "ddp-pinned": "dtrain ddp, dist.pin_cores = true",
 }
 
@@ -407,9 +414,10 @@ def scaling_lines(name: str, rounds: list[dict[str, Result]]) -> list[str]:
         "(per-worker throughput 2/1; rounds) | launcher's CPU while 2 workers train |",
         "|---|---:|---:|---:|---:|",
     ]
-    for runner in ("raw", "ddp", "ddp-pinned"):
-        # One worker: nothing to bind (its share is every core), the same run as ddp's.
-        one = [r[f"{'ddp' if runner == 'ddp-pinned' else runner}-1"].step_s for r in rounds]
+    for runner in ("raw", "ddp", "ddp-gloo", "ddp-pinned"):
+        # One worker: nothing to bind and nothing to send (its share is every core, and a
+        # transport carries nothing): the same run as ddp's.
+        one = [r[f"{'raw' if runner == 'raw' else 'ddp'}-1"].step_s for r in rounds]
         two = [r[f"{runner}-2"].step_s for r in rounds]
         eff = [a / b for a, b in zip(one, two)]
         launcher = statistics.median(r[f"{runner}-2"].launcher_share for r in rounds)
@@ -549,7 +557,14 @@ def main() -> None:
             scaling: list[dict[str, Result]] = []
             for index in range(args.scaling_repeats):
                 results = {}
-                keys = [("raw", 1), ("raw", 2), ("ddp", 1), ("ddp", 2), ("ddp-pinned", 2)]
+                keys = [
+                    ("raw", 1),
+                    ("raw", 2),
+                    ("ddp", 1),
+                    ("ddp", 2),
+                    ("ddp-gloo", 2),
+                    ("ddp-pinned", 2),
+                ]
                 for runner, world in keys if index % 2 == 0 else keys[::-1]:
                     run_dir = scratch_root / f"scale-{name}-{runner}-{world}-{index}"
                     r = run_retrying(runner, scratch, spec, world, run_dir, args)
@@ -561,7 +576,7 @@ def main() -> None:
                         f"wall {r.wall_s:.1f} s",
                         flush=True,
                     )
-                for world, runs in ((1, ["ddp-1"]), (2, ["ddp-2", "ddp-pinned-2"])):
+                for world, runs in ((1, ["ddp-1"]), (2, ["ddp-2", "ddp-gloo-2", "ddp-pinned-2"])):
                     same = [results[f"raw-{world}"], *(results[k] for k in runs)]
                     check_same_training(same, args.tolerance, f"{name} at {world} worker(s)")
                 scaling.append(results)
@@ -594,8 +609,11 @@ def main() -> None:
                 "(dtrain's partition), AdamW (foreach, constant LR, no weight decay, no "
                 "clipping), 2 processes of 1 thread each (gloo on loopback, CPU) started by "
                 "torch's elastic launcher (`torchrun`; `dtrain train --run.task=peer_task:build` "
-                "for dtrain, whose task declares `items_per_sample`). The raw loop, Accelerate "
-                "and Fabric read through a torch `DataLoader` with the plan as its batch "
+                "for dtrain, whose task declares `items_per_sample`). dtrain's rows sum "
+                'gradients through shared memory (`comm.transport = "auto"`, the default), '
+                "except the one marked `backend`, which uses gloo as the others do. The raw "
+                "loop, Accelerate and Fabric read through a torch `DataLoader` with the plan "
+                "as its batch "
                 "sampler. Step time: rank 0's median time between the ends of consecutive "
                 "optimizer steps; CPU per step: rank 0's process, all threads; peak RSS: each "
                 "rank's `ru_maxrss`; ratios: the median over rounds of the ratio to the raw "

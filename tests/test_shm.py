@@ -304,3 +304,14 @@ def test_a_segment_left_by_a_killed_rank_is_swept(tmp_path: Path) -> None:
     os.utime(alive, (old, old))
     shm._sweep(str(tmp_path))
     assert not dead.exists() and alive.exists() and young.exists()
+
+
+def test_a_resumed_run_may_change_the_transport() -> None:
+    from dtrain.config import Config
+    from dtrain.fault.rundir import config_differences
+
+    saved, current = Config(), Config()
+    current.comm.transport = "backend"
+    assert config_differences(saved.to_dict(), current.to_dict()) == []
+    current.comm.compression = "bf16"  # what is sent: not safe to change
+    assert config_differences(saved.to_dict(), current.to_dict()) != []

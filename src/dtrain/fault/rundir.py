@@ -30,6 +30,7 @@ SAFE_TO_CHANGE = (
     "data.prefetch",
     "strategy.",
     "metrics.",
+    "comm.transport",  # how sums travel, not what they are
 )
 
 
