@@ -1,7 +1,7 @@
 """Where a 2-worker step's extra time goes: weak scaling of the default GPT, part by part.
 
 ``peers.py`` measures weak scaling whole (per-worker throughput at 2 workers over 1). This
-script takes the step apart, on the same model and per-worker batch, with six variants
+script takes the step apart, on the same model and per-worker batch, with seven variants
 timed side by side, one step each per round, in alternating order:
 
 - ``1 worker``: the plain model, on rank 0, while rank 1 waits idle (one worker alone on
@@ -14,7 +14,10 @@ timed side by side, one step each per round, in alternating order:
   keeps the local gradient (the wait for the later rank, and a collective's latency);
 - ``+ all-reduce, DDP built-in``: the gradient averaged by DDP's own C++ all-reduce;
 - ``+ all-reduce, dtrain ddp's hook``: the same through dtrain's counting hook
-  (``dtrain.comm.hooks.MeanHook``), as ``dtrain train`` runs it.
+  (``dtrain.comm.hooks.MeanHook``) and gloo, as ``dtrain train`` runs it with
+  ``comm.transport = "backend"``;
+- ``+ all-reduce, hook, shared memory``: the same hook summing through a shared-memory segment
+  (``dtrain.comm.shm``), as ``dtrain train`` runs it by default on one machine.
 
 Every variant is forward + backward + AdamW step; a round starts each variant on both ranks at
 once (a barrier, untimed) and takes the slower rank's time; efficiency = the 1-worker step /
@@ -41,6 +44,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dtrain.comm.accounting import CommCounter
 from dtrain.comm.hooks import MeanHook, run_comm_hook
+from dtrain.comm.shm import SharedMemoryAllReduce
 from dtrain.models.gpt import GPT, GPTConfig
 from dtrain.testing import run_ranks
 
@@ -51,17 +55,18 @@ from bench_allreduce import Run, alternate, ms, paired_differences, paired_ratio
 SECTION = "bench_scaling_parts"
 # The default job's GPT (dtrain.tasks.gpt) and peers.py's weak-scaling batch per worker.
 GPT_OPTS = {"vocab_size": 256, "seq_len": 128, "n_layer": 3, "n_head": 4, "d_model": 192}
-SOLO, TWO, NO_SYNC, MEET, BUILTIN, HOOK = (
+SOLO, TWO, NO_SYNC, MEET, BUILTIN, HOOK, SHARED = (
     "1 worker",
     "2 workers, no DDP",
     "+ DDP, no sync",
     "+ meeting",
     "+ all-reduce, DDP built-in",
     "+ all-reduce, dtrain ddp's hook",
+    "+ all-reduce, hook, shared memory",
 )
-VARIANTS = [SOLO, TWO, NO_SYNC, MEET, BUILTIN, HOOK]
-# What each variant adds to: the column "added" (both all-reduces to the meeting).
-BASE = {TWO: SOLO, NO_SYNC: TWO, MEET: NO_SYNC, BUILTIN: MEET, HOOK: MEET}
+VARIANTS = [SOLO, TWO, NO_SYNC, MEET, BUILTIN, HOOK, SHARED]
+# What each variant adds to: the column "added" (the all-reduces to the meeting).
+BASE = {TWO: SOLO, NO_SYNC: TWO, MEET: NO_SYNC, BUILTIN: MEET, HOOK: MEET, SHARED: MEET}
 
 
 def _done(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -101,8 +106,11 @@ def step_times(opts: dict[str, Any]) -> dict[str, list[float]]:
                 model.register_comm_hook(None, keep_local)
             elif label == MEET:
                 model.register_comm_hook(None, meet_only)
-            elif label == HOOK:
+            elif label in (HOOK, SHARED):
                 hook = MeanHook(CommCounter(), None, torch.device("cpu"))
+                if label == SHARED:
+                    gradient_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+                    hook.shared = SharedMemoryAllReduce(None, gradient_bytes, timeout_s=300.0)
                 model.register_comm_hook(hook, run_comm_hook)
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3, foreach=True)
 
