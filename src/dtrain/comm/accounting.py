@@ -14,6 +14,9 @@ all-gather of s    (N-1) x s                           each rank's part passes N
 broadcast of S     S on every rank                     a pipelined chain: each rank forwards
                                                        (the last one sends nothing; counted as
                                                        S for all, an upper bound by one chunk)
+all-reduce of S    S                                   each rank writes its S into the segment
+through shared                                         once and reads its peers' from there
+memory                                                 (:mod:`dtrain.comm.shm`)
 =================  ==================================  ========================================
 
 With 2 ranks an all-reduce sends exactly its payload. The waiting time is the time a rank is
