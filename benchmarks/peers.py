@@ -380,7 +380,7 @@ def mib(kib: float) -> float:
 
 
 def table(name: str, rounds: list[dict[str, Result]], skipped: dict[str, str]) -> list[str]:
-    runners = [r for r in RUNNERS if r in rounds[0]]
+    runners = [r for r in dict.fromkeys([*RUNNERS, *DTRAIN]) if r in rounds[0]]
     lines = [
         "| runner | step time, median (ms) | x raw loop (rounds) | CPU per step, rank 0 (ms) "
         "| peak RSS per rank (MiB) | x raw loop | launch wall (s) | final val loss |",
@@ -476,9 +476,10 @@ def main() -> None:
     for name in [*models, *[m for m in args.scaling.split(",") if m]]:
         if name not in MODELS:
             raise SystemExit(f"unknown model {name!r}: choose from {', '.join(MODELS)}")
-    unknown = [r for r in wanted if r not in RUNNERS]
+    choices = [*RUNNERS, *(r for r in DTRAIN if r not in RUNNERS)]
+    unknown = [r for r in wanted if r not in choices]
     if unknown or "raw" not in wanted:
-        raise SystemExit(f"--runners: choose from {', '.join(RUNNERS)}, raw included")
+        raise SystemExit(f"--runners: choose from {', '.join(choices)}, raw included")
     skipped: dict[str, str] = {}
     for runner in wanted:
         package = missing_package(runner)
