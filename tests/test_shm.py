@@ -87,10 +87,9 @@ def test_three_ranks_agree_bit_for_bit_and_sum_correctly() -> None:
             assert np.all(np.abs(rank["ours"][index] - want) <= tol + 1e-30)
 
 
-def _peer_exits() -> dict[str, Any]:
-    shared = SharedMemoryAllReduce(None, CAPACITY, timeout_s=60.0)
-    if dist.get_rank() == 1:
-        os._exit(0)  # gone without a word, as after kill -9
+def _sum_on_rank0(shared: SharedMemoryAllReduce) -> dict[str, Any]:
+    """Rank 0's all-reduce: how long until it failed, its error, and whether the trainer would
+    take it for a collective's failure (and name the peer)."""
     started = time.monotonic()
     try:
         shared.all_reduce_(torch.ones(10))
@@ -101,6 +100,13 @@ def _peer_exits() -> dict[str, Any]:
             "ours": is_collective_failure(error),
         }
     return {"s": time.monotonic() - started, "text": "", "ours": False}
+
+
+def _peer_exits() -> dict[str, Any]:
+    shared = SharedMemoryAllReduce(None, CAPACITY, timeout_s=60.0)
+    if dist.get_rank() == 1:
+        os._exit(0)  # gone without a word, as after kill -9
+    return _sum_on_rank0(shared)
 
 
 def test_a_peer_that_exits_is_named_within_a_second() -> None:
@@ -115,16 +121,7 @@ def _peer_late(timeout_s: float) -> dict[str, Any]:
     if dist.get_rank() == 1:
         time.sleep(timeout_s * 4)
         return {}
-    started = time.monotonic()
-    try:
-        shared.all_reduce_(torch.ones(10))
-    except RuntimeError as error:
-        return {
-            "s": time.monotonic() - started,
-            "text": str(error),
-            "ours": is_collective_failure(error),
-        }
-    return {"s": time.monotonic() - started, "text": "", "ours": False}
+    return _sum_on_rank0(shared)
 
 
 def test_a_late_peer_is_named_when_the_timeout_expires() -> None:

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain.config import Config
-from dtrain.fault.progress import progress_dir
+from dtrain.fault.progress import process_alive, progress_dir
 
 _TOKEN_BYTES = 16
 _LINE = 64  # bytes: one arrival counter per cache line
@@ -227,7 +227,7 @@ class SharedMemoryAllReduce:
     def _check_peers(self, call: int, waited: float) -> None:
         late = [r for r in range(self.size) if self._arrivals[r] < call]
         for r in late:
-            if not _process_exists(self.pids[r]):
+            if not process_alive(self.pids[r]):
                 raise RuntimeError(
                     f"shared-memory all-reduce: peer rank {self.global_ranks[r]} (pid "
                     f"{self.pids[r]}) exited while rank {self.global_ranks[self.rank]} waited "
@@ -286,7 +286,7 @@ def _sweep(folder: str) -> None:
             stale = now - os.stat(path).st_mtime > _STALE_S
         except OSError:
             continue
-        if pid_text.isdigit() and stale and not _process_exists(int(pid_text)):
+        if pid_text.isdigit() and stale and not process_alive(int(pid_text)):
             _remove(path)
 
 
@@ -310,16 +310,6 @@ def _remove(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _round_up(value: int, multiple: int) -> int:
