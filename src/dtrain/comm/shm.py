@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from dtrain.config import Config
 from dtrain.fault.progress import process_alive, progress_dir
+from dtrain.runtime import env_int
 
 _TOKEN_BYTES = 16
 _LINE = 64  # bytes: one arrival counter per cache line
@@ -78,7 +79,7 @@ def shared_all_reduce_for(
     reason = unavailable_reason(
         device,
         dist.get_world_size(group),
-        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        local_world_size=env_int("LOCAL_WORLD_SIZE", 1),
         world_size=dist.get_world_size(),
     )
     if reason is None and not sums_only:
@@ -136,7 +137,6 @@ class SharedMemoryAllReduce:
     larger one is split into chunks of that size."""
 
     def __init__(self, group: dist.ProcessGroup | None, capacity: int, timeout_s: float) -> None:
-        self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.global_ranks = [
@@ -177,37 +177,45 @@ class SharedMemoryAllReduce:
         words = np.frombuffer(mapped, dtype=np.int64, count=self.header_bytes // 8)
         per_line = _LINE // 8
         self._arrivals = words[per_line : per_line * (self.size + 1) : per_line]
-        self._own = self.rank
         data = torch.frombuffer(mapped, dtype=torch.uint8, offset=self.header_bytes)
         self._sets = data.view(2, self.size, self.slot_bytes)
+        # Each rank's slot for a call, by (set, bytes, dtype): a bucket has the same size every
+        # step, and each view made afresh is a call into torch's dispatcher on the hot path.
+        self._slot_views: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
         self._calls = 0
 
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the group, in place (contiguous, on the CPU); returns it."""
         if not tensor.is_contiguous():
             raise ValueError("shared-memory all-reduce takes contiguous tensors only")
-        flat = tensor.view(-1)
+        flat = tensor if tensor.dim() == 1 else tensor.view(-1)  # a bucket is flat already
         per_chunk = self.slot_bytes // tensor.element_size()
+        if flat.numel() <= per_chunk:
+            self._reduce_chunk(flat)
+            return tensor
         for start in range(0, flat.numel(), per_chunk):
             self._reduce_chunk(flat[start : start + per_chunk])
         return tensor
 
     def _reduce_chunk(self, chunk: torch.Tensor) -> None:
-        nbytes = chunk.numel() * chunk.element_size()
-        slots = self._sets[self._calls % 2, :, :nbytes].view(chunk.dtype)
+        key = (self._calls % 2, chunk.numel() * chunk.element_size(), chunk.dtype)
+        slots = self._slot_views.get(key)
+        if slots is None:
+            slots = list(self._sets[key[0], :, : key[1]].view(chunk.dtype).unbind(0))
+            self._slot_views[key] = slots
         self._calls += 1
-        slots[self._own].copy_(chunk)
+        slots[self.rank].copy_(chunk)
         self._arrive_and_wait(self._calls)
         if self.size == 2:
             torch.add(slots[0], slots[1], out=chunk)
             return
         chunk.copy_(slots[0])
-        for peer in range(1, self.size):
-            chunk.add_(slots[peer])
+        for peer in slots[1:]:
+            chunk.add_(peer)
 
     def _arrive_and_wait(self, call: int) -> None:
         arrivals = self._arrivals
-        arrivals[self._own] = call
+        arrivals[self.rank] = call
         if arrivals.min() >= call:
             return
         started = time.monotonic()
@@ -242,6 +250,7 @@ class SharedMemoryAllReduce:
 
     def close(self) -> None:
         self._sets = torch.empty(0, dtype=torch.uint8)
+        self._slot_views.clear()
         self._arrivals = np.empty(0, dtype=np.int64)
         try:
             self._map.close()
