@@ -147,7 +147,7 @@ def _train_both(raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "allreduce"])
-@pytest.mark.parametrize("compression", ["none", "bf16"])
+@pytest.mark.parametrize("compression", ["none", "bf16", "powersgd"])
 def test_training_through_shared_memory_equals_training_through_gloo(
     tmp_path: Path, strategy: str, compression: str
 ) -> None:
@@ -155,7 +155,8 @@ def test_training_through_shared_memory_equals_training_through_gloo(
         transport: tiny_raw(
             tmp_path / transport,
             strategy={"name": strategy},
-            comm={"transport": transport, "compression": compression},
+            # PowerSGD compresses from step 2 on: 4 of the 6 steps.
+            comm={"transport": transport, "compression": compression, "powersgd_start_step": 2},
             train={"steps": 6},
         )
         for transport in ("shm", "backend", "auto")
@@ -212,9 +213,11 @@ def _which(raw: dict[str, Any]) -> bool:
     return make_trainer(raw).strategy.comm_state.shared is not None
 
 
-def test_auto_leaves_compression_and_other_machines_to_the_backend(tmp_path: Path) -> None:
-    powersgd = tiny_raw(tmp_path / "p", comm={"compression": "powersgd"})
-    assert run_ranks(_which, 2, powersgd) == [False, False]
+def test_auto_leaves_topk_and_other_machines_to_the_backend(tmp_path: Path) -> None:
+    topk = tiny_raw(tmp_path / "t", comm={"compression": "topk"})  # an all-gather
+    assert run_ranks(_which, 2, topk) == [False, False]
+    powersgd = tiny_raw(tmp_path / "p", comm={"compression": "powersgd"})  # sums only
+    assert run_ranks(_which, 2, powersgd) == [True, True]
     # Two "machines" of one rank each (as the multi-host tests run them).
     plain = tiny_raw(tmp_path / "n")
     assert run_ranks(_which, 2, plain, env={"LOCAL_WORLD_SIZE": "1"}) == [False, False]
@@ -252,10 +255,7 @@ def test_auto_goes_on_through_gloo_where_no_segment_can_be_made(tmp_path: Path) 
 @pytest.mark.parametrize(
     ("sections", "words"),
     [
-        (
-            {"comm": {"transport": "shm", "compression": "powersgd"}},
-            "comm.compression = 'powersgd'",
-        ),
+        ({"comm": {"transport": "shm", "compression": "topk"}}, "comm.compression = 'topk'"),
         ({"comm": {"transport": "shm", "compression": "topk"}}, "summing all-reduces only"),
         ({"comm": {"transport": "shm"}, "dist": {"device": "cuda"}}, "dist.device = 'cuda'"),
         ({"comm": {"transport": "shm"}, "strategy": {"name": "fsdp"}}, "strategy.name = 'fsdp'"),

@@ -206,7 +206,8 @@ class CommConfig:
     transport: Literal["auto", "shm", "backend"] = _opt(
         "auto",
         "how ddp and allreduce sum gradients between ranks: 'shm' through a shared-memory "
-        "segment (CPU, every rank on one machine, x86-64; compression none, fp16 or bf16), "
+        "segment (CPU, every rank on one machine, x86-64; compression none, fp16, bf16 or "
+        "powersgd), "
         "'backend' through dist.backend's collectives, 'auto' shm where it can be used, else "
         "backend (docs/communication.md)",
     )
@@ -216,6 +217,11 @@ class CommConfig:
         "powersgd: steps of plain all-reduce before compressing (at least 2, as torch's "
         "PowerSGD requires)",
         min=0,
+    )
+    powersgd_factors: Literal["fp32", "fp16", "bf16"] = _opt(
+        "fp32",
+        "powersgd: the format its factors (and the small tensors it sends whole) travel in; "
+        "fp16 or bf16 halve the bytes (the products and the error feedback stay in fp32)",
     )
     topk_fraction: float = _opt(
         0.01,

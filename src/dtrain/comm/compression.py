@@ -8,7 +8,8 @@ compression    what a rank sends per bucket             state
 ``fp16``       the bucket in fp16 (all-reduce): 1/2     none
 ``bf16``       the bucket in bf16 (all-reduce): 1/2     none
 ``powersgd``   P and Q, (n + m) r per matrix, and the   error feedback, P and Q memories, step,
-               small tensors whole (3 all-reduces)      RNG (:mod:`dtrain.comm.powersgd`)
+               small tensors whole (2 all-reduces;      RNG (:mod:`dtrain.comm.powersgd`)
+               fp32, or half in fp16/bf16)
 ``topk``       k values + k int32 positions             a residual per bucket
                (all-gather), k = ceil(fraction n)       (:mod:`dtrain.comm.topk`)
 =============  ======================================  ==========================================
@@ -57,7 +58,8 @@ def validate_compression(cfg: Config) -> None:
         raise ConfigError(
             f"comm.transport = 'shm' does not work with comm.compression = "
             f"{comm.compression!r}: a shared-memory segment carries summing all-reduces only "
-            "(compression none, fp16 or bf16); use comm.transport = 'auto' or 'backend'"
+            "(compression none, fp16, bf16 or powersgd); use comm.transport = 'auto' or "
+            "'backend'"
         )
     if comm.transport == "shm" and cfg.dist.device == "cuda":
         raise ConfigError(

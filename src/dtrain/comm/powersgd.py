@@ -1,40 +1,65 @@
-"""PowerSGD (Vogels et al., 2019): torch's ``powerSGD_hook``, counted and checkpointable.
+"""PowerSGD (Vogels et al., 2019): low-rank gradients with error feedback, counted and
+checkpointable, its factors sent in fp32, fp16 or bf16 (``comm.powersgd_factors``).
 
-Each gradient matrix M (a tensor viewed as ``shape[0]`` rows) is sent as two thin factors
-P = M Q (n x r) and Q = M^T P (m x r), all-reduced one after the other; tensors where that
-saves less than half (``(n + m) r x 2 >= n m``: biases, norms) go uncompressed in a third
-all-reduce. Error feedback keeps what the approximation missed and adds it to the next step's
-gradient; warm start reuses last step's Q. The first ``start_step`` steps are plain all-reduce.
+Per bucket, each rank adds the error it kept from the step before to its gradient. Each
+gradient matrix M (a tensor viewed as ``shape[0]`` rows, n x m) is then sent as two thin
+factors with r = min(n, m, rank) columns: P = M Q (n x r), summed over the ranks and
+orthonormalized, then Q = M^T P (m x r), averaged; every rank rebuilds M as P Q^T. Tensors where
+that saves less than half (``(n + m) r x 2 >= n m``: biases, norms, 1-D tensors) are averaged
+whole, in one all-reduce with the P factors. So a compressed step takes two all-reduces: the
+tensors sent whole and P, then Q. What the approximation missed (the error-feedback residual:
+this rank's gradient plus error, minus what every rank rebuilt) is added to the next step's
+gradient. Q is kept from step to step (warm start: one power iteration a step refines it); the
+first compressed step draws it at random, from a seed every rank draws alike. The first
+``start_step`` steps are plain all-reduces.
 
-Bytes are what torch's hook really sends: its state counts the elements it puts on the wire
-(``total_numel_after_compression``: P + Q + the uncompressed tensors); P and Q are the sizes of
-its P and Q memories.
+The state is torch's ``PowerSGDState`` (step, error per bucket, P and Q memories, the seed
+RNG), so the math and the checkpoint format are torch's ``powerSGD_hook``'s; the hook is our
+own so that the factors can travel in a 16-bit format and the sums can go through a
+shared-memory segment. In fp32 it gives torch's result up to rounding
+(tests/test_compression.py). In fp16 or bf16 each all-reduce moves half the bytes; the
+matrix products, the orthonormalization and the error stay in fp32, and the rounding of the
+factors ends up in the error that is sent later.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
-    PowerSGDState,
-    powerSGD_hook,
-)
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
 from dtrain.comm.accounting import CommCounter
-from dtrain.comm.hooks import Bucket, CommHook, nbytes
+from dtrain.comm.hooks import Bucket, CommHook, divide_
 from dtrain.config import CommConfig
 
 # torch's PowerSGDState refuses fewer: with error feedback or warm start it needs plain
 # all-reduce steps before the first compressed one (DDP rebuilds its buckets after step 1).
 MIN_START_STEP = 2
+# A matrix is compressed when its factors are at least this many times smaller (torch's
+# default ``min_compression_rate``).
+MIN_COMPRESSION_RATE = 2
+
+FACTOR_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def factor_rank(rows: int, cols: int, rank: int) -> int:
+    return min(rows, cols, rank)
+
+
+def compresses(rows: int, cols: int, rank: int) -> bool:
+    """Whether a ``rows`` x ``cols`` matrix goes as factors: they must be at least
+    MIN_COMPRESSION_RATE times smaller than the matrix."""
+    return (rows + cols) * factor_rank(rows, cols, rank) * MIN_COMPRESSION_RATE < rows * cols
 
 
 class PowerSGDHook(CommHook):
     name = "powersgd"
     stateful = True
+    sums_only = True  # every collective is a summing all-reduce
 
     def __init__(
         self,
@@ -44,16 +69,19 @@ class PowerSGDHook(CommHook):
         rank: int,
         start_step: int,
         error_feedback: bool = True,
+        factors: torch.dtype = torch.float32,
     ) -> None:
         super().__init__(counter, group, device)
         self.options: dict[str, Any] = {
             "process_group": group,
             "matrix_approximation_rank": rank,
             "start_powerSGD_iter": start_step,
+            "min_compression_rate": MIN_COMPRESSION_RATE,
             "use_error_feedback": error_feedback,
             "warm_start": True,
         }
         self.state = PowerSGDState(**self.options)
+        self.factors = factors
 
     @classmethod
     def from_config(
@@ -63,33 +91,128 @@ class PowerSGDHook(CommHook):
         group: dist.ProcessGroup | None,
         device: torch.device,
     ) -> PowerSGDHook:
-        return cls(counter, group, device, cfg.powersgd_rank, cfg.powersgd_start_step)
+        factors = FACTOR_DTYPES[cfg.powersgd_factors]
+        return cls(
+            counter, group, device, cfg.powersgd_rank, cfg.powersgd_start_step, factors=factors
+        )
 
     def reduce(self, bucket: Bucket) -> torch.futures.Future[torch.Tensor]:
         state = self.state
         buffer = bucket.buffer()
+        if state.iter < state.start_powerSGD_iter:  # a plain all-reduce of the bucket
+            state.maybe_increase_iter(bucket)
+            return self.sum_future(divide_(buffer, self.world_size))
+        return self._compressed(bucket, buffer)
+
+    def _compressed(
+        self, bucket: Bucket, buffer: torch.Tensor
+    ) -> torch.futures.Future[torch.Tensor]:
+        state = self.state
         index = bucket.index()
+        error = self._add_error(index, buffer)  # from here on ``error`` holds the gradient sent
+        rank = state.matrix_approximation_rank
+        matrices: list[torch.Tensor] = []
+        whole: list[torch.Tensor] = []
+        for tensor in bucket.gradients():
+            matrix = tensor.view(tensor.shape[0], -1) if tensor.dim() > 1 else tensor
+            if tensor.dim() > 1 and compresses(matrix.shape[0], matrix.shape[1], rank):
+                matrices.append(matrix)
+            else:
+                whole.append(tensor)
+        ps, qs, p_memory, q_memory = self._factor_views(index, matrices)
+        for matrix, p, q in zip(matrices, ps, qs):
+            q.copy_(torch.linalg.qr(q).Q)  # P's columns then have the gradient's own scale
+            torch.matmul(matrix, q, out=p)
+        # The tensors sent whole go first, already divided by the group size (their sum then
+        # stays in range in fp16); P is orthonormalized after the sum, so it is not divided.
+        first = torch.cat([*(divide_(t, self.world_size).reshape(-1) for t in whole), p_memory])
+
+        def project(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            summed = fut.value()
+            offset = 0
+            for tensor in whole:
+                tensor.copy_(summed[offset : offset + tensor.numel()].view_as(tensor))
+                offset += tensor.numel()
+            p_memory.copy_(summed[offset:])
+            for matrix, p, q in zip(matrices, ps, qs):
+                p.copy_(torch.linalg.qr(p).Q)
+                torch.matmul(matrix.t(), p, out=q)
+            if not q_memory.numel():  # a bucket with no matrix (same on every rank)
+                return q_memory
+            return self._sum(q_memory).wait()
+
+        def rebuild(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            divide_(q_memory.copy_(fut.value()), self.world_size)
+            for matrix, p, q in zip(matrices, ps, qs):
+                torch.matmul(p, q.t(), out=matrix)
+            if error is not None:  # what this rank meant to send, less what every rank rebuilt
+                error.sub_(buffer)
+            state.maybe_increase_iter(bucket)
+            return buffer
+
+        return self._sum(first).then(project).then(rebuild)
+
+    def _add_error(self, index: int, buffer: torch.Tensor) -> torch.Tensor | None:
+        """Add this bucket's error-feedback residual to ``buffer``; returns the residual's
+        tensor, now holding a copy of the sum (None without error feedback)."""
+        state = self.state
+        if not state.use_error_feedback:
+            return None
         error = state.error_dict.get(index)
-        if error is not None and error.numel() != buffer.numel():
+        if error is None:
+            error = state.error_dict[index] = torch.zeros_like(buffer)
+        elif error.numel() != buffer.numel():
             raise RuntimeError(
                 f"powersgd: bucket {index} has {buffer.numel()} gradient entries but its "
                 f"error-feedback state has {error.numel()}: the buckets changed since that "
                 "state was saved (strategy.bucket_mb or the model); resume with the same ones"
             )
-        compressing = state.iter >= state.start_powerSGD_iter
-        sent_before = state.total_numel_after_compression
-        future = powerSGD_hook(state, bucket)
-        if not compressing:  # a plain all-reduce of the bucket
-            self.counter.all_reduce(nbytes(buffer), self.world_size)
-            return future
-        # Three all-reduces: the uncompressed tensors, then P, then Q (each issued even when
-        # empty, as torch does).
-        p = state.p_memory_dict[index].numel()
-        q = state.q_memory_dict[index].numel()
-        uncompressed = state.total_numel_after_compression - sent_before - p - q
-        for elements in (uncompressed, p, q):
-            self.counter.all_reduce(elements * buffer.element_size(), self.world_size)
-        return future
+        buffer.add_(error)
+        return error.copy_(buffer)
+
+    def _factor_views(
+        self, index: int, matrices: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """Each matrix's P (n x r) and Q (m x r), as views of the bucket's P and Q memories;
+        Q is drawn at random where the bucket has none yet (its first compressed step)."""
+        state = self.state
+        shapes = [
+            (
+                m.shape[0],
+                m.shape[1],
+                factor_rank(m.shape[0], m.shape[1], self.state.matrix_approximation_rank),
+            )
+            for m in matrices
+        ]
+        p_size = sum(n * r for n, _, r in shapes)
+        q_size = sum(m * r for _, m, r in shapes)
+        q_memory = state.q_memory_dict.get(index)
+        fresh = q_memory is None or q_memory.numel() != q_size
+        if fresh:
+            q_memory = state.q_memory_dict[index] = torch.empty(q_size, device=self.device)
+            state.p_memory_dict[index] = torch.empty(p_size, device=self.device)
+        assert q_memory is not None
+        p_memory = state.p_memory_dict[index]
+        ps = _views(p_memory, [(n, r) for n, _, r in shapes])
+        qs = _views(q_memory, [(m, r) for _, m, r in shapes])
+        if fresh:
+            # The same seed on every rank (their RNGs advance alike), the same values: drawn on
+            # the CPU, one matrix after the other, without touching torch's global RNG.
+            generator = torch.Generator().manual_seed(int(state.rng.randint(1_000_000_000)))
+            for q in qs:
+                q.copy_(torch.randn(q.shape, generator=generator))
+        return ps, qs, p_memory, q_memory
+
+    def _sum(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """Sum ``tensor`` over the group in place, sent in the factors' format."""
+        if tensor.dtype == self.factors:
+            return self.sum_future(tensor)
+        low = tensor.to(self.factors)
+
+        def widen(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            return tensor.copy_(fut.value())
+
+        return self.sum_future(low).then(widen)
 
     def state_dict(self) -> dict[str, Any]:
         state = self.state
@@ -99,7 +222,7 @@ class PowerSGDHook(CommHook):
             "error": dict(state.error_dict),
             "p": dict(state.p_memory_dict),
             "q": dict(state.q_memory_dict),
-            # NumPy's RandomState (it seeds each step's random Q), as plain data.
+            # NumPy's RandomState (it seeds each bucket's first random Q), as plain data.
             "rng": {
                 "kind": str(kind),
                 "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
@@ -107,9 +230,6 @@ class PowerSGDHook(CommHook):
                 "has_gauss": int(has_gauss),
                 "cached_gaussian": float(cached),
             },
-            "numel_before": state.total_numel_before_compression,
-            "numel_after": state.total_numel_after_compression,
-            "next_stats_report": state.next_stats_report,
         }
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
@@ -128,9 +248,11 @@ class PowerSGDHook(CommHook):
                 rng["cached_gaussian"],
             )
         )
-        state.total_numel_before_compression = int(saved["numel_before"])
-        state.total_numel_after_compression = int(saved["numel_after"])
-        state.next_stats_report = int(saved["next_stats_report"])
 
     def reset(self) -> None:
         self.state = PowerSGDState(**self.options)
+
+
+def _views(memory: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+    sizes = [math.prod(shape) for shape in shapes]
+    return [flat.view(shape) for flat, shape in zip(memory.split(sizes), shapes)]
