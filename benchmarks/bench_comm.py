@@ -16,7 +16,8 @@ one run.
    alternating. The step time is the mean over the steps after the warm-up. Its floor: the
    compute-only step time (the same per-rank batch on 1 worker, no communication, measured in
    the same round with both hosts computing at once, since the two "hosts" share this
-   machine's cores) plus the bytes the method sends per step over the link's rate. The lone worker's step is reported beside it.
+   machine's cores) plus the bytes the method sends per step over the link's rate. The lone
+   worker's step is reported beside it.
 
     python benchmarks/bench_comm.py                      # both (about 40 min here; quality 27)
     python benchmarks/bench_comm.py --only hosts --rounds 3
