@@ -162,7 +162,9 @@ def powersgd_against_torch(
 
     from dtrain.comm.powersgd import FACTOR_DTYPES, PowerSGDHook
 
-    shapes = [*shapes, (16, 8, 6), (3, 40)]  # a 3-D gradient (as 16 x 48); one sent whole
+    # A 3-D gradient (as 16 x 48), a shape met again after another one (torch lays its
+    # factors out by shape: each matrix must get the same random Q), one sent whole.
+    shapes = [*shapes, (16, 8, 6), (64, 48), (3, 40)]
     numel = sum(math.prod(s) for s in shapes)
     mean = torch.cat([mean, torch.ones(numel - mean.numel())])
     theirs = PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2)

@@ -110,15 +110,7 @@ class PowerSGDHook(CommHook):
         state = self.state
         index = bucket.index()
         error = self._add_error(index, buffer)  # from here on ``error`` holds the gradient sent
-        rank = state.matrix_approximation_rank
-        matrices: list[torch.Tensor] = []
-        whole: list[torch.Tensor] = []
-        for tensor in bucket.gradients():
-            matrix = tensor.view(tensor.shape[0], -1) if tensor.dim() > 1 else tensor
-            if tensor.dim() > 1 and compresses(matrix.shape[0], matrix.shape[1], rank):
-                matrices.append(matrix)
-            else:
-                whole.append(tensor)
+        matrices, whole = self._split(bucket.gradients())
         ps, qs, p_memory, q_memory = self._factor_views(index, matrices)
         for matrix, p, q in zip(matrices, ps, qs):
             q.copy_(torch.linalg.qr(q).Q)  # P's columns then have the gradient's own scale
@@ -151,6 +143,23 @@ class PowerSGDHook(CommHook):
             return buffer
 
         return self._sum(first).then(project).then(rebuild)
+
+    def _split(
+        self, gradients: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The gradients sent as factors (as matrices, grouped by shape in the order each shape
+        first comes, as torch lays out its P and Q memories: the same random Q per matrix, and
+        checkpoints either hook reads alike) and those sent whole (in bucket order)."""
+        rank = self.state.matrix_approximation_rank
+        by_shape: dict[torch.Size, list[torch.Tensor]] = {}
+        whole: list[torch.Tensor] = []
+        for tensor in gradients:
+            matrix = tensor.view(tensor.shape[0], -1) if tensor.dim() > 1 else tensor
+            if tensor.dim() > 1 and compresses(matrix.shape[0], matrix.shape[1], rank):
+                by_shape.setdefault(matrix.shape, []).append(matrix)
+            else:
+                whole.append(tensor)
+        return [matrix for group in by_shape.values() for matrix in group], whole
 
     def _add_error(self, index: int, buffer: torch.Tensor) -> torch.Tensor | None:
         """Add this bucket's error-feedback residual to ``buffer``; returns the residual's
