@@ -448,8 +448,7 @@ def test_every_compression_has_a_hook() -> None:
         ({"powersgd_rank": 0}, "comm.powersgd_rank = 0 is out of range: it must be at least 1"),
         (
             {"powersgd_factors": "fp8"},
-            "comm.powersgd_factors = 'fp8' is not allowed: expected one of 'fp32', 'fp16', "
-            "'bf16'",
+            "comm.powersgd_factors = 'fp8' is not allowed: expected one of 'fp32', 'fp16', 'bf16'",
         ),
         ({"topk_fraction": 0}, "comm.topk_fraction = 0.0 is out of range: it must be greater"),
         ({"topk_fraction": 1.5}, "comm.topk_fraction = 1.5 is out of range: it must be at most"),
