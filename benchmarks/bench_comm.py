@@ -4,9 +4,9 @@ one run.
 
 1. ``quality``: the default job (``dtrain train``, 2 workers, the default GPT, 700 steps) once
    per method: none (fp32 ddp), fp16, bf16, powersgd (rank 4; rank 16 with its factors in
-   fp32, fp16 and bf16; rank 24 in bf16), topk (1%), localsgd and diloco (H = 8), from step 0 and after 100
-   data-parallel steps (``comm.local_start_step``), diloco also with outer lr / momentum
-   0.5 / 0.5 besides the paper's 0.7 / 0.9. From each run: bytes one rank sends per step
+   fp32, fp16 and bf16; rank 24 in bf16), topk (1%), localsgd and diloco (H = 8), from step 0
+   and after 100 data-parallel steps (``comm.local_start_step``), diloco also with outer lr /
+   momentum 0.5 / 0.5 besides the paper's 0.7 / 0.9. From each run: bytes one rank sends per step
    (``comm_bytes_per_step`` in metrics.jsonl, averaged over the run after PowerSGD's warm
    start) and the final validation loss (the whole validation set), each as a ratio to
    ``none``.
