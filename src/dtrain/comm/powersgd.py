@@ -111,9 +111,9 @@ class PowerSGDHook(CommHook):
         index = bucket.index()
         error = self._add_error(index, buffer)  # from here on ``error`` holds the gradient sent
         matrices, whole = self._split(bucket.gradients())
-        ps, qs, p_memory, q_memory = self._factor_views(index, matrices)
+        ps, qs, p_memory, q_memory = self._factor_views(index, matrices, buffer.dtype)
         for matrix, p, q in zip(matrices, ps, qs):
-            q.copy_(torch.linalg.qr(q).Q)  # P's columns then have the gradient's own scale
+            q.copy_(_orthonormal(q))  # P's columns then have the gradient's own scale
             torch.matmul(matrix, q, out=p)
         # The tensors sent whole go first, already divided by the group size (their sum then
         # stays in range in fp16); P is orthonormalized after the sum, so it is not divided.
@@ -127,7 +127,7 @@ class PowerSGDHook(CommHook):
                 offset += tensor.numel()
             p_memory.copy_(summed[offset:])
             for matrix, p, q in zip(matrices, ps, qs):
-                p.copy_(torch.linalg.qr(p).Q)
+                p.copy_(_orthonormal(p))
                 torch.matmul(matrix.t(), p, out=q)
             if not q_memory.numel():  # a bucket with no matrix (same on every rank)
                 return q_memory
@@ -180,10 +180,11 @@ class PowerSGDHook(CommHook):
         return error.copy_(buffer)
 
     def _factor_views(
-        self, index: int, matrices: list[torch.Tensor]
+        self, index: int, matrices: list[torch.Tensor], dtype: torch.dtype
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]:
-        """Each matrix's P (n x r) and Q (m x r), as views of the bucket's P and Q memories;
-        Q is drawn at random where the bucket has none yet (its first compressed step)."""
+        """Each matrix's P (n x r) and Q (m x r), as views of the bucket's P and Q memories (in
+        the gradients' ``dtype``); Q is drawn at random where the bucket has none yet (its
+        first compressed step)."""
         state = self.state
         shapes = [
             (
@@ -196,10 +197,11 @@ class PowerSGDHook(CommHook):
         p_size = sum(n * r for n, _, r in shapes)
         q_size = sum(m * r for _, m, r in shapes)
         q_memory = state.q_memory_dict.get(index)
-        fresh = q_memory is None or q_memory.numel() != q_size
+        fresh = q_memory is None or q_memory.numel() != q_size or q_memory.dtype != dtype
         if fresh:
-            q_memory = state.q_memory_dict[index] = torch.empty(q_size, device=self.device)
-            state.p_memory_dict[index] = torch.empty(p_size, device=self.device)
+            q_memory = torch.empty(q_size, device=self.device, dtype=dtype)
+            state.q_memory_dict[index] = q_memory
+            state.p_memory_dict[index] = torch.empty(p_size, device=self.device, dtype=dtype)
         assert q_memory is not None
         p_memory = state.p_memory_dict[index]
         ps = _views(p_memory, [(n, r) for n, _, r in shapes])
@@ -209,7 +211,7 @@ class PowerSGDHook(CommHook):
             # the CPU, one matrix after the other, without touching torch's global RNG.
             generator = torch.Generator().manual_seed(int(state.rng.randint(1_000_000_000)))
             for q in qs:
-                q.copy_(torch.randn(q.shape, generator=generator))
+                q.copy_(torch.randn(q.shape, generator=generator, dtype=dtype))
         return ps, qs, p_memory, q_memory
 
     def _sum(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -260,6 +262,14 @@ class PowerSGDHook(CommHook):
 
     def reset(self) -> None:
         self.state = PowerSGDState(**self.options)
+
+
+def _orthonormal(matrix: torch.Tensor) -> torch.Tensor:
+    """An orthonormal basis of ``matrix``'s columns (QR's Q), computed in fp32 at least (QR
+    takes no 16-bit input)."""
+    if matrix.dtype in (torch.float16, torch.bfloat16):
+        return torch.linalg.qr(matrix.float()).Q
+    return torch.linalg.qr(matrix).Q
 
 
 def _views(memory: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
