@@ -18,8 +18,8 @@ RNG), so the math and the checkpoint format are torch's ``powerSGD_hook``'s; the
 own so that the factors can travel in a 16-bit format and the sums can go through a
 shared-memory segment. In fp32 it gives torch's result up to rounding
 (tests/test_compression.py). In fp16 or bf16 each all-reduce moves half the bytes; the
-matrix products, the orthonormalization and the error stay in fp32, and the rounding of the
-factors ends up in the error that is sent later.
+matrix products and the error stay in the gradients' precision (the orthonormalization in
+fp32 at least), and the rounding of the factors ends up in the error that is sent later.
 """
 
 from __future__ import annotations
