@@ -221,7 +221,8 @@ class CommConfig:
     powersgd_factors: Literal["fp32", "fp16", "bf16"] = _opt(
         "fp32",
         "powersgd: the format its factors (and the small tensors it sends whole) travel in; "
-        "fp16 or bf16 halve the bytes (the products and the error feedback stay in fp32)",
+        "fp16 or bf16 halve the bytes (the products and the error feedback keep the gradients' "
+        "precision)",
     )
     topk_fraction: float = _opt(
         0.01,
