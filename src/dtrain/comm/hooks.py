@@ -127,6 +127,19 @@ class CommHook:
         self.counter.all_reduce(nbytes(tensor), self.world_size)
         return all_reduce_future(tensor, self.group)
 
+    def sum_future_as(
+        self, tensor: torch.Tensor, dtype: torch.dtype
+    ) -> torch.futures.Future[torch.Tensor]:
+        """:meth:`sum_future`, the tensor sent in ``dtype`` (cast, summed, cast back into
+        ``tensor``); the future's value is ``tensor``."""
+        if tensor.dtype == dtype:
+            return self.sum_future(tensor)
+
+        def widen(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            return tensor.copy_(fut.value())
+
+        return self.sum_future(tensor.to(dtype)).then(widen)
+
     def _to_device(self, tensors: dict[Any, torch.Tensor]) -> dict[int, torch.Tensor]:
         return {int(key): value.to(self.device) for key, value in tensors.items()}
 
@@ -199,13 +212,7 @@ class CastHook(CommHook):
     sums_only = True
 
     def reduce(self, bucket: Bucket) -> torch.futures.Future[torch.Tensor]:
-        buffer = bucket.buffer()
-        compressed = divide_(buffer, self.world_size).to(self.dtype)
-
-        def decompress(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            return buffer.copy_(fut.value())
-
-        return self.sum_future(compressed).then(decompress)
+        return self.sum_future_as(divide_(bucket.buffer(), self.world_size), self.dtype)
 
 
 class Fp16Hook(CastHook):

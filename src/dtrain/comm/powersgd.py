@@ -131,7 +131,7 @@ class PowerSGDHook(CommHook):
                 torch.matmul(matrix.t(), p, out=q)
             if not q_memory.numel():  # a bucket with no matrix (same on every rank)
                 return q_memory
-            return self._sum(q_memory).wait()
+            return self.sum_future_as(q_memory, self.factors).wait()
 
         def rebuild(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
             divide_(q_memory.copy_(fut.value()), self.world_size)
@@ -142,7 +142,7 @@ class PowerSGDHook(CommHook):
             state.maybe_increase_iter(bucket)
             return buffer
 
-        return self._sum(first).then(project).then(rebuild)
+        return self.sum_future_as(first, self.factors).then(project).then(rebuild)
 
     def _split(
         self, gradients: list[torch.Tensor]
@@ -213,17 +213,6 @@ class PowerSGDHook(CommHook):
             for q in qs:
                 q.copy_(torch.randn(q.shape, generator=generator, dtype=dtype))
         return ps, qs, p_memory, q_memory
-
-    def _sum(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-        """Sum ``tensor`` over the group in place, sent in the factors' format."""
-        if tensor.dtype == self.factors:
-            return self.sum_future(tensor)
-        low = tensor.to(self.factors)
-
-        def widen(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            return tensor.copy_(fut.value())
-
-        return self.sum_future(low).then(widen)
 
     def state_dict(self) -> dict[str, Any]:
         state = self.state
