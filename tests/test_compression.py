@@ -24,7 +24,7 @@ from torch import nn
 from dtrain.cli import main
 from dtrain.comm.accounting import CommCounter
 from dtrain.comm.compression import HOOKS
-from dtrain.comm.hooks import divide_
+from dtrain.comm.mean import divide_
 from dtrain.config import CommConfig
 from dtrain.config_load import build_config
 from dtrain.data.loader import to_device

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain.cli import main
+from dtrain.comm.mean import divide_
 from dtrain.comm.shm import SharedMemoryAllReduce, unavailable_reason
 from dtrain.config_load import build_config
 from dtrain.errors import ConfigError
@@ -85,6 +86,28 @@ def test_three_ranks_agree_bit_for_bit_and_sum_correctly() -> None:
                 * np.abs(np.stack([_inputs(r, "float32")[index].numpy() for r in range(3)])).sum(0)
             )
             assert np.all(np.abs(rank["ours"][index] - want) <= tol + 1e-30)
+
+
+def _means(dtype: str) -> dict[str, Any]:
+    """Every input averaged through the segment with the division folded into the copy, and
+    divided first, then summed (what a mean hook did before)."""
+    shared = SharedMemoryAllReduce(None, CAPACITY, timeout_s=30.0)
+    size = dist.get_world_size()
+    folded, separate = [], []
+    for tensor in _inputs(dist.get_rank(), dtype):
+        folded.append(shared.all_reduce_(tensor.clone(), divisor=size).double().numpy())
+        separate.append(shared.all_reduce_(divide_(tensor.clone(), size)).double().numpy())
+    shared.close()
+    return {"folded": folded, "separate": separate}
+
+
+@pytest.mark.parametrize(("world", "dtype"), [(2, "float32"), (2, "bfloat16"), (3, "float32")])
+def test_a_mean_divides_in_the_copy_bit_for_bit(world: int, dtype: str) -> None:
+    # 3 ranks: a division that is not a multiplication by an exact reciprocal.
+    for rank in run_ranks(_means, world, dtype):
+        assert len(rank["folded"]) == len(_inputs(0, dtype))
+        for folded, separate in zip(rank["folded"], rank["separate"]):
+            np.testing.assert_array_equal(folded, separate)
 
 
 def _sum_on_rank0(shared: SharedMemoryAllReduce) -> dict[str, Any]:

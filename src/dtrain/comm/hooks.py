@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket
 
 from dtrain.comm.accounting import CommCounter
+from dtrain.comm.mean import divide_
 from dtrain.comm.shm import SharedMemoryAllReduce
 from dtrain.config import CommConfig
 
@@ -116,16 +117,28 @@ class CommHook:
         """Sum ``tensor`` over the group in place: through the shared segment (done when this
         returns) or the process group (started); the future's value is ``tensor``."""
         if self.shared is not None:
-            self.counter.shared_all_reduce(nbytes(tensor), self.world_size)
-            started = time.perf_counter()
-            self.shared.all_reduce_(tensor)
-            if not self._last_bucket:
-                # Done before this returns, in the middle of backward: time that no computation
-                # hides. (The strategy counts the last bucket's from its launch.)
-                self.counter.waited(time.perf_counter() - started)
-            return _done(tensor)
+            return self._shared_sum(tensor, divisor=1)
         self.counter.all_reduce(nbytes(tensor), self.world_size)
         return all_reduce_future(tensor, self.group)
+
+    def mean_future(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """:meth:`sum_future` of ``tensor`` divided by the group size (before the sum, which
+        keeps it in range, as torch's ``allreduce_hook`` does). Through the shared segment
+        the division is part of the copy into it: one pass over the bucket fewer."""
+        if self.shared is not None:
+            return self._shared_sum(tensor, divisor=self.world_size)
+        return self.sum_future(divide_(tensor, self.world_size))
+
+    def _shared_sum(self, tensor: torch.Tensor, divisor: int) -> torch.futures.Future[torch.Tensor]:
+        assert self.shared is not None
+        self.counter.shared_all_reduce(nbytes(tensor), self.world_size)
+        started = time.perf_counter()
+        self.shared.all_reduce_(tensor, divisor=divisor)
+        if not self._last_bucket:
+            # Done before this returns, in the middle of backward: time that no computation
+            # hides. (The strategy counts the last bucket's from its launch.)
+            self.counter.waited(time.perf_counter() - started)
+        return _done(tensor)
 
     def sum_future_as(
         self, tensor: torch.Tensor, dtype: torch.dtype
@@ -153,19 +166,6 @@ def _done(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(value)
     return future
-
-
-def divide_(tensor: torch.Tensor, divisor: int) -> torch.Tensor:
-    """``tensor.div_(divisor)``, bit for bit, in place; returns ``tensor``.
-
-    A power of two goes as a multiplication by its reciprocal: that reciprocal is exact, so
-    both operations round the same real number once and give the same bits (NaNs, infinities
-    and subnormals included). On CPU the multiplication takes half the time (the 600 KB
-    bucket of ``benchmarks/peers.py``'s MLP: 13 against 29 µs, one thread), and a mean hook
-    pays it on every bucket of every step."""
-    if divisor > 0 and divisor & (divisor - 1) == 0:
-        return tensor.mul_(1.0 / divisor)
-    return tensor.div_(divisor)
 
 
 def nbytes(tensor: torch.Tensor) -> int:
@@ -198,7 +198,7 @@ class MeanHook(CommHook):
     sums_only = True
 
     def reduce(self, bucket: Bucket) -> torch.futures.Future[torch.Tensor]:
-        return self.sum_future(divide_(bucket.buffer(), self.world_size))
+        return self.mean_future(bucket.buffer())
 
 
 class CastHook(CommHook):

@@ -33,7 +33,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
 from dtrain.comm.accounting import CommCounter
-from dtrain.comm.hooks import Bucket, CommHook, divide_
+from dtrain.comm.hooks import Bucket, CommHook
+from dtrain.comm.mean import divide_
 from dtrain.config import CommConfig
 
 # torch's PowerSGDState refuses fewer: with error feedback or warm start it needs plain
@@ -101,7 +102,7 @@ class PowerSGDHook(CommHook):
         buffer = bucket.buffer()
         if state.iter < state.start_powerSGD_iter:  # a plain all-reduce of the bucket
             state.maybe_increase_iter(bucket)
-            return self.sum_future(divide_(buffer, self.world_size))
+            return self.mean_future(buffer)
         return self._compressed(bucket, buffer)
 
     def _compressed(

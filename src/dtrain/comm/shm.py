@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dtrain.comm.mean import divide_into
 from dtrain.config import Config
 from dtrain.fault.progress import process_alive, progress_dir
 from dtrain.runtime import env_int
@@ -184,27 +185,30 @@ class SharedMemoryAllReduce:
         self._slot_views: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
         self._calls = 0
 
-    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` over the group, in place (contiguous, on the CPU); returns it."""
+    def all_reduce_(self, tensor: torch.Tensor, divisor: int = 1) -> torch.Tensor:
+        """Sum ``tensor`` over the group, in place (contiguous, on the CPU); returns it.
+        ``divisor``: each rank's tensor is divided by it first (``tensor / divisor`` bit for
+        bit), in the same pass as its copy into the segment, so a mean costs no pass of its
+        own over the tensor."""
         if not tensor.is_contiguous():
             raise ValueError("shared-memory all-reduce takes contiguous tensors only")
         flat = tensor if tensor.dim() == 1 else tensor.view(-1)  # a bucket is flat already
         per_chunk = self.slot_bytes // tensor.element_size()
         if flat.numel() <= per_chunk:
-            self._reduce_chunk(flat)
+            self._reduce_chunk(flat, divisor)
             return tensor
         for start in range(0, flat.numel(), per_chunk):
-            self._reduce_chunk(flat[start : start + per_chunk])
+            self._reduce_chunk(flat[start : start + per_chunk], divisor)
         return tensor
 
-    def _reduce_chunk(self, chunk: torch.Tensor) -> None:
+    def _reduce_chunk(self, chunk: torch.Tensor, divisor: int) -> None:
         key = (self._calls % 2, chunk.numel() * chunk.element_size(), chunk.dtype)
         slots = self._slot_views.get(key)
         if slots is None:
             slots = list(self._sets[key[0], :, : key[1]].view(chunk.dtype).unbind(0))
             self._slot_views[key] = slots
         self._calls += 1
-        slots[self.rank].copy_(chunk)
+        divide_into(chunk, divisor, out=slots[self.rank])
         self._arrive_and_wait(self._calls)
         if self.size == 2:
             torch.add(slots[0], slots[1], out=chunk)

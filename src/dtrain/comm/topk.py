@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from dtrain.comm.accounting import CommCounter
-from dtrain.comm.hooks import Bucket, CommHook, divide_
+from dtrain.comm.hooks import Bucket, CommHook
+from dtrain.comm.mean import divide_
 from dtrain.config import CommConfig
 
 INT32_LIMIT = 2**31 - 1

@@ -70,7 +70,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.comm.compression import build_comm_hook
-from dtrain.comm.hooks import CommHook, divide_, run_comm_hook
+from dtrain.comm.hooks import CommHook, run_comm_hook
+from dtrain.comm.mean import divide_
 from dtrain.parallel.base import (
     BackwardSyncControl,
     LossFn,

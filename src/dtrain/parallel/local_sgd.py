@@ -69,7 +69,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtrain.comm.hooks import divide_
+from dtrain.comm.mean import divide_
 from dtrain.errors import CheckpointError
 from dtrain.fault import checkpoint_read as ckread
 from dtrain.fault.resume import check_model_fits
