@@ -33,13 +33,17 @@ reported and its row skipped.
 Weak scaling: per-worker throughput at 2 workers over 1 worker (the same per-worker batch, 1
 thread each), for the raw loop and dtrain ``ddp`` (also through gloo, and with
 ``dist.pin_cores = true``, to show what binding each worker to its own core gives), with the
-launcher's own CPU use while the workers train (sampled from ``/proc``).
+launcher's own CPU use while the workers train (sampled from ``/proc``). One more row launches
+two separate 1-worker dtrain jobs at once, which share nothing but the machine: their
+efficiency is this machine's ceiling for any 2-worker run (the slower job's median step while
+both train, against one job alone).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import shutil
@@ -49,7 +53,8 @@ import sys
 import sysconfig
 import tempfile
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +89,7 @@ LABELS = {
     "fabric": "Lightning Fabric",
     "ddp-gloo": "dtrain ddp, comm.transport = backend (gloo)",
     "ddp-pinned": "dtrain ddp, dist.pin_cores = true",
+    "ddp-apart": "two 1-worker dtrain jobs at once, nothing shared (this machine's ceiling)",
 }
 
 # The models: the default job's GPT (dtrain.tasks.gpt's defaults) and a small MLP.
@@ -183,6 +189,7 @@ class Result:
     window_losses: list[float]  # mean training loss of every log_every window
     val_loss: float
     step_cpu_s: list[float] = field(default_factory=list)  # per rank, median CPU time a step
+    step_ends: list[float] = field(default_factory=list)  # rank 0's, time.perf_counter()
 
 
 class RunFailed(RuntimeError):
@@ -312,7 +319,28 @@ def run_once(
         window_losses=windows,
         val_loss=val_loss,
         step_cpu_s=[common.median_step_s(r["cpu_ends"], args.warmup) for r in reports],
+        step_ends=list(ends),
     )
+
+
+def run_apart(scratch: Path, spec: dict[str, Any], run_dirs: list[Path], args: Any) -> Result:
+    """Two 1-worker dtrain ``ddp`` jobs launched at once, sharing nothing but the machine: the
+    slower job's median step over the steps both ended while the other trained (perf_counter
+    is one clock for every process); the first job's result otherwise."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        jobs = [pool.submit(run_retrying, "ddp", scratch, spec, 1, d, args) for d in run_dirs]
+        results = [job.result() for job in jobs]
+    after_warmup = [r.step_ends[args.warmup :] for r in results]
+    start = max(ends[0] for ends in after_warmup)
+    stop = min(ends[-1] for ends in after_warmup)
+    medians = []
+    for ends in after_warmup:
+        inside = [t for t in ends if start <= t <= stop]
+        gaps = [b - a for a, b in itertools.pairwise(inside)]
+        if len(gaps) < 10:
+            raise RunFailed(f"the two jobs trained together for {len(gaps)} steps only")
+        medians.append(statistics.median(gaps))
+    return replace(results[0], runner="ddp-apart", world=2, step_s=max(medians))
 
 
 def run_retrying(
@@ -414,7 +442,7 @@ def scaling_lines(name: str, rounds: list[dict[str, Result]]) -> list[str]:
         "(per-worker throughput 2/1; rounds) | launcher's CPU while 2 workers train |",
         "|---|---:|---:|---:|---:|",
     ]
-    for runner in ("raw", "ddp", "ddp-gloo", "ddp-pinned"):
+    for runner in ("raw", "ddp", "ddp-gloo", "ddp-pinned", "ddp-apart"):
         # One worker: nothing to bind and nothing to send (its share is every core, and a
         # transport carries nothing): the same run as ddp's.
         one = [r[f"{'raw' if runner == 'raw' else 'ddp'}-1"].step_s for r in rounds]
@@ -568,10 +596,15 @@ def main() -> None:
                     ("ddp", 2),
                     ("ddp-gloo", 2),
                     ("ddp-pinned", 2),
+                    ("ddp-apart", 2),
                 ]
                 for runner, world in keys if index % 2 == 0 else keys[::-1]:
                     run_dir = scratch_root / f"scale-{name}-{runner}-{world}-{index}"
-                    r = run_retrying(runner, scratch, spec, world, run_dir, args)
+                    if runner == "ddp-apart":
+                        dirs = [run_dir / "a", run_dir / "b"]
+                        r = run_apart(scratch, spec, dirs, args)
+                    else:
+                        r = run_retrying(runner, scratch, spec, world, run_dir, args)
                     shutil.rmtree(run_dir, ignore_errors=True)
                     results[f"{runner}-{world}"] = r
                     print(
@@ -580,7 +613,8 @@ def main() -> None:
                         f"wall {r.wall_s:.1f} s",
                         flush=True,
                     )
-                for world, runs in ((1, ["ddp-1"]), (2, ["ddp-2", "ddp-gloo-2", "ddp-pinned-2"])):
+                two = ["ddp-2", "ddp-gloo-2", "ddp-pinned-2"]  # not ddp-apart: 1 worker's batch
+                for world, runs in ((1, ["ddp-1", "ddp-apart-2"]), (2, two)):
                     same = [results[f"raw-{world}"], *(results[k] for k in runs)]
                     check_same_training(same, args.tolerance, f"{name} at {world} worker(s)")
                 scaling.append(results)
