@@ -207,9 +207,8 @@ class CommConfig:
         "auto",
         "how ddp and allreduce sum gradients between ranks: 'shm' through a shared-memory "
         "segment (CPU, every rank on one machine, x86-64; compression none, fp16, bf16 or "
-        "powersgd), "
-        "'backend' through dist.backend's collectives, 'auto' shm where it can be used, else "
-        "backend (docs/communication.md)",
+        "powersgd), 'backend' through dist.backend's collectives, 'auto' shm where it can be "
+        "used, else backend (docs/communication.md)",
     )
     powersgd_rank: int = _opt(4, "powersgd: rank of the low-rank approximation", min=1)
     powersgd_start_step: int = _opt(

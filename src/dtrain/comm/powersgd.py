@@ -16,7 +16,7 @@ first compressed step draws it at random, from a seed every rank draws alike. Th
 The state is torch's ``PowerSGDState`` (step, error per bucket, P and Q memories, the seed
 RNG), so the math and the checkpoint format are torch's ``powerSGD_hook``'s; the hook is our
 own so that the factors can travel in a 16-bit format and the sums can go through a
-shared-memory segment. In fp32 it gives torch's result up to rounding
+shared-memory segment. In fp32 it gives torch's result bit for bit
 (tests/test_compression.py). In fp16 or bf16 each all-reduce moves half the bytes; the
 matrix products and the error stay in the gradients' precision (the orthonormalization in
 fp32 at least), and the rounding of the factors ends up in the error that is sent later.
@@ -191,7 +191,7 @@ class PowerSGDHook(CommHook):
             (
                 m.shape[0],
                 m.shape[1],
-                factor_rank(m.shape[0], m.shape[1], self.state.matrix_approximation_rank),
+                factor_rank(m.shape[0], m.shape[1], state.matrix_approximation_rank),
             )
             for m in matrices
         ]
