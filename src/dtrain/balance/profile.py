@@ -1,6 +1,7 @@
 """Measure what each layer of a chain costs -- forward+backward time, parameter bytes and the
 activation bytes its forward keeps for backward -- on the device it will run on, and split the
-chain into balanced pipeline stages from those measurements.
+chain into balanced pipeline stages from those measurements (then corrected by timing the
+chosen stages as cut: :mod:`dtrain.balance.refine`).
 
 Times are medians over several repeats, after warm-up. Each repeat is one forward+backward of
 the whole chain with each layer's share timed inside it: so a burst of load from elsewhere on
@@ -21,7 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain.balance.stages import StagePlan, balance_stages
+from dtrain.balance.refine import now, refine_plan
+from dtrain.balance.stages import StagePlan
 from dtrain.models.gpt import GPT
 
 Clock = Callable[[], float]
@@ -86,9 +88,9 @@ def chain_pass(
     outputs: list[torch.Tensor] = []
     x = example_input
     for layer in layers:
-        start = _now(device, clock)
+        start = now(device, clock)
         x = layer(x)
-        seconds.append(_now(device, clock) - start)
+        seconds.append(now(device, clock) - start)
         outputs.append(x)
     if not (x.is_floating_point() and x.requires_grad):
         return seconds  # nothing to differentiate: forward only
@@ -98,16 +100,16 @@ def chain_pass(
 
     def mark(index: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
-            marks[index] = _now(device, clock)
+            marks[index] = now(device, clock)
 
         return hook
 
     for index, out in enumerate(outputs[:-1]):
         if out.requires_grad:
             out.register_hook(mark(index))
-    marks[-1] = _now(device, clock)
+    marks[-1] = now(device, clock)
     x.backward(torch.ones_like(x))
-    finished = _now(device, clock)
+    finished = now(device, clock)
     for index in range(len(layers)):
         began = marks[index]
         ended = finished if index == 0 else marks[index - 1]
@@ -124,16 +126,25 @@ def balance_layers(
     memory_limit: float | Sequence[float] | None = None,
     warmup: int = 2,
     repeats: int = 7,
+    refine_rounds: int = 2,
     clock: Clock = time.perf_counter,
 ) -> tuple[StagePlan, list[LayerProfile]]:
     """Profile the chain, then choose the stage boundaries with the fastest slowest stage
-    (within ``memory_limit`` bytes per stage, if given)."""
+    (within ``memory_limit`` bytes per stage, if given), corrected for up to
+    ``refine_rounds`` rounds by timing the plan's stages as a pipeline cuts them (see
+    :mod:`dtrain.balance.refine`). The plan's ``costs`` are its stages' measured seconds
+    (with ``refine_rounds = 0``: the sums of the profiled layer times)."""
     profiles = profile_layers(layers, example_input, warmup=warmup, repeats=repeats, clock=clock)
-    plan = balance_stages(
+    plan = refine_plan(
+        layers,
+        example_input,
         [p.seconds for p in profiles],
         num_stages,
         memory=[p.memory_bytes for p in profiles],
         memory_limit=memory_limit,
+        rounds=refine_rounds,
+        repeats=repeats,
+        clock=clock,
     )
     return plan, profiles
 
@@ -147,12 +158,6 @@ def gpt_layers(model: GPT) -> list[nn.Module]:
 
 
 # -- measuring -------------------------------------------------------------------------------
-
-
-def _now(device: torch.device, clock: Clock) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # time the kernels, not their launch
-    return clock()
 
 
 def _layer_inputs(

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.balance.profile import profile_layers
-from dtrain.balance.stages import StagePlan, balance_stages, plan_from_bounds, uniform_bounds
+from dtrain.balance.refine import refine_plan
+from dtrain.balance.stages import StagePlan, plan_from_bounds, uniform_bounds
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 
@@ -66,36 +67,42 @@ def choose_plan(
         return plan_from_bounds([1.0] * n, bounds)
     if opts.pipeline_balance == "uniform" or num_stages == 1:
         return plan_from_bounds([1.0] * n, uniform_bounds(n, num_stages))
-    seconds = measure_layers(layers, example, group)
-    return balance_stages(seconds, num_stages)
+    return profiled_plan(layers, example, num_stages, group)
 
 
-def measure_layers(
-    layers: Sequence[nn.Module], example: Any, group: dist.ProcessGroup | None
-) -> list[float]:
-    """Forward+backward seconds of each layer, averaged over the ranks of ``group``. The
-    measurement leaves no trace: RNG states, buffers (e.g. batch-norm statistics) and
-    gradients are as they were."""
+def profiled_plan(
+    layers: Sequence[nn.Module], example: Any, num_stages: int, group: dist.ProcessGroup | None
+) -> StagePlan:
+    """The balanced plan from each layer's forward+backward seconds, corrected by timing the
+    plan's stages as cut (:func:`refine_plan`); every timing is averaged over the ranks of
+    ``group``. The measurement leaves no trace: RNG states, buffers (e.g. batch-norm
+    statistics) and gradients are as they were."""
     if not isinstance(example, torch.Tensor):
         raise ConfigError(
             "strategy.pipeline_balance = 'profile' needs the model's input to be one tensor; "
             "give strategy.pipeline_boundaries, or use pipeline_balance = 'uniform'"
         )
+
+    def average(seconds: list[float]) -> list[float]:
+        if not dist.is_initialized():
+            return seconds
+        summed = torch.tensor(seconds, dtype=torch.float64)
+        dist.all_reduce(summed, group=group)
+        return [float(s) for s in summed / dist.get_world_size(group)]
+
     buffers = [(b, b.detach().clone()) for layer in layers for b in layer.buffers()]
     devices = [example.device] if example.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         profiles = profile_layers(layers, example)
+        seconds = average([p.seconds for p in profiles])
+        plan = refine_plan(layers, example, seconds, num_stages, average=average)
     with torch.no_grad():
         for buf, saved in buffers:
             buf.copy_(saved)
     for layer in layers:
         for param in layer.parameters():
             param.grad = None
-    seconds = torch.tensor([p.seconds for p in profiles], dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(seconds, group=group)
-        seconds /= dist.get_world_size(group)
-    return [float(s) for s in seconds]
+    return plan
 
 
 def example_input(task_data: Any, collate: Any, split: Any, rows: int, device: Any) -> Any:

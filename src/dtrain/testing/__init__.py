@@ -7,7 +7,8 @@
 - :mod:`~dtrain.testing.report`: the machine's description, and a script's section of a
   Markdown file (``docs/benchmarks.md``);
 - :mod:`~dtrain.testing.hosts`: :class:`Hosts`, several hosts on this machine (network
-  namespaces from ``scripts/hosts.sh``, links limited with ``tc``) to run commands in.
+  namespaces from ``scripts/hosts.sh``, links limited with ``tc``) to run commands in;
+- :mod:`~dtrain.testing.chains`: a chain of deliberately unequal layers for the stage balancer.
 """
 
 from dtrain.testing.hosts import Hosts, hosts_unavailable, leftovers
