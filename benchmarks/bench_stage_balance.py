@@ -102,19 +102,21 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=["mlp128", "mlp64", "gpt"])
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args()
+    for model in args.models:  # before any timing: a typo should not cost a run
+        if model != "gpt" and not (model.startswith("mlp") and model[3:].isdigit()):
+            parser.error(f"--models: unknown model {model!r}; use mlp<width> or gpt")
     torch.manual_seed(0)
     torch.set_num_threads(1)
     lines: list[str] = []
     for model in args.models:
-        if model.startswith("mlp"):
-            layers, x = unequal_mlp_chain(int(model[3:]))
-            lines += run_model(f"mlp, width {model[3:]}", layers, x, 4, args.trials, args.repeats)
-        elif model == "gpt":
+        if model == "gpt":
             layers, x = gpt_chain()
-            lines += run_model("gpt (default)", layers, x, 2, args.trials, args.repeats)
+            part = run_model("gpt (default)", layers, x, 2, args.trials, args.repeats)
         else:
-            parser.error(f"--models: unknown model {model!r}; use mlp<width> or gpt")
-        print("\n".join(lines[-7:]), flush=True)
+            layers, x = unequal_mlp_chain(int(model[3:]))
+            part = run_model(f"mlp, width {model[3:]}", layers, x, 4, args.trials, args.repeats)
+        print("\n".join(part), flush=True)
+        lines += part
     report = "\n".join(lines)
     if args.write_docs:
         title = "Pipeline stage balance: equal layers, profiled, refined"

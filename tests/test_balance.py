@@ -270,7 +270,9 @@ def measure_stages(
     clock: Callable[[], float],
 ) -> dict[str, list[float]]:
     """Median forward+backward time of each stage of each plan. A repeat runs every plan once,
-    so that load from elsewhere on the machine hits all plans alike."""
+    so that load from elsewhere on the machine hits all plans alike. (The balancer's own stage
+    timer, ``dtrain.balance.refine.time_plans``, chooses among plans; the test judges them
+    with this one, written apart, so that a fault in that timer cannot hide itself.)"""
     pipelines = {
         name: [nn.Sequential(*layers[r.start : r.stop]) for r in plan.stages()]
         for name, plan in plans.items()
