@@ -122,6 +122,30 @@ def tiny_gpt(cfg: Config) -> Task:
     )
 
 
+@dataclass
+class SlowFinishOptions(TinyOptions):
+    # Seconds the after-training hook sleeps, once it has left a file saying it started.
+    finish_s: float = 5.0
+
+
+@task_config(SlowFinishOptions)
+def slow_finish_gpt(cfg: Config) -> Task:
+    """:func:`tiny_gpt` whose after-training hook (after the final checkpoint) takes a while:
+    a signal sent then arrives after the workers' last chance to stop."""
+    task = tiny_gpt(cfg)
+    seconds = cfg.task.finish_s
+    marker = os.path.join(cfg.run.dir, "after-training-started")
+
+    def finish(model: nn.Module) -> str:
+        with open(marker, "w") as fh:
+            fh.write(f"{os.getpid()}\n")
+        time.sleep(seconds)
+        return ""
+
+    task.after_training = finish
+    return task
+
+
 class _Slow(nn.Module):
     def __init__(self, inner: nn.Module, ms: int) -> None:
         super().__init__()

@@ -252,6 +252,30 @@ def test_sigterm_to_the_launcher_saves_exits_0_and_resumes_bit_identical(tmp_pat
     assert_same_run(ref, run_dir)
 
 
+def test_a_signal_after_the_last_step_is_a_completed_run_not_a_failure(tmp_path: Path) -> None:
+    # SIGTERM reaches the launcher after the ranks trained their last step and committed the
+    # final checkpoint, while rank 0 runs the task's after-training hook: the workers finish,
+    # and the launcher must say that the run completed and saved, with exit code 0.
+    run_dir = tmp_path / "late"
+    config = write_config(tmp_path / "late.toml", run_dir, task="tests.tasks:slow_finish_gpt")
+    proc = start(config, "--train.steps=6")
+    marker = run_dir / "after-training-started"
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the run never reached its after-training hook"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    assert "the run completed and saved its final checkpoint (step 6)" in err, err[-3000:]
+    assert "before the workers could save" not in err
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status == {"state": "completed", "step": 6, "signal": ""}
+    assert (run_dir / "checkpoints" / "step-00000006" / "COMMITTED.json").exists()
+    assert not children_of(proc.pid)
+
+
 def test_a_rank_killed_mid_run_is_named_with_the_step_and_phase_it_reached(
     tmp_path: Path,
 ) -> None:

@@ -205,12 +205,21 @@ def wait_for_rendezvous_host(opts: LaunchOptions) -> None:
 
 
 def report_preemption(run_dir: Path, signum: int) -> int:
-    """After the launcher itself got a preemption signal: 0 when the workers saved."""
+    """After the launcher itself got a preemption signal: 0 when the workers saved, whether
+    the signal stopped them (``preempted``) or came too late to, after their last step:
+    ``completed`` is written only once the final checkpoint is committed."""
     status = read_status(run_dir)
     if status is not None and status.state == "preempted":
         print(
             f"dtrain: preempted by signal {signum}; saved at step {status.step}. Run "
             "the same command to resume.",
+            file=sys.stderr,
+        )
+        return 0
+    if status is not None and status.state == "completed":
+        print(
+            f"dtrain: signal {signum} arrived after the last step; the run completed and "
+            f"saved its final checkpoint (step {status.step})",
             file=sys.stderr,
         )
         return 0
