@@ -224,3 +224,35 @@ def threads_left_by_worker_train(raw: dict[str, Any]) -> list[str]:
 
     train(build_job_config(raw))
     return [t.name for t in threading.enumerate() if t.name.startswith("dtrain-") and t.is_alive()]
+
+
+def fail_commit_then_preempt(raw: dict[str, Any], step: int) -> dict[str, Any]:
+    """Rank 0's commit of checkpoint ``step`` fails (after every rank wrote its files), and
+    rank 0 alone is then asked to stop, just before the next step's first collective."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    trainer = make_trainer(raw)
+    me = dist.get_rank()
+    failed: list[int] = []
+
+    def inject(name: str, **args: Any) -> None:
+        if me != 0:
+            return
+        if name == "checkpoint.before_marker" and args["step"] == step and not failed:
+            failed.append(step)  # once: the final save of the same step must go through
+            raise OSError("injected failure before the marker")
+        if name == "train.before_collective" and args["step"] == step + 1:
+            thread = trainer.checkpointer._thread
+            if thread is not None:
+                thread.join()  # the failed commit is over before the stop is asked for
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    try:
+        with failpoints(inject):
+            summary = trainer.fit()
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"preempted": summary.preempted, "steps": summary.steps, "params": params_of(trainer)}

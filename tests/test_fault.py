@@ -13,6 +13,7 @@ from dtrain.testing import RankFailed, run_ranks
 from tests.conftest import tiny_raw
 from tests.dist_helpers import (
     crash_then_resume,
+    fail_commit_then_preempt,
     losses_by_step,
     raise_before_collective,
     signal_self_at_step,
@@ -98,6 +99,26 @@ def test_sigterm_saves_at_the_next_step_and_resume_is_bit_identical(tmp_path: Pa
     assert (run_dir / "checkpoints/step-00000006/COMMITTED.json").exists()
     resumed = run_ranks(train_params, 2, tiny_raw(run_dir, JOB))
     assert_bit_equal(reference[0], resumed[0])
+
+
+def test_a_failed_commit_is_known_to_every_rank_before_the_final_save(tmp_path: Path) -> None:
+    # Rank 0's commit of step 4 fails; then a stop reaches rank 0 alone. Every rank must know
+    # that step 4 was not saved, and enter the final save together (a rank that believed it
+    # saved would skip it, and leave the others waiting in it until the timeout).
+    run_dir = tmp_path / "commit"
+    raw = tiny_raw(run_dir, JOB, checkpoint={"async_save": True}, dist={"timeout_s": 15})
+    out = run_ranks(fail_commit_then_preempt, 2, raw, 4)
+    assert [o.get("error") for o in out] == [None, None], out
+    assert [o["preempted"] for o in out] == ["SIGTERM", "a peer's signal"]
+    steps = out[0]["steps"]
+    assert out[1]["steps"] == steps and steps in (4, 5)
+    assert_bit_equal(out[0]["params"], out[1]["params"])
+    assert (run_dir / f"checkpoints/step-{steps:08d}/COMMITTED.json").exists()
+    assert json.loads((run_dir / "status.json").read_text()) == {
+        "state": "preempted",
+        "step": steps,
+        "signal": "SIGTERM",
+    }
 
 
 def test_one_nan_step_is_skipped_on_every_rank(tmp_path: Path) -> None:

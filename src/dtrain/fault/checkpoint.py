@@ -252,14 +252,18 @@ class Checkpointer:
                 ok=False, error=f"rank {self.rank}: {type(exc).__name__}: {exc}", files={}
             )
         outcomes = self._gather(outcome)
+        error = ""
         if self.rank == 0:
             try:
                 self._commit(step, tmp, outcomes)
             except Exception as exc:
-                self._error = f"checkpoint {step_dir_name(step)} was not committed: {exc}"
-        elif not outcome.ok:
-            self._error = f"checkpoint {step_dir_name(step)} was not committed: {outcome.error}"
-        if self._error:
+                error = f"checkpoint {step_dir_name(step)} was not committed: {exc}"
+        # Every rank acts on rank 0's outcome of the commit, not on its own write: a rank
+        # that believed a failed commit had landed would skip a save the others then make
+        # without it.
+        error = self._agree_on_commit(step, error, outcome)
+        if error:
+            self._error = error
             self.last_saved_step = None
         self.write_seconds.append(time.perf_counter() - started)
 
@@ -296,6 +300,19 @@ class Checkpointer:
                 _Outcome(ok=False, error=f"the ranks could not agree on the save: {exc}", files={})
             ]
         return gathered if self.rank == 0 else [outcome]
+
+    def _agree_on_commit(self, step: int, error: str, outcome: _Outcome) -> str:
+        """Rank 0's word on the commit (``error``: empty when it committed), on every rank.
+        Where the ranks cannot hear it, none of them counts the checkpoint as saved."""
+        if self.world_size == 1 or not dist.is_initialized():
+            return error
+        word: list[Any] = [error]
+        try:
+            dist.broadcast_object_list(word, src=0, group=self.group)
+        except Exception as exc:
+            why = outcome.error or f"rank {self.rank} did not hear whether it was: {exc}"
+            return f"checkpoint {step_dir_name(step)} was not committed: {why}"
+        return str(word[0])
 
     def _commit(self, step: int, tmp: Path, outcomes: list[_Outcome]) -> None:
         failures = [o.error for o in outcomes if not o.ok]
