@@ -123,10 +123,10 @@ def train_saving_without_balance_part(raw: dict[str, Any]) -> dict[str, Any]:
     trainer.fit()
     import torch
 
-    from dtrain.fault import checkpoint_read as ckread
+    from dtrain.checkpoint import layout
 
-    step_dir = Path(raw["run"]["dir"]) / "checkpoints" / ckread.step_dir_name(trainer.step)
-    saved = torch.load(step_dir / ckread.TRAIN_STATE_FILE, weights_only=True)
+    step_dir = Path(raw["run"]["dir"]) / "checkpoints" / layout.step_dir_name(trainer.step)
+    saved = torch.load(step_dir / layout.TRAIN_STATE_FILE, weights_only=True)
     resumed_raw = {**raw, "balance": {**raw["balance"], "mode": "throughput"}}
     resumed_raw["train"] = {**raw["train"], "steps": raw["train"]["steps"] + 4}
     resumed = make_trainer(resumed_raw)

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from dtrain.checkpoint import layout
+from dtrain.checkpoint import read as ckread
+from dtrain.checkpoint import write as ckpt
 from dtrain.errors import CheckpointError
-from dtrain.fault import checkpoint as ckpt
-from dtrain.fault import checkpoint_read as ckread
 from dtrain.fault.failpoints import failpoints
 
 
@@ -181,7 +182,7 @@ def test_retention_keeps_last_k_and_every_m(tmp_path: Path) -> None:
     c = make_checkpointer(tmp_path, keep_last=2, keep_every=30)
     for step in range(10, 101, 10):
         save(c, step)
-    assert ckread.committed_steps(tmp_path) == [100, 90, 60, 30]
+    assert layout.committed_steps(tmp_path) == [100, 90, 60, 30]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtrain.checkpoint import layout
+from dtrain.checkpoint import read as ckread
 from dtrain.cli import main
 from dtrain.comm.accounting import CommCounter
 from dtrain.comm.compression import HOOKS
@@ -29,7 +31,6 @@ from dtrain.config import CommConfig
 from dtrain.config_load import build_config
 from dtrain.data.loader import to_device
 from dtrain.errors import ConfigError
-from dtrain.fault import checkpoint_read as ckread
 from dtrain.parallel import strategy_class, strategy_names
 from dtrain.testing import run_ranks
 from tests.conftest import tiny_raw
@@ -425,7 +426,7 @@ def test_resume_continues_bit_for_bit(
             np.testing.assert_array_equal(resumed[key], saved[key], err_msg=key)
     step10 = tmp / f"{strategy}-{compression}-saved/checkpoints/step-00000010"
     for rank_index in range(2):  # each rank's error-feedback state, in the checkpoint
-        saved = ckread.load_file(step10, ckread.comm_file(rank_index))
+        saved = ckread.load_file(step10, layout.comm_file(rank_index))
         assert saved["layout"] == {
             "compression": compression,
             "strategy": strategy,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from dtrain.checkpoint.rundir import config_differences
 from dtrain.config import Config
-from dtrain.fault.rundir import config_differences
 from tests.test_cli import run_cli, write_tiny_config
 
 

@@ -126,8 +126,8 @@ def split_overrides(extra: Sequence[str]) -> list[str]:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from dtrain.checkpoint.rundir import check_run_dir
     from dtrain.config import validate_ranks
-    from dtrain.fault.rundir import check_run_dir
     from dtrain.fsutil import write_atomic
     from dtrain.job import default_run_dir, load_job_config
     from dtrain.launch import launch_workers, make_options

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from dtrain.checkpoint.rng import seed_everything
 from dtrain.config import Config
 from dtrain.config_load import apply_overrides, build_config, read_toml
-from dtrain.fault.rng import seed_everything
 from dtrain.runtime import Runtime, init_runtime
 from dtrain.task import build_task, resolve_task, task_config_class
 from dtrain.trainer import Trainer

@@ -45,19 +45,19 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.balance.balancer import LoadBalancer, Record
+from dtrain.checkpoint import layout
+from dtrain.checkpoint import state as training_state
+from dtrain.checkpoint import write as ckpt
+from dtrain.checkpoint.resume import ResumePoint, resolve_resume, rollback_point
+from dtrain.checkpoint.rng import rank_seed, seed_everything
 from dtrain.config import Config
 from dtrain.data.build import build_train_loader
 from dtrain.data.loader import RankLoader, StepBatch, split_to_device
 from dtrain.errors import UserError
 from dtrain.evaluation import evaluate_loss
-from dtrain.fault import checkpoint as ckpt
-from dtrain.fault import checkpoint_read as ckread
-from dtrain.fault import state as training_state
 from dtrain.fault.audit import AuditWriter
 from dtrain.fault.failpoints import failpoint
 from dtrain.fault.preempt import PreemptionFlag, StopChecks
-from dtrain.fault.resume import ResumePoint, resolve_resume, rollback_point
-from dtrain.fault.rng import rank_seed, seed_everything
 from dtrain.fault.status import RunStatus, write_status
 from dtrain.fault.watchdog import Watchdog
 from dtrain.metrics import records
@@ -332,7 +332,7 @@ class Trainer:
         summary.train_loss = last_loss
         summary.skipped_steps = self.skipped_steps
         summary.rollbacks = self.rollbacks
-        summary.checkpoint = str(self.run_dir / "checkpoints" / ckread.step_dir_name(self.step))
+        summary.checkpoint = str(self.run_dir / "checkpoints" / layout.step_dir_name(self.step))
         summary.wall_s = time.perf_counter() - started
         summary.items = self.items_seen
         if self.strategy.counts_all_traffic:

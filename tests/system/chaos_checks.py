@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from dtrain.fault import checkpoint_read as ckread
+from dtrain.checkpoint import layout
+from dtrain.checkpoint import read as ckread
 from dtrain.fault.audit import check_stream, read_trajectory
 from dtrain.testing import Launch, pid_alive, processes_of
 
@@ -100,7 +101,7 @@ class Context:
 
 def final_params(run_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
     return torch.load(
-        run_dir / "checkpoints" / ckread.step_dir_name(step) / "model.pt", weights_only=True
+        run_dir / "checkpoints" / layout.step_dir_name(step) / "model.pt", weights_only=True
     )
 
 
@@ -109,7 +110,7 @@ def same_run(reference: Path, run_dir: Path) -> list[str]:
     bit-identical, every step must have trained on the same sample ids, each exactly once."""
     problems = []
     try:
-        ckread.verify_checkpoint(run_dir / "checkpoints" / ckread.step_dir_name(STEPS))
+        ckread.verify_checkpoint(run_dir / "checkpoints" / layout.step_dir_name(STEPS))
         ref, got = final_params(reference), final_params(run_dir)
         if ref.keys() != got.keys():
             problems.append("final parameters: different keys")
@@ -212,6 +213,6 @@ def leftovers(root: Path) -> list[str]:
     out = []
     for entry in sorted(root.iterdir()):
         stale = entry.name.startswith((".tmp-", ".trash-"))
-        if stale or (entry.name.startswith("step-") and not (entry / ckread.MARKER).exists()):
+        if stale or (entry.name.startswith("step-") and not (entry / layout.MARKER).exists()):
             out.append(entry.name)
     return out

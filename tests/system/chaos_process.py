@@ -8,7 +8,8 @@ import re
 import signal
 import time
 
-from dtrain.fault import checkpoint_read as ckread
+from dtrain.checkpoint import layout
+from dtrain.checkpoint import read as ckread
 from dtrain.testing import Launch, pid_alive, rank_of
 from tests.system.chaos_checks import (
     REPO,
@@ -189,10 +190,10 @@ def _raise_trial(
         for r in others:
             if launch.first(rf"PeerFailure: rank {r} \(.*rank 0 \(") is None:
                 out.problems.append(f"rank {r}'s error does not name rank 0")
-        folder_k = run_dir / "checkpoints" / ckread.step_dir_name(save_step)
-        if save_step and failed_save and (folder_k / ckread.MARKER).exists():
+        folder_k = run_dir / "checkpoints" / layout.step_dir_name(save_step)
+        if save_step and failed_save and (folder_k / layout.MARKER).exists():
             out.problems.append(f"the failed save of step {save_step} was committed")
-        elif save_step and (folder_k / ckread.MARKER).exists():
+        elif save_step and (folder_k / layout.MARKER).exists():
             # The save itself went well (its snapshot was taken before the raise): it may
             # commit while the process goes down, but only whole.
             try:

@@ -11,7 +11,8 @@ import signal
 import time
 from pathlib import Path
 
-from dtrain.fault import checkpoint_read as ckread
+from dtrain.checkpoint import layout
+from dtrain.checkpoint import read as ckread
 from dtrain.fault.audit import check_stream, read_trajectory
 from dtrain.testing import Launch, wait_gone
 from tests.system.chaos_checks import (
@@ -46,7 +47,7 @@ def next_save(root: Path, timeout: float = 60) -> tuple[str, float]:
 
 def committed_at(root: Path, tmp_name: str, timeout: float = 60) -> float:
     """When the save writing ``tmp_name`` put its completion marker in place."""
-    marker = root / tmp_name.removeprefix(".tmp-") / ckread.MARKER
+    marker = root / tmp_name.removeprefix(".tmp-") / layout.MARKER
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if marker.exists():
@@ -89,7 +90,7 @@ def trial_kill_in_save(ctx: Context, index: int) -> Outcome:
         launch.close()
     # What the kill left: the newest committed step, and what the next start must remove.
     left = leftovers(root)
-    committed = ckread.committed_steps(root)
+    committed = layout.committed_steps(root)
     phase = (
         "writing files"
         if any(n.startswith(".tmp-") for n in left)
@@ -103,7 +104,7 @@ def trial_kill_in_save(ctx: Context, index: int) -> Outcome:
     expected = max(committed) if committed else None
     if expected is not None:
         try:
-            ckread.verify_checkpoint(root / ckread.step_dir_name(expected))
+            ckread.verify_checkpoint(root / layout.step_dir_name(expected))
         except Exception as exc:
             out.problems.append(f"a committed checkpoint does not verify: {exc}")
     again = Launch(config, nproc, cwd=REPO)
@@ -116,7 +117,7 @@ def trial_kill_in_save(ctx: Context, index: int) -> Outcome:
             out.problems.append("the next start did not say where it resumed from")
         else:
             got = started[1].group(3)
-            want = ckread.step_dir_name(expected) if expected is not None else None
+            want = layout.step_dir_name(expected) if expected is not None else None
             out.times["start -> training resumed"] = started[0] - again.started
             if got != want:
                 out.problems.append(f"resumed from {got or 'scratch'}, expected {want}")
@@ -142,7 +143,7 @@ CORRUPT_FILES = (
     "meta.json",
     "rng-rank00000.pt",
     "rng-rank00001.pt",
-    ckread.MARKER,
+    layout.MARKER,
 )
 
 
@@ -172,7 +173,7 @@ def trial_corrupt(ctx: Context, index: int) -> Outcome:
     nproc = 2
     secs = sections()
     reference = ctx.reference(nproc, secs)  # its checkpoints: step-16 and step-20
-    newest, previous = ckread.step_dir_name(STEPS), ckread.step_dir_name(STEPS - 4)
+    newest, previous = layout.step_dir_name(STEPS), layout.step_dir_name(STEPS - 4)
     mode = CORRUPT_MODES[index % len(CORRUPT_MODES)]
     name = CORRUPT_FILES[(index // len(CORRUPT_MODES)) % len(CORRUPT_FILES)]
     folder = ctx.new_dir("corrupt")
@@ -246,7 +247,7 @@ def trial_sigterm(ctx: Context, index: int) -> Outcome:
     try:
         if again.wait(600) != 0:
             out.problems.append(f"the resumed run failed: {again.text()[-1500:]}")
-        if again.first(rf"resumed from {ckread.step_dir_name(step)}") is None:
+        if again.first(rf"resumed from {layout.step_dir_name(step)}") is None:
             out.problems.append(f"the resumed run did not start from step {step}")
         out.problems += same_run(reference, run_dir)
         out.problems += no_processes_left(run_dir)

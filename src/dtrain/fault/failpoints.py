@@ -16,7 +16,7 @@ no handler installed a point costs a call and one ``if``. (The name comes from F
 ``set_handler`` installs one without a ``with`` (for a worker process's whole life: the
 chaos task ``tests.tasks:chaos_gpt`` does it in its factory).
 
-The points, with their keyword arguments. The checkpointer (:mod:`dtrain.fault.checkpoint`),
+The points, with their keyword arguments. The checkpointer (:mod:`dtrain.checkpoint.write`),
 in the order of one save; an exception raised in a handler fails the save as a failure in that
 phase does (the step is not committed, and the error is reported):
 

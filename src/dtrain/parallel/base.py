@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -26,13 +26,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtrain.checkpoint import layout
+from dtrain.checkpoint import read as ckread
+from dtrain.checkpoint.read import check_model_fits
+from dtrain.checkpoint.state import CheckpointParts
 from dtrain.comm.accounting import CommCounter
 from dtrain.comm.compression import validate_compression
 from dtrain.comm.hooks import CommHook
 from dtrain.config import Config, validate_for_world
 from dtrain.errors import CheckpointError, ConfigError
-from dtrain.fault import checkpoint_read as ckread
-from dtrain.fault.resume import check_model_fits
 from dtrain.optim import fit_saved_groups
 from dtrain.parallel.grad_norm import gradient_norm, local_part
 from dtrain.runtime import Runtime
@@ -44,14 +46,6 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 @dataclass
 class StepResult:
     loss_sum: torch.Tensor  # this rank's summed per-item loss over the step (detached)
-
-
-@dataclass
-class CheckpointParts:
-    """This rank's share of the model and optimizer state in a checkpoint."""
-
-    files: dict[str, Any] = field(default_factory=dict)  # file name -> state (torch.save)
-    sharded: dict[str, Any] | None = None  # a state every rank writes through DCP
 
 
 class BackwardSyncControl(ABC):
@@ -244,11 +238,11 @@ class Strategy(ABC):
         ``optimizer.pt``. (:class:`~dtrain.parallel.sharded.ShardedStrategy` overrides.)"""
         parts = CheckpointParts()
         if self.runtime.is_main:
-            parts.files[ckread.MODEL_FILE] = self.model_state_dict()
-            parts.files[ckread.OPTIMIZER_FILE] = self.optimizer_state_dict(optimizer)
+            parts.files[layout.MODEL_FILE] = self.model_state_dict()
+            parts.files[layout.OPTIMIZER_FILE] = self.optimizer_state_dict(optimizer)
         hook = self.stateful_comm_hook()
         if hook is not None:  # every rank: the residuals differ from rank to rank
-            parts.files[ckread.comm_file(self.data_parallel_rank)] = {
+            parts.files[layout.comm_file(self.data_parallel_rank)] = {
                 "layout": self._comm_layout(hook),
                 "hook": hook.state_dict(),
             }
@@ -257,16 +251,16 @@ class Strategy(ABC):
     def load_checkpoint_parts(self, optimizer: torch.optim.Optimizer, step_dir: Path) -> None:
         """Load the model and optimizer from what :meth:`checkpoint_parts` wrote into
         ``step_dir``; a model that does not fit is named key by key."""
-        if not (step_dir / ckread.MODEL_FILE).exists():
+        if not (step_dir / layout.MODEL_FILE).exists():
             raise CheckpointError(
                 f"{step_dir} holds a sharded checkpoint (made by a sharded strategy such as "
                 f"fsdp); strategy {self.name!r} loads full-state checkpoints: resume it with "
                 "the strategy that saved it"
             )
-        model_state = ckread.load_file(step_dir, ckread.MODEL_FILE)
+        model_state = ckread.load_file(step_dir, layout.MODEL_FILE)
         check_model_fits(self.model_state_dict(), model_state, step_dir)
         self.load_model_state_dict(model_state)
-        self.load_optimizer_state_dict(optimizer, ckread.load_file(step_dir, ckread.OPTIMIZER_FILE))
+        self.load_optimizer_state_dict(optimizer, ckread.load_file(step_dir, layout.OPTIMIZER_FILE))
         self.load_comm_hook_state(step_dir)
 
     def stateful_comm_hook(self) -> CommHook | None:
@@ -282,7 +276,7 @@ class Strategy(ABC):
         hook = self.stateful_comm_hook()
         if hook is None:
             return
-        name = ckread.comm_file(self.data_parallel_rank)
+        name = layout.comm_file(self.data_parallel_rank)
         saved = ckread.load_file(step_dir, name) if (step_dir / name).exists() else {}
         if saved.get("layout") == self._comm_layout(hook):
             hook.load_state_dict(saved["hook"])

@@ -69,13 +69,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtrain.checkpoint import layout
+from dtrain.checkpoint import read as ckread
+from dtrain.checkpoint.read import check_model_fits
+from dtrain.checkpoint.state import CheckpointParts
 from dtrain.comm.mean import divide_
 from dtrain.errors import CheckpointError
-from dtrain.fault import checkpoint_read as ckread
-from dtrain.fault.resume import check_model_fits
 from dtrain.parallel.allreduce import MIB, assign_buckets
 from dtrain.parallel.base import (
-    CheckpointParts,
     LossFn,
     StepResult,
     Strategy,
@@ -90,7 +91,7 @@ def replica_file(kind: str, rank: int) -> str:
     """Where rank ``rank`` saves its replica (``kind`` = ``"model"``) or its inner optimizer
     state (``"optimizer"``): rank 0 in the replicated strategies' files."""
     if rank == 0:
-        return ckread.MODEL_FILE if kind == "model" else ckread.OPTIMIZER_FILE
+        return layout.MODEL_FILE if kind == "model" else layout.OPTIMIZER_FILE
     return f"{kind}-rank{rank:05d}.pt"
 
 
@@ -366,7 +367,7 @@ class DiLoCoStrategy(LocalSGDStrategy):
             outer = ckread.load_file(step_dir, OUTER_FILE)
             anchor, outer_state = outer["anchor"], outer["optimizer"]
         else:
-            model = ckread.load_file(step_dir, ckread.MODEL_FILE)
+            model = ckread.load_file(step_dir, layout.MODEL_FILE)
             anchor, outer_state = {n: model[n] for n in self.anchor_names if n in model}, None
         if sorted(anchor) != sorted(self.anchor_names):
             raise CheckpointError(

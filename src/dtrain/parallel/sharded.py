@@ -14,11 +14,13 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from dtrain.checkpoint import layout
+from dtrain.checkpoint import read as ckread
+from dtrain.checkpoint.read import check_model_fits
+from dtrain.checkpoint.state import CheckpointParts
 from dtrain.config import Config
 from dtrain.errors import CheckpointError
-from dtrain.fault import checkpoint_read as ckread
-from dtrain.fault.resume import check_model_fits
-from dtrain.parallel.base import CheckpointParts, Strategy
+from dtrain.parallel.base import Strategy
 from dtrain.parallel.mesh import InnerDim, Mesh, MeshShape, mesh_shape
 from dtrain.runtime import Runtime
 
@@ -63,9 +65,9 @@ class ShardedStrategy(Strategy):
     def load_checkpoint_parts(self, optimizer: torch.optim.Optimizer, step_dir: Path) -> None:
         """Collective: every rank reads its shards, after checking that the checkpoint holds
         the model that all ranks together hold."""
-        if not (step_dir / ckread.SHARDED_DIR).is_dir():
+        if not (step_dir / layout.SHARDED_DIR).is_dir():
             raise CheckpointError(
-                f"{step_dir} holds a full-state checkpoint ({ckread.MODEL_FILE}); this sharded "
+                f"{step_dir} holds a full-state checkpoint ({layout.MODEL_FILE}); this sharded "
                 "strategy loads sharded ones: resume it with the strategy that saved it"
             )
         template = self.sharded_state_dict(optimizer)

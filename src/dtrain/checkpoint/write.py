@@ -14,7 +14,7 @@ Commit protocol (one save):
 5. rank 0 prunes old checkpoints (marker first, so a half-deleted folder never looks whole).
 
 A folder without a valid marker, or whose files do not match it, is never loaded (finding,
-verifying and loading: :mod:`dtrain.fault.checkpoint_read`). Files are plain tensors and data
+verifying and loading: :mod:`dtrain.checkpoint.read`). Files are plain tensors and data
 written with ``torch.save``, so loading them with ``torch.load(weights_only=True)`` never runs
 code from a checkpoint.
 """
@@ -37,8 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtrain.errors import CheckpointError
-from dtrain.fault.checkpoint_read import (
+from dtrain.checkpoint.layout import (
     MARKER,
     META,
     SHARDED_DIR,
@@ -46,6 +45,7 @@ from dtrain.fault.checkpoint_read import (
     marker_digest,
     step_dir_name,
 )
+from dtrain.errors import CheckpointError
 from dtrain.fault.failpoints import failpoint
 from dtrain.fsutil import fsync_dir, sha256_file, write_atomic, write_bytes_synced
 

@@ -1,4 +1,4 @@
-"""Choosing the checkpoint to resume from, and loading it into every component.
+"""Choosing the checkpoint to resume from (or, for the NaN guard, to roll back to).
 
 Rank 0 decides (after removing the leftovers of interrupted saves) and tells the others, so all
 ranks load the same step even if a save were to land meanwhile. The state is a dict of
@@ -8,17 +8,16 @@ shapes, the loader names a different seed or dataset) and says so in one line.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
+from dtrain.checkpoint import read as ckread
 from dtrain.config import Config
 from dtrain.errors import CheckpointError, UserError
-from dtrain.fault import checkpoint_read as ckread
 from dtrain.runtime import Runtime
 
 
@@ -77,37 +76,6 @@ def resolve_resume(
     path = Path(chosen)
     meta = ckread.load_meta(path)
     return ResumePoint(path=path, step=int(meta["step"]), world_size=int(meta["world_size"]))
-
-
-def state_dict_mismatches(expected: Mapping[str, Any], found: Mapping[str, Any]) -> list[str]:
-    problems = []
-    for key in sorted(set(expected) - set(found)):
-        problems.append(f"missing {key}")
-    for key in sorted(set(found) - set(expected)):
-        problems.append(f"unexpected {key}")
-    for key in sorted(set(expected) & set(found)):
-        want, got = _shape(expected[key]), _shape(found[key])
-        if want is not None and got is not None and want != got:
-            problems.append(f"{key}: checkpoint {got}, model {want}")
-    return problems
-
-
-def _shape(value: Any) -> tuple[int, ...] | None:
-    """A tensor's shape, or a shape given as a tuple; None for anything else."""
-    if isinstance(value, torch.Tensor):
-        return tuple(value.shape)
-    if isinstance(value, tuple):
-        return value
-    return None
-
-
-def check_model_fits(expected: Mapping[str, Any], found: Mapping[str, Any], where: Path) -> None:
-    problems = state_dict_mismatches(expected, found)
-    if problems:
-        shown = "; ".join(problems[:8]) + (
-            f"; ... {len(problems) - 8} more" if len(problems) > 8 else ""
-        )
-        raise CheckpointError(f"checkpoint {where} is from a different model: {shown}")
 
 
 def rollback_point(

@@ -8,9 +8,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dtrain.checkpoint import layout
+from dtrain.checkpoint import read as ckread
 from dtrain.config import Config
 from dtrain.errors import CheckpointError, UserError
-from dtrain.fault import checkpoint_read as ckread
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -65,7 +66,7 @@ def check_run_dir(cfg: Config, force: bool) -> Path | None:
     when the request does not fit what the folder holds."""
     root = Path(cfg.run.dir) / "checkpoints"
     if cfg.run.resume == "never":
-        if ckread.committed_steps(root) and not force:
+        if layout.committed_steps(root) and not force:
             raise UserError(
                 f"run.dir {cfg.run.dir} already holds checkpoints and run.resume = "
                 "'never': choose a new run.dir, resume with --resume auto, or pass "

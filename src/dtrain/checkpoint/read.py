@@ -1,76 +1,41 @@
-"""Reading checkpoints: the on-disk layout of ``step-N`` folders, finding the newest one that
-verifies against its completion marker, removing what interrupted saves left, and loading files.
+"""Reading checkpoints: finding the newest ``step-N`` folder that verifies against its completion
+marker, removing what interrupted saves left, loading files, and checking that a saved model
+fits the one being trained.
 
 Files are plain tensors and data read with ``torch.load(weights_only=True)`` (and
 ``torch.distributed.checkpoint`` for sharded states), so loading never runs code from a
 checkpoint. Writing, and the commit protocol that makes a folder count, are in
-:mod:`dtrain.fault.checkpoint`.
+:mod:`dtrain.checkpoint.write`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dtrain.checkpoint.layout import (
+    _STEP_RE,
+    MARKER,
+    META,
+    SHARDED_DIR,
+    list_step_dirs,
+    marker_digest,
+)
 from dtrain.errors import CheckpointError
 from dtrain.fsutil import fsync_dir, sha256_file
-
-MARKER = "COMMITTED.json"
-META = "meta.json"
-SHARDED_DIR = "dcp"  # the sharded model and optimizer state, one file set per rank (DCP)
-MODEL_FILE = "model.pt"  # the whole model state (replicated strategies, from rank 0)
-OPTIMIZER_FILE = "optimizer.pt"  # the whole optimizer state (replicated strategies)
-TRAIN_STATE_FILE = "train_state.pt"  # scheduler, data position, trainer counters (rank 0)
-_STEP_RE = re.compile(r"^step-(\d+)$")
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def rng_file(rank: int) -> str:
-    return f"rng-rank{rank:05d}.pt"
-
-
-def comm_file(rank: int) -> str:
-    """A rank's communication-hook state (error-feedback residuals differ per rank)."""
-    return f"comm-rank{rank:05d}.pt"
-
 
 # ---------------------------------------------------------------------------------------------
 # Finding and verifying
 
 
-def list_step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """``(step, folder)`` of every ``step-N`` folder, newest first (committed or not)."""
-    if not root.is_dir():
-        return []
-    found = []
-    for entry in root.iterdir():
-        match = _STEP_RE.match(entry.name)
-        if match and entry.is_dir():
-            found.append((int(match.group(1)), entry))
-    return sorted(found, reverse=True)
-
-
 # The marker's own keys; ``marker_sha256`` (a digest of the others) is absent from markers
 # written before it existed, which are still read.
 _MARKER_KEYS = frozenset({"step", "files", "world_size", "committed", "marker_sha256"})
-
-
-def marker_digest(marker: dict[str, Any]) -> str:
-    """SHA-256 of the marker's content (all but its own digest), canonically encoded."""
-    rest = {k: v for k, v in marker.items() if k != "marker_sha256"}
-    return hashlib.sha256(
-        json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()
-    ).hexdigest()
 
 
 def read_marker(step_dir: Path) -> dict[str, Any]:
@@ -114,10 +79,6 @@ def verify_checkpoint(step_dir: Path) -> None:
             raise CheckpointError(f"{path} has {size} bytes, expected {info['bytes']}")
         if sha256_file(path) != info["sha256"]:
             raise CheckpointError(f"{path} fails its SHA-256 checksum")
-
-
-def committed_steps(root: Path) -> list[int]:
-    return [step for step, path in list_step_dirs(root) if (path / MARKER).exists()]
 
 
 def find_latest_valid(
@@ -199,3 +160,38 @@ def load_sharded(step_dir: Path, template: dict[str, Any]) -> None:
 def warn_skipped(skipped: list[tuple[Path, str]], log: Callable[[str], None]) -> None:
     for path, reason in skipped:
         log(f"warning: skipping checkpoint {path.name}: {reason}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Does the saved model fit?
+
+
+def state_dict_mismatches(expected: Mapping[str, Any], found: Mapping[str, Any]) -> list[str]:
+    problems = []
+    for key in sorted(set(expected) - set(found)):
+        problems.append(f"missing {key}")
+    for key in sorted(set(found) - set(expected)):
+        problems.append(f"unexpected {key}")
+    for key in sorted(set(expected) & set(found)):
+        want, got = _shape(expected[key]), _shape(found[key])
+        if want is not None and got is not None and want != got:
+            problems.append(f"{key}: checkpoint {got}, model {want}")
+    return problems
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    """A tensor's shape, or a shape given as a tuple; None for anything else."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape)
+    if isinstance(value, tuple):
+        return value
+    return None
+
+
+def check_model_fits(expected: Mapping[str, Any], found: Mapping[str, Any], where: Path) -> None:
+    problems = state_dict_mismatches(expected, found)
+    if problems:
+        shown = "; ".join(problems[:8]) + (
+            f"; ... {len(problems) - 8} more" if len(problems) > 8 else ""
+        )
+        raise CheckpointError(f"checkpoint {where} is from a different model: {shown}")

@@ -25,19 +25,20 @@ sharded ones. Everything is tensors and plain data, loaded with ``torch.load(wei
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from dtrain import __version__
+from dtrain.checkpoint import layout
+from dtrain.checkpoint import read as ckread
+from dtrain.checkpoint.resume import ResumePoint
+from dtrain.checkpoint.rng import rng_state, set_rng_state
+from dtrain.checkpoint.write import Checkpointer
 from dtrain.config import Config
 from dtrain.errors import CheckpointError
-from dtrain.fault import checkpoint_read as ckread
-from dtrain.fault.checkpoint import Checkpointer
-from dtrain.fault.resume import ResumePoint
-from dtrain.fault.rng import rng_state, set_rng_state
-from dtrain.parallel.base import Strategy
 from dtrain.runtime import Runtime
 
 
@@ -47,11 +48,31 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+@dataclass
+class CheckpointParts:
+    """This rank's share of the model and optimizer state in a checkpoint."""
+
+    files: dict[str, Any] = field(default_factory=dict)  # file name -> state (torch.save)
+    sharded: dict[str, Any] | None = None  # a state every rank writes through DCP
+
+
+class ModelState(Protocol):
+    """What lays out the model and optimizer state (a strategy: it knows how they are spread
+    over the ranks)."""
+
+    @property
+    def data_parallel_size(self) -> int: ...
+
+    def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> CheckpointParts: ...
+
+    def load_checkpoint_parts(self, optimizer: torch.optim.Optimizer, step_dir: Path) -> None: ...
+
+
 @dataclass(frozen=True)
 class TrainingState:
     """What a checkpoint holds, as the parts that hold it."""
 
-    strategy: Strategy  # the model, and how it and the optimizer are laid out
+    strategy: ModelState  # the model, and how it and the optimizer are laid out
     optimizer: torch.optim.Optimizer
     # Saved whole by rank 0 into train_state.pt, one key each: scheduler, data, trainer.
     parts: Mapping[str, Stateful]
@@ -66,11 +87,11 @@ def save(state: TrainingState, checkpointer: Checkpointer, step: int, *, blockin
     """Collective: every rank saves its part of ``state`` as checkpoint ``step``."""
     runtime = state.runtime
     model_parts = state.strategy.checkpoint_parts(state.optimizer)
-    files: dict[str, Any] = {ckread.rng_file(runtime.rank): rng_state()}
+    files: dict[str, Any] = {layout.rng_file(runtime.rank): rng_state()}
     meta: dict[str, Any] | None = None
     if runtime.is_main:
         train_state = {name: part.state_dict() for name, part in state.parts.items()}
-        files[ckread.TRAIN_STATE_FILE] = train_state
+        files[layout.TRAIN_STATE_FILE] = train_state
         meta = {
             "step": step,
             "world_size": runtime.world_size,
@@ -90,18 +111,18 @@ def load(state: TrainingState, point: ResumePoint) -> bool:
     rank's RNG state was restored too: only at the world size that saved it (after a change,
     the ranks are other processes, and each needs a fresh stream of its own)."""
     state.strategy.load_checkpoint_parts(state.optimizer, point.path)
-    train_state = ckread.load_file(point.path, ckread.TRAIN_STATE_FILE)
+    train_state = ckread.load_file(point.path, layout.TRAIN_STATE_FILE)
     missing = sorted(set(state.parts) - set(train_state) - state.optional)
     if missing:
         raise CheckpointError(
-            f"{point.path / ckread.TRAIN_STATE_FILE} holds no {', '.join(missing)} state: it "
+            f"{point.path / layout.TRAIN_STATE_FILE} holds no {', '.join(missing)} state: it "
             "was saved by a version of dtrain that did not have it; resume it with that "
             "version or start a new run"
         )
     for name, part in state.parts.items():
         if name in train_state:
             part.load_state_dict(train_state[name])
-    rng_path = point.path / ckread.rng_file(state.runtime.rank)
+    rng_path = point.path / layout.rng_file(state.runtime.rank)
     if point.world_size != state.runtime.world_size or not rng_path.exists():
         return False
     set_rng_state(ckread.load_file(point.path, rng_path.name))

@@ -1,0 +1,15 @@
+"""Checkpoints: everything about the files a run saves and resumes from, in one package.
+
+=============  ==============================================================================
+``layout``     the names: ``checkpoints/step-N/`` folders and the files in them
+``write``      the :class:`~dtrain.checkpoint.write.Checkpointer`: snapshot, write, commit
+``read``       find the newest folder that verifies, load files, check that a model fits
+``resume``     which checkpoint a run resumes from, or the NaN guard rolls back to
+``state``      :class:`~dtrain.checkpoint.state.TrainingState`: the parts a checkpoint holds
+``rng``        every RNG's state (a part of each rank's checkpoint) and the run's seeding
+``rundir``     the launcher's checks of a run folder before any worker starts
+=============  ==============================================================================
+
+Nothing here imports a strategy: a strategy lays out its own model and optimizer state
+(:class:`~dtrain.checkpoint.state.ModelState`) with the names of ``layout``.
+"""

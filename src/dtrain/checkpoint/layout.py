@@ -1,0 +1,59 @@
+"""The on-disk layout of checkpoints: ``checkpoints/step-N/`` folders and the names of the files
+in them, one place for every writer and reader (the strategies name their files with these).
+
+A folder counts only once its completion marker (``COMMITTED.json``) exists and verifies
+(:mod:`dtrain.checkpoint.read`); :mod:`dtrain.checkpoint.write` makes it so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+MARKER = "COMMITTED.json"
+META = "meta.json"
+SHARDED_DIR = "dcp"  # the sharded model and optimizer state, one file set per rank (DCP)
+MODEL_FILE = "model.pt"  # the whole model state (replicated strategies, from rank 0)
+OPTIMIZER_FILE = "optimizer.pt"  # the whole optimizer state (replicated strategies)
+TRAIN_STATE_FILE = "train_state.pt"  # scheduler, data position, trainer counters (rank 0)
+_STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng-rank{rank:05d}.pt"
+
+
+def comm_file(rank: int) -> str:
+    """A rank's communication-hook state (error-feedback residuals differ per rank)."""
+    return f"comm-rank{rank:05d}.pt"
+
+
+def list_step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every ``step-N`` folder, newest first (committed or not)."""
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _STEP_RE.match(entry.name)
+        if match and entry.is_dir():
+            found.append((int(match.group(1)), entry))
+    return sorted(found, reverse=True)
+
+
+def marker_digest(marker: dict[str, Any]) -> str:
+    """SHA-256 of the marker's content (all but its own digest), canonically encoded."""
+    rest = {k: v for k, v in marker.items() if k != "marker_sha256"}
+    return hashlib.sha256(
+        json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
+
+
+def committed_steps(root: Path) -> list[int]:
+    return [step for step, path in list_step_dirs(root) if (path / MARKER).exists()]
