@@ -7,7 +7,7 @@ backward a call of its own)? A pipeline runs at the pace of its slowest stage, s
 judged by slowest stage / mean stage (1.00 = perfectly balanced).
 
 Per model, each trial plans afresh (profile, balance; then, for the refined plan, up to two
-rounds of timing the stages and correcting the layer costs: ``dtrain.balance.refine``) and
+rounds of timing the stages and correcting the layer costs: ``dtrain.parallel.pipeline.refine``) and
 then times the three plans side by side, a repeat running every plan once, with
 ``time.thread_time`` and one intra-op thread, so that time this process spends preempted is
 not counted. The table gives the median trial and the range, and what planning cost.
@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dtrain.balance.profile import balance_layers, gpt_layers
-from dtrain.balance.refine import time_plans
-from dtrain.balance.stages import StagePlan, plan_from_bounds, uniform_bounds
 from dtrain.models.gpt import GPT, GPTConfig
+from dtrain.parallel.pipeline.profile import balance_layers
+from dtrain.parallel.pipeline.refine import time_plans
+from dtrain.parallel.pipeline.stages import StagePlan, plan_from_bounds, uniform_bounds
 from dtrain.testing.chains import unequal_mlp_chain
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -45,7 +45,7 @@ VARIANTS = ("equal layers", "profiled", "refined")
 
 def gpt_chain() -> tuple[list[nn.Module], torch.Tensor]:
     cfg = GPTConfig()
-    return gpt_layers(GPT(cfg)), torch.randint(0, cfg.vocab_size, (8, cfg.seq_len))
+    return GPT(cfg).pipeline_layers(), torch.randint(0, cfg.vocab_size, (8, cfg.seq_len))
 
 
 def imbalance(seconds: list[float]) -> float:

@@ -14,11 +14,16 @@ import pytest
 import torch
 from torch import nn
 
-from dtrain.balance.profile import balance_layers, gpt_layers, profile_layers
-from dtrain.balance.refine import refine_plan
-from dtrain.balance.stages import StagePlan, balance_stages, plan_from_bounds, uniform_bounds
 from dtrain.errors import ConfigError
 from dtrain.models.gpt import GPT, GPTConfig
+from dtrain.parallel.pipeline.profile import balance_layers, profile_layers
+from dtrain.parallel.pipeline.refine import refine_plan
+from dtrain.parallel.pipeline.stages import (
+    StagePlan,
+    balance_stages,
+    plan_from_bounds,
+    uniform_bounds,
+)
 from dtrain.testing.chains import unequal_mlp_chain
 
 # -- exactness against brute force -----------------------------------------------------------
@@ -135,7 +140,7 @@ def test_gpt_chain_computes_the_model_and_profiles() -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=3, n_head=2, d_model=32))
     idx = torch.randint(0, 64, (4, 16))
-    layers = gpt_layers(model)
+    layers = model.pipeline_layers()
     x = idx
     for layer in layers:
         x = layer(x)
@@ -271,7 +276,7 @@ def measure_stages(
 ) -> dict[str, list[float]]:
     """Median forward+backward time of each stage of each plan. A repeat runs every plan once,
     so that load from elsewhere on the machine hits all plans alike. (The balancer's own stage
-    timer, ``dtrain.balance.refine.time_plans``, chooses among plans; the test judges them
+    timer, ``dtrain.parallel.pipeline.refine.time_plans``, chooses among plans; the test judges them
     with this one, written apart, so that a fault in that timer cannot hide itself.)"""
     pipelines = {
         name: [nn.Sequential(*layers[r.start : r.stop]) for r in plan.stages()]
@@ -304,11 +309,6 @@ def test_balanced_stages_measure_balanced_where_uniform_is_not() -> None:
     uniform = plan_from_bounds([1.0] * len(layers), uniform_bounds(len(layers), 4))
     # Whole trials (profile, balance, measure) are repeated and the median trial judged: a burst
     # of load from elsewhere can skew one trial's profile or measurement, not most of them.
-    # Seven trials of 11 repeats each: with five trials of 7, the median trial in one full suite
-    # run read 1.109 (its trials 1.006-1.153); alone, and beside two busy loops, now 1.04-1.05.
-    # In CI (a faster CPU) the plain profile's plans read 1.101 (trials 1.034-1.122): the last
-    # stage measured ~12% under a stage of the same layers. The balancer now refines its plan by
-    # timing the stages as cut (dtrain.balance.refine); here 1.017-1.023 against 1.024-1.031.
     trials: list[dict[str, float]] = []
     for _ in range(7):
         plan, _ = balance_layers(layers, x, 4, warmup=2, repeats=11, clock=clock)

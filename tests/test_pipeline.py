@@ -16,15 +16,15 @@ from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.models.gpt import GPT, GPTConfig
 from dtrain.parallel import strategy_class
-from dtrain.parallel.pipeline import PipelineStrategy
-from dtrain.parallel.pipeline_batches import eval_chunks
-from dtrain.parallel.pipeline_split import (
+from dtrain.parallel.pipeline.batches import eval_chunks
+from dtrain.parallel.pipeline.split import (
     StageChain,
     model_layers,
     prune_to_stages,
     stage_entries,
     tied_parameters,
 )
+from dtrain.parallel.pipeline.strategy import PipelineStrategy
 from dtrain.runtime import Runtime
 from dtrain.task import Task
 from dtrain.testing import run_ranks
@@ -220,7 +220,7 @@ def test_eval_batches_split_into_equal_micro_batches() -> None:
 
 
 def test_stage_boundaries_manual_uniform_and_past_the_last_layer() -> None:
-    from dtrain.parallel.pipeline_plan import choose_plan
+    from dtrain.parallel.pipeline.plan import choose_plan
 
     layers = model_layers(
         GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32))

@@ -45,6 +45,16 @@ def test_a_key_added_after_the_checkpoint_counts_as_its_default() -> None:
     assert config_differences(older, current) == ["comm.local_start_step: 0 -> 5"]
 
 
+def test_a_renamed_key_is_compared_under_its_new_name() -> None:
+    # A checkpoint made when data.split was data.balance resumes with the same value.
+    current = Config().to_dict()
+    older = copy.deepcopy(current)
+    older["data"]["balance"] = older["data"].pop("split")
+    assert config_differences(older, current) == []
+    current["data"]["split"] = "samples"
+    assert config_differences(older, current) == ["data.split: 'auto' -> 'samples'"]
+
+
 def test_forced_resume_of_a_different_model_lists_keys_and_shapes(
     finished_run: tuple[Path, Path],
 ) -> None:

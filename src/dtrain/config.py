@@ -64,7 +64,7 @@ class DataConfig:
     shuffle_window: int = _opt(
         0, "locality shuffle: samples per shuffle window (0 = 4 shards)", min=0
     )
-    balance: Literal["auto", "samples", "tokens"] = _opt(
+    split: Literal["auto", "samples", "tokens"] = _opt(
         "auto",
         "split of a global batch across ranks: equal samples, or equal tokens for "
         "variable-length data ('auto' picks by the data)",

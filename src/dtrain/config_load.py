@@ -96,11 +96,24 @@ def build_config(raw: Mapping[str, Any], task_config_class: type | None = None) 
     return cfg
 
 
+# Keys an earlier version had under another name: old -> (new, what to know about it).
+RENAMED = {
+    "data.balance": (
+        "data.split",
+        "the same values: how a global batch is split across ranks (balance.* is the "
+        "per-rank load balancing)",
+    ),
+}
+
+
 def _build_section(section: str, cls: type, values: Mapping[str, Any]) -> Any:
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in values.items():
+        if f"{section}.{key}" in RENAMED:
+            new_key, note = RENAMED[f"{section}.{key}"]
+            raise ConfigError(f"config key {section}.{key} is now {new_key} ({note})")
         if key not in known:
             raise ConfigError(
                 f"unknown config key {section}.{key}{_suggest(key, known, prefix=section + '.')}"

@@ -72,11 +72,11 @@ def build_train_loader(
 ) -> RankLoader:
     dataset = task.train_data
     lengths = None
-    if cfg.data.balance in ("auto", "tokens"):
+    if cfg.data.split in ("auto", "tokens"):
         lengths = dataset_lengths(dataset)
-        if lengths is None and cfg.data.balance == "tokens":
+        if lengths is None and cfg.data.split == "tokens":
             raise ConfigError(
-                "data.balance = 'tokens' needs variable-length samples: the "
+                "data.split = 'tokens' needs variable-length samples: the "
                 "training set has no sample_lengths(); use 'samples' or 'auto'"
             )
     return RankLoader(

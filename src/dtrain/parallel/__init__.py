@@ -25,7 +25,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "ddp": ("dtrain.parallel.ddp", "DDPStrategy"),
     "allreduce": ("dtrain.parallel.allreduce", "AllReduceStrategy"),
     "fsdp": ("dtrain.parallel.fsdp", "FSDPStrategy"),
-    "pipeline": ("dtrain.parallel.pipeline", "PipelineStrategy"),
+    "pipeline": ("dtrain.parallel.pipeline.strategy", "PipelineStrategy"),
     "tensor": ("dtrain.parallel.tensor", "TensorParallelStrategy"),
     "localsgd": ("dtrain.parallel.local_sgd", "LocalSGDStrategy"),
     "diloco": ("dtrain.parallel.local_sgd", "DiLoCoStrategy"),

@@ -3,7 +3,7 @@ slowest stage is as fast as possible -- the linear partition problem, solved exa
 
 A pipeline runs at the pace of its slowest stage, so the objective is the *maximum* stage cost,
 not a spread measure. Given per-layer costs ``c[0..n)`` (e.g. measured forward+backward seconds,
-see :mod:`dtrain.balance.profile`) and K stages::
+see :mod:`dtrain.parallel.pipeline.profile`) and K stages::
 
     best[k][i] = the smallest possible maximum when layers i..n-1 form k stages
                = min over j of max(sum(c[i:j]), best[k-1][j])     best[0][n] = 0

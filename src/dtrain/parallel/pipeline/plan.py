@@ -11,11 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtrain.balance.profile import profile_layers
-from dtrain.balance.refine import refine_plan
-from dtrain.balance.stages import StagePlan, plan_from_bounds, uniform_bounds
 from dtrain.config import Config
 from dtrain.errors import ConfigError
+from dtrain.parallel.pipeline.profile import balance_layers
+from dtrain.parallel.pipeline.stages import StagePlan, plan_from_bounds, uniform_bounds
 
 
 def check_boundaries(boundaries: Sequence[int], num_stages: int) -> None:
@@ -93,9 +92,7 @@ def profiled_plan(
     buffers = [(b, b.detach().clone()) for layer in layers for b in layer.buffers()]
     devices = [example.device] if example.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        profiles = profile_layers(layers, example)
-        seconds = average([p.seconds for p in profiles])
-        plan = refine_plan(layers, example, seconds, num_stages, average=average)
+        plan, _ = balance_layers(layers, example, num_stages, average=average)
     with torch.no_grad():
         for buf, saved in buffers:
             buf.copy_(saved)

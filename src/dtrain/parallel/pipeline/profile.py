@@ -1,7 +1,7 @@
 """Measure what each layer of a chain costs -- forward+backward time, parameter bytes and the
 activation bytes its forward keeps for backward -- on the device it will run on, and split the
 chain into balanced pipeline stages from those measurements (then corrected by timing the
-chosen stages as cut: :mod:`dtrain.balance.refine`).
+chosen stages as cut: :mod:`dtrain.parallel.pipeline.refine`).
 
 Times are medians over several repeats, after warm-up. Each repeat is one forward+backward of
 the whole chain with each layer's share timed inside it: so a burst of load from elsewhere on
@@ -22,11 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain.balance.refine import now, refine_plan
-from dtrain.balance.stages import StagePlan
-from dtrain.models.gpt import GPT
-
-Clock = Callable[[], float]
+from dtrain.parallel.pipeline.refine import Average, Clock, now, refine_plan
+from dtrain.parallel.pipeline.stages import StagePlan
 
 
 @dataclass(frozen=True)
@@ -128,33 +125,30 @@ def balance_layers(
     repeats: int = 7,
     refine_rounds: int = 2,
     clock: Clock = time.perf_counter,
+    average: Average | None = None,
 ) -> tuple[StagePlan, list[LayerProfile]]:
     """Profile the chain, then choose the stage boundaries with the fastest slowest stage
     (within ``memory_limit`` bytes per stage, if given), corrected for up to
     ``refine_rounds`` rounds by timing the plan's stages as a pipeline cuts them (see
-    :mod:`dtrain.balance.refine`). The plan's ``costs`` are its stages' measured seconds
-    (with ``refine_rounds = 0``: the sums of the profiled layer times)."""
+    :mod:`dtrain.parallel.pipeline.refine`). The plan's ``costs`` are its stages' measured
+    seconds (with ``refine_rounds = 0``: the sums of the profiled layer times). ``average``
+    combines every list of timings across ranks (the same plan on each: see
+    :func:`dtrain.parallel.pipeline.plan.profiled_plan`)."""
     profiles = profile_layers(layers, example_input, warmup=warmup, repeats=repeats, clock=clock)
+    seconds = [p.seconds for p in profiles]
     plan = refine_plan(
         layers,
         example_input,
-        [p.seconds for p in profiles],
+        average(seconds) if average is not None else seconds,
         num_stages,
         memory=[p.memory_bytes for p in profiles],
         memory_limit=memory_limit,
         rounds=refine_rounds,
         repeats=repeats,
         clock=clock,
+        average=average,
     )
     return plan, profiles
-
-
-# -- models as chains of layers --------------------------------------------------------------
-
-
-def gpt_layers(model: GPT) -> list[nn.Module]:
-    """The GPT as the chain a pipeline cuts (see :meth:`GPT.pipeline_layers`)."""
-    return model.pipeline_layers()
 
 
 # -- measuring -------------------------------------------------------------------------------

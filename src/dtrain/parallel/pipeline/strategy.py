@@ -40,26 +40,25 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
-from dtrain.balance.stages import StagePlan
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.parallel.base import LossFn, StepResult
 from dtrain.parallel.grad_norm import clip_to_max_norm, local_part, sum_of_squares
 from dtrain.parallel.grad_sync import average_gradients
 from dtrain.parallel.mesh import PIPELINE, build_mesh
-from dtrain.parallel.pipeline_batches import (
+from dtrain.parallel.pipeline.batches import (
     batch_signature,
     check_tensor,
     eval_chunks,
     stack_micro_batches,
 )
-from dtrain.parallel.pipeline_plan import (
+from dtrain.parallel.pipeline.plan import (
     check_boundaries,
     check_stage_count,
     choose_plan,
     example_input,
 )
-from dtrain.parallel.pipeline_split import (
+from dtrain.parallel.pipeline.split import (
     StageChain,
     TiedParameter,
     check_coverage,
@@ -69,6 +68,7 @@ from dtrain.parallel.pipeline_split import (
     stage_entries,
     tied_parameters,
 )
+from dtrain.parallel.pipeline.stages import StagePlan
 from dtrain.parallel.sharded import MeshStrategy
 from dtrain.parallel.skeleton import ModelSkeleton
 from dtrain.runtime import Runtime

@@ -21,7 +21,7 @@ from itertools import pairwise
 import torch
 from torch import nn
 
-from dtrain.balance.stages import StagePlan, balance_stages
+from dtrain.parallel.pipeline.stages import StagePlan, balance_stages
 
 Clock = Callable[[], float]
 # Combines one list of timings across processes (e.g. the mean over a job's ranks), so that

@@ -48,6 +48,6 @@ def stack_micro_batches(
             raise UserError(
                 f"strategy 'pipeline': the micro-batches of a step have {what} of different "
                 f"shapes {sorted(shapes)}; pipelining needs equal shapes: use fixed-length "
-                "samples and data.balance = 'samples'"
+                "samples and data.split = 'samples'"
             )
     return torch.cat(inputs), torch.cat(targets)
