@@ -1,20 +1,18 @@
-"""Shared by the benchmark scripts: repeated timing, the machine's description, and writing a
-script's section of ``docs/benchmarks.md`` (between markers, so the scripts never touch each
-other's figures; the marker logic is :func:`dtrain.testing.report.update_section`, which the
-chaos run of ``tests/system/`` uses too)."""
+"""Shared by the benchmark scripts and the chaos run of ``tests/system/``: repeated timing, the
+machine's description, and writing a script's section of ``docs/benchmarks.md`` (between
+markers, so the scripts never touch each other's figures)."""
 
 from __future__ import annotations
 
 import os
+import platform
+import re
 import shlex
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-
-from dtrain.testing.report import machine
-from dtrain.testing.report import update_section as update_doc_section
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -25,6 +23,46 @@ dtrain side by side in one run and writes its own section here (between its mark
 fault-tolerance table comes from the system test `tests/system/chaos.py` (`make chaos`). Rerun
 the command shown to refresh a section.
 """
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import numpy
+    import torch
+
+    return (
+        f"{os.cpu_count()} CPU cores ({cpu}), Python {platform.python_version()}, "
+        f"torch {torch.__version__}, NumPy {numpy.__version__}"
+    )
+
+
+def machine_line() -> str:
+    """:func:`machine` and the load average, for a run that has just finished."""
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return f"{machine()}; load average {load} when it finished"
+
+
+def update_doc_section(doc: Path, name: str, body: str, header: str = "") -> Path:
+    """Replace (or add at the end) the section ``name`` of ``doc``: the text between
+    ``<!-- BEGIN name -->`` and ``<!-- END name -->``. A missing ``doc`` starts as ``header``."""
+    begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
+    section = f"{begin}\n{body.rstrip()}\n{end}"
+    text = doc.read_text() if doc.exists() else header
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section, text)
+    else:
+        text = text.rstrip() + "\n\n" + section + "\n"
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text)
+    return doc
 
 
 def command_line() -> str:

@@ -35,9 +35,8 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from _report import ROOT, update_section
+from _report import ROOT, machine_line, update_section
 from dtrain.testing import Launch, run_ranks
-from dtrain.testing.report import machine_line
 
 
 def spread(values: list[float]) -> str:

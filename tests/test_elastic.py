@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.fault.audit import check_stream, read_trajectory
 from dtrain.testing import run_ranks
+from tests.audit import check_stream, read_trajectory
 from tests.conftest import tiny_raw
 from tests.dist_helpers import train_params
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.fault.audit import check_stream, read_trajectory
 from dtrain.testing import free_port
+from tests.audit import check_stream, read_trajectory
 from tests.conftest import REPO
 from tests.test_launcher_faults import wait_for_step, write_config
 

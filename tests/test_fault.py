@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dtrain.fault.audit import read_trajectory
 from dtrain.testing import RankFailed, run_ranks
+from tests.audit import read_trajectory
 from tests.conftest import tiny_raw
 from tests.dist_helpers import (
     crash_then_resume,

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from dtrain.fault.audit import check_stream, read_trajectory
 from dtrain.fault.progress import progress_dir
 from dtrain.testing import children_of, worker_pids
+from tests.audit import check_stream, read_trajectory
 from tests.conftest import REPO
 
 SAMPLES = 64

@@ -25,9 +25,9 @@ from dtrain.config_load import build_config
 from dtrain.data.loader import RankLoader
 from dtrain.data.partition import OrderSpec, plan_step, plan_steps, step_shape
 from dtrain.errors import ConfigError
-from dtrain.fault.audit import check_stream, read_trajectory
 from dtrain.parallel import strategy_class
 from dtrain.testing import run_ranks
+from tests.audit import check_stream, read_trajectory
 from tests.conftest import tiny_raw
 from tests.load_balance_helpers import (
     shares_by_step,

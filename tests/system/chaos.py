@@ -53,8 +53,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
 
-from dtrain.testing.report import machine_line, update_section
-from tests.system.chaos_checks import REPO, Context, Outcome
+from benchmarks._report import machine_line, update_section
+
+from tests.system.chaos_checks import Context, Outcome
 from tests.system.chaos_process import (
     trial_always_fails,
     trial_kill9,
@@ -68,8 +69,6 @@ from tests.system.chaos_resume import (
     trial_resize,
     trial_sigterm,
 )
-
-DOC = REPO / "docs" / "benchmarks.md"
 
 
 @dataclass(frozen=True)
@@ -275,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             *READING,
             *(["Failed trials:", "", *failures, ""] if failures else ["Every trial passed.", ""]),
         ]
-        update_section(DOC, "chaos", "\n".join(body))
+        update_section("chaos", "\n".join(body))
     return 0 if not failures else 1
 
 

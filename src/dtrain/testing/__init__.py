@@ -4,8 +4,6 @@
   on loopback), the multi-process test helper;
 - :mod:`~dtrain.testing.processes`: :class:`Launch`, the real ``dtrain train`` started as a user
   would, and what ``/proc`` says about its processes;
-- :mod:`~dtrain.testing.report`: the machine's description, and a script's section of a
-  Markdown file (``docs/benchmarks.md``);
 - :mod:`~dtrain.testing.hosts`: :class:`Hosts`, several hosts on this machine (network
   namespaces from ``scripts/hosts.sh``, links limited with ``tc``) to run commands in;
 - :mod:`~dtrain.testing.chains`: a chain of deliberately unequal layers for the stage balancer.
