@@ -39,6 +39,7 @@ from dtrain.parallel import build_strategy
 from dtrain.parallel.allreduce import AllReduceStrategy
 from dtrain.parallel.base import Strategy
 from dtrain.runtime import init_runtime
+from dtrain.step import run_micro_batches
 from dtrain.task import Task
 from dtrain.testing import run_ranks
 
@@ -98,12 +99,14 @@ def gpt_step_times(opts: dict[str, Any]) -> dict[str, list[float]]:
     for name in ("ddp", "allreduce"):
         torch.manual_seed(0)
         strategy = make_strategy(name, GPT(config), opts["bucket_mb"])
+        strategy.before_first_step((inputs, targets), loss_fn)
         optimizer = torch.optim.SGD(strategy.parameters(), lr=1e-3)
 
         def step(
             strategy: Strategy = strategy, optimizer: torch.optim.Optimizer = optimizer
         ) -> None:
-            strategy.forward_backward([(inputs, targets)], loss_fn, scale)
+            run_micro_batches(strategy, [(inputs, targets)], loss_fn, scale)
+            strategy.sync_gradients()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 

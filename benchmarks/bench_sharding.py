@@ -66,6 +66,7 @@ def rank_main(name: str, model_opts: dict[str, int], rows: int) -> dict[str, int
     from dtrain.optim import build_optimizer
     from dtrain.parallel import build_strategy
     from dtrain.runtime import init_runtime
+    from dtrain.step import run_micro_batches
     from dtrain.task import Task
     from dtrain.tasks.gpt import lm_loss
 
@@ -93,7 +94,9 @@ def rank_main(name: str, model_opts: dict[str, int], rows: int) -> dict[str, int
         for _ in range(cfg.data.micro_batches)
     ]
     scale = torch.tensor(1.0 / (micro * seq * cfg.data.micro_batches * world))
-    strategy.forward_backward(batches, lm_loss, scale)
+    strategy.before_first_step(batches[0], lm_loss)
+    run_micro_batches(strategy, batches, lm_loss, scale)
+    strategy.sync_gradients()
     optimizer.step()  # creates the AdamW moments; gradients stay (not zeroed) to be counted
     return held_bytes(strategy, optimizer)
 

@@ -136,11 +136,11 @@ def instrument(trainer: Any, parts: Parts) -> None:
     import dtrain.data.loader as loader_module
     import dtrain.trainer as trainer_module
     from dtrain.metrics.summary import LossWindow
-    from dtrain.parallel.base import LossScale
+    from dtrain.step import LossScale
 
     strategy, balance, watchdog = trainer.strategy, trainer.balance, trainer.watchdog
     # Instances: the calls the trainer makes on its own objects.
-    strategy.forward_backward = parts.wrap("forward + backward", strategy.forward_backward)  # type: ignore[method-assign]
+    trainer.forward_backward = parts.wrap("forward + backward", trainer.forward_backward)
     strategy.clip_grad_norm = parts.wrap("NaN guard's norm", strategy.clip_grad_norm)  # type: ignore[method-assign]
     trainer.optimizer.step = parts.wrap("optimizer step", trainer.optimizer.step)  # type: ignore[method-assign]
     trainer.optimizer.zero_grad = parts.wrap("zero_grad", trainer.optimizer.zero_grad)  # type: ignore[method-assign]

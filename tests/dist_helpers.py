@@ -8,11 +8,26 @@ import numpy as np
 
 from dtrain.fault.failpoints import failpoints
 from dtrain.job import build_job_config, build_trainer
+from dtrain.parallel.base import replicated_state
 from dtrain.trainer import Trainer
 
 
 def make_trainer(raw: dict[str, Any]) -> Trainer:
     return build_trainer(build_job_config(raw))
+
+
+def synced_backward(strategy: Any, micro: list[Any], loss_fn: Any, scale: Any) -> Any:
+    """Forward and backward over ``micro`` with the gradients synchronized, as a step runs
+    them, without the step's agreement (what a test of a strategy's gradients wants: no
+    bytes but the gradients'); returns the loss sum."""
+    from dtrain.step import run_micro_batches
+
+    if not getattr(strategy, "_test_warmed_up", False):
+        strategy._test_warmed_up = True
+        strategy.before_first_step(micro[0], loss_fn)
+    loss_sum = run_micro_batches(strategy, micro, loss_fn, scale)
+    strategy.sync_gradients()
+    return loss_sum
 
 
 def train_params(raw: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -203,7 +218,7 @@ def load_full_state(raw: dict[str, Any]) -> dict[str, Any]:
     state = trainer.strategy.model_state_dict()
     optim = (
         trainer.strategy.sharded_state_dict(trainer.optimizer)["optimizer"]
-        if not trainer.strategy.replicated_state
+        if not replicated_state(trainer.strategy)
         else trainer.optimizer.state_dict()
     )
     steps = sorted({float(v["step"]) for v in optim["state"].values()})

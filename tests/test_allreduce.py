@@ -18,11 +18,12 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.config import Config
-from dtrain.parallel.allreduce import AllReduceStrategy, assign_buckets
+from dtrain.parallel.allreduce import AllReduceStrategy
+from dtrain.parallel.grad_sync import assign_buckets
 from dtrain.task import Task, task_config
 from dtrain.testing import run_ranks
 from tests.conftest import tiny_raw
-from tests.dist_helpers import make_trainer
+from tests.dist_helpers import make_trainer, synced_backward
 from tests.tasks import TinyOptions, tiny_gpt
 
 ATOL = 1e-6  # the bound: parameters equal within 1e-6
@@ -135,7 +136,7 @@ def _one_step_grads(raw_cfg: dict[str, Any]) -> dict[str, bool | None]:
 
     micro = [to_device(trainer.task.split_batch(m), trainer.runtime.device) for m in batch.micro]
     scale = torch.tensor(1.0 / 64)
-    trainer.strategy.forward_backward(micro, trainer.task.loss_fn, scale)
+    synced_backward(trainer.strategy, micro, trainer.task.loss_fn, scale)
     grad = trainer.strategy.unwrapped.never.weight.grad
     return {
         "has_grad": grad is not None,

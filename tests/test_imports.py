@@ -1,8 +1,12 @@
-"""No import cycles among dtrain's modules: each module's job sits on one side of a seam.
+"""No import cycles among dtrain's modules, nor among its packages: each module's job, and
+each package's, sits on one side of a seam.
 
 Every import statement counts, wherever it is in a file (inside a function, under
 ``TYPE_CHECKING``): a lazy or type-only import still ties two modules together. So does the
-package ``__init__`` that importing a module of another package runs first."""
+package ``__init__`` that importing a module of another package runs first. Between packages,
+a module's import of any module of another package counts as an import of that package (a
+top-level module such as ``dtrain.config`` is a package of its own here), so ``parallel ->
+checkpoint`` and ``checkpoint -> parallel`` through different modules is a cycle too."""
 
 from __future__ import annotations
 
@@ -117,6 +121,50 @@ def test_no_module_of_dtrain_imports_itself_back() -> None:
     graph = import_graph()
     assert "dtrain.trainer" in graph and "dtrain.parallel.base" in graph  # it read the tree
     assert cycles(graph) == []
+
+
+def package_of(module: str, src: Path = SRC) -> str:
+    """``dtrain.X`` for a module of the subpackage ``dtrain/X/`` (at any depth); a module
+    directly under ``dtrain/`` is its own."""
+    parts = module.split(".")
+    if len(parts) > 2 or (src / Path(*parts)).is_dir():
+        return ".".join(parts[:2])
+    return module
+
+
+def package_graph(graph: dict[str, set[str]], src: Path = SRC) -> dict[str, set[str]]:
+    """Package -> the packages its modules import (a package's own modules do not count)."""
+    out: dict[str, set[str]] = {package_of(m, src): set() for m in graph}
+    for module, targets in graph.items():
+        mine = package_of(module, src)
+        out[mine] |= {package_of(t, src) for t in targets} - {mine}
+    return out
+
+
+def test_the_package_graph_finds_a_cycle_through_different_modules(tmp_path: Path) -> None:
+    # top.a.one imports top.b.two, and top.b.three imports top.a.four: no module cycle, but
+    # the packages a and b import each other.
+    files = {
+        "top/__init__.py": "",
+        "top/a/__init__.py": "",
+        "top/a/one.py": "import top.b.two\n",
+        "top/a/four.py": "",
+        "top/b/__init__.py": "",
+        "top/b/two.py": "",
+        "top/b/three.py": "import top.a.four\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = import_graph(tmp_path, "top")
+    assert cycles(graph) == []
+    assert cycles(package_graph(graph, tmp_path)) == [["top.a", "top.b"]]
+
+
+def test_no_package_of_dtrain_imports_itself_back() -> None:
+    packages = package_graph(import_graph())
+    assert {"dtrain.parallel", "dtrain.checkpoint", "dtrain.config"} <= set(packages)
+    assert cycles(packages) == []
 
 
 # torch modules that importing dtrain's launcher, worker and data-parallel strategies must not

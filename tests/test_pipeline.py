@@ -181,14 +181,14 @@ def tiny_task(model: nn.Module) -> Task:
 
 
 def test_more_stages_than_layers_fails_before_any_communication() -> None:
-    strategy = PipelineStrategy(config(), fake_runtime(8))  # 8 stages, 4 layers
+    strategy = PipelineStrategy.from_config(config(), fake_runtime(8))  # 8 stages, 4 layers
     gpt = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32))
     with pytest.raises(ConfigError, match="8 pipeline stages, but GPT has only 4 layers"):
         strategy.setup(tiny_task(gpt))
 
 
 def test_a_model_that_cannot_be_split_is_named() -> None:
-    strategy = PipelineStrategy(config(), fake_runtime(2))
+    strategy = PipelineStrategy.from_config(config(), fake_runtime(2))
     with pytest.raises(ConfigError, match=r"cannot split Bilinear into stages: expected an nn"):
         strategy.setup(tiny_task(nn.Bilinear(2, 2, 2)))
 
@@ -225,9 +225,9 @@ def test_stage_boundaries_manual_uniform_and_past_the_last_layer() -> None:
     layers = model_layers(
         GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32))
     )
-    manual = choose_plan(config(pipeline_boundaries=[1, 5]), layers, 3, None)
+    manual = choose_plan(config(pipeline_boundaries=[1, 5]).strategy, layers, 3, None)
     assert manual.bounds == (0, 1, 5, 6)
-    uniform = choose_plan(config(pipeline_balance="uniform"), layers, 4, None)
+    uniform = choose_plan(config(pipeline_balance="uniform").strategy, layers, 4, None)
     assert uniform.bounds == (0, 2, 4, 5, 6)
     with pytest.raises(ConfigError, match=r"the model has only 6 layers"):
-        choose_plan(config(pipeline_boundaries=[3, 6]), layers, 3, None)
+        choose_plan(config(pipeline_boundaries=[3, 6]).strategy, layers, 3, None)

@@ -237,12 +237,12 @@ def _which(raw: dict[str, Any]) -> bool:
 
 
 def test_auto_leaves_topk_and_other_machines_to_the_backend(tmp_path: Path) -> None:
-    topk = tiny_raw(tmp_path / "t", comm={"compression": "topk"})  # an all-gather
-    assert run_ranks(_which, 2, topk) == [False, False]
-    powersgd = tiny_raw(tmp_path / "p", comm={"compression": "powersgd"})  # sums only
-    assert run_ranks(_which, 2, powersgd) == [True, True]
+    topk = tiny_raw(tmp_path / "t", comm={"compression": "topk", "transport": "auto"})
+    assert run_ranks(_which, 2, topk) == [False, False]  # an all-gather
+    powersgd = tiny_raw(tmp_path / "p", comm={"compression": "powersgd", "transport": "auto"})
+    assert run_ranks(_which, 2, powersgd) == [True, True]  # sums only
     # Two "machines" of one rank each (as the multi-host tests run them).
-    plain = tiny_raw(tmp_path / "n")
+    plain = tiny_raw(tmp_path / "n", comm={"transport": "auto"})
     assert run_ranks(_which, 2, plain, env={"LOCAL_WORLD_SIZE": "1"}) == [False, False]
     assert run_ranks(_which, 2, plain) == [True, True]
 
@@ -264,7 +264,7 @@ def _without_room(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_auto_goes_on_through_gloo_where_no_segment_can_be_made(tmp_path: Path) -> None:
-    auto = tiny_raw(tmp_path / "a")
+    auto = tiny_raw(tmp_path / "a", comm={"transport": "auto"})
     first, second = run_ranks(_without_room, 2, auto)
     assert first["shared"] is False and second["shared"] is False
     # Said once, by the group's first rank.

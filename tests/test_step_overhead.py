@@ -1,11 +1,12 @@
 """What a step costs beside its math, and that cutting it keeps the guarantees.
 
-A step's global item count from its plan (``Task.items_per_sample``): the same training, bit
-for bit, as counting every step in an all-reduce; no per-step collective; a wrong declaration
-is an error naming the rank; preemption still stops every rank after the same step. Workers
-bound to their own cores on request (``dist.pin_cores``). The loop's small exact shortcuts
-(the item count, the loss scale handed to backward, no copy to where a tensor already is)
-give what the long way gives."""
+The step's agreement (global item count, stop flag) rides in the gradient sync: no step makes
+a collective of its own for it, whether the task declares ``Task.items_per_sample`` or not, and
+both train the same, bit for bit; its packing is exact; a hook that cannot carry it leaves it
+to one small all-reduce. A wrong declaration is an error naming the rank; preemption stops
+every rank after the same step. Workers bound to their own cores on request
+(``dist.pin_cores``). The loop's small exact shortcuts (the item count, the loss scale handed to
+backward, no copy to where a tensor already is) give what the long way gives."""
 
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ import numpy as np
 import pytest
 import torch
 
+from dtrain.comm.agreement import MAX_CARRYING_RANKS, StepAgreement
 from dtrain.data.loader import split_to_device, to_device
-from dtrain.fault.preempt import StopChecks
-from dtrain.parallel.base import LossScale, run_micro_batches
 from dtrain.runtime import core_share
+from dtrain.step import LossScale, run_micro_batches
 from dtrain.task import IGNORE_INDEX, count_target_items, split_input_target
 from dtrain.testing import RankFailed, run_ranks
 from tests.conftest import tiny_raw
@@ -61,8 +62,6 @@ def test_the_planned_count_trains_bit_identically_to_the_counted_one(
         "strategy": {"name": strategy},
         "data": {"global_batch_size": 7, "micro_batches": 2},
         "train": {"steps": 6, "log_every": 3},
-        # Checks after every step: the same collectives as the counting run, one step later.
-        "fault": {"preempt_check_s": 0},
     }
     counted = run_ranks(train_counting_collectives, 2, tiny_raw(tmp_path / "count", job))
     planned = run_ranks(
@@ -73,18 +72,69 @@ def test_the_planned_count_trains_bit_identically_to_the_counted_one(
         assert planned[rank]["items"] == counted[rank]["items"] == 6 * 7 * SEQ_LEN
 
 
-def test_the_planned_count_makes_no_collective_in_a_step(tmp_path: Path) -> None:
-    job = {"train": {"steps": 12, "log_every": 100}}
-    counted = run_ranks(train_counting_collectives, 2, tiny_raw(tmp_path / "count", job))
-    # A stop check far apart: only the one after the first step.
-    planned = run_ranks(
-        train_counting_collectives,
-        2,
-        tiny_raw(tmp_path / "plan", job, task=DECLARED, fault={"preempt_check_s": 1e6}),
+def train_counting_steps(raw: dict[str, Any]) -> dict[str, Any]:
+    """Train; the collectives this rank's strategy counted, and its gradient buckets."""
+    trainer = make_trainer(raw)
+    before = trainer.strategy.comm.collectives
+    trainer.fit()
+    buckets = len(trainer.strategy.buckets)  # type: ignore[attr-defined]
+    return {"collectives": trainer.strategy.comm.collectives - before, "buckets": buckets}
+
+
+def collectives_of_12_steps(run_dir: Path, job: dict[str, Any], task: dict[str, Any]) -> Any:
+    """The collectives of 12 steps: a run of 16 against one of 4 that is the same otherwise
+    (set-up, the first step, the final evaluation and save)."""
+    long, short = (
+        run_ranks(
+            train_counting_steps,
+            2,
+            tiny_raw(run_dir / str(steps), job, task=task, train={"steps": steps}),
+        )[0]
+        for steps in (16, 4)
     )
-    # Counting: one all-reduce of [items, stop] in each of the 12 steps; the plan: one check.
-    assert counted[0]["collectives"] - planned[0]["collectives"] == 12 - 1
-    assert_bit_equal(counted[0]["params"], planned[0]["params"])
+    assert long["buckets"] == short["buckets"] >= 1
+    return long["collectives"] - short["collectives"], long["buckets"]
+
+
+STEPS_ONLY = {
+    "strategy": {"name": "allreduce"},
+    "train": {"log_every": 1000},
+    "balance": {"every": 1000, "window_s": 0},
+    "eval": {"every": 0},
+    "checkpoint": {"every": 0},
+}
+
+
+@pytest.mark.parametrize("declared", [False, True])
+def test_no_step_makes_a_collective_of_its_own_for_its_count_or_stop(
+    tmp_path: Path, declared: bool
+) -> None:
+    task = DECLARED if declared else {}
+    collectives, buckets = collectives_of_12_steps(tmp_path, STEPS_ONLY, task)
+    assert collectives == 12 * buckets  # one all-reduce per bucket; the agreement rides along
+
+
+def test_a_hook_that_cannot_carry_the_agreement_leaves_it_to_an_all_reduce(
+    tmp_path: Path,
+) -> None:
+    # fp16 buckets cannot hold the packed counts exactly: one small all-reduce a step more.
+    job = {**STEPS_ONLY, "comm": {"compression": "fp16"}}
+    collectives, buckets = collectives_of_12_steps(tmp_path, job, {})
+    assert collectives == 12 * (buckets + 1)
+
+
+def test_the_agreement_packs_counts_that_sum_exactly_in_float32() -> None:
+    rng = np.random.default_rng(0)
+    for ranks in (2, 7, MAX_CARRYING_RANKS):
+        counts = rng.integers(0, 2**36, ranks)
+        stops = rng.random(ranks) < 0.01
+        packed = [StepAgreement(int(c), bool(s)).pack() for c, s in zip(counts, stops)]
+        sums = torch.tensor(packed, dtype=torch.float32).sum(dim=0)  # as an all-reduce adds
+        agreed = StepAgreement(0, False)
+        agreed.unpack(sums.tolist())
+        assert agreed.items == int(counts.sum()) and agreed.stop == bool(stops.any())
+    with pytest.raises(ValueError, match="2\\*\\*36"):
+        StepAgreement(2**36, False)
 
 
 def test_a_wrong_items_per_sample_is_an_error_naming_the_rank(tmp_path: Path) -> None:
@@ -104,11 +154,10 @@ def test_sigterm_with_the_planned_count_stops_every_rank_after_the_same_step(
         "train": {"steps": 16, "log_every": 1},
         "checkpoint": {"every": 4},
         "optim": {"name": "adamw", "lr": 3e-3, "warmup_steps": 2},
-        "fault": {"preempt_check_s": 0},
     }
     reference = run_ranks(train_params, 2, tiny_raw(tmp_path / "ref", job, task=DECLARED))
     run_dir = tmp_path / "pre"
-    # SIGTERM reaches only rank 1, at the start of step 6; the check after step 6 carries it.
+    # SIGTERM reaches only rank 1, at the start of step 6; step 6's agreement carries it.
     stopped = run_ranks(
         signal_self_at_step, 2, tiny_raw(run_dir, job, task=DECLARED), 1, 6, "SIGTERM"
     )
@@ -118,20 +167,6 @@ def test_sigterm_with_the_planned_count_stops_every_rank_after_the_same_step(
     assert (run_dir / "checkpoints/step-00000006/COMMITTED.json").exists()
     resumed = run_ranks(train_params, 2, tiny_raw(run_dir, job, task=DECLARED))
     assert_bit_equal(reference[0], resumed[0])
-
-
-def test_stop_checks_space_out_to_the_interval_and_start_after_the_first_step() -> None:
-    checks = StopChecks(interval_s=1.0)
-    assert checks.due(1)  # the first step of a run (or of a resumed one)
-    checks.checked(1, mean_step_s=0.004)  # 4 ms steps: the next check 250 steps later
-    assert not checks.due(250) and checks.due(251)
-    checks.checked(251, mean_step_s=3.0)  # steps longer than the interval: after every step
-    assert checks.due(252)
-    checks.checked(252, mean_step_s=1e-6)  # never more than MAX_EVERY steps apart
-    assert checks.next_step == 252 + StopChecks.MAX_EVERY
-    every_step = StopChecks(interval_s=0.0)
-    every_step.checked(5, mean_step_s=0.001)
-    assert every_step.due(6)
 
 
 def test_core_share_splits_the_cores_evenly_in_local_rank_order(
@@ -207,11 +242,11 @@ def test_backward_from_the_scale_equals_backward_of_the_scaled_loss_bit_for_bit(
     expected = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     model.zero_grad(set_to_none=True)
     fake = SimpleNamespace(model=model)
-    result = run_micro_batches(fake, micro, item_losses, scale)  # type: ignore[arg-type]
+    loss_sum = run_micro_batches(fake, micro, item_losses, scale)  # type: ignore[arg-type]
     got = [p.grad for p in model.parameters() if p.grad is not None]
     assert len(got) == len(expected) == 4
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
-    assert result.loss_sum.dtype == dtype
+    assert loss_sum.dtype == dtype
 
 
 def test_to_device_hands_back_a_tensor_already_on_the_device() -> None:

@@ -1,8 +1,9 @@
 """Token-balanced batches keep the update of one process: each rank sums its per-token losses
 and divides by the global token count (the trainer's ``scale = dp / count`` before DDP averages
 the gradients), which equals the single-process mean over the whole batch however the tokens
-are cut across ranks and micro-batches. A pure test, on the same step function the ``ddp``
-strategy runs."""
+are cut across ranks and micro-batches -- also when the scale assumed another count and the
+gradients are rescaled after the sync (:mod:`dtrain.step`). A pure test, on the step function
+every strategy runs."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from dtrain.data.partition import partition_samples, partition_tokens
 from dtrain.data.text import collate_padded
 from dtrain.models.gpt import GPT, GPTConfig
-from dtrain.parallel.base import run_micro_batches
+from dtrain.step import run_micro_batches
 from dtrain.task import count_target_items
 from tests.tasks import VariableTokens, lm_loss
 
@@ -25,10 +26,13 @@ def grads(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
 
 
+@pytest.mark.parametrize("assumed", [1.0, 0.7])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_per_rank_sums_over_the_global_count_equal_the_single_process_mean(
-    dtype: torch.dtype,
+    dtype: torch.dtype, assumed: float
 ) -> None:
+    # ``assumed``: the count the scale assumed, as a share of the true one (1: exact; 0.7: the
+    # step before held fewer tokens, so the gradients are rescaled once the count is agreed).
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, seq_len=48, n_layer=1, n_head=2, d_model=16)).to(dtype)
     data = VariableTokens(96, 48, seed=3)
@@ -53,17 +57,20 @@ def test_per_rank_sums_over_the_global_count_equal_the_single_process_mean(
         batches = [[collate_padded([data[i] for i in m]) for m in rank] for rank in parts]
         count = sum(count_target_items(t) for rank in batches for _, t in rank)
         assert count == int(lengths.sum())
-        scale = torch.tensor(world / count, dtype=dtype)  # what Trainer.fit computes
+        expected = round(assumed * count)
+        scale = torch.tensor(world / expected, dtype=dtype)  # what ForwardBackward computes
         loss_total = 0.0
         summed = [torch.zeros_like(g) for g in single_grads]
         rank_means = []
         for rank in batches:
             model.zero_grad()
-            result = run_micro_batches(fake, rank, lm_loss, scale)  # type: ignore[arg-type]
-            loss_total += float(result.loss_sum)
-            rank_means.append(float(result.loss_sum) / sum(count_target_items(t) for _, t in rank))
+            loss_sum = run_micro_batches(fake, rank, lm_loss, scale)  # type: ignore[arg-type]
+            loss_total += float(loss_sum)
+            rank_means.append(float(loss_sum) / sum(count_target_items(t) for _, t in rank))
             summed = [s + g for s, g in zip(summed, grads(model))]
         averaged = [s / world for s in summed]  # DDP's all-reduce mean
+        if expected != count:  # rescale_gradients, after the sync
+            averaged = [a * (expected / count) for a in averaged]
         worst_loss = max(worst_loss, abs(loss_total / count - single))
         worst_grad = max(
             worst_grad, max(float((a - b).abs().max()) for a, b in zip(averaged, single_grads))

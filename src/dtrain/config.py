@@ -134,13 +134,6 @@ class FaultConfig:
     preempt_grace_s: float = _opt(
         120.0, "time the launcher gives workers to save after a preemption signal", min=1
     )
-    preempt_check_s: float = _opt(
-        1.0,
-        "with Task.items_per_sample (no per-step collective to carry the preemption flag): "
-        "seconds between the ranks' agreements on it (0 = every step); a signal is acted on "
-        "within about this long plus a step",
-        min=0,
-    )
     heartbeat_s: float = _opt(
         1.0,
         "seconds between liveness beats (names a rank that stops responding)",

@@ -105,12 +105,20 @@ RENAMED = {
     ),
 }
 
+# Keys an earlier version had that this one does not need: key -> why, and what to do.
+REMOVED = {
+    "fault.preempt_check_s": "every step's ranks agree on a preemption with its gradient sync "
+    "now, at no cost; remove the key",
+}
+
 
 def _build_section(section: str, cls: type, values: Mapping[str, Any]) -> Any:
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in values.items():
+        if f"{section}.{key}" in REMOVED:
+            raise ConfigError(f"config key {section}.{key} is gone: {REMOVED[f'{section}.{key}']}")
         if f"{section}.{key}" in RENAMED:
             new_key, note = RENAMED[f"{section}.{key}"]
             raise ConfigError(f"config key {section}.{key} is now {new_key} ({note})")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from dtrain.data.loader import eval_batches, split_to_device, to_device
-from dtrain.parallel.base import Strategy
+from dtrain.parallel.base import LockstepForward, Strategy
 from dtrain.task import Task
 
 
@@ -35,7 +35,7 @@ def evaluate_loss(
         pair, items = split_to_device(task, batch, device)
         totals[0] += strategy.eval_loss(pair, task.loss_fn).double()
         totals[1] += items
-    if strategy.lockstep_eval:
+    if isinstance(strategy, LockstepForward):
         # Strategies with collectives in forward need the same number of forward passes on
         # every rank: the ranks with a smaller share run padding batches, not counted.
         total = len(task.val_data) if max_samples <= 0 else min(max_samples, len(task.val_data))

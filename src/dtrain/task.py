@@ -84,10 +84,10 @@ class Task:
     # dtrain.parallel.blocks.find_blocks).
     shard_units: Callable[[nn.Module], list[nn.Module]] | None = None
     # Items (what count_items counts) every training sample holds, when all hold the same
-    # number: a fixed-length window's tokens, 1 for a classifier's sample. Every rank then
-    # knows a step's global item count from its plan, and the step makes no collective to
-    # count it (nor to agree on preemption, see fault.preempt_check_s); each rank checks every
-    # batch against it. None: the ranks count every step's items in a small all-reduce.
+    # number: a fixed-length window's tokens, 1 for a classifier's sample. Each rank then checks
+    # every batch against it, and even a process's first step knows its global count from the
+    # plan. Optional: without it, the ranks agree on every step's count in its gradient sync,
+    # at no cost a step (dtrain.step).
     items_per_sample: int | None = None
 
 

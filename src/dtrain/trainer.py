@@ -9,13 +9,11 @@ What happens, and where each concern plugs in::
               balance.step_started()               # per-rank phase timing (balance/)
               batch = next(loader)                 # micro-batches of (inputs, targets)
               balance.data_ready(step, batch)      # data wait ends; the slowdown aid arms
-              count, stop = all_reduce(items in batch, preemption flag)
-              if stop: save, exit 0                # every rank agrees on the same step
-                                                   # (Task.items_per_sample: count = the plan's,
-                                                   # no collective; stop agreed after the step,
-                                                   # about every fault.preempt_check_s)
-              strategy.forward_backward(batch, scale = dp_size / count)
-                                                   # grads = d(global mean loss), synced
+              forward_backward(batch, items, stop flag)      (dtrain.step, every strategy)
+                  for each micro-batch: loss_fn(model(x), y).sum().backward(scale)
+                  strategy.sync_gradients()        # grads = d(global mean loss), synced;
+                                                   # the ranks' agreement on the step (global
+                                                   # items, stop) rides in the last bucket
               start the logged step's loss sum and, once a timing window, its gather
                                                    # (both complete during the update)
               norm = strategy.clip_grad_norm()     # global norm: the same on every rank
@@ -28,13 +26,14 @@ What happens, and where each concern plugs in::
                                                    # timings, name stragglers, new shares
               every log_every:         a train record to every sink (metrics.jsonl,
                                        progress line, TensorBoard); events as they happen
+              if any rank was asked to stop: save, exit 0   # all after the same step
               every eval.every:        evaluate (each val sample exactly once)
               every checkpoint.every:  save (async: the loop waits for a snapshot only)
     end:    evaluate, final checkpoint, summary
 
 The trainer never asks which strategy it runs; everything strategy-specific is behind
-:class:`dtrain.parallel.base.Strategy`. A collective that fails because a peer died or hung
-becomes a :class:`~dtrain.fault.peer_failure.PeerFailure` naming that peer.
+:class:`dtrain.parallel.base.Strategy` and its capabilities. A collective that fails because
+a peer died or hung becomes a :class:`~dtrain.fault.peer_failure.PeerFailure` naming that peer.
 """
 
 from __future__ import annotations
@@ -50,6 +49,7 @@ from dtrain.checkpoint import state as training_state
 from dtrain.checkpoint import write as ckpt
 from dtrain.checkpoint.resume import ResumePoint, resolve_resume, rollback_point
 from dtrain.checkpoint.rng import rank_seed, seed_everything
+from dtrain.comm.agreement import StepAgreement
 from dtrain.config import Config
 from dtrain.data.build import build_train_loader
 from dtrain.data.loader import RankLoader, StepBatch, split_to_device
@@ -57,7 +57,7 @@ from dtrain.errors import UserError
 from dtrain.evaluation import evaluate_loss
 from dtrain.fault.audit import AuditWriter
 from dtrain.fault.failpoints import failpoint
-from dtrain.fault.preempt import PreemptionFlag, StopChecks
+from dtrain.fault.preempt import PreemptionFlag
 from dtrain.fault.status import RunStatus, write_status
 from dtrain.fault.watchdog import Watchdog
 from dtrain.metrics import records
@@ -66,8 +66,9 @@ from dtrain.metrics.summary import LossWindow, Summary
 from dtrain.metrics.tensorboard import check_available as check_tensorboard
 from dtrain.optim import build_optimizer, build_scheduler
 from dtrain.parallel import build_strategy
-from dtrain.parallel.base import LossScale
+from dtrain.parallel.base import ShardedState
 from dtrain.runtime import Runtime, barrier
+from dtrain.step import ForwardBackward
 from dtrain.task import Task
 
 
@@ -84,7 +85,13 @@ class Trainer:
         self.strategy.setup(task)
         self.optimizer = build_optimizer(self.strategy.named_parameters(), cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
-        self.loader: RankLoader = build_train_loader(task, cfg, self.strategy, runtime.device)
+        self.loader: RankLoader = build_train_loader(
+            task,
+            cfg,
+            self.strategy.data_parallel_rank,
+            self.strategy.data_parallel_size,
+            runtime.device,
+        )
         # Per-rank phase timing, straggler reports and (balance.mode) per-rank batch shares.
         self.balance = LoadBalancer(
             cfg,
@@ -137,18 +144,16 @@ class Trainer:
             log=self.log,
         )
         self.audit: AuditWriter | None = None
-        # With Task.items_per_sample no step counts its items in a collective, so none carries
-        # the preemption flag: the ranks agree on it after the steps these checks pick.
         per_sample = task.items_per_sample
         if per_sample is not None and (isinstance(per_sample, bool) or per_sample < 1):
             raise UserError(f"Task.items_per_sample = {per_sample!r}: expected a positive integer")
-        self.stop_checks = StopChecks(cfg.fault.preempt_check_s) if per_sample else None
+        # Forward and backward over a step's micro-batches, and the ranks' agreement on it.
+        self.forward_backward = ForwardBackward(self.strategy, runtime.device)
         # This rank's communication totals at the last metrics line; set-up's (the broadcast
         # of rank 0's parameters) belongs to no step.
         self._comm_mark = self.strategy.comm.totals()
         # This rank's parameter bytes, for the start and train records (sizes do not change).
         self.param_bytes = self.strategy.parameter_bytes()
-        self.loss_scale = LossScale(runtime.device)
 
     # -- logging -------------------------------------------------------------------------
 
@@ -173,6 +178,8 @@ class Trainer:
             "items_seen": self.items_seen,
             "skipped_steps": self.skipped_steps,
             "rollbacks": self.rollbacks,
+            # The item count the next step's loss scale assumes (dtrain.step).
+            "expected_items": self.forward_backward.expected,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -180,6 +187,8 @@ class Trainer:
         self.items_seen = int(state["items_seen"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.rollbacks = int(state.get("rollbacks", 0))
+        expected = state.get("expected_items")
+        self.forward_backward.expected = None if expected is None else int(expected)
 
     def save_checkpoint(self, *, blocking: bool) -> None:
         self.watchdog.set_phase("checkpoint")
@@ -244,8 +253,6 @@ class Trainer:
         if cfg.fault.audit_sample_ids:
             self.audit = AuditWriter.open(self.run_dir, self.runtime.rank)
         window = LossWindow(self.runtime.device)
-        if self.stop_checks is not None:
-            self.stop_checks.start(self.step)
         last_loss = float("nan")
         self.strategy.unwrapped.train()
         while self.step < cfg.train.steps:
@@ -256,25 +263,10 @@ class Trainer:
             micro = [part for part, _ in parts]
             count = sum(items for _, items in parts)
             self.balance.data_ready(self.step + 1, batch, count)
+            planned = self._planned_items(batch, count)
             failpoint("train.before_collective", step=self.step + 1)
-            if self.stop_checks is None:
-                # One small all-reduce: the global item count and whether any rank was asked
-                # to stop. Agreeing here puts every rank's preemption on the same step.
-                self.watchdog.set_phase("all_reduce(item count)")
-                global_items, stop = self.strategy.agree_on_step(count, preempt.requested)
-                if stop:
-                    self.loader.rewind(batch.plan.start)  # fetched, not trained on
-                    summary.preempted = preempt.signal_name or "a peer's signal"
-                    self._event("preempted", signal=summary.preempted)
-                    break
-            else:
-                # The count is the plan's, on every rank, without a collective: a collective
-                # costs a step its fixed latency and CPU (about 0.3 ms on gloo), which a step of
-                # a few milliseconds feels.
-                assert self.task.items_per_sample is not None
-                global_items = batch.planned_items(self.task.items_per_sample, count, self.step + 1)
             logs = (self.step + 1) % cfg.train.log_every == 0 or self.step + 1 == cfg.train.steps
-            norm = self._train_step(micro, global_items, window, logs)
+            agreement, norm = self._train_step(micro, count, preempt, planned, window, logs)
             self.step += 1
             # Strategies that synchronize every few steps (localsgd, diloco) do it here,
             # before a rollback, a checkpoint or an evaluation of this step sees the model.
@@ -284,7 +276,7 @@ class Trainer:
             # step on (the same on every rank).
             self.watchdog.set_phase("balance")
             self._write_records(self.balance.step_finished(self.step))
-            self.items_seen += global_items
+            self.items_seen += agreement.items
             if self.audit is not None:
                 self.audit.record(
                     self.step,
@@ -304,15 +296,12 @@ class Trainer:
                 self.watchdog.set_phase("all_reduce(metrics)")
                 last_loss, rate, steps, elapsed = window.flush()
                 self._log_train(last_loss, norm, rate, steps, elapsed)
-            if (
-                self.stop_checks is not None
-                and self.step < cfg.train.steps
-                and self.stop_checks.due(self.step)
-                and self._agree_to_stop(preempt)
-            ):
+            if agreement.stop and self.step < cfg.train.steps:
+                # Every rank learnt it in the same step's agreement: all stop after this
+                # step's update, and the final save follows.
                 summary.preempted = preempt.signal_name or "a peer's signal"
                 self._event("preempted", signal=summary.preempted)
-                break  # after this step's update, on every rank: the final save follows
+                break
             if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.train.steps:
                 self.evaluate(cfg.eval.max_samples)
             if (
@@ -335,7 +324,7 @@ class Trainer:
         summary.checkpoint = str(self.run_dir / "checkpoints" / layout.step_dir_name(self.step))
         summary.wall_s = time.perf_counter() - started
         summary.items = self.items_seen
-        if self.strategy.counts_all_traffic:
+        if not isinstance(self.strategy, ShardedState):
             summary.comm_bytes, summary.comm_wait_s = self.strategy.comm.totals()
         if self.progress is not None:
             self.progress.close()
@@ -353,19 +342,34 @@ class Trainer:
         self.watchdog.set_phase("done")
         return summary
 
+    def _planned_items(self, batch: StepBatch, count: int) -> int | None:
+        """The step's global item count from its plan, where the task declares
+        ``items_per_sample`` (this rank's ``count`` checked against it); else None."""
+        per_sample = self.task.items_per_sample
+        if per_sample is None:
+            return None
+        return batch.planned_items(per_sample, count, self.step + 1)
+
     def _train_step(
-        self, micro: list[Any], global_items: int, window: LossWindow, logs: bool
-    ) -> float:
+        self,
+        micro: list[Any],
+        count: int,
+        preempt: PreemptionFlag,
+        planned: int | None,
+        window: LossWindow,
+        logs: bool,
+    ) -> tuple[StepAgreement, float]:
         """Forward, backward, clip and (when the gradient is finite) update; the step's loss
         goes into ``window``, whose sum over the ranks starts here on a step that logs.
-        Returns the global gradient norm."""
+        Returns what the ranks agreed on about the step, and the global gradient norm."""
         failpoint("train.step", step=self.step + 1)
-        scale = self.loss_scale(self.strategy.data_parallel_size / max(1, global_items))
         self.watchdog.set_phase("forward_backward")
-        result = self.strategy.forward_backward(micro, self.task.loss_fn, scale)
+        loss_sum, agreement = self.forward_backward(
+            micro, self.task.loss_fn, count, preempt.requested, planned
+        )
         # The gradient sync has just brought the ranks together: start the step's small
         # collectives now, to complete during the optimizer step.
-        window.add(result.loss_sum, global_items)
+        window.add(loss_sum, agreement.items)
         if logs:
             window.start_sum(self.strategy)
         self.balance.backward_done(self.step + 1)
@@ -379,19 +383,7 @@ class Trainer:
             self.nan_streak.clear()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm
-
-    def _agree_to_stop(self, preempt: PreemptionFlag) -> bool:
-        """After a step StopChecks picked: whether any rank was asked to stop."""
-        assert self.stop_checks is not None
-        self.watchdog.set_phase("all_reduce(stop)")
-        return self.stop_checks.agree(
-            self.step,
-            preempt.requested,
-            self.strategy.comm,
-            self.runtime.device,
-            self.runtime.world_size,
-        )
+        return agreement, norm
 
     def _on_non_finite(self, batch: StepBatch) -> None:
         """NaN guard: the step was skipped on every rank; roll back after N in a row."""
@@ -472,7 +464,7 @@ class Trainer:
             items_seen=self.items_seen,
             skipped_steps=self.skipped_steps,
             param_bytes=self.param_bytes,
-            counted=self.strategy.counts_all_traffic,
+            counted=not isinstance(self.strategy, ShardedState),
         )
         assert self.metrics is not None
         self.metrics.write(record)  # the progress line is one of the sinks

@@ -11,7 +11,7 @@ from typing import Any
 from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
 from dtrain.config import Config
-from dtrain.config_load import RENAMED
+from dtrain.config_load import REMOVED, RENAMED
 from dtrain.errors import CheckpointError, UserError
 
 if sys.version_info >= (3, 11):
@@ -50,11 +50,13 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """The keys that differ and may not; a key the saved config lacks (a checkpoint made
     before the key existed) counts as its default, which is what that run trained with. A key
-    since renamed is compared under its new name."""
+    since renamed is compared under its new name; one since removed changes nothing."""
     before, after = flatten(saved), flatten(current)
     for old, (new, _note) in RENAMED.items():
         if old in before:
             before.setdefault(new, before.pop(old))
+    for gone in REMOVED:
+        before.pop(gone, None)
     for key, default in flatten(Config().to_dict()).items():
         before.setdefault(key, default)
     diffs = []

@@ -19,6 +19,8 @@ Each hook counts what it sends in the strategy's :class:`~dtrain.comm.accounting
 
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.distributed as dist
 
@@ -27,7 +29,7 @@ from dtrain.comm.hooks import Bf16Hook, CommHook, Fp16Hook, MeanHook
 from dtrain.comm.powersgd import MIN_START_STEP, PowerSGDHook
 from dtrain.comm.shm import shared_all_reduce_for
 from dtrain.comm.topk import TopKHook
-from dtrain.config import Config
+from dtrain.config import CommConfig, Config
 from dtrain.errors import ConfigError
 
 HOOKS: dict[str, type[CommHook]] = {
@@ -36,17 +38,19 @@ HOOKS: dict[str, type[CommHook]] = {
 
 
 def build_comm_hook(
-    cfg: Config,
+    comm: CommConfig,
+    timeout: datetime.timedelta,
     counter: CommCounter,
     group: dist.ProcessGroup | None,
     device: torch.device,
     capacity: int,
 ) -> CommHook:
     """The hook ``comm.compression`` names, counting into ``counter``, over ``group``, its sums
-    carried as ``comm.transport`` says; ``capacity``: the largest bucket in bytes. Every rank of
-    ``group`` calls this at once (a shared segment is agreed on with collectives)."""
-    hook = HOOKS[cfg.comm.compression].from_config(cfg.comm, counter, group, device)
-    hook.shared = shared_all_reduce_for(cfg, hook.sums_only, group, device, capacity)
+    carried as ``comm.transport`` says; ``capacity``: the largest bucket in bytes, ``timeout``:
+    the collectives'. Every rank of ``group`` calls this at once (a shared segment is agreed on
+    with collectives)."""
+    hook = HOOKS[comm.compression].from_config(comm, counter, group, device)
+    hook.shared = shared_all_reduce_for(comm, timeout, hook.sums_only, group, device, capacity)
     return hook
 
 
@@ -58,13 +62,12 @@ def validate_compression(cfg: Config) -> None:
         raise ConfigError(
             f"comm.transport = 'shm' does not work with comm.compression = "
             f"{comm.compression!r}: a shared-memory segment carries summing all-reduces only "
-            "(compression none, fp16, bf16 or powersgd); use comm.transport = 'auto' or "
-            "'backend'"
+            "(compression none, fp16, bf16 or powersgd); use comm.transport = 'backend'"
         )
     if comm.transport == "shm" and cfg.dist.device == "cuda":
         raise ConfigError(
             "comm.transport = 'shm' does not work with dist.device = 'cuda': it sums tensors "
-            "in host memory; use comm.transport = 'auto' or 'backend' (NCCL has its own)"
+            "in host memory; use comm.transport = 'backend' (NCCL has its own)"
         )
     if comm.compression == "powersgd" and comm.powersgd_start_step < MIN_START_STEP:
         raise ConfigError(

@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket
 
 from dtrain.comm.accounting import CommCounter
-from dtrain.comm.mean import divide_
+from dtrain.comm.agreement import MAX_CARRYING_RANKS, StepAgreement
+from dtrain.comm.mean import divide_, divide_into
 from dtrain.comm.shm import SharedMemoryAllReduce
 from dtrain.config import CommConfig
 
@@ -70,6 +71,8 @@ class CommHook:
         # Set by build_comm_hook where comm.transport puts the sums in shared memory.
         self.shared: SharedMemoryAllReduce | None = None
         self._last_bucket = False  # whether the bucket being reduced is the step's last
+        self._carried: StepAgreement | None = None  # to sum with this step's last bucket
+        self._staging: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
     @classmethod
     def from_config(
@@ -92,6 +95,20 @@ class CommHook:
         """Start averaging ``bucket`` over the group; the future's value is the mean, shaped
         like ``bucket.buffer()``."""
         raise NotImplementedError
+
+    def carry(self, agreement: StepAgreement) -> None:
+        """Sum ``agreement`` over the group with this step's last bucket, if this hook can
+        (:class:`MeanHook`, a float32 or float64 bucket, a group of at most
+        ``MAX_CARRYING_RANKS``); ``agreement.agreed`` says afterwards whether it did."""
+        self._carried = agreement
+
+    def _take_carried(self, bucket: Bucket) -> StepAgreement | None:
+        """The agreement to sum with ``bucket``: only the step's last, and only once."""
+        if not bucket.is_last():
+            return None
+        carried, self._carried = self._carried, None
+        fits = bucket.buffer().dtype in (torch.float32, torch.float64)
+        return carried if fits and self.world_size <= MAX_CARRYING_RANKS else None
 
     @contextlib.contextmanager
     def local_only(self) -> Iterator[None]:
@@ -192,13 +209,36 @@ def _first_value(future: torch.futures.Future[list[torch.Tensor]]) -> torch.Tens
 
 class MeanHook(CommHook):
     """No compression: the mean by one all-reduce of the bucket (torch's ``allreduce_hook``,
-    counted). Dividing *before* summing keeps the sum in range, as torch does."""
+    counted). Dividing *before* summing keeps the sum in range, as torch does.
+
+    The step's agreement (item count, stop flag) rides in the last bucket's all-reduce: the
+    bucket, divided, and the agreement's packed values go into one staging buffer, summed at
+    once, and copied back -- a copy of one bucket instead of a collective of its own."""
 
     name = "none"
     sums_only = True
 
     def reduce(self, bucket: Bucket) -> torch.futures.Future[torch.Tensor]:
-        return self.mean_future(bucket.buffer())
+        carried = self._take_carried(bucket)
+        if carried is None:
+            return self.mean_future(bucket.buffer())
+        buffer = bucket.buffer()
+        n = buffer.numel()
+        key = (n, buffer.dtype, buffer.device)
+        if key not in self._staging:
+            self._staging[key] = buffer.new_empty(n + carried.WIDTH)
+        # staging: (bucket numel + WIDTH,) = the bucket's share of the mean, then the packed
+        # agreement (exact integers: summed, never divided).
+        staging = self._staging[key]
+        divide_into(buffer, self.world_size, out=staging[:n])
+        staging[n:].copy_(torch.tensor(carried.pack(), dtype=buffer.dtype))
+
+        def unpack(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            summed = fut.value()
+            carried.unpack(summed[n:].tolist())
+            return buffer.copy_(summed[:n])
+
+        return self.sum_future(staging).then(unpack)
 
 
 class CastHook(CommHook):

@@ -30,6 +30,7 @@ behind in ``/dev/shm``; the mapping lives until the last rank using it exits.
 
 from __future__ import annotations
 
+import datetime
 import mmap
 import os
 import platform
@@ -44,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain.comm.mean import divide_into
-from dtrain.config import Config
+from dtrain.config import CommConfig
 from dtrain.fault.progress import process_alive, progress_dir
 from dtrain.runtime import env_int
 
@@ -63,7 +64,8 @@ _STALE_S = 60.0
 
 
 def shared_all_reduce_for(
-    cfg: Config,
+    comm: CommConfig,
+    timeout: datetime.timedelta,
     sums_only: bool,
     group: dist.ProcessGroup | None,
     device: torch.device,
@@ -74,7 +76,7 @@ def shared_all_reduce_for(
     sends nothing but summing all-reduces; ``capacity``: its largest tensor in bytes.
 
     Every input is the same on every rank of the group, so all of them decide alike."""
-    transport = cfg.comm.transport
+    transport = comm.transport
     if transport == "backend":
         return None
     reason = unavailable_reason(
@@ -84,13 +86,13 @@ def shared_all_reduce_for(
         world_size=dist.get_world_size(),
     )
     if reason is None and not sums_only:
-        reason = f"comm.compression = {cfg.comm.compression!r} sends more than sums"
+        reason = f"comm.compression = {comm.compression!r} sends more than sums"
     if reason is not None:
         if transport == "shm":
             raise RuntimeError(f"comm.transport = 'shm' cannot be used: {reason}")
         return None
     try:
-        return SharedMemoryAllReduce(group, capacity, cfg.dist.timeout_s)
+        return SharedMemoryAllReduce(group, capacity, timeout.total_seconds())
     except SegmentUnavailable as error:
         if transport == "shm":
             raise

@@ -13,7 +13,6 @@ from dtrain.data.partition import OrderSpec
 from dtrain.errors import ConfigError
 
 if TYPE_CHECKING:
-    from dtrain.parallel.base import Strategy
     from dtrain.task import Task
 
 
@@ -68,8 +67,9 @@ def max_micro_batch(cfg: Config, data_parallel_size: int) -> int:
 
 
 def build_train_loader(
-    task: Task, cfg: Config, strategy: Strategy, device: torch.device
+    task: Task, cfg: Config, rank: int, ranks: int, device: torch.device
 ) -> RankLoader:
+    """This data-parallel ``rank``'s loader, of ``ranks`` that share each global batch."""
     dataset = task.train_data
     lengths = None
     if cfg.data.split in ("auto", "tokens"):
@@ -84,11 +84,11 @@ def build_train_loader(
         order=order_spec(dataset, cfg),
         global_batch_size=cfg.data.global_batch_size,
         micro_batches=cfg.data.micro_batches,
-        rank=strategy.data_parallel_rank,
-        world_size=strategy.data_parallel_size,
+        rank=rank,
+        world_size=ranks,
         collate_fn=task.collate_fn,
         lengths=lengths,
-        max_micro_batch=max_micro_batch(cfg, strategy.data_parallel_size),
+        max_micro_batch=max_micro_batch(cfg, ranks),
         num_workers=cfg.data.num_workers,
         prefetch=default_prefetch(cfg.data.prefetch, device),
         pin_memory=device.type == "cuda",

@@ -48,4 +48,4 @@ def strategy_class(name: str) -> type[Strategy]:
 
 
 def build_strategy(cfg: Config, runtime: Runtime) -> Strategy:
-    return strategy_class(cfg.strategy.name)(cfg, runtime)
+    return strategy_class(cfg.strategy.name).from_config(cfg, runtime)

@@ -70,18 +70,12 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.comm.compression import build_comm_hook
-from dtrain.comm.hooks import CommHook, run_comm_hook
+from dtrain.comm.hooks import run_comm_hook
 from dtrain.comm.mean import divide_
-from dtrain.parallel.base import (
-    BackwardSyncControl,
-    LossFn,
-    StepResult,
-    Strategy,
-    run_micro_batches,
-)
+from dtrain.parallel.base import BackwardSyncControl, CommHookControl, UnevenShares
+from dtrain.parallel.grad_sync import MIB, assign_buckets
 from dtrain.task import Task
 
-MIB = 1024 * 1024
 FIRST_BUCKET_BYTES = MIB
 
 
@@ -143,32 +137,6 @@ def allreduce_hook(
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def assign_buckets(
-    params: Sequence[torch.Tensor], cap_bytes: int, first_cap_bytes: int | None = None
-) -> list[list[int]]:
-    """Indices of ``params`` grouped into buckets of at most ``cap_bytes`` (a tensor larger
-    than that gets a bucket of its own), keeping the given order. ``first_cap_bytes`` bounds
-    the first bucket instead, if smaller. A bucket holds one dtype and device only, since it is
-    flattened into one buffer; tensors of another kind fill their own open bucket, as in DDP.
-    Buckets are returned in the order of their first tensor."""
-    first_cap = min(cap_bytes, first_cap_bytes or cap_bytes)
-    buckets: list[list[int]] = []
-    filling: dict[tuple[torch.dtype, torch.device], list[int]] = {}  # one open bucket per kind
-    filled_bytes: dict[tuple[torch.dtype, torch.device], int] = {}
-    for index, param in enumerate(params):
-        kind = (param.dtype, param.device)
-        size = param.numel() * param.element_size()
-        limit = cap_bytes if buckets else first_cap
-        if kind in filling and filled_bytes[kind] + size > limit:
-            buckets.append(filling.pop(kind))  # this tensor would overflow it: close it
-        if kind not in filling:
-            filling[kind], filled_bytes[kind] = [], 0
-        filling[kind].append(index)
-        filled_bytes[kind] += size
-    buckets.extend(filling.values())
-    return sorted(buckets, key=lambda members: members[0])
-
-
 @dataclass(eq=False)
 class _Bucket:
     index: int
@@ -179,12 +147,10 @@ class _Bucket:
     future: torch.futures.Future[torch.Tensor] | None = None
 
 
-class AllReduceStrategy(Strategy, BackwardSyncControl):
+class AllReduceStrategy(CommHookControl, UnevenShares, BackwardSyncControl):
     """Hand-written data parallel: bucketed, overlapped all-reduce of gradients."""
 
     name = "allreduce"
-    takes_compression = True
-    takes_load_balancing = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -211,13 +177,14 @@ class AllReduceStrategy(Strategy, BackwardSyncControl):
         # Reverse registration order approximates the order backward finishes gradients in,
         # so that the first buckets fill (and start communicating) early in backward.
         params.reverse()
-        cap = max(1, int(self.cfg.strategy.bucket_mb * MIB))
+        cap = max(1, int(self.options.bucket_mb * MIB))
         # A small first bucket (DDP's default too) starts communicating early in backward
         # instead of waiting for a whole bucket_mb of gradients.
         for members in assign_buckets(params, cap, first_cap_bytes=FIRST_BUCKET_BYTES):
             self._add_bucket([params[i] for i in members])
         hook = build_comm_hook(
-            self.cfg,
+            self.comm_options,
+            self.runtime.timeout,
             self.comm,
             self.data_parallel_group,
             self.runtime.device,
@@ -255,10 +222,6 @@ class AllReduceStrategy(Strategy, BackwardSyncControl):
             raise RuntimeError("register_comm_hook() must be called before the first step")
         self.comm_state, self.comm_hook = state, hook
 
-    def stateful_comm_hook(self) -> CommHook | None:
-        state = self.comm_state
-        return state if isinstance(state, CommHook) and state.stateful else None
-
     # -- accumulation --------------------------------------------------------------------
 
     def no_backward_sync(self) -> contextlib.AbstractContextManager[None]:
@@ -274,12 +237,8 @@ class AllReduceStrategy(Strategy, BackwardSyncControl):
 
     # -- the step ------------------------------------------------------------------------
 
-    def forward_backward(
-        self, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, scale: torch.Tensor
-    ) -> StepResult:
-        result = run_micro_batches(self, micro_batches, loss_fn, scale)
+    def sync_gradients(self) -> None:
         self.finish_gradient_sync()
-        return result
 
     def _grad_ready(self, bucket: _Bucket, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: ``param.grad`` holds its final value for this backward."""
@@ -321,14 +280,14 @@ class AllReduceStrategy(Strategy, BackwardSyncControl):
     def finish_gradient_sync(self) -> None:
         """Complete the step's gradient sync: launch what backward did not, wait for every
         bucket and write the averaged gradients into ``.grad``. After it, gradients are equal
-        on every rank. (``forward_backward`` calls it; a hand-written loop calls it after the
-        last backward of a step.)"""
+        on every rank. (``sync_gradients``; a hand-written loop calls it after the last
+        backward of a step.)"""
         if not self.buckets:
             return
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
         # After every bucket: each rank has then issued the same collectives in the same order.
-        used = self._globally_used() if self.cfg.strategy.find_unused_parameters else None
+        used = self._globally_used() if self.options.find_unused_parameters else None
         results = []
         for bucket in self.buckets:
             assert bucket.future is not None

@@ -1,12 +1,34 @@
 """The strategy interface: how a model is spread over ranks, and nothing else.
 
-The trainer talks to a strategy only through :class:`Strategy`; it never asks which one it has.
-A strategy owns the wrapped model, runs forward and backward over one step's micro-batches
-(leaving gradients synchronized and normalized), and moves the model's state in and out of
-checkpoints (:meth:`Strategy.checkpoint_parts`: whole files from rank 0 here; shards from every
-rank in :class:`~dtrain.parallel.sharded.ShardedStrategy`). Abilities that only some strategies
-have are separate, explicit capabilities (:class:`BackwardSyncControl` for skipping gradient
-sync on accumulation micro-steps), in the manner of Lightning Fabric's ``_BackwardSyncControl``.
+A strategy wraps the model, synchronizes gradients after the step's backward, lays out the
+model's and optimizer's state in checkpoints, and gives the model for evaluation and inference.
+The trainer runs the step itself -- forward, loss and backward over the micro-batches, the same
+for every strategy (:mod:`dtrain.step`) -- and talks to a strategy only through
+:class:`Strategy`; it never asks which one it has.
+
+What only some strategies can do is a capability, each a small class a strategy also derives
+from and the trainer tests with ``isinstance`` (in the manner of Lightning Fabric's
+``_BackwardSyncControl``):
+
+=====================  ======================================================================
+capability             what it gives                                       who
+=====================  ======================================================================
+BackwardSyncControl    ``no_backward_sync()``: accumulation micro-steps    ddp, allreduce, fsdp
+                       without gradient sync
+CommHookControl        gradients through comm hooks: ``comm.compression``, ddp, allreduce
+                       ``register_comm_hook()``, the hook's state in
+                       checkpoints, the step's agreement carried with the
+                       last bucket
+UnevenShares           ranks may hold different shares of a batch and run  ddp, allreduce
+                       different numbers of micro-steps (load balancing)
+LockstepForward        collectives in forward: every rank runs the same     fsdp, pipeline,
+                       number of forward passes (evaluation pads)          tensor
+ShardedState           ranks hold different parts of the model state        fsdp, pipeline,
+                       (checkpoints through DCP; its traffic runs inside    tensor
+                       torch, so ``comm`` does not count all of it)
+OwnStep                the strategy runs the step's micro-batches itself    pipeline
+                       (its schedule interleaves them across stages)
+=====================  ======================================================================
 
 A subclass sets ``name`` (what ``strategy.name`` says); the registry that looks names up is the
 package's ``__init__`` (``build_strategy``), which imports the strategy a run uses: this module
@@ -18,7 +40,6 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -28,12 +49,11 @@ from torch import nn
 
 from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
-from dtrain.checkpoint.read import check_model_fits
 from dtrain.checkpoint.state import CheckpointParts
 from dtrain.comm.accounting import CommCounter
 from dtrain.comm.compression import validate_compression
 from dtrain.comm.hooks import CommHook
-from dtrain.config import Config, validate_for_world
+from dtrain.config import CommConfig, Config, StrategyConfig, validate_for_world
 from dtrain.errors import CheckpointError, ConfigError
 from dtrain.optim import fit_saved_groups
 from dtrain.parallel.grad_norm import gradient_norm, local_part
@@ -43,65 +63,49 @@ from dtrain.task import Task
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 
-@dataclass
-class StepResult:
-    loss_sum: torch.Tensor  # this rank's summed per-item loss over the step (detached)
-
-
-class BackwardSyncControl(ABC):
-    """Capability: run a backward pass without synchronizing gradients."""
-
-    @abstractmethod
-    def no_backward_sync(self) -> contextlib.AbstractContextManager[None]: ...
-
-
 class Strategy(ABC):
     name: ClassVar[str] = ""
-    # Whether gradients go through comm hooks that comm.compression can replace (ddp,
-    # allreduce); any other strategy rejects compression in validate_config.
-    takes_compression: ClassVar[bool] = False
-    # Whether ranks may hold different shares of a global batch and run different numbers of
-    # micro-steps (balance.mode = 'throughput'): true where gradients meet once per step, on
-    # each rank's last micro-batch, and nothing else in a step is collective (ddp, allreduce).
-    takes_load_balancing: ClassVar[bool] = False
-    # Whether ``comm`` counts every byte this strategy sends. Strategies whose collectives run
-    # inside torch (FSDP's gathers, pipeline sends, tensor-parallel all-reduces) count only
-    # dtrain's own, so their totals are left out of the metrics rather than understated.
-    counts_all_traffic: ClassVar[bool] = True
 
-    def __init__(self, cfg: Config, runtime: Runtime) -> None:
-        self.cfg = cfg
+    def __init__(self, runtime: Runtime, options: StrategyConfig, comm: CommConfig) -> None:
         self.runtime = runtime
+        self.options = options  # [strategy]
+        self.comm_options = comm  # [comm]
         self.module: nn.Module | None = None  # the user's model, unwrapped
-        self.model: nn.Module | None = None  # what forward runs through
+        self.model: nn.Module | None = None  # what a training forward runs through
         # Bytes this rank sends and time it waits on communication (dtrain.comm.accounting):
         # every collective a strategy issues is counted here.
         self.comm = CommCounter()
         self._norm_params: list[nn.Parameter] | None = None  # clip_grad_norm's, once
 
     @classmethod
+    def from_config(cls, cfg: Config, runtime: Runtime) -> Strategy:
+        """The strategy, given the config sections it uses (a subclass that needs more takes
+        them here)."""
+        return cls(runtime, cfg.strategy, cfg.comm)
+
+    @classmethod
     def validate_config(cls, cfg: Config, world_size: int) -> None:
         """Reject, in the parent process, a config this strategy cannot run at this world
         size. Data parallel by default: every rank is a data-parallel rank. (A strategy with
-        another mesh dimension calls this with its data-parallel size.) Compression is
-        rejected here for every strategy that does not take it."""
+        another mesh dimension calls this with its data-parallel size.)"""
         validate_for_world(cfg, world_size)
-        if cfg.comm.compression != "none" and not cls.takes_compression:
+        hooks = issubclass(cls, CommHookControl)
+        if cfg.comm.compression != "none" and not hooks:
             raise ConfigError(
                 f"comm.compression = {cfg.comm.compression!r} does not work with "
                 f"strategy.name = {cls.name!r}: it takes comm.compression = 'none' only "
                 "(gradient compression needs a strategy that all-reduces whole gradients "
                 "through comm hooks: ddp or allreduce)"
             )
-        if cfg.comm.transport == "shm" and not cls.takes_compression:
+        if cfg.comm.transport == "shm" and not hooks:
             raise ConfigError(
                 f"comm.transport = 'shm' does not work with strategy.name = {cls.name!r}: it "
                 "carries the gradient all-reduce of ddp and allreduce only; use "
-                "comm.transport = 'auto'"
+                "comm.transport = 'backend'"
             )
-        if cls.takes_compression:
+        if hooks:
             validate_compression(cfg)
-        if cfg.balance.mode != "off" and not cls.takes_load_balancing:
+        if cfg.balance.mode != "off" and not issubclass(cls, UnevenShares):
             raise ConfigError(
                 f"balance.mode = {cfg.balance.mode!r} does not work with strategy.name = "
                 f"{cls.name!r}: per-rank batch shares need a strategy whose ranks may run "
@@ -122,11 +126,22 @@ class Strategy(ABC):
     def data_parallel_group(self) -> dist.ProcessGroup | None:
         return None  # the default (world) group
 
+    @property
+    def counts_items(self) -> bool:
+        """Whether this rank's items count towards a step's global item count: each item is
+        counted once, by one rank of the ranks that hold it (all of them, in data parallel)."""
+        return True
+
     # -- set-up --------------------------------------------------------------------------
 
     @abstractmethod
     def setup(self, task: Task) -> None:
         """Move the model to the device and wrap it; sets ``module`` and ``model``."""
+
+    def before_first_step(self, micro_batch: tuple[Any, Any], loss_fn: LossFn) -> None:
+        """Called once, with the first micro-batch, before this process's first step (DDP
+        settles its buckets here). Default: nothing."""
+        return None
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """The parameters this rank's optimizer updates."""
@@ -134,7 +149,6 @@ class Strategy(ABC):
         return self.model.parameters()
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        assert self.model is not None
         return self.unwrapped.named_parameters()
 
     @property
@@ -142,23 +156,24 @@ class Strategy(ABC):
         assert self.module is not None, "setup() has not run"
         return self.module
 
-    # -- the step ------------------------------------------------------------------------
+    def parameter_bytes(self) -> int:
+        """Bytes of parameters this rank holds (of a sharded parameter, its local part)."""
+        return sum(local_part(p).numel() * p.element_size() for p in self.parameters())
 
-    @abstractmethod
-    def forward_backward(
-        self, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, scale: torch.Tensor
-    ) -> StepResult:
-        """Forward and backward over one step's micro-batches of ``(inputs, targets)``.
+    # -- after the step's backward -------------------------------------------------------
 
-        Each micro-batch's summed loss is multiplied by ``scale`` before backward; the trainer
-        sets it to ``data_parallel_size / global_item_count`` so that after the (averaging)
-        gradient sync every rank holds the gradient of the global mean loss."""
+    def sync_gradients(self) -> None:
+        """After the step's last backward: complete what backward started, so that every
+        rank holds its synchronized gradients. The trainer scales each rank's loss by
+        ``data_parallel_size / global items``, so an averaging sync gives the gradient of the
+        global mean. Default: nothing (a wrapper synchronized them in backward)."""
+        return None
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Clip by the global gradient norm (0 = only measure it); returns the norm."""
+        """Clip by the global gradient norm (0 = only measure it); returns the norm, the same
+        on every rank (the trainer's NaN guard takes the same branch everywhere on it)."""
         if self._norm_params is None:
-            # The parameters are the same objects for the whole run (a rollback loads values
-            # into them): walking the module tree costs ~8 µs a step even for a 4-layer MLP.
+            # The same parameter objects for the whole run (a rollback loads values into them).
             self._norm_params = list(self.parameters())
         if max_norm > 0:
             params = [p for p in self._norm_params if p.grad is not None]
@@ -171,6 +186,8 @@ class Strategy(ABC):
         the same numbers). Strategies that synchronize every few steps (``localsgd``,
         ``diloco``) do it here; collective for them. Default: nothing."""
         return None
+
+    # -- collectives the trainer asks for ------------------------------------------------
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel group, in place; returns the tensor."""
@@ -208,14 +225,13 @@ class Strategy(ABC):
 
         return wait
 
-    def agree_on_step(self, items: int, stop: bool) -> tuple[int, bool]:
-        """In one collective, what every rank must agree on before a step: the global item
-        count (each item counted once) and whether any rank was asked to stop. Data parallel:
-        one all-reduce over the data-parallel group, which is every rank. (A pipeline's
-        stages hold the same items and are not in one data-parallel group: it overrides.)"""
-        agreed = torch.tensor([items, float(stop)], dtype=torch.float64, device=self.runtime.device)
-        self.all_reduce_sum(agreed)
-        return int(agreed[0]), bool(agreed[1] > 0)
+    # -- evaluation and inference --------------------------------------------------------
+
+    @torch.no_grad()
+    def eval_loss(self, batch: tuple[Any, Any], loss_fn: LossFn) -> torch.Tensor:
+        """Summed loss of one evaluation batch on this rank (no gradient sync involved)."""
+        inputs, targets = batch
+        return loss_fn(self.unwrapped(inputs), targets).sum()
 
     def model_for_inference(self) -> nn.Module | None:
         """The model to run the task's after-training hook with on this rank, or None when
@@ -223,29 +239,16 @@ class Strategy(ABC):
         model on rank 0."""
         return self.unwrapped if self.runtime.is_main else None
 
-    @torch.no_grad()
-    def eval_loss(self, batch: tuple[Any, Any], loss_fn: LossFn) -> torch.Tensor:
-        """Summed loss of one evaluation batch on this rank (no gradient sync involved)."""
-        inputs, targets = batch
-        module = self.unwrapped
-        return loss_fn(module(inputs), targets).sum()
-
     # -- state ---------------------------------------------------------------------------
 
     def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> CheckpointParts:
         """What this rank writes of the model and optimizer into a checkpoint. Replicated (this
         default): every rank holds the same, so rank 0 writes both whole, as ``model.pt`` and
-        ``optimizer.pt``. (:class:`~dtrain.parallel.sharded.ShardedStrategy` overrides.)"""
+        ``optimizer.pt``. (:class:`ShardedState` strategies override.)"""
         parts = CheckpointParts()
         if self.runtime.is_main:
             parts.files[layout.MODEL_FILE] = self.model_state_dict()
             parts.files[layout.OPTIMIZER_FILE] = self.optimizer_state_dict(optimizer)
-        hook = self.stateful_comm_hook()
-        if hook is not None:  # every rank: the residuals differ from rank to rank
-            parts.files[layout.comm_file(self.data_parallel_rank)] = {
-                "layout": self._comm_layout(hook),
-                "hook": hook.state_dict(),
-            }
         return parts
 
     def load_checkpoint_parts(self, optimizer: torch.optim.Optimizer, step_dir: Path) -> None:
@@ -258,39 +261,9 @@ class Strategy(ABC):
                 "the strategy that saved it"
             )
         model_state = ckread.load_file(step_dir, layout.MODEL_FILE)
-        check_model_fits(self.model_state_dict(), model_state, step_dir)
+        ckread.check_model_fits(self.model_state_dict(), model_state, step_dir)
         self.load_model_state_dict(model_state)
         self.load_optimizer_state_dict(optimizer, ckread.load_file(step_dir, layout.OPTIMIZER_FILE))
-        self.load_comm_hook_state(step_dir)
-
-    def stateful_comm_hook(self) -> CommHook | None:
-        """The communication hook whose training state (error-feedback residuals, ...) a
-        checkpoint holds, one ``comm-rankNNNNN.pt`` per rank; None when there is none."""
-        return None
-
-    def load_comm_hook_state(self, step_dir: Path) -> None:
-        """Restore this rank's hook state from ``step_dir`` when it was saved with the same
-        layout: the same method, strategy, bucket size and data-parallel size (residuals are
-        kept per bucket, and belong to a rank's share of the data, as RNG streams do). Else,
-        or when the checkpoint has none (saved without compression), the hook starts afresh."""
-        hook = self.stateful_comm_hook()
-        if hook is None:
-            return
-        name = layout.comm_file(self.data_parallel_rank)
-        saved = ckread.load_file(step_dir, name) if (step_dir / name).exists() else {}
-        if saved.get("layout") == self._comm_layout(hook):
-            hook.load_state_dict(saved["hook"])
-        else:
-            hook.reset()
-
-    def _comm_layout(self, hook: CommHook) -> dict[str, Any]:
-        """What a hook's saved state is only valid under."""
-        return {
-            "compression": hook.name,
-            "strategy": self.name,
-            "bucket_mb": self.cfg.strategy.bucket_mb,
-            "data_parallel_size": self.data_parallel_size,
-        }
 
     def model_state_dict(self) -> dict[str, Any]:
         return self.unwrapped.state_dict()
@@ -306,60 +279,104 @@ class Strategy(ABC):
     ) -> None:
         optimizer.load_state_dict(fit_saved_groups(state, optimizer))
 
-    @property
-    def replicated_state(self) -> bool:
-        """True when every rank holds the whole model and optimizer state (rank 0 saves it)."""
-        return True
+
+# -- capabilities ---------------------------------------------------------------------------
+
+
+class BackwardSyncControl(ABC):
+    """Capability: run a backward pass without synchronizing gradients."""
+
+    @abstractmethod
+    def no_backward_sync(self) -> contextlib.AbstractContextManager[None]: ...
+
+
+class CommHookControl(Strategy):
+    """Capability: gradients are averaged through a communication hook, ``hook(state,
+    bucket) -> Future[Tensor]`` (DDP's shape): the one ``comm.compression`` names, or one
+    registered with :meth:`register_comm_hook`. A hook of ours (:class:`CommHook`) counts its
+    bytes, may keep training state (error feedback: saved per rank, ``comm-rankNNNNN.pt``)
+    and carries the step's agreement with its last bucket (:mod:`dtrain.step`)."""
+
+    comm_state: Any = None  # the hook's state (a CommHook, or what a registered hook takes)
+
+    @abstractmethod
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        """Use ``hook(state, bucket)`` instead of the hook ``comm.compression`` names; before
+        the first step. Its bytes are not counted unless it counts them itself."""
 
     @property
-    def lockstep_eval(self) -> bool:
-        """True when every rank must run the same number of forward passes (collectives in
-        forward: FSDP's all-gathers, pipeline sends); evaluation then pads with batches that
-        are computed and not counted."""
-        return False
+    def comm_hook_of_ours(self) -> CommHook | None:
+        """The hook's state when it is one of ours, else None."""
+        return self.comm_state if isinstance(self.comm_state, CommHook) else None
 
-    def parameter_bytes(self) -> int:
-        """Bytes of parameters this rank holds (of a sharded parameter, its local part)."""
-        return sum(local_part(p).numel() * p.element_size() for p in self.parameters())
+    def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> CheckpointParts:
+        parts = super().checkpoint_parts(optimizer)
+        hook = self.comm_hook_of_ours
+        if hook is not None and hook.stateful:  # every rank: residuals differ between ranks
+            parts.files[layout.comm_file(self.data_parallel_rank)] = {
+                "layout": self._comm_layout(hook),
+                "hook": hook.state_dict(),
+            }
+        return parts
+
+    def load_checkpoint_parts(self, optimizer: torch.optim.Optimizer, step_dir: Path) -> None:
+        """Also restore this rank's hook state when it was saved with the same layout: the
+        same method, strategy, bucket size and data-parallel size (residuals are kept per
+        bucket, and belong to a rank's share of the data, as RNG streams do). Else, or when
+        the checkpoint has none (saved without compression), the hook starts afresh."""
+        super().load_checkpoint_parts(optimizer, step_dir)
+        hook = self.comm_hook_of_ours
+        if hook is None or not hook.stateful:
+            return
+        name = layout.comm_file(self.data_parallel_rank)
+        saved = ckread.load_file(step_dir, name) if (step_dir / name).exists() else {}
+        if saved.get("layout") == self._comm_layout(hook):
+            hook.load_state_dict(saved["hook"])
+        else:
+            hook.reset()
+
+    def _comm_layout(self, hook: CommHook) -> dict[str, Any]:
+        """What a hook's saved state is only valid under."""
+        return {
+            "compression": hook.name,
+            "strategy": self.name,
+            "bucket_mb": self.options.bucket_mb,
+            "data_parallel_size": self.data_parallel_size,
+        }
 
 
-class LossScale:
-    """The trainer's loss scale (``data_parallel_size / global items``) as a float32 tensor on
-    the training device; the last one again while the value stays, as on every step of
-    fixed-length data. A new tensor from a Python float took ~20 µs of a 3 ms CPU step, and is a
-    host-to-device copy on a GPU; strategies only read it."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._last: tuple[float, torch.Tensor] | None = None
-
-    def __call__(self, value: float) -> torch.Tensor:
-        if self._last is None or self._last[0] != value:
-            self._last = (value, torch.tensor(value, dtype=torch.float32, device=self.device))
-        return self._last[1]
+class UnevenShares:
+    """Capability: ranks may hold different shares of a global batch and run different numbers
+    of micro-steps (``balance.mode = 'throughput'``): gradients meet once per step, on each
+    rank's last micro-batch, and nothing else in a step is collective."""
 
 
-def run_micro_batches(
-    strategy: Strategy,
-    micro_batches: Sequence[tuple[Any, Any]],
-    loss_fn: LossFn,
-    scale: torch.Tensor,
-) -> StepResult:
-    """Forward and backward over the step's micro-batches, one after the other; returns the
-    summed loss. A strategy with :class:`BackwardSyncControl` syncs gradients on the last
-    micro-batch only."""
-    assert strategy.model is not None
-    total: torch.Tensor | None = None
-    last = len(micro_batches) - 1
-    for index, (inputs, targets) in enumerate(micro_batches):
-        ctx: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-        if index < last and isinstance(strategy, BackwardSyncControl):
-            ctx = strategy.no_backward_sync()
-        with ctx:
-            loss_sum = loss_fn(strategy.model(inputs), targets).sum()
-            # The gradient of ``loss_sum * scale``, bit for bit (the product's backward would
-            # pass on 1.0 x scale), without the product and its backward node.
-            loss_sum.backward(scale if scale.dtype == loss_sum.dtype else scale.to(loss_sum.dtype))
-        total = loss_sum.detach() if total is None else total + loss_sum.detach()
-    assert total is not None, "a step has at least one micro-batch"
-    return StepResult(loss_sum=total)
+class LockstepForward:
+    """Capability (a constraint, really): there are collectives in forward (FSDP's
+    all-gathers, pipeline sends, tensor-parallel all-reduces), so every rank must run the same
+    number of forward passes; evaluation pads with batches computed and not counted."""
+
+
+class ShardedState:
+    """Capability: ranks hold different parts of the model and optimizer state; checkpoints
+    go through ``torch.distributed.checkpoint`` (:mod:`dtrain.parallel.sharded`). Their
+    collectives run inside torch, so ``comm`` counts only dtrain's own: their totals are left
+    out of the metrics rather than understated."""
+
+
+class OwnStep(ABC):
+    """Capability: the strategy runs a step's micro-batches itself, where its schedule
+    interleaves them (a pipeline's stages), instead of the trainer's forward/backward loop."""
+
+    @abstractmethod
+    def forward_backward(
+        self, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, scale: torch.Tensor
+    ) -> torch.Tensor:
+        """Forward and backward over the step's micro-batches, each micro-batch's summed loss
+        multiplied by ``scale`` before backward, gradients synchronized; returns this rank's
+        summed loss (detached; zero where this rank computes none)."""
+
+
+def replicated_state(strategy: Strategy) -> bool:
+    """Whether every rank holds the whole model and optimizer state (rank 0 saves it)."""
+    return not isinstance(strategy, ShardedState)

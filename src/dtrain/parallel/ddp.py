@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,26 +25,23 @@ from dtrain.comm.compression import build_comm_hook
 from dtrain.comm.hooks import CommHook, run_comm_hook
 from dtrain.parallel.base import (
     BackwardSyncControl,
+    CommHookControl,
     LossFn,
-    StepResult,
-    Strategy,
-    run_micro_batches,
+    UnevenShares,
 )
 from dtrain.task import Task
 
 
-class DDPStrategy(Strategy, BackwardSyncControl):
+class DDPStrategy(CommHookControl, UnevenShares, BackwardSyncControl):
     """torch DistributedDataParallel: replicated model, bucketed all-reduce in backward"""
 
     name = "ddp"
-    takes_compression = True
-    takes_load_balancing = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # The comm hook, as DDP takes it: hook(state, bucket). Set-up builds the one
         # comm.compression names; register_comm_hook replaces it. DDP takes one hook, once:
-        # it is registered with the first step.
+        # it is registered before the first step.
         self.comm_state: Any = None
         self.comm_hook: Any = None
         self._hook_registered = False
@@ -57,8 +53,8 @@ class DDPStrategy(Strategy, BackwardSyncControl):
             self.model = DistributedDataParallel(
                 self.module,
                 device_ids=device_ids,
-                bucket_cap_mb=self.cfg.strategy.bucket_mb,
-                find_unused_parameters=self.cfg.strategy.find_unused_parameters,
+                bucket_cap_mb=self.options.bucket_mb,
+                find_unused_parameters=self.options.find_unused_parameters,
                 # Gradients live in the buckets the all-reduce works on, instead of being copied
                 # in before it and out after: one gradient-sized buffer less, and 1-4% less step
                 # time on CPU (benchmarks/peers.py).
@@ -72,7 +68,8 @@ class DDPStrategy(Strategy, BackwardSyncControl):
                 # (a Python call where torch otherwise takes its hook-free path).
                 self.model.register_forward_pre_hook(self._count_buffer_sync)
             self.comm_state = build_comm_hook(
-                self.cfg,
+                self.comm_options,
+                self.runtime.timeout,
                 self.comm,
                 self.data_parallel_group,
                 self.runtime.device,
@@ -89,10 +86,6 @@ class DDPStrategy(Strategy, BackwardSyncControl):
         if self._hook_registered:
             raise RuntimeError("register_comm_hook() must be called before the first step")
         self.comm_state, self.comm_hook = state, hook
-
-    def stateful_comm_hook(self) -> CommHook | None:
-        state = self.comm_state
-        return state if isinstance(state, CommHook) and state.stateful else None
 
     def _register_hook(self) -> None:
         self._hook_registered = True
@@ -117,17 +110,13 @@ class DDPStrategy(Strategy, BackwardSyncControl):
             return self.model.no_sync()
         return contextlib.nullcontext()
 
-    def forward_backward(
-        self, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, scale: torch.Tensor
-    ) -> StepResult:
-        if not self._hook_registered:
-            self._register_hook()
-        if not self._warmed_up:
-            self._warm_up(micro_batches[0], loss_fn)
-        result = run_micro_batches(self, micro_batches, loss_fn, scale)
+    def before_first_step(self, micro_batch: tuple[Any, Any], loss_fn: LossFn) -> None:
+        self._register_hook()
+        self._warm_up(micro_batch, loss_fn)
+
+    def sync_gradients(self) -> None:
         if isinstance(self.model, DistributedDataParallel):
             self._count_backward_sync()
-        return result
 
     def _count_backward_sync(self) -> None:
         """After a step's synchronized backward: the time waited on its buckets, and the
@@ -138,11 +127,9 @@ class DDPStrategy(Strategy, BackwardSyncControl):
             # backward returned: DDP waits for every bucket, then copies them into .grad.
             self.comm.waited(time.perf_counter() - hook.last_launch)
             hook.last_launch = None
-        if self.cfg.strategy.find_unused_parameters:
+        if self.options.find_unused_parameters:
             flags = sum(1 for p in self.unwrapped.parameters() if p.requires_grad)
             self.comm.all_reduce(4 * flags, self.data_parallel_size)  # int32 each
-
-    _warmed_up = False
 
     def _warm_up(self, micro_batch: tuple[Any, Any], loss_fn: LossFn) -> None:
         """One throwaway synced backward before the first real step of this process.
@@ -159,10 +146,9 @@ class DDPStrategy(Strategy, BackwardSyncControl):
         buckets from its first step on, in every run, so it gets this pass at any world size.
         Our hooks send nothing in it. (With ``find_unused_parameters`` DDP never rebuilds.)
         """
-        self._warmed_up = True
         if (
             not isinstance(self.model, DistributedDataParallel)
-            or self.cfg.strategy.find_unused_parameters
+            or self.options.find_unused_parameters
         ):
             return
         hook = self.comm_state if isinstance(self.comm_state, CommHook) else None

@@ -14,7 +14,7 @@ per rank, resharded on load, so a run saved on 4 ranks resumes on 2 or on 1.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,18 +28,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from dtrain.parallel.base import (
-    BackwardSyncControl,
-    LossFn,
-    StepResult,
-    run_micro_batches,
-)
+from dtrain.parallel.base import BackwardSyncControl, LockstepForward, LossFn
 from dtrain.parallel.blocks import find_blocks
 from dtrain.parallel.sharded import ShardedStrategy
 from dtrain.task import Task
 
 
-class FSDPStrategy(ShardedStrategy, BackwardSyncControl):
+class FSDPStrategy(ShardedStrategy, LockstepForward, BackwardSyncControl):
     """fully sharded data parallel (FSDP2): parameters, gradients and optimizer state 1/N each"""
 
     name = "fsdp"
@@ -48,19 +43,15 @@ class FSDPStrategy(ShardedStrategy, BackwardSyncControl):
         device = self.runtime.device
         module = task.model.to(device)
         mesh = init_device_mesh(device.type, (self.runtime.world_size,))
-        dtype = torch.bfloat16 if self.cfg.strategy.precision == "bf16" else torch.float32
+        dtype = torch.bfloat16 if self.options.precision == "bf16" else torch.float32
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         units = task.shard_units(module) if task.shard_units else find_blocks(module)
-        reshard = self.cfg.strategy.reshard_after_forward
+        reshard = self.options.reshard_after_forward
         for unit in units:
             fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
         self.module = module
         self.model = module
-
-    @property
-    def lockstep_eval(self) -> bool:
-        return True
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         assert self.model is not None
@@ -81,11 +72,6 @@ class FSDPStrategy(ShardedStrategy, BackwardSyncControl):
                 model.set_requires_gradient_sync(True)
 
         return skip_sync()
-
-    def forward_backward(
-        self, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, scale: torch.Tensor
-    ) -> StepResult:
-        return run_micro_batches(self, micro_batches, loss_fn, scale)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         norm = super().clip_grad_norm(max_norm)

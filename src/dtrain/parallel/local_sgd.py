@@ -61,7 +61,7 @@ synchronized model. Set ``eval.every`` to a multiple of H to evaluate synchroniz
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,17 +71,12 @@ from torch import nn
 
 from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
-from dtrain.checkpoint.read import check_model_fits
 from dtrain.checkpoint.state import CheckpointParts
-from dtrain.comm.mean import divide_
+from dtrain.config import CommConfig, Config, StrategyConfig
 from dtrain.errors import CheckpointError
-from dtrain.parallel.allreduce import MIB, assign_buckets
-from dtrain.parallel.base import (
-    LossFn,
-    StepResult,
-    Strategy,
-    run_micro_batches,
-)
+from dtrain.parallel.base import Strategy
+from dtrain.parallel.grad_sync import MIB, assign_buckets, average_flat, split_like
+from dtrain.runtime import Runtime
 from dtrain.task import Task
 
 OUTER_FILE = "outer.pt"  # diloco: the anchor and the outer optimizer's state (rank 0)
@@ -100,17 +95,24 @@ class LocalSGDStrategy(Strategy):
 
     name = "localsgd"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self, runtime: Runtime, options: StrategyConfig, comm: CommConfig, *, steps: int
+    ) -> None:
+        super().__init__(runtime, options, comm)
+        self.steps = steps  # train.steps: the replicas meet at the last step too
         self.params: list[nn.Parameter] = []  # what the inner optimizer updates (tied: once)
         self.param_buckets: list[list[nn.Parameter]] = []
         self.buffer_buckets: list[list[torch.Tensor]] = []  # floating-point buffers
         self.syncs = 0  # synchronizations since set-up (tests count them)
-        self.next_step = 1  # the step the next forward_backward is for
+        self.next_step = 1  # the step the next backward is for
+
+    @classmethod
+    def from_config(cls, cfg: Config, runtime: Runtime) -> Strategy:
+        return cls(runtime, cfg.strategy, cfg.comm, steps=cfg.train.steps)
 
     @property
     def local_start_step(self) -> int:
-        return self.cfg.comm.local_start_step
+        return self.comm_options.local_start_step
 
     def warming_up(self, step: int) -> bool:
         """Whether ``step`` is one of the data-parallel steps before the local ones."""
@@ -118,7 +120,7 @@ class LocalSGDStrategy(Strategy):
 
     @property
     def sync_every(self) -> int:
-        return self.cfg.comm.sync_every
+        return self.comm_options.sync_every
 
     # -- set-up --------------------------------------------------------------------------
 
@@ -127,7 +129,7 @@ class LocalSGDStrategy(Strategy):
         # parameters() yields a tied parameter once, so it is averaged once.
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         buffers = [b for b in self.module.buffers() if b.is_floating_point()]
-        cap = max(1, int(self.cfg.strategy.bucket_mb * MIB))
+        cap = max(1, int(self.options.bucket_mb * MIB))
         self.param_buckets = [[self.params[i] for i in m] for m in assign_buckets(self.params, cap)]
         self.buffer_buckets = [[buffers[i] for i in m] for m in assign_buckets(buffers, cap)]
         if self.data_parallel_size > 1:
@@ -144,15 +146,11 @@ class LocalSGDStrategy(Strategy):
 
     # -- the step ------------------------------------------------------------------------
 
-    def forward_backward(
-        self, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, scale: torch.Tensor
-    ) -> StepResult:
+    def sync_gradients(self) -> None:
         # Plain local accumulation: no gradient leaves this rank -- except in the warm-up,
         # where the gradients are averaged as data parallelism does.
-        result = run_micro_batches(self, micro_batches, loss_fn, scale)
         if self.warming_up(self.next_step) and self.data_parallel_size > 1:
             self._average_gradients()
-        return result
 
     @torch.no_grad()
     def _average_gradients(self) -> None:
@@ -168,7 +166,7 @@ class LocalSGDStrategy(Strategy):
             flat = torch.cat([*(g.reshape(-1) for g in grads), flags])
             self._all_reduce_mean(flat)
             grads_part, flags_part = flat[: -len(params)], flat[-len(params) :]
-            for param, part, anyone in zip(params, _split(grads_part, params), flags_part):
+            for param, part, anyone in zip(params, split_like(grads_part, params), flags_part):
                 if param.grad is not None:
                     param.grad.copy_(part)
                 elif anyone > 0:
@@ -192,7 +190,7 @@ class LocalSGDStrategy(Strategy):
         warm-up, where they do not part."""
         if self.warming_up(step):
             return False
-        return self._since_sync(step) == 0 or step == self.cfg.train.steps
+        return self._since_sync(step) == 0 or step == self.steps
 
     def _since_sync(self, step: int) -> int:
         """Local steps after ``step`` since the replicas last met (0 in the warm-up)."""
@@ -223,18 +221,12 @@ class LocalSGDStrategy(Strategy):
     def _average(self, tensors: Sequence[torch.Tensor]) -> None:
         flat = torch.cat([t.reshape(-1) for t in tensors])  # (bucket numel,)
         self._all_reduce_mean(flat)
-        for tensor, part in zip(tensors, _split(flat, tensors)):
+        for tensor, part in zip(tensors, split_like(flat, tensors)):
             tensor.copy_(part)
 
     def _all_reduce_mean(self, flat: torch.Tensor) -> None:
-        """Mean over the data-parallel group, in place. Summed, then divided: every rank ends
-        with the same bits (the sum is the same reduced buffer on all of them)."""
-        if self.data_parallel_size == 1:
-            return
-        with self.comm.waiting():
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.data_parallel_group)
-        self.comm.all_reduce(flat.numel() * flat.element_size(), self.data_parallel_size)
-        divide_(flat, self.data_parallel_size)
+        """Mean over the data-parallel group, in place: every rank ends with the same bits."""
+        average_flat(flat, self.data_parallel_group, self.comm)
 
     # -- state ---------------------------------------------------------------------------
 
@@ -263,7 +255,7 @@ class LocalSGDStrategy(Strategy):
             super().load_checkpoint_parts(optimizer, step_dir)  # model.pt, optimizer.pt
         else:
             state = ckread.load_file(step_dir, replica_file("model", rank))
-            check_model_fits(self.model_state_dict(), state, step_dir)
+            ckread.check_model_fits(self.model_state_dict(), state, step_dir)
             self.load_model_state_dict(state)
             self.load_optimizer_state_dict(
                 optimizer, ckread.load_file(step_dir, replica_file("optimizer", rank))
@@ -318,10 +310,10 @@ class DiLoCoStrategy(LocalSGDStrategy):
             anchor.copy_(param)
 
     def _build_outer_optimizer(self) -> torch.optim.SGD:
-        momentum = self.cfg.comm.outer_momentum
+        momentum = self.comm_options.outer_momentum
         # torch refuses Nesterov without momentum; with momentum 0 both are plain SGD.
         return torch.optim.SGD(
-            self.anchor, lr=self.cfg.comm.outer_lr, momentum=momentum, nesterov=momentum > 0
+            self.anchor, lr=self.comm_options.outer_lr, momentum=momentum, nesterov=momentum > 0
         )
 
     @torch.no_grad()
@@ -336,7 +328,7 @@ class DiLoCoStrategy(LocalSGDStrategy):
             # delta: (bucket numel,), this replica's move since the last sync, negated.
             delta = torch.cat([(a - p).reshape(-1) for a, p in zip(anchors, bucket)])
             self._all_reduce_mean(delta)
-            for anchor, part in zip(anchors, _split(delta, anchors)):
+            for anchor, part in zip(anchors, split_like(delta, anchors)):
                 anchor.grad = part
         self.outer_optimizer.step()
         for param, anchor in zip(self.params, self.anchor):
@@ -399,9 +391,3 @@ class DiLoCoStrategy(LocalSGDStrategy):
             f"{self.data_parallel_size} ranks; every rank restarts from the anchor (the global "
             f"model of the last outer step) with rank 0's inner optimizer state{dropped}"
         )
-
-
-def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
-    """``flat`` cut into views shaped like ``like``, in order."""
-    for part, tensor in zip(flat.split([t.numel() for t in like]), like):
-        yield part.view_as(tensor)

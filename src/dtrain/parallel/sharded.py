@@ -16,24 +16,17 @@ import torch.distributed as dist
 
 from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
-from dtrain.checkpoint.read import check_model_fits
 from dtrain.checkpoint.state import CheckpointParts
-from dtrain.config import Config
+from dtrain.config import StrategyConfig
 from dtrain.errors import CheckpointError
-from dtrain.parallel.base import Strategy
+from dtrain.parallel.base import ShardedState, Strategy
 from dtrain.parallel.mesh import InnerDim, Mesh, MeshShape, mesh_shape
-from dtrain.runtime import Runtime
 
 
-class ShardedStrategy(Strategy):
+class ShardedStrategy(Strategy, ShardedState):
     """A strategy whose ranks each hold part of the model and optimizer state."""
 
     state_dict_options: ClassVar[Any] = None  # torch's StateDictOptions, or None for its default
-    counts_all_traffic = False  # their collectives run inside torch (see Strategy)
-
-    @property
-    def replicated_state(self) -> bool:
-        return False
 
     def sharded_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """``{"model": ..., "optimizer": ...}`` in a form DCP saves and loads in place."""
@@ -83,7 +76,7 @@ class ShardedStrategy(Strategy):
             every: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(every, wanted)
             wanted = {key: shape for part in every for key, shape in part.items()}
-        check_model_fits(wanted, saved, step_dir)
+        ckread.check_model_fits(wanted, saved, step_dir)
         ckread.load_sharded(step_dir, template)
         self.load_sharded_state_dict(optimizer, template)
 
@@ -96,19 +89,25 @@ class MeshStrategy(ShardedStrategy):
     inner_dim: ClassVar[InnerDim]
 
     @classmethod
-    def inner_size(cls, cfg: Config) -> int:
+    def inner_size(cls, options: StrategyConfig) -> int:
         """Ranks along the inner dimension (the config key ``inner_dim`` names)."""
         raise NotImplementedError
 
     @classmethod
-    def mesh_shape_of(cls, cfg: Config, world_size: int) -> MeshShape:
-        """The mesh ``cfg`` asks for at ``world_size`` (a config error when it does not fit)."""
-        return mesh_shape(world_size, cls.inner_size(cfg), cls.inner_dim)
+    def mesh_shape_of(cls, options: StrategyConfig, world_size: int) -> MeshShape:
+        """The mesh ``options`` ask for at ``world_size`` (a config error when it does not
+        fit)."""
+        return mesh_shape(world_size, cls.inner_size(options), cls.inner_dim)
 
-    def __init__(self, cfg: Config, runtime: Runtime) -> None:
-        super().__init__(cfg, runtime)
-        self.shape = self.mesh_shape_of(cfg, runtime.world_size)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.shape = self.mesh_shape_of(self.options, self.runtime.world_size)
         self.mesh: Mesh | None = None
+
+    @property
+    def counts_items(self) -> bool:
+        # The ranks of one model-parallel group hold the same items: its first counts them.
+        return self.shape.coords(self.runtime.rank)[1] == 0
 
     @property
     def data_parallel_rank(self) -> int:

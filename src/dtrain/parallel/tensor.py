@@ -16,7 +16,7 @@ one degree resumes at another.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,19 +35,14 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from dtrain.config import Config
+from dtrain.config import Config, StrategyConfig
 from dtrain.errors import ConfigError
-from dtrain.parallel.base import (
-    LossFn,
-    StepResult,
-    run_micro_batches,
-)
+from dtrain.parallel.base import LockstepForward
 from dtrain.parallel.grad_norm import clip_to_max_norm, local_part, sum_of_squares
-from dtrain.parallel.grad_sync import average_gradients
+from dtrain.parallel.grad_sync import average_in_buckets
 from dtrain.parallel.mesh import TENSOR, build_mesh
 from dtrain.parallel.sharded import MeshStrategy
 from dtrain.parallel.skeleton import ModelSkeleton
-from dtrain.runtime import Runtime
 from dtrain.task import Task
 
 STYLES: dict[str, type[ParallelStyle]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
@@ -95,7 +90,7 @@ def check_no_dropout(model: nn.Module) -> None:
             )
 
 
-class TensorParallelStrategy(MeshStrategy):
+class TensorParallelStrategy(MeshStrategy, LockstepForward):
     """tensor parallel (torch.distributed.tensor.parallel), x data parallel on a 2-D mesh"""
 
     name = "tensor"
@@ -105,25 +100,21 @@ class TensorParallelStrategy(MeshStrategy):
     def validate_config(cls, cfg: Config, world_size: int) -> None:
         # The base's checks, at the data-parallel size (the mesh's other dimension splits
         # layers, not batches).
-        super().validate_config(cfg, cls.mesh_shape_of(cfg, world_size).dp)
+        super().validate_config(cfg, cls.mesh_shape_of(cfg.strategy, world_size).dp)
 
-    def __init__(self, cfg: Config, runtime: Runtime) -> None:
-        super().__init__(cfg, runtime)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._skeleton: ModelSkeleton | None = None  # rank 0: the full model, on meta
 
     # -- topology ------------------------------------------------------------------------
 
     @classmethod
-    def inner_size(cls, cfg: Config) -> int:
-        return cfg.strategy.tensor_parallel
+    def inner_size(cls, options: StrategyConfig) -> int:
+        return options.tensor_parallel
 
     @property
     def _tp_group(self) -> dist.ProcessGroup | None:
         return None if self.mesh is None else self.mesh.inner_group
-
-    @property
-    def lockstep_eval(self) -> bool:
-        return True
 
     # -- set-up --------------------------------------------------------------------------
 
@@ -145,14 +136,10 @@ class TensorParallelStrategy(MeshStrategy):
 
     # -- the step ------------------------------------------------------------------------
 
-    def forward_backward(
-        self, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, scale: torch.Tensor
-    ) -> StepResult:
-        result = run_micro_batches(self, micro_batches, loss_fn, scale)
+    def sync_gradients(self) -> None:
         if self.data_parallel_size > 1:
             grads = [local_part(p.grad) for p in self.parameters() if p.grad is not None]
-            average_gradients(grads, self.data_parallel_group, self.cfg.strategy.bucket_mb)
-        return result
+            average_in_buckets(grads, self.data_parallel_group, self.options.bucket_mb)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         grads = [p.grad for p in self.parameters() if p.grad is not None]

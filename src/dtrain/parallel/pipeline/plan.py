@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtrain.config import Config
+from dtrain.config import StrategyConfig
 from dtrain.errors import ConfigError
 from dtrain.parallel.pipeline.profile import balance_layers
 from dtrain.parallel.pipeline.stages import StagePlan, plan_from_bounds, uniform_bounds
@@ -45,7 +45,7 @@ def check_stage_count(num_stages: int, num_layers: int, model: nn.Module) -> Non
 
 
 def choose_plan(
-    cfg: Config,
+    opts: StrategyConfig,
     layers: Sequence[nn.Module],
     num_stages: int,
     example: Any,
@@ -54,7 +54,6 @@ def choose_plan(
     """The stage boundaries. Collective when profiling: every rank measures the chain and the
     times are averaged over ``group`` (default: the world), so that every rank computes the
     same plan from the same numbers."""
-    opts = cfg.strategy
     n = len(layers)
     if opts.pipeline_boundaries:
         bounds = [0, *opts.pipeline_boundaries, n]

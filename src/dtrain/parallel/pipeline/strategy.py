@@ -40,11 +40,11 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
-from dtrain.config import Config
+from dtrain.config import CommConfig, Config, DataConfig, StrategyConfig
 from dtrain.errors import ConfigError
-from dtrain.parallel.base import LossFn, StepResult
+from dtrain.parallel.base import LockstepForward, LossFn, OwnStep, Strategy
 from dtrain.parallel.grad_norm import clip_to_max_norm, local_part, sum_of_squares
-from dtrain.parallel.grad_sync import average_gradients
+from dtrain.parallel.grad_sync import average_in_buckets
 from dtrain.parallel.mesh import PIPELINE, build_mesh
 from dtrain.parallel.pipeline.batches import (
     batch_signature,
@@ -78,12 +78,12 @@ INTERLEAVED = "interleaved-1f1b"
 _CACHED_SCHEDULES = 8  # distinct batch shapes kept (each holds receive buffers of its shape)
 
 
-def stages_per_rank(cfg: Config) -> int:
-    interleaved = cfg.strategy.pipeline_schedule == INTERLEAVED
-    return cfg.strategy.pipeline_virtual_stages if interleaved else 1
+def stages_per_rank(options: StrategyConfig) -> int:
+    interleaved = options.pipeline_schedule == INTERLEAVED
+    return options.pipeline_virtual_stages if interleaved else 1
 
 
-class PipelineStrategy(MeshStrategy):
+class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
     """pipeline parallel (torch.distributed.pipelining), x data parallel on a 2-D mesh"""
 
     name = "pipeline"
@@ -95,7 +95,7 @@ class PipelineStrategy(MeshStrategy):
 
     @classmethod
     def validate_config(cls, cfg: Config, world_size: int) -> None:
-        shape = cls.mesh_shape_of(cfg, world_size)
+        shape = cls.mesh_shape_of(cfg.strategy, world_size)
         super().validate_config(cfg, shape.dp)  # the base's checks, at the data-parallel size
         pp = shape.inner  # ranks per pipeline
         opts, data = cfg.strategy, cfg.data
@@ -122,10 +122,13 @@ class PipelineStrategy(MeshStrategy):
                     f"micro-batches in rounds of the {pp} stages; use a multiple of "
                     f"{pp}, or at most {pp}"
                 )
-        check_boundaries(opts.pipeline_boundaries, pp * stages_per_rank(cfg))
+        check_boundaries(opts.pipeline_boundaries, pp * stages_per_rank(opts))
 
-    def __init__(self, cfg: Config, runtime: Runtime) -> None:
-        super().__init__(cfg, runtime)
+    def __init__(
+        self, runtime: Runtime, options: StrategyConfig, comm: CommConfig, *, data: DataConfig
+    ) -> None:
+        super().__init__(runtime, options, comm)
+        self.data_options = data  # [data]: the micro-batches a schedule runs
         self.plan: StagePlan | None = None
         self.num_stages = 1
         self.chains: dict[int, StageChain] = {}  # stage index -> this rank's layers
@@ -139,8 +142,12 @@ class PipelineStrategy(MeshStrategy):
     # -- topology ------------------------------------------------------------------------
 
     @classmethod
-    def inner_size(cls, cfg: Config) -> int:
-        return cfg.strategy.pipeline_stages
+    def from_config(cls, cfg: Config, runtime: Runtime) -> Strategy:
+        return cls(runtime, cfg.strategy, cfg.comm, data=cfg.data)
+
+    @classmethod
+    def inner_size(cls, options: StrategyConfig) -> int:
+        return options.pipeline_stages
 
     @property
     def pipeline_rank(self) -> int:
@@ -153,11 +160,7 @@ class PipelineStrategy(MeshStrategy):
 
     @property
     def _fsdp(self) -> bool:
-        return self.cfg.strategy.data_parallel == "fsdp" and self.shape.dp > 1
-
-    @property
-    def lockstep_eval(self) -> bool:
-        return True
+        return self.options.data_parallel == "fsdp" and self.shape.dp > 1
 
     # -- set-up --------------------------------------------------------------------------
 
@@ -166,18 +169,19 @@ class PipelineStrategy(MeshStrategy):
         model = task.model
         layers = model_layers(model)
         self.num_stages = (
-            self.pipeline_size * stages_per_rank(self.cfg) if self.pipeline_size > 1 else 1
+            self.pipeline_size * stages_per_rank(self.options) if self.pipeline_size > 1 else 1
         )
         check_stage_count(self.num_stages, len(layers), model)
         self.mesh = build_mesh(self.shape, self.runtime.rank, device)
         model.to(device)
-        rows = self.cfg.data.global_batch_size // (self.shape.dp * self.cfg.data.micro_batches)
+        data = self.data_options
+        rows = data.global_batch_size // (self.shape.dp * data.micro_batches)
         example = (
             example_input(task.train_data, task.collate_fn, task.split_batch, rows, device)
             if self._needs_example()
             else None
         )
-        self.plan = choose_plan(self.cfg, layers, self.num_stages, example)
+        self.plan = choose_plan(self.options, layers, self.num_stages, example)
         all_chains = [StageChain(layers[r.start : r.stop]) for r in self.plan.stages()]
         kept = [stage_entries(model, [chain]) for chain in all_chains]
         check_coverage(model, kept)
@@ -195,7 +199,7 @@ class PipelineStrategy(MeshStrategy):
         self.model = model
 
     def _needs_example(self) -> bool:
-        opts = self.cfg.strategy
+        opts = self.options
         return (
             self.pipeline_size > 1
             and not opts.pipeline_boundaries
@@ -254,7 +258,7 @@ class PipelineStrategy(MeshStrategy):
             )
             for index, chain in self.chains.items()
         ]
-        name = self.cfg.strategy.pipeline_schedule
+        name = self.options.pipeline_schedule
         if name == INTERLEAVED:
             schedule: Any = ScheduleInterleaved1F1B(
                 stages, chunks, loss_fn=self._stage_loss, scale_grads=False
@@ -296,7 +300,7 @@ class PipelineStrategy(MeshStrategy):
 
     def forward_backward(
         self, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, scale: torch.Tensor
-    ) -> StepResult:
+    ) -> torch.Tensor:
         self._loss_fn, self._scale = loss_fn, scale
         if self.num_stages == 1:
             total = self._single_stage(micro_batches, scale)
@@ -304,7 +308,7 @@ class PipelineStrategy(MeshStrategy):
             inputs, targets = stack_micro_batches(micro_batches)
             total = self._run("train", len(micro_batches), inputs, targets)
         self._sync_gradients()
-        return StepResult(loss_sum=total)
+        return total
 
     def _single_stage(
         self, micro_batches: Sequence[tuple[Any, Any]], scale: torch.Tensor
@@ -329,10 +333,10 @@ class PipelineStrategy(MeshStrategy):
                 # A parameter this micro-batch did not reach: its copies must still agree.
                 param.grad = torch.zeros_like(param)
         if self.shape.dp > 1 and not self._fsdp:
-            average_gradients(
+            average_in_buckets(
                 [p.grad for p in params if p.grad is not None],
                 self.data_parallel_group,
-                self.cfg.strategy.bucket_mb,
+                self.options.bucket_mb,
             )
         for tied in self.tied:
             if tied.group is not None:
@@ -367,17 +371,6 @@ class PipelineStrategy(MeshStrategy):
             return self._waiter(dist.all_reduce(tensor, async_op=True))
         return self._waiter(None)
 
-    def agree_on_step(self, items: int, stop: bool) -> tuple[int, bool]:
-        # Every stage of a pipeline holds the same items: count them on its first stage only,
-        # and agree on stopping over the whole world, not just one data-parallel group.
-        counted = float(items) if self.pipeline_rank == 0 else 0.0
-        agreed = torch.tensor(
-            [counted, float(stop)], dtype=torch.float64, device=self.runtime.device
-        )
-        if dist.is_initialized() and self.runtime.world_size > 1:
-            dist.all_reduce(agreed)
-        return int(agreed[0]), bool(agreed[1] > 0)
-
     @torch.no_grad()
     def eval_loss(self, batch: tuple[Any, Any], loss_fn: LossFn) -> torch.Tensor:
         inputs, targets = batch
@@ -389,9 +382,9 @@ class PipelineStrategy(MeshStrategy):
         check_tensor(inputs, "inputs")
         chunks = eval_chunks(
             inputs.shape[0],
-            self.cfg.data.micro_batches,
+            self.data_options.micro_batches,
             self.pipeline_size,
-            self.cfg.strategy.pipeline_schedule == INTERLEAVED,
+            self.options.pipeline_schedule == INTERLEAVED,
         )
         return self._run("eval", chunks, inputs, targets)
 

@@ -1,0 +1,147 @@
+"""One training step's forward and backward, the same for every strategy, and what the ranks
+agree on about it.
+
+The loss contract (``Task.loss_fn`` returns per-item losses) makes data parallelism exact for
+any split: each rank's loss sum is scaled by ``data_parallel_size / G``, where ``G`` is the
+step's global item count, so that the strategy's averaging gradient sync yields the gradient
+of the global mean. ``G`` is only known once every rank has counted its items; asking for it
+before the forward would cost every step a collective of its own (its fixed latency and CPU,
+which a step of a few milliseconds feels). So the scale assumes the count of the step before
+(``expected``: the same, for fixed-length data, from the second step on; the plan's, when the
+task declares ``items_per_sample``), and the ranks agree on the true count -- and on whether
+any rank was asked to stop -- in the step's gradient sync: the :class:`StepAgreement` rides in
+the last bucket's all-reduce where the strategy's hook can carry it (ddp and allreduce with
+``comm.compression = 'none'``), else in one small all-reduce after backward. Where the count
+differs from the assumed one, the gradients are rescaled by ``expected / G`` before clipping.
+A process's first step with no count to assume agrees on it before the forward instead.
+
+::
+
+    count this rank's items; agreement = (items, stop flag)
+    scale = dp_size / expected                       # expected: last step's G, or the plan's
+    for each micro-batch:                            # no gradient sync but on the last one
+        loss = loss_fn(model(inputs), targets).sum(); loss.backward(scale)
+    strategy.sync_gradients()                        # the agreement rides along, or:
+    all-reduce(agreement) unless it rode             # one small collective of its own
+    gradients *= expected / G  where G != expected   # the gradient of the global mean
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from dtrain.comm.agreement import StepAgreement
+from dtrain.parallel.base import (
+    BackwardSyncControl,
+    CommHookControl,
+    LossFn,
+    OwnStep,
+    Strategy,
+)
+from dtrain.parallel.grad_norm import local_part
+
+
+class LossScale:
+    """The loss scale (``data_parallel_size / items``) as a float32 tensor on the training
+    device; the last one again while the value stays, as on every step of fixed-length data
+    (a new tensor from a Python float is a host-to-device copy on a GPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._last: tuple[float, torch.Tensor] | None = None
+
+    def __call__(self, value: float) -> torch.Tensor:
+        if self._last is None or self._last[0] != value:
+            self._last = (value, torch.tensor(value, dtype=torch.float32, device=self.device))
+        return self._last[1]
+
+
+def run_micro_batches(
+    strategy: Strategy,
+    micro_batches: Sequence[tuple[Any, Any]],
+    loss_fn: LossFn,
+    scale: torch.Tensor,
+) -> torch.Tensor:
+    """Forward and backward over the step's micro-batches, one after the other, through the
+    strategy's model; returns the summed loss (detached). A strategy with
+    :class:`BackwardSyncControl` syncs gradients on the last micro-batch only."""
+    model = strategy.model
+    assert model is not None
+    total: torch.Tensor | None = None
+    last = len(micro_batches) - 1
+    for index, (inputs, targets) in enumerate(micro_batches):
+        ctx: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        if index < last and isinstance(strategy, BackwardSyncControl):
+            ctx = strategy.no_backward_sync()
+        with ctx:
+            loss_sum = loss_fn(model(inputs), targets).sum()
+            # The gradient of ``loss_sum * scale``, bit for bit (the product's backward would
+            # pass on 1.0 x scale), without the product and its backward node.
+            loss_sum.backward(scale if scale.dtype == loss_sum.dtype else scale.to(loss_sum.dtype))
+        total = loss_sum.detach() if total is None else total + loss_sum.detach()
+    assert total is not None, "a step has at least one micro-batch"
+    return total
+
+
+class ForwardBackward:
+    """The trainer's forward and backward of one step over any strategy, with the ranks'
+    agreement on the step (see the module's docstring). ``expected`` (the item count the next
+    step's scale assumes) is part of the trainer's state: a resumed run scales its first step
+    as the uninterrupted run did."""
+
+    def __init__(self, strategy: Strategy, device: torch.device) -> None:
+        self.strategy = strategy
+        self.device = device
+        self.expected: int | None = None
+        self.loss_scale = LossScale(device)
+        self._first = True
+
+    def __call__(
+        self,
+        micro: Sequence[tuple[Any, Any]],
+        loss_fn: LossFn,
+        items: int,
+        stop: bool,
+        planned: int | None = None,
+    ) -> tuple[torch.Tensor, StepAgreement]:
+        """Forward and backward over ``micro`` (this rank's ``items``); returns this rank's
+        loss sum and the agreement (global items, stop). ``planned``: the step's global count
+        known from its plan (``Task.items_per_sample``). Gradients are synchronized and scaled
+        for the global mean when this returns."""
+        strategy = self.strategy
+        agreement = StepAgreement(items if strategy.counts_items else 0, stop)
+        expected = planned if planned is not None else self.expected
+        if expected is None:  # nothing to assume: agree before the forward, this once
+            agreement.all_reduce(strategy.comm, self.device)
+            expected = agreement.items
+        if self._first:
+            self._first = False
+            strategy.before_first_step(micro[0], loss_fn)
+        scale = self.loss_scale(strategy.data_parallel_size / max(1, expected))
+        if isinstance(strategy, OwnStep):
+            loss_sum = strategy.forward_backward(micro, loss_fn, scale)
+        else:
+            if not agreement.agreed and isinstance(strategy, CommHookControl):
+                hook = strategy.comm_hook_of_ours
+                if hook is not None:
+                    hook.carry(agreement)  # summed with the last bucket, if it can be
+            loss_sum = run_micro_batches(strategy, micro, loss_fn, scale)
+            strategy.sync_gradients()
+        if not agreement.agreed:
+            agreement.all_reduce(strategy.comm, self.device)
+        if agreement.items != expected and agreement.items > 0:
+            rescale_gradients(strategy, expected / agreement.items)
+        self.expected = agreement.items
+        return loss_sum, agreement
+
+
+@torch.no_grad()
+def rescale_gradients(strategy: Strategy, factor: float) -> None:
+    """Multiply this rank's gradients by ``factor`` (a DTensor's local part in place)."""
+    grads = [local_part(p.grad) for p in strategy.parameters() if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, factor)
