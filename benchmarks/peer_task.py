@@ -226,6 +226,8 @@ def finish_peer(
 @dataclass
 class PeerTaskConfig:
     scratch: str = ""  # the folder peers.py wrote
+    # Declare Task.items_per_sample (a window's tokens, one label); the README's task does not.
+    declare_items: bool = False
 
 
 @dtrain.task_config(PeerTaskConfig)
@@ -241,15 +243,13 @@ def build(cfg: dtrain.Config) -> dtrain.Task:
     atexit.register(lambda: write_report(report_path(prefix, rank), _dtrain_record(rank, clock)))
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = item_losses
     spec = load_spec(scratch)
-    # Every sample holds the same number of items (a window's tokens, one label): declared, the
-    # ranks know each step's count from its plan instead of counting it in a collective.
     per_sample = spec["model"]["gpt"]["seq_len"] if spec["model"]["kind"] == "gpt" else 1
     return dtrain.Task(
         model=load_model(scratch),
         train_data=train,
         val_data=val,
         loss_fn=loss_fn,
-        items_per_sample=per_sample,
+        items_per_sample=per_sample if cfg.task.declare_items else None,
     )
 
 

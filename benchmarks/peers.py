@@ -12,10 +12,9 @@ under torch's elastic launcher: ``torchrun`` for the raw loop (``peer_raw.py``),
 (``peer_accelerate.py``) and Fabric (``peer_fabric.py``); ``dtrain train --run.task=...`` for
 dtrain's ``ddp`` and ``allreduce``, as a user runs it (the CLI, reading its ``metrics.jsonl``:
 what dtrain costs includes its launcher, its loop and its defaults, which a call to
-``Trainer.fit`` in a test harness would leave out). By default dtrain sums gradients between
-the ranks of one machine through shared memory (``comm.transport = "auto"``), the others through
-gloo on loopback; a third dtrain row, ``ddp`` with ``comm.transport = "backend"``, uses gloo too,
-which separates what dtrain's loop costs from what its transport saves.
+``Trainer.fit`` in a test harness would leave out). Every runner sums gradients through gloo on
+loopback (dtrain's default ``comm.transport = "backend"``); dtrain's task declares nothing, as
+the README's does, except in the row that declares ``Task.items_per_sample``.
 
 Runners alternate (A B C D E, then E D C B A, ...) over ``--repeats`` rounds. A run reports, for
 each rank, the end time of every optimizer step (a global post-hook on ``Optimizer.step``: the
@@ -31,7 +30,7 @@ All runners must reach the same loss: the mean training loss of every ``log_ever
 reported and its row skipped.
 
 Weak scaling: per-worker throughput at 2 workers over 1 worker (the same per-worker batch, 1
-thread each), for the raw loop and dtrain ``ddp`` (also through gloo, and with
+thread each), for the raw loop and dtrain ``ddp`` (also through shared memory, and with
 ``dist.pin_cores = true``, to show what binding each worker to its own core gives), with the
 launcher's own CPU use while the workers train (sampled from ``/proc``). One more row launches
 two separate 1-worker dtrain jobs at once, which share nothing but the machine: their
@@ -68,17 +67,18 @@ from dtrain.data.partition import OrderSpec, plan_steps
 
 HERE = Path(__file__).resolve().parent
 SECTION = "bench_peers"
-RUNNERS = ("raw", "ddp", "ddp-gloo", "allreduce", "accelerate", "fabric")
+RUNNERS = ("raw", "ddp", "ddp-declared", "allreduce", "accelerate", "fabric")
 # Which package each peer needs; dtrain's rows and the raw loop need only torch.
 PACKAGES = {"accelerate": "accelerate", "fabric": "lightning"}
 SCRIPTS = {"raw": "peer_raw.py", "accelerate": "peer_accelerate.py", "fabric": "peer_fabric.py"}
-# dtrain's runners: the strategy, then any other config the run gets.
+# dtrain's runners: the strategy, then any other config the run gets. The task declares
+# nothing, as the README's does, unless the runner says so.
 DTRAIN = {
     "ddp": ["ddp"],
     "allreduce": ["allreduce"],
-    # Gradients summed by gloo over loopback instead of through shared memory (dtrain.comm.shm):
-    # what dtrain's own loop costs, apart from its transport.
-    "ddp-gloo": ["ddp", "--comm.transport=backend"],
+    "ddp-declared": ["ddp", "--task.declare_items=true"],  # Task.items_per_sample given
+    # Gradients summed through a shared-memory segment (dtrain.comm.shm, opt-in).
+    "ddp-shm": ["ddp", "--comm.transport=auto"],
     "ddp-pinned": ["ddp", "--dist.pin_cores=true"],  # weak scaling: what binding gives
 }
 LABELS = {
@@ -87,7 +87,8 @@ LABELS = {
     "allreduce": "dtrain allreduce",
     "accelerate": "Hugging Face Accelerate",
     "fabric": "Lightning Fabric",
-    "ddp-gloo": "dtrain ddp, comm.transport = backend (gloo)",
+    "ddp-declared": "dtrain ddp, Task.items_per_sample declared",
+    "ddp-shm": "dtrain ddp, comm.transport = auto (shared memory)",
     "ddp-pinned": "dtrain ddp, dist.pin_cores = true",
     "ddp-apart": "two 1-worker dtrain jobs at once, nothing shared (this machine's ceiling)",
 }
@@ -442,7 +443,7 @@ def scaling_lines(name: str, rounds: list[dict[str, Result]]) -> list[str]:
         "(per-worker throughput 2/1; rounds) | launcher's CPU while 2 workers train |",
         "|---|---:|---:|---:|---:|",
     ]
-    for runner in ("raw", "ddp", "ddp-gloo", "ddp-pinned", "ddp-apart"):
+    for runner in ("raw", "ddp", "ddp-shm", "ddp-pinned", "ddp-apart"):
         # One worker: nothing to bind and nothing to send (its share is every core, and a
         # transport carries nothing): the same run as ddp's.
         one = [r[f"{'raw' if runner == 'raw' else 'ddp'}-1"].step_s for r in rounds]
@@ -594,7 +595,7 @@ def main() -> None:
                     ("raw", 2),
                     ("ddp", 1),
                     ("ddp", 2),
-                    ("ddp-gloo", 2),
+                    ("ddp-shm", 2),
                     ("ddp-pinned", 2),
                     ("ddp-apart", 2),
                 ]
@@ -613,7 +614,7 @@ def main() -> None:
                         f"wall {r.wall_s:.1f} s",
                         flush=True,
                     )
-                two = ["ddp-2", "ddp-gloo-2", "ddp-pinned-2"]  # not ddp-apart: 1 worker's batch
+                two = ["ddp-2", "ddp-shm-2", "ddp-pinned-2"]  # not ddp-apart: 1 worker's batch
                 for world, runs in ((1, ["ddp-1", "ddp-apart-2"]), (2, two)):
                     same = [results[f"raw-{world}"], *(results[k] for k in runs)]
                     check_same_training(same, args.tolerance, f"{name} at {world} worker(s)")
@@ -647,9 +648,8 @@ def main() -> None:
                 "(dtrain's partition), AdamW (foreach, constant LR, no weight decay, no "
                 "clipping), 2 processes of 1 thread each (gloo on loopback, CPU) started by "
                 "torch's elastic launcher (`torchrun`; `dtrain train --run.task=peer_task:build` "
-                "for dtrain, whose task declares `items_per_sample`). dtrain's rows sum "
-                'gradients through shared memory (`comm.transport = "auto"`, the default), '
-                "except the one marked `backend`, which uses gloo as the others do. The raw "
+                "for dtrain, whose task declares nothing unless the row says so), gradients "
+                "summed by gloo (dtrain's default `comm.transport`). The raw "
                 "loop, Accelerate and Fabric read through a torch `DataLoader` with the plan "
                 "as its batch "
                 "sampler. Step time: rank 0's median time between the ends of consecutive "
