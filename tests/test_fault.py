@@ -47,6 +47,18 @@ def test_resume_after_a_crash_is_bit_identical_with_dropout(tmp_path: Path) -> N
     assert losses_by_step(str(tmp_path / "crash")) == ref_losses  # RNG restored on every rank
 
 
+def test_resume_with_a_count_that_changes_every_step_is_bit_identical(tmp_path: Path) -> None:
+    # Variable-length sequences: each step's item count differs from the one its loss scale
+    # assumed (the step before's), and its gradients are rescaled once the count is agreed.
+    # A resumed run must assume what the uninterrupted one assumed at that step.
+    task = {"variable": True}
+    reference = run_ranks(train_params, 2, tiny_raw(tmp_path / "ref", JOB, task=task))
+    crashed = run_ranks(crash_then_resume, 2, tiny_raw(tmp_path / "crash", JOB, task=task), 11)
+    assert crashed[0]["start_step"] == 8
+    assert_bit_equal(reference[0], crashed[0]["params"])
+    assert_bit_equal(reference[1], crashed[1]["params"])
+
+
 def test_async_checkpoint_equals_the_state_at_its_step(tmp_path: Path) -> None:
     # A run that saves step 8 synchronously (the loop waits for the write) ...
     sync_dir = tmp_path / "sync"
