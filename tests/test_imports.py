@@ -95,6 +95,12 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def write_tree(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
 def test_the_checker_finds_a_cycle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
@@ -111,9 +117,7 @@ def test_a_package_init_counts_for_modules_of_other_packages(tmp_path: Path) -> 
         "top/b/__init__.py": "",
         "top/b/mod.py": "from top.a.base import X\nY = X\n",
     }
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
+    write_tree(tmp_path, files)
     assert cycles(import_graph(tmp_path, "top")) == [["top.a", "top.b.mod"]]
 
 
@@ -153,9 +157,7 @@ def test_the_package_graph_finds_a_cycle_through_different_modules(tmp_path: Pat
         "top/b/two.py": "",
         "top/b/three.py": "import top.a.four\n",
     }
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
+    write_tree(tmp_path, files)
     graph = import_graph(tmp_path, "top")
     assert cycles(graph) == []
     assert cycles(package_graph(graph, tmp_path)) == [["top.a", "top.b"]]
