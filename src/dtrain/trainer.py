@@ -57,6 +57,7 @@ from dtrain.errors import UserError
 from dtrain.evaluation import evaluate_loss
 from dtrain.fault.audit import AuditWriter
 from dtrain.fault.failpoints import failpoint
+from dtrain.fault.liveness import Speed
 from dtrain.fault.preempt import PreemptionFlag, StopChecks
 from dtrain.fault.status import RunStatus, write_status
 from dtrain.fault.watchdog import Watchdog
@@ -124,7 +125,7 @@ class Trainer:
             runtime.world_size,
             heartbeat_s=cfg.fault.heartbeat_s,
             timeout_s=cfg.dist.timeout_s,
-            run_dir=self.run_dir,  # RUN_DIR/heartbeats/rankN.json, for `dtrain status`
+            run_dir=self.run_dir,  # RUN_DIR/liveness/rankN: this rank's liveness record
             stats=self._beat_stats,
         )
         self.checkpointer = ckpt.Checkpointer(
@@ -445,8 +446,8 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.write(records.event(name, self.step, **fields))
 
-    def _beat_stats(self) -> dict[str, Any]:
-        """This rank's speed for its heartbeat file; called on the watchdog's thread (the
+    def _beat_stats(self) -> Speed:
+        """This rank's speed for its liveness record; called on the watchdog's thread (the
         timer replaces its ``last`` dict whole, so reading it there is safe)."""
         last = self.balance.timer.last
         return records.beat_stats(last, self.task.item_name, self.runtime.device)
