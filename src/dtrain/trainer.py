@@ -136,6 +136,7 @@ class Trainer:
             keep_every=cfg.checkpoint.keep_every,
             timeout=runtime.timeout,
             log=self.log,
+            on_progress=self.watchdog.tick,
         )
         self.audit: AuditWriter | None = None
         # With Task.items_per_sample no step counts its items in a collective, so none carries
@@ -192,7 +193,8 @@ class Trainer:
         """Load the checkpoint ``run.resume`` asks for, if any; then every RNG either holds
         the saved state or, on a fresh start or at a new world size, a distinct, reproducible
         stream per rank."""
-        point = resolve_resume(self.cfg, self.run_dir / "checkpoints", self.runtime, self.log)
+        root, tick = self.run_dir / "checkpoints", self.watchdog.tick
+        point = resolve_resume(self.cfg, root, self.runtime, self.log, on_progress=tick)
         if point is None or not training_state.load(self.state, point):
             seed_everything(rank_seed(self.cfg.run.seed, self.runtime.rank) + self.step)
         return point
@@ -324,6 +326,7 @@ class Trainer:
                 self.save_checkpoint(blocking=not cfg.checkpoint.async_save)
         if not summary.preempted:
             summary.val_loss = self.evaluate()  # the whole validation set
+        self.watchdog.set_phase("checkpoint")  # waiting for the save in flight
         final_error = self.checkpointer.wait()
         if final_error:
             self.warn(final_error)
@@ -413,7 +416,9 @@ class Trainer:
             self.warn(error)
         self.watchdog.set_phase("rollback")
         root = self.run_dir / "checkpoints"
-        point = rollback_point(self.cfg, root, self.runtime, self.log, first_bad_step, self.step)
+        point = rollback_point(
+            self.cfg, root, self.runtime, self.log, first_bad_step, self.step, self.watchdog.tick
+        )
         # Counters of what happened stay cumulative; the skip list keeps earlier skips too.
         rollbacks, skipped = self.rollbacks + 1, self.skipped_steps
         earlier_skips = dict(self.loader.skipped)
@@ -484,8 +489,9 @@ class Trainer:
         if self.task.val_data is None:
             return None
         self.watchdog.set_phase("evaluate")
+        batch_size, tick = self.cfg.eval.batch_size, self.watchdog.tick
         val_loss, items = evaluate_loss(
-            self.task, self.strategy, self.runtime.device, self.cfg.eval.batch_size, max_samples
+            self.task, self.strategy, self.runtime.device, batch_size, max_samples, tick
         )
         if self.is_main:
             assert self.metrics is not None
