@@ -271,3 +271,32 @@ def fail_commit_then_preempt(raw: dict[str, Any], step: int) -> dict[str, Any]:
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
     return {"preempted": summary.preempted, "steps": summary.steps, "params": params_of(trainer)}
+
+
+def fit_summary(raw: dict[str, Any]) -> dict[str, Any]:
+    """Train with this config; the run's summary as a dict."""
+    import dataclasses
+
+    return dataclasses.asdict(make_trainer(raw).fit())
+
+
+def resume_with_slow_hashing(raw: dict[str, Any], seconds_per_file: float) -> dict[str, Any]:
+    """Train (resuming from the run folder's newest checkpoint) while every file that resume
+    verification hashes takes ``seconds_per_file`` longer: a verification as long as a large
+    checkpoint's, made of many short pieces. Returns the summary as a dict."""
+    import dataclasses
+    import time
+
+    from dtrain.checkpoint import read
+
+    hash_file = read.sha256_file
+
+    def slow(*args: Any, **kwargs: Any) -> str:
+        time.sleep(seconds_per_file)
+        return hash_file(*args, **kwargs)
+
+    read.sha256_file = slow  # type: ignore[assignment]
+    try:
+        return dataclasses.asdict(make_trainer(raw).fit())
+    finally:
+        read.sha256_file = hash_file  # type: ignore[assignment]

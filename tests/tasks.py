@@ -84,6 +84,9 @@ class TinyOptions:
     # Milliseconds each training forward sleeps: slows a run down so that a test can hit it
     # at a chosen moment, without changing any number it computes.
     slow_ms: int = 0
+    # Milliseconds each evaluation forward sleeps: an evaluation that lasts long, in many
+    # short batches, without changing any number it computes.
+    slow_eval_ms: int = 0
     # Task.items_per_sample (0 = None: the ranks count every step's items).
     items_per_sample: int = 0
 
@@ -109,8 +112,8 @@ def tiny_gpt(cfg: Config) -> Task:
         train = RandomTokens(opts.samples, opts.seq_len, seed=1)
         val = RandomTokens(max(8, opts.samples // 8), opts.seq_len, seed=2)
         collate = collate_windows
-    if opts.slow_ms:
-        model = _Slow(model, opts.slow_ms)
+    if opts.slow_ms or opts.slow_eval_ms:
+        model = _Slow(model, opts.slow_ms, opts.slow_eval_ms)
     return Task(
         model=model,
         train_data=train,
@@ -147,14 +150,16 @@ def slow_finish_gpt(cfg: Config) -> Task:
 
 
 class _Slow(nn.Module):
-    def __init__(self, inner: nn.Module, ms: int) -> None:
+    def __init__(self, inner: nn.Module, ms: int, eval_ms: int = 0) -> None:
         super().__init__()
         self.inner = inner
         self.ms = ms
+        self.eval_ms = eval_ms
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training:
-            time.sleep(self.ms / 1000)
+        ms = self.ms if self.training else self.eval_ms
+        if ms:
+            time.sleep(ms / 1000)
         return self.inner(x)
 
 

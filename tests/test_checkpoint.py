@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -176,6 +178,38 @@ def test_failed_background_save_is_reported_and_never_latest(tmp_path: Path) -> 
         error = c.wait()
     assert error is not None and "disk full" in error
     assert ckread.find_latest_valid(tmp_path)[0] == tmp_path / "step-00000001"
+
+
+def test_saves_and_checks_mark_progress_on_the_training_thread_only(tmp_path: Path) -> None:
+    # What keeps the hang backstop off a long save or resume check: progress marks, made on
+    # the thread that waits for the work (a writer thread's own would vouch for a training
+    # thread that may be hung).
+    marks: list[str] = []
+    here = threading.current_thread().name
+    c = ckpt.Checkpointer(
+        tmp_path,
+        rank=0,
+        world_size=1,
+        keep_last=10,
+        keep_every=0,
+        log=lambda _: None,
+        on_progress=lambda: marks.append(threading.current_thread().name),
+    )
+    save(c, 1)  # blocking: model.pt, train_state.pt, meta.json
+    assert len(marks) >= 3 and set(marks) == {here}
+    marks.clear()
+
+    def slow(name: str, **_: object) -> None:
+        if name == "checkpoint.write_file":
+            time.sleep(0.3)  # the writer is still at it when the wait begins
+
+    with failpoints(slow):
+        save(c, 2, blocking=False)
+        assert c.wait() is None
+    assert marks and set(marks) == {here}  # by the wait, as the writer moved on
+    marks.clear()
+    ckread.verify_checkpoint(tmp_path / "step-00000002", lambda: marks.append("hashed"))
+    assert len(marks) >= 3  # at least once a file
 
 
 def test_retention_keeps_last_k_and_every_m(tmp_path: Path) -> None:

@@ -14,8 +14,10 @@ from tests.conftest import tiny_raw
 from tests.dist_helpers import (
     crash_then_resume,
     fail_commit_then_preempt,
+    fit_summary,
     losses_by_step,
     raise_before_collective,
+    resume_with_slow_hashing,
     signal_self_at_step,
     threads_left_by_worker_train,
     train_params,
@@ -206,6 +208,36 @@ def test_a_killed_peer_is_named_as_gone(tmp_path: Path) -> None:
     assert isinstance(out[1], RankFailed)
     assert "rank 1" in survivor["error"] and "died: its process is gone" in survivor["error"]
     assert survivor["seconds"] < 5
+
+
+# The hang backstop ends a rank that has not moved for 2 x dist.timeout_s: 2 s here. The ranks'
+# own process group is run_ranks' (60 s), so only the backstop could end these runs.
+LONG_PHASE = {"dist": {"timeout_s": 1.0}, "train": {"steps": 4}, "checkpoint": {"every": 0}}
+
+
+def test_a_long_evaluation_that_makes_progress_is_not_taken_for_a_hang(tmp_path: Path) -> None:
+    # The final evaluation: 16 samples a rank in 8 batches of 2, each forward 0.4 s, so at
+    # least 3.2 s in `evaluate`, never 2 s without a batch done.
+    config = tiny_raw(
+        tmp_path / "eval",
+        JOB,
+        **LONG_PHASE,
+        eval={"every": 0, "batch_size": 2},
+        task={"samples": 256, "slow_eval_ms": 400},
+    )
+    out = run_ranks(fit_summary, 2, config, timeout=120)
+    assert [o["steps"] for o in out] == [4, 4]
+    assert out[0]["val_loss"] == out[1]["val_loss"] and np.isfinite(out[0]["val_loss"])
+
+
+def test_a_long_resume_check_that_makes_progress_is_not_taken_for_a_hang(tmp_path: Path) -> None:
+    run_dir = tmp_path / "resume"
+    run_ranks(fit_summary, 2, tiny_raw(run_dir, JOB, **LONG_PHASE))  # leaves step-4
+    # Rank 0 hashes the 6 files of step-4 (model, optimizer, train state, meta, 2 RNG states)
+    # at 0.6 s each: at least 3.6 s in `resume`, never 2 s without a file done.
+    longer = tiny_raw(run_dir, JOB, **{**LONG_PHASE, "train": {"steps": 6}})
+    out = run_ranks(resume_with_slow_hashing, 2, longer, 0.6, timeout=120)
+    assert [(o["start_step"], o["steps"]) for o in out] == [(4, 6), (4, 6)]
 
 
 def test_a_finished_worker_leaves_no_thread_of_ours_behind(tmp_path: Path) -> None:

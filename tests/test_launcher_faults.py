@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from dtrain.fault.progress import progress_dir
+from dtrain.fault.liveness import process_alive, read_run_liveness
 from dtrain.testing import children_of, worker_pids
 from tests.audit import check_stream, read_trajectory
 from tests.conftest import REPO
@@ -302,7 +302,11 @@ def test_a_rank_killed_mid_run_is_named_with_the_step_and_phase_it_reached(
     assert re.fullmatch(
         r"its process is gone \(killed or crashed\) at step 26 in forward_backward", died.group(1)
     ), died.group(1)
-    # Rank 0 removed rank 1's progress file after reading it, and its own on the way out.
+    # The run folder keeps rank 1's record as it died; nothing of the ranks is left in
+    # shared memory to sweep.
+    killed = read_run_liveness(run_dir)[1]
+    assert killed.where() == "at step 26 in forward_backward" and not process_alive(killed.pid)
     pids = {int(pid) for pid in re.findall(r"pid (\d+)", err)}
-    left = [f for pid in pids for f in Path(progress_dir()).glob(f"dtrain-progress-*-pid{pid}-*")]
+    assert killed.pid in pids
+    left = [f for pid in pids for f in Path("/dev/shm").glob(f"dtrain-*{pid}*")]
     assert not left, left

@@ -1,6 +1,6 @@
 """`dtrain status RUN_DIR`: a finished run, a running one (a run folder as a job leaves it
-while it trains), the tail of a large metrics file, the heartbeat files the watchdog writes,
-and bad input."""
+while it trains), the tail of a large metrics file, the liveness records the ranks write, and
+bad input."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dtrain.cli import main
-from dtrain.fault.beats import beat_path, read_beats, write_beat
+from dtrain.fault.liveness import LivenessFile, Speed, liveness_path, read_liveness
 from dtrain.fault.status import RunStatus, write_status
 from dtrain.fault.watchdog import Watchdog
 from dtrain.report.read import read_tail
@@ -55,23 +55,13 @@ def fake_running_run(run_dir: Path, now: float) -> None:
     records.append({"kind": "eval", "step": 40, "val_loss": 2.75, "time": now - 4})
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     for rank, (age, step, phase) in enumerate([(0.4, 42, "forward_backward"), (31.0, 38, "data")]):
-        write_beat(
-            run_dir,
-            rank,
-            {
-                "rank": rank,
-                "world_size": 2,
-                "attempt": 0,
-                "host": f"host-{rank}",
-                "pid": 100 + rank,
-                "step": step,
-                "phase": phase,
-                "time": now - age,
-                "step_s": 0.5,
-                "tokens_per_s": 4096.0 / (rank + 1),
-                "memory_bytes": 250e6,
-            },
-        )
+        host, pid = f"host-{rank}", 100 + rank
+        path = liveness_path(run_dir, rank)
+        record = LivenessFile(path, rank=rank, world_size=2, attempt=0, host=host, pid=pid)
+        record.set_phase(phase, step, now - age - 1.0)
+        speed = Speed("tokens", items_per_s=4096.0 / (rank + 1), step_s=0.5, memory_bytes=250e6)
+        record.stamp(now - age, speed)  # its last beat
+        record.close()
 
 
 def test_status_of_a_running_run(tmp_path: Path) -> None:
@@ -134,30 +124,33 @@ def test_status_of_a_folder_that_is_no_run_is_one_line_and_exit_2(
     assert message.format(run=run) in err
 
 
-def test_the_watchdog_writes_this_ranks_beat_file_without_peers(tmp_path: Path) -> None:
-    # A job of one rank has no store, but `dtrain status` still gets its beat.
+def test_the_watchdog_keeps_this_ranks_record_without_peers(tmp_path: Path) -> None:
+    # A job of one rank has no store, but `dtrain status` still gets its record.
     watchdog = Watchdog(
         0,
         1,
         heartbeat_s=0.2,
         timeout_s=60,
         run_dir=tmp_path,
-        stats=lambda: {"step_s": 0.01, "samples_per_s": 800.0},
+        stats=lambda: Speed("samples", items_per_s=800.0, step_s=0.01),
     )
+    path = liveness_path(tmp_path, 0)
     watchdog.start()
     try:
-        first = json.loads(beat_path(tmp_path, 0).read_text())
-        assert (first["rank"], first["step"], first["phase"]) == (0, 0, "start")
+        first = read_liveness(path)
+        assert first is not None and (first.rank, first.step, first.phase) == (0, 0, "start")
+        assert first.alive_at > 0  # stamped alive at start
         watchdog.set_phase("forward_backward", 7)
         deadline = time.time() + 10
-        while read_beats(tmp_path)[0]["step"] != 7:  # the thread's next beat, within ~1 s
-            assert time.time() < deadline, "no beat file written after the step changed"
+        beat = read_liveness(path)
+        while beat is None or not (beat.steps_per_s or 0) > 0:  # its speed, within ~1 s
+            assert time.time() < deadline, "no speed in the record after the step changed"
             time.sleep(0.05)
-        beat = read_beats(tmp_path)[0]
-        assert beat["phase"] == "forward_backward" and beat["samples_per_s"] == 800.0
-        assert beat["steps_per_s"] > 0
+            beat = read_liveness(path)
+        assert (beat.step, beat.phase) == (7, "forward_backward")
+        assert (beat.item_name, beat.items_per_s) == ("samples", 800.0)
         watchdog.set_phase("done", 9)
     finally:
         watchdog.stop()
-    last = read_beats(tmp_path)[0]
-    assert (last["step"], last["phase"]) == (9, "done")  # written as the rank stops
+    last = read_liveness(path)
+    assert last is not None and (last.step, last.phase) == (9, "done")  # kept as it stopped

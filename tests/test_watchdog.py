@@ -1,13 +1,17 @@
-"""The watchdog's progress file and the words of its diagnosis, without training processes:
-the peers' heartbeats are written into a real store by hand."""
+"""The liveness record, the hang backstop and the words of the watchdog's diagnosis, without
+training processes: the peers' records are written into a real store (and their files) by
+hand."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,13 +19,13 @@ from typing import Any
 
 import pytest
 
-from dtrain.fault import progress
-from dtrain.fault.progress import (
-    Progress,
-    ProgressFile,
-    progress_path,
-    read_progress,
-    sweep_progress_files,
+from dtrain.fault import liveness
+from dtrain.fault.liveness import (
+    Liveness,
+    LivenessFile,
+    Speed,
+    liveness_path,
+    read_liveness,
 )
 from dtrain.fault.watchdog import Watchdog
 from dtrain.testing import loopback_store
@@ -41,8 +45,31 @@ def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 HB0, HB1 = "dtrain/watchdog/hb/0", "dtrain/watchdog/hb/1"  # the keys of ranks 0 and 1
 
 
-def beat_of(**fields: Any) -> str:
-    return json.dumps({"step": 0, "phase": "start", "time": time.time(), **fields})
+def beat_of(rank: int = 1, **fields: Any) -> str:
+    """A rank's record as its watchdog mirrors it into the store; its phase began when it
+    was last stamped alive (``alive_at``, default now)."""
+    alive = fields.pop("alive_at", time.time())
+    record = {
+        "rank": rank,
+        "host": "elsewhere",
+        "pid": 4121,
+        "attempt": 0,
+        "world_size": 2,
+        "step": 0,
+        "phase": "start",
+        "phase_since": alive,
+        "progress": 0,
+        "progress_at": alive,
+        "alive_at": alive,
+        **fields,
+    }
+    return json.dumps(record)
+
+
+def mine(path: Path | None, rank: int = 0, pid: int | None = None) -> LivenessFile:
+    host = socket.gethostname()
+    pid = os.getpid() if pid is None else pid
+    return LivenessFile(path, rank=rank, world_size=2, attempt=0, host=host, pid=pid)
 
 
 def dead_pid() -> int:
@@ -51,31 +78,43 @@ def dead_pid() -> int:
     return child.pid
 
 
-def test_the_progress_file_reads_back_the_last_phase_and_is_removed_on_close(
-    tmp_path: Path,
-) -> None:
-    path = progress_path(3, folder=str(tmp_path))
-    mine = ProgressFile(path, 3, keep_s=60.0)
-    assert read_progress(path, os.getpid()) is None  # nothing recorded yet
-    mine.write(7, "data", 1.5)
-    mine.write(7, "forward_backward", 2.5)
-    assert read_progress(path, os.getpid()) == Progress(7, "forward_backward", 2.5, False)
-    mine.write(8, "data", 3.5)  # the other slot now holds the newest record
-    assert read_progress(path, os.getpid()) == Progress(8, "data", 3.5, False)
-    assert read_progress(path, os.getpid() + 1) is None  # not that process's file
-    mine.close()
-    assert not os.path.exists(path)
-    assert read_progress(path, os.getpid()) is None
-    mine.write(9, "data", 4.5)  # after close: ignored, never an error
-    (tmp_path / "garbage").write_bytes(b"x" * 300)
-    assert read_progress(str(tmp_path / "garbage"), os.getpid()) is None
+def test_the_liveness_file_reads_back_the_record_and_keeps_it_after_close(tmp_path: Path) -> None:
+    path = liveness_path(tmp_path, 3)
+    record = LivenessFile(path, rank=3, world_size=4, attempt=1, host="node-a", pid=os.getpid())
+    first = read_liveness(path, os.getpid())
+    assert first is not None and (first.step, first.phase, first.alive_at) == (0, "start", 0.0)
+    assert (first.rank, first.world_size, first.attempt, first.host) == (3, 4, 1, "node-a")
+    record.set_phase("data", 7, 1.5)
+    record.set_phase("evaluate", 7, 2.5)
+    record.mark_progress(3.0)
+    record.mark_progress(3.5)
+    now = read_liveness(path, os.getpid())
+    assert now is not None and now.where() == "at step 7 in evaluate"
+    assert (now.phase_since, now.progress, now.progress_at) == (2.5, 2, 3.5)
+    record.set_phase("data", 8, 4.5)  # the other slot now holds the newest record; no progress
+    record.stamp(5.0, Speed("tokens", items_per_s=800.0, step_s=0.25, memory_bytes=None))
+    now = read_liveness(path, os.getpid())
+    assert now is not None and now.where() == "at step 8 in data"
+    assert (now.phase_since, now.progress, now.progress_at) == (4.5, 0, 4.5)
+    assert (now.alive_at, now.item_name, now.items_per_s, now.step_s) == (5.0, "tokens", 800, 0.25)
+    assert now.memory_bytes is None and now.steps_per_s is None and not now.interrupted
+    # What the watchdog mirrors into the store is the same record, field for field.
+    assert Liveness.from_dict(json.loads(json.dumps(record.record().to_dict()))) == now
+    assert read_liveness(path, os.getpid() + 1) is None  # not that process's file
+    record.close()
+    assert read_liveness(path, os.getpid()) == now  # the run folder keeps the last word
+    record.set_phase("data", 9, 6.5)  # after close: ignored, never an error
+    record.mark_progress(7.0)
+    (tmp_path / "garbage").write_bytes(b"x" * 1000)
+    assert read_liveness(tmp_path / "garbage") is None
+    assert read_liveness(tmp_path / "missing") is None
 
 
 class _KilledMidWrite:
     """Stands in for the record body's packer: the process "dies" after the record's odd
     sequence number is written and before its body is."""
 
-    size = progress._BODY.size
+    size = liveness._PHASE_BODY.size
 
     def pack_into(self, *args: object) -> None:
         raise KeyboardInterrupt
@@ -84,68 +123,107 @@ class _KilledMidWrite:
 def test_a_torn_write_is_recognised_and_the_record_before_it_is_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = progress_path(0, folder=str(tmp_path))
-    mine = ProgressFile(path, 0, keep_s=60.0)
-    mine.write(5, "clip_grad_norm", 1.0)
-    mine.write(5, "optimizer", 2.0)
+    path = liveness_path(tmp_path, 0)
+    record = mine(path)
+    record.set_phase("clip_grad_norm", 5, 1.0)
+    record.set_phase("optimizer", 5, 2.0)
+    before = read_liveness(path, os.getpid())
+    assert before is not None
     with monkeypatch.context() as patch:
-        patch.setattr(progress, "_BODY", _KilledMidWrite())
+        patch.setattr(liveness, "_PHASE_BODY", _KilledMidWrite())
         with pytest.raises(KeyboardInterrupt):
-            mine.write(6, "data", 3.0)
-    last = read_progress(path, os.getpid())
-    assert last == Progress(5, "optimizer", 2.0, interrupted=True)
-    assert last.where() == "at step 5, as it left optimizer"
-    mine.close()
+            record.set_phase("data", 6, 3.0)
+    last = read_liveness(path, os.getpid())
+    assert last == dataclasses.replace(before, interrupted=True)
+    assert last is not None and last.where() == "at step 5, as it left optimizer"
+    record.close()
+
+
+def test_a_rank_that_starts_again_replaces_its_record_whole(tmp_path: Path) -> None:
+    path, old_pid = liveness_path(tmp_path, 0), dead_pid()
+    old = mine(path, pid=old_pid)
+    old.set_phase("forward_backward", 26, time.time())
+    old.close()  # as an attempt killed at step 26 leaves it
+    new = LivenessFile(path, rank=0, world_size=2, attempt=1, host="h", pid=os.getpid())
+    record = read_liveness(path)
+    assert record is not None and (record.attempt, record.pid, record.step) == (1, os.getpid(), 0)
+    assert read_liveness(path, old_pid) is None  # nobody takes it for the old attempt's
+    assert [p.name for p in path.parent.iterdir()] == ["rank0"]  # no temporary file left
+    new.close()
+
+
+def test_a_record_that_cannot_be_mapped_stays_in_memory_and_reaches_the_store(
+    tmp_path: Path, store: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.write_text("a file where the run folder should be")
+    watchdog = Watchdog(0, 2, heartbeat_s=30.0, timeout_s=60.0, run_dir=run_dir)
+    err = capsys.readouterr().err
+    assert err.startswith("dtrain: warning: rank 0: cannot map ") and "hang checks go on" in err
+    assert watchdog.liveness.path is None
+    watchdog.start()
+    try:
+        watchdog.set_phase("forward_backward", 7)
+        assert watchdog.liveness.record().where() == "at step 7 in forward_backward"
+        watchdog.tick()
+        assert watchdog.check_hang(time.monotonic()) is None
+    finally:
+        watchdog.stop()
+    beat = Liveness.from_dict(json.loads(store.get(HB0)))
+    assert beat is not None and beat.pid == os.getpid()  # the start-up beat went through
 
 
 _KILLED_CHILD = """
-import os, signal, sys, time
-from dtrain.fault.progress import ProgressFile
-mine = ProgressFile(sys.argv[1], 1, keep_s=60.0)
+import os, signal, socket, sys, time
+from pathlib import Path
+from dtrain.fault.liveness import LivenessFile
+mine = LivenessFile(Path(sys.argv[1]), rank=1, world_size=2, attempt=0,
+                    host=socket.gethostname(), pid=os.getpid())
 for step in range(1, 27):
     for phase in ("data", "all_reduce(item count)", "forward_backward"):
-        mine.write(step, phase, time.monotonic())
+        mine.set_phase(phase, step, time.time())
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def test_a_killed_local_peer_is_named_with_its_exact_step_and_its_file_removed(
-    tmp_path: Path, store: Any
-) -> None:
-    path = progress_path(1, folder=str(tmp_path))
-    child = subprocess.Popen([sys.executable, "-c", _KILLED_CHILD, path], cwd=REPO)
+def test_a_killed_local_peer_is_named_with_its_exact_step(tmp_path: Path, store: Any) -> None:
+    path = liveness_path(tmp_path, 1)
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_CHILD, str(path)], cwd=REPO)
     assert child.wait(timeout=60) == -9
-    watchdog = Watchdog(0, 2, heartbeat_s=1.0, timeout_s=5.0)
+    watchdog = Watchdog(0, 2, heartbeat_s=1.0, timeout_s=5.0, run_dir=tmp_path)
     # Its last beat is from start-up, as in a run whose steps take milliseconds.
-    beat = beat_of(host=watchdog.host, pid=child.pid, time=time.time() - 0.8, progress=path)
+    beat = beat_of(host=watchdog.host, pid=child.pid, alive_at=time.time() - 0.8)
     store.set(HB1, beat)
     expected = (
         f"rank 1 ({watchdog.host}, pid {child.pid}) died: its process is gone (killed or "
         "crashed) at step 26 in forward_backward"
     )
     assert watchdog.diagnose() == expected
-    assert not os.path.exists(path)  # read and removed: no other rank here needs it
     assert watchdog.diagnose() == expected  # and a second diagnosis says the same
+    record = read_liveness(path, child.pid)  # the run folder keeps where it died
+    assert record is not None and record.where() == "at step 26 in forward_backward"
 
 
-def test_a_killed_local_peer_without_a_progress_file_is_not_placed_at_its_stale_step(
-    store: Any,
+def test_a_killed_local_peer_without_its_record_is_not_placed_at_its_stale_step(
+    tmp_path: Path, store: Any
 ) -> None:
-    watchdog = Watchdog(0, 2, heartbeat_s=1.0, timeout_s=5.0)
+    watchdog = Watchdog(0, 2, heartbeat_s=1.0, timeout_s=5.0, run_dir=tmp_path)
     pid = dead_pid()
-    store.set(HB1, beat_of(host=watchdog.host, pid=pid, time=time.time() - 2.5))
+    # The file there is another process's (an earlier attempt's): not this rank's record.
+    other = mine(liveness_path(tmp_path, 1), rank=1, pid=pid + 1)
+    other.set_phase("forward_backward", 40, time.time())
+    store.set(HB1, beat_of(host=watchdog.host, pid=pid, alive_at=time.time() - 2.5))
     assert re.fullmatch(
         rf"rank 1 \({watchdog.host}, pid {pid}\) died: its process is gone \(killed or "
         r"crashed\) at an unknown step: its last heartbeat, 2\.\ds old, was at step 0 in start",
         watchdog.diagnose(),
     )
+    other.close()
 
 
 def test_a_silent_remote_peer_is_reported_by_the_age_of_its_last_heartbeat(store: Any) -> None:
     watchdog = Watchdog(0, 2, heartbeat_s=1.0, timeout_s=5.0)
-    beat = beat_of(
-        host="elsewhere", pid=4121, step=3, phase="forward_backward", time=time.time() - 4.1
-    )
+    beat = beat_of(pid=4121, step=3, phase="forward_backward", alive_at=time.time() - 4.1)
     store.set(HB1, beat)
     assert re.fullmatch(
         r"rank 1 \(elsewhere, pid 4121\) stopped responding: its last heartbeat, 4\.[01]s old, "
@@ -157,26 +235,29 @@ def test_a_silent_remote_peer_is_reported_by_the_age_of_its_last_heartbeat(store
 def test_a_silent_local_peer_is_reported_at_the_phase_it_is_stuck_in(
     tmp_path: Path, store: Any
 ) -> None:
-    # A stopped (SIGSTOP) or hung rank of this machine: alive, its file says where it is.
-    watchdog = Watchdog(0, 2, heartbeat_s=1.0, timeout_s=5.0)
-    path = progress_path(1, folder=str(tmp_path))
-    stuck = ProgressFile(path, 1, keep_s=60.0)
-    stuck.write(5, "forward_backward", time.monotonic() - 6.0)
-    beat = beat_of(host=watchdog.host, pid=os.getpid(), time=time.time() - 5.0, progress=path)
+    # A stopped (SIGSTOP) or hung rank of this machine: alive, its record says where it is.
+    watchdog = Watchdog(0, 2, heartbeat_s=1.0, timeout_s=5.0, run_dir=tmp_path)
+    path = liveness_path(tmp_path, 1)
+    stuck = mine(path, rank=1)
+    stuck.set_phase("forward_backward", 5, time.time() - 6.0)
+    stuck.stamp(time.time() - 5.0, Speed())
+    beat = beat_of(host=watchdog.host, pid=os.getpid(), alive_at=time.time() - 5.0)
     store.set(HB1, beat)
     assert re.fullmatch(
         rf"rank 1 \({watchdog.host}, pid {os.getpid()}\) stopped responding: no progress for "
         r"6\.\ds, at step 5 in forward_backward \(last heartbeat 5\.\ds ago\)",
         watchdog.diagnose(),
     )
-    assert os.path.exists(path)  # alive: its file is its own to remove
+    assert path.exists()
     stuck.close()
 
 
 def test_rank0_lost_with_its_store_is_reported_by_the_age_of_its_kept_beat(store: Any) -> None:
     watchdog = Watchdog(1, 2, heartbeat_s=1.0, timeout_s=5.0)
-    watchdog._rank0_beat = json.loads(
-        beat_of(host="elsewhere", pid=812, step=9, phase="data", time=time.time() - 4.0)
+    watchdog._rank0_beat = Liveness.from_dict(
+        json.loads(
+            beat_of(0, host="elsewhere", pid=812, step=9, phase="data", alive_at=time.time() - 4)
+        )
     )
     text = watchdog._store_lost("(StoreTimeout: ...)", True, False)
     assert re.fullmatch(
@@ -187,48 +268,100 @@ def test_rank0_lost_with_its_store_is_reported_by_the_age_of_its_kept_beat(store
     )
 
 
-def test_a_rank_beats_soon_after_its_step_changes_and_removes_its_file_at_stop(
-    store: Any, monkeypatch: pytest.MonkeyPatch
+def test_a_rank_beats_soon_after_its_step_changes_and_leaves_its_record_at_stop(
+    tmp_path: Path, store: Any
 ) -> None:
-    monkeypatch.setenv("LOCAL_RANK", "1")  # no start-up sweep of the machine's shared memory
-    watchdog = Watchdog(0, 2, heartbeat_s=30.0, timeout_s=60.0)
+    watchdog = Watchdog(0, 2, heartbeat_s=30.0, timeout_s=60.0, run_dir=tmp_path)
+    path = liveness_path(tmp_path, 0)
     watchdog.start()
     try:
-        first = json.loads(store.get(HB0))
-        path = first["progress"]
-        assert first["step"] == 0 and os.path.exists(path)
+        first = Liveness.from_dict(json.loads(store.get(HB0)))
+        assert first is not None and (first.step, first.phase) == (0, "start")
         watchdog.set_phase("forward_backward", 7)
-        assert read_progress(path, os.getpid()) is not None
+        live = read_liveness(path, os.getpid())  # in the file at once: no thread in between
+        assert live is not None and live.where() == "at step 7 in forward_backward"
         changed = time.monotonic()
         while json.loads(store.get(HB0))["step"] != 7:
             assert time.monotonic() - changed < 3.0, "no prompt beat (the next is due in 30s)"
             time.sleep(0.02)
     finally:
         watchdog.stop()
-    assert not os.path.exists(path)
+    last = read_liveness(path, os.getpid())
+    assert last is not None and (last.step, last.phase) == (7, "forward_backward")
+    assert last.alive_at > 0
     watchdog.set_phase("done")  # after stop: no file to write, never an error
+    watchdog.tick()
 
 
-def test_the_sweep_removes_only_files_no_rank_can_still_need(tmp_path: Path) -> None:
-    folder, dead = str(tmp_path), dead_pid()
+# ---------------------------------------------------------------------------------------------
+# The backstop, keyed on progress (bug 1: a long phase was taken for a hang). check_hang is
+# what the watchdog's thread calls at every wake; here it is called with a made-up clock.
 
-    def left_by(rank: int, pid: int, keep_s: float) -> str:
-        path = progress_path(rank, pid=pid, folder=folder)
-        ProgressFile(path, rank, keep_s).close(remove=False)  # as a killed process leaves it
-        return path
 
-    expired = left_by(0, dead, keep_s=0.0)  # dead, and its job's ranks are done with it
-    recent = left_by(1, dead, keep_s=3600.0)  # dead, but a rank of its job may yet read it
-    alive = left_by(2, os.getpid(), keep_s=0.0)
-    cut_short = progress_path(3, pid=dead, folder=folder)
-    Path(cut_short).write_bytes(b"dtr")
-    os.utime(cut_short, (time.time() - 7200, time.time() - 7200))
-    remote = os.path.join(folder, f"dtrain-progress-otherhost-pid{dead}-rank0")
-    unrelated = os.path.join(folder, "unrelated")
-    for path in (remote, unrelated):
-        Path(path).write_bytes(b"")
-    time.sleep(0.01)
-    assert sweep_progress_files(folder) == 2
-    kept = {os.path.basename(p) for p in (recent, alive, remote, unrelated)}
-    assert set(os.listdir(folder)) == kept
-    assert not {os.path.basename(p) for p in (expired, cut_short)} & set(os.listdir(folder))
+def test_a_long_phase_that_ticks_is_no_hang_and_one_that_stops_is_named() -> None:
+    watchdog = Watchdog(0, 2, heartbeat_s=1.0, timeout_s=1.0)  # ends a rank still for 2 s
+    t0 = time.monotonic()
+    watchdog.set_phase("evaluate", 4)
+    assert watchdog.check_hang(t0) is None
+    for batch in range(1, 21):  # 30 s in one phase, a batch every 1.5 s
+        watchdog.tick()
+        assert watchdog.check_hang(t0 + 1.5 * batch) is None
+    assert watchdog.check_hang(t0 + 30 + 1.9) is None
+    assert watchdog.check_hang(t0 + 30 + 2.4) == (
+        f"rank 0 ({watchdog.host}, pid {os.getpid()}) made no progress for 2s in evaluate at step 4"
+    )
+    watchdog.set_phase("checkpoint")  # a phase change is progress too
+    assert watchdog.check_hang(t0 + 33) is None
+
+
+def test_the_after_training_hook_is_left_to_its_collectives_timeouts() -> None:
+    watchdog = Watchdog(0, 2, heartbeat_s=1.0, timeout_s=1.0)
+    t0 = time.monotonic()
+    watchdog.set_phase("after_training")
+    assert watchdog.check_hang(t0) is None
+    assert watchdog.check_hang(t0 + 3600) is None  # the user's code cannot tick
+
+
+def test_a_rank_waiting_for_rank0s_long_work_is_no_hang_while_rank0_moves() -> None:
+    watchdog = Watchdog(1, 2, heartbeat_s=1.0, timeout_s=1.0)
+    t0 = time.monotonic()
+    watchdog.set_phase("resume", 0)  # waits in a collective while rank 0 hashes the files
+    assert watchdog.check_hang(t0) is None
+    for piece in range(1, 21):  # rank 0's beats show its resume check moving on
+        rank0 = beat_of(0, step=0, phase="resume", progress=piece)
+        watchdog._see_rank0(Liveness.from_dict(json.loads(rank0)), t0 + 1.5 * piece)
+        assert watchdog.check_hang(t0 + 1.5 * piece) is None
+    hung = watchdog.check_hang(t0 + 30 + 2.4)  # rank 0 stopped too
+    assert hung is not None and hung.endswith("made no progress for 32s in resume at step 0")
+    # Rank 0 itself answers for its own progress only.
+    rank0 = Watchdog(0, 2, heartbeat_s=1.0, timeout_s=1.0)
+    rank0.set_phase("resume", 0)
+    rank0.check_hang(t0)
+    rank0._see_rank0(Liveness.from_dict(json.loads(beat_of(0, progress=5))), t0 + 2)
+    assert rank0.check_hang(t0 + 2.4) is not None
+
+
+def test_the_watchdogs_thread_names_a_rank_whose_long_phase_stops_ticking(store: Any) -> None:
+    hangs: list[str] = []
+    named = threading.Event()
+
+    def on_hang(message: str) -> None:
+        hangs.append(message)
+        named.set()
+
+    watchdog = Watchdog(0, 2, heartbeat_s=0.1, timeout_s=0.5, on_hang=on_hang)
+    watchdog.start()
+    try:
+        watchdog.set_phase("evaluate", 3)
+        for _batch in range(5):
+            watchdog.tick()
+            time.sleep(0.05)
+        assert named.wait(timeout=30), "no hang named after the ticks stopped"
+    finally:
+        watchdog.stop()
+    assert len(hangs) == 1
+    assert re.match(
+        rf"rank 0 \({watchdog.host}, pid {os.getpid()}\) made no progress for \d+s in evaluate "
+        r"at step 3; rank 1 never checked in$",
+        hangs[0],
+    ), hangs[0]

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
+
+# Bytes between two calls of a long write's ``on_progress``.
+_PIECE = 64 * 2**20
 
 
 def fsync_dir(path: Path | str) -> None:
@@ -18,20 +22,34 @@ def fsync_dir(path: Path | str) -> None:
         os.close(fd)
 
 
-def write_bytes_synced(path: Path | str, data: bytes) -> None:
-    """Write ``data`` to ``path`` and fsync the file (not atomic by itself)."""
+def write_bytes_synced(
+    path: Path | str, data: bytes, on_progress: Callable[[], None] | None = None
+) -> None:
+    """Write ``data`` to ``path`` and fsync the file (not atomic by itself); ``on_progress``
+    is called after each piece of it written (a checkpoint file may be GBs)."""
     with open(path, "wb") as fh:
-        fh.write(data)
+        if on_progress is None:
+            fh.write(data)
+        else:
+            view = memoryview(data)
+            for start in range(0, len(view), _PIECE):
+                fh.write(view[start : start + _PIECE])
+                on_progress()
         fh.flush()
         os.fsync(fh.fileno())
 
 
-def sha256_file(path: Path | str, chunk: int = 8 * 2**20) -> str:
-    """The SHA-256 of a file's bytes, read in chunks (a shard or a checkpoint may be GBs)."""
+def sha256_file(
+    path: Path | str, chunk: int = 8 * 2**20, on_progress: Callable[[], None] | None = None
+) -> str:
+    """The SHA-256 of a file's bytes, read in chunks (a shard or a checkpoint may be GBs);
+    ``on_progress`` is called after each chunk."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         while block := fh.read(chunk):
             h.update(block)
+            if on_progress is not None:
+                on_progress()
     return h.hexdigest()
 
 

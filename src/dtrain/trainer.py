@@ -57,6 +57,7 @@ from dtrain.errors import UserError
 from dtrain.evaluation import evaluate_loss
 from dtrain.fault.audit import AuditWriter
 from dtrain.fault.failpoints import failpoint
+from dtrain.fault.liveness import Speed
 from dtrain.fault.preempt import PreemptionFlag
 from dtrain.fault.status import RunStatus, write_status
 from dtrain.fault.watchdog import Watchdog
@@ -131,7 +132,7 @@ class Trainer:
             runtime.world_size,
             heartbeat_s=cfg.fault.heartbeat_s,
             timeout_s=cfg.dist.timeout_s,
-            run_dir=self.run_dir,  # RUN_DIR/heartbeats/rankN.json, for `dtrain status`
+            run_dir=self.run_dir,  # RUN_DIR/liveness/rankN: this rank's liveness record
             stats=self._beat_stats,
         )
         self.checkpointer = ckpt.Checkpointer(
@@ -142,6 +143,7 @@ class Trainer:
             keep_every=cfg.checkpoint.keep_every,
             timeout=runtime.timeout,
             log=self.log,
+            on_progress=self.watchdog.tick,
         )
         self.audit: AuditWriter | None = None
         per_sample = task.items_per_sample
@@ -200,7 +202,8 @@ class Trainer:
         """Load the checkpoint ``run.resume`` asks for, if any; then every RNG either holds
         the saved state or, on a fresh start or at a new world size, a distinct, reproducible
         stream per rank."""
-        point = resolve_resume(self.cfg, self.run_dir / "checkpoints", self.runtime, self.log)
+        root, tick = self.run_dir / "checkpoints", self.watchdog.tick
+        point = resolve_resume(self.cfg, root, self.runtime, self.log, on_progress=tick)
         if point is None or not training_state.load(self.state, point):
             seed_everything(rank_seed(self.cfg.run.seed, self.runtime.rank) + self.step)
         return point
@@ -312,6 +315,7 @@ class Trainer:
                 self.save_checkpoint(blocking=not cfg.checkpoint.async_save)
         if not summary.preempted:
             summary.val_loss = self.evaluate()  # the whole validation set
+        self.watchdog.set_phase("checkpoint")  # waiting for the save in flight
         final_error = self.checkpointer.wait()
         if final_error:
             self.warn(final_error)
@@ -404,7 +408,9 @@ class Trainer:
             self.warn(error)
         self.watchdog.set_phase("rollback")
         root = self.run_dir / "checkpoints"
-        point = rollback_point(self.cfg, root, self.runtime, self.log, first_bad_step, self.step)
+        point = rollback_point(
+            self.cfg, root, self.runtime, self.log, first_bad_step, self.step, self.watchdog.tick
+        )
         # Counters of what happened stay cumulative; the skip list keeps earlier skips too.
         rollbacks, skipped = self.rollbacks + 1, self.skipped_steps
         earlier_skips = dict(self.loader.skipped)
@@ -437,8 +443,8 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.write(records.event(name, self.step, **fields))
 
-    def _beat_stats(self) -> dict[str, Any]:
-        """This rank's speed for its heartbeat file; called on the watchdog's thread (the
+    def _beat_stats(self) -> Speed:
+        """This rank's speed for its liveness record; called on the watchdog's thread (the
         timer replaces its ``last`` dict whole, so reading it there is safe)."""
         last = self.balance.timer.last
         return records.beat_stats(last, self.task.item_name, self.runtime.device)
@@ -475,8 +481,9 @@ class Trainer:
         if self.task.val_data is None:
             return None
         self.watchdog.set_phase("evaluate")
+        batch_size, tick = self.cfg.eval.batch_size, self.watchdog.tick
         val_loss, items = evaluate_loss(
-            self.task, self.strategy, self.runtime.device, self.cfg.eval.batch_size, max_samples
+            self.task, self.strategy, self.runtime.device, batch_size, max_samples, tick
         )
         if self.is_main:
             assert self.metrics is not None

@@ -65,8 +65,9 @@ def read_marker(step_dir: Path) -> dict[str, Any]:
     return marker
 
 
-def verify_checkpoint(step_dir: Path) -> None:
-    """Raise :class:`CheckpointError` naming the first file that does not match the marker."""
+def verify_checkpoint(step_dir: Path, on_progress: Callable[[], None] | None = None) -> None:
+    """Raise :class:`CheckpointError` naming the first file that does not match the marker;
+    ``on_progress`` is called as the files are hashed (after each chunk and each file)."""
     if not step_dir.is_dir():
         raise CheckpointError(f"checkpoint folder {step_dir} does not exist")
     marker = read_marker(step_dir)
@@ -77,21 +78,23 @@ def verify_checkpoint(step_dir: Path) -> None:
         size = path.stat().st_size
         if size != info["bytes"]:
             raise CheckpointError(f"{path} has {size} bytes, expected {info['bytes']}")
-        if sha256_file(path) != info["sha256"]:
+        if sha256_file(path, on_progress=on_progress) != info["sha256"]:
             raise CheckpointError(f"{path} fails its SHA-256 checksum")
+        if on_progress is not None:
+            on_progress()
 
 
 def find_latest_valid(
-    root: Path, max_step: int | None = None
+    root: Path, max_step: int | None = None, on_progress: Callable[[], None] | None = None
 ) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest checkpoint (at most ``max_step``) that verifies, and the newer ones skipped
-    with their reason."""
+    with their reason; ``on_progress`` as for :func:`verify_checkpoint`."""
     skipped: list[tuple[Path, str]] = []
     for step, path in list_step_dirs(root):
         if max_step is not None and step > max_step:
             continue
         try:
-            verify_checkpoint(path)
+            verify_checkpoint(path, on_progress)
         except CheckpointError as exc:
             skipped.append((path, str(exc)))
             continue

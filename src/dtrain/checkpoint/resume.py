@@ -29,22 +29,27 @@ class ResumePoint:
 
 
 def choose_checkpoint(
-    cfg: Config, root: Path, log: Callable[[str], None], max_step: int | None = None
+    cfg: Config,
+    root: Path,
+    log: Callable[[str], None],
+    max_step: int | None = None,
+    on_progress: Callable[[], None] | None = None,
 ) -> Path | None:
     """Rank 0's choice: the newest valid checkpoint (``auto``), none (``never``), or the one
-    named by ``run.resume``. Removes leftovers of interrupted saves first."""
+    named by ``run.resume``. Removes leftovers of interrupted saves first. ``on_progress`` is
+    called as the checkpoints' files are hashed."""
     for leftover in ckread.remove_leftovers(root):
         log(f"removed the leftover of an interrupted save: {leftover.name}")
     if max_step is not None:  # a rollback: the newest checkpoint from before a given step
-        return ckread.find_latest_valid(root, max_step)[0]
+        return ckread.find_latest_valid(root, max_step, on_progress)[0]
     if cfg.run.resume == "never":
         return None
     if cfg.run.resume == "auto":
-        path, skipped = ckread.find_latest_valid(root)
+        path, skipped = ckread.find_latest_valid(root, on_progress=on_progress)
         ckread.warn_skipped(skipped, log)
         return path
     path = Path(cfg.run.resume)
-    ckread.verify_checkpoint(path)
+    ckread.verify_checkpoint(path, on_progress)
     return path
 
 
@@ -58,11 +63,14 @@ def resolve_resume(
     runtime: Runtime,
     log: Callable[[str], None],
     max_step: int | None = None,
+    on_progress: Callable[[], None] | None = None,
 ) -> ResumePoint | None:
+    """Collective: the checkpoint rank 0 chose, on every rank (``on_progress``: called on
+    rank 0 as it hashes the files)."""
     decision: list[Any] = [None, None]
     if runtime.is_main:
         try:
-            path = choose_checkpoint(cfg, root, log, max_step)
+            path = choose_checkpoint(cfg, root, log, max_step, on_progress)
             decision = [str(path) if path else None, None]
         except UserError as exc:
             decision = [None, str(exc)]
@@ -85,11 +93,12 @@ def rollback_point(
     log: Callable[[str], None],
     first_bad_step: int,
     last_bad_step: int,
+    on_progress: Callable[[], None] | None = None,
 ) -> ResumePoint:
     """Collective: where the NaN guard rolls back to after non-finite steps ``first_bad_step``
     to ``last_bad_step``. A checkpoint saved during the streak holds the same weights as the one
     before it (skipped steps change nothing), so: the newest one before the first bad step."""
-    point = resolve_resume(cfg, root, runtime, log, max_step=first_bad_step - 1)
+    point = resolve_resume(cfg, root, runtime, log, first_bad_step - 1, on_progress)
     if point is None:
         raise TrainingDiverged(
             f"the loss was non-finite for {last_bad_step - first_bad_step + 1} steps in a row "

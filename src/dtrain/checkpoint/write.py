@@ -106,10 +106,22 @@ def snapshot_sharded(obj: Any) -> Any:
     return snapshot(obj)
 
 
-def _write_bytes(path: Path, data: bytes, step: int) -> dict[str, Any]:
+# Bytes hashed between two progress marks of a save.
+_HASH_PIECE = 64 * 2**20
+
+
+def _write_bytes(
+    path: Path, data: bytes, step: int, on_progress: Callable[[], None]
+) -> dict[str, Any]:
     failpoint("checkpoint.write_file", step=step, path=path)
-    write_bytes_synced(path, data)
-    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    write_bytes_synced(path, data, on_progress)
+    digest = hashlib.sha256()
+    view = memoryview(data)
+    for start in range(0, len(view), _HASH_PIECE):
+        digest.update(view[start : start + _HASH_PIECE])
+        on_progress()
+    on_progress()
+    return {"bytes": len(data), "sha256": digest.hexdigest()}
 
 
 def encode(obj: Any) -> bytes:
@@ -118,6 +130,23 @@ def encode(obj: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
+
+
+def _progress_planner(on_progress: Callable[[], None]) -> Any:
+    """DCP's default save planner, marking progress as the writer takes each item (it asks
+    for an item as it comes to write it)."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class ProgressPlanner(DefaultSavePlanner):
+        def resolve_data(self, write_item: Any) -> Any:
+            on_progress()
+            return super().resolve_data(write_item)
+
+    return ProgressPlanner()
+
+
+def _nothing() -> None:
+    pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,9 +174,16 @@ class Checkpointer:
         keep_every: int,
         timeout: datetime.timedelta = datetime.timedelta(minutes=5),
         log: Callable[[str], None] = print,
+        on_progress: Callable[[], None] | None = None,
     ) -> None:
         """Collective when the process group is up: every rank makes the checkpointer's own
-        group (``timeout``: its collectives' limit) at the same point."""
+        group (``timeout``: its collectives' limit) at the same point.
+
+        ``on_progress`` is called on the training thread as a save it waits for goes on (a
+        file written or hashed, a piece of a large one): by a blocking save as it writes, and
+        by :meth:`wait` as the background writer of an asynchronous one does its pieces. The
+        writer thread only counts them: a thread working beside the training thread must not
+        vouch for it, which may be hung meanwhile."""
         self.root = root
         self.rank = rank
         self.world_size = world_size
@@ -165,6 +201,8 @@ class Checkpointer:
         self.blocking_seconds: list[float] = []
         self.write_seconds: list[float] = []
         self._staged: dict[str, Any] = {}  # the last async snapshot, reused by the next one
+        self._on_progress = on_progress or _nothing
+        self._pieces = 0  # pieces the background writer has done (only it counts them)
 
     # -- in flight -----------------------------------------------------------------------
 
@@ -177,8 +215,14 @@ class Checkpointer:
         return error
 
     def wait(self) -> str | None:
+        """Wait for the save in flight; the error of a failed one, once."""
         if self._thread is not None:
-            self._thread.join()
+            seen = self._pieces
+            while self._thread.is_alive():
+                self._thread.join(timeout=0.5)
+                if self._pieces != seen:  # the writer moved on: so does this wait for it
+                    seen = self._pieces
+                    self._on_progress()
             self._thread = None
         error, self._error = self._error, None
         return error
@@ -209,7 +253,7 @@ class Checkpointer:
         snap = {name: snapshot(obj, staged.get(name)) for name, obj in files.items()}
         sharded_snap = snapshot_sharded(sharded) if sharded is not None else None
         if blocking:
-            self._write(step, snap, meta, sharded_snap)
+            self._write(step, snap, meta, sharded_snap, self._on_progress)
             error = self._error
             self._error = None
             self.blocking_seconds.append(time.perf_counter() - started)
@@ -220,19 +264,25 @@ class Checkpointer:
         self._staged = snap  # kept for the next asynchronous save (one copy of this state)
         self._thread = threading.Thread(
             target=self._write,
-            args=(step, snap, meta, sharded_snap),
+            args=(step, snap, meta, sharded_snap, self._count_piece),
             name=f"dtrain-ckpt-step{step}",
             daemon=True,
         )
         self._thread.start()
+
+    def _count_piece(self) -> None:
+        self._pieces += 1
 
     def _write(
         self,
         step: int,
         files: dict[str, Any],
         meta: dict[str, Any] | None,
-        sharded: dict[str, Any] | None = None,
+        sharded: dict[str, Any] | None,
+        on_progress: Callable[[], None],
     ) -> None:
+        """Write, gather, commit: on the training thread for a blocking save, else on the
+        background writer's (``on_progress``: what each piece done calls, on that thread)."""
         started = time.perf_counter()
         tmp = self.root / f".tmp-{step_dir_name(step)}"
         outcome = _Outcome(ok=True, error="", files={})
@@ -240,13 +290,12 @@ class Checkpointer:
             tmp.mkdir(parents=True, exist_ok=True)
             failpoint("checkpoint.write", step=step)
             for name, obj in files.items():
-                outcome.files[name] = _write_bytes(tmp / name, encode(obj), step)
+                outcome.files[name] = _write_bytes(tmp / name, encode(obj), step, on_progress)
             if meta is not None:
-                outcome.files[META] = _write_bytes(
-                    tmp / META, json.dumps(meta, indent=1, sort_keys=True).encode(), step
-                )
+                text = json.dumps(meta, indent=1, sort_keys=True).encode()
+                outcome.files[META] = _write_bytes(tmp / META, text, step, on_progress)
             if sharded is not None:
-                outcome.files.update(self._write_sharded(tmp, sharded))
+                outcome.files.update(self._write_sharded(tmp, sharded, on_progress))
         except Exception as exc:
             outcome = _Outcome(
                 ok=False, error=f"rank {self.rank}: {type(exc).__name__}: {exc}", files={}
@@ -267,7 +316,9 @@ class Checkpointer:
             self.last_saved_step = None
         self.write_seconds.append(time.perf_counter() - started)
 
-    def _write_sharded(self, tmp: Path, state: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    def _write_sharded(
+        self, tmp: Path, state: dict[str, Any], on_progress: Callable[[], None]
+    ) -> dict[str, dict[str, Any]]:
         """Every rank writes its shards with DCP (coordinated over the side group); returns
         the files this rank wrote, with sizes and checksums, for the marker."""
         from torch.distributed.checkpoint.filesystem import FileSystemWriter
@@ -276,14 +327,20 @@ class Checkpointer:
         folder = tmp / SHARDED_DIR
         save(
             state,
+            # One writer thread (the default): DCP writes on the thread that called it, so the
+            # planner's progress marks are made there.
             storage_writer=FileSystemWriter(str(folder), sync_files=True),
+            planner=_progress_planner(on_progress),
             process_group=self.group if dist.is_initialized() else None,
         )
         mine = [p for p in folder.iterdir() if p.name.startswith(f"__{self.rank}_")]
         if self.rank == 0:
             mine += [p for p in folder.iterdir() if p.name == ".metadata"]
         return {
-            f"{SHARDED_DIR}/{p.name}": {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+            f"{SHARDED_DIR}/{p.name}": {
+                "bytes": p.stat().st_size,
+                "sha256": sha256_file(p, on_progress=on_progress),
+            }
             for p in mine
         }
 

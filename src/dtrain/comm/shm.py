@@ -36,6 +36,7 @@ import os
 import platform
 import secrets
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import cast
@@ -46,7 +47,7 @@ import torch.distributed as dist
 
 from dtrain.comm.mean import divide_into
 from dtrain.config import CommConfig
-from dtrain.fault.progress import process_alive, progress_dir
+from dtrain.fault.liveness import process_alive
 from dtrain.runtime import env_int
 
 _TOKEN_BYTES = 16
@@ -264,10 +265,19 @@ class SharedMemoryAllReduce:
             pass  # a tensor still views it; the mapping goes with the process
 
 
+def _segment_dir() -> str:
+    """Shared memory when the machine has it (never written back to a disk), else the temp
+    folder (its pages still stay in the page cache)."""
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK):
+        return shm
+    return tempfile.gettempdir()
+
+
 def _create(size: int) -> _Segment | str:
     """A new zeroed segment of ``size`` bytes with its pages reserved (a full ``/dev/shm``
     fails here, not with SIGBUS at the first write)."""
-    folder = progress_dir()
+    folder = _segment_dir()
     _sweep(folder)
     path = os.path.join(folder, f"{_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
     token = secrets.token_bytes(_TOKEN_BYTES)

@@ -6,9 +6,12 @@ process, a heartbeat as the old report it is, the collective's own error in one 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from dtrain.fault.liveness import Liveness
 
 # How much of the collective's own error a PeerFailure quotes: its first line, which names the
 # socket or timeout; gloo's advice that follows adds nothing to the diagnosis.
@@ -40,12 +43,12 @@ def collective_cause(error: BaseException) -> str:
     return cause
 
 
-def who(rank: int, beat: dict[str, Any]) -> str:
+def who(rank: int, beat: Liveness) -> str:
     """A rank and the process its heartbeat names."""
-    return f"rank {rank} ({beat['host']}, pid {beat['pid']})"
+    return f"rank {rank} ({beat.host}, pid {beat.pid})"
 
 
-def beat_words(beat: dict[str, Any], now: float) -> str:
+def beat_words(beat: Liveness, now: float) -> str:
     """A heartbeat as what it is: a report from some time ago, never where the rank is now."""
-    age = max(0.0, now - beat["time"])
-    return f"its last heartbeat, {age:.1f}s old, was at step {beat['step']} in {beat['phase']}"
+    age = max(0.0, now - beat.seen_at)
+    return f"its last heartbeat, {age:.1f}s old, was at step {beat.step} in {beat.phase}"

@@ -4,6 +4,7 @@ to it bounded in time, so that a store whose host is stopped or cut off never ha
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import threading
 from collections.abc import Callable
@@ -55,3 +56,46 @@ def bounded(call: Callable[[], T], seconds: float, what: str) -> T:
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+class StoreClient:
+    """The job's store, every call bounded in time (:func:`bounded`)."""
+
+    def __init__(self, store: Any, timeout_s: float) -> None:
+        """``store``: a connected client (:func:`connect_store`); ``timeout_s``: the bound
+        of a call that names none."""
+        self.timeout_s = timeout_s
+        self._store = store
+        # Set when a call was given up on: that call still holds the client's connection, so
+        # the next one connects afresh.
+        self._stuck = False
+
+    def ask(self, op: Callable[[Any], T], what: str, seconds: float | None = None) -> T:
+        """``op(store)``; raises when the store cannot be reached or does not answer."""
+        limit = seconds if seconds is not None else self.timeout_s
+        if self._stuck:
+            fresh = bounded(lambda: connect_store(self.timeout_s), limit, "a new connection")
+            if fresh is None:
+                raise ConnectionError("cannot connect to the job's key-value store")
+            self._store, self._stuck = fresh, False
+        store = self._store
+        try:
+            return bounded(lambda: op(store), limit, what)
+        except StoreTimeout:
+            self._stuck = True
+            raise
+
+    def read(self, key: str, seconds: float | None = None) -> Any:
+        """The JSON value at ``key``, or None when there is none (or it is no JSON); a store
+        that cannot be reached raises."""
+
+        def read(store: Any) -> bytes | None:
+            return store.get(key) if store.check([key]) else None
+
+        raw = self.ask(read, f"reading {key}", seconds)
+        if raw is None:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return None

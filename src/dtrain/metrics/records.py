@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from dtrain.config import Config
+from dtrain.fault.liveness import Speed
 from dtrain.metrics.hardware import describe, memory_bytes, memory_kind
 from dtrain.metrics.summary import Summary
 from dtrain.parallel.base import Strategy
@@ -155,14 +156,15 @@ def start_record(
     }
 
 
-def beat_stats(last: dict[str, float], item_name: str, device: torch.device) -> dict[str, Any]:
-    """A rank's own speed and memory for its heartbeat file (:mod:`dtrain.fault.beats`), from
-    its last step's phases (:attr:`dtrain.balance.timing.StepTimer.last`)."""
+def beat_stats(last: dict[str, float], item_name: str, device: torch.device) -> Speed:
+    """A rank's own speed and memory for its liveness record (:mod:`dtrain.fault.liveness`),
+    from its last step's phases (:attr:`dtrain.balance.timing.StepTimer.last`)."""
     busy = last.get("data_s", 0.0) + last.get("compute_s", 0.0)
     items = last.get("items", 0.0)
     memory = memory_bytes(device)
-    return {
-        "step_s": last.get("step_s"),
-        f"{item_name}_per_s": items / busy if busy > 0 else None,
-        "memory_bytes": memory if math.isfinite(memory) else None,
-    }
+    return Speed(
+        item_name=item_name,
+        items_per_s=items / busy if busy > 0 else None,
+        step_s=last.get("step_s"),
+        memory_bytes=memory if math.isfinite(memory) else None,
+    )

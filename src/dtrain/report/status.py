@@ -5,8 +5,9 @@ It reads three things, none of which the job waits for:
 - ``status.json`` (rank 0: running, completed, preempted);
 - the tail of ``metrics.jsonl`` (the last MiB, never the whole file): the newest train
   record's step, loss and time per step, the newest evaluation;
-- ``heartbeats/rankN.json``: every rank's last beat, written every second or so by its
-  watchdog thread (:mod:`dtrain.fault.beats`): host, step, phase, and its own speed.
+- ``liveness/rankN``: every rank's liveness record (:mod:`dtrain.fault.liveness`), the one
+  its hang check and the other ranks read too: host, step and phase (live), when its
+  watchdog's thread last stamped it alive (every fraction of a second), and its own speed.
 
 The total number of steps comes from the run's ``config.toml``.
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.errors import UserError
-from dtrain.fault.beats import read_beats
+from dtrain.fault.liveness import LIVENESS_DIR, Liveness, read_run_liveness
 from dtrain.fault.status import read_status
 from dtrain.metrics.sinks import format_bytes, format_duration, format_rate
 from dtrain.report.read import CONFIG_FILE, METRICS_FILE, Record, read_tail
@@ -30,7 +31,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-# A beat older than this is called stale: the watchdog's thread writes one every second or so.
+# A beat older than this is called stale: the watchdog's thread stamps one several times a
+# second (on shared storage, other machines see it every second or so).
 STALE_S = 10.0
 
 
@@ -65,17 +67,17 @@ def run_status(run_dir: Path, now: float | None = None) -> str:
     status = read_status(run_dir)
     metrics = run_dir / METRICS_FILE
     tail = read_tail(metrics) if metrics.exists() else []
-    beats = read_beats(run_dir)
+    beats = read_run_liveness(run_dir)
     if status is None and not tail and not beats:
         raise UserError(
-            f"{run_dir} has no status.json, {METRICS_FILE} or heartbeats: not a run folder, "
-            "or its run has not started yet"
+            f"{run_dir} has no status.json, {METRICS_FILE} or heartbeats ({LIVENESS_DIR}/rankN): "
+            "not a run folder, or its run has not started yet"
         )
     total = _total_steps(run_dir, tail)
     train, evaluation = _last(tail, "train"), _last(tail, "eval")
-    newest_attempt = max((int(b.get("attempt", 0)) for b in beats.values()), default=0)
-    current = [b for b in beats.values() if int(b.get("attempt", 0)) == newest_attempt]
-    steps = [int(b["step"]) for b in current if isinstance(b.get("step"), int)]
+    newest_attempt = max((b.attempt for b in beats.values()), default=0)
+    current = [b for b in beats.values() if b.attempt == newest_attempt]
+    steps = [b.step for b in current]
     if train is not None:
         steps.append(int(train["step"]))
     if status is not None:
@@ -108,8 +110,8 @@ def run_status(run_dir: Path, now: float | None = None) -> str:
         lines.append("  no train record yet")
     if evaluation is not None and isinstance(evaluation.get("val_loss"), (int, float)):
         lines.append(f"  val loss {evaluation['val_loss']:.4f} at step {evaluation['step']}")
-    if state == "running" and current and all(now - b["time"] > STALE_S for b in current):
-        newest = min(now - b["time"] for b in current)
+    if state == "running" and current and all(now - b.seen_at > STALE_S for b in current):
+        newest = min(now - b.seen_at for b in current)
         lines.append(
             f"  no heartbeat for {format_duration(newest)}: the job may have stopped (killed, "
             "or its machine lost) without updating status.json"
@@ -130,29 +132,29 @@ def _item_name(tail: list[Record], train: Record | None) -> str:
 
 
 def _rank_table(
-    beats: dict[int, dict[str, Any]], attempt: int, item: str, now: float, running: bool
+    beats: dict[int, Liveness], attempt: int, item: str, now: float, running: bool
 ) -> list[str]:
     if not beats:
-        return ["  no heartbeat files (heartbeats/rankN.json): a run from before them"]
+        return [f"  no liveness records ({LIVENESS_DIR}/rankN): a run from before them"]
     header = ("rank", "host", "pid", "last beat", "step", "phase", "own speed", "step", "memory")
     rows = [header]
     for rank, beat in beats.items():
-        age = now - float(beat.get("time", 0.0))
+        age = now - beat.seen_at
         when = _ago(age) + (" (stale)" if running and age > STALE_S else "")
-        if int(beat.get("attempt", 0)) != attempt:
-            when += f" (attempt {beat.get('attempt', 0)})"
-        speed = _number(beat.get(f"{item}_per_s"))
-        step_s = _number(beat.get("step_s"))
-        memory = _number(beat.get("memory_bytes"))
+        if beat.attempt != attempt:
+            when += f" (attempt {beat.attempt})"
+        speed = _number(beat.items_per_s)
+        step_s = _number(beat.step_s)
+        memory = _number(beat.memory_bytes)
         rows.append(
             (
                 str(rank),
-                str(beat.get("host", "?")),
-                str(beat.get("pid", "?")),
+                beat.host,
+                str(beat.pid),
                 when,
-                str(beat.get("step", "?")),
-                str(beat.get("phase", "?")),
-                f"{format_rate(speed)} {item}/s" if speed is not None else "-",
+                str(beat.step),
+                beat.phase,
+                f"{format_rate(speed)} {beat.item_name or item}/s" if speed is not None else "-",
                 f"{step_s * 1e3:.0f} ms" if step_s is not None else "-",
                 format_bytes(memory) if memory is not None else "-",
             )
