@@ -56,6 +56,8 @@ class CommHook:
     # Whether its collectives are summing all-reduces that a shared-memory segment can carry
     # between the ranks of one machine (comm.transport; dtrain.comm.shm).
     sums_only: ClassVar[bool] = False
+    # Whether it sums the step's agreement with its last bucket (see carry).
+    carries_agreement: ClassVar[bool] = False
 
     def __init__(
         self, counter: CommCounter, group: dist.ProcessGroup | None, device: torch.device
@@ -98,9 +100,10 @@ class CommHook:
 
     def carry(self, agreement: StepAgreement) -> None:
         """Sum ``agreement`` over the group with this step's last bucket, if this hook can
-        (:class:`MeanHook`, a float32 or float64 bucket, a group of at most
+        (``carries_agreement``, a float32 or float64 bucket, a group of at most
         ``MAX_CARRYING_RANKS``); ``agreement.agreed`` says afterwards whether it did."""
-        self._carried = agreement
+        if self.carries_agreement:
+            self._carried = agreement
 
     def _take_carried(self, bucket: Bucket) -> StepAgreement | None:
         """The agreement to sum with ``bucket``: only the step's last, and only once."""
@@ -217,6 +220,7 @@ class MeanHook(CommHook):
 
     name = "none"
     sums_only = True
+    carries_agreement = True
 
     def reduce(self, bucket: Bucket) -> torch.futures.Future[torch.Tensor]:
         carried = self._take_carried(bucket)
