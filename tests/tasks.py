@@ -128,7 +128,7 @@ def tiny_gpt(cfg: Config) -> Task:
 @dataclass
 class SlowFinishOptions(TinyOptions):
     # Seconds the after-training hook sleeps, once it has left a file saying it started.
-    finish_s: float = 5.0
+    finish_s: float = 2.0
 
 
 @task_config(SlowFinishOptions)

@@ -297,6 +297,10 @@ def imbalance(times: list[float]) -> float:
     return max(times) / statistics.mean(times)
 
 
+# Judged on measured times (thread CPU time, medians of trials): a timing assertion, which the
+# default suite does not hold; `make test-slow` runs it. The balancer's logic is tested exactly,
+# with a fake clock, above.
+@pytest.mark.slow
 def test_balanced_stages_measure_balanced_where_uniform_is_not() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)

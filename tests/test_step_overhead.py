@@ -72,55 +72,49 @@ def test_the_planned_count_trains_bit_identically_to_the_counted_one(
         assert planned[rank]["items"] == counted[rank]["items"] == 6 * 7 * SEQ_LEN
 
 
-def train_counting_steps(raw: dict[str, Any]) -> dict[str, Any]:
-    """Train; the collectives this rank's strategy counted, and its gradient buckets."""
-    trainer = make_trainer(raw)
-    before = trainer.strategy.comm.collectives
-    trainer.fit()
-    buckets = len(trainer.strategy.buckets)  # type: ignore[attr-defined]
-    return {"collectives": trainer.strategy.comm.collectives - before, "buckets": buckets}
+def collectives_of_runs(raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Train each config in turn; the collectives this rank's strategy counted in each, and
+    its gradient buckets."""
+    out: dict[str, Any] = {}
+    for name, raw in raws.items():
+        trainer = make_trainer(raw)
+        before = trainer.strategy.comm.collectives
+        trainer.fit()
+        buckets = len(trainer.strategy.buckets)  # type: ignore[attr-defined]
+        out[name] = (trainer.strategy.comm.collectives - before, buckets)
+    return out
 
 
-def collectives_of_12_steps(run_dir: Path, job: dict[str, Any], task: dict[str, Any]) -> Any:
-    """The collectives of 12 steps: a run of 16 against one of 4 that is the same otherwise
-    (set-up, the first step, the final evaluation and save)."""
-    long, short = (
-        run_ranks(
-            train_counting_steps,
-            2,
-            tiny_raw(run_dir / str(steps), job, task=task, train={"steps": steps}),
-        )[0]
+def test_no_step_makes_a_collective_of_its_own_for_its_count_or_stop(tmp_path: Path) -> None:
+    # The collectives of 12 steps: a run of 16 against one of 4 that is the same otherwise
+    # (set-up, the first step, the final evaluation and save). Nothing but steps in between.
+    job = {
+        "strategy": {"name": "allreduce"},
+        "train": {"log_every": 1000},
+        "balance": {"every": 1000, "window_s": 0},
+        "eval": {"every": 0},
+        "checkpoint": {"every": 0},
+    }
+    variants: dict[str, dict[str, Any]] = {
+        "counted": {},
+        "declared": {"task": DECLARED},
+        # fp16 buckets cannot hold the packed counts exactly: one small all-reduce a step.
+        "fp16": {"comm": {"compression": "fp16"}},
+    }
+    raws = {
+        f"{name}-{steps}": tiny_raw(
+            tmp_path / f"{name}-{steps}", job, train={"steps": steps}, **sections
+        )
+        for name, sections in variants.items()
         for steps in (16, 4)
-    )
-    assert long["buckets"] == short["buckets"] >= 1
-    return long["collectives"] - short["collectives"], long["buckets"]
-
-
-STEPS_ONLY = {
-    "strategy": {"name": "allreduce"},
-    "train": {"log_every": 1000},
-    "balance": {"every": 1000, "window_s": 0},
-    "eval": {"every": 0},
-    "checkpoint": {"every": 0},
-}
-
-
-@pytest.mark.parametrize("declared", [False, True])
-def test_no_step_makes_a_collective_of_its_own_for_its_count_or_stop(
-    tmp_path: Path, declared: bool
-) -> None:
-    task = DECLARED if declared else {}
-    collectives, buckets = collectives_of_12_steps(tmp_path, STEPS_ONLY, task)
-    assert collectives == 12 * buckets  # one all-reduce per bucket; the agreement rides along
-
-
-def test_a_hook_that_cannot_carry_the_agreement_leaves_it_to_an_all_reduce(
-    tmp_path: Path,
-) -> None:
-    # fp16 buckets cannot hold the packed counts exactly: one small all-reduce a step more.
-    job = {**STEPS_ONLY, "comm": {"compression": "fp16"}}
-    collectives, buckets = collectives_of_12_steps(tmp_path, job, {})
-    assert collectives == 12 * (buckets + 1)
+    }
+    out = run_ranks(collectives_of_runs, 2, raws)[0]
+    per_12 = {name: out[f"{name}-16"][0] - out[f"{name}-4"][0] for name in variants}
+    buckets = out["counted-16"][1]
+    assert buckets >= 1
+    # One all-reduce per gradient bucket: the agreement rides in the last.
+    assert per_12["counted"] == per_12["declared"] == 12 * buckets
+    assert per_12["fp16"] == 12 * (buckets + 1)
 
 
 def test_the_agreement_packs_counts_that_sum_exactly_in_float32() -> None:
