@@ -136,11 +136,10 @@ def instrument(trainer: Any, parts: Parts) -> None:
     import dtrain.data.loader as loader_module
     import dtrain.trainer as trainer_module
     from dtrain.metrics.summary import LossWindow
-    from dtrain.step import LossScale
+    from dtrain.step import ForwardBackward, LossScale
 
     strategy, balance, watchdog = trainer.strategy, trainer.balance, trainer.watchdog
     # Instances: the calls the trainer makes on its own objects.
-    trainer.forward_backward = parts.wrap("forward + backward", trainer.forward_backward)
     strategy.clip_grad_norm = parts.wrap("NaN guard's norm", strategy.clip_grad_norm)  # type: ignore[method-assign]
     trainer.optimizer.step = parts.wrap("optimizer step", trainer.optimizer.step)  # type: ignore[method-assign]
     trainer.optimizer.zero_grad = parts.wrap("zero_grad", trainer.optimizer.zero_grad)  # type: ignore[method-assign]
@@ -162,6 +161,7 @@ def instrument(trainer: Any, parts: Parts) -> None:
         "split, count, move", loader_module.split_to_device
     )
     LossScale.__call__ = parts.wrap("loss scale", LossScale.__call__)  # type: ignore[method-assign]
+    ForwardBackward.__call__ = parts.wrap("forward + backward", ForwardBackward.__call__)  # type: ignore[method-assign]
     LossWindow.add = parts.wrap("loss window", LossWindow.add)  # type: ignore[method-assign]
     step_batch = loader_module.StepBatch
     step_batch.planned_items = parts.wrap("count against the plan", step_batch.planned_items)  # type: ignore[method-assign]
