@@ -63,10 +63,9 @@ def core_share(local_rank: int, local_world_size: int, threads: int) -> set[int]
 
 def pin_to_cores(local_rank: int, local_world_size: int, threads: int) -> set[int] | None:
     """Bind this process (its calling thread, and every thread it starts later: gloo's, the
-    watchdog's) to :func:`core_share` (``dist.pin_cores``). Off by default: on a 2-core machine
-    that other jobs shared, 2 bound workers of a 1.4 M-parameter GPT took 6% less time a step
-    in one run and 13% more in another, and an MLP's 4-8 ms steps mostly took longer (a bound
-    worker cannot leave a core another process is busy on); docs/benchmarks.md."""
+    watchdog's) to :func:`core_share` (``dist.pin_cores``). Off by default: a bound worker
+    cannot leave a core another process is busy on, which on a machine shared with other jobs
+    costs more than binding saves."""
     share = core_share(local_rank, local_world_size, threads)
     if share is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, share)

@@ -58,8 +58,8 @@ def count_target_items(targets: Any) -> int:
             "targets are not a tensor: give Task.count_items to say how many items a batch holds"
         )
     if targets.dtype in (torch.int64, torch.int32, torch.int16, torch.uint8):
-        # No negative index, no padding: one reduction instead of a comparison and a sum
-        # (~25 µs less of a 3 ms CPU step, in the loop where caches are cold).
+        # No negative index, no padding: one reduction instead of a comparison and a sum,
+        # on every batch of every step.
         if targets.numel() == 0 or int(targets.min()) >= 0:
             return targets.numel()
         return int((targets != IGNORE_INDEX).sum())

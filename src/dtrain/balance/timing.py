@@ -136,8 +136,8 @@ def window_steps(rows: np.ndarray, every: int, window_s: float) -> int:
     (``balance.every``), or more where that many steps take less than ``window_s``
     (``balance.window_s``) at the windows' mean step time, at most :data:`MAX_WINDOW_STEPS`.
 
-    A gather and its records cost a rank ~1.5 ms on CPU (a collective, a median, the records):
-    every 10 steps that was 5% of a 3 ms step; once a second it is nothing. Computed from the
+    A gather and its records cost a rank a collective, a median and the records: every few
+    steps of a short step that is felt, once a second it is nothing. Computed from the
     gathered rows, which every rank holds alike, so every rank picks the same next step
     without another word."""
     steps = float(rows[:, INDEX["steps"]].sum())

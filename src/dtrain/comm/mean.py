@@ -16,9 +16,9 @@ def divide_into(tensor: torch.Tensor, divisor: int, out: torch.Tensor) -> torch.
 
     A power of two goes as a multiplication by its reciprocal: that reciprocal is exact, so
     both operations round the same real number once and give the same bits (NaNs, infinities
-    and subnormals included). On CPU the multiplication takes half the time (the 600 KB
-    bucket of ``benchmarks/peers.py``'s MLP: 13 against 29 µs, one thread), and a mean hook
-    pays it on every bucket of every step. A divisor of 1 is a copy (or nothing, in place)."""
+    and subnormals included). On CPU the multiplication takes about half the time of the
+    division, which a mean hook pays on every bucket of every step. A divisor of 1 is a copy
+    (or nothing, in place)."""
     if divisor == 1:
         return out if out is tensor else out.copy_(tensor)
     if divisor > 0 and divisor & (divisor - 1) == 0:

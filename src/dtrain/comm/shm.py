@@ -6,8 +6,8 @@ rank copies its tensor into its own slot of a memory-mapped file that every rank
 has mapped, marks its arrival, waits until every rank has arrived, and adds the slots into its
 tensor in rank order. Every rank adds the same values in the same order, so every rank ends
 with the same bits; with two ranks the sum is the same as gloo's bit for bit (a sum of two
-values does not depend on their order). The 600 KB gradient of ``benchmarks/peers.py``'s MLP:
-0.23 against gloo's 1.0 ms (median, two ranks of one thread, wait included).
+values does not depend on their order). What it saves against gloo: docs/communication.md and
+``benchmarks/bench_shm_allreduce.py``.
 
 Layout: a header page (a token that proves every rank mapped the same file; then one arrival
 counter per rank, each on its own cache line), then two sets of slots, one per rank each, used

@@ -63,8 +63,7 @@ class StepBatch:
 def fetch(dataset: Any, ids: Sequence[int] | np.ndarray) -> list[Any]:
     """The samples ``ids``, through ``__getitems__`` when the dataset has it (as torch's
     DataLoader does)."""
-    # Python ints, as a Dataset expects: one tolist() for an array (an int() per sample of a
-    # 128-sample batch took ~20 µs of a few-ms step).
+    # Python ints, as a Dataset expects: one tolist() for an array, not an int() per sample.
     indices = ids.tolist() if isinstance(ids, np.ndarray) else [int(i) for i in ids]
     getitems = getattr(dataset, "__getitems__", None)
     if getitems is not None:

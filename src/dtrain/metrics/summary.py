@@ -43,8 +43,8 @@ class LossWindow:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         # Each step's summed loss as the step left it, added up in float64 once per window (at
-        # start_sum) or per FOLD steps, whichever comes first: adding it up as we went took two
-        # small ops a step, ~0.07 ms of a 3 ms step; folding bounds what a long window holds.
+        # start_sum) or per FOLD steps, whichever comes first: no small ops on every step, and
+        # folding bounds what a long window holds.
         self._losses: list[torch.Tensor] = []
         self.loss = torch.zeros((), dtype=torch.float64, device=device)
         self.items = 0

@@ -56,8 +56,7 @@ class DDPStrategy(CommHookControl, UnevenShares, BackwardSyncControl):
                 bucket_cap_mb=self.options.bucket_mb,
                 find_unused_parameters=self.options.find_unused_parameters,
                 # Gradients live in the buckets the all-reduce works on, instead of being copied
-                # in before it and out after: one gradient-sized buffer less, and 1-4% less step
-                # time on CPU (benchmarks/peers.py).
+                # in before it and out after: one gradient-sized buffer and two copies less.
                 gradient_as_bucket_view=True,
             )
             # DDP's constructor broadcast rank 0's parameters and buffers.
