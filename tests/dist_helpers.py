@@ -76,9 +76,12 @@ class _Injected(RuntimeError):
     pass
 
 
-def crash_then_resume(raw: dict[str, Any], crash_step: int) -> dict[str, Any]:
+def crash_then_resume(
+    raw: dict[str, Any], crash_step: int, resume_raw: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Raise on every rank at the start of ``crash_step``, then resume in a fresh trainer from
-    the newest checkpoint and finish. Returns the final parameters."""
+    the newest checkpoint (with ``resume_raw``'s config when given) and finish. Returns the
+    final parameters."""
     trainer = make_trainer(raw)
 
     def crash(name: str, **args: Any) -> None:
@@ -91,7 +94,7 @@ def crash_then_resume(raw: dict[str, Any], crash_step: int) -> dict[str, Any]:
         except _Injected:
             pass
         trainer.checkpointer.wait()
-    resumed = make_trainer(raw)
+    resumed = make_trainer(resume_raw or raw)
     summary = resumed.fit()
     return {"params": params_of(resumed), "start_step": summary.start_step}
 

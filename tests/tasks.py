@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -89,21 +90,23 @@ class TinyOptions:
     slow_eval_ms: int = 0
     # Task.items_per_sample (0 = None: the ranks count every step's items).
     items_per_sample: int = 0
+    # Build the model on the meta device, with GPT.init_weights as Task.init_weights.
+    meta_init: bool = False
 
 
 @task_config(TinyOptions)
 def tiny_gpt(cfg: Config) -> Task:
     opts: TinyOptions = cfg.task
-    model = GPT(
-        GPTConfig(
-            vocab_size=64,
-            seq_len=opts.seq_len,
-            n_layer=opts.n_layer,
-            n_head=2,
-            d_model=opts.d_model,
-            dropout=opts.dropout,
-        )
+    gpt_config = GPTConfig(
+        vocab_size=64,
+        seq_len=opts.seq_len,
+        n_layer=opts.n_layer,
+        n_head=2,
+        d_model=opts.d_model,
+        dropout=opts.dropout,
     )
+    with torch.device("meta") if opts.meta_init else contextlib.nullcontext():
+        model = GPT(gpt_config)
     if opts.variable:
         train: Dataset[np.ndarray] = VariableTokens(opts.samples, opts.seq_len, seed=1)
         val: Dataset[np.ndarray] = VariableTokens(max(8, opts.samples // 8), opts.seq_len, seed=2)
@@ -122,6 +125,7 @@ def tiny_gpt(cfg: Config) -> Task:
         collate_fn=collate,
         item_name="tokens",
         items_per_sample=opts.items_per_sample or None,
+        init_weights=GPT.init_weights if opts.meta_init else None,
     )
 
 

@@ -22,6 +22,7 @@ import torch
 
 from dtrain.comm.agreement import MAX_CARRYING_RANKS, StepAgreement
 from dtrain.data.loader import split_to_device, to_device
+from dtrain.parallel.recipe import Recipe
 from dtrain.runtime import core_share
 from dtrain.step import LossScale, run_micro_batches
 from dtrain.task import IGNORE_INDEX, count_target_items, split_input_target
@@ -235,7 +236,7 @@ def test_backward_from_the_scale_equals_backward_of_the_scaled_loss_bit_for_bit(
         (item_losses(model(inputs), targets).sum() * scale).backward()
     expected = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     model.zero_grad(set_to_none=True)
-    fake = SimpleNamespace(model=model)
+    fake = SimpleNamespace(model=model, recipe=Recipe.plain())
     loss_sum = run_micro_batches(fake, micro, item_losses, scale)  # type: ignore[arg-type]
     got = [p.grad for p in model.parameters() if p.grad is not None]
     assert len(got) == len(expected) == 4

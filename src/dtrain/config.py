@@ -11,6 +11,7 @@ messages and the documentation all come from one place.
 from __future__ import annotations
 
 import dataclasses
+import math
 import signal
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -83,6 +84,25 @@ class TrainConfig:
     steps: int = _opt(700, "optimizer steps", min=1)
     grad_clip: float = _opt(1.0, "max global gradient norm (0 = no clipping)", min=0)
     log_every: int = _opt(10, "steps between metrics lines", min=1)
+    precision: Literal["fp32", "bf16-mixed", "fp16-mixed"] = _opt(
+        "fp32",
+        "forward and loss under autocast to bfloat16 or float16 (fp16: with dynamic loss "
+        "scaling); weights, gradients and optimizer state stay float32, every strategy",
+    )
+    loss_scale_init: float = _opt(
+        65536.0, "fp16-mixed: the loss scale to start from (a power of two)", min=1
+    )
+    loss_scale_growth_interval: int = _opt(
+        2000, "fp16-mixed: steps in a row without an overflow before the loss scale doubles", min=1
+    )
+    activation_checkpointing: str = _opt(
+        "none",
+        "recompute the model's blocks in backward instead of keeping their activations: "
+        "'none', 'full' (every block) or 'every:K' (every K-th block)",
+    )
+    compile: bool = _opt(
+        False, "torch.compile each of the model's blocks (regional; checkpoint keys unchanged)"
+    )
 
 
 @dataclass
@@ -150,9 +170,6 @@ class StrategyConfig:
     name: str = _opt("ddp", "parallel strategy (see `dtrain strategies`)")
     bucket_mb: float = _opt(25.0, "gradient bucket size in MB", min=0, min_exclusive=True)
     find_unused_parameters: bool = _opt(False, "ddp: allow parameters that get no gradient")
-    precision: Literal["fp32", "bf16"] = _opt(
-        "fp32", "fsdp: compute dtype of the sharded layers (gradients are reduced in fp32)"
-    )
     reshard_after_forward: bool = _opt(
         True, "fsdp: free gathered parameters after forward (less memory, one more all-gather)"
     )
@@ -396,12 +413,33 @@ def validate_cross_fields(cfg: Config) -> None:
             )
     if cfg.run.resume not in ("auto", "never") and not cfg.run.resume:
         raise ConfigError("run.resume is empty: use 'auto', 'never' or a checkpoint folder")
+    parse_activation_checkpointing(cfg.train.activation_checkpointing)
+    if not math.log2(cfg.train.loss_scale_init).is_integer():
+        raise ConfigError(
+            f"train.loss_scale_init = {cfg.train.loss_scale_init!r}: expected a power of two "
+            "(scaling by one, and dividing by it again, is then exact)"
+        )
     debug = cfg.debug
     if 0 <= debug.slowdown_to_step < debug.slowdown_from_step:
         raise ConfigError(
             f"debug.slowdown_to_step = {debug.slowdown_to_step} is before "
             f"debug.slowdown_from_step = {debug.slowdown_from_step}: no step would be slowed"
         )
+
+
+def parse_activation_checkpointing(value: str) -> int:
+    """``train.activation_checkpointing`` as "every K-th block" (0: none, 1: every block)."""
+    if value == "none":
+        return 0
+    if value == "full":
+        return 1
+    every = value.removeprefix("every:")
+    if every != value and every.isdigit() and int(every) >= 1:
+        return int(every)
+    raise ConfigError(
+        f"train.activation_checkpointing = {value!r}: expected 'none', 'full' or 'every:K' "
+        "with K a positive integer (every K-th block)"
+    )
 
 
 def validate_for_world(cfg: Config, data_parallel_size: int) -> None:

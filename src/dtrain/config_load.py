@@ -98,6 +98,10 @@ def build_config(raw: Mapping[str, Any], task_config_class: type | None = None) 
 
 # Keys an earlier version had under another name: old -> (new, what to know about it).
 RENAMED = {
+    "strategy.precision": (
+        "train.precision",
+        "for every strategy now: 'fp32', 'bf16-mixed' or 'fp16-mixed'",
+    ),
     "data.balance": (
         "data.split",
         "the same values: how a global batch is split across ranks (balance.* is the "

@@ -24,6 +24,10 @@ A process's first step with no count to assume agrees on it before the forward i
     strategy.sync_gradients()                        # the agreement rides along, or:
     all-reduce(agreement) unless it rode             # one small collective of its own
     gradients *= expected / G  where G != expected   # the gradient of the global mean
+
+Under ``train.precision`` the forward and the loss run in the strategy's autocast context
+(:mod:`dtrain.precision`); under fp16-mixed the scale is also multiplied by the loss scaler's
+power of two, and the rescale divides it out again (exactly) before clipping.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from dtrain.parallel.base import (
     Strategy,
 )
 from dtrain.parallel.grad_norm import local_part
+from dtrain.precision import LossScaler
 
 
 class LossScale:
@@ -67,10 +72,12 @@ def run_micro_batches(
     scale: torch.Tensor,
 ) -> torch.Tensor:
     """Forward and backward over the step's micro-batches, one after the other, through the
-    strategy's model; returns the summed loss (detached). A strategy with
-    :class:`BackwardSyncControl` syncs gradients on the last micro-batch only."""
+    strategy's model, the forward and the loss under the strategy's precision; returns the
+    summed loss (detached). A strategy with :class:`BackwardSyncControl` syncs gradients on the
+    last micro-batch only."""
     model = strategy.model
     assert model is not None
+    precision = strategy.recipe.precision
     total: torch.Tensor | None = None
     last = len(micro_batches) - 1
     for index, (inputs, targets) in enumerate(micro_batches):
@@ -78,7 +85,8 @@ def run_micro_batches(
         if index < last and isinstance(strategy, BackwardSyncControl):
             ctx = strategy.no_backward_sync()
         with ctx:
-            loss_sum = loss_fn(model(inputs), targets).sum()
+            with precision.autocast():  # the forward and the loss; backward runs outside
+                loss_sum = loss_fn(model(inputs), targets).sum()
             # The gradient of ``loss_sum * scale``, bit for bit (the product's backward would
             # pass on 1.0 x scale), without the product and its backward node.
             loss_sum.backward(scale if scale.dtype == loss_sum.dtype else scale.to(loss_sum.dtype))
@@ -93,9 +101,12 @@ class ForwardBackward:
     step's scale assumes) is part of the trainer's state: a resumed run scales its first step
     as the uninterrupted run did."""
 
-    def __init__(self, strategy: Strategy, device: torch.device) -> None:
+    def __init__(
+        self, strategy: Strategy, device: torch.device, scaler: LossScaler | None = None
+    ) -> None:
         self.strategy = strategy
         self.device = device
+        self.scaler = scaler  # fp16-mixed: the loss is scaled by scaler.scale, then unscaled
         self.expected: int | None = None
         self.loss_scale = LossScale(device)
         self._first = True
@@ -121,7 +132,8 @@ class ForwardBackward:
         if self._first:
             self._first = False
             strategy.before_first_step(micro[0], loss_fn)
-        scale = self.loss_scale(strategy.data_parallel_size / max(1, expected))
+        loss_scale = 1.0 if self.scaler is None else self.scaler.scale  # a power of two
+        scale = self.loss_scale(strategy.data_parallel_size / max(1, expected) * loss_scale)
         if isinstance(strategy, OwnStep):
             loss_sum = strategy.forward_backward(micro, loss_fn, scale)
         else:
@@ -133,8 +145,12 @@ class ForwardBackward:
             strategy.sync_gradients()
         if not agreement.agreed:
             agreement.all_reduce(strategy.comm, self.device)
+        factor = 1.0
         if agreement.items != expected and agreement.items > 0:
-            rescale_gradients(strategy, expected / agreement.items)
+            factor = expected / agreement.items
+        if factor != 1.0 or loss_scale != 1.0:
+            # Where only the loss scale is divided out, exactly: it is a power of two.
+            rescale_gradients(strategy, factor / loss_scale)
         self.expected = agreement.items
         return loss_sum, agreement
 

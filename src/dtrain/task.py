@@ -80,9 +80,15 @@ class Task:
     after_training: Callable[[nn.Module], str] | None = None
     # Named for the summary and the metrics: "tokens" for language models, else "samples".
     item_name: str = "samples"
-    # The modules FSDP shards one by one (default: the model's repeated blocks, see
-    # dtrain.parallel.blocks.find_blocks).
+    # The modules FSDP shards one by one, and that activation checkpointing and compile apply
+    # to (default: the model's repeated blocks, see dtrain.parallel.blocks.find_blocks).
     shard_units: Callable[[nn.Module], list[nn.Module]] | None = None
+    # For a model built on the meta device (``with torch.device("meta"): model = ...``: no
+    # memory): initializes the parameters and buffers one module holds itself, as
+    # ``model.apply(init_weights)`` calls it. Each rank then makes only its own part of the
+    # model (a shard, a stage, a slice), with the same values at any world size and strategy
+    # (dtrain.parallel.materialize).
+    init_weights: Callable[[nn.Module], None] | None = None
     # Items (what count_items counts) every training sample holds, when all hold the same
     # number: a fixed-length window's tokens, 1 for a classifier's sample. Each rank then checks
     # every batch against it, and even a process's first step knows its global count from the

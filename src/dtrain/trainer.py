@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dtrain.balance.balancer import LoadBalancer, Record
 from dtrain.checkpoint import layout
 from dtrain.checkpoint import state as training_state
@@ -68,6 +70,7 @@ from dtrain.metrics.tensorboard import check_available as check_tensorboard
 from dtrain.optim import build_optimizer, build_scheduler
 from dtrain.parallel import build_strategy
 from dtrain.parallel.base import ShardedState
+from dtrain.precision import LossScaler
 from dtrain.runtime import Runtime, barrier
 from dtrain.step import ForwardBackward
 from dtrain.task import Task
@@ -110,20 +113,31 @@ class Trainer:
         self.skipped_steps = 0
         self.rollbacks = 0
         self.nan_streak: list[tuple[int, int]] = []  # stream ranges of consecutive bad steps
+        # fp16-mixed: the dynamic loss scale (dtrain.precision), part of the training state.
+        self.scaler: LossScaler | None = None
+        if self.strategy.recipe.precision.scales_loss:
+            self.scaler = LossScaler(
+                cfg.train.loss_scale_init, cfg.train.loss_scale_growth_interval
+            )
         # What a checkpoint holds, built once: save and load see these parts, not the trainer
         # (whose own part is its counters, see state_dict).
+        parts: dict[str, Any] = {
+            "scheduler": self.scheduler,
+            "data": self.loader,
+            "trainer": self,
+            "balance": self.balance,
+        }
+        if self.scaler is not None:
+            parts["loss_scaler"] = self.scaler
         self.state = training_state.TrainingState(
             strategy=self.strategy,
             optimizer=self.optimizer,
-            parts={
-                "scheduler": self.scheduler,
-                "data": self.loader,
-                "trainer": self,
-                "balance": self.balance,
-            },
+            parts=parts,
             runtime=runtime,
             config=cfg,
-            optional=frozenset({"balance"}),  # checkpoints from before load balancing
+            # balance: checkpoints from before load balancing; loss_scaler: from a run in
+            # another precision (the scale starts afresh).
+            optional=frozenset({"balance", "loss_scaler"}),
         )
         self.progress: Progress | None = None
         self.metrics: Sinks | None = None  # rank 0's: metrics.jsonl, progress, TensorBoard
@@ -150,7 +164,7 @@ class Trainer:
         if per_sample is not None and (isinstance(per_sample, bool) or per_sample < 1):
             raise UserError(f"Task.items_per_sample = {per_sample!r}: expected a positive integer")
         # Forward and backward over a step's micro-batches, and the ranks' agreement on it.
-        self.forward_backward = ForwardBackward(self.strategy, runtime.device)
+        self.forward_backward = ForwardBackward(self.strategy, runtime.device, self.scaler)
         # This rank's communication totals at the last metrics line; set-up's (the broadcast
         # of rank 0's parameters) belongs to no step.
         self._comm_mark = self.strategy.comm.totals()
@@ -269,8 +283,12 @@ class Trainer:
             planned = self._planned_items(batch, count)
             failpoint("train.before_collective", step=self.step + 1)
             logs = (self.step + 1) % cfg.train.log_every == 0 or self.step + 1 == cfg.train.steps
-            agreement, norm = self._train_step(micro, count, preempt, planned, window, logs)
+            agreement, norm, overflowed = self._train_step(
+                micro, count, preempt, planned, window, logs
+            )
             self.step += 1
+            if self.step == summary.start_step + 1:
+                self._first_step_done(time.perf_counter() - started)
             # Strategies that synchronize every few steps (localsgd, diloco) do it here,
             # before a rollback, a checkpoint or an evaluation of this step sees the model.
             self.watchdog.set_phase("after_optimizer_step")
@@ -289,7 +307,10 @@ class Trainer:
                     rollbacks=self.rollbacks,
                     applied=math.isfinite(norm),
                 )
-            if not math.isfinite(norm):
+            if overflowed:
+                assert self.scaler is not None
+                self._event("overflow", loss_scale=self.scaler.scale)
+            elif not math.isfinite(norm):
                 self._on_non_finite(batch)
             error = self.checkpointer.poll()
             if error:
@@ -346,6 +367,14 @@ class Trainer:
         self.watchdog.set_phase("done")
         return summary
 
+    def _first_step_done(self, seconds: float) -> None:
+        """The time from the start of ``fit`` to the end of this process's first step: set-up
+        of the loop, resume, and what the first step pays once (torch.compile compiles the
+        blocks then)."""
+        self._event("first_step", seconds=seconds, compile=self.cfg.train.compile)
+        if self.cfg.train.compile:
+            self.log(f"first step after {seconds:.1f} s (torch.compile compiled the blocks)")
+
     def _planned_items(self, batch: StepBatch, count: int) -> int | None:
         """The step's global item count from its plan, where the task declares
         ``items_per_sample`` (this rank's ``count`` checked against it); else None."""
@@ -362,10 +391,11 @@ class Trainer:
         planned: int | None,
         window: LossWindow,
         logs: bool,
-    ) -> tuple[StepAgreement, float]:
+    ) -> tuple[StepAgreement, float, bool]:
         """Forward, backward, clip and (when the gradient is finite) update; the step's loss
         goes into ``window``, whose sum over the ranks starts here on a step that logs.
-        Returns what the ranks agreed on about the step, and the global gradient norm."""
+        Returns what the ranks agreed on about the step, the global gradient norm, and whether
+        the gradient overflowed because of fp16's loss scale (skipped, the scale halved)."""
         failpoint("train.step", step=self.step + 1)
         self.watchdog.set_phase("forward_backward")
         loss_sum, agreement = self.forward_backward(
@@ -385,9 +415,24 @@ class Trainer:
             self.watchdog.set_phase("optimizer")
             self.optimizer.step()
             self.nan_streak.clear()
+        overflowed = False
+        if self.scaler is not None:
+            overflowed = not math.isfinite(norm) and self._scaler_overflow(loss_sum)
+            self.scaler.update(overflowed)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return agreement, norm
+        return agreement, norm, overflowed
+
+    def _scaler_overflow(self, loss_sum: torch.Tensor) -> bool:
+        """After a non-finite gradient under fp16: whether the loss scale caused it (every
+        rank's loss finite, the scale above its floor) -- the scaler's to handle -- rather than
+        a divergence, which is the NaN guard's. Collective; the same answer on every rank."""
+        assert self.scaler is not None
+        if self.scaler.scale <= self.scaler.min_scale:
+            return False
+        self.watchdog.set_phase("all_reduce(loss check)")
+        bad = torch.logical_not(torch.isfinite(loss_sum)).float().reshape(1)
+        return float(self.strategy.all_reduce_loss(bad)[0]) == 0.0
 
     def _on_non_finite(self, batch: StepBatch) -> None:
         """NaN guard: the step was skipped on every rank; roll back after N in a row."""

@@ -25,6 +25,8 @@ SAFE_TO_CHANGE = (
     "run.resume",
     "train.steps",
     "train.log_every",
+    "train.compile",  # the same numbers, within rounding; the same names
+    "train.activation_checkpointing",  # the same numbers, bit for bit
     "eval.",
     "checkpoint.",
     "dist.",

@@ -25,9 +25,11 @@ Record = dict[str, Any]
 EVENTS = (
     "restart",
     "resumed",
+    "first_step",
     "checkpoint",
     "checkpoint_failed",
     "step_skipped",
+    "overflow",
     "rollback",
     "preempted",
 )

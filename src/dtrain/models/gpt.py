@@ -28,6 +28,15 @@ class GPTConfig:
     dropout: float = 0.0
 
 
+class ResidualProjection(nn.Linear):
+    """A linear map into the residual stream, initialized with GPT-2's smaller deviation
+    (0.02 / sqrt(2 x layers)), which keeps early updates stable."""
+
+    def __init__(self, d_in: int, d_out: int, n_layer: int) -> None:
+        super().__init__(d_in, d_out)
+        self.init_std = 0.02 / math.sqrt(2 * n_layer)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -37,7 +46,7 @@ class CausalSelfAttention(nn.Module):
         # of head 0, then of head 1, ...): cut into equal contiguous parts, as tensor
         # parallelism cuts it, every part holds whole heads.
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.proj = ResidualProjection(cfg.d_model, cfg.d_model, cfg.n_layer)
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
@@ -63,7 +72,7 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(
             nn.Linear(cfg.d_model, 4 * cfg.d_model),
             nn.GELU(),
-            nn.Linear(4 * cfg.d_model, cfg.d_model),
+            ResidualProjection(4 * cfg.d_model, cfg.d_model, cfg.n_layer),
             nn.Dropout(cfg.dropout),
         )
 
@@ -83,11 +92,12 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied: fewer parameters, faster learning
-        self.apply(self._init_weights)
         # GPT-2's scaled init of the residual projections keeps early updates stable.
+        residual_std = 0.02 / math.sqrt(2 * cfg.n_layer)
+        self.apply(self._init_weights)
         for name, param in self.named_parameters():
             if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
-                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+                nn.init.normal_(param, mean=0.0, std=residual_std)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -97,6 +107,21 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    @staticmethod
+    def init_weights(module: nn.Module) -> None:
+        """The tensors ``module`` holds itself, for a model built on the meta device
+        (``Task.init_weights``): the distributions of the constructor's init, drawn in one
+        pass over the modules (so its values differ from an eagerly built GPT's)."""
+        if isinstance(module, nn.Linear):
+            std = module.init_std if isinstance(module, ResidualProjection) else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids ``(B, T)`` to next-token logits ``(B, T, vocab)``."""

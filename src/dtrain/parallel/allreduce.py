@@ -167,7 +167,7 @@ class AllReduceStrategy(CommHookControl, UnevenShares, BackwardSyncControl):
     # -- set-up --------------------------------------------------------------------------
 
     def setup(self, task: Task) -> None:
-        self.module = self.model = task.model.to(self.runtime.device)
+        self.module = self.model = self.build_replica(task)
         if self.runtime.world_size == 1:
             return  # nothing to average: plain local training
         self._broadcast_from_rank0(self.module)

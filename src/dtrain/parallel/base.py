@@ -57,6 +57,9 @@ from dtrain.config import CommConfig, Config, StrategyConfig, validate_for_world
 from dtrain.errors import CheckpointError, ConfigError
 from dtrain.optim import fit_saved_groups
 from dtrain.parallel.grad_norm import gradient_norm, local_part
+from dtrain.parallel.materialize import is_meta_model, materialize, require_init
+from dtrain.parallel.recipe import Recipe, model_blocks
+from dtrain.parallel.skeleton import meta_copy
 from dtrain.runtime import Runtime
 from dtrain.task import Task
 
@@ -66,10 +69,19 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 class Strategy(ABC):
     name: ClassVar[str] = ""
 
-    def __init__(self, runtime: Runtime, options: StrategyConfig, comm: CommConfig) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        options: StrategyConfig,
+        comm: CommConfig,
+        recipe: Recipe | None = None,
+    ) -> None:
         self.runtime = runtime
         self.options = options  # [strategy]
         self.comm_options = comm  # [comm]
+        # What every strategy does to the blocks (activation checkpointing, compile) and the
+        # precision every forward runs in; and the seed of a meta-built model's values.
+        self.recipe = recipe if recipe is not None else Recipe.plain()
         self.module: nn.Module | None = None  # the user's model, unwrapped
         self.model: nn.Module | None = None  # what a training forward runs through
         # Bytes this rank sends and time it waits on communication (dtrain.comm.accounting):
@@ -81,7 +93,7 @@ class Strategy(ABC):
     def from_config(cls, cfg: Config, runtime: Runtime) -> Strategy:
         """The strategy, given the config sections it uses (a subclass that needs more takes
         them here)."""
-        return cls(runtime, cfg.strategy, cfg.comm)
+        return cls(runtime, cfg.strategy, cfg.comm, recipe=Recipe.from_config(cfg, runtime.device))
 
     @classmethod
     def validate_config(cls, cfg: Config, world_size: int) -> None:
@@ -137,6 +149,24 @@ class Strategy(ABC):
     @abstractmethod
     def setup(self, task: Task) -> None:
         """Move the model to the device and wrap it; sets ``module`` and ``model``."""
+
+    def build_replica(self, task: Task) -> nn.Module:
+        """The whole model on this rank's device with the recipe applied: what a replicated
+        strategy wraps. A meta-built model gets its values here (:mod:`.materialize`)."""
+        model = task.model
+        if is_meta_model(model):
+            init = require_init(model, task.init_weights)
+            materialize(meta_copy(model), model, init, self.runtime.device, self.recipe.seed)
+        else:
+            model = model.to(self.runtime.device)
+        self.apply_recipe(task, model)
+        return model
+
+    def apply_recipe(self, task: Task, model: nn.Module) -> None:
+        """Activation checkpointing and compile on the model's blocks, in place, where the
+        config asks for them (after tensor parallelism, before the data-parallel wrapper)."""
+        if self.recipe.changes_blocks:
+            self.recipe.apply(model_blocks(task, model, self.recipe.describe()))
 
     def before_first_step(self, micro_batch: tuple[Any, Any], loss_fn: LossFn) -> None:
         """Called once, with the first micro-batch, before this process's first step (DDP
@@ -231,7 +261,8 @@ class Strategy(ABC):
     def eval_loss(self, batch: tuple[Any, Any], loss_fn: LossFn) -> torch.Tensor:
         """Summed loss of one evaluation batch on this rank (no gradient sync involved)."""
         inputs, targets = batch
-        return loss_fn(self.unwrapped(inputs), targets).sum()
+        with self.recipe.precision.autocast():
+            return loss_fn(self.unwrapped(inputs), targets).sum()
 
     def model_for_inference(self) -> nn.Module | None:
         """The model to run the task's after-training hook with on this rank, or None when

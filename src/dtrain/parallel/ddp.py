@@ -47,7 +47,7 @@ class DDPStrategy(CommHookControl, UnevenShares, BackwardSyncControl):
         self._hook_registered = False
 
     def setup(self, task: Task) -> None:
-        self.module = task.model.to(self.runtime.device)
+        self.module = self.build_replica(task)
         if self.runtime.world_size > 1:
             device_ids = [self.runtime.device.index] if self.runtime.device.type == "cuda" else None
             self.model = DistributedDataParallel(
@@ -160,7 +160,8 @@ class DDPStrategy(CommHookControl, UnevenShares, BackwardSyncControl):
         local = hook.local_only() if hook is not None else contextlib.nullcontext()
         try:
             with local:
-                loss_sum = loss_fn(self.model(inputs), targets).sum()
+                with self.recipe.precision.autocast():
+                    loss_sum = loss_fn(self.model(inputs), targets).sum()
                 (loss_sum * 0.0).backward()
         finally:
             self.module.train(was_training)

@@ -25,12 +25,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from dtrain.parallel.base import BackwardSyncControl, LockstepForward, LossFn
-from dtrain.parallel.blocks import find_blocks
+from dtrain.parallel.base import BackwardSyncControl, LockstepForward
+from dtrain.parallel.materialize import is_meta_model, materialize, require_init
+from dtrain.parallel.recipe import model_blocks
 from dtrain.parallel.sharded import ShardedStrategy
+from dtrain.parallel.skeleton import meta_copy
 from dtrain.task import Task
 
 
@@ -41,15 +43,22 @@ class FSDPStrategy(ShardedStrategy, LockstepForward, BackwardSyncControl):
 
     def setup(self, task: Task) -> None:
         device = self.runtime.device
-        module = task.model.to(device)
+        module = task.model
+        # A meta-built model is sharded while still on meta, then each rank makes only its
+        # shards (materialize, from a meta copy of the whole model).
+        skeleton = meta_copy(module) if is_meta_model(module) else None
+        if skeleton is None:
+            module = module.to(device)
         mesh = init_device_mesh(device.type, (self.runtime.world_size,))
-        dtype = torch.bfloat16 if self.options.precision == "bf16" else torch.float32
-        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        units = task.shard_units(module) if task.shard_units else find_blocks(module)
+        units = model_blocks(task, module, "strategy.name = 'fsdp'")
+        self.recipe.apply(units)  # activation checkpointing and compile, before sharding
         reshard = self.options.reshard_after_forward
         for unit in units:
-            fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+        if skeleton is not None:
+            init = require_init(module, task.init_weights)
+            materialize(skeleton, module, init, device, self.recipe.seed)
         self.module = module
         self.model = module
 
@@ -82,12 +91,6 @@ class FSDPStrategy(ShardedStrategy, LockstepForward, BackwardSyncControl):
         # Parameters are gathered in forward: every rank runs the hook in lockstep (same seed,
         # same calls); only rank 0's text is printed.
         return self.model
-
-    @torch.no_grad()
-    def eval_loss(self, batch: tuple[Any, Any], loss_fn: LossFn) -> torch.Tensor:
-        inputs, targets = batch
-        assert self.model is not None
-        return loss_fn(self.model(inputs), targets).sum()
 
     # -- state ---------------------------------------------------------------------------
 

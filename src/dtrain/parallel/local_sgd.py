@@ -76,6 +76,7 @@ from dtrain.config import CommConfig, Config, StrategyConfig
 from dtrain.errors import CheckpointError
 from dtrain.parallel.base import Strategy
 from dtrain.parallel.grad_sync import MIB, assign_buckets, average_flat, split_like
+from dtrain.parallel.recipe import Recipe
 from dtrain.runtime import Runtime
 from dtrain.task import Task
 
@@ -96,9 +97,15 @@ class LocalSGDStrategy(Strategy):
     name = "localsgd"
 
     def __init__(
-        self, runtime: Runtime, options: StrategyConfig, comm: CommConfig, *, steps: int
+        self,
+        runtime: Runtime,
+        options: StrategyConfig,
+        comm: CommConfig,
+        recipe: Recipe | None = None,
+        *,
+        steps: int,
     ) -> None:
-        super().__init__(runtime, options, comm)
+        super().__init__(runtime, options, comm, recipe)
         self.steps = steps  # train.steps: the replicas meet at the last step too
         self.params: list[nn.Parameter] = []  # what the inner optimizer updates (tied: once)
         self.param_buckets: list[list[nn.Parameter]] = []
@@ -108,7 +115,8 @@ class LocalSGDStrategy(Strategy):
 
     @classmethod
     def from_config(cls, cfg: Config, runtime: Runtime) -> Strategy:
-        return cls(runtime, cfg.strategy, cfg.comm, steps=cfg.train.steps)
+        recipe = Recipe.from_config(cfg, runtime.device)
+        return cls(runtime, cfg.strategy, cfg.comm, recipe, steps=cfg.train.steps)
 
     @property
     def local_start_step(self) -> int:
@@ -125,7 +133,7 @@ class LocalSGDStrategy(Strategy):
     # -- set-up --------------------------------------------------------------------------
 
     def setup(self, task: Task) -> None:
-        self.module = self.model = task.model.to(self.runtime.device)
+        self.module = self.model = self.build_replica(task)
         # parameters() yields a tied parameter once, so it is averaged once.
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         buffers = [b for b in self.module.buffers() if b.is_floating_point()]

@@ -40,9 +40,10 @@ from dtrain.errors import ConfigError
 from dtrain.parallel.base import LockstepForward
 from dtrain.parallel.grad_norm import clip_to_max_norm, local_part, sum_of_squares
 from dtrain.parallel.grad_sync import average_in_buckets
+from dtrain.parallel.materialize import is_meta_model, materialize, require_init
 from dtrain.parallel.mesh import TENSOR, build_mesh
 from dtrain.parallel.sharded import MeshStrategy
-from dtrain.parallel.skeleton import ModelSkeleton
+from dtrain.parallel.skeleton import ModelSkeleton, meta_copy
 from dtrain.task import Task
 
 STYLES: dict[str, type[ParallelStyle]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
@@ -120,7 +121,11 @@ class TensorParallelStrategy(MeshStrategy, LockstepForward):
 
     def setup(self, task: Task) -> None:
         device = self.runtime.device
-        model = task.model.to(device)
+        model = task.model
+        # A meta-built model is cut while still on meta; each rank then makes its slices.
+        skeleton = meta_copy(model) if is_meta_model(model) else None
+        if skeleton is None:
+            model = model.to(device)
         styles = model_plan(model, self.shape.inner)
         check_no_dropout(model)
         if self.runtime.is_main:
@@ -128,6 +133,10 @@ class TensorParallelStrategy(MeshStrategy, LockstepForward):
         self.mesh = build_mesh(self.shape, self.runtime.rank, device)
         if self.mesh.inner_mesh is not None:  # None in a single process: nothing to cut
             parallelize_module(model, self.mesh.inner_mesh, styles)
+        if skeleton is not None:
+            init = require_init(model, task.init_weights)
+            materialize(skeleton, model, init, device, self.recipe.seed)
+        self.apply_recipe(task, model)  # after cutting the linear maps, as torchtitan does
         self.module = model
         self.model = model
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -30,6 +31,9 @@ class GPTTaskConfig:
     data_dir: str = ""  # a prepared dataset with train/ and val/; empty = the stdlib corpus
     samples: Literal["windows", "documents"] = "windows"  # documents: one file per sample
     generate_tokens: int = 160  # printed after training, per prompt (0 = none)
+    # Build the model on the meta device: each rank makes only the part it holds (fsdp,
+    # pipeline, tensor), for models larger than one rank's memory.
+    meta_init: bool = False
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -62,16 +66,16 @@ def build(cfg: Config) -> Task:
     opts: GPTTaskConfig = cfg.task
     root = Path(opts.data_dir) if opts.data_dir else prepare_stdlib_corpus()
     train, val = ShardedDataset(root / "train"), ShardedDataset(root / "val")
-    model = GPT(
-        GPTConfig(
-            vocab_size=256,
-            seq_len=opts.seq_len,
-            n_layer=opts.n_layer,
-            n_head=opts.n_head,
-            d_model=opts.d_model,
-            dropout=opts.dropout,
-        )
+    gpt_config = GPTConfig(
+        vocab_size=256,
+        seq_len=opts.seq_len,
+        n_layer=opts.n_layer,
+        n_head=opts.n_head,
+        d_model=opts.d_model,
+        dropout=opts.dropout,
     )
+    with torch.device("meta") if opts.meta_init else contextlib.nullcontext():
+        model = GPT(gpt_config)
     if opts.samples == "documents":
         train_data: TokenSequences | TokenWindows = TokenSequences(train, opts.seq_len)
         val_data: TokenSequences | TokenWindows = TokenSequences(val, opts.seq_len)
@@ -89,6 +93,7 @@ def build(cfg: Config) -> Task:
         collate_fn=collate,
         item_name="tokens",
         after_training=lambda m: generate_samples(m, tokens, seed),
+        init_weights=GPT.init_weights if opts.meta_init else None,
         # Windows hold seq_len targets each, none of them padding: the ranks need not count.
         items_per_sample=opts.seq_len if opts.samples == "windows" else None,
     )

@@ -15,6 +15,7 @@ stay equal, as the one tensor of a single process does).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from dtrain.errors import ConfigError
+from dtrain.precision import Precision
 
 
 def model_layers(model: nn.Module) -> list[nn.Module]:
@@ -46,15 +48,18 @@ def model_layers(model: nn.Module) -> list[nn.Module]:
 
 
 class StageChain(nn.Module):
-    """What one pipeline stage computes: its layers, in order."""
+    """What one pipeline stage computes: its layers, in order, under the run's precision (the
+    schedule calls each stage's forward on its own)."""
 
-    def __init__(self, layers: Sequence[nn.Module]) -> None:
+    def __init__(self, layers: Sequence[nn.Module], precision: Precision | None = None) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
+        self.precision = precision
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
+        with contextlib.nullcontext() if self.precision is None else self.precision.autocast():
+            for layer in self.layers:
+                x = layer(x)
         return x
 
 

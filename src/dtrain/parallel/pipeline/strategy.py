@@ -41,10 +41,11 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from dtrain.config import CommConfig, Config, DataConfig, StrategyConfig
-from dtrain.errors import ConfigError
+from dtrain.errors import ConfigError, UserError
 from dtrain.parallel.base import LockstepForward, LossFn, OwnStep, Strategy
 from dtrain.parallel.grad_norm import clip_to_max_norm, local_part, sum_of_squares
 from dtrain.parallel.grad_sync import average_in_buckets
+from dtrain.parallel.materialize import is_meta_model, materialize, require_init
 from dtrain.parallel.mesh import PIPELINE, build_mesh
 from dtrain.parallel.pipeline.batches import (
     batch_signature,
@@ -69,8 +70,9 @@ from dtrain.parallel.pipeline.split import (
     tied_parameters,
 )
 from dtrain.parallel.pipeline.stages import StagePlan
+from dtrain.parallel.recipe import Recipe
 from dtrain.parallel.sharded import MeshStrategy
-from dtrain.parallel.skeleton import ModelSkeleton
+from dtrain.parallel.skeleton import ModelSkeleton, meta_copy
 from dtrain.runtime import Runtime
 from dtrain.task import Task
 
@@ -125,9 +127,15 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
         check_boundaries(opts.pipeline_boundaries, pp * stages_per_rank(opts))
 
     def __init__(
-        self, runtime: Runtime, options: StrategyConfig, comm: CommConfig, *, data: DataConfig
+        self,
+        runtime: Runtime,
+        options: StrategyConfig,
+        comm: CommConfig,
+        recipe: Recipe | None = None,
+        *,
+        data: DataConfig,
     ) -> None:
-        super().__init__(runtime, options, comm)
+        super().__init__(runtime, options, comm, recipe)
         self.data_options = data  # [data]: the micro-batches a schedule runs
         self.plan: StagePlan | None = None
         self.num_stages = 1
@@ -143,7 +151,8 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
 
     @classmethod
     def from_config(cls, cfg: Config, runtime: Runtime) -> Strategy:
-        return cls(runtime, cfg.strategy, cfg.comm, data=cfg.data)
+        recipe = Recipe.from_config(cfg, runtime.device)
+        return cls(runtime, cfg.strategy, cfg.comm, recipe, data=cfg.data)
 
     @classmethod
     def inner_size(cls, options: StrategyConfig) -> int:
@@ -167,13 +176,22 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
     def setup(self, task: Task) -> None:
         device = self.runtime.device
         model = task.model
+        # A meta-built model is cut while still on meta; each rank then makes its stages.
+        skeleton = meta_copy(model) if is_meta_model(model) else None
         layers = model_layers(model)
         self.num_stages = (
             self.pipeline_size * stages_per_rank(self.options) if self.pipeline_size > 1 else 1
         )
         check_stage_count(self.num_stages, len(layers), model)
         self.mesh = build_mesh(self.shape, self.runtime.rank, device)
-        model.to(device)
+        if skeleton is None:
+            model.to(device)
+        elif self._needs_example():
+            raise UserError(
+                "strategy.pipeline_balance = 'profile' times every layer of the model, which a "
+                "meta-built model (Task.init_weights) does not hold on any one rank: set "
+                "strategy.pipeline_balance = 'uniform' or strategy.pipeline_boundaries"
+            )
         data = self.data_options
         rows = data.global_batch_size // (self.shape.dp * data.micro_batches)
         example = (
@@ -182,7 +200,8 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
             else None
         )
         self.plan = choose_plan(self.options, layers, self.num_stages, example)
-        all_chains = [StageChain(layers[r.start : r.stop]) for r in self.plan.stages()]
+        precision = self.recipe.precision
+        all_chains = [StageChain(layers[r.start : r.stop], precision) for r in self.plan.stages()]
         kept = [stage_entries(model, [chain]) for chain in all_chains]
         check_coverage(model, kept)
         if self.runtime.is_main:
@@ -193,8 +212,12 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
         self._setup_ties(tied_parameters(kept))
         prune_to_stages(model, my_entries)
         del all_chains, kept, layers
+        self.apply_recipe(task, model)  # this rank's blocks; the others' hold no tensors
         if self._fsdp:
             self._shard()
+        if skeleton is not None:
+            init = require_init(model, task.init_weights)
+            materialize(skeleton, model, init, device, self.recipe.seed)
         self.module = model
         self.model = model
 
@@ -240,7 +263,8 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
 
     def _stage_loss(self, output: Any, target: Any) -> torch.Tensor:
         assert self._loss_fn is not None
-        loss_sum = self._loss_fn(output, target).sum()
+        with self.recipe.precision.autocast():  # as one process computes it
+            loss_sum = self._loss_fn(output, target).sum()
         self._losses.append(loss_sum.detach())
         return loss_sum if self._scale is None else loss_sum * self._scale
 
@@ -378,7 +402,8 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
         if self.num_stages == 1:
             (chain,) = self.chains.values()
             chain.train(self.unwrapped.training)
-            return loss_fn(chain(inputs), targets).sum()
+            with self.recipe.precision.autocast():
+                return loss_fn(chain(inputs), targets).sum()
         check_tensor(inputs, "inputs")
         chunks = eval_chunks(
             inputs.shape[0],

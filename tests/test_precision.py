@@ -1,0 +1,133 @@
+"""train.precision: the forward and loss under bf16 or fp16 autocast for every strategy, with
+fp16's dynamic loss scaling; the scaler's overflows are not the NaN guard's divergences; resume
+stays bit-identical."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dtrain.errors import ConfigError
+from dtrain.precision import LossScaler
+from dtrain.testing import run_ranks
+from tests.conftest import tiny_config, tiny_raw
+from tests.dist_helpers import crash_then_resume, train_params, train_with_nan
+from tests.recipe_helpers import train_each
+from tests.test_ddp import assert_params_close
+
+# The unit roundoff of each format (half its machine epsilon): how far a loss computed through
+# it may stray from float32's, relative to its size.
+ROUNDOFF = {"bf16-mixed": 2.0**-8, "fp16-mixed": 2.0**-11}
+
+
+def losses(result: dict[str, Any]) -> np.ndarray:
+    return np.array([result["losses"][step] for step in sorted(result["losses"])])
+
+
+def run_config(run_dir: Path, precision: str, strategy: str = "ddp", **extra: Any) -> Any:
+    train = {"precision": precision, "steps": 10, "log_every": 1, **extra.pop("train", {})}
+    options: dict[str, Any] = {"name": strategy}
+    if strategy == "pipeline":
+        options.update(pipeline_balance="uniform", pipeline_schedule="gpipe")
+    return tiny_raw(run_dir, train=train, strategy=options, **extra)
+
+
+def test_the_loss_scaler_halves_on_overflow_and_doubles_after_an_interval() -> None:
+    scaler = LossScaler(scale=2.0**10, growth_interval=3)
+    scaler.update(overflowed=True)
+    assert scaler.scale == 2.0**9
+    for _ in range(2):
+        scaler.update(overflowed=False)
+    assert scaler.scale == 2.0**9
+    scaler.update(overflowed=False)
+    assert scaler.scale == 2.0**10 and scaler.good_steps == 0
+    restored = LossScaler()
+    restored.load_state_dict(scaler.state_dict())
+    assert (restored.scale, restored.good_steps) == (scaler.scale, scaler.good_steps)
+    floor = LossScaler(scale=1.0)
+    floor.update(overflowed=True)
+    assert floor.scale == 1.0
+
+
+def test_a_loss_scale_that_is_not_a_power_of_two_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="power of two"):
+        tiny_config(tmp_path, train={"loss_scale_init": 1000.0})
+
+
+def test_strategy_precision_names_its_new_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"strategy\.precision is now train\.precision"):
+        tiny_config(tmp_path, strategy={"precision": "bf16"})
+
+
+def test_each_precision_follows_fp32_within_its_format(tmp_path: Path) -> None:
+    names = ["fp32", "bf16-mixed", "fp16-mixed"]
+    out = run_ranks(train_each, 1, [run_config(tmp_path / n, n) for n in names])
+    fp32, *mixed = [losses(r) for r in out[0]]
+    for name, trajectory in zip(names[1:], mixed):
+        np.testing.assert_allclose(trajectory, fp32, rtol=ROUNDOFF[name], err_msg=name)
+        # ... and the format did change the numbers: autocast was on.
+        assert not np.array_equal(trajectory, fp32), name
+
+
+def test_strategies_compute_one_process_s_numbers_in_mixed_precision(tmp_path: Path) -> None:
+    strategies = ["ddp", "fsdp", "pipeline"]
+    precisions = ["bf16-mixed", "fp16-mixed"]
+    one = run_ranks(train_each, 1, [run_config(tmp_path / f"one-{p}", p) for p in precisions])
+    configs = [run_config(tmp_path / f"{s}-{p}", p, s) for p in precisions for s in strategies]
+    pair = iter(run_ranks(train_each, 2, configs)[0])
+    for precision, single in zip(precisions, one[0]):
+        reference = losses(single)
+        for strategy, result in zip(strategies, pair):
+            trajectory = losses(result)
+            # The same parameters give the same loss: the forward is one process's.
+            assert abs(trajectory[0] - reference[0]) <= 1e-6, (precision, strategy)
+            if precision == "fp16-mixed" or strategy == "pipeline":
+                # fp16 rounds gradients 8x finer than bf16; a pipeline without data
+                # parallelism computes every gradient over the whole batch, as one process.
+                np.testing.assert_allclose(trajectory, reference, rtol=1e-5)
+            else:
+                # bf16 rounds each rank's weight gradients, a sum over its own share of the
+                # batch, before the ranks add them: within bf16's roundoff, not bit for bit.
+                np.testing.assert_allclose(trajectory, reference, rtol=ROUNDOFF[precision])
+
+
+def test_an_fp16_overflow_is_the_scaler_s_and_a_nan_loss_the_nan_guard_s(
+    tmp_path: Path,
+) -> None:
+    # A scale of 2**40 overflows float16 in backward: the first steps are skipped on every
+    # rank and the scale halved each time, but none counts towards a rollback.
+    scaled = run_config(
+        tmp_path / "overflow",
+        "fp16-mixed",
+        train={"steps": 30, "loss_scale_init": 2.0**40},
+        fault={"nan_rollback_after": 2},
+    )
+    out = run_ranks(train_each, 2, [scaled])
+    result = out[0][0]
+    overflows = [e for e in result["events"] if e["name"] == "overflow"]
+    assert len(overflows) >= 3  # more in a row than nan_rollback_after
+    assert [e["loss_scale"] for e in overflows] == [2.0 ** (39 - i) for i in range(len(overflows))]
+    assert result["skipped"] == 0
+    assert not [e for e in result["events"] if e["name"] in ("step_skipped", "rollback")]
+    assert result["scale"] == 2.0 ** (40 - len(overflows))
+    assert_params_close(out[0][0]["params"], out[1][0]["params"], rtol=0, atol=0)
+    assert all(np.isfinite(v).all() for v in result["params"].values())
+    # A NaN loss on one rank is a divergence: the NaN guard skips the step.
+    poisoned = run_config(tmp_path / "nan", "fp16-mixed", train={"steps": 12})
+    nan = run_ranks(train_with_nan, 2, poisoned, [40], 1)
+    assert [o["skipped"] for o in nan] == [1, 1]
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
+def test_resume_is_bit_identical_in_mixed_precision(tmp_path: Path, precision: str) -> None:
+    # fp16: the scale starts high enough to overflow, then grows every 3 steps -- it changes
+    # before and after the crash, so the scaler's state must come back with the checkpoint.
+    train = {"steps": 16, "loss_scale_init": 2.0**22, "loss_scale_growth_interval": 3}
+    job = {"checkpoint": {"every": 4}, "train": train}
+    straight = run_ranks(train_params, 2, run_config(tmp_path / "straight", precision, **job))
+    resumed = run_ranks(crash_then_resume, 2, run_config(tmp_path / "crash", precision, **job), 7)
+    assert resumed[0]["start_step"] == 4
+    assert_params_close(straight[0], resumed[0]["params"], rtol=0, atol=0)
