@@ -144,8 +144,10 @@ def validate(world_size: int, **strategy: object) -> None:
 def test_world_size_must_divide_into_the_mesh() -> None:
     with pytest.raises(ConfigError, match=r"pipeline_stages = 3 does not divide the world size 4"):
         validate(4, pipeline_stages=3)
-    with pytest.raises(ConfigError, match=r"data parallel x pipeline = 4 / 3 x 3"):
+    with pytest.raises(ConfigError, match=r"mesh's dimensions must multiply to the world size"):
         validate(4, pipeline_stages=3)
+    with pytest.raises(ConfigError, match=r"pipeline_stages = 4 does not divide the 2 ranks left"):
+        validate(4, pipeline_stages=4, tensor_parallel=2)
     validate(4, pipeline_stages=2)
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from dtrain.errors import ConfigError
 from dtrain.models.gpt import GPT, GPTConfig
 from dtrain.parallel import strategy_class
-from dtrain.parallel.tensor import check_no_dropout, model_plan
+from dtrain.parallel.tensor_plan import check_no_dropout, model_plan
 from dtrain.testing import run_ranks
 from tests.conftest import tiny_config, tiny_raw
 from tests.dist_helpers import crash_then_resume, train_params

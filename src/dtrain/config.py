@@ -196,13 +196,20 @@ class StrategyConfig:
     )
     tensor_parallel: int = _opt(
         0,
-        "tensor: ranks that split each layer (0 = all); world size / tensor_parallel copies "
-        "train data parallel",
+        "ranks that split each layer (tensor parallelism): tensor: 0 = all ranks, the rest "
+        "train data parallel; fsdp, pipeline: 0 = none",
         min=0,
     )
     data_parallel: Literal["replicate", "fsdp"] = _opt(
         "replicate",
-        "pipeline: each stage's data-parallel copies are replicas (all-reduce) or FSDP shards",
+        "pipeline, tensor: the data-parallel ranks are replicas (gradients all-reduced) or FSDP "
+        "shards",
+    )
+    dp_replicate: int = _opt(
+        1,
+        "fsdp (and data_parallel = 'fsdp'): copies of the sharded model, each sharded over "
+        "world / (dp_replicate x tensor_parallel x stages) ranks (hybrid sharding)",
+        min=1,
     )
 
 

@@ -68,6 +68,7 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 
 class Strategy(ABC):
     name: ClassVar[str] = ""
+    on_mesh: ClassVar[bool] = False  # lays the ranks out on a mesh of named dimensions
 
     def __init__(
         self,
@@ -101,6 +102,13 @@ class Strategy(ABC):
         size. Data parallel by default: every rank is a data-parallel rank. (A strategy with
         another mesh dimension calls this with its data-parallel size.)"""
         validate_for_world(cfg, world_size)
+        if cfg.strategy.dp_replicate != 1 and not cls.on_mesh:
+            raise ConfigError(
+                f"strategy.dp_replicate = {cfg.strategy.dp_replicate} does not work with "
+                f"strategy.name = {cls.name!r}: its data-parallel ranks all hold the whole "
+                "model already; it sets the copies of a sharded model (fsdp, or tensor and "
+                "pipeline with data_parallel = 'fsdp')"
+            )
         hooks = issubclass(cls, CommHookControl)
         if cfg.comm.compression != "none" and not hooks:
             raise ConfigError(

@@ -1,8 +1,8 @@
-"""The global gradient norm of the 2-D strategies (``tensor``, ``pipeline``), whose gradients lie
-in pieces over ranks: each rank sums the squares of the pieces it holds
-(:func:`sum_of_squares`), the strategy adds those sums over the ranks that hold different pieces
-(which ranks those are is the strategy's to say), and every rank scales its pieces by the same
-coefficient (:func:`clip_to_max_norm`).
+"""The global gradient norm of the strategies on a mesh (``fsdp``, ``tensor``, ``pipeline`` and
+their products), whose gradients lie in pieces over ranks: each rank sums the squares of the
+pieces it holds (:func:`sum_of_squares`), the sums are added over the ranks that hold
+different pieces (:func:`mesh_gradient_norm`: a ``DTensor`` gradient says which dimensions
+cut it), and every rank scales its pieces by the same coefficient (:func:`clip_to_max_norm`).
 
 The 1-D strategies keep torch's ``clip_grad_norm_`` (``Strategy.clip_grad_norm``), and
 :func:`gradient_norm` where they only measure the norm; these functions follow its numerics:
@@ -12,12 +12,16 @@ float32 sums of squares, ``max_norm / (norm + 1e-6)`` clamped at 1.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, TypeGuard
 
 import torch
+import torch.distributed as dist
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
+
+    from dtrain.parallel.mesh import Mesh
 
 
 def is_dtensor(tensor: object) -> TypeGuard[DTensor]:
@@ -65,3 +69,58 @@ def gradient_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     ):
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
     return torch.nn.utils.get_total_norm(grads)
+
+
+def cut_dims(tensor: torch.Tensor) -> frozenset[str]:
+    """The mesh dimensions a ``DTensor`` is cut over (sharded, or partial sums): its pieces
+    there differ and add up. A plain tensor is whole on every rank."""
+    if not is_dtensor(tensor):
+        return frozenset()
+    from torch.distributed.tensor import Replicate
+
+    names = tensor.device_mesh.mesh_dim_names or ()
+    # Anything but Replicate cuts: Shard, Partial, and FSDP's _StridedShard over a
+    # tensor-parallel shard (whose is_shard() says False).
+    return frozenset(
+        names[i] for i, p in enumerate(tensor.placements) if not isinstance(p, Replicate)
+    )
+
+
+def mesh_gradient_norm(
+    grads: Sequence[torch.Tensor],
+    mesh: Mesh,
+    device: torch.device,
+    disjoint: Sequence[str] = (),
+) -> torch.Tensor:
+    """The 2-norm of gradients spread over ``mesh``: the squares of each gradient's local
+    piece, summed over the dimensions that cut it (and over every ``disjoint`` dimension,
+    whose ranks hold different gradients altogether: a pipeline's stages). Collective over
+    the mesh; bit for bit the same on every rank (replicas must clip alike)."""
+    used = [name for name in mesh.dims.used if name not in disjoint]
+    bit = {name: 1 << i for i, name in enumerate(used)}
+    by_cut: dict[int, list[torch.Tensor]] = {}
+    for grad in grads:
+        key = sum(bit[name] for name in cut_dims(grad) if name in bit)
+        by_cut.setdefault(key, []).append(local_part(grad))
+    # sums[k]: the squares of the gradients cut over the dimensions in bitmask k.
+    sums = torch.zeros(1 << len(used), dtype=torch.float32, device=device)
+    for key, tensors in by_cut.items():
+        sums[key] = sum_of_squares(tensors, device)
+    for name in used:
+        group = mesh.group(name)
+        if group is None:
+            continue
+        cut_here = [k for k in range(len(sums)) if k & bit[name]]
+        part = sums[cut_here]
+        dist.all_reduce(part, group=group)
+        sums[cut_here] = part
+    total = sums.sum()
+    for name in disjoint:
+        group = mesh.group(name)
+        if group is not None:
+            dist.all_reduce(total, group=group)
+    norm = total.sqrt()
+    if mesh.device_mesh is not None:
+        # Replicas that summed the same numbers in another order may differ in the last bit.
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX)
+    return norm

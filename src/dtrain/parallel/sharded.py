@@ -17,10 +17,10 @@ import torch.distributed as dist
 from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint.state import CheckpointParts
-from dtrain.config import StrategyConfig
+from dtrain.config import Config, StrategyConfig
 from dtrain.errors import CheckpointError
 from dtrain.parallel.base import ShardedState, Strategy
-from dtrain.parallel.mesh import InnerDim, Mesh, MeshShape, mesh_shape
+from dtrain.parallel.mesh import Mesh, ParallelDims
 
 
 class ShardedStrategy(Strategy, ShardedState):
@@ -82,40 +82,48 @@ class ShardedStrategy(Strategy, ShardedState):
 
 
 class MeshStrategy(ShardedStrategy):
-    """A sharded strategy on a 2-D mesh: data-parallel copies x an inner dimension (pipeline
-    stages, tensor-parallel slices) that splits the model, not the batch. The mesh's process
-    groups are built in ``setup`` (:func:`~dtrain.parallel.mesh.build_mesh`)."""
+    """A sharded strategy on one mesh of named dimensions (:mod:`dtrain.parallel.mesh`): which
+    point of it a subclass trains on follows from its config (:meth:`dims_of`); the mesh's
+    process groups are built in ``setup``."""
 
-    inner_dim: ClassVar[InnerDim]
+    on_mesh = True
 
     @classmethod
-    def inner_size(cls, options: StrategyConfig) -> int:
-        """Ranks along the inner dimension (the config key ``inner_dim`` names)."""
+    def dims_of(cls, options: StrategyConfig, world_size: int) -> ParallelDims:
+        """The mesh ``options`` ask for at ``world_size`` (a config error when it does not
+        fit)."""
         raise NotImplementedError
 
     @classmethod
-    def mesh_shape_of(cls, options: StrategyConfig, world_size: int) -> MeshShape:
-        """The mesh ``options`` ask for at ``world_size`` (a config error when it does not
-        fit)."""
-        return mesh_shape(world_size, cls.inner_size(options), cls.inner_dim)
+    def validate_config(cls, cfg: Config, world_size: int) -> None:
+        dims = cls.dims_of(cfg.strategy, world_size)
+        # The base's checks, at the data-parallel size: the other dimensions split the
+        # model, not the batch.
+        super().validate_config(cfg, dims.dp)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.shape = self.mesh_shape_of(self.options, self.runtime.world_size)
+        self.dims = self.dims_of(self.options, self.runtime.world_size)
         self.mesh: Mesh | None = None
 
     @property
+    def coords(self) -> dict[str, int]:
+        return self.dims.coords(self.runtime.rank)
+
+    @property
     def counts_items(self) -> bool:
-        # The ranks of one model-parallel group hold the same items: its first counts them.
-        return self.shape.coords(self.runtime.rank)[1] == 0
+        # The ranks of one model-parallel group (tp, pp) hold the same items: its first
+        # counts them.
+        coords = self.coords
+        return coords["tp"] == 0 and coords["pp"] == 0
 
     @property
     def data_parallel_rank(self) -> int:
-        return self.shape.coords(self.runtime.rank)[0]
+        return self.dims.dp_rank(self.runtime.rank)
 
     @property
     def data_parallel_size(self) -> int:
-        return self.shape.dp
+        return self.dims.dp
 
     @property
     def data_parallel_group(self) -> dist.ProcessGroup | None:

@@ -19,6 +19,7 @@ global batch the mean, whichever stage or copy computes which part of it.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -39,14 +40,15 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
 
 from dtrain.config import CommConfig, Config, DataConfig, StrategyConfig
 from dtrain.errors import ConfigError, UserError
 from dtrain.parallel.base import LockstepForward, LossFn, OwnStep, Strategy
-from dtrain.parallel.grad_norm import clip_to_max_norm, local_part, sum_of_squares
+from dtrain.parallel.grad_norm import clip_to_max_norm, local_part, mesh_gradient_norm
 from dtrain.parallel.grad_sync import average_in_buckets
 from dtrain.parallel.materialize import is_meta_model, materialize, require_init
-from dtrain.parallel.mesh import PIPELINE, build_mesh
+from dtrain.parallel.mesh import ParallelDims, build_mesh, fit_dims, replicas_of_shards
 from dtrain.parallel.pipeline.batches import (
     batch_signature,
     check_tensor,
@@ -73,6 +75,7 @@ from dtrain.parallel.pipeline.stages import StagePlan
 from dtrain.parallel.recipe import Recipe
 from dtrain.parallel.sharded import MeshStrategy
 from dtrain.parallel.skeleton import ModelSkeleton, meta_copy
+from dtrain.parallel.tensor_plan import check_no_dropout, model_plan
 from dtrain.runtime import Runtime
 from dtrain.task import Task
 
@@ -89,23 +92,37 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
     """pipeline parallel (torch.distributed.pipelining), x data parallel on a 2-D mesh"""
 
     name = "pipeline"
-    inner_dim = PIPELINE
 
     # Optimizer state keyed by parameter name, not by position: each stage holds different
     # parameters, and a name means the same tensor at any pipeline or data-parallel layout.
     state_dict_options = StateDictOptions(flatten_optimizer_state_dict=True)
 
     @classmethod
+    def dims_of(cls, options: StrategyConfig, world_size: int) -> ParallelDims:
+        """Stages (0: all the ranks tensor parallelism leaves), then the data-parallel ranks:
+        replicas, or FSDP shards (with ``dp_replicate`` copies of them)."""
+        tp = options.tensor_parallel or 1
+        stages = options.pipeline_stages or max(1, world_size // tp)
+        given = {
+            "tp": ("strategy.tensor_parallel", tp),
+            "pp": ("strategy.pipeline_stages", stages),
+        }
+        replicas = replicas_of_shards(options.data_parallel, options.dp_replicate)
+        if options.data_parallel == "replicate":
+            return fit_dims(world_size, "dp_replicate", **given)
+        return fit_dims(world_size, "dp_shard", **given, dp_replicate=replicas)
+
+    @classmethod
     def validate_config(cls, cfg: Config, world_size: int) -> None:
-        shape = cls.mesh_shape_of(cfg.strategy, world_size)
-        super().validate_config(cfg, shape.dp)  # the base's checks, at the data-parallel size
-        pp = shape.inner  # ranks per pipeline
+        super().validate_config(cfg, world_size)  # the mesh, and checks at its dp size
+        dims = cls.dims_of(cfg.strategy, world_size)
+        pp = dims.pp  # ranks per pipeline
         opts, data = cfg.strategy, cfg.data
-        per_step = shape.dp * data.micro_batches
+        per_step = dims.dp * data.micro_batches
         if data.global_batch_size % per_step:
             raise ConfigError(
                 f"data.global_batch_size = {data.global_batch_size} does not split into "
-                f"{shape.dp} data-parallel copies x {data.micro_batches} micro-batches of "
+                f"{dims.dp} data-parallel copies x {data.micro_batches} micro-batches of "
                 "equal size: a pipeline sends activations of one fixed shape between stages; "
                 f"use a multiple of {per_step}"
             )
@@ -154,22 +171,18 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
         recipe = Recipe.from_config(cfg, runtime.device)
         return cls(runtime, cfg.strategy, cfg.comm, recipe, data=cfg.data)
 
-    @classmethod
-    def inner_size(cls, options: StrategyConfig) -> int:
-        return options.pipeline_stages
-
     @property
     def pipeline_rank(self) -> int:
-        return self.shape.coords(self.runtime.rank)[1]
+        return self.coords["pp"]
 
     @property
     def pipeline_size(self) -> int:
-        """Ranks per pipeline: the mesh's inner dimension."""
-        return self.shape.inner
+        """Ranks per pipeline: the mesh's pp dimension."""
+        return self.dims.pp
 
     @property
     def _fsdp(self) -> bool:
-        return self.options.data_parallel == "fsdp" and self.shape.dp > 1
+        return self.dims.dp_shard > 1
 
     # -- set-up --------------------------------------------------------------------------
 
@@ -183,7 +196,7 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
             self.pipeline_size * stages_per_rank(self.options) if self.pipeline_size > 1 else 1
         )
         check_stage_count(self.num_stages, len(layers), model)
-        self.mesh = build_mesh(self.shape, self.runtime.rank, device)
+        self.mesh = build_mesh(self.dims, device)
         if skeleton is None:
             model.to(device)
         elif self._needs_example():
@@ -193,7 +206,7 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
                 "strategy.pipeline_balance = 'uniform' or strategy.pipeline_boundaries"
             )
         data = self.data_options
-        rows = data.global_batch_size // (self.shape.dp * data.micro_batches)
+        rows = data.global_batch_size // (self.dims.dp * data.micro_batches)
         example = (
             example_input(task.train_data, task.collate_fn, task.split_batch, rows, device)
             if self._needs_example()
@@ -212,6 +225,12 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
         self._setup_ties(tied_parameters(kept))
         prune_to_stages(model, my_entries)
         del all_chains, kept, layers
+        tp_mesh = self.mesh.submesh("tp")
+        if self.dims.tp > 1:
+            styles = model_plan(model, self.dims.tp, held_only=True)
+            check_no_dropout(model)
+            if tp_mesh is not None:
+                parallelize_module(model, tp_mesh, styles)
         self.apply_recipe(task, model)  # this rank's blocks; the others' hold no tensors
         if self._fsdp:
             self._shard()
@@ -230,14 +249,20 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
         )
 
     def _setup_ties(self, tied: list[TiedParameter]) -> None:
-        """One process group per tied parameter and data-parallel copy, over the ranks whose
-        stages hold it (every rank takes part in making every group, in the same order)."""
+        """One process group per tied parameter and copy of the pipeline (each data-parallel
+        and tensor-parallel coordinate), over the ranks whose stages hold it (every rank takes
+        part in making every group, in the same order)."""
         for tie_info in tied:
             ranks = sorted({s % self.pipeline_size for s in tie_info.stages})
             group = None
             if len(ranks) > 1 and dist.is_initialized():
-                for dp_rank in range(self.shape.dp):
-                    members = [self.shape.rank_of(dp_rank, r) for r in ranks]
+                dims = self.dims
+                for rep, shard, tp in itertools.product(
+                    range(dims.dp_replicate), range(dims.dp_shard), range(dims.tp)
+                ):
+                    members = [
+                        dims.rank_of(dp_replicate=rep, dp_shard=shard, pp=r, tp=tp) for r in ranks
+                    ]
                     made = dist.new_group(members)
                     if self.runtime.rank in members:
                         group = made
@@ -248,13 +273,15 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
                 self.tied.append(_Tie(tie_info.fqns[held[0]], group, counted))
 
     def _shard(self) -> None:
-        """FSDP over the data-parallel dimension, per layer then per stage (as ``fsdp``)."""
+        """FSDP over the data-parallel shards (x copies: hybrid), per layer then per stage (as
+        ``fsdp``)."""
         assert self.mesh is not None
+        mesh = self.mesh.submesh("dp_replicate", "dp_shard")
         for chain in self.chains.values():
             for layer in chain.layers:
                 if any(True for _ in layer.parameters()):
-                    fully_shard(layer, mesh=self.mesh.dp_mesh)
-            fully_shard(chain, mesh=self.mesh.dp_mesh)
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(chain, mesh=mesh)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         return self.unwrapped.named_parameters()
@@ -278,7 +305,7 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
         assert self.mesh is not None
         stages: list[Any] = [
             PipelineStage(
-                chain, index, self.num_stages, self.runtime.device, group=self.mesh.inner_group
+                chain, index, self.num_stages, self.runtime.device, group=self.mesh.group("pp")
             )
             for index, chain in self.chains.items()
         ]
@@ -356,9 +383,9 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
             if param.grad is None and param.requires_grad:
                 # A parameter this micro-batch did not reach: its copies must still agree.
                 param.grad = torch.zeros_like(param)
-        if self.shape.dp > 1 and not self._fsdp:
+        if self.dims.dp > 1 and not self._fsdp:
             average_in_buckets(
-                [p.grad for p in params if p.grad is not None],
+                [local_part(p.grad) for p in params if p.grad is not None],
                 self.data_parallel_group,
                 self.options.bucket_mb,
             )
@@ -375,13 +402,9 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
             for p in local_parameters(self.chains.values())
             if p.grad is not None and id(p) not in skip
         ]
-        squares = sum_of_squares([local_part(g) for g in grads], self.runtime.device)
-        if dist.is_initialized():
-            # Shards (FSDP) are disjoint over the whole mesh; replicas are equal, so summing
-            # over one pipeline gives the same number on every copy of it.
-            group = None if self._fsdp else self.mesh.inner_group if self.mesh else None
-            dist.all_reduce(squares, group=group)
-        norm = squares.sqrt()
+        assert self.mesh is not None
+        # Each stage holds other parameters: their squares add up over the pipeline.
+        norm = mesh_gradient_norm(grads, self.mesh, self.runtime.device, disjoint=("pp",))
         # Every gradient is scaled: a tied parameter's on each stage that holds it (its norm
         # is counted once).
         every = [p.grad for p in local_parameters(self.chains.values()) if p.grad is not None]
@@ -390,7 +413,10 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
 
     def start_loss_all_reduce(self, tensor: torch.Tensor) -> Callable[[], None]:
         """The loss is computed on the last stage of every pipeline, and is 0 elsewhere: sum
-        over the world."""
+        over the world (the ranks of a tensor-parallel group hold the same loss: the first's
+        counts)."""
+        if self.coords["tp"] != 0:
+            tensor.zero_()
         if dist.is_initialized() and self.runtime.world_size > 1:
             return self._waiter(dist.all_reduce(tensor, async_op=True))
         return self._waiter(None)

@@ -1,0 +1,60 @@
+"""What tensor parallelism cuts: the model names it (``model.tensor_parallel_plan(degree)``
+returns ``{module name: "colwise" | "rowwise"}``; the built-in GPT cuts the attention's heads
+and the MLP's hidden units, Megatron-style), and this checks it against the model."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from dtrain.errors import ConfigError
+
+STYLES: dict[str, type[ParallelStyle]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+
+def model_plan(model: nn.Module, degree: int, held_only: bool = False) -> dict[str, ParallelStyle]:
+    """The parallel style of each linear map the model's plan cuts at ``degree``; with
+    ``held_only``, of those this rank holds (a pipeline stage's: the others hold no
+    parameters here)."""
+    plan_of = getattr(model, "tensor_parallel_plan", None)
+    if not callable(plan_of):
+        raise ConfigError(
+            f"strategy.tensor_parallel = {degree} cannot split {type(model).__name__}: "
+            "expected a model "
+            "with a tensor_parallel_plan(degree) method returning {module name: 'colwise' | "
+            "'rowwise'} for the nn.Linear layers to cut"
+        )
+    try:
+        plan = dict(plan_of(degree))
+    except ValueError as exc:
+        raise ConfigError(f"strategy.tensor_parallel = {degree}: {exc}") from None
+    styles: dict[str, ParallelStyle] = {}
+    for name, style in plan.items():
+        module = model.get_submodule(name)
+        if held_only and not any(True for _ in module.parameters(recurse=False)):
+            continue
+        if not isinstance(module, nn.Linear) or style not in STYLES:
+            raise ConfigError(
+                f"{type(model).__name__}.tensor_parallel_plan: {name} = {style!r}; expected an "
+                "nn.Linear cut 'colwise' or 'rowwise'"
+            )
+        cut = module.out_features if style == "colwise" else module.in_features
+        if cut % degree:
+            raise ConfigError(
+                f"strategy.tensor_parallel = {degree}: {name} has {cut} features to cut "
+                f"{style}, not a multiple of {degree}"
+            )
+        styles[name] = STYLES[style]()
+    return styles
+
+
+def check_no_dropout(model: nn.Module) -> None:
+    """Every rank of a tensor-parallel group computes the replicated activations itself; with
+    dropout each would draw its own mask, and the copies would drift apart."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Dropout) and module.p > 0:
+            raise ConfigError(
+                f"strategy.name = 'tensor' needs a model without dropout, but {name} drops "
+                f"p = {module.p}: the ranks of a tensor-parallel group would draw different "
+                "masks for the activations they all hold; set the model's dropout to 0"
+            )
