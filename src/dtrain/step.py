@@ -35,6 +35,8 @@ from typing import Any
 import torch
 
 from dtrain.comm.agreement import StepAgreement
+from dtrain.loss_contract import LossContract
+from dtrain.model_call import call_model
 from dtrain.parallel.base import (
     BackwardSyncControl,
     CommHookControl,
@@ -78,7 +80,7 @@ def run_micro_batches(
         if index < last and isinstance(strategy, BackwardSyncControl):
             ctx = strategy.no_backward_sync()
         with ctx:
-            loss_sum = loss_fn(model(inputs), targets).sum()
+            loss_sum = loss_fn(call_model(model, inputs), targets).sum()
             # The gradient of ``loss_sum * scale``, bit for bit (the product's backward would
             # pass on 1.0 x scale), without the product and its backward node.
             loss_sum.backward(scale if scale.dtype == loss_sum.dtype else scale.to(loss_sum.dtype))
@@ -93,9 +95,12 @@ class ForwardBackward:
     step's scale assumes) is part of the trainer's state: a resumed run scales its first step
     as the uninterrupted run did."""
 
-    def __init__(self, strategy: Strategy, device: torch.device) -> None:
+    def __init__(
+        self, strategy: Strategy, device: torch.device, contract: LossContract | None = None
+    ) -> None:
         self.strategy = strategy
         self.device = device
+        self.contract = contract  # checks every call of the loss (dtrain.loss_contract)
         self.expected: int | None = None
         self.loss_scale = LossScale(device)
         self._first = True
@@ -113,6 +118,8 @@ class ForwardBackward:
         known from its plan (``Task.items_per_sample``). Gradients are synchronized and scaled
         for the global mean when this returns."""
         strategy = self.strategy
+        if self.contract is not None:
+            loss_fn = self.contract.wrap(loss_fn)
         agreement = StepAgreement(items if strategy.counts_items else 0, stop)
         expected = planned if planned is not None else self.expected
         if expected is None:  # nothing to assume: agree before the forward, this once

@@ -167,7 +167,7 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
     def setup(self, task: Task) -> None:
         device = self.runtime.device
         model = task.model
-        layers = model_layers(model)
+        layers = model_layers(model, task.pipeline_layers)
         self.num_stages = (
             self.pipeline_size * stages_per_rank(self.options) if self.pipeline_size > 1 else 1
         )
