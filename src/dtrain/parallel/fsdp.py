@@ -28,9 +28,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from dtrain.model_call import call_model
 from dtrain.parallel.base import BackwardSyncControl, LockstepForward, LossFn
 from dtrain.parallel.blocks import find_blocks
 from dtrain.parallel.sharded import ShardedStrategy
+from dtrain.parallel.skeleton import ModelSkeleton
 from dtrain.task import Task
 
 
@@ -39,6 +41,10 @@ class FSDPStrategy(ShardedStrategy, LockstepForward, BackwardSyncControl):
 
     name = "fsdp"
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._skeleton: ModelSkeleton | None = None  # rank 0: the full model, on meta
+
     def setup(self, task: Task) -> None:
         device = self.runtime.device
         module = task.model.to(device)
@@ -46,6 +52,8 @@ class FSDPStrategy(ShardedStrategy, LockstepForward, BackwardSyncControl):
         dtype = torch.bfloat16 if self.options.precision == "bf16" else torch.float32
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         units = task.shard_units(module) if task.shard_units else find_blocks(module)
+        if self.runtime.is_main:  # the whole model's structure, for model_for_inference
+            self._skeleton = ModelSkeleton(module)
         reshard = self.options.reshard_after_forward
         for unit in units:
             fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
@@ -79,15 +87,18 @@ class FSDPStrategy(ShardedStrategy, LockstepForward, BackwardSyncControl):
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def model_for_inference(self) -> nn.Module | None:
-        # Parameters are gathered in forward: every rank runs the hook in lockstep (same seed,
-        # same calls); only rank 0's text is printed.
-        return self.model
+        """Rank 0 gets the whole trained model, unsharded, on CPU (the other ranks: None), as
+        a plain module (no FSDP hooks): a hook may save it, or run it alone. Collective."""
+        state = self.model_state_dict()
+        if self._skeleton is None:
+            return None
+        return self._skeleton.fill(state)
 
     @torch.no_grad()
     def eval_loss(self, batch: tuple[Any, Any], loss_fn: LossFn) -> torch.Tensor:
         inputs, targets = batch
         assert self.model is not None
-        return loss_fn(self.model(inputs), targets).sum()
+        return loss_fn(call_model(self.model, inputs), targets).sum()
 
     # -- state ---------------------------------------------------------------------------
 
