@@ -85,9 +85,11 @@ def build_model(opts: GPT2Options) -> nn.Module:
 def continue_text(model: nn.Module, opts: GPT2Options) -> str:
     """Rank 0, after training, with the whole model (under every strategy): greedy
     continuation of a held-out sequence's first tokens by the model's own generate()."""
+    new = min(opts.generate_tokens, opts.seq_len - 4)
+    if new <= 0:
+        return ""
     data = PatternTokens(1, opts.seq_len, opts.vocab, seed=7)
     prompt = data.ids[:, :4]
-    new = min(opts.generate_tokens, opts.seq_len - 4)
     with torch.no_grad():
         out = model.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0)  # type: ignore[operator]
     made = out[0, 4:]  # generate() stops early at an end-of-text token
