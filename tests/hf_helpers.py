@@ -77,8 +77,11 @@ def logged_val_loss(run_dir: str | Path) -> float:
 def train_each(raws: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Train every config in turn in this one launch: the logged losses, or the user error
     a run stopped with (and the step it stopped at)."""
+    import time
+
     out: list[dict[str, Any]] = []
     for raw in raws:
+        started = time.perf_counter()
         trainer = None
         try:
             trainer = make_trainer(raw)
@@ -89,10 +92,50 @@ def train_each(raws: list[dict[str, Any]]) -> list[dict[str, Any]]:
         result: dict[str, Any] = {"losses": logged_losses(raw["run"]["dir"])}
         result["val_loss"] = summary.val_loss
         result["generated"] = summary.generated
-        if raw["strategy"].get("name") == "tensor":
+        result["seconds"] = time.perf_counter() - started
+        if raw.get("strategy", {}).get("name") == "tensor":
             result["params"] = params_of(trainer)
         out.append(result)
     return out
+
+
+PIPELINE = {"name": "pipeline", "pipeline_stages": 2, "pipeline_schedule": "gpipe"}
+STRATEGIES: dict[str, dict[str, Any]] = {
+    "ddp": {"name": "ddp"},
+    "fsdp": {"name": "fsdp"},
+    "pipeline": PIPELINE,
+}
+
+
+def hf_run_configs(root: Path) -> dict[str, dict[str, Any]]:
+    """Every Hugging Face run the tests read, in the order one launch trains them: GPT-2 and
+    BERT under each strategy (10 steps, evaluated and saved at the end), a loss written as
+    Hugging Face shifts it with the default count, a run starting from the fsdp GPT-2's
+    weights and one whose model has another shape."""
+    raws: dict[str, dict[str, Any]] = {}
+    for model in ("gpt2", "bert"):
+        for name, strategy in STRATEGIES.items():
+            micro = {"micro_batches": 2} if name == "pipeline" else {}
+            raws[f"{model}-{name}"] = hf_raw(
+                root / f"{model}-{name}", model, strategy=strategy, data=micro
+            )
+    shifted = hf_raw(root / "shifted", "gpt2", strategy={"name": "ddp"})
+    shifted["run"]["task"] = "tests.hf_helpers:gpt2_user_shifted_loss"
+    raws["shifted"] = shifted
+    init = {"init_from": str(root / "gpt2-fsdp")}
+    raws["init"] = hf_raw(root / "init", "gpt2", run=init, train={"steps": 2})
+    raws["bad-init"] = hf_raw(root / "bad-init", "gpt2", run=init, task={"n_embd": 16})
+    return raws
+
+
+def train_hf_runs(root: Path) -> dict[str, dict[str, Any]]:
+    """:func:`hf_run_configs`, trained on 2 ranks in one launch (each rank imports
+    transformers once); rank 0's results by name."""
+    from dtrain.testing import run_ranks
+
+    raws = hf_run_configs(root)
+    results = run_ranks(train_each, 2, list(raws.values()), timeout=280)[0]
+    return dict(zip(raws, results))
 
 
 def gpt2_batches(steps: int) -> list[torch.Tensor]:
