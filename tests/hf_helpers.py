@@ -102,6 +102,7 @@ def train_each(raws: list[dict[str, Any]]) -> list[dict[str, Any]]:
 PIPELINE = {"name": "pipeline", "pipeline_stages": 2, "pipeline_schedule": "gpipe"}
 STRATEGIES: dict[str, dict[str, Any]] = {
     "ddp": {"name": "ddp"},
+    "allreduce": {"name": "allreduce"},
     "fsdp": {"name": "fsdp"},
     "pipeline": PIPELINE,
 }

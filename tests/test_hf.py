@@ -97,7 +97,7 @@ def test_hf_models_train_as_one_process_under_ddp_fsdp_and_pipeline(
     _, results = hf_runs
     reference = {kind: one_process_losses(kind) for kind in ("gpt2", "bert")}
     for model in ("gpt2", "bert"):
-        for strategy in ("ddp", "fsdp", "pipeline"):
+        for strategy in ("ddp", "allreduce", "fsdp", "pipeline"):
             result = results[f"{model}-{strategy}"]
             assert "error" not in result, (model, strategy, result)
             losses = result["losses"]
