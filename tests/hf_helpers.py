@@ -83,8 +83,13 @@ def train_each(raws: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for raw in raws:
         started = time.perf_counter()
         trainer = None
+        hook: dict[str, Any] = {}
         try:
             trainer = make_trainer(raw)
+            if trainer.task.after_training is not None:
+                trainer.task.after_training = probe_after_training(
+                    trainer.task.after_training, Path(raw["run"]["dir"]), hook
+                )
             summary = trainer.fit()
         except UserError as exc:
             out.append({"error": str(exc), "step": None if trainer is None else trainer.step})
@@ -93,6 +98,7 @@ def train_each(raws: list[dict[str, Any]]) -> list[dict[str, Any]]:
         result["val_loss"] = summary.val_loss
         result["generated"] = summary.generated
         result["seconds"] = time.perf_counter() - started
+        result["hook"] = hook
         if raw.get("strategy", {}).get("name") == "tensor":
             result["params"] = params_of(trainer)
         out.append(result)
@@ -135,8 +141,27 @@ def train_hf_runs(root: Path) -> dict[str, dict[str, Any]]:
     from dtrain.testing import run_ranks
 
     raws = hf_run_configs(root)
-    results = run_ranks(train_each, 2, list(raws.values()), timeout=280)[0]
-    return dict(zip(raws, results))
+    ranks = run_ranks(train_each, 2, list(raws.values()), timeout=280)
+    results = dict(zip(raws, ranks[0]))
+    for index, name in enumerate(raws):
+        # The ranks the after-training hook ran on.
+        results[name]["hook_ranks"] = [r for r, mine in enumerate(ranks) if mine[index].get("hook")]
+    return results
+
+
+def probe_after_training(hook: Any, run_dir: Path, seen: dict[str, Any]) -> Any:
+    """``hook``, noting whether it ran here and on what (DTensor parameters are a sharded
+    model), after saving the model it got with its own ``save_pretrained`` (which fails on a
+    sharded model)."""
+    from torch.distributed.tensor import DTensor
+
+    def probe(model: Any) -> str:
+        seen["sharded"] = any(isinstance(p, DTensor) for p in model.parameters())
+        model.save_pretrained(str(run_dir / "after-training"))
+        seen["saved"] = (run_dir / "after-training" / "config.json").exists()
+        return str(hook(model))
+
+    return probe
 
 
 def gpt2_batches(steps: int) -> list[torch.Tensor]:

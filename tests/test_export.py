@@ -126,7 +126,14 @@ def test_export_of_every_replicated_and_tensor_layout(tmp_path: Path) -> None:
         train={"steps": 6},
         checkpoint={"every": 3, "keep_last": 3},
     )
-    results = run_ranks(train_each, 2, [tensor, local])[0]
+    diloco = tiny_raw(
+        tmp_path / "diloco",
+        strategy={"name": "diloco"},
+        comm={"sync_every": 4},
+        train={"steps": 6},
+        checkpoint={"every": 3, "keep_last": 3},
+    )
+    results = run_ranks(train_each, 2, [tensor, local, diloco])[0]
     export(tmp_path / "tensor", tmp_path / "tensor.pt", "--format", "torch")
     state = torch.load(tmp_path / "tensor.pt", weights_only=True)
     assert state.keys() == results[0]["params"].keys()
@@ -146,6 +153,12 @@ def test_export_of_every_replicated_and_tensor_layout(tmp_path: Path) -> None:
         mean["blocks.0.attn.qkv.weight"],
         (replicas[0]["blocks.0.attn.qkv.weight"] + replicas[1]["blocks.0.attn.qkv.weight"]) / 2,
     )
+    # diloco between outer steps: the anchor, the global model of the last outer step.
+    export(tmp_path / "diloco", tmp_path / "diloco-3.safetensors", "--step", "3")
+    outer = torch.load(tmp_path / "diloco/checkpoints/step-00000003/outer.pt", weights_only=True)
+    anchor = read_weights(tmp_path / "diloco-3.safetensors")
+    for key, value in outer["anchor"].items():
+        assert torch.equal(anchor[key], value), key
     export(tmp_path / "local", tmp_path / "local.safetensors")
     final = torch.load(tmp_path / "local/checkpoints/step-00000006/model.pt", weights_only=True)
     for key, value in read_weights(tmp_path / "local.safetensors").items():
@@ -173,6 +186,12 @@ def test_bad_exports_are_one_line_and_leave_the_run_folder_alone(
     assert not (tmp_path / "out").exists()
     with pytest.raises(UserError, match="is no weights folder"):
         read_weights(tmp_path)
+    # run.init_from that holds no weights: one line before any worker starts.
+    train = ["train", f"--run.dir={tmp_path / 'new'}", f"--run.init_from={run_dir}"]
+    assert main(train) == 2
+    err = capsys.readouterr().err
+    assert "run.init_from" in err and "holds no committed checkpoint" in err, err
+    assert not (tmp_path / "new").exists()
     with pytest.raises(SystemExit):
         main(["export", str(run_dir), str(tmp_path / "o"), "--format", "onnx"])
     assert "invalid choice" in capsys.readouterr().err

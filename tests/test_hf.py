@@ -71,6 +71,18 @@ def test_hf_causal_lm_counts_what_its_shifted_loss_counts() -> None:
     torch.testing.assert_close(losses.sum() / items, own, rtol=1e-6, atol=1e-6)
 
 
+def test_the_model_s_own_per_token_loss_is_taken_and_its_mean_is_not() -> None:
+    from transformers.modeling_outputs import CausalLMOutput
+
+    labels = torch.randint(0, 64, (2, 16))
+    logits = torch.randn(2, 16, 64)
+    per_token = torch.rand(2 * 15)
+    assert causal_lm_loss(CausalLMOutput(loss=per_token, logits=logits), labels) is per_token
+    from_logits = causal_lm_loss(CausalLMOutput(logits=logits), labels)
+    mean = CausalLMOutput(loss=per_token.mean(), logits=logits)  # HF's own, given labels
+    assert torch.equal(causal_lm_loss(mean, labels), from_logits)
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "bert"])
 def test_pipeline_layers_compute_the_model(kind: str) -> None:
     model = small_gpt2() if kind == "gpt2" else small_bert()
@@ -121,9 +133,11 @@ def test_a_loss_shifted_as_hugging_face_does_counted_by_default_fails_at_once(
 def test_after_training_gets_the_whole_model_on_rank_0(
     hf_runs: tuple[Path, dict[str, Any]],
 ) -> None:
-    """The examples' hooks call the Hugging Face model's own methods (BERT's forward over the
-    validation set) on rank 0, under every strategy: fsdp's and the pipeline's too."""
-    for strategy in ("ddp", "fsdp", "pipeline"):
-        assert hf_runs[1][f"bert-{strategy}"]["generated"].startswith("validation accuracy"), (
-            strategy
-        )
+    """Under every strategy the hook runs on rank 0 alone, with a plain (unsharded) model whose
+    own save_pretrained works, and the example's hook (BERT's forward over the validation set)
+    gives its text."""
+    for strategy in ("ddp", "allreduce", "fsdp", "pipeline"):
+        result = hf_runs[1][f"bert-{strategy}"]
+        assert result["hook_ranks"] == [0], strategy
+        assert result["hook"] == {"sharded": False, "saved": True}, strategy
+        assert result["generated"].startswith("validation accuracy"), strategy
