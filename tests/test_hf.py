@@ -83,6 +83,18 @@ def test_the_model_s_own_per_token_loss_is_taken_and_its_mean_is_not() -> None:
     assert torch.equal(causal_lm_loss(mean, labels), from_logits)
 
 
+def test_a_plain_loss_given_a_model_output_is_told_where_the_logits_are() -> None:
+    model = small_bert()
+    batch = {"input_ids": torch.randint(0, 64, (2, 16)), "labels": torch.tensor([0, 2])}
+    inputs, labels = split_input_target(batch)  # the default layout takes 'labels'
+    output = call_model(model, inputs)
+    plain = LossContract(lambda y: len(y)).wrap(
+        lambda logits, y: torch.nn.functional.cross_entropy(logits, y, reduction="none")
+    )
+    with pytest.raises(UserError, match=r"SequenceClassifierOutput.*out\.logits.*dtrain\.hf"):
+        plain(output, labels)
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "bert"])
 def test_pipeline_layers_compute_the_model(kind: str) -> None:
     model = small_gpt2() if kind == "gpt2" else small_bert()

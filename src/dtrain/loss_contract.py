@@ -47,7 +47,12 @@ class LossContract:
             return self._wrapped[1]
 
         def checked(output: Any, targets: Any) -> torch.Tensor:
-            losses = loss_fn(output, targets)
+            try:
+                losses = loss_fn(output, targets)
+            except (TypeError, AttributeError) as exc:
+                if not is_model_output(output):
+                    raise
+                raise UserError(model_output_message(output, exc)) from exc
             self.check(losses, targets)
             return losses
 
@@ -75,6 +80,22 @@ class LossContract:
         if shifted is not None and values == shifted and items <= shifted:
             return  # a shifted-label loss over padded sequences: ignored positions are zeros
         raise UserError(contract_message(losses, target_shape, items, shifted))
+
+
+def is_model_output(output: Any) -> bool:
+    """A structured model output that carries logits (a Hugging Face ``ModelOutput``)."""
+    return not isinstance(output, torch.Tensor) and isinstance(
+        getattr(output, "logits", None), torch.Tensor
+    )
+
+
+def model_output_message(output: Any, exc: Exception) -> str:
+    return (
+        f"Task.loss_fn failed on the model's {type(output).__name__} ({type(exc).__name__}: "
+        f"{exc}): a Hugging Face model returns its logits in a ModelOutput -- read them in the "
+        'loss (loss_fn=lambda out, y: F.cross_entropy(out.logits, y, reduction="none")), or '
+        "use dtrain.hf.causal_lm_task / sequence_classification_task, whose losses do"
+    )
 
 
 def shifted_positions(target_shape: tuple[int, ...] | None) -> int | None:
