@@ -29,7 +29,6 @@ imports it, and this module only when a function here needs it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -251,15 +250,16 @@ class _GPT2Block(nn.Module):
     """One block, with the causal mask its model would build for it."""
 
     def __init__(self, block: nn.Module, config: Any) -> None:
+        from transformers.masking_utils import create_causal_mask
+
         super().__init__()
         self.block = block
         self.model_config = config
+        self.make_mask = create_causal_mask
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
-
         positions = _positions(hidden)
-        mask = create_causal_mask(
+        mask = self.make_mask(
             config=self.model_config,
             inputs_embeds=hidden,
             attention_mask=None,
@@ -291,16 +291,15 @@ class _BertLayer(nn.Module):
     """One encoder layer, with the (absent: no padding) mask its model would build."""
 
     def __init__(self, layer: nn.Module, config: Any) -> None:
+        from transformers.masking_utils import create_bidirectional_mask
+
         super().__init__()
         self.layer = layer
         self.model_config = config
+        self.make_mask = create_bidirectional_mask
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_bidirectional_mask
-
-        mask = create_bidirectional_mask(
-            config=self.model_config, inputs_embeds=hidden, attention_mask=None
-        )
+        mask = self.make_mask(config=self.model_config, inputs_embeds=hidden, attention_mask=None)
         return self.layer(hidden, mask)
 
 
@@ -344,11 +343,3 @@ def write_pretrained(state: dict[str, torch.Tensor], config_dir: Path, out: Path
 
     load_state_into(model, state, f"the checkpoint ({config_dir.parent})")
     model.save_pretrained(str(out))
-
-
-def read_config_json(folder: Path) -> dict[str, Any]:
-    try:
-        data = json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UserError(f"{folder / 'config.json'} cannot be read: {exc}") from None
-    return data if isinstance(data, dict) else {}
