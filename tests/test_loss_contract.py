@@ -85,11 +85,11 @@ def test_a_non_tensor_loss_is_named() -> None:
 
 
 def test_a_mean_loss_fails_the_run_in_one_line_before_any_update(tmp_path: Path) -> None:
-    """The issue's first wrong-math case through the real CLI on 2 ranks: exit 2, one line,
-    no checkpoint written (nothing trained on the wrong math)."""
+    """The issue's first wrong-math case through the real CLI: exit 2, one line, no checkpoint
+    written (nothing trained on the wrong math). (On 2 ranks: tests/test_hf.py's shifted loss.)"""
     run_dir = tmp_path / "run"
     config = write_tiny_config(tmp_path / "mean.toml", run_dir)
-    result = run_cli("train", str(config), "--nproc", "2", "--run.task=tests.tasks:mean_loss_gpt")
+    result = run_cli("train", str(config), "--nproc", "1", "--run.task=tests.tasks:mean_loss_gpt")
     assert result.returncode == 2, result.stderr[-3000:]
     assert 'reduction="none"' in result.stderr
     assert "Traceback" not in result.stderr
