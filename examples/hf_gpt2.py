@@ -21,6 +21,7 @@ loss counts (``labels[:, 1:]``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 from torch import nn
@@ -83,18 +84,18 @@ def build_model(opts: GPT2Options) -> nn.Module:
 
 
 def continue_text(model: nn.Module, opts: GPT2Options) -> str:
-    """Rank 0, after training, with the whole model (under every strategy): greedy
-    continuation of a held-out sequence's first tokens by the model's own generate()."""
+    """Rank 0, after training, with the whole model (under every strategy): a greedy
+    continuation of a held-out sequence's first tokens by the model's own generate(), and how
+    many of its tokens follow the pattern from the token before them."""
     new = min(opts.generate_tokens, opts.seq_len - 4)
     if new <= 0:
         return ""
-    data = PatternTokens(1, opts.seq_len, opts.vocab, seed=7)
-    prompt = data.ids[:, :4]
+    prompt = PatternTokens(1, opts.seq_len, opts.vocab, seed=7).ids[:, :4]
     with torch.no_grad():
         out = model.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0)  # type: ignore[operator]
-    made = out[0, 4:]  # generate() stops early at an end-of-text token
-    right = int((made == data.ids[0, 4 : 4 + len(made)]).sum())
-    return f"greedy continuation: {right}/{new} tokens as the pattern continues"
+    tokens = out[0, 3:].tolist()  # the prompt's last token, then the generated ones
+    right = sum((after - (before * 5 + 1)) % opts.vocab < 3 for before, after in pairwise(tokens))
+    return f"greedy continuation: {right}/{len(tokens) - 1} generated tokens follow the pattern"
 
 
 @dtrain.task_config(GPT2Options)
