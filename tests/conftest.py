@@ -71,3 +71,16 @@ def observed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.report_helpers import make_observed_run
 
     return make_observed_run(tmp_path_factory.mktemp("observed") / "run")
+
+
+@pytest.fixture(scope="session")
+def hf_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """The Hugging Face runs of tests.hf_helpers (GPT-2 and BERT under ddp, fsdp, pipeline;
+    the loss-contract and init_from runs), trained once per session in one launch: (their
+    root folder, rank 0's results by name). Needs transformers."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    from tests.hf_helpers import train_hf_runs
+
+    root = tmp_path_factory.mktemp("hf-runs")
+    return root, train_hf_runs(root)

@@ -322,3 +322,16 @@ def chaos_gpt(cfg: Config) -> Task:
         # at them): the main thread raises at its next forward.
         task.model = _RaiseAtStep(task.model, run_dir, 0, armed=lambda: writing["active"] == 1)
     return task
+
+
+def mean_loss_gpt(cfg: Config) -> Task:
+    """:func:`tiny_gpt` with the usual ``reduction="mean"``: silently wrong math (gradients
+    items-times too small) unless the loss contract is checked."""
+    task = tiny_gpt(cfg)
+    task.loss_fn = lambda logits, targets: F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), targets.reshape(-1)
+    )
+    return task
+
+
+mean_loss_gpt.config_class = TinyOptions  # type: ignore[attr-defined]

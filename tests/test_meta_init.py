@@ -96,3 +96,19 @@ def test_what_init_leaves_unset_is_named() -> None:
         materialize(meta_copy(model), model, linear_only, torch.device("cpu"), seed=0)
     with pytest.raises(UserError, match=r"gives no Task\.init_weights"):
         require_init(model, None)
+
+
+def test_run_init_from_fills_a_meta_built_model(tmp_path: Path) -> None:
+    # The weights of a finished run, given to a meta-built model under fsdp: the new run
+    # starts from exactly them (not from init_weights' values).
+    first = tiny_raw(tmp_path / "first", train={"steps": 4})
+    trained = run_ranks(train_each, 1, [first])[0][0]["params"]
+    second = tiny_raw(
+        tmp_path / "second",
+        task=META,
+        strategy={"name": "fsdp"},
+        run={"init_from": str(tmp_path / "first")},
+    )
+    (started,) = run_ranks(initial_state_each, 2, [second])[0]
+    for key, value in trained.items():
+        assert np.array_equal(started[key], value), key

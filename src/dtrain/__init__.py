@@ -10,15 +10,17 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from dtrain.config import Config
     from dtrain.config_load import load_config
+    from dtrain.init_from import load_weights
     from dtrain.task import Task, task_config
 
-__all__ = ["Config", "Task", "__version__", "load_config", "task_config"]
+__all__ = ["Config", "Task", "__version__", "load_config", "load_weights", "task_config"]
 
 # Imported when first used (PEP 562), not with the package: `dtrain.task` imports torch (1.2 s
 # here), which commands that only read files (`dtrain status`, `dtrain report`) never need.
 _EXPORTS = {
     "Config": "dtrain.config",
     "load_config": "dtrain.config_load",
+    "load_weights": "dtrain.init_from",
     "Task": "dtrain.task",
     "task_config": "dtrain.task",
 }

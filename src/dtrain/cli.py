@@ -108,6 +108,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="a run's step, ETA, last loss and every rank's last heartbeat and speed",
     )
     p.add_argument("run_dir", metavar="RUN_DIR")
+    p = sub.add_parser(
+        "export",
+        help="a run's model as one state dict (or a Hugging Face folder), from any strategy",
+        description="Write the model of a run's newest committed checkpoint (or --step N; or "
+        "of a step-N checkpoint folder) as one consolidated state dict with the model's own "
+        "names, from any strategy's checkpoint at any world size. The run folder is only read.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="run folder or step-N checkpoint folder")
+    p.add_argument("out", metavar="OUT", help="file to write (a folder for --format hf)")
+    p.add_argument("--step", type=int, default=None, help="the checkpoint of this step")
+    p.add_argument(
+        "--format",
+        default="safetensors",
+        choices=["safetensors", "torch", "hf"],
+        help="safetensors (default) or torch: a state dict in a file; hf: a folder "
+        "from_pretrained loads (a run of a Hugging Face model)",
+    )
     return parser
 
 
@@ -129,6 +146,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from dtrain.checkpoint.rundir import check_run_dir
     from dtrain.config import validate_ranks
     from dtrain.fsutil import write_atomic
+    from dtrain.init_from import check_init_from
     from dtrain.job import default_run_dir, load_job_config
     from dtrain.launch import launch_workers, make_options
     from dtrain.parallel import strategy_class
@@ -160,6 +178,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     validate_ranks(cfg, opts.min_world_size)  # a rank the config names exists in every world
     if opts.max_world_size != opts.min_world_size:
         strategy_class(cfg.strategy.name).validate_config(cfg, opts.max_world_size)
+    check_init_from(cfg.run.init_from)
     if not cfg.run.dir:
         cfg.run.dir = default_run_dir(args.run_id)
     check_run_dir(cfg, args.force)
@@ -270,6 +289,17 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from dtrain.export import export
+
+    model = export(args.run_dir, args.out, args.step, args.format)
+    if model.note:
+        print(f"note: {model.note}")
+    tensors = len(model.state)
+    print(f"wrote {args.out} ({args.format}): {tensors} tensors from {model.step_dir}")
+    return 0
+
+
 def cmd_strategies() -> int:
     from dtrain.parallel import strategy_class, strategy_names
 
@@ -299,6 +329,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_report(args)
         if args.command == "status":
             return cmd_status(args)
+        if args.command == "export":
+            return cmd_export(args)
         return cmd_strategies()
     except UserError as exc:
         print(f"dtrain: error: {exc}", file=sys.stderr)

@@ -48,6 +48,12 @@ class RunConfig:
         "auto",
         "'auto' (newest valid checkpoint in run.dir), 'never', or a step folder to start from",
     )
+    init_from: str = _opt(
+        "",
+        "start from these weights, with a fresh optimizer: a .safetensors or torch file, a "
+        "Hugging Face folder, a dtrain run folder or step-N checkpoint (a resumed run loads "
+        "its checkpoint instead)",
+    )
 
 
 @dataclass

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from dtrain.data.loader import eval_batches, split_to_device, to_device
+from dtrain.loss_contract import LossContract
 from dtrain.parallel.base import LockstepForward, Strategy
 from dtrain.task import Task
 
@@ -37,12 +38,13 @@ def evaluate_loss(
         task.collate_fn,
         max_samples,
     )
+    loss_fn = LossContract(task.count_items).wrap(task.loss_fn)
     first: Any = None
     done = 0
     for batch in batches:  # fetched one at a time: a large set is never all in memory
         first = batch if first is None else first
         pair, items = split_to_device(task, batch, device)
-        totals[0] += strategy.eval_loss(pair, task.loss_fn).double()
+        totals[0] += strategy.eval_loss(pair, loss_fn).double()
         totals[1] += items
         done += 1
         if on_progress is not None:
@@ -56,7 +58,7 @@ def evaluate_loss(
         padding = first if first is not None else task.collate_fn([task.val_data[0]])
         for _ in range(needed - done):
             inputs, targets = to_device(task.split_batch(padding), device)
-            strategy.eval_loss((inputs, targets), task.loss_fn)
+            strategy.eval_loss((inputs, targets), loss_fn)
             if on_progress is not None:
                 on_progress()
     strategy.all_reduce_loss(totals[0:1])

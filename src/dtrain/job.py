@@ -27,6 +27,8 @@ import torch.distributed as dist
 from dtrain.checkpoint.rng import seed_everything
 from dtrain.config import Config
 from dtrain.config_load import apply_overrides, build_config, read_toml
+from dtrain.init_from import init_model
+from dtrain.model_config import save_model_config
 from dtrain.runtime import Runtime, init_runtime
 from dtrain.task import build_task, resolve_task, task_config_class
 from dtrain.trainer import Trainer
@@ -76,4 +78,8 @@ def build_trainer(cfg: Config) -> Trainer:
     factory = resolve_task(cfg.run.task)
     seed_everything(cfg.run.seed)
     task = build_task(factory, cfg)
+    if cfg.run.init_from:  # before the strategy spreads the model: every rank holds it whole
+        init_model(task.model, cfg.run.init_from, task.init_weights, cfg.run.seed)
+    if runtime.is_main:
+        save_model_config(task.model, Path(cfg.run.dir))
     return Trainer(cfg, task, runtime)

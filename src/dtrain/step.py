@@ -39,6 +39,8 @@ from typing import Any
 import torch
 
 from dtrain.comm.agreement import StepAgreement
+from dtrain.loss_contract import LossContract
+from dtrain.model_call import call_model
 from dtrain.parallel.base import (
     BackwardSyncControl,
     CommHookControl,
@@ -86,7 +88,7 @@ def run_micro_batches(
             ctx = strategy.no_backward_sync()
         with ctx:
             with precision.autocast():  # the forward and the loss; backward runs outside
-                loss_sum = loss_fn(model(inputs), targets).sum()
+                loss_sum = loss_fn(call_model(model, inputs), targets).sum()
             # The gradient of ``loss_sum * scale``, bit for bit (the product's backward would
             # pass on 1.0 x scale), without the product and its backward node.
             loss_sum.backward(scale if scale.dtype == loss_sum.dtype else scale.to(loss_sum.dtype))
@@ -102,11 +104,16 @@ class ForwardBackward:
     as the uninterrupted run did."""
 
     def __init__(
-        self, strategy: Strategy, device: torch.device, scaler: LossScaler | None = None
+        self,
+        strategy: Strategy,
+        device: torch.device,
+        scaler: LossScaler | None = None,
+        contract: LossContract | None = None,
     ) -> None:
         self.strategy = strategy
         self.device = device
         self.scaler = scaler  # fp16-mixed: the loss is scaled by scaler.scale, then unscaled
+        self.contract = contract  # checks every call of the loss (dtrain.loss_contract)
         self.expected: int | None = None
         self.loss_scale = LossScale(device)
         self._first = True
@@ -124,6 +131,8 @@ class ForwardBackward:
         known from its plan (``Task.items_per_sample``). Gradients are synchronized and scaled
         for the global mean when this returns."""
         strategy = self.strategy
+        if self.contract is not None:
+            loss_fn = self.contract.wrap(loss_fn)
         agreement = StepAgreement(items if strategy.counts_items else 0, stop)
         expected = planned if planned is not None else self.expected
         if expected is None:  # nothing to assume: agree before the forward, this once

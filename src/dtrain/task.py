@@ -26,7 +26,7 @@ import importlib
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -43,9 +43,20 @@ IGNORE_INDEX = -100
 
 
 def split_input_target(batch: Any) -> tuple[Any, Any]:
-    """Default batch layout: ``(inputs, targets)`` as an ordinary Dataset of pairs gives it."""
-    if isinstance(batch, dict):
-        return batch["input"], batch["target"]
+    """Default batch layout: ``(inputs, targets)`` as an ordinary Dataset of pairs gives it; a
+    dict with ``input`` and ``target``; or a dict with ``labels`` (Hugging Face's layout): the
+    labels are the targets, the other keys the model's keyword arguments."""
+    if isinstance(batch, Mapping):
+        if "input" in batch and "target" in batch:
+            return batch["input"], batch["target"]
+        if "labels" in batch:
+            return {k: v for k, v in batch.items() if k != "labels"}, batch["labels"]
+        raise UserError(
+            f"a dict batch with keys {sorted(batch)}: the default layout takes 'input' and "
+            "'target', or 'labels' beside the model's keyword arguments (Hugging Face's "
+            "layout); give Task.split_batch for another (a causal LM whose labels are its "
+            "input ids: dtrain.hf.causal_lm_task)"
+        )
     inputs, targets = batch
     return inputs, targets
 
@@ -89,6 +100,11 @@ class Task:
     # model (a shard, a stage, a slice), with the same values at any world size and strategy
     # (dtrain.parallel.materialize).
     init_weights: Callable[[nn.Module], None] | None = None
+    # The model as a chain of layers for strategy 'pipeline', each taking the previous one's
+    # output (default: the model's own pipeline_layers(), or an nn.Sequential's children).
+    # The layers may be adapters around the model's modules: checkpoints keep the model's own
+    # names (dtrain.hf.pipeline_layers for Hugging Face GPT-2 and BERT).
+    pipeline_layers: Callable[[nn.Module], list[nn.Module]] | None = None
     # Items (what count_items counts) every training sample holds, when all hold the same
     # number: a fixed-length window's tokens, 1 for a classifier's sample. Each rank then checks
     # every batch against it, and even a process's first step knows its global count from the

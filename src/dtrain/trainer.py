@@ -63,6 +63,7 @@ from dtrain.fault.liveness import Speed
 from dtrain.fault.preempt import PreemptionFlag
 from dtrain.fault.status import RunStatus, write_status
 from dtrain.fault.watchdog import Watchdog
+from dtrain.loss_contract import LossContract
 from dtrain.metrics import records
 from dtrain.metrics.sinks import Progress, Sinks, open_sinks
 from dtrain.metrics.summary import LossWindow, Summary
@@ -164,7 +165,9 @@ class Trainer:
         if per_sample is not None and (isinstance(per_sample, bool) or per_sample < 1):
             raise UserError(f"Task.items_per_sample = {per_sample!r}: expected a positive integer")
         # Forward and backward over a step's micro-batches, and the ranks' agreement on it.
-        self.forward_backward = ForwardBackward(self.strategy, runtime.device, self.scaler)
+        self.forward_backward = ForwardBackward(
+            self.strategy, runtime.device, self.scaler, LossContract(task.count_items)
+        )
         # This rank's communication totals at the last metrics line; set-up's (the broadcast
         # of rank 0's parameters) belongs to no step.
         self._comm_mark = self.strategy.comm.totals()

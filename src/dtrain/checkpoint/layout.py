@@ -26,6 +26,16 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+def step_of(name: str) -> int | None:
+    """The step of a ``step-N`` folder name (None for any other name)."""
+    match = _STEP_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def is_step_dir_name(name: str) -> bool:
+    return step_of(name) is not None
+
+
 def rng_file(rank: int) -> str:
     return f"rng-rank{rank:05d}.pt"
 

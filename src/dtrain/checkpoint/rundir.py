@@ -23,6 +23,7 @@ else:  # pragma: no cover
 SAFE_TO_CHANGE = (
     "run.dir",
     "run.resume",
+    "run.init_from",  # the weights of step 0: a resumed run loads its checkpoint
     "train.steps",
     "train.log_every",
     "train.compile",  # the same numbers, within rounding; the same names

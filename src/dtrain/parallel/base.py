@@ -55,6 +55,7 @@ from dtrain.comm.compression import validate_compression
 from dtrain.comm.hooks import CommHook
 from dtrain.config import CommConfig, Config, StrategyConfig, validate_for_world
 from dtrain.errors import CheckpointError, ConfigError
+from dtrain.model_call import call_model
 from dtrain.optim import fit_saved_groups
 from dtrain.parallel.grad_norm import gradient_norm, local_part
 from dtrain.parallel.materialize import is_meta_model, materialize, require_init
@@ -270,7 +271,7 @@ class Strategy(ABC):
         """Summed loss of one evaluation batch on this rank (no gradient sync involved)."""
         inputs, targets = batch
         with self.recipe.precision.autocast():
-            return loss_fn(self.unwrapped(inputs), targets).sum()
+            return loss_fn(call_model(self.unwrapped, inputs), targets).sum()
 
     def model_for_inference(self) -> nn.Module | None:
         """The model to run the task's after-training hook with on this rank, or None when

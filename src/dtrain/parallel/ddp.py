@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dtrain.comm.compression import build_comm_hook
 from dtrain.comm.hooks import CommHook, run_comm_hook
+from dtrain.model_call import call_model
 from dtrain.parallel.base import (
     BackwardSyncControl,
     CommHookControl,
@@ -161,7 +162,7 @@ class DDPStrategy(CommHookControl, UnevenShares, BackwardSyncControl):
         try:
             with local:
                 with self.recipe.precision.autocast():
-                    loss_sum = loss_fn(self.model(inputs), targets).sum()
+                    loss_sum = loss_fn(call_model(self.model, inputs), targets).sum()
                 (loss_sum * 0.0).backward()
         finally:
             self.module.train(was_training)

@@ -34,14 +34,29 @@ class ModelSkeleton:
 
 def meta_copy(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose tensors are on the meta device (no memory): the skeleton a full
-    state is loaded into later. Tied parameters stay tied."""
+    state is loaded into later. Tied parameters stay tied. Buffers a state dict leaves out
+    (non-persistent: position ids, masks) are copied whole to the CPU, where the filled
+    model lives, as no state will fill them."""
+    transient = {id(b) for b in non_persistent_buffers(model)}
     memo: dict[int, object] = {}
     for tensor in (*model.parameters(), *model.buffers()):
+        if id(tensor) in transient:
+            memo[id(tensor)] = tensor.detach().to("cpu", copy=True)
+            continue
         empty = torch.empty_like(tensor, device="meta")
         if isinstance(tensor, nn.Parameter):
             empty = nn.Parameter(empty, requires_grad=tensor.requires_grad)
         memo[id(tensor)] = empty
     return copy.deepcopy(model, memo)
+
+
+def non_persistent_buffers(model: nn.Module) -> list[torch.Tensor]:
+    return [
+        buffer
+        for module in model.modules()
+        for name, buffer in module._buffers.items()
+        if buffer is not None and name in module._non_persistent_buffers_set
+    ]
 
 
 def shared_names(model: nn.Module) -> list[list[str]]:

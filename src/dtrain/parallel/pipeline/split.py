@@ -16,7 +16,7 @@ stay equal, as the one tensor of a single process does).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,10 +26,15 @@ from dtrain.errors import ConfigError
 from dtrain.precision import Precision
 
 
-def model_layers(model: nn.Module) -> list[nn.Module]:
-    """The model as a chain of layers, each taking the previous one's output."""
+def model_layers(
+    model: nn.Module, layers_of_task: Callable[[nn.Module], list[nn.Module]] | None = None
+) -> list[nn.Module]:
+    """The model as a chain of layers, each taking the previous one's output: the task's
+    ``pipeline_layers(model)`` when it gives one, else the model's own."""
     layers_of = getattr(model, "pipeline_layers", None)
-    if callable(layers_of):
+    if layers_of_task is not None:
+        layers = list(layers_of_task(model))
+    elif callable(layers_of):
         layers = list(layers_of())
     elif isinstance(model, nn.Sequential):
         layers = list(model)

@@ -191,7 +191,7 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
         model = task.model
         # A meta-built model is cut while still on meta; each rank then makes its stages.
         skeleton = meta_copy(model) if is_meta_model(model) else None
-        layers = model_layers(model)
+        layers = model_layers(model, task.pipeline_layers)
         self.num_stages = (
             self.pipeline_size * stages_per_rank(self.options) if self.pipeline_size > 1 else 1
         )

@@ -1,0 +1,143 @@
+"""One whole model state dict from any strategy's checkpoint, in one process, at any world
+size the checkpoint was saved at -- names as the user's model has them.
+
+=====================  =====================================================================
+the checkpoint holds   the model is
+=====================  =====================================================================
+``model.pt``           that file (ddp, allreduce: rank 0's copy of the one model)
+``model-rankN.pt``     localsgd/diloco replicas: equal at a sync step (every final
+                       checkpoint), then rank 0's; between syncs, localsgd's is their mean
+                       (what the next sync makes of them), diloco's its anchor (the global
+                       model of the last outer step) with rank 0's buffers
+``dcp/``               every ``model.*`` tensor of the sharded state, read whole through
+                       ``torch.distributed.checkpoint`` without a process group (fsdp
+                       shards, pipeline stages, tensor-parallel DTensors)
+=====================  =====================================================================
+
+Only reads: nothing in the run folder is written, moved or removed (an uncommitted or
+damaged checkpoint is skipped, not cleaned up -- that is the training run's job).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dtrain.checkpoint import layout
+from dtrain.checkpoint import read as ckread
+from dtrain.errors import CheckpointError
+
+MODEL_PREFIX = "model."  # the model's keys in a sharded state ({"model": ..., "optimizer": ...})
+OUTER_FILE = "outer.pt"  # diloco's anchor (dtrain.parallel.local_sgd writes it)
+
+
+@dataclass
+class Consolidated:
+    """A checkpoint's whole model: its state, the folder, and a note on how it was made
+    (empty when the checkpoint held the model as it is)."""
+
+    state: dict[str, torch.Tensor]
+    step_dir: Path
+    note: str = ""
+
+
+def find_checkpoint(path: Path, step: int | None = None) -> Path:
+    """The committed checkpoint ``path`` names: a ``step-N`` folder itself, or in a run
+    folder (or its ``checkpoints/``) the newest one that verifies (``step``: that one)."""
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist")
+    if (path / layout.MARKER).exists() or layout.is_step_dir_name(path.name):
+        if step is not None and layout.step_of(path.name) not in (None, step):
+            raise CheckpointError(f"{path} is the checkpoint of another step than {step}")
+        ckread.verify_checkpoint(path)
+        return path
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if step is not None:
+        step_dir = root / layout.step_dir_name(step)
+        if not step_dir.is_dir():
+            have = layout.committed_steps(root)
+            raise CheckpointError(
+                f"{path} has no checkpoint of step {step} (committed: "
+                f"{', '.join(map(str, sorted(have))) or 'none'})"
+            )
+        ckread.verify_checkpoint(step_dir)
+        return step_dir
+    found, skipped = ckread.find_latest_valid(root)
+    if found is None:
+        why = f" ({skipped[0][0].name}: {skipped[0][1]})" if skipped else ""
+        raise CheckpointError(
+            f"{path} holds no committed checkpoint{why}: a run writes one every "
+            "checkpoint.every steps and at its end"
+        )
+    return found
+
+
+def consolidate(step_dir: Path) -> Consolidated:
+    """The whole model of the checkpoint in ``step_dir`` (verified by the caller)."""
+    if (step_dir / layout.SHARDED_DIR).is_dir():
+        return Consolidated(read_sharded_model(step_dir), step_dir)
+    if not (step_dir / layout.MODEL_FILE).exists():
+        raise CheckpointError(f"{step_dir} holds neither {layout.MODEL_FILE} nor a sharded state")
+    first = ckread.load_file(step_dir, layout.MODEL_FILE)
+    replicas = sorted(step_dir.glob("model-rank*.pt"))
+    if not replicas:
+        return Consolidated(first, step_dir)
+    others = [ckread.load_file(step_dir, path.name) for path in replicas]
+    if all(_equal(first, other) for other in others):
+        return Consolidated(first, step_dir)
+    strategy = str(ckread.load_meta(step_dir).get("strategy", ""))
+    if strategy == "diloco" and (step_dir / OUTER_FILE).exists():
+        anchor = ckread.load_file(step_dir, OUTER_FILE)["anchor"]
+        state = {**first, **{name: tensor for name, tensor in anchor.items() if name in first}}
+        note = (
+            f"{step_dir.name} was saved between outer steps: exported the anchor (the "
+            "global model of the last outer step), with rank 0's buffers"
+        )
+        return Consolidated(state, step_dir, note)
+    note = (
+        f"{step_dir.name} was saved between syncs: exported the mean of its "
+        f"{len(others) + 1} replicas (what the next sync makes of them)"
+    )
+    return Consolidated(_mean([first, *others]), step_dir, note)
+
+
+def read_sharded_model(step_dir: Path) -> dict[str, torch.Tensor]:
+    """Every model tensor of a DCP checkpoint, whole, on CPU (no process group needed)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    reader = FileSystemReader(str(step_dir / layout.SHARDED_DIR))
+    metadata = reader.read_metadata()
+    template: dict[str, Any] = {"model": {}}
+    for key, item in metadata.state_dict_metadata.items():
+        if key.startswith(MODEL_PREFIX) and isinstance(item, TensorStorageMetadata):
+            template["model"][key[len(MODEL_PREFIX) :]] = torch.empty(
+                tuple(item.size), dtype=item.properties.dtype
+            )
+    if not template["model"]:
+        raise CheckpointError(f"{step_dir / layout.SHARDED_DIR} holds no model tensors")
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        load(template, storage_reader=reader, no_dist=True)
+    return dict(template["model"])
+
+
+def _equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a
+    )
+
+
+def _mean(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """Floating-point tensors averaged over the replicas; anything else rank 0's."""
+    out = dict(states[0])
+    for key, value in states[0].items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            total = torch.stack([s[key].double() for s in states]).mean(0)
+            out[key] = total.to(value.dtype)
+    return out

@@ -1,0 +1,85 @@
+"""``dtrain export RUN_DIR OUT [--step N] [--format safetensors|torch|hf]``: a run's trained
+model as one file (or, for a Hugging Face model, a folder ``from_pretrained`` loads), from any
+strategy's checkpoint at any world size, in one process.
+
+``RUN_DIR`` is a run folder (its newest committed checkpoint, or ``--step N``) or a ``step-N``
+checkpoint folder. The names are the model's own (``transformer.h.0.attn.c_attn.weight``);
+tensors keep their dtype. ``safetensors`` and ``torch`` write a state dict into the file
+``OUT``; ``hf`` writes the folder ``OUT`` from the Hugging Face config the run saved
+(``RUN_DIR/hf_config``, :mod:`dtrain.model_config`) with the model's own ``save_pretrained``.
+``OUT`` is written whole or not at all (beside it, then renamed); the run folder is only read.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from dtrain.checkpoint.consolidate import Consolidated, consolidate, find_checkpoint
+from dtrain.errors import UserError
+from dtrain.fsutil import fsync_dir
+from dtrain.model_config import hf_config_dir
+
+FORMATS = ("safetensors", "torch", "hf")
+
+
+def export(
+    run_dir: str | Path, out: str | Path, step: int | None = None, fmt: str = "safetensors"
+) -> Consolidated:
+    """Write the model of ``run_dir``'s checkpoint to ``out`` in ``fmt``; returns what was
+    exported."""
+    run_dir, out = Path(run_dir), Path(out)
+    if fmt not in FORMATS:
+        raise UserError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    if out.exists():
+        raise UserError(f"{out} already exists: choose another output path, or remove it first")
+    step_dir = find_checkpoint(run_dir, step)
+    config_dir = hf_config_dir(step_dir.parent.parent)
+    if fmt == "hf" and not (config_dir / "config.json").exists():
+        raise UserError(
+            f"--format hf needs the Hugging Face config a run saves with it "
+            f"({config_dir / 'config.json'}), and this run has none: was its model a "
+            "transformers model? Export --format safetensors instead"
+        )
+    model = consolidate(step_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".tmp-{out.name}-{os.getpid()}")
+    try:
+        if fmt == "safetensors":
+            write_safetensors(model.state, partial)
+        elif fmt == "torch":
+            torch.save(model.state, partial)
+        else:
+            from dtrain.hf import write_pretrained
+
+            write_pretrained(model.state, config_dir, partial)
+        os.replace(partial, out)
+        fsync_dir(out.parent)
+    finally:
+        if partial.is_dir():
+            shutil.rmtree(partial, ignore_errors=True)
+        elif partial.exists():
+            partial.unlink()
+    return model
+
+
+def write_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
+    """A state dict as safetensors; tensors that share memory (tied parameters) are written
+    once each under every name, as the format has no shared storage."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise UserError(
+            "--format safetensors needs: pip install safetensors (or 'dtrain[hf]'); "
+            "--format torch needs nothing more"
+        ) from None
+    seen: set[int] = set()
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        storage = tensor.untyped_storage().data_ptr()
+        tensors[name] = tensor.contiguous() if storage not in seen else tensor.clone()
+        seen.add(storage)
+    save_file(tensors, str(path), metadata={"format": "pt"})

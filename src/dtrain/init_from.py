@@ -1,0 +1,204 @@
+"""Weights in: start a run from trained weights (``run.init_from``), or load them in Python
+(``dtrain.load_weights``).
+
+A path may be
+
+- a safetensors file (``.safetensors``), or a torch file holding a state dict (``.pt``,
+  ``.pth``, ``.bin``), as ``dtrain export`` writes them;
+- a Hugging Face folder (``config.json`` beside ``model.safetensors``, sharded
+  ``model-0000N-of-0000M.safetensors`` with their index, or ``pytorch_model.bin``);
+- a dtrain run folder (its newest committed checkpoint) or a ``step-N`` checkpoint folder,
+  of any strategy and world size (:mod:`dtrain.checkpoint.consolidate`).
+
+The weights must fit the model key by key: a missing or unexpected key, or a tensor of
+another shape, is one line listing them. A parameter tied to another (GPT-2's head and token
+embedding) may be given under either name, as ``save_pretrained`` keeps one of them. A run
+started from weights gets a fresh optimizer, schedule and data position: only the weights
+come along (resuming a run is ``run.resume``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain.checkpoint import layout
+from dtrain.checkpoint.consolidate import consolidate, find_checkpoint
+from dtrain.errors import CheckpointError, UserError
+from dtrain.parallel.materialize import is_meta_model, materialize, require_init
+from dtrain.parallel.skeleton import meta_copy
+
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+def weights_kind(path: Path) -> str:
+    """What ``path`` holds: 'safetensors', 'torch', 'hf', 'checkpoint' or 'run'; a
+    :class:`UserError` when it is none of them."""
+    if path.is_file():
+        if path.suffix == ".safetensors":
+            return "safetensors"
+        if path.suffix in TORCH_SUFFIXES:
+            return "torch"
+        raise UserError(
+            f"{path}: a weights file must be .safetensors or a torch file "
+            f"({', '.join(TORCH_SUFFIXES)})"
+        )
+    if path.is_dir():
+        if (path / layout.MARKER).exists() or layout.is_step_dir_name(path.name):
+            return "checkpoint"
+        if (path / "checkpoints").is_dir():
+            return "run"
+        if any((path / name).exists() for name in HF_WEIGHTS):
+            return "hf"
+        raise UserError(
+            f"{path} is no weights folder: expected a Hugging Face folder (config.json, "
+            "model.safetensors), a dtrain run folder (checkpoints/) or a step-N checkpoint"
+        )
+    raise UserError(f"{path} does not exist")
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The state dict ``path`` holds (see the module's docstring), on CPU."""
+    path = Path(path)
+    kind = weights_kind(path)
+    if kind == "safetensors":
+        return read_safetensors(path)
+    if kind == "torch":
+        return _as_state_dict(_torch_load(path), path)
+    if kind == "hf":
+        return read_hf_folder(path)
+    return consolidate(find_checkpoint(path)).state
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        raise UserError(f"{path}: reading safetensors needs: pip install safetensors") from None
+    try:
+        return dict(load_file(str(path)))
+    except Exception as exc:  # a truncated or foreign file
+        raise UserError(f"{path} cannot be read as safetensors: {exc}") from None
+
+
+def read_hf_folder(folder: Path) -> dict[str, torch.Tensor]:
+    """The weights of a ``save_pretrained`` folder (one file, or shards with an index)."""
+    import json
+
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise UserError(f"{index} cannot be read: {exc}") from None
+        state: dict[str, torch.Tensor] = {}
+        for name in files:
+            state.update(read_safetensors(folder / name))
+        return state
+    if (folder / "model.safetensors").exists():
+        return read_safetensors(folder / "model.safetensors")
+    return _as_state_dict(_torch_load(folder / "pytorch_model.bin"), folder)
+
+
+def _torch_load(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise UserError(f"{path} cannot be loaded as a torch file of tensors: {exc}") from None
+
+
+def _as_state_dict(value: Any, path: Path) -> dict[str, torch.Tensor]:
+    if isinstance(value, Mapping) and all(isinstance(v, torch.Tensor) for v in value.values()):
+        return dict(value)
+    raise UserError(f"{path} holds no state dict (a mapping of names to tensors)")
+
+
+def tied_groups(model: nn.Module) -> list[set[str]]:
+    """Groups of state-dict names that are one tensor in ``model``."""
+    groups: dict[int, set[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), set()).add(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def mismatches(model: nn.Module, state: Mapping[str, Any]) -> list[str]:
+    """Why ``state`` does not fit ``model``: missing and unexpected keys, other shapes (a
+    tied parameter given under one of its names is not missing)."""
+    expected = model.state_dict()
+    given = set(state)
+    missing = set(expected) - given
+    for group in tied_groups(model):
+        if group & given:
+            missing -= group
+    problems = [f"missing {key}" for key in sorted(missing)]
+    problems += [f"unexpected {key}" for key in sorted(given - set(expected))]
+    for key in sorted(given & set(expected)):
+        want, got = tuple(expected[key].shape), tuple(state[key].shape)
+        if want != got:
+            problems.append(f"{key}: weights {got}, model {want}")
+    return problems
+
+
+def load_state_into(model: nn.Module, state: Mapping[str, torch.Tensor], where: str) -> None:
+    """Copy ``state`` into ``model``'s tensors (each to its own dtype and device), after
+    checking that it fits: a :class:`CheckpointError` listing what does not."""
+    problems = mismatches(model, state)
+    if problems:
+        shown = "; ".join(problems[:8]) + (
+            f"; ... {len(problems) - 8} more" if len(problems) > 8 else ""
+        )
+        raise CheckpointError(
+            f"{where} does not fit {type(model).__name__}: {shown}; load weights made for "
+            "this model (the same architecture and sizes)"
+        )
+    current = model.state_dict()
+    given = {key: value for key, value in state.items() if key in current}
+    with torch.no_grad():
+        # Tied parameters: one tensor, loaded once (from whichever name the weights hold).
+        for group in tied_groups(model):
+            present = sorted(group & set(given))
+            for name in present[1:]:
+                given.pop(name)
+        model.load_state_dict(given, strict=False)
+
+
+def load_weights(model: nn.Module, path: str | Path) -> nn.Module:
+    """Load the weights at ``path`` (a run folder, a checkpoint, an export, a Hugging Face
+    folder) into ``model``; returns ``model``. Raises one line naming every key that does not
+    fit."""
+    load_state_into(model, read_weights(path), str(path))
+    return model
+
+
+def init_model(
+    model: nn.Module,
+    path: str,
+    init_weights: Callable[[nn.Module], None] | None = None,
+    seed: int = 0,
+) -> None:
+    """``run.init_from``: the task's model takes the weights at ``path`` before the strategy
+    spreads it (every rank reads them). A meta-built model is made whole on the CPU first
+    (its ``init_weights`` give what the weights do not hold, such as non-persistent
+    buffers): the weights come whole, so every rank holds the whole model once."""
+    if is_meta_model(model):
+        init = require_init(model, init_weights)
+        materialize(meta_copy(model), model, init, torch.device("cpu"), seed)
+    load_state_into(model, read_weights(path), f"run.init_from = {path!r}")
+
+
+def check_init_from(path: str) -> None:
+    """In the parent process, before any worker starts: the path exists and holds weights
+    (whether they fit the model is known once a worker has built it)."""
+    if not path:
+        return
+    try:
+        kind = weights_kind(Path(path))
+        if kind in ("checkpoint", "run"):
+            find_checkpoint(Path(path))
+    except UserError as exc:
+        raise UserError(f"run.init_from = {path!r}: {exc}") from None

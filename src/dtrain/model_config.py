@@ -1,0 +1,47 @@
+"""The model's own config, saved with a run so that ``dtrain export --format hf`` can write a
+folder ``from_pretrained`` loads: for a Hugging Face model (one with ``config.save_pretrained``
+and its own ``save_pretrained``), ``RUN_DIR/hf_config/config.json``, with ``architectures``
+naming the model's class, as ``save_pretrained`` writes it. Other models have no such config
+and nothing is written.
+
+Duck-typed: this module does not import ``transformers``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+HF_CONFIG_DIR = "hf_config"
+
+
+def hf_config_dir(run_dir: Path) -> Path:
+    return run_dir / HF_CONFIG_DIR
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    return callable(getattr(model, "save_pretrained", None)) and callable(
+        getattr(config, "save_pretrained", None)
+    )
+
+
+def save_model_config(model: nn.Module, run_dir: Path) -> Path | None:
+    """Rank 0, before training: the Hugging Face config of ``model`` into the run folder
+    (replacing the one an earlier start wrote); None for another kind of model."""
+    if not is_hf_model(model):
+        return None
+    config: Any = getattr(model, "config")  # noqa: B009 (not a module attribute to mypy)
+    # What save_pretrained records: the class from_pretrained must build.
+    config.architectures = [type(model).__name__]
+    target = hf_config_dir(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    partial = run_dir / f".tmp-{HF_CONFIG_DIR}"
+    shutil.rmtree(partial, ignore_errors=True)
+    config.save_pretrained(str(partial))
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
+    return target

@@ -1,0 +1,197 @@
+"""Weights in and out: ``dtrain export`` consolidates any strategy's checkpoint into the model's
+own state dict (and, for a Hugging Face model, a folder ``from_pretrained`` loads);
+``run.init_from`` starts a run from such weights; ``dtrain.load_weights`` loads them in Python.
+Bad input is one line and exit code 2, and the run folder is only read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from examples import hf_gpt2
+
+import dtrain
+from dtrain.cli import main
+from dtrain.errors import UserError
+from dtrain.init_from import read_weights
+from dtrain.testing import run_ranks
+from tests.conftest import tiny_raw
+from tests.hf_helpers import (
+    GPT2_TASK,
+    gpt2_batches,
+    hf_raw,
+    logged_losses,
+    logged_val_loss,
+    train_each,
+)
+
+OPTS = hf_gpt2.GPT2Options(**GPT2_TASK)  # type: ignore[arg-type]
+
+
+def plain_gpt2(weights: Path | None = None) -> torch.nn.Module:
+    model = hf_gpt2.build_model(OPTS)
+    if weights is not None:
+        dtrain.load_weights(model, weights)
+    return model.eval()
+
+
+def val_loss(model: torch.nn.Module) -> float:
+    """The mean loss over the example's validation set, in one process (as the run's own
+    evaluation counts it: every token of labels[:, 1:])."""
+    ids = hf_gpt2.PatternTokens(OPTS.val_size, OPTS.seq_len, OPTS.vocab, seed=1).ids
+    with torch.no_grad():
+        return float(model(input_ids=ids, labels=ids).loss)
+
+
+def export(run_dir: Path, out: Path, *args: str) -> None:
+    assert main(["export", str(run_dir), str(out), *args]) == 0
+
+
+def assert_close(a: float, b: float) -> None:
+    assert abs(a - b) <= 1e-6, (a, b)
+
+
+def check_round_trip(root: Path, out: Path, fsdp_dir: Path) -> None:
+    """The done-when: fsdp and pipeline runs, exported and loaded into a plain model in one
+    process, evaluate as the runs evaluated themselves; the HF export loads with
+    from_pretrained."""
+    export(fsdp_dir, out / "fsdp.safetensors")
+    export(fsdp_dir, out / "fsdp-hf", "--format", "hf")
+    exported = plain_gpt2(out / "fsdp.safetensors")
+    assert_close(val_loss(exported), logged_val_loss(fsdp_dir))
+    from transformers import GPT2LMHeadModel
+
+    pretrained = GPT2LMHeadModel.from_pretrained(str(out / "fsdp-hf")).eval()
+    ids = gpt2_batches(1)[0]
+    with torch.no_grad():
+        assert torch.equal(pretrained(ids).logits, exported(ids).logits)
+    export(root / "gpt2-pipeline", out / "pipeline.safetensors")
+    assert_close(
+        val_loss(plain_gpt2(out / "pipeline.safetensors")), logged_val_loss(root / "gpt2-pipeline")
+    )
+
+
+def test_fsdp_and_pipeline_export_round_trip(
+    hf_runs: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    root = hf_runs[0]
+    check_round_trip(root, tmp_path, root / "gpt2-fsdp")
+
+
+@pytest.mark.slow
+def test_fsdp_on_4_ranks_export_round_trip(
+    hf_runs: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    fsdp_dir = tmp_path / "fsdp4"
+    run_ranks(train_each, 4, [hf_raw(fsdp_dir, "gpt2", strategy={"name": "fsdp"})])
+    check_round_trip(hf_runs[0], tmp_path, fsdp_dir)
+
+
+def test_a_run_from_init_from_continues_from_the_same_loss(
+    hf_runs: tuple[Path, dict[str, Any]],
+) -> None:
+    """A run started from the fsdp run's folder: its first step's loss is that model's on the
+    batch (a fresh optimizer, the same weights); weights of another shape are one line."""
+    root, results = hf_runs
+    model = plain_gpt2(root / "gpt2-fsdp")
+    ids = gpt2_batches(1)[0]
+    with torch.no_grad():
+        first = float(model(input_ids=ids, labels=ids).loss)
+    assert_close(logged_losses(root / "init")[0], first)
+    error = results["bad-init"]["error"]
+    assert "run.init_from" in error and "does not fit GPT2LMHeadModel" in error
+    assert "lm_head.weight: weights (64, 32), model (64, 16)" in error
+    assert results["bad-init"]["step"] == 0 or results["bad-init"]["step"] is None
+
+
+def test_export_of_every_replicated_and_tensor_layout(tmp_path: Path) -> None:
+    """tensor DTensors, and localsgd replicas: equal at the final (synced) step, their mean
+    between syncs; --format torch; --step N."""
+    tensor = tiny_raw(
+        tmp_path / "tensor",
+        strategy={"name": "tensor", "tensor_parallel": 2},
+        train={"steps": 4},
+    )
+    local = tiny_raw(
+        tmp_path / "local",
+        strategy={"name": "localsgd"},
+        comm={"sync_every": 4},
+        train={"steps": 6},
+        checkpoint={"every": 3, "keep_last": 3},
+    )
+    diloco = tiny_raw(
+        tmp_path / "diloco",
+        strategy={"name": "diloco"},
+        comm={"sync_every": 4},
+        train={"steps": 6},
+        checkpoint={"every": 3, "keep_last": 3},
+    )
+    results = run_ranks(train_each, 2, [tensor, local, diloco])[0]
+    export(tmp_path / "tensor", tmp_path / "tensor.pt", "--format", "torch")
+    state = torch.load(tmp_path / "tensor.pt", weights_only=True)
+    assert state.keys() == results[0]["params"].keys()
+    for key, value in results[0]["params"].items():
+        assert np.array_equal(state[key].numpy(), value), key
+
+    step3 = tmp_path / "local/checkpoints/step-00000003"
+    replicas = [
+        torch.load(step3 / name, weights_only=True) for name in ("model.pt", "model-rank00001.pt")
+    ]
+    assert not torch.equal(
+        replicas[0]["blocks.0.attn.qkv.weight"], replicas[1]["blocks.0.attn.qkv.weight"]
+    )
+    export(tmp_path / "local", tmp_path / "local-3.safetensors", "--step", "3")
+    mean = read_weights(tmp_path / "local-3.safetensors")
+    torch.testing.assert_close(
+        mean["blocks.0.attn.qkv.weight"],
+        (replicas[0]["blocks.0.attn.qkv.weight"] + replicas[1]["blocks.0.attn.qkv.weight"]) / 2,
+    )
+    # diloco between outer steps: the anchor, the global model of the last outer step.
+    export(tmp_path / "diloco", tmp_path / "diloco-3.safetensors", "--step", "3")
+    outer = torch.load(tmp_path / "diloco/checkpoints/step-00000003/outer.pt", weights_only=True)
+    anchor = read_weights(tmp_path / "diloco-3.safetensors")
+    for key, value in outer["anchor"].items():
+        assert torch.equal(anchor[key], value), key
+    export(tmp_path / "local", tmp_path / "local.safetensors")
+    final = torch.load(tmp_path / "local/checkpoints/step-00000006/model.pt", weights_only=True)
+    for key, value in read_weights(tmp_path / "local.safetensors").items():
+        assert torch.equal(value, final[key]), key
+
+
+def test_bad_exports_are_one_line_and_leave_the_run_folder_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    unfinished = run_dir / "checkpoints" / "step-00000004"
+    unfinished.mkdir(parents=True)
+    (unfinished / "model.pt").write_bytes(b"half")
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+    cases: list[tuple[list[str], str]] = [
+        ([str(run_dir), str(tmp_path / "out")], "holds no committed checkpoint"),
+        ([str(run_dir), str(tmp_path / "out"), "--step", "3"], "has no checkpoint of step 3"),
+        ([str(tmp_path / "nothing"), str(tmp_path / "out")], "does not exist"),
+    ]
+    for args, message in cases:
+        assert main(["export", *args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(UserError, match="is no weights folder"):
+        read_weights(tmp_path)
+    # run.init_from that holds no weights: one line before any worker starts.
+    train = ["train", f"--run.dir={tmp_path / 'new'}", f"--run.init_from={run_dir}"]
+    assert main(train) == 2
+    err = capsys.readouterr().err
+    assert "run.init_from" in err and "holds no committed checkpoint" in err, err
+    assert not (tmp_path / "new").exists()
+    with pytest.raises(SystemExit):
+        main(["export", str(run_dir), str(tmp_path / "o"), "--format", "onnx"])
+    assert "invalid choice" in capsys.readouterr().err
