@@ -396,6 +396,7 @@ def test_events_skip_rollback_resume_and_restart(tmp_path: Path) -> None:
     assert_documented(records)
     events = [(r["name"], r["step"]) for r in records if r["kind"] == "event"]
     assert events == [
+        ("first_step", 1),
         ("checkpoint", 4),
         ("step_skipped", 6),
         ("step_skipped", 7),
@@ -405,6 +406,7 @@ def test_events_skip_rollback_resume_and_restart(tmp_path: Path) -> None:
         ("checkpoint", 10),
         ("restart", 10),
         ("resumed", 10),
+        ("first_step", 11),
         ("checkpoint", 12),
     ]
     rollback = next(r for r in records if r.get("name") == "rollback")

@@ -17,6 +17,7 @@ import torch
 from dtrain.data.partition import partition_samples, partition_tokens
 from dtrain.data.text import collate_padded
 from dtrain.models.gpt import GPT, GPTConfig
+from dtrain.parallel.recipe import Recipe
 from dtrain.step import run_micro_batches
 from dtrain.task import count_target_items
 from tests.tasks import VariableTokens, lm_loss
@@ -47,7 +48,9 @@ def test_per_rank_sums_over_the_global_count_equal_the_single_process_mean(
     single = loss.item()
     single_grads = grads(model)
 
-    fake = SimpleNamespace(model=model, runtime=SimpleNamespace(device=torch.device("cpu")))
+    fake = SimpleNamespace(
+        model=model, runtime=SimpleNamespace(device=torch.device("cpu")), recipe=Recipe.plain()
+    )
     worst_loss, worst_grad, naive_gap = 0.0, 0.0, 0.0
     for world, micro, split in itertools.product((2, 3, 4), (1, 2), ("tokens", "samples")):
         if split == "tokens":
