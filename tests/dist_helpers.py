@@ -280,23 +280,45 @@ def fit_summary(raw: dict[str, Any]) -> dict[str, Any]:
     return dataclasses.asdict(make_trainer(raw).fit())
 
 
-def resume_with_slow_hashing(raw: dict[str, Any], seconds_per_file: float) -> dict[str, Any]:
-    """Train (resuming from the run folder's newest checkpoint) while every file that resume
-    verification hashes takes ``seconds_per_file`` longer: a verification as long as a large
-    checkpoint's, made of many short pieces. Returns the summary as a dict."""
+def train_in_small_pieces(raw: dict[str, Any], piece_bytes: int) -> dict[str, Any]:
+    """Train, hashing checkpoint files in pieces of ``piece_bytes`` (so that a tiny model's
+    files are many pieces, as a large model's are). Returns the summary as a dict."""
+    import dataclasses
+
+    from dtrain.checkpoint import layout
+
+    layout.PIECE_BYTES = piece_bytes
+    return dataclasses.asdict(make_trainer(raw).fit())
+
+
+def resume_verifying_slowly(
+    raw: dict[str, Any], slow_rank: int, seconds_per_piece: float
+) -> dict[str, Any]:
+    """Train, resuming from the run folder's newest checkpoint, while ``slow_rank`` takes
+    ``seconds_per_piece`` longer for every piece it verifies: a verification as long as a large
+    checkpoint's, made of many short pieces. Returns the summary, the pieces this rank
+    verified (file, index), how long its verification took, and what rank 0 logged."""
     import dataclasses
     import time
 
-    from dtrain.checkpoint import read
+    import torch.distributed as dist
 
-    hash_file = read.sha256_file
+    me = dist.get_rank()
+    verified: list[tuple[str, int]] = []
+    spent = [0.0]
 
-    def slow(*args: Any, **kwargs: Any) -> str:
-        time.sleep(seconds_per_file)
-        return hash_file(*args, **kwargs)
+    def slow(name: str, **args: Any) -> None:
+        if name == "checkpoint.verify_piece":
+            started = time.perf_counter()
+            verified.append((f"{args['path'].parent.name}/{args['path'].name}", args["index"]))
+            if me == slow_rank:
+                time.sleep(seconds_per_piece)
+            spent[0] += time.perf_counter() - started
 
-    read.sha256_file = slow  # type: ignore[assignment]
-    try:
-        return dataclasses.asdict(make_trainer(raw).fit())
-    finally:
-        read.sha256_file = hash_file  # type: ignore[assignment]
+    trainer = make_trainer(raw)
+    logged: list[str] = []
+    log = trainer.log
+    trainer.log = lambda text: (logged.append(text), log(text))[-1]  # type: ignore[method-assign]
+    with failpoints(slow):
+        summary = dataclasses.asdict(trainer.fit())
+    return {"summary": summary, "verified": verified, "slept": spent[0], "logged": logged}
