@@ -126,8 +126,9 @@ def check_writable(run_dir: Path) -> None:
             os.close(fd)
             os.unlink(probe)
         except OSError as exc:
+            where = "" if folder == run_dir else f" ({folder})"
             raise UserError(
-                f"run.dir {run_dir} is not writable: {folder}: {exc.strerror or exc}; choose a "
+                f"run.dir {run_dir} is not writable{where}: {exc.strerror or exc}; choose a "
                 "run.dir on a writable disk where this user may write"
             ) from None
 

@@ -285,7 +285,7 @@ class Checkpointer:
         try:
             tmp.mkdir(parents=True, exist_ok=True)
             failpoint("checkpoint.write", step=step)
-            space.check_room(tmp, need)
+            space.check_room(self.root, need)
             for name, obj in files.items():
                 failpoint("checkpoint.write_file", step=step, path=tmp / name)
                 outcome.files[name] = write_file(tmp / name, obj, on_progress)
