@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +36,10 @@ def state_bytes(obj: Any) -> int:
 
 
 def _storages(obj: Any, seen: dict[int, int]) -> None:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(obj, DTensor):
+    # No DTensor can exist before its module is imported, and importing it costs a replicated
+    # run a second it never needs.
+    dtensors = sys.modules.get("torch.distributed.tensor")
+    if dtensors is not None and isinstance(obj, dtensors.DTensor):
         _storages(obj.to_local(), seen)
     elif isinstance(obj, torch.Tensor):
         storage = obj.untyped_storage()
