@@ -24,6 +24,7 @@ import pytest
 from dtrain.checkpoint import hold as holds
 from dtrain.checkpoint import read as ckread
 from dtrain.cli import main
+from dtrain.fsutil import write_atomic
 from dtrain.testing import Launch, free_port
 from tests.conftest import REPO, tiny_config
 
@@ -140,29 +141,26 @@ def test_a_run_folder_that_is_a_file_is_one_line(
     )
 
 
-def test_a_second_job_on_a_run_folder_in_use_is_refused_naming_the_first(tmp_path: Path) -> None:
+def test_a_second_job_on_a_run_folder_in_use_is_refused_naming_the_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run_dir = tmp_path / "run"
     config = write_job(tmp_path / "job.toml", run_dir, train={"steps": 2000})
     first = Launch(config, 1, cwd=REPO)
     try:
         wait_for((run_dir / "metrics.jsonl").exists, first)
-        second = subprocess.run(
-            [sys.executable, "-m", "dtrain", "train", str(config), "--nproc", "1"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        # The second job is refused in its launcher, before any worker starts.
+        code = main(["train", str(config), "--nproc", "1"])
         assert first.alive(), first.text()[-3000:]
         os.kill(first.pid, signal.SIGTERM)  # the first job saves and stops
         assert first.wait(180) == 0, first.text()[-3000:]
     finally:
         first.close()
-    assert second.returncode == 2
-    held = f"run.dir {run_dir} is in use by job '"
-    assert second.stderr.startswith(f"dtrain: error: {held}"), second.stderr
-    assert f"(host {os.uname().nodename}, pid {first.pid}, since " in second.stderr
-    assert second.stderr.count("\n") == 1, second.stderr
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith(f"dtrain: error: run.dir {run_dir} is in use by job '"), err
+    assert f"(host {os.uname().nodename}, pid {first.pid}, since " in err
+    assert err.count("\n") == 1, err
     # The first job trained alone: from scratch, never a second start.
     starts = [
         json.loads(line)
@@ -226,7 +224,7 @@ def test_a_hold_from_another_machine_is_refused_while_renewed_and_taken_once_it_
         while not renewing.wait(0.05):
             count += 1
             record = json.loads(path.read_text()) | {"renewals": count}
-            path.write_text(json.dumps(record))
+            write_atomic(path, json.dumps(record))  # as a launcher renews: whole or not at all
 
     thread = threading.Thread(target=renew)
     thread.start()
@@ -287,7 +285,7 @@ def test_a_closed_output_pipe_costs_the_output_not_the_run(tmp_path: Path) -> No
     run_dir = tmp_path / "run"
     config = write_job(tmp_path / "job.toml", run_dir, task={"slow_ms": 20})
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dtrain", "train", str(config), "--nproc", "2"],
+        [sys.executable, "-m", "dtrain", "train", str(config), "--nproc", "1"],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
