@@ -245,6 +245,7 @@ def test_machines_of_one_job_share_its_hold(tmp_path: Path) -> None:
     first = holds.take_hold(tmp_path, "job", "10.0.0.1:29400")
     second = holds.take_hold(tmp_path, "job", "10.0.0.1:29400")  # another machine of it
     assert second.joined and second.token == first.token
+    assert second.record.pid_started == holds._started(os.getpid())
     with pytest.raises(holds.UserError, match="in use"):
         holds.take_hold(tmp_path, "job", "10.0.0.9:29400")  # another job of the same name
     second.release()

@@ -166,8 +166,14 @@ def take_hold(run_dir: Path, run_id: str, rdzv_endpoint: str, lease_s: float = L
             _set_aside_unreadable(path)
             continue
         if current.job == key:  # another machine of this job took it first
-            joined = HoldRecord(**{**asdict(current), "host": host, "pid": pid})
-            return Hold(path, joined, joined=True)
+            # Renewed as this launcher's from now on (its token stays the job's).
+            here = {
+                "host": host,
+                "pid": pid,
+                "boot_id": mine.boot_id,
+                "pid_started": mine.pid_started,
+            }
+            return Hold(path, HoldRecord(**{**asdict(current), **here}), joined=True)
         if _alive(current, path, lease_s):
             raise UserError(
                 f"run.dir {run_dir} is in use by {current.who()}; wait for that job to end, "
