@@ -348,12 +348,11 @@ def report(results: dict[tuple[float, str], list[dict[str, float]]]) -> str:
     for (size, layout), ranks in results.items():
         save = max(r["longest collective, save"] for r in ranks)
         resumed = max(r["longest collective, resume"] for r in ranks)
-        gb_s = size / max(r["disk write"] for r in ranks)
         lines.append(
             f"  {size:5.2f} GB {layout:<10} save {save:7.2f} s   resume {resumed:6.3f} s"
             + (
-                f"   (a save's wait grows with rank 0's write: 300 s at ~{300 * gb_s:.0f} GB "
-                "at this disk's speed)"
+                f"   (the other ranks wait for rank 0's write: at this pace 300 s is "
+                f"~{300 * size / save:.0f} GB)"
                 if layout == "replicated"
                 else ""
             )
