@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -97,6 +98,27 @@ def crash_then_resume(
     resumed = make_trainer(resume_raw or raw)
     summary = resumed.fit()
     return {"params": params_of(resumed), "start_step": summary.start_step}
+
+
+def two_jobs_then_crash(
+    earlier: dict[str, Any], this: dict[str, Any], crash_step: int
+) -> dict[str, Any]:
+    """An earlier job trains ``earlier``; then this job (another job id) trains ``this``,
+    crashing at ``crash_step`` and resuming in a fresh trainer (a restart of the same job).
+    Returns the checkpoints the earlier job left and :func:`crash_then_resume`'s result."""
+    import os
+
+    import torch.distributed as dist
+
+    from dtrain.checkpoint.hold import JOB_ID_ENV
+    from dtrain.checkpoint.layout import committed_steps
+
+    os.environ[JOB_ID_ENV] = "earlier"
+    make_trainer(earlier).fit()
+    dist.barrier()
+    left = committed_steps(Path(earlier["run"]["dir"]) / "checkpoints")
+    os.environ[JOB_ID_ENV] = "this"
+    return {"left": left, **crash_then_resume(this, crash_step)}
 
 
 class RecordingLoader:
@@ -283,23 +305,64 @@ def fit_summary(raw: dict[str, Any]) -> dict[str, Any]:
     return dataclasses.asdict(make_trainer(raw).fit())
 
 
-def resume_with_slow_hashing(raw: dict[str, Any], seconds_per_file: float) -> dict[str, Any]:
-    """Train (resuming from the run folder's newest checkpoint) while every file that resume
-    verification hashes takes ``seconds_per_file`` longer: a verification as long as a large
-    checkpoint's, made of many short pieces. Returns the summary as a dict."""
+def damage_then_resume_slowly(
+    raw: dict[str, Any], longer: dict[str, Any], slow_rank: int, seconds_per_piece: float
+) -> dict[str, Any]:
+    """Train ``raw``, hashing checkpoint files in pieces of 8 KiB (so that a tiny model's files
+    are many pieces, as a large model's are); rank 0 then damages a piece of the newest
+    checkpoint's ``optimizer.pt`` that rank 1 verifies; then train ``longer``, resuming, as
+    :func:`resume_verifying_slowly` does. Returns what that returns, and the damaged piece."""
+    import torch.distributed as dist
+
+    from dtrain.checkpoint import layout
+    from dtrain.checkpoint.read import find_latest_valid, read_marker
+    from dtrain.checkpoint.verify import assign
+
+    layout.PIECE_BYTES = 8192
+    make_trainer(raw).fit()
+    dist.barrier()
+    newest = find_latest_valid(Path(raw["run"]["dir"]) / "checkpoints")[0]
+    assert newest is not None
+    theirs = [p for p in assign(read_marker(newest), 2)[1] if p.name == "optimizer.pt"]
+    victim = theirs[len(theirs) // 2]
+    if dist.get_rank() == 0:
+        with open(newest / victim.name, "r+b") as fh:
+            fh.seek(victim.start + 5)
+            byte = fh.read(1)
+            fh.seek(victim.start + 5)
+            fh.write(bytes([byte[0] ^ 0x40]))
+    dist.barrier()
+    return {**resume_verifying_slowly(longer, slow_rank, seconds_per_piece), "victim": victim}
+
+
+def resume_verifying_slowly(
+    raw: dict[str, Any], slow_rank: int, seconds_per_piece: float
+) -> dict[str, Any]:
+    """Train, resuming from the run folder's newest checkpoint, while ``slow_rank`` takes
+    ``seconds_per_piece`` longer for every piece it verifies: a verification as long as a large
+    checkpoint's, made of many short pieces. Returns the summary, the pieces this rank
+    verified (file, index), how long its verification took, and what rank 0 logged."""
     import dataclasses
     import time
 
-    from dtrain.checkpoint import read
+    import torch.distributed as dist
 
-    hash_file = read.sha256_file
+    me = dist.get_rank()
+    verified: list[tuple[str, int]] = []
+    spent = [0.0]
 
-    def slow(*args: Any, **kwargs: Any) -> str:
-        time.sleep(seconds_per_file)
-        return hash_file(*args, **kwargs)
+    def slow(name: str, **args: Any) -> None:
+        if name == "checkpoint.verify_piece":
+            started = time.perf_counter()
+            verified.append((f"{args['path'].parent.name}/{args['path'].name}", args["index"]))
+            if me == slow_rank:
+                time.sleep(seconds_per_piece)
+            spent[0] += time.perf_counter() - started
 
-    read.sha256_file = slow  # type: ignore[assignment]
-    try:
-        return dataclasses.asdict(make_trainer(raw).fit())
-    finally:
-        read.sha256_file = hash_file  # type: ignore[assignment]
+    trainer = make_trainer(raw)
+    logged: list[str] = []
+    log = trainer.log
+    trainer.log = lambda text: (logged.append(text), log(text))[-1]  # type: ignore[method-assign]
+    with failpoints(slow):
+        summary = dataclasses.asdict(trainer.fit())
+    return {"summary": summary, "verified": verified, "slept": spent[0], "logged": logged}

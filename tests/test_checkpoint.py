@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -11,11 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from dtrain.checkpoint import layout
+from dtrain.checkpoint import layout, verify
 from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint import write as ckpt
+from dtrain.checkpoint.stream import PieceHasher
 from dtrain.errors import CheckpointError
 from dtrain.fault.failpoints import failpoints
+from tests.conftest import REPO
 
 
 def make_checkpointer(root: Path, **kwargs: int) -> ckpt.Checkpointer:
@@ -236,3 +241,134 @@ def test_loading_never_executes_code(tmp_path: Path) -> None:
 def test_missing_checkpoint_folder(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="does not exist"):
         ckread.verify_checkpoint(tmp_path / "step-00000009")
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs"
+)
+def test_a_save_adds_no_more_memory_than_its_snapshot(tmp_path: Path) -> None:
+    # Measured in a fresh process, by the resident set's high-water mark (tests/save_memory.py
+    # says why): an asynchronous save holds its snapshot and streams it to the files, so it
+    # adds the snapshot and nothing more; a blocking one streams the live state and adds
+    # about nothing. (Serializing each file into memory first added half the state again.)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.save_memory", str(tmp_path / "ckpt"), "64"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    measured = json.loads(proc.stdout.strip().splitlines()[-1])
+    snapshot = measured["snapshot"]
+    assert measured["async_extra"] <= 1.1 * snapshot, measured
+    assert measured["blocking_extra"] <= 0.1 * snapshot, measured
+
+
+def test_retention_never_prunes_a_new_checkpoint_for_damaged_older_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An earlier job left steps 90 and 100, both since damaged: resume skipped them and this
+    # job started from scratch. Counting them as the newest two (their step numbers are
+    # higher) pruned every new checkpoint right after it was written.
+    monkeypatch.setenv("DTRAIN_JOB_ID", "earlier-job")
+    earlier = make_checkpointer(tmp_path, keep_last=2)
+    for step in (90, 100):
+        save(earlier, step)
+        corrupt(tmp_path / layout.step_dir_name(step) / "model.pt", "bit-flip")
+    monkeypatch.setenv("DTRAIN_JOB_ID", "this-job")
+    c = make_checkpointer(tmp_path, keep_last=2)
+    for step in (20, 40, 60, 80):
+        save(c, step)
+        assert ckread.find_latest_valid(tmp_path)[0] == tmp_path / layout.step_dir_name(step)
+    assert layout.committed_steps(tmp_path) == [80, 60]
+    # A later attempt of the same job (a new process) knows its own checkpoints by meta.json.
+    again = make_checkpointer(tmp_path, keep_last=2)
+    save(again, 30)
+    assert layout.committed_steps(tmp_path) == [80, 30]
+
+
+def test_retention_counts_the_checkpoint_resumed_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DTRAIN_JOB_ID", "earlier-job")
+    earlier = make_checkpointer(tmp_path, keep_last=3)
+    for step in (10, 20, 30):
+        save(earlier, step)
+    monkeypatch.setenv("DTRAIN_JOB_ID", "this-job")
+    c = make_checkpointer(tmp_path, keep_last=2)
+    c.note_verified(30)  # resumed from it
+    save(c, 40)
+    assert layout.committed_steps(tmp_path) == [40, 30]
+
+
+def test_pieces_hashed_as_they_stream_match_each_piece_hashed_alone() -> None:
+    data = os.urandom(10_000)
+    hasher = PieceHasher(piece_bytes=4096)
+    for start, end in [(0, 1), (1, 4095), (4095, 4097), (4097, 9000), (9000, 10_000)]:
+        hasher.update(data[start:end])
+    expected = [hashlib.sha256(data[i : i + 4096]).hexdigest() for i in range(0, 10_000, 4096)]
+    assert hasher.digests() == expected and hasher.size == 10_000
+    assert PieceHasher(4096).digests() == [hashlib.sha256(b"").hexdigest()]  # one empty piece
+    exact = PieceHasher(4096)
+    exact.update(data[:8192])
+    assert len(exact.digests()) == 2 == layout.piece_count(8192, 4096)
+
+
+def _marker_of(sizes: dict[str, int], piece_bytes: int) -> dict[str, object]:
+    return {
+        "files": {
+            name: {
+                "bytes": size,
+                "piece_bytes": piece_bytes,
+                "pieces": ["0" * 64] * layout.piece_count(size, piece_bytes),
+            }
+            for name, size in sizes.items()
+        }
+    }
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7, 32])
+def test_every_piece_is_verified_once_by_one_rank_its_own_files_by_their_rank(
+    world_size: int,
+) -> None:
+    mib = 2**20
+    sizes = {
+        "model.pt": 300 * mib + 5,
+        "optimizer.pt": 600 * mib,
+        "train_state.pt": 3000,
+        "meta.json": 900,
+        "dcp/.metadata": 20_000,
+        **{f"rng-rank{r:05d}.pt": 1500 for r in range(4)},
+        **{f"dcp/__{r}_0.distcp": 50 * mib for r in range(4)},
+    }
+    marker = _marker_of(sizes, 64 * mib)
+    shares = verify.assign(marker, world_size)
+    pieces = [(p.name, p.index) for share in shares for p in share]
+    assert sorted(pieces) == sorted({(p.name, p.index) for p in verify.pieces_of(marker)})
+    assert len(pieces) == len(set(pieces))  # once each
+    for rank, share in enumerate(shares):
+        for piece in share:
+            owner = verify.owner_of(piece.name, world_size)
+            assert owner in (None, rank), (piece.name, rank)
+        if rank < 4:  # a rank's own files are its own, when it exists
+            assert any(p.name == f"rng-rank{rank:05d}.pt" for p in share)
+    loads = [sum(p.length for p in share) for share in shares]
+    assert max(loads) - min(loads) <= 64 * mib + 50 * mib  # a piece, and an owned file
+    assert verify.assign(marker, world_size) == shares  # the same on every rank
+
+
+def test_a_marker_from_before_pieces_still_verifies(tmp_path: Path) -> None:
+    c = make_checkpointer(tmp_path)
+    save(c, 1)
+    folder = tmp_path / "step-00000001"
+    marker = json.loads((folder / "COMMITTED.json").read_text())
+    for name, info in marker["files"].items():
+        digest = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+        marker["files"][name] = {"bytes": info["bytes"], "sha256": digest}
+    marker["marker_sha256"] = layout.marker_digest(marker)
+    (folder / "COMMITTED.json").write_text(json.dumps(marker))
+    ckread.verify_checkpoint(folder)
+    corrupt(folder / "model.pt", "bit-flip")
+    with pytest.raises(CheckpointError, match=r"model\.pt fails its SHA-256 checksum$"):
+        ckread.verify_checkpoint(folder)

@@ -13,15 +13,16 @@ from tests.audit import read_trajectory
 from tests.conftest import tiny_raw
 from tests.dist_helpers import (
     crash_then_resume,
+    damage_then_resume_slowly,
     fail_commit_then_preempt,
     fit_summary,
     losses_by_step,
     raise_before_collective,
-    resume_with_slow_hashing,
     signal_self_at_step,
     threads_left_by_worker_train,
     train_params,
     train_with_nan,
+    two_jobs_then_crash,
 )
 
 # This module's job: 16 AdamW steps, a checkpoint every 4, every step logged.
@@ -230,14 +231,37 @@ def test_a_long_evaluation_that_makes_progress_is_not_taken_for_a_hang(tmp_path:
     assert out[0]["val_loss"] == out[1]["val_loss"] and np.isfinite(out[0]["val_loss"])
 
 
-def test_a_long_resume_check_that_makes_progress_is_not_taken_for_a_hang(tmp_path: Path) -> None:
+def test_a_damaged_file_is_named_and_skipped_with_verification_spread_over_the_ranks(
+    tmp_path: Path,
+) -> None:
+    # Steps 4 and 8 saved; a piece of step 8's optimizer.pt that rank 1 verifies damaged; then
+    # a resume, rank 1 verifying slowly: longer than the ranks' own collective timeout (2.5 s)
+    # and than the hang backstop (2 x dist.timeout_s = 2 s). Rank 0 waits for it as long as it
+    # makes progress.
     run_dir = tmp_path / "resume"
-    run_ranks(fit_summary, 2, tiny_raw(run_dir, JOB, **LONG_PHASE))  # leaves step-4
-    # Rank 0 hashes the 6 files of step-4 (model, optimizer, train state, meta, 2 RNG states)
-    # at 0.6 s each: at least 3.6 s in `resume`, never 2 s without a file done.
-    longer = tiny_raw(run_dir, JOB, **{**LONG_PHASE, "train": {"steps": 6}})
-    out = run_ranks(resume_with_slow_hashing, 2, longer, 0.6, timeout=120)
-    assert [(o["start_step"], o["steps"]) for o in out] == [(4, 6), (4, 6)]
+    phase = {**LONG_PHASE, "train": {"steps": 8}, "checkpoint": {"every": 4}}
+    phase["fault"] = {"heartbeat_s": 0.2}
+    first = tiny_raw(run_dir, JOB, **phase)
+    longer = tiny_raw(run_dir, JOB, **{**phase, "train": {"steps": 10}})
+    out = run_ranks(
+        damage_then_resume_slowly, 2, first, longer, 1, 0.12, timeout=180, collective_timeout=2.5
+    )
+    assert [o["summary"]["start_step"] for o in out] == [4, 4]
+    assert [o["summary"]["steps"] for o in out] == [10, 10]
+    victim, step8 = out[0]["victim"], run_dir / "checkpoints/step-00000008"
+    warning = (
+        f"warning: skipping checkpoint step-00000008: {step8 / 'optimizer.pt'} fails its "
+        f"SHA-256 checksum (bytes {victim.start}-{victim.start + victim.length - 1} of "
+        f"{victim.file_bytes})"
+    )
+    assert warning in out[0]["logged"]
+    # Step 4 was verified whole, each piece by one rank: its share, rank 1's own file its own.
+    shares = [{(n, i) for n, i in o["verified"] if n.startswith("step-00000004/")} for o in out]
+    assert shares[0] and shares[1] and not shares[0] & shares[1]
+    assert ("step-00000004/rng-rank00001.pt", 0) in shares[1]
+    pieces = len(shares[0] | shares[1])
+    assert pieces > 40 and min(len(share) for share in shares) >= pieces // 3
+    assert out[1]["slept"] > 3.0  # rank 1 took longer than any collective could wait
 
 
 def test_a_finished_worker_leaves_no_thread_of_ours_behind(tmp_path: Path) -> None:
@@ -270,3 +294,19 @@ def test_resume_on_three_ranks_is_bit_identical(tmp_path: Path) -> None:
     crashed = run_ranks(crash_then_resume, 3, tiny_raw(tmp_path / "crash", JOB), 11)
     assert crashed[0]["start_step"] == 8
     assert_bit_equal(reference[0], crashed[0]["params"])
+
+
+def test_a_restart_after_resume_path_goes_on_from_this_job_s_checkpoints(tmp_path: Path) -> None:
+    # An earlier job left steps 4, 8, 10, 12 (keep_every 4). This job resumes from step 4
+    # (run.resume = PATH), saves step 6, crashes at step 7, and restarts with the same config:
+    # it must go on from its own step 6, which retention kept -- not back to step 4 (retention
+    # pruned step 6 in favour of the earlier job's higher steps, and the restart went back to
+    # PATH).
+    run_dir = tmp_path / "run"
+    keep = {"every": 2, "keep_last": 2, "keep_every": 4}
+    earlier = tiny_raw(run_dir, JOB, train={"steps": 12}, checkpoint=keep)
+    again = tiny_raw(run_dir, JOB, train={"steps": 12}, checkpoint=keep)
+    again["run"]["resume"] = str(run_dir / "checkpoints/step-00000004")
+    out = run_ranks(two_jobs_then_crash, 2, earlier, again, 7)
+    assert out[0]["left"] == [12, 10, 8, 4]
+    assert [o["start_step"] for o in out] == [6, 6]

@@ -143,14 +143,15 @@ def split_overrides(extra: Sequence[str]) -> list[str]:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from dtrain.checkpoint.rundir import check_run_dir
+    from dtrain.checkpoint.rundir import check_run_dir, held_run_dir
     from dtrain.config import validate_ranks
-    from dtrain.fsutil import write_atomic
+    from dtrain.console import guard_console
     from dtrain.init_from import check_init_from
     from dtrain.job import default_run_dir, load_job_config
     from dtrain.launch import launch_workers, make_options
     from dtrain.parallel import strategy_class
 
+    guard_console("the launcher")  # a closed output pipe costs the output, never the run
     if args.resume is not None:
         overrides = [*overrides, f"--run.resume={args.resume}"]
     opts = make_options(
@@ -181,12 +182,11 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     check_init_from(cfg.run.init_from)
     if not cfg.run.dir:
         cfg.run.dir = default_run_dir(args.run_id)
-    check_run_dir(cfg, args.force)
-    run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    config_path = run_dir / "config.toml"
-    write_atomic(config_path, cfg.to_toml())
-    return launch_workers(config_path, opts, grace_s=cfg.fault.preempt_grace_s)
+    # Writable, held for this job (another live job's hold is refused), and this launcher's
+    # config where only its own workers read it.
+    with held_run_dir(cfg, opts.run_id, opts.rdzv_endpoint) as config_path:
+        check_run_dir(cfg, args.force)
+        return launch_workers(config_path, opts, grace_s=cfg.fault.preempt_grace_s)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:

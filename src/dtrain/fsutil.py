@@ -57,6 +57,10 @@ def write_atomic(path: Path | str, data: bytes | str) -> None:
     """Replace ``path`` with ``data`` atomically and durably."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write_bytes_synced(tmp, data.encode() if isinstance(data, str) else data)
-    os.replace(tmp, path)
+    try:
+        write_bytes_synced(tmp, data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written file behind
+        raise
     fsync_dir(path.parent)

@@ -5,7 +5,8 @@ benchmarks::
                                        [task] section validated by the task's dataclass
     build_job_config(raw)              the same from nested plain data (tests, benchmarks)
     build_trainer(cfg)                 (in a worker) join the process group, agree on the run
-                                       folder, seed, build the task, then the Trainer
+                                       folder and the config, seed, build the task, then the
+                                       Trainer
 
 The run folder, when the config names none, follows one rule wherever it is chosen
 (:func:`default_run_dir`): ``runs/<run id>`` when the job has an id (``--run-id``, torchrun's
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 from dtrain.checkpoint.rng import seed_everything
 from dtrain.config import Config
+from dtrain.config_agreement import agree_on_config
 from dtrain.config_load import apply_overrides, build_config, read_toml
 from dtrain.init_from import init_model
 from dtrain.model_config import save_model_config
@@ -75,6 +77,7 @@ def build_trainer(cfg: Config) -> Trainer:
     rank seeds the same before the task builds its model, so the replicas start equal."""
     runtime = init_runtime(cfg.dist)
     agree_on_run_dir(cfg, runtime)
+    agree_on_config(cfg, runtime)  # one job, one config, whichever machine a rank is on
     factory = resolve_task(cfg.run.task)
     seed_everything(cfg.run.seed)
     task = build_task(factory, cfg)

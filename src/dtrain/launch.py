@@ -231,7 +231,12 @@ def report_failure(exc: object, opts: LaunchOptions) -> int:
     """One line per failed rank, the first failure first; exit 2 when every failure was a
     user error (the worker said so with exit code 2), else 1."""
     failures = getattr(exc, "failures", {})
-    ordered = sorted(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    # Timestamps are whole seconds: within one, a rank that exited by itself comes before one
+    # the agent ended with a signal once another had failed (it may have been on its way out
+    # with the same error, which it recorded).
+    ordered = sorted(
+        failures.items(), key=lambda item: (item[1].timestamp, item[1].exitcode < 0, item[0])
+    )
     attempts = opts.max_restarts + 1
     print(
         f"dtrain: training failed (after up to {attempts} attempt(s)); failed ranks:",

@@ -219,8 +219,9 @@ class Trainer:
         """Load the checkpoint ``run.resume`` asks for, if any; then every RNG either holds
         the saved state or, on a fresh start or at a new world size, a distinct, reproducible
         stream per rank."""
-        root, tick = self.run_dir / "checkpoints", self.watchdog.tick
-        point = resolve_resume(self.cfg, root, self.runtime, self.log, on_progress=tick)
+        point = resolve_resume(
+            self.cfg, self.checkpointer, self.runtime, self.log, watchdog=self.watchdog
+        )
         if point is None or not training_state.load(self.state, point):
             seed_everything(rank_seed(self.cfg.run.seed, self.runtime.rank) + self.step)
         return point
@@ -455,9 +456,14 @@ class Trainer:
         if error:
             self.warn(error)
         self.watchdog.set_phase("rollback")
-        root = self.run_dir / "checkpoints"
         point = rollback_point(
-            self.cfg, root, self.runtime, self.log, first_bad_step, self.step, self.watchdog.tick
+            self.cfg,
+            self.checkpointer,
+            self.runtime,
+            self.log,
+            first_bad_step,
+            self.step,
+            self.watchdog,
         )
         # Counters of what happened stay cumulative; the skip list keeps earlier skips too.
         rollbacks, skipped = self.rollbacks + 1, self.skipped_steps

@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 
 from dtrain.config import Config
+from dtrain.console import guard_console
 from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
 from dtrain.fsutil import write_atomic
 from dtrain.job import build_trainer, load_job_config
@@ -35,8 +36,7 @@ def train(cfg: Config) -> Summary:
     try:
         trainer = build_trainer(cfg)
         if trainer.is_main:
-            os.makedirs(cfg.run.dir, exist_ok=True)
-            write_atomic(os.path.join(cfg.run.dir, "config.toml"), cfg.to_toml())
+            write_config_of_record(cfg)
         summary = trainer.fit()
         if trainer.is_main:
             print_summary(summary, trainer.task.item_name, trainer.runtime.world_size)
@@ -44,6 +44,20 @@ def train(cfg: Config) -> Summary:
     finally:
         join_helper_threads()
         shutdown_runtime()
+
+
+def write_config_of_record(cfg: Config) -> None:
+    """``RUN_DIR/config.toml``, the resolved config; a disk that cannot take it is a warning
+    (the checkpoints hold the config too, in meta.json)."""
+    try:
+        os.makedirs(cfg.run.dir, exist_ok=True)
+        write_atomic(os.path.join(cfg.run.dir, "config.toml"), cfg.to_toml())
+    except OSError as exc:
+        print(
+            f"dtrain: warning: cannot write {cfg.run.dir}/config.toml ({exc.strerror or exc})",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def join_helper_threads(timeout_s: float = 2.0) -> None:
@@ -93,6 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     freeze_heap_at_exit()
     die_with_launcher()
     rank = os.environ.get("RANK", "0")
+    guard_console(f"rank {rank}")  # a closed output pipe costs the output, never the run
     try:
         train(load_worker_config(args))
     except UserError as exc:

@@ -188,7 +188,14 @@ def _raise_trial(
                 out.problems.append(f"the ranks exited {took:.1f}s after the raise (> 2 x timeout)")
         others = [r for r in range(1, nproc)]
         for r in others:
-            if launch.first(rf"PeerFailure: rank {r} \(.*rank 0 \(") is None:
+            # A failed synchronous save is every rank's error, in rank 0's words (every rank
+            # acts on rank 0's word on a commit); any other failure is a peer's, named.
+            named = (
+                rf"dtrain: error: rank {r}: checkpoint step-\d+ was not committed: rank 0: "
+                if failed_save
+                else rf"PeerFailure: rank {r} \(.*rank 0 \("
+            )
+            if launch.first(named) is None:
                 out.problems.append(f"rank {r}'s error does not name rank 0")
         folder_k = run_dir / "checkpoints" / layout.step_dir_name(save_step)
         if save_step and failed_save and (folder_k / layout.MARKER).exists():

@@ -21,6 +21,16 @@ OPTIMIZER_FILE = "optimizer.pt"  # the whole optimizer state (replicated strateg
 TRAIN_STATE_FILE = "train_state.pt"  # scheduler, data position, trainer counters (rank 0)
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
+# The marker holds one SHA-256 per piece of this many bytes of each file (the last piece may be
+# shorter; an empty file is one empty piece), so that the ranks can verify one large file
+# together, each its own pieces. Markers written before pieces existed hold one digest of the
+# whole file (``sha256``), and are still read.
+PIECE_BYTES = 64 * 2**20
+
+
+def piece_count(size: int, piece_bytes: int = PIECE_BYTES) -> int:
+    return max(1, -(-size // piece_bytes))
+
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"

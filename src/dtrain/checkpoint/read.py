@@ -25,9 +25,11 @@ from dtrain.checkpoint.layout import (
     SHARDED_DIR,
     list_step_dirs,
     marker_digest,
+    piece_count,
 )
+from dtrain.checkpoint.verify import pieces_of, verify_all, verify_pieces
 from dtrain.errors import CheckpointError
-from dtrain.fsutil import fsync_dir, sha256_file
+from dtrain.fsutil import fsync_dir
 
 # ---------------------------------------------------------------------------------------------
 # Finding and verifying
@@ -56,45 +58,71 @@ def read_marker(step_dir: Path) -> dict[str, Any]:
     if "marker_sha256" in marker and marker["marker_sha256"] != marker_digest(marker):
         raise CheckpointError(f"{path} fails its own SHA-256 checksum")
     for name, info in marker["files"].items():
-        if not (
-            isinstance(info, dict)
-            and isinstance(info.get("bytes"), int)
-            and isinstance(info.get("sha256"), str)
-        ):
+        if not _good_entry(info):
             raise CheckpointError(f"{path} is corrupted: bad entry for {name!r}")
     return marker
 
 
+def _good_entry(info: Any) -> bool:
+    """A file's entry: its size, and its pieces' digests (or, in a marker from before pieces,
+    the whole file's)."""
+    if not isinstance(info, dict) or not isinstance(info.get("bytes"), int):
+        return False
+    if "pieces" not in info:
+        return isinstance(info.get("sha256"), str)
+    step, pieces = info.get("piece_bytes"), info["pieces"]
+    return (
+        isinstance(step, int)
+        and step > 0
+        and isinstance(pieces, list)
+        and all(isinstance(digest, str) for digest in pieces)
+        and len(pieces) == piece_count(info["bytes"], step)
+    )
+
+
 def verify_checkpoint(step_dir: Path, on_progress: Callable[[], None] | None = None) -> None:
-    """Raise :class:`CheckpointError` naming the first file that does not match the marker;
-    ``on_progress`` is called as the files are hashed (after each chunk and each file)."""
+    """Raise :class:`CheckpointError` naming the first file that does not match the marker,
+    checking every file in this process (the ranks of a job share the work instead:
+    :func:`dtrain.checkpoint.resume.resolve_resume`); ``on_progress`` is called as the files
+    are hashed (after each 8 MiB and each piece)."""
+    if not step_dir.is_dir():
+        raise CheckpointError(f"checkpoint folder {step_dir} does not exist")
+    verify_all(step_dir, read_marker(step_dir), on_progress)
+
+
+def check_marker_and_meta(step_dir: Path) -> None:
+    """The cheap part of :func:`verify_checkpoint`: the marker and ``meta.json`` (a few kB),
+    not the state's files. What the launcher reads before any worker starts; the workers
+    verify every file."""
     if not step_dir.is_dir():
         raise CheckpointError(f"checkpoint folder {step_dir} does not exist")
     marker = read_marker(step_dir)
-    for name, info in sorted(marker["files"].items()):
-        path = step_dir / name
-        if not path.exists():
-            raise CheckpointError(f"{path} is missing (listed in {MARKER})")
-        size = path.stat().st_size
-        if size != info["bytes"]:
-            raise CheckpointError(f"{path} has {size} bytes, expected {info['bytes']}")
-        if sha256_file(path, on_progress=on_progress) != info["sha256"]:
-            raise CheckpointError(f"{path} fails its SHA-256 checksum")
-        if on_progress is not None:
-            on_progress()
+    meta = [piece for piece in pieces_of(marker) if piece.name == META]
+    if not meta:
+        raise CheckpointError(f"{step_dir / MARKER} lists no {META}")
+    problem = verify_pieces(step_dir, meta)
+    if problem:
+        raise CheckpointError(problem)
 
 
 def find_latest_valid(
-    root: Path, max_step: int | None = None, on_progress: Callable[[], None] | None = None
+    root: Path,
+    max_step: int | None = None,
+    on_progress: Callable[[], None] | None = None,
+    check: Callable[[Path], None] | None = None,
 ) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest checkpoint (at most ``max_step``) that verifies, and the newer ones skipped
-    with their reason; ``on_progress`` as for :func:`verify_checkpoint`."""
+    with their reason; ``on_progress`` as for :func:`verify_checkpoint`. ``check``: what
+    verifying is (default: :func:`verify_checkpoint`, every file)."""
     skipped: list[tuple[Path, str]] = []
     for step, path in list_step_dirs(root):
         if max_step is not None and step > max_step:
             continue
         try:
-            verify_checkpoint(path, on_progress)
+            if check is not None:
+                check(path)
+            else:
+                verify_checkpoint(path, on_progress)
         except CheckpointError as exc:
             skipped.append((path, str(exc)))
             continue
@@ -158,11 +186,6 @@ def load_sharded(step_dir: Path, template: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.state_dict_loader import load
 
     load(template, storage_reader=FileSystemReader(str(step_dir / SHARDED_DIR)))
-
-
-def warn_skipped(skipped: list[tuple[Path, str]], log: Callable[[str], None]) -> None:
-    for path, reason in skipped:
-        log(f"warning: skipping checkpoint {path.name}: {reason}")
 
 
 # ---------------------------------------------------------------------------------------------

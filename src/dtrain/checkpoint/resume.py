@@ -1,13 +1,23 @@
-"""Choosing the checkpoint to resume from (or, for the NaN guard, to roll back to).
+"""Choosing the checkpoint to resume from (or, for the NaN guard, to roll back to), verified by
+all the ranks together.
 
-Rank 0 decides (after removing the leftovers of interrupted saves) and tells the others, so all
-ranks load the same step even if a save were to land meanwhile. The state is a dict of
-state_dicts; each component checks that what it gets fits (the model lists mismatched keys and
-shapes, the loader names a different seed or dataset) and says so in one line.
+Rank 0 removes the leftovers of interrupted saves and lists the candidates, newest first; all
+ranks then try them in that order. For each, every rank verifies its share of the files'
+pieces (:mod:`dtrain.checkpoint.verify`: about ``1 / world size`` of the bytes, its own files
+among them, read back from the page cache when it loads them) and the ranks exchange their
+words through the job's store (:mod:`dtrain.fault.peer_words`), waiting for each other as long
+as they make progress, never under the collective timeout. A candidate any rank found damaged
+is skipped on every rank, with a warning naming the file; so all ranks load the same step.
+
+The state is a dict of state_dicts; each component checks that what it gets fits (the model
+lists mismatched keys and shapes, the loader names a different seed or dataset) and says so in
+one line.
 """
 
 from __future__ import annotations
 
+import json
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +26,14 @@ from typing import Any
 import torch.distributed as dist
 
 from dtrain.checkpoint import read as ckread
+from dtrain.checkpoint.hold import job_id
+from dtrain.checkpoint.layout import META, list_step_dirs
+from dtrain.checkpoint.verify import assign, verify_pieces
+from dtrain.checkpoint.write import Checkpointer
 from dtrain.config import Config
 from dtrain.errors import CheckpointError, UserError
+from dtrain.fault.peer_words import PeerWords
+from dtrain.fault.watchdog import Watchdog
 from dtrain.runtime import Runtime
 
 
@@ -28,29 +44,34 @@ class ResumePoint:
     world_size: int
 
 
-def choose_checkpoint(
-    cfg: Config,
-    root: Path,
-    log: Callable[[str], None],
-    max_step: int | None = None,
-    on_progress: Callable[[], None] | None = None,
-) -> Path | None:
-    """Rank 0's choice: the newest valid checkpoint (``auto``), none (``never``), or the one
-    named by ``run.resume``. Removes leftovers of interrupted saves first. ``on_progress`` is
-    called as the checkpoints' files are hashed."""
+def candidates(
+    cfg: Config, root: Path, log: Callable[[str], None], max_step: int | None = None
+) -> list[Path]:
+    """Rank 0's list, newest first, of the checkpoints to try: every one (``auto``), none
+    (``never``), or the one ``run.resume`` names -- after this job's own, when it has saved
+    any since (a restart goes on from where the job got, not back to where it started); for
+    a rollback, every one up to ``max_step``. Removes leftovers of interrupted saves first."""
     for leftover in ckread.remove_leftovers(root):
         log(f"removed the leftover of an interrupted save: {leftover.name}")
-    if max_step is not None:  # a rollback: the newest checkpoint from before a given step
-        return ckread.find_latest_valid(root, max_step, on_progress)[0]
+    found = list_step_dirs(root)
+    if max_step is not None:
+        return [path for step, path in found if step <= max_step]
     if cfg.run.resume == "never":
-        return None
+        return []
     if cfg.run.resume == "auto":
-        path, skipped = ckread.find_latest_valid(root, on_progress=on_progress)
-        ckread.warn_skipped(skipped, log)
-        return path
-    path = Path(cfg.run.resume)
-    ckread.verify_checkpoint(path, on_progress)
-    return path
+        return [path for _, path in found]
+    named = Path(cfg.run.resume)
+    job = job_id()
+    ours = [path for _, path in found if job and _job_of(path) == job]
+    return [path for path in ours if path.resolve() != named.resolve()] + [named]
+
+
+def _job_of(step_dir: Path) -> str:
+    try:
+        meta = json.loads((step_dir / META).read_text())
+    except (OSError, ValueError):
+        return ""
+    return str(meta.get("job", "")) if isinstance(meta, dict) else ""
 
 
 class TrainingDiverged(UserError):
@@ -59,46 +80,96 @@ class TrainingDiverged(UserError):
 
 def resolve_resume(
     cfg: Config,
-    root: Path,
+    checkpointer: Checkpointer,
     runtime: Runtime,
     log: Callable[[str], None],
     max_step: int | None = None,
-    on_progress: Callable[[], None] | None = None,
+    watchdog: Watchdog | None = None,
 ) -> ResumePoint | None:
-    """Collective: the checkpoint rank 0 chose, on every rank (``on_progress``: called on
-    rank 0 as it hashes the files)."""
-    decision: list[Any] = [None, None]
+    """Collective: the newest candidate (:func:`candidates`) that every rank's share of
+    verifies, on every rank; None when there is none. A ``run.resume`` folder that does not
+    verify is an error. ``watchdog``: this rank's, through which the ranks wait for each
+    other's verification (without one, in a collective under its timeout)."""
+    decision: list[Any] = [[], None, ""]
     if runtime.is_main:
         try:
-            path = choose_checkpoint(cfg, root, log, max_step, on_progress)
-            decision = [str(path) if path else None, None]
+            found = candidates(cfg, checkpointer.root, log, max_step)
+            decision = [[str(path) for path in found], None, uuid.uuid4().hex]
         except UserError as exc:
-            decision = [None, str(exc)]
+            decision = [[], str(exc), ""]
     if dist.is_initialized():
         dist.broadcast_object_list(decision, src=0)
-    chosen, error = decision
+    paths, error, nonce = decision
     if error:
         raise CheckpointError(error)
-    if chosen is None:
-        return None
-    path = Path(chosen)
-    meta = ckread.load_meta(path)
-    return ResumePoint(path=path, step=int(meta["step"]), world_size=int(meta["world_size"]))
+    named = max_step is None and cfg.run.resume not in ("auto", "never")
+    words = _Words(watchdog, runtime)
+    for index, text in enumerate(paths):
+        path = Path(text)
+        problem = verify_together(path, runtime, words, f"{nonce}/{index}")
+        if problem is None:
+            meta = ckread.load_meta(path)
+            point = ResumePoint(path, int(meta["step"]), int(meta["world_size"]))
+            checkpointer.note_verified(point.step)
+            return point
+        if named and index == len(paths) - 1:
+            raise CheckpointError(problem)
+        log(f"warning: skipping checkpoint {path.name}: {problem}")
+    return None
+
+
+def verify_together(path: Path, runtime: Runtime, words: _Words, key: str) -> str | None:
+    """Collective: None when every rank's share of checkpoint ``path`` verifies, else what is
+    wrong with it (every problem the ranks found, each naming its file)."""
+    try:
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint folder {path} does not exist")
+        marker = ckread.read_marker(path)
+        share = assign(marker, runtime.world_size)[runtime.rank]
+        word = verify_pieces(path, share, words.tick) or ""
+    except CheckpointError as exc:
+        word = str(exc)
+    except OSError as exc:
+        word = f"{path}: cannot be read: {exc}"
+    everyone = words.gather(key, word, f"check of checkpoint {path.name}")
+    problems = list(dict.fromkeys(w for w in everyone if w))
+    return "; ".join(problems) or None
+
+
+class _Words:
+    """The ranks' words through the watchdog (:class:`PeerWords`), or one collective."""
+
+    def __init__(self, watchdog: Watchdog | None, runtime: Runtime) -> None:
+        self.peers = PeerWords(watchdog) if watchdog is not None else None
+        self.world_size = runtime.world_size
+
+    def tick(self) -> None:
+        if self.peers is not None:
+            self.peers.tick()
+
+    def gather(self, key: str, word: str, what: str) -> list[str]:
+        if self.peers is not None:
+            return self.peers.gather(key, word, what)
+        if self.world_size == 1 or not dist.is_initialized():
+            return [word]
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, word)
+        return [str(w) for w in everyone]
 
 
 def rollback_point(
     cfg: Config,
-    root: Path,
+    checkpointer: Checkpointer,
     runtime: Runtime,
     log: Callable[[str], None],
     first_bad_step: int,
     last_bad_step: int,
-    on_progress: Callable[[], None] | None = None,
+    watchdog: Watchdog | None = None,
 ) -> ResumePoint:
     """Collective: where the NaN guard rolls back to after non-finite steps ``first_bad_step``
     to ``last_bad_step``. A checkpoint saved during the streak holds the same weights as the one
     before it (skipped steps change nothing), so: the newest one before the first bad step."""
-    point = resolve_resume(cfg, root, runtime, log, first_bad_step - 1, on_progress)
+    point = resolve_resume(cfg, checkpointer, runtime, log, first_bad_step - 1, watchdog)
     if point is None:
         raise TrainingDiverged(
             f"the loss was non-finite for {last_bad_step - first_bad_step + 1} steps in a row "

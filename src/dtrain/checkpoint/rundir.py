@@ -1,18 +1,26 @@
 """Checks on the run folder made in the parent process, before any worker starts: resuming into a
 folder made by a different config, a checkpoint to resume from that does not exist, starting
-afresh over old checkpoints."""
+afresh over old checkpoints, a folder that cannot be written, a folder another job holds
+(:func:`held_run_dir`)."""
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
+from dtrain.checkpoint.hold import JOB_ID_ENV, launch_config_path, take_hold
 from dtrain.config import Config
 from dtrain.config_load import REMOVED, RENAMED
 from dtrain.errors import CheckpointError, UserError
+from dtrain.fsutil import write_atomic
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -83,13 +91,15 @@ def check_run_dir(cfg: Config, force: bool) -> Path | None:
                 "--force to start afresh beside them"
             )
         return None
+    # The marker and meta.json only (a few kB): reading the whole checkpoint here would cost
+    # what resuming costs once more, in one process; the workers verify every file, together.
     if cfg.run.resume == "auto":
-        path, _ = ckread.find_latest_valid(root)
+        path, _ = ckread.find_latest_valid(root, check=ckread.check_marker_and_meta)
     else:
         path = Path(cfg.run.resume)
         if not path.exists():
             raise CheckpointError(f"checkpoint folder {path} does not exist")
-        ckread.verify_checkpoint(path)
+        ckread.check_marker_and_meta(path)
     if path is None:
         return None
     meta = ckread.load_meta(path)
@@ -105,3 +115,44 @@ def check_run_dir(cfg: Config, force: bool) -> Path | None:
             "run.dir, or pass --force to resume anyway"
         )
     return path
+
+
+def check_writable(run_dir: Path) -> None:
+    """The run folder and its ``checkpoints/`` exist (made if need be) and take a file: a
+    one-line user error otherwise (read-only, not ours, a file where a folder should be)."""
+    for folder in (run_dir, run_dir / "checkpoints"):
+        if folder.exists() and not folder.is_dir():
+            raise UserError(f"run.dir: {folder} is a file, not a folder; choose another run.dir")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".dtrain-write-check-", dir=folder)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            where = "" if folder == run_dir else f" ({folder})"
+            raise UserError(
+                f"run.dir {run_dir} is not writable{where}: {exc.strerror or exc}; choose a "
+                "run.dir on a writable disk where this user may write"
+            ) from None
+
+
+@contextmanager
+def held_run_dir(cfg: Config, run_id: str, rdzv_endpoint: str) -> Iterator[Path]:
+    """Before any worker starts: the run folder writable and held for this job (refused when
+    another live job holds it), and this launcher's config written where only its own workers
+    read it (the machines of a job each have their own; the workers check that they agree).
+    Yields that config file; on exit, removes it and releases the hold."""
+    run_dir = Path(cfg.run.dir)
+    check_writable(run_dir)
+    try:
+        hold = take_hold(run_dir, run_id, rdzv_endpoint)
+    except OSError as exc:
+        raise UserError(f"run.dir {run_dir}: cannot take it for this job: {exc}") from None
+    os.environ[JOB_ID_ENV] = hold.token  # the workers name their checkpoints' job with it
+    path = launch_config_path(run_dir, socket.gethostname(), os.getpid())
+    try:
+        write_atomic(path, cfg.to_toml())
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+        hold.release()

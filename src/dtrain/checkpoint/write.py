@@ -5,13 +5,20 @@ Commit protocol (one save):
 1. every rank snapshots its part of the training state into CPU memory (the only part the
    training loop waits for when saving asynchronously; an asynchronous save keeps its copy,
    and the next one copies into it instead of allocating the memory again);
-2. every rank writes its files into ``checkpoints/.tmp-step-N/`` and fsyncs each;
+2. every rank checks that its files fit on the disk, then serializes them straight into
+   ``checkpoints/.tmp-step-N/`` (:mod:`dtrain.checkpoint.stream`: no copy of the state beside
+   the snapshot, each piece hashed as it is written) and fsyncs each;
 3. the ranks report to rank 0 over a side process group (so a background save never interleaves
    with the training collectives); any failure stops the commit here;
 4. rank 0 renames the folder to ``step-N`` (``os.replace``), fsyncs the parent, and only then
-   writes ``COMMITTED.json`` -- the completion marker holding every file's size and SHA-256,
-   and a digest of itself -- atomically (temp file, rename, fsync);
+   writes ``COMMITTED.json`` -- the completion marker holding every file's size and the
+   SHA-256 of each of its pieces, and a digest of itself -- atomically (temp file, rename,
+   fsync);
 5. rank 0 prunes old checkpoints (marker first, so a half-deleted folder never looks whole).
+   Retention counts only checkpoints known to be valid -- the ones this job wrote (their
+   ``meta.json`` names the job) and the one it resumed or rolled back to -- and ranks this
+   job's above any other, whatever their step numbers: a new checkpoint is never pruned in
+   favour of older ones, damaged ones, or ones of a trajectory the run left.
 
 A folder without a valid marker, or whose files do not match it, is never loaded (finding,
 verifying and loading: :mod:`dtrain.checkpoint.read`). Files are plain tensors and data
@@ -22,8 +29,6 @@ code from a checkpoint.
 from __future__ import annotations
 
 import datetime
-import hashlib
-import io
 import json
 import os
 import shutil
@@ -37,6 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtrain.checkpoint import space
+from dtrain.checkpoint.hold import job_id
 from dtrain.checkpoint.layout import (
     MARKER,
     META,
@@ -45,9 +52,10 @@ from dtrain.checkpoint.layout import (
     marker_digest,
     step_dir_name,
 )
+from dtrain.checkpoint.stream import hashing_file_system, write_file
 from dtrain.errors import CheckpointError
 from dtrain.fault.failpoints import failpoint
-from dtrain.fsutil import fsync_dir, sha256_file, write_atomic, write_bytes_synced
+from dtrain.fsutil import fsync_dir, write_atomic
 
 
 def snapshot(obj: Any, reuse: Any = None) -> Any:
@@ -104,32 +112,6 @@ def snapshot_sharded(obj: Any) -> Any:
     if isinstance(obj, tuple):
         return tuple(snapshot_sharded(v) for v in obj)
     return snapshot(obj)
-
-
-# Bytes hashed between two progress marks of a save.
-_HASH_PIECE = 64 * 2**20
-
-
-def _write_bytes(
-    path: Path, data: bytes, step: int, on_progress: Callable[[], None]
-) -> dict[str, Any]:
-    failpoint("checkpoint.write_file", step=step, path=path)
-    write_bytes_synced(path, data, on_progress)
-    digest = hashlib.sha256()
-    view = memoryview(data)
-    for start in range(0, len(view), _HASH_PIECE):
-        digest.update(view[start : start + _HASH_PIECE])
-        on_progress()
-    on_progress()
-    return {"bytes": len(data), "sha256": digest.hexdigest()}
-
-
-def encode(obj: Any) -> bytes:
-    if isinstance(obj, bytes):
-        return obj
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
 
 
 def _progress_planner(on_progress: Callable[[], None]) -> Any:
@@ -203,6 +185,12 @@ class Checkpointer:
         self._staged: dict[str, Any] = {}  # the last async snapshot, reused by the next one
         self._on_progress = on_progress or _nothing
         self._pieces = 0  # pieces the background writer has done (only it counts them)
+        # Retention's knowledge (rank 0's): this job's id, the steps this process committed,
+        # those verified whole (the resume or rollback point), and each checkpoint's job.
+        self.job = job_id()
+        self._ours: list[int] = []  # in the order committed
+        self._verified: set[int] = set()
+        self._jobs: dict[int, str] = {}
 
     # -- in flight -----------------------------------------------------------------------
 
@@ -242,24 +230,30 @@ class Checkpointer:
         ``sharded`` is a state whose tensors differ across ranks (FSDP's DTensors, pipeline
         stages): it goes through ``torch.distributed.checkpoint`` into ``dcp/``, one file set
         per rank, and can be loaded at another world size. Every rank must call ``save`` for
-        the same step. Raises at once when ``blocking``."""
+        the same step. Raises at once when ``blocking``.
+
+        A blocking save writes the live state (nothing changes it while the loop waits, and
+        ``torch.save`` copies a device's tensor to the host one at a time); an asynchronous
+        one writes a snapshot, the only memory it adds."""
         previous = self.wait()  # at most one save in flight
         if previous:
             self.log(f"warning: {previous}")
         self.last_saved_step = step
         started = time.perf_counter()
-        # The previous save is written (waited for above): its copy can take this one.
-        staged, self._staged = self._staged, {}
-        snap = {name: snapshot(obj, staged.get(name)) for name, obj in files.items()}
-        sharded_snap = snapshot_sharded(sharded) if sharded is not None else None
+        if meta is not None:
+            meta = {**meta, "job": self.job}  # which checkpoints are this job's (retention)
         if blocking:
-            self._write(step, snap, meta, sharded_snap, self._on_progress)
+            self._write(step, files, meta, sharded, self._on_progress)
             error = self._error
             self._error = None
             self.blocking_seconds.append(time.perf_counter() - started)
             if error:
                 raise CheckpointError(error)
             return
+        # The previous save is written (waited for above): its copy can take this one.
+        staged, self._staged = self._staged, {}
+        snap = {name: snapshot(obj, staged.get(name)) for name, obj in files.items()}
+        sharded_snap = snapshot_sharded(sharded) if sharded is not None else None
         self.blocking_seconds.append(time.perf_counter() - started)
         self._staged = snap  # kept for the next asynchronous save (one copy of this state)
         self._thread = threading.Thread(
@@ -286,20 +280,24 @@ class Checkpointer:
         started = time.perf_counter()
         tmp = self.root / f".tmp-{step_dir_name(step)}"
         outcome = _Outcome(ok=True, error="", files={})
+        meta_text = json.dumps(meta, indent=1, sort_keys=True).encode() if meta else b""
+        need = space.state_bytes(files) + space.state_bytes(sharded) + len(meta_text)
         try:
             tmp.mkdir(parents=True, exist_ok=True)
             failpoint("checkpoint.write", step=step)
+            space.check_room(self.root, need)
             for name, obj in files.items():
-                outcome.files[name] = _write_bytes(tmp / name, encode(obj), step, on_progress)
+                failpoint("checkpoint.write_file", step=step, path=tmp / name)
+                outcome.files[name] = write_file(tmp / name, obj, on_progress)
             if meta is not None:
-                text = json.dumps(meta, indent=1, sort_keys=True).encode()
-                outcome.files[META] = _write_bytes(tmp / META, text, step, on_progress)
+                failpoint("checkpoint.write_file", step=step, path=tmp / META)
+                outcome.files[META] = write_file(tmp / META, meta_text, on_progress)
             if sharded is not None:
                 outcome.files.update(self._write_sharded(tmp, sharded, on_progress))
         except Exception as exc:
-            outcome = _Outcome(
-                ok=False, error=f"rank {self.rank}: {type(exc).__name__}: {exc}", files={}
-            )
+            mine = [*files, *([META] if meta is not None else [])]
+            why = self._why_not_written(exc, tmp, need, mine)
+            outcome = _Outcome(ok=False, error=why, files={})
         outcomes = self._gather(outcome)
         error = ""
         if self.rank == 0:
@@ -307,6 +305,7 @@ class Checkpointer:
                 self._commit(step, tmp, outcomes)
             except Exception as exc:
                 error = f"checkpoint {step_dir_name(step)} was not committed: {exc}"
+                error += self._newest_kept()
         # Every rank acts on rank 0's outcome of the commit, not on its own write: a rank
         # that believed a failed commit had landed would skip a save the others then make
         # without it.
@@ -314,34 +313,57 @@ class Checkpointer:
         if error:
             self._error = error
             self.last_saved_step = None
+        elif self.rank == 0:
+            self._prune_after(step)
         self.write_seconds.append(time.perf_counter() - started)
+
+    def _why_not_written(self, error: BaseException, tmp: Path, need: int, names: list[str]) -> str:
+        """This rank's failure to write its files (``names``, and its DCP shards), in words. A
+        full disk names the folder, what this rank's files need and what is free once its
+        partial files are gone."""
+        if isinstance(error, space.DiskFull):
+            return f"rank {self.rank}: {error}"
+        if space.is_disk_full(error):
+            # Rank 0 removes the whole folder once every rank has reported; this rank's own
+            # partial files go now, so that the free space it reports is the disk's.
+            for name in names:
+                (tmp / name).unlink(missing_ok=True)
+            for path in (tmp / SHARDED_DIR).glob(f"__{self.rank}_*"):
+                path.unlink(missing_ok=True)
+            return f"rank {self.rank}: {space.words(self.root, need)}"
+        return f"rank {self.rank}: {type(error).__name__}: {error}"
+
+    def _newest_kept(self) -> str:
+        steps = committed_steps(self.root)
+        if not steps:
+            return " (no earlier checkpoint exists)"
+        return f"; the newest checkpoint is still {step_dir_name(steps[0])}"
 
     def _write_sharded(
         self, tmp: Path, state: dict[str, Any], on_progress: Callable[[], None]
     ) -> dict[str, dict[str, Any]]:
-        """Every rank writes its shards with DCP (coordinated over the side group); returns
-        the files this rank wrote, with sizes and checksums, for the marker."""
+        """Every rank writes its shards with DCP (coordinated over the side group), each file
+        hashed as it is written; returns the files this rank wrote, with their marker entries."""
         from torch.distributed.checkpoint.filesystem import FileSystemWriter
         from torch.distributed.checkpoint.state_dict_saver import save
 
         folder = tmp / SHARDED_DIR
+        records: dict[str, dict[str, Any]] = {}
+        writer = FileSystemWriter(str(folder), sync_files=True)
+        writer.fs = hashing_file_system(records, on_progress)
         save(
             state,
             # One writer thread (the default): DCP writes on the thread that called it, so the
             # planner's progress marks are made there.
-            storage_writer=FileSystemWriter(str(folder), sync_files=True),
+            storage_writer=writer,
             planner=_progress_planner(on_progress),
             process_group=self.group if dist.is_initialized() else None,
         )
-        mine = [p for p in folder.iterdir() if p.name.startswith(f"__{self.rank}_")]
-        if self.rank == 0:
-            mine += [p for p in folder.iterdir() if p.name == ".metadata"]
+        written = {Path(path).name: entry for path, entry in records.items()}
         return {
-            f"{SHARDED_DIR}/{p.name}": {
-                "bytes": p.stat().st_size,
-                "sha256": sha256_file(p, on_progress=on_progress),
-            }
-            for p in mine
+            f"{SHARDED_DIR}/{name}": entry
+            for name, entry in written.items()
+            if name.startswith(f"__{self.rank}_") or (self.rank == 0 and name == ".metadata")
         }
 
     def _gather(self, outcome: _Outcome) -> list[_Outcome]:
@@ -387,23 +409,74 @@ class Checkpointer:
             # This save holds the state the run has now, so it replaces the old one (keeping
             # the old one would leave a corrupted or stale checkpoint as "latest").
             self._discard(final)
+        self._jobs.pop(step, None)
         os.replace(tmp, final)
         fsync_dir(self.root)
-        failpoint("checkpoint.before_marker", step=step)
-        marker = {
-            "step": step,
-            "files": listing,
-            "world_size": self.world_size,
-            "committed": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
-        marker["marker_sha256"] = marker_digest(marker)
-        write_atomic(final / MARKER, json.dumps(marker, indent=1, sort_keys=True))
-        failpoint("checkpoint.after_marker", step=step)
-        self.prune()
+        try:
+            failpoint("checkpoint.before_marker", step=step)
+            marker = {
+                "step": step,
+                "files": listing,
+                "world_size": self.world_size,
+                "committed": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+            marker["marker_sha256"] = marker_digest(marker)
+            write_atomic(final / MARKER, json.dumps(marker, indent=1, sort_keys=True))
+        except BaseException:
+            # Not committed: its space goes back (a full disk is the likeliest cause).
+            shutil.rmtree(final, ignore_errors=True)
+            raise
+        self._ours = [s for s in self._ours if s != step] + [step]
+
+    def _prune_after(self, step: int) -> None:
+        """Retention after a commit; a failure to prune is a warning, never a failed save."""
+        try:
+            failpoint("checkpoint.after_marker", step=step)
+            self.prune()
+        except Exception as exc:
+            self.log(f"warning: pruning old checkpoints after {step_dir_name(step)}: {exc}")
+
+    # -- retention -----------------------------------------------------------------------
+
+    def note_verified(self, step: int) -> None:
+        """``step`` verified whole (the checkpoint a run resumed or rolled back to): it counts
+        as valid for retention."""
+        self._verified.add(step)
+
+    def is_ours(self, step: int) -> bool:
+        """Whether checkpoint ``step`` was written by this job (this process, or an earlier
+        attempt of the same job, as its ``meta.json`` says)."""
+        if step in self._ours:
+            return True
+        if not self.job:
+            return False
+        if step not in self._jobs:
+            try:
+                meta = json.loads((self.root / step_dir_name(step) / META).read_text())
+                self._jobs[step] = str(meta.get("job", "")) if isinstance(meta, dict) else ""
+            except (OSError, ValueError):
+                self._jobs[step] = ""
+        return self._jobs[step] == self.job
 
     def prune(self) -> list[int]:
+        """Delete old checkpoints: keep the ``keep_last`` newest that are known to be valid --
+        newest in the order this process committed them, then the rest of this job's by step,
+        then the others by step -- and every one before the last of them in that order (a
+        damaged or unchecked one among them counts for nothing, and is kept), and every step
+        divisible by ``keep_every``."""
         steps = committed_steps(self.root)
-        keep = set(steps[: self.keep_last])
+        mine = [s for s in reversed(self._ours) if s in steps]
+        ours = mine + [s for s in steps if s not in mine and self.is_ours(s)]
+        order = ours + [s for s in steps if s not in ours]
+        keep: set[int] = set()
+        counted = 0
+        for s in order:
+            if counted >= self.keep_last:
+                break
+            keep.add(s)
+            counted += s in self._verified or s in ours
+        else:
+            return []  # fewer known-valid checkpoints than keep_last: all stay
         if self.keep_every > 0:
             keep.update(s for s in steps if s % self.keep_every == 0)
         removed = []
@@ -411,6 +484,7 @@ class Checkpointer:
             if step in keep:
                 continue
             self._discard(self.root / step_dir_name(step))
+            self._jobs.pop(step, None)
             removed.append(step)
         return removed
 

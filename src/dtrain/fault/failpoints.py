@@ -32,7 +32,14 @@ phase does (the step is not committed, and the error is reported):
 ``checkpoint.before_marker`` (step)
     rank 0, ``step-N`` in place, before its ``COMMITTED.json`` is written;
 ``checkpoint.after_marker`` (step)
-    rank 0, the step committed, before older checkpoints are pruned.
+    rank 0, the step committed, before older checkpoints are pruned (a failure here is a
+    warning: the checkpoint stays committed).
+
+Verifying a checkpoint (:mod:`dtrain.checkpoint.verify`), before resume or a rollback:
+
+``checkpoint.verify_piece`` (path, index)
+    every rank, before it hashes each piece of its share; ``path`` is the file, ``index`` the
+    piece's.
 
 The training loop (:mod:`dtrain.trainer`); ``step`` is the number of the step being trained
 (1 for the first, as ``metrics.jsonl`` counts):

@@ -9,6 +9,7 @@ The file is replaced atomically, so a reader never sees half of it.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,8 +26,18 @@ class RunStatus:
 
 
 def write_status(run_dir: Path, status: RunStatus) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(run_dir / STATUS_FILE, json.dumps(asdict(status)))
+    """Replace the status; a disk that cannot take it (full, gone away) is a warning, never the
+    end of a run (the launcher then cannot tell a preempted run that saved, and says so)."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(run_dir / STATUS_FILE, json.dumps(asdict(status)))
+    except OSError as exc:
+        print(
+            f"dtrain: warning: cannot write {run_dir / STATUS_FILE} ({exc.strerror or exc}); "
+            f"the run's state, {status.state} at step {status.step}, is not recorded there",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def read_status(run_dir: Path) -> RunStatus | None:

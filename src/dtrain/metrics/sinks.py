@@ -64,19 +64,48 @@ class JsonlSink:
             with path.open("rb") as fh:
                 fh.seek(-1, 2)
                 cut = fh.read(1) != b"\n"
-        self._fh: TextIO = path.open("a", buffering=1)
+        self._fh: TextIO | None = path.open("a", buffering=1)
         if cut:
             self._fh.write("\n")
+        self.lost = 0  # records that could not be written
+        self.warned = False
 
     def write(self, record: dict[str, Any]) -> None:
         clean = {
             k: (None if isinstance(v, float) and not math.isfinite(v) else v)
             for k, v in record.items()
         }
-        self._fh.write(json.dumps(clean) + "\n")
+        line = json.dumps(clean) + "\n"
+        try:
+            if self._fh is None:  # a write failed before: try the file again
+                self._fh = self.path.open("a", buffering=1)
+                self._fh.write("\n")  # the failed write may have left a cut line
+            self._fh.write(line)
+        except OSError as exc:
+            # A full disk (or storage gone away) costs the metrics, never the run: one
+            # warning, then every record tries again; the reader skips a cut line.
+            self.lost += 1
+            self._drop()
+            if not self.warned:
+                self.warned = True
+                print(
+                    f"dtrain: warning: cannot write {self.path} ({exc.strerror or exc}); "
+                    "training goes on, and its records are lost until the file takes them "
+                    "again",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+    def _drop(self) -> None:
+        fh, self._fh = self._fh, None
+        if fh is not None:
+            try:
+                fh.close()
+            except OSError:
+                pass  # its buffered part of a line is lost with it
 
     def close(self) -> None:
-        self._fh.close()
+        self._drop()
 
 
 def format_rate(value: float) -> str:

@@ -1,0 +1,284 @@
+"""Who holds a run folder: one live job at a time.
+
+``dtrain train`` takes its run folder before any worker starts, in ``RUN_DIR/hold.json``: the
+job (its run id and, for a job of several machines, its rendezvous endpoint), the host and
+pid of the launcher that took it, since when, and a count its launcher renews every
+:data:`RENEW_S` seconds. A second job on the folder is refused with those words. The machines
+of one job (the same run id and rendezvous endpoint) share the hold. A hold whose job is gone
+is taken over, safely: on this machine, when its launcher's process is gone (its pid, and the
+process's start time, so that a reused pid is not taken for it); held from another machine,
+when its renewals have stopped for :data:`LEASE_S` seconds. Taking over renames the stale
+hold aside first, so that of two jobs taking over at once, one wins and the other is refused.
+
+The hold's token names the job to its workers (:func:`job_id`): it goes into each
+checkpoint's ``meta.json``, where retention and restarts tell this job's checkpoints from
+others'. Under plain ``torchrun`` (no hold) the job is its rendezvous id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from dtrain.errors import UserError
+from dtrain.fsutil import fsync_dir, write_atomic
+
+HOLD_FILE = "hold.json"
+JOB_ID_ENV = "DTRAIN_JOB_ID"  # the hold's token, set by the launcher for its workers
+RENEW_S = 5.0  # how often a launcher renews its hold
+LEASE_S = 30.0  # a hold from another machine not renewed for this long is stale
+
+
+def launch_config_path(run_dir: Path, host: str, pid: int) -> Path:
+    """Where a launcher keeps, while it holds the folder, the config its own workers read
+    (``RUN_DIR/config.toml`` is the resolved config of record, written by rank 0)."""
+    return run_dir / f".launch-{host}-{pid}.toml"
+
+
+def job_id() -> str:
+    """This job's id, as its launcher gave it to the workers: the hold's token under ``dtrain
+    train``; under plain ``torchrun``, its rendezvous id (none: an empty string)."""
+    token = os.environ.get(JOB_ID_ENV, "")
+    if token:
+        return token
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return f"torchrun:{run_id}" if run_id and run_id != "none" else ""
+
+
+@dataclass(frozen=True)
+class HoldRecord:
+    job: str  # run id@rendezvous endpoint, or, for a job of one machine, run id@host:pid
+    token: str
+    run_id: str
+    host: str
+    boot_id: str  # the machine, whatever its name (network namespaces share one)
+    pid: int
+    pid_started: int  # the launcher's start time (clock ticks after boot), 0 if unknown
+    since: float
+    renewals: int = 0
+
+    def who(self) -> str:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
+        return f"job {self.run_id!r} (host {self.host}, pid {self.pid}, since {since})"
+
+    @classmethod
+    def parse(cls, text: str) -> HoldRecord | None:
+        try:
+            data: Any = json.loads(text)
+            return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+        except (ValueError, TypeError):
+            return None
+
+
+class Hold:
+    """A run folder this launcher holds (or shares, with the other machines of its job), renewed
+    by a daemon thread until :meth:`release`."""
+
+    def __init__(self, path: Path, record: HoldRecord, joined: bool) -> None:
+        self.path = path
+        self.record = record
+        self.joined = joined
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew, name="dtrain-hold", daemon=True)
+        self._thread.start()
+
+    @property
+    def token(self) -> str:
+        return self.record.token
+
+    def _renew(self) -> None:
+        renewals = self.record.renewals
+        warned = False
+        while not self._stop.wait(RENEW_S):
+            current = read_hold(self.path)
+            if current is not None and current.job != self.record.job:
+                if not warned:  # taken over, which a live job's hold never is: say so once
+                    print(
+                        f"dtrain: warning: {self.path} is now held by {current.who()}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    warned = True
+                continue
+            renewals = max(renewals, current.renewals if current else 0) + 1
+            record = HoldRecord(**{**asdict(self.record), "renewals": renewals})
+            try:
+                if current is None:
+                    _create(self.path, record)
+                else:
+                    write_atomic(self.path, json.dumps(asdict(record)))
+            except OSError:
+                pass  # the folder's storage is away for a moment; the next renewal tries again
+
+    def release(self) -> None:
+        """Stop renewing and remove the hold if it is still this job's (the other machines of
+        a job recreate it at their next renewal while they run)."""
+        self._stop.set()
+        self._thread.join(timeout=RENEW_S)
+        current = read_hold(self.path)
+        if current is not None and current.token == self.token:
+            try:
+                self.path.unlink()
+            except OSError:
+                pass
+
+
+def read_hold(path: Path) -> HoldRecord | None:
+    try:
+        return HoldRecord.parse(path.read_text())
+    except OSError:
+        return None
+
+
+def take_hold(run_dir: Path, run_id: str, rdzv_endpoint: str, lease_s: float = LEASE_S) -> Hold:
+    """Hold ``run_dir`` for this job, or raise a :class:`UserError` naming the live job that
+    holds it. Joins the hold of another machine of the same job; takes over a stale one."""
+    host = socket.gethostname()
+    pid = os.getpid()
+    key = f"{run_id}@{rdzv_endpoint}" if rdzv_endpoint else f"{run_id}@{host}:{pid}"
+    mine = HoldRecord(
+        job=key,
+        token=uuid.uuid4().hex,
+        run_id=run_id,
+        host=host,
+        boot_id=_boot_id(),
+        pid=pid,
+        pid_started=_started(pid),
+        since=time.time(),
+    )
+    path = run_dir / HOLD_FILE
+    for _ in range(20):  # each round ends in a hold, a refusal, or someone else's move
+        try:
+            _create(path, mine)
+            return Hold(path, mine, joined=False)
+        except FileExistsError:
+            pass
+        current = read_hold(path)
+        if current is None:
+            _set_aside_unreadable(path)
+            continue
+        if current.job == key:  # another machine of this job took it first
+            # Renewed as this launcher's from now on (its token stays the job's).
+            here = {
+                "host": host,
+                "pid": pid,
+                "boot_id": mine.boot_id,
+                "pid_started": mine.pid_started,
+            }
+            return Hold(path, HoldRecord(**{**asdict(current), **here}), joined=True)
+        if _alive(current, path, lease_s):
+            raise UserError(
+                f"run.dir {run_dir} is in use by {current.who()}; wait for that job to end, "
+                "stop it, or choose another run.dir (a job of several machines shares one "
+                "folder only with the same --run-id and --rdzv-endpoint)"
+            )
+        if _take_over(path, current):
+            # What the gone launcher left beside its hold: its workers' config.
+            launch_config_path(run_dir, current.host, current.pid).unlink(missing_ok=True)
+            print(
+                f"dtrain: {path} was held by {current.who()}, which is gone; taking it over",
+                file=sys.stderr,
+                flush=True,
+            )
+    raise UserError(f"run.dir {run_dir}: could not take {HOLD_FILE}: other jobs keep taking it")
+
+
+def _create(path: Path, record: HoldRecord) -> None:
+    """Create the hold whole or not at all (raises FileExistsError if one exists): written
+    beside, then linked into place (atomic, and safe on NFS)."""
+    tmp = path.with_name(f".{path.name}.{record.token}.{os.getpid()}")
+    write_atomic(tmp, json.dumps(asdict(record)))
+    try:
+        os.link(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+
+
+def _take_over(path: Path, stale: HoldRecord) -> bool:
+    """Move the stale hold aside; False when another job moved or replaced it first."""
+    aside = path.with_name(f".{path.name}.stale-{uuid.uuid4().hex}")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return False
+    moved = read_hold(aside)
+    if moved is not None and moved.token != stale.token:
+        # A fresh hold replaced the stale one between the read and the rename: put it back.
+        try:
+            os.link(aside, path)
+        except FileExistsError:
+            pass
+        aside.unlink(missing_ok=True)
+        return False
+    aside.unlink(missing_ok=True)
+    return True
+
+
+def _set_aside_unreadable(path: Path) -> None:
+    """A hold file that is not a hold (damaged, or from something else): moved aside once it
+    has stayed so for a moment (a hold is never seen half-written: it is linked whole)."""
+    time.sleep(0.2)
+    if path.exists() and read_hold(path) is None:
+        try:
+            os.rename(path, path.with_name(f".{path.name}.unreadable-{uuid.uuid4().hex}"))
+        except FileNotFoundError:
+            pass
+
+
+def _alive(record: HoldRecord, path: Path, lease_s: float) -> bool:
+    """Whether the job holding the folder still runs."""
+    if record.boot_id and record.boot_id == _boot_id():
+        # This machine: its launcher's process, if it is the same process.
+        return _started(record.pid) == record.pid_started if _pid_exists(record.pid) else False
+    print(
+        f"dtrain: {path} is held by {record.who()}, on another machine; waiting up to "
+        f"{lease_s:.0f}s to see whether that job still renews it",
+        file=sys.stderr,
+        flush=True,
+    )
+    deadline = time.monotonic() + lease_s
+    while time.monotonic() < deadline:
+        time.sleep(min(1.0, lease_s / 10))
+        now = read_hold(path)
+        if now is None or now.token != record.token:
+            return False  # released, or taken by another job: look again
+        if now.renewals != record.renewals:
+            return True
+    return False
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _started(pid: int) -> int:
+    """A process's start time in clock ticks after boot (Linux), 0 where unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    # The command name (field 2) is in parentheses and may hold spaces: count after it.
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return int(fields[19]) if len(fields) > 19 else 0
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return socket.gethostname()

@@ -1,0 +1,89 @@
+"""Room on the disk for a save: the bytes a rank's part of a checkpoint needs, the bytes free
+where it goes, and the words for a disk that cannot hold it.
+
+A save checks before it writes (a rank whose files cannot fit fails at once, and leaves the
+disk as it was for the other writers: the metrics, the other ranks); a disk that fills while
+it writes (other writers) is the same failure, found by the write. Either way the words name
+the folder, what was needed and what is free, and the save is not committed: the previous
+checkpoint stays the newest.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# What torch.save adds to a file beyond its tensors' bytes (the pickled structure, the zip
+# records) is small; a rank is only refused at once when its tensors alone cannot fit.
+
+
+class DiskFull(Exception):
+    """No room on the disk for a rank's files of a checkpoint (the message says where, and
+    how much was needed and is free)."""
+
+
+def state_bytes(obj: Any) -> int:
+    """The bytes ``torch.save`` writes for the tensors in a nested state: each storage once,
+    however many tensors view it (a DTensor: this rank's shard)."""
+    seen: dict[int, int] = {}
+    _storages(obj, seen)
+    return sum(seen.values())
+
+
+def _storages(obj: Any, seen: dict[int, int]) -> None:
+    # No DTensor can exist before its module is imported, and importing it costs a replicated
+    # run a second it never needs.
+    dtensors = sys.modules.get("torch.distributed.tensor")
+    if dtensors is not None and isinstance(obj, dtensors.DTensor):
+        _storages(obj.to_local(), seen)
+    elif isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        seen[storage.data_ptr()] = int(storage.nbytes())
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            _storages(value, seen)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _storages(value, seen)
+    elif isinstance(obj, (bytes, bytearray)):
+        seen[id(obj)] = len(obj)
+
+
+def free_bytes(folder: Path) -> int:
+    """Bytes an unprivileged writer may still use on ``folder``'s filesystem."""
+    stats = os.statvfs(folder)
+    return int(stats.f_bavail * stats.f_frsize)
+
+
+def format_size(size: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size:.0f} B"
+
+
+def words(folder: Path, need: int) -> str:
+    """A full disk, in words: where, what was needed, what is free."""
+    try:
+        free = format_size(free_bytes(folder))
+    except OSError:
+        free = "an unknown amount"
+    return (
+        f"no space left on the disk of {folder}: this rank's files of the checkpoint need "
+        f"{format_size(need)} and {free} is free; free some space there or choose another run.dir"
+    )
+
+
+def check_room(folder: Path, need: int) -> None:
+    """Raise :class:`DiskFull` when ``need`` bytes cannot fit on ``folder``'s disk."""
+    if need > free_bytes(folder):
+        raise DiskFull(words(folder, need))
+
+
+def is_disk_full(error: BaseException) -> bool:
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)

@@ -1,0 +1,176 @@
+"""Writing a checkpoint file as a stream: ``torch.save`` (and ``torch.distributed.checkpoint``)
+serialize straight into the file, and every piece of it is hashed as it passes.
+
+So a save holds no copy of the state beside its snapshot (``torch.save`` hands its writer a
+view of each tensor's memory, which goes to the file as it is), and the marker gets each
+piece's SHA-256 (:data:`~dtrain.checkpoint.layout.PIECE_BYTES`) without reading the file back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from dtrain.checkpoint import layout
+
+
+def _nothing() -> None:
+    pass
+
+
+class PieceHasher:
+    """The SHA-256 of each ``piece_bytes`` piece of a stream of bytes fed in parts of any size
+    (the last piece may be shorter; an empty stream is one empty piece)."""
+
+    def __init__(self, piece_bytes: int | None = None) -> None:
+        self.piece_bytes = piece_bytes or layout.PIECE_BYTES  # read now: tests make it small
+        self.size = 0
+        self._done: list[str] = []
+        self._piece = hashlib.sha256()
+        self._filled = 0  # bytes in the current piece
+
+    def update(self, data: Any) -> None:
+        view = _byte_view(data)
+        while len(view):
+            part = view[: self.piece_bytes - self._filled]
+            self._piece.update(part)
+            self._filled += len(part)
+            self.size += len(part)
+            view = view[len(part) :]
+            if self._filled == self.piece_bytes:
+                self._done.append(self._piece.hexdigest())
+                self._piece, self._filled = hashlib.sha256(), 0
+
+    def digests(self) -> list[str]:
+        if self._filled or not self._done:
+            return [*self._done, self._piece.hexdigest()]
+        return list(self._done)
+
+
+def _byte_view(data: Any) -> memoryview:
+    view = memoryview(data)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def file_entry(hasher: PieceHasher) -> dict[str, Any]:
+    """A file's entry in the completion marker."""
+    return {"bytes": hasher.size, "piece_bytes": hasher.piece_bytes, "pieces": hasher.digests()}
+
+
+class HashingWriter:
+    """A file opened for writing whose bytes are hashed, piece by piece, as they are written.
+    What ``torch.save`` and DCP's writer call on a stream: ``write``, ``flush``, ``tell``,
+    ``fileno``, ``close``. ``on_progress`` is called after each piece written (a file may be
+    GBs); :meth:`finish` syncs the file to its storage and gives its marker entry."""
+
+    def __init__(self, path: Path | str, on_progress: Callable[[], None] | None = None) -> None:
+        self.path = Path(path)
+        # Buffered: torch writes each record's small header apart from its data; the data,
+        # larger than the buffer, goes to the file directly.
+        self._fh = open(self.path, "wb")  # noqa: SIM115 (closed by close/finish)
+        self.hasher = PieceHasher()
+        self._on_progress = on_progress or _nothing
+        self._marked = 0  # pieces written when progress was last marked
+
+    def write(self, data: Any) -> int:
+        view = _byte_view(data)
+        step = self.hasher.piece_bytes
+        for start in range(0, len(view), step):
+            part = view[start : start + step]
+            self._fh.write(part)
+            self.hasher.update(part)
+            if self.hasher.size // step > self._marked:  # another piece done, however fed
+                self._marked = self.hasher.size // step
+                self._on_progress()
+        return len(view)
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def tell(self) -> int:
+        return self.hasher.size
+
+    def flush(self) -> None:
+        if not self._fh.closed:
+            self._fh.flush()
+
+    def fileno(self) -> int:
+        return self._fh.fileno()
+
+    @property
+    def closed(self) -> bool:
+        return self._fh.closed
+
+    def sync(self) -> None:
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def finish(self) -> dict[str, Any]:
+        """Sync (unless the writer synced before closing, as DCP does) and close; the file's
+        marker entry."""
+        if not self._fh.closed:
+            self.sync()
+            self._fh.close()
+        self._on_progress()
+        return file_entry(self.hasher)
+
+    def __enter__(self) -> HashingWriter:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self._fh.close()
+
+
+def write_file(
+    path: Path, obj: Any, on_progress: Callable[[], None] | None = None
+) -> dict[str, Any]:
+    """Write ``obj`` (bytes as they are, anything else through ``torch.save``) to ``path``,
+    synced to its storage; its marker entry."""
+    with HashingWriter(path, on_progress) as out:
+        if isinstance(obj, (bytes, bytearray, memoryview)):
+            out.write(obj)
+        else:
+            torch.save(obj, out)  # type: ignore[arg-type]
+        return out.finish()
+
+
+def hashing_file_system(records: dict[str, dict[str, Any]], on_progress: Callable[[], None]) -> Any:
+    """A DCP file system (for ``FileSystemWriter.fs``) whose written files are hashed as they
+    are written: ``records`` gets each file's marker entry under its final path."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class HashingFileSystem(FileSystem):
+        @contextmanager
+        def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+            if "w" not in mode:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            with HashingWriter(Path(path), on_progress) as out:
+                yield out
+                records[str(path)] = out.finish()
+
+        def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+            super().rename(path, new_path)
+            if str(path) in records:
+                records[str(new_path)] = records.pop(str(path))
+
+    return HashingFileSystem()

@@ -1,0 +1,159 @@
+"""Verifying a checkpoint's files against its completion marker, the work shared by the ranks.
+
+The marker lists every file's size and the SHA-256 of each of its pieces
+(:data:`~dtrain.checkpoint.layout.PIECE_BYTES`). :func:`assign` deals the pieces out: a pure
+function of the marker and the world size, so every rank computes the same shares without
+asking. A rank's own files -- its RNG state, its communication state, its replica, its DCP
+shards -- are its own to verify (it reads them again to load them, from the page cache its
+check filled); every other piece goes to the rank with the fewest bytes so far, so each rank
+hashes about ``1 / world size`` of the checkpoint. :func:`verify_pieces` checks one share and
+names the first file that does not match.
+
+How the ranks then agree on the outcome, without waiting for each other under the collective
+timeout, is :mod:`dtrain.checkpoint.resume`'s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dtrain.checkpoint.layout import MARKER, SHARDED_DIR
+from dtrain.errors import CheckpointError
+from dtrain.fault.failpoints import failpoint
+
+# Bytes read and hashed between two progress marks.
+_CHUNK = 8 * 2**20
+
+# Files that belong to one rank, by the rank in their name: rng-rankNNNNN.pt,
+# comm-rankNNNNN.pt, model-rankNNNNN.pt and optimizer-rankNNNNN.pt (localsgd, diloco), and
+# DCP's dcp/__R_I.distcp.
+_OWNED = (
+    re.compile(r"^(?:rng|comm|model|optimizer)-rank(\d+)\.pt$"),
+    re.compile(rf"^{SHARDED_DIR}/__(\d+)_\d+\.distcp$"),
+)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One piece of a file to hash: ``length`` bytes from ``start``, whose SHA-256 is
+    ``digest``. A marker from before pieces has one piece a file, ``whole``."""
+
+    name: str  # the file, relative to the step folder
+    index: int
+    start: int
+    length: int
+    digest: str
+    file_bytes: int  # the whole file's size, as the marker gives it
+    whole: bool = False
+
+    def describe(self) -> str:
+        if self.whole or self.file_bytes <= self.length:
+            return ""
+        return f" (bytes {self.start}-{self.start + self.length - 1} of {self.file_bytes})"
+
+
+def pieces_of(marker: dict[str, Any]) -> list[Piece]:
+    """Every piece of every file the marker lists (a marker that :func:`read_marker` took)."""
+    out = []
+    for name, info in sorted(marker["files"].items()):
+        size = int(info["bytes"])
+        if "pieces" not in info:
+            out.append(Piece(name, 0, 0, size, str(info["sha256"]), size, whole=True))
+            continue
+        step = int(info["piece_bytes"])
+        for index, digest in enumerate(info["pieces"]):
+            start = index * step
+            out.append(Piece(name, index, start, max(0, min(step, size - start)), digest, size))
+    return out
+
+
+def owner_of(name: str, world_size: int) -> int | None:
+    """The rank whose own file ``name`` is, if it is one and that rank exists now."""
+    for pattern in _OWNED:
+        match = pattern.match(name)
+        if match:
+            rank = int(match.group(1))
+            return rank if rank < world_size else None
+    return None
+
+
+def assign(marker: dict[str, Any], world_size: int) -> list[list[Piece]]:
+    """Each rank's pieces to verify (index: rank), in file order. A rank's own files are its
+    own; the other pieces go, largest first, to the rank with the fewest bytes so far (ties:
+    the lowest rank)."""
+    shares: list[list[Piece]] = [[] for _ in range(world_size)]
+    loads = [0] * world_size
+    rest = []
+    for piece in pieces_of(marker):
+        owner = owner_of(piece.name, world_size)
+        if owner is None:
+            rest.append(piece)
+        else:
+            shares[owner].append(piece)
+            loads[owner] += piece.length
+    heap = [(load, rank) for rank, load in enumerate(loads)]
+    heapq.heapify(heap)
+    for piece in sorted(rest, key=lambda p: (-p.length, p.name, p.index)):
+        load, rank = heapq.heappop(heap)
+        shares[rank].append(piece)
+        heapq.heappush(heap, (load + piece.length, rank))
+    return [sorted(share, key=lambda p: (p.name, p.start)) for share in shares]
+
+
+def verify_pieces(
+    step_dir: Path, pieces: Iterable[Piece], on_progress: Callable[[], None] | None = None
+) -> str | None:
+    """Check ``pieces`` of the checkpoint in ``step_dir``: None, or the first problem, naming
+    the file (missing, of another size, or failing its checksum). ``on_progress`` is called
+    after each 8 MiB hashed and each piece."""
+    tick = on_progress or (lambda: None)
+    sizes: dict[str, int] = {}
+    buffer = bytearray(_CHUNK)
+    for piece in pieces:
+        path = step_dir / piece.name
+        if piece.name not in sizes:
+            try:
+                sizes[piece.name] = path.stat().st_size
+            except FileNotFoundError:
+                return f"{path} is missing (listed in {MARKER})"
+            if sizes[piece.name] != piece.file_bytes:
+                return f"{path} has {sizes[piece.name]} bytes, expected {piece.file_bytes}"
+        failpoint("checkpoint.verify_piece", path=path, index=piece.index)
+        if _hash_range(path, piece.start, piece.length, buffer, tick) != piece.digest:
+            return f"{path} fails its SHA-256 checksum{piece.describe()}"
+        tick()
+    return None
+
+
+def _hash_range(
+    path: Path, start: int, length: int, buffer: bytearray, tick: Callable[[], None]
+) -> str:
+    digest = hashlib.sha256()
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as fh:
+        fh.seek(start)
+        left = length
+        while left > 0:
+            got = fh.readinto(view[: min(left, len(view))])
+            if not got:
+                break  # the file is shorter than its size said a moment ago
+            digest.update(view[:got])
+            left -= got
+            tick()
+    return digest.hexdigest()
+
+
+def verify_all(
+    step_dir: Path, marker: dict[str, Any], on_progress: Callable[[], None] | None = None
+) -> None:
+    """Every piece, in this process; raise :class:`CheckpointError` naming the first bad
+    file."""
+    problem = verify_pieces(step_dir, assign(marker, 1)[0], on_progress)
+    if problem:
+        raise CheckpointError(problem)
