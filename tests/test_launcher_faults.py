@@ -310,3 +310,23 @@ def test_a_rank_killed_mid_run_is_named_with_the_step_and_phase_it_reached(
     assert killed.pid in pids
     left = [f for pid in pids for f in Path("/dev/shm").glob(f"dtrain-*{pid}*")]
     assert not left, left
+
+
+def test_sigusr1_to_the_launcher_saves_and_exits_0(tmp_path: Path) -> None:
+    # Slurm's `--signal=USR1@N` and `scancel --signal=USR1`: torch's agent forwards only
+    # SIGTERM, SIGINT, SIGHUP and SIGQUIT by default, and SIGUSR1 killed it (exit 138) and the
+    # workers with it, unsaved. `dtrain train` has it forward every fault.preempt_signals.
+    run_dir = tmp_path / "usr1"
+    proc = start(write_config(tmp_path / "usr1.toml", run_dir), "--train.steps=200")
+    wait_for_step(run_dir, 3, proc)
+    proc.send_signal(signal.SIGUSR1)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "preempted" and status["signal"] == "SIGUSR1", status
+    assert 3 <= status["step"] < 200
+    saved = run_dir / "checkpoints" / f"step-{status['step']:08d}" / "COMMITTED.json"
+    assert saved.exists()
+    assert f"preempted by signal {int(signal.SIGUSR1)}; saved at step {status['step']}" in err
+    assert "warning: fault.preempt_signals" not in err  # the launcher forwards it: no warning
+    assert not children_of(proc.pid)

@@ -167,7 +167,12 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.toml"
     write_atomic(config_path, cfg.to_toml())
-    return launch_workers(config_path, opts, grace_s=cfg.fault.preempt_grace_s)
+    return launch_workers(
+        config_path,
+        opts,
+        grace_s=cfg.fault.preempt_grace_s,
+        preempt_signals=cfg.fault.preempt_signals,
+    )
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:

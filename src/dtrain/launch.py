@@ -11,10 +11,12 @@ from __future__ import annotations
 import os
 import sys
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
+from dtrain.fault.preempt import signals_to_forward
 from dtrain.fault.status import read_status
 from dtrain.network import choose_node_network, interface_of_host, split_endpoint
 from dtrain.reachability import NODE_ADDR_ENV, describe, wait_for_endpoint
@@ -117,9 +119,16 @@ def make_options(
     )
 
 
-def launch_workers(config_path: Path, opts: LaunchOptions, grace_s: float = 120.0) -> int:
+def launch_workers(
+    config_path: Path,
+    opts: LaunchOptions,
+    grace_s: float = 120.0,
+    preempt_signals: Sequence[str] = ("SIGTERM", "SIGUSR1"),
+) -> int:
     """Run the job; returns the exit code for the CLI. ``grace_s``: how long workers get to
-    save and exit after the launcher is sent a preemption signal, before they are killed."""
+    save and exit after the launcher is sent a preemption signal, before they are killed;
+    ``preempt_signals``: the signals the launcher forwards to them (``fault.preempt_signals``)
+    besides those torch's agent forwards anyway."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -145,6 +154,10 @@ def launch_workers(config_path: Path, opts: LaunchOptions, grace_s: float = 120.
         # On SIGTERM the agent forwards it to the workers, which save at the next step
         # boundary; this is how long it waits for them before SIGKILL.
         shutdown_timeout=int(grace_s),
+        # torch's agent forwards only SIGTERM, SIGINT, SIGHUP and SIGQUIT unless told
+        # otherwise: SIGUSR1 (Slurm's --signal=USR1@N) would kill it, and the workers with
+        # it, unsaved.
+        signals_to_handle=signals_to_forward(preempt_signals, os.environ),
     )
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     # The workers host a fresh key-value store every rendezvous round, instead of sharing the

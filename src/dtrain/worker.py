@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from dtrain.config import Config
 from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
+from dtrain.fault.preempt import unforwarded, unforwarded_warning
 from dtrain.fsutil import write_atomic
 from dtrain.job import build_trainer, load_job_config
 from dtrain.metrics.summary import Summary, print_summary
@@ -35,6 +36,7 @@ def train(cfg: Config) -> Summary:
     try:
         trainer = build_trainer(cfg)
         if trainer.is_main:
+            warn_unforwarded_signals(cfg)
             os.makedirs(cfg.run.dir, exist_ok=True)
             write_atomic(os.path.join(cfg.run.dir, "config.toml"), cfg.to_toml())
         summary = trainer.fit()
@@ -44,6 +46,14 @@ def train(cfg: Config) -> Summary:
     finally:
         join_helper_threads()
         shutdown_runtime()
+
+
+def warn_unforwarded_signals(cfg: Config) -> None:
+    """Under plain ``torchrun``: say which preemption signals its agent would not forward (and
+    would die of), and how to fix it. ``dtrain train`` tells its agent to forward them all."""
+    names = unforwarded(cfg.fault.preempt_signals)
+    if names:
+        print(f"dtrain: warning: {unforwarded_warning(names)}", file=sys.stderr, flush=True)
 
 
 def join_helper_threads(timeout_s: float = 2.0) -> None:

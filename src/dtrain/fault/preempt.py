@@ -10,10 +10,61 @@ together, after the same step's update.
 
 from __future__ import annotations
 
+import os
 import signal
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import Any
+
+# The signals torch's elastic agent (the launcher of ``dtrain train`` and of ``torchrun``)
+# catches and forwards to its workers, unless told others (torchrun --signals-to-handle,
+# LaunchConfig.signals_to_handle; the agent passes its list on to the workers in
+# TORCHELASTIC_SIGNALS_TO_HANDLE). Any
+# other signal keeps its default action there: SIGUSR1 kills the agent (exit 138), whose
+# workers then die with it (``dtrain.worker.die_with_launcher``) without saving.
+AGENT_SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+AGENT_DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
+# Signals no process can catch: a handler for them cannot be installed.
+UNCATCHABLE = frozenset({"SIGKILL", "SIGSTOP"})
+
+
+def agent_signals(env: Mapping[str, str]) -> list[str]:
+    """The signals the elastic agent whose environment is ``env`` forwards to its workers."""
+    listed = env.get(AGENT_SIGNALS_ENV)
+    names = listed.split(",") if listed is not None else AGENT_DEFAULT_SIGNALS
+    return [name.strip() for name in names if name.strip()]
+
+
+def signals_to_forward(preempt_signals: Sequence[str], env: Mapping[str, str]) -> str:
+    """The value of TORCHELASTIC_SIGNALS_TO_HANDLE that makes the agent also forward every
+    preemption signal: what it handles already (its defaults, or the user's list), then the
+    preemption signals it would not."""
+    names = agent_signals(env)
+    return ",".join([*names, *(name for name in preempt_signals if name not in names)])
+
+
+def unforwarded(preempt_signals: Sequence[str], env: Mapping[str, str] | None = None) -> list[str]:
+    """The preemption signals that the elastic agent this worker runs under (plain
+    ``torchrun``) would not forward; empty outside an agent (a single process)."""
+    env = os.environ if env is None else env
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return []
+    forwarded = set(agent_signals(env))
+    return [name for name in preempt_signals if name not in forwarded]
+
+
+def unforwarded_warning(names: Sequence[str]) -> str:
+    """Words for :func:`unforwarded`'s answer: what happens, and what to do."""
+    listed, forwarded = ", ".join(names), ", ".join(agent_signals(os.environ))
+    wanted = signals_to_forward(names, os.environ)
+    return (
+        f"fault.preempt_signals: {listed} sent to the launcher kills it, and this job's workers "
+        f"with it, unsaved (torch's launcher forwards only {forwarded}); "
+        f"start torchrun with --signals-to-handle={wanted} (and --shutdown-timeout=SECONDS, "
+        "the workers' time to save, default 30), or send the signal to the workers only "
+        "(`dtrain train` forwards every fault.preempt_signals)"
+    )
 
 
 class PreemptionFlag:
