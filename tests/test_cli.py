@@ -74,6 +74,15 @@ def write_tiny_config(path: Path, run_dir: Path, **extra: str) -> Path:
         (["train", "--nproc", "4", "--data.global_batch_size=2"], "smaller than 4 data-parallel"),
         (["train", "--train.steps", "3"], "has no value"),
         (["train", "stray", "extra"], "unrecognized argument 'extra'"),
+        # Found by the workers before (a traceback in each): checked with the config now.
+        (["train", "--task.n_head=5"], "task.n_head = 5 does not divide task.d_model = 192"),
+        (["train", "--task.seq_len=0"], "task.seq_len = 0 is out of range: it must be at least 1"),
+        (["train", "--optim.lr=nan"], "optim.lr = nan is not a finite number"),
+        (["train", "--optim.lr=inf"], "optim.lr = inf is not a finite number"),
+        (["train", "--balance.max_change=inf"], "balance.max_change = inf is not a finite"),
+        (["train", "--optim.momentum=nan"], "optim.momentum = nan is not a finite number"),
+        (["train", '--fault.preempt_signals=["SIGKILL"]'], "SIGKILL cannot be caught"),
+        (["train", '--fault.preempt_signals=["SIGSTOP"]'], "SIGSTOP cannot be caught"),
         (["verify", "/no/such/dataset"], "does not exist"),
         (["prepare", "/no/such/source", "/tmp/x"], "source /no/such/source does not exist"),
     ],
@@ -86,6 +95,18 @@ def test_user_mistakes_exit_2_with_one_line(
     assert message in err
     assert err.count("\n") == 1 and err.startswith("dtrain: error: ")
     assert "Traceback" not in err
+
+
+def test_a_run_dir_that_is_a_file_is_one_line_before_any_worker_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder\n")
+    for run_dir in (blocker, blocker / "below" / "it"):
+        assert main(["train", f"--run.dir={run_dir}", "--train.steps=1"]) == 2
+        err = capsys.readouterr().err
+        said = f"run.dir {run_dir}: {blocker} is a file, not a folder; choose another run.dir"
+        assert err == f"dtrain: error: {said}\n"
 
 
 def test_import_error_inside_a_task_module_is_reported(

@@ -126,7 +126,7 @@ def split_overrides(extra: Sequence[str]) -> list[str]:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from dtrain.checkpoint.rundir import check_run_dir
+    from dtrain.checkpoint.rundir import check_run_dir, make_run_dir
     from dtrain.config import validate_ranks
     from dtrain.fsutil import write_atomic
     from dtrain.job import default_run_dir, load_job_config
@@ -163,8 +163,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if not cfg.run.dir:
         cfg.run.dir = default_run_dir(args.run_id)
     check_run_dir(cfg, args.force)
-    run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = make_run_dir(cfg.run.dir)
     config_path = run_dir / "config.toml"
     write_atomic(config_path, cfg.to_toml())
     return launch_workers(

@@ -102,3 +102,17 @@ def check_run_dir(cfg: Config, force: bool) -> Path | None:
             "run.dir, or pass --force to resume anyway"
         )
     return path
+
+
+def make_run_dir(run_dir: str | Path) -> Path:
+    """Create the run folder (and its parents) if needed; a path that is, or runs through, a
+    file is the user's mistake, said in one line."""
+    path = Path(run_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), path)
+        raise UserError(
+            f"run.dir {run_dir}: {blocker} is a file, not a folder; choose another run.dir"
+        ) from None
+    return path
