@@ -232,6 +232,26 @@ def test_a_silent_remote_peer_is_reported_by_the_age_of_its_last_heartbeat(store
     )
 
 
+def test_a_remote_peer_killed_a_moment_ago_is_named_as_killed_once_its_beats_stop(
+    store: Any,
+) -> None:
+    # A rank on another machine is kill -9'd: its socket closes at once (the collective fails
+    # with "Connection reset by peer"), while its last beat is still fresh -- the diagnosis
+    # said "every other rank is still beating (the failure may be in the network)".
+    watchdog = Watchdog(0, 2, heartbeat_s=1.0, timeout_s=5.0)
+    beat = beat_of(pid=4121, step=7, phase="forward_backward", alive_at=time.time() - 0.3)
+    store.set(HB1, beat)
+    started = time.monotonic()
+    words = watchdog.diagnose(closed=True)
+    assert re.fullmatch(
+        r"rank 1 \(elsewhere, pid 4121\) died: killed or crashed \(its connection closed, it "
+        r"posted no error, and its heartbeats stopped\): its last heartbeat, 3\.\ds old, was "
+        r"at step 7 in forward_backward",
+        words,
+    ), words
+    assert time.monotonic() - started < 4.5  # a few heartbeats, then named
+
+
 def test_a_silent_local_peer_is_reported_at_the_phase_it_is_stuck_in(
     tmp_path: Path, store: Any
 ) -> None:

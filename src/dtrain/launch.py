@@ -9,6 +9,7 @@ worker dies (the workers resume from the newest checkpoint by themselves), and w
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import uuid
 from collections.abc import Sequence
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
+from dtrain.fault.error_log import LOGS_DIR
 from dtrain.fault.preempt import signals_to_forward
 from dtrain.fault.status import read_status
 from dtrain.network import choose_node_network, interface_of_host, split_endpoint
@@ -181,7 +183,7 @@ def launch_workers(
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise UserError(f"rendezvous at {opts.rdzv_endpoint} failed: {first}") from None
     except ChildFailedError as exc:
-        return report_failure(exc, opts)
+        return report_failure(exc, opts, config_path.parent)
     except SignalException as exc:
         return report_preemption(config_path.parent, int(exc.sigval))
     return 0
@@ -240,9 +242,10 @@ def report_preemption(run_dir: Path, signum: int) -> int:
     return 128 + signum
 
 
-def report_failure(exc: object, opts: LaunchOptions) -> int:
+def report_failure(exc: object, opts: LaunchOptions, run_dir: Path | None = None) -> int:
     """One line per failed rank, the first failure first; exit 2 when every failure was a
-    user error (the worker said so with exit code 2), else 1."""
+    user error (the worker said so with exit code 2), else 1. The workers keep their full
+    tracebacks in ``RUN_DIR/logs/`` (dtrain.fault.error_log)."""
     failures = getattr(exc, "failures", {})
     ordered = sorted(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
     attempts = opts.max_restarts + 1
@@ -251,16 +254,40 @@ def report_failure(exc: object, opts: LaunchOptions) -> int:
         file=sys.stderr,
     )
     for rank, failure in ordered:
-        message = failure.message
-        if isinstance(message, dict):  # torch's error-file format: the message and a callstack
-            message = message.get("message", "")
-        lines = str(message).strip().splitlines()
-        first = lines[0] if lines else ""
         print(
-            f"  rank {rank} (pid {failure.pid}, exit code {failure.exitcode}): {first}",
+            f"  rank {rank} (pid {failure.pid}, {exit_words(failure.exitcode)}): "
+            f"{failure_words(failure.message, failure.exitcode)}",
             file=sys.stderr,
         )
+    logs = run_dir / LOGS_DIR if run_dir is not None else None
+    if logs is not None and logs.is_dir():
+        print(f"dtrain: the failed ranks' tracebacks are in {logs}/", file=sys.stderr)
     # The root cause decides: a user error (exit 2) on the first rank to fail, whatever the
     # others died of when the agent stopped them.
     user_error = bool(ordered) and ordered[0][1].exitcode == USER_ERROR_EXIT_CODE
     return USER_ERROR_EXIT_CODE if user_error else 1
+
+
+def exit_words(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def failure_words(message: object, exitcode: int) -> str:
+    """The first line of a rank's error; for a rank killed by a signal (which leaves no error
+    of its own), what may have sent it."""
+    if exitcode == -signal.SIGKILL:
+        return (
+            "no error of its own: killed outright (kill -9, or the kernel's OOM killer when the "
+            "machine ran out of memory: see `dmesg`)"
+        )
+    if exitcode < 0:
+        return "no error of its own: ended by the signal"
+    if isinstance(message, dict):  # torch's error-file format: the message and a callstack
+        message = message.get("message", "")
+    lines = str(message).strip().splitlines()
+    return lines[0] if lines else ""

@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 
 from dtrain.config import Config
 from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
+from dtrain.fault.error_log import append_traceback
+from dtrain.fault.oom import OutOfMemory
+from dtrain.fault.oom import describe as describe_oom
 from dtrain.fault.preempt import unforwarded, unforwarded_warning
 from dtrain.fsutil import write_atomic
 from dtrain.job import build_trainer, load_job_config
@@ -103,20 +108,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     freeze_heap_at_exit()
     die_with_launcher()
     rank = os.environ.get("RANK", "0")
+    cfg: Config | None = None
     try:
-        train(load_worker_config(args))
+        cfg = load_worker_config(args)
+        train(cfg)
     except UserError as exc:
         message = f"rank {rank}: {exc}"
         record_user_error(message)
         print(f"dtrain: error: {message}", file=sys.stderr, flush=True)
         return USER_ERROR_EXIT_CODE
-    except BaseException as exc:
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-        if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            ErrorHandler().record_exception(exc)
+    except (KeyboardInterrupt, SystemExit):
         raise
+    except BaseException as exc:
+        return report_crash(exc, int(rank), cfg.run.dir if cfg is not None else "")
     return 0
+
+
+def report_crash(error: BaseException, rank: int, run_dir: str) -> int:
+    """Any other error: one line on stderr, the full traceback in the run folder's log
+    (``RUN_DIR/logs/rankN.log``, named on that line), the error where the launcher reads it;
+    exit code 1. A restart of many ranks then prints a line per rank, not a traceback each.
+    Without a run folder to log in, the traceback goes to stderr as before."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    words = describe_oom(error, f"rank {rank} ({socket.gethostname()})", "at start-up")
+    if words is not None and not isinstance(error, OutOfMemory):
+        wrapped = OutOfMemory(words)  # outside the loop: building the model, say
+        wrapped.__cause__ = error
+        error = wrapped
+    ErrorHandler().record_exception(error)
+    text = f"{type(error).__name__}: {error}".strip()
+    first = text.splitlines()[0] if text else type(error).__name__
+    log = append_traceback(run_dir, rank, error) if run_dir else None
+    if log is None:
+        traceback.print_exception(error)
+    where = f" (traceback: {log})" if log is not None else ""
+    print(f"dtrain: error: rank {rank}: {first}{where}", file=sys.stderr, flush=True)
+    return 1
 
 
 if __name__ == "__main__":

@@ -33,6 +33,14 @@ def is_collective_failure(exc: BaseException) -> bool:
     )
 
 
+def connection_closed(exc: BaseException) -> bool:
+    """Whether a collective failed because a peer's end of its connection closed or was reset
+    -- the peer's process ended (a process that ends closes its sockets) -- rather than timing
+    out (a peer stopped, hung or cut off)."""
+    text = str(exc).lower()
+    return any(m in text for m in ("closed by peer", "reset by peer", "broken pipe"))
+
+
 def collective_cause(error: BaseException) -> str:
     """The collective's error in one line, without gloo's source location, cut at a word."""
     text = str(error).strip()

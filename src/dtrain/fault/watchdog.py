@@ -54,6 +54,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dtrain.fault import oom
 from dtrain.fault.liveness import (
     Liveness,
     LivenessFile,
@@ -66,6 +67,7 @@ from dtrain.fault.peer_failure import (
     PeerFailure,
     beat_words,
     collective_cause,
+    connection_closed,
     is_collective_failure,
     who,
 )
@@ -335,10 +337,39 @@ class Watchdog:
             return None
         return read_liveness(liveness_path(self.run_dir, beat.rank), beat.pid)
 
-    def diagnose(self) -> str:
-        """Who is missing, in words."""
+    def diagnose(self, closed: bool = False) -> str:
+        """Who is missing, in words. ``closed``: this rank's collective failed because a
+        peer's end of a connection closed (its process ended: killed, crashed or exited),
+        not because one stopped answering.
+
+        A rank that died on another machine posts nothing and cannot be looked up; its beats
+        only stop. So while nobody is named yet, the store is read again for as long as it
+        takes a dead rank's beat to go stale (a few heartbeats), instead of saying "every
+        other rank is still beating" about a rank killed a moment ago."""
         if self.store is None:
             return "no rendezvous store to ask which rank is missing"
+        stale_after = max(3 * self.heartbeat_s, 3.0)
+        deadline = time.monotonic() + stale_after + 0.5
+        # A beat's seen_at as this rank first read it, and when (time.monotonic()): a beat
+        # that has not changed for stale_after of this machine's time has stopped, whatever
+        # the two machines' clocks say.
+        first_seen: dict[int, tuple[float, float]] = {}
+        while True:
+            parts = self._missing(first_seen, stale_after, closed)
+            if isinstance(parts, str):
+                return parts  # the store itself is gone
+            if parts or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        if not parts:
+            return "every other rank is still beating (the failure may be in the network)"
+        return "; ".join(parts)
+
+    def _missing(
+        self, first_seen: dict[int, tuple[float, float]], stale_after: float, closed: bool
+    ) -> list[str] | str:
+        """One reading of the store: the ranks found missing, in words; or, when the store
+        cannot be read, the diagnosis of its loss."""
         # A healthy store answers in milliseconds; a short bound keeps the whole diagnosis
         # (after the collective's own timeout) within the time a user waits for it.
         quick = max(1.0, min(2.0, self.heartbeat_s))
@@ -351,8 +382,7 @@ class Watchdog:
             first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
             why = f"({type(exc).__name__}: {first})"
             return self._store_lost(why, isinstance(exc, StoreTimeout), store_hosted_by_launcher())
-        now = time.time()
-        stale_after = max(3 * self.heartbeat_s, 3.0)
+        now, clock = time.time(), time.monotonic()
         parts = []
         for rank, record in sorted(failed.items()):
             parts.append(
@@ -364,15 +394,26 @@ class Watchdog:
                 continue
             if beat is None:
                 parts.append(f"rank {rank} never checked in")
-            elif beat.host == self.host and not process_alive(beat.pid):
+                continue
+            seen = first_seen.setdefault(rank, (beat.seen_at, clock))
+            if seen[0] != beat.seen_at:
+                first_seen[rank] = seen = (beat.seen_at, clock)
+            silent = now - beat.seen_at > stale_after or clock - seen[1] > stale_after
+            if beat.host == self.host and not process_alive(beat.pid):
                 # Killed outright (kill -9, the OOM killer): no error posted, and a beat that
                 # may be many steps behind; its liveness file says where it was.
                 parts.append(f"{who(rank, beat)} died: {self._last_words_of(beat, now)}")
-            elif now - beat.seen_at > stale_after:
+            elif silent and closed and beat.host != self.host:
+                # On another machine: its connection closed (a process that ends closes its
+                # sockets; a cut-off or frozen one would time out instead), it posted no
+                # error, and its beats stopped.
+                parts.append(
+                    f"{who(rank, beat)} died: killed or crashed (its connection closed, it "
+                    f"posted no error, and its heartbeats stopped): {beat_words(beat, now)}"
+                )
+            elif silent:
                 parts.append(f"{who(rank, beat)} stopped responding: {self._last_known(beat, now)}")
-        if not parts:
-            return "every other rank is still beating (the failure may be in the network)"
-        return "; ".join(parts)
+        return parts
 
     def _last_words_of(self, beat: Liveness, now: float) -> str:
         """Where a rank of this machine whose process is gone was when it died."""
@@ -411,21 +452,31 @@ class Watchdog:
 
     def on_error(self, error: BaseException) -> BaseException:
         """What the trainer raises for an error out of its loop: a collective that failed
-        becomes a :class:`PeerFailure` naming the peer at fault; this rank's own error is
-        posted for the other ranks to name, and stays as it is."""
+        becomes a :class:`PeerFailure` naming the peer at fault; an allocation that failed an
+        :class:`~dtrain.fault.oom.OutOfMemory` in one line; this rank's own error is posted
+        for the other ranks to name (and, but for running out of memory, stays as it is)."""
         if isinstance(error, PeerFailure):
             return error
-        if is_collective_failure(error):
+        # Out of memory first: this rank's own failure, whatever the allocator's words.
+        words = oom.describe(error, f"rank {self.rank} ({self.host})", self.where())
+        if words is not None:
+            error = oom.OutOfMemory(words)
+        elif is_collective_failure(error):
             return self.peer_failure(error)
         self.report_failure(error)
         return error
+
+    def where(self) -> str:
+        """This rank's place, in words: ``at step 3 in forward_backward``."""
+        return f"at step {self.step} in {self.phase}"
 
     def peer_failure(self, error: BaseException) -> PeerFailure:
         # Give a failing peer a moment to post its error (it may still be on its way out).
         time.sleep(min(1.0, self.heartbeat_s))
         return PeerFailure(
             f"rank {self.rank} ({self.host}) at step {self.step} in {self.phase}: a collective "
-            f"failed: {self.diagnose()} (collective error: {collective_cause(error)})"
+            f"failed: {self.diagnose(connection_closed(error))} (collective error: "
+            f"{collective_cause(error)})"
         )
 
 

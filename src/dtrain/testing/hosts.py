@@ -40,12 +40,22 @@ class Hosts:
     the script warns and goes on without it where the kernel lacks netem)."""
 
     def __init__(
-        self, n: int, rate: str = "none", delay: str = "", prefix: str | None = None
+        self,
+        n: int,
+        rate: str = "none",
+        delay: str = "",
+        prefix: str | None = None,
+        hostnames: bool = False,
     ) -> None:
+        """``hostnames``: each host also gets its own hostname, ``{prefix}-hI`` (a UTS
+        namespace per command run in it), as separate machines have; else they share this
+        machine's, and dtrain takes their ranks for ranks of one machine (whose processes it
+        may look up: the hosts do share one process table)."""
         self.n = n
         self.rate = rate
         self.delay = delay
         self.prefix = prefix or f"dt{os.getpid() % 100000}"
+        self.hostnames = hostnames
         self.up_output = ""
 
     # -- lifetime --------------------------------------------------------------------------
@@ -98,7 +108,11 @@ class Hosts:
 
     def exec_prefix(self, i: int) -> list[str]:
         """What to put before a command to run it in host ``i``."""
-        return ["ip", "netns", "exec", self.namespace(i)]
+        prefix = ["ip", "netns", "exec", self.namespace(i)]
+        if self.hostnames:
+            name = self.namespace(i)
+            prefix += ["unshare", "--uts", "sh", "-c", f'hostname {name} && exec "$@"', "sh"]
+        return prefix
 
     def run(
         self, i: int, argv: Sequence[str], timeout: float = 600, **kwargs: Any
