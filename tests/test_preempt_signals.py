@@ -67,3 +67,26 @@ def test_sigusr1_under_plain_torchrun_saves_where_torchrun_is_told_to_forward_it
             assert proc.returncode == -signal.SIGUSR1  # killed; nothing saved at the signal
             assert '"running"' in state
             assert "start torchrun with --signals-to-handle=" in err
+
+
+_EARLY = """
+import os, signal, sys
+from dtrain.fault.preempt import PreemptionFlag, catch_early, settle_early
+catch_early()                       # a worker's first moment: the default signals
+os.kill(os.getpid(), signal.SIGUSR1)  # start-up: Slurm's --signal=USR1@N came early
+settle_early(sys.argv[1:])          # the config is read: its signals
+flag = PreemptionFlag(sys.argv[1:])  # the trainer's flag
+print(flag.signal_name)
+"""
+
+
+def test_a_preemption_signal_during_start_up_is_remembered_not_fatal() -> None:
+    def run(*names: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", _EARLY, *names], capture_output=True, text=True, timeout=60
+        )
+
+    remembered = run("SIGTERM", "SIGUSR1")
+    assert remembered.returncode == 0 and remembered.stdout.strip() == "SIGUSR1"
+    # A config that does not name it: the signal's default action, as before.
+    assert run("SIGTERM").returncode == -signal.SIGUSR1

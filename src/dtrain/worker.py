@@ -3,8 +3,8 @@
 ``dtrain train`` starts one per rank through torch's elastic agent; plain ``torchrun -m
 dtrain.worker ...`` works the same. A user mistake found here (a dataset that does not exist, a
 checkpoint that does not fit) ends the worker with exit code 2 and a one-line message, which is
-also written to torch elastic's error file so the launcher can repeat it; dtrain's own bugs
-keep their traceback.
+also written to torch elastic's error file so the launcher can repeat it; any other error ends
+it with exit code 1, one line on stderr and its traceback in ``RUN_DIR/logs/rankN.log``.
 """
 
 from __future__ import annotations
@@ -17,27 +17,37 @@ import threading
 import time
 import traceback
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from dtrain.config import Config
 from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
 from dtrain.fault.error_log import append_traceback
 from dtrain.fault.oom import OutOfMemory
 from dtrain.fault.oom import describe as describe_oom
-from dtrain.fault.preempt import unforwarded, unforwarded_warning
+from dtrain.fault.preempt import catch_early, settle_early, unforwarded, unforwarded_warning
 from dtrain.fsutil import write_atomic
-from dtrain.job import build_trainer, load_job_config
-from dtrain.metrics.summary import Summary, print_summary
 from dtrain.process_exit import freeze_heap_at_exit
-from dtrain.runtime import shutdown_runtime
+
+if TYPE_CHECKING:
+    from dtrain.metrics.summary import Summary
+
+# Nothing here imports torch at module level: main() must set up its signal handling before
+# the second or two that importing torch takes (see dtrain.fault.preempt.catch_early).
 
 
 def load_worker_config(argv: Sequence[str]) -> Config:
+    from dtrain.job import load_job_config
+
     path = argv[0] if argv and not argv[0].startswith("--") else None
     return load_job_config(path, list(argv[1:] if path else argv))
 
 
 def train(cfg: Config) -> Summary:
     """Run training in this process, as one rank of the job the environment describes."""
+    from dtrain.job import build_trainer
+    from dtrain.metrics.summary import print_summary
+    from dtrain.runtime import shutdown_runtime
+
     try:
         trainer = build_trainer(cfg)
         if trainer.is_main:
@@ -105,12 +115,14 @@ def die_with_launcher() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    catch_early()
     freeze_heap_at_exit()
     die_with_launcher()
     rank = os.environ.get("RANK", "0")
     cfg: Config | None = None
     try:
         cfg = load_worker_config(args)
+        settle_early(cfg.fault.preempt_signals)
         train(cfg)
     except UserError as exc:
         message = f"rank {rank}: {exc}"

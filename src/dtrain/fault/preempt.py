@@ -67,9 +67,50 @@ def unforwarded_warning(names: Sequence[str]) -> str:
     )
 
 
+# A worker's preemption signals from its first moment until the trainer's flag takes over:
+# those the default config names (catch_early, before the config is read), then the config's
+# own (settle_early). A signal in between -- Slurm's --signal=USR1@N may come up to a minute
+# early, during start-up -- is remembered, and the first step's agreement stops the run with
+# a save, instead of the signal's default action ending the worker unsaved.
+_EARLY: dict[str, Any] = {"signum": 0, "caught": set()}
+DEFAULT_PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1")
+
+
+def _remember(signum: int, frame: FrameType | None) -> None:
+    _EARLY["signum"] = _EARLY["signum"] or signum
+
+
+def catch_early(signal_names: Sequence[str] = DEFAULT_PREEMPT_SIGNALS) -> None:
+    """Remember the preemption signals that arrive before the trainer runs (a worker's main
+    thread, first thing)."""
+    for name in signal_names:
+        sig = getattr(signal, name)
+        signal.signal(sig, _remember)
+        _EARLY["caught"].add(sig)
+
+
+def settle_early(signal_names: Sequence[str]) -> None:
+    """Once the config is read: keep remembering the signals it names; give those it does not
+    their default action back -- and apply it now, to one that came meanwhile."""
+    wanted = {getattr(signal, name) for name in signal_names}
+    for sig in sorted(_EARLY["caught"] - wanted):
+        signal.signal(sig, signal.SIG_DFL)
+        _EARLY["caught"].discard(sig)
+        if _EARLY["signum"] == sig:
+            _EARLY["signum"] = 0
+            os.kill(os.getpid(), sig)
+    catch_early([signal.Signals(sig).name for sig in wanted - _EARLY["caught"]])
+
+
+def early_signal() -> int:
+    """The preemption signal that came before the trainer's flag was set up (0: none)."""
+    return int(_EARLY["signum"])
+
+
 class PreemptionFlag:
     def __init__(self, signal_names: Sequence[str]) -> None:
-        self.signum: int = 0
+        wanted = {getattr(signal, name) for name in signal_names}
+        self.signum: int = early_signal() if early_signal() in wanted else 0
         self._previous: dict[int, Any] = {}
         for name in signal_names:
             sig = getattr(signal, name)
