@@ -279,13 +279,52 @@ def test_rank0_lost_with_its_store_is_reported_by_the_age_of_its_kept_beat(store
             beat_of(0, host="elsewhere", pid=812, step=9, phase="data", alive_at=time.time() - 4)
         )
     )
-    text = watchdog._store_lost("(StoreTimeout: ...)", True, False)
+    # The store's address still accepts connections (the fixture's store): rank 0 is alive
+    # but silent (stopped, hung).
+    text, network = watchdog._store_lost("(StoreTimeout: ...)", True, False)
     assert re.fullmatch(
         r"rank 0 \(elsewhere, pid 812\) stopped responding: its last heartbeat, 4\.[01]s old, "
         r"was at step 9 in data; it hosted the job's key-value store, now unreachable "
         r"\(StoreTimeout: \.\.\.\)",
         text,
     )
+    assert not network
+
+
+def test_the_store_s_machine_that_refuses_or_does_not_answer_is_a_death_or_the_network(
+    store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A probe of the store's address tells the three apart: accepted (above), refused (its
+    # machine is up, rank 0's process is gone), no answer (the network path, or the machine).
+    watchdog = Watchdog(1, 2, heartbeat_s=1.0, timeout_s=5.0)
+    watchdog._rank0_beat = Liveness.from_dict(
+        json.loads(
+            beat_of(0, host="elsewhere", pid=812, step=9, phase="data", alive_at=time.time() - 4)
+        )
+    )
+    watchdog.node = "host 10.0.0.2"
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    answers = iter([("refused", "Connection refused"), ("unreachable", "No route to host")])
+    monkeypatch.setattr("dtrain.fault.watchdog.probe", lambda *_: next(answers))
+    text, network = watchdog._store_lost("(ConnectionError: ...)", False, False)
+    assert (
+        text.startswith(
+            "rank 0 (elsewhere, pid 812) died: killed or crashed (its machine 10.0.0.1 refuses "
+            "connections to the store: Connection refused): its last heartbeat, 4."
+        )
+        and not network
+    ), text
+    text, network = watchdog._store_lost("(ConnectionError: ...)", False, False)
+    assert (
+        re.fullmatch(
+            r"rank 0 \(elsewhere, pid 812\) is cut off: host 10\.0\.0\.2 has no network path to "
+            r"10\.0\.0\.1 \(No route to host\) since \d\d:\d\d:\d\d \(\d+s ago\): its last "
+            r"heartbeat, 4\.\ds old, was at step 9 in data; it hosted the job's key-value store, now "
+            r"unreachable \(ConnectionError: \.\.\.\)",
+            text,
+        )
+        and network
+    ), text
 
 
 def test_a_rank_beats_soon_after_its_step_changes_and_leaves_its_record_at_stop(

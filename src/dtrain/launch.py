@@ -8,6 +8,7 @@ worker dies (the workers resume from the newest checkpoint by themselves), and w
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -21,7 +22,14 @@ from dtrain.fault.error_log import LOGS_DIR
 from dtrain.fault.preempt import signals_to_forward
 from dtrain.fault.status import read_status
 from dtrain.network import choose_node_network, interface_of_host, split_endpoint
-from dtrain.reachability import NODE_ADDR_ENV, describe, wait_for_endpoint
+from dtrain.reachability import (
+    NODE_ADDR_ENV,
+    REFUSED,
+    UNREACHABLE,
+    describe,
+    probe,
+    wait_for_endpoint,
+)
 from dtrain.runtime import available_cores
 
 
@@ -126,20 +134,25 @@ def launch_workers(
     opts: LaunchOptions,
     grace_s: float = 120.0,
     preempt_signals: Sequence[str] = ("SIGTERM", "SIGUSR1"),
+    collective_timeout_s: float = 300.0,
 ) -> int:
     """Run the job; returns the exit code for the CLI. ``grace_s``: how long workers get to
     save and exit after the launcher is sent a preemption signal, before they are killed;
     ``preempt_signals``: the signals the launcher forwards to them (``fault.preempt_signals``)
-    besides those torch's agent forwards anyway."""
+    besides those torch's agent forwards anyway; ``collective_timeout_s``: the workers'
+    ``dist.timeout_s`` (the launcher outlasts any outage they ride through)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     standalone = not opts.rdzv_endpoint
-    rdzv_configs: dict[str, object] = {"timeout": opts.rdzv_timeout_s}
+    rdzv_configs: dict[str, object] = {
+        "timeout": opts.rdzv_timeout_s,
+        "read_timeout": agent_store_timeout(opts, collective_timeout_s),
+    }
     if opts.node_rank is not None:
-        rdzv_configs["is_host"] = opts.node_rank == 0
+        rdzv_configs["is_host"] = hosts_rendezvous(opts)
     config = LaunchConfig(
         min_nodes=opts.min_nodes,
         max_nodes=opts.max_nodes,
@@ -175,18 +188,75 @@ def launch_workers(
         os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = opts.iface
     if opts.local_addr:
         os.environ[NODE_ADDR_ENV] = opts.local_addr
-    if not standalone and opts.node_rank != 0:
+    if not standalone and not (opts.node_rank is not None and hosts_rendezvous(opts)):
         wait_for_rendezvous_host(opts)
+    rendezvous_log = logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous")
+    if not any(isinstance(f, _ExpectedAtExit) for f in rendezvous_log.filters):
+        rendezvous_log.addFilter(_ExpectedAtExit())
     try:
         elastic_launch(config, sys.executable)("-u", "-m", "dtrain.worker", str(config_path))
     except RendezvousError as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise UserError(f"rendezvous at {opts.rdzv_endpoint} failed: {first}") from None
+        raise UserError(rendezvous_lost(opts, exc)) from None
     except ChildFailedError as exc:
         return report_failure(exc, opts, config_path.parent)
     except SignalException as exc:
         return report_preemption(config_path.parent, int(exc.sigval))
     return 0
+
+
+class _ExpectedAtExit(logging.Filter):
+    """Drops torch's warning that the rendezvous could not be closed: at the end of a job the
+    machine that hosts it may exit first (a successful run printed it on 4 of 14 two-node
+    Slurm jobs), and a failed or lost one is reported by the launcher itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "failed to shutdown the rendezvous" not in record.getMessage()
+
+
+def agent_store_timeout(opts: LaunchOptions, collective_timeout_s: float) -> int:
+    """How long torch's agent waits on the rendezvous store before it gives up (and with it
+    the job on this machine): longer than the workers' collective timeout, so that an outage
+    the workers ride through never ends the agent (torch's 60 s did, after which its workers'
+    SIGTERM read as a preemption); with restarts, as long as the job waits for machines
+    (``--rdzv-timeout``), so that a job cut off for longer resumes once the link is back. A
+    rendezvous host that is gone (refused) is found at once whatever this is."""
+    outlast = int(collective_timeout_s) + 60
+    return max(outlast, opts.rdzv_timeout_s) if opts.max_restarts > 0 else outlast
+
+
+def hosts_rendezvous(opts: LaunchOptions) -> bool:
+    """Whether this machine hosts the rendezvous: the one with ``--node-rank 0``, unless the
+    endpoint is not one of its addresses -- a rendezvous run apart from the nodes
+    (``dtrain rendezvous``), which outlives any of them."""
+    host, _ = split_endpoint(opts.rdzv_endpoint)
+    return opts.node_rank == 0 and interface_of_host(host) is not None
+
+
+def rendezvous_lost(opts: LaunchOptions, exc: BaseException) -> str:
+    """One line for a rendezvous that failed: what the endpoint says to a plain connection
+    now (refused: the launcher that hosted it is gone; no answer: the network or the
+    machine), and what to do."""
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    if not opts.rdzv_endpoint:
+        return f"the rendezvous failed: {first}"
+    host, port = split_endpoint(opts.rdzv_endpoint)
+    state, said = probe(host, port, 2.0)
+    restart = (
+        "start `dtrain train` again on every machine (the job resumes from its newest "
+        "checkpoint), or run the rendezvous apart from the nodes (`dtrain rendezvous`, "
+        "docs/multi-host.md)"
+    )
+    if state == REFUSED:
+        return (
+            f"lost the rendezvous host {opts.rdzv_endpoint}: it refuses connections ({said}): "
+            f"the `dtrain train` that hosted it has ended or was killed; {restart}"
+        )
+    if state == UNREACHABLE:
+        return (
+            f"lost the rendezvous host {opts.rdzv_endpoint}: no network path to it ({said}): "
+            f"the network or the machine is down; {restart}"
+        )
+    return f"rendezvous at {opts.rdzv_endpoint} failed: {first}"
 
 
 def wait_for_rendezvous_host(opts: LaunchOptions) -> None:

@@ -46,6 +46,7 @@ def train(cfg: Config) -> Summary:
     """Run training in this process, as one rank of the job the environment describes."""
     from dtrain.job import build_trainer
     from dtrain.metrics.summary import print_summary
+    from dtrain.reachability import close_probe_listener
     from dtrain.runtime import shutdown_runtime
 
     try:
@@ -59,6 +60,7 @@ def train(cfg: Config) -> Summary:
             print_summary(summary, trainer.task.item_name, trainer.runtime.world_size)
         return summary
     finally:
+        close_probe_listener()  # its accept thread is one of ours: it must end first
         join_helper_threads()
         shutdown_runtime()
 

@@ -7,6 +7,7 @@ import datetime
 import json
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -59,31 +60,45 @@ def bounded(call: Callable[[], T], seconds: float, what: str) -> T:
 
 
 class StoreClient:
-    """The job's store, every call bounded in time (:func:`bounded`)."""
+    """The job's store, every call bounded in time (:func:`bounded`). Once a call has failed,
+    the next ones first try a plain TCP connection to the store's address (quiet): torch's
+    client prints a C++ warning, with a stack trace, for every connection or call that fails,
+    which a store cut off for minutes would otherwise repeat every few seconds."""
 
     def __init__(self, store: Any, timeout_s: float) -> None:
         """``store``: a connected client (:func:`connect_store`); ``timeout_s``: the bound
         of a call that names none."""
         self.timeout_s = timeout_s
         self._store = store
-        # Set when a call was given up on: that call still holds the client's connection, so
-        # the next one connects afresh.
+        # Set when a call failed or was given up on: a call given up on still holds the
+        # client's connection, and a failed one may have broken it; the next call connects
+        # afresh, once the address answers.
         self._stuck = False
+        self.last_ok: float | None = time.time()  # wall-clock time of the last call answered
 
     def ask(self, op: Callable[[Any], T], what: str, seconds: float | None = None) -> T:
         """``op(store)``; raises when the store cannot be reached or does not answer."""
         limit = seconds if seconds is not None else self.timeout_s
         if self._stuck:
+            host, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+            if host and port.isdigit():
+                from dtrain.reachability import OPEN, probe
+
+                state, said = probe(host, int(port), min(limit, 2.0))
+                if state != OPEN:
+                    raise ConnectionError(f"the job's key-value store at {host}:{port}: {said}")
             fresh = bounded(lambda: connect_store(self.timeout_s), limit, "a new connection")
             if fresh is None:
                 raise ConnectionError("cannot connect to the job's key-value store")
             self._store, self._stuck = fresh, False
         store = self._store
         try:
-            return bounded(lambda: op(store), limit, what)
-        except StoreTimeout:
+            value = bounded(lambda: op(store), limit, what)
+        except Exception:
             self._stuck = True
             raise
+        self.last_ok = time.time()
+        return value
 
     def read(self, key: str, seconds: float | None = None) -> Any:
         """The JSON value at ``key``, or None when there is none (or it is no JSON); a store

@@ -64,14 +64,18 @@ from dtrain.fault.liveness import (
     read_liveness,
 )
 from dtrain.fault.peer_failure import (
+    NetworkFailure,
     PeerFailure,
     beat_words,
     collective_cause,
     connection_closed,
     is_collective_failure,
+    probe_words,
+    since_words,
     who,
 )
 from dtrain.fault.store_client import StoreClient, StoreTimeout, connect_store
+from dtrain.reachability import OPEN, REFUSED, UNREACHABLE, node_label, probe, reach_key
 
 # A beat follows a change of step or phase after at most this long (instead of waiting for the
 # next regular beat), so the store's view of a rank on another machine is rarely more than
@@ -146,6 +150,9 @@ class Watchdog:
         self._moved_at = time.monotonic()
         self._rank0_moved_at = float("-inf")
         self.stats = stats
+        # The other ranks' probe addresses (reachability), read when first needed.
+        self._addresses: dict[int, tuple[str, int]] = {}
+        self.node = node_label()  # this rank's machine, as the others know it
         self._speed = Speed()
         self._speed_every_s = max(1.0, heartbeat_s)
         self._speed_mark = (0, time.monotonic())  # step and time of the last measurement
@@ -338,16 +345,24 @@ class Watchdog:
         return read_liveness(liveness_path(self.run_dir, beat.rank), beat.pid)
 
     def diagnose(self, closed: bool = False) -> str:
-        """Who is missing, in words. ``closed``: this rank's collective failed because a
-        peer's end of a connection closed (its process ended: killed, crashed or exited),
-        not because one stopped answering.
+        """Who is missing, in words (see :meth:`diagnosis`)."""
+        return self.diagnosis(closed)[0]
+
+    def diagnosis(self, closed: bool = False) -> tuple[str, bool]:
+        """Who is missing, in words, and whether it is the network that lost them (a peer,
+        or the store's host, that does not answer at all). ``closed``: this rank's collective
+        failed because a peer's end of a connection closed (its process ended), not because
+        one stopped answering.
 
         A rank that died on another machine posts nothing and cannot be looked up; its beats
         only stop. So while nobody is named yet, the store is read again for as long as it
         takes a dead rank's beat to go stale (a few heartbeats), instead of saying "every
-        other rank is still beating" about a rank killed a moment ago."""
+        other rank is still beating" about a rank killed a moment ago. A silent rank on
+        another machine is then probed at the address its start-up check published: a
+        refused connection is a process gone (killed or crashed), no answer at all a network
+        path lost (or the machine), a connection accepted a process alive but silent."""
         if self.store is None:
-            return "no rendezvous store to ask which rank is missing"
+            return "no rendezvous store to ask which rank is missing", False
         stale_after = max(3 * self.heartbeat_s, 3.0)
         deadline = time.monotonic() + stale_after + 0.5
         # A beat's seen_at as this rank first read it, and when (time.monotonic()): a beat
@@ -355,21 +370,21 @@ class Watchdog:
         # the two machines' clocks say.
         first_seen: dict[int, tuple[float, float]] = {}
         while True:
-            parts = self._missing(first_seen, stale_after, closed)
-            if isinstance(parts, str):
-                return parts  # the store itself is gone
-            if parts or time.monotonic() >= deadline:
+            found = self._missing(first_seen, stale_after, closed)
+            if isinstance(found, tuple):
+                return found  # the store itself is gone
+            if found or time.monotonic() >= deadline:
                 break
             time.sleep(0.5)
-        if not parts:
-            return "every other rank is still beating (the failure may be in the network)"
-        return "; ".join(parts)
+        if not found:
+            return "every other rank is still beating (the failure may be in the network)", False
+        return "; ".join(words for words, _ in found), any(network for _, network in found)
 
     def _missing(
         self, first_seen: dict[int, tuple[float, float]], stale_after: float, closed: bool
-    ) -> list[str] | str:
-        """One reading of the store: the ranks found missing, in words; or, when the store
-        cannot be read, the diagnosis of its loss."""
+    ) -> list[tuple[str, bool]] | tuple[str, bool]:
+        """One reading of the store: the ranks found missing, in words, each with whether
+        the network lost it; or, when the store cannot be read, the diagnosis of its loss."""
         # A healthy store answers in milliseconds; a short bound keeps the whole diagnosis
         # (after the collective's own timeout) within the time a user waits for it.
         quick = max(1.0, min(2.0, self.heartbeat_s))
@@ -383,17 +398,20 @@ class Watchdog:
             why = f"({type(exc).__name__}: {first})"
             return self._store_lost(why, isinstance(exc, StoreTimeout), store_hosted_by_launcher())
         now, clock = time.time(), time.monotonic()
-        parts = []
+        found: list[tuple[str, bool]] = []
         for rank, record in sorted(failed.items()):
-            parts.append(
-                f"rank {rank} ({record['host']}, pid {record['pid']}) failed at step "
-                f"{record['step']} in {record['phase']}: {record['error']}"
+            found.append(
+                (
+                    f"rank {rank} ({record['host']}, pid {record['pid']}) failed at step "
+                    f"{record['step']} in {record['phase']}: {record['error']}",
+                    False,
+                )
             )
         for rank, beat in sorted(beats.items()):
             if rank in failed:
                 continue
             if beat is None:
-                parts.append(f"rank {rank} never checked in")
+                found.append((f"rank {rank} never checked in", False))
                 continue
             seen = first_seen.setdefault(rank, (beat.seen_at, clock))
             if seen[0] != beat.seen_at:
@@ -402,18 +420,41 @@ class Watchdog:
             if beat.host == self.host and not process_alive(beat.pid):
                 # Killed outright (kill -9, the OOM killer): no error posted, and a beat that
                 # may be many steps behind; its liveness file says where it was.
-                parts.append(f"{who(rank, beat)} died: {self._last_words_of(beat, now)}")
-            elif silent and closed and beat.host != self.host:
-                # On another machine: its connection closed (a process that ends closes its
-                # sockets; a cut-off or frozen one would time out instead), it posted no
-                # error, and its beats stopped.
-                parts.append(
-                    f"{who(rank, beat)} died: killed or crashed (its connection closed, it "
-                    f"posted no error, and its heartbeats stopped): {beat_words(beat, now)}"
-                )
+                found.append((f"{who(rank, beat)} died: {self._last_words_of(beat, now)}", False))
+            elif silent and beat.host != self.host:
+                found.append(self._remote_silent(rank, beat, now, closed, quick))
             elif silent:
-                parts.append(f"{who(rank, beat)} stopped responding: {self._last_known(beat, now)}")
-        return parts
+                words = f"{who(rank, beat)} stopped responding: {self._last_known(beat, now)}"
+                found.append((words, False))
+        return found
+
+    def _remote_silent(
+        self, rank: int, beat: Liveness, now: float, closed: bool, quick: float
+    ) -> tuple[str, bool]:
+        """A silent rank on another machine, probed at its published address."""
+        address = self._address_of(rank, quick)
+        if address is None:  # not published (an old attempt's store): what the error says
+            if closed:
+                return (
+                    f"{who(rank, beat)} died: killed or crashed (its connection closed, it "
+                    f"posted no error, and its heartbeats stopped): {beat_words(beat, now)}",
+                    False,
+                )
+            return f"{who(rank, beat)} stopped responding: {beat_words(beat, now)}", False
+        state, why = probe(address[0], address[1], quick)
+        return probe_words(who(rank, beat), state, why, address[0], beat, now, self.node)
+
+    def _address_of(self, rank: int, seconds: float) -> tuple[str, int] | None:
+        """Where ``rank``'s start-up check listens (it stays open: ``reachability.probe``)."""
+        if rank not in self._addresses:
+            assert self.store is not None
+            from dtrain.runtime import store_namespace
+
+            record = self.store.read(store_namespace() + reach_key(rank), seconds)
+            if not isinstance(record, dict) or "addr" not in record or "port" not in record:
+                return None
+            self._addresses[rank] = (str(record["addr"]), int(record["port"]))
+        return self._addresses[rank]
 
     def _last_words_of(self, beat: Liveness, now: float) -> str:
         """Where a rank of this machine whose process is gone was when it died."""
@@ -433,22 +474,48 @@ class Watchdog:
         age = max(0.0, now - record.seen_at)
         return f"no progress for {still:.1f}s, {record.where()} (last heartbeat {age:.1f}s ago)"
 
-    def _store_lost(self, why: str, timed_out: bool, launcher_hosted: bool) -> str:
-        """The diagnosis when the store cannot be reached: its host has died."""
+    def _store_lost(self, why: str, timed_out: bool, launcher_hosted: bool) -> tuple[str, bool]:
+        """The diagnosis when the store cannot be reached: its host has died, or been cut
+        off. The store's address is probed: refused, its process is gone; no answer, the
+        network to it (or its machine)."""
+        host, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+        state, said = probe(host, int(port), 2.0) if host and port.isdigit() else (OPEN, "")
+        since = self.store.last_ok if self.store is not None else None
         beat = self._rank0_beat
         if launcher_hosted or beat is None:
-            host = "the launcher" if launcher_hosted else "rank 0"
+            holder = "the launcher" if launcher_hosted else "rank 0"
+            if state == UNREACHABLE:
+                return (
+                    f"lost the network path to {host}, where {holder} hosts the job's "
+                    f"key-value store ({said}){since_words(since)} {why}",
+                    True,
+                )
             return (
-                f"the job's key-value store is unreachable {why}: {host}, which hosts it, has died"
+                f"the job's key-value store is unreachable {why}: {holder}, which hosts it, "
+                "has died",
+                False,
             )
         now = time.time()
+        network = False
         if beat.host == self.host and not process_alive(beat.pid):
             fate = f"died: {self._last_words_of(beat, now)}"
-        elif timed_out:  # alive but silent: stopped (SIGSTOP), hung or cut off
+        elif state == REFUSED:
+            fate = (
+                f"died: killed or crashed (its machine {host} refuses connections to the store: "
+                f"{said}): {beat_words(beat, now)}"
+            )
+        elif state == UNREACHABLE:
+            network = True
+            fate = (
+                f"is cut off: {self.node} has no network path to {host} ({said})"
+                f"{since_words(since)}: {beat_words(beat, now)}"
+            )
+        elif timed_out:  # alive but silent: stopped (SIGSTOP) or hung
             fate = f"stopped responding: {self._last_known(beat, now)}"
         else:
             fate = f"is unreachable (died, or its machine was cut off): {beat_words(beat, now)}"
-        return f"{who(0, beat)} {fate}; it hosted the job's key-value store, now unreachable {why}"
+        words = f"{who(0, beat)} {fate}; it hosted the job's key-value store, now unreachable {why}"
+        return words, network
 
     def on_error(self, error: BaseException) -> BaseException:
         """What the trainer raises for an error out of its loop: a collective that failed
@@ -473,10 +540,16 @@ class Watchdog:
     def peer_failure(self, error: BaseException) -> PeerFailure:
         # Give a failing peer a moment to post its error (it may still be on its way out).
         time.sleep(min(1.0, self.heartbeat_s))
+        words, network = self.diagnosis(connection_closed(error))
+        cause = collective_cause(error)
+        if network:
+            return NetworkFailure(
+                f"rank {self.rank} ({self.host}, {self.node}) at step {self.step} in "
+                f"{self.phase}: a network failure: {words} (collective error: {cause})"
+            )
         return PeerFailure(
             f"rank {self.rank} ({self.host}) at step {self.step} in {self.phase}: a collective "
-            f"failed: {self.diagnose(connection_closed(error))} (collective error: "
-            f"{collective_cause(error)})"
+            f"failed: {words} (collective error: {cause})"
         )
 
 

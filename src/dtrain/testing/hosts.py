@@ -7,6 +7,7 @@ each link limited with ``tc``), commands run in them with ``ip netns exec``.
     with Hosts(2, rate="100mbit") as hosts:             # hosts.sh up 2 100mbit
         hosts.address(1)                                 # '10.77.0.2'
         hosts.run(1, ["python", "-c", "print(1)"])       # a CompletedProcess, output captured
+        hosts.set_link(1, up=False)                      # host 1 cut off (a partition)
         proc = hosts.popen(0, [...])                     # a Popen, to run beside others
         Launch(config, 1, ..., exec_prefix=hosts.exec_prefix(0))  # dtrain train in host 0
     # down: everything removed, also when the body raised
@@ -105,6 +106,14 @@ class Hosts:
     @property
     def addresses(self) -> list[str]:
         return [self.address(i) for i in range(self.n)]
+
+    def set_link(self, i: int, up: bool) -> None:
+        """Cut host ``i`` off the others (its end of the link on the bridge goes down: no
+        packet in or out, nothing refused -- as a pulled cable or a partition), or connect it
+        again. Connections that were open survive a short cut, as TCP's do."""
+        self.namespace(i)
+        state = "up" if up else "down"
+        subprocess.run(["ip", "link", "set", f"{self.prefix}-v{i}", state], check=True)
 
     def exec_prefix(self, i: int) -> list[str]:
         """What to put before a command to run it in host ``i``."""
