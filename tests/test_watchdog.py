@@ -319,8 +319,8 @@ def test_the_store_s_machine_that_refuses_or_does_not_answer_is_a_death_or_the_n
         re.fullmatch(
             r"rank 0 \(elsewhere, pid 812\) is cut off: host 10\.0\.0\.2 has no network path to "
             r"10\.0\.0\.1 \(No route to host\) since \d\d:\d\d:\d\d \(\d+s ago\): its last "
-            r"heartbeat, 4\.\ds old, was at step 9 in data; it hosted the job's key-value store, now "
-            r"unreachable \(ConnectionError: \.\.\.\)",
+            r"heartbeat, 4\.\ds old, was at step 9 in data; it hosted the job's key-value "
+            r"store, now unreachable \(ConnectionError: \.\.\.\)",
             text,
         )
         and network

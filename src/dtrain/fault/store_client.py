@@ -100,6 +100,22 @@ class StoreClient:
         self.last_ok = time.time()
         return value
 
+    def read_many(self, keys: list[str], seconds: float | None = None) -> dict[str, Any]:
+        """The JSON values at ``keys`` (None where there is none), in one call to the store
+        when all exist (``multi_get``), else one per key; a store that cannot be reached
+        raises. What a diagnosis reads of every rank costs each rank a few calls, not a few
+        per rank: every rank diagnoses at once when a collective fails."""
+
+        def read(store: Any) -> list[bytes | None]:
+            if not keys:
+                return []
+            if store.check(keys):
+                return list(store.multi_get(keys))
+            return [store.get(key) if store.check([key]) else None for key in keys]
+
+        raws = self.ask(read, f"reading {len(keys)} keys", seconds)
+        return {key: _json_or_none(raw) for key, raw in zip(keys, raws, strict=True)}
+
     def read(self, key: str, seconds: float | None = None) -> Any:
         """The JSON value at ``key``, or None when there is none (or it is no JSON); a store
         that cannot be reached raises."""
@@ -107,10 +123,13 @@ class StoreClient:
         def read(store: Any) -> bytes | None:
             return store.get(key) if store.check([key]) else None
 
-        raw = self.ask(read, f"reading {key}", seconds)
-        if raw is None:
-            return None
-        try:
-            return json.loads(raw)
-        except ValueError:
-            return None
+        return _json_or_none(self.ask(read, f"reading {key}", seconds))
+
+
+def _json_or_none(raw: bytes | None) -> Any:
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None

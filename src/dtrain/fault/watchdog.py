@@ -218,8 +218,14 @@ class Watchdog:
             "error": text.splitlines()[0][:400] if text else "",
         }
         key, value = f"{_prefix()}failed/{self.rank}", json.dumps(record)
+        index, entry = f"{_prefix()}failed", f"{self.rank},"
+
+        def post(store: Any) -> None:
+            store.set(key, value)
+            store.append(index, entry)  # the ranks that failed, for a diagnosis to read
+
         try:
-            self.store.ask(lambda store: store.set(key, value), "posting this rank's failure")
+            self.store.ask(post, "posting this rank's failure")
         except Exception:
             pass
 
@@ -314,24 +320,30 @@ class Watchdog:
     # -- the others ----------------------------------------------------------------------
 
     def peers(self, seconds: float | None = None) -> dict[int, Liveness | None]:
-        """Latest beat of every other rank (None where none was ever seen)."""
-        out: dict[int, Liveness | None] = {}
+        """Latest beat of every other rank (None where none was ever seen): one read of the
+        store for all of them."""
         if self.store is None:
-            return out
-        for rank in range(self.world_size):
-            if rank != self.rank:
-                out[rank] = self._read_beat(rank, seconds)
-        return out
+            return {}
+        others = [rank for rank in range(self.world_size) if rank != self.rank]
+        keys = {rank: f"{_prefix()}hb/{rank}" for rank in others}
+        values = self.store.read_many(list(keys.values()), seconds)
+        return {rank: Liveness.from_dict(values[key]) for rank, key in keys.items()}
 
     def failures(self, seconds: float | None = None) -> dict[int, dict[str, Any]]:
-        out: dict[int, dict[str, Any]] = {}
+        """The failures other ranks posted: the index of the ranks that failed, then theirs."""
         if self.store is None:
-            return out
-        for rank in range(self.world_size):
-            record = self.store.read(f"{_prefix()}failed/{rank}", seconds)
-            if record is not None and rank != self.rank:
-                out[rank] = record
-        return out
+            return {}
+        index = self.store.ask(
+            lambda store: (
+                store.get(f"{_prefix()}failed") if store.check([f"{_prefix()}failed"]) else b""
+            ),
+            "reading the failed ranks",
+            seconds,
+        )
+        ranks = sorted({int(r) for r in index.decode().split(",") if r.isdigit()} - {self.rank})
+        keys = {rank: f"{_prefix()}failed/{rank}" for rank in ranks}
+        values = self.store.read_many(list(keys.values()), seconds)
+        return {rank: values[key] for rank, key in keys.items() if isinstance(values[key], dict)}
 
     def _read_beat(self, rank: int, seconds: float | None = None) -> Liveness | None:
         assert self.store is not None
