@@ -16,21 +16,25 @@ import torch.distributed as dist
 T = TypeVar("T")
 
 
-def connect_store(timeout_s: float) -> Any:
-    """A client of the launcher's store (MASTER_ADDR:MASTER_PORT), or None without one."""
+def connect_store(timeout_s: float, connect_s: float | None = None) -> Any:
+    """A client of the launcher's store (MASTER_ADDR:MASTER_PORT), or None without one (or
+    when it cannot be reached within ``connect_s``, default ``timeout_s``); its calls then
+    wait up to ``timeout_s``."""
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not host or not port:
         return None
     try:
-        return dist.TCPStore(  # type: ignore[attr-defined]
+        store = dist.TCPStore(  # type: ignore[attr-defined]
             host,
             int(port),
             is_master=False,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=datetime.timedelta(seconds=connect_s or timeout_s),
             wait_for_workers=False,
         )
     except Exception:
         return None
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return store
 
 
 class StoreTimeout(TimeoutError):

@@ -84,6 +84,9 @@ from dtrain.reachability import OPEN, REFUSED, UNREACHABLE, node_label, probe, r
 _PROMPT_BEAT_S = 0.2
 _PROMPT_BEATS_PER_S = 2000.0
 
+# How long the watchdog's first connection to the job's store may take.
+_CONNECT_S = 30.0
+
 # Phases the backstop leaves alone: finished ranks, and the user's after-training hook, which
 # cannot tick (it is the user's code); a collective inside it has its own timeout.
 _NO_BACKSTOP = frozenset({"done", "idle", "after_training"})
@@ -137,7 +140,17 @@ class Watchdog:
         self._stop = threading.Event()
         self._on_hang = on_hang or _exit_on_hang
         call_s = max(2.0, heartbeat_s * 3)
-        client = connect_store(timeout_s=call_s) if world_size > 1 else None
+        # The first connection may wait as long as a start-up does (a loaded machine with
+        # many ranks answered it in more than the few seconds a later call is given).
+        client = connect_store(call_s, _CONNECT_S) if world_size > 1 else None
+        if client is None and world_size > 1:
+            print(
+                f"dtrain: warning: rank {rank}: the job's key-value store did not answer within "
+                f"{_CONNECT_S:.0f}s; this rank's heartbeats stay in its liveness file, and a "
+                "failed peer is named with less detail",
+                file=sys.stderr,
+                flush=True,
+            )
         self.store = StoreClient(client, call_s) if client is not None else None
         self._thread: threading.Thread | None = None
         # Rank 0's beat, kept while the store answers: when rank 0 hosts the store (it does
