@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest test-slow chaos clean browser
+.PHONY: demo test lint typecheck pytest test-slow test-slurm slurm-packages chaos clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,25 @@ test: lint typecheck pytest
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# Slurm for real (about 2 minutes): the recipe of docs/multi-host.md on a two-node cluster made
+# on this machine by scripts/slurm.sh. Debian's Slurm packages are installed when missing and
+# this can (root, apt-get); otherwise the test skips and says why.
+test-slurm: $(STAMP) slurm-packages
+	$(PY) -m pytest -q -m "slow or not slow" tests/test_slurm.py
+
+slurm-packages:
+	@command -v slurmctld >/dev/null 2>&1 && command -v slurmd >/dev/null 2>&1 && \
+		command -v sbatch >/dev/null 2>&1 && command -v munged >/dev/null 2>&1 || \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing slurmctld slurmd slurm-client munge (apt-get) for the Slurm test"; \
+		{ DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge >/dev/null 2>&1 || \
+		  { apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge >/dev/null 2>&1; }; } || \
+		echo "note: apt-get could not install the Slurm packages; the Slurm test will skip"; \
+	else \
+		echo "note: the Slurm packages are missing and cannot be installed here (needs root and apt-get);" \
+			"the Slurm test will skip"; \
+	fi
 
 # The system test: every fault-injection trial through the real CLI, many times each (about
 # 50 min on 2 cores); writes its table into docs/benchmarks.md. `make test-slow` runs the

@@ -82,6 +82,9 @@ class TinyOptions:
     # ... or, when set, kill that rank outright (SIGKILL, as kill -9 or the OOM killer would)
     # in the forward of this step instead of raising.
     kill_at_step: int = 0
+    # ... or, when set, ask the allocator for 4 TiB at this step's forward on that rank: an
+    # allocation no machine here grants, which fails at once and touches no memory.
+    oom_at_step: int = 0
     # Milliseconds each training forward sleeps: slows a run down so that a test can hit it
     # at a chosen moment, without changing any number it computes.
     slow_ms: int = 0
@@ -173,13 +176,20 @@ class _FailingModel(nn.Module):
     started."""
 
     def __init__(
-        self, inner: nn.Module, rank: int, step: int, attempts_file: str, kill: bool = False
+        self,
+        inner: nn.Module,
+        rank: int,
+        step: int,
+        attempts_file: str,
+        kill: bool = False,
+        oom: bool = False,
     ) -> None:
         super().__init__()
         self.inner = inner
         self.fail = int(os.environ.get("RANK", "0")) == rank
         self.step = step
         self.kill = kill
+        self.oom = oom
         self.calls = 0
         if attempts_file:
             with open(attempts_file, "a") as fh:
@@ -190,6 +200,8 @@ class _FailingModel(nn.Module):
         if self.fail and self.training and self.calls == self.step:
             if self.kill:  # no exception, no cleanup, no last heartbeat: gone mid-step
                 os.kill(os.getpid(), signal.SIGKILL)
+            if self.oom:
+                return self.inner(x) + torch.empty(2**42, dtype=torch.uint8).sum()
             raise RuntimeError(f"injected failure at step {self.step}")
         return self.inner(x)
 
@@ -198,9 +210,9 @@ def failing_gpt(cfg: Config) -> Task:
     task = tiny_gpt(cfg)
     opts: TinyOptions = cfg.task
     attempts = os.path.join(cfg.run.dir, "attempts.log")
-    kill = opts.kill_at_step > 0
-    step = opts.kill_at_step if kill else opts.fail_at_step
-    task.model = _FailingModel(task.model, opts.fail_rank, step, attempts, kill)
+    kill, oom = opts.kill_at_step > 0, opts.oom_at_step > 0
+    step = opts.kill_at_step if kill else opts.oom_at_step if oom else opts.fail_at_step
+    task.model = _FailingModel(task.model, opts.fail_rank, step, attempts, kill, oom)
     return task
 
 

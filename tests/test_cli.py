@@ -74,6 +74,15 @@ def write_tiny_config(path: Path, run_dir: Path, **extra: str) -> Path:
         (["train", "--nproc", "4", "--data.global_batch_size=2"], "smaller than 4 data-parallel"),
         (["train", "--train.steps", "3"], "has no value"),
         (["train", "stray", "extra"], "unrecognized argument 'extra'"),
+        # Found by the workers before (a traceback in each): checked with the config now.
+        (["train", "--task.n_head=5"], "task.n_head = 5 does not divide task.d_model = 192"),
+        (["train", "--task.seq_len=0"], "task.seq_len = 0 is out of range: it must be at least 1"),
+        (["train", "--optim.lr=nan"], "optim.lr = nan is not a finite number"),
+        (["train", "--optim.lr=inf"], "optim.lr = inf is not a finite number"),
+        (["train", "--balance.max_change=inf"], "balance.max_change = inf is not a finite"),
+        (["train", "--optim.momentum=nan"], "optim.momentum = nan is not a finite number"),
+        (["train", '--fault.preempt_signals=["SIGKILL"]'], "SIGKILL cannot be caught"),
+        (["train", '--fault.preempt_signals=["SIGSTOP"]'], "SIGSTOP cannot be caught"),
         (["verify", "/no/such/dataset"], "does not exist"),
         (["prepare", "/no/such/source", "/tmp/x"], "source /no/such/source does not exist"),
     ],
@@ -86,6 +95,18 @@ def test_user_mistakes_exit_2_with_one_line(
     assert message in err
     assert err.count("\n") == 1 and err.startswith("dtrain: error: ")
     assert "Traceback" not in err
+
+
+def test_a_run_dir_that_is_a_file_is_one_line_before_any_worker_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder\n")
+    for run_dir in (blocker, blocker / "below" / "it"):
+        assert main(["train", f"--run.dir={run_dir}", "--train.steps=1"]) == 2
+        err = capsys.readouterr().err
+        said = f"run.dir {run_dir}: {blocker} is a file, not a folder; choose another run.dir"
+        assert err == f"dtrain: error: {said}\n"
 
 
 def test_import_error_inside_a_task_module_is_reported(
@@ -160,3 +181,37 @@ def test_plain_torchrun_runs_the_worker_module(tmp_path: Path) -> None:
     assert (run_dir / "checkpoints" / "step-00000004" / "COMMITTED.json").exists()
     meta = json.loads((run_dir / "checkpoints" / "step-00000004" / "meta.json").read_text())
     assert meta["world_size"] == 2
+
+
+_QUIET = """
+import datetime, logging, sys
+from dtrain.cli import quiet_launcher_store_logs
+quiet_launcher_store_logs()
+import torch.distributed as dist
+try:  # nothing listens there: torch's C++ client logs each failed try, with a stack trace
+    dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False,
+                  timeout=datetime.timedelta(seconds=1), wait_for_workers=False)
+except Exception as exc:
+    print("raised", type(exc).__name__)
+from dtrain.launch import _ExpectedAtExit
+record = logging.LogRecord("r", logging.WARNING, "", 0,
+    "The node 'x' has failed to shutdown the rendezvous 'job' due to an error", (), None)
+print("kept" if _ExpectedAtExit().filter(record) else "dropped")
+"""
+
+
+def test_the_launcher_prints_no_cpp_stack_trace_for_its_store() -> None:
+    # At the end of a successful multi-machine run the machine that hosts the rendezvous may
+    # exit first; the others' close of the rendezvous then failed with a C++ stack trace of
+    # some 30 frames and torch's warning (4 of 14 two-node Slurm jobs).
+    from dtrain.testing import free_port
+
+    result = subprocess.run(
+        [sys.executable, "-c", _QUIET, str(free_port())],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.stdout.split() == ["raised", "DistNetworkError", "dropped"], result.stderr
+    assert "frame #" not in result.stderr and "TCPStore" not in result.stderr, result.stderr

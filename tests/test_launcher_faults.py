@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from dtrain.fault.liveness import process_alive, read_run_liveness
@@ -140,6 +141,14 @@ def test_a_worker_that_always_fails_stops_after_max_restarts(tmp_path: Path) -> 
     attempts = (run_dir / "attempts.log").read_text().split()
     assert attempts[0::2].count("1") == 3  # rank 1 started exactly 3 times
     assert "rank 1" in err and "injected failure at step 3" in err
+    # Each attempt: one line per failed rank; the tracebacks (about 50 lines a rank and
+    # attempt before) are in the run folder's log, one block per attempt.
+    assert "Traceback" not in err, err[-3000:]
+    said = [line for line in err.splitlines() if line.startswith("dtrain: error: rank 1: ")]
+    assert len(said) == 3 and all("RuntimeError: injected failure at step 3" in s for s in said)
+    log = (run_dir / "logs" / "rank1.log").read_text()
+    assert log.count("Traceback (most recent call last)") == 3
+    assert [f"attempt {i}," in log for i in range(3)] == [True] * 3
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and _processes_of(run_dir):
         time.sleep(0.2)
@@ -310,3 +319,57 @@ def test_a_rank_killed_mid_run_is_named_with_the_step_and_phase_it_reached(
     assert killed.pid in pids
     left = [f for pid in pids for f in Path("/dev/shm").glob(f"dtrain-*{pid}*")]
     assert not left, left
+
+
+def test_sigusr1_to_the_launcher_saves_and_exits_0(tmp_path: Path) -> None:
+    # Slurm's `--signal=USR1@N` and `scancel --signal=USR1`: torch's agent forwards only
+    # SIGTERM, SIGINT, SIGHUP and SIGQUIT by default, and SIGUSR1 killed it (exit 138) and the
+    # workers with it, unsaved. `dtrain train` has it forward every fault.preempt_signals.
+    run_dir = tmp_path / "usr1"
+    proc = start(write_config(tmp_path / "usr1.toml", run_dir), "--train.steps=200")
+    wait_for_step(run_dir, 3, proc)
+    proc.send_signal(signal.SIGUSR1)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "preempted" and status["signal"] == "SIGUSR1", status
+    assert 3 <= status["step"] < 200
+    saved = run_dir / "checkpoints" / f"step-{status['step']:08d}" / "COMMITTED.json"
+    assert saved.exists()
+    assert f"preempted by signal {int(signal.SIGUSR1)}; saved at step {status['step']}" in err
+    assert "warning: fault.preempt_signals" not in err  # the launcher forwards it: no warning
+    assert not children_of(proc.pid)
+
+
+@pytest.mark.skipif(
+    Path("/proc/sys/vm/overcommit_memory").exists()
+    and Path("/proc/sys/vm/overcommit_memory").read_text().strip() == "1",
+    reason="vm.overcommit_memory = 1 grants any allocation (the kernel kills later instead)",
+)
+def test_out_of_memory_is_one_line_per_rank_with_the_traceback_in_the_run_folder(
+    tmp_path: Path,
+) -> None:
+    # Rank 1 asks the allocator for 4 TiB in step 3's forward: it fails at once, as a batch
+    # too big for the machine's memory does (100-300 lines of allocator traceback before).
+    run_dir = tmp_path / "oom"
+    config = write_config(
+        tmp_path / "oom.toml", run_dir, task="tests.tasks:failing_gpt", oom_at_step=3, slow_ms=0
+    )
+    proc = start(config)
+    _out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err[-3000:]
+    assert "Traceback" not in err and "alloc_cpu" not in err, err[-3000:]
+    said = [line for line in err.splitlines() if line.startswith("dtrain: error: rank")]
+    assert len(said) == 2, err[-3000:]  # one line per rank
+    oom = next(line for line in said if line.startswith("dtrain: error: rank 1: "))
+    assert re.search(
+        r"OutOfMemory: rank 1 \(.*\) ran out of memory at step 3 in forward_backward: an "
+        r"allocation asked for 4\.0 TiB \(4398046511104 bytes\) of CPU memory; try a smaller "
+        r"micro-batch .*activation checkpointing.*'fsdp'",
+        oom,
+    ), oom
+    log = run_dir / "logs" / "rank1.log"
+    assert oom.endswith(f"(traceback: {log})")
+    assert "DefaultCPUAllocator: can't allocate memory" in log.read_text()
+    peer = next(line for line in said if line.startswith("dtrain: error: rank 0: "))
+    assert "rank 1 (" in peer and "failed at step 3 in forward_backward: OutOfMemory" in peer

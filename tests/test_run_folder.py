@@ -136,7 +136,8 @@ def test_a_run_folder_that_is_a_file_is_one_line(
     config = write_job(tmp_path / "job.toml", tmp_path / "afile")
     assert main(["train", str(config), "--nproc", "2"]) == 2
     err = capsys.readouterr().err
-    assert err == f"dtrain: error: run.dir: {tmp_path / 'afile'} is a file, not a folder; " + (
+    afile = tmp_path / "afile"
+    assert err == f"dtrain: error: run.dir {afile}: {afile} is a file, not a folder; " + (
         "choose another run.dir\n"
     )
 

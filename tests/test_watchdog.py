@@ -232,6 +232,26 @@ def test_a_silent_remote_peer_is_reported_by_the_age_of_its_last_heartbeat(store
     )
 
 
+def test_a_remote_peer_killed_a_moment_ago_is_named_as_killed_once_its_beats_stop(
+    store: Any,
+) -> None:
+    # A rank on another machine is kill -9'd: its socket closes at once (the collective fails
+    # with "Connection reset by peer"), while its last beat is still fresh -- the diagnosis
+    # said "every other rank is still beating (the failure may be in the network)".
+    watchdog = Watchdog(0, 2, heartbeat_s=1.0, timeout_s=5.0)
+    beat = beat_of(pid=4121, step=7, phase="forward_backward", alive_at=time.time() - 0.3)
+    store.set(HB1, beat)
+    started = time.monotonic()
+    words = watchdog.diagnose(closed=True)
+    assert re.fullmatch(
+        r"rank 1 \(elsewhere, pid 4121\) died: killed or crashed \(its connection closed, it "
+        r"posted no error, and its heartbeats stopped\): its last heartbeat, 3\.\ds old, was "
+        r"at step 7 in forward_backward",
+        words,
+    ), words
+    assert time.monotonic() - started < 4.5  # a few heartbeats, then named
+
+
 def test_a_silent_local_peer_is_reported_at_the_phase_it_is_stuck_in(
     tmp_path: Path, store: Any
 ) -> None:
@@ -259,13 +279,52 @@ def test_rank0_lost_with_its_store_is_reported_by_the_age_of_its_kept_beat(store
             beat_of(0, host="elsewhere", pid=812, step=9, phase="data", alive_at=time.time() - 4)
         )
     )
-    text = watchdog._store_lost("(StoreTimeout: ...)", True, False)
+    # The store's address still accepts connections (the fixture's store): rank 0 is alive
+    # but silent (stopped, hung).
+    text, network = watchdog._store_lost("(StoreTimeout: ...)", True, False)
     assert re.fullmatch(
         r"rank 0 \(elsewhere, pid 812\) stopped responding: its last heartbeat, 4\.[01]s old, "
         r"was at step 9 in data; it hosted the job's key-value store, now unreachable "
         r"\(StoreTimeout: \.\.\.\)",
         text,
     )
+    assert not network
+
+
+def test_the_store_s_machine_that_refuses_or_does_not_answer_is_a_death_or_the_network(
+    store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A probe of the store's address tells the three apart: accepted (above), refused (its
+    # machine is up, rank 0's process is gone), no answer (the network path, or the machine).
+    watchdog = Watchdog(1, 2, heartbeat_s=1.0, timeout_s=5.0)
+    watchdog._rank0_beat = Liveness.from_dict(
+        json.loads(
+            beat_of(0, host="elsewhere", pid=812, step=9, phase="data", alive_at=time.time() - 4)
+        )
+    )
+    watchdog.node = "host 10.0.0.2"
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    answers = iter([("refused", "Connection refused"), ("unreachable", "No route to host")])
+    monkeypatch.setattr("dtrain.fault.watchdog.probe", lambda *_: next(answers))
+    text, network = watchdog._store_lost("(ConnectionError: ...)", False, False)
+    assert (
+        text.startswith(
+            "rank 0 (elsewhere, pid 812) died: killed or crashed (its machine 10.0.0.1 refuses "
+            "connections to the store: Connection refused): its last heartbeat, 4."
+        )
+        and not network
+    ), text
+    text, network = watchdog._store_lost("(ConnectionError: ...)", False, False)
+    assert (
+        re.fullmatch(
+            r"rank 0 \(elsewhere, pid 812\) is cut off: host 10\.0\.0\.2 has no network path to "
+            r"10\.0\.0\.1 \(No route to host\) since \d\d:\d\d:\d\d \(\d+s ago\): its last "
+            r"heartbeat, 4\.\ds old, was at step 9 in data; it hosted the job's key-value "
+            r"store, now unreachable \(ConnectionError: \.\.\.\)",
+            text,
+        )
+        and network
+    ), text
 
 
 def test_a_rank_beats_soon_after_its_step_changes_and_leaves_its_record_at_stop(

@@ -104,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="output folder (default: RUN_DIR/report for one run, ./report for several)",
     )
     p = sub.add_parser(
+        "rendezvous",
+        help="serve a multi-machine job's rendezvous apart from the machines that train",
+        description="Serve the rendezvous of a multi-machine job on this machine, so that it "
+        "outlives any training machine (docs/multi-host.md). Start `dtrain train` on every "
+        "machine with --rdzv-endpoint THIS_MACHINE:PORT.",
+    )
+    p.add_argument("--port", type=int, default=29400, help="TCP port to serve on")
+    p = sub.add_parser(
         "status",
         help="a run's step, ETA, last loss and every rank's last heartbeat and speed",
     )
@@ -186,7 +194,13 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     # config where only its own workers read it.
     with held_run_dir(cfg, opts.run_id, opts.rdzv_endpoint) as config_path:
         check_run_dir(cfg, args.force)
-        return launch_workers(config_path, opts, grace_s=cfg.fault.preempt_grace_s)
+        return launch_workers(
+            config_path,
+            opts,
+            grace_s=cfg.fault.preempt_grace_s,
+            preempt_signals=cfg.fault.preempt_signals,
+            collective_timeout_s=cfg.dist.timeout_s,
+        )
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -309,10 +323,30 @@ def cmd_strategies() -> int:
     return 0
 
 
+def quiet_launcher_store_logs() -> None:
+    """Before torch is imported in the launcher: its C++ store client logs every failed call
+    with a stack trace of some 30 frames (the rendezvous store of a machine that has gone, a
+    keep-alive during an outage, the close of a rendezvous whose host exited first at the end
+    of a successful run). The launcher reports every failure itself, in a line; the workers,
+    started afresh, keep torch's logging as it was."""
+    if "torch" in sys.modules:
+        return
+    own = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    import torch  # noqa: F401  (reads the level once, as it loads)
+
+    if own is None:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
+    else:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = own
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     freeze_heap_at_exit()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if args.command in ("train", "rendezvous"):
+        quiet_launcher_store_logs()
     try:
         overrides = split_overrides(extra)
         if extra and args.command not in ("train", "config"):
@@ -331,6 +365,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_status(args)
         if args.command == "export":
             return cmd_export(args)
+        if args.command == "rendezvous":
+            from dtrain.rendezvous_host import serve
+
+            return serve(args.port)
         return cmd_strategies()
     except UserError as exc:
         print(f"dtrain: error: {exc}", file=sys.stderr)

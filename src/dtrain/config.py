@@ -424,6 +424,11 @@ def validate_cross_fields(cfg: Config) -> None:
             raise ConfigError(
                 f"fault.preempt_signals: {name!r} is not a signal name (e.g. SIGTERM)"
             )
+        if name in ("SIGKILL", "SIGSTOP"):
+            raise ConfigError(
+                f"fault.preempt_signals: {name} cannot be caught (no process can handle it, "
+                "so it can never make a rank save); use SIGTERM or SIGUSR1"
+            )
     if cfg.run.resume not in ("auto", "never") and not cfg.run.resume:
         raise ConfigError("run.resume is empty: use 'auto', 'never' or a checkpoint folder")
     parse_activation_checkpointing(cfg.train.activation_checkpointing)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 import types
 import typing
@@ -159,6 +160,10 @@ def _type_name(tp: Any) -> str:
 def _check_value(key: str, tp: Any, value: Any, meta: Mapping[str, Any]) -> Any:
     value = _coerce(key, tp, value)
     low, high = meta.get("min"), meta.get("max")
+    if isinstance(value, float) and not math.isfinite(value):
+        # NaN passes every comparison as false, and infinity every lower bound: neither is a
+        # setting (a NaN learning rate fails in torch's optimizer inside every worker).
+        raise ConfigError(f"{key} = {value!r} is not a finite number")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if low is not None and (value < low or (meta.get("min_exclusive") and value == low)):
             relation = "greater than" if meta.get("min_exclusive") else "at least"

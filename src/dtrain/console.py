@@ -88,3 +88,11 @@ def guard_console(who: str) -> None:
     err = GuardedStream(sys.stderr, "error output", who)
     out.partner, err.partner = err, out
     sys.stdout, sys.stderr = out, err
+
+
+def say_error(message: str) -> None:
+    """``dtrain: error: MESSAGE`` on standard error as one write: the ranks of a machine share
+    their launcher's pipe, and ``print`` writes the text and its newline apart, so two ranks'
+    lines could run together."""
+    sys.stderr.write(f"dtrain: error: {message}\n")
+    sys.stderr.flush()

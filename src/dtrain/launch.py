@@ -8,16 +8,28 @@ worker dies (the workers resume from the newest checkpoint by themselves), and w
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import sys
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
+from dtrain.fault.error_log import LOGS_DIR
+from dtrain.fault.preempt import signals_to_forward
 from dtrain.fault.status import read_status
 from dtrain.network import choose_node_network, interface_of_host, split_endpoint
-from dtrain.reachability import NODE_ADDR_ENV, describe, wait_for_endpoint
+from dtrain.reachability import (
+    NODE_ADDR_ENV,
+    REFUSED,
+    UNREACHABLE,
+    describe,
+    probe,
+    wait_for_endpoint,
+)
 from dtrain.runtime import available_cores
 
 
@@ -117,18 +129,30 @@ def make_options(
     )
 
 
-def launch_workers(config_path: Path, opts: LaunchOptions, grace_s: float = 120.0) -> int:
+def launch_workers(
+    config_path: Path,
+    opts: LaunchOptions,
+    grace_s: float = 120.0,
+    preempt_signals: Sequence[str] = ("SIGTERM", "SIGUSR1"),
+    collective_timeout_s: float = 300.0,
+) -> int:
     """Run the job; returns the exit code for the CLI. ``grace_s``: how long workers get to
-    save and exit after the launcher is sent a preemption signal, before they are killed."""
+    save and exit after the launcher is sent a preemption signal, before they are killed;
+    ``preempt_signals``: the signals the launcher forwards to them (``fault.preempt_signals``)
+    besides those torch's agent forwards anyway; ``collective_timeout_s``: the workers'
+    ``dist.timeout_s`` (the launcher outlasts any outage they ride through)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     standalone = not opts.rdzv_endpoint
-    rdzv_configs: dict[str, object] = {"timeout": opts.rdzv_timeout_s}
+    rdzv_configs: dict[str, object] = {
+        "timeout": opts.rdzv_timeout_s,
+        "read_timeout": agent_store_timeout(opts, collective_timeout_s),
+    }
     if opts.node_rank is not None:
-        rdzv_configs["is_host"] = opts.node_rank == 0
+        rdzv_configs["is_host"] = hosts_rendezvous(opts)
     config = LaunchConfig(
         min_nodes=opts.min_nodes,
         max_nodes=opts.max_nodes,
@@ -145,6 +169,10 @@ def launch_workers(config_path: Path, opts: LaunchOptions, grace_s: float = 120.
         # On SIGTERM the agent forwards it to the workers, which save at the next step
         # boundary; this is how long it waits for them before SIGKILL.
         shutdown_timeout=int(grace_s),
+        # torch's agent forwards only SIGTERM, SIGINT, SIGHUP and SIGQUIT unless told
+        # otherwise: SIGUSR1 (Slurm's --signal=USR1@N) would kill it, and the workers with
+        # it, unsaved.
+        signals_to_handle=signals_to_forward(preempt_signals, os.environ),
     )
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     # The workers host a fresh key-value store every rendezvous round, instead of sharing the
@@ -160,18 +188,75 @@ def launch_workers(config_path: Path, opts: LaunchOptions, grace_s: float = 120.
         os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = opts.iface
     if opts.local_addr:
         os.environ[NODE_ADDR_ENV] = opts.local_addr
-    if not standalone and opts.node_rank != 0:
+    if not standalone and not (opts.node_rank is not None and hosts_rendezvous(opts)):
         wait_for_rendezvous_host(opts)
+    rendezvous_log = logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous")
+    if not any(isinstance(f, _ExpectedAtExit) for f in rendezvous_log.filters):
+        rendezvous_log.addFilter(_ExpectedAtExit())
     try:
         elastic_launch(config, sys.executable)("-u", "-m", "dtrain.worker", str(config_path))
     except RendezvousError as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise UserError(f"rendezvous at {opts.rdzv_endpoint} failed: {first}") from None
+        raise UserError(rendezvous_lost(opts, exc)) from None
     except ChildFailedError as exc:
-        return report_failure(exc, opts)
+        return report_failure(exc, opts, config_path.parent)
     except SignalException as exc:
         return report_preemption(config_path.parent, int(exc.sigval))
     return 0
+
+
+class _ExpectedAtExit(logging.Filter):
+    """Drops torch's warning that the rendezvous could not be closed: at the end of a job the
+    machine that hosts it may exit first (a successful run printed it on 4 of 14 two-node
+    Slurm jobs), and a failed or lost one is reported by the launcher itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "failed to shutdown the rendezvous" not in record.getMessage()
+
+
+def agent_store_timeout(opts: LaunchOptions, collective_timeout_s: float) -> int:
+    """How long torch's agent waits on the rendezvous store before it gives up (and with it
+    the job on this machine): longer than the workers' collective timeout, so that an outage
+    the workers ride through never ends the agent (torch's 60 s did, after which its workers'
+    SIGTERM read as a preemption); with restarts, as long as the job waits for machines
+    (``--rdzv-timeout``), so that a job cut off for longer resumes once the link is back. A
+    rendezvous host that is gone (refused) is found at once whatever this is."""
+    outlast = int(collective_timeout_s) + 60
+    return max(outlast, opts.rdzv_timeout_s) if opts.max_restarts > 0 else outlast
+
+
+def hosts_rendezvous(opts: LaunchOptions) -> bool:
+    """Whether this machine hosts the rendezvous: the one with ``--node-rank 0``, unless the
+    endpoint is not one of its addresses -- a rendezvous run apart from the nodes
+    (``dtrain rendezvous``), which outlives any of them."""
+    host, _ = split_endpoint(opts.rdzv_endpoint)
+    return opts.node_rank == 0 and interface_of_host(host) is not None
+
+
+def rendezvous_lost(opts: LaunchOptions, exc: BaseException) -> str:
+    """One line for a rendezvous that failed: what the endpoint says to a plain connection
+    now (refused: the launcher that hosted it is gone; no answer: the network or the
+    machine), and what to do."""
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    if not opts.rdzv_endpoint:
+        return f"the rendezvous failed: {first}"
+    host, port = split_endpoint(opts.rdzv_endpoint)
+    state, said = probe(host, port, 2.0)
+    restart = (
+        "start `dtrain train` again on every machine (the job resumes from its newest "
+        "checkpoint), or run the rendezvous apart from the nodes (`dtrain rendezvous`, "
+        "docs/multi-host.md)"
+    )
+    if state == REFUSED:
+        return (
+            f"lost the rendezvous host {opts.rdzv_endpoint}: it refuses connections ({said}): "
+            f"the `dtrain train` that hosted it has ended or was killed; {restart}"
+        )
+    if state == UNREACHABLE:
+        return (
+            f"lost the rendezvous host {opts.rdzv_endpoint}: no network path to it ({said}): "
+            f"the network or the machine is down; {restart}"
+        )
+    return f"rendezvous at {opts.rdzv_endpoint} failed: {first}"
 
 
 def wait_for_rendezvous_host(opts: LaunchOptions) -> None:
@@ -227,9 +312,10 @@ def report_preemption(run_dir: Path, signum: int) -> int:
     return 128 + signum
 
 
-def report_failure(exc: object, opts: LaunchOptions) -> int:
+def report_failure(exc: object, opts: LaunchOptions, run_dir: Path | None = None) -> int:
     """One line per failed rank, the first failure first; exit 2 when every failure was a
-    user error (the worker said so with exit code 2), else 1."""
+    user error (the worker said so with exit code 2), else 1. The workers keep their full
+    tracebacks in ``RUN_DIR/logs/`` (dtrain.fault.error_log)."""
     failures = getattr(exc, "failures", {})
     # Timestamps are whole seconds: within one, a rank that exited by itself comes before one
     # the agent ended with a signal once another had failed (it may have been on its way out
@@ -243,16 +329,45 @@ def report_failure(exc: object, opts: LaunchOptions) -> int:
         file=sys.stderr,
     )
     for rank, failure in ordered:
-        message = failure.message
-        if isinstance(message, dict):  # torch's error-file format: the message and a callstack
-            message = message.get("message", "")
-        lines = str(message).strip().splitlines()
-        first = lines[0] if lines else ""
         print(
-            f"  rank {rank} (pid {failure.pid}, exit code {failure.exitcode}): {first}",
+            f"  rank {rank} (pid {failure.pid}, {exit_words(failure.exitcode)}): "
+            f"{failure_words(failure.message, failure.exitcode)}",
             file=sys.stderr,
         )
+    logs = run_dir / LOGS_DIR if run_dir is not None else None
+    if logs is not None and logs.is_dir():
+        print(f"dtrain: the failed ranks' tracebacks are in {logs}/", file=sys.stderr)
     # The root cause decides: a user error (exit 2) on the first rank to fail, whatever the
     # others died of when the agent stopped them.
     user_error = bool(ordered) and ordered[0][1].exitcode == USER_ERROR_EXIT_CODE
     return USER_ERROR_EXIT_CODE if user_error else 1
+
+
+def exit_words(exitcode: int) -> str:
+    if exitcode == -signal.SIGKILL:
+        return "killed by SIGKILL"
+    if exitcode < 0:  # most often the agent's SIGTERM to the ranks left after one failed
+        try:
+            return f"ended by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"ended by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def failure_words(message: object, exitcode: int) -> str:
+    """The first line of a rank's error; for a rank killed by a signal (which leaves no error
+    of its own), what may have sent it."""
+    if exitcode == -signal.SIGKILL:
+        return (
+            "no error of its own: killed outright (kill -9, or the kernel's OOM killer when the "
+            "machine ran out of memory: see `dmesg`)"
+        )
+    if exitcode < 0:
+        return (
+            "no error of its own: ended by the signal (torch's agent ends a job's other ranks "
+            "so when one fails)"
+        )
+    if isinstance(message, dict):  # torch's error-file format: the message and a callstack
+        message = message.get("message", "")
+    lines = str(message).strip().splitlines()
+    return lines[0] if lines else ""

@@ -21,9 +21,12 @@ What is checked, in :func:`dtrain.runtime.init_runtime`, before ``init_process_g
    to rank 0 and to its two ring neighbours, each bounded by ``dist.connect_timeout_s``. Three
    connections per rank whatever the job's size (rank 0 accepts one from every rank), and every
    node is checked against rank 0's and against the next node's: a cheap sample of gloo's full
-   mesh that catches a wrong interface or an unreachable node, not every broken pair. The
-   listening socket stays open until ``init_process_group`` returns, which no rank passes
-   before every rank has finished its own connections.
+   mesh that catches a wrong interface or an unreachable node, not every broken pair.
+   The listening socket stays open for the rest of the worker's life: no rank passes
+   ``init_process_group`` before every rank has finished its own connections, and afterwards
+   it answers :func:`probe` -- how a rank tells a peer whose process is gone (its machine
+   refuses the connection) from one cut off by the network (no answer at all) from one that is
+   alive but silent (it accepts), when a collective with it fails.
 """
 
 from __future__ import annotations
@@ -207,13 +210,50 @@ def _accept_forever(listener: socket.socket) -> None:
         conn.close()
 
 
+# The listening socket of this worker's start-up check, kept open until the process group is
+# shut down (close_probe_listener): peers probe it when a collective with this rank fails.
+_LISTENER: list[socket.socket] = []
+
+# What a probe of a peer's address found.
+OPEN, REFUSED, UNREACHABLE = "open", "refused", "unreachable"
+
+
+def probe(host: str, port: int, timeout_s: float = 2.0) -> tuple[str, str]:
+    """One TCP connection attempt to ``host:port``, quietly (no torch, no log): ``open`` (a
+    process listens there), ``refused`` (the machine answers; nothing listens: the process is
+    gone), or ``unreachable`` (no answer in ``timeout_s``, no route: the network, or the
+    machine itself); with the system's words for it."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return OPEN, "connected"
+    except ConnectionRefusedError as exc:
+        return REFUSED, describe(exc)
+    except TimeoutError:
+        return UNREACHABLE, f"no answer in {timeout_s:.0f}s"
+    except OSError as exc:  # no route to host, network unreachable, name lookup
+        return UNREACHABLE, describe(exc)
+
+
+def reach_key(rank: int) -> str:
+    """Where, in the job's store, a rank's start-up check published its address (under
+    :func:`dtrain.runtime.store_namespace`, as ``peers_checked``'s prefix store wrote it)."""
+    return f"reach//{rank}"
+
+
+def close_probe_listener() -> None:
+    """Close the socket peers probe (at the end of the worker's process group)."""
+    while _LISTENER:
+        close_listener(_LISTENER.pop())
+
+
 @contextlib.contextmanager
 def peers_checked(
     store: Any, rank: int, world_size: int, backend: str, timeout_s: float, hosts_store: bool
 ) -> Iterator[None]:
     """Publish this rank's collective address under ``store`` (a prefix of its own), connect to
     :func:`peers_of`, raise :class:`Unreachable` naming the first that does not answer; the
-    listening socket stays open for the body (``init_process_group``)."""
+    listening socket stays open for the body (``init_process_group``) and, when the body
+    succeeds, until :func:`close_probe_listener`."""
     address = collective_address(backend)
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
@@ -239,8 +279,11 @@ def peers_checked(
             raise
         _wait_for_all(store, world_size, timeout_s)
         yield
-    finally:
+    except BaseException:
         close_listener(listener)
+        raise
+    close_probe_listener()
+    _LISTENER.append(listener)
 
 
 def close_listener(listener: socket.socket) -> None:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from dtrain.config import DistConfig
 from dtrain.errors import ConfigError
-from dtrain.reachability import check_store, open_store, peers_checked
+from dtrain.reachability import check_store, close_probe_listener, open_store, peers_checked
 
 
 @dataclass(frozen=True)
@@ -161,6 +161,7 @@ def init_runtime(cfg: DistConfig) -> Runtime:
 def shutdown_runtime() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    close_probe_listener()
 
 
 def barrier() -> None:

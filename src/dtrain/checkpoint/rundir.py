@@ -121,8 +121,12 @@ def check_writable(run_dir: Path) -> None:
     """The run folder and its ``checkpoints/`` exist (made if need be) and take a file: a
     one-line user error otherwise (read-only, not ours, a file where a folder should be)."""
     for folder in (run_dir, run_dir / "checkpoints"):
-        if folder.exists() and not folder.is_dir():
-            raise UserError(f"run.dir: {folder} is a file, not a folder; choose another run.dir")
+        paths = (folder, *folder.parents)
+        blocker = next((p for p in paths if p.exists() and not p.is_dir()), None)
+        if blocker is not None:  # the folder is, or runs through, a file
+            raise UserError(
+                f"run.dir {run_dir}: {blocker} is a file, not a folder; choose another run.dir"
+            )
         try:
             folder.mkdir(parents=True, exist_ok=True)
             fd, probe = tempfile.mkstemp(prefix=".dtrain-write-check-", dir=folder)

@@ -6,6 +6,7 @@ process, a heartbeat as the old report it is, the collective's own error in one 
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
@@ -22,6 +23,11 @@ class PeerFailure(RuntimeError):
     """A collective failed because another rank died, raised or stopped responding."""
 
 
+class NetworkFailure(PeerFailure):
+    """A collective failed because the network lost a peer (or the store's host): it does not
+    answer at all, where a process that died would be refused by its machine."""
+
+
 def is_collective_failure(exc: BaseException) -> bool:
     """Whether an exception is a collective failing (a peer's socket closed, the collective
     timeout expired) rather than this rank's own error: only then is a peer to be named."""
@@ -33,6 +39,14 @@ def is_collective_failure(exc: BaseException) -> bool:
     )
 
 
+def connection_closed(exc: BaseException) -> bool:
+    """Whether a collective failed because a peer's end of its connection closed or was reset
+    -- the peer's process ended (a process that ends closes its sockets) -- rather than timing
+    out (a peer stopped, hung or cut off)."""
+    text = str(exc).lower()
+    return any(m in text for m in ("closed by peer", "reset by peer", "broken pipe"))
+
+
 def collective_cause(error: BaseException) -> str:
     """The collective's error in one line, without gloo's source location, cut at a word."""
     text = str(error).strip()
@@ -41,6 +55,41 @@ def collective_cause(error: BaseException) -> str:
     if len(cause) > CAUSE_CHARS:
         cause = cause[:CAUSE_CHARS].rsplit(" ", 1)[0] + " ..."
     return cause
+
+
+def since_words(since: float | None) -> str:
+    """`` since 08:40:01 (12s ago)`` for a wall-clock time, or nothing when unknown."""
+    if since is None:
+        return ""
+    ago = max(0.0, time.time() - since)
+    return f" since {time.strftime('%H:%M:%S', time.localtime(since))} ({ago:.0f}s ago)"
+
+
+def probe_words(
+    rank_words: str, state: str, said: str, address: str, beat: Liveness, now: float, node: str
+) -> tuple[str, bool]:
+    """A silent rank on another machine, by what a probe of its address found (see
+    :func:`dtrain.reachability.probe`); with whether the network lost it."""
+    from dtrain.reachability import REFUSED, UNREACHABLE
+
+    if state == REFUSED:
+        return (
+            f"{rank_words} died: killed or crashed (its machine refuses connections to it: "
+            f"{said}; it posted no error): {beat_words(beat, now)}",
+            False,
+        )
+    if state == UNREACHABLE:
+        last = now - beat.seen_at
+        return (
+            f"{rank_words} is cut off: {node} has no network path to it at {address} ({said})"
+            f"{since_words(time.time() - last)}: {beat_words(beat, now)}",
+            True,
+        )
+    return (
+        f"{rank_words} stopped responding: its process is alive (it accepts connections) but "
+        f"silent: {beat_words(beat, now)}",
+        False,
+    )
 
 
 def who(rank: int, beat: Liveness) -> str:

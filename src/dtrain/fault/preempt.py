@@ -10,15 +10,107 @@ together, after the same step's update.
 
 from __future__ import annotations
 
+import os
 import signal
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import Any
+
+# The signals torch's elastic agent (the launcher of ``dtrain train`` and of ``torchrun``)
+# catches and forwards to its workers, unless told others (torchrun --signals-to-handle,
+# LaunchConfig.signals_to_handle; the agent passes its list on to the workers in
+# TORCHELASTIC_SIGNALS_TO_HANDLE). Any
+# other signal keeps its default action there: SIGUSR1 kills the agent (exit 138), whose
+# workers then die with it (``dtrain.worker.die_with_launcher``) without saving.
+AGENT_SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+AGENT_DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
+# Signals no process can catch: a handler for them cannot be installed.
+UNCATCHABLE = frozenset({"SIGKILL", "SIGSTOP"})
+
+
+def agent_signals(env: Mapping[str, str]) -> list[str]:
+    """The signals the elastic agent whose environment is ``env`` forwards to its workers."""
+    listed = env.get(AGENT_SIGNALS_ENV)
+    names = listed.split(",") if listed is not None else AGENT_DEFAULT_SIGNALS
+    return [name.strip() for name in names if name.strip()]
+
+
+def signals_to_forward(preempt_signals: Sequence[str], env: Mapping[str, str]) -> str:
+    """The value of TORCHELASTIC_SIGNALS_TO_HANDLE that makes the agent also forward every
+    preemption signal: what it handles already (its defaults, or the user's list), then the
+    preemption signals it would not."""
+    names = agent_signals(env)
+    return ",".join([*names, *(name for name in preempt_signals if name not in names)])
+
+
+def unforwarded(preempt_signals: Sequence[str], env: Mapping[str, str] | None = None) -> list[str]:
+    """The preemption signals that the elastic agent this worker runs under (plain
+    ``torchrun``) would not forward; empty outside an agent (a single process)."""
+    env = os.environ if env is None else env
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return []
+    forwarded = set(agent_signals(env))
+    return [name for name in preempt_signals if name not in forwarded]
+
+
+def unforwarded_warning(names: Sequence[str]) -> str:
+    """Words for :func:`unforwarded`'s answer: what happens, and what to do."""
+    listed, forwarded = ", ".join(names), ", ".join(agent_signals(os.environ))
+    wanted = signals_to_forward(names, os.environ)
+    return (
+        f"fault.preempt_signals: {listed} sent to the launcher kills it, and this job's workers "
+        f"with it, unsaved (torch's launcher forwards only {forwarded}); "
+        f"start torchrun with --signals-to-handle={wanted} (and --shutdown-timeout=SECONDS, "
+        "the workers' time to save, default 30), or send the signal to the workers only "
+        "(`dtrain train` forwards every fault.preempt_signals)"
+    )
+
+
+# A worker's preemption signals from its first moment until the trainer's flag takes over:
+# those the default config names (catch_early, before the config is read), then the config's
+# own (settle_early). A signal in between -- Slurm's --signal=USR1@N may come up to a minute
+# early, during start-up -- is remembered, and the first step's agreement stops the run with
+# a save, instead of the signal's default action ending the worker unsaved.
+_EARLY: dict[str, Any] = {"signum": 0, "caught": set()}
+DEFAULT_PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1")
+
+
+def _remember(signum: int, frame: FrameType | None) -> None:
+    _EARLY["signum"] = _EARLY["signum"] or signum
+
+
+def catch_early(signal_names: Sequence[str] = DEFAULT_PREEMPT_SIGNALS) -> None:
+    """Remember the preemption signals that arrive before the trainer runs (a worker's main
+    thread, first thing)."""
+    for name in signal_names:
+        sig = getattr(signal, name)
+        signal.signal(sig, _remember)
+        _EARLY["caught"].add(sig)
+
+
+def settle_early(signal_names: Sequence[str]) -> None:
+    """Once the config is read: keep remembering the signals it names; give those it does not
+    their default action back -- and apply it now, to one that came meanwhile."""
+    wanted = {getattr(signal, name) for name in signal_names}
+    for sig in sorted(_EARLY["caught"] - wanted):
+        signal.signal(sig, signal.SIG_DFL)
+        _EARLY["caught"].discard(sig)
+        if _EARLY["signum"] == sig:
+            _EARLY["signum"] = 0
+            os.kill(os.getpid(), sig)
+    catch_early([signal.Signals(sig).name for sig in wanted - _EARLY["caught"]])
+
+
+def early_signal() -> int:
+    """The preemption signal that came before the trainer's flag was set up (0: none)."""
+    return int(_EARLY["signum"])
 
 
 class PreemptionFlag:
     def __init__(self, signal_names: Sequence[str]) -> None:
-        self.signum: int = 0
+        wanted = {getattr(signal, name) for name in signal_names}
+        self.signum: int = early_signal() if early_signal() in wanted else 0
         self._previous: dict[int, Any] = {}
         for name in signal_names:
             sig = getattr(signal, name)

@@ -54,6 +54,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dtrain.console import say_error
+from dtrain.fault import oom
 from dtrain.fault.liveness import (
     Liveness,
     LivenessFile,
@@ -63,13 +65,18 @@ from dtrain.fault.liveness import (
     read_liveness,
 )
 from dtrain.fault.peer_failure import (
+    NetworkFailure,
     PeerFailure,
     beat_words,
     collective_cause,
+    connection_closed,
     is_collective_failure,
+    probe_words,
+    since_words,
     who,
 )
 from dtrain.fault.store_client import StoreClient, StoreTimeout, connect_store
+from dtrain.reachability import OPEN, REFUSED, UNREACHABLE, node_label, probe, reach_key
 
 # A beat follows a change of step or phase after at most this long (instead of waiting for the
 # next regular beat), so the store's view of a rank on another machine is rarely more than
@@ -77,6 +84,9 @@ from dtrain.fault.store_client import StoreClient, StoreTimeout, connect_store
 # them all, gets at most about _PROMPT_BEATS_PER_S of them a second.
 _PROMPT_BEAT_S = 0.2
 _PROMPT_BEATS_PER_S = 2000.0
+
+# How long the watchdog's first connection to the job's store may take.
+_CONNECT_S = 30.0
 
 # Phases the backstop leaves alone: finished ranks, and the user's after-training hook, which
 # cannot tick (it is the user's code); a collective inside it has its own timeout.
@@ -131,7 +141,17 @@ class Watchdog:
         self._stop = threading.Event()
         self._on_hang = on_hang or _exit_on_hang
         call_s = max(2.0, heartbeat_s * 3)
-        client = connect_store(timeout_s=call_s) if world_size > 1 else None
+        # The first connection may wait as long as a start-up does (a loaded machine with
+        # many ranks answered it in more than the few seconds a later call is given).
+        client = connect_store(call_s, _CONNECT_S) if world_size > 1 else None
+        if client is None and world_size > 1:
+            print(
+                f"dtrain: warning: rank {rank}: the job's key-value store did not answer within "
+                f"{_CONNECT_S:.0f}s; this rank's heartbeats stay in its liveness file, and a "
+                "failed peer is named with less detail",
+                file=sys.stderr,
+                flush=True,
+            )
         self.store = StoreClient(client, call_s) if client is not None else None
         self._thread: threading.Thread | None = None
         # Rank 0's beat, kept while the store answers: when rank 0 hosts the store (it does
@@ -144,6 +164,9 @@ class Watchdog:
         self._moved_at = time.monotonic()
         self._rank0_moved_at = float("-inf")
         self.stats = stats
+        # The other ranks' probe addresses (reachability), read when first needed.
+        self._addresses: dict[int, tuple[str, int]] = {}
+        self.node = node_label()  # this rank's machine, as the others know it
         self._speed = Speed()
         self._speed_every_s = max(1.0, heartbeat_s)
         self._speed_mark = (0, time.monotonic())  # step and time of the last measurement
@@ -209,8 +232,14 @@ class Watchdog:
             "error": text.splitlines()[0][:400] if text else "",
         }
         key, value = f"{_prefix()}failed/{self.rank}", json.dumps(record)
+        index, entry = f"{_prefix()}failed", f"{self.rank},"
+
+        def post(store: Any) -> None:
+            store.set(key, value)
+            store.append(index, entry)  # the ranks that failed, for a diagnosis to read
+
         try:
-            self.store.ask(lambda store: store.set(key, value), "posting this rank's failure")
+            self.store.ask(post, "posting this rank's failure")
         except Exception:
             pass
 
@@ -305,24 +334,30 @@ class Watchdog:
     # -- the others ----------------------------------------------------------------------
 
     def peers(self, seconds: float | None = None) -> dict[int, Liveness | None]:
-        """Latest beat of every other rank (None where none was ever seen)."""
-        out: dict[int, Liveness | None] = {}
+        """Latest beat of every other rank (None where none was ever seen): one read of the
+        store for all of them."""
         if self.store is None:
-            return out
-        for rank in range(self.world_size):
-            if rank != self.rank:
-                out[rank] = self._read_beat(rank, seconds)
-        return out
+            return {}
+        others = [rank for rank in range(self.world_size) if rank != self.rank]
+        keys = {rank: f"{_prefix()}hb/{rank}" for rank in others}
+        values = self.store.read_many(list(keys.values()), seconds)
+        return {rank: Liveness.from_dict(values[key]) for rank, key in keys.items()}
 
     def failures(self, seconds: float | None = None) -> dict[int, dict[str, Any]]:
-        out: dict[int, dict[str, Any]] = {}
+        """The failures other ranks posted: the index of the ranks that failed, then theirs."""
         if self.store is None:
-            return out
-        for rank in range(self.world_size):
-            record = self.store.read(f"{_prefix()}failed/{rank}", seconds)
-            if record is not None and rank != self.rank:
-                out[rank] = record
-        return out
+            return {}
+        index = self.store.ask(
+            lambda store: (
+                store.get(f"{_prefix()}failed") if store.check([f"{_prefix()}failed"]) else b""
+            ),
+            "reading the failed ranks",
+            seconds,
+        )
+        ranks = sorted({int(r) for r in index.decode().split(",") if r.isdigit()} - {self.rank})
+        keys = {rank: f"{_prefix()}failed/{rank}" for rank in ranks}
+        values = self.store.read_many(list(keys.values()), seconds)
+        return {rank: values[key] for rank, key in keys.items() if isinstance(values[key], dict)}
 
     def _read_beat(self, rank: int, seconds: float | None = None) -> Liveness | None:
         assert self.store is not None
@@ -335,10 +370,47 @@ class Watchdog:
             return None
         return read_liveness(liveness_path(self.run_dir, beat.rank), beat.pid)
 
-    def diagnose(self) -> str:
-        """Who is missing, in words."""
+    def diagnose(self, closed: bool = False) -> str:
+        """Who is missing, in words (see :meth:`diagnosis`)."""
+        return self.diagnosis(closed)[0]
+
+    def diagnosis(self, closed: bool = False) -> tuple[str, bool]:
+        """Who is missing, in words, and whether it is the network that lost them (a peer,
+        or the store's host, that does not answer at all). ``closed``: this rank's collective
+        failed because a peer's end of a connection closed (its process ended), not because
+        one stopped answering.
+
+        A rank that died on another machine posts nothing and cannot be looked up; its beats
+        only stop. So while nobody is named yet, the store is read again for as long as it
+        takes a dead rank's beat to go stale (a few heartbeats), instead of saying "every
+        other rank is still beating" about a rank killed a moment ago. A silent rank on
+        another machine is then probed at the address its start-up check published: a
+        refused connection is a process gone (killed or crashed), no answer at all a network
+        path lost (or the machine), a connection accepted a process alive but silent."""
         if self.store is None:
-            return "no rendezvous store to ask which rank is missing"
+            return "no rendezvous store to ask which rank is missing", False
+        stale_after = max(3 * self.heartbeat_s, 3.0)
+        deadline = time.monotonic() + stale_after + 0.5
+        # A beat's seen_at as this rank first read it, and when (time.monotonic()): a beat
+        # that has not changed for stale_after of this machine's time has stopped, whatever
+        # the two machines' clocks say.
+        first_seen: dict[int, tuple[float, float]] = {}
+        while True:
+            found = self._missing(first_seen, stale_after, closed)
+            if isinstance(found, tuple):
+                return found  # the store itself is gone
+            if found or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        if not found:
+            return "every other rank is still beating (the failure may be in the network)", False
+        return "; ".join(words for words, _ in found), any(network for _, network in found)
+
+    def _missing(
+        self, first_seen: dict[int, tuple[float, float]], stale_after: float, closed: bool
+    ) -> list[tuple[str, bool]] | tuple[str, bool]:
+        """One reading of the store: the ranks found missing, in words, each with whether
+        the network lost it; or, when the store cannot be read, the diagnosis of its loss."""
         # A healthy store answers in milliseconds; a short bound keeps the whole diagnosis
         # (after the collective's own timeout) within the time a user waits for it.
         quick = max(1.0, min(2.0, self.heartbeat_s))
@@ -351,28 +423,64 @@ class Watchdog:
             first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
             why = f"({type(exc).__name__}: {first})"
             return self._store_lost(why, isinstance(exc, StoreTimeout), store_hosted_by_launcher())
-        now = time.time()
-        stale_after = max(3 * self.heartbeat_s, 3.0)
-        parts = []
+        now, clock = time.time(), time.monotonic()
+        found: list[tuple[str, bool]] = []
         for rank, record in sorted(failed.items()):
-            parts.append(
-                f"rank {rank} ({record['host']}, pid {record['pid']}) failed at step "
-                f"{record['step']} in {record['phase']}: {record['error']}"
+            found.append(
+                (
+                    f"rank {rank} ({record['host']}, pid {record['pid']}) failed at step "
+                    f"{record['step']} in {record['phase']}: {record['error']}",
+                    False,
+                )
             )
         for rank, beat in sorted(beats.items()):
             if rank in failed:
                 continue
             if beat is None:
-                parts.append(f"rank {rank} never checked in")
-            elif beat.host == self.host and not process_alive(beat.pid):
+                found.append((f"rank {rank} never checked in", False))
+                continue
+            seen = first_seen.setdefault(rank, (beat.seen_at, clock))
+            if seen[0] != beat.seen_at:
+                first_seen[rank] = seen = (beat.seen_at, clock)
+            silent = now - beat.seen_at > stale_after or clock - seen[1] > stale_after
+            if beat.host == self.host and not process_alive(beat.pid):
                 # Killed outright (kill -9, the OOM killer): no error posted, and a beat that
                 # may be many steps behind; its liveness file says where it was.
-                parts.append(f"{who(rank, beat)} died: {self._last_words_of(beat, now)}")
-            elif now - beat.seen_at > stale_after:
-                parts.append(f"{who(rank, beat)} stopped responding: {self._last_known(beat, now)}")
-        if not parts:
-            return "every other rank is still beating (the failure may be in the network)"
-        return "; ".join(parts)
+                found.append((f"{who(rank, beat)} died: {self._last_words_of(beat, now)}", False))
+            elif silent and beat.host != self.host:
+                found.append(self._remote_silent(rank, beat, now, closed, quick))
+            elif silent:
+                words = f"{who(rank, beat)} stopped responding: {self._last_known(beat, now)}"
+                found.append((words, False))
+        return found
+
+    def _remote_silent(
+        self, rank: int, beat: Liveness, now: float, closed: bool, quick: float
+    ) -> tuple[str, bool]:
+        """A silent rank on another machine, probed at its published address."""
+        address = self._address_of(rank, quick)
+        if address is None:  # not published (an old attempt's store): what the error says
+            if closed:
+                return (
+                    f"{who(rank, beat)} died: killed or crashed (its connection closed, it "
+                    f"posted no error, and its heartbeats stopped): {beat_words(beat, now)}",
+                    False,
+                )
+            return f"{who(rank, beat)} stopped responding: {beat_words(beat, now)}", False
+        state, why = probe(address[0], address[1], quick)
+        return probe_words(who(rank, beat), state, why, address[0], beat, now, self.node)
+
+    def _address_of(self, rank: int, seconds: float) -> tuple[str, int] | None:
+        """Where ``rank``'s start-up check listens (it stays open: ``reachability.probe``)."""
+        if rank not in self._addresses:
+            assert self.store is not None
+            from dtrain.runtime import store_namespace
+
+            record = self.store.read(store_namespace() + reach_key(rank), seconds)
+            if not isinstance(record, dict) or "addr" not in record or "port" not in record:
+                return None
+            self._addresses[rank] = (str(record["addr"]), int(record["port"]))
+        return self._addresses[rank]
 
     def _last_words_of(self, beat: Liveness, now: float) -> str:
         """Where a rank of this machine whose process is gone was when it died."""
@@ -392,40 +500,82 @@ class Watchdog:
         age = max(0.0, now - record.seen_at)
         return f"no progress for {still:.1f}s, {record.where()} (last heartbeat {age:.1f}s ago)"
 
-    def _store_lost(self, why: str, timed_out: bool, launcher_hosted: bool) -> str:
-        """The diagnosis when the store cannot be reached: its host has died."""
+    def _store_lost(self, why: str, timed_out: bool, launcher_hosted: bool) -> tuple[str, bool]:
+        """The diagnosis when the store cannot be reached: its host has died, or been cut
+        off. The store's address is probed: refused, its process is gone; no answer, the
+        network to it (or its machine)."""
+        host, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+        state, said = probe(host, int(port), 2.0) if host and port.isdigit() else (OPEN, "")
+        since = self.store.last_ok if self.store is not None else None
         beat = self._rank0_beat
         if launcher_hosted or beat is None:
-            host = "the launcher" if launcher_hosted else "rank 0"
+            holder = "the launcher" if launcher_hosted else "rank 0"
+            if state == UNREACHABLE:
+                return (
+                    f"lost the network path to {host}, where {holder} hosts the job's "
+                    f"key-value store ({said}){since_words(since)} {why}",
+                    True,
+                )
             return (
-                f"the job's key-value store is unreachable {why}: {host}, which hosts it, has died"
+                f"the job's key-value store is unreachable {why}: {holder}, which hosts it, "
+                "has died",
+                False,
             )
         now = time.time()
+        network = False
         if beat.host == self.host and not process_alive(beat.pid):
             fate = f"died: {self._last_words_of(beat, now)}"
-        elif timed_out:  # alive but silent: stopped (SIGSTOP), hung or cut off
+        elif state == REFUSED:
+            fate = (
+                f"died: killed or crashed (its machine {host} refuses connections to the store: "
+                f"{said}): {beat_words(beat, now)}"
+            )
+        elif state == UNREACHABLE:
+            network = True
+            fate = (
+                f"is cut off: {self.node} has no network path to {host} ({said})"
+                f"{since_words(since)}: {beat_words(beat, now)}"
+            )
+        elif timed_out:  # alive but silent: stopped (SIGSTOP) or hung
             fate = f"stopped responding: {self._last_known(beat, now)}"
         else:
             fate = f"is unreachable (died, or its machine was cut off): {beat_words(beat, now)}"
-        return f"{who(0, beat)} {fate}; it hosted the job's key-value store, now unreachable {why}"
+        words = f"{who(0, beat)} {fate}; it hosted the job's key-value store, now unreachable {why}"
+        return words, network
 
     def on_error(self, error: BaseException) -> BaseException:
         """What the trainer raises for an error out of its loop: a collective that failed
-        becomes a :class:`PeerFailure` naming the peer at fault; this rank's own error is
-        posted for the other ranks to name, and stays as it is."""
+        becomes a :class:`PeerFailure` naming the peer at fault; an allocation that failed an
+        :class:`~dtrain.fault.oom.OutOfMemory` in one line; this rank's own error is posted
+        for the other ranks to name (and, but for running out of memory, stays as it is)."""
         if isinstance(error, PeerFailure):
             return error
-        if is_collective_failure(error):
+        # Out of memory first: this rank's own failure, whatever the allocator's words.
+        words = oom.describe(error, f"rank {self.rank} ({self.host})", self.where())
+        if words is not None:
+            error = oom.OutOfMemory(words)
+        elif is_collective_failure(error):
             return self.peer_failure(error)
         self.report_failure(error)
         return error
 
+    def where(self) -> str:
+        """This rank's place, in words: ``at step 3 in forward_backward``."""
+        return f"at step {self.step} in {self.phase}"
+
     def peer_failure(self, error: BaseException) -> PeerFailure:
         # Give a failing peer a moment to post its error (it may still be on its way out).
         time.sleep(min(1.0, self.heartbeat_s))
+        words, network = self.diagnosis(connection_closed(error))
+        cause = collective_cause(error)
+        if network:
+            return NetworkFailure(
+                f"rank {self.rank} ({self.host}, {self.node}) at step {self.step} in "
+                f"{self.phase}: a network failure: {words} (collective error: {cause})"
+            )
         return PeerFailure(
             f"rank {self.rank} ({self.host}) at step {self.step} in {self.phase}: a collective "
-            f"failed: {self.diagnose()} (collective error: {collective_cause(error)})"
+            f"failed: {words} (collective error: {cause})"
         )
 
 
@@ -439,5 +589,5 @@ def _exit_on_hang(message: str) -> None:
                 json.dump({"message": f"PeerFailure: {message}", "timestamp": int(time.time())}, fh)
         except OSError:
             pass
-    print(f"dtrain: error: {message}", file=sys.stderr, flush=True)
+    say_error(message)
     os._exit(3)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -15,25 +15,47 @@ from dtrain.config import Config
 from dtrain.data.corpus import prepare_stdlib_corpus
 from dtrain.data.shards import ShardedDataset
 from dtrain.data.text import TokenSequences, TokenWindows, collate_padded, collate_windows
+from dtrain.errors import ConfigError
 from dtrain.models.gpt import GPT, GPTConfig
 from dtrain.task import IGNORE_INDEX, Task, task_config
 
 PROMPTS = ("def ", "class ", "import ")
 
 
+def _size(default: int, help: str) -> Any:
+    """A size of the model: a whole number of at least 1 (config_load checks the range)."""
+    return field(default=default, metadata={"help": help, "min": 1})
+
+
 @dataclass
 class GPTTaskConfig:
-    seq_len: int = 128
-    n_layer: int = 3
-    n_head: int = 4
-    d_model: int = 192
-    dropout: float = 0.0
+    seq_len: int = _size(128, "tokens per sample (the context length)")
+    n_layer: int = _size(3, "transformer blocks")
+    n_head: int = _size(4, "attention heads per block; must divide d_model")
+    d_model: int = _size(192, "width of the residual stream")
+    dropout: float = field(default=0.0, metadata={"help": "dropout rate", "min": 0, "max": 1})
     data_dir: str = ""  # a prepared dataset with train/ and val/; empty = the stdlib corpus
     samples: Literal["windows", "documents"] = "windows"  # documents: one file per sample
-    generate_tokens: int = 160  # printed after training, per prompt (0 = none)
+    generate_tokens: int = field(
+        default=160, metadata={"help": "printed after training, per prompt (0 = none)", "min": 0}
+    )
     # Build the model on the meta device: each rank makes only the part it holds (fsdp,
     # pipeline, tensor), for models larger than one rank's memory.
     meta_init: bool = False
+
+    def __post_init__(self) -> None:
+        # Checked with the rest of the config, before any worker starts: the heads split the
+        # width evenly, or the attention's reshape fails in every worker.
+        if self.d_model % self.n_head:
+            raise ConfigError(
+                f"task.n_head = {self.n_head} does not divide task.d_model = {self.d_model}: "
+                "each head gets d_model / n_head of the width; pick an n_head that divides it "
+                f"(e.g. {_nearest_divisor(self.d_model, self.n_head)})"
+            )
+
+
+def _nearest_divisor(number: int, near: int) -> int:
+    return min((d for d in range(1, number + 1) if number % d == 0), key=lambda d: abs(d - near))
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

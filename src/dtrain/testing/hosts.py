@@ -7,6 +7,7 @@ each link limited with ``tc``), commands run in them with ``ip netns exec``.
     with Hosts(2, rate="100mbit") as hosts:             # hosts.sh up 2 100mbit
         hosts.address(1)                                 # '10.77.0.2'
         hosts.run(1, ["python", "-c", "print(1)"])       # a CompletedProcess, output captured
+        hosts.set_link(1, up=False)                      # host 1 cut off (a partition)
         proc = hosts.popen(0, [...])                     # a Popen, to run beside others
         Launch(config, 1, ..., exec_prefix=hosts.exec_prefix(0))  # dtrain train in host 0
     # down: everything removed, also when the body raised
@@ -40,12 +41,22 @@ class Hosts:
     the script warns and goes on without it where the kernel lacks netem)."""
 
     def __init__(
-        self, n: int, rate: str = "none", delay: str = "", prefix: str | None = None
+        self,
+        n: int,
+        rate: str = "none",
+        delay: str = "",
+        prefix: str | None = None,
+        hostnames: bool = False,
     ) -> None:
+        """``hostnames``: each host also gets its own hostname, ``{prefix}-hI`` (a UTS
+        namespace per command run in it), as separate machines have; else they share this
+        machine's, and dtrain takes their ranks for ranks of one machine (whose processes it
+        may look up: the hosts do share one process table)."""
         self.n = n
         self.rate = rate
         self.delay = delay
         self.prefix = prefix or f"dt{os.getpid() % 100000}"
+        self.hostnames = hostnames
         self.up_output = ""
 
     # -- lifetime --------------------------------------------------------------------------
@@ -96,9 +107,21 @@ class Hosts:
     def addresses(self) -> list[str]:
         return [self.address(i) for i in range(self.n)]
 
+    def set_link(self, i: int, up: bool) -> None:
+        """Cut host ``i`` off the others (its end of the link on the bridge goes down: no
+        packet in or out, nothing refused -- as a pulled cable or a partition), or connect it
+        again. Connections that were open survive a short cut, as TCP's do."""
+        self.namespace(i)
+        state = "up" if up else "down"
+        subprocess.run(["ip", "link", "set", f"{self.prefix}-v{i}", state], check=True)
+
     def exec_prefix(self, i: int) -> list[str]:
         """What to put before a command to run it in host ``i``."""
-        return ["ip", "netns", "exec", self.namespace(i)]
+        prefix = ["ip", "netns", "exec", self.namespace(i)]
+        if self.hostnames:
+            name = self.namespace(i)
+            prefix += ["unshare", "--uts", "sh", "-c", f'hostname {name} && exec "$@"', "sh"]
+        return prefix
 
     def run(
         self, i: int, argv: Sequence[str], timeout: float = 600, **kwargs: Any

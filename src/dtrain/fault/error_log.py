@@ -1,0 +1,37 @@
+"""The run folder's error log: the full traceback of every failure of a rank, one file per rank
+(``RUN_DIR/logs/rankN.log``), appended attempt after attempt. The terminal gets one line per
+failed rank that names this file (:mod:`dtrain.worker`), instead of the tracebacks of every
+rank of every restart."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+
+LOGS_DIR = "logs"
+
+
+def error_log_path(run_dir: str | Path, rank: int) -> Path:
+    return Path(run_dir) / LOGS_DIR / f"rank{rank}.log"
+
+
+def append_traceback(run_dir: str | Path, rank: int, error: BaseException) -> Path | None:
+    """Append ``error``'s traceback (and those it was raised from) to this rank's log, under a
+    header naming the attempt, host, pid and time; None when the log cannot be written."""
+    path = error_log_path(run_dir, rank)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    header = (
+        f"--- rank {rank}, attempt {attempt}, host {socket.gethostname()}, pid {os.getpid()}, "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S')} ---\n"
+    )
+    text = header + "".join(traceback.format_exception(error)) + "\n"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as fh:
+            fh.write(text)
+    except OSError:
+        return None
+    return path
