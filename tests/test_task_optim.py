@@ -6,6 +6,8 @@ parameters the strategy does not hold are one-line errors."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 from pathlib import Path
@@ -19,6 +21,7 @@ from dtrain.checkpoint.rng import seed_everything
 from dtrain.config import OptimConfig
 from dtrain.config_load import build_config
 from dtrain.errors import CheckpointError, ConfigError, UserError
+from dtrain.metrics.summary import print_summary
 from dtrain.optim import lr_factor
 from dtrain.testing import run_ranks
 from tests.byo_tasks import (
@@ -168,6 +171,14 @@ def bad_runs(root: str) -> dict[str, str]:
         out["foreign"] = str(exc)
     first = classifier_raw(Path(root) / "other", train={"steps": 2})
     make_trainer(first).fit()
+    # Run again as it is: finished, nothing trained, evaluated or written.
+    records = (Path(root) / "other" / "metrics.jsonl").read_text()
+    again = make_trainer(first).fit()
+    assert (Path(root) / "other" / "metrics.jsonl").read_text() == records
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        print_summary(again, "samples", 1)
+    out["finished"] = buffer.getvalue()
     second = classifier_raw(
         Path(root) / "other",
         train={"steps": 4},
@@ -181,13 +192,16 @@ def bad_runs(root: str) -> dict[str, str]:
     return out
 
 
-def test_bad_optimizers_are_named_in_one_line(tmp_path: Path) -> None:
+def test_bad_optimizers_are_named_in_one_line_and_a_finished_run_says_so(tmp_path: Path) -> None:
     errors = run_ranks(bad_runs, 1, str(tmp_path))[0]
     assert "over 8 parameter(s) that strategy 'ddp' does not hold" in errors["foreign"]
     assert "named parameters it is called with" in errors["foreign"]
     assert "torch.optim.sgd.SGD optimizer" in errors["other"]
     assert "torch.optim.adamw.AdamW" in errors["other"]
     assert "\n" not in errors["foreign"] + errors["other"]
+    # A finished run run again (it printed "train loss nan ... samples/s").
+    assert "already finished: step 2 of 2, nothing trained" in errors["finished"]
+    assert "nan" not in errors["finished"]
 
 
 def test_schedule_shapes() -> None:
