@@ -51,6 +51,13 @@ def split_input_target(batch: Any) -> tuple[Any, Any]:
             return batch["input"], batch["target"]
         if "labels" in batch:
             return {k: v for k, v in batch.items() if k != "labels"}, batch["labels"]
+        if "tokens" in batch:
+            raise UserError(
+                f"a dict batch with keys {sorted(batch)}: prepared token shards, which the "
+                "default layout does not split into inputs and targets: train on "
+                "dtrain.data.text.TokenWindows(dataset, seq_len[, stride=1]) with "
+                "collate_fn=collate_windows, or give Task.split_batch"
+            )
         raise UserError(
             f"a dict batch with keys {sorted(batch)}: the default layout takes 'input' and "
             "'target', or 'labels' beside the model's keyword arguments (Hugging Face's "
