@@ -152,3 +152,20 @@ def test_a_copy_of_a_synced_model_is_a_plain_batchnorm() -> None:
     reference = SmallCNN()
     reference.load_state_dict(model.state_dict())
     torch.testing.assert_close(twin(x), reference(x))
+
+
+def test_sync_batchnorm_on_a_model_without_batchnorm_stops_the_run_in_one_line(
+    tmp_path: Path,
+) -> None:
+    """Through the real CLI on 2 ranks: exit 2, the message, no traceback, no checkpoint."""
+    from tests.test_cli import run_cli
+
+    config = tmp_path / "cnn.toml"
+    config.write_text(build_config(cnn_raw(tmp_path / "run"), CNNOptions).to_toml())
+    result = run_cli(
+        "train", str(config), "--nproc", "2", "--task.batchnorm=false", "--train.steps=2"
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "the model has no BatchNorm layer" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not list((tmp_path / "run" / "checkpoints").glob("step-*"))
