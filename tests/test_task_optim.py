@@ -76,6 +76,7 @@ def train_all(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "val_loss": summary.val_loss,
             "metrics": summary.val_metrics,
             "records": train_records(raw["run"]["dir"]),
+            "dir": raw["run"]["dir"],
         }
     return out
 
@@ -226,3 +227,17 @@ def test_a_wsd_schedule_that_does_not_fit_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"optim.schedule = 'wsd'.*train.steps = 10"):
         build_config({"train": {"steps": 10}, "optim": {"schedule": "wsd", "decay_steps": 8}})
     assert OptimConfig().schedule == "cosine"
+
+
+def test_dtrain_report_shows_the_metrics(runs: dict[str, Any]) -> None:
+    pytest.importorskip("matplotlib")
+    from dtrain.report.plots import legend_labels, make_plots
+    from dtrain.report.read import read_runs
+    from dtrain.report.totals import format_totals, totals
+
+    run = read_runs([Path(runs["ddp"]["dir"])])
+    table = format_totals(totals(run[0]))
+    assert table["val accuracy"] == f"{runs['ddp']['metrics']['accuracy']:.4f}"
+    assert "val confidence" in table
+    plots = {p.name: p for p in make_plots(run, [])}
+    assert legend_labels(plots["val_metrics"]) == ["accuracy", "confidence"]

@@ -366,13 +366,8 @@ class Trainer:
             summary.comm_bytes, summary.comm_wait_s = self.strategy.comm.totals()
         if self.progress is not None:
             self.progress.close()
-        if self.task.after_training is not None and not summary.preempted:
-            self.watchdog.set_phase("after_training")
-            model = self.strategy.model_for_inference()
-            if model is not None:
-                model.eval()
-                text = self.task.after_training(model)
-                summary.generated = text if self.is_main else ""
+        if not summary.preempted:
+            self._after_training(summary)
         self.loader.close()
         self._finish_records(summary)
         self.watchdog.set_phase("barrier(end)")
@@ -382,7 +377,9 @@ class Trainer:
 
     def _already_finished(self, summary: Summary, started: float) -> Summary:
         """The run folder holds a run that reached ``train.steps`` before: nothing to train,
-        evaluate or save again (its records and checkpoint stand as they are)."""
+        evaluate or save again (its records and checkpoint stand as they are). The task's
+        after-training hook runs, as at the end of any run: a restart after the hook failed
+        runs it again, as it did before this path existed."""
         self.log(
             f"the run in {self.run_dir} already finished at step {self.step} "
             f"(train.steps = {self.cfg.train.steps}): nothing to train; raise train.steps to "
@@ -390,8 +387,9 @@ class Trainer:
         )
         summary.finished_before = True
         summary.steps = self.step
-        summary.wall_s = time.perf_counter() - started
         summary.checkpoint = str(self.run_dir / "checkpoints" / layout.step_dir_name(self.step))
+        self._after_training(summary)
+        summary.wall_s = time.perf_counter() - started
         self.loader.close()
         if self.is_main:
             write_status(self.run_dir, RunStatus("completed", self.step))
@@ -399,6 +397,18 @@ class Trainer:
         barrier()
         self.watchdog.set_phase("done")
         return summary
+
+    def _after_training(self, summary: Summary) -> None:
+        """The task's after-training hook, on rank 0 with the whole model (collective: every
+        rank gives its part); its text goes into the summary."""
+        if self.task.after_training is None:
+            return
+        self.watchdog.set_phase("after_training")
+        model = self.strategy.model_for_inference()
+        if model is not None:
+            model.eval()
+            text = self.task.after_training(model)
+            summary.generated = text if self.is_main else ""
 
     def _first_step_done(self, seconds: float) -> None:
         """The time from the start of ``fit`` to the end of this process's first step: set-up

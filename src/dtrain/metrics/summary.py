@@ -91,11 +91,11 @@ class LossWindow:
 
 def print_summary(summary: Summary, item_name: str, world_size: int) -> None:
     if summary.finished_before:
-        print(
+        text = (
             f"\nalready finished: step {summary.steps} of {summary.steps}, nothing trained; "
-            f"checkpoint {summary.checkpoint}",
-            flush=True,
+            f"checkpoint {summary.checkpoint}"
         )
+        print(text + (f"\n\n{summary.generated}" if summary.generated else ""), flush=True)
         return
     rate = summary.items / summary.wall_s if summary.wall_s > 0 else 0.0
     val = f"{summary.val_loss:.4f}" if summary.val_loss is not None else "n/a"

@@ -96,7 +96,8 @@ def _synced_forward(self: _BatchNorm, input: torch.Tensor) -> torch.Tensor:
     channels = input.shape[1]
     dims = [0, *range(2, input.dim())]
     view = [1, channels] + [1] * (input.dim() - 2)  # a channel vector, broadcast over x
-    x = input.float()
+    # Half-precision inputs (autocast) are normalized in float32, double ones in double.
+    x = input if input.dtype == torch.float64 else input.float()
     if self.running_mean is not None:
         shift = self.running_mean.detach().to(torch.float64)
     else:
