@@ -337,3 +337,31 @@ def test_each_rank_gets_a_disjoint_part_of_every_global_batch(
         # Parts are disjoint stream positions whose union is the global batch.
         assert sorted(i for part in mine for i in part) == sorted(plan.global_ids.tolist())
         assert sum(len(part) for part in mine) == 14
+
+
+class HFStandIn(Regression):
+    """What dtrain reads of a Hugging Face ``datasets.Dataset``: its class's module (the
+    ``datasets`` package) and its ``_fingerprint``, which the library changes with every
+    ``map``/``filter``. (The real class, checked once by hand with datasets 5.2, keeps the
+    same attribute; the dev extra leaves datasets and its pandas out.)"""
+
+    __module__ = "datasets.arrow_dataset"
+
+    def __init__(self, n: int, fingerprint: str) -> None:
+        super().__init__(n)
+        self._fingerprint = fingerprint
+
+
+def test_a_datasets_dataset_is_identified_by_its_own_fingerprint() -> None:
+    data = HFStandIn(50, "a1b2c3")
+    assert dataset_fingerprint(data) == "datasets:a1b2c3"
+    state = make_loader(data).state_dict() | {"consumed": 16}
+    make_loader(HFStandIn(50, "a1b2c3")).load_state_dict(state)  # the same data: resumes
+    # The same size after another map(): not the same samples (before, only the class and
+    # the size were compared, and this resumed).
+    with pytest.raises(DataError, match=r"the dataset \(fingerprint\) 'datasets:a1b2c3'"):
+        make_loader(HFStandIn(50, "d4e5f6")).load_state_dict(state)
+    # Another library's _fingerprint means nothing to dtrain.
+    other = Regression(50)
+    other._fingerprint = "x"  # type: ignore[attr-defined]
+    assert dataset_fingerprint(other) == "tests.tasks.Regression:50"

@@ -116,13 +116,13 @@ def test_groups_with_different_settings_are_not_merged() -> None:
 def resume_across_the_regrouping(raw: dict[str, Any]) -> dict[str, Any]:
     """Train ``train.steps`` with the two groups and checkpoint; resume with today's one group
     for 4 steps more; the parameters."""
-    import dtrain.trainer as trainer_module
+    import dtrain.optim_choice as choice
 
-    trainer_module.build_optimizer = two_groups_as_before  # this rank's process only
+    choice.build_optimizer = two_groups_as_before  # this rank's process only
     try:
         make_trainer(raw).fit()
     finally:
-        trainer_module.build_optimizer = build_optimizer
+        choice.build_optimizer = build_optimizer
     steps = raw["train"]["steps"] + 4
     resumed = make_trainer({**raw, "train": {**raw["train"], "steps": steps}})
     resumed.fit()

@@ -82,6 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--columns", default="", help="Parquet columns to keep (comma separated)")
     p.add_argument("--shard-mb", type=float, default=64.0, help="target shard size in MB")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument(
+        "--tokenizer",
+        default="",
+        help="a Hugging Face tokenizer.json: text becomes its token ids (uint16 or uint32 by "
+        "the vocabulary's size) instead of bytes; needs pip install 'dtrain[tokenizers]'",
+    )
+    p.add_argument(
+        "--eos",
+        default=None,
+        help="with --tokenizer: a token of its vocabulary appended to every document "
+        "(e.g. '<|endoftext|>')",
+    )
     p = sub.add_parser("verify", help="check a dataset's files against its manifest")
     p.add_argument("data_dir")
     p = sub.add_parser("config", help="print the resolved config (or every option with --list)")
@@ -209,6 +221,13 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     columns = [c for c in args.columns.split(",") if c] or None
     if args.shard_mb <= 0:
         raise UserError(f"--shard-mb {args.shard_mb}: must be positive")
+    tokenizer = None
+    if args.tokenizer:
+        from dtrain.data.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(args.tokenizer, args.eos)
+    elif args.eos is not None:
+        raise UserError(f"--eos {args.eos!r} needs --tokenizer (bytes have no end token)")
     started = time.perf_counter()
     out = prepare(
         args.source,
@@ -216,8 +235,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         fmt=args.format,
         field=args.field,
         columns=columns,
+        tokenizer=tokenizer,
+        vocab_size=tokenizer.vocab_size if tokenizer is not None else None,
         shard_bytes=int(args.shard_mb * 2**20),
         overwrite=args.overwrite,
+        metadata=tokenizer.metadata() if tokenizer is not None else None,
     )
     from dtrain.data.shards import read_manifest
 

@@ -118,8 +118,23 @@ class OptimConfig:
     weight_decay: float = _opt(0.1, "decoupled weight decay (matrices only)", min=0)
     betas: list[float] = _opt([0.9, 0.95], "AdamW betas")
     momentum: float = _opt(0.9, "SGD momentum", min=0, max=1)
+    schedule: Literal["cosine", "wsd", "constant"] = _opt(
+        "cosine",
+        "learning-rate schedule after the linear warm-up: 'cosine' (decay to min_lr_ratio over "
+        "decay_steps), 'wsd' (warm-up, stable at lr, then a linear decay to min_lr_ratio over "
+        "the last decay_steps), 'constant' (lr after the warm-up). A task's "
+        "Task.build_scheduler replaces it",
+    )
     warmup_steps: int = _opt(30, "linear warm-up steps", min=0)
-    min_lr_ratio: float = _opt(0.1, "cosine decay floor, as a fraction of lr", min=0, max=1)
+    decay_steps: int = _opt(
+        0,
+        "steps the decay lasts. cosine: from the end of the warm-up, then lr stays at the floor "
+        "(0 = until train.steps); wsd: the last decay_steps of train.steps (0 = a fifth of them)",
+        min=0,
+    )
+    min_lr_ratio: float = _opt(
+        0.1, "floor the decay reaches (cosine, wsd), as a fraction of lr", min=0, max=1
+    )
 
 
 @dataclass
@@ -176,6 +191,12 @@ class StrategyConfig:
     name: str = _opt("ddp", "parallel strategy (see `dtrain strategies`)")
     bucket_mb: float = _opt(25.0, "gradient bucket size in MB", min=0, min_exclusive=True)
     find_unused_parameters: bool = _opt(False, "ddp: allow parameters that get no gradient")
+    sync_batchnorm: bool = _opt(
+        False,
+        "ddp, allreduce, fsdp: BatchNorm layers normalize over the whole global (micro-)batch, "
+        "their statistics summed exactly over the data-parallel ranks, as one process would "
+        "(docs/models.md); false: each rank normalizes over its own share",
+    )
     reshard_after_forward: bool = _opt(
         True, "fsdp: free gathered parameters after forward (less memory, one more all-gather)"
     )
@@ -413,6 +434,7 @@ def validate_cross_fields(cfg: Config) -> None:
     :func:`validate_for_world`."""
     if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
         raise ConfigError(f"optim.betas = {cfg.optim.betas!r}: expected two numbers in [0, 1)")
+    validate_schedule(cfg)
     if cfg.data.micro_batches > cfg.data.global_batch_size:
         raise ConfigError(
             f"data.micro_batches = {cfg.data.micro_batches} is larger than "
@@ -443,6 +465,24 @@ def validate_cross_fields(cfg: Config) -> None:
             f"debug.slowdown_to_step = {debug.slowdown_to_step} is before "
             f"debug.slowdown_from_step = {debug.slowdown_from_step}: no step would be slowed"
         )
+
+
+def validate_schedule(cfg: Config) -> None:
+    """The schedule's phases fit in the run: a warm-up-stable-decay schedule's warm-up and
+    decay together within ``train.steps``."""
+    optim, steps = cfg.optim, cfg.train.steps
+    if optim.schedule == "wsd" and optim.warmup_steps + wsd_decay_steps(optim, steps) > steps:
+        raise ConfigError(
+            f"optim.schedule = 'wsd': optim.warmup_steps = {optim.warmup_steps} and "
+            f"optim.decay_steps = {wsd_decay_steps(optim, steps)} add up to more than "
+            f"train.steps = {steps}; shorten one of them"
+        )
+
+
+def wsd_decay_steps(optim: OptimConfig, steps: int) -> int:
+    """The steps a warm-up-stable-decay schedule decays over: ``optim.decay_steps``, or a
+    fifth of the run when it is 0."""
+    return optim.decay_steps if optim.decay_steps > 0 else max(1, steps // 5)
 
 
 def parse_activation_checkpointing(value: str) -> int:

@@ -83,11 +83,37 @@ def _by_tensor_type(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
     return list(parts.values())
 
 
-def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:
-    """Linear warm-up to 1, then cosine decay to ``min_ratio`` at ``total_steps``."""
+def lr_factor(
+    step: int,
+    total_steps: int,
+    warmup_steps: int,
+    min_ratio: float,
+    schedule: str = "cosine",
+    decay_steps: int = 0,
+) -> float:
+    """The learning rate of step ``step`` (0-based) as a fraction of ``optim.lr``: a linear
+    warm-up to 1, then by ``schedule``:
+
+    - ``cosine``: cosine decay to ``min_ratio`` over ``decay_steps`` (0: until
+      ``total_steps``), then ``min_ratio``;
+    - ``wsd`` (warm-up, stable, decay): 1 until the last ``decay_steps``, then a linear decay
+      that reaches ``min_ratio`` at ``total_steps``;
+    - ``constant``: 1.
+    """
     if warmup_steps > 0 and step < warmup_steps:
         return (step + 1) / warmup_steps
-    span = max(1, total_steps - warmup_steps)
+    if schedule == "constant":
+        return 1.0
+    if schedule == "wsd":
+        decay = decay_steps if decay_steps > 0 else max(1, total_steps // 5)
+        begin = total_steps - decay
+        if step < begin:
+            return 1.0
+        # The decay's last step (total_steps - 1) trains at min_ratio.
+        progress = min(1.0, (step - begin + 1) / decay)
+        return 1.0 - (1.0 - min_ratio) * progress
+    assert schedule == "cosine", schedule
+    span = max(1, decay_steps if decay_steps > 0 else total_steps - warmup_steps)
     progress = min(1.0, (step - warmup_steps) / span)
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
@@ -111,5 +137,7 @@ class Schedule(torch.optim.lr_scheduler.LambdaLR):
 def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
 ) -> Schedule:
-    warmup, floor = cfg.warmup_steps, cfg.min_lr_ratio
-    return Schedule(optimizer, lambda step: lr_factor(step, total_steps, warmup, floor))
+    warmup, floor, shape, decay = cfg.warmup_steps, cfg.min_lr_ratio, cfg.schedule, cfg.decay_steps
+    return Schedule(
+        optimizer, lambda step: lr_factor(step, total_steps, warmup, floor, shape, decay)
+    )

@@ -51,6 +51,13 @@ def split_input_target(batch: Any) -> tuple[Any, Any]:
             return batch["input"], batch["target"]
         if "labels" in batch:
             return {k: v for k, v in batch.items() if k != "labels"}, batch["labels"]
+        if "tokens" in batch:
+            raise UserError(
+                f"a dict batch with keys {sorted(batch)}: prepared token shards, which the "
+                "default layout does not split into inputs and targets: train on "
+                "dtrain.data.text.TokenWindows(dataset, seq_len[, stride=1]) with "
+                "collate_fn=collate_windows, or give Task.split_batch"
+            )
         raise UserError(
             f"a dict batch with keys {sorted(batch)}: the default layout takes 'input' and "
             "'target', or 'labels' beside the model's keyword arguments (Hugging Face's "
@@ -111,6 +118,21 @@ class Task:
     # plan. Optional: without it, the ranks agree on every step's count in its gradient sync,
     # at no cost a step (dtrain.step).
     items_per_sample: int | None = None
+    # The optimizer, instead of optim.name's: called once with the named parameters this
+    # rank's optimizer updates -- of the model as the strategy holds it (FSDP's shards, a
+    # pipeline stage's layers, under the model's own names) -- and returns the optimizer, e.g.
+    # with param groups of one's own. Its state is checkpointed like the built-in one's.
+    build_optimizer: Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer] | None = None
+    # The learning-rate schedule, instead of optim.schedule's: called once with the optimizer
+    # and train.steps; stepped once after every optimizer step; its state is checkpointed.
+    build_scheduler: (
+        Callable[[torch.optim.Optimizer, int], torch.optim.lr_scheduler.LRScheduler] | None
+    ) = None
+    # Evaluation metrics beside the loss: name -> fn(output, targets) returning the batch's
+    # (sum, count), e.g. correct predictions and predictions made. dtrain adds the sums and
+    # the counts over every batch and rank, each validation sample counted once, and reports
+    # sum / count as val_<name> (docs/metrics.md): exact, not a mean of means.
+    metrics: Mapping[str, Callable[[Any, Any], tuple[Any, Any]]] | None = None
 
 
 TaskFactory = Callable[["Config"], Task]

@@ -56,7 +56,7 @@ from dtrain.config import Config
 from dtrain.data.build import build_train_loader
 from dtrain.data.loader import RankLoader, StepBatch, split_to_device
 from dtrain.errors import UserError
-from dtrain.evaluation import evaluate_loss
+from dtrain.evaluation import check_metrics, evaluate
 from dtrain.fault.audit import AuditWriter
 from dtrain.fault.failpoints import failpoint
 from dtrain.fault.liveness import Speed
@@ -68,7 +68,7 @@ from dtrain.metrics import records
 from dtrain.metrics.sinks import Progress, Sinks, open_sinks
 from dtrain.metrics.summary import LossWindow, Summary
 from dtrain.metrics.tensorboard import check_available as check_tensorboard
-from dtrain.optim import build_optimizer, build_scheduler
+from dtrain.optim_choice import OptimizerKinds, build_run_optimizer, build_run_scheduler
 from dtrain.parallel import build_strategy
 from dtrain.parallel.base import ShardedState
 from dtrain.precision import LossScaler
@@ -88,8 +88,10 @@ class Trainer:
             check_tensorboard()
         self.strategy = build_strategy(cfg, runtime)
         self.strategy.setup(task)
-        self.optimizer = build_optimizer(self.strategy.named_parameters(), cfg.optim)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
+        # The task's optimizer and schedule, or the config's (dtrain.optim_choice).
+        self.optimizer = build_run_optimizer(task, self.strategy, cfg)
+        self.scheduler = build_run_scheduler(task, self.optimizer, cfg)
+        self.step_lr = float("nan")  # the learning rate the last step trained with
         self.loader: RankLoader = build_train_loader(
             task,
             cfg,
@@ -123,6 +125,9 @@ class Trainer:
         # What a checkpoint holds, built once: save and load see these parts, not the trainer
         # (whose own part is its counters, see state_dict).
         parts: dict[str, Any] = {
+            # First: it refuses another optimizer's or schedule's checkpoint before any part
+            # of it is loaded.
+            "kinds": OptimizerKinds(self.optimizer, self.scheduler),
             "scheduler": self.scheduler,
             "data": self.loader,
             "trainer": self,
@@ -137,8 +142,8 @@ class Trainer:
             runtime=runtime,
             config=cfg,
             # balance: checkpoints from before load balancing; loss_scaler: from a run in
-            # another precision (the scale starts afresh).
-            optional=frozenset({"balance", "loss_scaler"}),
+            # another precision (the scale starts afresh); kinds: from before they were kept.
+            optional=frozenset({"balance", "loss_scaler", "kinds"}),
         )
         self.progress: Progress | None = None
         self.metrics: Sinks | None = None  # rank 0's: metrics.jsonl, progress, TensorBoard
@@ -161,6 +166,8 @@ class Trainer:
             on_progress=self.watchdog.tick,
         )
         self.audit: AuditWriter | None = None
+        check_metrics(task.metrics)  # before the first step, not at the first evaluation
+        self.val_metrics: dict[str, float] = {}  # of the latest evaluation
         per_sample = task.items_per_sample
         if per_sample is not None and (isinstance(per_sample, bool) or per_sample < 1):
             raise UserError(f"Task.items_per_sample = {per_sample!r}: expected a positive integer")
@@ -250,6 +257,8 @@ class Trainer:
         self.watchdog.set_phase("resume")
         point = self.resume()
         summary = Summary(start_step=self.step)
+        if self.step >= cfg.train.steps:
+            return self._already_finished(summary, started)
         if self.is_main:
             write_status(self.run_dir, RunStatus("running", self.step))
             self.progress = Progress(cfg.train.steps, self.step, self.task.item_name, True)
@@ -340,6 +349,7 @@ class Trainer:
                 self.save_checkpoint(blocking=not cfg.checkpoint.async_save)
         if not summary.preempted:
             summary.val_loss = self.evaluate()  # the whole validation set
+            summary.val_metrics = dict(self.val_metrics)
         self.watchdog.set_phase("checkpoint")  # waiting for the save in flight
         final_error = self.checkpointer.wait()
         if final_error:
@@ -357,19 +367,49 @@ class Trainer:
             summary.comm_bytes, summary.comm_wait_s = self.strategy.comm.totals()
         if self.progress is not None:
             self.progress.close()
-        if self.task.after_training is not None and not summary.preempted:
-            self.watchdog.set_phase("after_training")
-            model = self.strategy.model_for_inference()
-            if model is not None:
-                model.eval()
-                text = self.task.after_training(model)
-                summary.generated = text if self.is_main else ""
+        if not summary.preempted:
+            self._after_training(summary)
         self.loader.close()
         self._finish_records(summary)
         self.watchdog.set_phase("barrier(end)")
         barrier()
         self.watchdog.set_phase("done")
         return summary
+
+    def _already_finished(self, summary: Summary, started: float) -> Summary:
+        """The run folder holds a run that reached ``train.steps`` before: nothing to train,
+        evaluate or save again (its records and checkpoint stand as they are). The task's
+        after-training hook runs, as at the end of any run: a restart after the hook failed
+        runs it again, as it did before this path existed."""
+        self.log(
+            f"the run in {self.run_dir} already finished at step {self.step} "
+            f"(train.steps = {self.cfg.train.steps}): nothing to train; raise train.steps to "
+            "train it further, or give another run.dir for a new run"
+        )
+        summary.finished_before = True
+        summary.steps = self.step
+        summary.checkpoint = str(self.run_dir / "checkpoints" / layout.step_dir_name(self.step))
+        self._after_training(summary)
+        summary.wall_s = time.perf_counter() - started
+        self.loader.close()
+        if self.is_main:
+            write_status(self.run_dir, RunStatus("completed", self.step))
+        self.watchdog.set_phase("barrier(end)")
+        barrier()
+        self.watchdog.set_phase("done")
+        return summary
+
+    def _after_training(self, summary: Summary) -> None:
+        """The task's after-training hook, on rank 0 with the whole model (collective: every
+        rank gives its part); its text goes into the summary."""
+        if self.task.after_training is None:
+            return
+        self.watchdog.set_phase("after_training")
+        model = self.strategy.model_for_inference()
+        if model is not None:
+            model.eval()
+            text = self.task.after_training(model)
+            summary.generated = text if self.is_main else ""
 
     def _first_step_done(self, seconds: float) -> None:
         """The time from the start of ``fit`` to the end of this process's first step: set-up
@@ -419,6 +459,8 @@ class Trainer:
             self.watchdog.set_phase("optimizer")
             self.optimizer.step()
             self.nan_streak.clear()
+        # What the logged lr is (docs/metrics.md): this step's, before the schedule moves on.
+        self.step_lr = float(self.optimizer.param_groups[0]["lr"])
         overflowed = False
         if self.scaler is not None:
             overflowed = not math.isfinite(norm) and self._scaler_overflow(loss_sum)
@@ -517,7 +559,7 @@ class Trainer:
         record = records.train_record(
             self.step,
             window,
-            lr=float(self.scheduler.get_last_lr()[0]),
+            lr=self.step_lr,
             item_name=self.task.item_name,
             global_batch_size=self.cfg.data.global_batch_size,
             epoch=self.loader.epoch(),
@@ -530,19 +572,24 @@ class Trainer:
         self.metrics.write(record)  # the progress line is one of the sinks
 
     def evaluate(self, max_samples: int = 0) -> float | None:
-        """Mean validation loss; every sample of the set (or of its first ``max_samples``)
-        counted exactly once across ranks."""
+        """Mean validation loss, and the task's metrics; every sample of the set (or of its
+        first ``max_samples``) counted exactly once across ranks."""
         if self.task.val_data is None:
             return None
         self.watchdog.set_phase("evaluate")
         batch_size, tick = self.cfg.eval.batch_size, self.watchdog.tick
-        val_loss, items = evaluate_loss(
+        result = evaluate(
             self.task, self.strategy, self.runtime.device, batch_size, max_samples, tick
         )
+        self.val_metrics = result.metrics
         if self.is_main:
             assert self.metrics is not None
-            self.metrics.write(records.eval_record(self.step, val_loss, items))
-            self.log(
-                f"step {self.step}: val_loss {val_loss:.4f} over {items} {self.task.item_name}"
+            self.metrics.write(
+                records.eval_record(self.step, result.loss, result.items, result.metrics)
             )
-        return val_loss
+            extra = "".join(f", {name} {value:.4f}" for name, value in result.metrics.items())
+            self.log(
+                f"step {self.step}: val_loss {result.loss:.4f} over {result.items} "
+                f"{self.task.item_name}{extra}"
+            )
+        return result.loss

@@ -6,6 +6,7 @@ key                what                                      file (written by)
 ``model``          parameters and buffers                    model.pt (rank 0), or dcp/
 ``optimizer``      optimizer state                           optimizer.pt (rank 0), or dcp/
 ``scheduler``      LR schedule position                      train_state.pt (rank 0)
+``kinds``          the optimizer's and schedule's classes    train_state.pt (rank 0)
 ``data``           stream position, seed, dataset identity   train_state.pt (rank 0)
 ``trainer``        step, items seen, skipped steps, ...      train_state.pt (rank 0)
 ``balance``        per-rank weights, smoothed rank timings   train_state.pt (rank 0)
@@ -110,7 +111,6 @@ def load(state: TrainingState, point: ResumePoint) -> bool:
     """Collective: load every part of ``state`` from checkpoint ``point``. Returns whether this
     rank's RNG state was restored too: only at the world size that saved it (after a change,
     the ranks are other processes, and each needs a fresh stream of its own)."""
-    state.strategy.load_checkpoint_parts(state.optimizer, point.path)
     train_state = ckread.load_file(point.path, layout.TRAIN_STATE_FILE)
     missing = sorted(set(state.parts) - set(train_state) - state.optional)
     if missing:
@@ -119,9 +119,12 @@ def load(state: TrainingState, point: ResumePoint) -> bool:
             "was saved by a version of dtrain that did not have it; resume it with that "
             "version or start a new run"
         )
+    # The parts first: one of them may refuse the checkpoint (another optimizer's, see
+    # dtrain.optim_choice) before the optimizer state is loaded into this run's.
     for name, part in state.parts.items():
         if name in train_state:
             part.load_state_dict(train_state[name])
+    state.strategy.load_checkpoint_parts(state.optimizer, point.path)
     rng_path = point.path / layout.rng_file(state.runtime.rank)
     if point.world_size != state.runtime.world_size or not rng_path.exists():
         return False

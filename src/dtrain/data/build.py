@@ -26,12 +26,26 @@ def dataset_lengths(dataset: Any) -> np.ndarray | None:
 
 
 def dataset_fingerprint(dataset: Any) -> str:
-    """What identifies the data for a resume check: the manifest hash for dtrain datasets, the
-    class and size for any other map-style dataset."""
+    """What identifies the data for a resume check: the manifest hash for dtrain datasets; a
+    Hugging Face ``datasets.Dataset``'s own fingerprint (a hash of its source and of every
+    transform applied, which changes when a ``map`` or ``filter`` does); else the class and
+    size of the map-style dataset."""
     fingerprint = getattr(dataset, "fingerprint", None)
     if isinstance(fingerprint, str):
         return fingerprint
+    own = hf_fingerprint(dataset)
+    if own is not None:
+        return f"datasets:{own}"
     return f"{type(dataset).__module__}.{type(dataset).__qualname__}:{len(dataset)}"
+
+
+def hf_fingerprint(dataset: Any) -> str | None:
+    """The ``_fingerprint`` a ``datasets.Dataset`` keeps (the library has no public name for
+    it), read only from objects of that library's classes: ``datasets`` is not imported."""
+    if type(dataset).__module__.partition(".")[0] != "datasets":
+        return None
+    value = getattr(dataset, "_fingerprint", None)
+    return value if isinstance(value, str) and value else None
 
 
 def order_spec(dataset: Any, cfg: Config) -> OrderSpec:

@@ -1,7 +1,9 @@
 """Turn raw data into a sharded dataset: text, JSONL, ``.npy`` arrays and Parquet.
 
 Each source is an iterator of samples (dicts of arrays) fed to :func:`write_shards`, which makes
-the write atomic. Text becomes byte-level tokens unless a tokenizer is given (Python API).
+the write atomic. Text becomes byte-level tokens unless a tokenizer is given: any function from
+text to ids (Python API), or a Hugging Face ``tokenizer.json`` (``--tokenizer``,
+:mod:`dtrain.data.tokenizer`); ids are stored as uint16 or uint32 by the vocabulary's size.
 """
 
 from __future__ import annotations
@@ -272,8 +274,10 @@ def prepare(
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     overwrite: bool = False,
     show_progress: bool = True,
+    metadata: dict[str, Any] | None = None,
 ) -> Path:
-    """Write ``source`` as a dataset in ``out_dir``; see ``dtrain prepare --help``."""
+    """Write ``source`` as a dataset in ``out_dir``; see ``dtrain prepare --help``.
+    ``metadata``: more to record in the manifest (the tokenizer's file and vocabulary)."""
     src = Path(source)
     if not src.exists():
         raise DataError(f"source {src} does not exist")
@@ -317,7 +321,7 @@ def prepare(
         disable=not show_progress,
         mininterval=0.5,
     )
-    metadata = {"source": str(src), "format": fmt}
+    metadata = {"source": str(src), "format": fmt, **(metadata or {})}
     try:
         if arrays is not None:
             return write_npy(

@@ -185,7 +185,16 @@ class ShardedDataset:
             self._fixed_only = not any(s.variable for s in self.fields.values())
             self._collate_fast = (default_collate, torch.from_numpy)
         default, from_numpy = self._collate_fast
-        if collate_fn is not default or not self._fixed_only:
+        if collate_fn is default and not self._fixed_only:
+            variable = [name for name, spec in self.fields.items() if spec.variable]
+            raise DataError(
+                f"{self.path}: field(s) {variable} hold sequences of different lengths, which "
+                "the default batch layout (torch's default_collate) cannot stack: train on "
+                "dtrain.data.text.TokenWindows(dataset, seq_len[, stride=1]) with "
+                "collate_fn=collate_windows (or TokenSequences with collate_padded), or give "
+                "Task.collate_fn and Task.split_batch for these fields"
+            )
+        if collate_fn is not default:
             return None
         idx, shard_of = self._ids_and_shards(indices)  # shared by the fields
         return {

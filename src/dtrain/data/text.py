@@ -1,7 +1,13 @@
 """Language-model views over a sharded dataset of token sequences.
 
-* :class:`TokenWindows` -- the documents end to end, cut into fixed windows of ``seq_len + 1``
-  tokens (stride ``seq_len``); fixed-size samples, so batches are split by sample count.
+* :class:`TokenWindows` -- the documents end to end (one token stream), cut into fixed windows
+  of ``seq_len + 1`` tokens, one starting every ``stride`` tokens: ``seq_len`` (the default)
+  gives windows that do not overlap, 1 a window at every offset -- nanoGPT's sampling, where
+  any position may start a sample, without writing a row per offset (the windows are views of
+  the stream, read when fetched). Each window start is one sample id, so an epoch visits every
+  start exactly once, in the run's shuffled order, and resumes like any dataset. Ids come out
+  as int64, whatever the shards store (uint8 bytes, uint16/uint32 token ids). Fixed-size
+  samples: batches are split by sample count.
 * :class:`TokenSequences` -- one sample per document (truncated to ``max_len + 1`` tokens);
   variable-length samples, so the partitioner balances tokens across ranks.
 """
@@ -12,30 +18,48 @@ import numpy as np
 import torch
 
 from dtrain.data.shards import ShardedDataset
+from dtrain.errors import DataError
 from dtrain.task import IGNORE_INDEX
 
 
 class TokenWindows:
-    def __init__(self, dataset: ShardedDataset, seq_len: int, field: str = "tokens") -> None:
-        if not dataset.fields[field].variable:
-            raise ValueError(f"field {field!r} is not a token sequence")
+    def __init__(
+        self,
+        dataset: ShardedDataset,
+        seq_len: int,
+        field: str = "tokens",
+        stride: int | None = None,
+    ) -> None:
+        if field not in dataset.fields or not dataset.fields[field].variable:
+            raise DataError(
+                f"{dataset.path}: field {field!r} is not a token sequence (the dataset's "
+                f"fields: {sorted(dataset.fields)}); prepare text with `dtrain prepare`"
+            )
+        stride = seq_len if stride is None else stride
+        if seq_len < 1 or stride < 1:
+            raise DataError(f"TokenWindows: seq_len {seq_len} and stride {stride} must be >= 1")
         self.dataset = dataset
         self.field = field
         self.seq_len = seq_len
+        self.stride = stride
         shard_tokens = [
             int(dataset.field_offsets(s, field)[-1]) for s in range(len(dataset.shard_sizes))
         ]
         self._token_starts = np.concatenate([[0], np.cumsum(shard_tokens)]).astype(np.int64)
         self.num_tokens = int(self._token_starts[-1])
-        self._len = max(0, (self.num_tokens - 1) // seq_len)
+        # Window i holds tokens i*stride .. i*stride + seq_len: every start that has
+        # seq_len + 1 tokens from it on.
+        span = self.num_tokens - seq_len - 1
+        self._len = span // stride + 1 if span >= 0 else 0
         # Windows per storage shard (by the shard of their first token), for the locality
         # shuffle: it then reads a few shards at a time, as it does for any other dataset.
-        bounds = np.minimum(self._len, -(-self._token_starts // seq_len))
+        bounds = np.minimum(self._len, -(-self._token_starts // stride))
         self.shard_sizes = tuple(int(n) for n in np.diff(bounds))
 
     @property
     def fingerprint(self) -> str:
-        return f"{self.dataset.fingerprint}:windows{self.seq_len}"
+        step = "" if self.stride == self.seq_len else f"stride{self.stride}"
+        return f"{self.dataset.fingerprint}:windows{self.seq_len}{step}"
 
     def __len__(self) -> int:
         return self._len
@@ -54,10 +78,11 @@ class TokenWindows:
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def __getitem__(self, index: int) -> np.ndarray:
+        """Window ``index``: ``seq_len + 1`` token ids as int64."""
         if not 0 <= index < self._len:
             raise IndexError(f"window {index} is out of range for {self._len} windows")
-        start = index * self.seq_len
-        return self.tokens(start, start + self.seq_len + 1)
+        start = index * self.stride
+        return self.tokens(start, start + self.seq_len + 1).astype(np.int64)
 
     def __getitems__(self, indices: list[int]) -> list[np.ndarray]:
         return [self[i] for i in indices]

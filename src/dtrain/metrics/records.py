@@ -119,12 +119,16 @@ def train_record(
     }
 
 
-def eval_record(step: int, val_loss: float, items: int) -> Record:
+def eval_record(
+    step: int, val_loss: float, items: int, metrics: dict[str, float] | None = None
+) -> Record:
+    """An eval record; the task's metrics (``Task.metrics``) as ``val_<name>``."""
     return {
         "kind": "eval",
         "step": step,
         "val_loss": val_loss,
         "val_items": items,
+        **{f"val_{name}": value for name, value in (metrics or {}).items()},
         "time": time.time(),
     }
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,9 @@ class Summary:
     generated: str = ""
     comm_bytes: int = 0  # this rank's, over the run (dtrain.comm.accounting)
     comm_wait_s: float = 0.0
+    val_metrics: dict[str, float] = field(default_factory=dict)  # Task.metrics, at the end
+    # The run folder held a run that had reached train.steps: nothing was trained.
+    finished_before: bool = False
 
 
 class LossWindow:
@@ -87,8 +90,17 @@ class LossWindow:
 
 
 def print_summary(summary: Summary, item_name: str, world_size: int) -> None:
+    if summary.finished_before:
+        text = (
+            f"\nalready finished: step {summary.steps} of {summary.steps}, nothing trained; "
+            f"checkpoint {summary.checkpoint}"
+        )
+        print(text + (f"\n\n{summary.generated}" if summary.generated else ""), flush=True)
+        return
     rate = summary.items / summary.wall_s if summary.wall_s > 0 else 0.0
     val = f"{summary.val_loss:.4f}" if summary.val_loss is not None else "n/a"
+    for name, value in summary.val_metrics.items():
+        val += f"   val {name} {value:.4f}"
     if summary.preempted:
         head = (
             f"stopped by {summary.preempted} at step {summary.steps} and saved; run the same "

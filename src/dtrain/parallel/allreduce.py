@@ -151,6 +151,7 @@ class AllReduceStrategy(CommHookControl, UnevenShares, BackwardSyncControl):
     """Hand-written data parallel: bucketed, overlapped all-reduce of gradients."""
 
     name = "allreduce"
+    syncs_batchnorm = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

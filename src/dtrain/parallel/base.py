@@ -61,6 +61,7 @@ from dtrain.parallel.grad_norm import gradient_norm, local_part
 from dtrain.parallel.materialize import is_meta_model, materialize, require_init
 from dtrain.parallel.recipe import Recipe, model_blocks
 from dtrain.parallel.skeleton import meta_copy
+from dtrain.parallel.sync_batchnorm import apply_sync_batchnorm
 from dtrain.runtime import Runtime
 from dtrain.task import Task
 
@@ -70,6 +71,9 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 class Strategy(ABC):
     name: ClassVar[str] = ""
     on_mesh: ClassVar[bool] = False  # lays the ranks out on a mesh of named dimensions
+    # Can sum BatchNorm's statistics over its data-parallel ranks (strategy.sync_batchnorm):
+    # every data-parallel rank runs the same micro-batches, each a forward of the whole model.
+    syncs_batchnorm: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -126,6 +130,8 @@ class Strategy(ABC):
             )
         if hooks:
             validate_compression(cfg)
+        if cfg.strategy.sync_batchnorm:
+            check_sync_batchnorm(cls, cfg)
         if cfg.balance.mode != "off" and not issubclass(cls, UnevenShares):
             raise ConfigError(
                 f"balance.mode = {cfg.balance.mode!r} does not work with strategy.name = "
@@ -169,6 +175,8 @@ class Strategy(ABC):
         else:
             model = model.to(self.runtime.device)
         self.apply_recipe(task, model)
+        if self.options.sync_batchnorm:
+            apply_sync_batchnorm(model, self.data_parallel_group)
         return model
 
     def apply_recipe(self, task: Task, model: nn.Module) -> None:
@@ -267,6 +275,22 @@ class Strategy(ABC):
     # -- evaluation and inference --------------------------------------------------------
 
     @torch.no_grad()
+    def agree_on_buffers(self) -> None:
+        """Before an evaluation: every data-parallel rank takes the first one's buffers
+        (BatchNorm's running statistics, which each rank updates from its own share unless
+        ``strategy.sync_batchnorm``), the ones a checkpoint saves -- so that the evaluation
+        is the saved model's. Collective over the data-parallel group. Training does not
+        read running statistics, so its math does not change."""
+        if self.data_parallel_size == 1 or not dist.is_initialized():
+            return
+        for buffer in self.unwrapped.buffers():
+            if type(buffer) is not torch.Tensor or buffer.is_meta:
+                continue  # a DTensor's parts are laid out by its own mesh
+            with self.comm.waiting():
+                dist.broadcast(buffer, group=self.data_parallel_group, group_src=0)
+            self.comm.broadcast(buffer.numel() * buffer.element_size(), self.data_parallel_size)
+
+    @torch.no_grad()
     def eval_loss(self, batch: tuple[Any, Any], loss_fn: LossFn) -> torch.Tensor:
         """Summed loss of one evaluation batch on this rank (no gradient sync involved)."""
         inputs, targets = batch
@@ -318,6 +342,22 @@ class Strategy(ABC):
         self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
         optimizer.load_state_dict(fit_saved_groups(state, optimizer))
+
+
+def check_sync_batchnorm(cls: type[Strategy], cfg: Config) -> None:
+    """``strategy.sync_batchnorm`` where it cannot give one process's math is a config error."""
+    if not cls.syncs_batchnorm:
+        raise ConfigError(
+            f"strategy.sync_batchnorm = true does not work with strategy.name = {cls.name!r}: "
+            "BatchNorm's statistics are summed over the data-parallel ranks of ddp, allreduce "
+            "and fsdp only"
+        )
+    if cfg.balance.mode != "off":
+        raise ConfigError(
+            f"strategy.sync_batchnorm = true does not work with balance.mode = "
+            f"{cfg.balance.mode!r}: every rank must run the same micro-steps for the "
+            "statistics to be summed over all of them; use balance.mode = 'off'"
+        )
 
 
 # -- capabilities ---------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from dtrain.parallel.mesh import build_mesh
 from dtrain.parallel.recipe import model_blocks
 from dtrain.parallel.sharded import MeshStrategy
 from dtrain.parallel.skeleton import ModelSkeleton, meta_copy
+from dtrain.parallel.sync_batchnorm import apply_sync_batchnorm
 from dtrain.parallel.tensor_plan import check_no_dropout, model_plan
 from dtrain.task import Task
 
@@ -79,6 +80,8 @@ class ComposedStrategy(MeshStrategy, LockstepForward, BackwardSyncControl):
             if tp_mesh is not None:
                 parallelize_module(model, tp_mesh, styles)
         self.recipe.apply(units)
+        if self.options.sync_batchnorm:
+            apply_sync_batchnorm(model, self.mesh.dp_group)
         fsdp_mesh = self.mesh.submesh("dp_replicate", "dp_shard")
         if self.sharded and fsdp_mesh is not None:
             reshard = self.options.reshard_after_forward

@@ -37,6 +37,7 @@ class DDPStrategy(CommHookControl, UnevenShares, BackwardSyncControl):
     """torch DistributedDataParallel: replicated model, bucketed all-reduce in backward"""
 
     name = "ddp"
+    syncs_batchnorm = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

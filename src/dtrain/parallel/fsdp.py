@@ -29,6 +29,7 @@ class FSDPStrategy(ComposedStrategy):
     """fully sharded data parallel (FSDP2): parameters, gradients and optimizer state 1/N each"""
 
     name = "fsdp"
+    syncs_batchnorm = True
 
     @classmethod
     def dims_of(cls, options: StrategyConfig, world_size: int) -> ParallelDims:

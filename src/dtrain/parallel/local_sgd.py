@@ -206,6 +206,11 @@ class LocalSGDStrategy(Strategy):
             (step - self.local_start_step) % self.sync_every if step > self.local_start_step else 0
         )
 
+    def agree_on_buffers(self) -> None:
+        """Nothing: the replicas' buffers are averaged with their parameters at every
+        synchronization (between them each replica is evaluated as it stands)."""
+        return None
+
     def after_optimizer_step(self, step: int) -> None:
         self.next_step = step + 1
         if step == self.local_start_step:

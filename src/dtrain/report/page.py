@@ -37,7 +37,8 @@ def _totals_table(runs: list[Run]) -> str:
     rows = [format_totals(totals(run)) for run in runs]
     head = "".join(f"<th>{_e(run.label)}</th>" for run in runs)
     lines = [f"<table><tr><th></th>{head}</tr>"]
-    for key in rows[0]:
+    keys = list(dict.fromkeys(key for row in rows for key in row))  # runs' own metrics too
+    for key in keys:
         cells = "".join(f'<td class="num">{_e(row.get(key, "-"))}</td>' for row in rows)
         lines.append(f"<tr><th>{_e(key)}</th>{cells}</tr>")
     lines.append("</table>")

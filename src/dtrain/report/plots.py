@@ -355,9 +355,38 @@ def plot_memory(runs: list[Run], notes: list[str]) -> Plot | None:
     return Plot("memory", title, fig)
 
 
+def plot_val_metrics(runs: list[Run], notes: list[str]) -> Plot | None:
+    """The task's evaluation metrics (``Task.metrics``: the eval records' ``val_<name>``
+    fields beside the loss) against the step; None when no run has any."""
+    title = "validation metrics"
+    fig, ax = _figure()
+    drawn = 0
+    several = len(runs) > 1
+    for i, run in enumerate(runs):
+        fields = dict.fromkeys(
+            key
+            for record in run.of("eval")
+            for key in record
+            if key.startswith("val_") and key not in ("val_loss", "val_items")
+        )
+        for j, key in enumerate(fields):
+            xs, ys = _points(run.of("eval"), _by_step, key)
+            if xs:
+                label = (f"{run.label}: " if several else "") + key[len("val_") :]
+                ax.plot(xs, ys, "o-", color=_color(i + j), ms=4, lw=1.5, label=label)
+                drawn += 1
+    if not drawn:
+        return None
+    ax.set_xlabel("step")
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    return Plot("val_metrics", title, fig)
+
+
 ALL: tuple[Callable[[list[Run], list[str]], Plot | None], ...] = (
     plot_loss,
     lambda runs, notes: plot_loss(runs, notes, by="time"),
+    plot_val_metrics,
     plot_throughput,
     plot_time_breakdown,
     plot_shares,

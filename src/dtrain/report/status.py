@@ -109,7 +109,14 @@ def run_status(run_dir: Path, now: float | None = None) -> str:
     else:
         lines.append("  no train record yet")
     if evaluation is not None and isinstance(evaluation.get("val_loss"), (int, float)):
-        lines.append(f"  val loss {evaluation['val_loss']:.4f} at step {evaluation['step']}")
+        shown = "".join(
+            f", {key[len('val_') :]} {value:.4f}"
+            for key, value in evaluation.items()
+            if key.startswith("val_")
+            and key not in ("val_loss", "val_items")
+            and isinstance(value, (int, float))
+        )
+        lines.append(f"  val loss {evaluation['val_loss']:.4f}{shown} at step {evaluation['step']}")
     if state == "running" and current and all(now - b.seen_at > STALE_S for b in current):
         newest = min(now - b.seen_at for b in current)
         lines.append(

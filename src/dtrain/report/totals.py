@@ -56,6 +56,23 @@ def totals(run: Run) -> dict[str, Any]:
         "skipped_steps": len(run.events("step_skipped")),
         "rollbacks": len(run.events("rollback")),
         "stragglers": len([r for r in run.of("straggler") if r.get("state") == "slow"]),
+        "val_metrics": val_metrics(run),
+    }
+
+
+def val_metrics(run: Run) -> dict[str, float]:
+    """The task's metrics (``Task.metrics``) of the run's last evaluation: its ``val_<name>``
+    fields other than the loss and the item count."""
+    evaluations = run.of("eval")
+    if not evaluations:
+        return {}
+    last = evaluations[-1]
+    return {
+        key[len("val_") :]: value
+        for key, value in last.items()
+        if key.startswith("val_")
+        and key not in ("val_loss", "val_items")
+        and isinstance(value, (int, float))
     }
 
 
@@ -79,6 +96,7 @@ def format_totals(values: dict[str, Any]) -> dict[str, str]:
         ),
         "train loss": number(values["train_loss"], ".4f"),
         "val loss": number(values["val_loss"], ".4f"),
+        **{f"val {name}": number(value, ".4f") for name, value in values["val_metrics"].items()},
         "checkpoints": str(values["checkpoints"]),
         "restarts": str(values["restarts"]),
         "skipped steps": str(values["skipped_steps"]),

@@ -39,6 +39,11 @@ class GPTTaskConfig:
     generate_tokens: int = field(
         default=160, metadata={"help": "printed after training, per prompt (0 = none)", "min": 0}
     )
+    # windows: a window starts every `stride` tokens (0 = seq_len: no overlap; 1: at every
+    # offset, as nanoGPT samples). An epoch visits every start once.
+    stride: int = field(
+        default=0, metadata={"help": "tokens between window starts (0 = seq_len)", "min": 0}
+    )
     # Build the model on the meta device: each rank makes only the part it holds (fsdp,
     # pipeline, tensor), for models larger than one rank's memory.
     meta_init: bool = False
@@ -88,8 +93,10 @@ def build(cfg: Config) -> Task:
     opts: GPTTaskConfig = cfg.task
     root = Path(opts.data_dir) if opts.data_dir else prepare_stdlib_corpus()
     train, val = ShardedDataset(root / "train"), ShardedDataset(root / "val")
+    # Bytes, or the vocabulary of the tokenizer `dtrain prepare --tokenizer` recorded.
+    vocab_size = int(train.manifest.get("metadata", {}).get("vocab_size") or 256)
     gpt_config = GPTConfig(
-        vocab_size=256,
+        vocab_size=vocab_size,
         seq_len=opts.seq_len,
         n_layer=opts.n_layer,
         n_head=opts.n_head,
@@ -103,10 +110,13 @@ def build(cfg: Config) -> Task:
         val_data: TokenSequences | TokenWindows = TokenSequences(val, opts.seq_len)
         collate = collate_padded
     else:
-        train_data, val_data = TokenWindows(train, opts.seq_len), TokenWindows(val, opts.seq_len)
+        stride = opts.stride or None
+        train_data = TokenWindows(train, opts.seq_len, stride=stride)
+        val_data = TokenWindows(val, opts.seq_len)  # each token predicted once
         collate = collate_windows
     seed = cfg.run.seed
-    tokens = opts.generate_tokens
+    # Samples are printed as text for byte-level data only (token ids need their tokenizer).
+    tokens = opts.generate_tokens if vocab_size == 256 else 0
     return Task(
         model=model,
         train_data=train_data,
