@@ -85,3 +85,10 @@ def peaks_after_warm_ups(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> 
         peak_of_training(warm_up)
         out.append(peak_of_training(raw))
     return out
+
+
+def peak_after_warm_up_default_malloc(raw: dict[str, Any], warm_up: dict[str, Any]) -> int:
+    """:func:`peak_after_warm_up` with glibc's malloc as it comes (its mmap threshold grows as
+    blocks are freed, and freed blocks below it stay resident)."""
+    peak_of_training(warm_up)
+    return peak_of_training(raw)

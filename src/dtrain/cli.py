@@ -80,7 +80,8 @@ def _estimate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "the configured strategy, mesh and train.precision. The model is built on the meta "
         "device and its forward and backward run on fake tensors: nothing of its size is "
         "allocated. Not counted: the runtime's own memory (torch, the process group, a GPU's "
-        "CUDA context), the data, allocator slack. Any config key can be set as "
+        "CUDA context, the kernels' workspaces), the data, allocator slack. Any config key "
+        "can be set as "
         "--section.key=value. See docs/strategies.md.",
     )
     p.add_argument("config", nargs="?", help="TOML config file (default: the built-in GPT job)")

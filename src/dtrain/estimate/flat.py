@@ -4,13 +4,12 @@ mesh)."""
 
 from __future__ import annotations
 
-from dtrain.estimate.job import Job, unsynced_gradients
-from dtrain.estimate.layout import bucket_bytes, tensors_of
+from dtrain.estimate.job import Job
+from dtrain.estimate.layout import TensorInfo, bucket_bytes, tensors_of
 from dtrain.estimate.passes import measure_both
 from dtrain.estimate.probe import example_micro_batch
 from dtrain.estimate.result import Line, MemoryEstimate
-
-FIRST_BUCKET_BYTES = 2**20  # ddp's and allreduce's first gradient bucket
+from dtrain.parallel.allreduce import FIRST_BUCKET_BYTES  # torch's DDP: the same 1 MiB
 
 
 def estimate_flat(job: Job, name: str) -> MemoryEstimate:
@@ -78,7 +77,9 @@ def estimate_flat(job: Job, name: str) -> MemoryEstimate:
         "forward/backward": step(job.every),
         "optimizer step": params + buffers + grads + persistent + optim.state + optim.temporary,
     }
-    if name in ("localsgd", "diloco") or (dims.dp > 1 and shards == 1 and name == "tensor"):
+    if name in ("localsgd", "diloco") or (
+        dims.dp > 1 and shards == 1 and name in ("tensor", "fsdp")
+    ):
         bucket = job.largest_bucket(job.infos, tp)
         phases["gradient sync"] = params + buffers + grads + persistent + optim.state + bucket
     other = 0 if job.every else 1
@@ -122,3 +123,20 @@ def fsdp_gathers(job: Job, tp: int, shards: int) -> int:
         default=0,
     )
     return root_params + root_grads + 2 * block
+
+
+def unsynced_gradients(job: Job, name: str, infos: list[TensorInfo] | None = None) -> int:
+    """Gradients a rank holds besides its synchronized ones while a step accumulates over
+    several micro-batches: ddp's micro-steps without sync make plain gradient tensors beside
+    its buckets; FSDP's keep each unit's gradients unsharded (whole) until the last one
+    reduce-scatters their sum."""
+    dims, micro = job.dims, job.cfg.data.micro_batches
+    if micro == 1:
+        return 0
+    infos = job.infos if infos is None else infos
+    trainable = [t for t in infos if t.is_parameter and t.trainable]
+    if dims.dp_shard > 1:
+        return sum(t.gathered_bytes(dims.tp, dims.dp_shard) for t in trainable)
+    if name == "ddp" and job.world_size > 1:
+        return sum(t.bytes for t in trainable)
+    return 0

@@ -103,20 +103,3 @@ class Job:
             parameter_count=self.parameter_count(),
             **fields,
         )
-
-
-def unsynced_gradients(job: Job, name: str, infos: Sequence[TensorInfo] | None = None) -> int:
-    """Gradients a rank holds besides its synchronized ones while a step accumulates over
-    several micro-batches: ddp's micro-steps without sync make plain gradient tensors beside
-    its buckets; FSDP's keep each unit's gradients unsharded (whole) until the last one
-    reduce-scatters their sum."""
-    dims, micro = job.dims, job.cfg.data.micro_batches
-    if micro == 1:
-        return 0
-    infos = job.infos if infos is None else infos
-    trainable = [t for t in infos if t.is_parameter and t.trainable]
-    if dims.dp_shard > 1:
-        return sum(t.gathered_bytes(dims.tp, dims.dp_shard) for t in trainable)
-    if name == "ddp" and job.world_size > 1:
-        return sum(t.bytes for t in trainable)
-    return 0

@@ -97,7 +97,9 @@ def in_flight(job: Job, stage: int, rank: int, stages: int) -> int:
     """Micro-batches whose activations ``stage`` (on pipeline rank ``rank``) holds at once."""
     schedule = job.cfg.strategy.pipeline_schedule
     micro, pp = job.cfg.data.micro_batches, job.dims.pp
-    if schedule == "gpipe" or stages == 1:
+    if stages == 1:  # one stage: each micro-batch's forward and backward in turn
+        return 1
+    if schedule == "gpipe":
         return micro
     if schedule == "1f1b":
         return min(micro, stages - stage)

@@ -72,8 +72,8 @@ def format_table(estimate: MemoryEstimate) -> str:
     for note in e.notes:
         lines.append(f"note: {note}")
     lines.append(
-        "not counted: the runtime's own memory (torch, the process group, a GPU's context), "
-        "the data, allocator slack"
+        "not counted: the runtime's own memory (torch, the process group, a GPU's context, "
+        "the kernels' workspaces), the data, allocator slack"
     )
     return "\n".join(lines)
 
