@@ -112,6 +112,11 @@ def test_a_model_larger_than_this_machine_is_estimated_without_allocating_it(
     assert estimate.fits is False
 
 
+def unbuildable_task(cfg: Any) -> Any:
+    """A task factory that cannot build its model without data (here: ever)."""
+    raise RuntimeError("needs its weights on disk")
+
+
 def estimate_command(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     code = main(["estimate", "--nproc", "2", "--run.task=tests.tasks:tiny_gpt", *args])
     out, err = capsys.readouterr()
@@ -146,6 +151,10 @@ def test_the_command_prints_a_table_or_json_and_says_whether_it_fits(
         ),
         (["--train.activation_checkpointing=every:0"], "train.activation_checkpointing"),
         (["--memory", "lots"], "--memory 'lots'"),
+        (
+            ["--run.task=tests.test_estimate:unbuildable_task"],
+            "cannot be built on the meta device for an estimate: RuntimeError: needs its weights",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(

@@ -27,7 +27,8 @@ def gpu_check() -> Iterator[ModuleType]:
 def test_each_row_is_judged_by_its_format_s_tolerance(gpu_check: ModuleType) -> None:
     Row, Outcome = gpu_check.Row, gpu_check.Outcome
     assert Row("ddp", "fp32", False).tolerance == 1e-5
-    assert Row("ddp", "fp16-mixed", True).tolerance == 1e-5
+    assert Row("ddp", "fp16-mixed", False).tolerance == 1e-5
+    assert Row("ddp", "fp16-mixed", True).tolerance == 2.0**-11  # compiled: shape-specialized
     assert Row("fsdp", "bf16-mixed", False).tolerance == 2.0**-8
     assert Row("pipeline", "bf16-mixed", False).tolerance == 1e-5  # the same split
     reference = {1: 4.0, 2: 3.0}
