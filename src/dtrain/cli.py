@@ -70,6 +70,31 @@ def _train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
 
 
+def _estimate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "estimate",
+        help="the memory each rank needs to train a config, without allocating the model",
+        description="Estimate the memory one rank needs to train CONFIG on --nproc x --nnodes "
+        "ranks: parameters, gradients, optimizer state and activations (one micro-batch, "
+        "with and without activation checkpointing) for the rank that holds the most, under "
+        "the configured strategy, mesh and train.precision. The model is built on the meta "
+        "device and its forward and backward run on fake tensors: nothing of its size is "
+        "allocated. Not counted: the runtime's own memory (torch, the process group, a GPU's "
+        "CUDA context, the kernels' workspaces), the data, allocator slack. Any config key "
+        "can be set as "
+        "--section.key=value. See docs/strategies.md.",
+    )
+    p.add_argument("config", nargs="?", help="TOML config file (default: the built-in GPT job)")
+    p.add_argument("--nproc", type=int, required=True, help="workers per machine")
+    p.add_argument("--nnodes", type=int, default=1, help="machines (default 1)")
+    p.add_argument(
+        "--memory",
+        default=None,
+        help="per-rank budget to check the peak against, e.g. 80GB (10^9 bytes) or 80GiB",
+    )
+    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dtrain", description="Distributed training for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -103,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--markdown", action="store_true", help="every option as a Markdown table (docs/config.md)"
     )
     sub.add_parser("strategies", help="list the parallel strategies")
+    _estimate_parser(sub)
     p = sub.add_parser(
         "report",
         help="plots and an HTML page of one or more runs (several: their curves overlaid)",
@@ -336,6 +362,20 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
+    from dtrain.estimate.memory import estimate_memory
+    from dtrain.estimate.report import format_json, format_table, parse_bytes
+    from dtrain.job import load_job_config
+
+    if args.nproc < 1 or args.nnodes < 1:
+        raise UserError(f"--nproc {args.nproc} --nnodes {args.nnodes}: both must be at least 1")
+    budget = parse_bytes(args.memory) if args.memory is not None else None
+    cfg = load_job_config(args.config, overrides)
+    estimate = estimate_memory(cfg, args.nproc * args.nnodes, budget)
+    print(format_json(estimate) if args.json else format_table(estimate))
+    return 0
+
+
 def cmd_strategies() -> int:
     from dtrain.parallel import strategy_class, strategy_names
 
@@ -371,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         quiet_launcher_store_logs()
     try:
         overrides = split_overrides(extra)
-        if extra and args.command not in ("train", "config"):
+        if extra and args.command not in ("train", "config", "estimate"):
             raise UserError(f"unrecognized arguments: {' '.join(extra)}")
         if args.command == "train":
             return cmd_train(args, overrides)
@@ -391,6 +431,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from dtrain.rendezvous_host import serve
 
             return serve(args.port)
+        if args.command == "estimate":
+            return cmd_estimate(args, overrides)
         return cmd_strategies()
     except UserError as exc:
         print(f"dtrain: error: {exc}", file=sys.stderr)

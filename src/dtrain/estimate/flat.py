@@ -1,0 +1,142 @@
+"""The estimate of every strategy but the pipeline: whole replicas (ddp, allreduce, localsgd,
+diloco), FSDP shards and tensor-parallel slices (fsdp, tensor and their products on the
+mesh)."""
+
+from __future__ import annotations
+
+from dtrain.estimate.job import Job
+from dtrain.estimate.layout import TensorInfo, bucket_bytes, tensors_of
+from dtrain.estimate.passes import measure_both
+from dtrain.estimate.probe import example_micro_batch
+from dtrain.estimate.result import Line, MemoryEstimate
+from dtrain.parallel.allreduce import FIRST_BUCKET_BYTES  # torch's DDP: the same 1 MiB
+
+
+def estimate_flat(job: Job, name: str) -> MemoryEstimate:
+    """Every strategy but the pipeline: whole replicas (ddp, allreduce, localsgd, diloco),
+    FSDP shards and tensor-parallel slices (fsdp, tensor and their products)."""
+    cfg, dims = job.cfg, job.dims
+    tp, shards = dims.tp, dims.dp_shard
+    rows = -(-cfg.data.global_batch_size // (dims.dp * cfg.data.micro_batches))
+    batch = example_micro_batch(job.task, rows)
+    passes = measure_both(job.every, lambda every: job.prober.whole(batch, every))
+    params, buffers, grads, optim = job.state(tp, shards)
+    lines = [Line("parameters", params)]
+    if buffers:
+        lines.append(Line("buffers", buffers))
+    lines += [Line("gradients", grads), Line(f"optimizer state ({cfg.optim.name})", optim.state)]
+    notes = []
+    persistent = 0  # besides the parameters, gradients and optimizer state, for the whole run
+    data_parallel = job.world_size > 1
+    if name == "ddp" and data_parallel:
+        notes.append("ddp keeps the gradients in its all-reduce buckets from set-up on")
+    if name == "allreduce" and data_parallel:
+        persistent += grads
+        lines.append(Line("gradient buckets (allreduce: a copy of the gradients)", grads))
+    if name in ("ddp", "allreduce") and data_parallel and cfg.comm.compression == "none":
+        staging = staging_bytes(job)
+        persistent += staging
+        lines.append(Line("staging copy of the last gradient bucket", staging))
+    if name == "diloco":
+        anchor = grads * (2 if cfg.comm.outer_momentum > 0 else 1)
+        persistent += anchor
+        lines.append(Line("diloco: the global model and its outer momentum", anchor))
+    # Gradients that exist before a micro-batch's backward: ddp's buckets, or the sum of the
+    # step's earlier micro-batches. Otherwise they are made while its activations are freed.
+    held = (name == "ddp" and data_parallel) or cfg.data.micro_batches > 1
+    gathers = 0
+    if shards > 1:
+        gathers = fsdp_gathers(job, tp, shards)
+        lines.append(Line("fsdp: units gathered whole (the root's gradients too)", gathers))
+        # The sharded gradients are made unit by unit as backward frees the activations;
+        # each unit's whole gradients only until they are reduce-scattered (and held whole
+        # over the micro-steps of accumulation: below).
+        held = False
+    unsynced = unsynced_gradients(job, name)
+    if unsynced:
+        lines.append(Line("gradients of the accumulation micro-steps, before their sync", unsynced))
+
+    def step(every: int) -> int:
+        if shards > 1:
+            working = passes.working(every)
+        else:
+            working = passes.working(every, with_grads=not held) + (grads if held else 0)
+        return params + buffers + optim.state + persistent + unsynced + working + gathers
+
+    activations = passes.activations(job.every)
+    lines.append(
+        Line(f"activations ({rows} samples, checkpointing {job.checkpointing[0]})", activations)
+    )
+    lines.append(Line("forward/backward temporaries", passes.working(job.every) - activations))
+    lines.append(Line("optimizer step temporaries", optim.temporary))
+    relaid = shards > 1 or tp > 1
+    phases = {
+        # ddp's and allreduce's buckets are made at set-up
+        "set-up": job.setup(params + buffers, relaid)
+        + (grads if name in ("ddp", "allreduce") and data_parallel else 0),
+        "forward/backward": step(job.every),
+        "optimizer step": params + buffers + grads + persistent + optim.state + optim.temporary,
+    }
+    if name in ("localsgd", "diloco") or (
+        dims.dp > 1 and shards == 1 and name in ("tensor", "fsdp")
+    ):
+        bucket = job.largest_bucket(job.infos, tp)
+        phases["gradient sync"] = params + buffers + grads + persistent + optim.state + bucket
+    other = 0 if job.every else 1
+    return job.estimate(
+        rank=0,
+        where="the whole model" if not relaid else "its part of every layer",
+        micro_batch_samples=rows,
+        lines=lines,
+        phases=phases,
+        other_activations=passes.activations(other),
+        other_peak=max({**phases, "forward/backward": step(other)}.values()),
+        notes=notes,
+    )
+
+
+def staging_bytes(job: Job) -> int:
+    """ddp and allreduce without compression: the step's agreement rides with the last
+    gradient bucket in a staging copy of it that the hook keeps (``comm.hooks.MeanHook``).
+    Buckets as both cut them: reverse registration order, the first at most 1 MiB (DDP
+    rebuilds its buckets after the first step in the order gradients are completed in,
+    which this approximates)."""
+    buckets = bucket_bytes(job.infos, job.bucket_cap, FIRST_BUCKET_BYTES)
+    return buckets[-1] if buckets else 0
+
+
+def fsdp_gathers(job: Job, tp: int, shards: int) -> int:
+    """FSDP's transient memory at the start of backward, where the activations peak: the root
+    unit (what no block holds: embeddings, final norm, head) gathered, with its gradients
+    unsharded (its parameters are used at both ends of the model, so its gradients are
+    complete only at the end of backward), and two blocks gathered whole (the one in
+    backward and the next, prefetched). A block's own gradients are made while its
+    activations are freed."""
+    model = job.task.model
+    units = [tensors_of([block], job.infos, model) for block in job.prober.blocks(model)]
+    in_units = {t.name for unit in units for t in unit}
+    root = [t for t in job.infos if t.is_parameter and t.name not in in_units]
+    root_params = sum(t.gathered_bytes(tp, shards) for t in root)
+    root_grads = sum(t.gathered_bytes(tp, shards) for t in root if t.trainable)
+    block = max(
+        (sum(t.gathered_bytes(tp, shards) for t in unit if t.is_parameter) for unit in units),
+        default=0,
+    )
+    return root_params + root_grads + 2 * block
+
+
+def unsynced_gradients(job: Job, name: str, infos: list[TensorInfo] | None = None) -> int:
+    """Gradients a rank holds besides its synchronized ones while a step accumulates over
+    several micro-batches: ddp's micro-steps without sync make plain gradient tensors beside
+    its buckets; FSDP's keep each unit's gradients unsharded (whole) until the last one
+    reduce-scatters their sum."""
+    dims, micro = job.dims, job.cfg.data.micro_batches
+    if micro == 1:
+        return 0
+    infos = job.infos if infos is None else infos
+    trainable = [t for t in infos if t.is_parameter and t.trainable]
+    if dims.dp_shard > 1:
+        return sum(t.gathered_bytes(dims.tp, dims.dp_shard) for t in trainable)
+    if name == "ddp" and job.world_size > 1:
+        return sum(t.bytes for t in trainable)
+    return 0

@@ -1,0 +1,89 @@
+"""The estimate of one rank's memory for a config at a world size (``dtrain estimate``).
+
+For the strategy's layout -- the same mesh ``dtrain train`` builds -- and the rank that holds
+the most, in bytes: the parts (:class:`~.result.Line`) and the totals of the phases they add up in,
+the largest of which is the peak::
+
+    set-up            the model as it is built: whole on every rank unless the task builds
+                      it on the meta device (Task.init_weights), then the rank's part
+    forward/backward  parameters + optimizer state + gradients (held from the step's first
+                      micro-batch on, or made during its backward) + the pass's measured peak
+                      (its activations, their gradients, the intermediates nothing saves)
+                      + what the strategy adds: fsdp's gathered units, ddp's and allreduce's
+                      buckets, a pipeline's micro-batches in flight and receive buffers
+    optimizer step    parameters + gradients + optimizer state + the step's temporaries
+    gradient sync     (copies averaged in flat buckets) parameters + gradients + state +
+                      one bucket
+
+:mod:`.flat` estimates every strategy but the pipeline, :mod:`.pipeline` the pipeline.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dtrain.config import Config, parse_activation_checkpointing
+from dtrain.errors import UserError
+from dtrain.estimate.flat import estimate_flat
+from dtrain.estimate.job import CPU, Job
+from dtrain.estimate.layout import model_tensors
+from dtrain.estimate.passes import Prober
+from dtrain.estimate.pipeline import estimate_pipeline
+from dtrain.estimate.probe import build_meta_task
+from dtrain.estimate.result import MemoryEstimate
+from dtrain.parallel import strategy_class
+from dtrain.parallel.mesh import ParallelDims
+from dtrain.parallel.recipe import model_blocks
+from dtrain.precision import Precision
+from dtrain.task import Task
+
+
+def estimate_memory(cfg: Config, world_size: int, budget: int | None = None) -> MemoryEstimate:
+    """The estimate for ``cfg`` on ``world_size`` ranks: a config error where the strategy
+    cannot lay it out, a user error where the task's model cannot be built or measured."""
+    cls = strategy_class(cfg.strategy.name)
+    cls.validate_config(cfg, world_size)
+    dims_of = getattr(cls, "dims_of", None)
+    dims: ParallelDims = (
+        dims_of(cfg.strategy, world_size)
+        if callable(dims_of)
+        else ParallelDims(dp_replicate=world_size)
+    )
+    task = build_meta_task(cfg)
+    every = parse_activation_checkpointing(cfg.train.activation_checkpointing)
+    if every:  # a one-line error where the model has no blocks to checkpoint
+        model_blocks(task, task.model, "train.activation_checkpointing")
+    cuts = tensor_parallel_cuts(task, dims.tp)
+    prober = Prober(task, Precision(cfg.train.precision, CPU), dims.tp, cuts)
+    job = Job(cfg, world_size, dims, task, prober, model_tensors(task.model, cuts), every)
+    try:
+        if cls.name == "pipeline":
+            estimate = estimate_pipeline(job)
+        else:
+            estimate = estimate_flat(job, cls.name)
+    except UserError:
+        raise
+    except Exception as exc:
+        raise UserError(
+            f"run.task = {cfg.run.task!r}: its model's forward and backward could not run on "
+            f"fake (meta) tensors for an estimate: {type(exc).__name__}: {exc}"
+        ) from None
+    estimate.budget = budget
+    if cfg.dist.device == "cuda" or (cfg.dist.device == "auto" and torch.cuda.is_available()):
+        estimate.notes.append(
+            "activations are measured with the CPU's kernels and autocast rules; a GPU's "
+            "attention kernels may save less"
+        )
+    return estimate
+
+
+def tensor_parallel_cuts(task: Task, tp: int) -> dict[str, str]:
+    """The model's tensor-parallel plan at degree ``tp`` (module name -> 'colwise' or
+    'rowwise'), checked as the strategy checks it."""
+    if tp == 1:
+        return {}
+    from dtrain.parallel.tensor_plan import check_no_dropout, model_plan
+
+    styles = model_plan(task.model, tp)
+    check_no_dropout(task.model)
+    return {name: type(s).__name__.removesuffix("Parallel").lower() for name, s in styles.items()}

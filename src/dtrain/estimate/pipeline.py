@@ -1,0 +1,226 @@
+"""The pipeline's estimate: each rank holds its stages' parameters, gradients and optimizer
+state (an FSDP shard of them with ``data_parallel = 'fsdp'``, a tensor-parallel slice with
+``tensor_parallel``), and on each stage the activations of every micro-batch in flight:
+
+===================  ===============================================================
+schedule             micro-batches in flight on stage s of K (M per step)
+===================  ===============================================================
+gpipe                M
+1f1b                 min(M, K - s)
+interleaved-1f1b     the rank's warm-up forwards, plus one (torch's schedule)
+===================  ===============================================================
+
+Each stage's pass is measured on its own (its layers' forward, the loss on the last stage,
+backward). A stage after the first also keeps a receive buffer for each micro-batch's
+activations, a stage before the last one for each micro-batch's gradients (torch's
+``PipelineStage`` makes them per micro-batch, once). The rank that needs the most is the one
+reported.
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+from dtrain.errors import UserError
+from dtrain.estimate.job import Job
+from dtrain.estimate.layout import TensorInfo, tensors_of
+from dtrain.estimate.passes import StagePass
+from dtrain.estimate.probe import example_micro_batch
+from dtrain.estimate.result import Line, MemoryEstimate
+
+
+def estimate_pipeline(job: Job) -> MemoryEstimate:
+    from dtrain.parallel.pipeline.plan import check_stage_count
+    from dtrain.parallel.pipeline.stages import uniform_bounds
+    from dtrain.parallel.pipeline.strategy import stages_per_rank
+
+    cfg, dims, task = job.cfg, job.dims, job.task
+    opts = cfg.strategy
+    stages = dims.pp * stages_per_rank(opts) if dims.pp > 1 else 1
+    rows = cfg.data.global_batch_size // (dims.dp * cfg.data.micro_batches)
+    layers = job.prober.layers(task.model)
+    check_stage_count(stages, len(layers), task.model)
+    notes = []
+    if opts.pipeline_boundaries:
+        bounds = [0, *opts.pipeline_boundaries, len(layers)]
+        if bounds[-2] >= len(layers):
+            raise UserError(
+                f"strategy.pipeline_boundaries = {opts.pipeline_boundaries}: the model has only "
+                f"{len(layers)} layers (0 to {len(layers) - 1}); every stage needs at least one"
+            )
+    else:
+        bounds = list(uniform_bounds(len(layers), stages))
+        if opts.pipeline_balance == "profile" and stages > 1:
+            notes.append(
+                "pipeline_balance = 'profile' cuts where measured layer times say; estimated "
+                "at equal layer counts (set pipeline_boundaries for the exact cut)"
+            )
+    spans = [range(a, b) for a, b in pairwise(bounds)]
+    batch = example_micro_batch(task, rows)
+    outputs = job.prober.layer_outputs(batch)
+
+    def measure(every: int) -> list[StagePass]:
+        return [
+            job.prober.stage(
+                batch, span, None if s == 0 else outputs[span.start - 1], s == stages - 1, every
+            )
+            for s, span in enumerate(spans)
+        ]
+
+    passes = {choice: measure(choice) for choice in {0, job.every or 1}}
+    for stage_passes in passes.values():  # what a stage saves: read without checkpointing
+        for stage, plain in zip(stage_passes, passes[0]):
+            stage.saved = plain.saved
+    best: MemoryEstimate | None = None
+    for rank in range(dims.pp):
+        mine = list(range(rank, stages, dims.pp))
+        infos = tensors_of([layers[i] for s in mine for i in spans[s]], job.infos, task.model)
+        estimate = _rank_estimate(job, rank, mine, infos, passes, spans, rows, stages)
+        if best is None or estimate.peak > best.peak:
+            best = estimate
+    assert best is not None
+    if (
+        not job.built_on_meta
+        and stages > 1
+        and opts.pipeline_balance == "profile"
+        and not opts.pipeline_boundaries
+    ):
+        profiled = sum(t.bytes for t in job.infos) + job.prober.whole(batch, 0).working_with_grads
+        best.notes.append("set-up: profiling runs every layer's forward and backward on each rank")
+        best.phases["set-up"] = max(best.phases["set-up"], profiled)
+        best.other_peak = max(best.other_peak, profiled)
+    best.notes = notes + best.notes
+    return best
+
+
+def in_flight(job: Job, stage: int, rank: int, stages: int) -> int:
+    """Micro-batches whose activations ``stage`` (on pipeline rank ``rank``) holds at once."""
+    schedule = job.cfg.strategy.pipeline_schedule
+    micro, pp = job.cfg.data.micro_batches, job.dims.pp
+    if stages == 1:  # one stage: each micro-batch's forward and backward in turn
+        return 1
+    if schedule == "gpipe":
+        return micro
+    if schedule == "1f1b":
+        return min(micro, stages - stage)
+    # Interleaved 1F1B (torch's _get_warmup_ops): counted in chunks, over the rank's stages.
+    chunks = stages // pp
+    per_round = micro // max(1, micro // pp)
+    warmup = (chunks - 1) * per_round + 2 * (pp - 1 - rank)
+    return min(warmup + 1, micro * chunks)
+
+
+def grads_held(job: Job, mine: list[int], rank: int, stages: int) -> bool:
+    """Whether a stage runs a forward with all its micro-batches in flight after its first
+    backward of the step, when the step's gradients exist: GPipe never (all forwards come
+    first), 1F1B where more micro-batches follow its warm-up, interleaved 1F1B counted so."""
+    schedule, micro = job.cfg.strategy.pipeline_schedule, job.cfg.data.micro_batches
+    if schedule == "gpipe" or stages == 1:
+        return stages == 1 and micro > 1
+    if schedule == "1f1b":
+        return any(micro > in_flight(job, s, rank, stages) for s in mine)
+    return True
+
+
+def _rank_estimate(
+    job: Job,
+    rank: int,
+    mine: list[int],
+    infos: list[TensorInfo],
+    passes: dict[int, list[StagePass]],
+    spans: list[range],
+    rows: int,
+    stages: int,
+) -> MemoryEstimate:
+    cfg, dims = job.cfg, job.dims
+    tp, shards, micro = dims.tp, dims.dp_shard, cfg.data.micro_batches
+    params, buffers, grads, optim = job.state(tp, shards, infos)
+    lines = [Line("parameters", params)]
+    if buffers:
+        lines.append(Line("buffers", buffers))
+    lines += [Line("gradients", grads), Line(f"optimizer state ({cfg.optim.name})", optim.state)]
+    received = 0
+    for s in mine:
+        if s > 0:
+            received += micro * passes[0][s].input_bytes
+        if s < stages - 1:
+            received += micro * passes[0][s].output_bytes
+    if received:
+        lines.append(Line("receive buffers (activations, their gradients)", received))
+    flying = max(in_flight(job, s, rank, stages) for s in mine)
+    held = grads_held(job, mine, rank, stages)
+    gathers = unsynced = 0
+    if shards > 1:
+        # FSDP inside the stages: torch's schedule runs every micro-batch's backward without
+        # resharding or reducing (PipelineStage.backward_maybe_with_nosync) and reduces once
+        # at the end of the step: from the first backward on, the stages' parameters stay
+        # gathered and their gradients unsharded. Before it, forward gathers a layer at a
+        # time (and prefetches the next).
+        layers = job.prober.layers(job.task.model)
+        gathered = [
+            sum(
+                t.gathered_bytes(tp, shards)
+                for t in tensors_of([layers[i]], infos, job.task.model)
+                if t.is_parameter
+            )
+            for s in mine
+            for i in spans[s]
+        ]
+        if held:
+            trainable = [t for t in infos if t.is_parameter and t.trainable]
+            gathers = sum(gathered)
+            unsynced = sum(t.gathered_bytes(tp, shards) for t in trainable)
+            lines.append(Line("fsdp: the stages' layers gathered, in backward", gathers))
+            lines.append(
+                Line("fsdp: the stages' gradients, unsharded until the step ends", unsynced)
+            )
+        else:
+            gathers = 2 * max(gathered, default=0)
+            lines.append(Line("fsdp: two layers gathered whole", gathers))
+
+    def peak_of(every: int) -> tuple[int, int]:
+        """(activations of the micro-batches in flight, the step's forward/backward peak
+        above the rest)."""
+        stage_passes = [passes[every][s] for s in mine]
+        kept = max(p.kept for p in stage_passes)
+        if held:  # (with FSDP inside the stages: counted whole in ``unsynced``)
+            working = max(p.working for p in stage_passes) + (0 if shards > 1 else grads)
+        else:  # the gradients are made while the micro-batches' activations are freed
+            working = max(p.working_with_grads for p in stage_passes)
+        return flying * kept, (flying - 1) * kept + working
+
+    base = params + buffers + unsynced + optim.state + received + gathers
+    activations, step = peak_of(job.every)
+    schedule = cfg.strategy.pipeline_schedule
+    lines.append(
+        Line(
+            f"activations ({flying} micro-batches of {rows} samples in flight, {schedule}, "
+            f"checkpointing {job.checkpointing[0]})",
+            activations,
+        )
+    )
+    lines.append(Line("forward/backward temporaries", step - activations))
+    lines.append(Line("optimizer step temporaries", optim.temporary))
+    phases = {
+        "set-up": job.setup(params + buffers, shards > 1 or tp > 1),
+        "forward/backward": base + step,
+        "optimizer step": params + buffers + grads + optim.state + optim.temporary,
+    }
+    if dims.dp > 1 and shards == 1:
+        bucket = job.largest_bucket(infos, tp)
+        phases["gradient sync"] = params + buffers + grads + optim.state + bucket
+    other_activations, other_step = peak_of(0 if job.every else 1)
+    first, last = spans[mine[0]], spans[mine[-1]]
+    where = f"stage {mine[0]} (layers {first.start}-{first.stop - 1})"
+    if len(mine) > 1:
+        where = f"stages {', '.join(map(str, mine))} (layers {first.start}-{last.stop - 1})"
+    return job.estimate(
+        rank=dims.rank_of(pp=rank),
+        where=f"pipeline {where}",
+        micro_batch_samples=rows,
+        lines=lines,
+        phases=phases,
+        other_activations=other_activations,
+        other_peak=max({**phases, "forward/backward": base + other_step}.values()),
+        notes=[],
+    )
