@@ -25,8 +25,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# The tests spend most of their time waiting (ranks starting, collectives, timeouts), not
+# computing: several pytest workers share the cores. Tests on namespace hosts share one
+# subnet and run in one worker (xdist_group). PYTEST_WORKERS=0 runs them in one process.
+PYTEST_WORKERS ?= 4
 pytest: $(STAMP) browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
 
 # The report's test opens the HTML report in headless Chromium (Debian's chromium package):
 # installed here when missing and this can (root, apt-get); otherwise that one test skips and

@@ -17,7 +17,8 @@ from tests.audit import check_stream, read_trajectory
 from tests.conftest import REPO
 from tests.test_launcher_faults import wait_for_step, write_config
 
-pytestmark = pytest.mark.slow
+# Namespace hosts share one subnet: these tests run one at a time under pytest-xdist.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("namespace-hosts")]
 SAMPLES = 256
 
 

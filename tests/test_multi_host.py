@@ -29,6 +29,9 @@ from tests.conftest import REPO, tiny_config
 PREFIX = f"dt{os.getpid() % 100000}"  # the namespaces and links of this test process
 CONNECT_S = 8  # dist.connect_timeout_s in the failure cases
 
+# Namespace hosts share one subnet: these tests run one at a time under pytest-xdist.
+pytestmark = pytest.mark.xdist_group("namespace-hosts")
+
 
 def needs_hosts() -> None:
     reason = hosts_unavailable()

@@ -25,7 +25,8 @@ from dtrain.testing.hosts import Hosts, hosts_unavailable
 from tests.audit import check_stream, read_trajectory
 from tests.conftest import REPO, tiny_config
 
-pytestmark = pytest.mark.slow
+# Namespace hosts share one subnet: these tests run one at a time under pytest-xdist.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("namespace-hosts")]
 
 PREFIX = f"dq{os.getpid() % 100000}"
 SAMPLES = 256
