@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.errors import UserError
+from dtrain.fault.liveness import process_alive
 from dtrain.fsutil import fsync_dir, write_atomic
 
 HOLD_FILE = "hold.json"
@@ -238,7 +239,7 @@ def _alive(record: HoldRecord, path: Path, lease_s: float) -> bool:
     """Whether the job holding the folder still runs."""
     if record.boot_id and record.boot_id == _boot_id():
         # This machine: its launcher's process, if it is the same process.
-        return _started(record.pid) == record.pid_started if _pid_exists(record.pid) else False
+        return _started(record.pid) == record.pid_started if process_alive(record.pid) else False
     print(
         f"dtrain: {path} is held by {record.who()}, on another machine; waiting up to "
         f"{lease_s:.0f}s to see whether that job still renews it",
@@ -254,15 +255,6 @@ def _alive(record: HoldRecord, path: Path, lease_s: float) -> bool:
         if now.renewals != record.renewals:
             return True
     return False
-
-
-def _pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True
 
 
