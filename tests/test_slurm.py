@@ -100,8 +100,9 @@ def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def workers_on(slurm: SlurmCluster, node: int, run_dir: Path) -> list[int]:
-    """The dtrain workers of ``run_dir``'s job running on ``node``."""
-    config = str(run_dir / "config.toml").encode()
+    """The dtrain workers of ``run_dir``'s job running on ``node`` (each reads its launcher's
+    config, ``RUN_DIR/.launch-HOST-PID.toml``)."""
+    config = f"{run_dir}/.launch-".encode()
     found = []
     for pid in slurm.pids_on(node):
         try:
