@@ -39,6 +39,13 @@ def status_kib(field: str) -> int:
     raise KeyError(field)
 
 
+def without_evaluation(trainer: Any) -> Any:
+    """The trainer without its final evaluation over the whole validation set (hours for
+    this model on this machine; the peak of interest is training's)."""
+    trainer.evaluate = lambda max_samples=0: None
+    return trainer
+
+
 def train_rank(raw: dict[str, Any], limit_bytes: int) -> dict[str, float]:
     """In a rank: (under a memory limit of its own when given) build the trainer and train;
     the peak above the size before the trainer was built, and the rank's share."""
@@ -60,12 +67,12 @@ def train_rank(raw: dict[str, Any], limit_bytes: int) -> dict[str, float]:
     # in the baseline, not in the peak.
     warm = {**raw, "run": {"dir": raw["run"]["dir"] + "-warm-up"}}
     warm["task"] = {**raw["task"], "n_layer": 1, "d_model": 96}
-    build_trainer(build_job_config(warm)).fit()
+    without_evaluation(build_trainer(build_job_config(warm))).fit()
     cfg = build_job_config(raw)
     dist.barrier()
     Path("/proc/self/clear_refs").write_text("5")
     before = status_kib("VmRSS")
-    trainer = build_trainer(cfg)
+    trainer = without_evaluation(build_trainer(cfg))
     trainer.fit()
     share = 4 * trainer.strategy.parameter_bytes()  # weights, gradients, AdamW's 2 moments
     return {"peak": (status_kib("VmHWM") - before) * 1024, "before": before * 1024, "share": share}
