@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
+import re
 import signal
 import statistics
 import tempfile
@@ -325,10 +327,24 @@ def kill_and_resume(scratch: Path, layout: Layout, sleep_ms: float) -> dict[str,
         "named_s": min(times) if times else float("nan"),
         "named_all_s": max(times) if len(times) == len(launches) else float("nan"),
         "named_hosts": f"{len(times)}/{len(launches)}",
+        "victim_host": host,
+        "blamed": [blamed(lines) for lines in said],
         "restarted_s": resumed["time"] - killed_wall,
         "training_s": again["time"] - killed_wall,
         "restart_event": restart_event,
     }
+
+
+FATE = re.compile(r"rank (\d+) \([^)]*\) (?:died|stopped responding|is cut off|is unreachable)")
+
+
+def blamed(lines: list[str]) -> list[int]:
+    """The ranks that one host's error lines name as dead or silent."""
+    return sorted({int(m.group(1)) for line in lines for m in FATE.finditer(line)})
+
+
+def seconds(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.1f}s"
 
 
 def ratio(value: float, base: float) -> str:
@@ -435,14 +451,13 @@ def report(
     for row in rows:
         every = ""
         if hosts:
-            every = (
-                f"{row.get('named_all_s', float('nan')):>7.1f}s {row.get('named_hosts', '-'):>4}  "
-            )
+            named_all = seconds(row.get("named_all_s", float("nan")))
+            every = f"{named_all:>8} {row.get('named_hosts', '-'):>4}  "
         lines.append(
             f"{row['label']:>5}  {row['startup_s']:>8.1f}s  {row['commit_s'] * 1000:>6.0f}ms  "
-            f"{row.get('named_s', float('nan')):>15.1f}s  {every}"
-            f"{row.get('restarted_s', float('nan')):>11.1f}s  "
-            f"{row.get('training_s', float('nan')):>10.1f}s"
+            f"{seconds(row.get('named_s', float('nan'))):>16}  {every}"
+            f"{seconds(row.get('restarted_s', float('nan'))):>12}  "
+            f"{seconds(row.get('training_s', float('nan'))):>11}"
         )
     if hosts:
         lines += ["", *across_hosts(rows, total, baseline), "", NOTES_HOSTS]
@@ -470,6 +485,15 @@ def across_hosts(rows: list[dict[str, Any]], total: Any, baseline: Any) -> list[
             f"{ratio(row['startup_s'], one['startup_s'])}, commit "
             f"{ratio(row['commit_s'], one['commit_s'])}."
         )
+        if "blamed" in row:
+            words = "; ".join(
+                f"host {i}: {', '.join(map(str, ranks)) or 'none'}"
+                for i, ranks in enumerate(row["blamed"])
+            )
+            out.append(
+                f"  kill -9 of rank {row['world'] - 1:.0f} on host {row['victim_host']}: the "
+                f"ranks each host's error lines name as dead or silent -- {words}."
+            )
     return out
 
 
@@ -496,8 +520,14 @@ every host's agent joins it at host 0 (start-up), and after a failure every host
 notice it and join again before the group restarts. A rank killed on another machine cannot
 be looked up by its pid there: the ranks of its own host name it from its missing process at
 once, the other hosts once its beats have stopped for 3 heartbeats (3 s) and a probe of the
-address it published is refused. The hosts share this machine's cores, so wall times here
-measure the machine as much as the network."""
+address it published is refused -- while the launchers are already stopping the healthy
+workers for the restart (the killed rank's own launcher at once, the others' as soon as it
+joins the rendezvous again). A rank still diagnosing then may name the wrong rank: rank 0,
+stopped by its launcher once it has named the killed rank, takes the job's store with it, and
+a rank that finds the store gone blames rank 0 ("killed or crashed"); the killed rank's
+neighbours on its host, stopped by their launcher, read as killed too. The recovery is not
+affected. The hosts share this machine's cores, so wall times here measure the machine as
+much as the network."""
 
 
 def main() -> None:
