@@ -358,6 +358,16 @@ def test_hosts_reach_each_other_and_are_removed_even_when_the_body_raises() -> N
     assert leftovers(PREFIX) == []
 
 
+def test_hosts_take_the_subnet_they_are_given() -> None:
+    # A benchmark's hosts beside the tests' (benchmarks/control_plane.py --hosts: 10.78.0).
+    needs_hosts()
+    with Hosts(2, prefix=PREFIX, subnet="10.79.0") as hosts:
+        assert hosts.addresses == ["10.79.0.1", "10.79.0.2"]
+        shown = hosts.run(1, ["ip", "-o", "-4", "addr", "show", "dev", "eth0"]).stdout
+        assert " 10.79.0.2/24 " in shown, shown
+    assert leftovers(PREFIX) == []
+
+
 def test_no_namespace_veth_or_bridge_is_left() -> None:
     needs_hosts()
     assert leftovers(PREFIX) == []

@@ -259,6 +259,7 @@ class Trainer:
         summary = Summary(start_step=self.step)
         if self.step >= cfg.train.steps:
             return self._already_finished(summary, started)
+        attempt = records.group_restart_attempt(self.runtime)  # a collective: every rank
         if self.is_main:
             write_status(self.run_dir, RunStatus("running", self.step))
             self.progress = Progress(cfg.train.steps, self.step, self.task.item_name, True)
@@ -268,11 +269,18 @@ class Trainer:
             hosts, item_name = self.balance.hosts, self.task.item_name
             self.metrics.write(
                 records.start_record(
-                    cfg, self.runtime, self.strategy, item_name, hosts, self.step, self.param_bytes
+                    cfg,
+                    self.runtime,
+                    self.strategy,
+                    item_name,
+                    hosts,
+                    self.step,
+                    self.param_bytes,
+                    attempt,
                 )
             )
-            if records.restart_attempt():
-                self._event("restart", attempt=records.restart_attempt())
+            if attempt:
+                self._event("restart", attempt=attempt)
             if point is not None:
                 self._event("resumed", checkpoint=point.path.name)
             where = f"resumed from {point.path.name}" if point else "from scratch"

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from dtrain.config import Config
 from dtrain.fault.liveness import Speed
@@ -36,11 +37,26 @@ EVENTS = (
 
 
 def restart_attempt() -> int:
-    """How many times the launcher has restarted the worker group (0: the first attempt)."""
+    """How many times this machine's launcher has restarted its workers (0: the first
+    attempt). Of one machine only: see :func:`group_restart_attempt`."""
     try:
         return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     except ValueError:
         return 0
+
+
+def group_restart_attempt(runtime: Runtime) -> int:
+    """Collective: how many times the worker group has been restarted -- the largest of the
+    machines' own counts. Each machine's launcher counts only the restarts its own workers'
+    failure caused: when a rank on another machine dies, the launcher of a healthy machine
+    restarts its workers for the new round without counting one (to torch's agent, a change
+    of membership), so rank 0's own count may say 0 in a group that has restarted."""
+    mine = restart_attempt()
+    if runtime.world_size == 1 or not dist.is_initialized():
+        return mine
+    counts: list[Any] = [None] * runtime.world_size
+    dist.all_gather_object(counts, mine)
+    return max(int(count) for count in counts)
 
 
 def event(name: str, step: int, **fields: Any) -> Record:
@@ -141,14 +157,16 @@ def start_record(
     hosts: list[str],
     step: int,
     param_bytes: int,
+    attempt: int | None = None,
 ) -> Record:
     """What this attempt runs, and on what (rank 0's machine); ``param_bytes``: the parameters
-    rank 0 holds."""
+    rank 0 holds; ``attempt``: the group's restart count (:func:`group_restart_attempt`; this
+    machine's own where not given)."""
     return {
         "kind": "start",
         "step": step,
         "steps": cfg.train.steps,
-        "attempt": restart_attempt(),
+        "attempt": restart_attempt() if attempt is None else attempt,
         "world_size": runtime.world_size,
         "data_parallel_size": strategy.data_parallel_size,
         "strategy": strategy.name,

@@ -36,9 +36,10 @@ _probed: dict[str, str | None] = {}
 
 
 class Hosts:
-    """``n`` hosts ``{prefix}-h0`` .. with addresses 10.77.0.1, 10.77.0.2, ...; ``rate`` per
-    link and direction (a tc rate such as ``100mbit``, or ``none``), ``delay`` one way (netem;
-    the script warns and goes on without it where the kernel lacks netem)."""
+    """``n`` hosts ``{prefix}-h0`` .. with addresses ``{subnet}.1``, ``{subnet}.2``, ...
+    (10.77.0.1, ... unless given: the tests' subnet; a benchmark beside them takes its own);
+    ``rate`` per link and direction (a tc rate such as ``100mbit``, or ``none``), ``delay`` one
+    way (netem; the script warns and goes on without it where the kernel lacks netem)."""
 
     def __init__(
         self,
@@ -47,6 +48,7 @@ class Hosts:
         delay: str = "",
         prefix: str | None = None,
         hostnames: bool = False,
+        subnet: str = SUBNET,
     ) -> None:
         """``hostnames``: each host also gets its own hostname, ``{prefix}-hI`` (a UTS
         namespace per command run in it), as separate machines have; else they share this
@@ -57,12 +59,13 @@ class Hosts:
         self.delay = delay
         self.prefix = prefix or f"dt{os.getpid() % 100000}"
         self.hostnames = hostnames
+        self.subnet = subnet  # the first three octets of a /24 (hosts.sh checks them)
         self.up_output = ""
 
     # -- lifetime --------------------------------------------------------------------------
 
     def _script(self, *args: str) -> subprocess.CompletedProcess[str]:
-        env = {**os.environ, "DTRAIN_HOSTS_PREFIX": self.prefix, "DTRAIN_HOSTS_SUBNET": SUBNET}
+        env = {**os.environ, "DTRAIN_HOSTS_PREFIX": self.prefix, "DTRAIN_HOSTS_SUBNET": self.subnet}
         return subprocess.run(
             ["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=120
         )
@@ -101,7 +104,7 @@ class Hosts:
 
     def address(self, i: int) -> str:
         self.namespace(i)
-        return f"{SUBNET}.{i + 1}"
+        return f"{self.subnet}.{i + 1}"
 
     @property
     def addresses(self) -> list[str]:
