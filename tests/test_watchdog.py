@@ -252,6 +252,30 @@ def test_a_remote_peer_killed_a_moment_ago_is_named_as_killed_once_its_beats_sto
     assert time.monotonic() - started < 4.5  # a few heartbeats, then named
 
 
+def test_a_peer_seen_dead_on_its_machine_is_named_as_killed_at_once_on_the_others(
+    tmp_path: Path, store: Any
+) -> None:
+    # Machines other than the dead rank's can only watch its beats go stale (seconds, in which
+    # rank 0 may end and take the store with it: they named rank 0). Its own machine sees the
+    # process gone and posts it; another machine names it from that post at its first reading.
+    local = Watchdog(0, 3, heartbeat_s=1.0, timeout_s=5.0, run_dir=tmp_path)
+    pid = dead_pid()
+    store.set("dtrain/watchdog/hb/1", beat_of(host=local.host, pid=pid, step=5))
+    store.set("dtrain/watchdog/hb/2", beat_of(rank=2, host="elsewhere", pid=77))
+    said = local.diagnose()
+    assert said.startswith(f"rank 1 ({local.host}, pid {pid}) died: its process is gone"), said
+    remote = Watchdog(2, 3, heartbeat_s=1.0, timeout_s=5.0)
+    remote.host = "elsewhere"  # the third machine
+    store.set("dtrain/watchdog/hb/0", beat_of(rank=0, host="machine-a", pid=78))
+    started = time.monotonic()
+    words = remote.diagnose()
+    assert words == (
+        f"rank 1 ({local.host}, pid {pid}) died: its process is gone (killed or crashed) at an "
+        f"unknown step: {said.split('at an unknown step: ')[1]} (seen by rank 0 on its machine)"
+    ), words
+    assert time.monotonic() - started < 1.0  # no wait for its beats to go stale
+
+
 def test_a_silent_local_peer_is_reported_at_the_phase_it_is_stuck_in(
     tmp_path: Path, store: Any
 ) -> None:

@@ -221,8 +221,6 @@ class Watchdog:
 
     def report_failure(self, error: BaseException | str) -> None:
         """Post this rank's failure so the others can name it. Never raises."""
-        if self.store is None:
-            return
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         record = {
             "host": self.host,
@@ -231,8 +229,26 @@ class Watchdog:
             "phase": self.phase,
             "error": text.splitlines()[0][:400] if text else "",
         }
-        key, value = f"{_prefix()}failed/{self.rank}", json.dumps(record)
-        index, entry = f"{_prefix()}failed", f"{self.rank},"
+        self._post_failure(self.rank, record)
+
+    def _report_dead_peer(self, rank: int, where: str, beat: Liveness) -> None:
+        """Post, for a rank of this machine whose process is gone (it posts nothing itself),
+        what this machine saw: the other machines can only watch its beats go stale, a few
+        seconds in which rank 0 may end and take the store with it -- and then they would
+        name rank 0. Never raises."""
+        record = {
+            "host": beat.host,
+            "pid": beat.pid,
+            "killed": where,  # its process is gone, where it was (for the other machines)
+            "seen_by": self.rank,
+        }
+        self._post_failure(rank, record)
+
+    def _post_failure(self, rank: int, record: dict[str, Any]) -> None:
+        if self.store is None:
+            return
+        key, value = f"{_prefix()}failed/{rank}", json.dumps(record)
+        index, entry = f"{_prefix()}failed", f"{rank},"
 
         def post(store: Any) -> None:
             store.set(key, value)
@@ -426,6 +442,17 @@ class Watchdog:
         now, clock = time.time(), time.monotonic()
         found: list[tuple[str, bool]] = []
         for rank, record in sorted(failed.items()):
+            if "killed" in record:
+                if record["host"] == self.host:
+                    continue  # this machine sees its process itself, below
+                found.append(
+                    (
+                        f"rank {rank} ({record['host']}, pid {record['pid']}) died: "
+                        f"{record['killed']} (seen by rank {record['seen_by']} on its machine)",
+                        False,
+                    )
+                )
+                continue
             found.append(
                 (
                     f"rank {rank} ({record['host']}, pid {record['pid']}) failed at step "
@@ -434,7 +461,7 @@ class Watchdog:
                 )
             )
         for rank, beat in sorted(beats.items()):
-            if rank in failed:
+            if rank in failed and failed[rank].get("host") != self.host:
                 continue
             if beat is None:
                 found.append((f"rank {rank} never checked in", False))
@@ -443,10 +470,15 @@ class Watchdog:
             if seen[0] != beat.seen_at:
                 first_seen[rank] = seen = (beat.seen_at, clock)
             silent = now - beat.seen_at > stale_after or clock - seen[1] > stale_after
+            if rank in failed and "killed" not in failed[rank]:
+                continue  # it posted its own failure, named above
             if beat.host == self.host and not process_alive(beat.pid):
                 # Killed outright (kill -9, the OOM killer): no error posted, and a beat that
                 # may be many steps behind; its liveness file says where it was.
-                found.append((f"{who(rank, beat)} died: {self._last_words_of(beat, now)}", False))
+                last_words = self._last_words_of(beat, now)
+                found.append((f"{who(rank, beat)} died: {last_words}", False))
+                if rank not in failed:
+                    self._report_dead_peer(rank, last_words, beat)
             elif silent and beat.host != self.host:
                 found.append(self._remote_silent(rank, beat, now, closed, quick))
             elif silent:
