@@ -32,6 +32,7 @@ EVENTS = (
     "overflow",
     "rollback",
     "preempted",
+    "membership",
 )
 
 
