@@ -293,4 +293,3 @@ def train_in_place(cfg: Config) -> Summary | None:
             del trainer, recovery
     finally:
         member.close()
-
