@@ -8,6 +8,9 @@ world sizes (the same global batches): equal final parameters, every sample exac
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -126,3 +129,65 @@ def test_inplace_with_allreduce_is_accepted(tmp_path: Path) -> None:
         tmp_path, fault={"recovery": "inplace"}, strategy={"name": "allreduce"}
     )
     assert cfg.fault.recovery == "inplace"
+
+
+def member_worker(launch: Launch, member: int) -> int:
+    """The pid of member ``member``'s worker process (not its agent)."""
+    for pid in launch.workers():
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        mine = f"DTRAIN_INPLACE_MEMBER={member}".encode() in environ
+        if mine and b"dtrain.worker" in cmdline and b"torch.distributed.run" not in cmdline:
+            return pid
+    raise AssertionError(f"no worker of member {member} among {launch.workers()}")
+
+
+def train_times(run_dir: Path) -> list[tuple[int, float]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [(r["step"], r["time"]) for r in records if r.get("kind") == "train"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_stopped_worker_is_dropped_after_the_timeout_and_rejoins_healed(tmp_path: Path) -> None:
+    timeout_s = 4.0
+    run_dir = tmp_path / "run"
+    raw = tiny_raw(
+        run_dir,
+        JOB,
+        train={"steps": 600},
+        fault={"recovery": "inplace"},
+        dist={"timeout_s": timeout_s},
+        task={"slow_ms": 30},
+    )
+    config = tmp_path / "job.toml"
+    config.write_text(build_job_config(raw).to_toml())
+    launch = Launch(config, 2, "--max-restarts", "1", cwd=REPO)
+    try:
+        deadline = time.monotonic() + 240
+        while not any(step >= 5 for step, _ in train_times(run_dir)):
+            assert time.monotonic() < deadline and launch.alive(), launch.text()[-3000:]
+            time.sleep(0.1)
+        victim = member_worker(launch, 0)
+        os.kill(victim, signal.SIGSTOP)
+        stopped = time.time()
+        time.sleep(20)
+        os.kill(victim, signal.SIGCONT)
+        code = launch.wait(300)
+    finally:
+        launch.close()
+    assert code == 0, launch.text()[-4000:]
+    after = [t for _, t in train_times(run_dir) if t > stopped]
+    print(f"stop -> next committed step: {after[0] - stopped:.2f} s (timeout {timeout_s} s)")
+    assert after[0] - stopped <= timeout_s + 1 + 2  # 2 s: slack for a loaded machine
+    left, joined = membership_events(run_dir)
+    assert (left["left"], left["world_size"]) == ([0], 1)
+    assert (joined["joined"], joined["world_size"], joined["healed_from"]) == ([0], 2, 1)
+    assert joined["time"] > stopped + 20  # after SIGCONT: its stale state was replaced
+    assert_exactly_once(run_dir, 600)

@@ -271,7 +271,7 @@ class Trainer:
                     cfg, self.runtime, self.strategy, item_name, hosts, self.step, self.param_bytes
                 )
             )
-            if records.restart_attempt():
+            if records.restart_attempt() and self.recovery is None:  # in place: membership
                 self._event("restart", attempt=records.restart_attempt())
             if point is not None:
                 self._event("resumed", checkpoint=point.path.name)

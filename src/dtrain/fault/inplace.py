@@ -50,6 +50,7 @@ from dtrain.fault.membership import (
     Member,
 )
 from dtrain.fault.peer_failure import collective_cause, is_collective_failure
+from dtrain.fault.watchdog import GENERATION_ENV
 from dtrain.runtime import NAMESPACE_ENV, Runtime, choose_backend, choose_device, threads_per_worker
 
 if TYPE_CHECKING:
@@ -206,6 +207,7 @@ def generation_runtime(cfg: DistConfig, generation: Generation, member: Member) 
     # watchdog's beats): none left over from an earlier generation.
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = member.address
     os.environ[NAMESPACE_ENV] = f"inplace/gen{generation.number}/dtrain/"
+    os.environ[GENERATION_ENV] = str(generation.number)  # the liveness records' attempt
     if world > 1:
         store = dist.PrefixStore(f"inplace/gen{generation.number}/pg", member.store)  # type: ignore[attr-defined]
         dist.init_process_group(
