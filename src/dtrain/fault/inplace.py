@@ -250,9 +250,10 @@ def train_in_place(cfg: Config) -> Summary | None:
         int(os.environ.get(MEMBERS_ENV, "1")),
         timeout_s=cfg.dist.timeout_s,
     )
-    # What building DDP imports on first use (torch._dynamo, seconds): before this worker
-    # asks to join, not while the others wait for it in the new generation's set-up.
-    import torch._dynamo  # noqa: F401
+    if cfg.strategy.name == "ddp":
+        # What building DDP imports on first use (torch._dynamo: 2.5 s here): before this
+        # worker asks to join, not while the others wait for it in the new generation.
+        import torch._dynamo  # noqa: F401
 
     held: HeldState | None = None
     after = -1

@@ -34,6 +34,7 @@ import os
 import socket
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,6 +197,7 @@ class Coordinator:
         self.formed: list[Generation] = []
         self._seen = {m: _Seen() for m in range(members)}
         self._stop = threading.Event()
+        self._warned = False
         self._thread = threading.Thread(target=self._run, name="dtrain-coordinator", daemon=True)
 
     def start(self) -> None:
@@ -209,8 +211,12 @@ class Coordinator:
         while not self._stop.wait(POLL_S):
             try:
                 self.poll()
-            except Exception:  # the store is closing with the launcher
-                return
+            except Exception as exc:  # our bug: say so, and go on (a job must not hang on it)
+                if self._stop.is_set():
+                    return  # the store is closing with the launcher
+                if not self._warned:
+                    self._warned = True
+                    traceback.print_exception(exc)
 
     def _alive(self, member: int, now: float) -> bool:
         """Whether the member's newest incarnation is running: its process exists and is
