@@ -3,10 +3,10 @@
 With one agent per worker, an agent that sees its worker die restarts that worker alone
 (``--max-restarts`` times); the others go on. The launcher hosts the job's membership store
 and its :class:`~dtrain.fault.membership.Coordinator`, which the workers reach at
-``$DTRAIN_INPLACE_COORDINATOR``. Each agent is plain ``torchrun --standalone --nproc-per-node
-1`` (its own rendezvous, on a free port), so restarts, signal forwarding and error files are
-torch's as in restart mode. One machine for now: ``--nnodes`` above 1 is refused before any
-worker starts.
+``$DTRAIN_INPLACE_COORDINATOR``. Each agent is restart mode's launch for one worker
+(:func:`run_agent`: torch's elastic agent with its own rendezvous on a free port), so restarts,
+signal forwarding and failure reports are those of restart mode. One machine for now:
+``--nnodes`` above 1 is refused before any worker starts.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
@@ -27,7 +28,6 @@ from dtrain.fault.membership import (
     Coordinator,
     open_store,
 )
-from dtrain.fault.preempt import signals_to_forward
 from dtrain.fault.status import read_status
 from dtrain.launch import LaunchOptions
 
@@ -47,21 +47,43 @@ def _die_with_launcher() -> None:
         pass
 
 
-def agent_command(config_path: Path, max_restarts: int, grace_s: float) -> list[str]:
+def agent_command(
+    config_path: Path, max_restarts: int, grace_s: float, timeout_s: float, signals: Sequence[str]
+) -> list[str]:
+    """One worker's agent: :func:`run_agent` in a process of its own."""
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nnodes=1",
-        "--nproc-per-node=1",
-        f"--max-restarts={max_restarts}",
-        "--monitor-interval=0.1",
-        f"--shutdown-timeout={int(grace_s)}",
-        "-m",
-        "dtrain.worker",
+        "dtrain.launch_inplace",
         str(config_path),
+        str(max_restarts),
+        str(grace_s),
+        str(timeout_s),
+        ",".join(signals),
     ]
+
+
+def run_agent(argv: Sequence[str]) -> int:
+    """``python -m dtrain.launch_inplace CONFIG MAX_RESTARTS GRACE_S TIMEOUT_S SIGNALS``: the
+    elastic launch of restart mode (:func:`dtrain.launch.launch_workers`) for one worker, with
+    its own rendezvous: its restarts, signal forwarding and failure report are restart mode's."""
+    from dtrain.console import say_error
+    from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
+    from dtrain.launch import launch_workers
+
+    config_path, restarts, grace_s, timeout_s, signals = argv
+    opts = LaunchOptions(nproc=1, max_restarts=int(restarts), run_id=uuid.uuid4().hex[:12])
+    try:
+        return launch_workers(
+            Path(config_path),
+            opts,
+            grace_s=float(grace_s),
+            preempt_signals=[name for name in signals.split(",") if name],
+            collective_timeout_s=float(timeout_s),
+        )
+    except UserError as exc:
+        say_error(str(exc))
+        return USER_ERROR_EXIT_CODE
 
 
 def launch_in_place(
@@ -82,8 +104,9 @@ def launch_in_place(
     env.setdefault("PYTHONUNBUFFERED", "1")
     env[COORDINATOR_ENV] = f"127.0.0.1:{store.port}"
     env[MEMBERS_ENV] = str(opts.nproc)
-    env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = signals_to_forward(preempt_signals, os.environ)
-    command = agent_command(config_path, opts.max_restarts, grace_s)
+    command = agent_command(
+        config_path, opts.max_restarts, grace_s, collective_timeout_s, preempt_signals
+    )
     agents = [
         subprocess.Popen(command, env={**env, MEMBER_ENV: str(m)}, preexec_fn=_die_with_launcher)
         for m in range(opts.nproc)
@@ -119,3 +142,7 @@ def _wait(agent: subprocess.Popen[bytes]) -> int:
             return agent.wait()
         except InterruptedError:  # pragma: no cover - a signal handler ran
             time.sleep(0.01)
+
+
+if __name__ == "__main__":
+    sys.exit(run_agent(sys.argv[1:]))
