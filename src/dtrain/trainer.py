@@ -346,9 +346,6 @@ class Trainer:
                 summary.preempted = preempt.signal_name or "a peer's signal"
                 self._event("preempted", signal=summary.preempted)
                 break
-            if agreement.regroup and self.step < cfg.train.steps:
-                # Every rank learnt it in this step's agreement: all leave after it.
-                raise inplace.Regroup(f"after step {self.step}")
             if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.train.steps:
                 self.evaluate(cfg.eval.max_samples)
             if (
@@ -357,6 +354,10 @@ class Trainer:
                 and self.step < cfg.train.steps
             ):
                 self.save_checkpoint(blocking=not cfg.checkpoint.async_save)
+            if agreement.regroup and self.step < cfg.train.steps:
+                # A worker waits to join (fault.recovery = 'inplace'); every rank learnt it in
+                # this step's agreement: all leave after it, its evaluation and save done.
+                raise inplace.Regroup(f"after step {self.step}")
         if not summary.preempted:
             summary.val_loss = self.evaluate()  # the whole validation set
         self.watchdog.set_phase("checkpoint")  # waiting for the save in flight
