@@ -39,11 +39,19 @@ JOB: dict[str, dict[str, object]] = {
 }
 
 
-def launch_job(tmp_path: Path, steps: int, max_restarts: int, **task: object) -> Path:
+def launch_job(
+    tmp_path: Path, steps: int, max_restarts: int, strategy: str = "ddp", **task: object
+) -> Path:
     """Run ``dtrain train`` with fault.recovery = 'inplace' on 2 workers, member 0 killed in
     its 4th step; returns the run folder."""
     run_dir = tmp_path / "run"
-    raw = tiny_raw(run_dir, JOB, train={"steps": steps}, fault={"recovery": "inplace"})
+    raw = tiny_raw(
+        run_dir,
+        JOB,
+        train={"steps": steps},
+        fault={"recovery": "inplace"},
+        strategy={"name": strategy},
+    )
     raw["task"].update({"kill_member": 0, "kill_at_forward": 4, **task})
     cfg = build_job_config(raw)  # the task's own options (tests.tasks.MemberKillOptions)
     config = tmp_path / "job.toml"
@@ -63,11 +71,13 @@ def membership_events(run_dir: Path) -> list[dict[str, Any]]:
     return [r for r in records if r.get("name") == "membership"]
 
 
-def reference_params(tmp_path: Path, sizes: list[tuple[int, int]], **task: object) -> Path:
+def reference_params(
+    tmp_path: Path, sizes: list[tuple[int, int]], strategy: str = "ddp", **task: object
+) -> Path:
     """Train with checkpoint resumes: ``(world size, last step)`` in order; the run folder."""
     run_dir = tmp_path / "reference"
     for world, last in sizes:
-        raw = tiny_raw(run_dir, JOB, train={"steps": last}, task=task)
+        raw = tiny_raw(run_dir, JOB, train={"steps": last}, strategy={"name": strategy}, task=task)
         run_ranks(train_params, world, raw)
     return run_dir
 
@@ -88,14 +98,17 @@ def assert_exactly_once(run_dir: Path, steps: int) -> None:
     assert audit.positions == steps * 8
 
 
-def test_kill9_of_one_of_two_the_survivor_goes_on_exactly_once(tmp_path: Path) -> None:
-    run_dir = launch_job(tmp_path, steps=10, max_restarts=0)
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("allreduce", marks=[pytest.mark.slow])])
+def test_kill9_of_one_of_two_the_survivor_goes_on_exactly_once(
+    tmp_path: Path, strategy: str
+) -> None:
+    run_dir = launch_job(tmp_path, steps=10, max_restarts=0, strategy=strategy)
     (event,) = membership_events(run_dir)
     # Step 4 was in flight: dropped; the survivor (member 1) redoes it alone.
     assert (event["step"], event["left"], event["joined"]) == (3, [0], [])
     assert (event["world_size"], event["healed_from"]) == (1, 1)
     assert_exactly_once(run_dir, 10)
-    reference = reference_params(tmp_path, [(2, 3), (1, 10)])
+    reference = reference_params(tmp_path, [(2, 3), (1, 10)], strategy)
     assert_same_final_params(reference, run_dir, 10)
 
 
