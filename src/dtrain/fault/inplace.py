@@ -260,11 +260,13 @@ def train_in_place(cfg: Config) -> Summary | None:
     try:
         while True:
             member.ask(after, held.step if held is not None else -1)
-            gc.collect()  # the last generation's objects, while the coordinator decides
             generation = member.wait(after)
             if generation is None:
                 _say(f"member {member.id}: the run completed before this worker could join")
                 return None
+            # What exists now (imports, the state held) is left out of the cyclic collector's
+            # scans from here on, so that the collection below scans one generation's objects.
+            gc.freeze()
             recovery = Recovery(member, generation, held)
             held = None
             trainer: Trainer | None = None
@@ -294,5 +296,10 @@ def train_in_place(cfg: Config) -> Summary | None:
             after = generation.number
             _leave(trainer)
             del trainer, recovery
+            # The old trainer's cycles (DDP, the watchdog's callbacks) keep its process groups
+            # alive, and with them their sockets: a survivor blocked in a collective with this
+            # rank sees it leave only when they close (gloo has no abort). Quick: only this
+            # generation's objects are scanned (gc.freeze above).
+            gc.collect()
     finally:
         member.close()
