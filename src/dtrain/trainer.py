@@ -275,7 +275,7 @@ class Trainer:
                 self._event("restart", attempt=records.restart_attempt())
             if point is not None:
                 self._event("resumed", checkpoint=point.path.name)
-            membership = self.recovery.event(self.step) if self.recovery is not None else None
+            membership = self.recovery.event() if self.recovery is not None else None
             if membership is not None:
                 self._event("membership", **membership)
             where = f"resumed from {point.path.name}" if point else "from scratch"

@@ -87,7 +87,9 @@ class Recovery:
         self.held = held
         self.healed_from: int | None = None  # the member whose state this rank loaded
         self.healed_s = 0.0  # from the first ask for this generation to the state loaded
-        self._boundary: tuple[int, dict[str, Any]] | None = None
+        # The step starting, and the parts' state and the model's buffers as it starts.
+        self._boundary: tuple[int, dict[str, Any], dict[str, torch.Tensor]] | None = None
+        self._buffer_names: list[str] | None = None
 
     # -- in the loop -----------------------------------------------------------------------
 
@@ -101,7 +103,16 @@ class Recovery:
         what a dropped step goes back to."""
         self.held = None  # the state this generation started from is loaded by now
         parts = {name: part.state_dict() for name, part in trainer.state.parts.items()}
-        self._boundary = (trainer.step, copy.deepcopy(parts))
+        # The model's saved buffers too (BatchNorm's running statistics): a step's forward
+        # changes them before its collectives can fail. Parameters change only in the
+        # optimizer step, after the last collective that can drop the step.
+        model = trainer.strategy.unwrapped
+        if self._buffer_names is None:
+            params = {name for name, _ in model.named_parameters()}
+            self._buffer_names = [n for n in model.state_dict() if n not in params]
+        saved = model.state_dict()
+        buffers = {name: saved[name].clone() for name in self._buffer_names}
+        self._boundary = (trainer.step, copy.deepcopy(parts), buffers)
 
     @staticmethod
     def recoverable(error: BaseException) -> bool:
@@ -114,13 +125,15 @@ class Recovery:
         boundary. Before the loop's first step: the state this generation started from."""
         if trainer is None or self._boundary is None:
             return self.held
-        step, parts_at_start = self._boundary
+        step, parts_at_start, buffers_at_start = self._boundary
         dropped = trainer.step == step  # the optimizer step of step+1 had not run
-        parts = parts_at_start
-        if not dropped:
+        parts, model = parts_at_start, trainer.strategy.model_state_dict()
+        if dropped:
+            model.update(buffers_at_start)
+        else:
             parts = copy.deepcopy({n: p.state_dict() for n, p in trainer.state.parts.items()})
         payload = {
-            "model": trainer.strategy.model_state_dict(),
+            "model": model,
             "optimizer": trainer.strategy.optimizer_state_dict(trainer.optimizer),
             "parts": parts,
         }
@@ -162,7 +175,7 @@ class Recovery:
         self.healed_s = time.time() - first_ask if first_ask else time.monotonic() - started
         return True
 
-    def event(self, step: int) -> dict[str, Any] | None:
+    def event(self) -> dict[str, Any] | None:
         """The ``membership`` event's fields (docs/metrics.md), or None for the first
         generation of a job."""
         gen = self.generation
