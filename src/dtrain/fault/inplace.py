@@ -81,8 +81,15 @@ class HeldState:
 class Recovery:
     """The trainer's seam for in-place recovery, one per generation."""
 
-    def __init__(self, member: Member, generation: Generation, held: HeldState | None) -> None:
+    def __init__(
+        self,
+        member: Member,
+        generation: Generation,
+        held: HeldState | None,
+        retired: Retired | None = None,
+    ) -> None:
         self.member = member
+        self.retired = retired
         self.generation = generation
         self.held = held
         self.healed_from: int | None = None  # the member whose state this rank loaded
@@ -102,6 +109,8 @@ class Recovery:
         """Keep the parts' state as the step starts (scheduler, data position, counters):
         what a dropped step goes back to."""
         self.held = None  # the state this generation started from is loaded by now
+        if self.retired is not None:
+            self.retired.free_idle()
         parts = {name: part.state_dict() for name, part in trainer.state.parts.items()}
         # The model's saved buffers too (BatchNorm's running statistics): a step's forward
         # changes them before its collectives can fail. Parameters change only in the
@@ -235,7 +244,8 @@ def generation_runtime(cfg: DistConfig, generation: Generation, member: Member) 
 
 
 def _leave(trainer: Trainer | None) -> None:
-    """Let go of a generation's trainer and process group (its peers may be gone)."""
+    """Let go of a generation's trainer and process groups (its peers may be gone); the
+    objects themselves are kept a while (:class:`Retired`)."""
     if trainer is not None:
         try:
             trainer.loader.close()
@@ -243,6 +253,30 @@ def _leave(trainer: Trainer | None) -> None:
             pass
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+class Retired:
+    """The trainers of earlier generations, kept until their process groups' work threads are
+    idle: every collective they ran has failed or timed out (``dist.timeout_s``). Freeing a
+    gloo group while one of its threads still holds a collective deadlocks: its destructor
+    joins the thread holding the GIL, and the thread needs the GIL to release the collective's
+    tensors (seen in a chaos trial). So the groups' sockets stay open meanwhile, and a peer
+    blocked on this rank in a collective learns that it left only at its own timeout (with 3
+    or more workers: a survivor that was not talking to the failed one). Then one collection
+    frees them (quick: older objects are frozen)."""
+
+    def __init__(self, idle_after_s: float) -> None:
+        self.idle_after_s = idle_after_s
+        self.kept: list[tuple[float, Any]] = []
+
+    def keep(self, trainer: Any) -> None:
+        self.kept.append((time.monotonic(), trainer))
+
+    def free_idle(self) -> None:
+        now = time.monotonic()
+        if self.kept and now - self.kept[0][0] > self.idle_after_s:
+            self.kept = [(t, obj) for t, obj in self.kept if now - t <= self.idle_after_s]
+            gc.collect()
 
 
 def _say(text: str) -> None:
@@ -270,6 +304,7 @@ def train_in_place(cfg: Config) -> Summary | None:
 
     held: HeldState | None = None
     after = -1
+    retired = Retired(idle_after_s=cfg.dist.timeout_s + 1.0)
     try:
         while True:
             member.ask(after, held.step if held is not None else -1)
@@ -278,9 +313,9 @@ def train_in_place(cfg: Config) -> Summary | None:
                 _say(f"member {member.id}: the run completed before this worker could join")
                 return None
             # What exists now (imports, the state held) is left out of the cyclic collector's
-            # scans from here on, so that the collection below scans one generation's objects.
+            # scans from here on: freeing a retired generation scans few objects.
             gc.freeze()
-            recovery = Recovery(member, generation, held)
+            recovery = Recovery(member, generation, held, retired)
             held = None
             trainer: Trainer | None = None
             try:
@@ -308,11 +343,7 @@ def train_in_place(cfg: Config) -> Summary | None:
                 return summary
             after = generation.number
             _leave(trainer)
+            retired.keep(trainer)
             del trainer, recovery
-            # The old trainer's cycles (DDP, the watchdog's callbacks) keep its process groups
-            # alive, and with them their sockets: a survivor blocked in a collective with this
-            # rank sees it leave only when they close (gloo has no abort). Quick: only this
-            # generation's objects are scanned (gc.freeze above).
-            gc.collect()
     finally:
         member.close()
