@@ -347,3 +347,40 @@ def mean_loss_gpt(cfg: Config) -> Task:
 
 
 mean_loss_gpt.config_class = TinyOptions  # type: ignore[attr-defined]
+
+
+@dataclass
+class MemberKillOptions(TinyOptions):
+    # fault.recovery = 'inplace': the member (DTRAIN_INPLACE_MEMBER) whose first incarnation
+    # kills itself (SIGKILL) in its training forward number kill_at_forward (1 = its first);
+    # -1: none. A restart of it (TORCHELASTIC_RESTART_COUNT > 0) lives on.
+    kill_member: int = -1
+    kill_at_forward: int = 0
+
+
+@task_config(MemberKillOptions)
+def member_kill_gpt(cfg: Config) -> Task:
+    """:func:`tiny_gpt` whose member ``kill_member`` dies by SIGKILL in the middle of a step
+    (its forward), once; the same parameters and numbers otherwise (its wrapper has none)."""
+    task = tiny_gpt(cfg)
+    opts: MemberKillOptions = cfg.task
+    member = int(os.environ.get("DTRAIN_INPLACE_MEMBER", "-1"))
+    first_life = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    armed = opts.kill_member >= 0 and member == opts.kill_member and first_life
+    task.model = _KillAtForward(task.model, opts.kill_at_forward if armed else 0)
+    return task
+
+
+class _KillAtForward(nn.Module):
+    def __init__(self, inner: nn.Module, at: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.at = at
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+            if self.calls == self.at:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return self.inner(x)

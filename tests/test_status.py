@@ -154,3 +154,29 @@ def test_the_watchdog_keeps_this_ranks_record_without_peers(tmp_path: Path) -> N
         watchdog.stop()
     last = read_liveness(path)
     assert last is not None and (last.step, last.phase) == (9, "done")  # kept as it stopped
+
+
+def test_status_shows_the_last_membership_change(tmp_path: Path) -> None:
+    now = time.time()
+    run = tmp_path / "run"
+    fake_running_run(run, now)
+    event = {
+        "kind": "event",
+        "name": "membership",
+        "step": 41,
+        "generation": 2,
+        "world_size": 2,
+        "members": [0, 1],
+        "left": [],
+        "joined": [1],
+        "healed_from": 0,
+        "seconds": 0.25,
+        "time": now - 3,
+    }
+    with (run / "metrics.jsonl").open("a") as fh:
+        fh.write(json.dumps(event) + "\n")
+    lines = run_status(run, now).splitlines()
+    assert lines[3] == (
+        "  in place: generation 2, 2 worker(s) (members [0, 1]); at step 41 (3.0s ago): "
+        "left [], joined [1], took 0.25 s"
+    )

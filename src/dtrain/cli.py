@@ -226,13 +226,21 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if opts.max_world_size != opts.min_world_size:
         strategy_class(cfg.strategy.name).validate_config(cfg, opts.max_world_size)
     check_init_from(cfg.run.init_from)
+    if cfg.fault.recovery == "inplace" and opts.max_nodes > 1:
+        raise UserError(
+            f"fault.recovery = 'inplace' runs on one machine for now, but --nnodes "
+            f"{args.nnodes} allows more; use fault.recovery = 'restart' across machines"
+        )
     if not cfg.run.dir:
         cfg.run.dir = default_run_dir(args.run_id)
     # Writable, held for this job (another live job's hold is refused), and this launcher's
     # config where only its own workers read it.
     with held_run_dir(cfg, opts.run_id, opts.rdzv_endpoint) as config_path:
         check_run_dir(cfg, args.force)
-        return launch_workers(
+        launch = launch_workers
+        if cfg.fault.recovery == "inplace":
+            from dtrain.launch_inplace import launch_in_place as launch
+        return launch(
             config_path,
             opts,
             grace_s=cfg.fault.preempt_grace_s,

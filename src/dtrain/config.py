@@ -184,6 +184,12 @@ class FaultConfig:
     audit_sample_ids: bool = _opt(
         False, "write every rank's sample ids per step to RUN_DIR/sample_ids/ (exactly-once audit)"
     )
+    recovery: Literal["restart", "inplace"] = _opt(
+        "restart",
+        "after a worker fails: restart every worker from the newest checkpoint, or (ddp, "
+        "allreduce; one machine) the survivors go on at the new world size and a restarted "
+        "worker heals from a peer's memory (docs/fault-tolerance.md)",
+    )
 
 
 @dataclass
@@ -429,6 +435,11 @@ def _section_to_dict(section: Any) -> Any:
     return dict(section)
 
 
+# The strategies whose ranks each hold the whole model and optimizer: a survivor can go on
+# alone and a replacement can copy a peer (fault.recovery = 'inplace').
+INPLACE_STRATEGIES = ("ddp", "allreduce")
+
+
 def validate_cross_fields(cfg: Config) -> None:
     """Checks that need more than one key; those that need the world size live in
     :func:`validate_for_world`."""
@@ -458,6 +469,12 @@ def validate_cross_fields(cfg: Config) -> None:
         raise ConfigError(
             f"train.loss_scale_init = {cfg.train.loss_scale_init!r}: expected a power of two "
             "(scaling by one, and dividing by it again, is then exact)"
+        )
+    if cfg.fault.recovery == "inplace" and cfg.strategy.name not in INPLACE_STRATEGIES:
+        raise ConfigError(
+            f"fault.recovery = 'inplace' does not work with strategy.name = "
+            f"{cfg.strategy.name!r}: only {' and '.join(INPLACE_STRATEGIES)} keep a whole "
+            "replica on every rank to heal from; use fault.recovery = 'restart'"
         )
     debug = cfg.debug
     if 0 <= debug.slowdown_to_step < debug.slowdown_from_step:

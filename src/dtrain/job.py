@@ -77,6 +77,12 @@ def build_trainer(cfg: Config) -> Trainer:
     rank seeds the same before the task builds its model, so the replicas start equal."""
     runtime = init_runtime(cfg.dist)
     agree_on_run_dir(cfg, runtime)
+    return build_trainer_on(cfg, runtime)
+
+
+def build_trainer_on(cfg: Config, runtime: Runtime) -> Trainer:
+    """The task and its trainer in a process group that is up (``fault.recovery = 'inplace'``
+    builds one per membership generation, dtrain.fault.inplace)."""
     agree_on_config(cfg, runtime)  # one job, one config, whichever machine a rank is on
     factory = resolve_task(cfg.run.task)
     seed_everything(cfg.run.seed)

@@ -98,6 +98,11 @@ def store_hosted_by_launcher() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
+# Set by a worker of fault.recovery = 'inplace' for each membership generation (its store is
+# the launcher's coordinator, which outlives every generation; dtrain.fault.inplace).
+NAMESPACE_ENV = "DTRAIN_STORE_NAMESPACE"
+
+
 def store_namespace() -> str:
     """The key prefix of this attempt in the job's key-value store.
 
@@ -109,6 +114,8 @@ def store_namespace() -> str:
     instead (see launch.py), where no prefix is needed -- and where one would be wrong: the
     restart count is per machine, and a machine that joins later counts from 0.
     """
+    if os.environ.get(NAMESPACE_ENV):
+        return os.environ[NAMESPACE_ENV]
     if store_hosted_by_launcher():
         return f"dtrain/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     return "dtrain/"

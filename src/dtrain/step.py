@@ -125,15 +125,17 @@ class ForwardBackward:
         items: int,
         stop: bool,
         planned: int | None = None,
+        regroup: bool = False,
     ) -> tuple[torch.Tensor, StepAgreement]:
         """Forward and backward over ``micro`` (this rank's ``items``); returns this rank's
         loss sum and the agreement (global items, stop). ``planned``: the step's global count
-        known from its plan (``Task.items_per_sample``). Gradients are synchronized and scaled
-        for the global mean when this returns."""
+        known from its plan (``Task.items_per_sample``); ``regroup``: this rank asks every rank to
+        leave its membership generation after the step (``fault.recovery = 'inplace'``).
+        Gradients are synchronized and scaled for the global mean when this returns."""
         strategy = self.strategy
         if self.contract is not None:
             loss_fn = self.contract.wrap(loss_fn)
-        agreement = StepAgreement(items if strategy.counts_items else 0, stop)
+        agreement = StepAgreement(items if strategy.counts_items else 0, stop, regroup)
         expected = planned if planned is not None else self.expected
         if expected is None:  # nothing to assume: agree before the forward, this once
             agreement.all_reduce(strategy.comm, self.device)

@@ -57,6 +57,7 @@ from dtrain.data.build import build_train_loader
 from dtrain.data.loader import RankLoader, StepBatch, split_to_device
 from dtrain.errors import UserError
 from dtrain.evaluation import check_metrics, evaluate
+from dtrain.fault import inplace
 from dtrain.fault.audit import AuditWriter
 from dtrain.fault.failpoints import failpoint
 from dtrain.fault.liveness import Speed
@@ -180,6 +181,9 @@ class Trainer:
         self._comm_mark = self.strategy.comm.totals()
         # This rank's parameter bytes, for the start and train records (sizes do not change).
         self.param_bytes = self.strategy.parameter_bytes()
+        # fault.recovery = 'inplace': set by dtrain.fault.inplace, which runs this trainer for
+        # one membership generation (heals it at resume, keeps each step's start).
+        self.recovery: inplace.Recovery | None = None
 
     # -- logging -------------------------------------------------------------------------
 
@@ -226,6 +230,9 @@ class Trainer:
         """Load the checkpoint ``run.resume`` asks for, if any; then every RNG either holds
         the saved state or, on a fresh start or at a new world size, a distinct, reproducible
         stream per rank."""
+        if self.recovery is not None and self.recovery.heal(self):
+            seed_everything(rank_seed(self.cfg.run.seed, self.runtime.rank) + self.step)
+            return None  # healed from a peer's memory
         point = resolve_resume(
             self.cfg, self.checkpointer, self.runtime, self.log, watchdog=self.watchdog
         )
@@ -241,6 +248,8 @@ class Trainer:
         try:
             return self._fit(preempt)
         except BaseException as exc:
+            if self.recovery is not None and self.recovery.recoverable(exc):
+                raise  # the survivors go on (dtrain.fault.inplace): no diagnosis to wait for
             error = self.watchdog.on_error(exc)
             if error is exc:
                 raise
@@ -279,11 +288,16 @@ class Trainer:
                     attempt,
                 )
             )
-            if attempt:
+            if attempt and self.recovery is None:  # in place: a membership event instead
                 self._event("restart", attempt=attempt)
             if point is not None:
                 self._event("resumed", checkpoint=point.path.name)
+            membership = self.recovery.event() if self.recovery is not None else None
+            if membership is not None:
+                self._event("membership", **membership)
             where = f"resumed from {point.path.name}" if point else "from scratch"
+            if membership is not None:
+                where = f"healed from member {membership['healed_from']}'s memory"
             self.log(
                 f"dtrain: training {self.strategy.name} on {self.runtime.world_size} "
                 f"rank(s), {self.runtime.device.type}, {where}; run folder {self.run_dir}"
@@ -294,6 +308,8 @@ class Trainer:
         last_loss = float("nan")
         self.strategy.unwrapped.train()
         while self.step < cfg.train.steps:
+            if self.recovery is not None:
+                self.recovery.step_starting(self)
             self.watchdog.set_phase("data", self.step + 1)
             self.balance.step_started()
             batch = next(self.loader)
@@ -308,6 +324,7 @@ class Trainer:
                 micro, count, preempt, planned, window, logs
             )
             self.step += 1
+            self.items_seen += agreement.items  # the step is committed: counters with it
             if self.step == summary.start_step + 1:
                 self._first_step_done(time.perf_counter() - started)
             # Strategies that synchronize every few steps (localsgd, diloco) do it here,
@@ -318,7 +335,6 @@ class Trainer:
             # step on (the same on every rank).
             self.watchdog.set_phase("balance")
             self._write_records(self.balance.step_finished(self.step))
-            self.items_seen += agreement.items
             if self.audit is not None:
                 self.audit.record(
                     self.step,
@@ -355,6 +371,10 @@ class Trainer:
                 and self.step < cfg.train.steps
             ):
                 self.save_checkpoint(blocking=not cfg.checkpoint.async_save)
+            if agreement.regroup and self.step < cfg.train.steps:
+                # A worker waits to join (fault.recovery = 'inplace'); every rank learnt it in
+                # this step's agreement: all leave after it, its evaluation and save done.
+                raise inplace.Regroup(f"after step {self.step}")
         if not summary.preempted:
             summary.val_loss = self.evaluate()  # the whole validation set
             summary.val_metrics = dict(self.val_metrics)
@@ -450,8 +470,9 @@ class Trainer:
         the gradient overflowed because of fp16's loss scale (skipped, the scale halved)."""
         failpoint("train.step", step=self.step + 1)
         self.watchdog.set_phase("forward_backward")
+        regroup = self.recovery is not None and self.recovery.joiner_waiting()
         loss_sum, agreement = self.forward_backward(
-            micro, self.task.loss_fn, count, preempt.requested, planned
+            micro, self.task.loss_fn, count, preempt.requested, planned, regroup
         )
         # The gradient sync has just brought the ranks together: start the step's small
         # collectives now, to complete during the optimizer step.

@@ -43,14 +43,18 @@ def load_worker_config(argv: Sequence[str]) -> Config:
     return load_job_config(path, list(argv[1:] if path else argv))
 
 
-def train(cfg: Config) -> Summary:
-    """Run training in this process, as one rank of the job the environment describes."""
+def train(cfg: Config) -> Summary | None:
+    """Run training in this process, as one rank of the job the environment describes (None:
+    a worker of an in-place job that the run completed without)."""
+    from dtrain.fault import inplace
     from dtrain.job import build_trainer
     from dtrain.metrics.summary import print_summary
     from dtrain.reachability import close_probe_listener
     from dtrain.runtime import shutdown_runtime
 
     try:
+        if inplace.requested():  # fault.recovery = 'inplace' under `dtrain train`
+            return inplace.train_in_place(cfg)
         trainer = build_trainer(cfg)
         if trainer.is_main:
             warn_unforwarded_signals(cfg)

@@ -35,6 +35,12 @@ Trials (``--trials``; default counts in brackets):
                         the resumed run bit-identical
   resize           [6]  SIGTERM at a random step, resume at another world size (4->2, 2->4, 2->3):
                         the same global batches, every sample exactly once
+  inplace_kill9    [20] fault.recovery = 'inplace': kill -9 of one of 4 workers, --max-restarts 3:
+                        exit 0, the others' next step within the timeout (5 s) + 1 s, a
+                        membership event, the restarted worker healed (when it rejoins before
+                        the end), every sample exactly once, no checkpoint read
+  inplace_sigstop  [20] the same with SIGSTOP for 20 s (dist.timeout_s = 5): the others go on
+                        within the timeout + 1 s; after SIGCONT it rejoins healed
 
 The table printed at the end is also written into docs/benchmarks.md (section "chaos").
 """
@@ -56,6 +62,7 @@ from statistics import median
 from benchmarks._report import machine_line, update_section
 
 from tests.system.chaos_checks import Context, Outcome
+from tests.system.chaos_inplace import trial_inplace_kill9, trial_inplace_sigstop
 from tests.system.chaos_process import (
     trial_always_fails,
     trial_kill9,
@@ -109,6 +116,20 @@ TRIALS: dict[str, Kind] = {
         {"SIGTERM -> launcher exit": 30.0},
     ),
     "resize": Kind(trial_resize, 6, "SIGTERM, resume at another world size (4->2, 2->4, 2->3)"),
+    "inplace_kill9": Kind(
+        trial_inplace_kill9,
+        20,
+        "fault.recovery = 'inplace': kill -9 of 1 of 4 workers, --max-restarts 3",
+        # 4 workers: a survivor blocked on one that left waits for its timeout (5 s); see
+        # docs/fault-tolerance.md, "With 3 or more workers".
+        {"kill9 -> the others' next step": 6.0},
+    ),
+    "inplace_sigstop": Kind(
+        trial_inplace_sigstop,
+        20,
+        "fault.recovery = 'inplace': SIGSTOP of 1 of 4 workers for 20 s (timeout 5 s)",
+        {"sigstop -> the others' next step": 6.0},
+    ),
 }
 
 

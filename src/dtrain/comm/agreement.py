@@ -33,25 +33,31 @@ class StepAgreement:
     Summed once per step by whoever gets to it: a comm hook that carries it with the
     gradients (:meth:`pack`, then :meth:`unpack` of the sums), or :meth:`all_reduce`."""
 
-    WIDTH = _LIMBS + 1  # values when packed: the count's digits, then the stop flag
+    # Values when packed: the count's digits, the stop flag, the regroup flag.
+    WIDTH = _LIMBS + 2
 
-    def __init__(self, items: int, stop: bool) -> None:
+    def __init__(self, items: int, stop: bool, regroup: bool = False) -> None:
         if items < 0 or items >= _RADIX**_LIMBS:
             raise ValueError(f"a step's item count on one rank must be in [0, 2**36): {items}")
         self.local = (items, stop)
+        # fault.recovery = 'inplace': a worker waits to join, every rank leaves this
+        # membership generation after the step (dtrain.fault.inplace).
+        self.local_regroup = regroup
         self.items = 0  # the sums, once agreed
         self.stop = False
+        self.regroup = False
         self.agreed = False
 
     def pack(self) -> list[float]:
         items, stop = self.local
         digits = [float((items >> (_LIMB_BITS * i)) & (_RADIX - 1)) for i in range(_LIMBS)]
-        return [*digits, float(stop)]
+        return [*digits, float(stop), float(self.local_regroup)]
 
     def unpack(self, sums: Sequence[float]) -> None:
         """Take the sums of every rank's :meth:`pack` (exact: see ``MAX_CARRYING_RANKS``)."""
         self.items = sum(int(sums[i]) << (_LIMB_BITS * i) for i in range(_LIMBS))
         self.stop = sums[_LIMBS] > 0
+        self.regroup = sums[_LIMBS + 1] > 0
         self.agreed = True
 
     def all_reduce(self, comm: CommCounter, device: torch.device) -> None:
@@ -60,9 +66,12 @@ class StepAgreement:
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world == 1:
             self.items, self.stop, self.agreed = items, stop, True
+            self.regroup = self.local_regroup
             return
-        sums = torch.tensor([items, float(stop)], dtype=torch.float64, device=device)
+        flags = [float(stop), float(self.local_regroup)]
+        sums = torch.tensor([items, *flags], dtype=torch.float64, device=device)
         with comm.waiting():
             dist.all_reduce(sums)
         comm.all_reduce(sums.numel() * sums.element_size(), world)
         self.items, self.stop, self.agreed = int(sums[0]), bool(sums[1] > 0), True
+        self.regroup = bool(sums[2] > 0)

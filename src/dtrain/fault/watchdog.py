@@ -93,6 +93,19 @@ _CONNECT_S = 30.0
 _NO_BACKSTOP = frozenset({"done", "idle", "after_training"})
 
 
+# fault.recovery = 'inplace': the membership generation this process trains in (set per
+# generation by dtrain.fault.inplace). Its ranks' liveness records are one attempt: each
+# worker's own restart count is not.
+GENERATION_ENV = "DTRAIN_INPLACE_GENERATION"
+
+
+def liveness_attempt() -> int:
+    """The attempt a liveness record belongs to: the restart count of torch's agent, or the
+    membership generation under fault.recovery = 'inplace'."""
+    value = os.environ.get(GENERATION_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return int(value or 0)
+
+
 def _prefix() -> str:
     # Keys of an earlier attempt (before a restart) must not be read as this one's.
     from dtrain.runtime import store_namespace
@@ -126,7 +139,7 @@ class Watchdog:
             liveness_path(run_dir, rank) if run_dir is not None else None,
             rank=rank,
             world_size=world_size,
-            attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+            attempt=liveness_attempt(),
             host=self.host,
             pid=os.getpid(),
         )

@@ -33,6 +33,7 @@ EVENTS = (
     "overflow",
     "rollback",
     "preempted",
+    "membership",
 )
 
 

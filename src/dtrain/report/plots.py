@@ -104,8 +104,8 @@ def _time_scale(runs: list[Run]) -> tuple[float, str]:
 def _mark_events(
     ax: Axes, runs: list[Run], x_of: Callable[[Run], Callable[[Record], float | None]]
 ) -> None:
-    """Checkpoints, restarts / resumes and rollbacks as vertical lines, skipped steps as
-    crosses at the bottom: each kind labelled once."""
+    """Checkpoints, restarts / resumes, membership changes and rollbacks as vertical lines,
+    skipped steps as crosses at the bottom: each kind labelled once."""
     labelled: set[str] = set()
 
     def label(text: str) -> str:
@@ -125,6 +125,10 @@ def _mark_events(
             at = x(record)
             if at is not None:
                 ax.axvline(at, color="tab:red", ls="--", lw=1.2, label=label("restart / resume"))
+        for record in run.events("membership"):  # fault.recovery = 'inplace'
+            at = x(record)
+            if at is not None:
+                ax.axvline(at, color="tab:orange", ls="--", lw=1.2, label=label("membership"))
         for record in run.events("rollback"):
             at = x(record)
             if at is not None:

@@ -53,6 +53,13 @@ def _last(tail: list[Record], kind: str) -> Record | None:
     return None
 
 
+def _last_event(tail: list[Record], name: str) -> Record | None:
+    for record in reversed(tail):
+        if record.get("kind") == "event" and record.get("name") == name:
+            return record
+    return None
+
+
 def _ago(seconds: float) -> str:
     if seconds < 60:
         return f"{max(0.0, seconds):.1f}s ago"
@@ -122,6 +129,13 @@ def run_status(run_dir: Path, now: float | None = None) -> str:
         lines.append(
             f"  no heartbeat for {format_duration(newest)}: the job may have stopped (killed, "
             "or its machine lost) without updating status.json"
+        )
+    change = _last_event(tail, "membership")
+    if change is not None:  # fault.recovery = 'inplace'
+        lines.append(
+            f"  in place: generation {change['generation']}, {change['world_size']} worker(s) "
+            f"(members {change['members']}); at step {change['step']} ({_ago(now - change['time'])}"
+            f"): left {change['left']}, joined {change['joined']}, took {change['seconds']:.2f} s"
         )
     running = state == "running"
     lines += _rank_table(beats, newest_attempt, _item_name(tail, train), now, running)

@@ -55,6 +55,7 @@ def totals(run: Run) -> dict[str, Any]:
         "restarts": len(run.events("restart")),
         "skipped_steps": len(run.events("step_skipped")),
         "rollbacks": len(run.events("rollback")),
+        "membership_changes": len(run.events("membership")),
         "stragglers": len([r for r in run.of("straggler") if r.get("state") == "slow"]),
         "val_metrics": val_metrics(run),
     }
@@ -101,5 +102,6 @@ def format_totals(values: dict[str, Any]) -> dict[str, str]:
         "restarts": str(values["restarts"]),
         "skipped steps": str(values["skipped_steps"]),
         "rollbacks": str(values["rollbacks"]),
+        "membership changes (in place)": str(values.get("membership_changes", 0)),
         "stragglers named": str(values["stragglers"]),
     }

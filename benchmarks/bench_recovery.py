@@ -1,0 +1,219 @@
+"""Recovery after kill -9 of one of 2 workers: fault.recovery = 'inplace' against 'restart'.
+
+Each trial runs the real ``dtrain train`` (tiny GPT, gloo, 2 workers, steps slowed to ~50 ms,
+a checkpoint every 4 steps) and kills one worker outright after step 10. Measured from the
+outside, with the wall-clock times of the train records in ``metrics.jsonl`` (one per step):
+
+- inplace: kill -> the survivor's next committed step; the restarted worker's process start
+  -> the first step it trains with the survivor (its heal included);
+- restart: kill -> the first step after torch's agent restarted both workers (which resume
+  from the newest checkpoint), and the steps trained again.
+
+Trials alternate between the modes; min / median / max over ``--trials`` each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from _report import ROOT, machine_line, update_section
+
+sys.path.insert(0, str(ROOT))
+
+from dtrain.job import build_job_config
+from dtrain.testing import Launch, rank_of, worker_pids
+
+
+def job(run_dir: Path, mode: str) -> dict[str, Any]:
+    return {
+        "run": {"dir": str(run_dir), "task": "tests.tasks:tiny_gpt", "seed": 0},
+        "data": {"global_batch_size": 8, "prefetch": 0},
+        "train": {"steps": 3000, "log_every": 1},
+        "optim": {"name": "sgd", "lr": 0.5, "warmup_steps": 2},
+        "eval": {"every": 0, "batch_size": 8},
+        "checkpoint": {"every": 4},
+        "fault": {"recovery": mode},
+        "dist": {"timeout_s": 30},
+        "task": {"slow_ms": 30},
+    }
+
+
+def records(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written
+            pass
+    return out
+
+
+def wait_for(what: str, probe: Any, launch: Launch, limit_s: float = 120.0) -> Any:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        found = probe()
+        if found is not None:
+            return found
+        if not launch.alive():
+            raise RuntimeError(f"the job ended waiting for {what}:\n{launch.text()[-3000:]}")
+        time.sleep(0.02)
+    raise RuntimeError(f"no {what} within {limit_s:.0f} s:\n{launch.text()[-3000:]}")
+
+
+def first_train_after(run_dir: Path, moment: float) -> tuple[int, float] | None:
+    for r in records(run_dir):
+        if r.get("kind") == "train" and r["time"] > moment:
+            return int(r["step"]), float(r["time"])
+    return None
+
+
+def last_step(run_dir: Path) -> int:
+    steps = [int(r["step"]) for r in records(run_dir) if r.get("kind") == "train"]
+    return max(steps, default=0)
+
+
+def member_of(pid: int) -> int | None:
+    try:
+        for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            if item.startswith(b"DTRAIN_INPLACE_MEMBER="):
+                return int(item.split(b"=", 1)[1])
+    except OSError:
+        pass
+    return None
+
+
+def workers(launch: Launch) -> list[int]:
+    """The worker processes (not their agents) under the launcher."""
+    out = []
+    for pid in launch.workers():
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"dtrain.worker" in cmdline and b"torch.distributed.run" not in cmdline:
+            out.append(pid)
+    return out
+
+
+def started_at(pid: int) -> float:
+    """A process's start, wall clock (10 ms resolution)."""
+    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = int(stat[19])  # field 22, starttime, in clock ticks since boot
+    boot = next(
+        float(line.split()[1])
+        for line in Path("/proc/stat").read_text().splitlines()
+        if line.startswith("btime")
+    )
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def trial(root: Path, mode: str, number: int) -> dict[str, float]:
+    run_dir = root / f"{mode}-{number}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    config = run_dir.parent / f"{mode}-{number}.toml"
+    config.write_text(build_job_config(job(run_dir, mode)).to_toml())
+    launch = Launch(config, 2, "--max-restarts", "3", cwd=ROOT)
+    try:
+        wait_for("step 10", lambda: True if last_step(run_dir) >= 10 else None, launch)
+        if mode == "inplace":
+            victim = next(p for p in workers(launch) if member_of(p) == 1)
+        else:
+            victim = next(p for p in worker_pids(launch.pid) if rank_of(p) == 1)
+        before = last_step(run_dir)
+        killed = time.time()
+        os.kill(victim, signal.SIGKILL)
+        step, at = wait_for(
+            "a step after the kill", lambda: first_train_after(run_dir, killed), launch
+        )
+        result = {"kill_to_step_s": at - killed, "steps_again": float(before + 1 - step)}
+        if mode == "inplace":
+            joiner = wait_for(
+                "the restarted worker",
+                lambda: next(
+                    (p for p in workers(launch) if member_of(p) == 1 and p != victim), None
+                ),
+                launch,
+            )
+            born = started_at(joiner)
+
+            def joined() -> float | None:
+                for r in records(run_dir):
+                    if r.get("name") == "membership" and r.get("joined") == [1]:
+                        found = first_train_after(run_dir, float(r["time"]))
+                        return found[1] if found else None
+                return None
+
+            result["start_to_shared_step_s"] = (
+                wait_for("the joiner's first step", joined, launch) - born
+            )
+        return result
+    finally:
+        launch.close()
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values):.2f} / {statistics.median(values):.2f} / {max(values):.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--root", default="/tmp/dtrain-bench/recovery")
+    parser.add_argument("--no-doc", action="store_true")
+    args = parser.parse_args()
+    root = Path(args.root)
+    runs: dict[str, list[dict[str, float]]] = {"inplace": [], "restart": []}
+    for number in range(args.trials):
+        for mode in runs:
+            runs[mode].append(trial(root, mode, number))
+            print(mode, number, runs[mode][-1], flush=True)
+
+    def column(mode: str, key: str) -> list[float]:
+        return [r[key] for r in runs[mode]]
+
+    inplace_s = statistics.median(column("inplace", "kill_to_step_s"))
+    restart_s = statistics.median(column("restart", "kill_to_step_s"))
+    lines = [
+        "## Recovery after kill -9: in place against restart (`bench_recovery.py`)",
+        "",
+        f"Command: `python benchmarks/bench_recovery.py --trials {args.trials}`  ",
+        f"Machine: {machine_line()}  ",
+        "Job: tiny GPT, gloo, 2 workers on one machine, ~50 ms steps, a checkpoint every 4 "
+        "steps; one worker killed (SIGKILL) after step 10; torch's agent restarts it "
+        f"(`--max-restarts 3`). Times are wall clock from the train records; min / median / "
+        f"max over {args.trials} trials, the modes alternating.",
+        "",
+        "| mode | what | seconds (min / median / max) |",
+        "|---|---|---:|",
+        f"| inplace | kill -> the survivor's next committed step | "
+        f"{spread(column('inplace', 'kill_to_step_s'))} |",
+        f"| inplace | restarted worker's start -> its first step with the survivor | "
+        f"{spread(column('inplace', 'start_to_shared_step_s'))} |",
+        f"| restart | kill -> the first step after the restart | "
+        f"{spread(column('restart', 'kill_to_step_s'))} |",
+        "",
+        f"Steps trained again: inplace {spread(column('inplace', 'steps_again'))}, restart "
+        f"{spread(column('restart', 'steps_again'))} (min / median / max). Kill -> next step, "
+        f"median: restart / inplace = {restart_s / inplace_s:.1f}x.",
+    ]
+    report = "\n".join(lines)
+    print(report)
+    if not args.no_doc:
+        print(f"wrote {update_section('bench_recovery', report)}")
+
+
+if __name__ == "__main__":
+    main()

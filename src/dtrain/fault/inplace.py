@@ -1,0 +1,349 @@
+"""``fault.recovery = 'inplace'``: a worker's life across membership generations.
+
+Each worker runs :func:`train_in_place` instead of one plain training run::
+
+    member = register with the launcher's coordinator (dtrain.fault.membership)
+    loop:
+        generation = wait for one that holds this member
+        process group of the generation (destroy the old one, init on inplace/gen<g>/pg)
+        trainer = a fresh task and Trainer at the generation's rank and world size
+        trainer.fit():
+            resume: heal -- the rank furthest along (newest generation, then step) broadcasts
+                    model, optimizer, LR schedule, data position and trainer counters; every
+                    rank loads them (no checkpoint file read) and seeds its RNG as a resume at
+                    a new world size does. Nobody holds a state (the job's start): resume
+                    from the newest checkpoint as always.
+            every step: the parts' state at the step's start is kept (a few small dicts)
+            a collective fails (a peer died, or timed out)  -> leave, holding the state:
+                in flight (no optimizer step yet): the step is dropped -- model and optimizer
+                as they were, data position and counters from the step's start; gradients
+                discarded. After the optimizer step: the state as it is.
+            a worker waits to join (the coordinator's ``pending``): every rank learns it in
+                the step's gradient sync (StepAgreement.regroup) and leaves after the step
+        run completed: tell the coordinator (a worker still waiting to join exits)
+
+The data position is one global number, re-cut for every world size, so each sample is still
+seen exactly once; a step's global batch does not depend on the world size, so the math is
+that of an uninterrupted run at the same sequence of world sizes.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import gc
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from dtrain.config import Config, DistConfig
+from dtrain.fault.membership import (
+    COORDINATOR_ENV,
+    MEMBER_ENV,
+    MEMBERS_ENV,
+    Generation,
+    Member,
+)
+from dtrain.fault.peer_failure import collective_cause, is_collective_failure
+from dtrain.fault.watchdog import GENERATION_ENV
+from dtrain.runtime import NAMESPACE_ENV, Runtime, choose_backend, choose_device, threads_per_worker
+
+if TYPE_CHECKING:
+    from dtrain.metrics.summary import Summary
+    from dtrain.trainer import Trainer
+
+
+class Regroup(Exception):
+    """Not an error: a worker waits to join, and every rank leaves the generation after the
+    step they agreed on."""
+
+
+def requested() -> bool:
+    """Whether this worker was started by ``dtrain train`` with ``fault.recovery = 'inplace'``."""
+    return bool(os.environ.get(COORDINATOR_ENV))
+
+
+@dataclass
+class HeldState:
+    """A rank's training state between two generations (in memory)."""
+
+    generation: int  # the newest generation it trained in
+    step: int
+    payload: dict[str, Any]  # "model", "optimizer", "parts": {name: state_dict}
+    dropped: bool = False  # the step in flight was dropped
+
+
+class Recovery:
+    """The trainer's seam for in-place recovery, one per generation."""
+
+    def __init__(
+        self,
+        member: Member,
+        generation: Generation,
+        held: HeldState | None,
+        retired: Retired | None = None,
+    ) -> None:
+        self.member = member
+        self.retired = retired
+        self.generation = generation
+        self.held = held
+        self.healed_from: int | None = None  # the member whose state this rank loaded
+        self.healed_s = 0.0  # from the first ask for this generation to the state loaded
+        # The step starting, and the parts' state and the model's buffers as it starts.
+        self._boundary: tuple[int, dict[str, Any], dict[str, torch.Tensor]] | None = None
+        self._buffer_names: list[str] | None = None
+
+    # -- in the loop -----------------------------------------------------------------------
+
+    def joiner_waiting(self) -> bool:
+        """Whether this generation must regroup to admit a worker (read from this member's
+        heartbeat thread: no store call here)."""
+        return self.member.pending == self.generation.number
+
+    def step_starting(self, trainer: Trainer) -> None:
+        """Keep the parts' state as the step starts (scheduler, data position, counters):
+        what a dropped step goes back to."""
+        self.held = None  # the state this generation started from is loaded by now
+        if self.retired is not None:
+            self.retired.free_idle()
+        parts = {name: part.state_dict() for name, part in trainer.state.parts.items()}
+        # The model's saved buffers too (BatchNorm's running statistics): a step's forward
+        # changes them before its collectives can fail. Parameters change only in the
+        # optimizer step, after the last collective that can drop the step.
+        model = trainer.strategy.unwrapped
+        if self._buffer_names is None:
+            params = {name for name, _ in model.named_parameters()}
+            self._buffer_names = [n for n in model.state_dict() if n not in params]
+        saved = model.state_dict()
+        buffers = {name: saved[name].clone() for name in self._buffer_names}
+        self._boundary = (trainer.step, copy.deepcopy(parts), buffers)
+
+    @staticmethod
+    def recoverable(error: BaseException) -> bool:
+        return isinstance(error, Regroup) or is_collective_failure(error)
+
+    # -- between generations -------------------------------------------------------------
+
+    def hold(self, trainer: Trainer | None) -> HeldState | None:
+        """After a failed collective or a regroup: this rank's state, consistent at a step
+        boundary. Before the loop's first step: the state this generation started from."""
+        if trainer is None or self._boundary is None:
+            return self.held
+        step, parts_at_start, buffers_at_start = self._boundary
+        dropped = trainer.step == step  # the optimizer step of step+1 had not run
+        parts, model = parts_at_start, trainer.strategy.model_state_dict()
+        if dropped:
+            model.update(buffers_at_start)
+        else:
+            parts = copy.deepcopy({n: p.state_dict() for n, p in trainer.state.parts.items()})
+        payload = {
+            "model": model,
+            "optimizer": trainer.strategy.optimizer_state_dict(trainer.optimizer),
+            "parts": parts,
+        }
+        step = step if dropped else trainer.step
+        return HeldState(self.generation.number, step, payload, dropped)
+
+    def heal(self, trainer: Trainer) -> bool:
+        """Collective: load the state of the rank furthest along into every rank; False when
+        no rank holds one (the job starts: resume from a checkpoint as always)."""
+        started = time.monotonic()
+        held = self.held
+        mine = [held.generation, held.step] if held is not None else [-1, -1]
+        world, rank = trainer.runtime.world_size, trainer.runtime.rank
+        ranks: list[Any] = [mine]
+        if world > 1:
+            ranks = [None] * world
+            dist.all_gather_object(ranks, mine)
+        source = max(range(world), key=lambda r: (ranks[r][0], ranks[r][1], -r))
+        if ranks[source][0] < 0:
+            return False
+        if world > 1:
+            box: list[Any] = [None]
+            if rank == source:
+                assert held is not None
+                box[0] = _to_cpu(held.payload)
+            dist.broadcast_object_list(box, src=source)
+            payload = held.payload if rank == source and held is not None else box[0]
+        else:
+            assert held is not None
+            payload = held.payload
+        trainer.strategy.load_model_state_dict(payload["model"])
+        trainer.strategy.load_optimizer_state_dict(trainer.optimizer, payload["optimizer"])
+        for name, part in trainer.state.parts.items():
+            if name in payload["parts"]:
+                part.load_state_dict(payload["parts"][name])
+        self.held = HeldState(self.generation.number, trainer.step, payload)
+        self.healed_from = self.generation.members[source]
+        first_ask = self.generation.asked_at
+        self.healed_s = time.time() - first_ask if first_ask else time.monotonic() - started
+        return True
+
+    def event(self) -> dict[str, Any] | None:
+        """The ``membership`` event's fields (docs/metrics.md), or None for the first
+        generation of a job."""
+        gen = self.generation
+        if gen.number == 0 or self.healed_from is None:
+            return None
+        return {
+            "generation": gen.number,
+            "world_size": gen.world_size,
+            "members": list(gen.members),
+            "left": list(gen.left),
+            "joined": list(gen.joined),
+            "healed_from": self.healed_from,
+            "seconds": round(self.healed_s, 4),
+        }
+
+
+def _to_cpu(value: Any) -> Any:
+    """A copy with every tensor on the CPU (what a broadcast of Python objects can carry
+    whatever the ranks' devices)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def generation_runtime(cfg: DistConfig, generation: Generation, member: Member) -> Runtime:
+    """This process's place in ``generation``: the old process group destroyed, the new one
+    initialized on the coordinator's store under the generation's own prefix."""
+    device = choose_device(cfg, member.id)  # every member is on this machine
+    backend = choose_backend(cfg, device)
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    torch.set_num_threads(threads_per_worker(member.members, cfg.threads))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    rank, world = generation.rank_of(member.id), generation.world_size
+    # The generation's keys in the coordinator's store, for what reads the job's store (the
+    # watchdog's beats): none left over from an earlier generation.
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = member.address
+    os.environ[NAMESPACE_ENV] = f"inplace/gen{generation.number}/dtrain/"
+    os.environ[GENERATION_ENV] = str(generation.number)  # the liveness records' attempt
+    if world > 1:
+        store = dist.PrefixStore(f"inplace/gen{generation.number}/pg", member.store)  # type: ignore[attr-defined]
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world,
+            timeout=timeout,
+            store=store,
+            device_id=device if device.type == "cuda" else None,
+        )
+    return Runtime(rank=rank, world_size=world, device=device, timeout=timeout)
+
+
+def _leave(trainer: Trainer | None) -> None:
+    """Let go of a generation's trainer and process groups (its peers may be gone); the
+    objects themselves are kept a while (:class:`Retired`)."""
+    if trainer is not None:
+        try:
+            trainer.loader.close()
+        except Exception:
+            pass
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class Retired:
+    """The trainers of earlier generations, kept until their process groups' work threads are
+    idle: every collective they ran has failed or timed out (``dist.timeout_s``). Freeing a
+    gloo group while one of its threads still holds a collective deadlocks: its destructor
+    joins the thread holding the GIL, and the thread needs the GIL to release the collective's
+    tensors (seen in a chaos trial). So the groups' sockets stay open meanwhile, and a peer
+    blocked on this rank in a collective learns that it left only at its own timeout (with 3
+    or more workers: a survivor that was not talking to the failed one). Then one collection
+    frees them (quick: older objects are frozen)."""
+
+    def __init__(self, idle_after_s: float) -> None:
+        self.idle_after_s = idle_after_s
+        self.kept: list[tuple[float, Any]] = []
+
+    def keep(self, trainer: Any) -> None:
+        self.kept.append((time.monotonic(), trainer))
+
+    def free_idle(self) -> None:
+        now = time.monotonic()
+        if self.kept and now - self.kept[0][0] > self.idle_after_s:
+            self.kept = [(t, obj) for t, obj in self.kept if now - t <= self.idle_after_s]
+            gc.collect()
+
+
+def _say(text: str) -> None:
+    print(f"dtrain: {text}", file=sys.stderr, flush=True)
+
+
+def train_in_place(cfg: Config) -> Summary | None:
+    """Train as member ``$DTRAIN_INPLACE_MEMBER`` across generations; the summary of the
+    generation that finished the run, or None when the run completed before this worker
+    could join."""
+    from dtrain.job import build_trainer_on
+    from dtrain.metrics.summary import print_summary
+    from dtrain.worker import write_config_of_record
+
+    member = Member(
+        os.environ[COORDINATOR_ENV],
+        int(os.environ[MEMBER_ENV]),
+        int(os.environ.get(MEMBERS_ENV, "1")),
+        timeout_s=cfg.dist.timeout_s,
+    )
+    if cfg.strategy.name == "ddp":
+        # What building DDP imports on first use (torch._dynamo: 2.5 s here): before this
+        # worker asks to join, not while the others wait for it in the new generation.
+        import torch._dynamo  # noqa: F401
+
+    held: HeldState | None = None
+    after = -1
+    retired = Retired(idle_after_s=cfg.dist.timeout_s + 1.0)
+    try:
+        while True:
+            member.ask(after, held.step if held is not None else -1)
+            generation = member.wait(after)
+            if generation is None:
+                _say(f"member {member.id}: the run completed before this worker could join")
+                return None
+            # What exists now (imports, the state held) is left out of the cyclic collector's
+            # scans from here on: freeing a retired generation scans few objects.
+            gc.freeze()
+            recovery = Recovery(member, generation, held, retired)
+            held = None
+            trainer: Trainer | None = None
+            try:
+                runtime = generation_runtime(cfg.dist, generation, member)
+                trainer = build_trainer_on(cfg, runtime)
+                trainer.recovery = recovery
+                if trainer.is_main and generation.number == 0:
+                    write_config_of_record(cfg)
+                summary = trainer.fit()
+            except BaseException as exc:
+                if not recovery.recoverable(exc):
+                    raise
+                why = "to admit a worker" if isinstance(exc, Regroup) else collective_cause(exc)
+                held = recovery.hold(trainer)
+                where = f"step {held.step}" if held is not None else "no state yet"
+                dropped = " (the step in flight dropped)" if held and held.dropped else ""
+                _say(
+                    f"member {member.id}: leaving generation {generation.number} at {where}"
+                    f"{dropped}: {why}"
+                )
+            else:
+                member.finish()
+                if trainer.is_main:
+                    print_summary(summary, trainer.task.item_name, trainer.runtime.world_size)
+                return summary
+            after = generation.number
+            _leave(trainer)
+            retired.keep(trainer)
+            del trainer, recovery
+    finally:
+        member.close()

@@ -1,0 +1,305 @@
+"""Membership generations for ``fault.recovery = 'inplace'``: who trains together, numbered.
+
+The launcher hosts a key-value store (a TCPStore) that outlives every worker and runs the
+:class:`Coordinator` beside it; each worker is a :class:`Member` with a fixed id (0 .. N-1)
+that a restart of it keeps. A generation is a numbered, sorted list of member ids; a member's
+rank in it is its place in the list. Every generation builds its own process group on the
+store under ``inplace/gen<g>/`` (:mod:`dtrain.fault.inplace`).
+
+Keys (all under ``inplace/``)::
+
+    member/<id>/info   {"pid", "host", "nonce"}: this incarnation of the member (a restart
+                       posts a new nonce: the old incarnation is then gone)
+    member/<id>/beat   a counter the member's heartbeat thread adds to every BEAT_S
+    member/<id>/want   {"after", "nonce", "step"}: the member asks for a generation after
+                       ``after`` (-1: it never belonged to one)
+    gen/latest         the newest generation's number
+    gen/<g>            {"members", "nonces", "left", "joined", "asked_at"}
+    pending            g: a worker waits to join; generation g regroups after its next step
+    done               the run completed: a worker still waiting to join exits
+
+The coordinator forms generation g+1 once every member of g has asked for a new one or is
+gone, and admits a joining member at the next step boundary (the members of g learn of it
+from ``pending`` and agree on the step in its gradient sync). A member is gone when its
+process has ended or is stopped (the coordinator reads /proc: every worker is on its machine),
+when its beats stop for ``stale_s``, or when it has not asked within ``hang_s`` of the first
+member that did (it is stuck, and will come back as a joiner).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+PREFIX = "inplace/"
+BEAT_S = 0.1  # a member's heartbeat period
+POLL_S = 0.01  # how often the coordinator and a waiting member look at the store
+
+# What the launcher tells each worker (the plumbing of torchrun's RANK, not configuration).
+COORDINATOR_ENV = "DTRAIN_INPLACE_COORDINATOR"  # host:port of the store
+MEMBER_ENV = "DTRAIN_INPLACE_MEMBER"  # this worker's member id
+MEMBERS_ENV = "DTRAIN_INPLACE_MEMBERS"  # how many members the job has
+
+
+@dataclass(frozen=True)
+class Generation:
+    number: int
+    members: tuple[int, ...]  # member ids; a member's rank is its index
+    left: tuple[int, ...]  # members of the generation before that are not in this one
+    joined: tuple[int, ...]  # members that were not in the generation before
+    asked_at: float  # wall-clock time the first member asked for it (0: the first generation)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    def rank_of(self, member: int) -> int:
+        return self.members.index(member)
+
+
+def open_store(host: str, port: int, timeout_s: float, *, is_master: bool = False) -> Any:
+    return dist.TCPStore(  # type: ignore[attr-defined]
+        host,
+        port,
+        is_master=is_master,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def _get(store: Any, key: str) -> str | None:
+    if not store.check([PREFIX + key]):
+        return None
+    return bytes(store.get(PREFIX + key)).decode()
+
+
+def _get_json(store: Any, key: str) -> Any:
+    text = _get(store, key)
+    return None if text is None else json.loads(text)
+
+
+def _set(store: Any, key: str, value: Any) -> None:
+    store.set(PREFIX + key, value if isinstance(value, str) else json.dumps(value))
+
+
+# -- the worker's side ------------------------------------------------------------------------
+
+
+class Member:
+    """This worker in the membership: registered on construction, beating on its own thread
+    (with its own store connection) until :meth:`close`."""
+
+    def __init__(self, address: str, member_id: int, members: int, timeout_s: float) -> None:
+        host, port = address.rsplit(":", 1)
+        self.address = (host, port)
+        self.id = member_id
+        self.members = members
+        self.nonce = f"{os.getpid()}-{time.time_ns()}"
+        self.store = open_store(host, int(port), timeout_s)
+        self._beat_store = open_store(host, int(port), timeout_s)
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "nonce": self.nonce}
+        _set(self.store, f"member/{member_id}/info", info)
+        self.pending = -1  # the generation that must regroup for a joiner, as last seen
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="dtrain-membership", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        key = f"{PREFIX}member/{self.id}/beat"
+        while not self._stop.wait(BEAT_S):
+            try:
+                self._beat_store.add(key, 1)
+                pending = _get(self._beat_store, "pending")
+                self.pending = int(pending) if pending is not None else -1
+            except Exception:  # the launcher is gone: the agent ends this worker soon
+                return
+
+    def ask(self, after: int, step: int) -> None:
+        """Ask for a generation after ``after`` (-1: none yet); ``step``: this member's."""
+        want = {"after": after, "nonce": self.nonce, "step": step}
+        _set(self.store, f"member/{self.id}/want", want)
+
+    def wait(self, after: int) -> Generation | None:
+        """Wait until a generation after ``after`` that holds this member is formed; None when
+        the run completed meanwhile."""
+        while True:
+            if _get(self.store, "done") is not None:
+                return None
+            latest = _get(self.store, "gen/latest")
+            if latest is not None and int(latest) > after:
+                record = _get_json(self.store, f"gen/{latest}")
+                members = [int(m) for m in record["members"]]
+                if self.id in members and record["nonces"][members.index(self.id)] == self.nonce:
+                    return Generation(
+                        int(latest),
+                        tuple(members),
+                        tuple(record["left"]),
+                        tuple(record["joined"]),
+                        float(record["asked_at"]),
+                    )
+            time.sleep(POLL_S)
+
+    def finish(self) -> None:
+        """The run completed: members still waiting to join need not."""
+        try:
+            _set(self.store, "done", "1")
+        except Exception:
+            pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * BEAT_S + 1)
+
+
+# -- the launcher's side ----------------------------------------------------------------------
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state of a local process ("R", "S", "T" stopped, "Z" ended, ...); "X"
+    when there is none."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
+
+
+@dataclass
+class _Seen:
+    nonce: str = ""
+    pid: int = 0
+    beats: int = -1
+    beat_at: float = 0.0  # time.monotonic() when the beat counter last moved
+
+
+class Coordinator:
+    """Numbers the generations; runs on its own thread in the launcher, beside the store."""
+
+    def __init__(self, store: Any, members: int, *, stale_s: float, hang_s: float) -> None:
+        self.store = store
+        self.members = members
+        self.stale_s = stale_s
+        self.hang_s = hang_s
+        self.number = -1
+        self.current: tuple[int, ...] = ()
+        self.nonces: dict[int, str] = {}  # of the current generation's members
+        self.first_ask: float | None = None  # monotonic; of the regroup under way
+        self.first_ask_wall = 0.0
+        self.formed: list[Generation] = []
+        self._seen = {m: _Seen() for m in range(members)}
+        self._stop = threading.Event()
+        self._warned = False
+        self._thread = threading.Thread(target=self._run, name="dtrain-coordinator", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            try:
+                self.poll()
+            except Exception as exc:  # our bug: say so, and go on (a job must not hang on it)
+                if self._stop.is_set():
+                    return  # the store is closing with the launcher
+                if not self._warned:
+                    self._warned = True
+                    traceback.print_exception(exc)
+
+    def _alive(self, member: int, now: float) -> bool:
+        """Whether the member's newest incarnation is running: its process exists and is
+        not stopped, and its beats moved within ``stale_s``."""
+        seen = self._seen[member]
+        info = _get_json(self.store, f"member/{member}/info")
+        if info is None:
+            return False
+        if info["nonce"] != seen.nonce:
+            seen.nonce, seen.pid = info["nonce"], int(info["pid"])
+            seen.beats, seen.beat_at = -1, now
+        beats = int(self.store.add(f"{PREFIX}member/{member}/beat", 0))
+        if beats != seen.beats:
+            seen.beats, seen.beat_at = beats, now
+        if process_state(seen.pid) in ("X", "Z", "T", "t"):
+            return False
+        return now - seen.beat_at < self.stale_s
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        alive = {m for m in range(self.members) if self._alive(m, now)}
+        wants = {m: _get_json(self.store, f"member/{m}/want") for m in alive}
+        asking = {
+            m
+            for m, want in wants.items()
+            if want is not None and want["nonce"] == self._seen[m].nonce
+        }
+        # Members of the current generation (this incarnation) that ask for the next one.
+        regrouping = {
+            m
+            for m in asking
+            if m in self.current
+            and self.nonces.get(m) == wants[m]["nonce"]
+            and int(wants[m]["after"]) == self.number
+        }
+        joiners = asking - regrouping - {m for m in self.current if self._same(m)}
+        if not self.current:
+            # The first generation (or one after every member was lost): everyone expected.
+            if len(joiners) == self.members:
+                self._form(sorted(joiners))
+            return
+        stayed = {m for m in self.current if m in alive and self._same(m)}
+        gone = set(self.current) - stayed
+        if not regrouping and not gone:
+            if joiners:
+                _set(self.store, "pending", str(self.number))
+            return
+        if self.first_ask is None:
+            self.first_ask, self.first_ask_wall = now, time.time()
+        silent = stayed - regrouping
+        if silent and now - self.first_ask < self.hang_s:
+            return  # a member still on its way to asking (its collective has not failed yet)
+        survivors = sorted(regrouping | joiners)
+        if survivors:
+            self._form(survivors)
+        else:
+            self.current, self.nonces = (), {}
+
+    def _same(self, member: int) -> bool:
+        """Whether the member's running incarnation is the one in the current generation."""
+        return self.nonces.get(member) == self._seen[member].nonce
+
+    def _form(self, members: list[int]) -> None:
+        before = set(self.current)
+        self.number += 1
+        generation = Generation(
+            self.number,
+            tuple(members),
+            # A member restarted meanwhile both left (its old incarnation) and joined.
+            tuple(sorted(m for m in before if m not in members or not self._same(m))),
+            tuple(sorted(m for m in members if m not in before or not self._same(m))),
+            self.first_ask_wall if self.first_ask is not None else 0.0,
+        )
+        self.nonces = {m: self._seen[m].nonce for m in members}
+        self.current = tuple(members)
+        self.first_ask = None
+        record = {
+            "members": list(members),
+            "nonces": [self.nonces[m] for m in members],
+            "left": list(generation.left),
+            "joined": list(generation.joined),
+            "asked_at": generation.asked_at,
+        }
+        _set(self.store, f"gen/{self.number}", record)
+        _set(self.store, "gen/latest", str(self.number))
+        self.formed.append(generation)

@@ -1,0 +1,115 @@
+"""Chaos trials of ``fault.recovery = 'inplace'`` (see chaos.py): kill -9 or SIGSTOP of one of
+4 workers; the others go on, the lost one comes back healed from their memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from dtrain.testing import Launch, pid_alive
+from tests.audit import check_stream, read_trajectory
+from tests.system.chaos_checks import (
+    REPO,
+    SAMPLES,
+    Context,
+    Outcome,
+    metrics_step,
+    no_processes_left,
+    sections,
+    wait_for_step,
+    write_config,
+)
+
+STEPS = 120  # long enough at 4 workers for a restarted one to rejoin before the end
+
+
+def records(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def member_workers(launch: Launch) -> dict[int, int]:
+    """member id -> pid of its worker process (not its agent)."""
+    found: dict[int, int] = {}
+    for pid in launch.workers():
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"dtrain.worker" not in cmdline or b"torch.distributed.run" in cmdline:
+            continue
+        for item in environ:
+            if item.startswith(b"DTRAIN_INPLACE_MEMBER="):
+                found[int(item.split(b"=", 1)[1])] = pid
+    return found
+
+
+def _trial(ctx: Context, index: int, kind: str) -> Outcome:
+    nproc, timeout_s = 4, 5.0
+    secs = sections(steps=STEPS, timeout_s=timeout_s, grace_s=2.0)
+    secs["fault"]["recovery"] = "inplace"
+    folder = ctx.new_dir(f"inplace-{kind}")
+    run_dir = folder / "run"
+    config = write_config(folder / "job.toml", run_dir, **secs)
+    launch = Launch(config, nproc, "--max-restarts=3", cwd=REPO)
+    out = Outcome(ok=False)
+    victim = -1
+    try:
+        wait_for_step(run_dir, ctx.rng.randint(3, 12), launch)
+        workers = member_workers(launch)
+        member = index % nproc if index % nproc in workers else min(workers)
+        victim = workers[member]
+        out.tags[kind] = f"member {member} at step {metrics_step(run_dir)}"
+        hit = time.time()
+        if kind == "kill9":
+            os.kill(victim, signal.SIGKILL)
+        else:
+            os.kill(victim, signal.SIGSTOP)
+            time.sleep(20)
+            os.kill(victim, signal.SIGCONT)
+        code = launch.wait(600)
+        if code != 0:
+            out.problems.append(f"exit code {code}")
+        runs = records(run_dir)
+        after = [r["time"] for r in runs if r.get("kind") == "train" and r["time"] > hit]
+        if after:
+            out.times[f"{kind} -> the others' next step"] = after[0] - hit
+        changes = [r for r in runs if r.get("name") == "membership"]
+        left = [r for r in changes if member in r["left"]]
+        joined = [r for r in changes if member in r["joined"]]
+        if not left:
+            out.problems.append(f"no membership event with member {member} leaving")
+        out.tags["rejoined healed"] = "yes" if joined else "no (the run ended first)"
+        if joined:
+            out.times[f"{kind} -> rejoined"] = joined[0]["time"] - hit
+        if any(r.get("name") == "resumed" for r in runs):
+            out.problems.append("a checkpoint was read")
+        audit = check_stream(read_trajectory(run_dir), SAMPLES)
+        if not audit.exactly_once or audit.gaps or audit.positions != STEPS * 8:
+            out.problems.append(f"sample audit: {audit}")
+        out.problems += no_processes_left(run_dir)
+    finally:
+        if victim > 0 and pid_alive(victim):
+            os.kill(victim, signal.SIGKILL)
+        launch.close()
+    out.ok = not out.problems
+    return out
+
+
+def trial_inplace_kill9(ctx: Context, index: int) -> Outcome:
+    return _trial(ctx, index, "kill9")
+
+
+def trial_inplace_sigstop(ctx: Context, index: int) -> Outcome:
+    return _trial(ctx, index, "sigstop")

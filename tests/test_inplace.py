@@ -1,0 +1,210 @@
+"""``fault.recovery = 'inplace'`` through the real CLI (one torch agent per worker, the
+launcher's membership coordinator): a worker killed outright mid-step, the survivor goes on at
+the new world size, and a restart of the killed worker heals from the survivor's memory.
+
+Each run is checked against a reference trained with checkpoint resumes at the same sequence of
+world sizes (the same global batches): equal final parameters, every sample exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dtrain.config import Config
+from dtrain.errors import ConfigError
+from dtrain.job import build_job_config
+from dtrain.testing import Launch, run_ranks
+from tests.audit import check_stream, read_trajectory
+from tests.conftest import REPO, tiny_config, tiny_raw
+from tests.dist_helpers import train_params
+
+SAMPLES = 48  # 6 steps per epoch at a global batch of 8: the runs cross epochs
+
+JOB: dict[str, dict[str, object]] = {
+    "run": {"task": "tests.tasks:member_kill_gpt"},
+    "task": {"samples": SAMPLES},
+    "train": {"log_every": 1},
+    # A constant rate after warm-up: the reference's first leg (a shorter run) schedules the
+    # same rates as the whole run.
+    "optim": {"min_lr_ratio": 1.0},
+    "fault": {"audit_sample_ids": True},
+    # One thread everywhere: the in-place workers and the reference's single rank would
+    # otherwise split their matmuls differently (last bits, grown over hundreds of steps).
+    "dist": {"timeout_s": 60, "threads": 1},
+}
+
+
+def launch_job(
+    tmp_path: Path, steps: int, max_restarts: int, strategy: str = "ddp", **task: object
+) -> Path:
+    """Run ``dtrain train`` with fault.recovery = 'inplace' on 2 workers, member 0 killed in
+    its 4th step; returns the run folder."""
+    run_dir = tmp_path / "run"
+    raw = tiny_raw(
+        run_dir,
+        JOB,
+        train={"steps": steps},
+        fault={"recovery": "inplace"},
+        strategy={"name": strategy},
+    )
+    raw["task"].update({"kill_member": 0, "kill_at_forward": 4, **task})
+    cfg = build_job_config(raw)  # the task's own options (tests.tasks.MemberKillOptions)
+    config = tmp_path / "job.toml"
+    config.write_text(cfg.to_toml())
+    launch = Launch(config, 2, "--max-restarts", str(max_restarts), cwd=REPO)
+    try:
+        code = launch.wait(300)
+    finally:
+        launch.close()
+    assert code == 0, launch.text()[-4000:]
+    return run_dir
+
+
+def membership_events(run_dir: Path) -> list[dict[str, Any]]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert not any(r.get("name") == "resumed" for r in records)  # no checkpoint was read
+    return [r for r in records if r.get("name") == "membership"]
+
+
+def reference_params(
+    tmp_path: Path, sizes: list[tuple[int, int]], strategy: str = "ddp", **task: object
+) -> Path:
+    """Train with checkpoint resumes: ``(world size, last step)`` in order; the run folder."""
+    run_dir = tmp_path / "reference"
+    for world, last in sizes:
+        raw = tiny_raw(run_dir, JOB, train={"steps": last}, strategy={"name": strategy}, task=task)
+        run_ranks(train_params, world, raw)
+    return run_dir
+
+
+def assert_same_final_params(a: Path, b: Path, step: int) -> None:
+    final = f"checkpoints/step-{step:08d}/model.pt"
+    # Without the test wrappers' prefixes (a slowed model is wrapped once more).
+    expected = {k.replace("inner.", ""): v for k, v in torch.load(a / final).items()}
+    got = {k.replace("inner.", ""): v for k, v in torch.load(b / final).items()}
+    assert expected.keys() == got.keys()
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6)
+
+
+def assert_exactly_once(run_dir: Path, steps: int) -> None:
+    audit = check_stream(read_trajectory(run_dir), SAMPLES)
+    assert audit.exactly_once and not audit.gaps, audit
+    assert audit.positions == steps * 8
+
+
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("allreduce", marks=[pytest.mark.slow])])
+def test_kill9_of_one_of_two_the_survivor_goes_on_exactly_once(
+    tmp_path: Path, strategy: str
+) -> None:
+    run_dir = launch_job(tmp_path, steps=10, max_restarts=0, strategy=strategy)
+    (event,) = membership_events(run_dir)
+    # Step 4 was in flight: dropped; the survivor (member 1) redoes it alone.
+    assert (event["step"], event["left"], event["joined"]) == (3, [0], [])
+    assert (event["world_size"], event["healed_from"]) == (1, 1)
+    assert_exactly_once(run_dir, 10)
+    reference = reference_params(tmp_path, [(2, 3), (1, 10)], strategy)
+    assert_same_final_params(reference, run_dir, 10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_killed_worker_restarted_heals_from_the_survivor(tmp_path: Path) -> None:
+    # Slow steps: the restart (a new process importing torch: 5-20 s on a loaded 2-core
+    # machine) joins long before the end.
+    steps = 400
+    run_dir = launch_job(tmp_path, steps=steps, max_restarts=1, slow_ms=60)
+    left, joined = membership_events(run_dir)
+    assert (left["step"], left["left"], left["world_size"]) == (3, [0], 1)
+    assert (joined["joined"], joined["world_size"], joined["healed_from"]) == ([0], 2, 1)
+    assert 3 < joined["step"] < steps
+    assert_exactly_once(run_dir, steps)
+    # Member 0 is rank 0 again once it rejoins: DDP would spread its parameters, so a wrong
+    # heal (or none) would change the final parameters.
+    sizes = [(2, 3), (1, joined["step"]), (2, steps)]
+    reference = reference_params(tmp_path, sizes, slow_ms=0)
+    assert_same_final_params(reference, run_dir, steps)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "pipeline", "localsgd"])
+def test_inplace_with_a_strategy_that_cannot_heal_is_one_config_error(
+    tmp_path: Path, strategy: str
+) -> None:
+    with pytest.raises(ConfigError, match=r"fault.recovery = 'inplace'.*" + strategy):
+        tiny_config(tmp_path, fault={"recovery": "inplace"}, strategy={"name": strategy})
+
+
+def test_inplace_with_allreduce_is_accepted(tmp_path: Path) -> None:
+    cfg: Config = tiny_config(
+        tmp_path, fault={"recovery": "inplace"}, strategy={"name": "allreduce"}
+    )
+    assert cfg.fault.recovery == "inplace"
+
+
+def member_worker(launch: Launch, member: int) -> int:
+    """The pid of member ``member``'s worker process (not its agent)."""
+    for pid in launch.workers():
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        mine = f"DTRAIN_INPLACE_MEMBER={member}".encode() in environ
+        if mine and b"dtrain.worker" in cmdline and b"torch.distributed.run" not in cmdline:
+            return pid
+    raise AssertionError(f"no worker of member {member} among {launch.workers()}")
+
+
+def train_times(run_dir: Path) -> list[tuple[int, float]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [(r["step"], r["time"]) for r in records if r.get("kind") == "train"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_stopped_worker_is_dropped_after_the_timeout_and_rejoins_healed(tmp_path: Path) -> None:
+    timeout_s = 4.0
+    run_dir = tmp_path / "run"
+    raw = tiny_raw(
+        run_dir,
+        JOB,
+        train={"steps": 600},
+        fault={"recovery": "inplace"},
+        dist={"timeout_s": timeout_s},
+        task={"slow_ms": 30},
+    )
+    config = tmp_path / "job.toml"
+    config.write_text(build_job_config(raw).to_toml())
+    launch = Launch(config, 2, "--max-restarts", "1", cwd=REPO)
+    try:
+        deadline = time.monotonic() + 240
+        while not any(step >= 5 for step, _ in train_times(run_dir)):
+            assert time.monotonic() < deadline and launch.alive(), launch.text()[-3000:]
+            time.sleep(0.1)
+        victim = member_worker(launch, 0)
+        os.kill(victim, signal.SIGSTOP)
+        stopped = time.time()
+        time.sleep(20)
+        os.kill(victim, signal.SIGCONT)
+        code = launch.wait(300)
+    finally:
+        launch.close()
+    assert code == 0, launch.text()[-4000:]
+    after = [t for _, t in train_times(run_dir) if t > stopped]
+    print(f"stop -> next committed step: {after[0] - stopped:.2f} s (timeout {timeout_s} s)")
+    assert after[0] - stopped <= timeout_s + 1 + 2  # 2 s: slack for a loaded machine
+    left, joined = membership_events(run_dir)
+    assert (left["left"], left["world_size"]) == ([0], 1)
+    assert (joined["joined"], joined["world_size"], joined["healed_from"]) == ([0], 2, 1)
+    assert joined["time"] > stopped + 20  # after SIGCONT: its stale state was replaced
+    assert_exactly_once(run_dir, 600)

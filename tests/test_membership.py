@@ -1,0 +1,169 @@
+"""The membership coordinator of ``fault.recovery = 'inplace'`` on a real store, members played
+by this process (its own pid: alive) and by processes it ends (gone)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from typing import Any
+
+import pytest
+
+from dtrain.fault.membership import PREFIX, Coordinator, Member, open_store, process_state
+
+
+@pytest.fixture
+def store() -> Any:
+    return open_store("127.0.0.1", 0, 30.0, is_master=True)
+
+
+def register(store: Any, member: int, pid: int, nonce: str) -> None:
+    info = {"pid": pid, "host": "here", "nonce": nonce}
+    store.set(f"{PREFIX}member/{member}/info", json.dumps(info))
+    store.add(f"{PREFIX}member/{member}/beat", 1)
+
+
+def ask(store: Any, member: int, nonce: str, after: int, step: int = -1) -> None:
+    want = {"after": after, "nonce": nonce, "step": step}
+    store.set(f"{PREFIX}member/{member}/want", json.dumps(want))
+
+
+def latest(store: Any) -> dict[str, Any] | None:
+    if not store.check([f"{PREFIX}gen/latest"]):
+        return None
+    number = store.get(f"{PREFIX}gen/latest").decode()
+    record: dict[str, Any] = json.loads(store.get(f"{PREFIX}gen/{number}"))
+    return {"number": int(number), **record}
+
+
+@pytest.fixture
+def sleeper() -> Any:
+    """A process to play member 0 (and to end)."""
+    proc = subprocess.Popen(["sleep", "60"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def two_members(store: Any, coordinator: Coordinator, pid0: int | None = None) -> None:
+    """Generation 0 = members 0 (process ``pid0``, default this one) and 1 (this process)."""
+    for member, pid in ((0, pid0 or os.getpid()), (1, os.getpid())):
+        register(store, member, pid, f"n{member}")
+        ask(store, member, f"n{member}", -1)
+    coordinator.poll()
+    assert latest(store) == {
+        "number": 0,
+        "members": [0, 1],
+        "nonces": ["n0", "n1"],
+        "left": [],
+        "joined": [0, 1],
+        "asked_at": 0.0,
+    }
+
+
+def test_the_first_generation_waits_for_every_member(store: Any) -> None:
+    coordinator = Coordinator(store, 2, stale_s=3.0, hang_s=30.0)
+    register(store, 0, os.getpid(), "n0")
+    ask(store, 0, "n0", -1)
+    coordinator.poll()
+    assert latest(store) is None
+    two_members(store, coordinator)
+
+
+def test_a_dead_member_is_left_out_once_the_survivor_asks(store: Any, sleeper: Any) -> None:
+    coordinator = Coordinator(store, 2, stale_s=3.0, hang_s=30.0)
+    two_members(store, coordinator, sleeper.pid)
+    sleeper.kill()  # member 0's process ends (kill -9)
+    sleeper.wait()
+    coordinator.poll()
+    assert latest(store)["number"] == 0  # the survivor has not asked yet
+    ask(store, 1, "n1", after=0, step=7)
+    coordinator.poll()
+    gen = latest(store)
+    assert (gen["number"], gen["members"], gen["left"], gen["joined"]) == (1, [1], [0], [])
+    assert gen["asked_at"] > 0
+
+
+def test_a_restarted_member_joins_the_survivor_at_its_next_step(store: Any, sleeper: Any) -> None:
+    coordinator = Coordinator(store, 2, stale_s=3.0, hang_s=30.0)
+    two_members(store, coordinator, sleeper.pid)
+    sleeper.kill()
+    sleeper.wait()
+    ask(store, 1, "n1", after=0, step=7)
+    coordinator.poll()
+    assert latest(store)["members"] == [1]
+    # Member 0 restarted: a new incarnation (nonce) asks to join; the survivor trains on, is
+    # told to regroup after its next step (``pending``), and asks.
+    register(store, 0, os.getpid(), "n0-again")
+    ask(store, 0, "n0-again", -1)
+    coordinator.poll()
+    assert store.get(f"{PREFIX}pending") == b"1"
+    assert latest(store)["number"] == 1
+    ask(store, 1, "n1", after=1, step=9)
+    coordinator.poll()
+    gen = latest(store)
+    assert (gen["number"], gen["members"], gen["nonces"]) == (2, [0, 1], ["n0-again", "n1"])
+    assert (gen["left"], gen["joined"]) == ([], [0])
+
+
+def test_a_member_restarted_before_the_others_noticed_both_left_and_joined(
+    store: Any, sleeper: Any
+) -> None:
+    coordinator = Coordinator(store, 2, stale_s=3.0, hang_s=30.0)
+    two_members(store, coordinator, sleeper.pid)
+    sleeper.kill()
+    sleeper.wait()
+    register(store, 0, os.getpid(), "n0-again")  # back before member 1's collective failed
+    ask(store, 0, "n0-again", -1)
+    ask(store, 1, "n1", after=0, step=7)
+    coordinator.poll()
+    gen = latest(store)
+    assert (gen["number"], gen["members"], gen["nonces"]) == (1, [0, 1], ["n0-again", "n1"])
+    assert (gen["left"], gen["joined"]) == ([0], [0])
+
+
+def test_a_member_that_never_asks_is_left_out_after_hang_s(store: Any) -> None:
+    coordinator = Coordinator(store, 2, stale_s=30.0, hang_s=0.3)
+    two_members(store, coordinator)
+    ask(store, 1, "n1", after=0)
+    coordinator.poll()
+    assert latest(store)["number"] == 0  # member 0 alive and beating: waited for
+    time.sleep(0.4)
+    store.add(f"{PREFIX}member/0/beat", 1)
+    coordinator.poll()
+    assert latest(store)["members"] == [1]
+
+
+def test_a_stopped_process_counts_as_gone() -> None:
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        os.kill(proc.pid, 19)  # SIGSTOP
+        deadline = time.monotonic() + 5
+        while process_state(proc.pid) not in ("T", "t") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert process_state(proc.pid) in ("T", "t")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert process_state(proc.pid) == "X"
+
+
+def test_members_wait_for_the_generation_that_holds_them(store: Any) -> None:
+    coordinator = Coordinator(store, 2, stale_s=3.0, hang_s=30.0)
+    coordinator.start()
+    address = f"127.0.0.1:{store.port}"
+    members = [Member(address, m, 2, timeout_s=10.0) for m in (1, 0)]
+    try:
+        for member in members:
+            member.ask(-1, -1)
+        generations = [member.wait(-1) for member in members]
+        assert all(g is not None and g.members == (0, 1) for g in generations)
+        assert [g.rank_of(m.id) for g, m in zip(generations, members) if g] == [1, 0]
+        members[0].finish()
+        assert members[1].wait(0) is None  # the run completed: nothing to wait for
+    finally:
+        for member in members:
+            member.close()
+        coordinator.stop()
