@@ -26,7 +26,6 @@ from dtrain.fault.error_log import append_traceback
 from dtrain.fault.oom import OutOfMemory
 from dtrain.fault.oom import describe as describe_oom
 from dtrain.fault.preempt import catch_early, settle_early, unforwarded, unforwarded_warning
-from dtrain.fsutil import write_atomic
 from dtrain.process_exit import freeze_heap_at_exit
 
 if TYPE_CHECKING:
@@ -46,6 +45,8 @@ def load_worker_config(argv: Sequence[str]) -> Config:
 def train(cfg: Config) -> Summary | None:
     """Run training in this process, as one rank of the job the environment describes (None:
     a worker of an in-place job that the run completed without)."""
+    from dtrain import inplace_worker
+    from dtrain.checkpoint.rundir import write_config_of_record
     from dtrain.fault import inplace
     from dtrain.job import build_trainer
     from dtrain.metrics.summary import print_summary
@@ -54,7 +55,7 @@ def train(cfg: Config) -> Summary | None:
 
     try:
         if inplace.requested():  # fault.recovery = 'inplace' under `dtrain train`
-            return inplace.train_in_place(cfg)
+            return inplace_worker.train_in_place(cfg)
         trainer = build_trainer(cfg)
         if trainer.is_main:
             warn_unforwarded_signals(cfg)
@@ -67,20 +68,6 @@ def train(cfg: Config) -> Summary | None:
         close_probe_listener()  # its accept thread is one of ours: it must end first
         join_helper_threads()
         shutdown_runtime()
-
-
-def write_config_of_record(cfg: Config) -> None:
-    """``RUN_DIR/config.toml``, the resolved config; a disk that cannot take it is a warning
-    (the checkpoints hold the config too, in meta.json)."""
-    try:
-        os.makedirs(cfg.run.dir, exist_ok=True)
-        write_atomic(os.path.join(cfg.run.dir, "config.toml"), cfg.to_toml())
-    except OSError as exc:
-        print(
-            f"dtrain: warning: cannot write {cfg.run.dir}/config.toml ({exc.strerror or exc})",
-            file=sys.stderr,
-            flush=True,
-        )
 
 
 def warn_unforwarded_signals(cfg: Config) -> None:

@@ -160,3 +160,17 @@ def held_run_dir(cfg: Config, run_id: str, rdzv_endpoint: str) -> Iterator[Path]
     finally:
         path.unlink(missing_ok=True)
         hold.release()
+
+
+def write_config_of_record(cfg: Config) -> None:
+    """``RUN_DIR/config.toml``, the resolved config; a disk that cannot take it is a warning
+    (the checkpoints hold the config too, in meta.json)."""
+    try:
+        os.makedirs(cfg.run.dir, exist_ok=True)
+        write_atomic(os.path.join(cfg.run.dir, "config.toml"), cfg.to_toml())
+    except OSError as exc:
+        print(
+            f"dtrain: warning: cannot write {cfg.run.dir}/config.toml ({exc.strerror or exc})",
+            file=sys.stderr,
+            flush=True,
+        )

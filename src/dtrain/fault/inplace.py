@@ -33,29 +33,34 @@ import copy
 import datetime
 import gc
 import os
-import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from dtrain.config import Config, DistConfig
+from dtrain.config import DistConfig
 from dtrain.fault.membership import (
     COORDINATOR_ENV,
-    MEMBER_ENV,
-    MEMBERS_ENV,
     Generation,
     Member,
 )
-from dtrain.fault.peer_failure import collective_cause, is_collective_failure
+from dtrain.fault.peer_failure import is_collective_failure
 from dtrain.fault.watchdog import GENERATION_ENV
 from dtrain.runtime import NAMESPACE_ENV, Runtime, choose_backend, choose_device, threads_per_worker
 
-if TYPE_CHECKING:
-    from dtrain.metrics.summary import Summary
-    from dtrain.trainer import Trainer
+
+class Trainer(Protocol):
+    """What recovery reads and sets of a generation's trainer (``dtrain.trainer.Trainer``,
+    not imported: the trainer imports this module)."""
+
+    step: int
+    state: Any
+    strategy: Any
+    optimizer: Any
+    runtime: Runtime
+    loader: Any
 
 
 class Regroup(Exception):
@@ -243,7 +248,7 @@ def generation_runtime(cfg: DistConfig, generation: Generation, member: Member) 
     return Runtime(rank=rank, world_size=world, device=device, timeout=timeout)
 
 
-def _leave(trainer: Trainer | None) -> None:
+def leave(trainer: Trainer | None) -> None:
     """Let go of a generation's trainer and process groups (its peers may be gone); the
     objects themselves are kept a while (:class:`Retired`)."""
     if trainer is not None:
@@ -277,73 +282,3 @@ class Retired:
         if self.kept and now - self.kept[0][0] > self.idle_after_s:
             self.kept = [(t, obj) for t, obj in self.kept if now - t <= self.idle_after_s]
             gc.collect()
-
-
-def _say(text: str) -> None:
-    print(f"dtrain: {text}", file=sys.stderr, flush=True)
-
-
-def train_in_place(cfg: Config) -> Summary | None:
-    """Train as member ``$DTRAIN_INPLACE_MEMBER`` across generations; the summary of the
-    generation that finished the run, or None when the run completed before this worker
-    could join."""
-    from dtrain.job import build_trainer_on
-    from dtrain.metrics.summary import print_summary
-    from dtrain.worker import write_config_of_record
-
-    member = Member(
-        os.environ[COORDINATOR_ENV],
-        int(os.environ[MEMBER_ENV]),
-        int(os.environ.get(MEMBERS_ENV, "1")),
-        timeout_s=cfg.dist.timeout_s,
-    )
-    if cfg.strategy.name == "ddp":
-        # What building DDP imports on first use (torch._dynamo: 2.5 s here): before this
-        # worker asks to join, not while the others wait for it in the new generation.
-        import torch._dynamo  # noqa: F401
-
-    held: HeldState | None = None
-    after = -1
-    retired = Retired(idle_after_s=cfg.dist.timeout_s + 1.0)
-    try:
-        while True:
-            member.ask(after, held.step if held is not None else -1)
-            generation = member.wait(after)
-            if generation is None:
-                _say(f"member {member.id}: the run completed before this worker could join")
-                return None
-            # What exists now (imports, the state held) is left out of the cyclic collector's
-            # scans from here on: freeing a retired generation scans few objects.
-            gc.freeze()
-            recovery = Recovery(member, generation, held, retired)
-            held = None
-            trainer: Trainer | None = None
-            try:
-                runtime = generation_runtime(cfg.dist, generation, member)
-                trainer = build_trainer_on(cfg, runtime)
-                trainer.recovery = recovery
-                if trainer.is_main and generation.number == 0:
-                    write_config_of_record(cfg)
-                summary = trainer.fit()
-            except BaseException as exc:
-                if not recovery.recoverable(exc):
-                    raise
-                why = "to admit a worker" if isinstance(exc, Regroup) else collective_cause(exc)
-                held = recovery.hold(trainer)
-                where = f"step {held.step}" if held is not None else "no state yet"
-                dropped = " (the step in flight dropped)" if held and held.dropped else ""
-                _say(
-                    f"member {member.id}: leaving generation {generation.number} at {where}"
-                    f"{dropped}: {why}"
-                )
-            else:
-                member.finish()
-                if trainer.is_main:
-                    print_summary(summary, trainer.task.item_name, trainer.runtime.world_size)
-                return summary
-            after = generation.number
-            _leave(trainer)
-            retired.keep(trainer)
-            del trainer, recovery
-    finally:
-        member.close()

@@ -1,0 +1,92 @@
+"""A worker under ``fault.recovery = 'inplace'``: the process's loop across membership
+generations (:mod:`dtrain.fault.inplace` holds what one generation's trainer needs to leave,
+heal and go on). It sits above the trainer and the job, as :mod:`dtrain.worker` does, which
+calls it."""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+
+from dtrain.checkpoint.rundir import write_config_of_record
+from dtrain.config import Config
+from dtrain.fault.inplace import (
+    HeldState,
+    Recovery,
+    Regroup,
+    Retired,
+    generation_runtime,
+    leave,
+)
+from dtrain.fault.membership import COORDINATOR_ENV, MEMBER_ENV, MEMBERS_ENV, Member
+from dtrain.fault.peer_failure import collective_cause
+from dtrain.job import build_trainer_on
+from dtrain.metrics.summary import Summary, print_summary
+from dtrain.trainer import Trainer
+
+
+def _say(text: str) -> None:
+    print(f"dtrain: {text}", file=sys.stderr, flush=True)
+
+
+def train_in_place(cfg: Config) -> Summary | None:
+    """Train as member ``$DTRAIN_INPLACE_MEMBER`` across generations; the summary of the
+    generation that finished the run, or None when the run completed before this worker
+    could join."""
+    member = Member(
+        os.environ[COORDINATOR_ENV],
+        int(os.environ[MEMBER_ENV]),
+        int(os.environ.get(MEMBERS_ENV, "1")),
+        timeout_s=cfg.dist.timeout_s,
+    )
+    if cfg.strategy.name == "ddp":
+        # What building DDP imports on first use (torch._dynamo: 2.5 s here): before this
+        # worker asks to join, not while the others wait for it in the new generation.
+        import torch._dynamo  # noqa: F401
+
+    held: HeldState | None = None
+    after = -1
+    retired = Retired(idle_after_s=cfg.dist.timeout_s + 1.0)
+    try:
+        while True:
+            member.ask(after, held.step if held is not None else -1)
+            generation = member.wait(after)
+            if generation is None:
+                _say(f"member {member.id}: the run completed before this worker could join")
+                return None
+            # What exists now (imports, the state held) is left out of the cyclic collector's
+            # scans from here on: freeing a retired generation scans few objects.
+            gc.freeze()
+            recovery = Recovery(member, generation, held, retired)
+            held = None
+            trainer: Trainer | None = None
+            try:
+                runtime = generation_runtime(cfg.dist, generation, member)
+                trainer = build_trainer_on(cfg, runtime)
+                trainer.recovery = recovery
+                if trainer.is_main and generation.number == 0:
+                    write_config_of_record(cfg)
+                summary = trainer.fit()
+            except BaseException as exc:
+                if not recovery.recoverable(exc):
+                    raise
+                why = "to admit a worker" if isinstance(exc, Regroup) else collective_cause(exc)
+                held = recovery.hold(trainer)
+                where = f"step {held.step}" if held is not None else "no state yet"
+                dropped = " (the step in flight dropped)" if held and held.dropped else ""
+                _say(
+                    f"member {member.id}: leaving generation {generation.number} at {where}"
+                    f"{dropped}: {why}"
+                )
+            else:
+                member.finish()
+                if trainer.is_main:
+                    print_summary(summary, trainer.task.item_name, trainer.runtime.world_size)
+                return summary
+            after = generation.number
+            leave(trainer)
+            retired.keep(trainer)
+            del trainer, recovery
+    finally:
+        member.close()
