@@ -54,7 +54,7 @@ def train_rank(raw: dict[str, Any], limit_bytes: int) -> dict[str, float]:
     from dtrain.job import build_job_config, build_trainer
 
     rank = dist.get_rank()
-    group = CGROUP / f"dtrain-bench-meta-{os.getppid()}-{rank}"
+    group = CGROUP / f"dtrain-bench-meta-{os.environ['DTRAIN_BENCH_META_PID']}-{rank}"
     if limit_bytes:
         group.mkdir(exist_ok=True)
         (group / "memory.limit_in_bytes").write_text(str(limit_bytes))
@@ -112,6 +112,9 @@ def cleanup() -> None:
 # then counts memory torch has given back. A fixed threshold returns large blocks to the
 # kernel when freed, so the peak is what was live.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+# The ranks name their cgroups after this process, which removes them (a rank's parent may be
+# a fork server, not this process).
+RANK_ENV = {"DTRAIN_BENCH_META_PID": str(os.getpid())}
 
 
 def main() -> None:
@@ -130,7 +133,7 @@ def main() -> None:
     try:
         for meta in (True, False):
             raw = config(scratch / f"free-{meta}", meta, args.n_layer, args.d_model)
-            results[meta] = run_ranks(train_rank, 4, raw, 0, timeout=3600)
+            results[meta] = run_ranks(train_rank, 4, raw, 0, timeout=3600, env=RANK_ENV)
             peak = max(r["peak"] for r in results[meta])
             print(f"meta_init={meta}: peak {peak / mib:.0f} MiB above the start", flush=True)
         meta_peak = max(r["peak"] for r in results[True])
@@ -142,7 +145,7 @@ def main() -> None:
         for meta in (True, False):
             raw = config(scratch / f"limited-{meta}", meta, args.n_layer, args.d_model)
             try:
-                run_ranks(train_rank, 4, raw, limit, timeout=3600)
+                run_ranks(train_rank, 4, raw, limit, timeout=3600, env=RANK_ENV)
                 outcome[meta] = "trained"
             except RankFailed as exc:
                 outcome[meta] = "failed: " + str(exc).splitlines()[0][:120]
