@@ -329,7 +329,7 @@ def test_the_store_s_machine_that_refuses_or_does_not_answer_is_a_death_or_the_n
     watchdog.node = "host 10.0.0.2"
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
     answers = iter([("refused", "Connection refused"), ("unreachable", "No route to host")])
-    monkeypatch.setattr("dtrain.fault.watchdog.probe", lambda *_: next(answers))
+    monkeypatch.setattr("dtrain.fault.diagnosis.probe", lambda *_: next(answers))
     text, network = watchdog._store_lost("(ConnectionError: ...)", False, False)
     assert (
         text.startswith(

@@ -1,0 +1,259 @@
+"""Who is missing, in words: the diagnosis a rank gives when a collective fails -- a peer
+that failed and said so, one killed (its process gone, seen on its machine or posted by it),
+one silent (probed at its published address: gone, cut off, or alive but stuck), or the
+store's own host lost. A part of :class:`dtrain.fault.watchdog.Watchdog`, which holds the
+store, this rank's identity and the beats it reads."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from dtrain.fault.liveness import (
+    Liveness,
+    liveness_path,
+    process_alive,
+    read_liveness,
+)
+from dtrain.fault.peer_failure import (
+    beat_words,
+    probe_words,
+    since_words,
+    who,
+)
+from dtrain.fault.store_client import StoreTimeout
+from dtrain.reachability import OPEN, REFUSED, UNREACHABLE, probe, reach_key
+
+# A beat follows a change of step or phase after at most this long (instead of waiting for the
+# next regular beat), so the store's view of a rank on another machine is rarely more than
+# that behind. Per rank: with many ranks the interval grows so that the store, which serves
+# them all, gets at most about _PROMPT_BEATS_PER_S of them a second.
+_PROMPT_BEAT_S = 0.2
+_PROMPT_BEATS_PER_S = 2000.0
+
+# How long the watchdog's first connection to the job's store may take.
+_CONNECT_S = 30.0
+
+# Phases the backstop leaves alone: finished ranks, and the user's after-training hook, which
+# cannot tick (it is the user's code); a collective inside it has its own timeout.
+_NO_BACKSTOP = frozenset({"done", "idle", "after_training"})
+
+
+class PeerDiagnosis:
+    """The watchdog's diagnosis (a mixin: :class:`~dtrain.fault.watchdog.Watchdog` gives the
+    store, this rank's identity and its reads of the others' beats and failures)."""
+
+    store: Any
+    host: str
+    node: str
+    heartbeat_s: float
+    run_dir: Path | None
+    _addresses: dict[int, tuple[str, int]]
+    _rank0_beat: Liveness | None
+
+    def peers(self, seconds: float | None = None) -> dict[int, Liveness | None]:
+        raise NotImplementedError
+
+    def failures(self, seconds: float | None = None) -> dict[int, dict[str, Any]]:
+        raise NotImplementedError
+
+    def _report_dead_peer(self, rank: int, where: str, beat: Liveness) -> None:
+        raise NotImplementedError
+
+    def _local_record(self, beat: Liveness) -> Liveness | None:
+        """The live record of the rank a beat is from, if it is of this machine and its file
+        (in the run folder the ranks share) is that process's."""
+        if self.run_dir is None or beat.host != self.host:
+            return None
+        return read_liveness(liveness_path(self.run_dir, beat.rank), beat.pid)
+
+    def diagnose(self, closed: bool = False) -> str:
+        """Who is missing, in words (see :meth:`diagnosis`)."""
+        return self.diagnosis(closed)[0]
+
+    def diagnosis(self, closed: bool = False) -> tuple[str, bool]:
+        """Who is missing, in words, and whether it is the network that lost them (a peer,
+        or the store's host, that does not answer at all). ``closed``: this rank's collective
+        failed because a peer's end of a connection closed (its process ended), not because
+        one stopped answering.
+
+        A rank that died on another machine posts nothing and cannot be looked up; its beats
+        only stop. So while nobody is named yet, the store is read again for as long as it
+        takes a dead rank's beat to go stale (a few heartbeats), instead of saying "every
+        other rank is still beating" about a rank killed a moment ago. A silent rank on
+        another machine is then probed at the address its start-up check published: a
+        refused connection is a process gone (killed or crashed), no answer at all a network
+        path lost (or the machine), a connection accepted a process alive but silent."""
+        if self.store is None:
+            return "no rendezvous store to ask which rank is missing", False
+        stale_after = max(3 * self.heartbeat_s, 3.0)
+        deadline = time.monotonic() + stale_after + 0.5
+        # A beat's seen_at as this rank first read it, and when (time.monotonic()): a beat
+        # that has not changed for stale_after of this machine's time has stopped, whatever
+        # the two machines' clocks say.
+        first_seen: dict[int, tuple[float, float]] = {}
+        while True:
+            found = self._missing(first_seen, stale_after, closed)
+            if isinstance(found, tuple):
+                return found  # the store itself is gone
+            if found or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        if not found:
+            return "every other rank is still beating (the failure may be in the network)", False
+        return "; ".join(words for words, _ in found), any(network for _, network in found)
+
+    def _missing(
+        self, first_seen: dict[int, tuple[float, float]], stale_after: float, closed: bool
+    ) -> list[tuple[str, bool]] | tuple[str, bool]:
+        """One reading of the store: the ranks found missing, in words, each with whether
+        the network lost it; or, when the store cannot be read, the diagnosis of its loss."""
+        # A healthy store answers in milliseconds; a short bound keeps the whole diagnosis
+        # (after the collective's own timeout) within the time a user waits for it.
+        quick = max(1.0, min(2.0, self.heartbeat_s))
+        try:
+            failed = self.failures(quick)
+            beats = self.peers(quick)
+        except Exception as exc:
+            from dtrain.runtime import store_hosted_by_launcher
+
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            why = f"({type(exc).__name__}: {first})"
+            return self._store_lost(why, isinstance(exc, StoreTimeout), store_hosted_by_launcher())
+        now, clock = time.time(), time.monotonic()
+        found: list[tuple[str, bool]] = []
+        for rank, record in sorted(failed.items()):
+            if "killed" in record:
+                if record["host"] == self.host:
+                    continue  # this machine sees its process itself, below
+                found.append(
+                    (
+                        f"rank {rank} ({record['host']}, pid {record['pid']}) died: "
+                        f"{record['killed']} (seen by rank {record['seen_by']} on its machine)",
+                        False,
+                    )
+                )
+                continue
+            found.append(
+                (
+                    f"rank {rank} ({record['host']}, pid {record['pid']}) failed at step "
+                    f"{record['step']} in {record['phase']}: {record['error']}",
+                    False,
+                )
+            )
+        for rank, beat in sorted(beats.items()):
+            if rank in failed and failed[rank].get("host") != self.host:
+                continue
+            if beat is None:
+                found.append((f"rank {rank} never checked in", False))
+                continue
+            seen = first_seen.setdefault(rank, (beat.seen_at, clock))
+            if seen[0] != beat.seen_at:
+                first_seen[rank] = seen = (beat.seen_at, clock)
+            silent = now - beat.seen_at > stale_after or clock - seen[1] > stale_after
+            if rank in failed and "killed" not in failed[rank]:
+                continue  # it posted its own failure, named above
+            if beat.host == self.host and not process_alive(beat.pid):
+                # Killed outright (kill -9, the OOM killer): no error posted, and a beat that
+                # may be many steps behind; its liveness file says where it was.
+                last_words = self._last_words_of(beat, now)
+                found.append((f"{who(rank, beat)} died: {last_words}", False))
+                if rank not in failed:
+                    self._report_dead_peer(rank, last_words, beat)
+            elif silent and beat.host != self.host:
+                found.append(self._remote_silent(rank, beat, now, closed, quick))
+            elif silent:
+                words = f"{who(rank, beat)} stopped responding: {self._last_known(beat, now)}"
+                found.append((words, False))
+        return found
+
+    def _remote_silent(
+        self, rank: int, beat: Liveness, now: float, closed: bool, quick: float
+    ) -> tuple[str, bool]:
+        """A silent rank on another machine, probed at its published address."""
+        address = self._address_of(rank, quick)
+        if address is None:  # not published (an old attempt's store): what the error says
+            if closed:
+                return (
+                    f"{who(rank, beat)} died: killed or crashed (its connection closed, it "
+                    f"posted no error, and its heartbeats stopped): {beat_words(beat, now)}",
+                    False,
+                )
+            return f"{who(rank, beat)} stopped responding: {beat_words(beat, now)}", False
+        state, why = probe(address[0], address[1], quick)
+        return probe_words(who(rank, beat), state, why, address[0], beat, now, self.node)
+
+    def _address_of(self, rank: int, seconds: float) -> tuple[str, int] | None:
+        """Where ``rank``'s start-up check listens (it stays open: ``reachability.probe``)."""
+        if rank not in self._addresses:
+            assert self.store is not None
+            from dtrain.runtime import store_namespace
+
+            record = self.store.read(store_namespace() + reach_key(rank), seconds)
+            if not isinstance(record, dict) or "addr" not in record or "port" not in record:
+                return None
+            self._addresses[rank] = (str(record["addr"]), int(record["port"]))
+        return self._addresses[rank]
+
+    def _last_words_of(self, beat: Liveness, now: float) -> str:
+        """Where a rank of this machine whose process is gone was when it died."""
+        record = self._local_record(beat)
+        gone = "its process is gone (killed or crashed)"
+        if record is None:  # no file to read: say plainly how old what we know is
+            return f"{gone} at an unknown step: {beat_words(beat, now)}"
+        return f"{gone} {record.where()}"
+
+    def _last_known(self, beat: Liveness, now: float) -> str:
+        """Where a rank that is alive but silent is: exact for a rank of this machine (from
+        its liveness file), else its last heartbeat and how old it is."""
+        record = self._local_record(beat)
+        if record is None:
+            return beat_words(beat, now)
+        still = max(0.0, now - record.progress_at)
+        age = max(0.0, now - record.seen_at)
+        return f"no progress for {still:.1f}s, {record.where()} (last heartbeat {age:.1f}s ago)"
+
+    def _store_lost(self, why: str, timed_out: bool, launcher_hosted: bool) -> tuple[str, bool]:
+        """The diagnosis when the store cannot be reached: its host has died, or been cut
+        off. The store's address is probed: refused, its process is gone; no answer, the
+        network to it (or its machine)."""
+        host, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+        state, said = probe(host, int(port), 2.0) if host and port.isdigit() else (OPEN, "")
+        since = self.store.last_ok if self.store is not None else None
+        beat = self._rank0_beat
+        if launcher_hosted or beat is None:
+            holder = "the launcher" if launcher_hosted else "rank 0"
+            if state == UNREACHABLE:
+                return (
+                    f"lost the network path to {host}, where {holder} hosts the job's "
+                    f"key-value store ({said}){since_words(since)} {why}",
+                    True,
+                )
+            return (
+                f"the job's key-value store is unreachable {why}: {holder}, which hosts it, "
+                "has died",
+                False,
+            )
+        now = time.time()
+        network = False
+        if beat.host == self.host and not process_alive(beat.pid):
+            fate = f"died: {self._last_words_of(beat, now)}"
+        elif state == REFUSED:
+            fate = (
+                f"died: killed or crashed (its machine {host} refuses connections to the store: "
+                f"{said}): {beat_words(beat, now)}"
+            )
+        elif state == UNREACHABLE:
+            network = True
+            fate = (
+                f"is cut off: {self.node} has no network path to {host} ({said})"
+                f"{since_words(since)}: {beat_words(beat, now)}"
+            )
+        elif timed_out:  # alive but silent: stopped (SIGSTOP) or hung
+            fate = f"stopped responding: {self._last_known(beat, now)}"
+        else:
+            fate = f"is unreachable (died, or its machine was cut off): {beat_words(beat, now)}"
+        words = f"{who(0, beat)} {fate}; it hosted the job's key-value store, now unreachable {why}"
+        return words, network
