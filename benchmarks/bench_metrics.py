@@ -101,8 +101,9 @@ def measure(raw: dict[str, Any], opts: dict[str, Any]) -> dict[str, list[float]]
         return timed("loss all-reduce", timed("loss all-reduce", start_sum)(tensor))
 
     strategy.start_loss_all_reduce = start_sum_timed  # type: ignore[method-assign]
-    trainer._log_train = timed("train record", trainer._log_train)  # type: ignore[method-assign]
-    trainer._write_records = timed("per-rank records", trainer._write_records)  # type: ignore[method-assign]
+    run_log = trainer.run_log
+    run_log.train = timed("train record", run_log.train)  # type: ignore[method-assign]
+    run_log.write_records = timed("per-rank records", run_log.write_records)  # type: ignore[method-assign]
     balancer._on_window = timed("per-rank records", balancer._on_window)  # type: ignore[method-assign]
     import dtrain.balance.balancer as balancer_module
 
@@ -130,15 +131,15 @@ def measure(raw: dict[str, Any], opts: dict[str, Any]) -> dict[str, list[float]]
         on = variant != "off"
         trainer.cfg.train.log_every = 1 if on else NEVER
         trainer.balance.every = opts["balance_every"] if on else NEVER
-        if trainer.metrics is not None:  # rank 0: the TensorBoard sink in or out
+        if run_log.metrics is not None:  # rank 0: the TensorBoard sink in or out
             if tensorboard is None and "tensorboard" in opts["variants"]:
                 from dtrain.metrics.tensorboard import TensorBoardSink
 
                 tensorboard = TensorBoardSink(Path(raw["run"]["dir"]))
-            sinks = [s for s in trainer.metrics.sinks if s is not tensorboard]
+            sinks = [s for s in run_log.metrics.sinks if s is not tensorboard]
             if variant == "tensorboard":
                 sinks.append(tensorboard)
-            trainer.metrics.sinks = sinks
+            run_log.metrics.sinks = sinks
 
     with failpoints(switch):
         trainer.fit()

@@ -146,7 +146,7 @@ def instrument(trainer: Any, parts: Parts) -> None:
     for name in ("step_started", "data_ready", "backward_done", "step_finished"):
         setattr(balance, name, parts.wrap("balancer's clocks", getattr(balance, name)))
     watchdog.set_phase = parts.wrap("watchdog's marks", watchdog.set_phase)  # type: ignore[method-assign]
-    trainer._log_train = parts.wrap("metrics line", trainer._log_train)  # type: ignore[method-assign]
+    trainer.run_log.train = parts.wrap("metrics line", trainer.run_log.train)  # type: ignore[method-assign]
     strategy.after_optimizer_step = parts.wrap(  # type: ignore[method-assign]
         "after the update (strategy)", strategy.after_optimizer_step
     )

@@ -18,14 +18,15 @@ What happens, and where each concern plugs in::
                                                    # (both complete during the update)
               norm = strategy.clip_grad_norm()     # global norm: the same on every rank
               if norm is finite: optimizer.step()
-              else: skip (NaN guard); after N in a row roll back to the last checkpoint
-                    and never deliver those batches again
+              else: skip (NaN guard, dtrain.nan_guard); after N in a row roll back to the
+                    last checkpoint and never deliver those batches again
               scheduler.step()
               strategy.after_optimizer_step(step)  # localsgd, diloco: sync every H steps
               balance.step_finished(step)          # once a window: gather the ranks'
                                                    # timings, name stragglers, new shares
               every log_every:         a train record to every sink (metrics.jsonl,
                                        progress line, TensorBoard); events as they happen
+                                       (all through the RunLog, dtrain.metrics.run_log)
               if any rank was asked to stop: save, exit 0   # all after the same step
               every eval.every:        evaluate (each val sample exactly once)
               every checkpoint.every:  save (async: the loop waits for a snapshot only)
@@ -43,13 +44,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from dtrain.balance.balancer import LoadBalancer, Record
+from dtrain.balance.balancer import LoadBalancer
 from dtrain.checkpoint import layout
 from dtrain.checkpoint import state as training_state
 from dtrain.checkpoint import write as ckpt
-from dtrain.checkpoint.resume import ResumePoint, resolve_resume, rollback_point
+from dtrain.checkpoint.resume import ResumePoint, resolve_resume
 from dtrain.checkpoint.rng import rank_seed, seed_everything
 from dtrain.comm.agreement import StepAgreement
 from dtrain.config import Config
@@ -62,16 +61,15 @@ from dtrain.fault.audit import AuditWriter
 from dtrain.fault.failpoints import failpoint
 from dtrain.fault.liveness import Speed
 from dtrain.fault.preempt import PreemptionFlag
-from dtrain.fault.status import RunStatus, write_status
 from dtrain.fault.watchdog import Watchdog
 from dtrain.loss_contract import LossContract
 from dtrain.metrics import records
-from dtrain.metrics.sinks import Progress, Sinks, open_sinks
+from dtrain.metrics.run_log import RunLog
 from dtrain.metrics.summary import LossWindow, Summary
 from dtrain.metrics.tensorboard import check_available as check_tensorboard
+from dtrain.nan_guard import NanGuard
 from dtrain.optim_choice import OptimizerKinds, build_run_optimizer, build_run_scheduler
 from dtrain.parallel import build_strategy
-from dtrain.parallel.base import ShardedState
 from dtrain.precision import LossScaler
 from dtrain.runtime import Runtime, barrier
 from dtrain.step import ForwardBackward
@@ -89,6 +87,8 @@ class Trainer:
             check_tensorboard()
         self.strategy = build_strategy(cfg, runtime)
         self.strategy.setup(task)
+        # What the run writes: status, records to rank 0's sinks, log lines (dtrain.metrics).
+        self.run_log = RunLog(cfg, runtime, self.strategy, task.item_name)
         # The task's optimizer and schedule, or the config's (dtrain.optim_choice).
         self.optimizer = build_run_optimizer(task, self.strategy, cfg)
         self.scheduler = build_run_scheduler(task, self.optimizer, cfg)
@@ -114,9 +114,6 @@ class Trainer:
         # Counters that are part of the training state (see state_dict).
         self.step = 0
         self.items_seen = 0
-        self.skipped_steps = 0
-        self.rollbacks = 0
-        self.nan_streak: list[tuple[int, int]] = []  # stream ranges of consecutive bad steps
         # fp16-mixed: the dynamic loss scale (dtrain.precision), part of the training state.
         self.scaler: LossScaler | None = None
         if self.strategy.recipe.precision.scales_loss:
@@ -146,8 +143,6 @@ class Trainer:
             # another precision (the scale starts afresh); kinds: from before they were kept.
             optional=frozenset({"balance", "loss_scaler", "kinds"}),
         )
-        self.progress: Progress | None = None
-        self.metrics: Sinks | None = None  # rank 0's: metrics.jsonl, progress, TensorBoard
         self.watchdog = Watchdog(
             runtime.rank,
             runtime.world_size,
@@ -166,6 +161,19 @@ class Trainer:
             log=self.log,
             on_progress=self.watchdog.tick,
         )
+        # Skips a step with a non-finite gradient, rolls back after N in a row (its
+        # counters are part of the training state, see state_dict).
+        self.nan_guard = NanGuard(
+            cfg,
+            runtime,
+            self.strategy,
+            self.loader,
+            self.state,
+            self.checkpointer,
+            self.watchdog,
+            self.scaler,
+            self.run_log,
+        )
         self.audit: AuditWriter | None = None
         check_metrics(task.metrics)  # before the first step, not at the first evaluation
         self.val_metrics: dict[str, float] = {}  # of the latest evaluation
@@ -176,29 +184,20 @@ class Trainer:
         self.forward_backward = ForwardBackward(
             self.strategy, runtime.device, self.scaler, LossContract(task.count_items)
         )
-        # This rank's communication totals at the last metrics line; set-up's (the broadcast
-        # of rank 0's parameters) belongs to no step.
-        self._comm_mark = self.strategy.comm.totals()
-        # This rank's parameter bytes, for the start and train records (sizes do not change).
-        self.param_bytes = self.strategy.parameter_bytes()
         # fault.recovery = 'inplace': set by dtrain.fault.inplace, which runs this trainer for
         # one membership generation (heals it at resume, keeps each step's start).
         self.recovery: inplace.Recovery | None = None
 
     # -- logging -------------------------------------------------------------------------
 
+    # The balancer, the checkpointer and resume log through these (the run log's lines).
+
     def log(self, text: str) -> None:
-        if self.progress is not None:
-            self.progress.message(text)
-        elif self.is_main:
-            print(text, flush=True)
+        self.run_log.log(text)
 
     def warn(self, text: str) -> None:
         """A warning from any rank (not only rank 0), tagged with the rank."""
-        if self.is_main:
-            self.log(f"warning: {text}")
-        else:
-            print(f"[rank {self.runtime.rank}] warning: {text}", flush=True)
+        self.run_log.warn(text)
 
     # -- training state ------------------------------------------------------------------
 
@@ -206,8 +205,8 @@ class Trainer:
         return {
             "step": self.step,
             "items_seen": self.items_seen,
-            "skipped_steps": self.skipped_steps,
-            "rollbacks": self.rollbacks,
+            "skipped_steps": self.nan_guard.skipped_steps,
+            "rollbacks": self.nan_guard.rollbacks,
             # The item count the next step's loss scale assumes (dtrain.step).
             "expected_items": self.forward_backward.expected,
         }
@@ -215,8 +214,8 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.items_seen = int(state["items_seen"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
-        self.rollbacks = int(state.get("rollbacks", 0))
+        self.nan_guard.skipped_steps = int(state.get("skipped_steps", 0))
+        self.nan_guard.rollbacks = int(state.get("rollbacks", 0))
         expected = state.get("expected_items")
         self.forward_backward.expected = None if expected is None else int(expected)
 
@@ -224,7 +223,7 @@ class Trainer:
         self.watchdog.set_phase("checkpoint")
         training_state.save(self.state, self.checkpointer, self.step, blocking=blocking)
         blocked = self.checkpointer.blocking_seconds[-1]
-        self._event("checkpoint", blocked_s=blocked, async_save=not blocking)
+        self.run_log.event("checkpoint", self.step, blocked_s=blocked, async_save=not blocking)
 
     def resume(self) -> ResumePoint | None:
         """Load the checkpoint ``run.resume`` asks for, if any; then every RNG either holds
@@ -268,40 +267,10 @@ class Trainer:
         summary = Summary(start_step=self.step)
         if self.step >= cfg.train.steps:
             return self._already_finished(summary, started)
-        attempt = records.group_restart_attempt(self.runtime)  # a collective: every rank
-        if self.is_main:
-            write_status(self.run_dir, RunStatus("running", self.step))
-            self.progress = Progress(cfg.train.steps, self.step, self.task.item_name, True)
-            self.metrics = open_sinks(
-                self.run_dir, self.progress, tensorboard=cfg.metrics.tensorboard
-            )
-            hosts, item_name = self.balance.hosts, self.task.item_name
-            self.metrics.write(
-                records.start_record(
-                    cfg,
-                    self.runtime,
-                    self.strategy,
-                    item_name,
-                    hosts,
-                    self.step,
-                    self.param_bytes,
-                    attempt,
-                )
-            )
-            if attempt and self.recovery is None:  # in place: a membership event instead
-                self._event("restart", attempt=attempt)
-            if point is not None:
-                self._event("resumed", checkpoint=point.path.name)
-            membership = self.recovery.event() if self.recovery is not None else None
-            if membership is not None:
-                self._event("membership", **membership)
-            where = f"resumed from {point.path.name}" if point else "from scratch"
-            if membership is not None:
-                where = f"healed from member {membership['healed_from']}'s memory"
-            self.log(
-                f"dtrain: training {self.strategy.name} on {self.runtime.world_size} "
-                f"rank(s), {self.runtime.device.type}, {where}; run folder {self.run_dir}"
-            )
+        membership = self.recovery.event() if self.recovery is not None else None
+        resumed_from = point.path.name if point is not None else None
+        in_place = self.recovery is not None
+        self.run_log.open(self.step, self.balance.hosts, resumed_from, membership, in_place)
         if cfg.fault.audit_sample_ids:
             self.audit = AuditWriter.open(self.run_dir, self.runtime.rank)
         window = LossWindow(self.runtime.device)
@@ -334,34 +303,41 @@ class Trainer:
             # Once a timing window: gather the ranks' timings; new shares from the next
             # step on (the same on every rank).
             self.watchdog.set_phase("balance")
-            self._write_records(self.balance.step_finished(self.step))
+            self.run_log.write_records(self.balance.step_finished(self.step))
             if self.audit is not None:
                 self.audit.record(
                     self.step,
                     batch.plan.start,
                     batch.plan.end,
                     batch.ids,
-                    rollbacks=self.rollbacks,
+                    rollbacks=self.nan_guard.rollbacks,
                     applied=math.isfinite(norm),
                 )
-            if overflowed:
-                assert self.scaler is not None
-                self._event("overflow", loss_scale=self.scaler.scale)
-            elif not math.isfinite(norm):
-                self._on_non_finite(batch)
+            self.nan_guard.after_step(self.step, batch, norm, overflowed)
             error = self.checkpointer.poll()
             if error:
                 self.warn(error)
-                self._event("checkpoint_failed", error=error)
+                self.run_log.event("checkpoint_failed", self.step, error=error)
             if logs:
                 self.watchdog.set_phase("all_reduce(metrics)")
                 last_loss, rate, steps, elapsed = window.flush()
-                self._log_train(last_loss, norm, rate, steps, elapsed)
+                self.run_log.train(
+                    self.step,
+                    last_loss,
+                    norm,
+                    rate,
+                    steps,
+                    elapsed,
+                    lr=self.step_lr,
+                    epoch=self.loader.epoch(),
+                    items_seen=self.items_seen,
+                    skipped_steps=self.nan_guard.skipped_steps,
+                )
             if agreement.stop and self.step < cfg.train.steps:
                 # Every rank learnt it in the same step's agreement: all stop after this
                 # step's update, and the final save follows.
                 summary.preempted = preempt.signal_name or "a peer's signal"
-                self._event("preempted", signal=summary.preempted)
+                self.run_log.event("preempted", self.step, signal=summary.preempted)
                 break
             if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.train.steps:
                 self.evaluate(cfg.eval.max_samples)
@@ -386,19 +362,18 @@ class Trainer:
             self.save_checkpoint(blocking=True)
         summary.steps = self.step
         summary.train_loss = last_loss
-        summary.skipped_steps = self.skipped_steps
-        summary.rollbacks = self.rollbacks
+        summary.skipped_steps = self.nan_guard.skipped_steps
+        summary.rollbacks = self.nan_guard.rollbacks
         summary.checkpoint = str(self.run_dir / "checkpoints" / layout.step_dir_name(self.step))
         summary.wall_s = time.perf_counter() - started
         summary.items = self.items_seen
-        if not isinstance(self.strategy, ShardedState):
+        if self.run_log.comm_counted:
             summary.comm_bytes, summary.comm_wait_s = self.strategy.comm.totals()
-        if self.progress is not None:
-            self.progress.close()
+        self.run_log.close_progress()
         if not summary.preempted:
             self._after_training(summary)
         self.loader.close()
-        self._finish_records(summary)
+        self.run_log.finish(summary, self.step)
         self.watchdog.set_phase("barrier(end)")
         barrier()
         self.watchdog.set_phase("done")
@@ -420,8 +395,7 @@ class Trainer:
         self._after_training(summary)
         summary.wall_s = time.perf_counter() - started
         self.loader.close()
-        if self.is_main:
-            write_status(self.run_dir, RunStatus("completed", self.step))
+        self.run_log.finish(summary, self.step)  # the status 'completed'; no sinks were opened
         self.watchdog.set_phase("barrier(end)")
         barrier()
         self.watchdog.set_phase("done")
@@ -443,7 +417,7 @@ class Trainer:
         """The time from the start of ``fit`` to the end of this process's first step: set-up
         of the loop, resume, and what the first step pays once (torch.compile compiles the
         blocks then)."""
-        self._event("first_step", seconds=seconds, compile=self.cfg.train.compile)
+        self.run_log.event("first_step", self.step, seconds=seconds, compile=self.cfg.train.compile)
         if self.cfg.train.compile:
             self.log(f"first step after {seconds:.1f} s (torch.compile compiled the blocks)")
 
@@ -487,118 +461,18 @@ class Trainer:
         if math.isfinite(norm):
             self.watchdog.set_phase("optimizer")
             self.optimizer.step()
-            self.nan_streak.clear()
         # What the logged lr is (docs/metrics.md): this step's, before the schedule moves on.
         self.step_lr = float(self.optimizer.param_groups[0]["lr"])
-        overflowed = False
-        if self.scaler is not None:
-            overflowed = not math.isfinite(norm) and self._scaler_overflow(loss_sum)
-            self.scaler.update(overflowed)
+        overflowed = self.nan_guard.loss_scale_overflowed(norm, loss_sum)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return agreement, norm, overflowed
-
-    def _scaler_overflow(self, loss_sum: torch.Tensor) -> bool:
-        """After a non-finite gradient under fp16: whether the loss scale caused it (every
-        rank's loss finite, the scale above its floor) -- the scaler's to handle -- rather than
-        a divergence, which is the NaN guard's. Collective; the same answer on every rank."""
-        assert self.scaler is not None
-        if self.scaler.scale <= self.scaler.min_scale:
-            return False
-        self.watchdog.set_phase("all_reduce(loss check)")
-        bad = torch.logical_not(torch.isfinite(loss_sum)).float().reshape(1)
-        return float(self.strategy.all_reduce_loss(bad)[0]) == 0.0
-
-    def _on_non_finite(self, batch: StepBatch) -> None:
-        """NaN guard: the step was skipped on every rank; roll back after N in a row."""
-        self.skipped_steps += 1
-        self.nan_streak.append((batch.plan.start, batch.plan.end))
-        self._event("step_skipped", in_a_row=len(self.nan_streak))
-        self.warn(f"step {self.step}: non-finite loss or gradient; update skipped on every rank")
-        limit = self.cfg.fault.nan_rollback_after
-        if limit and len(self.nan_streak) >= limit:
-            self._rollback()
-
-    def _rollback(self) -> None:
-        bad = list(self.nan_streak)
-        self.nan_streak.clear()
-        first_bad_step = self.step - len(bad) + 1
-        error = self.checkpointer.wait()
-        if error:
-            self.warn(error)
-        self.watchdog.set_phase("rollback")
-        point = rollback_point(
-            self.cfg,
-            self.checkpointer,
-            self.runtime,
-            self.log,
-            first_bad_step,
-            self.step,
-            self.watchdog,
-        )
-        # Counters of what happened stay cumulative; the skip list keeps earlier skips too.
-        rollbacks, skipped = self.rollbacks + 1, self.skipped_steps
-        earlier_skips = dict(self.loader.skipped)
-        training_state.load(self.state, point)
-        self.rollbacks, self.skipped_steps = rollbacks, skipped
-        for start, end in [*earlier_skips.items(), *bad]:
-            self.loader.skip(start, end)
-        self._event("rollback", from_step=first_bad_step + len(bad) - 1, checkpoint=point.path.name)
-        self.log(
-            f"rolled back to {point.path.name} after {len(bad)} non-finite steps; the "
-            f"{sum(e - s for s, e in bad)} samples of those steps will not be delivered again"
-        )
-
-    def _finish_records(self, summary: Summary) -> None:
-        if not self.is_main:
-            return
-        state = "preempted" if summary.preempted else "completed"
-        write_status(self.run_dir, RunStatus(state, self.step, summary.preempted))
-        if self.metrics is not None:
-            self.metrics.write(records.summary_record(summary, state, self.step))
-            self.metrics.close()
-
-    def _write_records(self, records: list[Record]) -> None:
-        if self.metrics is not None:
-            for record in records:
-                self.metrics.write(record)
-
-    def _event(self, name: str, **fields: Any) -> None:
-        """An event record (docs/metrics.md) at the current step; rank 0 writes it."""
-        if self.metrics is not None:
-            self.metrics.write(records.event(name, self.step, **fields))
 
     def _beat_stats(self) -> Speed:
         """This rank's speed for its liveness record; called on the watchdog's thread (the
         timer replaces its ``last`` dict whole, so reading it there is safe)."""
         last = self.balance.timer.last
         return records.beat_stats(last, self.task.item_name, self.runtime.device)
-
-    def _log_train(
-        self, loss: float, grad_norm: float, rate: float, steps: int, elapsed: float
-    ) -> None:
-        # This rank's communication since the last line (every rank counts its own; rank 0's
-        # is logged: data-parallel ranks send alike).
-        total_sent, total_waited = self.strategy.comm.totals()
-        sent, waited = total_sent - self._comm_mark[0], total_waited - self._comm_mark[1]
-        self._comm_mark = (total_sent, total_waited)
-        if not self.is_main:
-            return
-        window = records.TrainWindow(loss, grad_norm, rate, steps, elapsed, sent, waited)
-        record = records.train_record(
-            self.step,
-            window,
-            lr=self.step_lr,
-            item_name=self.task.item_name,
-            global_batch_size=self.cfg.data.global_batch_size,
-            epoch=self.loader.epoch(),
-            items_seen=self.items_seen,
-            skipped_steps=self.skipped_steps,
-            param_bytes=self.param_bytes,
-            counted=not isinstance(self.strategy, ShardedState),
-        )
-        assert self.metrics is not None
-        self.metrics.write(record)  # the progress line is one of the sinks
 
     def evaluate(self, max_samples: int = 0) -> float | None:
         """Mean validation loss, and the task's metrics; every sample of the set (or of its
@@ -611,14 +485,5 @@ class Trainer:
             self.task, self.strategy, self.runtime.device, batch_size, max_samples, tick
         )
         self.val_metrics = result.metrics
-        if self.is_main:
-            assert self.metrics is not None
-            self.metrics.write(
-                records.eval_record(self.step, result.loss, result.items, result.metrics)
-            )
-            extra = "".join(f", {name} {value:.4f}" for name, value in result.metrics.items())
-            self.log(
-                f"step {self.step}: val_loss {result.loss:.4f} over {result.items} "
-                f"{self.task.item_name}{extra}"
-            )
+        self.run_log.evaluated(self.step, result.loss, result.items, result.metrics)
         return result.loss
