@@ -11,9 +11,12 @@ import pytest
 import torch
 from torch import nn
 
+from dtrain.config_load import build_config
+from dtrain.data.shards import write_shards
 from dtrain.errors import UserError
 from dtrain.parallel.materialize import materialize, require_init
 from dtrain.parallel.skeleton import meta_copy
+from dtrain.tasks import gpt
 from dtrain.testing import run_ranks
 from tests.conftest import tiny_raw
 from tests.recipe_helpers import initial_state_each, set_up_peak_bytes, train_each
@@ -112,3 +115,22 @@ def test_run_init_from_fills_a_meta_built_model(tmp_path: Path) -> None:
     (started,) = run_ranks(initial_state_each, 2, [second])[0]
     for key, value in trained.items():
         assert np.array_equal(started[key], value), key
+
+
+def test_a_gpt_that_prints_no_samples_never_asks_for_the_whole_model(tmp_path: Path) -> None:
+    # Task.after_training gets the whole model on rank 0, gathered from every rank's part: the
+    # built-in GPT asks for it to print samples only, so with generate_tokens = 0 a meta-built
+    # GPT larger than one rank never holds it whole (it did, after the final checkpoint).
+    for split in ("train", "val"):
+        write_shards([{"tokens": b"def f(x):\n    return x\n" * 4}] * 4, tmp_path / split)
+
+    def built(tokens: int) -> Any:
+        task = {"data_dir": str(tmp_path), "seq_len": 16, "n_layer": 1, "d_model": 32}
+        raw = {
+            "run": {"dir": str(tmp_path / "run"), "task": "dtrain.tasks.gpt:build"},
+            "task": {**task, **META, "n_head": 2, "generate_tokens": tokens},
+        }
+        return gpt.build(build_config(raw, gpt.GPTTaskConfig))
+
+    assert built(0).after_training is None
+    assert built(8).after_training is not None

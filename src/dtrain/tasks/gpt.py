@@ -124,7 +124,10 @@ def build(cfg: Config) -> Task:
         loss_fn=lm_loss,
         collate_fn=collate,
         item_name="tokens",
-        after_training=lambda m: generate_samples(m, tokens, seed),
+        # Samples need the whole trained model on rank 0, gathered from every rank's part:
+        # asked for none, the task gathers none (a model too big for one rank trains to
+        # the end).
+        after_training=(lambda m: generate_samples(m, tokens, seed)) if tokens else None,
         init_weights=GPT.init_weights if opts.meta_init else None,
         # Windows hold seq_len targets each, none of them padding: the ranks need not count.
         items_per_sample=opts.seq_len if opts.samples == "windows" else None,
