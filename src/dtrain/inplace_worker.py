@@ -71,6 +71,8 @@ def train_in_place(cfg: Config) -> Summary | None:
             except BaseException as exc:
                 if not recovery.recoverable(exc):
                     raise
+                if not isinstance(exc, Regroup):
+                    recovery.sever()  # first: peers blocked on this rank fail at once
                 why = "to admit a worker" if isinstance(exc, Regroup) else collective_cause(exc)
                 held = recovery.hold(trainer)
                 where = f"step {held.step}" if held is not None else "no state yet"

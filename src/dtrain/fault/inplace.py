@@ -47,6 +47,7 @@ from dtrain.fault.membership import (
     Member,
 )
 from dtrain.fault.peer_failure import is_collective_failure
+from dtrain.fault.sever import GenerationLinks
 from dtrain.fault.watchdog import GENERATION_ENV
 from dtrain.runtime import NAMESPACE_ENV, Runtime, choose_backend, choose_device, threads_per_worker
 
@@ -102,6 +103,11 @@ class Recovery:
         # The step starting, and the parts' state and the model's buffers as it starts.
         self._boundary: tuple[int, dict[str, Any], dict[str, torch.Tensor]] | None = None
         self._buffer_names: list[str] | None = None
+        # The connections this generation's process groups open to the other members (made
+        # before they are: dtrain.fault.sever), and those members' processes.
+        self.links = GenerationLinks()
+        others = [m for m in generation.members if m != member.id]
+        self._peers = member.pids(others) if others else []
 
     # -- in the loop -----------------------------------------------------------------------
 
@@ -133,6 +139,12 @@ class Recovery:
         return isinstance(error, Regroup) or is_collective_failure(error)
 
     # -- between generations -------------------------------------------------------------
+
+    def sever(self) -> int:
+        """After a failed collective: shut down this generation's connections to the other
+        members, so that a peer blocked on this rank fails at once instead of at its timeout
+        (:mod:`dtrain.fault.sever`); how many were shut down."""
+        return self.links.sever(self._peers)
 
     def hold(self, trainer: Trainer | None) -> HeldState | None:
         """After a failed collective or a regroup: this rank's state, consistent at a step
@@ -265,10 +277,9 @@ class Retired:
     idle: every collective they ran has failed or timed out (``dist.timeout_s``). Freeing a
     gloo group while one of its threads still holds a collective deadlocks: its destructor
     joins the thread holding the GIL, and the thread needs the GIL to release the collective's
-    tensors (seen in a chaos trial). So the groups' sockets stay open meanwhile, and a peer
-    blocked on this rank in a collective learns that it left only at its own timeout (with 3
-    or more workers: a survivor that was not talking to the failed one). Then one collection
-    frees them (quick: older objects are frozen)."""
+    tensors (seen in a chaos trial). Their sockets stay open meanwhile; after a failure the
+    connections to the other members are shut down at once (:meth:`Recovery.sever`), so no
+    peer waits on them. Then one collection frees them (quick: older objects are frozen)."""
 
     def __init__(self, idle_after_s: float) -> None:
         self.idle_after_s = idle_after_s

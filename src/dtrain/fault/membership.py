@@ -35,6 +35,7 @@ import socket
 import threading
 import time
 import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,6 +148,11 @@ class Member:
                         float(record["asked_at"]),
                     )
             time.sleep(POLL_S)
+
+    def pids(self, members: Iterable[int]) -> list[int]:
+        """The processes of ``members`` as registered now (one not registered: left out)."""
+        infos = (_get_json(self.store, f"member/{m}/info") for m in members)
+        return [int(info["pid"]) for info in infos if info is not None]
 
     def finish(self) -> None:
         """The run completed: members still waiting to join need not."""
