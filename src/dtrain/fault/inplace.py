@@ -8,10 +8,11 @@ Each worker runs :func:`train_in_place` instead of one plain training run::
         process group of the generation (destroy the old one, init on inplace/gen<g>/pg)
         trainer = a fresh task and Trainer at the generation's rank and world size
         trainer.fit():
-            resume: heal -- the rank furthest along (newest generation, then step) broadcasts
-                    model, optimizer, LR schedule, data position and trainer counters; every
-                    rank loads them (no checkpoint file read) and seeds its RNG as a resume at
-                    a new world size does. Nobody holds a state (the job's start): resume
+            resume: heal -- the rank furthest along (newest generation, then step) sends
+                    model, optimizer, LR schedule, data position and trainer counters, tensor
+                    by tensor, to each rank that holds an older state (a joiner); every rank
+                    loads its state (no checkpoint file read) and seeds its RNG as a resume
+                    at a new world size does. Nobody holds a state (the job's start): resume
                     from the newest checkpoint as always.
             every step: the parts' state at the step's start is kept (a few small dicts)
             a collective fails (a peer died, or timed out)  -> leave, holding the state:
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain.config import DistConfig
+from dtrain.fault.handover import recv_state, send_state
 from dtrain.fault.membership import (
     COORDINATOR_ENV,
     Generation,
@@ -180,13 +182,18 @@ class Recovery:
         source = max(range(world), key=lambda r: (ranks[r][0], ranks[r][1], -r))
         if ranks[source][0] < 0:
             return False
-        if world > 1:
-            box: list[Any] = [None]
-            if rank == source:
-                assert held is not None
-                box[0] = _to_cpu(held.payload)
-            dist.broadcast_object_list(box, src=source)
-            payload = held.payload if rank == source and held is not None else box[0]
+        # A rank that holds the source's generation and step holds its state: data-parallel
+        # replicas are equal bit for bit, and so are the parts (the data position, schedule,
+        # counters: global). Only the others -- a joiner, a worker back from a hang, a rank
+        # behind by a step -- receive it, tensor by tensor (dtrain.fault.handover).
+        behind = [r for r in range(world) if ranks[r] != ranks[source]]
+        device = trainer.runtime.device
+        if rank == source:
+            assert held is not None
+            for other in behind:
+                send_state(held.payload, other, device)
+        if rank in behind:
+            payload = recv_state(source, device)
         else:
             assert held is not None
             payload = held.payload
@@ -216,18 +223,6 @@ class Recovery:
             "healed_from": self.healed_from,
             "seconds": round(self.healed_s, 4),
         }
-
-
-def _to_cpu(value: Any) -> Any:
-    """A copy with every tensor on the CPU (what a broadcast of Python objects can carry
-    whatever the ranks' devices)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
 
 
 def generation_runtime(cfg: DistConfig, generation: Generation, member: Member) -> Runtime:
