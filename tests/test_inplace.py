@@ -133,6 +133,42 @@ def test_the_killed_worker_restarted_heals_from_the_survivor(tmp_path: Path) -> 
     assert_same_final_params(reference, run_dir, steps)
 
 
+@pytest.mark.slow
+def test_below_min_replicas_the_survivors_save_and_the_job_stops(tmp_path: Path) -> None:
+    # 2 workers, fault.min_replicas = 2: member 0 killed in its 4th step leaves 1.
+    run_dir = tmp_path / "run"
+    raw = tiny_raw(
+        run_dir,
+        JOB,
+        train={"steps": 10},
+        fault={"recovery": "inplace", "min_replicas": 2},
+    )
+    raw["task"].update({"kill_member": 0, "kill_at_forward": 4})
+    config = tmp_path / "job.toml"
+    config.write_text(build_job_config(raw).to_toml())
+    launch = Launch(config, 2, "--max-restarts", "1", cwd=REPO)
+    try:
+        code = launch.wait(300)
+    finally:
+        launch.close()
+    text = launch.text()
+    assert code == 1, text[-4000:]
+    # Step 4 was in flight: dropped; the survivor saves step 3 and trains no step alone.
+    reason = "1 of 2 workers left at step 3 (member(s) 0 lost), fewer than fault.min_replicas = 2"
+    assert (
+        f"dtrain: error: the job stopped: {reason}; the survivors saved "
+        "checkpoints/step-00000003; run the same command again to resume from it"
+    ) in text
+    status = json.loads((run_dir / "status.json").read_text())
+    assert (status["state"], status["step"], status["signal"]) == ("stopped", 3, reason)
+    (event,) = membership_events(run_dir)
+    assert (event["step"], event["left"], event["world_size"]) == (3, [0], 1)
+    assert event["stopped"] == reason
+    assert_exactly_once(run_dir, 3)
+    reference = reference_params(tmp_path, [(2, 3)])
+    assert_same_final_params(reference, run_dir, 3)
+
+
 @pytest.mark.parametrize("strategy", ["fsdp", "pipeline", "localsgd"])
 def test_inplace_with_a_strategy_that_cannot_heal_is_one_config_error(
     tmp_path: Path, strategy: str

@@ -190,6 +190,12 @@ class FaultConfig:
         "allreduce; one machine) the survivors go on at the new world size and a restarted "
         "worker heals from a peer's memory (docs/fault-tolerance.md)",
     )
+    min_replicas: int = _opt(
+        1,
+        "fault.recovery = 'inplace': the fewest workers training goes on with; a failure that "
+        "leaves fewer stops the job (the survivors save a checkpoint; exit code 1)",
+        min=1,
+    )
 
 
 @dataclass
@@ -475,6 +481,12 @@ def validate_cross_fields(cfg: Config) -> None:
             f"fault.recovery = 'inplace' does not work with strategy.name = "
             f"{cfg.strategy.name!r}: only {' and '.join(INPLACE_STRATEGIES)} keep a whole "
             "replica on every rank to heal from; use fault.recovery = 'restart'"
+        )
+    if cfg.fault.min_replicas != 1 and cfg.fault.recovery != "inplace":
+        raise ConfigError(
+            f"fault.min_replicas = {cfg.fault.min_replicas} applies to fault.recovery = "
+            "'inplace' only (restart mode restarts every worker after any failure); remove it "
+            "or set fault.recovery = 'inplace'"
         )
     debug = cfg.debug
     if 0 <= debug.slowdown_to_step < debug.slowdown_from_step:

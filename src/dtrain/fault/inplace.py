@@ -283,6 +283,11 @@ class Retired:
     def keep(self, trainer: Any) -> None:
         self.kept.append((time.monotonic(), trainer))
 
+    def wait_for_saves(self) -> None:
+        """Until no earlier generation's checkpoint save is in flight on this rank."""
+        for _, trainer in self.kept:
+            trainer.checkpointer.wait()
+
     def free_idle(self) -> None:
         now = time.monotonic()
         if self.kept and now - self.kept[0][0] > self.idle_after_s:
