@@ -42,10 +42,15 @@ JOB: dict[str, dict[str, object]] = {
 
 
 def launch_job(
-    tmp_path: Path, steps: int, max_restarts: int, strategy: str = "ddp", **task: object
+    tmp_path: Path,
+    steps: int,
+    max_restarts: int,
+    strategy: str = "ddp",
+    nproc: int = 2,
+    **task: object,
 ) -> Path:
-    """Run ``dtrain train`` with fault.recovery = 'inplace' on 2 workers, member 0 killed in
-    its 4th step; returns the run folder."""
+    """Run ``dtrain train`` with fault.recovery = 'inplace' on ``nproc`` workers, member 0
+    (or the task's ``kill_member``) killed in its 4th step; returns the run folder."""
     run_dir = tmp_path / "run"
     raw = tiny_raw(
         run_dir,
@@ -58,7 +63,7 @@ def launch_job(
     cfg = build_job_config(raw)  # the task's own options (tests.tasks.MemberKillOptions)
     config = tmp_path / "job.toml"
     config.write_text(cfg.to_toml())
-    launch = Launch(config, 2, "--max-restarts", str(max_restarts), cwd=REPO)
+    launch = Launch(config, nproc, "--max-restarts", str(max_restarts), cwd=REPO)
     try:
         code = launch.wait(300)
     finally:
@@ -111,6 +116,22 @@ def test_kill9_of_one_of_two_the_survivor_goes_on_exactly_once(
     assert (event["world_size"], event["healed_from"]) == (1, 1)
     assert_exactly_once(run_dir, 10)
     reference = reference_params(tmp_path, [(2, 3), (1, 10)], strategy)
+    assert_same_final_params(reference, run_dir, 10)
+
+
+@pytest.mark.slow
+def test_kill9_of_one_of_four_no_survivor_waits_for_its_timeout(tmp_path: Path) -> None:
+    # Member 1 dies: in gloo's ring member 3 exchanges with members 0 and 2 only, which stay
+    # alive; it leaves at once only because they shut their connections (dtrain.fault.sever).
+    run_dir = launch_job(tmp_path, steps=10, max_restarts=0, nproc=4, kill_member=1)
+    (event,) = membership_events(run_dir)
+    assert (event["step"], event["left"], event["members"]) == (3, [1], [0, 2, 3])
+    # From the first survivor's ask to the state loaded: without the severing, member 3 would
+    # ask only when its collective timed out (dist.timeout_s = 60).
+    print(f"regroup took {event['seconds']:.2f} s")
+    assert event["seconds"] < 30
+    assert_exactly_once(run_dir, 10)
+    reference = reference_params(tmp_path, [(4, 3), (3, 10)])
     assert_same_final_params(reference, run_dir, 10)
 
 
