@@ -1,11 +1,12 @@
-"""Recovery after kill -9 of one of 2 workers: fault.recovery = 'inplace' against 'restart'.
+"""Recovery after kill -9 of one worker: fault.recovery = 'inplace' against 'restart'.
 
-Each trial runs the real ``dtrain train`` (tiny GPT, gloo, 2 workers, steps slowed to ~50 ms,
-a checkpoint every 4 steps) and kills one worker outright after step 10. Measured from the
+Each trial runs the real ``dtrain train`` (tiny GPT, gloo, ``--nproc`` workers (2 or 4), steps
+slowed to ~50 ms, a checkpoint every 4 steps) and kills member (rank) 1 outright after step 10;
+with 4 workers, member 3 is then a survivor not next to it in gloo's ring. Measured from the
 outside, with the wall-clock times of the train records in ``metrics.jsonl`` (one per step):
 
-- inplace: kill -> the survivor's next committed step; the restarted worker's process start
-  -> the first step it trains with the survivor (its heal included);
+- inplace: kill -> the survivors' next committed step; the restarted worker's process start
+  -> the first step it trains with the survivors (its heal included);
 - restart: kill -> the first step after torch's agent restarted both workers (which resume
   from the newest checkpoint), and the steps trained again.
 
@@ -119,13 +120,13 @@ def started_at(pid: int) -> float:
     return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
-def trial(root: Path, mode: str, number: int) -> dict[str, float]:
-    run_dir = root / f"{mode}-{number}"
+def trial(root: Path, mode: str, number: int, nproc: int) -> dict[str, float]:
+    run_dir = root / f"{mode}-{nproc}-{number}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    config = run_dir.parent / f"{mode}-{number}.toml"
+    config = run_dir.parent / f"{mode}-{nproc}-{number}.toml"
     config.write_text(build_job_config(job(run_dir, mode)).to_toml())
-    launch = Launch(config, 2, "--max-restarts", "3", cwd=ROOT)
+    launch = Launch(config, nproc, "--max-restarts", "3", cwd=ROOT)
     try:
         wait_for("step 10", lambda: True if last_step(run_dir) >= 10 else None, launch)
         if mode == "inplace":
@@ -171,6 +172,7 @@ def spread(values: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--nproc", type=int, default=2, choices=(2, 4))
     parser.add_argument("--root", default="/tmp/dtrain-bench/recovery")
     parser.add_argument("--no-doc", action="store_true")
     args = parser.parse_args()
@@ -178,7 +180,7 @@ def main() -> None:
     runs: dict[str, list[dict[str, float]]] = {"inplace": [], "restart": []}
     for number in range(args.trials):
         for mode in runs:
-            runs[mode].append(trial(root, mode, number))
+            runs[mode].append(trial(root, mode, number, args.nproc))
             print(mode, number, runs[mode][-1], flush=True)
 
     def column(mode: str, key: str) -> list[float]:
@@ -186,21 +188,24 @@ def main() -> None:
 
     inplace_s = statistics.median(column("inplace", "kill_to_step_s"))
     restart_s = statistics.median(column("restart", "kill_to_step_s"))
+    nproc = args.nproc
+    option = "" if nproc == 2 else f" --nproc {nproc}"
     lines = [
-        "## Recovery after kill -9: in place against restart (`bench_recovery.py`)",
+        f"## Recovery after kill -9 of 1 of {nproc} workers: in place against restart "
+        "(`bench_recovery.py`)",
         "",
-        f"Command: `python benchmarks/bench_recovery.py --trials {args.trials}`  ",
+        f"Command: `python benchmarks/bench_recovery.py --trials {args.trials}{option}`  ",
         f"Machine: {machine_line()}  ",
-        "Job: tiny GPT, gloo, 2 workers on one machine, ~50 ms steps, a checkpoint every 4 "
-        "steps; one worker killed (SIGKILL) after step 10; torch's agent restarts it "
+        f"Job: tiny GPT, gloo, {nproc} workers on one machine, ~50 ms steps, a checkpoint every "
+        "4 steps; worker 1 killed (SIGKILL) after step 10; torch's agent restarts it "
         f"(`--max-restarts 3`). Times are wall clock from the train records; min / median / "
         f"max over {args.trials} trials, the modes alternating.",
         "",
         "| mode | what | seconds (min / median / max) |",
         "|---|---|---:|",
-        f"| inplace | kill -> the survivor's next committed step | "
+        f"| inplace | kill -> the survivors' next committed step | "
         f"{spread(column('inplace', 'kill_to_step_s'))} |",
-        f"| inplace | restarted worker's start -> its first step with the survivor | "
+        f"| inplace | restarted worker's start -> its first step with the survivors | "
         f"{spread(column('inplace', 'start_to_shared_step_s'))} |",
         f"| restart | kill -> the first step after the restart | "
         f"{spread(column('restart', 'kill_to_step_s'))} |",
@@ -212,7 +217,8 @@ def main() -> None:
     report = "\n".join(lines)
     print(report)
     if not args.no_doc:
-        print(f"wrote {update_section('bench_recovery', report)}")
+        section = "bench_recovery" if nproc == 2 else f"bench_recovery_{nproc}"
+        print(f"wrote {update_section(section, report)}")
 
 
 if __name__ == "__main__":

@@ -81,6 +81,11 @@ def write_tiny_config(path: Path, run_dir: Path, **extra: str) -> Path:
         (["train", "--optim.lr=inf"], "optim.lr = inf is not a finite number"),
         (["train", "--balance.max_change=inf"], "balance.max_change = inf is not a finite"),
         (["train", "--optim.momentum=nan"], "optim.momentum = nan is not a finite number"),
+        (
+            ["train", "--nproc", "2", "--fault.recovery=inplace", "--fault.min_replicas=3"],
+            "fault.min_replicas = 3 is more than the job's 2 workers (--nproc 2)",
+        ),
+        (["train", "--fault.min_replicas=2"], "applies to fault.recovery = 'inplace' only"),
         (["train", '--fault.preempt_signals=["SIGKILL"]'], "SIGKILL cannot be caught"),
         (["train", '--fault.preempt_signals=["SIGSTOP"]'], "SIGSTOP cannot be caught"),
         (["verify", "/no/such/dataset"], "does not exist"),

@@ -42,10 +42,15 @@ JOB: dict[str, dict[str, object]] = {
 
 
 def launch_job(
-    tmp_path: Path, steps: int, max_restarts: int, strategy: str = "ddp", **task: object
+    tmp_path: Path,
+    steps: int,
+    max_restarts: int,
+    strategy: str = "ddp",
+    nproc: int = 2,
+    **task: object,
 ) -> Path:
-    """Run ``dtrain train`` with fault.recovery = 'inplace' on 2 workers, member 0 killed in
-    its 4th step; returns the run folder."""
+    """Run ``dtrain train`` with fault.recovery = 'inplace' on ``nproc`` workers, member 0
+    (or the task's ``kill_member``) killed in its 4th step; returns the run folder."""
     run_dir = tmp_path / "run"
     raw = tiny_raw(
         run_dir,
@@ -58,7 +63,7 @@ def launch_job(
     cfg = build_job_config(raw)  # the task's own options (tests.tasks.MemberKillOptions)
     config = tmp_path / "job.toml"
     config.write_text(cfg.to_toml())
-    launch = Launch(config, 2, "--max-restarts", str(max_restarts), cwd=REPO)
+    launch = Launch(config, nproc, "--max-restarts", str(max_restarts), cwd=REPO)
     try:
         code = launch.wait(300)
     finally:
@@ -115,6 +120,22 @@ def test_kill9_of_one_of_two_the_survivor_goes_on_exactly_once(
 
 
 @pytest.mark.slow
+def test_kill9_of_one_of_four_no_survivor_waits_for_its_timeout(tmp_path: Path) -> None:
+    # Member 1 dies: in gloo's ring member 3 exchanges with members 0 and 2 only, which stay
+    # alive; it leaves at once only because they shut their connections (dtrain.fault.sever).
+    run_dir = launch_job(tmp_path, steps=10, max_restarts=0, nproc=4, kill_member=1)
+    (event,) = membership_events(run_dir)
+    assert (event["step"], event["left"], event["members"]) == (3, [1], [0, 2, 3])
+    # From the first survivor's ask to the state loaded: without the severing, member 3 would
+    # ask only when its collective timed out (dist.timeout_s = 60).
+    print(f"regroup took {event['seconds']:.2f} s")
+    assert event["seconds"] < 30
+    assert_exactly_once(run_dir, 10)
+    reference = reference_params(tmp_path, [(4, 3), (3, 10)])
+    assert_same_final_params(reference, run_dir, 10)
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_killed_worker_restarted_heals_from_the_survivor(tmp_path: Path) -> None:
     # Slow steps: the restart (a new process importing torch: 5-20 s on a loaded 2-core
@@ -131,6 +152,42 @@ def test_the_killed_worker_restarted_heals_from_the_survivor(tmp_path: Path) -> 
     sizes = [(2, 3), (1, joined["step"]), (2, steps)]
     reference = reference_params(tmp_path, sizes, slow_ms=0)
     assert_same_final_params(reference, run_dir, steps)
+
+
+@pytest.mark.slow
+def test_below_min_replicas_the_survivors_save_and_the_job_stops(tmp_path: Path) -> None:
+    # 2 workers, fault.min_replicas = 2: member 0 killed in its 4th step leaves 1.
+    run_dir = tmp_path / "run"
+    raw = tiny_raw(
+        run_dir,
+        JOB,
+        train={"steps": 10},
+        fault={"recovery": "inplace", "min_replicas": 2},
+    )
+    raw["task"].update({"kill_member": 0, "kill_at_forward": 4})
+    config = tmp_path / "job.toml"
+    config.write_text(build_job_config(raw).to_toml())
+    launch = Launch(config, 2, "--max-restarts", "1", cwd=REPO)
+    try:
+        code = launch.wait(300)
+    finally:
+        launch.close()
+    text = launch.text()
+    assert code == 1, text[-4000:]
+    # Step 4 was in flight: dropped; the survivor saves step 3 and trains no step alone.
+    reason = "1 of 2 workers left at step 3 (member(s) 0 lost), fewer than fault.min_replicas = 2"
+    assert (
+        f"dtrain: error: the job stopped: {reason}; the survivors saved "
+        "checkpoints/step-00000003; run the same command again to resume from it"
+    ) in text
+    status = json.loads((run_dir / "status.json").read_text())
+    assert (status["state"], status["step"], status["signal"]) == ("stopped", 3, reason)
+    (event,) = membership_events(run_dir)
+    assert (event["step"], event["left"], event["world_size"]) == (3, [0], 1)
+    assert event["stopped"] == reason
+    assert_exactly_once(run_dir, 3)
+    reference = reference_params(tmp_path, [(2, 3)])
+    assert_same_final_params(reference, run_dir, 3)
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "pipeline", "localsgd"])

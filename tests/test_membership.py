@@ -60,6 +60,7 @@ def two_members(store: Any, coordinator: Coordinator, pid0: int | None = None) -
         "left": [],
         "joined": [0, 1],
         "asked_at": 0.0,
+        "stop": "",
     }
 
 
@@ -122,6 +123,33 @@ def test_a_member_restarted_before_the_others_noticed_both_left_and_joined(
     gen = latest(store)
     assert (gen["number"], gen["members"], gen["nonces"]) == (1, [0, 1], ["n0-again", "n1"])
     assert (gen["left"], gen["joined"]) == ([0], [0])
+
+
+def test_fewer_survivors_than_min_members_form_a_last_generation_that_stops(
+    store: Any, sleeper: Any
+) -> None:
+    coordinator = Coordinator(store, 2, stale_s=3.0, hang_s=30.0, min_members=2)
+    two_members(store, coordinator, sleeper.pid)
+    sleeper.kill()
+    sleeper.wait()
+    ask(store, 1, "n1", after=0, step=7)
+    coordinator.poll()
+    gen = latest(store)
+    # The survivor still gets a generation: it heals, saves and ends there.
+    assert (gen["number"], gen["members"], gen["left"]) == (1, [1], [0])
+    reason = "1 of 2 workers left at step 7 (member(s) 0 lost), fewer than fault.min_replicas = 2"
+    assert gen["stop"] == reason
+    assert store.get(f"{PREFIX}stopped").decode() == reason
+    # None after it: member 0, restarted, is told the job stopped instead of joining.
+    restarted = Member(f"127.0.0.1:{store.port}", 0, 2, timeout_s=10.0)
+    try:
+        restarted.ask(-1, -1)
+        coordinator.poll()
+        assert latest(store)["number"] == 1
+        assert restarted.wait(-1) is None
+        assert restarted.stopped() == reason
+    finally:
+        restarted.close()
 
 
 def test_a_member_that_never_asks_is_left_out_after_hang_s(store: Any) -> None:

@@ -231,16 +231,30 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
             f"fault.recovery = 'inplace' runs on one machine for now, but --nnodes "
             f"{args.nnodes} allows more; use fault.recovery = 'restart' across machines"
         )
+    if cfg.fault.recovery == "inplace" and cfg.fault.min_replicas > opts.max_world_size:
+        raise UserError(
+            f"fault.min_replicas = {cfg.fault.min_replicas} is more than the job's "
+            f"{opts.max_world_size} workers (--nproc {args.nproc}): it could never train; "
+            "lower fault.min_replicas or raise --nproc"
+        )
     if not cfg.run.dir:
         cfg.run.dir = default_run_dir(args.run_id)
     # Writable, held for this job (another live job's hold is refused), and this launcher's
     # config where only its own workers read it.
     with held_run_dir(cfg, opts.run_id, opts.rdzv_endpoint) as config_path:
         check_run_dir(cfg, args.force)
-        launch = launch_workers
         if cfg.fault.recovery == "inplace":
-            from dtrain.launch_inplace import launch_in_place as launch
-        return launch(
+            from dtrain.launch_inplace import launch_in_place
+
+            return launch_in_place(
+                config_path,
+                opts,
+                grace_s=cfg.fault.preempt_grace_s,
+                preempt_signals=cfg.fault.preempt_signals,
+                collective_timeout_s=cfg.dist.timeout_s,
+                min_replicas=cfg.fault.min_replicas,
+            )
+        return launch_workers(
             config_path,
             opts,
             grace_s=cfg.fault.preempt_grace_s,

@@ -9,6 +9,7 @@ import gc
 import os
 import sys
 
+from dtrain.checkpoint.layout import committed_steps, step_dir_name
 from dtrain.checkpoint.rundir import write_config_of_record
 from dtrain.config import Config
 from dtrain.fault.inplace import (
@@ -21,8 +22,12 @@ from dtrain.fault.inplace import (
 )
 from dtrain.fault.membership import COORDINATOR_ENV, MEMBER_ENV, MEMBERS_ENV, Member
 from dtrain.fault.peer_failure import collective_cause
+from dtrain.fault.status import RunStatus, write_status
 from dtrain.job import build_trainer_on
+from dtrain.metrics import records
+from dtrain.metrics.sinks import JsonlSink
 from dtrain.metrics.summary import Summary, print_summary
+from dtrain.runtime import barrier
 from dtrain.trainer import Trainer
 
 
@@ -33,7 +38,7 @@ def _say(text: str) -> None:
 def train_in_place(cfg: Config) -> Summary | None:
     """Train as member ``$DTRAIN_INPLACE_MEMBER`` across generations; the summary of the
     generation that finished the run, or None when the run completed before this worker
-    could join."""
+    could join or stopped below ``fault.min_replicas``."""
     member = Member(
         os.environ[COORDINATOR_ENV],
         int(os.environ[MEMBER_ENV]),
@@ -53,7 +58,9 @@ def train_in_place(cfg: Config) -> Summary | None:
             member.ask(after, held.step if held is not None else -1)
             generation = member.wait(after)
             if generation is None:
-                _say(f"member {member.id}: the run completed before this worker could join")
+                stopped = member.stopped()
+                why = f"the job stopped ({stopped})" if stopped else "the run completed"
+                _say(f"member {member.id}: {why} before this worker could join")
                 return None
             # What exists now (imports, the state held) is left out of the cyclic collector's
             # scans from here on: freeing a retired generation scans few objects.
@@ -67,10 +74,15 @@ def train_in_place(cfg: Config) -> Summary | None:
                 trainer.recovery = recovery
                 if trainer.is_main and generation.number == 0:
                     write_config_of_record(cfg)
+                if generation.stop:
+                    save_and_stop(trainer, recovery, retired, generation.stop)
+                    return None
                 summary = trainer.fit()
             except BaseException as exc:
                 if not recovery.recoverable(exc):
                     raise
+                if not isinstance(exc, Regroup):
+                    recovery.sever()  # first: peers blocked on this rank fail at once
                 why = "to admit a worker" if isinstance(exc, Regroup) else collective_cause(exc)
                 held = recovery.hold(trainer)
                 where = f"step {held.step}" if held is not None else "no state yet"
@@ -90,3 +102,25 @@ def train_in_place(cfg: Config) -> Summary | None:
             del trainer, recovery
     finally:
         member.close()
+
+
+def save_and_stop(trainer: Trainer, recovery: Recovery, retired: Retired, reason: str) -> None:
+    """A failure left fewer workers than ``fault.min_replicas`` (``reason``): the survivors
+    heal as always, save the state they hold as a checkpoint, record that the run stopped
+    and end (the launcher says why and exits 1). No step is trained at the smaller size."""
+    # An earlier generation's save still being written (or failing, and removing its
+    # temporary folder) must not meet this one: each rank waits for its own, then all agree.
+    retired.wait_for_saves()
+    barrier()
+    trainer.resume()  # heals from the survivors' memory
+    if trainer.step not in committed_steps(trainer.checkpointer.root):
+        trainer.save_checkpoint(blocking=True)
+    if trainer.is_main:
+        event = recovery.event()
+        if event is not None:
+            sink = JsonlSink(trainer.run_dir / "metrics.jsonl")
+            sink.write(records.event("membership", trainer.step, **event, stopped=reason))
+            sink.close()
+        write_status(trainer.run_dir, RunStatus("stopped", trainer.step, reason))
+        _say(f"{reason}: saved {step_dir_name(trainer.step)}; the job stops")
+    trainer.loader.close()

@@ -28,7 +28,7 @@ from dtrain.fault.membership import (
     Coordinator,
     open_store,
 )
-from dtrain.fault.status import read_status
+from dtrain.fault.status import RunStatus, read_status
 from dtrain.launch import LaunchOptions
 
 # How long the beats of a member may stop before it counts as gone (a stopped or hung
@@ -92,13 +92,21 @@ def launch_in_place(
     grace_s: float = 120.0,
     preempt_signals: Sequence[str] = ("SIGTERM", "SIGUSR1"),
     collective_timeout_s: float = 300.0,
+    min_replicas: int = 1,
 ) -> int:
     """Run the job; the exit code for the CLI: 0 once the run completed (or saved on a
-    preemption signal), else the first failing agent's."""
+    preemption signal); 1 when a failure left fewer than ``min_replicas`` workers (they saved
+    and stopped); else the first failing agent's."""
     store = open_store("0.0.0.0", 0, collective_timeout_s, is_master=True)
     # A member that has not asked for the next generation within the collective timeout
     # (and a little) of the first one that did is stuck: it is left out, and rejoins.
-    coordinator = Coordinator(store, opts.nproc, stale_s=STALE_S, hang_s=collective_timeout_s + 5.0)
+    coordinator = Coordinator(
+        store,
+        opts.nproc,
+        stale_s=STALE_S,
+        hang_s=collective_timeout_s + 5.0,
+        min_members=min_replicas,
+    )
     coordinator.start()
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -128,12 +136,30 @@ def launch_in_place(
             signal.signal(getattr(signal, name), handler)
         coordinator.stop()
     status = read_status(config_path.parent)
+    if coordinator.stopped:
+        from dtrain.console import say_error
+
+        say_error(stopped_words(coordinator.stopped, status))
+        return 1
     if status is not None and status.state in ("completed", "preempted"):
         return 0
     failed = [code for code in codes if code != 0]
     if signalled and not failed:
         return 128 + signalled[0]
     return failed[0] if failed else 0
+
+
+def stopped_words(reason: str, status: RunStatus | None) -> str:
+    """The job stopped below fault.min_replicas: why, and what was saved."""
+    from dtrain.checkpoint.layout import step_dir_name
+
+    if status is not None and status.state == "stopped":
+        saved = f"the survivors saved checkpoints/{step_dir_name(status.step)}"
+        then = "run the same command again to resume from it"
+    else:
+        saved = "the survivors' checkpoint was not written (see above)"
+        then = "run the same command again to resume from the newest checkpoint"
+    return f"the job stopped: {reason}; {saved}; {then}"
 
 
 def _wait(agent: subprocess.Popen[bytes]) -> int:

@@ -51,6 +51,12 @@ def validate_cross_fields(cfg: Config) -> None:
             f"{cfg.strategy.name!r}: only {' and '.join(INPLACE_STRATEGIES)} keep a whole "
             "replica on every rank to heal from; use fault.recovery = 'restart'"
         )
+    if cfg.fault.min_replicas != 1 and cfg.fault.recovery != "inplace":
+        raise ConfigError(
+            f"fault.min_replicas = {cfg.fault.min_replicas} applies to fault.recovery = "
+            "'inplace' only (restart mode restarts every worker after any failure); remove it "
+            "or set fault.recovery = 'inplace'"
+        )
     debug = cfg.debug
     if 0 <= debug.slowdown_to_step < debug.slowdown_from_step:
         raise ConfigError(

@@ -182,6 +182,12 @@ class FaultConfig:
         "allreduce; one machine) the survivors go on at the new world size and a restarted "
         "worker heals from a peer's memory (docs/fault-tolerance.md)",
     )
+    min_replicas: int = _opt(
+        1,
+        "fault.recovery = 'inplace': the fewest workers training goes on with; a failure that "
+        "leaves fewer stops the job (the survivors save a checkpoint; exit code 1)",
+        min=1,
+    )
 
 
 @dataclass

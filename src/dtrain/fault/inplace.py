@@ -8,10 +8,11 @@ Each worker runs :func:`train_in_place` instead of one plain training run::
         process group of the generation (destroy the old one, init on inplace/gen<g>/pg)
         trainer = a fresh task and Trainer at the generation's rank and world size
         trainer.fit():
-            resume: heal -- the rank furthest along (newest generation, then step) broadcasts
-                    model, optimizer, LR schedule, data position and trainer counters; every
-                    rank loads them (no checkpoint file read) and seeds its RNG as a resume at
-                    a new world size does. Nobody holds a state (the job's start): resume
+            resume: heal -- the rank furthest along (newest generation, then step) sends
+                    model, optimizer, LR schedule, data position and trainer counters, tensor
+                    by tensor, to each rank that holds an older state (a joiner); every rank
+                    loads its state (no checkpoint file read) and seeds its RNG as a resume
+                    at a new world size does. Nobody holds a state (the job's start): resume
                     from the newest checkpoint as always.
             every step: the parts' state at the step's start is kept (a few small dicts)
             a collective fails (a peer died, or timed out)  -> leave, holding the state:
@@ -41,12 +42,14 @@ import torch
 import torch.distributed as dist
 
 from dtrain.config import DistConfig
+from dtrain.fault.handover import recv_state, send_state
 from dtrain.fault.membership import (
     COORDINATOR_ENV,
     Generation,
     Member,
 )
 from dtrain.fault.peer_failure import is_collective_failure
+from dtrain.fault.sever import GenerationLinks
 from dtrain.fault.watchdog import GENERATION_ENV
 from dtrain.runtime import NAMESPACE_ENV, Runtime, choose_backend, choose_device, threads_per_worker
 
@@ -102,6 +105,11 @@ class Recovery:
         # The step starting, and the parts' state and the model's buffers as it starts.
         self._boundary: tuple[int, dict[str, Any], dict[str, torch.Tensor]] | None = None
         self._buffer_names: list[str] | None = None
+        # The connections this generation's process groups open to the other members (made
+        # before they are: dtrain.fault.sever), and those members' processes.
+        self.links = GenerationLinks()
+        others = [m for m in generation.members if m != member.id]
+        self._peers = member.pids(others) if others else []
 
     # -- in the loop -----------------------------------------------------------------------
 
@@ -133,6 +141,12 @@ class Recovery:
         return isinstance(error, Regroup) or is_collective_failure(error)
 
     # -- between generations -------------------------------------------------------------
+
+    def sever(self) -> int:
+        """After a failed collective: shut down this generation's connections to the other
+        members, so that a peer blocked on this rank fails at once instead of at its timeout
+        (:mod:`dtrain.fault.sever`); how many were shut down."""
+        return self.links.sever(self._peers)
 
     def hold(self, trainer: Trainer | None) -> HeldState | None:
         """After a failed collective or a regroup: this rank's state, consistent at a step
@@ -168,13 +182,18 @@ class Recovery:
         source = max(range(world), key=lambda r: (ranks[r][0], ranks[r][1], -r))
         if ranks[source][0] < 0:
             return False
-        if world > 1:
-            box: list[Any] = [None]
-            if rank == source:
-                assert held is not None
-                box[0] = _to_cpu(held.payload)
-            dist.broadcast_object_list(box, src=source)
-            payload = held.payload if rank == source and held is not None else box[0]
+        # A rank that holds the source's generation and step holds its state: data-parallel
+        # replicas are equal bit for bit, and so are the parts (the data position, schedule,
+        # counters: global). Only the others -- a joiner, a worker back from a hang, a rank
+        # behind by a step -- receive it, tensor by tensor (dtrain.fault.handover).
+        behind = [r for r in range(world) if ranks[r] != ranks[source]]
+        device = trainer.runtime.device
+        if rank == source:
+            assert held is not None
+            for other in behind:
+                send_state(held.payload, other, device)
+        if rank in behind:
+            payload = recv_state(source, device)
         else:
             assert held is not None
             payload = held.payload
@@ -204,18 +223,6 @@ class Recovery:
             "healed_from": self.healed_from,
             "seconds": round(self.healed_s, 4),
         }
-
-
-def _to_cpu(value: Any) -> Any:
-    """A copy with every tensor on the CPU (what a broadcast of Python objects can carry
-    whatever the ranks' devices)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
 
 
 def generation_runtime(cfg: DistConfig, generation: Generation, member: Member) -> Runtime:
@@ -265,10 +272,9 @@ class Retired:
     idle: every collective they ran has failed or timed out (``dist.timeout_s``). Freeing a
     gloo group while one of its threads still holds a collective deadlocks: its destructor
     joins the thread holding the GIL, and the thread needs the GIL to release the collective's
-    tensors (seen in a chaos trial). So the groups' sockets stay open meanwhile, and a peer
-    blocked on this rank in a collective learns that it left only at its own timeout (with 3
-    or more workers: a survivor that was not talking to the failed one). Then one collection
-    frees them (quick: older objects are frozen)."""
+    tensors (seen in a chaos trial). Their sockets stay open meanwhile; after a failure the
+    connections to the other members are shut down at once (:meth:`Recovery.sever`), so no
+    peer waits on them. Then one collection frees them (quick: older objects are frozen)."""
 
     def __init__(self, idle_after_s: float) -> None:
         self.idle_after_s = idle_after_s
@@ -276,6 +282,11 @@ class Retired:
 
     def keep(self, trainer: Any) -> None:
         self.kept.append((time.monotonic(), trainer))
+
+    def wait_for_saves(self) -> None:
+        """Until no earlier generation's checkpoint save is in flight on this rank."""
+        for _, trainer in self.kept:
+            trainer.checkpointer.wait()
 
     def free_idle(self) -> None:
         now = time.monotonic()

@@ -17,6 +17,8 @@ Keys (all under ``inplace/``)::
     gen/<g>            {"members", "nonces", "left", "joined", "asked_at"}
     pending            g: a worker waits to join; generation g regroups after its next step
     done               the run completed: a worker still waiting to join exits
+    stopped            why the job stops (fewer members than fault.min_replicas): a worker
+                       waiting to join exits
 
 The coordinator forms generation g+1 once every member of g has asked for a new one or is
 gone, and admits a joining member at the next step boundary (the members of g learn of it
@@ -24,6 +26,10 @@ from ``pending`` and agree on the step in its gradient sync). A member is gone w
 process has ended or is stopped (the coordinator reads /proc: every worker is on its machine),
 when its beats stop for ``stale_s``, or when it has not asked within ``hang_s`` of the first
 member that did (it is stuck, and will come back as a joiner).
+
+A regroup that would leave fewer than ``min_members`` (``fault.min_replicas``) forms one last
+generation with a ``stop`` reason: its members heal, save a checkpoint and end; the
+coordinator forms no generation after it.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import socket
 import threading
 import time
 import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +64,7 @@ class Generation:
     left: tuple[int, ...]  # members of the generation before that are not in this one
     joined: tuple[int, ...]  # members that were not in the generation before
     asked_at: float  # wall-clock time the first member asked for it (0: the first generation)
+    stop: str = ""  # why the job stops after this generation saved (below fault.min_replicas)
 
     @property
     def world_size(self) -> int:
@@ -130,10 +138,13 @@ class Member:
 
     def wait(self, after: int) -> Generation | None:
         """Wait until a generation after ``after`` that holds this member is formed; None when
-        the run completed meanwhile."""
+        the run completed or stopped (:meth:`stopped`) meanwhile."""
         while True:
             if _get(self.store, "done") is not None:
                 return None
+            # Read before the generation: the coordinator writes the last generation before
+            # "stopped", so a member of that generation finds it below (and saves).
+            stopped = self.stopped()
             latest = _get(self.store, "gen/latest")
             if latest is not None and int(latest) > after:
                 record = _get_json(self.store, f"gen/{latest}")
@@ -145,8 +156,20 @@ class Member:
                         tuple(record["left"]),
                         tuple(record["joined"]),
                         float(record["asked_at"]),
+                        str(record.get("stop", "")),
                     )
+            if stopped:
+                return None
             time.sleep(POLL_S)
+
+    def stopped(self) -> str:
+        """Why the job stops (below ``fault.min_replicas``), or "" while it goes on."""
+        return _get(self.store, "stopped") or ""
+
+    def pids(self, members: Iterable[int]) -> list[int]:
+        """The processes of ``members`` as registered now (one not registered: left out)."""
+        infos = (_get_json(self.store, f"member/{m}/info") for m in members)
+        return [int(info["pid"]) for info in infos if info is not None]
 
     def finish(self) -> None:
         """The run completed: members still waiting to join need not."""
@@ -184,9 +207,13 @@ class _Seen:
 class Coordinator:
     """Numbers the generations; runs on its own thread in the launcher, beside the store."""
 
-    def __init__(self, store: Any, members: int, *, stale_s: float, hang_s: float) -> None:
+    def __init__(
+        self, store: Any, members: int, *, stale_s: float, hang_s: float, min_members: int = 1
+    ) -> None:
         self.store = store
         self.members = members
+        self.min_members = min_members
+        self.stopped = ""  # why the job stops (below min_members), once it does
         self.stale_s = stale_s
         self.hang_s = hang_s
         self.number = -1
@@ -236,6 +263,8 @@ class Coordinator:
         return now - seen.beat_at < self.stale_s
 
     def poll(self) -> None:
+        if self.stopped:
+            return  # the last generation is formed
         now = time.monotonic()
         alive = {m for m in range(self.members) if self._alive(m, now)}
         wants = {m: _get_json(self.store, f"member/{m}/want") for m in alive}
@@ -270,16 +299,27 @@ class Coordinator:
         if silent and now - self.first_ask < self.hang_s:
             return  # a member still on its way to asking (its collective has not failed yet)
         survivors = sorted(regrouping | joiners)
-        if survivors:
+        if 0 < len(survivors) < self.min_members:
+            step = max(int(wants[m]["step"]) for m in survivors)
+            lost = sorted(set(self.current) - set(survivors))
+            self._form(survivors, stop=self._stop_reason(survivors, lost, step))
+        elif survivors:
             self._form(survivors)
         else:
             self.current, self.nonces = (), {}
+
+    def _stop_reason(self, survivors: list[int], lost: list[int], step: int) -> str:
+        who = ", ".join(str(m) for m in lost)
+        return (
+            f"{len(survivors)} of {self.members} workers left at step {step} (member(s) {who} "
+            f"lost), fewer than fault.min_replicas = {self.min_members}"
+        )
 
     def _same(self, member: int) -> bool:
         """Whether the member's running incarnation is the one in the current generation."""
         return self.nonces.get(member) == self._seen[member].nonce
 
-    def _form(self, members: list[int]) -> None:
+    def _form(self, members: list[int], stop: str = "") -> None:
         before = set(self.current)
         self.number += 1
         generation = Generation(
@@ -289,6 +329,7 @@ class Coordinator:
             tuple(sorted(m for m in before if m not in members or not self._same(m))),
             tuple(sorted(m for m in members if m not in before or not self._same(m))),
             self.first_ask_wall if self.first_ask is not None else 0.0,
+            stop,
         )
         self.nonces = {m: self._seen[m].nonce for m in members}
         self.current = tuple(members)
@@ -299,7 +340,11 @@ class Coordinator:
             "left": list(generation.left),
             "joined": list(generation.joined),
             "asked_at": generation.asked_at,
+            "stop": stop,
         }
         _set(self.store, f"gen/{self.number}", record)
         _set(self.store, "gen/latest", str(self.number))
         self.formed.append(generation)
+        if stop:  # after the generation: a member of it must see the generation first
+            self.stopped = stop
+            _set(self.store, "stopped", stop)

@@ -1,8 +1,10 @@
 """``RUN_DIR/status.json``: what state a run is in, written by rank 0 and read by the launcher
 (and by anyone watching the run folder).
 
-``state`` is ``running`` while training, ``completed`` at the end, or ``preempted`` when a
-signal stopped the run after it saved (``signal`` names it); ``step`` is the step it was at.
+``state`` is ``running`` while training, ``completed`` at the end, ``preempted`` when a
+signal stopped the run after it saved (``signal`` names it), or ``stopped`` when a failure
+left fewer workers than ``fault.min_replicas`` and they saved (``signal`` says so); ``step``
+is the step it was at.
 The file is replaced atomically, so a reader never sees half of it.
 """
 
@@ -20,9 +22,10 @@ STATUS_FILE = "status.json"
 
 @dataclass(frozen=True)
 class RunStatus:
-    state: str  # running | completed | preempted
+    state: str  # running | completed | preempted | stopped
     step: int
-    signal: str = ""  # the signal that preempted the run, or "a peer's signal"
+    # The signal that preempted the run, or "a peer's signal"; why it stopped (stopped).
+    signal: str = ""
 
 
 def write_status(run_dir: Path, status: RunStatus) -> None:
