@@ -7,13 +7,17 @@ exception in any rank fails the call with *that rank's* traceback; every process
 it returns (on success, error or timeout), so no process outlives the call.
 
 Processes come from a forkserver that has already imported torch, so each rank starts in a
-fraction of a second instead of re-importing torch.
+fraction of a second instead of re-importing torch. It has imported torch._dynamo too, which
+torch's DistributedDataParallel imports when it wraps a model: about 2 CPU-seconds per rank
+otherwise -- most of what building a DDP trainer costs -- and, on a loaded machine, long enough
+for the other ranks' first collective to time out waiting for it.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -22,13 +26,15 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 _CONTEXT: Any = None
+# What the forkserver imports once, so that no rank it starts imports it again.
+PRELOADED = ["torch", "torch.distributed", "torch._dynamo", "numpy", "dtrain", "dtrain.trainer"]
 
 
 def _context() -> Any:
     global _CONTEXT
     if _CONTEXT is None:
         _CONTEXT = mp.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "numpy", "dtrain"])
+        _CONTEXT.set_forkserver_preload(PRELOADED)
     return _CONTEXT
 
 
@@ -101,7 +107,11 @@ def _child(
                 timeout=datetime.timedelta(seconds=timeout_s),
             )
         value = fn(*args)
-        results.put(("ok", rank, value))
+        # Pickled here, by value: through the queue's own pickler, a tensor would travel as a
+        # handle to this process's memory, which the parent could no longer open once this
+        # rank has exited (torch.multiprocessing's sharing, registered once torch._dynamo --
+        # preloaded -- imports it).
+        results.put(("ok", rank, pickle.dumps(value)))
     except BaseException:
         results.put(("error", rank, traceback.format_exc()))
     finally:
@@ -164,7 +174,7 @@ def run_ranks(
                 raise failure
             values[rank] = failure
         else:
-            values[rank] = value
+            values[rank] = pickle.loads(value)
 
     try:
         while len(values) < world_size:
