@@ -6,6 +6,7 @@ a dialed slowdown, and bit-identical resume with the weights restored."""
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -452,8 +453,12 @@ def test_timing_records_and_a_dialed_straggler_are_in_the_metrics(tmp_path: Path
             parts = sum(record[f][rank] for f in fields[:4])
             assert parts == pytest.approx(record["step_s"][rank], rel=0.05)
     late = ranks[-1]
-    assert late["slowdown"][1] > 2.0  # 3x slower compute, a little data time not slowed
-    assert late["comm_s"][0] > late["comm_s"][1]  # the fast rank waits for the slow one
+    # 3x slower compute, a little data time not slowed: measured per window on a machine whose
+    # cores the other tests share, so one window may read anywhere from ~1.7x to ~5x; over the
+    # windows the slow rank stands out clearly, and the fast rank waits for it.
+    assert statistics.median(r["slowdown"][1] for r in ranks) > 1.5
+    assert statistics.median(r["slowdown"][0] for r in ranks) < 1.0
+    assert sum(r["comm_s"][0] for r in ranks) > sum(r["comm_s"][1] for r in ranks)
     # The first straggler record names rank 1. On a loaded machine the other rank's compute
     # can slow down too within a later window: rank 1 may then be reported recovered (and
     # slow again), always rank 1, never rank 0.
