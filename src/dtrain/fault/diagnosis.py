@@ -26,20 +26,6 @@ from dtrain.fault.peer_failure import (
 from dtrain.fault.store_client import StoreTimeout
 from dtrain.reachability import OPEN, REFUSED, UNREACHABLE, probe, reach_key
 
-# A beat follows a change of step or phase after at most this long (instead of waiting for the
-# next regular beat), so the store's view of a rank on another machine is rarely more than
-# that behind. Per rank: with many ranks the interval grows so that the store, which serves
-# them all, gets at most about _PROMPT_BEATS_PER_S of them a second.
-_PROMPT_BEAT_S = 0.2
-_PROMPT_BEATS_PER_S = 2000.0
-
-# How long the watchdog's first connection to the job's store may take.
-_CONNECT_S = 30.0
-
-# Phases the backstop leaves alone: finished ranks, and the user's after-training hook, which
-# cannot tick (it is the user's code); a collective inside it has its own timeout.
-_NO_BACKSTOP = frozenset({"done", "idle", "after_training"})
-
 
 class PeerDiagnosis:
     """The watchdog's diagnosis (a mixin: :class:`~dtrain.fault.watchdog.Watchdog` gives the
