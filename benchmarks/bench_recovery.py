@@ -27,11 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from _report import ROOT, machine_line, update_section
+from peers import process_cpu_s
 
 sys.path.insert(0, str(ROOT))
 
 from dtrain.job import build_job_config
-from dtrain.testing import Launch, rank_of, worker_pids
+from dtrain.testing import Launch, rank_of, started_at, worker_pids
 
 
 def job(run_dir: Path, mode: str) -> dict[str, Any]:
@@ -108,18 +109,6 @@ def workers(launch: Launch) -> list[int]:
     return out
 
 
-def started_at(pid: int) -> float:
-    """A process's start, wall clock (10 ms resolution)."""
-    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = int(stat[19])  # field 22, starttime, in clock ticks since boot
-    boot = next(
-        float(line.split()[1])
-        for line in Path("/proc/stat").read_text().splitlines()
-        if line.startswith("btime")
-    )
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
-
-
 def trial(root: Path, mode: str, number: int, nproc: int) -> dict[str, float]:
     run_dir = root / f"{mode}-{nproc}-{number}"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -149,8 +138,10 @@ def trial(root: Path, mode: str, number: int, nproc: int) -> dict[str, float]:
                 launch,
             )
             born = started_at(joiner)
+            cpu = [0.0]  # the joiner's own CPU seconds at the last look
 
             def joined() -> float | None:
+                cpu[0] = process_cpu_s(joiner) or cpu[0]
                 for r in records(run_dir):
                     if r.get("name") == "membership" and r.get("joined") == [1]:
                         found = first_train_after(run_dir, float(r["time"]))
@@ -160,6 +151,9 @@ def trial(root: Path, mode: str, number: int, nproc: int) -> dict[str, float]:
             result["start_to_shared_step_s"] = (
                 wait_for("the joiner's first step", joined, launch) - born
             )
+            # What it would take with a core of its own: the CPU its start (imports) and heal
+            # used. With 4 workers on 2 cores it gets about half a core, hence the wall time.
+            result["joiner_cpu_s"] = cpu[0]
         return result
     finally:
         launch.close()
@@ -207,6 +201,8 @@ def main() -> None:
         f"{spread(column('inplace', 'kill_to_step_s'))} |",
         f"| inplace | restarted worker's start -> its first step with the survivors | "
         f"{spread(column('inplace', 'start_to_shared_step_s'))} |",
+        f"| inplace | the restarted worker's own CPU seconds until then | "
+        f"{spread(column('inplace', 'joiner_cpu_s'))} |",
         f"| restart | kill -> the first step after the restart | "
         f"{spread(column('restart', 'kill_to_step_s'))} |",
         "",

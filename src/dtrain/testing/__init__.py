@@ -16,6 +16,7 @@ from dtrain.testing.processes import (
     pid_alive,
     processes_of,
     rank_of,
+    started_at,
     wait_gone,
     worker_pids,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "processes_of",
     "rank_of",
     "run_ranks",
+    "started_at",
     "wait_gone",
     "worker_pids",
 ]

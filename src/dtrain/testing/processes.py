@@ -220,6 +220,17 @@ def pid_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def started_at(pid: int) -> float:
+    """When a process started, wall clock (``time.time()``; the kernel counts clock ticks of
+    10 ms since boot)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    ticks = int(fields[19])  # field 22 of proc(5), starttime (the name in brackets is field 2)
+    with open("/proc/stat") as fh:
+        boot = next(float(line.split()[1]) for line in fh if line.startswith("btime"))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def wait_gone(pids: Iterable[int], timeout: float) -> float | None:
     """Seconds until none of ``pids`` is alive, or None after ``timeout``."""
     started = time.monotonic()
