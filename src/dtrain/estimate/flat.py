@@ -4,10 +4,12 @@ mesh)."""
 
 from __future__ import annotations
 
+from dtrain.estimate.fsdp import Unit, fsdp_peak
 from dtrain.estimate.job import Job
 from dtrain.estimate.layout import TensorInfo, bucket_bytes, tensors_of
 from dtrain.estimate.passes import measure_both
 from dtrain.estimate.probe import example_micro_batch
+from dtrain.estimate.report import human
 from dtrain.estimate.result import Line, MemoryEstimate
 from dtrain.parallel.allreduce import FIRST_BUCKET_BYTES  # torch's DDP: the same 1 MiB
 
@@ -44,15 +46,27 @@ def estimate_flat(job: Job, name: str) -> MemoryEstimate:
     # Gradients that exist before a micro-batch's backward: ddp's buckets, or the sum of the
     # step's earlier micro-batches. Otherwise they are made while its activations are freed.
     held = (name == "ddp" and data_parallel) or cfg.data.micro_batches > 1
-    gathers = 0
-    if shards > 1:
-        gathers = fsdp_gathers(job, tp, shards)
-        lines.append(Line("fsdp: units gathered whole (the root's gradients too)", gathers))
-        # The sharded gradients are made unit by unit as backward frees the activations;
-        # each unit's whole gradients only until they are reduce-scattered (and held whole
-        # over the micro-steps of accumulation: below).
-        held = False
+    gathers = sharded_grads = 0
     unsynced = unsynced_gradients(job, name)
+    if shards > 1:
+        peak = fsdp_peak(
+            *fsdp_units(job, tp, shards),
+            reshard_after_forward=cfg.strategy.reshard_after_forward,
+            accumulating=cfg.data.micro_batches > 1,
+        )
+        # The unsharded gradients of accumulation are their own line (below).
+        gathers = peak.unsharded - unsynced
+        sharded_grads = peak.sharded_grads
+        lines.append(Line(f"fsdp at its peak ({peak.where}): units gathered whole", gathers))
+        if sharded_grads:
+            notes.append(
+                f"forward/backward counts {human(sharded_grads)} of the gradients: those "
+                f"the reduce-scatters have made by FSDP's peak ({peak.where})"
+            )
+        # The sharded gradients are made unit by unit by the reduce-scatters: those made
+        # by FSDP's peak count (``sharded_grads``), each unit's whole gradients only while
+        # FSDP holds them (in ``gathers``).
+        held = False
     if unsynced:
         lines.append(Line("gradients of the accumulation micro-steps, before their sync", unsynced))
 
@@ -61,7 +75,8 @@ def estimate_flat(job: Job, name: str) -> MemoryEstimate:
             working = passes.working(every)
         else:
             working = passes.working(every, with_grads=not held) + (grads if held else 0)
-        return params + buffers + optim.state + persistent + unsynced + working + gathers
+        held_grads = unsynced + gathers + sharded_grads
+        return params + buffers + optim.state + persistent + working + held_grads
 
     activations = passes.activations(job.every)
     lines.append(
@@ -105,24 +120,24 @@ def staging_bytes(job: Job) -> int:
     return buckets[-1] if buckets else 0
 
 
-def fsdp_gathers(job: Job, tp: int, shards: int) -> int:
-    """FSDP's transient memory at the start of backward, where the activations peak: the root
-    unit (what no block holds: embeddings, final norm, head) gathered, with its gradients
-    unsharded (its parameters are used at both ends of the model, so its gradients are
-    complete only at the end of backward), and two blocks gathered whole (the one in
-    backward and the next, prefetched). A block's own gradients are made while its
-    activations are freed."""
+def fsdp_units(job: Job, tp: int, shards: int) -> tuple[list[Unit], Unit]:
+    """The model's FSDP units on one rank: its blocks, in forward order, and the root (what
+    no block holds: embeddings, final norm, head)."""
     model = job.task.model
-    units = [tensors_of([block], job.infos, model) for block in job.prober.blocks(model)]
-    in_units = {t.name for unit in units for t in unit}
-    root = [t for t in job.infos if t.is_parameter and t.name not in in_units]
-    root_params = sum(t.gathered_bytes(tp, shards) for t in root)
-    root_grads = sum(t.gathered_bytes(tp, shards) for t in root if t.trainable)
-    block = max(
-        (sum(t.gathered_bytes(tp, shards) for t in unit if t.is_parameter) for unit in units),
-        default=0,
-    )
-    return root_params + root_grads + 2 * block
+    blocks = [tensors_of([block], job.infos, model) for block in job.prober.blocks(model)]
+    in_blocks = {t.name for unit in blocks for t in unit}
+    root = [t for t in job.infos if t.is_parameter and t.name not in in_blocks]
+
+    def unit(tensors: list[TensorInfo]) -> Unit:
+        params = [t for t in tensors if t.is_parameter]
+        trainable = [t for t in params if t.trainable]
+        return Unit(
+            params=sum(t.gathered_bytes(tp, shards) for t in params),
+            grads=sum(t.gathered_bytes(tp, shards) for t in trainable),
+            shard_grads=sum(t.local_bytes(tp, shards) for t in trainable),
+        )
+
+    return [unit(b) for b in blocks], unit(root)
 
 
 def unsynced_gradients(job: Job, name: str, infos: list[TensorInfo] | None = None) -> int:
