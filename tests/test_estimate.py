@@ -14,6 +14,7 @@ from torch import nn
 from dtrain.cli import main
 from dtrain.config import OptimConfig
 from dtrain.errors import UserError
+from dtrain.estimate.fsdp import Moment, Unit, fsdp_moments
 from dtrain.estimate.layout import TensorInfo, model_tensors, optimizer_bytes
 from dtrain.estimate.memory import estimate_memory
 from dtrain.estimate.probe import fake_batch, fake_model, profile_pass
@@ -85,6 +86,27 @@ def test_the_state_a_rank_holds_follows_the_layout() -> None:
     assert optimizer_bytes(infos, OptimConfig(name="sgd"), 1, 1, CPU).state == params
     still = optimizer_bytes(infos, OptimConfig(name="sgd", momentum=0.0), 1, 1, CPU)
     assert still.state == 0
+
+
+def test_fsdp_holds_four_blocks_in_backward_as_torch_schedules_them() -> None:
+    # Blocks of B bytes (and gradients, sharded in 2), a root of R: the most FSDP holds in
+    # each schedule, counted in blocks (tests/fsdp_census.py counts it on a real run).
+    B, R = 100, 10
+    block, root = Unit(B, B, B // 2), Unit(R, R, R // 2)
+
+    def most(count: int, reshard: bool = True, accumulating: bool = False) -> Moment:
+        moments = fsdp_moments([block] * count, root, reshard, accumulating)
+        return max(moments, key=lambda m: m.unsharded)
+
+    # backward: a block's parameters and gradients, the next one's prefetched buffer, the
+    # last one's reduce-scatter input; the root's parameters and gradients throughout
+    assert most(12).unsharded == 4 * B + 2 * R and most(12).backward
+    assert (most(2).unsharded, most(1).unsharded) == (3 * B + 2 * R, 2 * B + 2 * R)
+    assert most(12, reshard=False).unsharded == 13 * B + 2 * R  # every block stays gathered
+    # accumulation: every unit's gradients unsharded, and two blocks gathered
+    assert most(12, accumulating=True).unsharded == 14 * B + 2 * R
+    # the sum with the gradients reduce-scattered by then: latest in backward at 4 blocks
+    assert max(fsdp_moments([block] * 12, root, True, False), key=lambda m: m.total).block == 1
 
 
 def test_memory_sizes_are_read_with_their_units() -> None:

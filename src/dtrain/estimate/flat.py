@@ -4,7 +4,7 @@ mesh)."""
 
 from __future__ import annotations
 
-from dtrain.estimate.fsdp import Unit, fsdp_peak
+from dtrain.estimate.fsdp import Moment, Unit, fsdp_moments
 from dtrain.estimate.job import Job
 from dtrain.estimate.layout import TensorInfo, bucket_bytes, tensors_of
 from dtrain.estimate.passes import measure_both
@@ -46,37 +46,47 @@ def estimate_flat(job: Job, name: str) -> MemoryEstimate:
     # Gradients that exist before a micro-batch's backward: ddp's buckets, or the sum of the
     # step's earlier micro-batches. Otherwise they are made while its activations are freed.
     held = (name == "ddp" and data_parallel) or cfg.data.micro_batches > 1
-    gathers = sharded_grads = 0
     unsynced = unsynced_gradients(job, name)
+    moments: list[Moment] = []
     if shards > 1:
-        peak = fsdp_peak(
+        # FSDP's gathered units, its unsharded gradients (those of accumulation included)
+        # and the sharded gradients its reduce-scatters have made, moment by moment.
+        moments = fsdp_moments(
             *fsdp_units(job, tp, shards),
             reshard_after_forward=cfg.strategy.reshard_after_forward,
             accumulating=cfg.data.micro_batches > 1,
         )
-        # The unsharded gradients of accumulation are their own line (below).
-        gathers = peak.unsharded - unsynced
-        sharded_grads = peak.sharded_grads
-        lines.append(Line(f"fsdp at its peak ({peak.where}): units gathered whole", gathers))
-        if sharded_grads:
+
+    def fsdp_peak(every: int) -> tuple[Moment, int]:
+        """The moment where what FSDP holds and the activations held then add up to the
+        most, and what it adds to the pass's peak: the activations the blocks after it keep
+        (not made yet in its forward, freed in its backward) are not held then."""
+        everything = passes.activations(every)
+
+        def added(moment: Moment) -> int:
+            return moment.total - (everything - passes.activations(every, moment.block))
+
+        best = max(moments, key=added)
+        return best, added(best)
+
+    if moments:
+        peak, _ = fsdp_peak(job.every)
+        gathered = peak.unsharded - unsynced  # accumulation's gradients: their own line
+        lines.append(Line(f"fsdp at its peak ({peak.where}): units gathered whole", gathered))
+        if peak.sharded_grads:
             notes.append(
-                f"forward/backward counts {human(sharded_grads)} of the gradients: those "
+                f"forward/backward counts {human(peak.sharded_grads)} of the gradients: those "
                 f"the reduce-scatters have made by FSDP's peak ({peak.where})"
             )
-        # The sharded gradients are made unit by unit by the reduce-scatters: those made
-        # by FSDP's peak count (``sharded_grads``), each unit's whole gradients only while
-        # FSDP holds them (in ``gathers``).
-        held = False
     if unsynced:
         lines.append(Line("gradients of the accumulation micro-steps, before their sync", unsynced))
 
     def step(every: int) -> int:
-        if shards > 1:
-            working = passes.working(every)
-        else:
-            working = passes.working(every, with_grads=not held) + (grads if held else 0)
-        held_grads = unsynced + gathers + sharded_grads
-        return params + buffers + optim.state + persistent + working + held_grads
+        state = params + buffers + optim.state + persistent
+        if moments:
+            return state + passes.working(every) + fsdp_peak(every)[1]
+        working = passes.working(every, with_grads=not held) + (grads if held else 0)
+        return state + unsynced + working
 
     activations = passes.activations(job.every)
     lines.append(

@@ -23,7 +23,8 @@ so four blocks in flight in backward (three with two blocks) against two in forw
 backward ends: every block at the end of forward. While a step accumulates over micro-batches
 every unit's gradients stay unsharded (and whole) until the last micro-batch's backward
 reduce-scatters their sum. The sharded gradients the reduce-scatters have made by a moment
-count too: the peak is where the sum is largest, late in backward.
+count too, and the activations still held then (:mod:`.flat` adds them): with activation
+checkpointing the peak is late in backward, without it nearer its start.
 """
 
 from __future__ import annotations
@@ -42,24 +43,29 @@ class Unit:
 
 
 @dataclass(frozen=True)
-class FSDPPeak:
-    """The moment of a step where FSDP's transient memory and the sharded gradients made so
-    far add up to the most."""
+class Moment:
+    """What FSDP holds beyond the rank's shards at one moment of a step."""
 
+    backward: bool  # in the forward or the backward of ...
+    block: int  # ... this block (counted from 0 in forward order; -1: no blocks)
     unsharded: int  # gathered parameters, unsharded gradients, flat and reduce-scatter buffers
     sharded_grads: int  # the sharded gradients the reduce-scatters have made by then
-    where: str  # "forward" or "backward of block i" (i counted from 0 in forward order)
 
     @property
     def total(self) -> int:
         return self.unsharded + self.sharded_grads
 
+    @property
+    def where(self) -> str:
+        return f"{'backward' if self.backward else 'forward'} of block {self.block}"
 
-def fsdp_peak(
+
+def fsdp_moments(
     blocks: Sequence[Unit], root: Unit, reshard_after_forward: bool, accumulating: bool
-) -> FSDPPeak:
-    """The peak over a step's forward and backward (the last micro-batch's, ``accumulating``:
-    after earlier ones whose unsharded gradients it holds, counted here)."""
+) -> list[Moment]:
+    """Each block's forward and backward in a step (the last micro-batch's, ``accumulating``:
+    after earlier ones whose unsharded gradients it holds, counted here), at the most FSDP
+    holds in each."""
     count = len(blocks)
     params = [b.params for b in blocks]
     # Unsharded gradients from earlier micro-batches of the step: every unit's, until the
@@ -73,7 +79,7 @@ def fsdp_peak(
         before = 0 if reshard_after_forward else sum(params[:i])
         gathered = before + params[i] + max(params[i], params[i - 1] if i else 0)
         held = root.params + root_earlier + sum(earlier) + gathered
-        moments.append(FSDPPeak(held, 0, "forward"))
+        moments.append(Moment(False, i, held, 0))
     for i in reversed(range(count)):  # backward
         gathered = params[i] if reshard_after_forward else sum(params[: i + 1])
         if i > 0 and reshard_after_forward:
@@ -85,7 +91,7 @@ def fsdp_peak(
             grads += blocks[i + 1].grads
         root_held = root.params + max(root.grads, root_earlier)
         done = sum(b.shard_grads for b in blocks[i + 1 :])
-        moments.append(FSDPPeak(root_held + gathered + grads, done, f"backward of block {i}"))
+        moments.append(Moment(True, i, root_held + gathered + grads, done))
     if not moments:  # no blocks: the root alone, gathered with its gradients
-        return FSDPPeak(root.params + root.grads, 0, "backward")
-    return max(moments, key=lambda m: m.total)
+        moments.append(Moment(True, -1, root.params + root.grads, 0))
+    return moments
