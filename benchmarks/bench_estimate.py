@@ -155,10 +155,9 @@ def main() -> None:
 
 NOTE = (
     "Below 0.9: bf16-mixed, by what oneDNN keeps per bf16 matrix shape on CPU (the kernels' "
-    "own memory, not counted: about 11 MiB here); hybrid fsdp on 4 ranks, by about 11 MiB "
-    "not explained (plausibly the process groups each trainer's 4-rank mesh makes; not "
-    'verified); the "malloc default" rows, by glibc keeping freed blocks resident as it '
-    "comes (allocator slack, not counted; the other rows have it return them)."
+    'own memory, not counted: about 11 MiB here); the "malloc default" rows, by glibc '
+    "keeping freed blocks resident as it comes (allocator slack, not counted; the other rows "
+    "have it return them)."
 )
 
 

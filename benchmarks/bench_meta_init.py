@@ -11,11 +11,13 @@ weights, 1,302 MiB with gradients and AdamW's two moments), fsdp on 4 and on 8 r
 steps (the second is the steady state: AdamW's moments exist from the first step on), one
 sequence of 128 bytes per rank with activation checkpointing on every block (so that the
 model's state and FSDP, not activations, are what is measured; a run without checkpointing
-shows the activations' part). Each rank's resident memory is read at the boundaries of the
-phases (set-up, forward, backward, optimizer step, the end of the run) and its peak within each
-phase (the kernel's VmHWM, reset at every boundary), above its size before the trainer was
-built. A rank's share is a quarter (4 ranks) or an eighth (8 ranks) of the whole model's
-weights, gradients and AdamW state: 4 x the bytes of the weights it holds.
+shows the activations' part; a run without FSDP's backward prefetching shows what it costs:
+each block is then gathered when its own backward begins). Each rank's resident memory is
+read at the boundaries of the phases (set-up, forward, backward, optimizer step, the end of
+the run) and its peak within each phase (the kernel's VmHWM, reset at every boundary), above
+its size before the trainer was built. A rank's share is a quarter (4 ranks) or an eighth (8
+ranks) of the whole model's weights, gradients and AdamW state: 4 x the bytes of the weights
+it holds.
 
 Then both builds run again, each rank in a cgroup of its own from its start on (a cgroup v1
 memory limit on what it allocates from there: this kernel does not move what a process held
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import os
 import re
 import shutil
@@ -98,10 +101,23 @@ def enter_cgroup(limit_bytes: int, rank: int) -> None:
     (group / "cgroup.procs").write_text(str(os.getpid()))
 
 
-def train_rank(raw: dict[str, Any], limit_bytes: int) -> dict[str, Any]:
+def without_backward_prefetch(model: Any) -> None:
+    """Each FSDP unit gathers its parameters when its own backward begins, not while the one
+    after it runs backward (torch's default): told to prefetch itself, which is gathered by
+    then, a unit prefetches nothing. The values are the same; on a GPU the all-gather no
+    longer overlaps the backward before it (on CPU, gloo's all-gathers are synchronous)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_modules_to_backward_prefetch([module])
+
+
+def train_rank(raw: dict[str, Any], limit_bytes: int, prefetch: bool) -> dict[str, Any]:
     """In a rank: build the trainer and train (with a memory limit of ``limit_bytes`` on what
-    it allocates from the start of the build, when given); each phase's peak above the size
-    before the trainer was built, that size, and the rank's weights."""
+    it allocates from the start of the build, when given; FSDP's backward prefetching off
+    unless ``prefetch``); each phase's peak above the size before the trainer was built,
+    that size, the rank's weights, the second step's time and the final loss."""
     import torch.distributed as dist
 
     from dtrain.job import build_job_config, build_trainer
@@ -120,19 +136,28 @@ def train_rank(raw: dict[str, Any], limit_bytes: int) -> dict[str, Any]:
     meter = PhaseMeter(Path(raw["run"]["dir"] + f"-rank{dist.get_rank()}"))
     trainer = without_evaluation(build_trainer(cfg))
     model, optimizer = trainer.strategy.model, trainer.optimizer
+    if not prefetch:
+        without_backward_prefetch(model)
     meter.mark("set-up")
+    step_ends: list[float] = []
     model.register_forward_pre_hook(lambda *_: meter.extend())
     model.register_forward_hook(lambda *_: meter.mark("forward"))
     optimizer.register_step_pre_hook(lambda *_: meter.mark("backward"))  # + loss, clipping
     optimizer.register_step_post_hook(lambda *_: meter.mark("optimizer step"))
+    optimizer.register_step_post_hook(lambda *_: step_ends.append(time.perf_counter()))
     trainer.fit()
     meter.mark("end")
+    digest = hashlib.sha256()  # of the rank's shards of the trained weights: equal runs
+    for param in trainer.strategy.unwrapped.parameters():
+        digest.update(param.detach().to_local().numpy().tobytes())
     block = trainer.strategy.unwrapped.blocks[0]  # a DTensor's numel is the whole one's
     return {
         "peaks": meter.peaks,
         "start": meter.start * 1024,
         "weights": trainer.strategy.parameter_bytes(),
         "block": sum(p.numel() * p.element_size() for p in block.parameters()),
+        "step": step_ends[-1] - step_ends[-2],  # the second step: optimizer end to end
+        "digest": digest.hexdigest(),
     }
 
 
@@ -181,21 +206,30 @@ RANK_ENV = {"DTRAIN_BENCH_META_PID": str(os.getpid())}
 # The limited runs are made where the whole build peaks this much above the meta build (a
 # cgroup also charges the page cache, the page tables: a limit needs room on both sides).
 SEPARATE = 1.1
-# The runs at each world size: (meta-built, activation checkpointing).
+# The runs at each world size: (meta-built, activation checkpointing, FSDP's backward
+# prefetching).
 RUNS = {
-    "meta-built": (True, True),
-    "built whole": (False, True),
-    "meta-built, no checkpointing": (True, False),
+    "meta-built": (True, True, True),
+    "built whole": (False, True, True),
+    "meta-built, no checkpointing": (True, False, True),
+    "meta-built, no backward prefetch": (True, True, False),
 }
 
 
 def launch(scratch: Path, name: str, ranks: int, args: Any, limit: int = 0) -> list[dict[str, Any]]:
-    meta, checkpointing = RUNS[name]
+    meta, checkpointing, prefetch = RUNS[name]
     folder = scratch / f"{ranks}-{name.replace(' ', '_').replace(',', '')}-{limit}"
     raw = config(folder, meta, checkpointing, ranks, args)
     try:
         return run_ranks(
-            train_rank, ranks, raw, limit, timeout=3600, env=RANK_ENV, collective_timeout=600
+            train_rank,
+            ranks,
+            raw,
+            limit,
+            prefetch,
+            timeout=3600,
+            env=RANK_ENV,
+            collective_timeout=600,
         )
     except RankFailed as exc:
         first = str(exc).splitlines()[0]
@@ -226,6 +260,8 @@ def measure(scratch: Path, ranks: int, args: Any) -> dict[str, Any]:
             "start": max(r["start"] for r in results),
             "weights": max(r["weights"] for r in results),
             "block": results[0]["block"],
+            "step": max(r["step"] for r in results),
+            "digests": [r["digest"] for r in results],
         }
         print(f"{ranks} ranks, {name}: peak {free[name]['peak'] / MIB:.0f} MiB", flush=True)
     meta, whole = free["meta-built"], free["built whole"]
@@ -242,7 +278,22 @@ def measure(scratch: Path, ranks: int, args: Any) -> dict[str, Any]:
         except RankFailed as exc:
             outcome[name] = "failed: " + str(exc).splitlines()[0][:100]
         print(f"{ranks} ranks, {name}, start + {limit / MIB:.0f} MiB: {outcome[name]}", flush=True)
-    return {"free": free, "limit": limit, "start": start, "outcome": outcome}
+    return {
+        "free": free,
+        "limit": limit,
+        "start": start,
+        "outcome": outcome,
+        "estimate": estimated_peak(scratch, ranks, args),
+    }
+
+
+def estimated_peak(scratch: Path, ranks: int, args: Any) -> int:
+    """``dtrain estimate``'s peak for the meta-built run (the model on the meta device)."""
+    from dtrain.estimate import estimate_memory
+    from dtrain.job import build_job_config
+
+    raw = config(scratch / "estimate", True, True, ranks, args)
+    return estimate_memory(build_job_config(raw), ranks).peak
 
 
 def report(ranks: int, result: dict[str, Any]) -> list[str]:
@@ -261,8 +312,8 @@ def report(ranks: int, result: dict[str, Any]) -> list[str]:
         f"{ranks * weights / MIB:,.0f} MiB = {ranks / 4:g}x the share. Start of a rank "
         f"(torch, the process group): {start / MIB:,.0f} MiB.",
         "",
-        "| build | " + " | ".join(PHASES) + f" | peak | x share | {limited} |",
-        "|---|" + "---:|" * (len(PHASES) + 2) + "---|",
+        "| build | " + " | ".join(PHASES) + f" | peak | x share | step 2 (s) | {limited} |",
+        "|---|" + "---:|" * (len(PHASES) + 3) + "---|",
     ]
     for name, run in free.items():
         cells = [f"{run['phases'][p] / MIB:,.0f}" for p in PHASES]
@@ -271,10 +322,12 @@ def report(ranks: int, result: dict[str, Any]) -> list[str]:
             ratio = f"**{ratio}**"
         lines.append(
             f"| {name} | {' | '.join(cells)} | {run['peak'] / MIB:,.0f} | {ratio} "
-            f"| {result['outcome'].get(name, '(not run)')} |"
+            f"| {run['step']:.1f} | {result['outcome'].get(name, '(not run)')} |"
         )
     meta = free["meta-built"]
     meta_peak, phases, block = meta["peak"], meta["phases"], meta["block"]
+    quiet = free["meta-built, no backward prefetch"]
+    same = "bit-identical" if quiet["digests"] == meta["digests"] else "NOT identical"
     plain = free["meta-built, no checkpointing"]["peak"]
 
     def beyond(phase: str, held: int, unit: int, name: str, what: str) -> str:
@@ -299,13 +352,21 @@ def report(ranks: int, result: dict[str, Any]) -> list[str]:
             4,
             block,
             "B",
-            "FSDP's gathered blocks, a block's unsharded gradients and their reduce-scatter buffer",
+            "a block's gathered parameters and unsharded gradients, the next block's prefetched "
+            "all-gather buffer, the last block's reduce-scatter input",
         )
         + "; "
         + beyond("optimizer step", 4, weights, "W", "AdamW's foreach temporaries")
         + ". 3W: weights and moments; 4W: and the gradients (nearly all made by the "
         "backward's peak). Without activation checkpointing the peak is "
-        f"{plain / MIB:,.0f} MiB ({plain / meta_peak:.2f}x this one).",
+        f"{plain / MIB:,.0f} MiB ({plain / meta_peak:.2f}x this one). Without FSDP's "
+        f"backward prefetching (each block gathered when its own backward begins) the "
+        f"backward's peak is {quiet['phases']['backward'] / MIB:,.0f} MiB "
+        f"({(phases['backward'] - quiet['phases']['backward']) / block:.1f}B less), the "
+        f"peak {quiet['peak'] / share:.2f}x the share; the trained weights are {same} "
+        f"on every rank; step 2 {quiet['step']:.1f} s against {meta['step']:.1f} s. "
+        f"`dtrain estimate` of the meta-built run: peak {result['estimate'] / MIB:,.0f} MiB "
+        f"({result['estimate'] / meta_peak:.2f}x the measured).",
     ]
     if limited != "under a limit":
         lines += [
@@ -363,12 +424,22 @@ def main() -> None:
                 *lines,
                 "Target: the meta-built peak <= 1.3x the rank's share of weights, gradients and "
                 "optimizer state (above the runtime's baseline, the rank's start). What FSDP holds "
-                "beyond the share at the peak is about 4 blocks' weights at either world size, "
-                "while the share falls as 1/N: with the blocks holding nearly all the weights, "
-                "the ratio is about 1 + N / (number of blocks) -- 1.3x needs N <= 0.3 x the "
-                "blocks. On 4 ranks a rank's share equals the whole fp32 weights, so building "
-                "the model whole costs no more than training does (equal peaks); on 8 the whole "
-                "build is the peak, and only the meta build trains under a limit below it.",
+                "beyond the share at the peak is about 4 blocks' weights at either world size "
+                "(torch's FSDP2 in backward: a block's gathered parameters and their unsharded "
+                "gradients, the next block's prefetched all-gather buffer, the last block's "
+                "reduce-scatter input, which torch keeps until the next reduce-scatter; "
+                "src/dtrain/estimate/fsdp.py), while the share falls as 1/N: with the blocks "
+                "holding nearly all the weights, the ratio is about 1 + N / (number of blocks) "
+                "-- 1.3x needs N <= 0.3 x the blocks. Without the backward prefetch (not "
+                "dtrain's default: on a GPU it overlaps each all-gather with the backward "
+                "before it) FSDP holds 3 blocks: about 1 + 0.75 N / (number of blocks). On 4 "
+                "ranks a rank's share equals the whole fp32 weights, so building the model whole "
+                "costs no more than training does (equal peaks); on 8 the whole build is the "
+                "peak, and only the meta build trains under a limit below it. Step 2 is one "
+                "step's wall time in each run, on 2 cores shared with other jobs: no speed "
+                "comparison (on CPU gloo's all-gathers are synchronous, so the prefetch has "
+                "nothing to overlap here; on a GPU it hides each block's all-gather behind "
+                "the backward before it).",
             ]
         )
         print(f"wrote {update_section('bench_meta_init', body)}")

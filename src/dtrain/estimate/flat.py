@@ -4,10 +4,12 @@ mesh)."""
 
 from __future__ import annotations
 
+from dtrain.estimate.fsdp import Moment, Unit, fsdp_moments
 from dtrain.estimate.job import Job
 from dtrain.estimate.layout import TensorInfo, bucket_bytes, tensors_of
 from dtrain.estimate.passes import measure_both
 from dtrain.estimate.probe import example_micro_batch
+from dtrain.estimate.report import human
 from dtrain.estimate.result import Line, MemoryEstimate
 from dtrain.parallel.allreduce import FIRST_BUCKET_BYTES  # torch's DDP: the same 1 MiB
 
@@ -44,24 +46,47 @@ def estimate_flat(job: Job, name: str) -> MemoryEstimate:
     # Gradients that exist before a micro-batch's backward: ddp's buckets, or the sum of the
     # step's earlier micro-batches. Otherwise they are made while its activations are freed.
     held = (name == "ddp" and data_parallel) or cfg.data.micro_batches > 1
-    gathers = 0
-    if shards > 1:
-        gathers = fsdp_gathers(job, tp, shards)
-        lines.append(Line("fsdp: units gathered whole (the root's gradients too)", gathers))
-        # The sharded gradients are made unit by unit as backward frees the activations;
-        # each unit's whole gradients only until they are reduce-scattered (and held whole
-        # over the micro-steps of accumulation: below).
-        held = False
     unsynced = unsynced_gradients(job, name)
+    moments: list[Moment] = []
+    if shards > 1:
+        # FSDP's gathered units, its unsharded gradients (those of accumulation included)
+        # and the sharded gradients its reduce-scatters have made, moment by moment.
+        moments = fsdp_moments(
+            *fsdp_units(job, tp, shards),
+            reshard_after_forward=cfg.strategy.reshard_after_forward,
+            accumulating=cfg.data.micro_batches > 1,
+        )
+
+    def fsdp_peak(every: int) -> tuple[Moment, int]:
+        """The moment where what FSDP holds and the activations held then add up to the
+        most, and what it adds to the pass's peak: the activations the blocks after it keep
+        (not made yet in its forward, freed in its backward) are not held then."""
+        everything = passes.activations(every)
+
+        def added(moment: Moment) -> int:
+            return moment.total - (everything - passes.activations(every, moment.block))
+
+        best = max(moments, key=added)
+        return best, added(best)
+
+    if moments:
+        peak, _ = fsdp_peak(job.every)
+        gathered = peak.unsharded - unsynced  # accumulation's gradients: their own line
+        lines.append(Line(f"fsdp at its peak ({peak.where}): units gathered whole", gathered))
+        if peak.sharded_grads:
+            notes.append(
+                f"forward/backward counts {human(peak.sharded_grads)} of the gradients: those "
+                f"the reduce-scatters have made by FSDP's peak ({peak.where})"
+            )
     if unsynced:
         lines.append(Line("gradients of the accumulation micro-steps, before their sync", unsynced))
 
     def step(every: int) -> int:
-        if shards > 1:
-            working = passes.working(every)
-        else:
-            working = passes.working(every, with_grads=not held) + (grads if held else 0)
-        return params + buffers + optim.state + persistent + unsynced + working + gathers
+        state = params + buffers + optim.state + persistent
+        if moments:
+            return state + passes.working(every) + fsdp_peak(every)[1]
+        working = passes.working(every, with_grads=not held) + (grads if held else 0)
+        return state + unsynced + working
 
     activations = passes.activations(job.every)
     lines.append(
@@ -105,24 +130,24 @@ def staging_bytes(job: Job) -> int:
     return buckets[-1] if buckets else 0
 
 
-def fsdp_gathers(job: Job, tp: int, shards: int) -> int:
-    """FSDP's transient memory at the start of backward, where the activations peak: the root
-    unit (what no block holds: embeddings, final norm, head) gathered, with its gradients
-    unsharded (its parameters are used at both ends of the model, so its gradients are
-    complete only at the end of backward), and two blocks gathered whole (the one in
-    backward and the next, prefetched). A block's own gradients are made while its
-    activations are freed."""
+def fsdp_units(job: Job, tp: int, shards: int) -> tuple[list[Unit], Unit]:
+    """The model's FSDP units on one rank: its blocks, in forward order, and the root (what
+    no block holds: embeddings, final norm, head)."""
     model = job.task.model
-    units = [tensors_of([block], job.infos, model) for block in job.prober.blocks(model)]
-    in_units = {t.name for unit in units for t in unit}
-    root = [t for t in job.infos if t.is_parameter and t.name not in in_units]
-    root_params = sum(t.gathered_bytes(tp, shards) for t in root)
-    root_grads = sum(t.gathered_bytes(tp, shards) for t in root if t.trainable)
-    block = max(
-        (sum(t.gathered_bytes(tp, shards) for t in unit if t.is_parameter) for unit in units),
-        default=0,
-    )
-    return root_params + root_grads + 2 * block
+    blocks = [tensors_of([block], job.infos, model) for block in job.prober.blocks(model)]
+    in_blocks = {t.name for unit in blocks for t in unit}
+    root = [t for t in job.infos if t.is_parameter and t.name not in in_blocks]
+
+    def unit(tensors: list[TensorInfo]) -> Unit:
+        params = [t for t in tensors if t.is_parameter]
+        trainable = [t for t in params if t.trainable]
+        return Unit(
+            params=sum(t.gathered_bytes(tp, shards) for t in params),
+            grads=sum(t.gathered_bytes(tp, shards) for t in trainable),
+            shard_grads=sum(t.local_bytes(tp, shards) for t in trainable),
+        )
+
+    return [unit(b) for b in blocks], unit(root)
 
 
 def unsynced_gradients(job: Job, name: str, infos: list[TensorInfo] | None = None) -> int:

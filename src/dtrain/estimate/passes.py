@@ -41,8 +41,10 @@ class Passes:
 
     runs: dict[int, PassProfile]  # checkpoint_every -> its pass; 0 is always among them
 
-    def activations(self, every: int) -> int:
-        return self.runs[0].saved.activations(every)
+    def activations(self, every: int, through: int | None = None) -> int:
+        """What the forward keeps for backward (``through``: only what the blocks up to that
+        one and no block keep, :meth:`SavedProfile.activations`)."""
+        return self.runs[0].saved.activations(every, through)
 
     def working(self, every: int, with_grads: bool = False) -> int:
         """The pass's peak (at least its activations): the parameters' gradients freed as

@@ -136,23 +136,30 @@ class SavedProfile:
     # each block's input storages (what a checkpointed block keeps)
     block_inputs: dict[int, dict[int, int]] = field(default_factory=dict)
 
-    def activations(self, checkpoint_every: int = 0) -> int:
+    def activations(self, checkpoint_every: int = 0, through: int | None = None) -> int:
         """Bytes kept for backward with every ``checkpoint_every``-th block checkpointed (0:
         none): a checkpointed block keeps only its inputs, and in backward recomputes what it
-        saved, one block at a time (the largest counts)."""
+        saved, one block at a time (the largest counts). ``through``: only what the blocks up
+        to that one and no block saved (in that block's forward the later blocks' is not
+        made yet; in its backward it is freed)."""
 
         def checkpointed(block: int) -> bool:
             return checkpoint_every > 0 and block >= 0 and block % checkpoint_every == 0
 
+        def made(block: int) -> bool:
+            return through is None or block <= through
+
         kept: dict[int, int] = {}
         recomputed: dict[int, int] = {}
         for key, (size, block) in self.saved.items():
+            if not made(block):
+                continue
             if checkpointed(block):
                 recomputed[block] = recomputed.get(block, 0) + size
             else:
                 kept[key] = size
         for block, inputs in self.block_inputs.items():
-            if checkpointed(block):
+            if checkpointed(block) and made(block):
                 kept.update(inputs)
         return sum(kept.values()) + max(recomputed.values(), default=0)
 
