@@ -180,7 +180,16 @@ def test_a_stopped_rank0_that_hosts_the_store_is_named_and_nothing_hangs(tmp_pat
     # has timed out (the chaos trials caught it).
     run_dir = tmp_path / "stop0"
     config = write_config(tmp_path / "stop0.toml", run_dir)
-    proc = start(config, "--dist.timeout_s=5", "--train.steps=1000", "--fault.preempt_grace_s=2")
+    # Heartbeats of 0.2 s: rank 1's diagnosis gives a failing peer min(1 s, heartbeat) to post
+    # its error, so it names rank 0 sooner after its collective timed out (5 s), further
+    # ahead of its hang backstop (10 s).
+    proc = start(
+        config,
+        "--dist.timeout_s=5",
+        "--train.steps=1000",
+        "--fault.preempt_grace_s=2",
+        "--fault.heartbeat_s=0.2",
+    )
     lines: list[tuple[float, str]] = []
     reader = threading.Thread(
         target=lambda: lines.extend((time.monotonic(), line) for line in proc.stderr or ()),
@@ -191,7 +200,6 @@ def test_a_stopped_rank0_that_hosts_the_store_is_named_and_nothing_hangs(tmp_pat
     try:
         wait_for_step(run_dir, 3, proc)
         rank0 = next(p for p in worker_pids(proc.pid) if _rank_of(p) == 0)
-        stopped = time.monotonic()
         os.kill(rank0, signal.SIGSTOP)
         # Not stuck: rank 1 fails and the launcher ends the group. Its SIGTERM reaches the
         # stopped rank 0 only once it runs again; torch's agent would SIGKILL it after its own
@@ -210,12 +218,18 @@ def test_a_stopped_rank0_that_hosts_the_store_is_named_and_nothing_hangs(tmp_pat
             os.kill(rank0, signal.SIGKILL)
         proc.kill()
     named = [
-        at - stopped
-        for at, line in lines
+        line
+        for _, line in lines
         if re.search(r"PeerFailure: rank 1 \(.*rank 0 \([^)]*\) stopped responding", line)
     ]
     assert named, "".join(line for _, line in lines)[-3000:]
-    assert min(named) < 10.0
+    # Named by rank 1's failed collective (its 5 s timeout, then a diagnosis whose store calls
+    # are all bounded), not by its hang backstop ("made no progress for 10s ...", which names
+    # rank 0 in the same words once rank 1 has been still for twice the timeout).
+    assert any(
+        re.search(r"a collective failed: .*\(collective error: Timed out waiting 5000ms", line)
+        for line in named
+    ), named
     assert proc.returncode != 0
 
 
@@ -246,11 +260,12 @@ def test_sigterm_to_the_launcher_saves_exits_0_and_resumes_bit_identical(tmp_pat
     config = write_config(tmp_path / "pre.toml", run_dir)
     proc = start(config)
     wait_for_step(run_dir, 6, proc)
-    sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err[-3000:]
-    assert time.monotonic() - sent < 30  # within the grace
+    # The workers saved and exited by themselves, within the grace (fault.preempt_grace_s =
+    # 30 s): torch's agent never had to kill them (it says so when it does).
+    assert "forcefully exiting via" not in err, err[-3000:]
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "preempted"
     assert not children_of(proc.pid)

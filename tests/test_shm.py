@@ -132,10 +132,13 @@ def _peer_exits() -> dict[str, Any]:
     return _sum_on_rank0(shared)
 
 
-def test_a_peer_that_exits_is_named_within_a_second() -> None:
+def test_a_peer_that_exits_is_named_by_the_liveness_check_not_the_timeout() -> None:
     result = run_ranks(_peer_exits, 2, raise_on_failure=False)[0]
+    # The check of the peers' processes (every 0.1 s) named it, not the timeout (60 s): the
+    # error says it exited, and it came in well under half the timeout, whatever the load.
     assert "peer rank 1" in result["text"] and "exited" in result["text"], result
-    assert result["s"] < 1.0, result
+    assert "timed out" not in result["text"], result
+    assert result["s"] < 30.0, result
     assert result["ours"], "the trainer must see it as a collective failure and name the peer"
 
 
@@ -149,8 +152,13 @@ def _peer_late(timeout_s: float) -> dict[str, Any]:
 
 def test_a_late_peer_is_named_when_the_timeout_expires() -> None:
     result = run_ranks(_peer_late, 2, 0.5, raise_on_failure=False)[0]
-    assert "timed out" in result["text"] and "peer rank(s) 1" in result["text"], result
-    assert 0.5 <= result["s"] < 1.5, result
+    # Named by the 0.5 s timeout (not before it), while the peer still slept: not by its exit
+    # (after 2 s), nor by its late arrival.
+    assert result["text"] == (
+        "shared-memory all-reduce timed out after 0.5s (dist.timeout_s): rank 0 waited for "
+        "peer rank(s) 1"
+    ), result
+    assert result["s"] >= 0.5, result
     assert result["ours"]
 
 
