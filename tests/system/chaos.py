@@ -159,8 +159,8 @@ class Tally:
 
 def table(tallies: list[Tally]) -> list[str]:
     rows = [
-        "| trial | what | passed | timing | median | max | target |",
-        "|---|---|---:|---|---:|---:|---:|",
+        "| trial | what | passed | timing | min | median | max | target | within it |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for tally in tallies:
         kind = TRIALS[tally.name]
@@ -173,9 +173,11 @@ def table(tallies: list[Tally]) -> list[str]:
                 kind.what if first else "",
                 f"{tally.passed}/{len(tally.outcomes)}" if first else "",
                 key,
+                f"{min(values):.2f} s" if values else "",
                 f"{median(values):.2f} s" if values else "",
                 f"{max(values):.2f} s" if values else "",
                 f"<= {target:.0f} s" if target else "",
+                f"{sum(v <= target for v in values)}/{len(values)}" if target and values else "",
             ]
             rows.append("| " + " | ".join(cells) + " |")
             first = False
@@ -187,7 +189,10 @@ def tag_summary(tally: Tally) -> list[str]:
     lines = []
     keys = sorted({k for o in tally.outcomes for k in o.tags})
     for key in keys:
-        if key in ("killed", "stopped", "raised", "corrupted", "failing", "silent", "stuck"):
+        if key in (
+            *("killed", "stopped", "raised", "corrupted", "failing", "silent", "stuck"),
+            *("kill9", "sigstop"),  # the in-place kinds' member and step, different each time
+        ):
             continue
         counts: dict[str, int] = {}
         for o in tally.outcomes:
@@ -212,6 +217,14 @@ READING = [
     "to the moment no worker process was left.",
     "- `start -> training resumed`: from starting `dtrain train` to its line saying where it "
     "resumed from (process start, torch import, verifying checkpoints, loading).",
+    "- `kill9 -> the others' next step` (inplace): from the kill to the first step the others "
+    "commit without the killed worker (the step in flight dropped, a new generation formed).",
+    "- `restarted worker's start -> its first step with the others` (inplace): from the start "
+    "of the process torch's agent started in its place (importing torch, being let in at a "
+    "step boundary, receiving the state from a peer) to the first step trained with it.",
+    "- `sigstop -> the others' next step` (inplace): the others drop the stopped worker when "
+    "their collective times out (`dist.timeout_s` = 5 s); `SIGCONT -> its first step with the "
+    "others`: its failed collective, asking to join, the state received from a peer.",
     "",
 ]
 
@@ -275,31 +288,50 @@ def main(argv: list[str] | None = None) -> int:
     if failures:
         print("\nfailed trials:\n" + "\n".join(failures))
     if not args.no_docs:
-        command = "python -m tests.system.chaos" + (
-            " " + " ".join(argv if argv is not None else sys.argv[1:])
-            if (argv if argv is not None else sys.argv[1:])
-            else ""
-        )
-        body = [
-            "## Fault tolerance (chaos)",
-            "",
-            f"Command: `{command}` (seed {args.seed}), {time.strftime('%Y-%m-%d')}, "
-            f"{elapsed / 60:.0f} min in all  ",
-            f"Machine: {machine_line()}  ",
-            "Each trial runs `python -m dtrain train` (torch's elastic agent, gloo on loopback, "
-            "CPU) on a 2-layer GPT, 64 samples, 20 AdamW steps of 8 samples, each forward "
-            'slowed by 40 ms; "bit-identical" compares the final `model.pt` with an '
-            "uninterrupted run of the same job and world size (`torch.equal`), and the "
-            "sample ids of every step with the same run's audit (`fault.audit_sample_ids`).",
-            "",
-            *rows,
-            "",
-            *(["Where the kills landed and what was damaged:", "", *notes, ""] if notes else []),
-            *READING,
-            *(["Failed trials:", "", *failures, ""] if failures else ["Every trial passed.", ""]),
-        ]
-        update_section("chaos", "\n".join(body))
+        write_docs(args, argv, names, elapsed, rows, notes, failures)
     return 0 if not failures else 1
+
+
+def write_docs(
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    names: list[str],
+    elapsed: float,
+    rows: list[str],
+    notes: list[str],
+    failures: list[str],
+) -> None:
+    """The table into docs/benchmarks.md: section ``chaos`` for every kind, a section of
+    its own for a subset (so that rerunning some kinds does not drop the others' figures)."""
+    command = "python -m tests.system.chaos" + (
+        " " + " ".join(argv if argv is not None else sys.argv[1:])
+        if (argv if argv is not None else sys.argv[1:])
+        else ""
+    )
+    every = names == list(TRIALS)
+    title = (
+        "## Fault tolerance (chaos)" if every else f"## Fault tolerance (chaos: {', '.join(names)})"
+    )
+    body = [
+        title,
+        "",
+        f"Command: `{command}` (seed {args.seed}), {time.strftime('%Y-%m-%d')}, "
+        f"{elapsed / 60:.0f} min in all  ",
+        f"Machine: {machine_line()}  ",
+        "Each trial runs `python -m dtrain train` (torch's elastic agent, gloo on loopback, "
+        "CPU) on a 2-layer GPT, 64 samples, AdamW steps of 8 samples (20; 400 for the "
+        "`inplace` kinds), each forward "
+        'slowed by 40 ms; "bit-identical" compares the final `model.pt` with an '
+        "uninterrupted run of the same job and world size (`torch.equal`), and the "
+        "sample ids of every step with the same run's audit (`fault.audit_sample_ids`).",
+        "",
+        *rows,
+        "",
+        *(["Where the kills landed and what was damaged:", "", *notes, ""] if notes else []),
+        *READING,
+        *(["Failed trials:", "", *failures, ""] if failures else ["Every trial passed.", ""]),
+    ]
+    update_section("chaos" if every else "chaos_" + "_".join(names), "\n".join(body))
 
 
 if __name__ == "__main__":
