@@ -11,13 +11,13 @@ weights, 1,302 MiB with gradients and AdamW's two moments), fsdp on 4 and on 8 r
 steps (the second is the steady state: AdamW's moments exist from the first step on), one
 sequence of 128 bytes per rank with activation checkpointing on every block (so that the
 model's state and FSDP, not activations, are what is measured; a run without checkpointing
-shows the activations' part; a run without FSDP's backward prefetching shows what it costs:
-each block is then gathered when its own backward begins). Each rank's resident memory is
-read at the boundaries of the phases (set-up, forward, backward, optimizer step, the end of
-the run) and its peak within each phase (the kernel's VmHWM, reset at every boundary), above
-its size before the trainer was built. A rank's share is a quarter (4 ranks) or an eighth (8
-ranks) of the whole model's weights, gradients and AdamW state: 4 x the bytes of the weights
-it holds.
+shows the activations' part; a run with ``strategy.backward_prefetch = false`` shows what
+FSDP's backward prefetching costs: each block is then gathered when its own backward begins).
+Each rank's resident memory is read at the boundaries of the phases (set-up, forward, backward,
+optimizer step, the end of the run) and its peak within each phase (the kernel's VmHWM, reset
+at every boundary), above its size before the trainer was built. A rank's share is a quarter (4
+ranks) or an eighth (8 ranks) of the whole model's weights, gradients and AdamW state: 4 x the
+bytes of the weights it holds.
 
 Then both builds run again, each rank in a cgroup of its own from its start on (a cgroup v1
 memory limit on what it allocates from there: this kernel does not move what a process held
@@ -101,23 +101,11 @@ def enter_cgroup(limit_bytes: int, rank: int) -> None:
     (group / "cgroup.procs").write_text(str(os.getpid()))
 
 
-def without_backward_prefetch(model: Any) -> None:
-    """Each FSDP unit gathers its parameters when its own backward begins, not while the one
-    after it runs backward (torch's default): told to prefetch itself, which is gathered by
-    then, a unit prefetches nothing. The values are the same; on a GPU the all-gather no
-    longer overlaps the backward before it (on CPU, gloo's all-gathers are synchronous)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_modules_to_backward_prefetch([module])
-
-
-def train_rank(raw: dict[str, Any], limit_bytes: int, prefetch: bool) -> dict[str, Any]:
+def train_rank(raw: dict[str, Any], limit_bytes: int) -> dict[str, Any]:
     """In a rank: build the trainer and train (with a memory limit of ``limit_bytes`` on what
-    it allocates from the start of the build, when given; FSDP's backward prefetching off
-    unless ``prefetch``); each phase's peak above the size before the trainer was built,
-    that size, the rank's weights, the second step's time and the final loss."""
+    it allocates from the start of the build, when given); each phase's peak above the size
+    before the trainer was built, that size, the rank's weights, the second step's time and
+    the final loss."""
     import torch.distributed as dist
 
     from dtrain.job import build_job_config, build_trainer
@@ -136,8 +124,6 @@ def train_rank(raw: dict[str, Any], limit_bytes: int, prefetch: bool) -> dict[st
     meter = PhaseMeter(Path(raw["run"]["dir"] + f"-rank{dist.get_rank()}"))
     trainer = without_evaluation(build_trainer(cfg))
     model, optimizer = trainer.strategy.model, trainer.optimizer
-    if not prefetch:
-        without_backward_prefetch(model)
     meter.mark("set-up")
     step_ends: list[float] = []
     model.register_forward_pre_hook(lambda *_: meter.extend())
@@ -161,10 +147,12 @@ def train_rank(raw: dict[str, Any], limit_bytes: int, prefetch: bool) -> dict[st
     }
 
 
-def config(run_dir: Path, meta: bool, checkpointing: bool, ranks: int, args: Any) -> dict[str, Any]:
+def config(
+    run_dir: Path, meta: bool, checkpointing: bool, prefetch: bool, ranks: int, args: Any
+) -> dict[str, Any]:
     return {
         "run": {"dir": str(run_dir)},
-        "strategy": {"name": "fsdp"},
+        "strategy": {"name": "fsdp", "backward_prefetch": prefetch},
         "train": {
             "steps": 2,
             "log_every": 1,
@@ -207,26 +195,25 @@ RANK_ENV = {"DTRAIN_BENCH_META_PID": str(os.getpid())}
 # cgroup also charges the page cache, the page tables: a limit needs room on both sides).
 SEPARATE = 1.1
 # The runs at each world size: (meta-built, activation checkpointing, FSDP's backward
-# prefetching).
+# prefetching: strategy.backward_prefetch).
 RUNS = {
     "meta-built": (True, True, True),
     "built whole": (False, True, True),
     "meta-built, no checkpointing": (True, False, True),
-    "meta-built, no backward prefetch": (True, True, False),
+    "meta-built, backward_prefetch = false": (True, True, False),
 }
 
 
 def launch(scratch: Path, name: str, ranks: int, args: Any, limit: int = 0) -> list[dict[str, Any]]:
     meta, checkpointing, prefetch = RUNS[name]
     folder = scratch / f"{ranks}-{name.replace(' ', '_').replace(',', '')}-{limit}"
-    raw = config(folder, meta, checkpointing, ranks, args)
+    raw = config(folder, meta, checkpointing, prefetch, ranks, args)
     try:
         return run_ranks(
             train_rank,
             ranks,
             raw,
             limit,
-            prefetch,
             timeout=3600,
             env=RANK_ENV,
             collective_timeout=600,
@@ -292,7 +279,7 @@ def estimated_peak(scratch: Path, ranks: int, args: Any) -> int:
     from dtrain.estimate import estimate_memory
     from dtrain.job import build_job_config
 
-    raw = config(scratch / "estimate", True, True, ranks, args)
+    raw = config(scratch / "estimate", True, True, True, ranks, args)
     return estimate_memory(build_job_config(raw), ranks).peak
 
 
@@ -326,7 +313,7 @@ def report(ranks: int, result: dict[str, Any]) -> list[str]:
         )
     meta = free["meta-built"]
     meta_peak, phases, block = meta["peak"], meta["phases"], meta["block"]
-    quiet = free["meta-built, no backward prefetch"]
+    quiet = free["meta-built, backward_prefetch = false"]
     same = "bit-identical" if quiet["digests"] == meta["digests"] else "NOT identical"
     plain = free["meta-built, no checkpointing"]["peak"]
 
@@ -360,7 +347,8 @@ def report(ranks: int, result: dict[str, Any]) -> list[str]:
         + ". 3W: weights and moments; 4W: and the gradients (nearly all made by the "
         "backward's peak). Without activation checkpointing the peak is "
         f"{plain / MIB:,.0f} MiB ({plain / meta_peak:.2f}x this one). Without FSDP's "
-        f"backward prefetching (each block gathered when its own backward begins) the "
+        "backward prefetching (`strategy.backward_prefetch = false`: each block gathered "
+        f"when its own backward begins) the "
         f"backward's peak is {quiet['phases']['backward'] / MIB:,.0f} MiB "
         f"({(phases['backward'] - quiet['phases']['backward']) / block:.1f}B less), the "
         f"peak {quiet['peak'] / share:.2f}x the share; the trained weights are {same} "
@@ -430,9 +418,10 @@ def main() -> None:
                 "reduce-scatter input, which torch keeps until the next reduce-scatter; "
                 "src/dtrain/estimate/fsdp.py), while the share falls as 1/N: with the blocks "
                 "holding nearly all the weights, the ratio is about 1 + N / (number of blocks) "
-                "-- 1.3x needs N <= 0.3 x the blocks. Without the backward prefetch (not "
-                "dtrain's default: on a GPU it overlaps each all-gather with the backward "
-                "before it) FSDP holds 3 blocks: about 1 + 0.75 N / (number of blocks). On 4 "
+                "-- 1.3x needs N <= 0.3 x the blocks. Without the backward prefetch "
+                "(`strategy.backward_prefetch = false`, opt-in: on a GPU the prefetch overlaps "
+                "each all-gather with the backward before it) FSDP holds 3 blocks: about "
+                "1 + 0.75 N / (number of blocks). On 4 "
                 "ranks a rank's share equals the whole fp32 weights, so building the model whole "
                 "costs no more than training does (equal peaks); on 8 the whole build is the "
                 "peak, and only the meta build trains under a limit below it. Step 2 is one "

@@ -1,8 +1,9 @@
 """What torch's FSDP2 (``fully_shard``) holds unsharded while a step runs, counted from its own
 state after every operation: each unit's gathered parameters, their unsharded gradients, the
 flat all-gather buffers (a prefetched unit's, and in forward the last unit's, kept for the
-next copy-out) and the reduce-scatter inputs it keeps until the next unit's reduce-scatter.
-The rank functions here run inside :func:`dtrain.testing.run_ranks`.
+next copy-out) and the reduce-scatter inputs it keeps until the next unit's reduce-scatter;
+and what each unit prefetches in backward (``strategy.backward_prefetch``). The rank
+functions here run inside :func:`dtrain.testing.run_ranks`.
 
 This reads torch's private FSDP2 state (``torch.distributed.fsdp._fully_shard``, torch 2.13):
 it is a measuring aid for the memory estimate's tests, not product code. Where torch renames
@@ -11,14 +12,14 @@ what it reads, :func:`fsdp_groups` fails loudly rather than count nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.dist_helpers import make_trainer
+from tests.dist_helpers import make_trainer, params_of
 
 
 def fsdp_groups(model: nn.Module) -> list[Any]:
@@ -36,6 +37,25 @@ def fsdp_groups(model: nn.Module) -> list[Any]:
     if not groups:
         raise AssertionError("no FSDP parameter groups found: is the model fully_shard-ed?")
     return groups
+
+
+def backward_prefetch_targets(roots: Iterable[nn.Module]) -> list[str]:
+    """What each FSDP unit under ``roots`` (each once) prefetches in backward, as torch will
+    run it: 'default' (torch's choice: the next unit), 'itself' (nothing: it is gathered by
+    then) or 'others'."""
+    from torch.distributed.fsdp import FSDPModule
+
+    seen: set[int] = set()
+    targets = []
+    for root in roots:
+        for module in root.modules():
+            if not isinstance(module, FSDPModule) or id(module) in seen:
+                continue
+            seen.add(id(module))
+            state = module._get_fsdp_state()
+            chosen = state._states_to_backward_prefetch
+            targets.append("default" if not chosen else "itself" if chosen == [state] else "others")
+    return targets
 
 
 def _storage(tensor: torch.Tensor | None) -> Iterator[tuple[int, int]]:
@@ -84,8 +104,9 @@ class UnshardedCensus(TorchDispatchMode):
 
 def unsharded_peaks(raw: dict[str, Any]) -> dict[str, Any]:
     """Train ``raw`` (fsdp); the peak bytes FSDP held unsharded in the forward and in the
-    backward of the steps after the first (the first also builds AdamW's state), and one
-    block's and the root's parameter bytes (whole)."""
+    backward of the steps after the first (the first also builds AdamW's state), one block's
+    and the root's parameter bytes (whole), what each unit prefetched in backward and the
+    trained parameters (whole, on rank 0)."""
     trainer = make_trainer(raw)
     model = trainer.strategy.model
     census = UnshardedCensus(model)
@@ -122,6 +143,8 @@ def unsharded_peaks(raw: dict[str, Any]) -> dict[str, Any]:
         "peaks": census.peaks,
         "block": whole(blocks[0].parameters()),
         "root": whole(p for p in model.parameters() if id(p) not in in_blocks),
+        "prefetch": backward_prefetch_targets([model]),
+        "params": params_of(trainer),
     }
 
 

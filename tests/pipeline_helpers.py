@@ -7,11 +7,13 @@ from typing import Any
 import torch
 
 from tests.dist_helpers import make_trainer, params_of
+from tests.fsdp_census import backward_prefetch_targets
 
 
 def train_and_report(raw: dict[str, Any]) -> dict[str, Any]:
     """Train; return the full parameters (rank 0), this rank's parameter bytes, the layout,
-    and what the full model gathered for the after-training hook computes."""
+    what each FSDP unit prefetched in backward, and what the full model gathered for the
+    after-training hook computes."""
     trainer = make_trainer(raw)
     summary = trainer.fit()
     strategy: Any = trainer.strategy
@@ -22,6 +24,10 @@ def train_and_report(raw: dict[str, Any]) -> dict[str, Any]:
         "val_loss": summary.val_loss,
         "train_loss": summary.train_loss,
         "bounds": getattr(getattr(strategy, "plan", None), "bounds", None),
+        # the stages' chains are FSDP roots outside the pruned model
+        "prefetch": backward_prefetch_targets(
+            [strategy.unwrapped, *getattr(strategy, "chains", {}).values()]
+        ),
     }
     model = strategy.model_for_inference()
     if model is not None:
@@ -36,3 +42,8 @@ def resume_only(raw: dict[str, Any]) -> dict[str, Any]:
     trainer = make_trainer(raw)
     trainer.resume()
     return {"step": trainer.step, "params": params_of(trainer)}
+
+
+def train_and_report_each(raws: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """:func:`train_and_report` of each config in turn, in one process."""
+    return [train_and_report(raw) for raw in raws]

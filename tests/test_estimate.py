@@ -27,6 +27,7 @@ from tests.conftest import tiny_config, tiny_raw
 from tests.estimate_helpers import peak_after_warm_up, peaks_after_warm_ups
 from tests.tasks import lm_loss
 from tests.test_cli import run_cli
+from tests.test_fault import assert_bit_equal
 
 CPU = torch.device("cpu")
 
@@ -94,14 +95,19 @@ def test_fsdp_holds_four_blocks_in_backward_as_torch_schedules_them() -> None:
     B, R = 100, 10
     block, root = Unit(B, B, B // 2), Unit(R, R, R // 2)
 
-    def most(count: int, reshard: bool = True, accumulating: bool = False) -> Moment:
-        moments = fsdp_moments([block] * count, root, reshard, accumulating)
+    def most(
+        count: int, reshard: bool = True, accumulating: bool = False, prefetch: bool = True
+    ) -> Moment:
+        moments = fsdp_moments([block] * count, root, reshard, accumulating, prefetch)
         return max(moments, key=lambda m: m.unsharded)
 
     # backward: a block's parameters and gradients, the next one's prefetched buffer, the
     # last one's reduce-scatter input; the root's parameters and gradients throughout
     assert most(12).unsharded == 4 * B + 2 * R and most(12).backward
     assert (most(2).unsharded, most(1).unsharded) == (3 * B + 2 * R, 2 * B + 2 * R)
+    # without backward prefetch: the next block is gathered when its own backward begins
+    assert most(12, prefetch=False).unsharded == 3 * B + 2 * R
+    assert most(12, reshard=False, prefetch=False).unsharded == 13 * B + 2 * R
     assert most(12, reshard=False).unsharded == 13 * B + 2 * R  # every block stays gathered
     # accumulation: every unit's gradients unsharded, and two blocks gathered
     assert most(12, accumulating=True).unsharded == 14 * B + 2 * R
@@ -202,6 +208,8 @@ FSDP_CASES: dict[str, dict[str, Any]] = {
     # backward: a block's parameters and gradients, the next one's prefetched flat buffer,
     # the last one's reduce-scatter input -- 4 blocks (2 in forward)
     "default": {},
+    # nothing prefetched in backward (strategy.backward_prefetch = false): 3 blocks
+    "no backward prefetch": {"strategy": {"backward_prefetch": False}},
     # every block stays gathered from its forward to its backward: 5 blocks
     "no reshard": {"strategy": {"reshard_after_forward": False}},
     # every unit's gradients unsharded until the last micro-batch's backward: 6 blocks
@@ -231,6 +239,13 @@ def test_fsdp_in_flight_is_what_torch_holds_unsharded(tmp_path: Path) -> None:
         fsdp_census_config(tmp_path / str(i), case) for i, case in enumerate(FSDP_CASES.values())
     ]
     ranks = run_ranks(unsharded_peaks_of_each, 2, raws)
+    default, off = list(FSDP_CASES).index("default"), list(FSDP_CASES).index("no backward prefetch")
+    # Prefetching changes when a block is gathered, not what is computed; and the option
+    # reached torch (as the census's 3 blocks against 4 below say too).
+    assert_bit_equal(ranks[0][default]["params"], ranks[0][off]["params"])
+    for rank in ranks:
+        assert rank[default]["prefetch"] == ["default"] * 5  # the 4 blocks and the root
+        assert rank[off]["prefetch"] == ["itself"] * 5
     for name, raw, *measured in zip(FSDP_CASES, raws, *ranks):
         estimate = estimate_memory(build_job_config(raw), 2)
         lines = dict((line.what, line.bytes) for line in estimate.lines)

@@ -1,13 +1,18 @@
-"""FSDP: the training math of one process; sharded checkpoints that reshard on load."""
+"""FSDP: the training math of one process; sharded checkpoints that reshard on load; its
+options where nothing is sharded."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
+import pytest
 
+from dtrain.cli import main
+from dtrain.errors import ConfigError
+from dtrain.parallel import strategy_class
 from dtrain.testing import run_ranks
-from tests.conftest import tiny_raw
+from tests.conftest import tiny_config, tiny_raw
 from tests.dist_helpers import load_full_state, save_and_full_state, train_params
 from tests.test_ddp import assert_params_close
 
@@ -47,3 +52,25 @@ def test_checkpoint_saved_on_4_ranks_loads_on_2_and_1(tmp_path: Path) -> None:
                 assert rank_result["params"].keys() == saved.keys()
                 for key, value in saved.items():
                     assert np.array_equal(rank_result["params"][key], value), (world, key)
+
+
+def test_backward_prefetch_off_without_fsdp_is_a_config_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def validate(**strategy: object) -> None:
+        cfg = tiny_config(Path("/nonexistent"), strategy={**strategy, "backward_prefetch": False})
+        strategy_class(str(strategy["name"])).validate_config(cfg, 4)
+
+    validate(name="fsdp")
+    validate(name="tensor", tensor_parallel=2, data_parallel="fsdp")
+    validate(name="pipeline", pipeline_stages=2, data_parallel="fsdp", pipeline_schedule="gpipe")
+    for name in ("ddp", "allreduce", "localsgd", "diloco"):
+        with pytest.raises(ConfigError, match=f"does not work with strategy.name = '{name}': "):
+            validate(name=name)
+    with pytest.raises(ConfigError, match="'tensor' and data_parallel = 'replicate'"):
+        validate(name="tensor", tensor_parallel=2)
+    # before any worker starts: one line, exit code 2
+    args = ["train", "--nproc", "2", "--strategy.name=ddp", "--strategy.backward_prefetch=false"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "strategy.backward_prefetch = false does not work" in err

@@ -30,7 +30,7 @@ from dtrain.task import Task
 from dtrain.testing import run_ranks
 from tests.conftest import tiny_config, tiny_raw
 from tests.dist_helpers import crash_then_resume, train_params
-from tests.pipeline_helpers import resume_only, train_and_report
+from tests.pipeline_helpers import resume_only, train_and_report, train_and_report_each
 from tests.test_ddp import assert_params_close
 from tests.test_fault import assert_bit_equal
 
@@ -97,8 +97,20 @@ def test_data_parallel_x_pipeline_on_4_ranks(single: dict[str, Any], tmp_path: P
 
 def test_fsdp_x_pipeline_on_4_ranks(single: dict[str, Any], tmp_path: Path) -> None:
     strategy = pipeline(pipeline_stages=2, pipeline_balance="uniform", data_parallel="fsdp")
-    ranks = run_ranks(train_and_report, 4, tiny_raw(tmp_path, data=DATA, strategy=strategy))
+    no_prefetch = {**strategy, "backward_prefetch": False}
+    raws = [
+        tiny_raw(tmp_path / "default", data=DATA, strategy=strategy),
+        tiny_raw(tmp_path / "no-prefetch", data=DATA, strategy=no_prefetch),
+    ]
+    both = run_ranks(train_and_report_each, 4, raws)
+    ranks = [rank[0] for rank in both]
     check_matches(single, ranks)
+    # Without FSDP's backward prefetch (strategy.backward_prefetch = false, which reached
+    # every unit of every stage): the same parameters, bit for bit.
+    assert_bit_equal(ranks[0]["params"], both[0][1]["params"])
+    for default, off in both:
+        assert default["prefetch"] and set(default["prefetch"]) == {"default"}
+        assert off["prefetch"] == ["itself"] * len(default["prefetch"])
     # Each stage's parameters are sharded over its 2 copies: half of a 2-stage rank's bytes.
     total = sum(v.nbytes for v in single["params"].values())
     assert sum(r["param_bytes"] for r in ranks) == total

@@ -204,6 +204,12 @@ class StrategyConfig:
     reshard_after_forward: bool = _opt(
         True, "fsdp: free gathered parameters after forward (less memory, one more all-gather)"
     )
+    backward_prefetch: bool = _opt(
+        True,
+        "fsdp: gather the next block's parameters while a block runs backward; false: each "
+        "block gathered when its own backward begins -- one block's parameters less at the "
+        "peak; on a GPU the all-gather then no longer overlaps compute",
+    )
     pipeline_stages: int = _opt(
         0,
         "pipeline: ranks per pipeline (0 = all); world size / pipeline_stages copies of the "

@@ -55,6 +55,7 @@ def estimate_flat(job: Job, name: str) -> MemoryEstimate:
             *fsdp_units(job, tp, shards),
             reshard_after_forward=cfg.strategy.reshard_after_forward,
             accumulating=cfg.data.micro_batches > 1,
+            backward_prefetch=cfg.strategy.backward_prefetch,
         )
 
     def fsdp_peak(every: int) -> tuple[Moment, int]:

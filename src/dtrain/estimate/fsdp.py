@@ -1,8 +1,8 @@
 """What torch's FSDP2 (``fully_shard``) holds beyond a rank's shards while a step runs, as
 dtrain's fsdp strategy configures it: each block a unit, then the root (what no block holds:
 embeddings, final norm, head), ``strategy.reshard_after_forward`` on every unit, torch's
-default prefetching, no mixed-precision policy (autocast casts; the parameters and their
-gradients stay fp32).
+default prefetching or none in backward (``strategy.backward_prefetch``), no mixed-precision
+policy (autocast casts; the parameters and their gradients stay fp32).
 
 The schedule, read from ``torch/distributed/fsdp/_fully_shard`` (torch 2.13) and counted on a
 real run by ``tests/fsdp_census.py``; a unit's *flat buffer* is the all-gather's output, the
@@ -19,12 +19,15 @@ size of its gathered parameters::
                         its gradients (its weights are used at both ends of the model)
 
 so four blocks in flight in backward (three with two blocks) against two in forward. With
-``reshard_after_forward = false`` a unit's parameters stay gathered from its forward until its
-backward ends: every block at the end of forward. While a step accumulates over micro-batches
-every unit's gradients stay unsharded (and whole) until the last micro-batch's backward
-reduce-scatters their sum. The sharded gradients the reduce-scatters have made by a moment
-count too, and the activations still held then (:mod:`.flat` adds them): with activation
-checkpointing the peak is late in backward, without it nearer its start.
+``backward_prefetch = false`` nothing is prefetched: unit i-1 is gathered when its own
+backward begins (its flat buffer freed as its parameters are copied out), three blocks in
+backward. With ``reshard_after_forward = false`` a unit's parameters stay gathered from its
+forward until its backward ends: every block at the end of forward. While a step
+accumulates over micro-batches every unit's gradients stay unsharded (and whole) until the
+last micro-batch's backward reduce-scatters their sum. The sharded gradients the
+reduce-scatters have made by a moment count too, and the activations still held then
+(:mod:`.flat` adds them): with activation checkpointing the peak is late in backward, without
+it nearer its start.
 """
 
 from __future__ import annotations
@@ -61,7 +64,11 @@ class Moment:
 
 
 def fsdp_moments(
-    blocks: Sequence[Unit], root: Unit, reshard_after_forward: bool, accumulating: bool
+    blocks: Sequence[Unit],
+    root: Unit,
+    reshard_after_forward: bool,
+    accumulating: bool,
+    backward_prefetch: bool = True,
 ) -> list[Moment]:
     """Each block's forward and backward in a step (the last micro-batch's, ``accumulating``:
     after earlier ones whose unsharded gradients it holds, counted here), at the most FSDP
@@ -82,7 +89,7 @@ def fsdp_moments(
         moments.append(Moment(False, i, held, 0))
     for i in reversed(range(count)):  # backward
         gathered = params[i] if reshard_after_forward else sum(params[: i + 1])
-        if i > 0 and reshard_after_forward:
+        if i > 0 and reshard_after_forward and backward_prefetch:
             gathered += params[i - 1]  # prefetched: its flat buffer
         # Unit i's gradients, those of the units backward has not reached, and unit i+1's
         # reduce-scatter input (the size of its unsharded gradients, now freed).

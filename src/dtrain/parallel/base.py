@@ -75,6 +75,12 @@ class Strategy(ABC):
     # every data-parallel rank runs the same micro-batches, each a forward of the whole model.
     syncs_batchnorm: ClassVar[bool] = False
 
+    @classmethod
+    def shards_model(cls, options: StrategyConfig) -> bool:
+        """Whether FSDP shards the model's blocks under these options (the keys that tune
+        FSDP, e.g. ``strategy.backward_prefetch``, apply)."""
+        return False
+
     def __init__(
         self,
         runtime: Runtime,
@@ -132,6 +138,8 @@ class Strategy(ABC):
             validate_compression(cfg)
         if cfg.strategy.sync_batchnorm:
             check_sync_batchnorm(cls, cfg)
+        if not cfg.strategy.backward_prefetch:
+            check_backward_prefetch(cls, cfg)
         if cfg.balance.mode != "off" and not issubclass(cls, UnevenShares):
             raise ConfigError(
                 f"balance.mode = {cfg.balance.mode!r} does not work with strategy.name = "
@@ -357,6 +365,19 @@ def check_sync_batchnorm(cls: type[Strategy], cfg: Config) -> None:
             f"strategy.sync_batchnorm = true does not work with balance.mode = "
             f"{cfg.balance.mode!r}: every rank must run the same micro-steps for the "
             "statistics to be summed over all of them; use balance.mode = 'off'"
+        )
+
+
+def check_backward_prefetch(cls: type[Strategy], cfg: Config) -> None:
+    """``strategy.backward_prefetch = false`` where no FSDP shards the model is a config
+    error: it would change nothing."""
+    if not cls.shards_model(cfg.strategy):
+        raise ConfigError(
+            f"strategy.backward_prefetch = false does not work with strategy.name = "
+            f"{cls.name!r}"
+            + (f" and data_parallel = {cfg.strategy.data_parallel!r}" if cls.on_mesh else "")
+            + ": it sets when FSDP gathers a sharded model's blocks in backward (fsdp, or "
+            "tensor and pipeline with data_parallel = 'fsdp'); remove it"
         )
 
 

@@ -35,6 +35,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from dtrain.parallel.base import BackwardSyncControl, LockstepForward
+from dtrain.parallel.fsdp_prefetch import apply_backward_prefetch
 from dtrain.parallel.grad_norm import clip_to_max_norm, local_part, mesh_gradient_norm
 from dtrain.parallel.grad_sync import average_in_buckets
 from dtrain.parallel.materialize import is_meta_model, materialize, require_init
@@ -88,6 +89,7 @@ class ComposedStrategy(MeshStrategy, LockstepForward, BackwardSyncControl):
             for unit in units:
                 fully_shard(unit, mesh=fsdp_mesh, reshard_after_forward=reshard)
             fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=reshard)
+            apply_backward_prefetch(model, self.options.backward_prefetch)
         if skeleton is not None:
             init = require_init(model, task.init_weights)
             materialize(skeleton, model, init, device, self.recipe.seed)

@@ -32,6 +32,10 @@ class FSDPStrategy(ComposedStrategy):
     syncs_batchnorm = True
 
     @classmethod
+    def shards_model(cls, options: StrategyConfig) -> bool:
+        return True
+
+    @classmethod
     def dims_of(cls, options: StrategyConfig, world_size: int) -> ParallelDims:
         return fit_dims(
             world_size,

@@ -27,6 +27,10 @@ class TensorParallelStrategy(ComposedStrategy):
     name = "tensor"
 
     @classmethod
+    def shards_model(cls, options: StrategyConfig) -> bool:
+        return options.data_parallel == "fsdp"
+
+    @classmethod
     def dims_of(cls, options: StrategyConfig, world_size: int) -> ParallelDims:
         tp = ("strategy.tensor_parallel", options.tensor_parallel or world_size)
         replicas = replicas_of_shards(options.data_parallel, options.dp_replicate)

@@ -45,6 +45,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from dtrain.config import CommConfig, Config, DataConfig, StrategyConfig
 from dtrain.errors import ConfigError, UserError
 from dtrain.parallel.base import LockstepForward, LossFn, OwnStep, Strategy
+from dtrain.parallel.fsdp_prefetch import apply_backward_prefetch
 from dtrain.parallel.grad_norm import clip_to_max_norm, local_part, mesh_gradient_norm
 from dtrain.parallel.grad_sync import average_in_buckets
 from dtrain.parallel.materialize import is_meta_model, materialize, require_init
@@ -111,6 +112,10 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
         if options.data_parallel == "replicate":
             return fit_dims(world_size, "dp_replicate", **given)
         return fit_dims(world_size, "dp_shard", **given, dp_replicate=replicas)
+
+    @classmethod
+    def shards_model(cls, options: StrategyConfig) -> bool:
+        return options.data_parallel == "fsdp"
 
     @classmethod
     def validate_config(cls, cfg: Config, world_size: int) -> None:
@@ -282,6 +287,7 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
                 if any(True for _ in layer.parameters()):
                     fully_shard(layer, mesh=mesh)
             fully_shard(chain, mesh=mesh)
+            apply_backward_prefetch(chain, self.options.backward_prefetch)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         return self.unwrapped.named_parameters()
