@@ -228,10 +228,11 @@ class Recovery:
 def generation_runtime(cfg: DistConfig, generation: Generation, member: Member) -> Runtime:
     """This process's place in ``generation``: the old process group destroyed, the new one
     initialized on the coordinator's store under the generation's own prefix."""
-    device = choose_device(cfg, member.id)  # every member is on this machine
+    index, count = member.local  # this worker's place among its machine's
+    device = choose_device(cfg, index)
     backend = choose_backend(cfg, device)
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
-    torch.set_num_threads(threads_per_worker(member.members, cfg.threads))
+    torch.set_num_threads(threads_per_worker(count, cfg.threads))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if dist.is_initialized():
