@@ -195,3 +195,63 @@ def test_members_wait_for_the_generation_that_holds_them(store: Any) -> None:
         for member in members:
             member.close()
         coordinator.stop()
+
+
+def test_a_member_on_another_machine_is_gone_when_its_launcher_posts_it_down(
+    store: Any,
+) -> None:
+    # Member 1 is on another machine (per_node=1): its pid means nothing here; its launcher
+    # posts its state. Its beats go on (stale_s is long): only the posted state counts.
+    coordinator = Coordinator(store, 2, stale_s=30.0, hang_s=30.0, local=[0], per_node=1)
+    two_members(store, coordinator, pid0=os.getpid())
+    store.set(f"{PREFIX}member/1/state", json.dumps({"nonce": "n1", "down": False}))
+    ask(store, 0, "n0", after=0)
+    coordinator.poll()
+    assert latest(store)["number"] == 0  # alive: waited for
+    store.set(f"{PREFIX}member/1/state", json.dumps({"nonce": "old", "down": True}))
+    coordinator.poll()
+    assert latest(store)["number"] == 0  # a state of an earlier incarnation: ignored
+    store.set(f"{PREFIX}member/1/state", json.dumps({"nonce": "n1", "down": True}))
+    coordinator.poll()
+    assert latest(store)["members"] == [0]
+
+
+def test_a_machine_fallen_silent_is_named_cut_off_but_not_one_posted_down(store: Any) -> None:
+    coordinator = Coordinator(store, 4, stale_s=0.2, hang_s=30.0, local=[0, 1], per_node=2)
+    for member in range(4):
+        register(store, member, os.getpid(), f"n{member}")
+        ask(store, member, f"n{member}", -1)
+    coordinator.poll()
+    assert latest(store)["members"] == [0, 1, 2, 3]
+    time.sleep(0.3)
+    store.add(f"{PREFIX}member/0/beat", 1)
+    store.add(f"{PREFIX}member/1/beat", 1)
+    store.add(f"{PREFIX}member/2/beat", 1)  # machine 1 still answers through member 2
+    coordinator.poll()
+    assert not store.check([f"{PREFIX}cut"])
+    time.sleep(0.3)
+    for member in (0, 1):
+        store.add(f"{PREFIX}member/{member}/beat", 1)
+    # A launcher that posts a worker down still answers: not cut off (the timeout applies).
+    store.set(f"{PREFIX}member/3/state", json.dumps({"nonce": "n3", "down": True}))
+    coordinator.poll()
+    assert not store.check([f"{PREFIX}cut"])
+    store.set(f"{PREFIX}member/3/state", json.dumps({"nonce": "n3", "down": False}))
+    coordinator.poll()
+    assert json.loads(store.get(f"{PREFIX}cut")) == {"gen": 0, "members": [2, 3]}
+
+
+def test_a_member_hears_of_a_machine_cut_off_with_its_address(store: Any) -> None:
+    member = Member(f"127.0.0.1:{store.port}", 0, 2, timeout_s=10.0, local=(0, 1))
+    heard: list[tuple[int, list[str]]] = []
+    member.on_cut = lambda gen, addresses: heard.append((gen, addresses))
+    try:
+        info = {"pid": 1, "host": "there", "nonce": "n1", "addr": "10.81.0.2"}
+        store.set(f"{PREFIX}member/1/info", json.dumps(info))
+        store.set(f"{PREFIX}cut", json.dumps({"gen": 3, "members": [1]}))
+        deadline = time.monotonic() + 10
+        while not heard and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert heard == [(3, ["10.81.0.2"])]
+    finally:
+        member.close()

@@ -26,6 +26,7 @@ from dtrain.fault.membership import (
     MEMBER_ENV,
     MEMBERS_ENV,
     PATIENCE_ENV,
+    STALE_S,
     Member,
 )
 from dtrain.fault.peer_failure import collective_cause
@@ -95,6 +96,11 @@ def train_in_place(cfg: Config) -> Summary | None:
                 if not isinstance(exc, Regroup):
                     recovery.sever()  # first: peers blocked on this rank fail at once
                 why = "to admit a worker" if isinstance(exc, Regroup) else collective_cause(exc)
+                if recovery.cut_off and not isinstance(exc, Regroup):
+                    why = (
+                        f"the workers at {', '.join(recovery.cut_off)} fell silent for "
+                        f"{STALE_S:.0f}s (cut off, or gone): connections to them shut down"
+                    )
                 held = recovery.hold(trainer)
                 where = f"step {held.step}" if held is not None else "no state yet"
                 dropped = " (the step in flight dropped)" if held and held.dropped else ""

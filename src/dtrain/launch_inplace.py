@@ -38,6 +38,7 @@ from dtrain.fault.membership import (
     MEMBERS_ENV,
     PATIENCE_ENV,
     PREFIX,
+    STALE_S,
     Coordinator,
     NodeWatcher,
     open_store,
@@ -46,10 +47,7 @@ from dtrain.fault.membership import (
 from dtrain.fault.status import RunStatus, read_status
 from dtrain.launch import LaunchOptions, wait_for_rendezvous_host
 from dtrain.network import split_endpoint
-
-# How long the beats of a member may stop before it counts as gone (a stopped or hung
-# process on this machine is seen at once through /proc; this is the backstop).
-STALE_S = 3.0
+from dtrain.reachability import NODE_ADDR_ENV
 
 
 def _die_with_launcher() -> None:
@@ -131,6 +129,7 @@ def launch_in_place(
             hang_s=collective_timeout_s + 5.0,
             min_members=min_replicas,
             local=mine,
+            per_node=opts.nproc,
         )
         coordinator.start()
         address = opts.rdzv_endpoint if nodes > 1 else f"127.0.0.1:{store.port}"
@@ -151,6 +150,8 @@ def launch_in_place(
     # single-machine launch, which leaves these as it finds them.
     if opts.iface and nodes > 1:
         env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = opts.iface
+    if opts.local_addr and nodes > 1:
+        env[NODE_ADDR_ENV] = opts.local_addr  # the others cut their links to it if it falls silent
     command = agent_command(
         config_path, opts.max_restarts, grace_s, collective_timeout_s, preempt_signals
     )

@@ -110,6 +110,8 @@ class Recovery:
         self.links = GenerationLinks()
         others = [m for m in generation.members if m != member.id]
         self._peers = member.pids(others) if others else []
+        self.cut_off: list[str] = []  # addresses of machines found cut off (their links shut)
+        member.on_cut = self._cut_off
 
     # -- in the loop -----------------------------------------------------------------------
 
@@ -147,6 +149,15 @@ class Recovery:
         members, so that a peer blocked on this rank fails at once instead of at its timeout
         (:mod:`dtrain.fault.sever`); how many were shut down."""
         return self.links.sever(self._peers)
+
+    def _cut_off(self, generation: int, addresses: list[str]) -> None:
+        """On the membership thread: every worker of the machines at ``addresses`` fell
+        silent in this generation (their link is down, or they are gone). Shut down this
+        generation's connections to them, so that a collective waiting on them fails now,
+        not after ``dist.timeout_s``; the connections to the membership store stay."""
+        if generation == self.generation.number:
+            self.links.sever_addresses(addresses, int(self.member.address[1]))
+            self.cut_off = addresses
 
     def hold(self, trainer: Trainer | None) -> HeldState | None:
         """After a failed collective or a regroup: this rank's state, consistent at a step

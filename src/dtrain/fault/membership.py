@@ -48,17 +48,22 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
-from dtrain.fault.coordinator_link import StoreLink
+from dtrain.fault.coordinator_link import StoreLink, StoreUnreachable
+from dtrain.reachability import NODE_ADDR_ENV
 
 PREFIX = "inplace/"
 BEAT_S = 0.1  # a member's heartbeat period
 POLL_S = 0.01  # how often the coordinator and a waiting member look at the store
+# How long the beats of a member may stop before it counts as gone (a stopped or hung
+# process is seen at once through /proc, on any machine; this is the backstop, and what tells
+# that a machine is cut off).
+STALE_S = 3.0
 
 # What the launcher tells each worker (the plumbing of torchrun's RANK, not configuration).
 COORDINATOR_ENV = "DTRAIN_INPLACE_COORDINATOR"  # host:port of the store
@@ -148,9 +153,18 @@ class Member:
         call_s = store_call_s(timeout_s)
         self.link = StoreLink(host, int(port), call_s, patience_s)
         self._beat_link = StoreLink(host, int(port), call_s, patience_s)
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "nonce": self.nonce}
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "nonce": self.nonce,
+            "addr": os.environ.get(NODE_ADDR_ENV, ""),  # this machine's, across machines
+        }
         self._call(lambda s: _set(s, f"member/{member_id}/info", info), "registering")
         self.pending = -1  # the generation that must regroup for a joiner, as last seen
+        # Called on the heartbeat thread with (generation, addresses) when the coordinator
+        # finds every worker of other machines in that generation silent (cut off).
+        self.on_cut: Callable[[int, list[str]], None] | None = None
+        self._cut_seen = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="dtrain-membership", daemon=True)
         self._thread.start()
@@ -166,16 +180,30 @@ class Member:
     def _beat(self) -> None:
         key = f"{PREFIX}member/{self.id}/beat"
 
-        def beat(store: Any) -> str | None:
+        def beat(store: Any) -> tuple[str | None, str | None]:
             store.add(key, 1)
-            return _get(store, "pending")
+            return _get(store, "pending"), _get(store, "cut")
 
         while not self._stop.wait(BEAT_S):
             try:
-                pending = self._beat_link.call(beat, "a beat")
-            except Exception:  # unreachable for the whole patience: the wait says so
+                pending, cut = self._beat_link.call(beat, "a beat")
+                self.pending = int(pending) if pending is not None else -1
+                if cut is not None and cut != self._cut_seen:
+                    self._cut_seen = cut
+                    self._cut_off(json.loads(cut))
+            except StoreUnreachable:  # for the whole patience: the wait says so
                 return
-            self.pending = int(pending) if pending is not None else -1
+
+    def _cut_off(self, cut: dict[str, Any]) -> None:
+        if self.on_cut is None:
+            return
+        members = [int(m) for m in cut["members"]]
+        infos = self._beat_link.call(
+            lambda s: [_get_json(s, f"member/{m}/info") for m in members], "reading members"
+        )
+        addresses = sorted({i["addr"] for i in infos if i is not None and i.get("addr")})
+        if addresses:
+            self.on_cut(int(cut["gen"]), addresses)
 
     def ask(self, after: int, step: int) -> None:
         """Ask for a generation after ``after`` (-1: none yet); ``step``: this member's."""
@@ -332,12 +360,15 @@ class Coordinator:
         hang_s: float,
         min_members: int = 1,
         local: Iterable[int] | None = None,
+        per_node: int | None = None,
     ) -> None:
         """``local``: the members on this machine, whose processes it reads in /proc (default:
-        all); the others' launchers post their states."""
+        all); the others' launchers post their states. ``per_node``: members per machine."""
         self.store = store
         self.members = members
         self.local = set(range(members) if local is None else local)
+        self.per_node = per_node or members  # members are numbered machine by machine
+        self._cut: dict[str, Any] = {}  # the silent machines' members last posted
         self.min_members = min_members
         self.stopped = ""  # why the job stops (below min_members), once it does
         self.stale_s = stale_s
@@ -393,11 +424,35 @@ class Coordinator:
                 return False
         return now - seen.beat_at < self.stale_s
 
+    def _silent_machines(self, alive: set[int]) -> list[int]:
+        """The members of the current generation on other machines whose every member of it
+        has fallen silent (beats stale; not posted down by their launcher, which would mean
+        their machine still answers): that machine is cut off, or gone."""
+        nodes: dict[int, list[int]] = {}
+        for m in self.current:
+            if m not in self.local:
+                nodes.setdefault(m // self.per_node, []).append(m)
+        silent: list[int] = []
+        for node_members in nodes.values():
+            if all(m not in alive and self._seen[m].beats >= 0 for m in node_members):
+                states = [_get_json(self.store, f"member/{m}/state") for m in node_members]
+                if not any(st is not None and st["down"] for st in states):
+                    silent += node_members
+        return sorted(silent)
+
     def poll(self) -> None:
         if self.stopped:
             return  # the last generation is formed
         now = time.monotonic()
         alive = {m for m in range(self.members) if self._alive(m, now)}
+        if self.current and self.local != set(range(self.members)):
+            cut_off = self._silent_machines(alive)
+            cut = {"gen": self.number, "members": cut_off}
+            if cut_off and cut != self._cut:
+                # The others shut down their connections to those machines (dtrain.fault.sever)
+                # instead of waiting out the collective timeout.
+                _set(self.store, "cut", cut)
+                self._cut = cut
         wants = {m: _get_json(self.store, f"member/{m}/want") for m in alive}
         asking = {
             m
