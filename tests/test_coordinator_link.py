@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from dtrain.fault import coordinator_link
 from dtrain.fault.coordinator_link import StoreLink, StoreUnreachable
 from dtrain.fault.membership import open_store
 
@@ -48,3 +49,17 @@ def test_a_store_that_never_answers_is_named_after_the_patience() -> None:
     with pytest.raises(StoreUnreachable, match=f"127.0.0.1:{port} did not answer for 1s"):
         StoreLink("127.0.0.1", port, call_s=1.0, patience_s=1.0)
     assert time.monotonic() - started < 10
+
+
+def test_a_store_whose_address_refuses_connections_is_gone_within_seconds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(coordinator_link, "REFUSED_S", 0.5)  # 5 s in a job
+    port = free_port()  # nothing listens there: its launcher has ended
+    started = time.monotonic()
+    with pytest.raises(StoreUnreachable) as caught:
+        StoreLink("127.0.0.1", port, call_s=1.0, patience_s=900.0)
+    assert time.monotonic() - started < 5
+    assert str(caught.value).startswith(
+        f"lost the membership coordinator at 127.0.0.1:{port}: it refuses connections"
+    )

@@ -1,8 +1,12 @@
 """``fault.recovery = 'inplace'`` across machines, on namespace hosts with hostnames of their
-own (scripts/hosts.sh, dtrain.testing.hosts): host 1's link down for 10 s, then up. Host 0
-(which holds the membership coordinator) drops the step in flight after ``dist.timeout_s``
-and trains on alone; once the link is back, host 1's worker, whose collective failed, asks to
-join and is healed from host 0's memory. No checkpoint is read, every sample is seen once.
+own (scripts/hosts.sh, dtrain.testing.hosts).
+
+Host 1's link down for 10 s, then up. Host 0 (which holds the membership coordinator) drops the
+step in flight once host 1 has been silent for 3 s -- before ``dist.timeout_s`` -- and trains on
+alone; once the link is back, host 1's worker, whose collective failed meanwhile, asks to join
+and is healed from host 0's memory. Then host 1's worker is killed outright: its launcher
+posts it down, host 0 goes on within a beat's staleness, and host 1's agent restarts it, healed
+again from memory. No checkpoint is read, every sample is seen once.
 
 Slow (a minute): `make test-slow`.
 """
@@ -11,12 +15,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from dtrain.fault.membership import STALE_S
 from dtrain.testing import Launch
 from dtrain.testing.hosts import Hosts, hosts_unavailable
 from tests.audit import check_stream, read_trajectory
@@ -28,7 +34,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("namespace-hosts")]
 PREFIX = f"ih{os.getpid() % 100000}"
 SUBNET = "10.81.0"  # not the tests' 10.77.0, the benchmark's 10.78.0 or the Slurm one's 10.79.0
 SAMPLES = 256
-STEPS = 120
+STEPS = 150
 TIMEOUT_S = 8.0  # dist.timeout_s: host 0 goes on before it (host 1 silent for 3 s)
 CUT_S = 10.0
 
@@ -51,6 +57,10 @@ def records(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
+def texts_of(launches: list[Launch]) -> str:
+    return "\n".join(x.text()[-4000:] for x in launches)
+
+
 def wait_for_step(run_dir: Path, step: int, launches: list[Launch], timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -61,6 +71,19 @@ def wait_for_step(run_dir: Path, step: int, launches: list[Launch], timeout: flo
     raise AssertionError(f"no step {step} in {timeout}s")
 
 
+def member_worker(launch: Launch) -> int:
+    """The pid of the worker process (not its agent) of a launch with one worker."""
+    for pid in launch.workers():
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"dtrain.worker" in cmdline and b"torch.distributed.run" not in cmdline:
+            return pid
+    raise AssertionError(f"no worker among {launch.workers()}")
+
+
+@pytest.mark.timeout(900)
 def test_a_host_cut_off_for_10s_the_other_trains_on_and_it_rejoins_healed(
     tmp_path: Path,
 ) -> None:
@@ -102,11 +125,21 @@ def test_a_host_cut_off_for_10s_the_other_trains_on_and_it_rejoins_healed(
             time.sleep(CUT_S)
             hosts.set_link(1, up=True)
             back = time.time()
+            # Host 1 back in, a few steps trained together: kill its worker outright.
+            deadline = time.monotonic() + 120
+            while not [r for r in records(run_dir) if 1 in r.get("joined", [])]:
+                assert time.monotonic() < deadline and launches[0].alive(), texts_of(launches)
+                time.sleep(0.1)
+            joined_at = max(r["step"] for r in records(run_dir) if r.get("kind") == "train")
+            wait_for_step(run_dir, joined_at + 5, launches)
+            victim = member_worker(launches[1])
+            os.kill(victim, signal.SIGKILL)
+            killed = time.time()
             codes = [x.wait(240) for x in launches]
         finally:
             for x in launches:
                 x.close()
-    texts = "\n".join(x.text()[-4000:] for x in launches)
+    texts = texts_of(launches)
     assert codes == [0, 0], texts
     runs = records(run_dir)
     assert not any(r.get("name") == "resumed" for r in runs), texts  # no checkpoint read
@@ -121,6 +154,21 @@ def test_a_host_cut_off_for_10s_the_other_trains_on_and_it_rejoins_healed(
     # ... and host 1 trained with it again after the link came back.
     assert joined[0]["time"] > back, (joined, back)
     assert joined[0]["step"] < STEPS
+    # Killed: host 0 went on without waiting for host 1's beats to go stale (its launcher
+    # posted the worker down), and the restarted worker joined, healed.
+    assert len(left) == 2 and left[1]["time"] > killed, changes
+    after_kill = [r["time"] for r in runs if r.get("kind") == "train" and r["time"] > killed]
+    assert after_kill and after_kill[0] - killed < STALE_S, (after_kill[:1], killed)
+    # The restarted worker joined, healed -- unless the run completed first (its start takes
+    # 10-40 s on a loaded 2-core machine), which it then says, and ends.
+    if len(joined) == 2:
+        assert joined[1]["time"] > killed and joined[1]["healed_from"] == 0, changes
+        rejoined = f"{joined[1]['time'] - killed:.2f}s"
+    else:
+        assert len(joined) == 1, changes
+        said = "member 1: the run completed before this worker could join"
+        assert said in launches[1].text(), texts
+        rejoined = "no (the run completed first)"
     audit = check_stream(read_trajectory(run_dir), SAMPLES)
     assert audit.exactly_once and not audit.gaps and audit.positions == STEPS * 8, audit
     first_alone = min(r["time"] for r in trained)
@@ -130,5 +178,7 @@ def test_a_host_cut_off_for_10s_the_other_trains_on_and_it_rejoins_healed(
     print(
         f"link down -> host 0's next step {first_alone - cut:.2f}s "
         f"(dist.timeout_s = {TIMEOUT_S}); link up -> host 1 rejoined "
-        f"{joined[0]['time'] - back:.2f}s; steps trained while cut off: {len(trained)}"
+        f"{joined[0]['time'] - back:.2f}s; steps trained while cut off: {len(trained)}; "
+        f"kill -9 on host 1 -> host 0's next step {after_kill[0] - killed:.2f}s, "
+        f"-> rejoined {rejoined}"
     )

@@ -11,7 +11,15 @@ from typing import Any
 
 import pytest
 
-from dtrain.fault.membership import PREFIX, Coordinator, Member, open_store, process_state
+from dtrain.fault.coordinator_link import StoreLink
+from dtrain.fault.membership import (
+    PREFIX,
+    Coordinator,
+    Member,
+    NodeWatcher,
+    open_store,
+    process_state,
+)
 
 
 @pytest.fixture
@@ -255,3 +263,25 @@ def test_a_member_hears_of_a_machine_cut_off_with_its_address(store: Any) -> Non
         assert heard == [(3, ["10.81.0.2"])]
     finally:
         member.close()
+
+
+def test_a_launcher_posts_its_workers_down_and_up_again(store: Any, sleeper: Any) -> None:
+    link = StoreLink("127.0.0.1", store.port, call_s=5.0, patience_s=10.0)
+    watcher = NodeWatcher(link, [1])
+    register(store, 1, sleeper.pid, "n1")
+    key = f"{PREFIX}member/1/state"
+
+    def state() -> Any:
+        return json.loads(store.get(key)) if store.check([key]) else None
+
+    watcher.poll()
+    assert state() == {"nonce": "n1", "down": False}
+    os.kill(sleeper.pid, 19)  # SIGSTOP
+    deadline = time.monotonic() + 5
+    while state()["down"] is False and time.monotonic() < deadline:
+        watcher.poll()
+    assert state() == {"nonce": "n1", "down": True}
+    os.kill(sleeper.pid, 18)  # SIGCONT: running again
+    while state()["down"] is True and time.monotonic() < deadline:
+        watcher.poll()
+    assert state() == {"nonce": "n1", "down": False}

@@ -23,16 +23,24 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from dtrain.errors import UserError
 from dtrain.fault.store_client import bounded
-from dtrain.reachability import OPEN, probe
+from dtrain.reachability import OPEN, REFUSED, probe
 
 T = TypeVar("T")
 
 RETRY_S = 0.2  # between attempts while the store cannot be reached
 
 
-class StoreUnreachable(ConnectionError):
-    """The membership store did not answer for the whole patience."""
+# How long the store's address may refuse connections before the store counts as gone: the
+# machine answers and nothing listens there, so the launcher that hosted it has ended (its
+# membership state with it: nothing to wait for).
+REFUSED_S = 5.0
+
+
+class StoreUnreachable(UserError):
+    """The membership store did not answer for the whole patience, or is gone; one line (a
+    lost machine, not a bug: restart mode's lost rendezvous host is one line too)."""
 
 
 def open_client(host: str, port: int, timeout_s: float) -> Any:
@@ -69,9 +77,17 @@ class StoreLink:
 
     def _connect(self, patience_s: float) -> Any:
         deadline = time.monotonic() + patience_s
-        said = ""
+        said, refused_since = "", None
         while True:
             state, said = probe(self.host, self.port, min(2.0, self.call_s))
+            refused_since = (refused_since or time.monotonic()) if state == REFUSED else None
+            if refused_since is not None and time.monotonic() - refused_since >= REFUSED_S:
+                raise StoreUnreachable(
+                    f"lost the membership coordinator at {self.host}:{self.port}: it refuses "
+                    f"connections ({said}): the `dtrain train` with --node-rank 0 that hosted "
+                    "it has ended or was killed; start `dtrain train` again on every machine "
+                    "(the job resumes from its newest checkpoint)"
+                )
             if state == OPEN:
                 try:
                     return bounded(
