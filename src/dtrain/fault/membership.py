@@ -319,9 +319,9 @@ class NodeWatcher:
     def poll(self) -> None:
         now = time.monotonic()
         # Who runs each member changes only when it restarts: its info is read twice a
-        # second, or at once when the process known for it is down.
+        # second, ten times while the process known for one is down (its restart registers).
         down = {m: process_state(pid) in DOWN_STATES for m, (_, pid) in self._pids.items()}
-        if now - self._read_at > 0.5 or any(down.values()):
+        if now - self._read_at > (0.1 if any(down.values()) else 0.5):
             self._read_at = now
             infos = self.link.call(
                 lambda s: [_get_json(s, f"member/{m}/info") for m in self.members],
