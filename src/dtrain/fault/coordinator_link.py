@@ -100,7 +100,7 @@ class StoreLink:
             if time.monotonic() >= deadline:
                 raise StoreUnreachable(
                     f"the membership store at {self.host}:{self.port} did not answer for "
-                    f"{patience_s:.0f}s: {said}"
+                    f"{patience_s:g}s: {said}"
                 )
             time.sleep(RETRY_S)
 
@@ -119,7 +119,7 @@ class StoreLink:
                 if left <= 0:
                     raise StoreUnreachable(
                         f"the membership store at {self.host}:{self.port} did not answer "
-                        f"{what} for {self.patience_s:.0f}s"
+                        f"{what} for {self.patience_s:g}s"
                     ) from None
                 time.sleep(RETRY_S)
                 self._client = self._connect(left)
