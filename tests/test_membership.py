@@ -285,3 +285,8 @@ def test_a_launcher_posts_its_workers_down_and_up_again(store: Any, sleeper: Any
     while state()["down"] is True and time.monotonic() < deadline:
         watcher.poll()
     assert state() == {"nonce": "n1", "down": False}
+    # Why the job stopped, for this machine's launcher to say.
+    store.set(f"{PREFIX}stopped", "1 of 2 workers left")
+    while not watcher.stopped and time.monotonic() < deadline:
+        watcher.poll()
+    assert watcher.stopped == "1 of 2 workers left"

@@ -183,10 +183,14 @@ def launch_in_place(
         if watcher is not None:
             watcher.stop()
     status = read_status(config_path.parent)
-    if coordinator is not None and coordinator.stopped:
+    # Why the job stopped: the coordinator's machine knows; the others read it in the store.
+    stopped = coordinator.stopped if coordinator is not None else ""
+    if watcher is not None:
+        stopped = watcher.stopped
+    if stopped:
         from dtrain.console import say_error
 
-        say_error(stopped_words(coordinator.stopped, status))
+        say_error(stopped_words(stopped, status))
         return 1
     if status is not None and status.state in ("completed", "preempted"):
         return 0

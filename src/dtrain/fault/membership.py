@@ -165,6 +165,7 @@ class Member:
         # finds every worker of other machines in that generation silent (cut off).
         self.on_cut: Callable[[int, list[str]], None] | None = None
         self._cut_seen = ""
+        self._warned = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="dtrain-membership", daemon=True)
         self._thread.start()
@@ -193,6 +194,10 @@ class Member:
                     self._cut_off(json.loads(cut))
             except StoreUnreachable:  # for the whole patience: the wait says so
                 return
+            except Exception:  # our bug: the beats must go on (a cut only saves a timeout)
+                if not self._warned:
+                    self._warned = True
+                    traceback.print_exc()
 
     def _cut_off(self, cut: dict[str, Any]) -> None:
         if self.on_cut is None:
@@ -299,6 +304,7 @@ class NodeWatcher:
         self._posted: dict[int, tuple[str, bool]] = {}
         self._pids: dict[int, tuple[str, int]] = {}  # member -> (nonce, pid)
         self._read_at = 0.0
+        self.stopped = ""  # why the job stopped (below fault.min_replicas), once it did
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dtrain-node-watch", daemon=True)
 
@@ -323,10 +329,14 @@ class NodeWatcher:
         down = {m: process_state(pid) in DOWN_STATES for m, (_, pid) in self._pids.items()}
         if now - self._read_at > (0.1 if any(down.values()) else 0.5):
             self._read_at = now
-            infos = self.link.call(
-                lambda s: [_get_json(s, f"member/{m}/info") for m in self.members],
+            infos, stopped = self.link.call(
+                lambda s: (
+                    [_get_json(s, f"member/{m}/info") for m in self.members],
+                    _get(s, "stopped"),
+                ),
                 "reading this machine's members",
             )
+            self.stopped = stopped or ""
             for m, info in zip(self.members, infos, strict=True):
                 if info is not None:
                     self._pids[m] = (str(info["nonce"]), int(info["pid"]))

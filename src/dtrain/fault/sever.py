@@ -105,8 +105,13 @@ def _shut_down(fd: int, inode: int) -> bool:
 
 def _hex_addresses(address: str) -> set[str]:
     """How /proc/net/tcp{,6} write an IPv4 address (each 32-bit word in this machine's byte
-    order), plain and IPv4-mapped."""
-    word = socket.inet_aton(address)[:: -1 if sys.byteorder == "little" else 1].hex().upper()
+    order), plain and IPv4-mapped; a name is resolved first. Empty for what has no IPv4
+    address (such a machine's connections are left to the collective timeout)."""
+    try:
+        packed = socket.inet_aton(socket.gethostbyname(address))
+    except OSError:
+        return set()
+    word = packed[:: -1 if sys.byteorder == "little" else 1].hex().upper()
     mapped = "0000FFFF" if sys.byteorder == "big" else "FFFF0000"
     return {word, "0" * 16 + mapped + word}
 
@@ -141,7 +146,9 @@ class GenerationLinks:
         """Shut down every established connection opened since this object was made between
         this process and a process at one of ``addresses`` (IPv4, another machine's), except
         those to its port ``spare_port`` (the membership store); how many were shut down."""
-        wanted = set().union(*(_hex_addresses(a) for a in addresses))
+        wanted: set[str] = set().union(*(_hex_addresses(a) for a in addresses))
+        if not wanted:
+            return 0
         spare = f"{spare_port:04X}"
         rows = _tcp_rows()
         count = 0
