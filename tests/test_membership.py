@@ -249,10 +249,13 @@ def test_a_machine_fallen_silent_is_named_cut_off_but_not_one_posted_down(store:
     assert json.loads(store.get(f"{PREFIX}cut")) == {"gen": 0, "members": [2, 3]}
 
 
-def test_a_member_hears_of_a_machine_cut_off_with_its_address(store: Any) -> None:
+def test_a_member_hears_of_a_machine_cut_off_with_the_addresses(
+    store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DTRAIN_NODE_ADDR", "10.81.0.1")
     member = Member(f"127.0.0.1:{store.port}", 0, 2, timeout_s=10.0, local=(0, 1))
-    heard: list[tuple[int, list[str]]] = []
-    member.on_cut = lambda gen, addresses: heard.append((gen, addresses))
+    heard: list[tuple[int, list[int], dict[int, str]]] = []
+    member.on_cut = lambda gen, cut, addresses: heard.append((gen, cut, addresses))
     try:
         info = {"pid": 1, "host": "there", "nonce": "n1", "addr": "10.81.0.2"}
         store.set(f"{PREFIX}member/1/info", json.dumps(info))
@@ -260,7 +263,7 @@ def test_a_member_hears_of_a_machine_cut_off_with_its_address(store: Any) -> Non
         deadline = time.monotonic() + 10
         while not heard and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert heard == [(3, ["10.81.0.2"])]
+        assert heard == [(3, [1], {0: "10.81.0.1", 1: "10.81.0.2"})]
     finally:
         member.close()
 

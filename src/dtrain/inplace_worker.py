@@ -96,7 +96,12 @@ def train_in_place(cfg: Config) -> Summary | None:
                 if not isinstance(exc, Regroup):
                     recovery.sever()  # first: peers blocked on this rank fail at once
                 why = "to admit a worker" if isinstance(exc, Regroup) else collective_cause(exc)
-                if recovery.cut_off and not isinstance(exc, Regroup):
+                if recovery.cut_self and not isinstance(exc, Regroup):
+                    why = (
+                        f"this machine was cut off (silent to the coordinator for "
+                        f"{STALE_S:.0f}s): the others went on without it; asking to join"
+                    )
+                elif recovery.cut_off and not isinstance(exc, Regroup):
                     why = (
                         f"the workers at {', '.join(recovery.cut_off)} fell silent for "
                         f"{STALE_S:.0f}s (cut off, or gone): connections to them shut down"

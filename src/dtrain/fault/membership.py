@@ -161,9 +161,10 @@ class Member:
         }
         self._call(lambda s: _set(s, f"member/{member_id}/info", info), "registering")
         self.pending = -1  # the generation that must regroup for a joiner, as last seen
-        # Called on the heartbeat thread with (generation, addresses) when the coordinator
-        # finds every worker of other machines in that generation silent (cut off).
-        self.on_cut: Callable[[int, list[str]], None] | None = None
+        # Called on the heartbeat thread with (generation, the members cut off, every member's
+        # machine address) when the coordinator finds every worker of some machines silent in
+        # that generation (cut off; this member's own machine, heard of once its link is back).
+        self.on_cut: Callable[[int, list[int], dict[int, str]], None] | None = None
         self._cut_seen = ""
         self._warned = False
         self._stop = threading.Event()
@@ -202,13 +203,16 @@ class Member:
     def _cut_off(self, cut: dict[str, Any]) -> None:
         if self.on_cut is None:
             return
-        members = [int(m) for m in cut["members"]]
+        everyone = range(self.members)
         infos = self._beat_link.call(
-            lambda s: [_get_json(s, f"member/{m}/info") for m in members], "reading members"
+            lambda s: [_get_json(s, f"member/{m}/info") for m in everyone], "reading members"
         )
-        addresses = sorted({i["addr"] for i in infos if i is not None and i.get("addr")})
-        if addresses:
-            self.on_cut(int(cut["gen"]), addresses)
+        addresses = {
+            m: str(info["addr"])
+            for m, info in zip(everyone, infos, strict=True)
+            if info is not None and info.get("addr")
+        }
+        self.on_cut(int(cut["gen"]), [int(m) for m in cut["members"]], addresses)
 
     def ask(self, after: int, step: int) -> None:
         """Ask for a generation after ``after`` (-1: none yet); ``step``: this member's."""
