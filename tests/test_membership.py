@@ -11,7 +11,15 @@ from typing import Any
 
 import pytest
 
-from dtrain.fault.membership import PREFIX, Coordinator, Member, open_store, process_state
+from dtrain.fault.coordinator_link import StoreLink
+from dtrain.fault.membership import (
+    PREFIX,
+    Coordinator,
+    Member,
+    NodeWatcher,
+    open_store,
+    process_state,
+)
 
 
 @pytest.fixture
@@ -195,3 +203,93 @@ def test_members_wait_for_the_generation_that_holds_them(store: Any) -> None:
         for member in members:
             member.close()
         coordinator.stop()
+
+
+def test_a_member_on_another_machine_is_gone_when_its_launcher_posts_it_down(
+    store: Any,
+) -> None:
+    # Member 1 is on another machine (per_node=1): its pid means nothing here; its launcher
+    # posts its state. Its beats go on (stale_s is long): only the posted state counts.
+    coordinator = Coordinator(store, 2, stale_s=30.0, hang_s=30.0, local=[0], per_node=1)
+    two_members(store, coordinator, pid0=os.getpid())
+    store.set(f"{PREFIX}member/1/state", json.dumps({"nonce": "n1", "down": False}))
+    ask(store, 0, "n0", after=0)
+    coordinator.poll()
+    assert latest(store)["number"] == 0  # alive: waited for
+    store.set(f"{PREFIX}member/1/state", json.dumps({"nonce": "old", "down": True}))
+    coordinator.poll()
+    assert latest(store)["number"] == 0  # a state of an earlier incarnation: ignored
+    store.set(f"{PREFIX}member/1/state", json.dumps({"nonce": "n1", "down": True}))
+    coordinator.poll()
+    assert latest(store)["members"] == [0]
+
+
+def test_a_machine_fallen_silent_is_named_cut_off_but_not_one_posted_down(store: Any) -> None:
+    coordinator = Coordinator(store, 4, stale_s=0.2, hang_s=30.0, local=[0, 1], per_node=2)
+    for member in range(4):
+        register(store, member, os.getpid(), f"n{member}")
+        ask(store, member, f"n{member}", -1)
+    coordinator.poll()
+    assert latest(store)["members"] == [0, 1, 2, 3]
+    time.sleep(0.3)
+    store.add(f"{PREFIX}member/0/beat", 1)
+    store.add(f"{PREFIX}member/1/beat", 1)
+    store.add(f"{PREFIX}member/2/beat", 1)  # machine 1 still answers through member 2
+    coordinator.poll()
+    assert not store.check([f"{PREFIX}cut"])
+    time.sleep(0.3)
+    for member in (0, 1):
+        store.add(f"{PREFIX}member/{member}/beat", 1)
+    # A launcher that posts a worker down still answers: not cut off (the timeout applies).
+    store.set(f"{PREFIX}member/3/state", json.dumps({"nonce": "n3", "down": True}))
+    coordinator.poll()
+    assert not store.check([f"{PREFIX}cut"])
+    store.set(f"{PREFIX}member/3/state", json.dumps({"nonce": "n3", "down": False}))
+    coordinator.poll()
+    assert json.loads(store.get(f"{PREFIX}cut")) == {"gen": 0, "members": [2, 3]}
+
+
+def test_a_member_hears_of_a_machine_cut_off_with_the_addresses(
+    store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DTRAIN_NODE_ADDR", "10.81.0.1")
+    member = Member(f"127.0.0.1:{store.port}", 0, 2, timeout_s=10.0, local=(0, 1))
+    heard: list[tuple[int, list[int], dict[int, str]]] = []
+    member.on_cut = lambda gen, cut, addresses: heard.append((gen, cut, addresses))
+    try:
+        info = {"pid": 1, "host": "there", "nonce": "n1", "addr": "10.81.0.2"}
+        store.set(f"{PREFIX}member/1/info", json.dumps(info))
+        store.set(f"{PREFIX}cut", json.dumps({"gen": 3, "members": [1]}))
+        deadline = time.monotonic() + 10
+        while not heard and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert heard == [(3, [1], {0: "10.81.0.1", 1: "10.81.0.2"})]
+    finally:
+        member.close()
+
+
+def test_a_launcher_posts_its_workers_down_and_up_again(store: Any, sleeper: Any) -> None:
+    link = StoreLink("127.0.0.1", store.port, call_s=5.0, patience_s=10.0)
+    watcher = NodeWatcher(link, [1])
+    register(store, 1, sleeper.pid, "n1")
+    key = f"{PREFIX}member/1/state"
+
+    def state() -> Any:
+        return json.loads(store.get(key)) if store.check([key]) else None
+
+    watcher.poll()
+    assert state() == {"nonce": "n1", "down": False}
+    os.kill(sleeper.pid, 19)  # SIGSTOP
+    deadline = time.monotonic() + 5
+    while state()["down"] is False and time.monotonic() < deadline:
+        watcher.poll()
+    assert state() == {"nonce": "n1", "down": True}
+    os.kill(sleeper.pid, 18)  # SIGCONT: running again
+    while state()["down"] is True and time.monotonic() < deadline:
+        watcher.poll()
+    assert state() == {"nonce": "n1", "down": False}
+    # Why the job stopped, for this machine's launcher to say.
+    store.set(f"{PREFIX}stopped", "1 of 2 workers left")
+    while not watcher.stopped and time.monotonic() < deadline:
+        watcher.poll()
+    assert watcher.stopped == "1 of 2 workers left"

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
+import subprocess
+import sys
 
 import torch
 import torch.distributed as dist
@@ -53,3 +56,48 @@ def test_survivors_not_next_to_the_dead_rank_fail_at_once() -> None:
         assert "timed out" not in text.lower() and "no failure" not in text, (rank, text)
     # The neighbours of the dead rank severed their links with the living ranks.
     assert sum(results[r][1] for r in survivors) >= 2
+
+
+ECHO = """
+import socket, sys, threading
+def serve(listener):
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=echo, args=(conn,), daemon=True).start()
+def echo(conn):
+    while data := conn.recv(64):
+        conn.sendall(data)
+ports = []
+for _ in range(2):
+    listener = socket.create_server(("127.0.0.1", 0))
+    ports.append(listener.getsockname()[1])
+    threading.Thread(target=serve, args=(listener,), daemon=True).start()
+print(*ports, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_connections_to_a_machine_cut_off_are_shut_down_but_not_the_store_s() -> None:
+    # Another process plays the machine cut off: one port its worker's collectives use, one
+    # the membership store (which the severing spares).
+    peer = subprocess.Popen(
+        [sys.executable, "-c", ECHO], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert peer.stdout is not None
+        collectives, store_port = (int(p) for p in peer.stdout.readline().split())
+        before = socket.create_connection(("127.0.0.1", collectives))  # an earlier generation's
+        links = GenerationLinks()
+        gloo = socket.create_connection(("127.0.0.1", collectives))
+        store = socket.create_connection(("127.0.0.1", store_port))
+        assert links.sever_addresses(["10.81.0.9"], store_port) == 0  # another address
+        assert links.sever_addresses(["127.0.0.1"], store_port) == 1
+        assert gloo.recv(8) == b""  # shut down: a reader waiting on it returns at once
+        for kept in (store, before):
+            kept.sendall(b"ok")
+            assert kept.recv(8) == b"ok"
+        for sock in (before, gloo, store):
+            sock.close()
+    finally:
+        peer.kill()
+        peer.wait()

@@ -227,10 +227,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         strategy_class(cfg.strategy.name).validate_config(cfg, opts.max_world_size)
     check_init_from(cfg.run.init_from)
     if cfg.fault.recovery == "inplace" and opts.max_nodes > 1:
-        raise UserError(
-            f"fault.recovery = 'inplace' runs on one machine for now, but --nnodes "
-            f"{args.nnodes} allows more; use fault.recovery = 'restart' across machines"
-        )
+        from dtrain.launch_inplace import check_machines
+
+        check_machines(opts, args.nnodes)
     if cfg.fault.recovery == "inplace" and cfg.fault.min_replicas > opts.max_world_size:
         raise UserError(
             f"fault.min_replicas = {cfg.fault.min_replicas} is more than the job's "

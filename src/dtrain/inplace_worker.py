@@ -20,7 +20,15 @@ from dtrain.fault.inplace import (
     generation_runtime,
     leave,
 )
-from dtrain.fault.membership import COORDINATOR_ENV, MEMBER_ENV, MEMBERS_ENV, Member
+from dtrain.fault.membership import (
+    COORDINATOR_ENV,
+    LOCAL_ENV,
+    MEMBER_ENV,
+    MEMBERS_ENV,
+    PATIENCE_ENV,
+    STALE_S,
+    Member,
+)
 from dtrain.fault.peer_failure import collective_cause
 from dtrain.fault.status import RunStatus, write_status
 from dtrain.job import build_trainer_on
@@ -39,11 +47,15 @@ def train_in_place(cfg: Config) -> Summary | None:
     """Train as member ``$DTRAIN_INPLACE_MEMBER`` across generations; the summary of the
     generation that finished the run, or None when the run completed before this worker
     could join or stopped below ``fault.min_replicas``."""
+    members = int(os.environ.get(MEMBERS_ENV, "1"))
+    index, count = os.environ.get(LOCAL_ENV, f"{os.environ[MEMBER_ENV]}/{members}").split("/")
     member = Member(
         os.environ[COORDINATOR_ENV],
         int(os.environ[MEMBER_ENV]),
-        int(os.environ.get(MEMBERS_ENV, "1")),
+        members,
         timeout_s=cfg.dist.timeout_s,
+        local=(int(index), int(count)),
+        patience_s=float(os.environ.get(PATIENCE_ENV, "900")),
     )
     if cfg.strategy.name == "ddp":
         # What building DDP imports on first use (torch._dynamo: 2.5 s here): before this
@@ -84,6 +96,16 @@ def train_in_place(cfg: Config) -> Summary | None:
                 if not isinstance(exc, Regroup):
                     recovery.sever()  # first: peers blocked on this rank fail at once
                 why = "to admit a worker" if isinstance(exc, Regroup) else collective_cause(exc)
+                if recovery.cut_self and not isinstance(exc, Regroup):
+                    why = (
+                        f"this machine was cut off (silent to the coordinator for "
+                        f"{STALE_S:.0f}s): the others went on without it; asking to join"
+                    )
+                elif recovery.cut_off and not isinstance(exc, Regroup):
+                    why = (
+                        f"the workers at {', '.join(recovery.cut_off)} fell silent for "
+                        f"{STALE_S:.0f}s (cut off, or gone): connections to them shut down"
+                    )
                 held = recovery.hold(trainer)
                 where = f"step {held.step}" if held is not None else "no state yet"
                 dropped = " (the step in flight dropped)" if held and held.dropped else ""

@@ -5,12 +5,20 @@ With one agent per worker, an agent that sees its worker die restarts that worke
 and its :class:`~dtrain.fault.membership.Coordinator`, which the workers reach at
 ``$DTRAIN_INPLACE_COORDINATOR``. Each agent is restart mode's launch for one worker
 (:func:`run_agent`: torch's elastic agent with its own rendezvous on a free port), so restarts,
-signal forwarding and failure reports are those of restart mode. One machine for now:
-``--nnodes`` above 1 is refused before any worker starts.
+signal forwarding and failure reports are those of restart mode.
+
+Across machines (``--nnodes N --node-rank K``), the launcher of node 0 hosts the store at
+``--rdzv-endpoint`` (one of its addresses); every machine's workers reach it there. Members
+are numbered machine by machine (node K's are ``K*nproc .. K*nproc+nproc-1``). The launcher of
+every other machine watches its own workers in /proc and posts their states to the store
+(:class:`~dtrain.fault.membership.NodeWatcher`), so the coordinator sees a worker killed or
+stopped on another machine at once; a machine cut off is seen by its beats going stale. Every
+store call on those machines waits out an outage of the network (up to ``--rdzv-timeout``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -21,19 +29,25 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
+from dtrain.errors import UserError
+from dtrain.fault.coordinator_link import StoreLink
 from dtrain.fault.membership import (
     COORDINATOR_ENV,
+    LOCAL_ENV,
     MEMBER_ENV,
     MEMBERS_ENV,
+    PATIENCE_ENV,
+    PREFIX,
+    STALE_S,
     Coordinator,
+    NodeWatcher,
     open_store,
+    store_call_s,
 )
 from dtrain.fault.status import RunStatus, read_status
-from dtrain.launch import LaunchOptions
-
-# How long the beats of a member may stop before it counts as gone (a stopped or hung
-# process on this machine is seen at once through /proc; this is the backstop).
-STALE_S = 3.0
+from dtrain.launch import LaunchOptions, wait_for_rendezvous_host
+from dtrain.network import split_endpoint
+from dtrain.reachability import NODE_ADDR_ENV
 
 
 def _die_with_launcher() -> None:
@@ -97,27 +111,57 @@ def launch_in_place(
     """Run the job; the exit code for the CLI: 0 once the run completed (or saved on a
     preemption signal); 1 when a failure left fewer than ``min_replicas`` workers (they saved
     and stopped); else the first failing agent's."""
-    store = open_store("0.0.0.0", 0, collective_timeout_s, is_master=True)
-    # A member that has not asked for the next generation within the collective timeout
-    # (and a little) of the first one that did is stuck: it is left out, and rejoins.
-    coordinator = Coordinator(
-        store,
-        opts.nproc,
-        stale_s=STALE_S,
-        hang_s=collective_timeout_s + 5.0,
-        min_members=min_replicas,
-    )
-    coordinator.start()
+    nodes, node = opts.max_nodes, opts.node_rank or 0
+    members = opts.nproc * nodes
+    mine = range(node * opts.nproc, (node + 1) * opts.nproc)  # this machine's member ids
+    coordinator: Coordinator | None = None
+    watcher: NodeWatcher | None = None
+    if node == 0:
+        port = split_endpoint(opts.rdzv_endpoint)[1] if nodes > 1 else 0
+        store = open_store("0.0.0.0", port, collective_timeout_s, is_master=True)
+        store.set(PREFIX + "nodes", json.dumps({"nnodes": nodes, "nproc": opts.nproc}))
+        # A member that has not asked for the next generation within the collective timeout
+        # (and a little) of the first one that did is stuck: it is left out, and rejoins.
+        coordinator = Coordinator(
+            store,
+            members,
+            stale_s=STALE_S,
+            hang_s=collective_timeout_s + 5.0,
+            min_members=min_replicas,
+            local=mine,
+            per_node=opts.nproc,
+        )
+        coordinator.start()
+        address = opts.rdzv_endpoint if nodes > 1 else f"127.0.0.1:{store.port}"
+    else:
+        wait_for_rendezvous_host(opts)  # one line when node 0 cannot be reached
+        host, port = split_endpoint(opts.rdzv_endpoint)
+        link = StoreLink(host, port, store_call_s(collective_timeout_s), float(opts.rdzv_timeout_s))
+        check_shape(link, opts)
+        watcher = NodeWatcher(link, mine)
+        watcher.start()
+        address = opts.rdzv_endpoint
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
-    env[COORDINATOR_ENV] = f"127.0.0.1:{store.port}"
-    env[MEMBERS_ENV] = str(opts.nproc)
+    env[COORDINATOR_ENV] = address
+    env[MEMBERS_ENV] = str(members)
+    env[PATIENCE_ENV] = str(opts.rdzv_timeout_s)
+    # The interface of the collectives across machines (docs/multi-host.md): each agent is a
+    # single-machine launch, which leaves these as it finds them.
+    if opts.iface and nodes > 1:
+        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = opts.iface
+    if opts.local_addr and nodes > 1:
+        env[NODE_ADDR_ENV] = opts.local_addr  # the others cut their links to it if it falls silent
     command = agent_command(
         config_path, opts.max_restarts, grace_s, collective_timeout_s, preempt_signals
     )
     agents = [
-        subprocess.Popen(command, env={**env, MEMBER_ENV: str(m)}, preexec_fn=_die_with_launcher)
-        for m in range(opts.nproc)
+        subprocess.Popen(
+            command,
+            env={**env, MEMBER_ENV: str(m), LOCAL_ENV: f"{i}/{opts.nproc}"},
+            preexec_fn=_die_with_launcher,
+        )
+        for i, m in enumerate(mine)
     ]
     signalled: list[int] = []
 
@@ -134,12 +178,19 @@ def launch_in_place(
     finally:
         for name, handler in previous.items():
             signal.signal(getattr(signal, name), handler)
-        coordinator.stop()
+        if coordinator is not None:
+            coordinator.stop()
+        if watcher is not None:
+            watcher.stop()
     status = read_status(config_path.parent)
-    if coordinator.stopped:
+    # Why the job stopped: the coordinator's machine knows; the others read it in the store.
+    stopped = coordinator.stopped if coordinator is not None else ""
+    if watcher is not None:
+        stopped = watcher.stopped
+    if stopped:
         from dtrain.console import say_error
 
-        say_error(stopped_words(coordinator.stopped, status))
+        say_error(stopped_words(stopped, status))
         return 1
     if status is not None and status.state in ("completed", "preempted"):
         return 0
@@ -147,6 +198,63 @@ def launch_in_place(
     if signalled and not failed:
         return 128 + signalled[0]
     return failed[0] if failed else 0
+
+
+def check_machines(opts: LaunchOptions, nnodes: str) -> None:
+    """Before any worker starts, across machines: what in-place recovery cannot do there is
+    one line each."""
+    from dtrain.launch import hosts_rendezvous
+
+    if opts.min_nodes != opts.max_nodes:
+        raise UserError(
+            f"--nnodes {nnodes}: fault.recovery = 'inplace' needs a fixed number of machines "
+            "(a lost worker rejoins in place); use --nnodes N, or fault.recovery = 'restart' "
+            "for an elastic range"
+        )
+    if opts.node_rank is None:
+        raise UserError(
+            "fault.recovery = 'inplace' across machines needs --node-rank K on each (0 hosts "
+            "the membership coordinator at --rdzv-endpoint; the others number their workers "
+            "after it)"
+        )
+    if opts.node_rank >= opts.max_nodes:
+        raise UserError(
+            f"--node-rank {opts.node_rank}: must be below --nnodes {opts.max_nodes} (0 .. "
+            f"{opts.max_nodes - 1})"
+        )
+    if opts.node_rank == 0 and not hosts_rendezvous(opts):
+        raise UserError(
+            f"--rdzv-endpoint {opts.rdzv_endpoint} is not an address of this machine: with "
+            "fault.recovery = 'inplace' the machine with --node-rank 0 hosts the membership "
+            "coordinator there (a rendezvous apart from the machines, `dtrain rendezvous`, is "
+            "for fault.recovery = 'restart')"
+        )
+
+
+def check_shape(link: StoreLink, opts: LaunchOptions) -> None:
+    """On a machine other than node 0: the job's shape as node 0 posted it must be this
+    launcher's (members are numbered machine by machine, ``--nproc`` each)."""
+    key = PREFIX + "nodes"
+
+    def read(store: object) -> str | None:
+        return bytes(store.get(key)).decode() if store.check([key]) else None  # type: ignore[attr-defined]
+
+    deadline = time.monotonic() + opts.rdzv_timeout_s
+    while (text := link.call(read, "reading the job's shape")) is None:
+        if time.monotonic() > deadline:
+            raise UserError(
+                f"--rdzv-endpoint {opts.rdzv_endpoint}: no membership coordinator answered "
+                f"there within {opts.rdzv_timeout_s}s (is `dtrain train --node-rank 0` with "
+                "fault.recovery = 'inplace' running there?)"
+            )
+        time.sleep(0.1)
+    shape = json.loads(text)
+    if (shape["nnodes"], shape["nproc"]) != (opts.max_nodes, opts.nproc):
+        raise UserError(
+            f"--nnodes {opts.max_nodes} --nproc {opts.nproc} here, but the machine with "
+            f"--node-rank 0 runs --nnodes {shape['nnodes']} --nproc {shape['nproc']}: "
+            "fault.recovery = 'inplace' needs the same on every machine"
+        )
 
 
 def stopped_words(reason: str, status: RunStatus | None) -> str:

@@ -179,8 +179,8 @@ class FaultConfig:
     recovery: Literal["restart", "inplace"] = _opt(
         "restart",
         "after a worker fails: restart every worker from the newest checkpoint, or (ddp, "
-        "allreduce; one machine) the survivors go on at the new world size and a restarted "
-        "worker heals from a peer's memory (docs/fault-tolerance.md)",
+        "allreduce) the survivors go on at the new world size and a restarted worker heals "
+        "from a peer's memory (docs/fault-tolerance.md)",
     )
     min_replicas: int = _opt(
         1,

@@ -110,6 +110,11 @@ class Recovery:
         self.links = GenerationLinks()
         others = [m for m in generation.members if m != member.id]
         self._peers = member.pids(others) if others else []
+        # The addresses whose connections were shut down because a machine was cut off, and
+        # whether that machine was this one (it learns so once its link is back).
+        self.cut_off: list[str] = []
+        self.cut_self = False
+        member.on_cut = self._cut_off
 
     # -- in the loop -----------------------------------------------------------------------
 
@@ -147,6 +152,24 @@ class Recovery:
         members, so that a peer blocked on this rank fails at once instead of at its timeout
         (:mod:`dtrain.fault.sever`); how many were shut down."""
         return self.links.sever(self._peers)
+
+    def _cut_off(self, generation: int, cut: list[int], addresses: dict[int, str]) -> None:
+        """On the membership thread: every worker of some machines fell silent in this
+        generation (``cut``: their link is down, or they are gone). Shut down this
+        generation's connections to them, so that a collective waiting on them fails now, not
+        after ``dist.timeout_s``; the connections to the membership store stay. When this
+        worker is among them, its link is back and the others went on without it: shut down
+        its connections to them instead, to leave at once and ask to join."""
+        if generation != self.generation.number:
+            return
+        mine = addresses.get(self.member.id)
+        self.cut_self = self.member.id in cut
+        others = [m for m in self.generation.members if m not in cut]
+        peers = others if self.cut_self else cut
+        far = sorted({addresses[m] for m in peers if m in addresses} - {mine})
+        if far:
+            self.links.sever_addresses(far, int(self.member.address[1]))
+            self.cut_off = far
 
     def hold(self, trainer: Trainer | None) -> HeldState | None:
         """After a failed collective or a regroup: this rank's state, consistent at a step
@@ -228,10 +251,11 @@ class Recovery:
 def generation_runtime(cfg: DistConfig, generation: Generation, member: Member) -> Runtime:
     """This process's place in ``generation``: the old process group destroyed, the new one
     initialized on the coordinator's store under the generation's own prefix."""
-    device = choose_device(cfg, member.id)  # every member is on this machine
+    index, count = member.local  # this worker's place among its machine's
+    device = choose_device(cfg, index)
     backend = choose_backend(cfg, device)
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
-    torch.set_num_threads(threads_per_worker(member.members, cfg.threads))
+    torch.set_num_threads(threads_per_worker(count, cfg.threads))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if dist.is_initialized():

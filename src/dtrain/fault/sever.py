@@ -18,12 +18,19 @@ processes (read from ``/proc/<pid>/fd`` and ``/proc/net/tcp``: every worker is o
 machine). The connections to the membership store (held by the launcher) and anything else
 this process opened stay as they are. Listening sockets are never touched: gloo's listener
 thread aborts the process when its socket is shut down.
+
+Across machines, a peer's sockets are not in this machine's tables. A machine cut off from the
+others (its link down) closes nothing and answers nothing, so its peers would wait out the
+collective timeout; once the coordinator has seen every worker of that machine fall silent, it
+names them, and each other worker shuts down the generation's connections to that machine's
+address (:meth:`GenerationLinks.sever_addresses`), except those to the membership store.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -96,6 +103,19 @@ def _shut_down(fd: int, inode: int) -> bool:
         os.close(dup)
 
 
+def _hex_addresses(address: str) -> set[str]:
+    """How /proc/net/tcp{,6} write an IPv4 address (each 32-bit word in this machine's byte
+    order), plain and IPv4-mapped; a name is resolved first. Empty for what has no IPv4
+    address (such a machine's connections are left to the collective timeout)."""
+    try:
+        packed = socket.inet_aton(socket.gethostbyname(address))
+    except OSError:
+        return set()
+    word = packed[:: -1 if sys.byteorder == "little" else 1].hex().upper()
+    mapped = "0000FFFF" if sys.byteorder == "big" else "FFFF0000"
+    return {word, "0" * 16 + mapped + word}
+
+
 class GenerationLinks:
     """The TCP connections a membership generation opens between this process and its other
     workers; made as the generation starts, before its process group is initialized."""
@@ -119,5 +139,24 @@ class GenerationLinks:
             if inode in self._before or row is None or row.state != _ESTABLISHED:
                 continue
             if (row.table, row.remote, row.local) in theirs and _shut_down(fd, inode):
+                count += 1
+        return count
+
+    def sever_addresses(self, addresses: Iterable[str], spare_port: int) -> int:
+        """Shut down every established connection opened since this object was made between
+        this process and a process at one of ``addresses`` (IPv4, another machine's), except
+        those to its port ``spare_port`` (the membership store); how many were shut down."""
+        wanted: set[str] = set().union(*(_hex_addresses(a) for a in addresses))
+        if not wanted:
+            return 0
+        spare = f"{spare_port:04X}"
+        rows = _tcp_rows()
+        count = 0
+        for inode, fd in socket_inodes().items():
+            row = rows.get(inode)
+            if inode in self._before or row is None or row.state != _ESTABLISHED:
+                continue
+            address, port = row.remote.rsplit(":", 1)
+            if address in wanted and port != spare and _shut_down(fd, inode):
                 count += 1
         return count
