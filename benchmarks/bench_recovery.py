@@ -16,7 +16,6 @@ Trials alternate between the modes; min / median / max over ``--trials`` each.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -32,7 +31,7 @@ from peers import process_cpu_s
 sys.path.insert(0, str(ROOT))
 
 from dtrain.job import build_job_config
-from dtrain.testing import Launch, rank_of, started_at, worker_pids
+from dtrain.testing import Launch, metrics_records, rank_of, started_at, worker_pids
 
 
 def job(run_dir: Path, mode: str) -> dict[str, Any]:
@@ -49,19 +48,6 @@ def job(run_dir: Path, mode: str) -> dict[str, Any]:
     }
 
 
-def records(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being written
-            pass
-    return out
-
-
 def wait_for(what: str, probe: Any, launch: Launch, limit_s: float = 120.0) -> Any:
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
@@ -75,38 +61,15 @@ def wait_for(what: str, probe: Any, launch: Launch, limit_s: float = 120.0) -> A
 
 
 def first_train_after(run_dir: Path, moment: float) -> tuple[int, float] | None:
-    for r in records(run_dir):
+    for r in metrics_records(run_dir):
         if r.get("kind") == "train" and r["time"] > moment:
             return int(r["step"]), float(r["time"])
     return None
 
 
 def last_step(run_dir: Path) -> int:
-    steps = [int(r["step"]) for r in records(run_dir) if r.get("kind") == "train"]
+    steps = [int(r["step"]) for r in metrics_records(run_dir) if r.get("kind") == "train"]
     return max(steps, default=0)
-
-
-def member_of(pid: int) -> int | None:
-    try:
-        for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-            if item.startswith(b"DTRAIN_INPLACE_MEMBER="):
-                return int(item.split(b"=", 1)[1])
-    except OSError:
-        pass
-    return None
-
-
-def workers(launch: Launch) -> list[int]:
-    """The worker processes (not their agents) under the launcher."""
-    out = []
-    for pid in launch.workers():
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"dtrain.worker" in cmdline and b"torch.distributed.run" not in cmdline:
-            out.append(pid)
-    return out
 
 
 def trial(root: Path, mode: str, number: int, nproc: int) -> dict[str, float]:
@@ -119,7 +82,7 @@ def trial(root: Path, mode: str, number: int, nproc: int) -> dict[str, float]:
     try:
         wait_for("step 10", lambda: True if last_step(run_dir) >= 10 else None, launch)
         if mode == "inplace":
-            victim = next(p for p in workers(launch) if member_of(p) == 1)
+            victim = launch.inplace_workers()[1]
         else:
             victim = next(p for p in worker_pids(launch.pid) if rank_of(p) == 1)
         before = last_step(run_dir)
@@ -133,7 +96,8 @@ def trial(root: Path, mode: str, number: int, nproc: int) -> dict[str, float]:
             joiner = wait_for(
                 "the restarted worker",
                 lambda: next(
-                    (p for p in workers(launch) if member_of(p) == 1 and p != victim), None
+                    (p for m, p in launch.inplace_workers().items() if m == 1 and p != victim),
+                    None,
                 ),
                 launch,
             )
@@ -142,7 +106,7 @@ def trial(root: Path, mode: str, number: int, nproc: int) -> dict[str, float]:
 
             def joined() -> float | None:
                 cpu[0] = process_cpu_s(joiner) or cpu[0]
-                for r in records(run_dir):
+                for r in metrics_records(run_dir):
                     if r.get("name") == "membership" and r.get("joined") == [1]:
                         found = first_train_after(run_dir, float(r["time"]))
                         return found[1] if found else None

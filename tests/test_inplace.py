@@ -205,20 +205,6 @@ def test_inplace_with_allreduce_is_accepted(tmp_path: Path) -> None:
     assert cfg.fault.recovery == "inplace"
 
 
-def member_worker(launch: Launch, member: int) -> int:
-    """The pid of member ``member``'s worker process (not its agent)."""
-    for pid in launch.workers():
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        mine = f"DTRAIN_INPLACE_MEMBER={member}".encode() in environ
-        if mine and b"dtrain.worker" in cmdline and b"torch.distributed.run" not in cmdline:
-            return pid
-    raise AssertionError(f"no worker of member {member} among {launch.workers()}")
-
-
 def train_times(run_dir: Path) -> list[tuple[int, float]]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
@@ -248,7 +234,7 @@ def test_a_stopped_worker_is_dropped_after_the_timeout_and_rejoins_healed(tmp_pa
         while not any(step >= 5 for step, _ in train_times(run_dir)):
             assert time.monotonic() < deadline and launch.alive(), launch.text()[-3000:]
             time.sleep(0.1)
-        victim = member_worker(launch, 0)
+        victim = launch.inplace_workers()[0]
         os.kill(victim, signal.SIGSTOP)
         stopped = time.time()
         time.sleep(20)

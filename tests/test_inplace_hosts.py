@@ -14,7 +14,6 @@ Slow (2-6 minutes each on a loaded 2-core machine): `make test-slow`.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -25,7 +24,7 @@ from typing import Any
 import pytest
 
 from dtrain.fault.status import read_status
-from dtrain.testing import Launch
+from dtrain.testing import Launch, metrics_records
 from dtrain.testing.hosts import Hosts, hosts_unavailable
 from tests.audit import check_stream, read_trajectory
 from tests.conftest import REPO, tiny_config
@@ -48,17 +47,6 @@ def _needs_hosts() -> None:
         pytest.skip(reason)
 
 
-def records(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
-
-
 def texts_of(launches: list[Launch]) -> str:
     return "\n".join(x.text()[-4000:] for x in launches)
 
@@ -67,7 +55,7 @@ def wait_for_step(run_dir: Path, step: int, launches: list[Launch], timeout: flo
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert all(x.alive() for x in launches), [x.text()[-3000:] for x in launches]
-        if any(r.get("kind") == "train" and r["step"] >= step for r in records(run_dir)):
+        if any(r.get("kind") == "train" and r["step"] >= step for r in metrics_records(run_dir)):
             return
         time.sleep(0.1)
     raise AssertionError(f"no step {step} in {timeout}s")
@@ -82,23 +70,11 @@ def wait_for(what: str, done: Any, launches: list[Launch], timeout: float = 180)
 
 
 def last_step(run_dir: Path) -> int:
-    return max((r["step"] for r in records(run_dir) if r.get("kind") == "train"), default=0)
+    return max((r["step"] for r in metrics_records(run_dir) if r.get("kind") == "train"), default=0)
 
 
 def joins(run_dir: Path) -> int:
-    return len([r for r in records(run_dir) if 1 in r.get("joined", [])])
-
-
-def member_worker(launch: Launch) -> int:
-    """The pid of the worker process (not its agent) of a launch with one worker."""
-    for pid in launch.workers():
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"dtrain.worker" in cmdline and b"torch.distributed.run" not in cmdline:
-            return pid
-    raise AssertionError(f"no worker among {launch.workers()}")
+    return len([r for r in metrics_records(run_dir) if 1 in r.get("joined", [])])
 
 
 @dataclass
@@ -115,7 +91,7 @@ class Trial:
         return texts_of(self.launches)
 
     def changes(self) -> list[dict[str, Any]]:
-        return [r for r in records(self.run_dir) if r.get("name") == "membership"]
+        return [r for r in metrics_records(self.run_dir) if r.get("name") == "membership"]
 
 
 def cut_trial(tmp_path: Path, timeout_s: float, steps: int, kill: bool) -> Trial:
@@ -165,7 +141,7 @@ def cut_trial(tmp_path: Path, timeout_s: float, steps: int, kill: bool) -> Trial
                 # A few steps trained together: kill host 1's worker outright; its agent
                 # restarts it, and it rejoins.
                 wait_for_step(run_dir, last_step(run_dir) + 5, launches)
-                os.kill(member_worker(launches[1]), signal.SIGKILL)
+                os.kill(launches[1].inplace_workers()[1], signal.SIGKILL)
                 killed = time.time()
                 wait_for("rejoin after the kill", lambda: joins(run_dir) >= 2, launches)
             # A few steps together, then end the run as a preemption does (steps are 0.1-1 s
@@ -184,7 +160,7 @@ def check_cut(trial: Trial, timeout_s: float, steps: int) -> tuple[float, float,
     """What every cut trial must show; (link down -> host 0's next step, link up -> host 1
     trains with it again, steps trained while cut off)."""
     assert trial.codes == [0, 0], trial.texts
-    runs = records(trial.run_dir)
+    runs = metrics_records(trial.run_dir)
     assert not any(r.get("name") == "resumed" for r in runs), trial.texts  # no checkpoint read
     changes = trial.changes()
     left = [r for r in changes if 1 in r["left"]]
@@ -218,7 +194,7 @@ def test_a_host_cut_off_for_10s_the_other_trains_on_and_it_rejoins_healed(
     # machine refused the connections; its launcher posted the worker down, so the coordinator
     # did not wait for its beats to go stale: measured, not asserted -- a loaded machine's
     # step and regroup take seconds of their own) ...
-    runs = records(trial.run_dir)
+    runs = metrics_records(trial.run_dir)
     changes = trial.changes()
     left = [r for r in changes if 1 in r["left"]]
     joined = [r for r in changes if 1 in r["joined"]]

@@ -3,14 +3,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
-from pathlib import Path
-from typing import Any
 
-from dtrain.testing import Launch, pid_alive, started_at
+from dtrain.testing import Launch, metrics_records, pid_alive, started_at
 from tests.audit import check_stream, read_trajectory
 from tests.system.chaos_checks import (
     REPO,
@@ -30,34 +27,6 @@ from tests.system.chaos_checks import (
 STEPS = 400
 
 
-def records(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
-
-
-def member_workers(launch: Launch) -> dict[int, int]:
-    """member id -> pid of its worker process (not its agent)."""
-    found: dict[int, int] = {}
-    for pid in launch.workers():
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"dtrain.worker" not in cmdline or b"torch.distributed.run" in cmdline:
-            continue
-        for item in environ:
-            if item.startswith(b"DTRAIN_INPLACE_MEMBER="):
-                found[int(item.split(b"=", 1)[1])] = pid
-    return found
-
-
 def _trial(ctx: Context, index: int, kind: str) -> Outcome:
     nproc, timeout_s = 4, 5.0
     secs = sections(steps=STEPS, timeout_s=timeout_s, grace_s=2.0)
@@ -70,7 +39,7 @@ def _trial(ctx: Context, index: int, kind: str) -> Outcome:
     victim = -1
     try:
         wait_for_step(run_dir, ctx.rng.randint(3, 12), launch)
-        workers = member_workers(launch)
+        workers = launch.inplace_workers()
         member = index % nproc if index % nproc in workers else min(workers)
         victim = workers[member]
         out.tags[kind] = f"member {member} at step {metrics_step(run_dir)}"
@@ -86,7 +55,7 @@ def _trial(ctx: Context, index: int, kind: str) -> Outcome:
         code = launch.wait(600)
         if code != 0:
             out.problems.append(f"exit code {code}")
-        runs = records(run_dir)
+        runs = metrics_records(run_dir)
         after = [r["time"] for r in runs if r.get("kind") == "train" and r["time"] > hit]
         if after:
             out.times[f"{kind} -> the others' next step"] = after[0] - hit
@@ -125,7 +94,7 @@ def replacement(launch: Launch, member: int, victim: int, within: float = 120.0)
     """The pid of the worker that the member's agent started in place of ``victim``."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline and launch.alive():
-        pid = member_workers(launch).get(member)
+        pid = launch.inplace_workers().get(member)
         if pid is not None and pid != victim:
             return pid
         time.sleep(0.01)

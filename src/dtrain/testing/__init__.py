@@ -13,6 +13,7 @@ from dtrain.testing.hosts import Hosts, hosts_unavailable, leftovers
 from dtrain.testing.processes import (
     Launch,
     children_of,
+    metrics_records,
     pid_alive,
     processes_of,
     rank_of,
@@ -31,6 +32,7 @@ __all__ = [
     "hosts_unavailable",
     "leftovers",
     "loopback_store",
+    "metrics_records",
     "pid_alive",
     "processes_of",
     "rank_of",

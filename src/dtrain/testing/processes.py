@@ -10,6 +10,7 @@ output line kept together with the monotonic time it arrived, and ends every pro
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import re
 import signal
@@ -19,7 +20,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 _LIVE: set[Launch] = set()
 
@@ -96,6 +97,25 @@ class Launch:
         pids = worker_pids(self.proc.pid) if self.alive() else []
         self.known_workers.update(pids)
         return pids
+
+    def inplace_workers(self) -> dict[int, int]:
+        """Under ``fault.recovery = 'inplace'``: member id -> pid of its worker process itself
+        (not of its torch agent, whose command line names ``dtrain.worker`` too)."""
+        found: dict[int, int] = {}
+        for pid in self.workers():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                    cmdline = fh.read()
+                with open(f"/proc/{pid}/environ", "rb") as fh:
+                    environ = fh.read().split(b"\0")
+            except OSError:
+                continue
+            if b"torch.distributed.run" in cmdline:
+                continue
+            for item in environ:
+                if item.startswith(b"DTRAIN_INPLACE_MEMBER="):
+                    found[int(item.split(b"=", 1)[1])] = pid
+        return found
 
     def wait(self, timeout: float) -> int | None:
         """The exit code, or None when it is still running after ``timeout`` seconds."""
@@ -218,6 +238,19 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return False
     return state not in ("Z", "X")
+
+
+def metrics_records(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of a run's ``metrics.jsonl`` so far (a line still being written is left
+    out)."""
+    path = run_dir / "metrics.jsonl"
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
 
 
 def started_at(pid: int) -> float:
