@@ -41,6 +41,9 @@ Trials (``--trials``; default counts in brackets):
                         every sample exactly once, no checkpoint read
   inplace_sigstop  [20] the same with SIGSTOP for 20 s (dist.timeout_s = 5): the others go on
                         within the timeout + 1 s; after SIGCONT it rejoins healed (timed)
+  inplace_link     [20] two namespace hosts (root), one worker each, host 1's link down for
+                        10 s then up (dist.timeout_s = 8): host 0 trains on before its timeout,
+                        host 1 rejoins healed, every sample once, no checkpoint read
 
 The table printed at the end is also written into docs/benchmarks.md (section "chaos").
 """
@@ -62,7 +65,11 @@ from statistics import median
 from benchmarks._report import machine_line, update_section
 
 from tests.system.chaos_checks import Context, Outcome
-from tests.system.chaos_inplace import trial_inplace_kill9, trial_inplace_sigstop
+from tests.system.chaos_inplace import (
+    trial_inplace_kill9,
+    trial_inplace_link,
+    trial_inplace_sigstop,
+)
 from tests.system.chaos_process import (
     trial_always_fails,
     trial_kill9,
@@ -132,6 +139,13 @@ TRIALS: dict[str, Kind] = {
         20,
         "fault.recovery = 'inplace': SIGSTOP of 1 of 4 workers for 20 s (timeout 5 s)",
         {"sigstop -> the others' next step": 6.0},
+    ),
+    "inplace_link": Kind(
+        trial_inplace_link,
+        20,
+        "fault.recovery = 'inplace', 2 hosts (namespaces) x 1 worker: host 1's link down 10 s",
+        # Before its collective timeout (8 s): the coordinator cuts a machine silent for 3 s.
+        {"link down (10 s) -> the other host's next step": 8.0},
     ),
 }
 
@@ -222,6 +236,10 @@ READING = [
     "- `restarted worker's start -> its first step with the others` (inplace): from the start "
     "of the process torch's agent started in its place (importing torch, being let in at a "
     "step boundary, receiving the state from a peer) to the first step trained with it.",
+    "- `link down -> the other host's next step` (inplace_link): the coordinator names a "
+    "machine whose workers have all been silent for 3 s cut off, and the others shut down "
+    "their connections to it; `link up -> it trains with the other again`: the cut-off "
+    "worker's collective fails, it asks to join and is healed from the other's memory.",
     "- `sigstop -> the others' next step` (inplace): the others drop the stopped worker when "
     "their collective times out (`dist.timeout_s` = 5 s); `SIGCONT -> its first step with the "
     "others`: its failed collective, asking to join, the state received from a peer.",

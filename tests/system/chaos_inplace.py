@@ -1,5 +1,6 @@
 """Chaos trials of ``fault.recovery = 'inplace'`` (see chaos.py): kill -9 or SIGSTOP of one of
-4 workers; the others go on, the lost one comes back healed from their memory."""
+4 workers, or one of two hosts cut off for 10 s; the others go on, the lost one comes back
+healed from their memory."""
 
 from __future__ import annotations
 
@@ -107,3 +108,27 @@ def trial_inplace_kill9(ctx: Context, index: int) -> Outcome:
 
 def trial_inplace_sigstop(ctx: Context, index: int) -> Outcome:
     return _trial(ctx, index, "sigstop")
+
+
+def trial_inplace_link(ctx: Context, index: int) -> Outcome:
+    """Two namespace hosts, one worker each; host 1's link down for 10 s, then up: host 0
+    trains on, host 1 rejoins healed (the trial of tests/test_inplace_hosts.py)."""
+    from dtrain.testing import hosts_unavailable
+    from tests.test_inplace_hosts import CUT_S, STEPS, TIMEOUT_S, check_cut, cut_trial
+
+    out = Outcome(ok=False)
+    reason = hosts_unavailable()
+    if reason:
+        out.problems.append(f"no namespace hosts here: {reason}")
+        return out
+    folder = ctx.new_dir("inplace-link")
+    try:
+        trial = cut_trial(folder, TIMEOUT_S, STEPS, kill=False)
+        first_alone, rejoined, _ = check_cut(trial, TIMEOUT_S, STEPS)
+        out.times[f"link down ({CUT_S:.0f} s) -> the other host's next step"] = first_alone
+        out.times["link up -> it trains with the other again"] = rejoined
+    except AssertionError as exc:
+        out.problems.append(f"AssertionError: {str(exc)[-1500:]}")
+    out.problems += no_processes_left(folder / "run")
+    out.ok = not out.problems
+    return out
