@@ -9,8 +9,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
 
 from dtrain.errors import ConfigError
+from dtrain.models.gpt import attend
 from dtrain.precision import LossScaler
 from dtrain.testing import run_ranks
 from tests.conftest import tiny_config, tiny_raw
@@ -131,3 +134,22 @@ def test_resume_is_bit_identical_in_mixed_precision(tmp_path: Path, precision: s
     resumed = run_ranks(crash_then_resume, 2, run_config(tmp_path / "crash", precision, **job), 7)
     assert resumed[0]["start_step"] == 4
     assert_params_close(straight[0], resumed[0]["params"], rtol=0, atol=0)
+
+
+def test_the_gpt_attends_in_float32_under_cpu_bf16_autocast() -> None:
+    # torch's CPU attention is slower in bfloat16 than in float32: the default GPT runs it in
+    # float32 under CPU autocast, on the same bfloat16 inputs, and hands back bfloat16.
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8).to(torch.bfloat16) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attend(q, k, v, 0.0)
+        in_bf16 = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, exact.to(torch.bfloat16))
+    assert not torch.equal(in_bf16, out)  # autocast's own choice computes other numbers
+    plain = torch.randn(2, 4, 16, 8)  # without autocast: torch's attention as it is
+    assert torch.equal(
+        attend(plain, plain, plain, 0.0),
+        F.scaled_dot_product_attention(plain, plain, plain, is_causal=True),
+    )
