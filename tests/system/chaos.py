@@ -338,7 +338,8 @@ def write_docs(
         f"Machine: {machine_line()}  ",
         "Each trial runs `python -m dtrain train` (torch's elastic agent, gloo on loopback, "
         "CPU) on a 2-layer GPT, 64 samples, AdamW steps of 8 samples (20; 400 for the "
-        "`inplace` kinds), each forward "
+        "`inplace` kinds; `inplace_link` runs the job of tests/test_inplace_hosts.py, 256 "
+        "samples, ended by SIGTERM), each forward "
         'slowed by 40 ms; "bit-identical" compares the final `model.pt` with an '
         "uninterrupted run of the same job and world size (`torch.equal`), and the "
         "sample ids of every step with the same run's audit (`fault.audit_sample_ids`).",
