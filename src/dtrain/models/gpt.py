@@ -38,9 +38,10 @@ class ResidualProjection(nn.Linear):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    """Causal attention. Under CPU autocast to bfloat16 it runs in float32: torch's CPU
-    attention kernels are slower in bfloat16 than in float32 (its backward about 2.5x here,
-    AVX512-BF16), and the softmax gains precision. Elsewhere (a GPU) autocast's choice stands."""
+    """Causal attention. Under CPU autocast (bfloat16 or float16) it runs in float32 on the
+    16-bit inputs: torch's CPU attention kernels are slower in bfloat16 than in float32 (the
+    backward 2.5-4.7x here, AVX512-BF16; float16 has no arithmetic on most CPUs), and the
+    softmax gains precision. On a GPU autocast's choice stands."""
     if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
         with torch.autocast("cpu", enabled=False):
             y = F.scaled_dot_product_attention(
