@@ -295,7 +295,41 @@ def process_state(pid: int) -> str:
 DOWN_STATES = ("X", "Z", "T", "t")  # no process, ended, stopped, stopped by a tracer
 
 
-class NodeWatcher:
+class PollingThread:
+    """A daemon thread that calls :meth:`poll` every ``POLL_S`` until :meth:`stop`; an
+    exception from it goes to :meth:`failed`, and the polling goes on (a job must not hang or
+    end on one bad look at the store)."""
+
+    def __init__(self, name: str) -> None:
+        self._stop = threading.Event()
+        self._warned = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def poll(self) -> None:
+        raise NotImplementedError
+
+    def failed(self, exc: Exception) -> None:
+        """Our bug: its traceback, once (the store closing with the launcher: nothing)."""
+        if not self._stop.is_set() and not self._warned:
+            self._warned = True
+            traceback.print_exception(exc)
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            try:
+                self.poll()
+            except Exception as exc:
+                self.failed(exc)
+
+
+class NodeWatcher(PollingThread):
     """In the launcher of a machine that does not host the coordinator: reads the states of
     its own workers in /proc and posts each change (``member/<id>/state``), so that the
     coordinator sees a worker killed or stopped on another machine as soon as one on its own.
@@ -309,22 +343,11 @@ class NodeWatcher:
         self._pids: dict[int, tuple[str, int]] = {}  # member -> (nonce, pid)
         self._read_at = 0.0
         self.stopped = ""  # why the job stopped (below fault.min_replicas), once it did
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="dtrain-node-watch", daemon=True)
+        super().__init__("dtrain-node-watch")
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while not self._stop.wait(POLL_S):
-            try:
-                self.poll()
-            except Exception:  # the store out of reach for the whole patience: try on
-                continue
+    def failed(self, exc: Exception) -> None:
+        if not isinstance(exc, StoreUnreachable):  # out of reach for the whole patience: on
+            super().failed(exc)
 
     def poll(self) -> None:
         now = time.monotonic()
@@ -362,7 +385,7 @@ class _Seen:
     beat_at: float = 0.0  # time.monotonic() when the beat counter last moved
 
 
-class Coordinator:
+class Coordinator(PollingThread):
     """Numbers the generations; runs on its own thread in the launcher, beside the store."""
 
     def __init__(
@@ -394,27 +417,7 @@ class Coordinator:
         self.first_ask_wall = 0.0
         self.formed: list[Generation] = []
         self._seen = {m: _Seen() for m in range(members)}
-        self._stop = threading.Event()
-        self._warned = False
-        self._thread = threading.Thread(target=self._run, name="dtrain-coordinator", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while not self._stop.wait(POLL_S):
-            try:
-                self.poll()
-            except Exception as exc:  # our bug: say so, and go on (a job must not hang on it)
-                if self._stop.is_set():
-                    return  # the store is closing with the launcher
-                if not self._warned:
-                    self._warned = True
-                    traceback.print_exception(exc)
+        super().__init__("dtrain-coordinator")
 
     def _alive(self, member: int, now: float) -> bool:
         """Whether the member's newest incarnation is running: its process exists and is
