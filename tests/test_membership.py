@@ -11,15 +11,9 @@ from typing import Any
 
 import pytest
 
+from dtrain.fault.coordinator import Coordinator, NodeWatcher, process_state
 from dtrain.fault.coordinator_link import StoreLink
-from dtrain.fault.membership import (
-    PREFIX,
-    Coordinator,
-    Member,
-    NodeWatcher,
-    open_store,
-    process_state,
-)
+from dtrain.fault.membership import PREFIX, Member, open_store
 
 
 @pytest.fixture

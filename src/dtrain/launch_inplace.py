@@ -2,7 +2,7 @@
 
 With one agent per worker, an agent that sees its worker die restarts that worker alone
 (``--max-restarts`` times); the others go on. The launcher hosts the job's membership store
-and its :class:`~dtrain.fault.membership.Coordinator`, which the workers reach at
+and its :class:`~dtrain.fault.coordinator.Coordinator`, which the workers reach at
 ``$DTRAIN_INPLACE_COORDINATOR``. Each agent is restart mode's launch for one worker
 (:func:`run_agent`: torch's elastic agent with its own rendezvous on a free port), so restarts,
 signal forwarding and failure reports are those of restart mode.
@@ -11,7 +11,7 @@ Across machines (``--nnodes N --node-rank K``), the launcher of node 0 hosts the
 ``--rdzv-endpoint`` (one of its addresses); every machine's workers reach it there. Members
 are numbered machine by machine (node K's are ``K*nproc .. K*nproc+nproc-1``). The launcher of
 every other machine watches its own workers in /proc and posts their states to the store
-(:class:`~dtrain.fault.membership.NodeWatcher`), so the coordinator sees a worker killed or
+(:class:`~dtrain.fault.coordinator.NodeWatcher`), so the coordinator sees a worker killed or
 stopped on another machine at once; a machine cut off is seen by its beats going stale. Every
 store call on those machines waits out an outage of the network (up to ``--rdzv-timeout``).
 """
@@ -30,6 +30,7 @@ from pathlib import Path
 from types import FrameType
 
 from dtrain.errors import UserError
+from dtrain.fault.coordinator import Coordinator, NodeWatcher
 from dtrain.fault.coordinator_link import StoreLink
 from dtrain.fault.membership import (
     COORDINATOR_ENV,
@@ -39,8 +40,6 @@ from dtrain.fault.membership import (
     PATIENCE_ENV,
     PREFIX,
     STALE_S,
-    Coordinator,
-    NodeWatcher,
     open_store,
     store_call_s,
 )
