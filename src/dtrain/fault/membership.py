@@ -1,10 +1,10 @@
 """Membership generations for ``fault.recovery = 'inplace'``: who trains together, numbered.
 
 The launcher hosts a key-value store (a TCPStore) that outlives every worker and runs the
-:class:`~dtrain.fault.coordinator.Coordinator` beside it; each worker is a :class:`Member` with a fixed id (0 .. N-1)
-that a restart of it keeps. A generation is a numbered, sorted list of member ids; a member's
-rank in it is its place in the list. Every generation builds its own process group on the
-store under ``inplace/gen<g>/`` (:mod:`dtrain.fault.inplace`).
+:class:`~dtrain.fault.coordinator.Coordinator` beside it; each worker is a :class:`Member`
+with a fixed id (0 .. N-1) that a restart of it keeps. A generation is a numbered, sorted list
+of member ids; a member's rank in it is its place in the list. Every generation builds its own
+process group on the store under ``inplace/gen<g>/`` (:mod:`dtrain.fault.inplace`).
 
 Keys (all under ``inplace/``)::
 

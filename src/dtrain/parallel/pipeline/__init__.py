@@ -10,5 +10,6 @@ where to cut.
 ``profile``   each layer's forward+backward time and memory on this job's own devices
 ``refine``    the partition corrected by timing the stages as cut
 ``batches``   a step's micro-batches as one batch for the schedule
+``ties``      parameters stages share: their groups, summed gradients, norm counted once
 ============  ===============================================================================
 """

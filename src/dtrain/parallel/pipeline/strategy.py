@@ -19,10 +19,8 @@ global batch the mean, whichever stage or copy computes which part of it.
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -64,7 +62,6 @@ from dtrain.parallel.pipeline.plan import (
 )
 from dtrain.parallel.pipeline.split import (
     StageChain,
-    TiedParameter,
     check_coverage,
     local_parameters,
     model_layers,
@@ -73,6 +70,7 @@ from dtrain.parallel.pipeline.split import (
     tied_parameters,
 )
 from dtrain.parallel.pipeline.stages import StagePlan
+from dtrain.parallel.pipeline.ties import Tie, make_ties, sum_tied_gradients, uncounted
 from dtrain.parallel.recipe import Recipe
 from dtrain.parallel.sharded import MeshStrategy
 from dtrain.parallel.skeleton import ModelSkeleton, meta_copy
@@ -162,7 +160,7 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
         self.plan: StagePlan | None = None
         self.num_stages = 1
         self.chains: dict[int, StageChain] = {}  # stage index -> this rank's layers
-        self.tied: list[_Tie] = []  # parameters this rank shares with other stages
+        self.tied: list[Tie] = []  # parameters this rank shares with other stages
         self._skeleton: ModelSkeleton | None = None  # rank 0: the full model, on meta
         self._schedules: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
         self._loss_fn: LossFn | None = None
@@ -227,7 +225,7 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
         mine = list(range(self.pipeline_rank, self.num_stages, self.pipeline_size))
         self.chains = {s: all_chains[s] for s in mine}
         my_entries = stage_entries(model, list(self.chains.values()))
-        self._setup_ties(tied_parameters(kept))
+        self.tied = make_ties(tied_parameters(kept), self.dims, self.chains, self.runtime.rank)
         prune_to_stages(model, my_entries)
         del all_chains, kept, layers
         tp_mesh = self.mesh.submesh("tp")
@@ -252,30 +250,6 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
             and not opts.pipeline_boundaries
             and opts.pipeline_balance == "profile"
         )
-
-    def _setup_ties(self, tied: list[TiedParameter]) -> None:
-        """One process group per tied parameter and copy of the pipeline (each data-parallel
-        and tensor-parallel coordinate), over the ranks whose stages hold it (every rank takes
-        part in making every group, in the same order)."""
-        for tie_info in tied:
-            ranks = sorted({s % self.pipeline_size for s in tie_info.stages})
-            group = None
-            if len(ranks) > 1 and dist.is_initialized():
-                dims = self.dims
-                for rep, shard, tp in itertools.product(
-                    range(dims.dp_replicate), range(dims.dp_shard), range(dims.tp)
-                ):
-                    members = [
-                        dims.rank_of(dp_replicate=rep, dp_shard=shard, pp=r, tp=tp) for r in ranks
-                    ]
-                    made = dist.new_group(members)
-                    if self.runtime.rank in members:
-                        group = made
-            held = [i for i, s in enumerate(tie_info.stages) if s in self.chains]
-            if held:
-                # Counted once in the gradient norm: by the first stage that holds it.
-                counted = tie_info.stages[0] in self.chains
-                self.tied.append(_Tie(tie_info.fqns[held[0]], group, counted))
 
     def _shard(self) -> None:
         """FSDP over the data-parallel shards (x copies: hybrid), per layer then per stage (as
@@ -395,14 +369,10 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
                 self.data_parallel_group,
                 self.options.bucket_mb,
             )
-        for tied in self.tied:
-            if tied.group is not None:
-                grad = self.unwrapped.get_parameter(tied.fqn).grad
-                assert grad is not None
-                dist.all_reduce(local_part(grad), group=tied.group)
+        sum_tied_gradients(self.tied, self.unwrapped)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        skip = {id(self.unwrapped.get_parameter(t.fqn)) for t in self.tied if not t.counted}
+        skip = uncounted(self.tied, self.unwrapped)
         grads = [
             p.grad
             for p in local_parameters(self.chains.values())
@@ -490,16 +460,3 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
         if self._skeleton is None:
             return None
         return self._skeleton.fill(state)
-
-
-# -- helpers -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Tie:
-    """A parameter this rank shares with other stages: its name here, the group of its
-    holders (None when they are all on this rank) and whether this rank counts its norm."""
-
-    fqn: str
-    group: dist.ProcessGroup | None
-    counted: bool
