@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 
 from dtrain.fault import coordinator_link
-from dtrain.fault.coordinator_link import StoreLink, StoreUnreachable
-from dtrain.fault.membership import open_store
+from dtrain.fault.coordinator_link import StoreLink, StoreUnreachable, open_store
 
 
 def free_port() -> int:

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from dtrain.fault.coordinator import Coordinator, NodeWatcher, process_state
-from dtrain.fault.coordinator_link import StoreLink
-from dtrain.fault.membership import PREFIX, Member, open_store
+from dtrain.fault.coordinator_link import StoreLink, open_store
+from dtrain.fault.membership import PREFIX, Member
 
 
 @pytest.fixture

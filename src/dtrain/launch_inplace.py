@@ -31,7 +31,7 @@ from types import FrameType
 
 from dtrain.errors import UserError
 from dtrain.fault.coordinator import Coordinator, NodeWatcher
-from dtrain.fault.coordinator_link import StoreLink
+from dtrain.fault.coordinator_link import StoreLink, open_store
 from dtrain.fault.membership import (
     COORDINATOR_ENV,
     LOCAL_ENV,
@@ -40,7 +40,6 @@ from dtrain.fault.membership import (
     PATIENCE_ENV,
     PREFIX,
     STALE_S,
-    open_store,
     store_call_s,
 )
 from dtrain.fault.status import RunStatus, read_status

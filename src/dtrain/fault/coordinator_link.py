@@ -43,11 +43,12 @@ class StoreUnreachable(UserError):
     lost machine, not a bug: restart mode's lost rendezvous host is one line too)."""
 
 
-def open_client(host: str, port: int, timeout_s: float) -> Any:
+def open_store(host: str, port: int, timeout_s: float, *, is_master: bool = False) -> Any:
+    """The membership store at ``host:port`` (``is_master``: hosted by this process)."""
     return dist.TCPStore(  # type: ignore[attr-defined]
         host,
         port,
-        is_master=False,
+        is_master=is_master,
         timeout=datetime.timedelta(seconds=timeout_s),
         wait_for_workers=False,
     )
@@ -91,7 +92,7 @@ class StoreLink:
             if state == OPEN:
                 try:
                     return bounded(
-                        lambda: open_client(self.host, self.port, self.call_s),
+                        lambda: open_store(self.host, self.port, self.call_s),
                         self.call_s + 1.0,
                         "a new connection",
                     )

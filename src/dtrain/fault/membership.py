@@ -40,7 +40,6 @@ coordinator forms no generation after it.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import socket
@@ -50,8 +49,6 @@ import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
-
-import torch.distributed as dist
 
 from dtrain.fault.coordinator_link import StoreLink, StoreUnreachable
 from dtrain.reachability import NODE_ADDR_ENV
@@ -87,16 +84,6 @@ class Generation:
 
     def rank_of(self, member: int) -> int:
         return self.members.index(member)
-
-
-def open_store(host: str, port: int, timeout_s: float, *, is_master: bool = False) -> Any:
-    return dist.TCPStore(  # type: ignore[attr-defined]
-        host,
-        port,
-        is_master=is_master,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
 
 
 def store_call_s(timeout_s: float) -> float:
