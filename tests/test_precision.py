@@ -78,10 +78,16 @@ def test_each_precision_follows_fp32_within_its_format(tmp_path: Path) -> None:
 def test_strategies_compute_one_process_s_numbers_in_mixed_precision(tmp_path: Path) -> None:
     strategies = ["ddp", "fsdp", "pipeline"]
     precisions = ["bf16-mixed", "fp16-mixed"]
-    one = run_ranks(train_each, 1, [run_config(tmp_path / f"one-{p}", p) for p in precisions])
+    # One process two ways: the whole batch at once, and accumulating it in two micro-batches,
+    # each one rank's share of the batch under data parallelism.
+    accumulating = {"micro_batches": 2, "prefetch": 0}
+    singles = [run_config(tmp_path / f"one-{p}", p) for p in precisions]
+    singles.append(run_config(tmp_path / "one-acc", "bf16-mixed", data=accumulating))
+    one, *_ = run_ranks(train_each, 1, singles)
+    *whole_batch, accumulated = one
     configs = [run_config(tmp_path / f"{s}-{p}", p, s) for p in precisions for s in strategies]
     pair = iter(run_ranks(train_each, 2, configs)[0])
-    for precision, single in zip(precisions, one[0]):
+    for precision, single in zip(precisions, whole_batch):
         reference = losses(single)
         for strategy, result in zip(strategies, pair):
             trajectory = losses(result)
@@ -91,10 +97,15 @@ def test_strategies_compute_one_process_s_numbers_in_mixed_precision(tmp_path: P
                 # fp16 rounds gradients 8x finer than bf16; a pipeline without data
                 # parallelism computes every gradient over the whole batch, as one process.
                 np.testing.assert_allclose(trajectory, reference, rtol=1e-5)
-            else:
-                # bf16 rounds each rank's weight gradients, a sum over its own share of the
-                # batch, before the ranks add them: within bf16's roundoff, not bit for bit.
-                np.testing.assert_allclose(trajectory, reference, rtol=ROUNDOFF[precision])
+                continue
+            # bf16 rounds each rank's weight gradients, a sum over its own share of the batch,
+            # before the ranks add them in float32: one process that rounds the same partial
+            # sums (accumulating the same micro-batches) computes the same numbers; one that
+            # rounds the whole batch's sum once differs by bf16's roundoff of a gradient.
+            np.testing.assert_allclose(trajectory, losses(accumulated), rtol=1e-5)
+            assert_params_close(result["params"], accumulated["params"])
+            np.testing.assert_allclose(trajectory, reference, rtol=ROUNDOFF[precision])
+            assert np.abs(trajectory / reference - 1).max() > 1e-5  # ... and not within 1e-5
 
 
 def test_an_fp16_overflow_is_the_scaler_s_and_a_nan_loss_the_nan_guard_s(
