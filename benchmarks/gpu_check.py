@@ -21,10 +21,10 @@ pipeline, whose stages compute every gradient over the whole batch, in the same 
 the one process does: only the summation order differs. bf16-mixed under ddp, allreduce and
 fsdp also within 1e-5 of a reference that accumulates the batch in one micro-batch per rank:
 each rank rounds its partial gradient sums to bfloat16 before the ranks add them, and so does
-that reference (measured on CPU: 5.8e-8). bf16-mixed elsewhere within bf16's unit roundoff,
+that reference (measured on CPU: 8.3e-7). bf16-mixed elsewhere within bf16's unit roundoff,
 2^-8, of the whole-batch reference: a tensor-parallel slice's partial sums are rounded before
 the ranks add them. Hybrid fsdp (4 ranks) and local SGD are held there too: against an
-accumulating reference they came to 1.7e-5 and 3.1e-4 on CPU, their float32 arithmetic
+accumulating reference they came to 9.2e-5 and 2.3e-5 on CPU, their float32 arithmetic
 differing from the reference's in the last bit (four partial sums added in another order;
 parameters averaged after each replica's own step), which a weight's next bfloat16 cast can
 turn into a whole bfloat16 step. fp16-mixed
