@@ -56,6 +56,13 @@ CONFIGS: dict[str, tuple[int, str, dict[str, Any], dict[str, Any], bool]] = {
     "fsdp, state, malloc default": (2, "state", {"name": "fsdp"}, {}, False),
     "fsdp, 2 micro-batches": (2, "activations", {"name": "fsdp"}, {"micro": 2}, True),
     "fsdp, meta init": (2, "state", {"name": "fsdp"}, {"meta_init": True}, True),
+    "fsdp, every:2": (
+        2,
+        "activations",
+        {"name": "fsdp"},
+        {"activation_checkpointing": "every:2"},
+        True,
+    ),
     "fsdp, bf16-mixed, every:2": (
         2,
         "activations",

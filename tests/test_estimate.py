@@ -21,6 +21,7 @@ from dtrain.estimate.probe import fake_batch, fake_model, profile_pass
 from dtrain.estimate.report import parse_bytes
 from dtrain.job import build_job_config
 from dtrain.models.gpt import GPT, GPTConfig
+from dtrain.parallel.recipe import Recipe
 from dtrain.precision import Precision
 from dtrain.testing import run_ranks
 from tests.conftest import tiny_config, tiny_raw
@@ -64,6 +65,33 @@ def test_a_pass_on_fake_tensors_measures_what_real_tensors_take(precision: str) 
     assert real == measure(fake, *fake_batch(batch, mode), mode)
     saved, checkpointed, working = real
     assert 0 < checkpointed < saved <= working
+
+
+@pytest.mark.parametrize("every", [1, 2, 3])
+def test_checkpointing_every_k_credits_what_the_checkpointed_pass_reaches(every: int) -> None:
+    # What the estimate credits to the activations with every k-th of 4 blocks checkpointed
+    # (read from the pass without checkpointing) against the peak of a real pass with it:
+    # never more (backward frees a block's saved tensors before it recomputes an earlier
+    # one), and the most of it (the rest is the pass's temporaries).
+    def run(checkpoint_every: int) -> Any:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=64, seq_len=32, n_layer=4, n_head=2, d_model=64))
+        inputs, targets = torch.randint(0, 64, (4, 32)), torch.randint(0, 64, (4, 32))
+        blocks = list(model.blocks)  # type: ignore[arg-type]
+        if checkpoint_every:
+            Recipe(Precision("fp32", CPU), checkpoint_every).apply(blocks)
+        return profile_pass(
+            model,
+            (inputs, targets),
+            lambda: lm_loss(model(inputs), targets).sum(),
+            blocks,
+            Precision("fp32", CPU).autocast,
+            _NoMode(),
+        )
+
+    credited = run(0).saved.activations(every)
+    measured = run(every).working
+    assert 0.8 * measured <= credited <= measured, (credited, measured)
 
 
 def test_the_state_a_rank_holds_follows_the_layout() -> None:

@@ -137,31 +137,43 @@ class SavedProfile:
     block_inputs: dict[int, dict[int, int]] = field(default_factory=dict)
 
     def activations(self, checkpoint_every: int = 0, through: int | None = None) -> int:
-        """Bytes kept for backward with every ``checkpoint_every``-th block checkpointed (0:
-        none): a checkpointed block keeps only its inputs, and in backward recomputes what it
-        saved, one block at a time (the largest counts). ``through``: only what the blocks up
-        to that one and no block saved (in that block's forward the later blocks' is not
-        made yet; in its backward it is freed)."""
+        """Bytes kept for backward at their most with every ``checkpoint_every``-th block
+        checkpointed (0: none). A checkpointed block keeps only its inputs, and in backward
+        recomputes what it saved, one block at a time; backward runs the blocks in reverse,
+        so while block b is recomputed the blocks after it have freed theirs: the most is
+        at the end of forward (everything kept) or at some checkpointed block's
+        recomputation (what the blocks before it keep, its inputs, its saved tensors).
+        What no block saved (embeddings, head, loss) counts throughout. ``through``: only
+        what the blocks up to that one and no block saved (in that block's forward the
+        later blocks' is not made yet; in its backward it is freed)."""
 
         def checkpointed(block: int) -> bool:
             return checkpoint_every > 0 and block >= 0 and block % checkpoint_every == 0
 
-        def made(block: int) -> bool:
-            return through is None or block <= through
+        last = max((b for _, b in self.saved.values()), default=OUTSIDE)
+        last = max(last, *self.block_inputs, OUTSIDE) if through is None else through
 
-        kept: dict[int, int] = {}
+        def kept_before(stop: int) -> dict[int, int]:
+            """What the blocks before ``stop`` and no block keep once their forward ran."""
+            kept = {
+                key: size
+                for key, (size, block) in self.saved.items()
+                if block < stop and not checkpointed(block)
+            }
+            for block, inputs in self.block_inputs.items():
+                if block < stop and checkpointed(block):
+                    kept.update(inputs)
+            return kept
+
         recomputed: dict[int, int] = {}
-        for key, (size, block) in self.saved.items():
-            if not made(block):
-                continue
-            if checkpointed(block):
+        for size, block in self.saved.values():
+            if checkpointed(block) and block <= last:
                 recomputed[block] = recomputed.get(block, 0) + size
-            else:
-                kept[key] = size
-        for block, inputs in self.block_inputs.items():
-            if checkpointed(block) and made(block):
-                kept.update(inputs)
-        return sum(kept.values()) + max(recomputed.values(), default=0)
+        most = sum(kept_before(last + 1).values())
+        for block, size in recomputed.items():
+            held = kept_before(block) | self.block_inputs.get(block, {})
+            most = max(most, sum(held.values()) + size)
+        return most
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
