@@ -15,6 +15,7 @@ from dtrain.cli import main
 from dtrain.config import OptimConfig
 from dtrain.errors import UserError
 from dtrain.estimate.fsdp import Moment, Unit, fsdp_moments
+from dtrain.estimate.kernels import kernel_bytes
 from dtrain.estimate.layout import TensorInfo, model_tensors, optimizer_bytes
 from dtrain.estimate.memory import estimate_memory
 from dtrain.estimate.probe import fake_batch, fake_model, profile_pass
@@ -92,6 +93,29 @@ def test_checkpointing_every_k_credits_what_the_checkpointed_pass_reaches(every:
     credited = run(0).saved.activations(every)
     measured = run(every).working
     assert 0.8 * measured <= credited <= measured, (credited, measured)
+
+
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no bfloat16 oneDNN kernels here"
+)
+def test_a_cpu_keeps_onednn_kernels_per_bfloat16_product_shape() -> None:
+    # In a fresh process: a bf16-mixed pass at new shapes keeps resident memory after its
+    # tensors are freed (oneDNN's compiled kernels), about what the estimate counts for the
+    # distinct products its fake pass ran; fp32 keeps none and the estimate counts none.
+    (bf16, fp32), *_ = run_ranks(_kept_by_new_shapes, 1, ["bf16-mixed", "fp32"], init_group=False)
+    kept, products = bf16
+    assert products == 15  # 4 addmm (forward), 11 mm (backward) of the GPT's linear maps
+    counted = kernel_bytes(products, Precision("bf16-mixed", CPU))
+    assert 0.75 <= counted / kept <= 1.25, (counted, kept)
+    kept, products = fp32
+    assert kernel_bytes(products, Precision("fp32", CPU)) == 0
+    assert kept < counted / 4, kept
+
+
+def _kept_by_new_shapes(precisions: list[str]) -> list[tuple[int, int]]:
+    from tests.estimate_helpers import kept_by_new_shapes
+
+    return [kept_by_new_shapes(p) for p in precisions]
 
 
 def test_the_state_a_rank_holds_follows_the_layout() -> None:

@@ -23,6 +23,7 @@ from itertools import pairwise
 
 from dtrain.errors import UserError
 from dtrain.estimate.job import Job
+from dtrain.estimate.kernels import kernel_bytes, kernel_line
 from dtrain.estimate.layout import TensorInfo, tensors_of
 from dtrain.estimate.passes import StagePass
 from dtrain.estimate.probe import example_micro_batch
@@ -189,7 +190,11 @@ def _rank_estimate(
             working = max(p.working_with_grads for p in stage_passes)
         return flying * kept, (flying - 1) * kept + working
 
-    base = params + buffers + unsynced + optim.state + received + gathers
+    products = len(frozenset().union(*(passes[job.every][s].run.products for s in mine)))
+    kernels = kernel_bytes(products, job.prober.precision)
+    if kernels:
+        lines.append(Line(kernel_line(products), kernels))
+    base = params + buffers + unsynced + optim.state + received + gathers + kernels
     activations, step = peak_of(job.every)
     schedule = cfg.strategy.pipeline_schedule
     lines.append(
@@ -204,11 +209,11 @@ def _rank_estimate(
     phases = {
         "set-up": job.setup(params + buffers, shards > 1 or tp > 1),
         "forward/backward": base + step,
-        "optimizer step": params + buffers + grads + optim.state + optim.temporary,
+        "optimizer step": params + buffers + grads + optim.state + optim.temporary + kernels,
     }
     if dims.dp > 1 and shards == 1:
         bucket = job.largest_bucket(infos, tp)
-        phases["gradient sync"] = params + buffers + grads + optim.state + bucket
+        phases["gradient sync"] = params + buffers + grads + optim.state + bucket + kernels
     other_activations, other_step = peak_of(0 if job.every else 1)
     first, last = spans[mine[0]], spans[mine[-1]]
     where = f"stage {mine[0]} (layers {first.start}-{first.stop - 1})"

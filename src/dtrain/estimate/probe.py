@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dtrain.config import Config
 from dtrain.errors import UserError
+from dtrain.estimate.kernels import Signature, product_signature
 from dtrain.task import Task, build_task, resolve_task
 
 OUTSIDE = -1  # saved outside any block
@@ -202,9 +203,13 @@ class LiveBytes(TorchDispatchMode):
         self.peak = 0
         self.extra = 0
         self.peak_with_extra = 0
+        self.products: set[Signature] = set()  # distinct bfloat16 matrix products
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        product = product_signature(func, args)
+        if product is not None:
+            self.products.add(product)
         for tensor in _tensors(out):
             storage = tensor.untyped_storage()
             key = storage._cdata
@@ -234,6 +239,8 @@ class PassProfile:
     # whose gradients did not exist before it).
     working_with_grads: int
     grads: int  # bytes of the parameters' gradients the pass made
+    # the distinct bfloat16 matrix products it ran (:mod:`.kernels`)
+    products: frozenset[Signature] = frozenset()
 
 
 def profile_pass(
@@ -295,4 +302,6 @@ def profile_pass(
     finally:
         for handle in handles:
             handle.remove()
-    return PassProfile(profile, live.peak, live.peak_with_extra, live.extra)
+    return PassProfile(
+        profile, live.peak, live.peak_with_extra, live.extra, frozenset(live.products)
+    )
