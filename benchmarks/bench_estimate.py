@@ -74,6 +74,13 @@ CONFIGS: dict[str, tuple[int, str, dict[str, Any], dict[str, Any], bool]] = {
     "tensor": (2, "activations", {"name": "tensor"}, {}, True),
     "pipeline 1f1b": (2, "activations", PIPELINE, {"micro": 2}, True),
     "pipeline 1f1b, state": (2, "state", PIPELINE, {"micro": 2}, True),
+    "pipeline 2 x fsdp 2, state": (
+        4,
+        "state",
+        {**PIPELINE, "pipeline_stages": 2, "data_parallel": "fsdp"},
+        {"micro": 2},
+        True,
+    ),
     "pipeline gpipe, 4 micro-batches": (
         2,
         "activations",
@@ -161,10 +168,19 @@ def main() -> None:
 
 
 NOTE = (
-    "Below 0.9: bf16-mixed, by what oneDNN keeps per bf16 matrix shape on CPU (the kernels' "
-    'own memory, not counted: about 11 MiB here); the "malloc default" rows, by glibc '
-    "keeping freed blocks resident as it comes (allocator slack, not counted; the other rows "
-    "have it return them)."
+    'Outside 0.85..1.15: the "malloc default" rows, each the config of the row above it with '
+    "glibc's malloc as it comes: the gap between the two measured peaks is allocator slack "
+    "(freed blocks below glibc's growing mmap threshold stay resident), not counted. The "
+    "bf16-mixed rows count oneDNN's compiled kernels for the distinct bfloat16 matrix "
+    "products (15 here, 584 KiB each: 8.6 MiB; src/dtrain/estimate/kernels.py says how it "
+    "was measured). Pipeline 2 x fsdp 2: what FSDP holds unsharded on each stage, counted "
+    "from torch's own state after every operation, is what the estimate counts (torch's "
+    "pipeline turns resharding after backward and gradient sync off for every micro-batch, "
+    "so from a stage's first backward on its layers stay gathered and its gradients whole); "
+    "what it leaves out is about 3.8 MiB that no tensor holds (the resident size after the "
+    "step's reduce-scatters against every live tensor: 32.3 vs 28.6 MiB) and, on the last "
+    "stage, a block's all-gather buffer while its first layer is gathered again in the last "
+    "micro-batch's backward."
 )
 
 
