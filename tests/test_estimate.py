@@ -15,7 +15,7 @@ from dtrain.cli import main
 from dtrain.config import OptimConfig
 from dtrain.errors import UserError
 from dtrain.estimate.fsdp import Moment, Unit, fsdp_moments
-from dtrain.estimate.kernels import kernel_bytes
+from dtrain.estimate.kernels import BYTES_PER_BF16_PRODUCT, kernel_bytes
 from dtrain.estimate.layout import TensorInfo, model_tensors, optimizer_bytes
 from dtrain.estimate.memory import estimate_memory
 from dtrain.estimate.probe import fake_batch, fake_model, profile_pass
@@ -95,6 +95,23 @@ def test_checkpointing_every_k_credits_what_the_checkpointed_pass_reaches(every:
     assert 0.8 * measured <= credited <= measured, (credited, measured)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_the_estimate_counts_onednn_kernels_for_bfloat16_products(
+    tmp_path: Path, precision: str
+) -> None:
+    # The fake pass of the tests' GPT finds its 15 distinct matrix products (4 addmm in
+    # forward, 11 mm in backward) in bf16-mixed, and the estimate counts their kernels; fp32
+    # products leave none (MKL). The slow test below measures what they keep.
+    raw = tiny_raw(tmp_path, train={"precision": precision})
+    estimate = estimate_memory(build_job_config(raw), 2)
+    kernels = [line.bytes for line in estimate.lines if line.what.startswith("oneDNN")]
+    if precision == "fp32":
+        assert kernels == []
+        return
+    assert kernels == [15 * BYTES_PER_BF16_PRODUCT]
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(
     not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no bfloat16 oneDNN kernels here"
 )
