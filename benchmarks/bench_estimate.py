@@ -196,12 +196,13 @@ NOTE = (
     "counted from torch's own state after every operation, is what the estimate counts "
     "(torch's pipeline turns resharding after backward and gradient sync off for every "
     "micro-batch, so from a stage's first backward on its layers stay gathered and its "
-    "gradients whole); of the 5.9 MiB it misses, about 3.8 MiB is resident memory no "
-    "Python-visible tensor holds throughout the step (after the step's reduce-scatters: "
-    "32.3 MiB resident against 28.6 MiB of live tensors; gloo was seen to keep a "
-    "collective's buffers for a while after it returns, not pinned down further), and on "
-    "the last stage FSDP holds one block more (its all-gather buffer) while the stage's "
-    "first block is gathered again in the last micro-batch's backward."
+    "gradients whole: 2 blocks in forward, 4 with their gradients in backward; the last "
+    "stage holds one block more while its first block is gathered again in the last micro-"
+    "batch's backward, when most of that micro-batch's activations are freed). The 5.9 MiB "
+    "it misses is not pinned down: every config keeps resident memory that no Python-"
+    "visible tensor holds (after steps 2 and 3: 2.8 MiB pipeline 1f1b, 3.3 fsdp, 3.5 "
+    "pipeline 2 x fsdp 2, 3.9 hybrid fsdp, state size), so that does not single this row "
+    "out."
 )
 
 
