@@ -199,12 +199,15 @@ NOTE = (
     "gradients whole: 2 blocks in forward, 4 with their gradients in backward; the last "
     "stage holds one block more while its first block is gathered again in the last micro-"
     "batch's backward, when most of that micro-batch's activations are freed). The 5.9 MiB "
-    "it misses is not pinned down: at the peak (stage 0, its first backward) torch's "
-    "tensors other than FSDP's gathered parameters, counted by a dispatch mode over a real "
-    "step, come to 56.7 MiB against the estimate's 51.8 MiB for the same parts, so about "
-    "4.9 MiB are tensors the stage's fake pass does not predict; the rest is resident "
-    "memory no Python-visible tensor holds, which every config keeps (after steps 2 and 3: "
-    "2.8 MiB pipeline 1f1b, 3.3 fsdp, 3.5 pipeline 2 x fsdp 2, 3.9 hybrid fsdp)."
+    "it misses is not pinned down. Neither part falls short where it was measured: FSDP's "
+    "holdings agree with torch's state (above), and at the peak of the tensors a dispatch "
+    "mode sees over a real step (stage 0, as its first backward begins) the tensors besides"
+    " FSDP's gathered blocks come to 49.9 MiB against the estimate's 51.8 MiB for the same "
+    "parts. The resident peak comes later, in block 0's backward of the first micro-batch "
+    "(71.3 MiB, the resident size read at each layer's forward and backward), when both "
+    "blocks' gradients and the next micro-batch's activations are held; and every config "
+    "keeps resident memory that no Python-visible tensor holds (after steps 2 and 3: 2.8 "
+    "MiB pipeline 1f1b, 3.3 fsdp, 3.5 pipeline 2 x fsdp 2, 3.9 hybrid fsdp)."
 )
 
 
