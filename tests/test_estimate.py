@@ -421,3 +421,34 @@ def test_the_estimate_is_within_15_percent_in_bf16_mixed(
     peaks = run_ranks(peak_after_warm_up, 2, raw, warm_up)
     estimate = estimate_memory(build_job_config(raw), 2)
     assert_within_15_percent(estimate.peak, max(peaks), f"{strategy} bf16-mixed {checkpointing}")
+
+
+@pytest.mark.slow
+def test_pipeline_x_fsdp_is_estimated_from_the_first_backward_on(tmp_path: Path) -> None:
+    # Pipeline 2 x fsdp 2 on 4 ranks: torch's pipeline keeps a stage's layers gathered and
+    # its gradients whole from its first backward to the end of the step, and a layer
+    # gathered again in backward keeps its all-gather buffer beside: the peak of the first
+    # stage is there, after its first micro-batch's backward (estimated 0.92 of the measured
+    # peak while only two gathered layers were counted there). Never below 0.95: an estimate
+    # says whether a config fits.
+    strategy = {**STRATEGIES["pipeline"], "pipeline_stages": 2, "data_parallel": "fsdp"}
+    raw = tiny_raw(
+        tmp_path / "run",
+        task=SIZES["state"],
+        strategy=strategy,
+        train={"steps": 4, "log_every": 1},
+        optim={"name": "adamw", "lr": 1e-3, "warmup_steps": 0},
+        data={"global_batch_size": 16, "micro_batches": 2},
+    )
+    warm_up = tiny_raw(
+        tmp_path / "w",
+        task={"n_layer": 2, "d_model": 32, "seq_len": 16},
+        strategy=strategy,
+        train={"steps": 4, "log_every": 1},
+        optim={"name": "adamw", "lr": 1e-3, "warmup_steps": 0},
+        data={"global_batch_size": 16, "micro_batches": 2},
+    )
+    peaks = run_ranks(peak_after_warm_up, 4, raw, warm_up, timeout=600)
+    estimate = estimate_memory(build_job_config(raw), 4)
+    ratio = estimate.peak / max(peaks)
+    assert 0.95 <= ratio <= 1.15, f"estimated {estimate.peak}, measured {max(peaks)} B"
