@@ -92,3 +92,48 @@ def peak_after_warm_up_default_malloc(raw: dict[str, Any], warm_up: dict[str, An
     blocks are freed, and freed blocks below it stay resident)."""
     peak_of_training(warm_up)
     return peak_of_training(raw)
+
+
+def kept_by_new_shapes(precision: str) -> tuple[int, int]:
+    """Run in a fresh process: one forward and backward of a small GPT at a micro-batch of 8,
+    then at 4 (new shapes for every matrix product); the resident size the second kept after
+    all its tensors were freed, and the distinct 16-bit matrix products the estimate's fake
+    pass counts for it."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dtrain.estimate.probe import fake_batch, fake_model, profile_pass
+    from dtrain.models.gpt import GPT, GPTConfig
+    from dtrain.precision import Precision
+    from tests.tasks import lm_loss
+
+    return_freed_memory()
+    torch.set_num_threads(1)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=64, n_layer=2, n_head=2, d_model=96))
+    autocast = Precision(precision, torch.device("cpu")).autocast
+
+    def step(rows: int) -> None:
+        inputs, targets = torch.randint(0, 64, (rows, 64)), torch.randint(0, 64, (rows, 64))
+        with autocast():
+            loss = lm_loss(model(inputs), targets).sum()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        del loss
+        gc.collect()
+
+    step(8)
+    before = status_bytes("VmRSS")
+    step(4)
+    kept = status_bytes("VmRSS") - before
+    mode = FakeTensorMode()
+    fake = fake_model(model, mode)
+    inputs, targets = fake_batch((torch.zeros(4, 64, dtype=torch.long),) * 2, mode)
+    profile = profile_pass(
+        fake,
+        (inputs, targets),
+        lambda: lm_loss(fake(inputs), targets).sum(),
+        list(fake.blocks),  # type: ignore[arg-type]
+        autocast,
+        mode,
+    )
+    return kept, len(profile.products)

@@ -80,7 +80,8 @@ def _estimate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "the configured strategy, mesh and train.precision. The model is built on the meta "
         "device and its forward and backward run on fake tensors: nothing of its size is "
         "allocated. Not counted: the runtime's own memory (torch, the process group, a GPU's "
-        "CUDA context, the kernels' workspaces), the data, allocator slack. Any config key "
+        "CUDA context, the kernels' workspaces; on a CPU under bf16-mixed oneDNN's kernels for "
+        "the step's bfloat16 products are counted), the data, allocator slack. Any config key "
         "can be set as "
         "--section.key=value. See docs/strategies.md.",
     )

@@ -11,7 +11,8 @@ add up per phase of a step for the rank that holds the most (:mod:`.memory`, the
 Counted: parameters, buffers, gradients, optimizer state, activations (with and without
 activation checkpointing), the forward/backward and optimizer-step temporaries, and what the
 strategy adds (ddp's and allreduce's buckets, fsdp's gathered units, a pipeline's micro-batches
-in flight and receive buffers). Not counted: the runtime's own memory (torch and its
+in flight and receive buffers); on a CPU under bf16-mixed, oneDNN's kernels for the step's
+bfloat16 matrix products (:mod:`.kernels`). Not counted: the runtime's own memory (torch and its
 libraries, the process group, a GPU's CUDA context and kernels), the data and its loader,
 checkpoint snapshots, evaluation, and allocator slack (freed blocks a caching allocator or
 malloc keeps).

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dtrain.estimate.fsdp import Moment, Unit, fsdp_moments
 from dtrain.estimate.job import Job
+from dtrain.estimate.kernels import kernel_bytes, kernel_line
 from dtrain.estimate.layout import TensorInfo, bucket_bytes, tensors_of
 from dtrain.estimate.passes import measure_both
 from dtrain.estimate.probe import example_micro_batch
@@ -43,6 +44,11 @@ def estimate_flat(job: Job, name: str) -> MemoryEstimate:
         anchor = grads * (2 if cfg.comm.outer_momentum > 0 else 1)
         persistent += anchor
         lines.append(Line("diloco: the global model and its outer momentum", anchor))
+    products = len(passes.runs[job.every].products)
+    kernels = kernel_bytes(products, job.prober.precision)
+    if kernels:
+        persistent += kernels
+        lines.append(Line(kernel_line(products), kernels))
     # Gradients that exist before a micro-batch's backward: ddp's buckets, or the sum of the
     # step's earlier micro-batches. Otherwise they are made while its activations are freed.
     held = (name == "ddp" and data_parallel) or cfg.data.micro_batches > 1

@@ -23,6 +23,7 @@ from itertools import pairwise
 
 from dtrain.errors import UserError
 from dtrain.estimate.job import Job
+from dtrain.estimate.kernels import kernel_bytes, kernel_line
 from dtrain.estimate.layout import TensorInfo, tensors_of
 from dtrain.estimate.passes import StagePass
 from dtrain.estimate.probe import example_micro_batch
@@ -149,13 +150,16 @@ def _rank_estimate(
         lines.append(Line("receive buffers (activations, their gradients)", received))
     flying = max(in_flight(job, s, rank, stages) for s in mine)
     held = grads_held(job, mine, rank, stages)
-    gathers = unsynced = 0
+    # FSDP inside the stages: torch's schedule runs every micro-batch's backward without
+    # resharding or reducing (PipelineStage.backward_maybe_with_nosync) and reduces once at
+    # the end of the step: from a stage's first backward on, its layers stay gathered and
+    # their gradients unsharded (whole). A layer resharded after a later forward is gathered
+    # again in its backward, and its flat all-gather buffer stays until the next layer's
+    # parameters are copied out: one layer more. Before the first backward, forward gathers
+    # a layer at a time (and prefetches the next): two layers.
+    fsdp_first = 0  # what FSDP holds until the stage's first backward ends
+    fsdp_later: tuple[int, int] | None = None  # (gathered, gradients) from then on
     if shards > 1:
-        # FSDP inside the stages: torch's schedule runs every micro-batch's backward without
-        # resharding or reducing (PipelineStage.backward_maybe_with_nosync) and reduces once
-        # at the end of the step: from the first backward on, the stages' parameters stay
-        # gathered and their gradients unsharded. Before it, forward gathers a layer at a
-        # time (and prefetches the next).
         layers = job.prober.layers(job.task.model)
         gathered = [
             sum(
@@ -166,50 +170,75 @@ def _rank_estimate(
             for s in mine
             for i in spans[s]
         ]
-        if held:
-            trainable = [t for t in infos if t.is_parameter and t.trainable]
-            gathers = sum(gathered)
-            unsynced = sum(t.gathered_bytes(tp, shards) for t in trainable)
-            lines.append(Line("fsdp: the stages' layers gathered, in backward", gathers))
-            lines.append(
-                Line("fsdp: the stages' gradients, unsharded until the step ends", unsynced)
-            )
-        else:
-            gathers = 2 * max(gathered, default=0)
-            lines.append(Line("fsdp: two layers gathered whole", gathers))
+        trainable = [t for t in infos if t.is_parameter and t.trainable]
+        fsdp_later = (
+            sum(gathered) + max(gathered, default=0),
+            sum(t.gathered_bytes(tp, shards) for t in trainable),
+        )
+        fsdp_first = 2 * max(gathered, default=0)
 
-    def peak_of(every: int) -> tuple[int, int]:
-        """(activations of the micro-batches in flight, the step's forward/backward peak
-        above the rest)."""
+    def peak_of(every: int) -> tuple[int, int, int, bool]:
+        """(micro-batches whose activations are held at the peak, their activations, the
+        step's forward/backward peak above the rest, whether it is after the stage's first
+        backward with FSDP's layers all gathered and its gradients whole)."""
         stage_passes = [passes[every][s] for s in mine]
         kept = max(p.kept for p in stage_passes)
-        if held:  # (with FSDP inside the stages: counted whole in ``unsynced``)
-            working = max(p.working for p in stage_passes) + (0 if shards > 1 else grads)
-        else:  # the gradients are made while the micro-batches' activations are freed
-            working = max(p.working_with_grads for p in stage_passes)
-        return flying * kept, (flying - 1) * kept + working
+        if fsdp_later is not None and held:  # gradients and layers counted in fsdp_later
+            step = (flying - 1) * kept + max(p.working for p in stage_passes)
+            return flying, flying * kept, sum(fsdp_later) + step, True
+        if held:
+            working = max(p.working for p in stage_passes) + grads
+            return flying, flying * kept, (flying - 1) * kept + working, False
+        # The gradients are made while the micro-batches' activations are freed.
+        working = max(p.working_with_grads for p in stage_passes)
+        first = (flying, flying * kept, fsdp_first + (flying - 1) * kept + working, False)
+        if fsdp_later is None or flying == 1:
+            return first
+        # FSDP: from the end of the first micro-batch's backward on, the others' backward.
+        later = (flying - 2) * kept + max(p.working for p in stage_passes)
+        after = (flying - 1, (flying - 1) * kept, sum(fsdp_later) + later, True)
+        return max(first, after, key=lambda moment: moment[2])
 
-    base = params + buffers + unsynced + optim.state + received + gathers
-    activations, step = peak_of(job.every)
+    products = len(frozenset().union(*(passes[job.every][s].run.products for s in mine)))
+    kernels = kernel_bytes(products, job.prober.precision)
+    if kernels:
+        lines.append(Line(kernel_line(products), kernels))
+    base = params + buffers + optim.state + received + kernels
+    counted, activations, step, after_first = peak_of(job.every)
+    if after_first:
+        assert fsdp_later is not None
+        lines.append(
+            Line(
+                "fsdp: the stages' layers gathered, and one layer's all-gather buffer, from "
+                "the first backward on",
+                fsdp_later[0],
+            )
+        )
+        lines.append(
+            Line("fsdp: the stages' gradients, unsharded until the step ends", fsdp_later[1])
+        )
+    elif fsdp_first:
+        lines.append(Line("fsdp: two layers gathered whole", fsdp_first))
+    fsdp = sum(fsdp_later) if after_first and fsdp_later else fsdp_first
     schedule = cfg.strategy.pipeline_schedule
     lines.append(
         Line(
-            f"activations ({flying} micro-batches of {rows} samples in flight, {schedule}, "
+            f"activations ({counted} micro-batches of {rows} samples in flight, {schedule}, "
             f"checkpointing {job.checkpointing[0]})",
             activations,
         )
     )
-    lines.append(Line("forward/backward temporaries", step - activations))
+    lines.append(Line("forward/backward temporaries", step - fsdp - activations))
     lines.append(Line("optimizer step temporaries", optim.temporary))
     phases = {
         "set-up": job.setup(params + buffers, shards > 1 or tp > 1),
         "forward/backward": base + step,
-        "optimizer step": params + buffers + grads + optim.state + optim.temporary,
+        "optimizer step": params + buffers + grads + optim.state + optim.temporary + kernels,
     }
     if dims.dp > 1 and shards == 1:
         bucket = job.largest_bucket(infos, tp)
-        phases["gradient sync"] = params + buffers + grads + optim.state + bucket
-    other_activations, other_step = peak_of(0 if job.every else 1)
+        phases["gradient sync"] = params + buffers + grads + optim.state + bucket + kernels
+    _, other_activations, other_step, _ = peak_of(0 if job.every else 1)
     first, last = spans[mine[0]], spans[mine[-1]]
     where = f"stage {mine[0]} (layers {first.start}-{first.stop - 1})"
     if len(mine) > 1:

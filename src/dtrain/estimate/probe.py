@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dtrain.config import Config
 from dtrain.errors import UserError
+from dtrain.estimate.kernels import Signature, product_signature
 from dtrain.task import Task, build_task, resolve_task
 
 OUTSIDE = -1  # saved outside any block
@@ -137,31 +138,43 @@ class SavedProfile:
     block_inputs: dict[int, dict[int, int]] = field(default_factory=dict)
 
     def activations(self, checkpoint_every: int = 0, through: int | None = None) -> int:
-        """Bytes kept for backward with every ``checkpoint_every``-th block checkpointed (0:
-        none): a checkpointed block keeps only its inputs, and in backward recomputes what it
-        saved, one block at a time (the largest counts). ``through``: only what the blocks up
-        to that one and no block saved (in that block's forward the later blocks' is not
-        made yet; in its backward it is freed)."""
+        """Bytes kept for backward at their most with every ``checkpoint_every``-th block
+        checkpointed (0: none). A checkpointed block keeps only its inputs, and in backward
+        recomputes what it saved, one block at a time; backward runs the blocks in reverse,
+        so while block b is recomputed the blocks after it have freed theirs: the most is
+        at the end of forward (everything kept) or at some checkpointed block's
+        recomputation (what the blocks before it keep, its inputs, its saved tensors).
+        What no block saved (embeddings, head, loss) counts throughout. ``through``: only
+        what the blocks up to that one and no block saved (in that block's forward the
+        later blocks' is not made yet; in its backward it is freed)."""
 
         def checkpointed(block: int) -> bool:
             return checkpoint_every > 0 and block >= 0 and block % checkpoint_every == 0
 
-        def made(block: int) -> bool:
-            return through is None or block <= through
+        last = max((b for _, b in self.saved.values()), default=OUTSIDE)
+        last = max(last, *self.block_inputs, OUTSIDE) if through is None else through
 
-        kept: dict[int, int] = {}
+        def kept_before(stop: int) -> dict[int, int]:
+            """What the blocks before ``stop`` and no block keep once their forward ran."""
+            kept = {
+                key: size
+                for key, (size, block) in self.saved.items()
+                if block < stop and not checkpointed(block)
+            }
+            for block, inputs in self.block_inputs.items():
+                if block < stop and checkpointed(block):
+                    kept.update(inputs)
+            return kept
+
         recomputed: dict[int, int] = {}
-        for key, (size, block) in self.saved.items():
-            if not made(block):
-                continue
-            if checkpointed(block):
+        for size, block in self.saved.values():
+            if checkpointed(block) and block <= last:
                 recomputed[block] = recomputed.get(block, 0) + size
-            else:
-                kept[key] = size
-        for block, inputs in self.block_inputs.items():
-            if checkpointed(block) and made(block):
-                kept.update(inputs)
-        return sum(kept.values()) + max(recomputed.values(), default=0)
+        most = sum(kept_before(last + 1).values())
+        for block, size in recomputed.items():
+            held = kept_before(block) | self.block_inputs.get(block, {})
+            most = max(most, sum(held.values()) + size)
+        return most
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -190,9 +203,13 @@ class LiveBytes(TorchDispatchMode):
         self.peak = 0
         self.extra = 0
         self.peak_with_extra = 0
+        self.products: set[Signature] = set()  # distinct bfloat16 matrix products
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        product = product_signature(func, args)
+        if product is not None:
+            self.products.add(product)
         for tensor in _tensors(out):
             storage = tensor.untyped_storage()
             key = storage._cdata
@@ -222,6 +239,8 @@ class PassProfile:
     # whose gradients did not exist before it).
     working_with_grads: int
     grads: int  # bytes of the parameters' gradients the pass made
+    # the distinct bfloat16 matrix products it ran (:mod:`.kernels`)
+    products: frozenset[Signature] = frozenset()
 
 
 def profile_pass(
@@ -283,4 +302,6 @@ def profile_pass(
     finally:
         for handle in handles:
             handle.remove()
-    return PassProfile(profile, live.peak, live.peak_with_extra, live.extra)
+    return PassProfile(
+        profile, live.peak, live.peak_with_extra, live.extra, frozenset(live.products)
+    )
