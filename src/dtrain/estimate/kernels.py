@@ -12,8 +12,9 @@ the kind (measured: nothing grows with the shapes).
 The bytes per problem are measured (torch 2.13, oneDNN 3.12, AVX512-BF16; one process, one
 forward and backward of the tests' GPT at a new micro-batch size, resident size kept after
 it): each new set of the GPT's 15 distinct products (4 ``addmm``, 11 ``mm``, with its 2
-GELU kernels) kept 8.37, 8.59 and 8.70 MiB, the same at d_model 96, 192 and 384 (8.66,
-8.53, 8.44 MiB): about 584 KiB per problem, whatever its size. About half stays with
+GELU kernels; its output projection then still ran in bfloat16, now it is 12) kept 8.37,
+8.59 and 8.70 MiB, the same at d_model 96, 192 and 384 (8.66, 8.53, 8.44 MiB): about 584 KiB
+per problem, whatever its size. About half stays with
 ``ONEDNN_PRIMITIVE_CACHE_CAPACITY=0`` (the kernels' code outlives the cache). The problems
 are counted on the fake pass (:class:`.probe.LiveBytes`): each distinct matrix product on
 bfloat16 inputs.
