@@ -81,6 +81,18 @@ CONFIGS: dict[str, tuple[int, str, dict[str, Any], dict[str, Any], bool]] = {
         {"micro": 2},
         True,
     ),
+    "pipeline 2 x fsdp 2, state, no reshard": (
+        4,
+        "state",
+        {
+            **PIPELINE,
+            "pipeline_stages": 2,
+            "data_parallel": "fsdp",
+            "reshard_after_forward": False,
+        },
+        {"micro": 2},
+        True,
+    ),
     "pipeline gpipe, 4 micro-batches": (
         2,
         "activations",
@@ -191,15 +203,17 @@ def slack_note(measured: dict[str, float]) -> str:
 
 NOTE = (
     "The bf16-mixed rows count oneDNN's compiled kernels for the distinct bfloat16 matrix "
-    "products (15 here, 584 KiB each: 8.6 MiB; src/dtrain/estimate/kernels.py says how it "
-    "was measured). Pipeline 2 x fsdp 2: torch's pipeline turns resharding after backward "
-    "and gradient sync off for every micro-batch, so from a stage's first backward on its "
-    "layers stay gathered and its gradients whole; a layer resharded after a later forward "
-    "is gathered again, its block-sized all-gather buffer beside (seen on a real step: 5 "
-    "blocks unsharded on the last stage, FSDP's own state read after every operation; on "
-    "the first stage a 6.8 MiB buffer from aten.empty at the peak, besides its 2 gathered "
-    "blocks and their gradients). Counting only two gathered layers before the first "
-    "backward read 0.92."
+    "products (12 here, the output projection running in float32; 584 KiB each: 6.8 MiB; "
+    "src/dtrain/estimate/kernels.py says how it was measured). Pipeline 2 x fsdp 2: torch's "
+    "pipeline turns resharding after backward and gradient sync off for every micro-batch, "
+    "so from a stage's first backward on its layers stay gathered and its gradients whole; "
+    "a layer resharded after a later forward is gathered again, its block-sized all-gather "
+    "buffer beside (seen on a real step: 5 blocks unsharded on the last stage, FSDP's own "
+    "state read after every operation; on the first stage a 6.8 MiB buffer from aten.empty "
+    "at the peak, besides its 2 gathered blocks and their gradients). Counting only two "
+    "gathered layers before the first backward read 0.92. Without resharding after forward "
+    "(strategy.reshard_after_forward = false) every layer "
+    "stays gathered from its first forward on and none is gathered again."
 )
 
 

@@ -58,6 +58,24 @@ def backward_prefetch_targets(roots: Iterable[nn.Module]) -> list[str]:
     return targets
 
 
+def reshards_after_forward(roots: Iterable[nn.Module]) -> list[bool]:
+    """Whether each FSDP unit under ``roots`` (each once) with parameters frees them after
+    its forward, as torch will run it (its root's is switched off by torch itself)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    seen: set[int] = set()
+    found = []
+    for root in roots:
+        for module in root.modules():
+            if not isinstance(module, FSDPModule) or id(module) in seen:
+                continue
+            seen.add(id(module))
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                found.append(group.post_forward_mesh_info is not None)
+    return found
+
+
 def _storage(tensor: torch.Tensor | None) -> Iterator[tuple[int, int]]:
     if tensor is not None:
         storage = tensor.untyped_storage()

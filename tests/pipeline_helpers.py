@@ -7,16 +7,18 @@ from typing import Any
 import torch
 
 from tests.dist_helpers import make_trainer, params_of
-from tests.fsdp_census import backward_prefetch_targets
+from tests.fsdp_census import backward_prefetch_targets, reshards_after_forward
 
 
 def train_and_report(raw: dict[str, Any]) -> dict[str, Any]:
     """Train; return the full parameters (rank 0), this rank's parameter bytes, the layout,
-    what each FSDP unit prefetched in backward, and what the full model gathered for the
-    after-training hook computes."""
+    what each FSDP unit prefetched in backward and whether it resharded after forward, and
+    what the full model gathered for the after-training hook computes."""
     trainer = make_trainer(raw)
     summary = trainer.fit()
     strategy: Any = trainer.strategy
+    # the stages' chains are FSDP roots outside the pruned model
+    fsdp_roots = [strategy.unwrapped, *getattr(strategy, "chains", {}).values()]
     out: dict[str, Any] = {
         "params": params_of(trainer),
         "param_bytes": strategy.parameter_bytes(),
@@ -24,10 +26,8 @@ def train_and_report(raw: dict[str, Any]) -> dict[str, Any]:
         "val_loss": summary.val_loss,
         "train_loss": summary.train_loss,
         "bounds": getattr(getattr(strategy, "plan", None), "bounds", None),
-        # the stages' chains are FSDP roots outside the pruned model
-        "prefetch": backward_prefetch_targets(
-            [strategy.unwrapped, *getattr(strategy, "chains", {}).values()]
-        ),
+        "prefetch": backward_prefetch_targets(fsdp_roots),
+        "reshard": reshards_after_forward(fsdp_roots),
     }
     model = strategy.model_for_inference()
     if model is not None:

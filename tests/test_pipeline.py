@@ -98,19 +98,25 @@ def test_data_parallel_x_pipeline_on_4_ranks(single: dict[str, Any], tmp_path: P
 def test_fsdp_x_pipeline_on_4_ranks(single: dict[str, Any], tmp_path: Path) -> None:
     strategy = pipeline(pipeline_stages=2, pipeline_balance="uniform", data_parallel="fsdp")
     no_prefetch = {**strategy, "backward_prefetch": False}
+    no_reshard = {**strategy, "reshard_after_forward": False}
     raws = [
         tiny_raw(tmp_path / "default", data=DATA, strategy=strategy),
         tiny_raw(tmp_path / "no-prefetch", data=DATA, strategy=no_prefetch),
+        tiny_raw(tmp_path / "no-reshard", data=DATA, strategy=no_reshard),
     ]
-    both = run_ranks(train_and_report_each, 4, raws)
-    ranks = [rank[0] for rank in both]
+    each = run_ranks(train_and_report_each, 4, raws)
+    ranks = [rank[0] for rank in each]
     check_matches(single, ranks)
-    # Without FSDP's backward prefetch (strategy.backward_prefetch = false, which reached
-    # every unit of every stage): the same parameters, bit for bit.
-    assert_bit_equal(ranks[0]["params"], both[0][1]["params"])
-    for default, off in both:
+    # Without FSDP's backward prefetch (strategy.backward_prefetch = false), or without
+    # resharding after forward (strategy.reshard_after_forward = false), each of which reached
+    # every unit of every stage: the same parameters, bit for bit.
+    assert_bit_equal(ranks[0]["params"], each[0][1]["params"])
+    assert_bit_equal(ranks[0]["params"], each[0][2]["params"])
+    for default, off, kept in each:
         assert default["prefetch"] and set(default["prefetch"]) == {"default"}
         assert off["prefetch"] == ["itself"] * len(default["prefetch"])
+        assert True in default["reshard"]  # the layers (torch keeps a root's gathered)
+        assert kept["reshard"] == [False] * len(default["reshard"])
     # Each stage's parameters are sharded over its 2 copies: half of a 2-stage rank's bytes.
     total = sum(v.nbytes for v in single["params"].values())
     assert sum(r["param_bytes"] for r in ranks) == total

@@ -202,7 +202,9 @@ class StrategyConfig:
         "(docs/models.md); false: each rank normalizes over its own share",
     )
     reshard_after_forward: bool = _opt(
-        True, "fsdp: free gathered parameters after forward (less memory, one more all-gather)"
+        True,
+        "fsdp, and pipeline with data_parallel = 'fsdp': free gathered parameters after "
+        "forward (less memory, one more all-gather)",
     )
     backward_prefetch: bool = _opt(
         True,

@@ -156,7 +156,9 @@ def _rank_estimate(
     # their gradients unsharded (whole). A layer resharded after a later forward is gathered
     # again in its backward, and its flat all-gather buffer stays until the next layer's
     # parameters are copied out: one layer more. Before the first backward, forward gathers
-    # a layer at a time (and prefetches the next): two layers.
+    # a layer at a time (and prefetches the next): two layers. Without resharding after
+    # forward (strategy.reshard_after_forward = false) every layer stays gathered from its
+    # first forward on, and none is gathered again.
     fsdp_first = 0  # what FSDP holds until the stage's first backward ends
     fsdp_later: tuple[int, int] | None = None  # (gathered, gradients) from then on
     if shards > 1:
@@ -171,11 +173,12 @@ def _rank_estimate(
             for i in spans[s]
         ]
         trainable = [t for t in infos if t.is_parameter and t.trainable]
+        reshard = cfg.strategy.reshard_after_forward
         fsdp_later = (
-            sum(gathered) + max(gathered, default=0),
+            sum(gathered) + (max(gathered, default=0) if reshard else 0),
             sum(t.gathered_bytes(tp, shards) for t in trainable),
         )
-        fsdp_first = 2 * max(gathered, default=0)
+        fsdp_first = 2 * max(gathered, default=0) if reshard else sum(gathered)
 
     def peak_of(every: int) -> tuple[int, int, int, bool]:
         """(micro-batches whose activations are held at the peak, their activations, the
@@ -218,7 +221,8 @@ def _rank_estimate(
             Line("fsdp: the stages' gradients, unsharded until the step ends", fsdp_later[1])
         )
     elif fsdp_first:
-        lines.append(Line("fsdp: two layers gathered whole", fsdp_first))
+        what = "two layers" if cfg.strategy.reshard_after_forward else "the stages' layers"
+        lines.append(Line(f"fsdp: {what} gathered whole", fsdp_first))
     fsdp = sum(fsdp_later) if after_first and fsdp_later else fsdp_first
     schedule = cfg.strategy.pipeline_schedule
     lines.append(

@@ -253,14 +253,15 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
 
     def _shard(self) -> None:
         """FSDP over the data-parallel shards (x copies: hybrid), per layer then per stage (as
-        ``fsdp``)."""
+        ``fsdp``, ``strategy.reshard_after_forward`` included)."""
         assert self.mesh is not None
         mesh = self.mesh.submesh("dp_replicate", "dp_shard")
+        reshard = self.options.reshard_after_forward
         for chain in self.chains.values():
             for layer in chain.layers:
                 if any(True for _ in layer.parameters()):
-                    fully_shard(layer, mesh=mesh)
-            fully_shard(chain, mesh=mesh)
+                    fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(chain, mesh=mesh, reshard_after_forward=reshard)
             apply_backward_prefetch(chain, self.options.backward_prefetch)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
