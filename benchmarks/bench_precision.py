@@ -14,7 +14,10 @@ bf16's gap is what stands out of the control's. Tokens/s is not deterministic: t
 load moves a long run's speed by 2x here, so speed is measured in short runs (--speed-steps,
 no evaluation or checkpoints), the precisions alternating, their order rotating from round to
 round; each run's figure is the median of its training windows (the first, which holds
-start-up, left out) and the ratio to fp32 is taken within each round.
+start-up, left out) and the ratio to fp32 is taken within each round. Beside it, the ceiling
+this machine sets: the same step (forward, backward, clipping, AdamW; one rank's 8 samples) in
+plain loops without any communication, two at once as the 2 workers share the 2 cores, the
+precisions alternating by round (--ceiling-rounds).
 Targets: bf16-mixed >= 1.6x fp32's tokens/s, its final validation loss <= 1.01x fp32's.
 """
 
@@ -78,6 +81,57 @@ def run(run_dir: Path, precision: str, steps: int, *extra: str) -> dict[str, flo
     }
 
 
+def one_process_ms(precision: str, steps: int) -> float:
+    """The median time of one training step of the default GPT on one rank's share of the
+    default batch, in a plain loop (no communication, one thread)."""
+    import torch
+    import torch.nn.functional as F
+
+    from dtrain.models.gpt import GPT, GPTConfig
+    from dtrain.precision import Precision
+    from dtrain.tasks.gpt import GPTTaskConfig
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    opts = GPTTaskConfig()
+    model = GPT(
+        GPTConfig(
+            seq_len=opts.seq_len, n_layer=opts.n_layer, n_head=opts.n_head, d_model=opts.d_model
+        )
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    autocast = Precision(precision, torch.device("cpu")).autocast
+    idx = torch.randint(0, 256, (8, opts.seq_len))
+    times = []
+    for _ in range(steps + 2):
+        started = time.perf_counter()
+        with autocast():
+            logits = model(idx)
+            loss = F.cross_entropy(logits.flatten(0, 1), idx.flatten(), reduction="sum")
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - started)
+    return 1e3 * statistics.median(times[2:])
+
+
+def ceiling(rounds: int, steps: int) -> dict[str, list[float]]:
+    """Per precision, per round: the ms per step of two plain loops running at once."""
+    out: dict[str, list[float]] = {"fp32": [], "bf16-mixed": []}
+    for index in range(rounds):
+        for precision in list(out)[index % 2 :] + list(out)[: index % 2]:
+            args = [sys.executable, __file__, "--one-process", precision, "--steps", str(steps)]
+            pair = [
+                subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+                for _ in range(2)
+            ]
+            ms = [float(proc.communicate()[0].split()[-1]) for proc in pair]
+            out[precision].append(max(ms))
+            print(f"ceiling round {index} {precision}: {max(ms):.1f} ms/step", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--loss-steps", type=int, default=700, help="the default job's 700")
@@ -85,8 +139,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="speed rounds")
     parser.add_argument("--speed-steps", type=int, default=60)
     parser.add_argument("--whole-fp16", action="store_true", help="fp16's whole job too")
+    parser.add_argument("--ceiling-rounds", type=int, default=4)
+    parser.add_argument("--one-process", choices=PRECISIONS, help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=30, help=argparse.SUPPRESS)
     parser.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
     args = parser.parse_args()
+    if args.one_process:  # one plain loop of the ceiling, in its own process
+        print(f"{one_process_ms(args.one_process, args.steps):.3f}")
+        return
     scratch = Path(tempfile.mkdtemp(prefix="dtrain-precision-"))
     seeds = [int(seed) for seed in args.seeds.split(",")]
     whole_runs = dict(WHOLE)
@@ -109,6 +169,7 @@ def main() -> None:
                 out = run(scratch / f"{precision}-{index}", precision, args.speed_steps, *quiet)
                 speed[precision].append(out["tokens_per_s"])
                 print(f"round {index} {precision}: {out['tokens_per_s']:.0f} tokens/s", flush=True)
+        bound = ceiling(args.ceiling_rounds, args.steps)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     lines = [
@@ -121,7 +182,17 @@ def main() -> None:
             f"| {precision} | {statistics.median(speed[precision]):,.0f} "
             f"| **{statistics.median(ratios):.2f}x** ({', '.join(f'{x:.2f}' for x in ratios)}) |"
         )
-    lines += ["", loss_table(loss, seeds)]
+    speedups = [f / b for f, b in zip(bound["fp32"], bound["bf16-mixed"])]
+    lines += [
+        "",
+        "The ceiling: two plain loops at once (no communication), ms per step (median of "
+        f"rounds): fp32 {statistics.median(bound['fp32']):.1f}, bf16-mixed "
+        f"{statistics.median(bound['bf16-mixed']):.1f}; bf16-mixed **"
+        f"{statistics.median(speedups):.2f}x** fp32's speed (per round: "
+        f"{', '.join(f'{x:.2f}' for x in speedups)})",
+        "",
+        loss_table(loss, seeds),
+    ]
     print("\n".join(lines))
     if args.write_docs:
         body = "\n".join(
