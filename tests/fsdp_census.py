@@ -39,41 +39,34 @@ def fsdp_groups(model: nn.Module) -> list[Any]:
     return groups
 
 
+def fsdp_states(roots: Iterable[nn.Module]) -> list[Any]:
+    """The FSDP state of each unit under ``roots``, each unit once, in module order."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units: dict[int, Any] = {}
+    for root in roots:
+        for module in root.modules():
+            if isinstance(module, FSDPModule) and id(module) not in units:
+                units[id(module)] = module._get_fsdp_state()
+    return list(units.values())
+
+
 def backward_prefetch_targets(roots: Iterable[nn.Module]) -> list[str]:
     """What each FSDP unit under ``roots`` (each once) prefetches in backward, as torch will
     run it: 'default' (torch's choice: the next unit), 'itself' (nothing: it is gathered by
     then) or 'others'."""
-    from torch.distributed.fsdp import FSDPModule
-
-    seen: set[int] = set()
     targets = []
-    for root in roots:
-        for module in root.modules():
-            if not isinstance(module, FSDPModule) or id(module) in seen:
-                continue
-            seen.add(id(module))
-            state = module._get_fsdp_state()
-            chosen = state._states_to_backward_prefetch
-            targets.append("default" if not chosen else "itself" if chosen == [state] else "others")
+    for state in fsdp_states(roots):
+        chosen = state._states_to_backward_prefetch
+        targets.append("default" if not chosen else "itself" if chosen == [state] else "others")
     return targets
 
 
 def reshards_after_forward(roots: Iterable[nn.Module]) -> list[bool]:
     """Whether each FSDP unit under ``roots`` (each once) with parameters frees them after
     its forward, as torch will run it (its root's is switched off by torch itself)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    seen: set[int] = set()
-    found = []
-    for root in roots:
-        for module in root.modules():
-            if not isinstance(module, FSDPModule) or id(module) in seen:
-                continue
-            seen.add(id(module))
-            group = module._get_fsdp_state()._fsdp_param_group
-            if group is not None:
-                found.append(group.post_forward_mesh_info is not None)
-    return found
+    groups = [state._fsdp_param_group for state in fsdp_states(roots)]
+    return [group.post_forward_mesh_info is not None for group in groups if group is not None]
 
 
 def _storage(tensor: torch.Tensor | None) -> Iterator[tuple[int, int]]:
