@@ -207,11 +207,35 @@ def main() -> None:
                 "",
                 *lines,
                 "",
-                "Targets: bf16-mixed >= 1.6x fp32's tokens/s at a final validation loss <= "
-                "1.01x fp32's.",
+                verdict(speed, speedups, loss, seeds),
             ]
         )
         print(f"wrote {update_section('bench_precision', body)}")
+
+
+def verdict(
+    speed: dict[str, list[float]],
+    speedups: list[float],
+    loss: dict[str, dict[int, float]],
+    seeds: list[int],
+) -> str:
+    """The targets, and where the figures above stand against them."""
+    job = statistics.median([b / f for f, b in zip(speed["fp32"], speed["bf16-mixed"])])
+    ceiling = statistics.median(speedups)
+
+    def ratios(name: str) -> list[float]:
+        return [loss[name][seed] / loss["fp32"][seed] for seed in seeds]
+
+    mean = statistics.mean(ratios("bf16-mixed"))
+    return (
+        f"Targets: bf16-mixed >= 1.6x fp32's tokens/s -- {job:.2f}x, "
+        f"{'met' if job >= 1.6 else 'not met'} (the ceiling above, the same step without "
+        f"communication: {ceiling:.2f}x); a final validation loss <= 1.01x fp32's -- "
+        f"{mean:.3f}x on the mean of the seeds, {'met' if mean <= 1.01 else 'not met'} "
+        f"({min(ratios('bf16-mixed')):.3f}-{max(ratios('bf16-mixed')):.3f}x by seed, where "
+        f"the fp32 control with other rounding alone spans {min(ratios(CONTROL)):.3f}-"
+        f"{max(ratios(CONTROL)):.3f}x)."
+    )
 
 
 def loss_table(loss: dict[str, dict[int, float]], seeds: list[int]) -> str:
