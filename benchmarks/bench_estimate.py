@@ -210,10 +210,9 @@ NOTE = (
     "a layer resharded after a later forward is gathered again, its block-sized all-gather "
     "buffer beside (seen on a real step: 5 blocks unsharded on the last stage, FSDP's own "
     "state read after every operation; on the first stage a 6.8 MiB buffer from aten.empty "
-    "at the peak, besides its 2 gathered blocks and their gradients). Counting only two "
-    "gathered layers before the first backward read 0.92. Without resharding after forward "
-    "(strategy.reshard_after_forward = false) every layer "
-    "stays gathered from its first forward on and none is gathered again."
+    "at the peak, besides its 2 gathered blocks and their gradients). Without resharding "
+    "after forward (strategy.reshard_after_forward = false) every layer stays gathered from "
+    "its first forward on and none is gathered again."
 )
 
 

@@ -73,11 +73,9 @@ def run(run_dir: Path, precision: str, steps: int, *extra: str) -> dict[str, flo
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rates = [float(r["tokens_per_s"]) for r in records if r.get("kind") == "train"][1:]
     summary = [r for r in records if r.get("kind") == "summary"][-1]
-    overflows = sum(1 for r in records if r.get("name") == "overflow")
     return {
         "tokens_per_s": statistics.median(rates),
         "val_loss": float(summary.get("val_loss") or "nan"),
-        "overflows": overflows,
     }
 
 

@@ -151,8 +151,10 @@ class SavedProfile:
         def checkpointed(block: int) -> bool:
             return checkpoint_every > 0 and block >= 0 and block % checkpoint_every == 0
 
-        last = max((b for _, b in self.saved.values()), default=OUTSIDE)
-        last = max(last, *self.block_inputs, OUTSIDE) if through is None else through
+        if through is None:  # the last block that saved anything
+            last = max([b for _, b in self.saved.values()] + [*self.block_inputs, OUTSIDE])
+        else:
+            last = through
 
         def kept_before(stop: int) -> dict[int, int]:
             """What the blocks before ``stop`` and no block keep once their forward ran."""
