@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from dtrain.agent import held_port, run_agent
 from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
 from dtrain.fault.error_log import LOGS_DIR
 from dtrain.fault.preempt import signals_to_forward
@@ -144,7 +145,7 @@ def launch_workers(
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import LaunchConfig
 
     standalone = not opts.rdzv_endpoint
     rdzv_configs: dict[str, object] = {
@@ -193,8 +194,14 @@ def launch_workers(
     rendezvous_log = logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous")
     if not any(isinstance(f, _ExpectedAtExit) for f in rendezvous_log.filters):
         rendezvous_log.addFilter(_ExpectedAtExit())
+    worker_args = ("-u", "-m", "dtrain.worker", str(config_path))
     try:
-        elastic_launch(config, sys.executable)("-u", "-m", "dtrain.worker", str(config_path))
+        if standalone:
+            # Held from now until every attempt has ended: see dtrain.agent.
+            with held_port() as store_port:
+                run_agent(config, worker_args, store_port)
+        else:
+            run_agent(config, worker_args, store_port=None)
     except RendezvousError as exc:
         raise UserError(rendezvous_lost(opts, exc)) from None
     except ChildFailedError as exc:

@@ -1,0 +1,96 @@
+"""Running torch's elastic agent with the job's store port held from the start.
+
+torch's agent picks the port of the workers' store (``MASTER_PORT``) by binding port 0 and
+closing the socket; rank 0 binds it again seconds later, once its interpreter has started.
+Any process on the machine that binds or connects in between can take it, and rank 0 then
+fails with "address already in use" (two jobs started at once on one machine did, in CI).
+On a single machine the launcher holds the port instead, for as long as it runs: its socket
+is bound with ``SO_REUSEADDR`` and never listens, which keeps every other bind and outgoing
+connection off the port (the kernel skips bound ports when it picks one) and still lets
+rank 0's store, also ``SO_REUSEADDR``, listen there -- in every restart attempt.
+
+Across machines the port is picked by whichever agent becomes rank 0, after the rendezvous;
+there it stays torch's pick.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+
+@contextmanager
+def held_port() -> Iterator[int]:
+    """A free TCP port that no other process can take while the block runs, but a listener
+    with ``SO_REUSEADDR`` in this machine's processes can (see the module's docstring)."""
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("0.0.0.0", 0))
+        yield int(holder.getsockname()[1])
+    finally:
+        holder.close()
+
+
+def run_agent(config: Any, args: tuple[str, ...], store_port: int | None) -> None:
+    """Run ``python ARGS`` as the workers of ``config`` (a torch ``LaunchConfig``) under
+    torch's local elastic agent, as ``torch.distributed.launcher.elastic_launch`` does, with
+    the workers' store at ``store_port`` (None: the port torch's rendezvous picks).
+
+    Raises ``ChildFailedError`` when workers failed; ``RendezvousError`` and
+    ``SignalException`` pass through as from ``elastic_launch``."""
+    import sys
+
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rendezvous_registry
+
+    parameters = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_configs,
+    )
+    # The agent's worker processes install handlers for these and forward them (torch reads
+    # the list from the environment, as elastic_launch sets it).
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=sys.executable,
+        args=args,
+        rdzv_handler=rendezvous_registry.get_rendezvous_handler(parameters),
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        master_port=store_port,
+        local_addr=config.local_addr,
+        numa_options=config.numa_options,
+    )
+    agent = LocalElasticAgent(
+        spec=spec,
+        logs_specs=config.logs_specs,
+        start_method=config.start_method,
+        shutdown_timeout=config.shutdown_timeout,
+    )
+    close_rendezvous = True
+    try:
+        result = agent.run()
+        if result.is_failed():
+            raise ChildFailedError(name="dtrain.worker", failures=result.failures)
+    except SignalException:
+        # A launcher ended by a signal leaves the rendezvous open: closing it would end the
+        # job for the other machines too, which may go on without this one.
+        close_rendezvous = False
+        raise
+    finally:
+        if close_rendezvous:
+            spec.rdzv_handler.shutdown()
