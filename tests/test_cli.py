@@ -209,14 +209,15 @@ def test_the_launcher_prints_no_cpp_stack_trace_for_its_store() -> None:
     # At the end of a successful multi-machine run the machine that hosts the rendezvous may
     # exit first; the others' close of the rendezvous then failed with a C++ stack trace of
     # some 30 frames and torch's warning (4 of 14 two-node Slurm jobs).
-    from dtrain.testing import free_port
+    from dtrain.agent import held_port
 
-    result = subprocess.run(
-        [sys.executable, "-c", _QUIET, str(free_port())],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    with held_port() as port:  # nothing listens there, and no one else can
+        result = subprocess.run(
+            [sys.executable, "-c", _QUIET, str(port)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert result.stdout.split() == ["raised", "DistNetworkError", "dropped"], result.stderr
     assert "frame #" not in result.stderr and "TCPStore" not in result.stderr, result.stderr

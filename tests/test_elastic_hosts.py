@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.testing import free_port
+from dtrain.agent import held_port
 from tests.audit import check_stream, read_trajectory
 from tests.conftest import REPO
 from tests.test_launcher_faults import wait_for_step, write_config
@@ -64,22 +64,23 @@ def assert_exactly_once(run_dir: Path, steps: int) -> None:
 
 def test_a_host_that_leaves_and_one_that_joins(tmp_path: Path) -> None:
     config, run_dir = config_for(tmp_path, steps=200)
-    port = free_port()
-    first = host(config, port, "hosts")
-    time.sleep(1)
-    second = host(config, port, "hosts")
-    try:
-        wait_for_step(run_dir, 15, first)
-        second.send_signal(signal.SIGKILL)  # a host lost: its launcher and (by PDEATHSIG) worker
-        second.wait(timeout=30)
-        wait_for_step(run_dir, 60, first, timeout=240)  # resumed on one host
-        third = host(config, port, "hosts")  # a host joins: the job grows back to 2 ranks
-        out, _ = first.communicate(timeout=400)
-        third.communicate(timeout=60)
-    finally:
-        for proc in (first, second):
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
+    # The port is held until the first host binds it (dtrain.agent): no one else can.
+    with held_port() as port:
+        first = host(config, port, "hosts")
+        time.sleep(1)
+        second = host(config, port, "hosts")
+        try:
+            wait_for_step(run_dir, 15, first)
+            second.send_signal(signal.SIGKILL)  # a host lost: launcher and (PDEATHSIG) worker
+            second.wait(timeout=30)
+            wait_for_step(run_dir, 60, first, timeout=240)  # resumed on one host
+            third = host(config, port, "hosts")  # a host joins: the job grows back to 2 ranks
+            out, _ = first.communicate(timeout=400)
+            third.communicate(timeout=60)
+        finally:
+            for proc in (first, second):
+                if proc.poll() is None:
+                    os.kill(proc.pid, signal.SIGKILL)
     assert first.returncode == 0, out[-3000:]
     assert "training ddp on 1 rank(s), cpu, resumed from" in out
     assert "training ddp on 2 rank(s), cpu, resumed from" in out

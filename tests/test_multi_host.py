@@ -20,10 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from dtrain.agent import held_port
 from dtrain.cli import main
 from dtrain.network import choose_node_network, split_endpoint
 from dtrain.reachability import _accept_forever, close_listener, peers_of
-from dtrain.testing import Launch, free_port
+from dtrain.testing import Launch
 from dtrain.testing.hosts import Hosts, hosts_unavailable, leftovers
 from tests.conftest import REPO, tiny_config
 
@@ -162,16 +163,17 @@ def test_a_loopback_address_advertised_to_other_machines_is_refused(
 
 def test_an_unreachable_rendezvous_endpoint_is_named_within_its_timeout(tmp_path: Path) -> None:
     config, _ = write_job(tmp_path)
-    endpoint = f"127.0.0.1:{free_port()}"  # nothing listens there
-    command = [sys.executable, "-m", "dtrain", "train", str(config), "--nproc", "1"]
-    command += ["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", endpoint]
-    result = subprocess.run(
-        [*command, "--rdzv-timeout", "3"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    with held_port() as port:  # nothing listens there, and no one else can
+        endpoint = f"127.0.0.1:{port}"
+        command = [sys.executable, "-m", "dtrain", "train", str(config), "--nproc", "1"]
+        command += ["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", endpoint]
+        result = subprocess.run(
+            [*command, "--rdzv-timeout", "3"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert result.returncode == 2, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
     # Given up after the 3 s asked for (--rdzv-timeout), by dtrain's own wait for the host --
