@@ -36,11 +36,16 @@ def build_optimizer(
         for params, weight_decay in kinds
         for part in _by_tensor_type(params)
     ]
+    # foreach: one launch of each operation for all tensors instead of one per tensor (SGD:
+    # where torch's default chooses it, CUDA); fused: one kernel for the whole update of a
+    # tensor (opt-in: its rounding differs from foreach's).
+    fused = cfg.implementation == "fused"
     if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=fused or None)
     betas = (cfg.betas[0], cfg.betas[1])
-    # foreach kernels: one launch for all tensors instead of one per tensor.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, foreach=True)
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=betas, foreach=not fused or None, fused=fused or None
+    )
 
 
 def fit_saved_groups(saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:

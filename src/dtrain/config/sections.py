@@ -110,6 +110,14 @@ class OptimConfig:
     weight_decay: float = _opt(0.1, "decoupled weight decay (matrices only)", min=0)
     betas: list[float] = _opt([0.9, 0.95], "AdamW betas")
     momentum: float = _opt(0.9, "SGD momentum", min=0, max=1)
+    implementation: Literal["foreach", "fused"] = _opt(
+        "foreach",
+        "the optimizer's kernels: 'foreach' (each operation once over all tensors; SGD: torch's "
+        "default, foreach on CUDA) or 'fused' (the whole update of a tensor in one kernel, no "
+        "temporaries: several times faster, docs/benchmarks.md; its results differ from "
+        "foreach's in the last bit, so a run resumes bit-identically only under the same "
+        "choice). A task's own Task.build_optimizer chooses its own",
+    )
     schedule: Literal["cosine", "wsd", "constant"] = _opt(
         "cosine",
         "learning-rate schedule after the linear warm-up: 'cosine' (decay to min_lr_ratio over "

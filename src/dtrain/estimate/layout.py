@@ -139,7 +139,8 @@ def optimizer_bytes(
     of one dtype at a time (the moments' square roots). SGD with momentum keeps one buffer per
     parameter (none at momentum 0); with weight decay its step adds the decay term out of
     place: a temporary the size of one parameter (one tensor at a time, CPU) or of a group
-    (foreach, CUDA)."""
+    (foreach, CUDA). Fused kernels (``optim.implementation = 'fused'``) update each tensor in
+    place, with no temporaries."""
     trainable = [t for t in tensors if t.is_parameter and t.trainable]
     sizes = [t.local_bytes(tp, shards) for t in trainable]
     # build_optimizer: matrices (dim >= 2) decay, the rest do not; one group without decay.
@@ -152,12 +153,14 @@ def optimizer_bytes(
         groups[key] = groups.get(key, 0) + size
         largest[decays] = max(largest.get(decays, 0), size)
     total = sum(sizes)
+    fused = cfg.implementation == "fused"
     if cfg.name == "adamw":
         return OptimizerBytes(
-            2 * total + ADAMW_STEP_BYTES * len(sizes), max(groups.values(), default=0)
+            2 * total + ADAMW_STEP_BYTES * len(sizes),
+            0 if fused else max(groups.values(), default=0),
         )
     state = total if cfg.momentum > 0 else 0
-    if cfg.weight_decay == 0:
+    if cfg.weight_decay == 0 or fused:
         return OptimizerBytes(state, 0)
     if device.type == "cuda":
         temporary = max((v for (decays, _, _), v in groups.items() if decays), default=0)
