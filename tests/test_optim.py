@@ -17,7 +17,7 @@ from torch import nn
 from dtrain.config import OptimConfig
 from dtrain.optim import build_optimizer, fit_saved_groups
 from dtrain.testing import run_ranks
-from tests.conftest import tiny_raw
+from tests.conftest import tiny_config, tiny_raw
 from tests.dist_helpers import crash_then_resume, make_trainer, params_of, train_params
 from tests.recipe_helpers import train_each
 from tests.test_ddp import assert_params_close
@@ -210,8 +210,11 @@ def test_fused_sgd_on_sharded_parameters_is_a_config_error(
     tmp_path: Path, strategy: dict[str, Any]
 ) -> None:
     from dtrain.errors import ConfigError
+    from dtrain.parallel import strategy_class
 
     optim = {"name": "sgd", "implementation": "fused"}
+    sharded = tiny_config(tmp_path / "run", strategy=strategy, optim=optim)
     with pytest.raises(ConfigError, match="torch has no fused SGD for the sharded parameters"):
-        tiny_raw(tmp_path / "run", strategy=strategy, optim=optim)
-    tiny_raw(tmp_path / "run", strategy={"name": "ddp"}, optim=optim)  # plain tensors: fine
+        strategy_class(sharded.strategy.name).validate_config(sharded, 2)
+    plain = tiny_config(tmp_path / "run", strategy={"name": "ddp"}, optim=optim)
+    strategy_class("ddp").validate_config(plain, 2)  # plain tensors: fine

@@ -21,12 +21,6 @@ def validate_cross_fields(cfg: Config) -> None:
     if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
         raise ConfigError(f"optim.betas = {cfg.optim.betas!r}: expected two numbers in [0, 1)")
     validate_schedule(cfg)
-    if cfg.optim.implementation == "fused" and cfg.optim.name == "sgd" and holds_dtensors(cfg):
-        raise ConfigError(
-            f"optim.implementation = 'fused' with optim.name = 'sgd' does not work with "
-            f"strategy.name = {cfg.strategy.name!r}: torch has no fused SGD for the sharded "
-            "parameters (DTensors) it trains; use optim.implementation = 'foreach', or adamw"
-        )
     if cfg.data.micro_batches > cfg.data.global_batch_size:
         raise ConfigError(
             f"data.micro_batches = {cfg.data.micro_batches} is larger than "
@@ -69,15 +63,6 @@ def validate_cross_fields(cfg: Config) -> None:
             f"debug.slowdown_to_step = {debug.slowdown_to_step} is before "
             f"debug.slowdown_from_step = {debug.slowdown_from_step}: no step would be slowed"
         )
-
-
-def holds_dtensors(cfg: Config) -> bool:
-    """Whether the strategy trains parameters cut or sharded over ranks (DTensors)."""
-    strategy = cfg.strategy
-    return strategy.name in ("fsdp", "tensor") or (
-        strategy.name == "pipeline"
-        and (strategy.data_parallel == "fsdp" or strategy.tensor_parallel > 1)
-    )
 
 
 def validate_schedule(cfg: Config) -> None:

@@ -81,6 +81,12 @@ class Strategy(ABC):
         FSDP, e.g. ``strategy.backward_prefetch``, apply)."""
         return False
 
+    @classmethod
+    def holds_dtensors(cls, options: StrategyConfig) -> bool:
+        """Whether the parameters it trains are cut or sharded over ranks (DTensors): FSDP's
+        shards, tensor parallelism's cuts."""
+        return cls.shards_model(options)
+
     def __init__(
         self,
         runtime: Runtime,
@@ -136,6 +142,13 @@ class Strategy(ABC):
             )
         if hooks:
             validate_compression(cfg)
+        fused_sgd = cfg.optim.implementation == "fused" and cfg.optim.name == "sgd"
+        if fused_sgd and cls.holds_dtensors(cfg.strategy):
+            raise ConfigError(
+                f"optim.implementation = 'fused' with optim.name = 'sgd' does not work with "
+                f"strategy.name = {cls.name!r}: torch has no fused SGD for the sharded "
+                "parameters (DTensors) it trains; use optim.implementation = 'foreach', or adamw"
+            )
         if cfg.strategy.sync_batchnorm:
             check_sync_batchnorm(cls, cfg)
         if not cfg.strategy.backward_prefetch:

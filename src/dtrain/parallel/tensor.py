@@ -31,6 +31,10 @@ class TensorParallelStrategy(ComposedStrategy):
         return options.data_parallel == "fsdp"
 
     @classmethod
+    def holds_dtensors(cls, options: StrategyConfig) -> bool:
+        return True  # the cut layers' weights
+
+    @classmethod
     def dims_of(cls, options: StrategyConfig, world_size: int) -> ParallelDims:
         tp = ("strategy.tensor_parallel", options.tensor_parallel or world_size)
         replicas = replicas_of_shards(options.data_parallel, options.dp_replicate)

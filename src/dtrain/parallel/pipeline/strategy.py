@@ -116,6 +116,10 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
         return options.data_parallel == "fsdp"
 
     @classmethod
+    def holds_dtensors(cls, options: StrategyConfig) -> bool:
+        return cls.shards_model(options) or (options.tensor_parallel or 1) > 1
+
+    @classmethod
     def validate_config(cls, cfg: Config, world_size: int) -> None:
         super().validate_config(cfg, world_size)  # the mesh, and checks at its dp size
         dims = cls.dims_of(cfg.strategy, world_size)
