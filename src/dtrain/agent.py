@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.launcher.api import LaunchConfig
 
 
 @contextmanager
@@ -35,15 +39,13 @@ def held_port() -> Iterator[int]:
         holder.close()
 
 
-def run_agent(config: Any, args: tuple[str, ...], store_port: int | None) -> None:
+def run_agent(config: LaunchConfig, args: tuple[str, ...], store_port: int | None) -> None:
     """Run ``python ARGS`` as the workers of ``config`` (a torch ``LaunchConfig``) under
     torch's local elastic agent, as ``torch.distributed.launcher.elastic_launch`` does, with
     the workers' store at ``store_port`` (None: the port torch's rendezvous picks).
 
     Raises ``ChildFailedError`` when workers failed; ``RendezvousError`` and
     ``SignalException`` pass through as from ``elastic_launch``."""
-    import sys
-
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -75,6 +77,8 @@ def run_agent(config: Any, args: tuple[str, ...], store_port: int | None) -> Non
         local_addr=config.local_addr,
         numa_options=config.numa_options,
     )
+    # Set by LaunchConfig itself (its logs) and by dtrain.launch (the grace before SIGKILL).
+    assert config.logs_specs is not None and config.shutdown_timeout is not None
     agent = LocalElasticAgent(
         spec=spec,
         logs_specs=config.logs_specs,
