@@ -3,14 +3,18 @@ trains a few steps on CUDA and is compared with one process under the same preci
 compile; a table says each row's time per step, its largest loss difference and whether it
 passed. Exit code 1 when a row failed.
 
-    python benchmarks/gpu_check.py                        # CUDA: the whole matrix, 48 rows
+    python benchmarks/gpu_check.py                        # CUDA: the whole matrix, 60 rows
     python benchmarks/gpu_check.py --strategies ddp,fsdp --precisions bf16-mixed
     python benchmarks/gpu_check.py --device cpu --compile off   # the same on CPU (gloo)
 
 **The matrix.** ddp, allreduce, fsdp, tensor, pipeline (GPipe, one micro-batch: the same split
 as one process) and localsgd (a sync every step: data parallelism's update) on 2 ranks; hybrid
 fsdp (2 copies x 2 shards) and fsdp x tensor (2 x 2) on 4; each in fp32, bf16-mixed and
-fp16-mixed, eager and compiled (``train.compile``: the blocks compiled one by one). The model is
+fp16-mixed, eager and compiled (``train.compile``: the blocks compiled one by one). Beside
+them, eager rows with torch's fused optimizer kernel (``optim.implementation = 'fused'``)
+wherever it runs: not where parameters are DTensors (fsdp, tensor), where fused SGD is a
+config error. Compile leaves the optimizer step alone (only the blocks are compiled), so
+compiled fused rows would add nothing the eager ones do not check. The model is
 the tests' tiny GPT (2 blocks, d_model 64, 32 tokens) trained by SGD for ``--steps`` steps
 without gradient clipping (local SGD clips per replica), so that every row computes one
 process's update; the reference of a row is one process with its precision and compile.
@@ -84,6 +88,8 @@ STRATEGIES: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {
 # reference accumulates the same shares in one process (see the module's docstring).
 DATA_PARALLEL = ("ddp", "allreduce", "fsdp")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+# Where fused SGD runs: torch's fused kernel has no DTensor rule (a config error in dtrain).
+FUSED_STRATEGIES = ("ddp", "allreduce", "pipeline", "localsgd")
 COMPILE = {"off": False, "on": True}
 BF16_ROUNDOFF = 2.0**-8
 FP16_ROUNDOFF = 2.0**-11
@@ -95,6 +101,7 @@ class Row:
     strategy: str
     precision: str
     compiled: bool
+    fused: bool = False  # optim.implementation = 'fused' (else foreach)
 
     @property
     def ranks(self) -> int:
@@ -102,7 +109,14 @@ class Row:
 
     @property
     def name(self) -> str:
-        return f"{self.strategy} / {self.precision} / compile {'on' if self.compiled else 'off'}"
+        name = f"{self.strategy} / {self.precision} / compile {'on' if self.compiled else 'off'}"
+        return f"{name} / fused" if self.fused else name
+
+    @property
+    def reference_key(self) -> tuple[str, bool, int, bool]:
+        """What the row's one-process reference runs: its precision, compile, micro-batches
+        and optimizer kernel."""
+        return (self.precision, self.compiled, self.reference_micro_batches, self.fused)
 
     @property
     def reference_micro_batches(self) -> int:
@@ -152,6 +166,7 @@ def job_config(
     strategy: dict[str, Any] | None = None,
     comm: dict[str, Any] | None = None,
     micro_batches: int = 1,
+    fused: bool = False,
 ) -> dict[str, Any]:
     """A row's config (without ``strategy``: the one-process reference)."""
     return {
@@ -164,7 +179,12 @@ def job_config(
             "compile": compiled,
             "grad_clip": 0.0,
         },
-        "optim": {"name": "sgd", "lr": 0.5, "warmup_steps": 2},
+        "optim": {
+            "name": "sgd",
+            "lr": 0.5,
+            "warmup_steps": 2,
+            "implementation": "fused" if fused else "foreach",
+        },
         "eval": {"every": 0, "batch_size": 8, "max_samples": 8},
         "checkpoint": {"every": 0},
         "strategy": strategy or {"name": "ddp"},
@@ -243,11 +263,13 @@ def choose_backend(device: str, ranks: int, asked: str) -> str:
 def run(rows: list[Row], device: str, asked_backend: str, steps: int, root: Path) -> list[Outcome]:
     from dtrain.testing import RankFailed, run_ranks
 
-    references: dict[tuple[str, bool, int], dict[str, Any]] = {}
-    keys = sorted({(row.precision, row.compiled, row.reference_micro_batches) for row in rows})
+    references: dict[tuple[str, bool, int, bool], dict[str, Any]] = {}
+    keys = sorted({row.reference_key for row in rows})
     ref_raws = [
-        job_config(root / f"ref-{p}-{c}-{m}", p, c, device, "gloo", steps, micro_batches=m)
-        for p, c, m in keys
+        job_config(
+            root / f"ref-{p}-{c}-{m}-{f}", p, c, device, "gloo", steps, micro_batches=m, fused=f
+        )
+        for p, c, m, f in keys
     ]
     started = time.perf_counter()
     for key, result in zip(keys, run_ranks(train_each, 1, ref_raws, timeout=1800)[0]):
@@ -279,6 +301,7 @@ def run(rows: list[Row], device: str, asked_backend: str, steps: int, root: Path
                 steps,
                 STRATEGIES[row.strategy][1],
                 STRATEGIES[row.strategy][2],
+                fused=row.fused,
             )
             for index, row in enumerate(launch)
         ]
@@ -301,7 +324,7 @@ def run(rows: list[Row], device: str, asked_backend: str, steps: int, root: Path
             if errors:
                 outcome.error = errors[0]
             else:
-                reference = references[(row.precision, row.compiled, row.reference_micro_batches)]
+                reference = references[row.reference_key]
                 if "error" in reference:
                     outcome.error = f"the reference failed: {reference['error']}"
                 else:
@@ -316,7 +339,7 @@ def run(rows: list[Row], device: str, asked_backend: str, steps: int, root: Path
 
 def table(outcomes: list[Outcome]) -> str:
     lines = [
-        f"{'row':<44}{'ranks':>6} {'backend':<8}{'step (ms)':>10}{'max loss diff':>15}"
+        f"{'row':<48}{'ranks':>6} {'backend':<8}{'step (ms)':>10}{'max loss diff':>15}"
         f"{'tolerance':>11}  result"
     ]
     for o in outcomes:
@@ -329,7 +352,7 @@ def table(outcomes: list[Outcome]) -> str:
         else:
             verdict = "pass" if o.passed else "FAIL"
         lines.append(
-            f"{o.row.name:<44}{o.row.ranks:>6} {o.backend:<8}{ms:>10}{diff:>15}"
+            f"{o.row.name:<48}{o.row.ranks:>6} {o.backend:<8}{ms:>10}{diff:>15}"
             f"{o.row.tolerance:>11.1e}  {verdict}"
         )
     return "\n".join(lines)
@@ -349,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--precisions", default=",".join(PRECISIONS))
     parser.add_argument("--compile", default="off,on", help="off, on, or off,on")
+    parser.add_argument(
+        "--fused", default="on", choices=["on", "off"], help="the fused-optimizer rows too (on)"
+    )
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument(
         "--backend",
@@ -370,6 +396,12 @@ def main(argv: list[str] | None = None) -> int:
         for precision in parse_list(args.precisions, PRECISIONS, "precisions")
         for compiled in parse_list(args.compile, tuple(COMPILE), "compile")
     ]
+    if args.fused == "on":
+        rows += [
+            Row(row.strategy, row.precision, False, fused=True)
+            for row in rows
+            if not row.compiled and row.strategy in FUSED_STRATEGIES
+        ]
     os.chdir(ROOT)  # the workers import the task (tests.tasks) from here
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))

@@ -35,6 +35,8 @@ def test_each_row_is_judged_by_its_format_s_tolerance(gpu_check: ModuleType) -> 
     assert Row("tensor", "bf16-mixed", False).tolerance == 2.0**-8
     assert Row("tensor", "bf16-mixed", False).reference_micro_batches == 1
     assert Row("pipeline", "bf16-mixed", False).tolerance == 1e-5  # the same split
+    # A fused row's reference runs the fused kernel too.
+    assert Row("ddp", "fp32", False, fused=True).reference_key == ("fp32", False, 1, True)
     reference = {1: 4.0, 2: 3.0}
     assert gpu_check.largest_difference({1: 4.0, 2: 3.0003}, reference) == pytest.approx(1e-4)
     assert gpu_check.largest_difference({1: 4.0}, reference) == math.inf  # a step missing
@@ -54,7 +56,10 @@ def test_the_gpu_check_passes_on_cpu(
     code = gpu_check.main([*args, "--compile", "off", "--steps", "3"])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "ddp / bf16-mixed / compile off" in out and "2 passed, 0 failed" in out
+    # ddp's row also with the fused optimizer kernel; fsdp has none (DTensor parameters).
+    assert "ddp / bf16-mixed / compile off / fused" in out
+    assert "fsdp / bf16-mixed / compile off / fused" not in out
+    assert "ddp / bf16-mixed / compile off" in out and "3 passed, 0 failed" in out
 
 
 @pytest.mark.slow
