@@ -392,3 +392,19 @@ def test_the_module_imports_on_its_own() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "diloco"
+
+
+def test_one_rank_is_its_own_average(tmp_path: Path) -> None:
+    # A job of one rank has no process group: its first synchronization failed with torch's
+    # "Default process group has not been initialized" (a run resumed at world size 1 too).
+    from tests.recipe_helpers import train_each
+
+    sections: dict[str, dict[str, object]] = {"train": {"steps": 4}, "comm": {"sync_every": 2}}
+    raws = [
+        tiny_raw(tmp_path / name, strategy={"name": name}, **sections)
+        for name in ("ddp", "localsgd", "diloco")
+    ]
+    ddp, local, diloco = run_ranks(train_each, 1, raws)[0]
+    for key, value in ddp["params"].items():  # one replica: its average is itself, bit for bit
+        assert np.array_equal(value, local["params"][key]), key
+    assert sorted(diloco["losses"]) == sorted(ddp["losses"])  # diloco's outer step ran

@@ -218,3 +218,34 @@ def test_fused_sgd_on_sharded_parameters_is_a_config_error(
         strategy_class(sharded.strategy.name).validate_config(sharded, 2)
     plain = tiny_config(tmp_path / "run", strategy={"name": "ddp"}, optim=optim)
     strategy_class("ddp").validate_config(plain, 2)  # plain tensors: fine
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+@pytest.mark.parametrize("saved_with", ["foreach", "fused"])
+def test_a_loaded_state_keeps_the_configured_kernels(name: str, saved_with: str) -> None:
+    # torch's load_state_dict takes the saved groups' settings whole, fused and foreach too.
+    chosen = "fused" if saved_with == "foreach" else "foreach"
+    model = small_model()
+    cfgs = [OptimConfig(name=name, implementation=kind) for kind in (saved_with, chosen)]  # type: ignore[arg-type]
+    saving = build_optimizer(model.named_parameters(), cfgs[0])
+    train(model, saving, steps=1)
+    loading = build_optimizer(model.named_parameters(), cfgs[1])
+    loading.load_state_dict(fit_saved_groups(saving.state_dict(), loading))
+    fresh = build_optimizer(model.named_parameters(), cfgs[1])
+    for key in ("foreach", "fused"):
+        assert [group[key] for group in loading.param_groups] == [
+            group[key] for group in fresh.param_groups
+        ], key
+
+
+def test_a_forced_resume_trains_with_the_configured_kernels(tmp_path: Path) -> None:
+    # A run resumed with another optim.implementation (--force) went on with the checkpoint's
+    # kernels. fsdp: the state goes through DCP's set_optimizer_state_dict (whole files: the
+    # unit test above).
+    job = {"checkpoint": {"every": 2}, "train": {"steps": 3}, "strategy": {"name": "fsdp"}}
+    job["optim"] = {"name": "adamw", "lr": 3e-3}
+    saved = tiny_raw(tmp_path / "run", job)
+    resumed = tiny_raw(tmp_path / "run", job, optim={"implementation": "fused"})
+    result = run_ranks(crash_then_resume, 2, saved, 3, resumed)[0]
+    assert result["start_step"] == 2
+    assert result["kernels"] and all(kernels == (None, True) for kernels in result["kernels"])

@@ -122,6 +122,16 @@ def test_fsdp_x_pipeline_on_4_ranks(single: dict[str, Any], tmp_path: Path) -> N
     assert sum(r["param_bytes"] for r in ranks) == total
 
 
+def test_one_stage_x_fsdp_shards_the_tied_layers_with_the_stage(
+    single: dict[str, Any], tmp_path: Path
+) -> None:
+    # One stage holds the GPT's tied embedding and head: FSDP failed at set-up ("shared with a
+    # parameter already managed by another FSDP group") when each layer became its own unit.
+    strategy = pipeline(pipeline_stages=1, data_parallel="fsdp")
+    ranks = run_ranks(train_and_report, 2, tiny_raw(tmp_path, data=DATA, strategy=strategy))
+    check_matches(single, ranks)
+
+
 def test_checkpoint_resume_is_bit_identical(tmp_path: Path) -> None:
     sections: dict[str, dict[str, object]] = {
         "strategy": pipeline(pipeline_schedule="1f1b", pipeline_balance="uniform"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,45 @@ def test_a_different_config_is_refused_with_the_differing_keys(
     assert "task.d_model: 32 -> 48" in result.stderr
     assert "optim.lr: 0.005 -> 0.5" in result.stderr
     assert "--force" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_strategy_that_cannot_load_the_checkpoint_is_refused_before_the_workers(
+    finished_run: tuple[Path, Path],
+) -> None:
+    # strategy.* may change on resume, but not from whole files (ddp) to shards (fsdp): each
+    # worker refused the checkpoint only after the whole start-up.
+    config, _ = finished_run
+    result = run_cli("train", str(config), "--nproc", "1", "--strategy.name=fsdp")
+    assert result.returncode == 2
+    assert "holds whole files (model.pt), saved by strategy 'ddp'" in result.stderr
+    assert "strategy.name = 'fsdp' resumes DCP shards (dcp/) only" in result.stderr
+    assert "training fsdp" not in result.stdout + result.stderr  # no worker started
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("saved", "resumed"),
+    [("ddp", "fsdp"), ("fsdp", "ddp"), ("pipeline", "fsdp"), ("tensor", "pipeline")],
+)
+def test_the_form_of_a_checkpoint_decides_which_strategies_load_it(
+    tmp_path: Path, saved: str, resumed: str
+) -> None:
+    from dtrain.checkpoint import layout
+    from dtrain.errors import CheckpointError
+    from dtrain.parallel import strategy_class
+    from dtrain.parallel.state_form import check_state_form
+
+    step_dir = tmp_path / "step-00000004"
+    (step_dir / layout.SHARDED_DIR).mkdir(parents=True)
+    if saved == "ddp":
+        (step_dir / layout.SHARDED_DIR).rmdir()
+        (step_dir / layout.MODEL_FILE).write_bytes(b"")
+    (step_dir / "meta.json").write_text(json.dumps({"step": 4, "strategy": saved}))
+    check_state_form(strategy_class(saved), step_dir)
+    with pytest.raises(CheckpointError, match=f"strategy '{saved}'"):
+        check_state_form(strategy_class(resumed), step_dir)
+    if saved in ("fsdp", "tensor"):  # the same form and layout: either loads the other's
+        check_state_form(strategy_class("fsdp" if saved == "tensor" else "tensor"), step_dir)
 
 
 def test_a_key_added_after_the_checkpoint_counts_as_its_default() -> None:

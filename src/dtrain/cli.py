@@ -197,6 +197,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from dtrain.job import default_run_dir, load_job_config
     from dtrain.launch import launch_workers, make_options
     from dtrain.parallel import strategy_class
+    from dtrain.parallel.state_form import check_state_form
 
     guard_console("the launcher")  # a closed output pipe costs the output, never the run
     if args.resume is not None:
@@ -242,7 +243,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     # Writable, held for this job (another live job's hold is refused), and this launcher's
     # config where only its own workers read it.
     with held_run_dir(cfg, opts.run_id, opts.rdzv_endpoint) as config_path:
-        check_run_dir(cfg, args.force)
+        resume_from = check_run_dir(cfg, args.force)
+        if resume_from is not None:
+            check_state_form(strategy_class(cfg.strategy.name), resume_from)
         if cfg.fault.recovery == "inplace":
             from dtrain.launch_inplace import launch_in_place
 

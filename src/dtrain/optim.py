@@ -40,12 +40,31 @@ def build_optimizer(
     # where torch's default chooses it, CUDA); fused: one kernel for the whole update of a
     # tensor (opt-in: its rounding differs from foreach's).
     fused = cfg.implementation == "fused"
+    optimizer: torch.optim.Optimizer
     if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=fused or None)
-    betas = (cfg.betas[0], cfg.betas[1])
-    return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=betas, foreach=not fused or None, fused=fused or None
-    )
+        optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=fused or None)
+    else:
+        betas = (cfg.betas[0], cfg.betas[1])
+        optimizer = torch.optim.AdamW(
+            groups, lr=cfg.lr, betas=betas, foreach=not fused or None, fused=fused or None
+        )
+    optimizer.register_load_state_dict_pre_hook(_keep_kernels)
+    return optimizer
+
+
+KERNEL_KEYS = ("foreach", "fused")
+
+
+def _keep_kernels(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved state whose groups name this optimizer's kernels (``optim.implementation``), not
+    those of the run that saved it: torch's ``load_state_dict`` takes the saved groups'
+    settings whole, so a run resumed with another implementation (``--force``) would go on
+    with the checkpoint's kernels -- or, fused SGD saved by ddp and resumed by fsdp, fail on
+    the DTensors fused SGD cannot take. (Called before torch reads the groups, so that it also
+    places each state tensor as the chosen kernels want it.)"""
+    chosen = {key: optimizer.defaults[key] for key in KERNEL_KEYS if key in optimizer.defaults}
+    groups = [{**group, **chosen} for group in saved.get("param_groups", [])]
+    return {**saved, "param_groups": groups}
 
 
 def fit_saved_groups(saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:

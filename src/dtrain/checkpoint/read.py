@@ -179,6 +179,21 @@ def sharded_metadata(step_dir: Path) -> dict[str, tuple[int, ...]]:
     }
 
 
+def sharded_param_groups(step_dir: Path) -> int:
+    """How many optimizer parameter groups a checkpoint's sharded state holds."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    metadata = FileSystemReader(str(step_dir / SHARDED_DIR)).read_metadata()
+    prefix = "optimizer.param_groups."
+    return len(
+        {
+            key[len(prefix) :].split(".")[0]
+            for key in metadata.state_dict_metadata
+            if key.startswith(prefix)
+        }
+    )
+
+
 def load_sharded(step_dir: Path, template: dict[str, Any]) -> None:
     """Fill ``template`` (this rank's sharded state, at this world size) in place from the
     checkpoint, resharding as needed. Collective: every rank calls it."""

@@ -48,8 +48,9 @@ def assign_buckets(
 def average_flat(
     flat: torch.Tensor, group: dist.ProcessGroup | None, counter: CommCounter | None = None
 ) -> torch.Tensor:
-    """The mean of ``flat`` over ``group``, in place (counted in ``counter``); returns it."""
-    size = dist.get_world_size(group)
+    """The mean of ``flat`` over ``group``, in place (counted in ``counter``); returns it. One
+    process without a process group (a job of one rank) is its own mean."""
+    size = dist.get_world_size(group) if dist.is_initialized() else 1
     if size == 1:
         return flat
     divide_(flat, size)

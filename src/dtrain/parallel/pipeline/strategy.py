@@ -20,7 +20,7 @@ global batch the mean, whichever stage or copy computes which part of it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -262,8 +262,13 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
         mesh = self.mesh.submesh("dp_replicate", "dp_shard")
         reshard = self.options.reshard_after_forward
         for chain in self.chains.values():
+            shared = shared_parameters(chain.layers)
             for layer in chain.layers:
-                if any(True for _ in layer.parameters()):
+                # A layer that shares a parameter with another of its stage (a one-stage
+                # pipeline holds the GPT's tied embedding and head) is sharded with the stage:
+                # FSDP keeps a parameter in one unit only.
+                params = [id(p) for p in layer.parameters()]
+                if params and not shared.intersection(params):
                     fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
             fully_shard(chain, mesh=mesh, reshard_after_forward=reshard)
             apply_backward_prefetch(chain, self.options.backward_prefetch)
@@ -465,3 +470,14 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
         if self._skeleton is None:
             return None
         return self._skeleton.fill(state)
+
+
+def shared_parameters(layers: Iterable[nn.Module]) -> set[int]:
+    """The ids of the parameters that more than one of ``layers`` holds."""
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for layer in layers:
+        ids = {id(p) for p in layer.parameters()}
+        shared |= seen & ids
+        seen |= ids
+    return shared
