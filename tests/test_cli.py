@@ -71,6 +71,11 @@ def write_tiny_config(path: Path, run_dir: Path, **extra: str) -> Path:
         (["train", "--strategy.name=zero9"], "strategy.name = 'zero9' is not a strategy; valid:"),
         (["train", "--nnodes", "2"], "--nnodes > 1 needs --rdzv-endpoint"),
         (["train", "--nnodes", "3:1"], "need 1 <= MIN <= MAX"),
+        (["train", "--node-rank", "1"], "--node-rank 1: must be below --nnodes 1 (0 .. 0)"),
+        (
+            ["train", "--nnodes", "1:2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:29400"],
+            "--node-rank 2: must be below --nnodes 1:2 (0 .. 1)",
+        ),
         (["train", "--nproc", "4", "--data.global_batch_size=2"], "smaller than 4 data-parallel"),
         (["train", "--train.steps", "3"], "has no value"),
         (["train", "stray", "extra"], "unrecognized argument 'extra'"),
@@ -153,9 +158,17 @@ def test_train_end_to_end_through_the_launcher(tmp_path: Path) -> None:
 
 
 def test_worker_side_user_error_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    # A dataset folder that does not exist is found by the workers, after launch.
+    # A dataset folder that does not exist is found by the workers, after launch. With
+    # --node-rank 0 on one machine (no --rdzv-endpoint), which was a ValueError traceback in
+    # the launcher before any worker started.
     result = run_cli(
-        "train", "--nproc", "1", f"--run.dir={tmp_path / 'r'}", "--task.data_dir=/no/such/data"
+        "train",
+        "--nproc",
+        "1",
+        "--node-rank",
+        "0",
+        f"--run.dir={tmp_path / 'r'}",
+        "--task.data_dir=/no/such/data",
     )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "rank 0: dataset folder /no/such/data/train does not exist" in result.stderr
