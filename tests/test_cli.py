@@ -234,3 +234,26 @@ def test_the_launcher_prints_no_cpp_stack_trace_for_its_store() -> None:
         )
     assert result.stdout.split() == ["raised", "DistNetworkError", "dropped"], result.stderr
     assert "frame #" not in result.stderr and "TCPStore" not in result.stderr, result.stderr
+
+
+def test_an_output_path_through_a_file_is_one_line(
+    observed_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # export, report and prepare each made their output folder with a bare mkdir: a path
+    # through a file was a NotADirectoryError/FileExistsError traceback (after the work).
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder\n")
+    source = tmp_path / "book.txt"
+    source.write_text("some text\n")
+    cases = [
+        (["export", str(observed_run), str(blocker / "model.safetensors")], "OUT"),
+        (["report", str(observed_run), "--out", str(blocker / "report")], "report folder"),
+        (["prepare", str(source), str(blocker / "data")], "output folder"),
+    ]
+    for args, label in cases:
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        said = f"{label} {blocker}/"
+        assert err.startswith(f"dtrain: error: {said}") and err.count("\n") == 1, err
+        assert f"{blocker} is a file, not a folder; choose another path" in err
+    assert blocker.read_text() == "not a folder\n"
