@@ -79,6 +79,9 @@ def write_tiny_config(path: Path, run_dir: Path, **extra: str) -> Path:
         (["train", "--nproc", "4", "--data.global_batch_size=2"], "smaller than 4 data-parallel"),
         (["train", "--train.steps", "3"], "has no value"),
         (["train", "stray", "extra"], "unrecognized argument 'extra'"),
+        # A command without config keys does not speak of them.
+        (["status", "run", "extra"], "unrecognized arguments: extra (see dtrain status --help)"),
+        (["strategies", "--x"], "unrecognized arguments: --x (see dtrain strategies --help)"),
         # Found by the workers before (a traceback in each): checked with the config now.
         (["train", "--task.n_head=5"], "task.n_head = 5 does not divide task.d_model = 192"),
         (["train", "--task.seq_len=0"], "task.seq_len = 0 is out of range: it must be at least 1"),

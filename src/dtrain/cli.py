@@ -432,9 +432,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in ("train", "rendezvous"):
         quiet_launcher_store_logs()
     try:
+        if extra and args.command not in ("train", "config", "estimate"):  # no config keys
+            raise UserError(
+                f"unrecognized arguments: {' '.join(extra)} (see dtrain {args.command} --help)"
+            )
         overrides = split_overrides(extra)
-        if extra and args.command not in ("train", "config", "estimate"):
-            raise UserError(f"unrecognized arguments: {' '.join(extra)}")
         if args.command == "train":
             return cmd_train(args, overrides)
         if args.command == "prepare":
