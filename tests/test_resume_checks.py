@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from dtrain.checkpoint.rundir import config_differences
+from dtrain.cli import main
 from dtrain.config import Config
 from tests.test_cli import run_cli, write_tiny_config
 
@@ -86,3 +87,19 @@ def test_starting_afresh_over_checkpoints_needs_force(finished_run: tuple[Path, 
     result = run_cli("train", str(config), "--nproc", "1", "--resume", "never")
     assert result.returncode == 2
     assert "already holds checkpoints" in result.stderr
+
+
+def test_a_run_folder_given_as_the_checkpoint_names_its_step_folders(
+    finished_run: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It said "RUN_DIR has no COMMITTED.json: the save did not finish", as for a broken step.
+    config, run_dir = finished_run
+    newest = run_dir / "checkpoints" / "step-00000006"
+    for given in (run_dir, run_dir / "checkpoints"):
+        assert main(["train", str(config), "--nproc", "1", "--resume", str(given)]) == 2
+        err = capsys.readouterr().err
+        assert err == (
+            f"dtrain: error: run.resume = '{given}' holds checkpoints but is none itself: give "
+            f"one of its step folders ({newest}, its newest), or run.resume = 'auto' with that "
+            "run's run.dir\n"
+        )

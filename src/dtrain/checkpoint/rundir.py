@@ -99,6 +99,15 @@ def check_run_dir(cfg: Config, force: bool) -> Path | None:
         path = Path(cfg.run.resume)
         if not path.exists():
             raise CheckpointError(f"checkpoint folder {path} does not exist")
+        root_given = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        held = layout.committed_steps(root_given)
+        if held:  # a run folder (or its checkpoints/), not a step folder
+            newest = root_given / layout.step_dir_name(max(held))
+            raise CheckpointError(
+                f"run.resume = '{path}' holds checkpoints but is none itself: give one of its "
+                f"step folders ({newest}, its newest), or run.resume = 'auto' with that run's "
+                "run.dir"
+            )
         ckread.check_marker_and_meta(path)
     if path is None:
         return None
