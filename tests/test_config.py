@@ -52,9 +52,20 @@ def test_integer_accepted_where_a_float_is_expected() -> None:
             "optim.name = 'adam' is not allowed: expected one of 'adamw', 'sgd'",
         ),
         ({"optim": {"betas": [0.9]}}, "optim.betas"),
-        ({"optim": {"betas": "x"}}, "expected a list of a number"),
+        ({"optim": {"betas": "x"}}, "expected a list, each item a number"),
         ({"data": {"micro_batches": 9, "global_batch_size": 8}}, "every micro-step needs"),
         ({"train": 3}, "config section [train] must be a table"),
+        # A key above every [section] of a file: it was "unknown config section [steps]".
+        (
+            {"steps": 3},
+            "config key steps = 3 is outside any section; put it under [train] (on the "
+            "command line: --train.steps=...)",
+        ),
+        (
+            {"every": 3},
+            "config key every = 3 is outside any section; put it under [eval] or [checkpoint] "
+            "or [balance] (on the command line: --eval.every=...)",
+        ),
     ],
 )
 def test_bad_values_name_the_key(raw: dict[str, object], message: str) -> None:
