@@ -74,12 +74,21 @@ def test_forced_resume_with_another_seed_says_which(finished_run: tuple[Path, Pa
     assert "run.seed" in result.stderr and "0" in result.stderr and "7" in result.stderr
 
 
-def test_a_checkpoint_folder_that_does_not_exist(finished_run: tuple[Path, Path]) -> None:
+def test_a_checkpoint_folder_that_does_not_exist(
+    finished_run: tuple[Path, Path], tmp_path: Path
+) -> None:
     config, run_dir = finished_run
     missing = run_dir / "checkpoints" / "step-00000099"
     result = run_cli("train", str(config), "--nproc", "1", "--resume", str(missing))
     assert result.returncode == 2
     assert result.stderr.strip() == f"dtrain: error: checkpoint folder {missing} does not exist"
+    # Into a new run folder: refused before the folder is made (it was left behind, empty).
+    new = tmp_path / "new"
+    args = ("train", str(config), "--nproc", "1", f"--run.dir={new}", "--resume", str(missing))
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"dtrain: error: checkpoint folder {missing} does not exist"
+    assert not new.exists()
 
 
 def test_starting_afresh_over_checkpoints_needs_force(finished_run: tuple[Path, Path]) -> None:

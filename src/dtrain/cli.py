@@ -190,7 +190,7 @@ def split_overrides(extra: Sequence[str]) -> list[str]:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from dtrain.checkpoint.rundir import check_run_dir, held_run_dir
+    from dtrain.checkpoint.rundir import check_resume_folder, check_run_dir, held_run_dir
     from dtrain.config import validate_ranks
     from dtrain.console import guard_console
     from dtrain.init_from import check_init_from
@@ -237,6 +237,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
             f"{opts.max_world_size} workers (--nproc {args.nproc}): it could never train; "
             "lower fault.min_replicas or raise --nproc"
         )
+    if cfg.run.resume not in ("auto", "never"):
+        check_resume_folder(cfg.run.resume)  # before the run folder is made for this job
     if not cfg.run.dir:
         cfg.run.dir = default_run_dir(args.run_id)
     # Writable, held for this job (another live job's hold is refused), and this launcher's
