@@ -4,6 +4,8 @@ config trains end to end through torch's elastic launcher."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -260,3 +262,23 @@ def test_an_output_path_through_a_file_is_one_line(
         assert err.startswith(f"dtrain: error: {said}") and err.count("\n") == 1, err
         assert f"{blocker} is a file, not a folder; choose another path" in err
     assert blocker.read_text() == "not a folder\n"
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
+    # `dtrain status RUN | head -3`: the pipe closed before dtrain wrote; it printed a
+    # BrokenPipeError traceback.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "dtrain", "config", "--list"],
+            cwd=REPO,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert result.returncode == 128 + signal.SIGPIPE, result.stderr
+    assert result.stderr == ""

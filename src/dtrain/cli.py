@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -473,6 +474,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return USER_ERROR_EXIT_CODE
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader of the output went away (`dtrain status RUN | head -3`, `dtrain config
+        # --list | less` quit early): it has what it wanted. Quiet, as other Unix tools, with
+        # their exit status (SIGPIPE's). `dtrain train` guards its console itself.
+        from dtrain.console import drop_stdout
+
+        drop_stdout()
+        return 128 + int(signal.SIGPIPE)
 
 
 if __name__ == "__main__":
