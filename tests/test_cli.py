@@ -71,6 +71,7 @@ def write_tiny_config(path: Path, run_dir: Path, **extra: str) -> Path:
             "unknown config key task.d_modl (did you mean task.d_model?)",
         ),
         (["train", "--strategy.name=zero9"], "strategy.name = 'zero9' is not a strategy; valid:"),
+        (["config", "--strategy.name=zero9"], "strategy.name = 'zero9' is not a strategy; valid:"),
         (["train", "--nnodes", "2"], "--nnodes > 1 needs --rdzv-endpoint"),
         (["train", "--nnodes", "3:1"], "need 1 <= MIN <= MAX"),
         (["train", "--node-rank", "1"], "--node-rank 1: must be below --nnodes 1 (0 .. 0)"),

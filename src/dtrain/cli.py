@@ -335,7 +335,11 @@ def cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.markdown:
         print(options_markdown(), end="")
         return 0
-    print(load_job_config(args.config, overrides).to_toml(), end="")
+    cfg = load_job_config(args.config, overrides)
+    from dtrain.parallel import strategy_class
+
+    strategy_class(cfg.strategy.name)  # a name `dtrain train` would refuse, refused here too
+    print(cfg.to_toml(), end="")
     return 0
 
 
