@@ -4,6 +4,8 @@ config trains end to end through torch's elastic launcher."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -69,11 +71,20 @@ def write_tiny_config(path: Path, run_dir: Path, **extra: str) -> Path:
             "unknown config key task.d_modl (did you mean task.d_model?)",
         ),
         (["train", "--strategy.name=zero9"], "strategy.name = 'zero9' is not a strategy; valid:"),
+        (["config", "--strategy.name=zero9"], "strategy.name = 'zero9' is not a strategy; valid:"),
         (["train", "--nnodes", "2"], "--nnodes > 1 needs --rdzv-endpoint"),
         (["train", "--nnodes", "3:1"], "need 1 <= MIN <= MAX"),
+        (["train", "--node-rank", "1"], "--node-rank 1: must be below --nnodes 1 (0 .. 0)"),
+        (
+            ["train", "--nnodes", "1:2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:29400"],
+            "--node-rank 2: must be below --nnodes 1:2 (0 .. 1)",
+        ),
         (["train", "--nproc", "4", "--data.global_batch_size=2"], "smaller than 4 data-parallel"),
         (["train", "--train.steps", "3"], "has no value"),
         (["train", "stray", "extra"], "unrecognized argument 'extra'"),
+        # A command without config keys does not speak of them.
+        (["status", "run", "extra"], "unrecognized arguments: extra (see dtrain status --help)"),
+        (["strategies", "--x"], "unrecognized arguments: --x (see dtrain strategies --help)"),
         # Found by the workers before (a traceback in each): checked with the config now.
         (["train", "--task.n_head=5"], "task.n_head = 5 does not divide task.d_model = 192"),
         (["train", "--task.seq_len=0"], "task.seq_len = 0 is out of range: it must be at least 1"),
@@ -153,9 +164,17 @@ def test_train_end_to_end_through_the_launcher(tmp_path: Path) -> None:
 
 
 def test_worker_side_user_error_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    # A dataset folder that does not exist is found by the workers, after launch.
+    # A dataset folder that does not exist is found by the workers, after launch. With
+    # --node-rank 0 on one machine (no --rdzv-endpoint), which was a ValueError traceback in
+    # the launcher before any worker started.
     result = run_cli(
-        "train", "--nproc", "1", f"--run.dir={tmp_path / 'r'}", "--task.data_dir=/no/such/data"
+        "train",
+        "--nproc",
+        "1",
+        "--node-rank",
+        "0",
+        f"--run.dir={tmp_path / 'r'}",
+        "--task.data_dir=/no/such/data",
     )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "rank 0: dataset folder /no/such/data/train does not exist" in result.stderr
@@ -221,3 +240,46 @@ def test_the_launcher_prints_no_cpp_stack_trace_for_its_store() -> None:
         )
     assert result.stdout.split() == ["raised", "DistNetworkError", "dropped"], result.stderr
     assert "frame #" not in result.stderr and "TCPStore" not in result.stderr, result.stderr
+
+
+def test_an_output_path_through_a_file_is_one_line(
+    observed_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # export, report and prepare each made their output folder with a bare mkdir: a path
+    # through a file was a NotADirectoryError/FileExistsError traceback (after the work).
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder\n")
+    source = tmp_path / "book.txt"
+    source.write_text("some text\n")
+    cases = [
+        (["export", str(observed_run), str(blocker / "model.safetensors")], "OUT"),
+        (["report", str(observed_run), "--out", str(blocker / "report")], "report folder"),
+        (["prepare", str(source), str(blocker / "data")], "output folder"),
+    ]
+    for args, label in cases:
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        said = f"{label} {blocker}/"
+        assert err.startswith(f"dtrain: error: {said}") and err.count("\n") == 1, err
+        assert f"{blocker} is a file, not a folder; choose another path" in err
+    assert blocker.read_text() == "not a folder\n"
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
+    # `dtrain status RUN | head -3`: the pipe closed before dtrain wrote; it printed a
+    # BrokenPipeError traceback.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "dtrain", "config", "--list"],
+            cwd=REPO,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert result.returncode == 128 + signal.SIGPIPE, result.stderr
+    assert result.stderr == ""

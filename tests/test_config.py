@@ -52,9 +52,20 @@ def test_integer_accepted_where_a_float_is_expected() -> None:
             "optim.name = 'adam' is not allowed: expected one of 'adamw', 'sgd'",
         ),
         ({"optim": {"betas": [0.9]}}, "optim.betas"),
-        ({"optim": {"betas": "x"}}, "expected a list of a number"),
+        ({"optim": {"betas": "x"}}, "expected a list, each item a number"),
         ({"data": {"micro_batches": 9, "global_batch_size": 8}}, "every micro-step needs"),
         ({"train": 3}, "config section [train] must be a table"),
+        # A key above every [section] of a file: it was "unknown config section [steps]".
+        (
+            {"steps": 3},
+            "config key steps = 3 is outside any section; put it under [train] (on the "
+            "command line: --train.steps=...)",
+        ),
+        (
+            {"every": 3},
+            "config key every = 3 is outside any section; put it under [eval] or [checkpoint] "
+            "or [balance] (on the command line: --eval.every=...)",
+        ),
     ],
 )
 def test_bad_values_name_the_key(raw: dict[str, object], message: str) -> None:
@@ -106,3 +117,26 @@ def test_docs_config_reference_is_up_to_date() -> None:
     assert (REPO / "docs" / "config.md").read_text() == options_markdown(), (
         "docs/config.md is stale: run `dtrain config --markdown > docs/config.md`"
     )
+
+
+def test_every_toml_block_of_the_docs_is_a_valid_config(tmp_path: Path) -> None:
+    # A reader copies them into a file: docs/strategies.md had four alternatives in one block,
+    # which is no valid TOML ("Cannot declare ('strategy',) twice").
+    import re
+
+    from tests.conftest import REPO
+
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    blocks = [
+        (page.name, match.group(1))
+        for page in pages
+        for match in re.finditer(r"```toml\n(.*?)```", page.read_text(), re.S)
+    ]
+    assert len(blocks) >= 10
+    for index, (name, block) in enumerate(blocks):
+        path = tmp_path / f"block{index}.toml"
+        path.write_text(block)
+        try:
+            load_config(path)
+        except ConfigError as exc:
+            raise AssertionError(f"{name}: {exc}\n{block}") from None

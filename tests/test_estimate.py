@@ -277,6 +277,12 @@ def test_the_command_prints_a_table_or_json_and_says_whether_it_fits(
             "multiples of the tensor-parallel degree 4",
         ),
         (["--train.activation_checkpointing=every:0"], "train.activation_checkpointing"),
+        # A model without blocks under FSDP, which `dtrain train` refuses: it was estimated
+        # ("fsdp at its peak (backward of block -1)").
+        (
+            ["--run.task=tests.tasks:mlp_regression", "--strategy.name=fsdp"],
+            "strategy.name = 'fsdp': cannot find the repeated blocks of Sequential",
+        ),
         (["--memory", "lots"], "--memory 'lots'"),
         (
             ["--run.task=tests.test_estimate:unbuildable_task"],

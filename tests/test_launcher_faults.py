@@ -388,3 +388,32 @@ def test_out_of_memory_is_one_line_per_rank_with_the_traceback_in_the_run_folder
     assert "DefaultCPUAllocator: can't allocate memory" in log.read_text()
     peer = next(line for line in said if line.startswith("dtrain: error: rank 0: "))
     assert "rank 1 (" in peer and "failed at step 3 in forward_backward: OutOfMemory" in peer
+
+
+@pytest.mark.slow  # a launch of its own (~12 s on 2 cores)
+def test_ctrl_c_stops_the_run_without_a_traceback_from_every_rank(tmp_path: Path) -> None:
+    # Ctrl-C sends SIGINT to the terminal's whole process group: the launcher and its workers.
+    # Each worker printed the KeyboardInterrupt traceback of where its step was (~40 lines a
+    # rank) below the launcher's one line.
+    run_dir = tmp_path / "ctrl-c"
+    config = write_config(tmp_path / "c.toml", run_dir)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dtrain", "train", str(config), "--nproc", "2", "--train.steps=200"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    try:
+        wait_for_step(run_dir, 2, proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+    assert "stopped by signal 2 before the workers could save" in err, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert not children_of(proc.pid)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from dtrain.checkpoint.rundir import config_differences
+from dtrain.cli import main
 from dtrain.config import Config
 from tests.test_cli import run_cli, write_tiny_config
 
@@ -113,12 +114,21 @@ def test_forced_resume_with_another_seed_says_which(finished_run: tuple[Path, Pa
     assert "run.seed" in result.stderr and "0" in result.stderr and "7" in result.stderr
 
 
-def test_a_checkpoint_folder_that_does_not_exist(finished_run: tuple[Path, Path]) -> None:
+def test_a_checkpoint_folder_that_does_not_exist(
+    finished_run: tuple[Path, Path], tmp_path: Path
+) -> None:
     config, run_dir = finished_run
     missing = run_dir / "checkpoints" / "step-00000099"
     result = run_cli("train", str(config), "--nproc", "1", "--resume", str(missing))
     assert result.returncode == 2
     assert result.stderr.strip() == f"dtrain: error: checkpoint folder {missing} does not exist"
+    # Into a new run folder: refused before the folder is made (it was left behind, empty).
+    new = tmp_path / "new"
+    args = ("train", str(config), "--nproc", "1", f"--run.dir={new}", "--resume", str(missing))
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"dtrain: error: checkpoint folder {missing} does not exist"
+    assert not new.exists()
 
 
 def test_starting_afresh_over_checkpoints_needs_force(finished_run: tuple[Path, Path]) -> None:
@@ -126,3 +136,19 @@ def test_starting_afresh_over_checkpoints_needs_force(finished_run: tuple[Path, 
     result = run_cli("train", str(config), "--nproc", "1", "--resume", "never")
     assert result.returncode == 2
     assert "already holds checkpoints" in result.stderr
+
+
+def test_a_run_folder_given_as_the_checkpoint_names_its_step_folders(
+    finished_run: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It said "RUN_DIR has no COMMITTED.json: the save did not finish", as for a broken step.
+    config, run_dir = finished_run
+    newest = run_dir / "checkpoints" / "step-00000006"
+    for given in (run_dir, run_dir / "checkpoints"):
+        assert main(["train", str(config), "--nproc", "1", "--resume", str(given)]) == 2
+        err = capsys.readouterr().err
+        assert err == (
+            f"dtrain: error: run.resume = '{given}' holds checkpoints but is none itself: give "
+            f"one of its step folders ({newest}, its newest), or run.resume = 'auto' with that "
+            "run's run.dir\n"
+        )

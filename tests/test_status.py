@@ -110,6 +110,7 @@ def test_status_reads_only_the_tail_of_a_large_metrics_file(tmp_path: Path) -> N
     ("make", "message"),
     [
         (lambda d: None, "run folder {run} does not exist"),
+        (lambda d: d.write_text("{}"), "{run} is not a folder; give a run folder (run.dir)"),
         (lambda d: d.mkdir(), "{run} has no status.json, metrics.jsonl or heartbeats"),
     ],
 )

@@ -83,6 +83,18 @@ def build_config(raw: Mapping[str, Any], task_config_class: type | None = None) 
     cfg = Config()
     sections = {f.name: f for f in dataclasses.fields(Config)}
     for name, values in raw.items():
+        homes = [
+            s
+            for s in sections
+            if s != "task" and name in {f.name for f in dataclasses.fields(getattr(cfg, s))}
+        ]
+        if name not in sections and not isinstance(values, Mapping) and homes:
+            # A key above every [section] of the file (or written --steps=3 style).
+            raise ConfigError(
+                f"config key {name} = {values!r} is outside any section; put it under "
+                f"{' or '.join(f'[{h}]' for h in homes)} (on the command line: "
+                f"--{homes[0]}.{name}=...)"
+            )
         if name not in sections:
             raise ConfigError(f"unknown config section [{name}]{_suggest(name, sections)}")
         if not isinstance(values, Mapping):
@@ -145,7 +157,7 @@ def _type_name(tp: Any) -> str:
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+        return f"a list, each item {_type_name(typing.get_args(tp)[0])}"
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     return {

@@ -96,3 +96,15 @@ def say_error(message: str) -> None:
     lines could run together."""
     sys.stderr.write(f"dtrain: error: {message}\n")
     sys.stderr.flush()
+
+
+def drop_stdout() -> None:
+    """After a write found ``sys.stdout``'s reader gone (``dtrain status RUN | head -3``):
+    point it at ``/dev/null``, so that the interpreter's last flush of what is still buffered
+    raises nothing either."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, io.UnsupportedOperation):
+        pass

@@ -22,6 +22,7 @@ from dtrain.checkpoint.consolidate import Consolidated, consolidate, find_checkp
 from dtrain.errors import UserError
 from dtrain.fsutil import fsync_dir
 from dtrain.model_config import hf_config_dir
+from dtrain.output_folder import require_output_folder
 
 FORMATS = ("safetensors", "torch", "hf")
 
@@ -37,6 +38,7 @@ def export(
     if out.exists():
         raise UserError(f"{out} already exists: choose another output path, or remove it first")
     step_dir = find_checkpoint(run_dir, step)
+    require_output_folder(out.parent, f"OUT {out}")
     config_dir = hf_config_dir(step_dir.parent.parent)
     if fmt == "hf" and not (config_dir / "config.json").exists():
         raise UserError(
@@ -45,7 +47,6 @@ def export(
             "transformers model? Export --format safetensors instead"
         )
     model = consolidate(step_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f".tmp-{out.name}-{os.getpid()}")
     try:
         if fmt == "safetensors":

@@ -108,6 +108,10 @@ def make_options(
         )
     if node_rank is not None and node_rank < 0:
         raise UserError(f"--node-rank {node_rank}: must be 0 or more")
+    if node_rank is not None and node_rank >= high:
+        raise UserError(
+            f"--node-rank {node_rank}: must be below --nnodes {nnodes} (0 .. {high - 1})"
+        )
     if rdzv_endpoint:
         try:
             split_endpoint(rdzv_endpoint)
@@ -152,7 +156,7 @@ def launch_workers(
         "timeout": opts.rdzv_timeout_s,
         "read_timeout": agent_store_timeout(opts, collective_timeout_s),
     }
-    if opts.node_rank is not None:
+    if opts.node_rank is not None and not standalone:  # one machine: it hosts its own
         rdzv_configs["is_host"] = hosts_rendezvous(opts)
     config = LaunchConfig(
         min_nodes=opts.min_nodes,

@@ -79,6 +79,25 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
     return diffs
 
 
+def check_resume_folder(resume: str) -> Path:
+    """The step folder ``run.resume`` names, when it is one that a run can start from (its
+    marker and meta.json; the workers verify every file): a user error otherwise."""
+    path = Path(resume)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint folder {path} does not exist")
+    root_given = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    held = layout.committed_steps(root_given)
+    if held:  # a run folder (or its checkpoints/), not a step folder
+        newest = root_given / layout.step_dir_name(max(held))
+        raise CheckpointError(
+            f"run.resume = '{path}' holds checkpoints but is none itself: give one of its "
+            f"step folders ({newest}, its newest), or run.resume = 'auto' with that run's "
+            "run.dir"
+        )
+    ckread.check_marker_and_meta(path)
+    return path
+
+
 def check_run_dir(cfg: Config, force: bool) -> Path | None:
     """The checkpoint the run will resume from (None: a fresh start); raises a user error
     when the request does not fit what the folder holds."""
@@ -96,10 +115,7 @@ def check_run_dir(cfg: Config, force: bool) -> Path | None:
     if cfg.run.resume == "auto":
         path, _ = ckread.find_latest_valid(root, check=ckread.check_marker_and_meta)
     else:
-        path = Path(cfg.run.resume)
-        if not path.exists():
-            raise CheckpointError(f"checkpoint folder {path} does not exist")
-        ckread.check_marker_and_meta(path)
+        path = check_resume_folder(cfg.run.resume)
     if path is None:
         return None
     meta = ckread.load_meta(path)

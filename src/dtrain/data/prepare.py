@@ -25,6 +25,7 @@ from dtrain.data.shards import (
     write_shards,
 )
 from dtrain.errors import DataError
+from dtrain.output_folder import require_output_folder
 
 Tokenizer = Callable[[str], Sequence[int]]
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst", ".text")
@@ -284,6 +285,7 @@ def prepare(
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise DataError(f"output folder {out} already exists; pass --overwrite to replace it")
+    require_output_folder(out.parent, f"output folder {out}")
     if fmt == "auto":
         fmt = detect_format(src)
     token_field = _token_field(tokenizer is not None, vocab_size)

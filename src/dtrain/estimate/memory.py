@@ -32,6 +32,7 @@ from dtrain.estimate.pipeline import estimate_pipeline
 from dtrain.estimate.probe import build_meta_task
 from dtrain.estimate.result import MemoryEstimate
 from dtrain.parallel import strategy_class
+from dtrain.parallel.composed import ComposedStrategy
 from dtrain.parallel.mesh import ParallelDims
 from dtrain.parallel.recipe import model_blocks
 from dtrain.precision import Precision
@@ -53,6 +54,8 @@ def estimate_memory(cfg: Config, world_size: int, budget: int | None = None) -> 
     every = parse_activation_checkpointing(cfg.train.activation_checkpointing)
     if every:  # a one-line error where the model has no blocks to checkpoint
         model_blocks(task, task.model, "train.activation_checkpointing")
+    if issubclass(cls, ComposedStrategy) and dims.dp_shard > 1:  # FSDP shards block by block
+        model_blocks(task, task.model, f"strategy.name = {cls.name!r}")
     cuts = tensor_parallel_cuts(task, dims.tp)
     prober = Prober(task, Precision(cfg.train.precision, CPU), dims.tp, cuts)
     job = Job(cfg, world_size, dims, task, prober, model_tensors(task.model, cuts), every)

@@ -26,7 +26,8 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
                 longest = candidate_list
         return list(longest)
     raise ConfigError(
-        f"cannot find the repeated blocks of {type(model).__name__} to shard one by one: "
+        f"cannot find the repeated blocks of {type(model).__name__} (the units it applies "
+        "to, one by one): "
         "expected an nn.ModuleList attribute named blocks, layers or h (or give "
         "Task.shard_units)"
     )

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from dtrain.errors import UserError
+from dtrain.output_folder import require_output_folder
 from dtrain.report.read import read_runs
 
 REPORT_PAGE = "report.html"
@@ -32,10 +33,10 @@ def write_report(run_dirs: list[Path], out_dir: Path | None = None) -> Path:
     from dtrain.report.plots import make_plots
 
     runs = read_runs(run_dirs)
+    out = out_dir or (run_dirs[0] / "report" if len(run_dirs) == 1 else Path("report"))
+    require_output_folder(out, f"report folder {out}")
     notes = [line for run in runs for line in run.skipped]
     plots = make_plots(runs, notes)
-    out = out_dir or (run_dirs[0] / "report" if len(run_dirs) == 1 else Path("report"))
-    out.mkdir(parents=True, exist_ok=True)
     images = []
     for plot in plots:
         png = plot.png()

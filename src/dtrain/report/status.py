@@ -69,8 +69,10 @@ def _ago(seconds: float) -> str:
 def run_status(run_dir: Path, now: float | None = None) -> str:
     """The status, as lines of text; a folder with nothing to read is a user error."""
     now = time.time() if now is None else now
-    if not run_dir.is_dir():
+    if not run_dir.exists():
         raise UserError(f"run folder {run_dir} does not exist")
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir} is not a folder; give a run folder (run.dir)")
     status = read_status(run_dir)
     metrics = run_dir / METRICS_FILE
     tail = read_tail(metrics) if metrics.exists() else []
