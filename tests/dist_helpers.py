@@ -82,8 +82,8 @@ def crash_then_resume(
 ) -> dict[str, Any]:
     """Raise on every rank at the start of ``crash_step``, then resume in a fresh trainer from
     the newest checkpoint (with ``resume_raw``'s config when given) and finish. Returns the
-    final parameters, the step it resumed from and the resumed optimizer's kernels (each
-    group's ``foreach`` and ``fused``)."""
+    final parameters, the step it resumed from, the resumed optimizer's kernels (each
+    group's ``foreach`` and ``fused``) and its groups' settings (all but their parameters)."""
     trainer = make_trainer(raw)
 
     def crash(name: str, **args: Any) -> None:
@@ -98,8 +98,15 @@ def crash_then_resume(
         trainer.checkpointer.wait()
     resumed = make_trainer(resume_raw or raw)
     summary = resumed.fit()
-    kernels = [(group["foreach"], group["fused"]) for group in resumed.optimizer.param_groups]
-    return {"params": params_of(resumed), "start_step": summary.start_step, "kernels": kernels}
+    groups = resumed.optimizer.param_groups
+    kernels = [(group["foreach"], group["fused"]) for group in groups]
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+    return {
+        "params": params_of(resumed),
+        "start_step": summary.start_step,
+        "kernels": kernels,
+        "settings": settings,
+    }
 
 
 def two_jobs_then_crash(

@@ -16,7 +16,7 @@ from torch import nn
 
 from dtrain.config import OptimConfig
 from dtrain.optim import build_optimizer, fit_saved_groups
-from dtrain.testing import run_ranks
+from dtrain.testing import metrics_records, run_ranks
 from tests.conftest import tiny_config, tiny_raw
 from tests.dist_helpers import crash_then_resume, make_trainer, params_of, train_params
 from tests.recipe_helpers import train_each
@@ -238,14 +238,58 @@ def test_a_loaded_state_keeps_the_configured_kernels(name: str, saved_with: str)
         ], key
 
 
-def test_a_forced_resume_trains_with_the_configured_kernels(tmp_path: Path) -> None:
-    # A run resumed with another optim.implementation (--force) went on with the checkpoint's
-    # kernels. fsdp: the state goes through DCP's set_optimizer_state_dict (whole files: the
-    # unit test above).
-    job = {"checkpoint": {"every": 2}, "train": {"steps": 3}, "strategy": {"name": "fsdp"}}
-    job["optim"] = {"name": "adamw", "lr": 3e-3}
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_forced_resume_trains_with_the_configured_settings(tmp_path: Path, strategy: str) -> None:
+    # A run resumed under another optim.* (--force) went on with the checkpoint's kernels,
+    # betas and rate: torch's load_state_dict takes the saved groups whole, the schedule its
+    # saved base rate. ddp: whole files; fsdp: DCP's set_optimizer_state_dict.
+    job: dict[str, Any] = {
+        "checkpoint": {"every": 2},
+        "train": {"steps": 4, "log_every": 1},
+        "strategy": {"name": strategy},
+    }
+    job["optim"] = {"name": "adamw", "lr": 3e-3, "schedule": "constant", "warmup_steps": 0}
     saved = tiny_raw(tmp_path / "run", job)
-    resumed = tiny_raw(tmp_path / "run", job, optim={"implementation": "fused"})
+    changed = {"implementation": "fused", "lr": 1e-3, "betas": [0.8, 0.9], "weight_decay": 0.05}
+    resumed = tiny_raw(tmp_path / "run", job, optim=changed)
     result = run_ranks(crash_then_resume, 2, saved, 3, resumed)[0]
     assert result["start_step"] == 2
     assert result["kernels"] and all(kernels == (None, True) for kernels in result["kernels"])
+    for group in result["settings"]:
+        assert group["lr"] == group["initial_lr"] == 1e-3
+        assert group["betas"] == (0.8, 0.9)
+        assert group["weight_decay"] in (0.05, 0.0)  # matrices decay, the rest not
+    assert any(group["weight_decay"] == 0.05 for group in result["settings"])
+    records = metrics_records(tmp_path / "run")
+    rates = {r["step"]: r["lr"] for r in records if r.get("kind") == "train"}
+    assert rates[1] == rates[2] == 3e-3  # before the crash
+    assert rates[3] == rates[4] == 1e-3  # every resumed step at the configured rate
+
+
+def test_a_loaded_schedule_takes_the_configured_rate_and_the_saved_position() -> None:
+    # Under the same config a resume sets the very rate it saved (bit-identical); under
+    # another optim.lr that rate at the saved position of the schedule.
+    from dtrain.optim import build_scheduler, lr_factor
+
+    model = small_model()
+    cfg = OptimConfig(name="sgd", lr=0.5, momentum=0.9, warmup_steps=2)
+    saving = build_optimizer(model.named_parameters(), cfg)
+    schedule = build_scheduler(saving, cfg, total_steps=10)
+    for _ in range(5):
+        train(model, saving, steps=1)
+        schedule.step()
+    for other in (cfg, OptimConfig(name="sgd", lr=0.1, momentum=0.5, warmup_steps=2)):
+        loading = build_optimizer(model.named_parameters(), other)
+        loaded = build_scheduler(loading, other, total_steps=10)
+        loaded.load_state_dict(schedule.state_dict())  # the order of checkpoint.state.load
+        loading.load_state_dict(fit_saved_groups(saving.state_dict(), loading))
+        rate = other.lr * lr_factor(5, 10, 2, other.min_lr_ratio, "cosine")
+        groups = loading.param_groups
+        assert len(groups) == 2  # matrices with weight decay, the rest without
+        assert [group["lr"] for group in groups] == loaded.get_last_lr() == [rate, rate]
+        assert loaded.base_lrs == [other.lr, other.lr]
+        assert [group["momentum"] for group in groups] == [other.momentum, other.momentum]
+        if other is cfg:  # the same bits as saved
+            assert [group["lr"] for group in groups] == [g["lr"] for g in saving.param_groups]
+        loaded.step()
+        assert groups[0]["lr"] == other.lr * lr_factor(6, 10, 2, other.min_lr_ratio, "cosine")

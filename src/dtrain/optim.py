@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -48,22 +48,32 @@ def build_optimizer(
         optimizer = torch.optim.AdamW(
             groups, lr=cfg.lr, betas=betas, foreach=not fused or None, fused=fused or None
         )
-    optimizer.register_load_state_dict_pre_hook(_keep_kernels)
+    optimizer.register_load_state_dict_pre_hook(_keep_configured_settings)
     return optimizer
 
 
-KERNEL_KEYS = ("foreach", "fused")
+# A group's keys that are not the config's settings: its parameters, and the learning rate the
+# schedule sets (Schedule).
+SCHEDULED_KEYS = ("params", "lr", "initial_lr")
 
 
-def _keep_kernels(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
-    """A saved state whose groups name this optimizer's kernels (``optim.implementation``), not
-    those of the run that saved it: torch's ``load_state_dict`` takes the saved groups'
-    settings whole, so a run resumed with another implementation (``--force``) would go on
-    with the checkpoint's kernels -- or, fused SGD saved by ddp and resumed by fsdp, fail on
-    the DTensors fused SGD cannot take. (Called before torch reads the groups, so that it also
-    places each state tensor as the chosen kernels want it.)"""
-    chosen = {key: optimizer.defaults[key] for key in KERNEL_KEYS if key in optimizer.defaults}
-    groups = [{**group, **chosen} for group in saved.get("param_groups", [])]
+def _keep_configured_settings(
+    optimizer: torch.optim.Optimizer, saved: dict[str, Any]
+) -> dict[str, Any]:
+    """A saved state whose groups hold this run's settings (``optim.*`` and
+    ``optim.implementation``), not those of the run that saved it. torch's ``load_state_dict``
+    takes the saved groups' settings whole, so a run resumed under another config
+    (``--force``) would go on with the checkpoint's momentum, betas, weight decay or kernels
+    without a word -- or, fused SGD saved by ddp and resumed by fsdp, fail on the DTensors
+    fused SGD cannot take. Under the same config nothing changes. (Called before torch reads
+    the groups, so that it also places each state tensor as the chosen kernels want it.)"""
+    ours = optimizer.param_groups
+    groups = [
+        {**group, **{k: v for k, v in ours[i].items() if k not in SCHEDULED_KEYS}}
+        if i < len(ours)
+        else group  # more groups than here: torch's own check names it
+        for i, group in enumerate(saved.get("param_groups", []))
+    ]
     return {**saved, "param_groups": groups}
 
 
@@ -148,14 +158,32 @@ class Schedule(torch.optim.lr_scheduler.LambdaLR):
     :func:`fit_saved_groups`): every group starts from ``optim.lr`` under the same factor, so
     the state's per-group lists hold one value, repeated."""
 
+    def __init__(self, optimizer: torch.optim.Optimizer, lr_lambda: Callable[[int], float]) -> None:
+        super().__init__(optimizer, lr_lambda)
+        # The optimizer's state loads after the schedule's (and carries the saved rate).
+        optimizer.register_load_state_dict_post_hook(lambda _optimizer: self.set_rate())
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         groups = len(self.optimizer.param_groups)
+        configured = list(self.base_lrs)
         state = dict(state_dict)
         for key in ("base_lrs", "_last_lr"):
             values = state.get(key)
             if isinstance(values, list) and len(values) != groups and len(set(values)) == 1:
                 state[key] = values[:1] * groups
         super().load_state_dict(state)
+        # optim.lr as this run's config gives it: a run resumed under another (--force) goes
+        # on from the checkpoint's point of the schedule at its own rate, not the saved one.
+        self.base_lrs = configured
+        self.set_rate()
+
+    def set_rate(self) -> None:
+        """Every group's rate at the schedule's position, computed as ``step`` computes it
+        (so a resume under the same config sets the very bits it saved)."""
+        for group, base, factor in zip(self.optimizer.param_groups, self.base_lrs, self.lr_lambdas):
+            group["initial_lr"] = base
+            group["lr"] = base * factor(self.last_epoch)
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
 
 def build_scheduler(
