@@ -75,6 +75,9 @@ def write_tiny_config(path: Path, run_dir: Path, **extra: str) -> Path:
         (["train", "--nnodes", "2"], "--nnodes > 1 needs --rdzv-endpoint"),
         (["train", "--nnodes", "3:1"], "need 1 <= MIN <= MAX"),
         (["train", "--node-rank", "1"], "--node-rank 1: must be below --nnodes 1 (0 .. 0)"),
+        # The run id names runs/<run id>: '../x' made the run outside runs/.
+        (["train", "--run-id", "../../x"], "--run-id '../../x': must be a plain name"),
+        (["train", "--run-id", ".."], "--run-id '..': must be a plain name"),
         (
             ["train", "--nnodes", "1:2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:29400"],
             "--node-rank 2: must be below --nnodes 1:2 (0 .. 1)",

@@ -119,6 +119,12 @@ def make_options(
             raise UserError(f"--rdzv-endpoint {rdzv_endpoint!r}: expected HOST:PORT") from None
     if rdzv_timeout_s < 1:
         raise UserError(f"--rdzv-timeout {rdzv_timeout_s}: must be at least 1 second")
+    if "/" in run_id or "\\" in run_id or run_id in (".", ".."):
+        # The id also names the run folder (runs/<run id>) where run.dir is not set.
+        raise UserError(
+            f"--run-id {run_id!r}: must be a plain name (no '/', not '.' or '..'): it also "
+            "names the run folder runs/<run id>; set --run.dir=PATH for a folder elsewhere"
+        )
     node_addr, iface = choose_node_network(rdzv_endpoint, local_addr, iface)
     return LaunchOptions(
         nproc=nproc,
