@@ -125,8 +125,8 @@ def test_a_read_only_run_folder_is_one_line_before_any_worker_starts(
     err = capsys.readouterr().err
     assert code == 2
     assert err == (
-        f"dtrain: error: run.dir {disk / 'run'} is not writable: Read-only file system; "
-        "choose a run.dir on a writable disk where this user may write\n"
+        f"dtrain: error: run.dir {disk / 'run'}: cannot write in {disk / 'run'} (Read-only "
+        "file system); choose a run.dir where this user may write\n"
     )
 
 

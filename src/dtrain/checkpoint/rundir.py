@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import socket
 import sys
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,6 +20,7 @@ from dtrain.config import Config
 from dtrain.config_load import REMOVED, RENAMED
 from dtrain.errors import CheckpointError, UserError
 from dtrain.fsutil import write_atomic
+from dtrain.output_folder import require_output_folder
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -137,23 +137,7 @@ def check_writable(run_dir: Path) -> None:
     """The run folder and its ``checkpoints/`` exist (made if need be) and take a file: a
     one-line user error otherwise (read-only, not ours, a file where a folder should be)."""
     for folder in (run_dir, run_dir / "checkpoints"):
-        paths = (folder, *folder.parents)
-        blocker = next((p for p in paths if p.exists() and not p.is_dir()), None)
-        if blocker is not None:  # the folder is, or runs through, a file
-            raise UserError(
-                f"run.dir {run_dir}: {blocker} is a file, not a folder; choose another run.dir"
-            )
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            fd, probe = tempfile.mkstemp(prefix=".dtrain-write-check-", dir=folder)
-            os.close(fd)
-            os.unlink(probe)
-        except OSError as exc:
-            where = "" if folder == run_dir else f" ({folder})"
-            raise UserError(
-                f"run.dir {run_dir} is not writable{where}: {exc.strerror or exc}; choose a "
-                "run.dir on a writable disk where this user may write"
-            ) from None
+        require_output_folder(folder, f"run.dir {run_dir}", choose="run.dir")
 
 
 @contextmanager
