@@ -48,12 +48,7 @@ class GuardedStream(io.TextIOBase):
         # A closed pipe, a terminal that went away, a log file's full disk: none of them is
         # worth a step of training.
         self.gone = True
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, self.inner.fileno())
-            os.close(devnull)
-        except (OSError, ValueError, io.UnsupportedOperation):
-            pass
+        point_at_devnull(self.inner)
         partner = self.partner
         if partner is not None and not partner.gone:
             partner.write(
@@ -102,9 +97,14 @@ def drop_stdout() -> None:
     """After a write found ``sys.stdout``'s reader gone (``dtrain status RUN | head -3``):
     point it at ``/dev/null``, so that the interpreter's last flush of what is still buffered
     raises nothing either."""
+    point_at_devnull(sys.stdout)
+
+
+def point_at_devnull(stream: TextIO) -> None:
+    """Make ``stream``'s file descriptor write to ``/dev/null`` (where it has one)."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(devnull, stream.fileno())
         os.close(devnull)
     except (OSError, ValueError, io.UnsupportedOperation):
         pass
