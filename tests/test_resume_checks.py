@@ -129,6 +129,14 @@ def test_a_checkpoint_folder_that_does_not_exist(
     assert result.returncode == 2
     assert result.stderr.strip() == f"dtrain: error: checkpoint folder {missing} does not exist"
     assert not new.exists()
+    # A step folder's name alone is a path from the working folder: the one in the run's
+    # checkpoints/ is named.
+    held = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+    result = run_cli("train", str(config), "--nproc", "1", "--resume", held.name)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"dtrain: error: checkpoint folder {held.name} does not exist: did you mean {held}?"
+    )
 
 
 def test_starting_afresh_over_checkpoints_needs_force(finished_run: tuple[Path, Path]) -> None:

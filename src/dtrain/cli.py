@@ -240,7 +240,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
             "lower fault.min_replicas or raise --nproc"
         )
     if cfg.run.resume not in ("auto", "never"):
-        check_resume_folder(cfg.run.resume)  # before the run folder is made for this job
+        # Before the run folder is made for this job.
+        check_resume_folder(cfg.run.resume, cfg.run.dir)
     if not cfg.run.dir:
         cfg.run.dir = default_run_dir(args.run_id)
     # Writable, held for this job (another live job's hold is refused), and this launcher's

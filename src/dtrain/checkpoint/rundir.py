@@ -79,12 +79,15 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
     return diffs
 
 
-def check_resume_folder(resume: str) -> Path:
+def check_resume_folder(resume: str, run_dir: str = "") -> Path:
     """The step folder ``run.resume`` names, when it is one that a run can start from (its
     marker and meta.json; the workers verify every file): a user error otherwise."""
     path = Path(resume)
     if not path.exists():
-        raise CheckpointError(f"checkpoint folder {path} does not exist")
+        # run.resume is a path (from the working folder), not a name in run.dir's checkpoints/.
+        within = Path(run_dir) / "checkpoints" / path if run_dir else None
+        hint = f": did you mean {within}?" if within is not None and within.is_dir() else ""
+        raise CheckpointError(f"checkpoint folder {path} does not exist{hint}")
     root_given = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     held = layout.committed_steps(root_given)
     if held:  # a run folder (or its checkpoints/), not a step folder
@@ -115,7 +118,7 @@ def check_run_dir(cfg: Config, force: bool) -> Path | None:
     if cfg.run.resume == "auto":
         path, _ = ckread.find_latest_valid(root, check=ckread.check_marker_and_meta)
     else:
-        path = check_resume_folder(cfg.run.resume)
+        path = check_resume_folder(cfg.run.resume, cfg.run.dir)
     if path is None:
         return None
     meta = ckread.load_meta(path)
