@@ -106,6 +106,25 @@ def test_status_reads_only_the_tail_of_a_large_metrics_file(tmp_path: Path) -> N
     assert steps == list(range(steps[0], 3001))  # whole records only, none cut
 
 
+def test_status_and_report_pass_over_a_hand_edited_record(tmp_path: Path) -> None:
+    # A line whose step is text (edited by hand) was a traceback in dtrain status.
+    from dtrain.report.read import read_metrics
+
+    now = time.time()
+    run = tmp_path / "run"
+    fake_running_run(run, now)
+    good = (run / "metrics.jsonl").read_text()
+    edited = {"kind": "train", "step": "x", "loss": 1.0, "time": now}
+    (run / "metrics.jsonl").write_text(good + json.dumps(edited) + "\n")
+    assert run_status(run, now).splitlines()[1].startswith("  last loss 2.6000 at step 40")
+    records, skipped = read_metrics(run / "metrics.jsonl")
+    assert all(r.get("step") != "x" for r in records)
+    line = len(good.splitlines()) + 1
+    assert skipped == [
+        f"{run / 'metrics.jsonl'}: line {line} has step = 'x', not a number; skipped it"
+    ]
+
+
 @pytest.mark.parametrize(
     ("make", "message"),
     [

@@ -70,10 +70,14 @@ def parse_lines(
             record = json.loads(text)
         except ValueError:
             record = None
-        if isinstance(record, dict):
-            records.append(record)
-            continue
         number = first_line + i
+        if isinstance(record, dict):
+            wrong = malformed_field(record)
+            if wrong is None:
+                records.append(record)
+            else:
+                skipped.append(f"{where}: line {number} has {wrong}; skipped it")
+            continue
         if i == last and not raw.endswith(b"\n"):
             skipped.append(
                 f"{where}: the last line ({number}) is cut off after {len(raw)} bytes (the run "
@@ -82,6 +86,18 @@ def parse_lines(
         else:
             skipped.append(f"{where}: line {number} is not a JSON record; skipped it")
     return records, skipped
+
+
+def malformed_field(record: Record) -> str | None:
+    """What makes a JSON object no metrics record (a hand-edited line): the fields every
+    reader relies on -- ``kind`` text, ``step`` a whole number, ``time`` a number -- of
+    another type. None: it is one."""
+    checks = (("kind", (str,)), ("step", (int,)), ("time", (int, float)))
+    for key, types in checks:
+        value = record.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+            return f"{key} = {value!r}, not {'text' if types == (str,) else 'a number'}"
+    return None
 
 
 def read_metrics(path: Path) -> tuple[list[Record], list[str]]:
