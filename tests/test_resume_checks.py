@@ -52,7 +52,7 @@ def test_a_strategy_that_cannot_load_the_checkpoint_is_refused_before_the_worker
 
 @pytest.mark.parametrize(
     ("saved", "resumed"),
-    [("ddp", "fsdp"), ("fsdp", "ddp"), ("pipeline", "fsdp"), ("tensor", "pipeline")],
+    [("ddp", "fsdp"), ("pipeline", "ddp"), ("pipeline", "fsdp"), ("tensor", "pipeline")],
 )
 def test_the_form_of_a_checkpoint_decides_which_strategies_load_it(
     tmp_path: Path, saved: str, resumed: str
@@ -73,6 +73,8 @@ def test_the_form_of_a_checkpoint_decides_which_strategies_load_it(
         check_state_form(strategy_class(resumed), step_dir)
     if saved in ("fsdp", "tensor"):  # the same form and layout: either loads the other's
         check_state_form(strategy_class("fsdp" if saved == "tensor" else "tensor"), step_dir)
+    if saved == "tensor":  # a replicated strategy reads fsdp's and tensor's shards whole
+        check_state_form(strategy_class("ddp"), step_dir)
 
 
 def test_a_key_added_after_the_checkpoint_counts_as_its_default() -> None:

@@ -54,7 +54,7 @@ from dtrain.comm.accounting import CommCounter
 from dtrain.comm.compression import validate_compression
 from dtrain.comm.hooks import CommHook
 from dtrain.config import CommConfig, Config, StrategyConfig, validate_for_world
-from dtrain.errors import CheckpointError, ConfigError
+from dtrain.errors import ConfigError
 from dtrain.model_call import call_model
 from dtrain.optim import fit_saved_groups
 from dtrain.parallel.grad_norm import gradient_norm, local_part
@@ -339,12 +339,11 @@ class Strategy(ABC):
     def load_checkpoint_parts(self, optimizer: torch.optim.Optimizer, step_dir: Path) -> None:
         """Load the model and optimizer from what :meth:`checkpoint_parts` wrote into
         ``step_dir``; a model that does not fit is named key by key."""
-        if not (step_dir / layout.MODEL_FILE).exists():
-            raise CheckpointError(
-                f"{step_dir} holds a sharded checkpoint (made by a sharded strategy such as "
-                f"fsdp); strategy {self.name!r} loads full-state checkpoints: resume it with "
-                "the strategy that saved it"
-            )
+        if not (step_dir / layout.MODEL_FILE).exists():  # fsdp's or tensor's shards
+            from dtrain.parallel.cross_form import load_shards_into_replica
+
+            load_shards_into_replica(self.unwrapped, optimizer, step_dir)
+            return
         model_state = ckread.load_file(step_dir, layout.MODEL_FILE)
         ckread.check_model_fits(self.model_state_dict(), model_state, step_dir)
         self.load_model_state_dict(model_state)

@@ -367,12 +367,16 @@ class DiLoCoStrategy(LocalSGDStrategy):
     def _after_load(self, step_dir: Path, exact: bool) -> None:
         """The anchor and the outer momentum from ``outer.pt``; at another world size every
         replica restarts from the anchor. A checkpoint without ``outer.pt`` (saved by another
-        strategy) starts the anchor at rank 0's model with no outer momentum."""
+        strategy) starts the anchor at rank 0's model with no outer momentum (from fsdp's or
+        tensor's shards, the whole model every rank just read)."""
         if (step_dir / OUTER_FILE).exists():
             outer = ckread.load_file(step_dir, OUTER_FILE)
             anchor, outer_state = outer["anchor"], outer["optimizer"]
         else:
-            model = ckread.load_file(step_dir, layout.MODEL_FILE)
+            whole = (step_dir / layout.MODEL_FILE).exists()
+            model = (
+                ckread.load_file(step_dir, layout.MODEL_FILE) if whole else self.model_state_dict()
+            )
             anchor, outer_state = {n: model[n] for n in self.anchor_names if n in model}, None
         if sorted(anchor) != sorted(self.anchor_names):
             raise CheckpointError(

@@ -20,6 +20,7 @@ from dtrain.checkpoint.state import CheckpointParts
 from dtrain.config import Config, StrategyConfig
 from dtrain.errors import CheckpointError
 from dtrain.parallel.base import ShardedState, Strategy
+from dtrain.parallel.cross_form import read_in_saved_groups
 from dtrain.parallel.mesh import Mesh, ParallelDims
 
 
@@ -77,43 +78,8 @@ class ShardedStrategy(Strategy, ShardedState):
             dist.all_gather_object(every, wanted)
             wanted = {key: shape for part in every for key, shape in part.items()}
         ckread.check_model_fits(wanted, saved, step_dir)
-        # Groups as a list (torch's default state dict; a flattened one keys them by name).
-        ours = template["optimizer"].get("param_groups", [])
-        groups = ckread.sharded_param_groups(step_dir) if ours else 0
-        if ours and groups != len(ours):
-            # Another strategy split the parameters into other groups (tensor parallelism
-            # groups plain tensors apart from DTensors): read the saved groups as they are;
-            # torch's set_state_dict then finds each parameter's settings by its name.
-            template["optimizer"]["param_groups"] = [dict(ours[0]) for _ in range(groups)]
-        ckread.load_sharded(step_dir, template)
-        if ours and groups != len(ours):
-            saved_groups = template["optimizer"]["param_groups"]
-            template["optimizer"]["param_groups"] = regroup(saved_groups, ours, step_dir)
+        read_in_saved_groups(template, step_dir)
         self.load_sharded_state_dict(optimizer, template)
-
-
-def regroup(
-    saved: list[dict[str, Any]], ours: list[dict[str, Any]], step_dir: Path
-) -> list[dict[str, Any]]:
-    """The saved parameter groups laid out as this rank's (``ours``, parameters by name): each
-    of ours takes the settings of the saved group that held its parameters, which must be one
-    setting for all of them."""
-    settings = {
-        name: {key: value for key, value in group.items() if key != "params"}
-        for group in saved
-        for name in group["params"]
-    }
-    fitted = []
-    for group in ours:
-        found = [settings.get(name) for name in group["params"]]
-        if not found or any(each is None or each != found[0] for each in found):
-            raise CheckpointError(
-                f"{step_dir}: the optimizer's parameter groups were saved in another layout "
-                f"({len(saved)} groups, {len(ours)} here) that does not map onto this one; "
-                "resume with the strategy that saved it"
-            )
-        fitted.append({**found[0], "params": list(group["params"])})  # type: ignore[dict-item]
-    return fitted
 
 
 class MeshStrategy(ShardedStrategy):

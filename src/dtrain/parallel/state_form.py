@@ -3,8 +3,10 @@
 A replicated strategy (ddp, allreduce, localsgd, diloco) saves and loads whole files
 (``model.pt``); a sharded one (fsdp, tensor, pipeline) DCP shards (``dcp/``), pipeline's
 optimizer state keyed otherwise than fsdp's and tensor's. ``strategy.*`` may change between
-runs, but not across these forms: the workers would each refuse the checkpoint (or fail in
-DCP) after the whole start-up."""
+runs within what can be read: shards of fsdp and tensor by each other and by a replicated
+strategy (:mod:`.cross_form`), whole files by replicated strategies only, pipeline's shards by
+pipeline only. Anything else the workers would each refuse (or fail in DCP) after the whole
+start-up."""
 
 from __future__ import annotations
 
@@ -20,19 +22,17 @@ from dtrain.parallel.base import ShardedState, Strategy
 def check_state_form(cls: type[Strategy], step_dir: Path) -> None:
     """A one-line error where strategy ``cls`` cannot load the state in ``step_dir``."""
     sharded = (step_dir / layout.SHARDED_DIR).is_dir()
-    whole = (step_dir / layout.MODEL_FILE).exists()
     saved_by = ckread.load_meta(step_dir).get("strategy", "another strategy")
-    if sharded and issubclass(cls, ShardedState):
+    if sharded:  # a replicated strategy reads fsdp's and tensor's shards whole (cross_form)
         check_optimizer_layout(cls, saved_by, step_dir)
-    if issubclass(cls, ShardedState) == sharded or (sharded and whole):
         return
-    forms = ("whole files (model.pt)", "DCP shards (dcp/)")
-    held, wanted = (forms[1], forms[0]) if sharded else forms
+    if not issubclass(cls, ShardedState):
+        return
     raise CheckpointError(
-        f"{step_dir} holds {held}, saved by strategy {saved_by!r}; strategy.name = "
-        f"{cls.name!r} resumes {wanted} only: resume with strategy.name = {saved_by!r} (or "
-        f"another strategy that saves {held.split(' (')[0]}), or start a new run from its "
-        f"weights with --run.init_from={step_dir}"
+        f"{step_dir} holds whole files (model.pt), saved by strategy {saved_by!r}; "
+        f"strategy.name = {cls.name!r} resumes DCP shards (dcp/) only: resume with "
+        f"strategy.name = {saved_by!r} (or another strategy that saves whole files), or start "
+        f"a new run from its weights with --run.init_from={step_dir}"
     )
 
 
