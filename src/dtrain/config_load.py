@@ -83,19 +83,19 @@ def build_config(raw: Mapping[str, Any], task_config_class: type | None = None) 
     cfg = Config()
     sections = {f.name: f for f in dataclasses.fields(Config)}
     for name, values in raw.items():
-        homes = [
-            s
-            for s in sections
-            if s != "task" and name in {f.name for f in dataclasses.fields(getattr(cfg, s))}
-        ]
-        if name not in sections and not isinstance(values, Mapping) and homes:
-            # A key above every [section] of the file (or written --steps=3 style).
-            raise ConfigError(
-                f"config key {name} = {values!r} is outside any section; put it under "
-                f"{' or '.join(f'[{h}]' for h in homes)} (on the command line: "
-                f"--{homes[0]}.{name}=...)"
-            )
         if name not in sections:
+            homes = [
+                s
+                for s in sections
+                if s != "task" and name in {f.name for f in dataclasses.fields(getattr(cfg, s))}
+            ]
+            if homes and not isinstance(values, Mapping):
+                # A key above every [section] of the file (or written --steps=3 style).
+                raise ConfigError(
+                    f"config key {name} = {values!r} is outside any section; put it under "
+                    f"{' or '.join(f'[{h}]' for h in homes)} (on the command line: "
+                    f"--{homes[0]}.{name}=...)"
+                )
             raise ConfigError(f"unknown config section [{name}]{_suggest(name, sections)}")
         if not isinstance(values, Mapping):
             raise ConfigError(f"config section [{name}] must be a table of keys, got {values!r}")

@@ -166,16 +166,17 @@ def load_meta(step_dir: Path) -> dict[str, Any]:
         raise CheckpointError(f"{step_dir / META} is corrupted: {exc}") from None
 
 
-def sharded_metadata(step_dir: Path) -> dict[str, tuple[int, ...]]:
-    """Global shape of every tensor in a checkpoint's sharded state (key -> shape)."""
+def sharded_model_shapes(step_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Global shape of every model tensor in a checkpoint's sharded state (name -> shape)."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = FileSystemReader(str(step_dir / SHARDED_DIR)).read_metadata()
+    prefix = "model."
     return {
-        key: tuple(item.size)
+        key[len(prefix) :]: tuple(item.size)
         for key, item in metadata.state_dict_metadata.items()
-        if isinstance(item, TensorStorageMetadata)
+        if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
     }
 
 

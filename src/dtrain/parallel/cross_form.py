@@ -27,11 +27,7 @@ def load_shards_into_replica(
 
     model_state, optim_state = get_state_dict(model, optimizer)  # plain tensors, whole
     template: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
-    saved = {
-        key[len("model.") :]: shape
-        for key, shape in ckread.sharded_metadata(step_dir).items()
-        if key.startswith("model.")
-    }
+    saved = ckread.sharded_model_shapes(step_dir)
     wanted = {key: tuple(value.shape) for key, value in template["model"].items()}
     ckread.check_model_fits(wanted, saved, step_dir)
     read_in_saved_groups(template, step_dir)

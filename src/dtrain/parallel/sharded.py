@@ -65,11 +65,7 @@ class ShardedStrategy(Strategy, ShardedState):
                 "strategy loads sharded ones: resume it with the strategy that saved it"
             )
         template = self.sharded_state_dict(optimizer)
-        saved = {
-            key[len("model.") :]: shape
-            for key, shape in ckread.sharded_metadata(step_dir).items()
-            if key.startswith("model.")
-        }
+        saved = ckread.sharded_model_shapes(step_dir)
         wanted = {key: tuple(value.shape) for key, value in template["model"].items()}
         if dist.is_initialized():
             # A rank may hold only part of the model (a pipeline stage): compare the
