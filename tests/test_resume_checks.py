@@ -39,20 +39,21 @@ def test_a_different_config_is_refused_with_the_differing_keys(
 def test_a_strategy_that_cannot_load_the_checkpoint_is_refused_before_the_workers(
     finished_run: tuple[Path, Path],
 ) -> None:
-    # strategy.* may change on resume, but not from whole files (ddp) to shards (fsdp): each
-    # worker refused the checkpoint only after the whole start-up.
+    # strategy.* may change on resume, but not from whole files (ddp) to pipeline's shards:
+    # each worker refused the checkpoint only after the whole start-up.
     config, _ = finished_run
-    result = run_cli("train", str(config), "--nproc", "1", "--strategy.name=fsdp")
+    pipeline = ("--strategy.name=pipeline", "--strategy.pipeline_schedule=gpipe")
+    result = run_cli("train", str(config), "--nproc", "2", *pipeline)
     assert result.returncode == 2
     assert "holds whole files (model.pt), saved by strategy 'ddp'" in result.stderr
-    assert "strategy.name = 'fsdp' resumes DCP shards (dcp/) only" in result.stderr
-    assert "training fsdp" not in result.stdout + result.stderr  # no worker started
+    assert "strategy.name = 'pipeline' resumes DCP shards (dcp/) only" in result.stderr
+    assert "training pipeline" not in result.stdout + result.stderr  # no worker started
     assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize(
     ("saved", "resumed"),
-    [("ddp", "fsdp"), ("pipeline", "ddp"), ("pipeline", "fsdp"), ("tensor", "pipeline")],
+    [("ddp", "pipeline"), ("pipeline", "ddp"), ("pipeline", "fsdp"), ("tensor", "pipeline")],
 )
 def test_the_form_of_a_checkpoint_decides_which_strategies_load_it(
     tmp_path: Path, saved: str, resumed: str
@@ -75,6 +76,9 @@ def test_the_form_of_a_checkpoint_decides_which_strategies_load_it(
         check_state_form(strategy_class("fsdp" if saved == "tensor" else "tensor"), step_dir)
     if saved == "tensor":  # a replicated strategy reads fsdp's and tensor's shards whole
         check_state_form(strategy_class("ddp"), step_dir)
+    if saved == "ddp":  # fsdp and tensor read whole files (cross_form)
+        check_state_form(strategy_class("fsdp"), step_dir)
+        check_state_form(strategy_class("tensor"), step_dir)
 
 
 def test_a_key_added_after_the_checkpoint_counts_as_its_default() -> None:

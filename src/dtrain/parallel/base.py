@@ -356,7 +356,11 @@ class Strategy(ABC):
         self.unwrapped.load_state_dict(state)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return optimizer.state_dict()
+        """torch's whole state dict, with each group's parameter names beside it (so that a
+        sharded strategy can read it: :mod:`.cross_form`)."""
+        from dtrain.parallel.cross_form import with_param_names
+
+        return with_param_names(optimizer.state_dict(), optimizer, self.named_parameters())
 
     def load_optimizer_state_dict(
         self, optimizer: torch.optim.Optimizer, state: dict[str, Any]

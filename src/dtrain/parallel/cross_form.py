@@ -1,22 +1,33 @@
-"""A replicated strategy (ddp, allreduce, localsgd, diloco) resuming a checkpoint that fsdp or
-tensor saved as DCP shards: every rank reads the whole model and optimizer state out of the
-shards (DCP reshards into plain tensors), keyed by parameter name as torch's distributed
+"""A checkpoint read by a strategy of the other form.
+
+Shards into a replica: a replicated strategy (ddp, allreduce, localsgd, diloco) resuming what
+fsdp or tensor saved as DCP shards. Every rank reads the whole model and optimizer state out of
+the shards (DCP reshards into plain tensors), keyed by parameter name as torch's distributed
 state-dict API keys it, and loads it into its replica.
 
-The other way (whole files into shards) is refused before launch (:mod:`.state_form`): a
-whole-file ``optimizer.pt`` keys its state by position in the saving optimizer's groups, not
-by name."""
+Whole files into shards: fsdp, tensor or a composed layout resuming what a replicated strategy
+saved (``model.pt``, ``optimizer.pt``). torch keys a whole optimizer state by position in the
+saving optimizer's groups; the replicated strategies write each group's parameter names beside
+it (:data:`NAMES_KEY`), which turns it into the by-name form the sharded strategies load. Every
+rank reads both files and keeps its own part of each tensor. (Pipeline keys its optimizer
+state otherwise: refused before launch, :mod:`.state_form`.)"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
 from dtrain.errors import CheckpointError
+
+# A whole optimizer.pt's key beside torch's "state" and "param_groups": the names of each
+# group's parameters, in the group's order (torch's load ignores keys it does not know).
+NAMES_KEY = "param_names"
 
 
 def load_shards_into_replica(
@@ -74,3 +85,75 @@ def regroup(
             )
         fitted.append({**found[0], "params": list(group["params"])})  # type: ignore[dict-item]
     return fitted
+
+
+def with_param_names(
+    state: dict[str, Any], optimizer: torch.optim.Optimizer, named: Iterable[tuple[str, Any]]
+) -> dict[str, Any]:
+    """``state`` (``optimizer``'s whole state dict) with its groups' parameter names."""
+    name_of = {id(param): name for name, param in named}
+    names = [[name_of[id(param)] for param in group["params"]] for group in optimizer.param_groups]
+    return {**state, NAMES_KEY: names}
+
+
+def load_whole_into_shards(template: dict[str, Any], step_dir: Path) -> None:
+    """Fill ``template`` (this rank's sharded state: ``{"model": ..., "optimizer": ...}``
+    keyed by name, DTensors where it holds a part) in place from a replicated strategy's
+    whole files; each of its groups takes the settings of the saved group that held its
+    parameters."""
+    whole_model = ckread.load_file(step_dir, layout.MODEL_FILE)
+    ckread.check_model_fits(template["model"], whole_model, step_dir)
+    fill_parts(template["model"], whole_model)
+    state, groups = optimizer_state_by_name(
+        ckread.load_file(step_dir, layout.OPTIMIZER_FILE), step_dir
+    )
+    ours = template["optimizer"]
+    missing = sorted(set(ours["state"]) - set(state))
+    if missing:
+        raise CheckpointError(
+            f"{step_dir}/{layout.OPTIMIZER_FILE} holds no optimizer state for "
+            f"{len(missing)} parameter(s) this run trains (the first: {missing[0]}): resume "
+            "with the strategy that saved it"
+        )
+    for name, entries in ours["state"].items():
+        fill_parts(entries, state[name])
+    ours["param_groups"] = regroup(groups, ours["param_groups"], step_dir)
+
+
+def optimizer_state_by_name(
+    saved: dict[str, Any], step_dir: Path
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A whole optimizer state keyed by parameter name (state, groups), from the names the
+    saving strategy wrote beside it."""
+    names = saved.get(NAMES_KEY)
+    groups = saved.get("param_groups", [])
+    if names is None or [len(n) for n in names] != [len(g["params"]) for g in groups]:
+        raise CheckpointError(
+            f"{step_dir}/{layout.OPTIMIZER_FILE} does not name its parameters (saved by an "
+            "earlier dtrain): resume it once with the strategy that saved it and let it write "
+            "a checkpoint, which a sharded strategy then reads"
+        )
+    named_groups, state = [], {}
+    for group, group_names in zip(groups, names):
+        for index, name in zip(group["params"], group_names):
+            state[name] = saved["state"].get(index, {})
+        named_groups.append({**group, "params": list(group_names)})
+    return state, named_groups
+
+
+def fill_parts(template: dict[str, Any], whole: dict[str, Any]) -> None:
+    """Each tensor of ``template`` replaced by its value in ``whole``: where the template holds
+    a DTensor, this rank's part of the whole tensor, laid out as the template's (cut locally,
+    no communication: every rank holds the whole)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for key, like in template.items():
+        value = whole[key]
+        if isinstance(like, DTensor):
+            template[key] = distribute_tensor(
+                value.to(like.dtype), like.device_mesh, like.placements, src_data_rank=None
+            )
+        elif isinstance(like, torch.Tensor):
+            template[key] = value.to(device=like.device, dtype=like.dtype)
+        else:
+            template[key] = value

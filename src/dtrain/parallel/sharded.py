@@ -20,8 +20,15 @@ from dtrain.checkpoint.state import CheckpointParts
 from dtrain.config import Config, StrategyConfig
 from dtrain.errors import CheckpointError
 from dtrain.parallel.base import ShardedState, Strategy
-from dtrain.parallel.cross_form import read_in_saved_groups
+from dtrain.parallel.cross_form import load_whole_into_shards, read_in_saved_groups
 from dtrain.parallel.mesh import Mesh, ParallelDims
+
+
+def flattened_optimizer_state(cls: type[Strategy]) -> bool:
+    """Whether ``cls`` keys its optimizer state parameter by parameter (pipeline: a stage
+    holds some of them) rather than as torch's list of groups (fsdp, tensor)."""
+    options = getattr(cls, "state_dict_options", None)
+    return bool(options is not None and options.flatten_optimizer_state_dict)
 
 
 class ShardedStrategy(Strategy, ShardedState):
@@ -59,12 +66,17 @@ class ShardedStrategy(Strategy, ShardedState):
     def load_checkpoint_parts(self, optimizer: torch.optim.Optimizer, step_dir: Path) -> None:
         """Collective: every rank reads its shards, after checking that the checkpoint holds
         the model that all ranks together hold."""
-        if not (step_dir / layout.SHARDED_DIR).is_dir():
-            raise CheckpointError(
-                f"{step_dir} holds a full-state checkpoint ({layout.MODEL_FILE}); this sharded "
-                "strategy loads sharded ones: resume it with the strategy that saved it"
-            )
         template = self.sharded_state_dict(optimizer)
+        if not (step_dir / layout.SHARDED_DIR).is_dir():  # a replicated strategy's whole files
+            if flattened_optimizer_state(type(self)):
+                raise CheckpointError(
+                    f"{step_dir} holds whole files ({layout.MODEL_FILE}); strategy.name = "
+                    f"{self.name!r} keys its optimizer state per parameter and loads DCP "
+                    "shards only: resume it with the strategy that saved it"
+                )
+            load_whole_into_shards(template, step_dir)
+            self.load_sharded_state_dict(optimizer, template)
+            return
         saved = ckread.sharded_model_shapes(step_dir)
         wanted = {key: tuple(value.shape) for key, value in template["model"].items()}
         if dist.is_initialized():

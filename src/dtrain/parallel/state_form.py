@@ -3,8 +3,8 @@
 A replicated strategy (ddp, allreduce, localsgd, diloco) saves and loads whole files
 (``model.pt``); a sharded one (fsdp, tensor, pipeline) DCP shards (``dcp/``), pipeline's
 optimizer state keyed otherwise than fsdp's and tensor's. ``strategy.*`` may change between
-runs within what can be read: shards of fsdp and tensor by each other and by a replicated
-strategy (:mod:`.cross_form`), whole files by replicated strategies only, pipeline's shards by
+runs within what can be read (:mod:`.cross_form`): fsdp's and tensor's shards by each other
+and by a replicated strategy; whole files by every strategy but pipeline; pipeline's shards by
 pipeline only. Anything else the workers would each refuse (or fail in DCP) after the whole
 start-up."""
 
@@ -17,6 +17,7 @@ from dtrain.checkpoint import read as ckread
 from dtrain.errors import CheckpointError
 from dtrain.parallel import strategy_class, strategy_names
 from dtrain.parallel.base import ShardedState, Strategy
+from dtrain.parallel.sharded import flattened_optimizer_state
 
 
 def check_state_form(cls: type[Strategy], step_dir: Path) -> None:
@@ -26,12 +27,12 @@ def check_state_form(cls: type[Strategy], step_dir: Path) -> None:
     if sharded:  # a replicated strategy reads fsdp's and tensor's shards whole (cross_form)
         check_optimizer_layout(cls, saved_by, step_dir)
         return
-    if not issubclass(cls, ShardedState):
-        return
+    if not (issubclass(cls, ShardedState) and flattened_optimizer_state(cls)):
+        return  # whole files into a replica, or into fsdp's or tensor's shards (cross_form)
     raise CheckpointError(
         f"{step_dir} holds whole files (model.pt), saved by strategy {saved_by!r}; "
         f"strategy.name = {cls.name!r} resumes DCP shards (dcp/) only: resume with "
-        f"strategy.name = {saved_by!r} (or another strategy that saves whole files), or start "
+        f"strategy.name = {saved_by!r} (or another strategy but pipeline), or start "
         f"a new run from its weights with --run.init_from={step_dir}"
     )
 
@@ -42,7 +43,7 @@ def check_optimizer_layout(cls: type[Strategy], saved_by: str, step_dir: Path) -
     neither as the other."""
     if saved_by not in strategy_names():
         return
-    if flattened(strategy_class(saved_by)) == flattened(cls):
+    if flattened_optimizer_state(strategy_class(saved_by)) == flattened_optimizer_state(cls):
         return
     raise CheckpointError(
         f"{step_dir} holds the optimizer state of strategy {saved_by!r}, laid out as "
@@ -50,8 +51,3 @@ def check_optimizer_layout(cls: type[Strategy], saved_by: str, step_dir: Path) -
         f"and tensor by group): resume with strategy.name = {saved_by!r}, or start a new run "
         f"from its weights with --run.init_from={step_dir}"
     )
-
-
-def flattened(cls: type[Strategy]) -> bool:
-    options = getattr(cls, "state_dict_options", None)
-    return bool(options is not None and options.flatten_optimizer_state_dict)
