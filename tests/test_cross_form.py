@@ -26,23 +26,31 @@ SECTIONS: dict[str, dict[str, object]] = {
 ADAMW = {"name": "adamw", "lr": 3e-3, "weight_decay": 0.1, "warmup_steps": 1}
 
 
+HYBRID = {"name": "fsdp", "dp_replicate": 2}  # 4 ranks: 2 copies x 2 shards
+
+
 @pytest.mark.parametrize(
     ("saved_by", "resumed_by", "optim"),
-    [("ddp", "fsdp", {}), ("ddp", "tensor", ADAMW), ("allreduce", "fsdp", ADAMW)],
+    [
+        ("ddp", {"name": "fsdp"}, {}),
+        ("ddp", {"name": "tensor"}, ADAMW),
+        ("allreduce", {"name": "fsdp"}, ADAMW),
+        ("ddp", HYBRID, {}),
+    ],
+    ids=["ddp-fsdp", "ddp-tensor", "allreduce-fsdp", "ddp-hybrid"],
 )
 def test_whole_files_resume_under_a_sharded_strategy(
-    tmp_path: Path, saved_by: str, resumed_by: str, optim: dict[str, object]
+    tmp_path: Path, saved_by: str, resumed_by: dict[str, object], optim: dict[str, object]
 ) -> None:
     # It was refused before launch: optimizer.pt keyed its state by position only.
     sections = {**SECTIONS, "optim": optim}
+    ranks = 4 if resumed_by is HYBRID else 2  # the same global batch: the same math
     reference = run_ranks(
-        train_params,
-        2,
-        tiny_raw(tmp_path / "ref", data=DATA, strategy={"name": resumed_by}, **sections),
+        train_params, ranks, tiny_raw(tmp_path / "ref", data=DATA, strategy=resumed_by, **sections)
     )
     saved = tiny_raw(tmp_path / "run", data=DATA, strategy={"name": saved_by}, **sections)
-    resumed = tiny_raw(tmp_path / "run", data=DATA, strategy={"name": resumed_by}, **sections)
-    result = run_ranks(crash_then_resume, 2, saved, 3, resumed)[0]
+    resumed = tiny_raw(tmp_path / "run", data=DATA, strategy=resumed_by, **sections)
+    result = run_ranks(crash_then_resume, ranks, saved, 3, resumed)[0]
     assert result["start_step"] == 2
     assert (tmp_path / "run" / "checkpoints" / "step-00000002" / layout.MODEL_FILE).exists()
     # The optimizer's state carried over (lost, the parameters differ by ~lr). Under AdamW
