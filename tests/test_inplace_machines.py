@@ -3,9 +3,14 @@ any worker starts (the trial itself, on namespace hosts: tests/test_inplace_host
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from dtrain.errors import UserError
+from dtrain.fault.coordinator import NodeWatcher
+from dtrain.fault.coordinator_link import StoreLink, open_store
+from dtrain.fault.node_claim import claim_key, claim_node
 from dtrain.launch import make_options
 from dtrain.launch_inplace import check_machines
 
@@ -35,3 +40,25 @@ def test_what_cannot_work_is_one_line(
     with pytest.raises(UserError) as caught:
         check(nnodes, node_rank, endpoint)
     assert words in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_node_rank_another_live_launcher_runs_is_refused_and_a_dead_ones_taken_over() -> None:
+    # Two machines with the same --node-rank started workers under the same member ids, each
+    # overwriting the other's registration (it was not detected). The store is real; the
+    # quiet interval is the test's own: during it, a live holder's watcher polls once.
+    server: Any = open_store("127.0.0.1", 0, 10.0, is_master=True)
+    first = StoreLink("127.0.0.1", server.port, call_s=2.0, patience_s=10.0)
+    token = claim_node(first, 1, 2, sleep=fail_if_called)  # free: taken at once
+    watcher = NodeWatcher(first, [], node=1)  # the first launcher's, polled by hand
+    second = StoreLink("127.0.0.1", server.port, call_s=2.0, patience_s=10.0)
+    with pytest.raises(UserError) as caught:
+        claim_node(second, 1, 2, sleep=lambda _: watcher.poll())
+    words = str(caught.value)
+    assert f"--node-rank 1: the launcher on {token} runs that rank in this job already" in words
+    assert "give each machine its own --node-rank (0 .. 1)" in words and "\n" not in words
+    taken = claim_node(second, 1, 2, sleep=lambda _: None)  # nobody beat: the holder ended
+    assert taken != token and bytes(server.get(claim_key(1))).decode() == taken
+
+
+def fail_if_called(seconds: float) -> None:
+    raise AssertionError("a free rank is claimed without waiting")

@@ -42,6 +42,7 @@ from dtrain.fault.membership import (
     STALE_S,
     store_call_s,
 )
+from dtrain.fault.node_claim import claim_node
 from dtrain.fault.status import RunStatus, read_status
 from dtrain.launch import LaunchOptions, wait_for_rendezvous_host
 from dtrain.network import split_endpoint
@@ -136,7 +137,8 @@ def launch_in_place(
         host, port = split_endpoint(opts.rdzv_endpoint)
         link = StoreLink(host, port, store_call_s(collective_timeout_s), float(opts.rdzv_timeout_s))
         check_shape(link, opts)
-        watcher = NodeWatcher(link, mine)
+        claim_node(link, node, nodes)  # one line where another machine runs this rank
+        watcher = NodeWatcher(link, mine, node)
         watcher.start()
         address = opts.rdzv_endpoint
     env = dict(os.environ)

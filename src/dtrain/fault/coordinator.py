@@ -16,6 +16,7 @@ from typing import Any
 
 from dtrain.fault.coordinator_link import StoreLink, StoreUnreachable
 from dtrain.fault.membership import POLL_S, PREFIX, Generation, read_json, read_text, write_value
+from dtrain.fault.node_claim import BUMP_S, alive_key
 
 
 def process_state(pid: int) -> str:
@@ -70,11 +71,15 @@ class NodeWatcher(PollingThread):
     its own workers in /proc and posts each change (``member/<id>/state``), so that the
     coordinator sees a worker killed or stopped on another machine as soon as one on its own.
     Its store calls wait out an outage of the network (:class:`StoreLink`, never giving up:
-    the launcher must not end because its machine was cut off for a while)."""
+    the launcher must not end because its machine was cut off for a while). With ``node``,
+    it also adds to that rank's liveness counter, which holds this launcher's claim on it
+    (:mod:`dtrain.fault.node_claim`)."""
 
-    def __init__(self, link: StoreLink, members: Iterable[int]) -> None:
+    def __init__(self, link: StoreLink, members: Iterable[int], node: int | None = None) -> None:
         self.link = link
         self.members = list(members)
+        self.node = node
+        self._bumped_at = 0.0
         self._posted: dict[int, tuple[str, bool]] = {}
         self._pids: dict[int, tuple[str, int]] = {}  # member -> (nonce, pid)
         self._read_at = 0.0
@@ -87,6 +92,10 @@ class NodeWatcher(PollingThread):
 
     def poll(self) -> None:
         now = time.monotonic()
+        if self.node is not None and now - self._bumped_at >= BUMP_S:
+            self._bumped_at = now
+            key = alive_key(self.node)
+            self.link.call(lambda s: s.add(key, 1), "this launcher's liveness")
         # Who runs each member changes only when it restarts: its info is read twice a
         # second, ten times while the process known for one is down (its restart registers).
         down = {m: process_state(pid) in DOWN_STATES for m, (_, pid) in self._pids.items()}
