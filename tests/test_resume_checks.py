@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from dtrain.checkpoint.rundir import config_differences
 from dtrain.cli import main
@@ -37,48 +39,74 @@ def test_a_different_config_is_refused_with_the_differing_keys(
 
 
 def test_a_strategy_that_cannot_load_the_checkpoint_is_refused_before_the_workers(
-    finished_run: tuple[Path, Path],
+    finished_run: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    # strategy.* may change on resume, but not from whole files (ddp) to pipeline's shards:
-    # each worker refused the checkpoint only after the whole start-up.
-    config, _ = finished_run
+    # strategy.* may change on resume, but whole files from before optimizer.pt named its
+    # parameters (an earlier dtrain: positions only) load into a replica only: each worker
+    # refused the checkpoint only after the whole start-up.
+    _, run_dir = finished_run
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    step_dir = max((copy / "checkpoints").glob("step-*"))
+    optimizer = torch.load(step_dir / "optimizer.pt", weights_only=True)
+    del optimizer["param_names"]
+    torch.save(optimizer, step_dir / "optimizer.pt")
+    config = write_tiny_config(tmp_path / "tiny.toml", copy)
     pipeline = ("--strategy.name=pipeline", "--strategy.pipeline_schedule=gpipe")
     result = run_cli("train", str(config), "--nproc", "2", *pipeline)
     assert result.returncode == 2
-    assert "holds whole files (model.pt), saved by strategy 'ddp'" in result.stderr
-    assert "strategy.name = 'pipeline' resumes DCP shards (dcp/) only" in result.stderr
+    assert "optimizer.pt does not name its parameters (saved by an earlier dtrain)" in (
+        result.stderr
+    )
+    assert "resume it once with strategy.name = 'ddp'" in result.stderr
     assert "training pipeline" not in result.stdout + result.stderr  # no worker started
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize(
-    ("saved", "resumed"),
-    [("ddp", "pipeline"), ("pipeline", "ddp"), ("pipeline", "fsdp"), ("tensor", "pipeline")],
-)
-def test_the_form_of_a_checkpoint_decides_which_strategies_load_it(
-    tmp_path: Path, saved: str, resumed: str
-) -> None:
-    from dtrain.checkpoint import layout
+SAVED_FORMS = ["ddp", "fsdp", "tensor", "pipeline"]
+
+
+@pytest.mark.parametrize("saved", SAVED_FORMS)
+def test_every_strategy_loads_every_form_of_checkpoint(tmp_path: Path, saved: str) -> None:
+    # Whole files (ddp), torch's list of groups in shards (fsdp, tensor), settings per
+    # parameter in shards (pipeline): each read by name by every other strategy (cross_form;
+    # pipeline's were refused before launch, and pipeline loaded nothing else).
+    from dtrain.parallel import strategy_class, strategy_names
+    from dtrain.parallel.state_form import check_state_form
+
+    step_dir = fake_checkpoint(tmp_path, saved, names=True)
+    for resumed in strategy_names():
+        check_state_form(strategy_class(resumed), step_dir)
+
+
+def test_whole_files_without_parameter_names_load_into_a_replica_only(tmp_path: Path) -> None:
     from dtrain.errors import CheckpointError
     from dtrain.parallel import strategy_class
     from dtrain.parallel.state_form import check_state_form
 
+    step_dir = fake_checkpoint(tmp_path, "ddp", names=False)
+    for replicated in ("ddp", "allreduce", "localsgd", "diloco"):
+        check_state_form(strategy_class(replicated), step_dir)
+    for sharded in ("fsdp", "tensor", "pipeline"):
+        with pytest.raises(CheckpointError, match=r"does not name its parameters .* 'ddp'"):
+            check_state_form(strategy_class(sharded), step_dir)
+
+
+def fake_checkpoint(tmp_path: Path, saved: str, *, names: bool) -> Path:
+    """A checkpoint folder of ``saved``'s form, with what the launcher reads of it."""
+    from dtrain.checkpoint import layout
+    from dtrain.parallel.cross_form import NAMES_KEY
+
     step_dir = tmp_path / "step-00000004"
-    (step_dir / layout.SHARDED_DIR).mkdir(parents=True)
+    step_dir.mkdir()
     if saved == "ddp":
-        (step_dir / layout.SHARDED_DIR).rmdir()
         (step_dir / layout.MODEL_FILE).write_bytes(b"")
+        state: dict[str, object] = {"state": {}, "param_groups": [{"params": [0]}]}
+        torch.save({**state, NAMES_KEY: [["w"]]} if names else state, step_dir / "optimizer.pt")
+    else:
+        (step_dir / layout.SHARDED_DIR).mkdir()
     (step_dir / "meta.json").write_text(json.dumps({"step": 4, "strategy": saved}))
-    check_state_form(strategy_class(saved), step_dir)
-    with pytest.raises(CheckpointError, match=f"strategy '{saved}'"):
-        check_state_form(strategy_class(resumed), step_dir)
-    if saved in ("fsdp", "tensor"):  # the same form and layout: either loads the other's
-        check_state_form(strategy_class("fsdp" if saved == "tensor" else "tensor"), step_dir)
-    if saved == "tensor":  # a replicated strategy reads fsdp's and tensor's shards whole
-        check_state_form(strategy_class("ddp"), step_dir)
-    if saved == "ddp":  # fsdp and tensor read whole files (cross_form)
-        check_state_form(strategy_class("fsdp"), step_dir)
-        check_state_form(strategy_class("tensor"), step_dir)
+    return step_dir
 
 
 def test_a_key_added_after_the_checkpoint_counts_as_its_default() -> None:

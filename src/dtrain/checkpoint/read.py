@@ -11,6 +11,7 @@ checkpoint. Writing, and the commit protocol that makes a folder count, are in
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -180,19 +181,32 @@ def sharded_model_shapes(step_dir: Path) -> dict[str, tuple[int, ...]]:
     }
 
 
-def sharded_param_groups(step_dir: Path) -> int:
-    """How many optimizer parameter groups a checkpoint's sharded state holds."""
+def sharded_keys(step_dir: Path) -> set[str]:
+    """The keys of a checkpoint's sharded state, as DCP flattened them (``model.<name>``,
+    ``optimizer.state.<name>.<key>``, ...)."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     metadata = FileSystemReader(str(step_dir / SHARDED_DIR)).read_metadata()
-    prefix = "optimizer.param_groups."
-    return len(
-        {
-            key[len(prefix) :].split(".")[0]
-            for key in metadata.state_dict_metadata
-            if key.startswith(prefix)
-        }
-    )
+    return set(metadata.state_dict_metadata)
+
+
+# torch's list of groups, flattened by DCP: each group's parameter names under this key.
+_GROUP_PARAMS = re.compile(r"optimizer\.param_groups\.(\d+)\.params")
+
+
+def sharded_param_groups(step_dir: Path) -> int:
+    """How many optimizer parameter groups a checkpoint's sharded state holds as torch's list
+    of groups (0 where it keeps its settings per parameter: :func:`sharded_settings_per_name`)."""
+    return len({m.group(1) for m in map(_GROUP_PARAMS.fullmatch, sharded_keys(step_dir)) if m})
+
+
+def sharded_settings_per_name(step_dir: Path) -> bool:
+    """Whether a checkpoint's sharded optimizer state keeps its settings parameter by parameter
+    (``optimizer.param_groups.<name>.<setting>``: pipeline's, where each stage holds other
+    parameters) rather than as torch's list of groups (fsdp's, tensor's)."""
+    keys = sharded_keys(step_dir)
+    groups = [key for key in keys if key.startswith("optimizer.param_groups.")]
+    return bool(groups) and not any(_GROUP_PARAMS.fullmatch(key) for key in groups)
 
 
 def load_sharded(step_dir: Path, template: dict[str, Any]) -> None:

@@ -339,7 +339,7 @@ class Strategy(ABC):
     def load_checkpoint_parts(self, optimizer: torch.optim.Optimizer, step_dir: Path) -> None:
         """Load the model and optimizer from what :meth:`checkpoint_parts` wrote into
         ``step_dir``; a model that does not fit is named key by key."""
-        if not (step_dir / layout.MODEL_FILE).exists():  # fsdp's or tensor's shards
+        if not (step_dir / layout.MODEL_FILE).exists():  # a sharded strategy's shards
             from dtrain.parallel.cross_form import load_shards_into_replica
 
             load_shards_into_replica(self.unwrapped, optimizer, step_dir)

@@ -1,20 +1,32 @@
-"""A checkpoint read by a strategy of the other form.
+"""A checkpoint read by a strategy that lays the state out otherwise.
 
-Shards into a replica: a replicated strategy (ddp, allreduce, localsgd, diloco) resuming what
-fsdp or tensor saved as DCP shards. Every rank reads the whole model and optimizer state out of
-the shards (DCP reshards into plain tensors), keyed by parameter name as torch's distributed
-state-dict API keys it, and loads it into its replica.
+Every conversion goes through one form, the one torch's distributed state-dict API gives by
+default: the model by parameter name, the optimizer ``{"state": {name: {...}}, "param_groups":
+[{..., "params": [names]}]}`` (this rank's part of each tensor; a name is the whole model's).
+Each of this rank's groups then takes the settings (weight decay, ...) of the saved group that
+held its parameters, however the saving strategy grouped them.
 
-Whole files into shards: fsdp, tensor or a composed layout resuming what a replicated strategy
-saved (``model.pt``, ``optimizer.pt``). torch keys a whole optimizer state by position in the
-saving optimizer's groups; the replicated strategies write each group's parameter names beside
-it (:data:`NAMES_KEY`), which turns it into the by-name form the sharded strategies load. Every
-rank reads both files and keeps its own part of each tensor. (Pipeline keys its optimizer
-state otherwise: refused before launch, :mod:`.state_form`.)"""
+Shards into a replica: a replicated strategy (ddp, allreduce, localsgd, diloco) resuming what a
+sharded one saved as DCP shards. Every rank reads the whole model and optimizer state out of
+the shards (DCP reshards into plain tensors) and loads it into its replica.
+
+Whole files into shards: fsdp, tensor, pipeline or a composed layout resuming what a replicated
+strategy saved (``model.pt``, ``optimizer.pt``). torch keys a whole optimizer state by position
+in the saving optimizer's groups; the replicated strategies write each group's parameter names
+beside it (:data:`NAMES_KEY`), which turns it into the by-name form. Every rank reads both files
+and keeps its own part of each tensor.
+
+Shards of another layout: fsdp and tensor save torch's list of groups (DCP flattens it into
+``optimizer.param_groups.<i>.<setting>``); pipeline, whose stages hold different parameters,
+its settings per parameter (``optimizer.param_groups.<name>.<setting>``). The optimizer's
+state is ``optimizer.state.<name>.<key>`` in both, so only the settings are read otherwise
+(:func:`read_settings_per_name`). A pipeline stage's copy of a tied parameter (the GPT's head on
+the last stage) goes by the parameter's first name in the whole model (the token embedding's)
+while it is read: :meth:`dtrain.parallel.sharded.ShardedStrategy.state_by_name`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -48,19 +60,53 @@ def load_shards_into_replica(
 
 
 def read_in_saved_groups(template: dict[str, Any], step_dir: Path) -> None:
-    """Fill ``template`` from the shards (collective), its optimizer groups laid out as this
-    rank's afterwards, where another strategy grouped the parameters otherwise (tensor
-    parallelism keeps plain tensors apart from DTensors)."""
-    ours = template["optimizer"].get("param_groups", [])
-    groups = ckread.sharded_param_groups(step_dir) if ours else 0
-    if ours and groups != len(ours):
-        # Read the saved groups as they are; their settings then go to this rank's groups
-        # parameter by parameter (names).
-        template["optimizer"]["param_groups"] = [dict(ours[0]) for _ in range(groups)]
+    """Fill ``template`` from the shards (collective). Where it is in the by-name form (a list
+    of groups), its groups are laid out as this rank's afterwards, whichever way the saving
+    strategy grouped the parameters (tensor parallelism keeps plain tensors apart from
+    DTensors; a pipeline stage holds some of them; pipeline keeps settings per parameter)."""
+    ours = template["optimizer"].get("param_groups")
+    if not isinstance(ours, list) or not ours:  # pipeline's own form: settings per parameter
+        ckread.load_sharded(step_dir, template)
+        return
+    if ckread.sharded_settings_per_name(step_dir):
+        saved = read_settings_per_name(template, step_dir)
+    else:  # read the saved groups as they are
+        template["optimizer"]["param_groups"] = [
+            dict(ours[0]) for _ in range(ckread.sharded_param_groups(step_dir))
+        ]
+        ckread.load_sharded(step_dir, template)
+        saved = template["optimizer"]["param_groups"]
+    template["optimizer"]["param_groups"] = regroup(saved, ours, step_dir)
+
+
+def read_settings_per_name(template: dict[str, Any], step_dir: Path) -> list[dict[str, Any]]:
+    """Fill ``template`` (by name, list of groups) from shards that keep their optimizer
+    settings per parameter (pipeline's; collective); returns the saved settings as one group
+    per parameter. A setting the checkpoint lacks keeps this rank's value."""
+    keys = ckread.sharded_keys(step_dir)
+    ours = template["optimizer"]["param_groups"]
+    wanted: dict[str, dict[str, Any]] = {}
+    for group in ours:
+        for name in group["params"]:
+            wanted[name] = {
+                key: value
+                for key, value in group.items()
+                if key != "params" and f"optimizer.param_groups.{name}.{key}" in keys
+            }
+            if not wanted[name]:
+                raise CheckpointError(
+                    f"{step_dir}: the optimizer state holds no settings for parameter {name} "
+                    "(saved per parameter, by a pipeline that named it otherwise): resume with "
+                    "the strategy that saved it"
+                )
+    template["optimizer"]["param_groups"] = wanted
     ckread.load_sharded(step_dir, template)
-    if ours and groups != len(ours):
-        saved_groups = template["optimizer"]["param_groups"]
-        template["optimizer"]["param_groups"] = regroup(saved_groups, ours, step_dir)
+    read = template["optimizer"]["param_groups"]
+    return [
+        {**{k: v for k, v in group.items() if k != "params"}, **read[name], "params": [name]}
+        for group in ours
+        for name in group["params"]
+    ]
 
 
 def regroup(
@@ -96,13 +142,16 @@ def with_param_names(
     return {**state, NAMES_KEY: names}
 
 
-def load_whole_into_shards(template: dict[str, Any], step_dir: Path) -> None:
+def load_whole_into_shards(
+    template: dict[str, Any], step_dir: Path, wanted: Mapping[str, tuple[int, ...]]
+) -> None:
     """Fill ``template`` (this rank's sharded state: ``{"model": ..., "optimizer": ...}``
     keyed by name, DTensors where it holds a part) in place from a replicated strategy's
-    whole files; each of its groups takes the settings of the saved group that held its
-    parameters."""
+    whole files, after checking that they hold the model of shapes ``wanted`` (what all
+    ranks together hold); each of its groups takes the settings of the saved group that
+    held its parameters."""
     whole_model = ckread.load_file(step_dir, layout.MODEL_FILE)
-    ckread.check_model_fits(template["model"], whole_model, step_dir)
+    ckread.check_model_fits(wanted, whole_model, step_dir)
     fill_parts(template["model"], whole_model)
     state, groups = optimizer_state_by_name(
         ckread.load_file(step_dir, layout.OPTIMIZER_FILE), step_dir
@@ -157,3 +206,18 @@ def fill_parts(template: dict[str, Any], whole: dict[str, Any]) -> None:
             template[key] = value.to(device=like.device, dtype=like.dtype)
         else:
             template[key] = value
+
+
+def renamed(optim_state: dict[str, Any], names: Mapping[str, str]) -> dict[str, Any]:
+    """An optimizer state in the by-name form with its parameters' names mapped by ``names``
+    (the others kept)."""
+    if not names:
+        return optim_state
+    return {
+        **optim_state,
+        "state": {names.get(k, k): v for k, v in optim_state["state"].items()},
+        "param_groups": [
+            {**group, "params": [names.get(n, n) for n in group["params"]]}
+            for group in optim_state["param_groups"]
+        ],
+    }

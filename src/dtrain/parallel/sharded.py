@@ -8,6 +8,7 @@ strategies make; a strategy may set its options (``state_dict_options``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -18,9 +19,8 @@ from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint.state import CheckpointParts
 from dtrain.config import Config, StrategyConfig
-from dtrain.errors import CheckpointError
 from dtrain.parallel.base import ShardedState, Strategy
-from dtrain.parallel.cross_form import load_whole_into_shards, read_in_saved_groups
+from dtrain.parallel.cross_form import load_whole_into_shards, read_in_saved_groups, renamed
 from dtrain.parallel.mesh import Mesh, ParallelDims
 
 
@@ -35,6 +35,9 @@ class ShardedStrategy(Strategy, ShardedState):
     """A strategy whose ranks each hold part of the model and optimizer state."""
 
     state_dict_options: ClassVar[Any] = None  # torch's StateDictOptions, or None for its default
+    # This rank's parameter names that the whole model gives otherwise (a pipeline stage's copy
+    # of a tied parameter -> the parameter's first name), for reading other strategies' state.
+    whole_names: Mapping[str, str] = {}
 
     def sharded_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """``{"model": ..., "optimizer": ...}`` in a form DCP saves and loads in place."""
@@ -59,25 +62,41 @@ class ShardedStrategy(Strategy, ShardedState):
             options=self.state_dict_options,
         )
 
+    def state_by_name(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's state in the form other strategies' checkpoints are read into
+        (:mod:`.cross_form`): torch's default, each parameter by its name in the whole model
+        (:attr:`whole_names`)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.unwrapped, optimizer)
+        return {"model": model_state, "optimizer": renamed(optim_state, self.whole_names)}
+
+    def load_state_by_name(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Apply a state filled in the form of :meth:`state_by_name`."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        ours = {whole: name for name, whole in self.whole_names.items()}
+        set_state_dict(
+            self.unwrapped,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=renamed(state["optimizer"], ours),
+        )
+
     def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> CheckpointParts:
         """Every rank writes its shards (collective)."""
         return CheckpointParts(sharded=self.sharded_state_dict(optimizer))
 
     def load_checkpoint_parts(self, optimizer: torch.optim.Optimizer, step_dir: Path) -> None:
-        """Collective: every rank reads its shards, after checking that the checkpoint holds
-        the model that all ranks together hold."""
-        template = self.sharded_state_dict(optimizer)
-        if not (step_dir / layout.SHARDED_DIR).is_dir():  # a replicated strategy's whole files
-            if flattened_optimizer_state(type(self)):
-                raise CheckpointError(
-                    f"{step_dir} holds whole files ({layout.MODEL_FILE}); strategy.name = "
-                    f"{self.name!r} keys its optimizer state per parameter and loads DCP "
-                    "shards only: resume it with the strategy that saved it"
-                )
-            load_whole_into_shards(template, step_dir)
-            self.load_sharded_state_dict(optimizer, template)
-            return
-        saved = ckread.sharded_model_shapes(step_dir)
+        """Collective: every rank reads its part of the state, after checking that the
+        checkpoint holds the model that all ranks together hold. Shards laid out as this
+        strategy lays them out are read as they are; another strategy's whole files, or its
+        shards keyed otherwise (pipeline's settings per parameter, fsdp's and tensor's list
+        of groups), by parameter name (:mod:`.cross_form`)."""
+        sharded = (step_dir / layout.SHARDED_DIR).is_dir()
+        per_name = flattened_optimizer_state(type(self))
+        own = sharded and ckread.sharded_settings_per_name(step_dir) == per_name
+        template = self.sharded_state_dict(optimizer) if own else self.state_by_name(optimizer)
         wanted = {key: tuple(value.shape) for key, value in template["model"].items()}
         if dist.is_initialized():
             # A rank may hold only part of the model (a pipeline stage): compare the
@@ -85,9 +104,15 @@ class ShardedStrategy(Strategy, ShardedState):
             every: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(every, wanted)
             wanted = {key: shape for part in every for key, shape in part.items()}
-        ckread.check_model_fits(wanted, saved, step_dir)
-        read_in_saved_groups(template, step_dir)
-        self.load_sharded_state_dict(optimizer, template)
+        if sharded:
+            ckread.check_model_fits(wanted, ckread.sharded_model_shapes(step_dir), step_dir)
+            read_in_saved_groups(template, step_dir)
+        else:  # a replicated strategy's whole files
+            load_whole_into_shards(template, step_dir, wanted)
+        if own:
+            self.load_sharded_state_dict(optimizer, template)
+        else:
+            self.load_state_by_name(optimizer, template)
 
 
 class MeshStrategy(ShardedStrategy):

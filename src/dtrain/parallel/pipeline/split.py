@@ -127,6 +127,27 @@ def prune_to_stages(model: nn.Module, keep: Sequence[Entry]) -> None:
                     del store[name]
 
 
+def first_names(model: nn.Module) -> dict[int, str]:
+    """Each parameter's first name in ``model``, by the tensor's id: the name a whole model's
+    state gives a parameter it registers under several (tied: the GPT's embedding first)."""
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(param), name)
+    return first
+
+
+def names_in_whole(model: nn.Module, first: dict[int, str]) -> dict[str, str]:
+    """The names of ``model`` (pruned to a rank's stages) that the whole model gives otherwise,
+    ``first`` taken before pruning: a later stage's copy of a tied parameter (the GPT's head)
+    -> its first name (the embedding's). The names are torch's for this rank's state (one per
+    tensor), so no two map to the same whole name."""
+    return {
+        name: first[id(param)]
+        for name, param in model.named_parameters()
+        if first.get(id(param), name) != name
+    }
+
+
 @dataclass(frozen=True)
 class TiedParameter:
     """A parameter that several stages use: ``fqns[i]`` on stage ``stages[i]``."""

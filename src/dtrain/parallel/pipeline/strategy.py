@@ -63,8 +63,10 @@ from dtrain.parallel.pipeline.plan import (
 from dtrain.parallel.pipeline.split import (
     StageChain,
     check_coverage,
+    first_names,
     local_parameters,
     model_layers,
+    names_in_whole,
     prune_to_stages,
     stage_entries,
     tied_parameters,
@@ -230,7 +232,9 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
         self.chains = {s: all_chains[s] for s in mine}
         my_entries = stage_entries(model, list(self.chains.values()))
         self.tied = make_ties(tied_parameters(kept), self.dims, self.chains, self.runtime.rank)
+        first = first_names(model)
         prune_to_stages(model, my_entries)
+        self.whole_names = names_in_whole(model, first)  # before FSDP or TP replace tensors
         del all_chains, kept, layers
         tp_mesh = self.mesh.submesh("tp")
         if self.dims.tp > 1:
