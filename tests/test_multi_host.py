@@ -22,7 +22,7 @@ import torch
 
 from dtrain.agent import held_port
 from dtrain.cli import main
-from dtrain.network import choose_node_network, split_endpoint
+from dtrain.network import check_port_free, choose_node_network, split_endpoint
 from dtrain.reachability import _accept_forever, close_listener, peers_of
 from dtrain.testing import Launch
 from dtrain.testing.hosts import Hosts, hosts_unavailable, leftovers
@@ -378,3 +378,23 @@ def test_no_namespace_veth_or_bridge_is_left() -> None:
     assert leftovers(PREFIX) == []
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert PREFIX not in names
+
+
+def test_a_rendezvous_port_another_listener_holds_is_one_line_before_any_worker() -> None:
+    # The machine that hosts the rendezvous found its port taken only inside torch: a
+    # traceback (in-place recovery's store: EADDRINUSE) or "The connection to the C10d store
+    # has failed" (restart mode).
+    from dtrain.errors import UserError
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    with pytest.raises(UserError) as caught:
+        check_port_free(f"127.0.0.1:{port}")
+    listener.close()
+    words = str(caught.value)
+    assert f"cannot listen on port {port} (Address already in use" in words and "\n" not in words
+    with held_port() as held:  # bound without listening, as dtrain's launcher holds a port
+        check_port_free(f"127.0.0.1:{held}")  # the store binds it as this probe does

@@ -22,7 +22,7 @@ from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
 from dtrain.fault.error_log import LOGS_DIR
 from dtrain.fault.preempt import signals_to_forward
 from dtrain.fault.status import read_status
-from dtrain.network import choose_node_network, interface_of_host, split_endpoint
+from dtrain.network import check_port_free, choose_node_network, interface_of_host, split_endpoint
 from dtrain.reachability import (
     NODE_ADDR_ENV,
     REFUSED,
@@ -201,6 +201,8 @@ def launch_workers(
         os.environ[NODE_ADDR_ENV] = opts.local_addr
     if not standalone and not (opts.node_rank is not None and hosts_rendezvous(opts)):
         wait_for_rendezvous_host(opts)
+    elif not standalone:
+        check_port_free(opts.rdzv_endpoint)
     rendezvous_log = logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous")
     if not any(isinstance(f, _ExpectedAtExit) for f in rendezvous_log.filters):
         rendezvous_log.addFilter(_ExpectedAtExit())

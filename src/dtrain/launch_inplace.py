@@ -45,7 +45,7 @@ from dtrain.fault.membership import (
 from dtrain.fault.node_claim import claim_node
 from dtrain.fault.status import RunStatus, read_status
 from dtrain.launch import LaunchOptions, wait_for_rendezvous_host
-from dtrain.network import split_endpoint
+from dtrain.network import check_port_free, split_endpoint
 from dtrain.reachability import NODE_ADDR_ENV
 
 
@@ -116,6 +116,8 @@ def launch_in_place(
     coordinator: Coordinator | None = None
     watcher: NodeWatcher | None = None
     if node == 0:
+        if nodes > 1:
+            check_port_free(opts.rdzv_endpoint)
         port = split_endpoint(opts.rdzv_endpoint)[1] if nodes > 1 else 0
         store = open_store("0.0.0.0", port, collective_timeout_s, is_master=True)
         store.set(PREFIX + "nodes", json.dumps({"nnodes": nodes, "nproc": opts.nproc}))

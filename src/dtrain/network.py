@@ -108,6 +108,28 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def check_port_free(endpoint: str) -> None:
+    """Before this machine hosts a store at ``endpoint``'s port (the rendezvous, or in-place
+    recovery's membership store): a port another listener holds is one line here, instead of
+    torch's traceback (EADDRINUSE) or its "connection to the C10d store has failed". The probe
+    binds as torch's store does (``SO_REUSEADDR``, every address), so what passes here, the
+    store can bind too."""
+    port = split_endpoint(endpoint)[1]
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(("0.0.0.0", port))
+    except OSError as exc:
+        raise UserError(
+            f"--rdzv-endpoint {endpoint}: this machine hosts the rendezvous there but cannot "
+            f"listen on port {port} ({exc.strerror}: another job's rendezvous, a `dtrain "
+            "rendezvous`, or a job still ending holds it): choose another port, or stop what "
+            "holds it"
+        ) from None
+    finally:
+        probe.close()
+
+
 def route_source(host: str, port: int = 9) -> str | None:
     """The source address this machine would use to reach ``host``: no packet is sent, the
     kernel only looks up the route. None when ``host`` does not resolve or has no route."""
