@@ -287,3 +287,36 @@ def test_a_launcher_posts_its_workers_down_and_up_again(store: Any, sleeper: Any
     while not watcher.stopped and time.monotonic() < deadline:
         watcher.poll()
     assert watcher.stopped == "1 of 2 workers left"
+
+
+class CountingStore:
+    """A store that counts the calls made to it (the coordinator's load on the launcher)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.calls = store, 0
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.store, name)
+
+        def call(*args: Any) -> Any:
+            self.calls += 1
+            return method(*args)
+
+        return call
+
+
+@pytest.mark.parametrize("members", [2, 8])
+def test_a_steady_poll_reads_every_member_in_one_call(store: Any, members: int) -> None:
+    # It made 5-7 calls per member every 10 ms: 0.119 of a core in the launcher at 4 members.
+    counting = CountingStore(store)
+    coordinator = Coordinator(counting, members, stale_s=3.0, hang_s=30.0)
+    for m in range(members):
+        register(store, m, os.getpid(), f"n{m}")
+        ask(store, m, f"n{m}", -1)
+    coordinator.poll()
+    assert latest(store)["members"] == list(range(members))
+    counting.calls = 0
+    for _ in range(5):
+        coordinator.poll()
+    assert counting.calls == 5  # one multi_get a poll, whatever the number of members
+    assert latest(store)["number"] == 0  # and nothing changed

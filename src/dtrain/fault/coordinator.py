@@ -7,6 +7,7 @@ worker's side."""
 from __future__ import annotations
 
 import functools
+import json
 import threading
 import time
 import traceback
@@ -30,6 +31,15 @@ def process_state(pid: int) -> str:
 
 
 DOWN_STATES = ("X", "Z", "T", "t")  # no process, ended, stopped, stopped by a tracer
+
+
+def member_key(member: int, part: str) -> str:
+    """The store key of a member's ``part`` (info, beat, want, state)."""
+    return f"{PREFIX}member/{member}/{part}"
+
+
+def json_value(raw: bytes | None) -> Any:
+    return None if raw is None else json.loads(raw)
 
 
 class PollingThread:
@@ -162,31 +172,50 @@ class Coordinator(PollingThread):
         self.first_ask_wall = 0.0
         self.formed: list[Generation] = []
         self._seen = {m: _Seen() for m in range(members)}
+        # What a poll reads of every member: its registration, beats, wish for the next
+        # generation and, on another machine, the state its launcher posts.
+        self._keys = [
+            member_key(m, part)
+            for m in range(members)
+            for part in ("info", "beat", "want", *(("state",) if m not in self.local else ()))
+        ]
+        self._known: set[str] = set()  # keys set (none is ever removed)
         super().__init__("dtrain-coordinator")
 
-    def _alive(self, member: int, now: float) -> bool:
+    def _snapshot(self) -> dict[str, bytes | None]:
+        """Every member's keys (None where unset), in one call to the store (``multi_get``)
+        for those set before, and one look (``check``) each at the others until they are
+        set: a poll every 10 ms made 5-7 calls per member, 8.5% of a core in the launcher
+        with 2 members, growing with the job."""
+        fresh = [key for key in self._keys if key not in self._known and self.store.check([key])]
+        self._known.update(fresh)
+        present = [key for key in self._keys if key in self._known]
+        values = dict(zip(present, self.store.multi_get(present), strict=True)) if present else {}
+        return {key: values.get(key) for key in self._keys}
+
+    def _alive(self, member: int, now: float, snap: dict[str, bytes | None]) -> bool:
         """Whether the member's newest incarnation is running: its process exists and is
         not stopped, and its beats moved within ``stale_s``."""
         seen = self._seen[member]
-        info = read_json(self.store, f"member/{member}/info")
+        info = json_value(snap[member_key(member, "info")])
         if info is None:
             return False
         if info["nonce"] != seen.nonce:
             seen.nonce, seen.pid = info["nonce"], int(info["pid"])
             seen.beats, seen.beat_at = -1, now
-        beats = int(self.store.add(f"{PREFIX}member/{member}/beat", 0))
+        beats = int(snap[member_key(member, "beat")] or 0)
         if beats != seen.beats:
             seen.beats, seen.beat_at = beats, now
         if member in self.local:
             if process_state(seen.pid) in DOWN_STATES:
                 return False
         else:
-            state = read_json(self.store, f"member/{member}/state")
+            state = json_value(snap[member_key(member, "state")])
             if state is not None and state["nonce"] == seen.nonce and state["down"]:
                 return False
         return now - seen.beat_at < self.stale_s
 
-    def _silent_machines(self, alive: set[int]) -> list[int]:
+    def _silent_machines(self, alive: set[int], snap: dict[str, bytes | None]) -> list[int]:
         """The members of the current generation on other machines whose every member of it
         has fallen silent (beats stale; not posted down by their launcher, which would mean
         their machine still answers): that machine is cut off, or gone."""
@@ -197,7 +226,7 @@ class Coordinator(PollingThread):
         silent: list[int] = []
         for node_members in nodes.values():
             if all(m not in alive and self._seen[m].beats >= 0 for m in node_members):
-                states = [read_json(self.store, f"member/{m}/state") for m in node_members]
+                states = [json_value(snap[member_key(m, "state")]) for m in node_members]
                 if not any(st is not None and st["down"] for st in states):
                     silent += node_members
         return sorted(silent)
@@ -206,16 +235,17 @@ class Coordinator(PollingThread):
         if self.stopped:
             return  # the last generation is formed
         now = time.monotonic()
-        alive = {m for m in range(self.members) if self._alive(m, now)}
+        snap = self._snapshot()
+        alive = {m for m in range(self.members) if self._alive(m, now, snap)}
         if self.current and self.local != set(range(self.members)):
-            cut_off = self._silent_machines(alive)
+            cut_off = self._silent_machines(alive, snap)
             cut = {"gen": self.number, "members": cut_off}
             if cut_off and cut != self._cut:
                 # The others shut down their connections to those machines (dtrain.fault.sever)
                 # instead of waiting out the collective timeout.
                 write_value(self.store, "cut", cut)
                 self._cut = cut
-        wants = {m: read_json(self.store, f"member/{m}/want") for m in alive}
+        wants = {m: json_value(snap[member_key(m, "want")]) for m in alive}
         asking = {
             m
             for m, want in wants.items()
