@@ -14,6 +14,7 @@ from dtrain.parallel.cross_form import NAMES_KEY, optimizer_state_by_name
 from dtrain.testing import run_ranks
 from tests.conftest import tiny_raw
 from tests.dist_helpers import crash_then_resume, train_params
+from tests.test_cli import run_cli, write_tiny_config
 from tests.test_ddp import assert_params_close
 
 DATA = {"global_batch_size": 8, "micro_batches": 2}
@@ -74,3 +75,20 @@ def test_an_optimizer_file_without_names_is_one_clear_line(tmp_path: Path) -> No
     state, groups = optimizer_state_by_name({**saved, NAMES_KEY: [["w"]]}, tmp_path)
     assert list(state) == ["w"] and groups[0]["params"] == ["w"]
     assert torch.equal(state["w"]["momentum_buffer"], torch.ones(2, 2))
+
+
+def test_a_resume_under_another_strategy_says_so(tmp_path: Path) -> None:
+    # Through the CLI: ddp saves at steps 3 and 6, fsdp goes on from step 6 and says whose
+    # checkpoint it read (a strategy changed by mistake shows too).
+    config = write_tiny_config(tmp_path / "tiny.toml", tmp_path / "run")
+    assert run_cli("train", str(config), "--nproc", "1").returncode == 0
+    result = run_cli(
+        "train", str(config), "--nproc", "1", "--strategy.name=fsdp", "--train.steps=8"
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    said = result.stdout + result.stderr
+    assert "training fsdp on 1 rank(s), cpu, resumed from step-00000006" in said
+    assert (
+        "step-00000006 was saved by strategy 'ddp'; fsdp read its model and optimizer state by "
+        "parameter name"
+    ) in said
