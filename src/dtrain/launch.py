@@ -31,6 +31,7 @@ from dtrain.reachability import (
     probe,
     wait_for_endpoint,
 )
+from dtrain.rendezvous_wait import timed_out_words, waiting_words
 from dtrain.runtime import available_cores
 
 
@@ -160,6 +161,9 @@ def launch_workers(
     standalone = not opts.rdzv_endpoint
     rdzv_configs: dict[str, object] = {
         "timeout": opts.rdzv_timeout_s,
+        # torch's c10d rendezvous reads its wait for the machines from join_timeout (600 s
+        # when unset), not from "timeout": --rdzv-timeout did not bound it.
+        "join_timeout": opts.rdzv_timeout_s,
         "read_timeout": agent_store_timeout(opts, collective_timeout_s),
     }
     if opts.node_rank is not None and not standalone:  # one machine: it hosts its own
@@ -213,7 +217,10 @@ def launch_workers(
             with held_port() as store_port:
                 run_agent(config, worker_args, store_port)
         else:
-            run_agent(config, worker_args, store_port=None)
+            waiting = waiting_words(
+                opts.rdzv_endpoint, opts.run_id, nnodes_text(opts), opts.rdzv_timeout_s
+            )
+            run_agent(config, worker_args, store_port=None, waiting_words=waiting)
     except RendezvousError as exc:
         raise UserError(rendezvous_lost(opts, exc)) from None
     except ChildFailedError as exc:
@@ -243,6 +250,13 @@ def agent_store_timeout(opts: LaunchOptions, collective_timeout_s: float) -> int
     return max(outlast, opts.rdzv_timeout_s) if opts.max_restarts > 0 else outlast
 
 
+def nnodes_text(opts: LaunchOptions) -> str:
+    """``--nnodes`` as the user wrote it: N, or MIN:MAX."""
+    if opts.min_nodes == opts.max_nodes:
+        return str(opts.max_nodes)
+    return f"{opts.min_nodes}:{opts.max_nodes}"
+
+
 def hosts_rendezvous(opts: LaunchOptions) -> bool:
     """Whether this machine hosts the rendezvous: the one with ``--node-rank 0``, unless the
     endpoint is not one of its addresses -- a rendezvous run apart from the nodes
@@ -255,9 +269,15 @@ def rendezvous_lost(opts: LaunchOptions, exc: BaseException) -> str:
     """One line for a rendezvous that failed: what the endpoint says to a plain connection
     now (refused: the launcher that hosted it is gone; no answer: the network or the
     machine), and what to do."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     if not opts.rdzv_endpoint:
         return f"the rendezvous failed: {first}"
+    if isinstance(exc, RendezvousTimeoutError):  # the machines never all joined
+        return timed_out_words(
+            opts.rdzv_endpoint, opts.run_id, nnodes_text(opts), opts.rdzv_timeout_s
+        )
     host, port = split_endpoint(opts.rdzv_endpoint)
     state, said = probe(host, port, 2.0)
     restart = (
