@@ -130,7 +130,9 @@ def test_a_machine_whose_peers_never_join_says_so_and_gives_up_at_the_timeout(
             "(--nnodes 2) did not all join within 12s (--rdzv-timeout)"
         ), last
     else:  # the first generation waited for ever
-        assert "dtrain: waiting for the machine(s) with --node-rank 1 to join" in err, err[-3000:]
+        assert (
+            "dtrain: waiting for the workers of the machine(s) with --node-rank 1 to join" in err
+        ), err[-3000:]
         assert last.startswith(
             f"dtrain: error: --rdzv-endpoint 127.0.0.1:{port}: the workers of the machine(s) "
             "with --node-rank 1 did not join within 12s (--rdzv-timeout)"
@@ -159,3 +161,39 @@ def test_a_member_waiting_for_the_first_generation_gives_up_when_told() -> None:
         assert member.wait(-1, give_up=lambda: True) is None
     finally:
         member.close()
+
+
+def test_an_in_place_worker_s_failure_names_its_member_not_its_agent_s_rank_0(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from types import SimpleNamespace
+
+    from dtrain.launch import LaunchOptions, report_failure
+
+    # In-place recovery runs one agent per worker: its worker is the agent's rank 0 on every
+    # machine, and the second machine's said "rank 0" for member 1.
+    monkeypatch.setenv("DTRAIN_INPLACE_MEMBER", "1")
+    failure = SimpleNamespace(timestamp=0, exitcode=2, pid=4027, message="member 1: configs differ")
+    code = report_failure(SimpleNamespace(failures={0: failure}), LaunchOptions(nproc=1))
+    assert code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[1] == "  member 1 (pid 4027, exit code 2): member 1: configs differ"
+
+
+def test_a_machine_started_with_another_nnodes_or_run_id_is_refused_by_the_host_s_shape() -> None:
+    from dtrain.errors import UserError
+    from dtrain.rendezvous_wait import share_shape
+
+    store = open_store("127.0.0.1", 0, 30.0, is_master=True)  # as torch's rendezvous host's
+    endpoint = f"127.0.0.1:{store.port}"
+    share_shape(endpoint, {"--run-id": "myjob", "--nnodes": "2"}, hosting=False)  # none posted
+    share_shape(endpoint, {"--run-id": "myjob", "--nnodes": "2"}, hosting=True)
+    share_shape(endpoint, {"--run-id": "myjob", "--nnodes": "2"}, hosting=False)  # the same
+    # Both sides waited in torch's rendezvous, each for machines of its own job.
+    with pytest.raises(UserError) as refused:
+        share_shape(endpoint, {"--run-id": "other", "--nnodes": "3"}, hosting=False)
+    assert str(refused.value) == (
+        f"--run-id other --nnodes 3 here, but the machine that hosts the rendezvous at "
+        f"{endpoint} runs --run-id myjob --nnodes 2: start every machine of the job with the "
+        "same --run-id and --nnodes"
+    )

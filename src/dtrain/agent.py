@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -46,12 +46,15 @@ def run_agent(
     args: tuple[str, ...],
     store_port: int | None,
     waiting_words: str = "",
+    before_run: Callable[[], None] | None = None,
 ) -> None:
     """Run ``python ARGS`` as the workers of ``config`` (a torch ``LaunchConfig``) under
     torch's local elastic agent, as ``torch.distributed.launcher.elastic_launch`` does, with
     the workers' store at ``store_port`` (None: the port torch's rendezvous picks).
     ``waiting_words``: said once when a rendezvous still waits for the other machines after a
-    few seconds (dtrain.rendezvous_wait; "": nothing).
+    few seconds (dtrain.rendezvous_wait; "": nothing). ``before_run``: called once the
+    rendezvous handler (and, on the machine that hosts it, its store) exists, before any
+    worker starts.
 
     Raises ``ChildFailedError`` when workers failed; ``RendezvousError`` and
     ``SignalException`` pass through as from ``elastic_launch``."""
@@ -77,6 +80,8 @@ def run_agent(
     handler = rendezvous_registry.get_rendezvous_handler(parameters)
     if waiting_words:
         announce_waits(handler, waiting_words)
+    if before_run is not None:
+        before_run()
     spec = WorkerSpec(
         role=config.role,
         local_world_size=config.nproc_per_node,

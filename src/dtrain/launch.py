@@ -20,6 +20,7 @@ from pathlib import Path
 from dtrain.agent import held_port, run_agent
 from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
 from dtrain.fault.error_log import LOGS_DIR
+from dtrain.fault.membership import MEMBER_ENV
 from dtrain.fault.preempt import signals_to_forward
 from dtrain.fault.status import read_status
 from dtrain.network import check_port_free, choose_node_network, interface_of_host, split_endpoint
@@ -31,7 +32,7 @@ from dtrain.reachability import (
     probe,
     wait_for_endpoint,
 )
-from dtrain.rendezvous_wait import timed_out_words, waiting_words
+from dtrain.rendezvous_wait import share_shape, timed_out_words, waiting_words
 from dtrain.runtime import available_cores
 
 
@@ -220,7 +221,16 @@ def launch_workers(
             waiting = waiting_words(
                 opts.rdzv_endpoint, opts.run_id, nnodes_text(opts), opts.rdzv_timeout_s
             )
-            run_agent(config, worker_args, store_port=None, waiting_words=waiting)
+            shape = {"--run-id": opts.run_id, "--nnodes": nnodes_text(opts)}
+            host = split_endpoint(opts.rdzv_endpoint)[0]
+            hosting = opts.node_rank in (None, 0) and interface_of_host(host) is not None
+            run_agent(
+                config,
+                worker_args,
+                store_port=None,
+                waiting_words=waiting,
+                before_run=lambda: share_shape(opts.rdzv_endpoint, shape, hosting),
+            )
     except RendezvousError as exc:
         raise UserError(rendezvous_lost(opts, exc)) from None
     except ChildFailedError as exc:
@@ -367,9 +377,12 @@ def report_failure(exc: object, opts: LaunchOptions, run_dir: Path | None = None
         f"dtrain: training failed (after up to {attempts} attempt(s)); failed ranks:",
         file=sys.stderr,
     )
+    # An in-place job's agent runs one worker, its local rank 0: the job knows it as a member.
+    member = os.environ.get(MEMBER_ENV)
     for rank, failure in ordered:
+        who = f"member {member}" if member is not None else f"rank {rank}"
         print(
-            f"  rank {rank} (pid {failure.pid}, {exit_words(failure.exitcode)}): "
+            f"  {who} (pid {failure.pid}, {exit_words(failure.exitcode)}): "
             f"{failure_words(failure.message, failure.exitcode)}",
             file=sys.stderr,
         )

@@ -209,9 +209,10 @@ def launch_in_place(
 def waiting_notice(opts: LaunchOptions, nodes: list[int]) -> None:
     """Node 0, before the first generation: the machines whose workers have not asked to join."""
     print(
-        f"dtrain: waiting for the machine(s) with --node-rank {', '.join(map(str, nodes))} to "
-        f"join at {opts.rdzv_endpoint}; giving up after {opts.rdzv_timeout_s}s. Start `dtrain "
-        "train` there with the same config, --nnodes, --nproc and --rdzv-endpoint",
+        f"dtrain: waiting for the workers of the machine(s) with --node-rank "
+        f"{', '.join(map(str, nodes))} to join at {opts.rdzv_endpoint} (still starting, not "
+        "started, or refused: that machine's console says why); giving up after "
+        f"{opts.rdzv_timeout_s}s",
         file=sys.stderr,
         flush=True,
     )

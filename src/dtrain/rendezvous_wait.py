@@ -1,27 +1,68 @@
-"""The launcher's words while its rendezvous waits for the other machines of a job.
+"""The launcher's side of a rendezvous across machines: the job's shape compared, and the words
+while it waits for the other machines.
 
 torch's c10d rendezvous waits in silence: a machine started alone (the others not started yet,
 or refused: another ``--run-id``, ``--nnodes``, a config file they lack) printed nothing until
 its join timeout, and then a bare ``RendezvousTimeoutError``. Here a rendezvous that has not
 completed after :data:`NOTICE_AFTER_S` says once what it waits for and until when; one that
 times out is one line naming what every machine must share (:func:`timed_out_words`).
+
+Before that, the launcher that hosts the rendezvous posts its ``--run-id`` and ``--nnodes`` in
+its store, and every other launcher compares its own (:func:`share_shape`): a machine started
+with another is one line and exit 2 at once, before its workers -- torch's rendezvous waited on
+both sides, each for machines of its own job (another ``--nnodes``, or another ``--run-id``
+where the machines' run folders differ; a shared one is refused by its hold first).
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
+from dtrain.errors import UserError
+from dtrain.network import split_endpoint
+
 NOTICE_AFTER_S = 5.0  # a rendezvous of machines started together completes well within this
+SHAPE_KEY = "dtrain/launch/shape"  # in the rendezvous store: the hosting launcher's job shape
+
+
+def share_shape(endpoint: str, shape: dict[str, str], hosting: bool) -> None:
+    """Once the rendezvous store is up (the hosting launcher's torch handler made it): post
+    ``shape`` (``{"--run-id": ..., "--nnodes": ...}``) there when ``hosting``, else compare it
+    with the one posted: a :class:`UserError` naming what differs. Nothing posted -- a
+    rendezvous served apart (``dtrain rendezvous``), or its host a moment behind -- is not
+    checked (the wait then says what it waits for)."""
+    import torch.distributed as dist
+
+    host, port = split_endpoint(endpoint)
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        host, port, is_master=False, timeout=datetime.timedelta(seconds=30)
+    )
+    if hosting:
+        store.set(SHAPE_KEY, json.dumps(shape))
+        return
+    if not store.check([SHAPE_KEY]):
+        return
+    theirs = json.loads(bytes(store.get(SHAPE_KEY)).decode())
+    differ = [flag for flag in shape if theirs.get(flag) != shape[flag]]
+    if differ:
+        here = " ".join(f"{flag} {shape[flag]}" for flag in differ)
+        there = " ".join(f"{flag} {theirs.get(flag)}" for flag in differ)
+        raise UserError(
+            f"{here} here, but the machine that hosts the rendezvous at {endpoint} runs "
+            f"{there}: start every machine of the job with the same --run-id and --nnodes"
+        )
 
 
 def waiting_words(endpoint: str, run_id: str, nnodes: str, timeout_s: int) -> str:
     return (
         f"dtrain: waiting for the other machines of job {run_id!r} at {endpoint} (--nnodes "
-        f"{nnodes}); giving up after {timeout_s}s. Start `dtrain train` on each with the same "
-        "--nnodes, --run-id and --rdzv-endpoint"
+        f"{nnodes}; still starting, not started, or refused: their consoles say why; each "
+        f"needs the same --nnodes, --run-id and --rdzv-endpoint); giving up after {timeout_s}s"
     )
 
 
