@@ -197,3 +197,59 @@ def test_a_machine_started_with_another_nnodes_or_run_id_is_refused_by_the_host_
         f"{endpoint} runs --run-id myjob --nnodes 2: start every machine of the job with the "
         "same --run-id and --nnodes"
     )
+
+
+@pytest.mark.parametrize(
+    ("message", "kept"),
+    [
+        ("failed (exitcode: 2) local_rank: 0 (pid: 4027) of binary: /usr/bin/python", False),
+        ("Received 2 death signal, shutting down workers", False),
+        ("Sending process 3368 closing signal SIGINT", False),
+        ("Unable to shutdown process 10609 via 15, forcefully exiting via 9", True),
+    ],
+)
+def test_torch_s_lines_of_what_the_launcher_reports_itself_are_dropped(
+    message: str, kept: bool
+) -> None:
+    import logging
+
+    from dtrain.launch import _ExpectedAtExit
+
+    record = logging.LogRecord("torch", logging.WARNING, "api.py", 1, message, None, None)
+    assert _ExpectedAtExit().filter(record) is kept
+
+
+def test_a_machine_the_job_never_admitted_is_told_so_when_it_ends() -> None:
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+    # A third launcher of a 2-machine job (two given --node-rank 1) waited in torch's wait
+    # list; when the job ended, torch's agent returned no result: an AttributeError traceback.
+    opts = make_options(1, "2", 1, "127.0.0.1:29400", 0, "myjob")
+    assert rendezvous_lost(opts, RendezvousClosedError()) == (
+        "--rdzv-endpoint 127.0.0.1:29400: job 'myjob' there closed its rendezvous without "
+        "admitting this machine: it had its --nnodes 2 machines already (another machine "
+        "started with the same --node-rank, or more machines than --nnodes?); nothing ran here"
+    )
+
+
+def test_an_agent_that_returns_no_result_is_a_closed_rendezvous(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from dtrain.agent import run_agent
+
+    monkeypatch.setattr(LocalElasticAgent, "run", lambda self: None)  # as on a graceful exit
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=1,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        run_id="t",
+        shutdown_timeout=1,
+    )
+    with pytest.raises(RendezvousClosedError):
+        run_agent(config, ("-c", "pass"), store_port=None)

@@ -105,6 +105,10 @@ def run_agent(
     close_rendezvous = True
     try:
         result = agent.run()
+        if result is None:  # torch's agent: the rendezvous closed before it admitted this one
+            from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+            raise RendezvousClosedError("the rendezvous closed before this machine joined")
         if result.is_failed():
             raise ChildFailedError(name="dtrain.worker", failures=result.failures)
     except SignalException:

@@ -208,9 +208,10 @@ def launch_workers(
         wait_for_rendezvous_host(opts)
     elif not standalone:
         check_port_free(opts.rdzv_endpoint)
-    rendezvous_log = logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous")
-    if not any(isinstance(f, _ExpectedAtExit) for f in rendezvous_log.filters):
-        rendezvous_log.addFilter(_ExpectedAtExit())
+    for name in _EXPECTED_LOGGERS:
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _ExpectedAtExit) for f in log.filters):
+            log.addFilter(_ExpectedAtExit())
     worker_args = ("-u", "-m", "dtrain.worker", str(config_path))
     try:
         if standalone:
@@ -240,13 +241,32 @@ def launch_workers(
     return 0
 
 
+_EXPECTED_LOGGERS = (
+    "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+    "torch.distributed.elastic.multiprocessing.api",
+    "torch.distributed.elastic.agent.server.api",
+)
+
+
 class _ExpectedAtExit(logging.Filter):
-    """Drops torch's warning that the rendezvous could not be closed: at the end of a job the
-    machine that hosts it may exit first (a successful run printed it on 4 of 14 two-node
-    Slurm jobs), and a failed or lost one is reported by the launcher itself."""
+    """Drops torch's log lines of what the launcher reports itself, in its own line: that the
+    rendezvous could not be closed (at the end of a job the machine that hosts it may exit
+    first: a successful run printed it on 4 of 14 two-node Slurm jobs); that a worker failed
+    (``failed (exitcode: 1) local_rank: 0 ...``: the failed ranks' report says so, with the
+    error); that the agent got a signal and passes it on to its workers (``Received 2 death
+    signal``, ``Sending process N closing signal SIGINT``: the preemption report says what
+    the signal left). Its warning that a worker did not end and is killed stays."""
+
+    PHRASES = (
+        "failed to shutdown the rendezvous",
+        "failed (exitcode:",
+        "death signal, shutting down workers",
+        "closing signal",
+    )
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "failed to shutdown the rendezvous" not in record.getMessage()
+        message = record.getMessage()
+        return not any(phrase in message for phrase in self.PHRASES)
 
 
 def agent_store_timeout(opts: LaunchOptions, collective_timeout_s: float) -> int:
@@ -279,11 +299,21 @@ def rendezvous_lost(opts: LaunchOptions, exc: BaseException) -> str:
     """One line for a rendezvous that failed: what the endpoint says to a plain connection
     now (refused: the launcher that hosted it is gone; no answer: the network or the
     machine), and what to do."""
-    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousClosedError,
+        RendezvousTimeoutError,
+    )
 
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     if not opts.rdzv_endpoint:
         return f"the rendezvous failed: {first}"
+    if isinstance(exc, RendezvousClosedError):  # the job ran, and ended, without this one
+        return (
+            f"--rdzv-endpoint {opts.rdzv_endpoint}: job {opts.run_id!r} there closed its "
+            f"rendezvous without admitting this machine: it had its --nnodes "
+            f"{nnodes_text(opts)} machines already (another machine started with the same "
+            "--node-rank, or more machines than --nnodes?); nothing ran here"
+        )
     if isinstance(exc, RendezvousTimeoutError):  # the machines never all joined
         return timed_out_words(
             opts.rdzv_endpoint, opts.run_id, nnodes_text(opts), opts.rdzv_timeout_s

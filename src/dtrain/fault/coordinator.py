@@ -18,7 +18,7 @@ from dtrain.fault.coordinator_link import StoreLink, StoreUnreachable
 from dtrain.fault.membership import POLL_S, PREFIX, Generation, read_json, read_text, write_value
 from dtrain.fault.node_claim import BUMP_S, alive_key
 
-NOTICE_S = 10.0  # the workers of machines started together ask to join well within this
+NOTICE_S = 15.0  # the workers of machines started together ask to join well within this
 
 
 def process_state(pid: int) -> str:
@@ -151,7 +151,8 @@ class Coordinator(PollingThread):
         """``local``: the members on this machine, whose processes it reads in /proc (default:
         all); the others' launchers post their states. ``per_node``: members per machine.
         ``join_timeout_s``: how long the first generation waits for every machine's workers
-        (0: for ever); ``on_wait(nodes, gave_up)`` is told, once after ``NOTICE_S`` and once
+        (0: for ever); ``on_wait(nodes, gave_up)`` is told, once after ``NOTICE_S`` (or half
+        the timeout, if sooner) and once
         on giving up, which machines (node ranks) it still waits for. Given up, the job stops
         (``gave_up``, and ``stopped`` for the workers) before any step."""
         self.store = store
@@ -277,7 +278,8 @@ class Coordinator(PollingThread):
         waited = now - self._born
         missing = sorted({m // self.per_node for m in set(range(self.members)) - joiners})
         others = [node for node in missing if not set(self.local) & self._members_of(node)]
-        if others and not self._noticed and waited >= NOTICE_S:
+        notice_s = min(NOTICE_S, self.join_timeout_s / 2) if self.join_timeout_s else NOTICE_S
+        if others and not self._noticed and waited >= notice_s:
             self._noticed = True  # this machine's own workers may still be starting: not them
             if self.on_wait is not None:
                 self.on_wait(others, False)
