@@ -18,9 +18,11 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
+
+from dtrain.rendezvous_wait import announce_waits
 
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
@@ -39,10 +41,20 @@ def held_port() -> Iterator[int]:
         holder.close()
 
 
-def run_agent(config: LaunchConfig, args: tuple[str, ...], store_port: int | None) -> None:
+def run_agent(
+    config: LaunchConfig,
+    args: tuple[str, ...],
+    store_port: int | None,
+    waiting_words: str = "",
+    before_run: Callable[[], None] | None = None,
+) -> None:
     """Run ``python ARGS`` as the workers of ``config`` (a torch ``LaunchConfig``) under
     torch's local elastic agent, as ``torch.distributed.launcher.elastic_launch`` does, with
     the workers' store at ``store_port`` (None: the port torch's rendezvous picks).
+    ``waiting_words``: said once when a rendezvous still waits for the other machines after a
+    few seconds (dtrain.rendezvous_wait; "": nothing). ``before_run``: called once the
+    rendezvous handler (and, on the machine that hosts it, its store) exists, before any
+    worker starts.
 
     Raises ``ChildFailedError`` when workers failed; ``RendezvousError`` and
     ``SignalException`` pass through as from ``elastic_launch``."""
@@ -65,12 +77,17 @@ def run_agent(config: LaunchConfig, args: tuple[str, ...], store_port: int | Non
     # The agent's worker processes install handlers for these and forward them (torch reads
     # the list from the environment, as elastic_launch sets it).
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    handler = rendezvous_registry.get_rendezvous_handler(parameters)
+    if waiting_words:
+        announce_waits(handler, waiting_words)
+    if before_run is not None:
+        before_run()
     spec = WorkerSpec(
         role=config.role,
         local_world_size=config.nproc_per_node,
         entrypoint=sys.executable,
         args=args,
-        rdzv_handler=rendezvous_registry.get_rendezvous_handler(parameters),
+        rdzv_handler=handler,
         max_restarts=config.max_restarts,
         monitor_interval=config.monitor_interval,
         master_port=store_port,
@@ -88,6 +105,10 @@ def run_agent(config: LaunchConfig, args: tuple[str, ...], store_port: int | Non
     close_rendezvous = True
     try:
         result = agent.run()
+        if result is None:  # torch's agent: the rendezvous closed before it admitted this one
+            from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+            raise RendezvousClosedError("the rendezvous closed before this machine joined")
         if result.is_failed():
             raise ChildFailedError(name="dtrain.worker", failures=result.failures)
     except SignalException:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import sys
 
 from dtrain.checkpoint.layout import committed_steps, step_dir_name
@@ -30,6 +31,7 @@ from dtrain.fault.membership import (
     Member,
 )
 from dtrain.fault.peer_failure import collective_cause
+from dtrain.fault.preempt import early_signal
 from dtrain.fault.status import RunStatus, write_status
 from dtrain.job import build_trainer_on
 from dtrain.metrics import records
@@ -68,7 +70,15 @@ def train_in_place(cfg: Config) -> Summary | None:
     try:
         while True:
             member.ask(after, held.step if held is not None else -1)
-            generation = member.wait(after)
+            # Before the first generation there is nothing to save: a preemption signal (the
+            # launcher's Ctrl-C, a scheduler's SIGTERM) ends the wait at once, not after the
+            # agent's grace of fault.preempt_grace_s and a SIGKILL.
+            first = after < 0 and held is None
+            generation = member.wait(after, give_up=early_signal if first else None)
+            if generation is None and first and early_signal():
+                name = signal.Signals(early_signal()).name
+                _say(f"member {member.id}: stopped by {name} before the job's first generation")
+                return None
             if generation is None:
                 stopped = member.stopped()
                 why = f"the job stopped ({stopped})" if stopped else "the run completed"

@@ -20,6 +20,7 @@ from pathlib import Path
 from dtrain.agent import held_port, run_agent
 from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
 from dtrain.fault.error_log import LOGS_DIR
+from dtrain.fault.membership import MEMBER_ENV
 from dtrain.fault.preempt import signals_to_forward
 from dtrain.fault.status import read_status
 from dtrain.network import check_port_free, choose_node_network, interface_of_host, split_endpoint
@@ -31,6 +32,7 @@ from dtrain.reachability import (
     probe,
     wait_for_endpoint,
 )
+from dtrain.rendezvous_wait import share_shape, timed_out_words, waiting_words
 from dtrain.runtime import available_cores
 
 
@@ -160,6 +162,9 @@ def launch_workers(
     standalone = not opts.rdzv_endpoint
     rdzv_configs: dict[str, object] = {
         "timeout": opts.rdzv_timeout_s,
+        # torch's c10d rendezvous reads its wait for the machines from join_timeout (600 s
+        # when unset), not from "timeout": --rdzv-timeout did not bound it.
+        "join_timeout": opts.rdzv_timeout_s,
         "read_timeout": agent_store_timeout(opts, collective_timeout_s),
     }
     if opts.node_rank is not None and not standalone:  # one machine: it hosts its own
@@ -203,9 +208,10 @@ def launch_workers(
         wait_for_rendezvous_host(opts)
     elif not standalone:
         check_port_free(opts.rdzv_endpoint)
-    rendezvous_log = logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous")
-    if not any(isinstance(f, _ExpectedAtExit) for f in rendezvous_log.filters):
-        rendezvous_log.addFilter(_ExpectedAtExit())
+    for name in _EXPECTED_LOGGERS:
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _ExpectedAtExit) for f in log.filters):
+            log.addFilter(_ExpectedAtExit())
     worker_args = ("-u", "-m", "dtrain.worker", str(config_path))
     try:
         if standalone:
@@ -213,7 +219,19 @@ def launch_workers(
             with held_port() as store_port:
                 run_agent(config, worker_args, store_port)
         else:
-            run_agent(config, worker_args, store_port=None)
+            waiting = waiting_words(
+                opts.rdzv_endpoint, opts.run_id, nnodes_text(opts), opts.rdzv_timeout_s
+            )
+            shape = {"--run-id": opts.run_id, "--nnodes": nnodes_text(opts)}
+            host = split_endpoint(opts.rdzv_endpoint)[0]
+            hosting = opts.node_rank in (None, 0) and interface_of_host(host) is not None
+            run_agent(
+                config,
+                worker_args,
+                store_port=None,
+                waiting_words=waiting,
+                before_run=lambda: share_shape(opts.rdzv_endpoint, shape, hosting),
+            )
     except RendezvousError as exc:
         raise UserError(rendezvous_lost(opts, exc)) from None
     except ChildFailedError as exc:
@@ -223,13 +241,32 @@ def launch_workers(
     return 0
 
 
+_EXPECTED_LOGGERS = (
+    "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+    "torch.distributed.elastic.multiprocessing.api",
+    "torch.distributed.elastic.agent.server.api",
+)
+
+
 class _ExpectedAtExit(logging.Filter):
-    """Drops torch's warning that the rendezvous could not be closed: at the end of a job the
-    machine that hosts it may exit first (a successful run printed it on 4 of 14 two-node
-    Slurm jobs), and a failed or lost one is reported by the launcher itself."""
+    """Drops torch's log lines of what the launcher reports itself, in its own line: that the
+    rendezvous could not be closed (at the end of a job the machine that hosts it may exit
+    first: a successful run printed it on 4 of 14 two-node Slurm jobs); that a worker failed
+    (``failed (exitcode: 1) local_rank: 0 ...``: the failed ranks' report says so, with the
+    error); that the agent got a signal and passes it on to its workers (``Received 2 death
+    signal``, ``Sending process N closing signal SIGINT``: the preemption report says what
+    the signal left). Its warning that a worker did not end and is killed stays."""
+
+    PHRASES = (
+        "failed to shutdown the rendezvous",
+        "failed (exitcode:",
+        "death signal, shutting down workers",
+        "closing signal",
+    )
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "failed to shutdown the rendezvous" not in record.getMessage()
+        message = record.getMessage()
+        return not any(phrase in message for phrase in self.PHRASES)
 
 
 def agent_store_timeout(opts: LaunchOptions, collective_timeout_s: float) -> int:
@@ -241,6 +278,13 @@ def agent_store_timeout(opts: LaunchOptions, collective_timeout_s: float) -> int
     rendezvous host that is gone (refused) is found at once whatever this is."""
     outlast = int(collective_timeout_s) + 60
     return max(outlast, opts.rdzv_timeout_s) if opts.max_restarts > 0 else outlast
+
+
+def nnodes_text(opts: LaunchOptions) -> str:
+    """``--nnodes`` as the user wrote it: N, or MIN:MAX."""
+    if opts.min_nodes == opts.max_nodes:
+        return str(opts.max_nodes)
+    return f"{opts.min_nodes}:{opts.max_nodes}"
 
 
 def hosts_rendezvous(opts: LaunchOptions) -> bool:
@@ -255,9 +299,25 @@ def rendezvous_lost(opts: LaunchOptions, exc: BaseException) -> str:
     """One line for a rendezvous that failed: what the endpoint says to a plain connection
     now (refused: the launcher that hosted it is gone; no answer: the network or the
     machine), and what to do."""
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousClosedError,
+        RendezvousTimeoutError,
+    )
+
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     if not opts.rdzv_endpoint:
         return f"the rendezvous failed: {first}"
+    if isinstance(exc, RendezvousClosedError):  # the job ran, and ended, without this one
+        return (
+            f"--rdzv-endpoint {opts.rdzv_endpoint}: job {opts.run_id!r} there closed its "
+            f"rendezvous without admitting this machine: it had its --nnodes "
+            f"{nnodes_text(opts)} machines already (another machine started with the same "
+            "--node-rank, or more machines than --nnodes?); nothing ran here"
+        )
+    if isinstance(exc, RendezvousTimeoutError):  # the machines never all joined
+        return timed_out_words(
+            opts.rdzv_endpoint, opts.run_id, nnodes_text(opts), opts.rdzv_timeout_s
+        )
     host, port = split_endpoint(opts.rdzv_endpoint)
     state, said = probe(host, port, 2.0)
     restart = (
@@ -347,9 +407,12 @@ def report_failure(exc: object, opts: LaunchOptions, run_dir: Path | None = None
         f"dtrain: training failed (after up to {attempts} attempt(s)); failed ranks:",
         file=sys.stderr,
     )
+    # An in-place job's agent runs one worker, its local rank 0: the job knows it as a member.
+    member = os.environ.get(MEMBER_ENV)
     for rank, failure in ordered:
+        who = f"member {member}" if member is not None else f"rank {rank}"
         print(
-            f"  rank {rank} (pid {failure.pid}, {exit_words(failure.exitcode)}): "
+            f"  {who} (pid {failure.pid}, {exit_words(failure.exitcode)}): "
             f"{failure_words(failure.message, failure.exitcode)}",
             file=sys.stderr,
         )

@@ -131,6 +131,8 @@ def launch_in_place(
             min_members=min_replicas,
             local=mine,
             per_node=opts.nproc,
+            join_timeout_s=float(opts.rdzv_timeout_s) if nodes > 1 else 0.0,
+            on_wait=lambda missing, gave_up: None if gave_up else waiting_notice(opts, missing),
         )
         coordinator.start()
         address = opts.rdzv_endpoint if nodes > 1 else f"127.0.0.1:{store.port}"
@@ -184,6 +186,8 @@ def launch_in_place(
             coordinator.stop()
         if watcher is not None:
             watcher.stop()
+    if coordinator is not None and coordinator.gave_up:
+        raise UserError(join_timed_out(opts, coordinator.gave_up))
     status = read_status(config_path.parent)
     # Why the job stopped: the coordinator's machine knows; the others read it in the store.
     stopped = coordinator.stopped if coordinator is not None else ""
@@ -200,6 +204,26 @@ def launch_in_place(
     if signalled and not failed:
         return 128 + signalled[0]
     return failed[0] if failed else 0
+
+
+def waiting_notice(opts: LaunchOptions, nodes: list[int]) -> None:
+    """Node 0, before the first generation: the machines whose workers have not asked to join."""
+    print(
+        f"dtrain: waiting for the workers of the machine(s) with --node-rank "
+        f"{', '.join(map(str, nodes))} to join at {opts.rdzv_endpoint} (still starting, not "
+        "started, or refused: that machine's console says why); giving up after "
+        f"{opts.rdzv_timeout_s}s",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def join_timed_out(opts: LaunchOptions, why: str) -> str:
+    return (
+        f"--rdzv-endpoint {opts.rdzv_endpoint}: {why} (--rdzv-timeout): start `dtrain train` on "
+        "every machine with the same config, --nnodes, --nproc and --rdzv-endpoint, each with "
+        "its own --node-rank (a machine that refused to start says why on its own console)"
+    )
 
 
 def check_machines(opts: LaunchOptions, nnodes: str) -> None:

@@ -126,14 +126,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     freeze_heap_at_exit()
     die_with_launcher()
     rank = os.environ.get("RANK", "0")
-    guard_console(f"rank {rank}")  # a closed output pipe costs the output, never the run
+    # In-place recovery: the worker's agent is its own (RANK 0 on every machine); the job
+    # knows it by its member id (docs/fault-tolerance.md).
+    from dtrain.fault.membership import MEMBER_ENV  # after catch_early: it imports torch
+
+    who = f"member {os.environ[MEMBER_ENV]}" if MEMBER_ENV in os.environ else f"rank {rank}"
+    guard_console(who)  # a closed output pipe costs the output, never the run
     cfg: Config | None = None
     try:
         cfg = load_worker_config(args)
         settle_early(cfg.fault.preempt_signals)
         train(cfg)
     except UserError as exc:
-        message = f"rank {rank}: {exc}"
+        message = f"{who}: {exc}"
         record_user_error(message)
         say_error(message)
         return USER_ERROR_EXIT_CODE

@@ -11,13 +11,15 @@ import json
 import threading
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from dtrain.fault.coordinator_link import StoreLink, StoreUnreachable
 from dtrain.fault.membership import POLL_S, PREFIX, Generation, read_json, read_text, write_value
 from dtrain.fault.node_claim import BUMP_S, alive_key
+
+NOTICE_S = 15.0  # the workers of machines started together ask to join well within this
 
 
 def process_state(pid: int) -> str:
@@ -153,9 +155,16 @@ class Coordinator(PollingThread):
         min_members: int = 1,
         local: Iterable[int] | None = None,
         per_node: int | None = None,
+        join_timeout_s: float = 0.0,
+        on_wait: Callable[[list[int], bool], None] | None = None,
     ) -> None:
         """``local``: the members on this machine, whose processes it reads in /proc (default:
-        all); the others' launchers post their states. ``per_node``: members per machine."""
+        all); the others' launchers post their states. ``per_node``: members per machine.
+        ``join_timeout_s``: how long the first generation waits for every machine's workers
+        (0: for ever); ``on_wait(nodes, gave_up)`` is told, once after ``NOTICE_S`` (or half
+        the timeout, if sooner) and once
+        on giving up, which machines (node ranks) it still waits for. Given up, the job stops
+        (``gave_up``, and ``stopped`` for the workers) before any step."""
         self.store = store
         self.members = members
         self.local = set(range(members) if local is None else local)
@@ -180,6 +189,11 @@ class Coordinator(PollingThread):
             for part in ("info", "beat", "want", *(("state",) if m not in self.local else ()))
         ]
         self._known: set[str] = set()  # keys set (none is ever removed)
+        self.join_timeout_s = join_timeout_s
+        self.on_wait = on_wait
+        self._born = time.monotonic()
+        self._noticed = False
+        self.gave_up = ""  # the first generation never formed: why, once given up
         super().__init__("dtrain-coordinator")
 
     def _snapshot(self) -> dict[str, bytes | None]:
@@ -264,6 +278,8 @@ class Coordinator(PollingThread):
             # The first generation (or one after every member was lost): everyone expected.
             if len(joiners) == self.members:
                 self._form(sorted(joiners))
+            elif self.number < 0:
+                self._wait_for_machines(joiners, now)
             return
         stayed = {m for m in self.current if m in alive and self._same(m)}
         gone = set(self.current) - stayed
@@ -285,6 +301,31 @@ class Coordinator(PollingThread):
             self._form(survivors)
         else:
             self.current, self.nonces = (), {}
+
+    def _wait_for_machines(self, joiners: set[int], now: float) -> None:
+        """Before the first generation: say which machines it waits for (their workers have
+        not asked to join), once; give up after ``join_timeout_s``."""
+        waited = now - self._born
+        missing = sorted({m // self.per_node for m in set(range(self.members)) - joiners})
+        others = [node for node in missing if not set(self.local) & self._members_of(node)]
+        notice_s = min(NOTICE_S, self.join_timeout_s / 2) if self.join_timeout_s else NOTICE_S
+        if others and not self._noticed and waited >= notice_s:
+            self._noticed = True  # this machine's own workers may still be starting: not them
+            if self.on_wait is not None:
+                self.on_wait(others, False)
+        if self.join_timeout_s > 0 and waited >= self.join_timeout_s:
+            nodes = ", ".join(map(str, missing))
+            self.gave_up = (
+                f"the workers of the machine(s) with --node-rank {nodes} did not join within "
+                f"{self.join_timeout_s:g}s"
+            )
+            if self.on_wait is not None:
+                self.on_wait(missing, True)
+            self.stopped = self.gave_up
+            write_value(self.store, "stopped", self.gave_up)
+
+    def _members_of(self, node: int) -> set[int]:
+        return set(range(node * self.per_node, (node + 1) * self.per_node))
 
     def _stop_reason(self, survivors: list[int], lost: list[int], step: int) -> str:
         who = ", ".join(str(m) for m in lost)

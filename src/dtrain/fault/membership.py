@@ -203,13 +203,16 @@ class Member:
         want = {"after": after, "nonce": self.nonce, "step": step}
         self._call(lambda s: write_value(s, f"member/{self.id}/want", want), "asking")
 
-    def wait(self, after: int) -> Generation | None:
+    def wait(self, after: int, give_up: Callable[[], object] | None = None) -> Generation | None:
         """Wait until a generation after ``after`` that holds this member is formed; None when
-        the run completed or stopped (:meth:`stopped`) meanwhile."""
+        the run completed or stopped (:meth:`stopped`) meanwhile, or once ``give_up()`` is
+        true (a preemption signal before there is anything to save)."""
         while True:
             found = self._call(lambda s: self._look(s, after), "waiting for a generation")
             if found != "wait":
                 return found
+            if give_up is not None and give_up():
+                return None
             time.sleep(POLL_S)
 
     def _look(self, store: Any, after: int) -> Generation | str | None:

@@ -229,7 +229,7 @@ class Watchdog(PeerDiagnosis):
 
     def report_failure(self, error: BaseException | str) -> None:
         """Post this rank's failure so the others can name it. Never raises."""
-        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        text = failure_text(error)
         record = {
             "host": self.host,
             "pid": os.getpid(),
@@ -421,6 +421,14 @@ class Watchdog(PeerDiagnosis):
             f"rank {self.rank} ({self.host}) at step {self.step} in {self.phase}: a collective "
             f"failed: {words} (collective error: {cause})"
         )
+
+
+def failure_text(error: BaseException | str) -> str:
+    """A rank's own failure as the other ranks name it. Ctrl-C on its machine reaches its
+    workers as SIGINT, which was a bare ``KeyboardInterrupt:`` to the others."""
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted by SIGINT (Ctrl-C on its machine), without saving"
+    return error if isinstance(error, str) else f"{type(error).__name__}: {error}"
 
 
 def _exit_on_hang(message: str) -> None:

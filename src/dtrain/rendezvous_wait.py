@@ -1,0 +1,102 @@
+"""The launcher's side of a rendezvous across machines: the job's shape compared, and the words
+while it waits for the other machines.
+
+torch's c10d rendezvous waits in silence: a machine started alone (the others not started yet,
+or refused: another ``--run-id``, ``--nnodes``, a config file they lack) printed nothing until
+its join timeout, and then a bare ``RendezvousTimeoutError``. Here a rendezvous that has not
+completed after :data:`NOTICE_AFTER_S` says once what it waits for and until when; one that
+times out is one line naming what every machine must share (:func:`timed_out_words`).
+
+Before that, the launcher that hosts the rendezvous posts its ``--run-id`` and ``--nnodes`` in
+its store, and every other launcher compares its own (:func:`share_shape`): a machine started
+with another is one line and exit 2 at once, before its workers -- torch's rendezvous waited on
+both sides, each for machines of its own job (another ``--nnodes``, or another ``--run-id``
+where the machines' run folders differ; a shared one is refused by its hold first).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from dtrain.errors import UserError
+from dtrain.network import split_endpoint
+
+NOTICE_AFTER_S = 5.0  # a rendezvous of machines started together completes well within this
+SHAPE_KEY = "dtrain/launch/shape"  # in the rendezvous store: the hosting launcher's job shape
+
+
+def share_shape(endpoint: str, shape: dict[str, str], hosting: bool) -> None:
+    """Once the rendezvous store is up (the hosting launcher's torch handler made it): post
+    ``shape`` (``{"--run-id": ..., "--nnodes": ...}``) there when ``hosting``, else compare it
+    with the one posted: a :class:`UserError` naming what differs. Nothing posted -- a
+    rendezvous served apart (``dtrain rendezvous``), or its host a moment behind -- is not
+    checked (the wait then says what it waits for)."""
+    import torch.distributed as dist
+
+    host, port = split_endpoint(endpoint)
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        host, port, is_master=False, timeout=datetime.timedelta(seconds=30)
+    )
+    if hosting:
+        store.set(SHAPE_KEY, json.dumps(shape))
+        return
+    if not store.check([SHAPE_KEY]):
+        return
+    theirs = json.loads(bytes(store.get(SHAPE_KEY)).decode())
+    differ = [flag for flag in shape if theirs.get(flag) != shape[flag]]
+    if differ:
+        here = " ".join(f"{flag} {shape[flag]}" for flag in differ)
+        there = " ".join(f"{flag} {theirs.get(flag)}" for flag in differ)
+        raise UserError(
+            f"{here} here, but the machine that hosts the rendezvous at {endpoint} runs "
+            f"{there}: start every machine of the job with the same --run-id and --nnodes"
+        )
+
+
+def waiting_words(endpoint: str, run_id: str, nnodes: str, timeout_s: int) -> str:
+    return (
+        f"dtrain: waiting for the other machines of job {run_id!r} at {endpoint} (--nnodes "
+        f"{nnodes}; still starting, not started, or refused: their consoles say why; each "
+        f"needs the same --nnodes, --run-id and --rdzv-endpoint); giving up after {timeout_s}s"
+    )
+
+
+def timed_out_words(endpoint: str, run_id: str, nnodes: str, timeout_s: int) -> str:
+    return (
+        f"--rdzv-endpoint {endpoint}: the machines of job {run_id!r} (--nnodes {nnodes}) did "
+        f"not all join within {timeout_s}s (--rdzv-timeout): start `dtrain train` on every "
+        "machine with the same --nnodes, --run-id and --rdzv-endpoint (a machine that refused "
+        "to start says why on its own console)"
+    )
+
+
+def announce_waits(
+    handler: Any,
+    words: str,
+    after_s: float = NOTICE_AFTER_S,
+    say: Callable[[str], None] | None = None,
+) -> None:
+    """Wrap ``handler.next_rendezvous`` (a torch ``RendezvousHandler``) so that each call still
+    waiting after ``after_s`` prints ``words`` once (to stderr by default)."""
+    inner = handler.next_rendezvous
+    speak = say if say is not None else _to_stderr
+
+    def next_rendezvous() -> Any:
+        timer = threading.Timer(after_s, speak, args=(words,))
+        timer.daemon = True
+        timer.start()
+        try:
+            return inner()
+        finally:
+            timer.cancel()
+
+    handler.next_rendezvous = next_rendezvous
+
+
+def _to_stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
