@@ -313,14 +313,16 @@ class Coordinator(PollingThread):
             self._noticed = True  # this machine's own workers may still be starting: not them
             if self.on_wait is not None:
                 self.on_wait(others, False)
-        if self.join_timeout_s > 0 and waited >= self.join_timeout_s:
-            nodes = ", ".join(map(str, missing))
+        # Only other machines are given up on: this machine's own workers may be slow to
+        # start on a loaded machine, and their agents report a worker that fails to.
+        if others and self.join_timeout_s > 0 and waited >= self.join_timeout_s:
+            nodes = ", ".join(map(str, others))
             self.gave_up = (
                 f"the workers of the machine(s) with --node-rank {nodes} did not join within "
                 f"{self.join_timeout_s:g}s"
             )
             if self.on_wait is not None:
-                self.on_wait(missing, True)
+                self.on_wait(others, True)
             self.stopped = self.gave_up
             write_value(self.store, "stopped", self.gave_up)
 
