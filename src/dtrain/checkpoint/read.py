@@ -14,6 +14,7 @@ import json
 import re
 import shutil
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -167,46 +168,45 @@ def load_meta(step_dir: Path) -> dict[str, Any]:
         raise CheckpointError(f"{step_dir / META} is corrupted: {exc}") from None
 
 
-def sharded_model_shapes(step_dir: Path) -> dict[str, tuple[int, ...]]:
-    """Global shape of every model tensor in a checkpoint's sharded state (name -> shape)."""
+# torch's list of groups, flattened by DCP: each group's parameter names under this key.
+_GROUP_PARAMS = re.compile(r"optimizer\.param_groups\.(\d+)\.params")
+
+
+@dataclass(frozen=True)
+class ShardedIndex:
+    """What a checkpoint's sharded state holds, from DCP's metadata (read once: every rank
+    reads it, and it grows with the model and the number of ranks that saved it)."""
+
+    keys: frozenset[str]  # as DCP flattened them: model.<name>, optimizer.state.<name>.<key>
+    model_shapes: dict[str, tuple[int, ...]]  # global shape of every model tensor, by name
+
+    @property
+    def param_groups(self) -> int:
+        """How many optimizer parameter groups it holds as torch's list of groups (0 where it
+        keeps its settings per parameter: :attr:`settings_per_name`)."""
+        return len({m.group(1) for m in map(_GROUP_PARAMS.fullmatch, self.keys) if m})
+
+    @property
+    def settings_per_name(self) -> bool:
+        """Whether its optimizer keeps its settings parameter by parameter
+        (``optimizer.param_groups.<name>.<setting>``: pipeline's, where each stage holds
+        other parameters) rather than as torch's list of groups (fsdp's, tensor's)."""
+        groups = [key for key in self.keys if key.startswith("optimizer.param_groups.")]
+        return bool(groups) and not any(_GROUP_PARAMS.fullmatch(key) for key in groups)
+
+
+def sharded_index(step_dir: Path) -> ShardedIndex:
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = FileSystemReader(str(step_dir / SHARDED_DIR)).read_metadata()
     prefix = "model."
-    return {
+    shapes = {
         key[len(prefix) :]: tuple(item.size)
         for key, item in metadata.state_dict_metadata.items()
         if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
     }
-
-
-def sharded_keys(step_dir: Path) -> set[str]:
-    """The keys of a checkpoint's sharded state, as DCP flattened them (``model.<name>``,
-    ``optimizer.state.<name>.<key>``, ...)."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-
-    metadata = FileSystemReader(str(step_dir / SHARDED_DIR)).read_metadata()
-    return set(metadata.state_dict_metadata)
-
-
-# torch's list of groups, flattened by DCP: each group's parameter names under this key.
-_GROUP_PARAMS = re.compile(r"optimizer\.param_groups\.(\d+)\.params")
-
-
-def sharded_param_groups(step_dir: Path) -> int:
-    """How many optimizer parameter groups a checkpoint's sharded state holds as torch's list
-    of groups (0 where it keeps its settings per parameter: :func:`sharded_settings_per_name`)."""
-    return len({m.group(1) for m in map(_GROUP_PARAMS.fullmatch, sharded_keys(step_dir)) if m})
-
-
-def sharded_settings_per_name(step_dir: Path) -> bool:
-    """Whether a checkpoint's sharded optimizer state keeps its settings parameter by parameter
-    (``optimizer.param_groups.<name>.<setting>``: pipeline's, where each stage holds other
-    parameters) rather than as torch's list of groups (fsdp's, tensor's)."""
-    keys = sharded_keys(step_dir)
-    groups = [key for key in keys if key.startswith("optimizer.param_groups.")]
-    return bool(groups) and not any(_GROUP_PARAMS.fullmatch(key) for key in groups)
+    return ShardedIndex(frozenset(metadata.state_dict_metadata), shapes)
 
 
 def load_sharded(step_dir: Path, template: dict[str, Any]) -> None:

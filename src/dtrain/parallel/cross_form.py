@@ -50,16 +50,18 @@ def load_shards_into_replica(
 
     model_state, optim_state = get_state_dict(model, optimizer)  # plain tensors, whole
     template: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
-    saved = ckread.sharded_model_shapes(step_dir)
+    index = ckread.sharded_index(step_dir)
     wanted = {key: tuple(value.shape) for key, value in template["model"].items()}
-    ckread.check_model_fits(wanted, saved, step_dir)
-    read_in_saved_groups(template, step_dir)
+    ckread.check_model_fits(wanted, index.model_shapes, step_dir)
+    read_in_saved_groups(template, step_dir, index)
     set_state_dict(
         model, optimizer, model_state_dict=template["model"], optim_state_dict=template["optimizer"]
     )
 
 
-def read_in_saved_groups(template: dict[str, Any], step_dir: Path) -> None:
+def read_in_saved_groups(
+    template: dict[str, Any], step_dir: Path, index: ckread.ShardedIndex
+) -> None:
     """Fill ``template`` from the shards (collective). Where it is in the by-name form (a list
     of groups), its groups are laid out as this rank's afterwards, whichever way the saving
     strategy grouped the parameters (tensor parallelism keeps plain tensors apart from
@@ -68,22 +70,21 @@ def read_in_saved_groups(template: dict[str, Any], step_dir: Path) -> None:
     if not isinstance(ours, list) or not ours:  # pipeline's own form: settings per parameter
         ckread.load_sharded(step_dir, template)
         return
-    if ckread.sharded_settings_per_name(step_dir):
-        saved = read_settings_per_name(template, step_dir)
+    if index.settings_per_name:
+        saved = read_settings_per_name(template, step_dir, index.keys)
     else:  # read the saved groups as they are
-        template["optimizer"]["param_groups"] = [
-            dict(ours[0]) for _ in range(ckread.sharded_param_groups(step_dir))
-        ]
+        template["optimizer"]["param_groups"] = [dict(ours[0]) for _ in range(index.param_groups)]
         ckread.load_sharded(step_dir, template)
         saved = template["optimizer"]["param_groups"]
     template["optimizer"]["param_groups"] = regroup(saved, ours, step_dir)
 
 
-def read_settings_per_name(template: dict[str, Any], step_dir: Path) -> list[dict[str, Any]]:
+def read_settings_per_name(
+    template: dict[str, Any], step_dir: Path, keys: frozenset[str]
+) -> list[dict[str, Any]]:
     """Fill ``template`` (by name, list of groups) from shards that keep their optimizer
     settings per parameter (pipeline's; collective); returns the saved settings as one group
     per parameter. A setting the checkpoint lacks keeps this rank's value."""
-    keys = ckread.sharded_keys(step_dir)
     ours = template["optimizer"]["param_groups"]
     wanted: dict[str, dict[str, Any]] = {}
     for group in ours:

@@ -93,9 +93,9 @@ class ShardedStrategy(Strategy, ShardedState):
         strategy lays them out are read as they are; another strategy's whole files, or its
         shards keyed otherwise (pipeline's settings per parameter, fsdp's and tensor's list
         of groups), by parameter name (:mod:`.cross_form`)."""
-        sharded = (step_dir / layout.SHARDED_DIR).is_dir()
+        index = ckread.sharded_index(step_dir) if (step_dir / layout.SHARDED_DIR).is_dir() else None
         per_name = flattened_optimizer_state(type(self))
-        own = sharded and ckread.sharded_settings_per_name(step_dir) == per_name
+        own = index is not None and index.settings_per_name == per_name
         template = self.sharded_state_dict(optimizer) if own else self.state_by_name(optimizer)
         wanted = {key: tuple(value.shape) for key, value in template["model"].items()}
         if dist.is_initialized():
@@ -104,9 +104,9 @@ class ShardedStrategy(Strategy, ShardedState):
             every: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(every, wanted)
             wanted = {key: shape for part in every for key, shape in part.items()}
-        if sharded:
-            ckread.check_model_fits(wanted, ckread.sharded_model_shapes(step_dir), step_dir)
-            read_in_saved_groups(template, step_dir)
+        if index is not None:
+            ckread.check_model_fits(wanted, index.model_shapes, step_dir)
+            read_in_saved_groups(template, step_dir, index)
         else:  # a replicated strategy's whole files
             load_whole_into_shards(template, step_dir, wanted)
         if own:
