@@ -46,7 +46,6 @@ from typing import Any
 
 from dtrain.balance.balancer import LoadBalancer
 from dtrain.checkpoint import layout
-from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint import state as training_state
 from dtrain.checkpoint import write as ckpt
 from dtrain.checkpoint.resume import ResumePoint, resolve_resume
@@ -238,13 +237,11 @@ class Trainer:
         )
         if point is None or not training_state.load(self.state, point):
             seed_everything(rank_seed(self.cfg.run.seed, self.runtime.rank) + self.step)
-        if point is not None:
-            saved_by = ckread.load_meta(point.path).get("strategy")
-            if saved_by not in (None, self.strategy.name):
-                self.log(
-                    f"dtrain: {point.path.name} was saved by strategy {saved_by!r}; "
-                    f"{self.strategy.name} read its model and optimizer state by parameter name"
-                )
+        if point is not None and point.strategy not in (None, self.strategy.name):
+            self.log(
+                f"dtrain: {point.path.name} was saved by strategy {point.strategy!r}; "
+                f"{self.strategy.name} read its model and optimizer state"
+            )
         return point
 
     # -- the loop ------------------------------------------------------------------------

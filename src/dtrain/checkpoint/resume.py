@@ -42,6 +42,7 @@ class ResumePoint:
     path: Path
     step: int
     world_size: int
+    strategy: str | None = None  # the strategy that saved it (None: not recorded)
 
 
 def candidates(
@@ -109,7 +110,9 @@ def resolve_resume(
         problem = verify_together(path, runtime, words, f"{nonce}/{index}")
         if problem is None:
             meta = ckread.load_meta(path)
-            point = ResumePoint(path, int(meta["step"]), int(meta["world_size"]))
+            point = ResumePoint(
+                path, int(meta["step"]), int(meta["world_size"]), meta.get("strategy")
+            )
             checkpointer.note_verified(point.step)
             return point
         if named and index == len(paths) - 1:
