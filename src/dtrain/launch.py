@@ -223,8 +223,7 @@ def launch_workers(
                 opts.rdzv_endpoint, opts.run_id, nnodes_text(opts), opts.rdzv_timeout_s
             )
             shape = {"--run-id": opts.run_id, "--nnodes": nnodes_text(opts)}
-            host = split_endpoint(opts.rdzv_endpoint)[0]
-            hosting = opts.node_rank in (None, 0) and interface_of_host(host) is not None
+            hosting = may_host_rendezvous(opts)
             run_agent(
                 config,
                 worker_args,
@@ -295,6 +294,16 @@ def hosts_rendezvous(opts: LaunchOptions) -> bool:
     return opts.node_rank == 0 and interface_of_host(host) is not None
 
 
+def may_host_rendezvous(opts: LaunchOptions) -> bool:
+    """Whether this machine may host the rendezvous: it does where :func:`hosts_rendezvous`
+    says so; without ``--node-rank`` torch decides by the machine's addresses, so any machine
+    that has the endpoint's address may."""
+    host, _ = split_endpoint(opts.rdzv_endpoint)
+    return hosts_rendezvous(opts) or (
+        opts.node_rank is None and interface_of_host(host) is not None
+    )
+
+
 def rendezvous_lost(opts: LaunchOptions, exc: BaseException) -> str:
     """One line for a rendezvous that failed: what the endpoint says to a plain connection
     now (refused: the launcher that hosted it is gone; no answer: the network or the
@@ -342,9 +351,9 @@ def wait_for_rendezvous_host(opts: LaunchOptions) -> None:
     """Before joining: wait (up to the rendezvous timeout) for the rendezvous host to accept a
     connection, and name it when it does not -- torch's own attempt ends in a traceback after
     its read timeout, or retries in silence. Not on the node that hosts the rendezvous."""
-    host, port = split_endpoint(opts.rdzv_endpoint)
-    if opts.node_rank is None and interface_of_host(host):
+    if opts.node_rank is None and may_host_rendezvous(opts):
         return  # this machine may be the host (torch decides by its addresses)
+    host, port = split_endpoint(opts.rdzv_endpoint)
 
     def notice(reason: str) -> None:
         print(

@@ -162,9 +162,9 @@ class Coordinator(PollingThread):
         all); the others' launchers post their states. ``per_node``: members per machine.
         ``join_timeout_s``: how long the first generation waits for every machine's workers
         (0: for ever); ``on_wait(nodes, gave_up)`` is told, once after ``NOTICE_S`` (or half
-        the timeout, if sooner) and once
-        on giving up, which machines (node ranks) it still waits for. Given up, the job stops
-        (``gave_up``, and ``stopped`` for the workers) before any step."""
+        the timeout, if sooner) and once on giving up, which machines (node ranks) it still
+        waits for. Given up, the job stops (``gave_up``, and ``stopped`` for the workers)
+        before any step."""
         self.store = store
         self.members = members
         self.local = set(range(members) if local is None else local)
@@ -307,7 +307,7 @@ class Coordinator(PollingThread):
         not asked to join), once; give up after ``join_timeout_s``."""
         waited = now - self._born
         missing = sorted({m // self.per_node for m in set(range(self.members)) - joiners})
-        others = [node for node in missing if not set(self.local) & self._members_of(node)]
+        others = [node for node in missing if not self.local & self._members_of(node)]
         notice_s = min(NOTICE_S, self.join_timeout_s / 2) if self.join_timeout_s else NOTICE_S
         if others and not self._noticed and waited >= notice_s:
             self._noticed = True  # this machine's own workers may still be starting: not them
