@@ -12,6 +12,11 @@ from dtrain.config_load import build_config
 
 REPO = Path(__file__).resolve().parent.parent
 
+# The job's secret of the tests' multi-machine jobs (docs/security.md): every "machine" of a
+# test job is a process started from here, and shares it through the environment. Tests of
+# a missing or wrong secret set their own.
+os.environ.setdefault("DTRAIN_JOB_SECRET", "dtrain-tests-job-secret-0123456789abcdef")
+
 
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:

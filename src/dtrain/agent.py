@@ -20,12 +20,16 @@ import socket
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from dtrain.dist.stores import LOOPBACK
+from dtrain.network import split_endpoint
 from dtrain.rendezvous_wait import announce_waits
 
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
+
+    from dtrain.dist.secret import JobSecret
 
 
 @contextmanager
@@ -41,10 +45,41 @@ def held_port() -> Iterator[int]:
         holder.close()
 
 
+def rendezvous_store(config: LaunchConfig) -> Any:
+    """The rendezvous store of ``config`` (torch's ``LaunchConfig``, c10d backend): hosted here
+    on the address the other machines reach it at (one machine: loopback, a free port), or a
+    client of the machine that hosts it. Where this machine may host it without being told
+    (no ``--node-rank``), it hosts it unless another launcher here already does, as torch
+    decides."""
+    from dtrain.dist.rendezvous import rendezvous_store as open_rendezvous_store
+    from dtrain.dist.stores import LOOPBACK, local_address
+
+    # One machine: "localhost:0" (a free port), which split_endpoint refuses.
+    host, port = (
+        ("localhost", 0)
+        if config.rdzv_endpoint.endswith(":0")
+        else split_endpoint(config.rdzv_endpoint)
+    )
+    read_timeout_s = float(config.rdzv_configs.get("read_timeout", 60))
+    told = config.rdzv_configs.get("is_host")
+    bind = LOOPBACK if port == 0 else local_address(host)
+    hosting = bool(told) if told is not None else bind is not None
+    if hosting and bind is not None:
+        try:
+            return open_rendezvous_store(
+                host, port, hosting=True, bind=bind, read_timeout_s=read_timeout_s
+            )
+        except OSError:
+            if told is not None:
+                raise
+    return open_rendezvous_store(host, port, hosting=False, bind="", read_timeout_s=read_timeout_s)
+
+
 def run_agent(
     config: LaunchConfig,
     args: tuple[str, ...],
     store_port: int | None,
+    secret: JobSecret,
     waiting_words: str = "",
     before_run: Callable[[], None] | None = None,
 ) -> None:
@@ -54,7 +89,8 @@ def run_agent(
     ``waiting_words``: said once when a rendezvous still waits for the other machines after a
     few seconds (dtrain.rendezvous_wait; "": nothing). ``before_run``: called once the
     rendezvous handler (and, on the machine that hosts it, its store) exists, before any
-    worker starts.
+    worker starts. ``secret`` seals the rendezvous state (:mod:`dtrain.dist.rendezvous`).
+    With a ``store_port`` (one machine) the workers' store is at 127.0.0.1.
 
     Raises ``ChildFailedError`` when workers failed; ``RendezvousError`` and
     ``SignalException`` pass through as from ``elastic_launch``."""
@@ -63,7 +99,8 @@ def run_agent(
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.elastic.rendezvous import registry as rendezvous_registry
+
+    from dtrain.dist.rendezvous import make_handler
 
     parameters = RendezvousParameters(
         backend=config.rdzv_backend,
@@ -77,7 +114,7 @@ def run_agent(
     # The agent's worker processes install handlers for these and forward them (torch reads
     # the list from the environment, as elastic_launch sets it).
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
-    handler = rendezvous_registry.get_rendezvous_handler(parameters)
+    handler = make_handler(parameters, rendezvous_store(config), secret)
     if waiting_words:
         announce_waits(handler, waiting_words)
     if before_run is not None:
@@ -91,6 +128,8 @@ def run_agent(
         max_restarts=config.max_restarts,
         monitor_interval=config.monitor_interval,
         master_port=store_port,
+        # One machine: the workers' store on loopback (rank 0 listens where it is reached).
+        master_addr=LOOPBACK if store_port is not None else None,
         local_addr=config.local_addr,
         numa_options=config.numa_options,
     )

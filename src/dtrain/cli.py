@@ -151,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
         "machine with --rdzv-endpoint THIS_MACHINE:PORT.",
     )
     p.add_argument("--port", type=int, default=29400, help="TCP port to serve on")
+    p.add_argument(
+        "--bind",
+        default="",
+        help="the address to listen on, the one the machines reach this one at (default: the "
+        "address of the default route's interface; 0.0.0.0: every address, with a warning)",
+    )
     p = sub.add_parser(
         "status",
         help="a run's step, ETA, last loss and every rank's last heartbeat and speed",
@@ -194,6 +200,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from dtrain.checkpoint.rundir import check_resume_folder, check_run_dir, held_run_dir
     from dtrain.config import validate_ranks
     from dtrain.console import guard_console
+    from dtrain.dist.secret import launcher_secret
+    from dtrain.dist.stores import keep_collectives_on_loopback
     from dtrain.init_from import check_init_from
     from dtrain.job import default_run_dir, load_job_config
     from dtrain.launch import launch_workers, make_options
@@ -214,6 +222,11 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         iface=args.iface,
         rdzv_timeout_s=args.rdzv_timeout,
     )
+    # The job's secret (given, or made for a job on one machine), before anything else: a
+    # machine of a multi-machine job without one stops here, in one line.
+    launcher_secret(multi_machine=bool(opts.rdzv_endpoint))
+    if not opts.rdzv_endpoint:
+        keep_collectives_on_loopback()
     cfg = load_job_config(args.config, overrides)
     if cfg.metrics.tensorboard:
         from dtrain.metrics.tensorboard import check_available
@@ -473,7 +486,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "rendezvous":
             from dtrain.rendezvous_host import serve
 
-            return serve(args.port)
+            return serve(args.port, args.bind)
         if args.command == "estimate":
             return cmd_estimate(args, overrides)
         return cmd_strategies()

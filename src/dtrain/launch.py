@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dtrain.agent import held_port, run_agent
+from dtrain.dist.secret import launcher_secret
 from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
 from dtrain.fault.error_log import LOGS_DIR
 from dtrain.fault.membership import MEMBER_ENV
@@ -160,6 +161,7 @@ def launch_workers(
     from torch.distributed.launcher.api import LaunchConfig
 
     standalone = not opts.rdzv_endpoint
+    secret = launcher_secret(multi_machine=not standalone)
     rdzv_configs: dict[str, object] = {
         "timeout": opts.rdzv_timeout_s,
         # torch's c10d rendezvous reads its wait for the machines from join_timeout (600 s
@@ -217,7 +219,7 @@ def launch_workers(
         if standalone:
             # Held from now until every attempt has ended: see dtrain.agent.
             with held_port() as store_port:
-                run_agent(config, worker_args, store_port)
+                run_agent(config, worker_args, store_port, secret)
         else:
             waiting = waiting_words(
                 opts.rdzv_endpoint, opts.run_id, nnodes_text(opts), opts.rdzv_timeout_s
@@ -228,8 +230,9 @@ def launch_workers(
                 config,
                 worker_args,
                 store_port=None,
+                secret=secret,
                 waiting_words=waiting,
-                before_run=lambda: share_shape(opts.rdzv_endpoint, shape, hosting),
+                before_run=lambda: share_shape(opts.rdzv_endpoint, shape, hosting, secret),
             )
     except RendezvousError as exc:
         raise UserError(rendezvous_lost(opts, exc)) from None

@@ -29,9 +29,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
+from dtrain.dist.stores import LOOPBACK, host_store, store_address
 from dtrain.errors import UserError
 from dtrain.fault.coordinator import Coordinator, NodeWatcher
-from dtrain.fault.coordinator_link import StoreLink, open_store
+from dtrain.fault.coordinator_link import StoreLink
 from dtrain.fault.membership import (
     COORDINATOR_ENV,
     LOCAL_ENV,
@@ -119,7 +120,11 @@ def launch_in_place(
         if nodes > 1:
             check_port_free(opts.rdzv_endpoint)
         port = split_endpoint(opts.rdzv_endpoint)[1] if nodes > 1 else 0
-        store = open_store("0.0.0.0", port, collective_timeout_s, is_master=True)
+        # Listening where the members reach it: loopback on one machine, else the address
+        # of --rdzv-endpoint here.
+        host = split_endpoint(opts.rdzv_endpoint)[0] if nodes > 1 else LOOPBACK
+        bind = LOOPBACK if nodes == 1 else store_address(host, "the membership store")
+        store = host_store(bind, port, collective_timeout_s)
         store.set(PREFIX + "nodes", json.dumps({"nnodes": nodes, "nproc": opts.nproc}))
         # A member that has not asked for the next generation within the collective timeout
         # (and a little) of the first one that did is stuck: it is left out, and rejoins.
@@ -135,7 +140,7 @@ def launch_in_place(
             on_wait=lambda missing, gave_up: None if gave_up else waiting_notice(opts, missing),
         )
         coordinator.start()
-        address = opts.rdzv_endpoint if nodes > 1 else f"127.0.0.1:{store.port}"
+        address = opts.rdzv_endpoint if nodes > 1 else f"{LOOPBACK}:{store.port}"
     else:
         wait_for_rendezvous_host(opts)  # one line when node 0 cannot be reached
         host, port = split_endpoint(opts.rdzv_endpoint)

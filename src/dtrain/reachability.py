@@ -45,6 +45,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from dtrain.dist.stores import host_store, store_address
 from dtrain.errors import UserError
 from dtrain.network import interface_addresses, is_loopback, resolve
 
@@ -142,13 +143,16 @@ def open_store(*, is_master: bool, timeout: datetime.timedelta, connect_timeout_
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = int(os.environ.get("MASTER_PORT", "29500"))
     try:
-        store = dist.TCPStore(  # type: ignore[attr-defined]
-            host,
-            port,
-            is_master=is_master,
-            timeout=datetime.timedelta(seconds=connect_timeout_s),
-            wait_for_workers=False,
-        )
+        if is_master:  # listening where the ranks reach it (MASTER_ADDR), not everywhere
+            store = host_store(store_address(host, "the job's store"), port, connect_timeout_s)
+        else:
+            store = dist.TCPStore(  # type: ignore[attr-defined]
+                host,
+                port,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=connect_timeout_s),
+                wait_for_workers=False,
+            )
     except (RuntimeError, OSError) as exc:
         role = "host" if is_master else "reach"
         # torch's message is long and mangles addresses; a plain connection says why in a word.

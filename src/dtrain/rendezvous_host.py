@@ -8,39 +8,62 @@ node, any machine that stays up -- the rendezvous outlives any training machine:
 ``--max-restarts``, the others restart their workers and wait for the lost machine, and the
 job resumes from its newest checkpoint as soon as ``dtrain train`` is started there again.
 It is torch's own key-value store (the c10d rendezvous's backend), served until this command
-is stopped.
+is stopped, on one address (``--bind``), with the check of the job's secret that every
+machine's launcher compares its own with (docs/security.md).
 """
 
 from __future__ import annotations
 
-import datetime
 import signal
 import sys
 
 from dtrain.errors import UserError
+from dtrain.network import default_route_interface, interface_addresses
 
 
-def serve(port: int) -> int:
-    """Serve the rendezvous store on every address of this machine at ``port`` until SIGINT
-    or SIGTERM; returns the exit code."""
-    import torch.distributed as dist
+def default_address() -> str:
+    """The address of the default route's interface: the one other machines reach this one
+    at, on most clusters; a :class:`UserError` when there is none."""
+    interface = default_route_interface()
+    addresses = interface_addresses(interface) if interface else []
+    if not addresses:
+        raise UserError(
+            "dtrain rendezvous: this machine has no default route to take its address from; "
+            "pass --bind ADDRESS (the one the training machines reach this one at)"
+        )
+    return addresses[0]
+
+
+def serve(port: int, bind: str = "") -> int:
+    """Serve the rendezvous store at ``bind:port`` (default: the address of the default
+    route's interface) until SIGINT or SIGTERM; returns the exit code."""
+    from dtrain.dist.rendezvous import post_secret_check
+    from dtrain.dist.secret import HOW_TO, process_secret
+    from dtrain.dist.stores import WILDCARDS, host_store
 
     if not 0 < port < 65536:
         raise UserError(f"--port {port}: a TCP port, 1 to 65535")
-    try:
-        store = dist.TCPStore(  # type: ignore[attr-defined]
-            "0.0.0.0",
-            port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=60),
+    secret = process_secret()
+    if secret is None:
+        raise UserError(f"dtrain rendezvous needs the job's secret: {HOW_TO}")
+    address = bind or default_address()
+    if address in WILDCARDS:
+        print(
+            "dtrain: warning: --bind 0.0.0.0: the rendezvous listens on every address of "
+            "this machine; keep its port behind a firewall (docs/security.md)",
+            file=sys.stderr,
         )
+        address = "0.0.0.0"
+    try:
+        store = host_store(address, port, 60.0)
     except (RuntimeError, OSError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise UserError(f"cannot serve the rendezvous on port {port}: {first}") from None
+        raise UserError(f"cannot serve the rendezvous on {address}:{port}: {first}") from None
+    post_secret_check(store, secret)
     print(
-        f"dtrain: rendezvous store listening on port {port}; start `dtrain train` on every "
-        f"machine with --rdzv-endpoint THIS_MACHINE:{port} (Ctrl-C or SIGTERM stops it)",
+        f"dtrain: rendezvous store listening on {address}:{port}; start `dtrain train` on "
+        f"every machine with --rdzv-endpoint THIS_MACHINE:{port} and the same job secret "
+        "(Ctrl-C or SIGTERM stops it)",
         file=sys.stderr,
         flush=True,
     )

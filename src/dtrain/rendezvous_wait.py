@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from dtrain.dist.secret import JobSecret
 from dtrain.errors import UserError
 from dtrain.network import split_endpoint
 
@@ -30,24 +31,41 @@ NOTICE_AFTER_S = 5.0  # a rendezvous of machines started together completes well
 SHAPE_KEY = "dtrain/launch/shape"  # in the rendezvous store: the hosting launcher's job shape
 
 
-def share_shape(endpoint: str, shape: dict[str, str], hosting: bool) -> None:
+def share_shape(endpoint: str, shape: dict[str, str], hosting: bool, secret: JobSecret) -> None:
     """Once the rendezvous store is up (the hosting launcher's torch handler made it): post
-    ``shape`` (``{"--run-id": ..., "--nnodes": ...}``) there when ``hosting``, else compare it
-    with the one posted: a :class:`UserError` naming what differs. Nothing posted -- a
-    rendezvous served apart (``dtrain rendezvous``), or its host a moment behind -- is not
-    checked (the wait then says what it waits for)."""
+    ``shape`` (``{"--run-id": ..., "--nnodes": ...}``) and the check of the job's secret there
+    when ``hosting``, else compare this machine's with those posted: a :class:`UserError`
+    naming what differs. Nothing posted -- a rendezvous served apart (``dtrain rendezvous``
+    posts only the secret's check), or its host a moment behind -- is not checked (the wait
+    then says what it waits for)."""
     import torch.distributed as dist
+
+    from dtrain.dist.rendezvous import check_secret, post_secret_check
 
     host, port = split_endpoint(endpoint)
     store = dist.TCPStore(  # type: ignore[attr-defined]
         host, port, is_master=False, timeout=datetime.timedelta(seconds=30)
     )
     if hosting:
-        store.set(SHAPE_KEY, json.dumps(shape))
+        post_secret_check(store, secret)
+        store.set(SHAPE_KEY, secret.seal(SHAPE_KEY, json.dumps(shape).encode()))  # type: ignore[arg-type]
         return
+    check_secret(store, secret, endpoint)
     if not store.check([SHAPE_KEY]):
         return
-    theirs = json.loads(bytes(store.get(SHAPE_KEY)).decode())
+    posted = secret.unseal(SHAPE_KEY, bytes(store.get(SHAPE_KEY)))
+    try:
+        theirs = json.loads(posted.decode()) if posted is not None else None
+    except ValueError:  # sealed by the job, so never; but a bad shape must not stop a machine
+        theirs = None
+    if not isinstance(theirs, dict):
+        print(
+            f"dtrain: warning: ignored the value of {SHAPE_KEY!r} in the rendezvous store: it "
+            "fails its seal (written by a process without the job's secret)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
     differ = [flag for flag in shape if theirs.get(flag) != shape[flag]]
     if differ:
         here = " ".join(f"{flag} {shape[flag]}" for flag in differ)

@@ -43,12 +43,12 @@ class StoreUnreachable(UserError):
     lost machine, not a bug: restart mode's lost rendezvous host is one line too)."""
 
 
-def open_store(host: str, port: int, timeout_s: float, *, is_master: bool = False) -> Any:
-    """The membership store at ``host:port`` (``is_master``: hosted by this process)."""
+def open_store(host: str, port: int, timeout_s: float) -> Any:
+    """A client of the membership store at ``host:port``."""
     return dist.TCPStore(  # type: ignore[attr-defined]
         host,
         port,
-        is_master=is_master,
+        is_master=False,
         timeout=datetime.timedelta(seconds=timeout_s),
         wait_for_workers=False,
     )
