@@ -39,15 +39,17 @@ import os, sys, uuid
 os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # as dtrain.launch: rank 0 hosts it
 from torch.distributed.launcher.api import LaunchConfig
 from dtrain.agent import held_port, run_agent
+from dtrain.dist.secret import JobSecret
+secret = JobSecret(b"a test's job secret")
 config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, run_id=uuid.uuid4().hex,
                       rdzv_backend="c10d", rdzv_endpoint="localhost:0", monitor_interval=0.1,
                       start_method="spawn")
 args = ("-c", sys.argv[1], sys.argv[2])
 if sys.argv[3] == "held":
     with held_port() as port:
-        run_agent(config, args, port)
+        run_agent(config, args, port, secret)
 else:
-    run_agent(config, args, None)
+    run_agent(config, args, None, secret)
 """
 
 

@@ -11,13 +11,14 @@ from typing import Any
 import pytest
 
 from dtrain.agent import held_port
+from dtrain.dist.stores import host_store
 from dtrain.fault import coordinator_link
-from dtrain.fault.coordinator_link import StoreLink, StoreUnreachable, open_store
+from dtrain.fault.coordinator_link import StoreLink, StoreUnreachable
 
 
 def test_a_call_waits_out_an_outage_on_a_fresh_connection() -> None:
     with held_port() as port:  # no one else takes it while the store is away (dtrain.agent)
-        server: Any = open_store("127.0.0.1", port, 10.0, is_master=True)
+        server: Any = host_store("127.0.0.1", port, 10.0)
         link = StoreLink("127.0.0.1", port, call_s=2.0, patience_s=30.0)
         link.call(lambda s: s.set("k", "1"), "a set")
         del server  # the store is gone (its server closed): calls fail until it is back
@@ -26,7 +27,7 @@ def test_a_call_waits_out_an_outage_on_a_fresh_connection() -> None:
         caller.start()
         time.sleep(0.5)
         assert caller.is_alive()  # still trying
-        server = open_store("127.0.0.1", port, 10.0, is_master=True)
+        server = host_store("127.0.0.1", port, 10.0)
         server.set("k", "2")
         caller.join(20)
     assert got == [b"2"] and link.outages >= 1

@@ -7,9 +7,10 @@ from typing import Any
 
 import pytest
 
+from dtrain.dist.stores import host_store
 from dtrain.errors import UserError
 from dtrain.fault.coordinator import NodeWatcher
-from dtrain.fault.coordinator_link import StoreLink, open_store
+from dtrain.fault.coordinator_link import StoreLink
 from dtrain.fault.node_claim import claim_key, claim_node
 from dtrain.launch import make_options
 from dtrain.launch_inplace import check_machines
@@ -46,7 +47,7 @@ def test_a_node_rank_another_live_launcher_runs_is_refused_and_a_dead_ones_taken
     # Two machines with the same --node-rank started workers under the same member ids, each
     # overwriting the other's registration (it was not detected). The store is real; the
     # quiet interval is the test's own: during it, a live holder's watcher polls once.
-    server: Any = open_store("127.0.0.1", 0, 10.0, is_master=True)
+    server: Any = host_store("127.0.0.1", 0, 10.0)
     first = StoreLink("127.0.0.1", server.port, call_s=2.0, patience_s=10.0)
     token = claim_node(first, 1, 2, sleep=fail_if_called)  # free: taken at once
     watcher = NodeWatcher(first, [], node=1)  # the first launcher's, polled by hand

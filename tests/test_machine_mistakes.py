@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from dtrain.agent import held_port
+from dtrain.dist.stores import host_store
 from dtrain.fault.coordinator import NOTICE_S, Coordinator
-from dtrain.fault.coordinator_link import open_store
 from dtrain.fault.membership import PREFIX
 from dtrain.launch import make_options, rendezvous_lost
 from dtrain.rendezvous_wait import announce_waits
@@ -76,7 +76,7 @@ def register_and_ask(store: Any, member: int) -> None:
 
 
 def test_inplace_names_the_machine_it_waits_for_and_gives_up_after_the_timeout() -> None:
-    store = open_store("127.0.0.1", 0, 30.0, is_master=True)
+    store = host_store("127.0.0.1", 0, 30.0)
     told: list[tuple[list[int], bool]] = []
     coordinator = Coordinator(
         store,
@@ -152,7 +152,7 @@ def test_a_rank_interrupted_on_its_machine_is_named_so_to_the_others() -> None:
 def test_a_member_waiting_for_the_first_generation_gives_up_when_told() -> None:
     from dtrain.fault.membership import Member
 
-    store = open_store("127.0.0.1", 0, 30.0, is_master=True)
+    store = host_store("127.0.0.1", 0, 30.0)
     member = Member(f"127.0.0.1:{store.port}", 0, 2, 30.0)  # member 1 never comes
     try:
         member.ask(-1, -1)
@@ -181,17 +181,20 @@ def test_an_in_place_worker_s_failure_names_its_member_not_its_agent_s_rank_0(
 
 
 def test_a_machine_started_with_another_nnodes_or_run_id_is_refused_by_the_host_s_shape() -> None:
+    from dtrain.dist.secret import JobSecret
     from dtrain.errors import UserError
     from dtrain.rendezvous_wait import share_shape
 
-    store = open_store("127.0.0.1", 0, 30.0, is_master=True)  # as torch's rendezvous host's
+    store = host_store("127.0.0.1", 0, 30.0)  # as torch's rendezvous host's
     endpoint = f"127.0.0.1:{store.port}"
-    share_shape(endpoint, {"--run-id": "myjob", "--nnodes": "2"}, hosting=False)  # none posted
-    share_shape(endpoint, {"--run-id": "myjob", "--nnodes": "2"}, hosting=True)
-    share_shape(endpoint, {"--run-id": "myjob", "--nnodes": "2"}, hosting=False)  # the same
+    secret = JobSecret(b"the job's secret")
+    shape = {"--run-id": "myjob", "--nnodes": "2"}
+    share_shape(endpoint, shape, hosting=False, secret=secret)  # none posted
+    share_shape(endpoint, shape, hosting=True, secret=secret)
+    share_shape(endpoint, shape, hosting=False, secret=secret)  # the same
     # Both sides waited in torch's rendezvous, each for machines of its own job.
     with pytest.raises(UserError) as refused:
-        share_shape(endpoint, {"--run-id": "other", "--nnodes": "3"}, hosting=False)
+        share_shape(endpoint, {"--run-id": "other", "--nnodes": "3"}, hosting=False, secret=secret)
     assert str(refused.value) == (
         f"--run-id other --nnodes 3 here, but the machine that hosts the rendezvous at "
         f"{endpoint} runs --run-id myjob --nnodes 2: start every machine of the job with the "
@@ -240,6 +243,7 @@ def test_an_agent_that_returns_no_result_is_a_closed_rendezvous(
     from torch.distributed.launcher.api import LaunchConfig
 
     from dtrain.agent import run_agent
+    from dtrain.dist.secret import JobSecret
 
     monkeypatch.setattr(LocalElasticAgent, "run", lambda self: None)  # as on a graceful exit
     config = LaunchConfig(
@@ -252,4 +256,4 @@ def test_an_agent_that_returns_no_result_is_a_closed_rendezvous(
         shutdown_timeout=1,
     )
     with pytest.raises(RendezvousClosedError):
-        run_agent(config, ("-c", "pass"), store_port=None)
+        run_agent(config, ("-c", "pass"), store_port=None, secret=JobSecret(b"a secret"))

@@ -11,14 +11,15 @@ from typing import Any
 
 import pytest
 
+from dtrain.dist.stores import host_store
 from dtrain.fault.coordinator import Coordinator, NodeWatcher, process_state
-from dtrain.fault.coordinator_link import StoreLink, open_store
+from dtrain.fault.coordinator_link import StoreLink
 from dtrain.fault.membership import PREFIX, Member
 
 
 @pytest.fixture
 def store() -> Any:
-    return open_store("127.0.0.1", 0, 30.0, is_master=True)
+    return host_store("127.0.0.1", 0, 30.0)
 
 
 def register(store: Any, member: int, pid: int, nonce: str) -> None:

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from dtrain.dist.stores import LOOPBACK, host_store, store_address
+from dtrain.dist.stores import LOOPBACK, host_store, local_address
 from dtrain.errors import UserError
 from dtrain.fault.coordinator import Coordinator, NodeWatcher
 from dtrain.fault.coordinator_link import StoreLink
@@ -122,8 +122,9 @@ def launch_in_place(
         port = split_endpoint(opts.rdzv_endpoint)[1] if nodes > 1 else 0
         # Listening where the members reach it: loopback on one machine, else the address
         # of --rdzv-endpoint here.
+        # (check_machines made sure the endpoint is one of this machine's addresses.)
         host = split_endpoint(opts.rdzv_endpoint)[0] if nodes > 1 else LOOPBACK
-        bind = LOOPBACK if nodes == 1 else store_address(host, "the membership store")
+        bind = local_address(host) or LOOPBACK
         store = host_store(bind, port, collective_timeout_s)
         store.set(PREFIX + "nodes", json.dumps({"nnodes": nodes, "nproc": opts.nproc}))
         # A member that has not asked for the next generation within the collective timeout

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dtrain.dist.stores import host_store, store_address
+from dtrain.dist.stores import host_store, local_address
 from dtrain.errors import UserError
 from dtrain.network import interface_addresses, is_loopback, resolve
 
@@ -144,7 +144,10 @@ def open_store(*, is_master: bool, timeout: datetime.timedelta, connect_timeout_
     port = int(os.environ.get("MASTER_PORT", "29500"))
     try:
         if is_master:  # listening where the ranks reach it (MASTER_ADDR), not everywhere
-            store = host_store(store_address(host, "the job's store"), port, connect_timeout_s)
+            address = local_address(host)
+            if address is None:
+                raise OSError(errno.EADDRNOTAVAIL, f"{host} is not an address of this machine")
+            store = host_store(address, port, connect_timeout_s)
         else:
             store = dist.TCPStore(  # type: ignore[attr-defined]
                 host,
