@@ -101,6 +101,11 @@ def test_a_machine_with_another_secret_is_refused_by_the_rendezvous_check() -> N
     check_secret(client, SECRET, "here:1")
     with pytest.raises(UserError, match="started with another job secret than this machine"):
         check_secret(client, JobSecret(b"another secret"), "here:1")
+    # A machine that came first (nothing posted then) finds out at the first state it reads.
+    SealedRendezvousBackend(store, "job", SECRET).set_state(b"state", None)
+    late = SealedRendezvousBackend(client, "job", JobSecret(b"another secret"), "here:1")
+    with pytest.raises(UserError, match="--rdzv-endpoint here:1: the rendezvous there was"):
+        late.get_state()
 
 
 # -- torch's rendezvous state, sealed ---------------------------------------------------------
