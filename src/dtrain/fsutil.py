@@ -53,6 +53,42 @@ def sha256_file(
     return h.hexdigest()
 
 
+def current_umask() -> int:
+    """This process's umask, read without changing it: ``os.umask`` only sets it, and setting
+    it even for an instant changes the mode of a file another thread creates meanwhile."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    old = os.umask(0o077)  # no /proc (not Linux): the strictest mask for that instant
+    os.umask(old)
+    return old
+
+
+def follow_umask(path: Path | str) -> None:
+    """Give ``path`` -- a file, or a folder and everything in it -- the modes a plain ``open``
+    or ``mkdir`` gives under the user's umask (0666 or 0777 less it). For what a library wrote
+    with modes of its own: safetensors' ``save_file`` makes 0600 whatever the umask, so an
+    export would be unreadable to the group that can read the run folder it came from."""
+    mask = current_umask()
+    path = Path(path)
+    if path.is_symlink():
+        return  # a link's mode is its target's: not ours to change
+    if not path.is_dir():
+        os.chmod(path, 0o666 & ~mask)
+        return
+    os.chmod(path, 0o777 & ~mask)
+    for folder, dirs, files in os.walk(path):
+        for names, mode in ((dirs, 0o777), (files, 0o666)):
+            for name in names:
+                entry = os.path.join(folder, name)
+                if not os.path.islink(entry):
+                    os.chmod(entry, mode & ~mask)
+
+
 def write_atomic(path: Path | str, data: bytes | str) -> None:
     """Replace ``path`` with ``data`` atomically and durably."""
     path = Path(path)
