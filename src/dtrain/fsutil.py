@@ -23,11 +23,22 @@ def fsync_dir(path: Path | str) -> None:
 
 
 def write_bytes_synced(
-    path: Path | str, data: bytes, on_progress: Callable[[], None] | None = None
+    path: Path | str,
+    data: bytes,
+    on_progress: Callable[[], None] | None = None,
+    mode: int | None = None,
 ) -> None:
     """Write ``data`` to ``path`` and fsync the file (not atomic by itself); ``on_progress``
-    is called after each piece of it written (a checkpoint file may be GBs)."""
-    with open(path, "wb") as fh:
+    is called after each piece of it written (a checkpoint file may be GBs). ``mode``: the
+    file is created anew with these permission bits (a file already at ``path`` is removed
+    first), so that it is never readable more widely, even for a moment, as a chmod after
+    the write would leave it."""
+    if mode is None:
+        opened = open(path, "wb")  # noqa: SIM115 (closed by the with below)
+    else:
+        Path(path).unlink(missing_ok=True)
+        opened = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb")
+    with opened as fh:
         if on_progress is None:
             fh.write(data)
         else:
@@ -89,12 +100,13 @@ def follow_umask(path: Path | str) -> None:
                     os.chmod(entry, mode & ~mask)
 
 
-def write_atomic(path: Path | str, data: bytes | str) -> None:
-    """Replace ``path`` with ``data`` atomically and durably."""
+def write_atomic(path: Path | str, data: bytes | str, mode: int | None = None) -> None:
+    """Replace ``path`` with ``data`` atomically and durably; ``mode``: the file's permission
+    bits from its creation on (a secret: 0o600), else what the umask makes."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        write_bytes_synced(tmp, data.encode() if isinstance(data, str) else data)
+        write_bytes_synced(tmp, data.encode() if isinstance(data, str) else data, mode=mode)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)  # a full disk leaves no half-written file behind
