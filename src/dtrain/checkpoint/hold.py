@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.errors import UserError
-from dtrain.fault.liveness import process_alive
 from dtrain.fsutil import fsync_dir, write_atomic
+from dtrain.process_exit import process_alive
 
 HOLD_FILE = "hold.json"
 JOB_ID_ENV = "DTRAIN_JOB_ID"  # the hold's token, set by the launcher for its workers

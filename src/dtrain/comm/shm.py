@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from dtrain.comm.mean import divide_into
 from dtrain.config import CommConfig
-from dtrain.fault.liveness import process_alive
+from dtrain.process_exit import process_alive
 from dtrain.runtime import env_int
 
 _TOKEN_BYTES = 16
