@@ -372,3 +372,21 @@ def test_a_marker_from_before_pieces_still_verifies(tmp_path: Path) -> None:
     corrupt(folder / "model.pt", "bit-flip")
     with pytest.raises(CheckpointError, match=r"model\.pt fails its SHA-256 checksum$"):
         ckread.verify_checkpoint(folder)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_checkpoint_files_follow_the_umask(tmp_path: Path, umask: int) -> None:
+    """Whole files (torch.save), the marker, and DCP's shards and metadata: 0666 less the
+    umask, folders 0777 less it, as the run folder around them (an export reads them)."""
+    old = os.umask(umask)
+    try:
+        c = make_checkpointer(tmp_path)
+        save(c, 5)
+        c.save(6, {}, {"step": 6}, blocking=True, sharded={"model": {"w": torch.ones(4)}})
+    finally:
+        os.umask(old)
+    entries = list(tmp_path.rglob("*"))
+    assert {p.name for p in entries} >= {"model.pt", "COMMITTED.json", ".metadata", "dcp"}
+    for p in entries:
+        want = (0o777 if p.is_dir() else 0o666) & ~umask
+        assert p.stat().st_mode & 0o777 == want, p

@@ -102,6 +102,7 @@ def write_tiny_config(path: Path, run_dir: Path, **extra: str) -> Path:
         (["train", "--fault.min_replicas=2"], "applies to fault.recovery = 'inplace' only"),
         (["train", '--fault.preempt_signals=["SIGKILL"]'], "SIGKILL cannot be caught"),
         (["train", '--fault.preempt_signals=["SIGSTOP"]'], "SIGSTOP cannot be caught"),
+        (["train", '--fault.preempt_signals=["SIGCHLD"]'], "SIGCHLD does not mean 'stop'"),
         (["verify", "/no/such/dataset"], "does not exist"),
         (["prepare", "/no/such/source", "/tmp/x"], "source /no/such/source does not exist"),
     ],

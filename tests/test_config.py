@@ -140,3 +140,17 @@ def test_every_toml_block_of_the_docs_is_a_valid_config(tmp_path: Path) -> None:
             load_config(path)
         except ConfigError as exc:
             raise AssertionError(f"{name}: {exc}\n{block}") from None
+
+
+def test_preempt_signals_are_signals_that_mean_stop() -> None:
+    """SIGCHLD comes whenever a child process ends: it was accepted and stopped a run at step
+    1. Only the signals that mean "stop" may make the ranks save and exit; any other is one
+    line at load naming the key and every allowed name."""
+    stops = ["SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT", "SIGXCPU"]
+    assert build_config({"fault": {"preempt_signals": stops}}).fault.preempt_signals == stops
+    for name in ("SIGCHLD", "SIGWINCH", "SIGALRM", "SIGSEGV", "SIGKILL", "TERM", "sigterm"):
+        with pytest.raises(ConfigError) as err:
+            build_config({"fault": {"preempt_signals": ["SIGTERM", name]}})
+        message = str(err.value)
+        assert message.startswith("fault.preempt_signals: ") and "\n" not in message
+        assert message.endswith("; use any of " + ", ".join(stops)), message

@@ -5,6 +5,9 @@ Bad input is one line and exit code 2, and the run folder is only read."""
 
 from __future__ import annotations
 
+import os
+import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -195,3 +198,41 @@ def test_bad_exports_are_one_line_and_leave_the_run_folder_alone(
     with pytest.raises(SystemExit):
         main(["export", str(run_dir), str(tmp_path / "o"), "--format", "onnx"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.fixture(params=[0o022, 0o077], ids=["umask022", "umask077"])
+def umask(request: pytest.FixtureRequest) -> Iterator[int]:
+    old = os.umask(request.param)
+    try:
+        yield request.param
+    finally:
+        os.umask(old)
+
+
+def modes_under(path: Path) -> dict[str, int]:
+    """Every entry's permission bits, by its path under ``path`` ("." for ``path`` itself)."""
+    entries = [path, *path.rglob("*")] if path.is_dir() else [path]
+    return {str(p.relative_to(path)): stat.S_IMODE(p.stat().st_mode) for p in entries}
+
+
+def test_exports_follow_the_umask_as_the_run_folder_does(tmp_path: Path, umask: int) -> None:
+    """safetensors' save_file makes 0600 whatever the umask (and save_pretrained calls it):
+    every file of every format is 0666 less the umask, every folder 0777 less it."""
+    from dtrain.checkpoint.write import Checkpointer
+    from dtrain.model_config import save_model_config
+
+    model = plain_gpt2()
+    run_dir = tmp_path / "run"
+    save_model_config(model, run_dir)
+    saver = Checkpointer(
+        run_dir / "checkpoints", rank=0, world_size=1, keep_last=1, keep_every=0, log=print
+    )
+    meta = {"step": 1, "world_size": 1, "strategy": "ddp"}
+    saver.save(1, {"model.pt": model.state_dict()}, meta, blocking=True)
+    for fmt, name in (("safetensors", "out.safetensors"), ("torch", "out.pt"), ("hf", "out-hf")):
+        out = tmp_path / name
+        export(run_dir, out, "--format", fmt)
+        modes = modes_under(out)
+        want = {name: (0o777 if (out / name).is_dir() else 0o666) & ~umask for name in modes}
+        assert modes == want, fmt
+    assert "model.safetensors" in modes  # the hf folder holds what safetensors wrote

@@ -255,3 +255,41 @@ def test_dtrain_prepare_and_an_existing_output(
     assert len(ShardedDataset(out)) == 3
     assert main(["prepare", str(src), str(tmp_path / "x"), "--field", "nope"]) == 2
     assert "no field 'nope'" in capsys.readouterr().err
+
+
+def test_overwrite_replaces_a_dataset_and_nothing_else(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--overwrite deletes what it replaces: only a folder dtrain's writer made (its manifest
+    and the files listed there) is; a folder of the user's, a plain file, a dataset with a
+    file of the user's added, are one line, exit 2, and left exactly as they were."""
+    src = write_jsonl(tmp_path / "d.jsonl", [{"body": "abc"}] * 4)
+    dataset = tmp_path / "dataset"
+    assert main(["prepare", str(src), str(dataset), "--field", "body"]) == 0
+    write_jsonl(src, [{"body": "xy"}] * 7)
+    assert main(["prepare", str(src), str(dataset), "--field", "body", "--overwrite"]) == 0
+    assert len(ShardedDataset(dataset)) == 7
+    capsys.readouterr()
+
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    (folder / "holiday.jpg").write_bytes(b"\xff\xd8 precious")
+    plain = tmp_path / "notes.txt"
+    plain.write_text("keep me")
+    added = tmp_path / "dataset-plus"
+    assert main(["prepare", str(src), str(added), "--field", "body"]) == 0
+    (added / "README.md").write_text("mine")
+    capsys.readouterr()
+    for out, why in (
+        (folder, "it holds no readable manifest.json"),
+        (plain, "a file, not a folder"),
+        (added, "it holds 'README.md', which its manifest.json does not list"),
+    ):
+        before = {p: p.read_bytes() for p in [out, *out.rglob("*")] if p.is_file()}
+        args = ["prepare", str(src), str(out), "--field", "body", "--overwrite"]
+        assert main(args) == USER_ERROR_EXIT_CODE
+        err = capsys.readouterr().err
+        assert f"{out} is not one ({why}" in err and err.count("\n") == 1, err
+        after = {p: p.read_bytes() for p in [out, *out.rglob("*")] if p.is_file()}
+        assert after == before, out
+    assert no_leftovers(tmp_path)

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -247,6 +248,30 @@ def test_a_hold_from_another_machine_is_refused_while_renewed_and_taken_once_it_
     assert err.count("which is gone; taking it over") == 1, err
     assert hold.record.run_id == "new"
     hold.release()
+
+
+def test_the_hold_and_its_token_are_the_user_s_alone_to_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """hold.json holds the job's token: mode 0600 under a umask that makes files 0644, when
+    taken, taken over from a gone job, and renewed (each is a new file, created so)."""
+    monkeypatch.setattr(holds, "RENEW_S", 0.02)
+    path = tmp_path / holds.HOLD_FILE
+    old = os.umask(0o022)
+    try:
+        for _ in range(2):  # taken, then (a hold of another machine that is gone) taken over
+            hold = holds.take_hold(tmp_path, "job", "", lease_s=0.1)
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600
+            deadline = time.monotonic() + 10
+            while (holds.read_hold(path) or hold.record).renewals < 2:
+                assert time.monotonic() < deadline, "the hold was not renewed"
+                time.sleep(0.01)
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600  # renewed: a new file
+            hold.release()
+            _hold(tmp_path)
+    finally:
+        os.umask(old)
+    assert not [p.name for p in tmp_path.iterdir() if p.name != holds.HOLD_FILE]
 
 
 def test_machines_of_one_job_share_its_hold(tmp_path: Path) -> None:

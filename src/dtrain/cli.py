@@ -108,7 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--field", default="text", help="JSONL/Parquet field holding the text")
     p.add_argument("--columns", default="", help="Parquet columns to keep (comma separated)")
     p.add_argument("--shard-mb", type=float, default=64.0, help="target shard size in MB")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace OUT when it is a dtrain dataset (nothing else is replaced)",
+    )
     p.add_argument(
         "--tokenizer",
         default="",

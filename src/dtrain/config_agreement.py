@@ -19,6 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from dtrain.checkpoint.rundir import flatten
+from dtrain.comm.plain import all_gather_json
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.runtime import Runtime
@@ -42,12 +43,13 @@ def agree_on_config(cfg: Config, runtime: Runtime) -> None:
     if runtime.world_size == 1 or not dist.is_initialized():
         return
     mine = shared_part(cfg)
-    digests: list[Any] = [None] * runtime.world_size
-    dist.all_gather_object(digests, digest(mine))
+    digests = all_gather_json(digest(mine))
     if len(set(digests)) == 1:
         return
-    everyone: list[Any] = [None] * runtime.world_size
-    dist.all_gather_object(everyone, (socket.gethostname(), mine))
+    # As JSON has them: a value JSON cannot hold (a TOML date in [task]) as its repr, which
+    # is what the digest above saw of it.
+    plain = json.loads(json.dumps(mine, default=repr))
+    everyone = [(str(host), part) for host, part in all_gather_json([socket.gethostname(), plain])]
     raise ConfigError(describe_differences(everyone))
 
 

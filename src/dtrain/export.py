@@ -7,7 +7,8 @@ checkpoint folder. The names are the model's own (``transformer.h.0.attn.c_attn.
 tensors keep their dtype. ``safetensors`` and ``torch`` write a state dict into the file
 ``OUT``; ``hf`` writes the folder ``OUT`` from the Hugging Face config the run saved
 (``RUN_DIR/hf_config``, :mod:`dtrain.model_config`) with the model's own ``save_pretrained``.
-``OUT`` is written whole or not at all (beside it, then renamed); the run folder is only read.
+``OUT`` is written whole or not at all (beside it, then renamed), its modes as the user's umask
+makes them (as the run folder's); the run folder is only read.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from dtrain.checkpoint.consolidate import Consolidated, consolidate, find_checkpoint
 from dtrain.errors import UserError
-from dtrain.fsutil import fsync_dir
+from dtrain.fsutil import follow_umask, fsync_dir
 from dtrain.model_config import hf_config_dir
 from dtrain.output_folder import require_output_folder
 
@@ -57,6 +58,9 @@ def export(
             from dtrain.hf import write_pretrained
 
             write_pretrained(model.state, config_dir, partial)
+        # Before the rename, so that OUT never shows the writer's own modes (safetensors:
+        # 0600 whatever the umask; save_pretrained's folder holds such a file too).
+        follow_umask(partial)
         os.replace(partial, out)
         fsync_dir(out.parent)
     finally:

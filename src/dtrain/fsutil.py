@@ -23,11 +23,22 @@ def fsync_dir(path: Path | str) -> None:
 
 
 def write_bytes_synced(
-    path: Path | str, data: bytes, on_progress: Callable[[], None] | None = None
+    path: Path | str,
+    data: bytes,
+    on_progress: Callable[[], None] | None = None,
+    mode: int | None = None,
 ) -> None:
     """Write ``data`` to ``path`` and fsync the file (not atomic by itself); ``on_progress``
-    is called after each piece of it written (a checkpoint file may be GBs)."""
-    with open(path, "wb") as fh:
+    is called after each piece of it written (a checkpoint file may be GBs). ``mode``: the
+    file is created anew with these permission bits (a file already at ``path`` is removed
+    first), so that it is never readable more widely, even for a moment, as a chmod after
+    the write would leave it."""
+    if mode is None:
+        opened = open(path, "wb")  # noqa: SIM115 (closed by the with below)
+    else:
+        Path(path).unlink(missing_ok=True)
+        opened = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb")
+    with opened as fh:
         if on_progress is None:
             fh.write(data)
         else:
@@ -53,12 +64,49 @@ def sha256_file(
     return h.hexdigest()
 
 
-def write_atomic(path: Path | str, data: bytes | str) -> None:
-    """Replace ``path`` with ``data`` atomically and durably."""
+def current_umask() -> int:
+    """This process's umask, read without changing it: ``os.umask`` only sets it, and setting
+    it even for an instant changes the mode of a file another thread creates meanwhile."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    old = os.umask(0o077)  # no /proc (not Linux): the strictest mask for that instant
+    os.umask(old)
+    return old
+
+
+def follow_umask(path: Path | str) -> None:
+    """Give ``path`` -- a file, or a folder and everything in it -- the modes a plain ``open``
+    or ``mkdir`` gives under the user's umask (0666 or 0777 less it). For what a library wrote
+    with modes of its own: safetensors' ``save_file`` makes 0600 whatever the umask, so an
+    export would be unreadable to the group that can read the run folder it came from."""
+    mask = current_umask()
+    path = Path(path)
+    if path.is_symlink():
+        return  # a link's mode is its target's: not ours to change
+    if not path.is_dir():
+        os.chmod(path, 0o666 & ~mask)
+        return
+    os.chmod(path, 0o777 & ~mask)
+    for folder, dirs, files in os.walk(path):
+        for names, mode in ((dirs, 0o777), (files, 0o666)):
+            for name in names:
+                entry = os.path.join(folder, name)
+                if not os.path.islink(entry):
+                    os.chmod(entry, mode & ~mask)
+
+
+def write_atomic(path: Path | str, data: bytes | str, mode: int | None = None) -> None:
+    """Replace ``path`` with ``data`` atomically and durably; ``mode``: the file's permission
+    bits from its creation on (a secret: 0o600), else what the umask makes."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        write_bytes_synced(tmp, data.encode() if isinstance(data, str) else data)
+        write_bytes_synced(tmp, data.encode() if isinstance(data, str) else data, mode=mode)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)  # a full disk leaves no half-written file behind

@@ -26,6 +26,7 @@ from typing import Any
 import torch.distributed as dist
 
 from dtrain.checkpoint.rng import seed_everything
+from dtrain.comm.plain import broadcast_json
 from dtrain.config import Config
 from dtrain.config_agreement import agree_on_config
 from dtrain.config_load import apply_overrides, build_config, read_toml
@@ -66,10 +67,10 @@ def agree_on_run_dir(cfg: Config, runtime: Runtime) -> None:
     on either side of a second boundary never write to two folders."""
     if cfg.run.dir:
         return
-    chosen: list[Any] = [default_run_dir(os.environ.get("TORCHELASTIC_RUN_ID", ""))]
+    chosen = default_run_dir(os.environ.get("TORCHELASTIC_RUN_ID", ""))
     if runtime.world_size > 1 and dist.is_initialized():
-        dist.broadcast_object_list(chosen, src=0)
-    cfg.run.dir = str(chosen[0])
+        chosen = broadcast_json(chosen, src=0)
+    cfg.run.dir = str(chosen)
 
 
 def build_trainer(cfg: Config) -> Trainer:

@@ -1,9 +1,12 @@
-"""A quicker interpreter exit for dtrain's processes (the launcher and every worker)."""
+"""How dtrain's processes exit: a quicker interpreter exit (the launcher and every worker), and
+whether another process of this machine has exited (a leaf: the fault watchers and the
+shared-memory all-reduce both ask it)."""
 
 from __future__ import annotations
 
 import atexit
 import gc
+import os
 
 
 def freeze_heap_at_exit() -> None:
@@ -20,3 +23,20 @@ def freeze_heap_at_exit() -> None:
     replaces the first registration."""
     atexit.unregister(gc.freeze)
     atexit.register(gc.freeze)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process of this machine is alive (a zombie, dead but not yet reaped, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True

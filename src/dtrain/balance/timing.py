@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain.comm.accounting import CommCounter
+from dtrain.comm.plain import all_gather_json
 from dtrain.metrics.hardware import memory_bytes
 
 # What a rank sums over a window of steps, in this order (one row per rank once gathered).
@@ -184,6 +185,4 @@ def gather_hosts(world_size: int) -> list[str]:
     mine = socket.gethostname()
     if world_size < 2:
         return [mine]
-    hosts: list[Any] = [None] * world_size
-    dist.all_gather_object(hosts, mine)
-    return [str(h) for h in hosts]
+    return [str(h) for h in all_gather_json(mine)]

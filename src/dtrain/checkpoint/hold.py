@@ -10,6 +10,7 @@ process's start time, so that a reused pid is not taken for it); held from anoth
 when its renewals have stopped for :data:`LEASE_S` seconds. Taking over renames the stale
 hold aside first, so that of two jobs taking over at once, one wins and the other is refused.
 
+``hold.json`` is the user's alone to read (mode 0600 from its creation, whatever the umask).
 The hold's token names the job to its workers (:func:`job_id`): it goes into each
 checkpoint's ``meta.json``, where retention and restarts tell this job's checkpoints from
 others'. Under plain ``torchrun`` (no hold) the job is its rendezvous id.
@@ -29,12 +30,16 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.errors import UserError
-from dtrain.fault.liveness import process_alive
 from dtrain.fsutil import fsync_dir, write_atomic
+from dtrain.process_exit import process_alive
 
 HOLD_FILE = "hold.json"
 JOB_ID_ENV = "DTRAIN_JOB_ID"  # the hold's token, set by the launcher for its workers
 RENEW_S = 5.0  # how often a launcher renews its hold
+# The hold's token names the job (its checkpoints, its workers): the user's alone to read.
+# Every write of the hold creates the file with this mode; a chmod after it would leave the
+# token readable for a moment, and a renewal would undo it.
+HOLD_MODE = 0o600
 LEASE_S = 30.0  # a hold from another machine not renewed for this long is stale
 
 
@@ -115,7 +120,7 @@ class Hold:
                 if current is None:
                     _create(self.path, record)
                 else:
-                    write_atomic(self.path, json.dumps(asdict(record)))
+                    write_atomic(self.path, json.dumps(asdict(record)), mode=HOLD_MODE)
             except OSError:
                 pass  # the folder's storage is away for a moment; the next renewal tries again
 
@@ -196,7 +201,7 @@ def _create(path: Path, record: HoldRecord) -> None:
     """Create the hold whole or not at all (raises FileExistsError if one exists): written
     beside, then linked into place (atomic, and safe on NFS)."""
     tmp = path.with_name(f".{path.name}.{record.token}.{os.getpid()}")
-    write_atomic(tmp, json.dumps(asdict(record)))
+    write_atomic(tmp, json.dumps(asdict(record)), mode=HOLD_MODE)
     try:
         os.link(tmp, path)
     finally:

@@ -30,6 +30,7 @@ from dtrain.checkpoint.hold import job_id
 from dtrain.checkpoint.layout import META, list_step_dirs
 from dtrain.checkpoint.verify import assign, verify_pieces
 from dtrain.checkpoint.write import Checkpointer
+from dtrain.comm.plain import all_gather_json, broadcast_json
 from dtrain.config import Config
 from dtrain.errors import CheckpointError, UserError
 from dtrain.fault.peer_words import PeerWords
@@ -99,7 +100,7 @@ def resolve_resume(
         except UserError as exc:
             decision = [[], str(exc), ""]
     if dist.is_initialized():
-        dist.broadcast_object_list(decision, src=0)
+        decision = broadcast_json(decision, src=0)
     paths, error, nonce = decision
     if error:
         raise CheckpointError(error)
@@ -155,9 +156,7 @@ class _Words:
             return self.peers.gather(key, word, what)
         if self.world_size == 1 or not dist.is_initialized():
             return [word]
-        everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, word)
-        return [str(w) for w in everyone]
+        return [str(w) for w in all_gather_json(word)]
 
 
 def rollback_point(

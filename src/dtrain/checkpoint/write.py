@@ -35,7 +35,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ from dtrain.checkpoint.layout import (
     step_dir_name,
 )
 from dtrain.checkpoint.stream import hashing_file_system, write_file
+from dtrain.comm.plain import broadcast_json, gather_json
 from dtrain.errors import CheckpointError
 from dtrain.fault.failpoints import failpoint
 from dtrain.fsutil import fsync_dir, write_atomic
@@ -369,29 +370,25 @@ class Checkpointer:
     def _gather(self, outcome: _Outcome) -> list[_Outcome]:
         if self.world_size == 1 or not dist.is_initialized():
             return [outcome]
-        gathered: list[Any] = [None] * self.world_size if self.rank == 0 else []
         try:
-            dist.gather_object(
-                outcome, gathered if self.rank == 0 else None, dst=0, group=self.group
-            )
+            gathered = gather_json(asdict(outcome), dst=0, group=self.group)
         except Exception as exc:
             return [
                 _Outcome(ok=False, error=f"the ranks could not agree on the save: {exc}", files={})
             ]
-        return gathered if self.rank == 0 else [outcome]
+        return [_Outcome(**each) for each in gathered] if gathered is not None else [outcome]
 
     def _agree_on_commit(self, step: int, error: str, outcome: _Outcome) -> str:
         """Rank 0's word on the commit (``error``: empty when it committed), on every rank.
         Where the ranks cannot hear it, none of them counts the checkpoint as saved."""
         if self.world_size == 1 or not dist.is_initialized():
             return error
-        word: list[Any] = [error]
         try:
-            dist.broadcast_object_list(word, src=0, group=self.group)
+            word = broadcast_json(error, src=0, group=self.group)
         except Exception as exc:
             why = outcome.error or f"rank {self.rank} did not hear whether it was: {exc}"
             return f"checkpoint {step_dir_name(step)} was not committed: {why}"
-        return str(word[0])
+        return str(word)
 
     def _commit(self, step: int, tmp: Path, outcomes: list[_Outcome]) -> None:
         failures = [o.error for o in outcomes if not o.ok]

@@ -39,15 +39,16 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import cast
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from dtrain.comm.mean import divide_into
+from dtrain.comm.plain import all_gather_json, broadcast_json
 from dtrain.config import CommConfig
-from dtrain.fault.liveness import process_alive
+from dtrain.process_exit import process_alive
 from dtrain.runtime import env_int
 
 _TOKEN_BYTES = 16
@@ -132,6 +133,13 @@ class _Segment:
     token: bytes
     size: int
 
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "token": self.token.hex(), "size": self.size}
+
+    @classmethod
+    def from_json(cls, word: dict[str, Any]) -> _Segment:
+        return cls(str(word["path"]), bytes.fromhex(word["token"]), int(word["size"]))
+
 
 class SharedMemoryAllReduce:
     """Sum equal-shaped tensors across ``group`` (every rank on this machine) in place.
@@ -151,20 +159,18 @@ class SharedMemoryAllReduce:
         # The token's line, then one counter line per rank, rounded up to whole pages.
         self.header_bytes = _round_up(_LINE * (self.size + 1), _PAGE)
         segment_size = self.header_bytes + 2 * self.size * self.slot_bytes
-        made: list[object] = [None]
-        if self.rank == 0:
-            made[0] = _create(segment_size)
-        dist.broadcast_object_list(made, src=self.global_ranks[0], group=group)
-        segment = made[0]
-        if isinstance(segment, str):
+        made = _create(segment_size) if self.rank == 0 else ""
+        word = broadcast_json(
+            made if isinstance(made, str) else made.to_json(), src=self.global_ranks[0], group=group
+        )
+        if isinstance(word, str):
             raise SegmentUnavailable(
-                f"shared-memory all-reduce: rank 0 could not make its segment: {segment}"
+                f"shared-memory all-reduce: rank 0 could not make its segment: {word}"
             )
-        assert isinstance(segment, _Segment)
+        segment = _Segment.from_json(word)
         mapped, problem = _open(segment)
-        gathered: list[object] = [None] * self.size
-        dist.all_gather_object(gathered, (problem, os.getpid()), group=group)
-        answers = cast("list[tuple[str | None, int]]", gathered)
+        gathered = all_gather_json([problem, os.getpid()], group=group)
+        answers = [(None if p is None else str(p), int(pid)) for p, pid in gathered]
         if self.rank == 0:
             _remove(segment.path)  # every rank has it mapped (or has given up on it)
         problems = [(r, p) for r, (p, _) in enumerate(answers) if p]

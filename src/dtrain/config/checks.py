@@ -15,6 +15,36 @@ from dtrain.errors import ConfigError
 INPLACE_STRATEGIES = ("ddp", "allreduce")
 
 
+# The signals fault.preempt_signals may name: those that mean "stop" when something sends them
+# to a job. SIGTERM: the usual stop (Kubernetes, systemd, SLURM's end of a job, `kill`); SIGINT:
+# Ctrl-C; SIGHUP: the terminal or session went away; SIGUSR1/SIGUSR2: a scheduler's warning
+# before the end (SLURM --signal=USR1@120, LSF, PBS); SIGQUIT: Ctrl-\; SIGXCPU: the CPU-time
+# limit reached (a batch system's soft limit, before its SIGKILL). Every other signal is sent in
+# the ordinary course of a run or stands for a fault, and a handler on it would stop a healthy
+# run or hide a crash: SIGCHLD comes whenever a child process (a data loader's, a compile
+# worker's) ends -- it stopped a run at step 1 -- as SIGWINCH on a terminal resize, SIGURG,
+# SIGCONT, SIGALRM, SIGPIPE, SIGPROF/SIGVTALRM (profilers); SIGSEGV, SIGBUS, SIGFPE, SIGILL,
+# SIGABRT are crashes; SIGTSTP/SIGTTIN/SIGTTOU pause, not stop.
+PREEMPT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT", "SIGXCPU")
+
+
+def validate_preempt_signals(names: list[str]) -> None:
+    """Each of ``fault.preempt_signals`` is one of :data:`PREEMPT_SIGNALS`."""
+    allowed = f"use any of {', '.join(PREEMPT_SIGNALS)}"
+    for name in names:
+        if name in PREEMPT_SIGNALS:
+            continue
+        if not isinstance(getattr(signal, name, None), signal.Signals):
+            why = f"{name!r} is not a signal name"
+        elif name in ("SIGKILL", "SIGSTOP"):
+            why = f"{name} cannot be caught (no process can, so it can never make a rank save)"
+        else:
+            why = (
+                f"{name} does not mean 'stop' (it comes in a run's ordinary course or with a fault)"
+            )
+        raise ConfigError(f"fault.preempt_signals: {why}; {allowed}")
+
+
 def validate_cross_fields(cfg: Config) -> None:
     """Checks that need more than one key; those that need the world size live in
     :func:`validate_for_world`."""
@@ -27,16 +57,7 @@ def validate_cross_fields(cfg: Config) -> None:
             f"data.global_batch_size = {cfg.data.global_batch_size}: "
             "every micro-step needs a sample"
         )
-    for name in cfg.fault.preempt_signals:
-        if not isinstance(getattr(signal, name, None), signal.Signals):
-            raise ConfigError(
-                f"fault.preempt_signals: {name!r} is not a signal name (e.g. SIGTERM)"
-            )
-        if name in ("SIGKILL", "SIGSTOP"):
-            raise ConfigError(
-                f"fault.preempt_signals: {name} cannot be caught (no process can handle it, "
-                "so it can never make a rank save); use SIGTERM or SIGUSR1"
-            )
+    validate_preempt_signals(cfg.fault.preempt_signals)
     if cfg.run.resume not in ("auto", "never") and not cfg.run.resume:
         raise ConfigError("run.resume is empty: use 'auto', 'never' or a checkpoint folder")
     parse_activation_checkpointing(cfg.train.activation_checkpointing)

@@ -170,7 +170,9 @@ class FaultConfig:
         min=0,
     )
     preempt_signals: list[str] = _opt(
-        ["SIGTERM", "SIGUSR1"], "signals that make every rank save at the next step and exit 0"
+        ["SIGTERM", "SIGUSR1"],
+        "signals that make every rank save at the next step and exit 0: any of SIGTERM, "
+        "SIGINT, SIGHUP, SIGUSR1, SIGUSR2, SIGQUIT, SIGXCPU (the signals that mean 'stop')",
     )
     preempt_grace_s: float = _opt(
         120.0, "time the launcher gives workers to save after a preemption signal", min=1

@@ -24,6 +24,7 @@ from dtrain.data.shards import (
     to_field_array,
     write_shards,
 )
+from dtrain.data.writer import check_replaceable
 from dtrain.errors import DataError
 from dtrain.output_folder import require_output_folder
 
@@ -285,6 +286,7 @@ def prepare(
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise DataError(f"output folder {out} already exists; pass --overwrite to replace it")
+    check_replaceable(out)  # before the source is read: a refusal costs nothing
     require_output_folder(out.parent, f"output folder {out}")
     if fmt == "auto":
         fmt = detect_format(src)

@@ -25,6 +25,7 @@ from dtrain.data.format import (
     FieldSpec,
     Sample,
     manifest_fingerprint,
+    read_manifest,
 )
 from dtrain.errors import DataError
 from dtrain.fsutil import fsync_dir, sha256_file
@@ -52,6 +53,7 @@ class ShardWriter:
                 f"output folder {self.out_dir} already exists; pass --overwrite "
                 "(overwrite=True) to replace it"
             )
+        check_replaceable(self.out_dir)
         if shard_bytes <= 0:
             raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
         self.declared: dict[str, FieldSpec] = dict(fields or {})
@@ -207,7 +209,9 @@ class ShardWriter:
             json.dump(manifest, fh, indent=1)
             fh.flush()
             os.fsync(fh.fileno())
-        if self.out_dir.exists():
+        if os.path.lexists(self.out_dir):
+            # Checked again: the folder may have changed in the minutes the shards took.
+            check_replaceable(self.out_dir)
             # Replace an existing dataset (overwrite=True): move it aside first so that the
             # target name only ever holds a complete dataset.
             old = self.out_dir.parent / f".{self.out_dir.name}.old-{uuid.uuid4().hex[:8]}"
@@ -223,6 +227,45 @@ class ShardWriter:
     def abort(self) -> None:
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
         self.closed = True
+
+
+def check_replaceable(out_dir: Path) -> None:
+    """Raise :class:`DataError` unless ``out_dir`` is absent or a dtrain dataset that an
+    overwrite may replace: a folder holding a valid manifest and only the files it lists (what
+    :class:`ShardWriter` writes). Anything else -- a plain file, a link, someone's folder, a
+    dataset with files of the user's own added -- is left as it is: an overwrite deletes what
+    it replaces, and a mistyped OUT must not cost the user a folder."""
+    if not os.path.lexists(out_dir):
+        return
+    why = _not_a_dataset(out_dir)
+    if why:
+        raise DataError(
+            f"--overwrite (overwrite=True) replaces only a dtrain dataset, and {out_dir} is "
+            f"not one ({why}); it was left as it is: choose another output folder, or remove "
+            "it yourself"
+        )
+
+
+def _not_a_dataset(path: Path) -> str:
+    """Why ``path`` is not a folder :class:`ShardWriter` wrote; empty when it is one."""
+    if path.is_symlink():
+        return "a symbolic link"
+    if not path.is_dir():
+        return "a file, not a folder"
+    try:
+        manifest = read_manifest(path)
+    except DataError:
+        return f"it holds no readable {MANIFEST} of format {FORMAT!r}"
+    listed = {MANIFEST} | {name for shard in manifest["shards"] for name in shard["files"]}
+    others = sorted(
+        entry.name
+        for entry in path.iterdir()
+        if entry.name not in listed or entry.is_symlink() or not entry.is_file()
+    )
+    if others:
+        more = f" and {len(others) - 1} more" if len(others) > 1 else ""
+        return f"it holds {others[0]!r}{more}, which its {MANIFEST} does not list"
+    return ""
 
 
 def write_shards(

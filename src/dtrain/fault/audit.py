@@ -19,6 +19,8 @@ from typing import IO
 import numpy as np
 import torch.distributed as dist
 
+from dtrain.comm.plain import broadcast_json
+
 AUDIT_DIR = "sample_ids"
 
 
@@ -35,12 +37,12 @@ class AuditWriter:
     @classmethod
     def open(cls, run_dir: Path, rank: int) -> AuditWriter:
         """Collective: every rank opens its writer at the same point."""
-        token = [time.time_ns()]
+        token = time.time_ns()
         if dist.is_initialized():
-            dist.broadcast_object_list(token, src=0)
+            token = broadcast_json(token, src=0)
         folder = Path(run_dir) / AUDIT_DIR
         folder.mkdir(parents=True, exist_ok=True)
-        return cls((folder / f"rank{rank:05d}.jsonl").open("a"), int(token[0]))
+        return cls((folder / f"rank{rank:05d}.jsonl").open("a"), int(token))
 
     def record(
         self,

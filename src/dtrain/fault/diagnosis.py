@@ -14,7 +14,6 @@ from typing import Any
 from dtrain.fault.liveness import (
     Liveness,
     liveness_path,
-    process_alive,
     read_liveness,
 )
 from dtrain.fault.peer_failure import (
@@ -24,6 +23,7 @@ from dtrain.fault.peer_failure import (
     who,
 )
 from dtrain.fault.store_client import StoreTimeout
+from dtrain.process_exit import process_alive
 from dtrain.reachability import OPEN, REFUSED, UNREACHABLE, probe, reach_key
 
 

@@ -41,6 +41,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from dtrain.comm.plain import all_gather_json
 from dtrain.config import DistConfig
 from dtrain.fault.handover import recv_state, send_state
 from dtrain.fault.membership import (
@@ -198,10 +199,7 @@ class Recovery:
         held = self.held
         mine = [held.generation, held.step] if held is not None else [-1, -1]
         world, rank = trainer.runtime.world_size, trainer.runtime.rank
-        ranks: list[Any] = [mine]
-        if world > 1:
-            ranks = [None] * world
-            dist.all_gather_object(ranks, mine)
+        ranks: list[Any] = all_gather_json(mine) if world > 1 else [mine]
         source = max(range(world), key=lambda r: (ranks[r][0], ranks[r][1], -r))
         if ranks[source][0] < 0:
             return False

@@ -375,20 +375,3 @@ def _newest(
             continue
         best_seq, best = seq, body.unpack_from(data, slot + _SEQ.size)
     return best_seq, newest_seq, best
-
-
-def process_alive(pid: int) -> bool:
-    """Whether a process of this machine is alive (a zombie, dead but not yet reaped, is not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True

@@ -20,8 +20,7 @@ from __future__ import annotations
 import time
 from typing import Any, NoReturn
 
-import torch.distributed as dist
-
+from dtrain.comm.plain import all_gather_json
 from dtrain.fault.peer_failure import PeerFailure
 from dtrain.fault.watchdog import Watchdog
 from dtrain.runtime import store_namespace
@@ -47,9 +46,7 @@ class PeerWords:
         if dog.world_size == 1:
             return [word]
         if dog.store is None:
-            words: list[Any] = [None] * dog.world_size
-            dist.all_gather_object(words, word)
-            return [str(w) for w in words]
+            return [str(w) for w in all_gather_json(word)]
         prefix = f"{store_namespace()}words/{key}/"
         mine = f"{prefix}{dog.rank}"
         encoded = word.encode()

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtrain.comm.plain import all_gather_json
 from dtrain.config import Config
 from dtrain.fault.liveness import Speed
 from dtrain.metrics.hardware import describe, memory_bytes, memory_kind
@@ -55,9 +56,7 @@ def group_restart_attempt(runtime: Runtime) -> int:
     mine = restart_attempt()
     if runtime.world_size == 1 or not dist.is_initialized():
         return mine
-    counts: list[Any] = [None] * runtime.world_size
-    dist.all_gather_object(counts, mine)
-    return max(int(count) for count in counts)
+    return max(int(count) for count in all_gather_json(mine))
 
 
 def event(name: str, step: int, **fields: Any) -> Record:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint.state import CheckpointParts
+from dtrain.comm.plain import all_gather_json
 from dtrain.config import Config, StrategyConfig
 from dtrain.parallel.base import ShardedState, Strategy
 from dtrain.parallel.cross_form import load_whole_into_shards, read_in_saved_groups, renamed
@@ -101,9 +102,8 @@ class ShardedStrategy(Strategy, ShardedState):
         if dist.is_initialized():
             # A rank may hold only part of the model (a pipeline stage): compare the
             # checkpoint with what all ranks together hold.
-            every: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(every, wanted)
-            wanted = {key: shape for part in every for key, shape in part.items()}
+            every = all_gather_json({key: list(shape) for key, shape in wanted.items()})
+            wanted = {key: tuple(shape) for part in every for key, shape in part.items()}
         if index is not None:
             ckread.check_model_fits(wanted, index.model_shapes, step_dir)
             read_in_saved_groups(template, step_dir, index)
