@@ -10,6 +10,9 @@ A path may be
 - a dtrain run folder (its newest committed checkpoint) or a ``step-N`` checkpoint folder,
   of any strategy and world size (:mod:`dtrain.checkpoint.consolidate`).
 
+Whatever the path, it is read as tensors and plain data only
+(:mod:`dtrain.checkpoint.safe_load`): a file that asks to run code is refused in one line.
+
 The weights must fit the model key by key: a missing or unexpected key, or a tensor of
 another shape, is one line listing them. A parameter tied to another (GPT-2's head and token
 embedding) may be given under either name, as ``save_pretrained`` keeps one of them. A run
@@ -19,6 +22,7 @@ come along (resuming a run is ``run.resume``).
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -28,6 +32,7 @@ from torch import nn
 
 from dtrain.checkpoint import layout
 from dtrain.checkpoint.consolidate import consolidate, find_checkpoint
+from dtrain.checkpoint.safe_load import ONLY_DATA, first_line, torch_load, why_refused
 from dtrain.errors import CheckpointError, UserError
 from dtrain.parallel.materialize import is_meta_model, materialize, require_init
 from dtrain.parallel.skeleton import meta_copy
@@ -107,9 +112,14 @@ def read_hf_folder(folder: Path) -> dict[str, torch.Tensor]:
 
 def _torch_load(path: Path) -> Any:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch_load(path)
+    except pickle.UnpicklingError as exc:
+        raise UserError(
+            f"{path} is not a torch file of tensors: {why_refused(exc)}; {ONLY_DATA}"
+        ) from None
     except Exception as exc:
-        raise UserError(f"{path} cannot be loaded as a torch file of tensors: {exc}") from None
+        why = first_line(exc)
+        raise UserError(f"{path} cannot be loaded as a torch file of tensors: {why}") from None
 
 
 def _as_state_dict(value: Any, path: Path) -> dict[str, torch.Tensor]:

@@ -106,12 +106,13 @@ def consolidate(step_dir: Path) -> Consolidated:
 
 
 def read_sharded_model(step_dir: Path) -> dict[str, torch.Tensor]:
-    """Every model tensor of a DCP checkpoint, whole, on CPU (no process group needed)."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    """Every model tensor of a DCP checkpoint, whole, on CPU (no process group needed), read
+    as data only (:mod:`dtrain.checkpoint.safe_dcp`)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from torch.distributed.checkpoint.state_dict_loader import load
 
-    reader = FileSystemReader(str(step_dir / layout.SHARDED_DIR))
+    from dtrain.checkpoint.safe_dcp import load_sharded
+
+    reader = ckread.sharded_reader(step_dir)
     metadata = reader.read_metadata()
     template: dict[str, Any] = {"model": {}}
     for key, item in metadata.state_dict_metadata.items():
@@ -123,7 +124,7 @@ def read_sharded_model(step_dir: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{step_dir / layout.SHARDED_DIR} holds no model tensors")
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
         warnings.simplefilter("ignore", UserWarning)
-        load(template, storage_reader=reader, no_dist=True)
+        load_sharded(template, reader, no_dist=True)
     return dict(template["model"])
 
 
