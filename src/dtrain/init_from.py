@@ -8,7 +8,9 @@ A path may be
 - a Hugging Face folder (``config.json`` beside ``model.safetensors``, sharded
   ``model-0000N-of-0000M.safetensors`` with their index, or ``pytorch_model.bin``);
 - a dtrain run folder (its newest committed checkpoint) or a ``step-N`` checkpoint folder,
-  of any strategy and world size (:mod:`dtrain.checkpoint.consolidate`).
+  of any strategy and world size (:mod:`dtrain.checkpoint.consolidate`), verified against its
+  completion marker first: a folder without a valid one (a ``.tmp-step-N`` a save left) is
+  refused.
 
 Whatever the path, it is read as tensors and plain data only
 (:mod:`dtrain.checkpoint.safe_load`): a file that asks to run code is refused in one line.
@@ -30,8 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain.checkpoint import layout
-from dtrain.checkpoint.consolidate import consolidate, find_checkpoint
+from dtrain.checkpoint.consolidate import consolidate, find_checkpoint, is_checkpoint_folder
 from dtrain.checkpoint.safe_load import ONLY_DATA, first_line, torch_load, why_refused
 from dtrain.errors import CheckpointError, UserError
 from dtrain.parallel.materialize import is_meta_model, materialize, require_init
@@ -54,7 +55,7 @@ def weights_kind(path: Path) -> str:
             f"({', '.join(TORCH_SUFFIXES)})"
         )
     if path.is_dir():
-        if (path / layout.MARKER).exists() or layout.is_step_dir_name(path.name):
+        if is_checkpoint_folder(path):
             return "checkpoint"
         if (path / "checkpoints").is_dir():
             return "run"

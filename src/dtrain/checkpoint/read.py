@@ -27,6 +27,7 @@ from dtrain.checkpoint.layout import (
     MARKER,
     META,
     SHARDED_DIR,
+    UNFINISHED_PREFIXES,
     list_step_dirs,
     marker_digest,
     piece_count,
@@ -145,7 +146,7 @@ def remove_leftovers(root: Path) -> list[Path]:
     if not root.is_dir():
         return removed
     for entry in root.iterdir():
-        stale = entry.name.startswith((".tmp-", ".trash-"))
+        stale = entry.name.startswith(UNFINISHED_PREFIXES)
         uncommitted = bool(_STEP_RE.match(entry.name)) and not (entry / MARKER).exists()
         if entry.is_dir() and (stale or uncommitted):
             shutil.rmtree(entry, ignore_errors=True)
