@@ -233,7 +233,7 @@ def test_loading_never_executes_code(tmp_path: Path) -> None:
     folder = tmp_path / "step-00000001"
     folder.mkdir()
     torch.save({"x": Evil()}, folder / "model.pt")
-    with pytest.raises(CheckpointError, match="cannot be loaded"):
+    with pytest.raises(CheckpointError, match="is not a checkpoint's data: it tries to load posix"):
         ckread.load_file(folder, "model.pt")
     assert not (tmp_path / "pwned").exists()
 

@@ -8,7 +8,12 @@ A path may be
 - a Hugging Face folder (``config.json`` beside ``model.safetensors``, sharded
   ``model-0000N-of-0000M.safetensors`` with their index, or ``pytorch_model.bin``);
 - a dtrain run folder (its newest committed checkpoint) or a ``step-N`` checkpoint folder,
-  of any strategy and world size (:mod:`dtrain.checkpoint.consolidate`).
+  of any strategy and world size (:mod:`dtrain.checkpoint.consolidate`), verified against its
+  completion marker first: a folder without a valid one (a ``.tmp-step-N`` a save left) is
+  refused.
+
+Whatever the path, it is read as tensors and plain data only
+(:mod:`dtrain.checkpoint.safe_load`): a file that asks to run code is refused in one line.
 
 The weights must fit the model key by key: a missing or unexpected key, or a tensor of
 another shape, is one line listing them. A parameter tied to another (GPT-2's head and token
@@ -19,6 +24,7 @@ come along (resuming a run is ``run.resume``).
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -26,8 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain.checkpoint import layout
-from dtrain.checkpoint.consolidate import consolidate, find_checkpoint
+from dtrain.checkpoint.consolidate import consolidate, find_checkpoint, is_checkpoint_folder
+from dtrain.checkpoint.safe_load import ONLY_DATA, first_line, torch_load, why_refused
 from dtrain.errors import CheckpointError, UserError
 from dtrain.parallel.materialize import is_meta_model, materialize, require_init
 from dtrain.parallel.skeleton import meta_copy
@@ -49,7 +55,7 @@ def weights_kind(path: Path) -> str:
             f"({', '.join(TORCH_SUFFIXES)})"
         )
     if path.is_dir():
-        if (path / layout.MARKER).exists() or layout.is_step_dir_name(path.name):
+        if is_checkpoint_folder(path):
             return "checkpoint"
         if (path / "checkpoints").is_dir():
             return "run"
@@ -107,9 +113,14 @@ def read_hf_folder(folder: Path) -> dict[str, torch.Tensor]:
 
 def _torch_load(path: Path) -> Any:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch_load(path)
+    except pickle.UnpicklingError as exc:
+        raise UserError(
+            f"{path} is not a torch file of tensors: {why_refused(exc)}; {ONLY_DATA}"
+        ) from None
     except Exception as exc:
-        raise UserError(f"{path} cannot be loaded as a torch file of tensors: {exc}") from None
+        why = first_line(exc)
+        raise UserError(f"{path} cannot be loaded as a torch file of tensors: {why}") from None
 
 
 def _as_state_dict(value: Any, path: Path) -> dict[str, torch.Tensor]:

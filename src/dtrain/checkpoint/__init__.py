@@ -4,6 +4,8 @@
 ``layout``     the names: ``checkpoints/step-N/`` folders and the files in them
 ``write``      the :class:`~dtrain.checkpoint.write.Checkpointer`: snapshot, write, commit
 ``read``       find the newest folder that verifies, load files, check that a model fits
+``safe_load``  what loading admits: tensors and plain data, never code (DCP's metadata too)
+``safe_dcp``   DCP's reader and load planner for ``dcp/``, built on ``safe_load``
 ``resume``     which checkpoint a run resumes from, or the NaN guard rolls back to
 ``state``      :class:`~dtrain.checkpoint.state.TrainingState`: the parts a checkpoint holds
 ``rng``        every RNG's state (a part of each rank's checkpoint) and the run's seeding

@@ -14,12 +14,14 @@ the checkpoint holds   the model is
                        shards, pipeline stages, tensor-parallel DTensors)
 =====================  =====================================================================
 
-Only reads: nothing in the run folder is written, moved or removed (an uncommitted or
-damaged checkpoint is skipped, not cleaned up -- that is the training run's job).
+Only reads, and only the files the completion marker lists, as tensors and plain data: nothing
+in the run folder is written, moved or removed (an uncommitted or damaged checkpoint is skipped,
+not cleaned up -- that is the training run's job).
 """
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,7 @@ from dtrain.errors import CheckpointError
 
 MODEL_PREFIX = "model."  # the model's keys in a sharded state ({"model": ..., "optimizer": ...})
 OUTER_FILE = "outer.pt"  # diloco's anchor (dtrain.parallel.local_sgd writes it)
+_REPLICA = re.compile(r"model-rank\d+\.pt")  # localsgd's, diloco's replicas of ranks > 0
 
 
 @dataclass
@@ -45,12 +48,32 @@ class Consolidated:
     note: str = ""
 
 
+def is_checkpoint_folder(path: Path) -> bool:
+    """Whether ``path`` is one checkpoint's folder, committed or not: a ``step-N`` folder, one
+    a save or a prune left (``.tmp-step-N``, ``.trash-step-N``), or any folder holding a
+    marker, ``meta.json`` or ``dcp/`` (a renamed copy)."""
+    name = path.name
+    return (
+        layout.is_step_dir_name(name)
+        or layout.is_unfinished_step_dir_name(name)
+        or any((path / part).exists() for part in (layout.MARKER, layout.META, layout.SHARDED_DIR))
+    )
+
+
 def find_checkpoint(path: Path, step: int | None = None) -> Path:
-    """The committed checkpoint ``path`` names: a ``step-N`` folder itself, or in a run
-    folder (or its ``checkpoints/``) the newest one that verifies (``step``: that one)."""
+    """The committed checkpoint ``path`` names: a checkpoint's folder itself (verified against
+    its marker), or in a run folder (or its ``checkpoints/``) the newest one that verifies
+    (``step``: that one)."""
     if not path.exists():
         raise CheckpointError(f"{path} does not exist")
-    if (path / layout.MARKER).exists() or layout.is_step_dir_name(path.name):
+    if layout.is_unfinished_step_dir_name(path.name):
+        # A save writes into .tmp-step-N and commits it only once renamed step-N (a prune
+        # renames it .trash-step-N first): such a folder never counts, marker or not.
+        raise CheckpointError(
+            f"{path} is a checkpoint whose save did not finish (or one being removed): give "
+            "the run folder or a committed step-N folder"
+        )
+    if is_checkpoint_folder(path):
         if step is not None and layout.step_of(path.name) not in (None, step):
             raise CheckpointError(f"{path} is the checkpoint of another step than {step}")
         ckread.verify_checkpoint(path)
@@ -77,20 +100,22 @@ def find_checkpoint(path: Path, step: int | None = None) -> Path:
 
 
 def consolidate(step_dir: Path) -> Consolidated:
-    """The whole model of the checkpoint in ``step_dir`` (verified by the caller)."""
+    """The whole model of the checkpoint in ``step_dir`` (verified by the caller), from the
+    files its marker lists."""
+    listed = ckread.read_marker(step_dir)["files"]
     if (step_dir / layout.SHARDED_DIR).is_dir():
         return Consolidated(read_sharded_model(step_dir), step_dir)
-    if not (step_dir / layout.MODEL_FILE).exists():
+    if layout.MODEL_FILE not in listed:
         raise CheckpointError(f"{step_dir} holds neither {layout.MODEL_FILE} nor a sharded state")
     first = ckread.load_file(step_dir, layout.MODEL_FILE)
-    replicas = sorted(step_dir.glob("model-rank*.pt"))
+    replicas = sorted(name for name in listed if _REPLICA.fullmatch(name))
     if not replicas:
         return Consolidated(first, step_dir)
-    others = [ckread.load_file(step_dir, path.name) for path in replicas]
+    others = [ckread.load_file(step_dir, name) for name in replicas]
     if all(_equal(first, other) for other in others):
         return Consolidated(first, step_dir)
     strategy = str(ckread.load_meta(step_dir).get("strategy", ""))
-    if strategy == "diloco" and (step_dir / OUTER_FILE).exists():
+    if strategy == "diloco" and OUTER_FILE in listed:
         anchor = ckread.load_file(step_dir, OUTER_FILE)["anchor"]
         state = {**first, **{name: tensor for name, tensor in anchor.items() if name in first}}
         note = (
@@ -106,12 +131,13 @@ def consolidate(step_dir: Path) -> Consolidated:
 
 
 def read_sharded_model(step_dir: Path) -> dict[str, torch.Tensor]:
-    """Every model tensor of a DCP checkpoint, whole, on CPU (no process group needed)."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    """Every model tensor of a DCP checkpoint, whole, on CPU (no process group needed), read
+    as data only (:mod:`dtrain.checkpoint.safe_dcp`)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from torch.distributed.checkpoint.state_dict_loader import load
 
-    reader = FileSystemReader(str(step_dir / layout.SHARDED_DIR))
+    from dtrain.checkpoint.safe_dcp import load_sharded
+
+    reader = ckread.sharded_reader(step_dir)
     metadata = reader.read_metadata()
     template: dict[str, Any] = {"model": {}}
     for key, item in metadata.state_dict_metadata.items():
@@ -123,7 +149,7 @@ def read_sharded_model(step_dir: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{step_dir / layout.SHARDED_DIR} holds no model tensors")
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
         warnings.simplefilter("ignore", UserWarning)
-        load(template, storage_reader=reader, no_dist=True)
+        load_sharded(template, reader, no_dist=True)
     return dict(template["model"])
 
 

@@ -20,6 +20,9 @@ MODEL_FILE = "model.pt"  # the whole model state (replicated strategies, from ra
 OPTIMIZER_FILE = "optimizer.pt"  # the whole optimizer state (replicated strategies)
 TRAIN_STATE_FILE = "train_state.pt"  # scheduler, data position, trainer counters (rank 0)
 _STEP_RE = re.compile(r"^step-(\d+)$")
+# A save writes into .tmp-step-N, renamed step-N before its marker; a prune renames a folder
+# .trash-step-N, its marker removed, before deleting it. Neither ever counts.
+UNFINISHED_PREFIXES = (".tmp-", ".trash-")
 
 # The marker holds one SHA-256 per piece of this many bytes of each file (the last piece may be
 # shorter; an empty file is one empty piece), so that the ranks can verify one large file
@@ -44,6 +47,14 @@ def step_of(name: str) -> int | None:
 
 def is_step_dir_name(name: str) -> bool:
     return step_of(name) is not None
+
+
+def is_unfinished_step_dir_name(name: str) -> bool:
+    """``.tmp-step-N`` or ``.trash-step-N``: a checkpoint's folder that does not count."""
+    return any(
+        name.startswith(prefix) and is_step_dir_name(name[len(prefix) :])
+        for prefix in UNFINISHED_PREFIXES
+    )
 
 
 def rng_file(rank: int) -> str:

@@ -2,10 +2,12 @@
 marker, removing what interrupted saves left, loading files, and checking that a saved model
 fits the one being trained.
 
-Files are plain tensors and data read with ``torch.load(weights_only=True)`` (and
-``torch.distributed.checkpoint`` for sharded states), so loading never runs code from a
-checkpoint. Writing, and the commit protocol that makes a folder count, are in
-:mod:`dtrain.checkpoint.write`.
+Loading never runs code from a checkpoint, even one whose marker a writer re-sealed (its
+digests are unkeyed): whole files load with ``torch.load(weights_only=True)``, and the sharded
+state (``dcp/``) through :mod:`dtrain.checkpoint.safe_dcp`, whose metadata admits only DCP's own
+classes and whose items only tensors and plain data, read from the files the marker lists
+(:mod:`dtrain.checkpoint.safe_load`). Writing, and the commit protocol that makes a folder count,
+are in :mod:`dtrain.checkpoint.write`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,13 +27,18 @@ from dtrain.checkpoint.layout import (
     MARKER,
     META,
     SHARDED_DIR,
+    UNFINISHED_PREFIXES,
     list_step_dirs,
     marker_digest,
     piece_count,
 )
+from dtrain.checkpoint.safe_load import load_file as _load_file
 from dtrain.checkpoint.verify import pieces_of, verify_all, verify_pieces
 from dtrain.errors import CheckpointError
 from dtrain.fsutil import fsync_dir
+
+if TYPE_CHECKING:
+    from dtrain.checkpoint.safe_dcp import SafeReader
 
 # ---------------------------------------------------------------------------------------------
 # Finding and verifying
@@ -139,7 +146,7 @@ def remove_leftovers(root: Path) -> list[Path]:
     if not root.is_dir():
         return removed
     for entry in root.iterdir():
-        stale = entry.name.startswith((".tmp-", ".trash-"))
+        stale = entry.name.startswith(UNFINISHED_PREFIXES)
         uncommitted = bool(_STEP_RE.match(entry.name)) and not (entry / MARKER).exists()
         if entry.is_dir() and (stale or uncommitted):
             shutil.rmtree(entry, ignore_errors=True)
@@ -150,13 +157,9 @@ def remove_leftovers(root: Path) -> list[Path]:
 
 
 def load_file(step_dir: Path, name: str) -> Any:
-    path = step_dir / name
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing") from None
-    except Exception as exc:  # an unpickling refusal or a corrupted archive
-        raise CheckpointError(f"{path} cannot be loaded: {exc}") from None
+    """The file ``name`` of the checkpoint in ``step_dir``, as tensors (on the CPU) and plain
+    data: anything else is one line naming the file and what it tries to load."""
+    return _load_file(step_dir, name)
 
 
 def load_meta(step_dir: Path) -> dict[str, Any]:
@@ -195,11 +198,27 @@ class ShardedIndex:
         return bool(groups) and not any(_GROUP_PARAMS.fullmatch(key) for key in groups)
 
 
+def sharded_files(step_dir: Path) -> frozenset[str]:
+    """The names in ``dcp/`` that the completion marker lists: the only files a read of the
+    sharded state opens."""
+    prefix = f"{SHARDED_DIR}/"
+    listed = read_marker(step_dir)["files"]
+    return frozenset(name[len(prefix) :] for name in listed if name.startswith(prefix))
+
+
+def sharded_reader(step_dir: Path) -> SafeReader:
+    """DCP's reader of the sharded state in ``step_dir``, as data only."""
+    from dtrain.checkpoint.safe_dcp import SafeReader
+
+    return SafeReader(step_dir, sharded_files(step_dir))
+
+
 def sharded_index(step_dir: Path) -> ShardedIndex:
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    """What the sharded state in ``step_dir`` holds, from its metadata (checked: a crafted
+    ``dcp/.metadata`` is one line naming it)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(str(step_dir / SHARDED_DIR)).read_metadata()
+    metadata = sharded_reader(step_dir).read_metadata()
     prefix = "model."
     shapes = {
         key[len(prefix) :]: tuple(item.size)
@@ -211,11 +230,11 @@ def sharded_index(step_dir: Path) -> ShardedIndex:
 
 def load_sharded(step_dir: Path, template: dict[str, Any]) -> None:
     """Fill ``template`` (this rank's sharded state, at this world size) in place from the
-    checkpoint, resharding as needed. Collective: every rank calls it."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.state_dict_loader import load
+    checkpoint, resharding as needed, as tensors and plain data only. Collective: every rank
+    calls it (and each refuses a crafted file with the same line)."""
+    from dtrain.checkpoint.safe_dcp import load_sharded as load
 
-    load(template, storage_reader=FileSystemReader(str(step_dir / SHARDED_DIR)))
+    load(template, sharded_reader(step_dir))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ itself -- and hands it to :func:`save` and :func:`load` (as torchtitan's checkpo
 ``states=``). The strategy decides how the model and optimizer are laid out
 (:meth:`~dtrain.parallel.base.Strategy.checkpoint_parts`): whole files from rank 0 for the
 replicated strategies, shards from every rank through ``torch.distributed.checkpoint`` for the
-sharded ones. Everything is tensors and plain data, loaded with ``torch.load(weights_only=True)``.
+sharded ones. Everything is tensors and plain data, loaded as nothing else
+(:mod:`dtrain.checkpoint.safe_load`).
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ Commit protocol (one save):
 
 A folder without a valid marker, or whose files do not match it, is never loaded (finding,
 verifying and loading: :mod:`dtrain.checkpoint.read`). Files are plain tensors and data
-written with ``torch.save``, so loading them with ``torch.load(weights_only=True)`` never runs
-code from a checkpoint.
+written with ``torch.save`` (and DCP), which loading admits and nothing else, so it never runs
+code from a checkpoint (:mod:`dtrain.checkpoint.safe_load`).
 """
 
 from __future__ import annotations

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
+from dtrain.checkpoint.safe_load import torch_load
 from dtrain.errors import CheckpointError
 from dtrain.parallel.base import ShardedState, Strategy
 from dtrain.parallel.cross_form import NAMES_KEY
@@ -43,7 +42,7 @@ def names_its_parameters(path: Path) -> bool:
     be read here (the workers verify every file and say what is wrong with it)."""
     try:
         # Mapped, not read: the state's tensors stay on disk.
-        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        saved = torch_load(path, mmap=True)
     except Exception:
         return True
     return not isinstance(saved, dict) or NAMES_KEY in saved

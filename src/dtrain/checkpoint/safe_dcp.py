@@ -1,0 +1,107 @@
+"""DCP's reader of a checkpoint's sharded state (``dcp/``), as data only: its metadata through
+:func:`dtrain.checkpoint.safe_load.read_metadata`, its non-tensor items through
+``torch.load(weights_only=True)`` (torch's own planner loads them with ``weights_only=False``).
+Every read of ``dcp/`` goes through :func:`load_sharded` or :class:`SafeReader`."""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
+
+from dtrain.checkpoint.layout import SHARDED_DIR
+from dtrain.checkpoint.safe_load import (
+    ONLY_DATA,
+    first_line,
+    printable,
+    read_metadata,
+    why_refused,
+)
+from dtrain.errors import CheckpointError
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader for ``step_dir/dcp``, its metadata read by :func:`read_metadata`
+    (once: the reader keeps it)."""
+
+    def __init__(self, step_dir: Path, listed: Collection[str]) -> None:
+        super().__init__(str(step_dir / SHARDED_DIR))
+        self.step_dir = step_dir
+        self.listed = frozenset(listed)
+        self._metadata: Metadata | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            # DCP's fallback to a rank's own __R.metadata, which dtrain never writes: reached
+            # only where .metadata failed, which load_sharded reports first.
+            raise CheckpointError(f"{self.step_dir / SHARDED_DIR} has only one metadata file")
+        if self._metadata is None:
+            metadata = read_metadata(self.step_dir, self.listed)
+            # As torch's reader does: this load's id, for DCP's logging.
+            storage_meta = metadata.storage_meta or StorageMeta()
+            storage_meta.load_id = self.load_id
+            metadata.storage_meta = storage_meta
+            self._metadata = metadata
+        return self._metadata
+
+    def file_of(self, item: ReadItem) -> str:
+        """The file in ``dcp/`` that ``item`` is read from."""
+        return str(self.storage_data[item.storage_index].relative_path)
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, but a non-tensor item loads as plain data only (torch's
+    loads it with ``weights_only=False``)."""
+
+    def __init__(self, reader: SafeReader) -> None:
+        super().__init__()
+        self.reader = reader
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        shown_fqn = printable(str(fqn))
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except Exception as exc:
+            shown = f"{SHARDED_DIR}/{self.reader.file_of(read_item)} in {self.reader.step_dir}"
+            if isinstance(exc, pickle.UnpicklingError):
+                why = why_refused(exc).removeprefix("it ")
+                raise CheckpointError(
+                    f"{shown} is not a checkpoint's data: its item {shown_fqn} {why}; {ONLY_DATA}"
+                ) from None
+            raise CheckpointError(
+                f"{shown} is corrupted: its item {shown_fqn} cannot be loaded: {first_line(exc)}"
+            ) from None
+        # What DefaultLoadPlanner.load_bytes does with it.
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
+
+
+def load_sharded(template: dict[str, Any], reader: SafeReader, *, no_dist: bool = False) -> None:
+    """Fill ``template`` in place from ``reader``'s shards through DCP (collective unless
+    ``no_dist``), refusing what is not tensors and plain data in one line."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    # Read first, outside DCP: inside, a failure is logged as a warning with its traceback
+    # and then wrapped in an error of DCP's own.
+    reader.read_metadata()
+    try:
+        load(template, storage_reader=reader, planner=SafeLoadPlanner(reader), no_dist=no_dist)
+    except CheckpointException as exc:
+        # DCP gathers every rank's failure into one exception; ours is one line, on every rank.
+        for failure, _ in exc.failures.values():
+            if isinstance(failure, CheckpointError):
+                raise CheckpointError(str(failure)) from None
+        raise
