@@ -55,6 +55,7 @@ METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
         ("torch", "Size"),
         ("torch.serialization", "_get_layout"),  # a layout by its name ("torch.strided")
         ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id: the folder it was saved into
+        ("pathlib._local", "PosixPath"),  # the same, pickled by Python 3.13 and later
     }
 )
 # torch's dtypes, layouts and memory formats pickle as module globals (``torch.float32``): the
