@@ -22,6 +22,7 @@ from dtrain.dist.rendezvous import (
     check_secret,
     make_handler,
     post_secret_check,
+    state_key,
 )
 from dtrain.dist.secret import (
     SECRET_ENV,
@@ -36,6 +37,7 @@ from dtrain.testing.processes import Launch, metrics_records
 from tests.conftest import REPO, tiny_config
 
 SECRET = JobSecret(b"the job's secret, for the tests")
+JOB_SECRET = JobSecret(os.environ[SECRET_ENV].encode())  # the jobs' the tests start (conftest)
 
 
 class Planted:
@@ -101,11 +103,6 @@ def test_a_machine_with_another_secret_is_refused_by_the_rendezvous_check() -> N
     check_secret(client, SECRET, "here:1")
     with pytest.raises(UserError, match="started with another job secret than this machine"):
         check_secret(client, JobSecret(b"another secret"), "here:1")
-    # A machine that came first (nothing posted then) finds out at the first state it reads.
-    SealedRendezvousBackend(store, "job", SECRET).set_state(b"state", None)
-    late = SealedRendezvousBackend(client, "job", JobSecret(b"another secret"), "here:1")
-    with pytest.raises(UserError, match="--rdzv-endpoint here:1: the rendezvous there was"):
-        late.get_state()
 
 
 # -- torch's rendezvous state, sealed ---------------------------------------------------------
@@ -157,12 +154,14 @@ def test_torch_s_rendezvous_handler_rides_over_a_forged_state(tmp_path: Path) ->
     info = handler.next_rendezvous()
     assert (info.rank, info.world_size) == (0, 1)
     marker = tmp_path / "marker"
-    store.set("dtrain/rendezvous/job", pickle.dumps(Planted(marker)))
+    key = state_key(SECRET, "job")
+    assert key.startswith("dtrain/rendezvous/") and "job" not in key  # no name to guess
+    store.set(key, pickle.dumps(Planted(marker)))
     # A sync reads the state (as each keep-alive does): the forged value is ignored.
     assert handler.num_nodes_waiting() == 0
     assert not marker.exists()
     handler.shutdown()  # closes the rendezvous: a sealed write over the forged value
-    assert SECRET.unseal("dtrain/rendezvous/job", bytes(store.get("dtrain/rendezvous/job")))
+    assert SECRET.unseal(key, bytes(store.get(key)))
 
 
 # -- a real job, and a stranger on its machine --------------------------------------------------
@@ -202,8 +201,9 @@ def test_a_stranger_cannot_steer_a_single_machine_job(tmp_path: Path) -> None:
         host, port = address.rsplit(":", 1)
         stranger = dist.TCPStore(host, int(port), timeout=timedelta(seconds=10))
         planted = pickle.dumps(Planted(marker))
-        stranger.set("dtrain/rendezvous/attacked", planted)
         stranger.set("torch.rendezvous.attacked", base64.b64encode(planted))  # torch's own form
+        # The state's own key, as only one who reads the job's traffic (or has the secret) finds.
+        stranger.set(state_key(JOB_SECRET, "attacked"), planted)
     sockets: set[str] = set()
     while attacked.alive():  # every socket the job listens on, as they come and go
         sockets.update(listening({attacked.pid, *attacked.workers()}))
@@ -211,7 +211,9 @@ def test_a_stranger_cannot_steer_a_single_machine_job(tmp_path: Path) -> None:
     codes = {name: launch.proc.wait(timeout=180) for name, launch in launches.items()}
     assert codes == {"untouched": 0, "attacked": 0}, attacked.text()[-3000:]
     assert not marker.exists()
-    assert "ignored the value of rendezvous key 'dtrain/rendezvous/attacked'" in attacked.text()
+    assert f"ignored the value of rendezvous key '{state_key(JOB_SECRET, 'attacked')}'" in (
+        attacked.text()
+    )
     assert final_loss(runs["attacked"]) == final_loss(runs["untouched"])
     # The launcher's rendezvous store, rank 0's job store, gloo, the start-up probe: loopback.
     assert len(sockets) >= 4 and all(s.startswith("127.0.0.1:") for s in sockets), sockets

@@ -60,8 +60,8 @@ def test_a_rendezvous_that_timed_out_names_what_every_machine_must_share() -> No
     assert rendezvous_lost(opts, RendezvousTimeoutError()) == (
         "--rdzv-endpoint 127.0.0.1:29400: the machines of job 'myjob' (--nnodes 2) did not all "
         "join within 30s (--rdzv-timeout): start `dtrain train` on every machine with the same "
-        "--nnodes, --run-id and --rdzv-endpoint (a machine that refused to start says why on "
-        "its own console)"
+        "--nnodes, --run-id, --rdzv-endpoint and job secret (a machine that refused to start says "
+        "why on its own console)"
     )
 
 

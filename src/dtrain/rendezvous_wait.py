@@ -80,7 +80,8 @@ def waiting_words(endpoint: str, run_id: str, nnodes: str, timeout_s: int) -> st
     return (
         f"dtrain: waiting for the other machines of job {run_id!r} at {endpoint} (--nnodes "
         f"{nnodes}; still starting, not started, or refused: their consoles say why; each "
-        f"needs the same --nnodes, --run-id and --rdzv-endpoint); giving up after {timeout_s}s"
+        f"needs the same --nnodes, --run-id, --rdzv-endpoint and job secret); giving up after "
+        f"{timeout_s}s"
     )
 
 
@@ -88,8 +89,8 @@ def timed_out_words(endpoint: str, run_id: str, nnodes: str, timeout_s: int) -> 
     return (
         f"--rdzv-endpoint {endpoint}: the machines of job {run_id!r} (--nnodes {nnodes}) did "
         f"not all join within {timeout_s}s (--rdzv-timeout): start `dtrain train` on every "
-        "machine with the same --nnodes, --run-id and --rdzv-endpoint (a machine that refused "
-        "to start says why on its own console)"
+        "machine with the same --nnodes, --run-id, --rdzv-endpoint and job secret (a machine "
+        "that refused to start says why on its own console)"
     )
 
 

@@ -1,0 +1,116 @@
+"""A stranger on a third namespace host against a two-host job (docs/security.md): it reaches
+the rendezvous port, as anyone on the network between the machines can; every value it forges
+there is ignored, no code runs, and the job trains as an untouched one does.
+
+Slow (two two-host jobs, ~40 s): `make test-slow`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from dtrain.dist.rendezvous import state_key
+from dtrain.dist.secret import SECRET_ENV, JobSecret
+from dtrain.testing import Launch
+from dtrain.testing.hosts import Hosts, hosts_unavailable
+from dtrain.testing.processes import metrics_records
+from tests.conftest import REPO, tiny_config
+
+PREFIX = f"ds{os.getpid() % 100000}"
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("namespace-hosts")]
+
+# Written from host 2 into the rendezvous store of host 0, again and again while the job runs:
+# torch's own rendezvous key (base64, as torch's backend keeps it) and the job's shape, each a
+# pickle that writes MARKER when unpickled; and a few times the sealed state's own key, whose
+# name only the secret gives (a stranger who reads the job's traffic learns it; one who keeps
+# overwriting it stalls the rendezvous: docs/security.md).
+STRANGER = """
+import base64, datetime, pathlib, pickle, sys, time
+import torch.distributed as dist
+
+class Planted:
+    def __reduce__(self):
+        return (pathlib.Path.write_text, (pathlib.Path(sys.argv[3]), "code ran"))
+
+host, port, run_id, state_key = sys.argv[1], int(sys.argv[2]), "secured", sys.argv[4]
+planted = pickle.dumps(Planted())
+store = None
+for attempt in range(600):
+    try:
+        if store is None:
+            store = dist.TCPStore(host, port, timeout=datetime.timedelta(seconds=5))
+        store.set(f"torch.rendezvous.{run_id}", base64.b64encode(planted))
+        store.set("dtrain/launch/shape", planted)
+        if attempt < 4:  # the state's own key, as one who reads the job's traffic finds it
+            store.set(state_key, planted)
+        print("forged", flush=True)
+    except Exception:
+        store = None  # the job has not opened it yet, or has ended
+    time.sleep(0.5)
+"""
+
+
+def final_loss(run_dir: Path) -> float:
+    return [r for r in metrics_records(run_dir) if r.get("kind") == "train"][-1]["loss"]
+
+
+def two_host_job(hosts: Hosts, config: Path) -> list[Launch]:
+    endpoint = f"{hosts.address(0)}:29400"
+    return [
+        Launch(
+            config,
+            1,
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(i),
+            "--rdzv-endpoint",
+            endpoint,
+            "--run-id",
+            "secured",
+            cwd=REPO,
+            exec_prefix=hosts.exec_prefix(i),
+        )
+        for i in range(2)
+    ]
+
+
+def test_a_stranger_on_the_network_cannot_steer_a_two_host_job(tmp_path: Path) -> None:
+    reason = hosts_unavailable()
+    if reason:
+        pytest.skip(reason)
+    marker = tmp_path / "marker"
+    key = state_key(JobSecret(os.environ[SECRET_ENV].encode()), "secured")
+    runs = {name: tmp_path / f"{name}-run" for name in ("untouched", "attacked")}
+    with Hosts(3, prefix=PREFIX) as hosts:
+        losses = {}
+        for name, run_dir in runs.items():
+            config = tmp_path / f"{name}.toml"
+            config.write_text(tiny_config(run_dir, train={"steps": 60}).to_toml())
+            stranger = None
+            if name == "attacked":
+                stranger = hosts.popen(
+                    2,
+                    [sys.executable, "-c", STRANGER, hosts.address(0), "29400", str(marker), key],
+                    cwd=REPO,
+                )
+            launches = two_host_job(hosts, config)
+            try:
+                codes = [launch.wait(120) for launch in launches]
+            finally:
+                for launch in launches:
+                    launch.close()
+                if stranger is not None:
+                    stranger.kill()
+                    said = stranger.communicate()[0]
+            text = "\n".join(launch.text() for launch in launches)
+            assert codes == [0, 0], text[-4000:]
+            losses[name] = final_loss(run_dir)
+        assert "forged" in said, said[-2000:]  # the stranger did reach the rendezvous store
+        assert not marker.exists()
+        assert f"ignored the value of rendezvous key '{key}'" in text
+        assert losses["attacked"] == losses["untouched"]
