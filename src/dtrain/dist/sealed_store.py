@@ -154,19 +154,33 @@ def read_json(store: Any, key: str, shape: Shape) -> Any:
 
 
 class Opener:
-    """:func:`parse` for keys read over and over (a poll every 10 ms): a raw value seen
-    before at a key gives what it gave then, without checking its seal again."""
+    """Reads keys read over and over (a poll, a wait): a raw value seen before at a key gives
+    what it gave then, without checking its seal again (the coordinator reads every member's
+    keys every 10 ms); and a value that fails gives the last one that opened at that key --
+    a stranger's write over a member's record is ignored, not taken for the record's loss
+    (a key that is gone is gone: None). Safe to share between threads."""
 
     def __init__(self) -> None:
-        self._last: dict[str, tuple[bytes, Any]] = {}
+        self._last: dict[str, tuple[bytes, Any]] = {}  # key -> its last raw value, and what it gave
+        self._good: dict[str, Any] = {}  # key -> the last value that opened there
+        self._lock = threading.Lock()
 
-    def parse(self, key: str, raw: bytes | None, shape: Shape) -> Any:
+    def parse(self, key: str, raw: bytes | None, shape: Shape | None) -> Any:
+        """:func:`parse` (``shape`` None: :func:`text`), with the above."""
         if raw is None:
             return None
         raw = bytes(raw)
-        last = self._last.get(key)
-        if last is not None and last[0] == raw:
-            return last[1]
-        value = parse(key, raw, shape)
-        self._last[key] = (raw, value)
-        return value
+        with self._lock:
+            last = self._last.get(key)
+            if last is None or last[0] != raw:
+                value = text(key, raw) if shape is None else parse(key, raw, shape)
+                self._last[key] = last = (raw, value)
+                if value is not None:
+                    self._good[key] = value
+            return last[1] if last[1] is not None else self._good.get(key)
+
+    def read_text(self, store: Any, key: str) -> str | None:
+        return self.parse(key, get(store, key), None)
+
+    def read_json(self, store: Any, key: str, shape: Shape) -> Any:
+        return self.parse(key, get(store, key), shape)

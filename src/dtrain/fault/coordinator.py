@@ -114,6 +114,7 @@ class NodeWatcher(PollingThread):
         self._pids: dict[int, tuple[str, int]] = {}  # member -> (nonce, pid)
         self._read_at = 0.0
         self.stopped = ""  # why the job stopped (below fault.min_replicas), once it did
+        self._opener = Opener()  # a stranger's value over one of the job's: ignored
         super().__init__("dtrain-node-watch")
 
     def failed(self, exc: Exception) -> None:
@@ -131,10 +132,11 @@ class NodeWatcher(PollingThread):
         down = {m: process_state(pid) in DOWN_STATES for m, (_, pid) in self._pids.items()}
         if now - self._read_at > (0.1 if any(down.values()) else 0.5):
             self._read_at = now
+            opener = self._opener
             infos, stopped = self.link.call(
                 lambda s: (
-                    [read_json(s, f"member/{m}/info", INFO) for m in self.members],
-                    read_text(s, "stopped"),
+                    [read_json(s, f"member/{m}/info", INFO, opener) for m in self.members],
+                    read_text(s, "stopped", opener),
                 ),
                 "reading this machine's members",
             )
@@ -207,7 +209,9 @@ class Coordinator(PollingThread):
             for part in ("info", "beat", "want", *(("state",) if m not in self.local else ()))
         ]
         self._known: set[str] = set()  # keys set (none is ever removed)
-        self._opener = Opener()  # each value's seal checked once, not at every poll
+        # Each value's seal is checked once, not at every poll; a stranger's value over a
+        # member's record leaves the record as it was.
+        self._opener = Opener()
         self.join_timeout_s = join_timeout_s
         self.on_wait = on_wait
         self._born = time.monotonic()
@@ -227,8 +231,8 @@ class Coordinator(PollingThread):
         return {key: values.get(key) for key in self._keys}
 
     def _record(self, snap: dict[str, bytes | None], member: int, part: str, shape: Any) -> Any:
-        """A member's record in the snapshot; None where unset, or where it fails its seal or
-        has another shape (a stranger's: warned once)."""
+        """A member's record in the snapshot; None where unset. One that fails its seal or has
+        another shape (a stranger's: warned once) leaves the last record that opened there."""
         key = member_key(member, part)
         return self._opener.parse(key, snap[key], shape)
 

@@ -47,6 +47,7 @@ coordinator forms no generation after it.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -58,7 +59,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtrain.dist import sealed_store
-from dtrain.dist.sealed_store import Shape
+from dtrain.dist.sealed_store import Opener, Shape
 from dtrain.fault.coordinator_link import StoreLink, StoreUnreachable
 from dtrain.reachability import NODE_ADDR_ENV
 
@@ -117,14 +118,19 @@ CUT: Shape = {"gen": int, "members": [int]}
 NODES: Shape = {"nnodes": int, "nproc": int}
 
 
-def read_text(store: Any, key: str) -> str | None:
-    """The text at ``inplace/<key>``; None while it is not set, or when it fails its seal."""
+def read_text(store: Any, key: str, opener: Opener | None = None) -> str | None:
+    """The text at ``inplace/<key>``; None while it is not set, or when it fails its seal
+    (with ``opener``, a key read over and over: the last text that opened there)."""
+    if opener is not None:
+        return opener.read_text(store, PREFIX + key)
     return sealed_store.read_text(store, PREFIX + key)
 
 
-def read_json(store: Any, key: str, shape: Shape) -> Any:
+def read_json(store: Any, key: str, shape: Shape, opener: Opener | None = None) -> Any:
     """The JSON value at ``inplace/<key>`` if it has ``shape``; None while it is not set, or
-    when it fails its seal or has another shape."""
+    when it fails its seal or has another shape (with ``opener``: as :func:`read_text`)."""
+    if opener is not None:
+        return opener.read_json(store, PREFIX + key, shape)
     return sealed_store.read_json(store, PREFIX + key, shape)
 
 
@@ -159,6 +165,8 @@ class Member:
         self.local = local if local is not None else (member_id, members)
         self.nonce = f"{os.getpid()}-{time.time_ns()}"
         call_s = store_call_s(timeout_s)
+        # What this member reads: a value a stranger wrote over one of the job's is ignored.
+        self._opener = Opener()
         self.link = StoreLink(host, int(port), call_s, patience_s)
         self._beat_link = StoreLink(host, int(port), call_s, patience_s)
         info = {
@@ -192,7 +200,8 @@ class Member:
 
         def beat(store: Any) -> tuple[int | None, dict[str, Any] | None]:
             store.add(key, 1)
-            return read_json(store, "pending", int), read_json(store, "cut", CUT)
+            opener = self._opener
+            return read_json(store, "pending", int, opener), read_json(store, "cut", CUT, opener)
 
         while not self._stop.wait(BEAT_S):
             try:
@@ -213,7 +222,7 @@ class Member:
             return
         everyone = range(self.members)
         infos = self._beat_link.call(
-            lambda s: [read_json(s, f"member/{m}/info", INFO) for m in everyone],
+            lambda s: [read_json(s, f"member/{m}/info", INFO, self._opener) for m in everyone],
             "reading members",
         )
         addresses = {
@@ -241,14 +250,15 @@ class Member:
             time.sleep(POLL_S)
 
     def _look(self, store: Any, after: int) -> Generation | str | None:
-        if read_text(store, "done") is not None:
+        opener = self._opener
+        if read_text(store, "done", opener) is not None:
             return None
         # Read before the generation: the coordinator writes the last generation before
         # "stopped", so a member of that generation finds it below (and saves).
-        stopped = read_text(store, "stopped") or ""
-        latest = read_json(store, "gen/latest", int)
+        stopped = read_text(store, "stopped", opener) or ""
+        latest = read_json(store, "gen/latest", int, opener)
         if latest is not None and latest > after:
-            record = read_json(store, f"gen/{latest}", GENERATION)
+            record = read_json(store, f"gen/{latest}", GENERATION, opener)
             members = record["members"] if record is not None else []
             if (
                 self.id in members
@@ -267,14 +277,16 @@ class Member:
 
     def stopped(self) -> str:
         """Why the job stops (below ``fault.min_replicas``), or "" while it goes on."""
-        return self._call(lambda s: read_text(s, "stopped"), "reading the job's state") or ""
+        read = functools.partial(read_text, key="stopped", opener=self._opener)
+        return self._call(read, "reading the job's state") or ""
 
     def pids(self, members: Iterable[int]) -> list[int]:
         """The processes of ``members`` on this machine as registered now (one not registered,
         or on another machine: left out)."""
         wanted = [m for m in members if self._node(m) == self._node()]
         infos = self._call(
-            lambda s: [read_json(s, f"member/{m}/info", INFO) for m in wanted], "reading members"
+            lambda s: [read_json(s, f"member/{m}/info", INFO, self._opener) for m in wanted],
+            "reading members",
         )
         return [int(info["pid"]) for info in infos if info is not None]
 
