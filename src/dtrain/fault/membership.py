@@ -28,7 +28,8 @@ Keys (all under ``inplace/``)::
 
 Every value but the counters is sealed with the job's secret under its full key
 (:mod:`dtrain.dist.sealed_store`): one that fails (a stranger's, who reached the store's
-port) is read as absent, with one warning naming its key.
+port) is ignored, with one warning naming its key -- read as absent, or, by the coordinator,
+a member and a launcher's watcher, as the last value of the job's they read there.
 
 The coordinator forms generation g+1 once every member of g has asked for a new one or is
 gone, and admits a joining member at the next step boundary (the members of g learn of it
