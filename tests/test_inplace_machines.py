@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from dtrain.dist import sealed_store
 from dtrain.dist.stores import host_store
 from dtrain.errors import UserError
 from dtrain.fault.coordinator import NodeWatcher
@@ -58,7 +59,7 @@ def test_a_node_rank_another_live_launcher_runs_is_refused_and_a_dead_ones_taken
     assert f"--node-rank 1: the launcher on {token} runs that rank in this job already" in words
     assert "give each machine its own --node-rank (0 .. 1)" in words and "\n" not in words
     taken = claim_node(second, 1, 2, sleep=lambda _: None)  # nobody beat: the holder ended
-    assert taken != token and bytes(server.get(claim_key(1))).decode() == taken
+    assert taken != token and sealed_store.read_text(server, claim_key(1)) == taken
 
 
 def fail_if_called(seconds: float) -> None:

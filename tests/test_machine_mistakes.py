@@ -6,7 +6,6 @@ test_inplace_machines.py."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import pytest
 from dtrain.agent import held_port
 from dtrain.dist.stores import host_store
 from dtrain.fault.coordinator import NOTICE_S, Coordinator
-from dtrain.fault.membership import PREFIX
+from dtrain.fault.membership import PREFIX, read_text, write_value
 from dtrain.launch import make_options, rendezvous_lost
 from dtrain.rendezvous_wait import announce_waits
 from tests.conftest import REPO, tiny_config
@@ -68,11 +67,9 @@ def test_a_rendezvous_that_timed_out_names_what_every_machine_must_share() -> No
 def register_and_ask(store: Any, member: int) -> None:
     nonce = f"n{member}"
     info = {"pid": os.getpid(), "host": "here", "nonce": nonce}
-    store.set(f"{PREFIX}member/{member}/info", json.dumps(info))
+    write_value(store, f"member/{member}/info", info)
     store.add(f"{PREFIX}member/{member}/beat", 1)
-    store.set(
-        f"{PREFIX}member/{member}/want", json.dumps({"after": -1, "nonce": nonce, "step": -1})
-    )
+    write_value(store, f"member/{member}/want", {"after": -1, "nonce": nonce, "step": -1})
 
 
 def test_inplace_names_the_machine_it_waits_for_and_gives_up_after_the_timeout() -> None:
@@ -103,7 +100,7 @@ def test_inplace_names_the_machine_it_waits_for_and_gives_up_after_the_timeout()
     words = "the workers of the machine(s) with --node-rank 2 did not join within 60s"
     assert coordinator.gave_up == coordinator.stopped == words
     # The workers waiting for the first generation read it, and end.
-    assert store.get(f"{PREFIX}stopped").decode() == words
+    assert read_text(store, "stopped") == words
     assert not store.check([f"{PREFIX}gen/latest"])
 
 

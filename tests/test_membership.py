@@ -3,7 +3,6 @@ by this process (its own pid: alive) and by processes it ends (gone)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import time
@@ -14,7 +13,16 @@ import pytest
 from dtrain.dist.stores import host_store
 from dtrain.fault.coordinator import Coordinator, NodeWatcher, process_state
 from dtrain.fault.coordinator_link import StoreLink
-from dtrain.fault.membership import PREFIX, Member
+from dtrain.fault.membership import (
+    CUT,
+    GENERATION,
+    PREFIX,
+    STATE,
+    Member,
+    read_json,
+    read_text,
+    write_value,
+)
 
 
 @pytest.fixture
@@ -24,21 +32,21 @@ def store() -> Any:
 
 def register(store: Any, member: int, pid: int, nonce: str) -> None:
     info = {"pid": pid, "host": "here", "nonce": nonce}
-    store.set(f"{PREFIX}member/{member}/info", json.dumps(info))
+    write_value(store, f"member/{member}/info", info)
     store.add(f"{PREFIX}member/{member}/beat", 1)
 
 
 def ask(store: Any, member: int, nonce: str, after: int, step: int = -1) -> None:
     want = {"after": after, "nonce": nonce, "step": step}
-    store.set(f"{PREFIX}member/{member}/want", json.dumps(want))
+    write_value(store, f"member/{member}/want", want)
 
 
 def latest(store: Any) -> dict[str, Any] | None:
     if not store.check([f"{PREFIX}gen/latest"]):
         return None
-    number = store.get(f"{PREFIX}gen/latest").decode()
-    record: dict[str, Any] = json.loads(store.get(f"{PREFIX}gen/{number}"))
-    return {"number": int(number), **record}
+    number = read_json(store, "gen/latest", int)
+    record: dict[str, Any] = read_json(store, f"gen/{number}", GENERATION)
+    return {"number": number, **record}
 
 
 @pytest.fixture
@@ -103,7 +111,7 @@ def test_a_restarted_member_joins_the_survivor_at_its_next_step(store: Any, slee
     register(store, 0, os.getpid(), "n0-again")
     ask(store, 0, "n0-again", -1)
     coordinator.poll()
-    assert store.get(f"{PREFIX}pending") == b"1"
+    assert read_text(store, "pending") == "1"
     assert latest(store)["number"] == 1
     ask(store, 1, "n1", after=1, step=9)
     coordinator.poll()
@@ -142,7 +150,7 @@ def test_fewer_survivors_than_min_members_form_a_last_generation_that_stops(
     assert (gen["number"], gen["members"], gen["left"]) == (1, [1], [0])
     reason = "1 of 2 workers left at step 7 (member(s) 0 lost), fewer than fault.min_replicas = 2"
     assert gen["stop"] == reason
-    assert store.get(f"{PREFIX}stopped").decode() == reason
+    assert read_text(store, "stopped") == reason
     # None after it: member 0, restarted, is told the job stopped instead of joining.
     restarted = Member(f"127.0.0.1:{store.port}", 0, 2, timeout_s=10.0)
     try:
@@ -207,14 +215,14 @@ def test_a_member_on_another_machine_is_gone_when_its_launcher_posts_it_down(
     # posts its state. Its beats go on (stale_s is long): only the posted state counts.
     coordinator = Coordinator(store, 2, stale_s=30.0, hang_s=30.0, local=[0], per_node=1)
     two_members(store, coordinator, pid0=os.getpid())
-    store.set(f"{PREFIX}member/1/state", json.dumps({"nonce": "n1", "down": False}))
+    write_value(store, "member/1/state", {"nonce": "n1", "down": False})
     ask(store, 0, "n0", after=0)
     coordinator.poll()
     assert latest(store)["number"] == 0  # alive: waited for
-    store.set(f"{PREFIX}member/1/state", json.dumps({"nonce": "old", "down": True}))
+    write_value(store, "member/1/state", {"nonce": "old", "down": True})
     coordinator.poll()
     assert latest(store)["number"] == 0  # a state of an earlier incarnation: ignored
-    store.set(f"{PREFIX}member/1/state", json.dumps({"nonce": "n1", "down": True}))
+    write_value(store, "member/1/state", {"nonce": "n1", "down": True})
     coordinator.poll()
     assert latest(store)["members"] == [0]
 
@@ -236,12 +244,12 @@ def test_a_machine_fallen_silent_is_named_cut_off_but_not_one_posted_down(store:
     for member in (0, 1):
         store.add(f"{PREFIX}member/{member}/beat", 1)
     # A launcher that posts a worker down still answers: not cut off (the timeout applies).
-    store.set(f"{PREFIX}member/3/state", json.dumps({"nonce": "n3", "down": True}))
+    write_value(store, "member/3/state", {"nonce": "n3", "down": True})
     coordinator.poll()
     assert not store.check([f"{PREFIX}cut"])
-    store.set(f"{PREFIX}member/3/state", json.dumps({"nonce": "n3", "down": False}))
+    write_value(store, "member/3/state", {"nonce": "n3", "down": False})
     coordinator.poll()
-    assert json.loads(store.get(f"{PREFIX}cut")) == {"gen": 0, "members": [2, 3]}
+    assert read_json(store, "cut", CUT) == {"gen": 0, "members": [2, 3]}
 
 
 def test_a_member_hears_of_a_machine_cut_off_with_the_addresses(
@@ -253,8 +261,8 @@ def test_a_member_hears_of_a_machine_cut_off_with_the_addresses(
     member.on_cut = lambda gen, cut, addresses: heard.append((gen, cut, addresses))
     try:
         info = {"pid": 1, "host": "there", "nonce": "n1", "addr": "10.81.0.2"}
-        store.set(f"{PREFIX}member/1/info", json.dumps(info))
-        store.set(f"{PREFIX}cut", json.dumps({"gen": 3, "members": [1]}))
+        write_value(store, "member/1/info", info)
+        write_value(store, "cut", {"gen": 3, "members": [1]})
         deadline = time.monotonic() + 10
         while not heard and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -267,10 +275,9 @@ def test_a_launcher_posts_its_workers_down_and_up_again(store: Any, sleeper: Any
     link = StoreLink("127.0.0.1", store.port, call_s=5.0, patience_s=10.0)
     watcher = NodeWatcher(link, [1])
     register(store, 1, sleeper.pid, "n1")
-    key = f"{PREFIX}member/1/state"
 
     def state() -> Any:
-        return json.loads(store.get(key)) if store.check([key]) else None
+        return read_json(store, "member/1/state", STATE)
 
     watcher.poll()
     assert state() == {"nonce": "n1", "down": False}
@@ -284,7 +291,7 @@ def test_a_launcher_posts_its_workers_down_and_up_again(store: Any, sleeper: Any
         watcher.poll()
     assert state() == {"nonce": "n1", "down": False}
     # Why the job stopped, for this machine's launcher to say.
-    store.set(f"{PREFIX}stopped", "1 of 2 workers left")
+    write_value(store, "stopped", "1 of 2 workers left")
     while not watcher.stopped and time.monotonic() < deadline:
         watcher.poll()
     assert watcher.stopped == "1 of 2 workers left"

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from dtrain.dist import sealed_store
 from dtrain.fault import liveness
 from dtrain.fault.liveness import (
     Liveness,
@@ -46,8 +47,9 @@ HB0, HB1 = "dtrain/watchdog/hb/0", "dtrain/watchdog/hb/1"  # the keys of ranks 0
 
 
 def beat_of(rank: int = 1, **fields: Any) -> str:
-    """A rank's record as its watchdog mirrors it into the store; its phase began when it
-    was last stamped alive (``alive_at``, default now)."""
+    """A rank's record as its watchdog mirrors it into the store (sealed there:
+    ``sealed_store.put``); its phase began when it was last stamped alive (``alive_at``,
+    default now)."""
     alive = fields.pop("alive_at", time.time())
     record = {
         "rank": rank,
@@ -212,7 +214,7 @@ def test_a_record_that_cannot_be_mapped_stays_in_memory_and_reaches_the_store(
         assert watchdog.check_hang(time.monotonic()) is None
     finally:
         watchdog.stop()
-    beat = Liveness.from_dict(json.loads(store.get(HB0)))
+    beat = Liveness.from_dict(sealed_store.read_json(store, HB0, dict))
     assert beat is not None and beat.pid == os.getpid()  # the start-up beat went through
 
 
@@ -236,7 +238,7 @@ def test_a_killed_local_peer_is_named_with_its_exact_step(tmp_path: Path, store:
     watchdog = Watchdog(0, 2, heartbeat_s=1.0, timeout_s=5.0, run_dir=tmp_path)
     # Its last beat is from start-up, as in a run whose steps take milliseconds.
     beat = beat_of(host=watchdog.host, pid=child.pid, alive_at=time.time() - 0.8)
-    store.set(HB1, beat)
+    sealed_store.put(store, HB1, beat)
     expected = (
         f"rank 1 ({watchdog.host}, pid {child.pid}) died: its process is gone (killed or "
         "crashed) at step 26 in forward_backward"
@@ -256,7 +258,7 @@ def test_a_killed_local_peer_without_its_record_is_not_placed_at_its_stale_step(
     other = mine(liveness_path(tmp_path, 1), rank=1, pid=pid + 1)
     other.set_phase("forward_backward", 40, time.time())
     written = time.monotonic()
-    store.set(HB1, beat_of(host=watchdog.host, pid=pid, alive_at=time.time() - 2.5))
+    sealed_store.put(store, HB1, beat_of(host=watchdog.host, pid=pid, alive_at=time.time() - 2.5))
     assert_ages(
         rf"rank 1 \({watchdog.host}, pid {pid}\) died: its process is gone \(killed or "
         rf"crashed\) at an unknown step: its last heartbeat, {AGE}s old, was at step 0 in start",
@@ -270,7 +272,7 @@ def test_a_silent_remote_peer_is_reported_by_the_age_of_its_last_heartbeat(store
     watchdog = Watchdog(0, 2, heartbeat_s=1.0, timeout_s=5.0)
     written = time.monotonic()
     beat = beat_of(pid=4121, step=3, phase="forward_backward", alive_at=time.time() - 4.1)
-    store.set(HB1, beat)
+    sealed_store.put(store, HB1, beat)
     assert_ages(
         rf"rank 1 \(elsewhere, pid 4121\) stopped responding: its last heartbeat, {AGE}s old, "
         r"was at step 3 in forward_backward",
@@ -287,7 +289,7 @@ def test_a_remote_peer_killed_a_moment_ago_is_named_as_killed_once_its_beats_sto
     # said "every other rank is still beating (the failure may be in the network)".
     watchdog = Watchdog(0, 2, heartbeat_s=1.0, timeout_s=5.0)
     beat = beat_of(pid=4121, step=7, phase="forward_backward", alive_at=clock.time() - 0.3)
-    store.set(HB1, beat)
+    sealed_store.put(store, HB1, beat)
     words = watchdog.diagnose(closed=True)
     # The store is read every 0.5 s until the beat is stale (3 heartbeats, 3 s, old), and the
     # rank named at that reading: the 7th, 3.0 s in, its beat 3.3 s old -- before the
@@ -308,13 +310,13 @@ def test_a_peer_seen_dead_on_its_machine_is_named_as_killed_at_once_on_the_other
     # process gone and posts it; another machine names it from that post at its first reading.
     local = Watchdog(0, 3, heartbeat_s=1.0, timeout_s=5.0, run_dir=tmp_path)
     pid = dead_pid()
-    store.set("dtrain/watchdog/hb/1", beat_of(host=local.host, pid=pid, step=5))
-    store.set("dtrain/watchdog/hb/2", beat_of(rank=2, host="elsewhere", pid=77))
+    sealed_store.put(store, "dtrain/watchdog/hb/1", beat_of(host=local.host, pid=pid, step=5))
+    sealed_store.put(store, "dtrain/watchdog/hb/2", beat_of(rank=2, host="elsewhere", pid=77))
     said = local.diagnose()
     assert said.startswith(f"rank 1 ({local.host}, pid {pid}) died: its process is gone"), said
     remote = Watchdog(2, 3, heartbeat_s=1.0, timeout_s=5.0)
     remote.host = "elsewhere"  # the third machine
-    store.set("dtrain/watchdog/hb/0", beat_of(rank=0, host="machine-a", pid=78))
+    sealed_store.put(store, "dtrain/watchdog/hb/0", beat_of(rank=0, host="machine-a", pid=78))
     before = clock.sleeps
     words = remote.diagnose()
     assert words == (
@@ -335,7 +337,7 @@ def test_a_silent_local_peer_is_reported_at_the_phase_it_is_stuck_in(
     stuck.set_phase("forward_backward", 5, time.time() - 6.0)
     stuck.stamp(time.time() - 5.0, Speed())
     beat = beat_of(host=watchdog.host, pid=os.getpid(), alive_at=time.time() - 5.0)
-    store.set(HB1, beat)
+    sealed_store.put(store, HB1, beat)
     assert_ages(
         rf"rank 1 \({watchdog.host}, pid {os.getpid()}\) stopped responding: no progress for "
         rf"{AGE}s, at step 5 in forward_backward \(last heartbeat {AGE}s ago\)",
@@ -413,13 +415,13 @@ def test_a_rank_beats_soon_after_its_step_changes_and_leaves_its_record_at_stop(
     path = liveness_path(tmp_path, 0)
     watchdog.start()
     try:
-        first = Liveness.from_dict(json.loads(store.get(HB0)))
+        first = Liveness.from_dict(sealed_store.read_json(store, HB0, dict))
         assert first is not None and (first.step, first.phase) == (0, "start")
         watchdog.set_phase("forward_backward", 7)
         live = read_liveness(path, os.getpid())  # in the file at once: no thread in between
         assert live is not None and live.where() == "at step 7 in forward_backward"
         changed = time.monotonic()
-        while json.loads(store.get(HB0))["step"] != 7:
+        while sealed_store.read_json(store, HB0, dict)["step"] != 7:
             # only a guard against waiting the hour for the regular beat
             assert time.monotonic() - changed < 120, "no prompt beat (the next is due in 1h)"
             time.sleep(0.02)

@@ -18,7 +18,6 @@ store call on those machines waits out an outage of the network (up to ``--rdzv-
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -38,10 +37,12 @@ from dtrain.fault.membership import (
     LOCAL_ENV,
     MEMBER_ENV,
     MEMBERS_ENV,
+    NODES,
     PATIENCE_ENV,
-    PREFIX,
     STALE_S,
+    read_json,
     store_call_s,
+    write_value,
 )
 from dtrain.fault.node_claim import claim_node
 from dtrain.fault.status import RunStatus, read_status
@@ -126,7 +127,7 @@ def launch_in_place(
         host = split_endpoint(opts.rdzv_endpoint)[0] if nodes > 1 else LOOPBACK
         bind = local_address(host) or LOOPBACK
         store = host_store(bind, port, collective_timeout_s)
-        store.set(PREFIX + "nodes", json.dumps({"nnodes": nodes, "nproc": opts.nproc}))
+        write_value(store, "nodes", {"nnodes": nodes, "nproc": opts.nproc})
         # A member that has not asked for the next generation within the collective timeout
         # (and a little) of the first one that did is stuck: it is left out, and rejoins.
         coordinator = Coordinator(
@@ -265,14 +266,14 @@ def check_machines(opts: LaunchOptions, nnodes: str) -> None:
 
 def check_shape(link: StoreLink, opts: LaunchOptions) -> None:
     """On a machine other than node 0: the job's shape as node 0 posted it must be this
-    launcher's (members are numbered machine by machine, ``--nproc`` each)."""
-    key = PREFIX + "nodes"
+    launcher's (members are numbered machine by machine, ``--nproc`` each). A shape that
+    fails its seal counts as none posted yet (one warning names its key)."""
 
-    def read(store: object) -> str | None:
-        return bytes(store.get(key)).decode() if store.check([key]) else None  # type: ignore[attr-defined]
+    def read(store: object) -> dict[str, int] | None:
+        return read_json(store, "nodes", NODES)
 
     deadline = time.monotonic() + opts.rdzv_timeout_s
-    while (text := link.call(read, "reading the job's shape")) is None:
+    while (shape := link.call(read, "reading the job's shape")) is None:
         if time.monotonic() > deadline:
             raise UserError(
                 f"--rdzv-endpoint {opts.rdzv_endpoint}: no membership coordinator answered "
@@ -280,7 +281,6 @@ def check_shape(link: StoreLink, opts: LaunchOptions) -> None:
                 "fault.recovery = 'inplace' running there?)"
             )
         time.sleep(0.1)
-    shape = json.loads(text)
     if (shape["nnodes"], shape["nproc"]) != (opts.max_nodes, opts.nproc):
         raise UserError(
             f"--nnodes {opts.max_nodes} --nproc {opts.nproc} here, but the machine with "

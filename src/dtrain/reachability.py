@@ -27,6 +27,11 @@ What is checked, in :func:`dtrain.runtime.init_runtime`, before ``init_process_g
    it answers :func:`probe` -- how a rank tells a peer whose process is gone (its machine
    refuses the connection) from one cut off by the network (no answer at all) from one that is
    alive but silent (it accepts), when a collective with it fails.
+
+The addresses and a failure the check publishes are sealed with the job's secret
+(:mod:`dtrain.dist.sealed_store`): a stranger who reaches the store cannot point a rank at
+another address or stop the job's start with words of their own (such a value is read as
+none, with one warning naming its key).
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from dtrain.dist import sealed_store
+from dtrain.dist.sealed_store import Shape
 from dtrain.dist.stores import host_store, local_address
 from dtrain.errors import UserError
 from dtrain.network import interface_addresses, is_loopback, resolve
@@ -241,10 +248,20 @@ def probe(host: str, port: int, timeout_s: float = 2.0) -> tuple[str, str]:
         return UNREACHABLE, describe(exc)
 
 
+REACH = "reach/"  # the start-up check's prefix store, under the job's namespace
+ADDRESS: Shape = {"addr": str, "port": int, "host": str}  # a rank's published record
+
+
 def reach_key(rank: int) -> str:
     """Where, in the job's store, a rank's start-up check published its address (under
     :func:`dtrain.runtime.store_namespace`, as ``peers_checked``'s prefix store wrote it)."""
-    return f"reach//{rank}"
+    return _in_store("", str(rank))
+
+
+def _in_store(namespace: str, key: str) -> str:
+    """The key ``key`` of the check's prefix store as the job's store holds it (a
+    ``PrefixStore`` joins its prefix and a key with "/"): the name its value is sealed under."""
+    return f"{namespace}{REACH}/{key}"
 
 
 def close_probe_listener() -> None:
@@ -255,12 +272,19 @@ def close_probe_listener() -> None:
 
 @contextlib.contextmanager
 def peers_checked(
-    store: Any, rank: int, world_size: int, backend: str, timeout_s: float, hosts_store: bool
+    store: Any,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout_s: float,
+    hosts_store: bool,
+    namespace: str = "",
 ) -> Iterator[None]:
-    """Publish this rank's collective address under ``store`` (a prefix of its own), connect to
-    :func:`peers_of`, raise :class:`Unreachable` naming the first that does not answer; the
-    listening socket stays open for the body (``init_process_group``) and, when the body
-    succeeds, until :func:`close_probe_listener`."""
+    """Publish this rank's collective address under ``store`` (a prefix of its own,
+    ``namespace + REACH`` of the job's store), connect to :func:`peers_of`, raise
+    :class:`Unreachable` naming the first that does not answer; the listening socket stays
+    open for the body (``init_process_group``) and, when the body succeeds, until
+    :func:`close_probe_listener`."""
     address = collective_address(backend)
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
@@ -277,14 +301,15 @@ def peers_checked(
             target=_accept_forever, args=(listener,), name="dtrain-reach", daemon=True
         ).start()
         record = {"addr": address, "port": listener.getsockname()[1], "host": node_label()}
-        store.set(str(rank), json.dumps(record))
+        sealed = sealed_store.seal(_in_store(namespace, str(rank)), json.dumps(record).encode())
+        store.set(str(rank), sealed)
         try:
             for peer in peers_of(rank, world_size):
-                _check_peer(store, rank, peer, timeout_s)
+                _check_peer(store, namespace, peer, timeout_s)
         except Unreachable as exc:
-            _post_failure(store, f"rank {rank}: {exc}", linger=hosts_store)
+            _post_failure(store, namespace, f"rank {rank}: {exc}", linger=hosts_store)
             raise
-        _wait_for_all(store, world_size, timeout_s)
+        _wait_for_all(store, namespace, world_size, timeout_s)
         yield
     except BaseException:
         close_listener(listener)
@@ -304,12 +329,12 @@ def close_listener(listener: socket.socket) -> None:
     listener.close()
 
 
-def _post_failure(store: Any, message: str, linger: bool) -> None:
+def _post_failure(store: Any, namespace: str, message: str, linger: bool) -> None:
     """Tell the other ranks why the job cannot start (they wait in :func:`_wait_for_all`); a
     rank that hosts the store gives them a moment to read it before its exit takes the store
     down."""
     try:
-        store.set("failed", message)
+        store.set("failed", sealed_store.seal(_in_store(namespace, "failed"), message.encode()))
         store.set("all", "1")
     except RuntimeError:
         return
@@ -317,14 +342,18 @@ def _post_failure(store: Any, message: str, linger: bool) -> None:
         time.sleep(1.0)
 
 
-def _wait_for_all(store: Any, world_size: int, timeout_s: float) -> None:
+def _wait_for_all(store: Any, namespace: str, world_size: int, timeout_s: float) -> None:
     """Every rank's check done, or the first failure named: so that a rank whose own checks
-    passed does not go on to fail obscurely in ``init_process_group`` (one store key each)."""
+    passed does not go on to fail obscurely in ``init_process_group`` (one store key each).
+    The count and "all" cannot be sealed (a counter; a key waited for): a stranger who sets
+    them only ends this wait early, and ``init_process_group`` waits for every rank anyway;
+    a failure that fails its seal is none."""
     if int(store.add("checked", 1)) == world_size:
         store.set("all", "1")
     try:
         store.wait(["all"], datetime.timedelta(seconds=2 * timeout_s))
-        failed = store.get("failed").decode() if store.check(["failed"]) else ""
+        raw = store.get("failed") if store.check(["failed"]) else None
+        failed = sealed_store.text(_in_store(namespace, "failed"), raw) or ""
     except RuntimeError:
         raise Unreachable(
             f"{node_label()}: not every rank finished its start-up check within "
@@ -335,17 +364,30 @@ def _wait_for_all(store: Any, world_size: int, timeout_s: float) -> None:
         raise Unreachable(f"{node_label()}: the job cannot start: {failed}")
 
 
-def _check_peer(store: Any, rank: int, peer: int, timeout_s: float) -> None:
-    try:
-        store.wait([str(peer)], datetime.timedelta(seconds=timeout_s))
-        found = json.loads(store.get(str(peer)))
-    except (RuntimeError, ValueError) as exc:
-        if "timeout" not in str(exc).lower():
-            raise
-        raise Unreachable(
-            f"{node_label()}: rank {peer} did not publish its address within {timeout_s:.0f}s "
-            "(it failed before, see its own error, or has not started)"
-        ) from None
+def _published(store: Any, namespace: str, peer: int, timeout_s: float) -> dict[str, Any]:
+    """The address ``peer`` published, waited for up to ``timeout_s``. One that fails its
+    seal (a stranger's: warned once) counts as none yet: the peer's own replaces it."""
+    name = _in_store(namespace, str(peer))
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            store.wait([str(peer)], datetime.timedelta(seconds=left))
+        except RuntimeError as exc:
+            if "timeout" not in str(exc).lower():
+                raise
+            break
+        found = sealed_store.parse(name, store.get(str(peer)), ADDRESS)
+        if found is not None:
+            return dict(found)
+        time.sleep(min(_RETRY_S, left))
+    raise Unreachable(
+        f"{node_label()}: rank {peer} did not publish its address within {timeout_s:.0f}s "
+        "(it failed before, see its own error, or has not started)"
+    )
+
+
+def _check_peer(store: Any, namespace: str, peer: int, timeout_s: float) -> None:
+    found = _published(store, namespace, peer, timeout_s)
     address, port = found["addr"], int(found["port"])
     error = connect_error(address, port, timeout_s)
     if error is not None:

@@ -18,7 +18,13 @@ import torch.distributed as dist
 
 from dtrain.config import DistConfig
 from dtrain.errors import ConfigError
-from dtrain.reachability import check_store, close_probe_listener, open_store, peers_checked
+from dtrain.reachability import (
+    REACH,
+    check_store,
+    close_probe_listener,
+    open_store,
+    peers_checked,
+)
 
 
 @dataclass(frozen=True)
@@ -151,9 +157,11 @@ def init_runtime(cfg: DistConfig) -> Runtime:
         if store_hosted_by_launcher() or rank != 0:
             check_store(env_int("GROUP_WORLD_SIZE", 1), connect_s)
         store = attempt_store(rank, timeout, connect_s)
-        reach = dist.PrefixStore(store_namespace() + "reach/", store)  # type: ignore[attr-defined]
+        reach = dist.PrefixStore(store_namespace() + REACH, store)  # type: ignore[attr-defined]
         hosts_store = not store_hosted_by_launcher() and rank == 0
-        with peers_checked(reach, rank, world_size, backend, connect_s, hosts_store):
+        with peers_checked(
+            reach, rank, world_size, backend, connect_s, hosts_store, namespace=store_namespace()
+        ):
             dist.init_process_group(
                 backend=backend,
                 rank=rank,

@@ -7,7 +7,6 @@ worker's side."""
 from __future__ import annotations
 
 import functools
-import json
 import threading
 import time
 import traceback
@@ -15,8 +14,19 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from dtrain.dist.sealed_store import Opener, warn_once
 from dtrain.fault.coordinator_link import StoreLink, StoreUnreachable
-from dtrain.fault.membership import POLL_S, PREFIX, Generation, read_json, read_text, write_value
+from dtrain.fault.membership import (
+    INFO,
+    POLL_S,
+    PREFIX,
+    STATE,
+    WANT,
+    Generation,
+    read_json,
+    read_text,
+    write_value,
+)
 from dtrain.fault.node_claim import BUMP_S, alive_key
 
 NOTICE_S = 15.0  # the workers of machines started together ask to join well within this
@@ -40,8 +50,16 @@ def member_key(member: int, part: str) -> str:
     return f"{PREFIX}member/{member}/{part}"
 
 
-def json_value(raw: bytes | None) -> Any:
-    return None if raw is None else json.loads(raw)
+def counter_value(key: str, raw: bytes | None) -> int:
+    """A counter's value (``store.add``: not sealed); 0 while unset, and for one a stranger
+    made no number (warned once)."""
+    if raw is None:
+        return 0
+    try:
+        return int(bytes(raw))
+    except ValueError:
+        warn_once(key, "it is malformed (not a counter)")
+        return 0
 
 
 class PollingThread:
@@ -96,6 +114,7 @@ class NodeWatcher(PollingThread):
         self._pids: dict[int, tuple[str, int]] = {}  # member -> (nonce, pid)
         self._read_at = 0.0
         self.stopped = ""  # why the job stopped (below fault.min_replicas), once it did
+        self._opener = Opener()  # a stranger's value over one of the job's: ignored
         super().__init__("dtrain-node-watch")
 
     def failed(self, exc: Exception) -> None:
@@ -113,10 +132,11 @@ class NodeWatcher(PollingThread):
         down = {m: process_state(pid) in DOWN_STATES for m, (_, pid) in self._pids.items()}
         if now - self._read_at > (0.1 if any(down.values()) else 0.5):
             self._read_at = now
+            opener = self._opener
             infos, stopped = self.link.call(
                 lambda s: (
-                    [read_json(s, f"member/{m}/info") for m in self.members],
-                    read_text(s, "stopped"),
+                    [read_json(s, f"member/{m}/info", INFO, opener) for m in self.members],
+                    read_text(s, "stopped", opener),
                 ),
                 "reading this machine's members",
             )
@@ -189,6 +209,9 @@ class Coordinator(PollingThread):
             for part in ("info", "beat", "want", *(("state",) if m not in self.local else ()))
         ]
         self._known: set[str] = set()  # keys set (none is ever removed)
+        # Each value's seal is checked once, not at every poll; a stranger's value over a
+        # member's record leaves the record as it was.
+        self._opener = Opener()
         self.join_timeout_s = join_timeout_s
         self.on_wait = on_wait
         self._born = time.monotonic()
@@ -207,24 +230,31 @@ class Coordinator(PollingThread):
         values = dict(zip(present, self.store.multi_get(present), strict=True)) if present else {}
         return {key: values.get(key) for key in self._keys}
 
+    def _record(self, snap: dict[str, bytes | None], member: int, part: str, shape: Any) -> Any:
+        """A member's record in the snapshot; None where unset. One that fails its seal or has
+        another shape (a stranger's: warned once) leaves the last record that opened there."""
+        key = member_key(member, part)
+        return self._opener.parse(key, snap[key], shape)
+
     def _alive(self, member: int, now: float, snap: dict[str, bytes | None]) -> bool:
         """Whether the member's newest incarnation is running: its process exists and is
         not stopped, and its beats moved within ``stale_s``."""
         seen = self._seen[member]
-        info = json_value(snap[member_key(member, "info")])
+        info = self._record(snap, member, "info", INFO)
         if info is None:
             return False
         if info["nonce"] != seen.nonce:
-            seen.nonce, seen.pid = info["nonce"], int(info["pid"])
+            seen.nonce, seen.pid = info["nonce"], info["pid"]
             seen.beats, seen.beat_at = -1, now
-        beats = int(snap[member_key(member, "beat")] or 0)
+        beat_key = member_key(member, "beat")
+        beats = counter_value(beat_key, snap[beat_key])
         if beats != seen.beats:
             seen.beats, seen.beat_at = beats, now
         if member in self.local:
             if process_state(seen.pid) in DOWN_STATES:
                 return False
         else:
-            state = json_value(snap[member_key(member, "state")])
+            state = self._record(snap, member, "state", STATE)
             if state is not None and state["nonce"] == seen.nonce and state["down"]:
                 return False
         return now - seen.beat_at < self.stale_s
@@ -240,7 +270,7 @@ class Coordinator(PollingThread):
         silent: list[int] = []
         for node_members in nodes.values():
             if all(m not in alive and self._seen[m].beats >= 0 for m in node_members):
-                states = [json_value(snap[member_key(m, "state")]) for m in node_members]
+                states = [self._record(snap, m, "state", STATE) for m in node_members]
                 if not any(st is not None and st["down"] for st in states):
                     silent += node_members
         return sorted(silent)
@@ -259,7 +289,7 @@ class Coordinator(PollingThread):
                 # instead of waiting out the collective timeout.
                 write_value(self.store, "cut", cut)
                 self._cut = cut
-        wants = {m: json_value(snap[member_key(m, "want")]) for m in alive}
+        wants = {m: self._record(snap, m, "want", WANT) for m in alive}
         asking = {
             m
             for m, want in wants.items()

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dtrain.dist.sealed_store import fits
 from dtrain.fault.liveness import (
     Liveness,
     liveness_path,
@@ -24,7 +25,7 @@ from dtrain.fault.peer_failure import (
 )
 from dtrain.fault.store_client import StoreTimeout
 from dtrain.process_exit import process_alive
-from dtrain.reachability import OPEN, REFUSED, UNREACHABLE, probe, reach_key
+from dtrain.reachability import ADDRESS, OPEN, REFUSED, UNREACHABLE, probe, reach_key
 
 
 class PeerDiagnosis:
@@ -177,10 +178,11 @@ class PeerDiagnosis:
             assert self.store is not None
             from dtrain.runtime import store_namespace
 
+            # Sealed by the rank (a stranger's address: none, warned once by the read).
             record = self.store.read(store_namespace() + reach_key(rank), seconds)
-            if not isinstance(record, dict) or "addr" not in record or "port" not in record:
+            if not fits(record, ADDRESS):
                 return None
-            self._addresses[rank] = (str(record["addr"]), int(record["port"]))
+            self._addresses[rank] = (record["addr"], record["port"])
         return self._addresses[rank]
 
     def _last_words_of(self, beat: Liveness, now: float) -> str:

@@ -121,13 +121,28 @@ class Liveness:
 
     @classmethod
     def from_dict(cls, record: Any) -> Liveness | None:
-        """The record a :meth:`to_dict` made (from the store), or None for anything else."""
+        """The record a :meth:`to_dict` made (from the store), or None for anything else (a
+        field missing or of another type: it is read by a rank that must not fail on it)."""
         if not isinstance(record, dict):
             return None
+        known = [f for f in fields(cls) if f.name in record]
+        if not all(isinstance(record[f.name], _KINDS[str(f.type)]) for f in known):
+            return None
+        values = {f.name: record[f.name] for f in known}
         try:
-            return cls(**{f.name: record[f.name] for f in fields(cls) if f.name in record})
+            return cls(**values)
         except TypeError:  # a required field is missing
             return None
+
+
+# A field's type (its annotation, as a string) -> what a record read back from JSON may hold.
+_KINDS: dict[str, tuple[type, ...]] = {
+    "int": (int,),
+    "str": (str,),
+    "float": (int, float),
+    "float | None": (int, float, type(None)),
+    "bool": (bool,),
+}
 
 
 def liveness_path(run_dir: Path | str, rank: int) -> Path:

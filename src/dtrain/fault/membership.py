@@ -22,6 +22,14 @@ Keys (all under ``inplace/``)::
     done               the run completed: a worker still waiting to join exits
     stopped            why the job stops (fewer members than fault.min_replicas): a worker
                        waiting to join exits
+    cut                {"gen", "members"}: the members of machines fallen silent in ``gen``
+    node/<k>/launcher  the launcher that holds --node-rank k (:mod:`dtrain.fault.node_claim`)
+    node/<k>/alive     a counter that launcher adds to while it lives
+
+Every value but the counters is sealed with the job's secret under its full key
+(:mod:`dtrain.dist.sealed_store`): one that fails (a stranger's, who reached the store's
+port) is ignored, with one warning naming its key -- read as absent, or, by the coordinator,
+a member and a launcher's watcher, as the last value of the job's they read there.
 
 The coordinator forms generation g+1 once every member of g has asked for a new one or is
 gone, and admits a joining member at the next step boundary (the members of g learn of it
@@ -40,6 +48,7 @@ coordinator forms no generation after it.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -50,6 +59,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from dtrain.dist import sealed_store
+from dtrain.dist.sealed_store import Opener, Shape
 from dtrain.fault.coordinator_link import StoreLink, StoreUnreachable
 from dtrain.reachability import NODE_ADDR_ENV
 
@@ -92,21 +103,41 @@ def store_call_s(timeout_s: float) -> float:
     return min(timeout_s, 5.0)
 
 
-def read_text(store: Any, key: str) -> str | None:
-    """The value of ``inplace/<key>``, or None while it is not set."""
-    if not store.check([PREFIX + key]):
-        return None
-    return bytes(store.get(PREFIX + key)).decode()
+# The records' shapes (what their readers use of them): a value of another shape is ignored.
+INFO: Shape = {"pid": int, "nonce": str}  # and "host", "addr" (str)
+WANT: Shape = {"after": int, "nonce": str, "step": int}
+STATE: Shape = {"nonce": str, "down": bool}
+GENERATION: Shape = {
+    "members": [int],
+    "nonces": [str],
+    "left": [int],
+    "joined": [int],
+    "asked_at": float,
+    "stop": str,
+}
+CUT: Shape = {"gen": int, "members": [int]}
+NODES: Shape = {"nnodes": int, "nproc": int}
 
 
-def read_json(store: Any, key: str) -> Any:
-    text = read_text(store, key)
-    return None if text is None else json.loads(text)
+def read_text(store: Any, key: str, opener: Opener | None = None) -> str | None:
+    """The text at ``inplace/<key>``; None while it is not set, or when it fails its seal
+    (with ``opener``, a key read over and over: the last text that opened there)."""
+    if opener is not None:
+        return opener.read_text(store, PREFIX + key)
+    return sealed_store.read_text(store, PREFIX + key)
+
+
+def read_json(store: Any, key: str, shape: Shape, opener: Opener | None = None) -> Any:
+    """The JSON value at ``inplace/<key>`` if it has ``shape``; None while it is not set, or
+    when it fails its seal or has another shape (with ``opener``: as :func:`read_text`)."""
+    if opener is not None:
+        return opener.read_json(store, PREFIX + key, shape)
+    return sealed_store.read_json(store, PREFIX + key, shape)
 
 
 def write_value(store: Any, key: str, value: Any) -> None:
-    """``inplace/<key>`` = value (a string as it is, anything else as JSON)."""
-    store.set(PREFIX + key, value if isinstance(value, str) else json.dumps(value))
+    """``inplace/<key>`` = value (a string as it is, anything else as JSON), sealed."""
+    sealed_store.put(store, PREFIX + key, value if isinstance(value, str) else json.dumps(value))
 
 
 # -- the worker's side ------------------------------------------------------------------------
@@ -135,6 +166,8 @@ class Member:
         self.local = local if local is not None else (member_id, members)
         self.nonce = f"{os.getpid()}-{time.time_ns()}"
         call_s = store_call_s(timeout_s)
+        # What this member reads: a value a stranger wrote over one of the job's is ignored.
+        self._opener = Opener()
         self.link = StoreLink(host, int(port), call_s, patience_s)
         self._beat_link = StoreLink(host, int(port), call_s, patience_s)
         info = {
@@ -149,7 +182,7 @@ class Member:
         # machine address) when the coordinator finds every worker of some machines silent in
         # that generation (cut off; this member's own machine, heard of once its link is back).
         self.on_cut: Callable[[int, list[int], dict[int, str]], None] | None = None
-        self._cut_seen = ""
+        self._cut_seen: dict[str, Any] | None = None
         self._warned = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="dtrain-membership", daemon=True)
@@ -166,17 +199,18 @@ class Member:
     def _beat(self) -> None:
         key = f"{PREFIX}member/{self.id}/beat"
 
-        def beat(store: Any) -> tuple[str | None, str | None]:
+        def beat(store: Any) -> tuple[int | None, dict[str, Any] | None]:
             store.add(key, 1)
-            return read_text(store, "pending"), read_text(store, "cut")
+            opener = self._opener
+            return read_json(store, "pending", int, opener), read_json(store, "cut", CUT, opener)
 
         while not self._stop.wait(BEAT_S):
             try:
                 pending, cut = self._beat_link.call(beat, "a beat")
-                self.pending = int(pending) if pending is not None else -1
+                self.pending = pending if pending is not None else -1
                 if cut is not None and cut != self._cut_seen:
                     self._cut_seen = cut
-                    self._cut_off(json.loads(cut))
+                    self._cut_off(cut)
             except StoreUnreachable:  # for the whole patience: the wait says so
                 return
             except Exception:  # our bug: the beats must go on (a cut only saves a timeout)
@@ -189,12 +223,13 @@ class Member:
             return
         everyone = range(self.members)
         infos = self._beat_link.call(
-            lambda s: [read_json(s, f"member/{m}/info") for m in everyone], "reading members"
+            lambda s: [read_json(s, f"member/{m}/info", INFO, self._opener) for m in everyone],
+            "reading members",
         )
         addresses = {
-            m: str(info["addr"])
+            m: info["addr"]
             for m, info in zip(everyone, infos, strict=True)
-            if info is not None and info.get("addr")
+            if info is not None and isinstance(info.get("addr"), str) and info["addr"]
         }
         self.on_cut(int(cut["gen"]), [int(m) for m in cut["members"]], addresses)
 
@@ -216,36 +251,43 @@ class Member:
             time.sleep(POLL_S)
 
     def _look(self, store: Any, after: int) -> Generation | str | None:
-        if read_text(store, "done") is not None:
+        opener = self._opener
+        if read_text(store, "done", opener) is not None:
             return None
         # Read before the generation: the coordinator writes the last generation before
         # "stopped", so a member of that generation finds it below (and saves).
-        stopped = read_text(store, "stopped") or ""
-        latest = read_text(store, "gen/latest")
-        if latest is not None and int(latest) > after:
-            record = read_json(store, f"gen/{latest}")
-            members = [int(m) for m in record["members"]]
-            if self.id in members and record["nonces"][members.index(self.id)] == self.nonce:
+        stopped = read_text(store, "stopped", opener) or ""
+        latest = read_json(store, "gen/latest", int, opener)
+        if latest is not None and latest > after:
+            record = read_json(store, f"gen/{latest}", GENERATION, opener)
+            members = record["members"] if record is not None else []
+            if (
+                self.id in members
+                and len(record["nonces"]) == len(members)
+                and record["nonces"][members.index(self.id)] == self.nonce
+            ):
                 return Generation(
-                    int(latest),
+                    latest,
                     tuple(members),
                     tuple(record["left"]),
                     tuple(record["joined"]),
                     float(record["asked_at"]),
-                    str(record.get("stop", "")),
+                    record["stop"],
                 )
         return None if stopped else "wait"
 
     def stopped(self) -> str:
         """Why the job stops (below ``fault.min_replicas``), or "" while it goes on."""
-        return self._call(lambda s: read_text(s, "stopped"), "reading the job's state") or ""
+        read = functools.partial(read_text, key="stopped", opener=self._opener)
+        return self._call(read, "reading the job's state") or ""
 
     def pids(self, members: Iterable[int]) -> list[int]:
         """The processes of ``members`` on this machine as registered now (one not registered,
         or on another machine: left out)."""
         wanted = [m for m in members if self._node(m) == self._node()]
         infos = self._call(
-            lambda s: [read_json(s, f"member/{m}/info") for m in wanted], "reading members"
+            lambda s: [read_json(s, f"member/{m}/info", INFO, self._opener) for m in wanted],
+            "reading members",
         )
         return [int(info["pid"]) for info in infos if info is not None]
 

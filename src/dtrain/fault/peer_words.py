@@ -13,6 +13,10 @@ hang backstop leaves it alone.
 
 Without the store (a run without peers or without a store client) the words go through one
 collective, under its timeout.
+
+The words are sealed with the job's secret (:mod:`dtrain.dist.sealed_store`): one that fails
+its seal (a stranger's, who reached the store's port) counts as a word not posted yet (one
+warning names its key).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import time
 from typing import Any, NoReturn
 
 from dtrain.comm.plain import all_gather_json
+from dtrain.dist import sealed_store
 from dtrain.fault.peer_failure import PeerFailure
 from dtrain.fault.watchdog import Watchdog
 from dtrain.runtime import store_namespace
@@ -49,7 +54,7 @@ class PeerWords:
             return [str(w) for w in all_gather_json(word)]
         prefix = f"{store_namespace()}words/{key}/"
         mine = f"{prefix}{dog.rank}"
-        encoded = word.encode()
+        encoded = sealed_store.seal(mine, word.encode())
         self._ask(lambda s: s.set(mine, encoded), what)
         got = {dog.rank: word}
         started = time.monotonic()
@@ -62,8 +67,10 @@ class PeerWords:
             ready = self._ask(lambda s, keys=keys: [s.check([k]) for k in keys], what)
             for rank, key_ready in zip(owed, ready):
                 if key_ready:
-                    value = self._ask(lambda s, k=f"{prefix}{rank}": s.get(k), what)
-                    got[rank] = bytes(value).decode()
+                    name = f"{prefix}{rank}"
+                    value = sealed_store.text(name, self._ask(lambda s, k=name: s.get(k), what))
+                    if value is not None:
+                        got[rank] = value
             if len(got) == dog.world_size:
                 break
             now = time.monotonic()

@@ -1,10 +1,10 @@
 """The watchdog's client of the job's store: connecting to the launcher's store, and every call
-to it bounded in time, so that a store whose host is stopped or cut off never hangs a rank."""
+to it bounded in time, so that a store whose host is stopped or cut off never hangs a rank.
+The records it reads are sealed with the job's secret (:mod:`dtrain.dist.sealed_store`)."""
 
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import threading
 import time
@@ -12,6 +12,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch.distributed as dist
+
+from dtrain.dist import sealed_store
 
 T = TypeVar("T")
 
@@ -105,10 +107,11 @@ class StoreClient:
         return value
 
     def read_many(self, keys: list[str], seconds: float | None = None) -> dict[str, Any]:
-        """The JSON values at ``keys`` (None where there is none), in one call to the store
-        when all exist (``multi_get``), else one per key; a store that cannot be reached
-        raises. What a diagnosis reads of every rank costs each rank a few calls, not a few
-        per rank: every rank diagnoses at once when a collective fails."""
+        """The JSON records (dicts) sealed at ``keys``, None where there is none (or one that
+        fails its seal, or no record: warned once), in one call to the store when all exist
+        (``multi_get``), else one per key; a store that cannot be reached raises. What a
+        diagnosis reads of every rank costs each rank a few calls, not a few per rank: every
+        rank diagnoses at once when a collective fails."""
 
         def read(store: Any) -> list[bytes | None]:
             if not keys:
@@ -118,22 +121,15 @@ class StoreClient:
             return [store.get(key) if store.check([key]) else None for key in keys]
 
         raws = self.ask(read, f"reading {len(keys)} keys", seconds)
-        return {key: _json_or_none(raw) for key, raw in zip(keys, raws, strict=True)}
+        return {
+            key: sealed_store.parse(key, raw, dict) for key, raw in zip(keys, raws, strict=True)
+        }
 
     def read(self, key: str, seconds: float | None = None) -> Any:
-        """The JSON value at ``key``, or None when there is none (or it is no JSON); a store
-        that cannot be reached raises."""
+        """The JSON record (a dict) sealed at ``key``, or None when there is none (or it fails
+        its seal, or is no record: warned once); a store that cannot be reached raises."""
 
         def read(store: Any) -> bytes | None:
             return store.get(key) if store.check([key]) else None
 
-        return _json_or_none(self.ask(read, f"reading {key}", seconds))
-
-
-def _json_or_none(raw: bytes | None) -> Any:
-    if raw is None:
-        return None
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return None
+        return sealed_store.parse(key, self.ask(read, f"reading {key}", seconds), dict)

@@ -8,7 +8,9 @@ daemon thread does the rest: it stamps the record alive, measures the rank's spe
 the record into the job's key-value store (hosted by rank 0 under ``dtrain train``, by torch's
 agent under plain ``torchrun``) as ``dtrain/hb/<rank>``, every ``heartbeat_s`` seconds and soon
 (within ~0.4 s) after the rank enters a step or phase that lasts. The training thread never
-waits on the store. A rank that raises posts ``dtrain/failed/<rank>`` before it exits.
+waits on the store. A rank that raises posts ``dtrain/failed/<rank>`` before it exits. Both
+records are sealed with the job's secret (:mod:`dtrain.dist.sealed_store`): one that fails
+its seal (a stranger's, who reached the store's port) is read as none, with one warning.
 
 When a collective fails on a rank -- a peer's socket closed, or the collective timeout
 (``dist.timeout_s``) expired because a peer stopped responding -- :meth:`Watchdog.diagnose`
@@ -55,6 +57,8 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.console import say_error
+from dtrain.dist import sealed_store
+from dtrain.dist.sealed_store import Shape, fits, warn_once
 from dtrain.fault import oom
 from dtrain.fault.diagnosis import PeerDiagnosis
 from dtrain.fault.liveness import (
@@ -92,6 +96,11 @@ _NO_BACKSTOP = frozenset({"done", "idle", "after_training"})
 # generation by dtrain.fault.inplace). Its ranks' liveness records are one attempt: each
 # worker's own restart count is not.
 GENERATION_ENV = "DTRAIN_INPLACE_GENERATION"
+
+
+# What a rank posts when it fails, and what a rank posts for a dead rank of its machine.
+FAILURE: Shape = {"host": str, "pid": int, "step": int, "phase": str, "error": str}
+KILLED: Shape = {"host": str, "pid": int, "killed": str, "seen_by": int}
 
 
 def liveness_attempt() -> int:
@@ -255,7 +264,10 @@ class Watchdog(PeerDiagnosis):
     def _post_failure(self, rank: int, record: dict[str, Any]) -> None:
         if self.store is None:
             return
-        key, value = f"{_prefix()}failed/{rank}", json.dumps(record)
+        key = f"{_prefix()}failed/{rank}"
+        value = sealed_store.seal(key, json.dumps(record).encode())
+        # The index is appended to by every rank, and cannot be sealed: it only says which
+        # records to read, and those are.
         index, entry = f"{_prefix()}failed", f"{rank},"
 
         def post(store: Any) -> None:
@@ -272,7 +284,7 @@ class Watchdog(PeerDiagnosis):
         assert self.store is not None
         self.liveness.stamp(time.time(), self._speed)
         key = f"{_prefix()}hb/{self.rank}"
-        value = json.dumps(self.liveness.record().to_dict())
+        value = sealed_store.seal(key, json.dumps(self.liveness.record().to_dict()).encode())
         self.store.ask(lambda store: store.set(key, value), "a heartbeat")
 
     def _measure(self, now: float) -> None:
@@ -365,7 +377,7 @@ class Watchdog(PeerDiagnosis):
         others = [rank for rank in range(self.world_size) if rank != self.rank]
         keys = {rank: f"{_prefix()}hb/{rank}" for rank in others}
         values = self.store.read_many(list(keys.values()), seconds)
-        return {rank: Liveness.from_dict(values[key]) for rank, key in keys.items()}
+        return {rank: _beat_of(key, values[key]) for rank, key in keys.items()}
 
     def failures(self, seconds: float | None = None) -> dict[int, dict[str, Any]]:
         """The failures other ranks posted: the index of the ranks that failed, then theirs."""
@@ -378,14 +390,23 @@ class Watchdog(PeerDiagnosis):
             "reading the failed ranks",
             seconds,
         )
-        ranks = sorted({int(r) for r in index.decode().split(",") if r.isdigit()} - {self.rank})
+        listed = {int(r) for r in bytes(index).decode(errors="replace").split(",") if r.isdigit()}
+        ranks = sorted(listed & set(range(self.world_size)) - {self.rank})
         keys = {rank: f"{_prefix()}failed/{rank}" for rank in ranks}
         values = self.store.read_many(list(keys.values()), seconds)
-        return {rank: values[key] for rank, key in keys.items() if isinstance(values[key], dict)}
+        failed: dict[int, dict[str, Any]] = {}
+        for rank, key in keys.items():
+            record = values[key]
+            if record is not None and not (fits(record, FAILURE) or fits(record, KILLED)):
+                warn_once(key, "it is malformed (not the record dtrain writes there)")
+            elif record is not None:
+                failed[rank] = record
+        return failed
 
     def _read_beat(self, rank: int, seconds: float | None = None) -> Liveness | None:
         assert self.store is not None
-        return Liveness.from_dict(self.store.read(f"{_prefix()}hb/{rank}", seconds))
+        key = f"{_prefix()}hb/{rank}"
+        return _beat_of(key, self.store.read(key, seconds))
 
     def on_error(self, error: BaseException) -> BaseException:
         """What the trainer raises for an error out of its loop: a collective that failed
@@ -421,6 +442,14 @@ class Watchdog(PeerDiagnosis):
             f"rank {self.rank} ({self.host}) at step {self.step} in {self.phase}: a collective "
             f"failed: {words} (collective error: {cause})"
         )
+
+
+def _beat_of(key: str, record: dict[str, Any] | None) -> Liveness | None:
+    """The heartbeat in a record read at ``key`` (None: none, or not a heartbeat: warned)."""
+    beat = Liveness.from_dict(record)
+    if record is not None and beat is None:
+        warn_once(key, "it is malformed (not the record dtrain writes there)")
+    return beat
 
 
 def failure_text(error: BaseException | str) -> str:
