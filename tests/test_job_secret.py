@@ -217,3 +217,52 @@ def test_a_stranger_cannot_steer_a_single_machine_job(tmp_path: Path) -> None:
     assert final_loss(runs["attacked"]) == final_loss(runs["untouched"])
     # The launcher's rendezvous store, rank 0's job store, gloo, the start-up probe: loopback.
     assert len(sockets) >= 4 and all(s.startswith("127.0.0.1:") for s in sockets), sockets
+
+
+def test_dtrain_rendezvous_needs_the_secret_and_listens_on_the_address_it_is_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import signal
+    import socket
+    import sys
+
+    from dtrain.rendezvous_host import serve
+
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    with pytest.raises(UserError, match="dtrain rendezvous needs the job's secret"):
+        serve(29400, "127.0.0.1")
+    with socket.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, SECRET_ENV: "the job's secret, for the tests"}
+    command = [sys.executable, "-m", "dtrain", "rendezvous", "--port", str(port), "--bind"]
+    server = subprocess.Popen(
+        [*command, "127.0.0.1"], env=env, stderr=subprocess.PIPE, text=True, cwd=REPO
+    )
+    try:
+        assert server.stderr is not None
+        said = server.stderr.readline()
+        assert f"listening on 127.0.0.1:{port}" in said, said
+        assert listening({server.pid}) == [f"127.0.0.1:{port}"]
+        client = dist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=10))
+        check_secret(client, SECRET, f"127.0.0.1:{port}")  # the check it posted opens
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=30) == 0
+
+
+def test_a_job_s_environment_is_the_launcher_s_only_while_the_job_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from dtrain.dist.job_env import job_environment
+
+    for name in (SECRET_ENV, "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(name, raising=False)
+    with job_environment(multi_machine=False):
+        assert len(os.environ[SECRET_ENV]) == 64
+        assert os.environ["GLOO_SOCKET_IFNAME"] == os.environ["NCCL_SOCKET_IFNAME"] == "lo"
+    # A multi-machine job started next in this process must not inherit either.
+    assert not {SECRET_ENV, "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"} & set(os.environ)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")  # the user's choice stands
+    with job_environment(multi_machine=False):
+        assert os.environ["GLOO_SOCKET_IFNAME"] == "eth7"

@@ -2,7 +2,8 @@
 the rendezvous port, as anyone on the network between the machines can; every value it forges
 there is ignored, no code runs, and the job trains as an untouched one does.
 
-Slow (two two-host jobs, ~40 s): `make test-slow`.
+Both recovery modes: restart (torch's rendezvous at the endpoint) and in-place (dtrain's
+membership store there). Slow (two two-host jobs each, ~25 s): `make test-slow`.
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ for attempt in range(600):
         store.set("dtrain/launch/shape", planted)
         if attempt < 4:  # the state's own key, as one who reads the job's traffic finds it
             store.set(state_key, planted)
+        # In-place recovery's membership store is there instead: its stop, end and generation.
+        store.set("inplace/stopped", b'{"reason": "a stranger says stop"}')
+        store.set("inplace/done", b"true")
+        store.set("inplace/gen/latest", b"7")
+        store.set("inplace/member/1/state", b'{"state": "down"}')  # the coordinator polls it
         print("forged", flush=True)
     except Exception:
         store = None  # the job has not opened it yet, or has ended
@@ -58,7 +64,7 @@ def final_loss(run_dir: Path) -> float:
     return [r for r in metrics_records(run_dir) if r.get("kind") == "train"][-1]["loss"]
 
 
-def two_host_job(hosts: Hosts, config: Path) -> list[Launch]:
+def two_host_job(hosts: Hosts, config: Path, *extra: str) -> list[Launch]:
     endpoint = f"{hosts.address(0)}:29400"
     return [
         Launch(
@@ -72,6 +78,7 @@ def two_host_job(hosts: Hosts, config: Path) -> list[Launch]:
             endpoint,
             "--run-id",
             "secured",
+            *extra,
             cwd=REPO,
             exec_prefix=hosts.exec_prefix(i),
         )
@@ -79,7 +86,10 @@ def two_host_job(hosts: Hosts, config: Path) -> list[Launch]:
     ]
 
 
-def test_a_stranger_on_the_network_cannot_steer_a_two_host_job(tmp_path: Path) -> None:
+@pytest.mark.parametrize("recovery", ["restart", "inplace"])
+def test_a_stranger_on_the_network_cannot_steer_a_two_host_job(
+    tmp_path: Path, recovery: str
+) -> None:
     reason = hosts_unavailable()
     if reason:
         pytest.skip(reason)
@@ -90,7 +100,8 @@ def test_a_stranger_on_the_network_cannot_steer_a_two_host_job(tmp_path: Path) -
         losses = {}
         for name, run_dir in runs.items():
             config = tmp_path / f"{name}.toml"
-            config.write_text(tiny_config(run_dir, train={"steps": 60}).to_toml())
+            cfg = tiny_config(run_dir, train={"steps": 60}, fault={"recovery": recovery})
+            config.write_text(cfg.to_toml())
             stranger = None
             if name == "attacked":
                 stranger = hosts.popen(
@@ -98,7 +109,7 @@ def test_a_stranger_on_the_network_cannot_steer_a_two_host_job(tmp_path: Path) -
                     [sys.executable, "-c", STRANGER, hosts.address(0), "29400", str(marker), key],
                     cwd=REPO,
                 )
-            launches = two_host_job(hosts, config)
+            launches = two_host_job(hosts, config, "--max-restarts", "1")
             try:
                 codes = [launch.wait(120) for launch in launches]
             finally:
@@ -112,5 +123,8 @@ def test_a_stranger_on_the_network_cannot_steer_a_two_host_job(tmp_path: Path) -
             losses[name] = final_loss(run_dir)
         assert "forged" in said, said[-2000:]  # the stranger did reach the rendezvous store
         assert not marker.exists()
-        assert f"ignored the value of rendezvous key '{key}'" in text
+        if recovery == "restart":
+            assert f"ignored the value of rendezvous key '{key}'" in text
+        else:  # node 0's launcher hosts the membership store and ignores what it reads there
+            assert "ignored the value of store key 'inplace/" in text, text[-3000:]
         assert losses["attacked"] == losses["untouched"]

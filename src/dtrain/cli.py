@@ -9,9 +9,13 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
 from dtrain.process_exit import freeze_heap_at_exit
+
+if TYPE_CHECKING:
+    from dtrain.launch import LaunchOptions
 
 
 def _train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -201,16 +205,9 @@ def split_overrides(extra: Sequence[str]) -> list[str]:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from dtrain.checkpoint.rundir import check_resume_folder, check_run_dir, held_run_dir
-    from dtrain.config import validate_ranks
     from dtrain.console import guard_console
-    from dtrain.dist.secret import launcher_secret
-    from dtrain.dist.stores import keep_collectives_on_loopback
-    from dtrain.init_from import check_init_from
-    from dtrain.job import default_run_dir, load_job_config
-    from dtrain.launch import launch_workers, make_options
-    from dtrain.parallel import strategy_class
-    from dtrain.parallel.state_form import check_state_form
+    from dtrain.dist.job_env import job_environment
+    from dtrain.launch import make_options
 
     guard_console("the launcher")  # a closed output pipe costs the output, never the run
     if args.resume is not None:
@@ -226,11 +223,24 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         iface=args.iface,
         rdzv_timeout_s=args.rdzv_timeout,
     )
-    # The job's secret (given, or made for a job on one machine), before anything else: a
-    # machine of a multi-machine job without one stops here, in one line.
-    launcher_secret(multi_machine=bool(opts.rdzv_endpoint))
-    if not opts.rdzv_endpoint:
-        keep_collectives_on_loopback()
+    # The job's secret (given, or made for a job on one machine) before anything else -- a
+    # machine of a multi-machine job without one stops here, in one line -- and, on one
+    # machine, collectives on loopback: in this process's environment, for the workers, while
+    # the job runs.
+    with job_environment(multi_machine=bool(opts.rdzv_endpoint)):
+        return train_job(args, opts, overrides)
+
+
+def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str]) -> int:
+    """``dtrain train`` once its options are checked and its environment is set."""
+    from dtrain.checkpoint.rundir import check_resume_folder, check_run_dir, held_run_dir
+    from dtrain.config import validate_ranks
+    from dtrain.init_from import check_init_from
+    from dtrain.job import default_run_dir, load_job_config
+    from dtrain.launch import launch_workers
+    from dtrain.parallel import strategy_class
+    from dtrain.parallel.state_form import check_state_form
+
     cfg = load_job_config(args.config, overrides)
     if cfg.metrics.tensorboard:
         from dtrain.metrics.tensorboard import check_available

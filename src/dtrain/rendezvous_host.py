@@ -14,24 +14,33 @@ machine's launcher compares its own with (docs/security.md).
 
 from __future__ import annotations
 
+import ipaddress
 import signal
 import sys
 
 from dtrain.errors import UserError
-from dtrain.network import default_route_interface, interface_addresses
+from dtrain.network import default_route_interface, interface_addresses, interface_names
 
 
 def default_address() -> str:
-    """The address of the default route's interface: the one other machines reach this one
-    at, on most clusters; a :class:`UserError` when there is none."""
+    """The address other machines reach this one at, on most clusters: that of the default
+    route's interface, else the one address of this machine's one other interface; a
+    :class:`UserError` when neither says."""
     interface = default_route_interface()
-    addresses = interface_addresses(interface) if interface else []
-    if not addresses:
-        raise UserError(
-            "dtrain rendezvous: this machine has no default route to take its address from; "
-            "pass --bind ADDRESS (the one the training machines reach this one at)"
-        )
-    return addresses[0]
+    if interface and interface_addresses(interface):
+        return interface_addresses(interface)[0]
+    others = [
+        address
+        for name in interface_names()
+        for address in interface_addresses(name)
+        if not ipaddress.ip_address(address).is_loopback
+    ]
+    if len(others) == 1:
+        return others[0]
+    raise UserError(
+        "dtrain rendezvous: cannot tell which address of this machine the training machines "
+        f"reach ({', '.join(others) or 'none but loopback'}); pass --bind ADDRESS"
+    )
 
 
 def serve(port: int, bind: str = "") -> int:

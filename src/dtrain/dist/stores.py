@@ -18,6 +18,7 @@ from typing import Any
 from dtrain.network import interface_of, resolve
 
 LOOPBACK = "127.0.0.1"
+IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")  # the collectives' interface
 WILDCARDS = ("0.0.0.0", "::", "")
 _BACKLOG = 2048  # torch's own store listens with a backlog this deep: every rank connects at once
 
@@ -82,9 +83,7 @@ def keep_collectives_on_loopback() -> None:
     the address of the machine's hostname, open to the network), unless the user chose an
     interface (``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``); the workers inherit this."""
     loopback = interface_of(LOOPBACK)  # "lo" on Linux; None where interfaces are unknown
-    if loopback and not any(os.environ.get(name) for name in _IFNAME_VARIABLES):
-        for name in _IFNAME_VARIABLES:
+    if loopback and not any(os.environ.get(name) for name in IFNAME_VARIABLES):
+        for name in IFNAME_VARIABLES:
             os.environ[name] = loopback
 
-
-_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
