@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,11 +25,10 @@ from tests.conftest import REPO, tiny_config
 PREFIX = f"ds{os.getpid() % 100000}"
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("namespace-hosts")]
 
-# Written from host 2 into the rendezvous store of host 0, again and again while the job runs:
-# torch's own rendezvous key (base64, as torch's backend keeps it) and the job's shape, each a
-# pickle that writes MARKER when unpickled; and a few times the sealed state's own key, whose
-# name only the secret gives (a stranger who reads the job's traffic learns it; one who keeps
-# overwriting it stalls the rendezvous: docs/security.md).
+# Written from host 2 into the store at host 0's endpoint, again and again while the job runs:
+# torch's own rendezvous key (base64, as torch's backend keeps it), the job's shape and
+# in-place recovery's keys, each a pickle or a value that would steer the job; and, once GO
+# exists, a few times the sealed rendezvous state's own key, whose name only the secret gives.
 STRANGER = """
 import base64, datetime, pathlib, pickle, sys, time
 import torch.distributed as dist
@@ -40,14 +40,20 @@ class Planted:
 host, port, run_id, state_key = sys.argv[1], int(sys.argv[2]), "secured", sys.argv[4]
 planted = pickle.dumps(Planted())
 store = None
+sealed_writes = 0
 for attempt in range(600):
     try:
         if store is None:
             store = dist.TCPStore(host, port, timeout=datetime.timedelta(seconds=5))
         store.set(f"torch.rendezvous.{run_id}", base64.b64encode(planted))
         store.set("dtrain/launch/shape", planted)
-        if attempt < 4:  # the state's own key, as one who reads the job's traffic finds it
+        if pathlib.Path(sys.argv[5]).exists() and sealed_writes < 3:
+            # The state's own key, as one who reads the job's traffic finds it, once the job
+            # trains. (Overwritten while the machines meet, the state they shared is lost
+            # with it and the rendezvous stalls: a denial of service such a stranger has
+            # anyway, by deleting keys; docs/security.md.)
             store.set(state_key, planted)
+            sealed_writes += 1
         # In-place recovery's membership store is there instead: its stop, end and generation.
         store.set("inplace/stopped", b'{"reason": "a stranger says stop"}')
         store.set("inplace/done", b"true")
@@ -95,22 +101,43 @@ def test_a_stranger_on_the_network_cannot_steer_a_two_host_job(
         pytest.skip(reason)
     marker = tmp_path / "marker"
     key = state_key(JobSecret(os.environ[SECRET_ENV].encode()), "secured")
+    go = tmp_path / "go"  # the job trains: the stranger writes the sealed state's key too
     runs = {name: tmp_path / f"{name}-run" for name in ("untouched", "attacked")}
     with Hosts(3, prefix=PREFIX) as hosts:
         losses = {}
         for name, run_dir in runs.items():
             config = tmp_path / f"{name}.toml"
-            cfg = tiny_config(run_dir, train={"steps": 60}, fault={"recovery": recovery})
+            cfg = tiny_config(
+                run_dir,
+                train={"steps": 60, "log_every": 1},
+                task={"slow_ms": 150},
+                fault={"recovery": recovery},
+            )
             config.write_text(cfg.to_toml())
             stranger = None
             if name == "attacked":
                 stranger = hosts.popen(
                     2,
-                    [sys.executable, "-c", STRANGER, hosts.address(0), "29400", str(marker), key],
+                    [
+                        sys.executable,
+                        "-c",
+                        STRANGER,
+                        hosts.address(0),
+                        "29400",
+                        str(marker),
+                        key,
+                        str(go),
+                    ],
                     cwd=REPO,
                 )
             launches = two_host_job(hosts, config, "--max-restarts", "1")
             try:
+                if stranger is not None:
+                    deadline = time.monotonic() + 120
+                    while not [r for r in metrics_records(run_dir) if r.get("kind") == "train"]:
+                        assert time.monotonic() < deadline, launches[0].text()[-3000:]
+                        time.sleep(0.1)
+                    go.touch()
                 codes = [launch.wait(120) for launch in launches]
             finally:
                 for launch in launches:
