@@ -21,9 +21,8 @@ import torch
 
 from dtrain.checkpoint.consolidate import Consolidated, consolidate, find_checkpoint
 from dtrain.errors import UserError
-from dtrain.fsutil import follow_umask, fsync_dir
+from dtrain.fsutil import follow_umask, fsync_dir, require_output_folder
 from dtrain.model_config import hf_config_dir
-from dtrain.output_folder import require_output_folder
 
 FORMATS = ("safetensors", "torch", "hf")
 
