@@ -25,8 +25,8 @@ from dtrain.cli import main
 from dtrain.network import check_port_free, choose_node_network, split_endpoint
 from dtrain.reachability import _accept_forever, close_listener, peers_of
 from dtrain.testing import Launch
-from dtrain.testing.hosts import Hosts, hosts_unavailable, leftovers
 from tests.conftest import REPO, tiny_config
+from tests.hosts import Hosts, hosts_unavailable, leftovers
 
 PREFIX = f"dt{os.getpid() % 100000}"  # the namespaces and links of this test process
 CONNECT_S = 8  # dist.connect_timeout_s in the failure cases
