@@ -34,11 +34,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtrain.config_load import build_config
+from dtrain.dist.runtime import init_runtime
 from dtrain.models.gpt import GPT, GPTConfig
 from dtrain.parallel import build_strategy
 from dtrain.parallel.allreduce import AllReduceStrategy
 from dtrain.parallel.base import Strategy
-from dtrain.runtime import init_runtime
 from dtrain.step import run_micro_batches
 from dtrain.task import Task
 from dtrain.testing import run_ranks

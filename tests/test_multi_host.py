@@ -22,8 +22,8 @@ import torch
 
 from dtrain.agent import held_port
 from dtrain.cli import main
-from dtrain.network import check_port_free, choose_node_network, split_endpoint
-from dtrain.reachability import _accept_forever, close_listener, peers_of
+from dtrain.dist.network import check_port_free, choose_node_network, split_endpoint
+from dtrain.dist.reachability import _accept_forever, close_listener, peers_of
 from dtrain.testing import Launch
 from tests.conftest import REPO, tiny_config
 from tests.hosts import Hosts, hosts_unavailable, leftovers

@@ -17,6 +17,8 @@ import pytest
 import torch.distributed as dist
 
 from dtrain.dist import sealed_store
+from dtrain.dist.reachability import REACH, close_probe_listener, peers_checked
+from dtrain.dist.runtime import NAMESPACE_ENV
 from dtrain.dist.stores import host_store
 from dtrain.errors import UserError
 from dtrain.fault.coordinator import Coordinator, NodeWatcher
@@ -27,8 +29,6 @@ from dtrain.fault.peer_words import PeerWords
 from dtrain.fault.watchdog import Watchdog
 from dtrain.launch import make_options
 from dtrain.launch_inplace import check_shape
-from dtrain.reachability import REACH, close_probe_listener, peers_checked
-from dtrain.runtime import NAMESPACE_ENV
 from dtrain.testing.ranks import free_port
 
 

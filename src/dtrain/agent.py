@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from dtrain.dist.network import split_endpoint
 from dtrain.dist.stores import LOOPBACK
-from dtrain.network import split_endpoint
 from dtrain.rendezvous_wait import announce_waits
 
 if TYPE_CHECKING:

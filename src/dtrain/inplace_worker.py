@@ -13,6 +13,7 @@ import sys
 from dtrain.checkpoint.layout import committed_steps, step_dir_name
 from dtrain.checkpoint.rundir import write_config_of_record
 from dtrain.config import Config
+from dtrain.dist.runtime import barrier
 from dtrain.fault.inplace import (
     HeldState,
     Recovery,
@@ -37,7 +38,6 @@ from dtrain.job import build_trainer_on
 from dtrain.metrics import records
 from dtrain.metrics.sinks import JsonlSink
 from dtrain.metrics.summary import Summary, print_summary
-from dtrain.runtime import barrier
 from dtrain.trainer import Trainer
 
 

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
+from dtrain.dist.network import check_port_free, split_endpoint
+from dtrain.dist.reachability import NODE_ADDR_ENV
 from dtrain.dist.stores import LOOPBACK, host_store, local_address
 from dtrain.errors import UserError
 from dtrain.fault.coordinator import Coordinator, NodeWatcher
@@ -47,8 +49,6 @@ from dtrain.fault.membership import (
 from dtrain.fault.node_claim import claim_node
 from dtrain.fault.status import RunStatus, read_status
 from dtrain.launch import LaunchOptions, wait_for_rendezvous_host
-from dtrain.network import check_port_free, split_endpoint
-from dtrain.reachability import NODE_ADDR_ENV
 
 
 def _die_with_launcher() -> None:

@@ -54,6 +54,7 @@ from dtrain.comm.agreement import StepAgreement
 from dtrain.config import Config
 from dtrain.data.build import build_train_loader
 from dtrain.data.loader import RankLoader, StepBatch, split_to_device
+from dtrain.dist.runtime import Runtime, barrier
 from dtrain.errors import UserError
 from dtrain.evaluation import check_metrics, evaluate
 from dtrain.fault import inplace
@@ -71,7 +72,6 @@ from dtrain.nan_guard import NanGuard
 from dtrain.optim_choice import OptimizerKinds, build_run_optimizer, build_run_scheduler
 from dtrain.parallel import build_strategy
 from dtrain.precision import LossScaler
-from dtrain.runtime import Runtime, barrier
 from dtrain.step import ForwardBackward
 from dtrain.task import Task
 

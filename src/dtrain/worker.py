@@ -47,11 +47,11 @@ def train(cfg: Config) -> Summary | None:
     a worker of an in-place job that the run completed without)."""
     from dtrain import inplace_worker
     from dtrain.checkpoint.rundir import write_config_of_record
+    from dtrain.dist.reachability import close_probe_listener
+    from dtrain.dist.runtime import shutdown_runtime
     from dtrain.fault import inplace
     from dtrain.job import build_trainer
     from dtrain.metrics.summary import print_summary
-    from dtrain.reachability import close_probe_listener
-    from dtrain.runtime import shutdown_runtime
 
     try:
         if inplace.requested():  # fault.recovery = 'inplace' under `dtrain train`

@@ -40,8 +40,8 @@ from dtrain.checkpoint.resume import ResumePoint
 from dtrain.checkpoint.rng import rng_state, set_rng_state
 from dtrain.checkpoint.write import Checkpointer
 from dtrain.config import Config
+from dtrain.dist.runtime import Runtime
 from dtrain.errors import CheckpointError
-from dtrain.runtime import Runtime
 
 
 class Stateful(Protocol):

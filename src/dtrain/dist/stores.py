@@ -15,7 +15,7 @@ import os
 import socket
 from typing import Any
 
-from dtrain.network import interface_of, resolve
+from dtrain.dist.network import interface_of, resolve
 
 LOOPBACK = "127.0.0.1"
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")  # the collectives' interface

@@ -43,6 +43,13 @@ import torch.distributed as dist
 
 from dtrain.comm.plain import all_gather_json
 from dtrain.config import DistConfig
+from dtrain.dist.runtime import (
+    NAMESPACE_ENV,
+    Runtime,
+    choose_backend,
+    choose_device,
+    threads_per_worker,
+)
 from dtrain.fault.handover import recv_state, send_state
 from dtrain.fault.membership import (
     COORDINATOR_ENV,
@@ -52,7 +59,6 @@ from dtrain.fault.membership import (
 from dtrain.fault.peer_failure import is_collective_failure
 from dtrain.fault.sever import GenerationLinks
 from dtrain.fault.watchdog import GENERATION_ENV
-from dtrain.runtime import NAMESPACE_ENV, Runtime, choose_backend, choose_device, threads_per_worker
 
 
 class Trainer(Protocol):

@@ -60,9 +60,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtrain.dist import sealed_store
+from dtrain.dist.reachability import NODE_ADDR_ENV
 from dtrain.dist.sealed_store import Opener, Shape
 from dtrain.fault.coordinator_link import StoreLink, StoreUnreachable
-from dtrain.reachability import NODE_ADDR_ENV
 
 PREFIX = "inplace/"
 BEAT_S = 0.1  # a member's heartbeat period

@@ -54,6 +54,7 @@ from dtrain.comm.accounting import CommCounter
 from dtrain.comm.compression import validate_compression
 from dtrain.comm.hooks import CommHook
 from dtrain.config import CommConfig, Config, StrategyConfig, validate_for_world
+from dtrain.dist.runtime import Runtime
 from dtrain.errors import ConfigError
 from dtrain.model_call import call_model
 from dtrain.optim import fit_saved_groups
@@ -62,7 +63,6 @@ from dtrain.parallel.materialize import is_meta_model, materialize, require_init
 from dtrain.parallel.recipe import Recipe, model_blocks
 from dtrain.parallel.skeleton import meta_copy
 from dtrain.parallel.sync_batchnorm import apply_sync_batchnorm
-from dtrain.runtime import Runtime
 from dtrain.task import Task
 
 LossFn = Callable[[Any, Any], torch.Tensor]

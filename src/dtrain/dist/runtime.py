@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from dtrain.config import DistConfig
 from dtrain.errors import ConfigError
-from dtrain.reachability import (
+from dtrain.dist.reachability import (
     REACH,
     check_store,
     close_probe_listener,
