@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dtrain.config_load import build_config
+from dtrain.config.load import build_config
 from dtrain.dist.runtime import init_runtime
 from dtrain.models.gpt import GPT, GPTConfig
 from dtrain.parallel import build_strategy

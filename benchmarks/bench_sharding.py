@@ -61,7 +61,7 @@ def held_bytes(strategy: Any, optimizer: torch.optim.Optimizer) -> dict[str, int
 
 
 def rank_main(name: str, model_opts: dict[str, int], rows: int) -> dict[str, int]:
-    from dtrain.config_load import build_config
+    from dtrain.config.load import build_config
     from dtrain.dist.runtime import init_runtime
     from dtrain.models.gpt import GPT, GPTConfig
     from dtrain.optim import build_optimizer

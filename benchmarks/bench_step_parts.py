@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dtrain
 import peer_task
 from _report import write_report_section
-from dtrain.config_load import build_config
+from dtrain.config.load import build_config
 from dtrain.testing import run_ranks
 
 SECTION = "bench_step_parts"

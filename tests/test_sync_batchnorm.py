@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dtrain.checkpoint.rng import seed_everything
-from dtrain.config_load import build_config
+from dtrain.config.load import build_config
 from dtrain.errors import ConfigError, UserError
 from dtrain.init_from import load_weights
 from dtrain.parallel import strategy_class

@@ -19,7 +19,7 @@ import torch
 
 from dtrain.checkpoint.rng import seed_everything
 from dtrain.config import OptimConfig
-from dtrain.config_load import build_config
+from dtrain.config.load import build_config
 from dtrain.errors import CheckpointError, ConfigError, UserError
 from dtrain.metrics.summary import print_summary
 from dtrain.optim import lr_factor

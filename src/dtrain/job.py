@@ -28,8 +28,8 @@ import torch.distributed as dist
 from dtrain.checkpoint.rng import seed_everything
 from dtrain.comm.plain import broadcast_json
 from dtrain.config import Config
+from dtrain.config.load import apply_overrides, build_config, read_toml
 from dtrain.config_agreement import agree_on_config
-from dtrain.config_load import apply_overrides, build_config, read_toml
 from dtrain.dist.runtime import Runtime, init_runtime
 from dtrain.init_from import init_model
 from dtrain.model_config import save_model_config
