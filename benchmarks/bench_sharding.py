@@ -61,10 +61,10 @@ def held_bytes(strategy: Any, optimizer: torch.optim.Optimizer) -> dict[str, int
 
 
 def rank_main(name: str, model_opts: dict[str, int], rows: int) -> dict[str, int]:
+    from dtrain.compute.optim import build_optimizer
     from dtrain.config.load import build_config
     from dtrain.dist.runtime import init_runtime
     from dtrain.models.gpt import GPT, GPTConfig
-    from dtrain.optim import build_optimizer
     from dtrain.parallel import build_strategy
     from dtrain.step import run_micro_batches
     from dtrain.task import Task

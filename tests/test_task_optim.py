@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from dtrain.checkpoint.rng import seed_everything
+from dtrain.compute.optim import lr_factor
 from dtrain.config import OptimConfig
 from dtrain.config.load import build_config
 from dtrain.errors import CheckpointError, ConfigError, UserError
 from dtrain.metrics.summary import print_summary
-from dtrain.optim import lr_factor
 from dtrain.testing import run_ranks
 from tests.byo_tasks import (
     ClassifierOptions,

@@ -1,7 +1,7 @@
 """Which optimizer and learning-rate schedule a run trains with: the task's own
 (``Task.build_optimizer``, ``Task.build_scheduler``), checked against what the strategy holds,
-or the config's (:mod:`dtrain.optim`); and the kinds a checkpoint records, so that a run never
-loads the state of another optimizer or schedule into its own."""
+or the config's (:mod:`dtrain.compute.optim`); and the kinds a checkpoint records, so that a
+run never loads the state of another optimizer or schedule into its own."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
+from dtrain.compute.optim import build_optimizer, build_scheduler
 from dtrain.config import Config
 from dtrain.errors import CheckpointError, UserError
-from dtrain.optim import build_optimizer, build_scheduler
 from dtrain.parallel.base import Strategy
 from dtrain.task import Task
 

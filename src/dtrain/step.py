@@ -26,8 +26,8 @@ A process's first step with no count to assume agrees on it before the forward i
     gradients *= expected / G  where G != expected   # the gradient of the global mean
 
 Under ``train.precision`` the forward and the loss run in the strategy's autocast context
-(:mod:`dtrain.precision`); under fp16-mixed the scale is also multiplied by the loss scaler's
-power of two, and the rescale divides it out again (exactly) before clipping.
+(:mod:`dtrain.compute.precision`); under fp16-mixed the scale is also multiplied by the loss
+scaler's power of two, and the rescale divides it out again (exactly) before clipping.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ from typing import Any
 import torch
 
 from dtrain.comm.agreement import StepAgreement
+from dtrain.compute.model_call import call_model
+from dtrain.compute.precision import LossScaler
 from dtrain.loss_contract import LossContract
-from dtrain.model_call import call_model
 from dtrain.parallel.base import (
     BackwardSyncControl,
     CommHookControl,
@@ -49,7 +50,6 @@ from dtrain.parallel.base import (
     Strategy,
 )
 from dtrain.parallel.grad_norm import local_part
-from dtrain.precision import LossScaler
 
 
 class LossScale:

@@ -51,6 +51,7 @@ from dtrain.checkpoint import write as ckpt
 from dtrain.checkpoint.resume import ResumePoint, resolve_resume
 from dtrain.checkpoint.rng import rank_seed, seed_everything
 from dtrain.comm.agreement import StepAgreement
+from dtrain.compute.precision import LossScaler
 from dtrain.config import Config
 from dtrain.data.build import build_train_loader
 from dtrain.data.loader import RankLoader, StepBatch, split_to_device
@@ -71,7 +72,6 @@ from dtrain.metrics.tensorboard import check_available as check_tensorboard
 from dtrain.nan_guard import NanGuard
 from dtrain.optim_choice import OptimizerKinds, build_run_optimizer, build_run_scheduler
 from dtrain.parallel import build_strategy
-from dtrain.precision import LossScaler
 from dtrain.step import ForwardBackward
 from dtrain.task import Task
 
@@ -114,7 +114,7 @@ class Trainer:
         # Counters that are part of the training state (see state_dict).
         self.step = 0
         self.items_seen = 0
-        # fp16-mixed: the dynamic loss scale (dtrain.precision), part of the training state.
+        # fp16-mixed: the dynamic loss scale (dtrain.compute.precision), part of the training state.
         self.scaler: LossScaler | None = None
         if self.strategy.recipe.precision.scales_loss:
             self.scaler = LossScaler(

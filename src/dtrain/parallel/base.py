@@ -53,11 +53,11 @@ from dtrain.checkpoint.state import CheckpointParts
 from dtrain.comm.accounting import CommCounter
 from dtrain.comm.compression import validate_compression
 from dtrain.comm.hooks import CommHook
+from dtrain.compute.model_call import call_model
+from dtrain.compute.optim import fit_saved_groups
 from dtrain.config import CommConfig, Config, StrategyConfig, validate_for_world
 from dtrain.dist.runtime import Runtime
 from dtrain.errors import ConfigError
-from dtrain.model_call import call_model
-from dtrain.optim import fit_saved_groups
 from dtrain.parallel.grad_norm import gradient_norm, local_part
 from dtrain.parallel.materialize import is_meta_model, materialize, require_init
 from dtrain.parallel.recipe import Recipe, model_blocks
