@@ -1,4 +1,4 @@
-"""dtrain.fault.coordinator_link: a client of the membership store that rides through the
+"""dtrain.recovery.coordinator_link: a client of the membership store that rides through the
 store being out of reach (here: its server closed, then opened again on the same port), and
 gives up, naming it, after its patience."""
 
@@ -12,8 +12,8 @@ import pytest
 
 from dtrain.agent import held_port
 from dtrain.dist.stores import host_store
-from dtrain.fault import coordinator_link
-from dtrain.fault.coordinator_link import StoreLink, StoreUnreachable
+from dtrain.recovery import coordinator_link
+from dtrain.recovery.coordinator_link import StoreLink, StoreUnreachable
 
 
 def test_a_call_waits_out_an_outage_on_a_fresh_connection() -> None:

@@ -169,7 +169,7 @@ def check_cut(trial: Trial, timeout_s: float, steps: int) -> tuple[float, float,
     assert joined and joined[0]["members"] == [0, 1] and joined[0]["healed_from"] == 0, changes
     # Host 0 trained on while host 1 was cut off, and went on before its collective timeout:
     # host 1's workers fell silent, so the coordinator had host 0 shut down its connections
-    # to them (dtrain.fault.sever) ...
+    # to them (dtrain.recovery.sever) ...
     trained = [r for r in runs if r.get("kind") == "train" and trial.cut < r["time"] < trial.back]
     assert trained, changes
     first_alone = min(r["time"] for r in trained) - trial.cut

@@ -18,9 +18,9 @@ import pytest
 
 from dtrain.agent import held_port
 from dtrain.dist.stores import host_store
-from dtrain.fault.coordinator import NOTICE_S, Coordinator
-from dtrain.fault.membership import PREFIX, read_text, write_value
 from dtrain.launch import make_options, rendezvous_lost
+from dtrain.recovery.coordinator import NOTICE_S, Coordinator
+from dtrain.recovery.membership import PREFIX, read_text, write_value
 from dtrain.rendezvous_wait import announce_waits
 from tests.conftest import REPO, tiny_config
 
@@ -147,7 +147,7 @@ def test_a_rank_interrupted_on_its_machine_is_named_so_to_the_others() -> None:
 
 
 def test_a_member_waiting_for_the_first_generation_gives_up_when_told() -> None:
-    from dtrain.fault.membership import Member
+    from dtrain.recovery.membership import Member
 
     store = host_store("127.0.0.1", 0, 30.0)
     member = Member(f"127.0.0.1:{store.port}", 0, 2, 30.0)  # member 1 never comes

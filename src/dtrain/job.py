@@ -83,7 +83,7 @@ def build_trainer(cfg: Config) -> Trainer:
 
 def build_trainer_on(cfg: Config, runtime: Runtime) -> Trainer:
     """The task and its trainer in a process group that is up (``fault.recovery = 'inplace'``
-    builds one per membership generation, dtrain.fault.inplace)."""
+    builds one per membership generation, dtrain.recovery.inplace)."""
     agree_on_config(cfg, runtime)  # one job, one config, whichever machine a rank is on
     factory = resolve_task(cfg.run.task)
     seed_everything(cfg.run.seed)

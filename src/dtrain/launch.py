@@ -36,9 +36,9 @@ from dtrain.dist.runtime import available_cores
 from dtrain.dist.secret import launcher_secret
 from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
 from dtrain.fault.error_log import LOGS_DIR
-from dtrain.fault.membership import MEMBER_ENV
 from dtrain.fault.preempt import signals_to_forward
 from dtrain.fault.status import read_status
+from dtrain.recovery.membership import MEMBER_ENV
 from dtrain.rendezvous_wait import share_shape, timed_out_words, waiting_words
 
 

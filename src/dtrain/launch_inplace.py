@@ -2,7 +2,7 @@
 
 With one agent per worker, an agent that sees its worker die restarts that worker alone
 (``--max-restarts`` times); the others go on. The launcher hosts the job's membership store
-and its :class:`~dtrain.fault.coordinator.Coordinator`, which the workers reach at
+and its :class:`~dtrain.recovery.coordinator.Coordinator`, which the workers reach at
 ``$DTRAIN_INPLACE_COORDINATOR``. Each agent is restart mode's launch for one worker
 (:func:`run_agent`: torch's elastic agent with its own rendezvous on a free port), so restarts,
 signal forwarding and failure reports are those of restart mode.
@@ -11,7 +11,7 @@ Across machines (``--nnodes N --node-rank K``), the launcher of node 0 hosts the
 ``--rdzv-endpoint`` (one of its addresses); every machine's workers reach it there. Members
 are numbered machine by machine (node K's are ``K*nproc .. K*nproc+nproc-1``). The launcher of
 every other machine watches its own workers in /proc and posts their states to the store
-(:class:`~dtrain.fault.coordinator.NodeWatcher`), so the coordinator sees a worker killed or
+(:class:`~dtrain.recovery.coordinator.NodeWatcher`), so the coordinator sees a worker killed or
 stopped on another machine at once; a machine cut off is seen by its beats going stale. Every
 store call on those machines waits out an outage of the network (up to ``--rdzv-timeout``).
 """
@@ -32,9 +32,11 @@ from dtrain.dist.network import check_port_free, split_endpoint
 from dtrain.dist.reachability import NODE_ADDR_ENV
 from dtrain.dist.stores import LOOPBACK, host_store, local_address
 from dtrain.errors import UserError
-from dtrain.fault.coordinator import Coordinator, NodeWatcher
-from dtrain.fault.coordinator_link import StoreLink
-from dtrain.fault.membership import (
+from dtrain.fault.status import RunStatus, read_status
+from dtrain.launch import LaunchOptions, wait_for_rendezvous_host
+from dtrain.recovery.coordinator import Coordinator, NodeWatcher
+from dtrain.recovery.coordinator_link import StoreLink
+from dtrain.recovery.membership import (
     COORDINATOR_ENV,
     LOCAL_ENV,
     MEMBER_ENV,
@@ -46,9 +48,7 @@ from dtrain.fault.membership import (
     store_call_s,
     write_value,
 )
-from dtrain.fault.node_claim import claim_node
-from dtrain.fault.status import RunStatus, read_status
-from dtrain.launch import LaunchOptions, wait_for_rendezvous_host
+from dtrain.recovery.node_claim import claim_node
 
 
 def _die_with_launcher() -> None:

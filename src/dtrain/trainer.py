@@ -58,7 +58,6 @@ from dtrain.data.loader import RankLoader, StepBatch, split_to_device
 from dtrain.dist.runtime import Runtime, barrier
 from dtrain.errors import UserError
 from dtrain.evaluation import check_metrics, evaluate
-from dtrain.fault import inplace
 from dtrain.fault.audit import AuditWriter
 from dtrain.fault.failpoints import failpoint
 from dtrain.fault.liveness import Speed
@@ -72,6 +71,7 @@ from dtrain.metrics.tensorboard import check_available as check_tensorboard
 from dtrain.nan_guard import NanGuard
 from dtrain.optim_choice import OptimizerKinds, build_run_optimizer, build_run_scheduler
 from dtrain.parallel import build_strategy
+from dtrain.recovery import inplace
 from dtrain.step import ForwardBackward
 from dtrain.task import Task
 
@@ -184,7 +184,7 @@ class Trainer:
         self.forward_backward = ForwardBackward(
             self.strategy, runtime.device, self.scaler, LossContract(task.count_items)
         )
-        # fault.recovery = 'inplace': set by dtrain.fault.inplace, which runs this trainer for
+        # fault.recovery = 'inplace': set by dtrain.recovery.inplace, which runs this trainer for
         # one membership generation (heals it at resume, keeps each step's start).
         self.recovery: inplace.Recovery | None = None
 
@@ -253,7 +253,7 @@ class Trainer:
             return self._fit(preempt)
         except BaseException as exc:
             if self.recovery is not None and self.recovery.recoverable(exc):
-                raise  # the survivors go on (dtrain.fault.inplace): no diagnosis to wait for
+                raise  # the survivors go on (dtrain.recovery.inplace): no diagnosis to wait for
             error = self.watchdog.on_error(exc)
             if error is exc:
                 raise

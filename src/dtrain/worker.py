@@ -49,9 +49,9 @@ def train(cfg: Config) -> Summary | None:
     from dtrain.checkpoint.rundir import write_config_of_record
     from dtrain.dist.reachability import close_probe_listener
     from dtrain.dist.runtime import shutdown_runtime
-    from dtrain.fault import inplace
     from dtrain.job import build_trainer
     from dtrain.metrics.summary import print_summary
+    from dtrain.recovery import inplace
 
     try:
         if inplace.requested():  # fault.recovery = 'inplace' under `dtrain train`
@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank = os.environ.get("RANK", "0")
     # In-place recovery: the worker's agent is its own (RANK 0 on every machine); the job
     # knows it by its member id (docs/fault-tolerance.md).
-    from dtrain.fault.membership import MEMBER_ENV  # after catch_early: it imports torch
+    from dtrain.recovery.membership import MEMBER_ENV  # after catch_early: it imports torch
 
     who = f"member {os.environ[MEMBER_ENV]}" if MEMBER_ENV in os.environ else f"rank {rank}"
     guard_console(who)  # a closed output pipe costs the output, never the run

@@ -105,7 +105,7 @@ def store_hosted_by_launcher() -> bool:
 
 
 # Set by a worker of fault.recovery = 'inplace' for each membership generation (its store is
-# the launcher's coordinator, which outlives every generation; dtrain.fault.inplace).
+# the launcher's coordinator, which outlives every generation; dtrain.recovery.inplace).
 NAMESPACE_ENV = "DTRAIN_STORE_NAMESPACE"
 
 

@@ -93,7 +93,7 @@ _NO_BACKSTOP = frozenset({"done", "idle", "after_training"})
 
 
 # fault.recovery = 'inplace': the membership generation this process trains in (set per
-# generation by dtrain.fault.inplace). Its ranks' liveness records are one attempt: each
+# generation by dtrain.recovery.inplace). Its ranks' liveness records are one attempt: each
 # worker's own restart count is not.
 GENERATION_ENV = "DTRAIN_INPLACE_GENERATION"
 
