@@ -186,7 +186,7 @@ def loaded_after(code: str, modules: tuple[str, ...] = HEAVY) -> set[str]:
 
 
 def test_the_launcher_and_a_ddp_worker_import_no_model_parallel_machinery() -> None:
-    launcher = "import dtrain.cli, dtrain.job, dtrain.launch"
+    launcher = "import dtrain.cli, dtrain.job, dtrain.launch.elastic"
     worker = (
         "import dtrain.worker\n"
         "from dtrain.parallel import strategy_class\n"

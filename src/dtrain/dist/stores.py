@@ -38,7 +38,7 @@ def local_address(host: str) -> str | None:
 
 def listener(address: str, port: int) -> socket.socket:
     """A listening TCP socket on ``address:port`` (port 0: a free one), ``SO_REUSEADDR`` as
-    torch's own store binds (a port held by :func:`dtrain.agent.held_port` stays usable)."""
+    torch's own store binds (a port held by :func:`dtrain.launch.agent.held_port` stays usable)."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:

@@ -33,7 +33,7 @@ from dtrain.dist.reachability import NODE_ADDR_ENV
 from dtrain.dist.stores import LOOPBACK, host_store, local_address
 from dtrain.errors import UserError
 from dtrain.fault.status import RunStatus, read_status
-from dtrain.launch import LaunchOptions, wait_for_rendezvous_host
+from dtrain.launch.elastic import LaunchOptions, wait_for_rendezvous_host
 from dtrain.recovery.coordinator import Coordinator, NodeWatcher
 from dtrain.recovery.coordinator_link import StoreLink
 from dtrain.recovery.membership import (
@@ -69,7 +69,7 @@ def agent_command(
     return [
         sys.executable,
         "-m",
-        "dtrain.launch_inplace",
+        "dtrain.launch.inplace",
         str(config_path),
         str(max_restarts),
         str(grace_s),
@@ -79,12 +79,13 @@ def agent_command(
 
 
 def run_agent(argv: Sequence[str]) -> int:
-    """``python -m dtrain.launch_inplace CONFIG MAX_RESTARTS GRACE_S TIMEOUT_S SIGNALS``: the
-    elastic launch of restart mode (:func:`dtrain.launch.launch_workers`) for one worker, with
-    its own rendezvous: its restarts, signal forwarding and failure report are restart mode's."""
+    """``python -m dtrain.launch.inplace CONFIG MAX_RESTARTS GRACE_S TIMEOUT_S SIGNALS``: the
+    elastic launch of restart mode (:func:`dtrain.launch.elastic.launch_workers`) for one
+    worker, with its own rendezvous: its restarts, signal forwarding and failure report are
+    restart mode's."""
     from dtrain.console import say_error
     from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
-    from dtrain.launch import launch_workers
+    from dtrain.launch.elastic import launch_workers
 
     config_path, restarts, grace_s, timeout_s, signals = argv
     opts = LaunchOptions(nproc=1, max_restarts=int(restarts), run_id=uuid.uuid4().hex[:12])
@@ -236,7 +237,7 @@ def join_timed_out(opts: LaunchOptions, why: str) -> str:
 def check_machines(opts: LaunchOptions, nnodes: str) -> None:
     """Before any worker starts, across machines: what in-place recovery cannot do there is
     one line each."""
-    from dtrain.launch import hosts_rendezvous
+    from dtrain.launch.elastic import hosts_rendezvous
 
     if opts.min_nodes != opts.max_nodes:
         raise UserError(

@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtrain.agent import held_port, run_agent
 from dtrain.dist.network import (
     check_port_free,
     choose_node_network,
@@ -38,8 +37,9 @@ from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
 from dtrain.fault.error_log import LOGS_DIR
 from dtrain.fault.preempt import signals_to_forward
 from dtrain.fault.status import read_status
+from dtrain.launch.agent import held_port, run_agent
+from dtrain.launch.rendezvous_wait import share_shape, timed_out_words, waiting_words
 from dtrain.recovery.membership import MEMBER_ENV
-from dtrain.rendezvous_wait import share_shape, timed_out_words, waiting_words
 
 
 @dataclass(frozen=True)
@@ -222,7 +222,7 @@ def launch_workers(
     worker_args = ("-u", "-m", "dtrain.worker", str(config_path))
     try:
         if standalone:
-            # Held from now until every attempt has ended: see dtrain.agent.
+            # Held from now until every attempt has ended: see dtrain.launch.agent.
             with held_port() as store_port:
                 run_agent(config, worker_args, store_port, secret)
         else:
