@@ -235,11 +235,11 @@ def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str
     """``dtrain train`` once its options are checked and its environment is set."""
     from dtrain.checkpoint.rundir import check_resume_folder, check_run_dir, held_run_dir
     from dtrain.config import validate_ranks
-    from dtrain.init_from import check_init_from
     from dtrain.job import default_run_dir, load_job_config
     from dtrain.launch.elastic import launch_workers
     from dtrain.parallel import strategy_class
     from dtrain.parallel.state_form import check_state_form
+    from dtrain.weights.init_from import check_init_from
 
     cfg = load_job_config(args.config, overrides)
     if cfg.metrics.tensorboard:
@@ -420,7 +420,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from dtrain.export import export
+    from dtrain.weights.export import export
 
     model = export(args.run_dir, args.out, args.step, args.format)
     if model.note:

@@ -31,10 +31,10 @@ from dtrain.config import Config
 from dtrain.config.load import apply_overrides, build_config, read_toml
 from dtrain.config_agreement import agree_on_config
 from dtrain.dist.runtime import Runtime, init_runtime
-from dtrain.init_from import init_model
-from dtrain.model_config import save_model_config
 from dtrain.task import build_task, resolve_task, task_config_class
 from dtrain.trainer import Trainer
+from dtrain.weights.init_from import init_model
+from dtrain.weights.model_config import save_model_config
 
 RUNS_DIR = "runs"
 
