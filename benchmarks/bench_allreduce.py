@@ -39,9 +39,9 @@ from dtrain.models.gpt import GPT, GPTConfig
 from dtrain.parallel import build_strategy
 from dtrain.parallel.allreduce import AllReduceStrategy
 from dtrain.parallel.base import Strategy
-from dtrain.step import run_micro_batches
 from dtrain.task import Task
 from dtrain.testing import run_ranks
+from dtrain.train.step import run_micro_batches
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import write_report_section

@@ -66,9 +66,9 @@ def rank_main(name: str, model_opts: dict[str, int], rows: int) -> dict[str, int
     from dtrain.dist.runtime import init_runtime
     from dtrain.models.gpt import GPT, GPTConfig
     from dtrain.parallel import build_strategy
-    from dtrain.step import run_micro_batches
     from dtrain.task import Task
     from dtrain.tasks.gpt import lm_loss
+    from dtrain.train.step import run_micro_batches
 
     world = dist.get_world_size()
     raw: dict[str, Any] = {

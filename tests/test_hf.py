@@ -22,8 +22,8 @@ from dtrain.hf import (
     pipeline_layers,
     split_causal_lm_batch,
 )
-from dtrain.loss_contract import LossContract
 from dtrain.task import split_input_target
+from dtrain.train.loss_contract import LossContract
 from tests.hf_helpers import (
     BERT_TASK,
     GPT2_TASK,

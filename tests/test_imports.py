@@ -123,7 +123,7 @@ def test_a_package_init_counts_for_modules_of_other_packages(tmp_path: Path) -> 
 
 def test_no_module_of_dtrain_imports_itself_back() -> None:
     graph = import_graph()
-    assert "dtrain.trainer" in graph and "dtrain.parallel.base" in graph  # it read the tree
+    assert "dtrain.train.trainer" in graph and "dtrain.parallel.base" in graph  # it read the tree
     assert cycles(graph) == []
 
 
@@ -186,7 +186,7 @@ def loaded_after(code: str, modules: tuple[str, ...] = HEAVY) -> set[str]:
 
 
 def test_the_launcher_and_a_ddp_worker_import_no_model_parallel_machinery() -> None:
-    launcher = "import dtrain.cli, dtrain.job, dtrain.launch.elastic"
+    launcher = "import dtrain.cli, dtrain.train.job, dtrain.launch.elastic"
     worker = (
         "import dtrain.worker\n"
         "from dtrain.parallel import strategy_class\n"

@@ -19,8 +19,8 @@ import torch
 
 from dtrain.config import Config
 from dtrain.errors import ConfigError
-from dtrain.job import build_job_config
 from dtrain.testing import Launch, run_ranks
+from dtrain.train.job import build_job_config
 from tests.audit import check_stream, read_trajectory
 from tests.conftest import REPO, tiny_config, tiny_raw
 from tests.dist_helpers import train_params

@@ -118,7 +118,7 @@ def test_groups_with_different_settings_are_not_merged() -> None:
 def resume_across_the_regrouping(raw: dict[str, Any]) -> dict[str, Any]:
     """Train ``train.steps`` with the two groups and checkpoint; resume with today's one group
     for 4 steps more; the parameters."""
-    import dtrain.optim_choice as choice
+    import dtrain.train.optim_choice as choice
 
     choice.build_optimizer = two_groups_as_before  # this rank's process only
     try:

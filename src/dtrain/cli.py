@@ -235,10 +235,10 @@ def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str
     """``dtrain train`` once its options are checked and its environment is set."""
     from dtrain.checkpoint.rundir import check_resume_folder, check_run_dir, held_run_dir
     from dtrain.config import validate_ranks
-    from dtrain.job import default_run_dir, load_job_config
     from dtrain.launch.elastic import launch_workers
     from dtrain.parallel import strategy_class
     from dtrain.parallel.state_form import check_state_form
+    from dtrain.train.job import default_run_dir, load_job_config
     from dtrain.weights.init_from import check_init_from
 
     cfg = load_job_config(args.config, overrides)
@@ -357,7 +357,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
     from dtrain.config import describe_options
-    from dtrain.job import load_job_config
+    from dtrain.train.job import load_job_config
 
     if args.list:
         for key, default, text in describe_options():
@@ -433,7 +433,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     from dtrain.estimate.memory import estimate_memory
     from dtrain.estimate.report import format_json, format_table, parse_bytes
-    from dtrain.job import load_job_config
+    from dtrain.train.job import load_job_config
 
     if args.nproc < 1 or args.nnodes < 1:
         raise UserError(f"--nproc {args.nproc} --nnodes {args.nnodes}: both must be at least 1")

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 
 def load_worker_config(argv: Sequence[str]) -> Config:
-    from dtrain.job import load_job_config
+    from dtrain.train.job import load_job_config
 
     path = argv[0] if argv and not argv[0].startswith("--") else None
     return load_job_config(path, list(argv[1:] if path else argv))
@@ -45,13 +45,13 @@ def load_worker_config(argv: Sequence[str]) -> Config:
 def train(cfg: Config) -> Summary | None:
     """Run training in this process, as one rank of the job the environment describes (None:
     a worker of an in-place job that the run completed without)."""
-    from dtrain import inplace_worker
     from dtrain.checkpoint.rundir import write_config_of_record
     from dtrain.dist.reachability import close_probe_listener
     from dtrain.dist.runtime import shutdown_runtime
-    from dtrain.job import build_trainer
     from dtrain.metrics.summary import print_summary
     from dtrain.recovery import inplace
+    from dtrain.train import inplace_worker
+    from dtrain.train.job import build_trainer
 
     try:
         if inplace.requested():  # fault.recovery = 'inplace' under `dtrain train`

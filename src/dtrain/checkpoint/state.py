@@ -121,7 +121,7 @@ def load(state: TrainingState, point: ResumePoint) -> bool:
             "version or start a new run"
         )
     # The parts first: one of them may refuse the checkpoint (another optimizer's, see
-    # dtrain.optim_choice) before the optimizer state is loaded into this run's.
+    # dtrain.train.optim_choice) before the optimizer state is loaded into this run's.
     for name, part in state.parts.items():
         if name in train_state:
             part.load_state_dict(train_state[name])

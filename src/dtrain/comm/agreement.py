@@ -5,7 +5,7 @@ per step.
 The sum rides in the gradient all-reduce of the step's last bucket where the comm hook can
 carry it (:meth:`dtrain.comm.hooks.CommHook.carry`): packed as a few float32 values, exact
 integers, appended to the bucket. Otherwise it is one small all-reduce of its own
-(:meth:`StepAgreement.all_reduce`). How the trainer uses it: :mod:`dtrain.step`.
+(:meth:`StepAgreement.all_reduce`). How the trainer uses it: :mod:`dtrain.train.step`.
 """
 
 from __future__ import annotations

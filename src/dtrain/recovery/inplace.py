@@ -62,7 +62,7 @@ from dtrain.recovery.sever import GenerationLinks
 
 
 class Trainer(Protocol):
-    """What recovery reads and sets of a generation's trainer (``dtrain.trainer.Trainer``,
+    """What recovery reads and sets of a generation's trainer (``dtrain.train.trainer.Trainer``,
     not imported: the trainer imports this module)."""
 
     step: int

@@ -17,7 +17,6 @@ from dtrain.dist.runtime import barrier
 from dtrain.fault.peer_failure import collective_cause
 from dtrain.fault.preempt import early_signal
 from dtrain.fault.status import RunStatus, write_status
-from dtrain.job import build_trainer_on
 from dtrain.metrics import records
 from dtrain.metrics.sinks import JsonlSink
 from dtrain.metrics.summary import Summary, print_summary
@@ -38,7 +37,8 @@ from dtrain.recovery.membership import (
     STALE_S,
     Member,
 )
-from dtrain.trainer import Trainer
+from dtrain.train.job import build_trainer_on
+from dtrain.train.trainer import Trainer
 
 
 def _say(text: str) -> None:

@@ -41,7 +41,6 @@ import torch
 from dtrain.comm.agreement import StepAgreement
 from dtrain.compute.model_call import call_model
 from dtrain.compute.precision import LossScaler
-from dtrain.loss_contract import LossContract
 from dtrain.parallel.base import (
     BackwardSyncControl,
     CommHookControl,
@@ -50,6 +49,7 @@ from dtrain.parallel.base import (
     Strategy,
 )
 from dtrain.parallel.grad_norm import local_part
+from dtrain.train.loss_contract import LossContract
 
 
 class LossScale:
@@ -113,7 +113,7 @@ class ForwardBackward:
         self.strategy = strategy
         self.device = device
         self.scaler = scaler  # fp16-mixed: the loss is scaled by scaler.scale, then unscaled
-        self.contract = contract  # checks every call of the loss (dtrain.loss_contract)
+        self.contract = contract  # checks every call of the loss (dtrain.train.loss_contract)
         self.expected: int | None = None
         self.loss_scale = LossScale(device)
         self._first = True

@@ -29,10 +29,10 @@ from dtrain.checkpoint.rng import seed_everything
 from dtrain.comm.plain import broadcast_json
 from dtrain.config import Config
 from dtrain.config.load import apply_overrides, build_config, read_toml
-from dtrain.config_agreement import agree_on_config
 from dtrain.dist.runtime import Runtime, init_runtime
 from dtrain.task import build_task, resolve_task, task_config_class
-from dtrain.trainer import Trainer
+from dtrain.train.config_agreement import agree_on_config
+from dtrain.train.trainer import Trainer
 from dtrain.weights.init_from import init_model
 from dtrain.weights.model_config import save_model_config
 
