@@ -195,6 +195,15 @@ def test_the_package_root_holds_the_api_the_entry_points_and_leaves() -> None:
     assert files <= ROOT_MODULES, f"a new module at the root: {sorted(files - ROOT_MODULES)}"
 
 
+def test_the_architecture_page_names_every_package_and_root_module() -> None:
+    page = (SRC.parent / "docs" / "architecture.md").read_text()
+    tree = page[page.index("## The tree, by role") :]
+    packages = {p.name for p in (SRC / "dtrain").iterdir() if (p / "__init__.py").exists()}
+    missing = [f"{name}/" for name in sorted(packages) if f"`{name}/`" not in tree]
+    missing += [name for name in sorted(ROOT_MODULES) if f"`{name[:-3]}`" not in tree]
+    assert missing == [], f"docs/architecture.md's tree does not name {missing}"
+
+
 def test_each_role_imports_only_what_runs_in_its_process() -> None:
     packages = package_graph(import_graph())
     importers = {p: {q for q, targets in packages.items() if p in targets} for p in packages}
