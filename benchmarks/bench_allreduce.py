@@ -33,15 +33,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dtrain.config_load import build_config
+from dtrain.config.load import build_config
+from dtrain.dist.runtime import init_runtime
 from dtrain.models.gpt import GPT, GPTConfig
 from dtrain.parallel import build_strategy
 from dtrain.parallel.allreduce import AllReduceStrategy
 from dtrain.parallel.base import Strategy
-from dtrain.runtime import init_runtime
-from dtrain.step import run_micro_batches
 from dtrain.task import Task
 from dtrain.testing import run_ranks
+from dtrain.train.step import run_micro_batches
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import write_report_section

@@ -2,7 +2,7 @@
 ideal throughput; how fast the shares follow a slowdown that switches on and off; and what the
 controller costs when nothing is slow.
 
-Every run is the real trainer (``dtrain.job.build_trainer``) on N ranks (gloo on loopback, one
+Every run is the real trainer (``dtrain.train.job.build_trainer``) on N ranks (gloo on loopback, one
 thread each) training a small byte-level GPT on the stdlib corpus (2 layers, d_model 128,
 sequences of 128 bytes, global batch 32) without evaluation. Rank 1 is slowed 2x with the
 testing aid ``debug.slowdown_*`` (it sleeps after each forward for as long as its own compute
@@ -54,10 +54,10 @@ from dtrain.balance.timing import FIELDS, StepTimer, gather_windows
 from dtrain.comm.accounting import CommCounter
 from dtrain.config import Config
 from dtrain.fault.failpoints import failpoints
-from dtrain.job import build_job_config, build_trainer
 from dtrain.task import Task, task_config
 from dtrain.tasks.gpt import GPTTaskConfig, build
 from dtrain.testing import run_ranks
+from dtrain.train.job import build_job_config, build_trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import command_line, machine, update_section

@@ -50,7 +50,7 @@ def spread(values: list[float]) -> str:
 def blocking_in_rank(raw: dict[str, Any], reps: int) -> dict[str, Any]:
     """Runs in each rank: one training step, then ``reps`` pairs of saves (sync and async in
     alternating order), each on every rank together. Returns the loop's blocked seconds."""
-    from dtrain.job import build_job_config, build_trainer
+    from dtrain.train.job import build_job_config, build_trainer
 
     cfg = build_job_config(raw)
     trainer = build_trainer(cfg)

@@ -191,8 +191,8 @@ def measure_in_rank(root_text: str, total: int, layout: str, rounds: int) -> dic
     from dtrain.checkpoint.verify import assign
     from dtrain.checkpoint.write import Checkpointer
     from dtrain.config import Config
+    from dtrain.dist.runtime import Runtime
     from dtrain.fault.watchdog import Watchdog
-    from dtrain.runtime import Runtime
 
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()

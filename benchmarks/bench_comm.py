@@ -42,8 +42,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import ROOT, command_line, machine, update_section
+
+sys.path.insert(0, str(ROOT))  # tests/hosts.py: the namespace hosts of a source checkout
+from tests.hosts import Hosts, hosts_unavailable
+
 from dtrain.testing import Launch
-from dtrain.testing.hosts import Hosts, hosts_unavailable
 
 SECTION = "bench_comm"
 POWERSGD_START = 10  # comm.powersgd_start_step: steps of plain all-reduce first

@@ -52,7 +52,7 @@ def initial_weights(path: Path, dropout: float) -> Path:
     from tests.tasks import TinyOptions, tiny_gpt
 
     from dtrain.checkpoint.rng import seed_everything
-    from dtrain.config_load import build_config
+    from dtrain.config.load import build_config
 
     seed_everything(0)
     cfg = build_config(tiny_raw(path.parent, task={"dropout": dropout}), TinyOptions)

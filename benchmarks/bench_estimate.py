@@ -129,8 +129,8 @@ def measure(name: str, root: Path) -> dict[str, float]:
     from tests.estimate_helpers import peak_after_warm_up, peak_after_warm_up_default_malloc
 
     from dtrain.estimate import estimate_memory
-    from dtrain.job import build_job_config
     from dtrain.testing import run_ranks
+    from dtrain.train.job import build_job_config
 
     ranks, size, strategy, extra, fixed = CONFIGS[name]
     slug = name.replace(" ", "").replace(",", "-").replace(":", "")

@@ -108,7 +108,7 @@ def train_rank(raw: dict[str, Any], limit_bytes: int) -> dict[str, Any]:
     the final loss."""
     import torch.distributed as dist
 
-    from dtrain.job import build_job_config, build_trainer
+    from dtrain.train.job import build_job_config, build_trainer
 
     # A tiny model trained first, in the same process, so that what any first run loads or
     # allocates once (lazy imports, the process group's buffers, the allocator's arenas) is
@@ -277,7 +277,7 @@ def measure(scratch: Path, ranks: int, args: Any) -> dict[str, Any]:
 def estimated_peak(scratch: Path, ranks: int, args: Any) -> int:
     """``dtrain estimate``'s peak for the meta-built run (the model on the meta device)."""
     from dtrain.estimate import estimate_memory
-    from dtrain.job import build_job_config
+    from dtrain.train.job import build_job_config
 
     raw = config(scratch / "estimate", True, True, True, ranks, args)
     return estimate_memory(build_job_config(raw), ranks).peak

@@ -47,10 +47,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dtrain.config_load import build_config
+from dtrain.config.load import build_config
 from dtrain.fault.failpoints import failpoints
-from dtrain.job import build_job_config, build_trainer
 from dtrain.testing import run_ranks
+from dtrain.train.job import build_job_config, build_trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import write_report_section

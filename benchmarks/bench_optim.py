@@ -33,9 +33,9 @@ def step_ms(repeats: int, steps: int) -> dict[str, float]:
     """Median ms of one AdamW step over the default GPT's parameters, per implementation."""
     import torch
 
+    from dtrain.compute.optim import build_optimizer
     from dtrain.config import OptimConfig
     from dtrain.models.gpt import GPT, GPTConfig
-    from dtrain.optim import build_optimizer
 
     torch.set_num_threads(1)
     times: dict[str, list[float]] = {kind: [] for kind in IMPLEMENTATIONS}

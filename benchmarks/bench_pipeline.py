@@ -213,9 +213,9 @@ def rss_kib(field: str) -> int:
 
 
 def rank_main(opts: dict[str, Any]) -> dict[str, Any]:
-    from dtrain.config_load import build_config
+    from dtrain.config.load import build_config
+    from dtrain.dist.runtime import init_runtime
     from dtrain.parallel import build_strategy
-    from dtrain.runtime import init_runtime
     from dtrain.task import Task
 
     busy, saved = Busy(), SavedBytes()

@@ -85,8 +85,8 @@ def one_process_ms(precision: str, steps: int) -> float:
     import torch
     import torch.nn.functional as F
 
+    from dtrain.compute.precision import Precision
     from dtrain.models.gpt import GPT, GPTConfig
-    from dtrain.precision import Precision
     from dtrain.tasks.gpt import GPTTaskConfig
 
     torch.set_num_threads(1)

@@ -61,14 +61,14 @@ def held_bytes(strategy: Any, optimizer: torch.optim.Optimizer) -> dict[str, int
 
 
 def rank_main(name: str, model_opts: dict[str, int], rows: int) -> dict[str, int]:
-    from dtrain.config_load import build_config
+    from dtrain.compute.optim import build_optimizer
+    from dtrain.config.load import build_config
+    from dtrain.dist.runtime import init_runtime
     from dtrain.models.gpt import GPT, GPTConfig
-    from dtrain.optim import build_optimizer
     from dtrain.parallel import build_strategy
-    from dtrain.runtime import init_runtime
-    from dtrain.step import run_micro_batches
     from dtrain.task import Task
     from dtrain.tasks.gpt import lm_loss
+    from dtrain.train.step import run_micro_batches
 
     world = dist.get_world_size()
     raw: dict[str, Any] = {

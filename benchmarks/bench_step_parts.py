@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dtrain
 import peer_task
 from _report import write_report_section
-from dtrain.config_load import build_config
+from dtrain.config.load import build_config
 from dtrain.testing import run_ranks
 
 SECTION = "bench_step_parts"
@@ -134,9 +134,9 @@ def raw_round(steps: int, warmup: int) -> dict[str, float]:
 def instrument(trainer: Any, parts: Parts) -> None:
     """A timer around each of the calls ``Trainer.fit`` makes in a step."""
     import dtrain.data.loader as loader_module
-    import dtrain.trainer as trainer_module
+    import dtrain.train.trainer as trainer_module
     from dtrain.metrics.summary import LossWindow
-    from dtrain.step import ForwardBackward, LossScale
+    from dtrain.train.step import ForwardBackward, LossScale
 
     strategy, balance, watchdog = trainer.strategy, trainer.balance, trainer.watchdog
     # Instances: the calls the trainer makes on its own objects.
@@ -170,7 +170,7 @@ def instrument(trainer: Any, parts: Parts) -> None:
 def dtrain_round(raw: dict[str, Any], warmup: int, timed: bool) -> dict[str, float]:
     """dtrain's loop (``Trainer.fit``), its parts timed when ``timed``; seconds per step."""
     from dtrain.fault.failpoints import failpoints
-    from dtrain.job import build_job_config, build_trainer
+    from dtrain.train.job import build_job_config, build_trainer
 
     Path(raw["run"]["dir"]).mkdir(parents=True, exist_ok=True)
     sys.stderr = open(Path(raw["run"]["dir"]) / "progress.log", "w")  # noqa: SIM115

@@ -14,7 +14,7 @@ wall times, printed as measured, with what bounds them here.
     python benchmarks/control_plane.py --worlds 2,8 --write-doc
 
 Across machines: ``--hosts H --nproc-per-host P[,P2...]`` runs each world of H x P ranks twice,
-on one machine and on H hosts made of network namespaces (``dtrain.testing.hosts``: each with
+on one machine and on H hosts made of network namespaces (``tests.hosts``: each with
 its own network stack, address and hostname, joined by a bridge; one ``dtrain train`` per host,
 c10d rendezvous on host 0), and prints the same rows for both, the hosts' ratios to the one
 machine's (its own section of docs/benchmarks.md, ``control-plane-hosts``). Needs root; the
@@ -34,14 +34,19 @@ import random
 import re
 import signal
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _report import machine_line, write_report_section
-from dtrain.testing import Hosts, Launch, leftovers, rank_of
+from _report import ROOT, machine_line, write_report_section
+
+sys.path.insert(0, str(ROOT))  # tests/hosts.py: the namespace hosts of a source checkout
+from tests.hosts import Hosts, leftovers
+
+from dtrain.testing import Launch, rank_of
 
 HERE = Path(__file__).resolve().parent
 PER_RANK_BATCH = 2

@@ -197,7 +197,7 @@ def job_config(
 def train_each(raws: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """In every rank: train each config in turn; per config its losses and step times (rank
     0, from metrics.jsonl) or the error it raised."""
-    from dtrain.job import build_job_config, build_trainer
+    from dtrain.train.job import build_job_config, build_trainer
 
     out: list[dict[str, Any]] = []
     for raw in raws:

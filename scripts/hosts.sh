@@ -17,7 +17,7 @@
 # everything this script makes, so that two sets can coexist; DTRAIN_HOSTS_SUBNET (default
 # "10.77.0", the first three octets of a /24). The bridge has no address: the hosts reach each
 # other, never the machine's own network or anything beyond it. Needs root, `ip` and `tc`.
-# dtrain.testing.hosts drives this script from Python (tests, benchmarks).
+# tests.hosts drives this script from Python (tests, benchmarks).
 
 set -Eeuo pipefail # -E: the ERR trap of `up` also fires inside functions
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from dtrain.config import Config
-from dtrain.config_load import build_config
+from dtrain.config.load import build_config
 
 REPO = Path(__file__).resolve().parent.parent
 

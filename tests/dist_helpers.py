@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 
 from dtrain.fault.failpoints import failpoints
-from dtrain.job import build_job_config, build_trainer
 from dtrain.parallel.base import replicated_state
-from dtrain.trainer import Trainer
+from dtrain.train.job import build_job_config, build_trainer
+from dtrain.train.trainer import Trainer
 
 
 def make_trainer(raw: dict[str, Any]) -> Trainer:
@@ -21,7 +21,7 @@ def synced_backward(strategy: Any, micro: list[Any], loss_fn: Any, scale: Any) -
     """Forward and backward over ``micro`` with the gradients synchronized, as a step runs
     them, without the step's agreement (what a test of a strategy's gradients wants: no
     bytes but the gradients'); returns the loss sum."""
-    from dtrain.step import run_micro_batches
+    from dtrain.train.step import run_micro_batches
 
     if not getattr(strategy, "_test_warmed_up", False):
         strategy._test_warmed_up = True

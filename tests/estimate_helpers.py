@@ -102,9 +102,9 @@ def kept_by_new_shapes(precision: str) -> tuple[int, int]:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from dtrain.compute.precision import Precision
     from dtrain.estimate.probe import fake_batch, fake_model, profile_pass
     from dtrain.models.gpt import GPT, GPTConfig
-    from dtrain.precision import Precision
     from tests.tasks import lm_loss
 
     return_freed_memory()

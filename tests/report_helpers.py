@@ -25,7 +25,7 @@ def make_observed_run(run_dir: Path) -> Path:
     raw = tiny_raw(run_dir, OBSERVED, metrics={"tensorboard": tensorboard})
     run_ranks(train_params, 2, raw)
     # What `dtrain train` writes beside it (the report shows it).
-    from dtrain.config_load import build_config
+    from dtrain.config.load import build_config
 
     (run_dir / "config.toml").write_text(build_config(raw).to_toml())
     return run_dir

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from dtrain.testing.hosts import hosts_unavailable
+from tests.hosts import hosts_unavailable
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "slurm.sh"

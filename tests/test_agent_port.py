@@ -1,5 +1,5 @@
 """The port of the job's store on one machine: held by the launcher from the moment torch's
-agent could have lost it until the job ends (dtrain.agent)."""
+agent could have lost it until the job ends (dtrain.launch.agent)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from dtrain.agent import held_port
+from dtrain.launch.agent import held_port
 from tests.conftest import REPO
 
 # A worker of one rank: before it hosts the store, another process tries the port it was
@@ -36,9 +36,9 @@ open(sys.argv[1], "w").write(f"{taken} {store.port == port}")
 # Runs WORKER as the one worker of a standalone job, the store port held or torch's pick.
 LAUNCHER = """
 import os, sys, uuid
-os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # as dtrain.launch: rank 0 hosts it
+os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # as dtrain.launch.elastic: rank 0 hosts it
 from torch.distributed.launcher.api import LaunchConfig
-from dtrain.agent import held_port, run_agent
+from dtrain.launch.agent import held_port, run_agent
 from dtrain.dist.secret import JobSecret
 secret = JobSecret(b"a test's job secret")
 config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, run_id=uuid.uuid4().hex,

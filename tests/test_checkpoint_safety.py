@@ -32,9 +32,9 @@ from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint.stream import PieceHasher, file_entry
 from dtrain.cli import main
 from dtrain.errors import CheckpointError, UserError
-from dtrain.init_from import init_model, read_weights
 from dtrain.models.gpt import GPT, GPTConfig
 from dtrain.testing import run_ranks
+from dtrain.weights.init_from import init_model, read_weights
 from tests.conftest import tiny_raw
 from tests.hf_helpers import train_each
 

@@ -221,7 +221,7 @@ try:  # nothing listens there: torch's C++ client logs each failed try, with a s
                   timeout=datetime.timedelta(seconds=1), wait_for_workers=False)
 except Exception as exc:
     print("raised", type(exc).__name__)
-from dtrain.launch import _ExpectedAtExit
+from dtrain.launch.elastic import _ExpectedAtExit
 record = logging.LogRecord("r", logging.WARNING, "", 0,
     "The node 'x' has failed to shutdown the rendezvous 'job' due to an error", (), None)
 print("kept" if _ExpectedAtExit().filter(record) else "dropped")
@@ -232,7 +232,7 @@ def test_the_launcher_prints_no_cpp_stack_trace_for_its_store() -> None:
     # At the end of a successful multi-machine run the machine that hosts the rendezvous may
     # exit first; the others' close of the rendezvous then failed with a C++ stack trace of
     # some 30 frames and torch's warning (4 of 14 two-node Slurm jobs).
-    from dtrain.agent import held_port
+    from dtrain.launch.agent import held_port
 
     with held_port() as port:  # nothing listens there, and no one else can
         result = subprocess.run(

@@ -52,9 +52,9 @@ def test_values_cross_as_json_with_any_length_and_text() -> None:
 
 
 # The modules that still send a pickle between the ranks, each for a reason its report gives:
-# the in-place handover's skeleton (dtrain.fault.handover), and the pipeline's full state
+# the in-place handover's skeleton (dtrain.recovery.handover), and the pipeline's full state
 # gathered to rank 0, which is tensors.
-STILL_PICKLED = {"fault/handover.py", "parallel/pipeline/strategy.py"}
+STILL_PICKLED = {"recovery/handover.py", "parallel/pipeline/strategy.py"}
 OBJECT_COLLECTIVE = re.compile(
     r"\b(?:all_gather|gather|broadcast|scatter|send|recv)_object(?:_list)?\("
 )

@@ -28,7 +28,7 @@ from dtrain.comm.accounting import CommCounter
 from dtrain.comm.compression import HOOKS
 from dtrain.comm.mean import divide_
 from dtrain.config import CommConfig
-from dtrain.config_load import build_config
+from dtrain.config.load import build_config
 from dtrain.data.loader import to_device
 from dtrain.errors import ConfigError
 from dtrain.parallel import strategy_class, strategy_names

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from dtrain.config import Config
-from dtrain.config_load import build_config, load_config, parse_override
+from dtrain.config.load import build_config, load_config, parse_override
 from dtrain.errors import ConfigError
 from dtrain.tasks.gpt import GPTTaskConfig
 

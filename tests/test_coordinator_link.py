@@ -1,4 +1,4 @@
-"""dtrain.fault.coordinator_link: a client of the membership store that rides through the
+"""dtrain.recovery.coordinator_link: a client of the membership store that rides through the
 store being out of reach (here: its server closed, then opened again on the same port), and
 gives up, naming it, after its patience."""
 
@@ -10,14 +10,14 @@ from typing import Any
 
 import pytest
 
-from dtrain.agent import held_port
 from dtrain.dist.stores import host_store
-from dtrain.fault import coordinator_link
-from dtrain.fault.coordinator_link import StoreLink, StoreUnreachable
+from dtrain.launch.agent import held_port
+from dtrain.recovery import coordinator_link
+from dtrain.recovery.coordinator_link import StoreLink, StoreUnreachable
 
 
 def test_a_call_waits_out_an_outage_on_a_fresh_connection() -> None:
-    with held_port() as port:  # no one else takes it while the store is away (dtrain.agent)
+    with held_port() as port:  # no one else takes it while the store is away (dtrain.launch.agent)
         server: Any = host_store("127.0.0.1", port, 10.0)
         link = StoreLink("127.0.0.1", port, call_s=2.0, patience_s=30.0)
         link.call(lambda s: s.set("k", "1"), "a set")

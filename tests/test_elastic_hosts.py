@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.agent import held_port
+from dtrain.launch.agent import held_port
 from tests.audit import check_stream, read_trajectory
 from tests.conftest import REPO
 from tests.test_launcher_faults import wait_for_step, write_config
@@ -64,7 +64,7 @@ def assert_exactly_once(run_dir: Path, steps: int) -> None:
 
 def test_a_host_that_leaves_and_one_that_joins(tmp_path: Path) -> None:
     config, run_dir = config_for(tmp_path, steps=200)
-    # The port is held until the first host binds it (dtrain.agent): no one else can.
+    # The port is held until the first host binds it (dtrain.launch.agent): no one else can.
     with held_port() as port:
         first = host(config, port, "hosts")
         time.sleep(1)

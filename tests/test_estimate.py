@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from dtrain.cli import main
+from dtrain.compute.precision import Precision
 from dtrain.config import OptimConfig
 from dtrain.errors import UserError
 from dtrain.estimate.fsdp import Moment, Unit, fsdp_moments
@@ -20,11 +21,10 @@ from dtrain.estimate.layout import TensorInfo, model_tensors, optimizer_bytes
 from dtrain.estimate.memory import estimate_memory
 from dtrain.estimate.probe import fake_batch, fake_model, profile_pass
 from dtrain.estimate.report import parse_bytes
-from dtrain.job import build_job_config
 from dtrain.models.gpt import GPT, GPTConfig
 from dtrain.parallel.recipe import Recipe
-from dtrain.precision import Precision
 from dtrain.testing import run_ranks
+from dtrain.train.job import build_job_config
 from tests.conftest import tiny_config, tiny_raw
 from tests.estimate_helpers import peak_after_warm_up, peaks_after_warm_ups
 from tests.tasks import lm_loss
@@ -163,7 +163,7 @@ def test_the_state_a_rank_holds_follows_the_layout() -> None:
 def test_the_adamw_step_s_temporaries_are_those_estimated(implementation: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from dtrain.optim import build_optimizer
+    from dtrain.compute.optim import build_optimizer
 
     model = GPT(GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=32))
     for param in model.parameters():

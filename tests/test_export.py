@@ -23,8 +23,8 @@ from examples import hf_gpt2
 import dtrain
 from dtrain.cli import main
 from dtrain.errors import UserError
-from dtrain.init_from import read_weights
 from dtrain.testing import run_ranks
+from dtrain.weights.init_from import read_weights
 from tests.conftest import tiny_raw
 from tests.hf_helpers import (
     GPT2_TASK,
@@ -219,7 +219,7 @@ def test_exports_follow_the_umask_as_the_run_folder_does(tmp_path: Path, umask: 
     """safetensors' save_file makes 0600 whatever the umask (and save_pretrained calls it):
     every file of every format is 0666 less the umask, every folder 0777 less it."""
     from dtrain.checkpoint.write import Checkpointer
-    from dtrain.model_config import save_model_config
+    from dtrain.weights.model_config import save_model_config
 
     model = plain_gpt2()
     run_dir = tmp_path / "run"

@@ -1,4 +1,4 @@
-"""dtrain.fault.handover: a training state from one rank to another, tensor by tensor: every
+"""dtrain.recovery.handover: a training state from one rank to another, tensor by tensor: every
 tensor arrives equal (dtype, shape, values), plain values and the nest's kinds as they were,
 small tensors of one dtype packed together and a large one alone."""
 
@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from dtrain.fault import handover
-from dtrain.fault.handover import Slot, batches, split
+from dtrain.recovery import handover
+from dtrain.recovery.handover import Slot, batches, split
 from dtrain.testing import run_ranks
 
 

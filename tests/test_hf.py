@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 
 from examples import hf_bert, hf_gpt2
 
+from dtrain.compute.model_call import call_model
 from dtrain.errors import UserError
 from dtrain.hf import (
     causal_lm_loss,
@@ -21,9 +22,8 @@ from dtrain.hf import (
     pipeline_layers,
     split_causal_lm_batch,
 )
-from dtrain.loss_contract import LossContract
-from dtrain.model_call import call_model
 from dtrain.task import split_input_target
+from dtrain.train.loss_contract import LossContract
 from tests.hf_helpers import (
     BERT_TASK,
     GPT2_TASK,

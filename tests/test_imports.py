@@ -5,8 +5,12 @@ Every import statement counts, wherever it is in a file (inside a function, unde
 ``TYPE_CHECKING``): a lazy or type-only import still ties two modules together. So does the
 package ``__init__`` that importing a module of another package runs first. Between packages,
 a module's import of any module of another package counts as an import of that package (a
-top-level module such as ``dtrain.config`` is a package of its own here), so ``parallel ->
-checkpoint`` and ``checkpoint -> parallel`` through different modules is a cycle too."""
+top-level module such as ``dtrain.cli`` is a package of its own here), so ``parallel ->
+checkpoint`` and ``checkpoint -> parallel`` through different modules is a cycle too.
+
+And the tree says who runs what (docs/architecture.md): the package root holds the user API,
+the entry points and leaves only; the parent's package (``launch``) imports nothing of the
+worker's loop, and the in-place recovery sits below the loop and the launcher that call it."""
 
 from __future__ import annotations
 
@@ -123,7 +127,7 @@ def test_a_package_init_counts_for_modules_of_other_packages(tmp_path: Path) -> 
 
 def test_no_module_of_dtrain_imports_itself_back() -> None:
     graph = import_graph()
-    assert "dtrain.trainer" in graph and "dtrain.parallel.base" in graph  # it read the tree
+    assert "dtrain.train.trainer" in graph and "dtrain.parallel.base" in graph  # it read the tree
     assert cycles(graph) == []
 
 
@@ -169,6 +173,59 @@ def test_no_package_of_dtrain_imports_itself_back() -> None:
     assert cycles(packages) == []
 
 
+# The package root: the user API (``__init__``, ``task``, ``hf``), the entry points (``cli``,
+# ``__main__``, ``worker``) and leaves. A new module goes into the package of its role.
+ROOT_MODULES = {
+    "__init__.py",
+    "task.py",
+    "hf.py",
+    "cli.py",
+    "__main__.py",
+    "worker.py",
+    "errors.py",
+    "fsutil.py",
+    "console.py",
+    "process_exit.py",
+}
+
+
+def test_the_package_root_holds_the_api_the_entry_points_and_leaves() -> None:
+    files = {path.name for path in (SRC / "dtrain").glob("*.py")}
+    assert len(files) <= 10
+    assert files <= ROOT_MODULES, f"a new module at the root: {sorted(files - ROOT_MODULES)}"
+
+
+def test_the_architecture_page_names_every_package_and_root_module() -> None:
+    page = (SRC.parent / "docs" / "architecture.md").read_text()
+    tree = page[page.index("## The tree, by role") :]
+    packages = {p.name for p in (SRC / "dtrain").iterdir() if (p / "__init__.py").exists()}
+    missing = [f"{name}/" for name in sorted(packages) if f"`{name}/`" not in tree]
+    missing += [name for name in sorted(ROOT_MODULES) if f"`{name[:-3]}`" not in tree]
+    assert missing == [], f"docs/architecture.md's tree does not name {missing}"
+
+
+def test_each_role_imports_only_what_runs_in_its_process() -> None:
+    packages = package_graph(import_graph())
+    importers = {p: {q for q, targets in packages.items() if p in targets} for p in packages}
+    # The leaves import nothing of dtrain (fsutil: only errors, for its one-line error).
+    for leaf in ("dtrain.errors", "dtrain.console", "dtrain.process_exit"):
+        assert packages[leaf] == set(), leaf
+    assert packages["dtrain.fsutil"] == {"dtrain.errors"}
+    # The parent trains nothing: the launcher imports none of the loop, the strategies, the
+    # data, the model's numerics or weights; only the command line starts it.
+    worker_side = {"dtrain.train", "dtrain.parallel", "dtrain.data", "dtrain.compute"}
+    assert packages["dtrain.launch"].isdisjoint(
+        worker_side | {"dtrain.balance", "dtrain.weights", "dtrain.worker"}
+    )
+    assert importers["dtrain.launch"] <= {"dtrain.cli"}
+    # The worker's loop is wired by the entry points only.
+    assert importers["dtrain.train"] <= {"dtrain.cli", "dtrain.worker"}
+    # fault.recovery = 'inplace' is called by the loop and the launcher, never the other way.
+    assert packages["dtrain.recovery"].isdisjoint(
+        {"dtrain.train", "dtrain.launch", "dtrain.worker", "dtrain.cli"}
+    )
+
+
 # torch modules that importing dtrain's launcher, worker and data-parallel strategies must not
 # bring in, ~1.2 s of imports together: the launcher and every worker paid them while the
 # strategy registry imported every strategy up front. (At run time torch itself imports
@@ -186,7 +243,7 @@ def loaded_after(code: str, modules: tuple[str, ...] = HEAVY) -> set[str]:
 
 
 def test_the_launcher_and_a_ddp_worker_import_no_model_parallel_machinery() -> None:
-    launcher = "import dtrain.cli, dtrain.job, dtrain.launch"
+    launcher = "import dtrain.cli, dtrain.train.job, dtrain.launch.elastic"
     worker = (
         "import dtrain.worker\n"
         "from dtrain.parallel import strategy_class\n"

@@ -19,8 +19,8 @@ import torch
 
 from dtrain.config import Config
 from dtrain.errors import ConfigError
-from dtrain.job import build_job_config
 from dtrain.testing import Launch, run_ranks
+from dtrain.train.job import build_job_config
 from tests.audit import check_stream, read_trajectory
 from tests.conftest import REPO, tiny_config, tiny_raw
 from tests.dist_helpers import train_params
@@ -122,7 +122,7 @@ def test_kill9_of_one_of_two_the_survivor_goes_on_exactly_once(
 @pytest.mark.slow
 def test_kill9_of_one_of_four_no_survivor_waits_for_its_timeout(tmp_path: Path) -> None:
     # Member 1 dies: in gloo's ring member 3 exchanges with members 0 and 2 only, which stay
-    # alive; it leaves at once only because they shut their connections (dtrain.fault.sever).
+    # alive; it leaves at once only because they shut their connections (dtrain.recovery.sever).
     run_dir = launch_job(tmp_path, steps=10, max_restarts=0, nproc=4, kill_member=1)
     (event,) = membership_events(run_dir)
     assert (event["step"], event["left"], event["members"]) == (3, [1], [0, 2, 3])

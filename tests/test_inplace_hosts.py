@@ -1,5 +1,5 @@
 """``fault.recovery = 'inplace'`` across machines, on namespace hosts with hostnames of their
-own (scripts/hosts.sh, dtrain.testing.hosts).
+own (scripts/hosts.sh, tests.hosts).
 
 Host 1's link down for 10 s, then up. Host 0 (which holds the membership coordinator) drops the
 step in flight once host 1 has been silent for 3 s -- before ``dist.timeout_s`` -- and trains on
@@ -25,9 +25,9 @@ import pytest
 
 from dtrain.fault.status import read_status
 from dtrain.testing import Launch, metrics_records
-from dtrain.testing.hosts import Hosts, hosts_unavailable
 from tests.audit import check_stream, read_trajectory
 from tests.conftest import REPO, tiny_config
+from tests.hosts import Hosts, hosts_unavailable
 
 # Namespace hosts: one set at a time under pytest-xdist (their own subnet besides).
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("namespace-hosts")]
@@ -169,7 +169,7 @@ def check_cut(trial: Trial, timeout_s: float, steps: int) -> tuple[float, float,
     assert joined and joined[0]["members"] == [0, 1] and joined[0]["healed_from"] == 0, changes
     # Host 0 trained on while host 1 was cut off, and went on before its collective timeout:
     # host 1's workers fell silent, so the coordinator had host 0 shut down its connections
-    # to them (dtrain.fault.sever) ...
+    # to them (dtrain.recovery.sever) ...
     trained = [r for r in runs if r.get("kind") == "train" and trial.cut < r["time"] < trial.back]
     assert trained, changes
     first_alone = min(r["time"] for r in trained) - trial.cut

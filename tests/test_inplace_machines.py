@@ -10,11 +10,11 @@ import pytest
 from dtrain.dist import sealed_store
 from dtrain.dist.stores import host_store
 from dtrain.errors import UserError
-from dtrain.fault.coordinator import NodeWatcher
-from dtrain.fault.coordinator_link import StoreLink
-from dtrain.fault.node_claim import claim_key, claim_node
-from dtrain.launch import make_options
-from dtrain.launch_inplace import check_machines
+from dtrain.launch.elastic import make_options
+from dtrain.launch.inplace import check_machines
+from dtrain.recovery.coordinator import NodeWatcher
+from dtrain.recovery.coordinator_link import StoreLink
+from dtrain.recovery.node_claim import claim_key, claim_node
 
 
 def check(nnodes: str, node_rank: int | None, endpoint: str = "127.0.0.1:29400") -> None:

@@ -226,7 +226,7 @@ def test_dtrain_rendezvous_needs_the_secret_and_listens_on_the_address_it_is_giv
     import socket
     import sys
 
-    from dtrain.rendezvous_host import serve
+    from dtrain.launch.rendezvous_host import serve
 
     monkeypatch.delenv(SECRET_ENV, raising=False)
     with pytest.raises(UserError, match="dtrain rendezvous needs the job's secret"):

@@ -22,7 +22,7 @@ from dtrain.balance.throughput import (
 )
 from dtrain.balance.timing import FIELDS, INDEX, MAX_WINDOW_STEPS, window_steps
 from dtrain.cli import main
-from dtrain.config_load import build_config
+from dtrain.config.load import build_config
 from dtrain.data.loader import RankLoader
 from dtrain.data.partition import OrderSpec, plan_step, plan_steps, step_shape
 from dtrain.errors import ConfigError

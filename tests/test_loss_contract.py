@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from dtrain.errors import UserError
-from dtrain.loss_contract import LossContract
 from dtrain.task import IGNORE_INDEX, count_target_items
+from dtrain.train.loss_contract import LossContract
 from tests.test_cli import run_cli, write_tiny_config
 
 V = 11  # classes

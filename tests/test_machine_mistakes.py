@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from dtrain.agent import held_port
 from dtrain.dist.stores import host_store
-from dtrain.fault.coordinator import NOTICE_S, Coordinator
-from dtrain.fault.membership import PREFIX, read_text, write_value
-from dtrain.launch import make_options, rendezvous_lost
-from dtrain.rendezvous_wait import announce_waits
+from dtrain.launch.agent import held_port
+from dtrain.launch.elastic import make_options, rendezvous_lost
+from dtrain.launch.rendezvous_wait import announce_waits
+from dtrain.recovery.coordinator import NOTICE_S, Coordinator
+from dtrain.recovery.membership import PREFIX, read_text, write_value
 from tests.conftest import REPO, tiny_config
 
 
@@ -147,7 +147,7 @@ def test_a_rank_interrupted_on_its_machine_is_named_so_to_the_others() -> None:
 
 
 def test_a_member_waiting_for_the_first_generation_gives_up_when_told() -> None:
-    from dtrain.fault.membership import Member
+    from dtrain.recovery.membership import Member
 
     store = host_store("127.0.0.1", 0, 30.0)
     member = Member(f"127.0.0.1:{store.port}", 0, 2, 30.0)  # member 1 never comes
@@ -165,7 +165,7 @@ def test_an_in_place_worker_s_failure_names_its_member_not_its_agent_s_rank_0(
 ) -> None:
     from types import SimpleNamespace
 
-    from dtrain.launch import LaunchOptions, report_failure
+    from dtrain.launch.elastic import LaunchOptions, report_failure
 
     # In-place recovery runs one agent per worker: its worker is the agent's rank 0 on every
     # machine, and the second machine's said "rank 0" for member 1.
@@ -180,7 +180,7 @@ def test_an_in_place_worker_s_failure_names_its_member_not_its_agent_s_rank_0(
 def test_a_machine_started_with_another_nnodes_or_run_id_is_refused_by_the_host_s_shape() -> None:
     from dtrain.dist.secret import JobSecret
     from dtrain.errors import UserError
-    from dtrain.rendezvous_wait import share_shape
+    from dtrain.launch.rendezvous_wait import share_shape
 
     store = host_store("127.0.0.1", 0, 30.0)  # as torch's rendezvous host's
     endpoint = f"127.0.0.1:{store.port}"
@@ -213,7 +213,7 @@ def test_torch_s_lines_of_what_the_launcher_reports_itself_are_dropped(
 ) -> None:
     import logging
 
-    from dtrain.launch import _ExpectedAtExit
+    from dtrain.launch.elastic import _ExpectedAtExit
 
     record = logging.LogRecord("torch", logging.WARNING, "api.py", 1, message, None, None)
     assert _ExpectedAtExit().filter(record) is kept
@@ -239,8 +239,8 @@ def test_an_agent_that_returns_no_result_is_a_closed_rendezvous(
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
     from torch.distributed.launcher.api import LaunchConfig
 
-    from dtrain.agent import run_agent
     from dtrain.dist.secret import JobSecret
+    from dtrain.launch.agent import run_agent
 
     monkeypatch.setattr(LocalElasticAgent, "run", lambda self: None)  # as on a graceful exit
     config = LaunchConfig(

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from dtrain.dist.stores import host_store
-from dtrain.fault.coordinator import Coordinator, NodeWatcher, process_state
-from dtrain.fault.coordinator_link import StoreLink
-from dtrain.fault.membership import (
+from dtrain.recovery.coordinator import Coordinator, NodeWatcher, process_state
+from dtrain.recovery.coordinator_link import StoreLink
+from dtrain.recovery.membership import (
     CUT,
     GENERATION,
     PREFIX,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from dtrain.config_load import build_config
+from dtrain.config.load import build_config
 from dtrain.data.shards import write_shards
 from dtrain.errors import UserError
 from dtrain.parallel.materialize import materialize, require_init

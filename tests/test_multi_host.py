@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from dtrain.agent import held_port
 from dtrain.cli import main
-from dtrain.network import check_port_free, choose_node_network, split_endpoint
-from dtrain.reachability import _accept_forever, close_listener, peers_of
+from dtrain.dist.network import check_port_free, choose_node_network, split_endpoint
+from dtrain.dist.reachability import _accept_forever, close_listener, peers_of
+from dtrain.launch.agent import held_port
 from dtrain.testing import Launch
-from dtrain.testing.hosts import Hosts, hosts_unavailable, leftovers
 from tests.conftest import REPO, tiny_config
+from tests.hosts import Hosts, hosts_unavailable, leftovers
 
 PREFIX = f"dt{os.getpid() % 100000}"  # the namespaces and links of this test process
 CONNECT_S = 8  # dist.connect_timeout_s in the failure cases
@@ -128,7 +128,9 @@ def test_an_interface_that_does_not_exist_is_one_line_in_the_parent(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     launched: list[object] = []
-    monkeypatch.setattr("dtrain.launch.launch_workers", lambda *args, **kw: launched.append(1))
+    monkeypatch.setattr(
+        "dtrain.launch.elastic.launch_workers", lambda *args, **kw: launched.append(1)
+    )
     code = main(
         ["train", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400", "--iface", "nosuch0"]
     )

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
+from dtrain.compute.optim import build_optimizer, fit_saved_groups
 from dtrain.config import OptimConfig
-from dtrain.optim import build_optimizer, fit_saved_groups
 from dtrain.testing import metrics_records, run_ranks
 from tests.conftest import tiny_config, tiny_raw
 from tests.dist_helpers import crash_then_resume, make_trainer, params_of, train_params
@@ -118,7 +118,7 @@ def test_groups_with_different_settings_are_not_merged() -> None:
 def resume_across_the_regrouping(raw: dict[str, Any]) -> dict[str, Any]:
     """Train ``train.steps`` with the two groups and checkpoint; resume with today's one group
     for 4 steps more; the parameters."""
-    import dtrain.optim_choice as choice
+    import dtrain.train.optim_choice as choice
 
     choice.build_optimizer = two_groups_as_before  # this rank's process only
     try:
@@ -269,7 +269,7 @@ def test_a_forced_resume_trains_with_the_configured_settings(tmp_path: Path, str
 def test_a_loaded_schedule_takes_the_configured_rate_and_the_saved_position() -> None:
     # Under the same config a resume sets the very rate it saved (bit-identical); under
     # another optim.lr that rate at the saved position of the schedule.
-    from dtrain.optim import build_scheduler, lr_factor
+    from dtrain.compute.optim import build_scheduler, lr_factor
 
     model = small_model()
     cfg = OptimConfig(name="sgd", lr=0.5, momentum=0.9, warmup_steps=2)

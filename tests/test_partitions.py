@@ -1,5 +1,5 @@
 """Machines that lose each other, on namespace hosts with hostnames of their own (as separate
-machines have; scripts/hosts.sh, dtrain.testing.hosts): a link cut for longer than the
+machines have; scripts/hosts.sh, tests.hosts): a link cut for longer than the
 collective timeout is a named network failure on every host and, under --max-restarts, the
 job resumes once the link is back; a rank killed on another machine is named as killed; the
 loss of the machine that hosts the rendezvous is one line within seconds, and both documented
@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from dtrain.testing import Launch
-from dtrain.testing.hosts import Hosts, hosts_unavailable
 from tests.audit import check_stream, read_trajectory
 from tests.conftest import REPO, tiny_config
+from tests.hosts import Hosts, hosts_unavailable
 
 # Namespace hosts share one subnet: these tests run one at a time under pytest-xdist.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("namespace-hosts")]

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from dtrain.config import Config
+from dtrain.dist.runtime import Runtime
 from dtrain.errors import ConfigError
 from dtrain.models.gpt import GPT, GPTConfig
 from dtrain.parallel import strategy_class
@@ -25,7 +26,6 @@ from dtrain.parallel.pipeline.split import (
     tied_parameters,
 )
 from dtrain.parallel.pipeline.strategy import PipelineStrategy
-from dtrain.runtime import Runtime
 from dtrain.task import Task
 from dtrain.testing import run_ranks
 from tests.conftest import tiny_config, tiny_raw

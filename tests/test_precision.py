@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dtrain.compute.precision import LossScaler
 from dtrain.errors import ConfigError
 from dtrain.models.gpt import GPT, GPTConfig, attend, project_out
-from dtrain.precision import LossScaler
 from dtrain.testing import run_ranks
 from tests.conftest import tiny_config, tiny_raw
 from tests.dist_helpers import crash_then_resume, train_params, train_with_nan

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dtrain.job import default_run_dir
+from dtrain.train.job import default_run_dir
 from tests.conftest import REPO
 
 CONFIG = """\

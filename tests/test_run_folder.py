@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.agent import held_port
 from dtrain.checkpoint import hold as holds
 from dtrain.checkpoint import read as ckread
 from dtrain.cli import main
 from dtrain.fsutil import write_atomic
+from dtrain.launch.agent import held_port
 from dtrain.testing import Launch
 from tests.conftest import REPO, tiny_config
 
@@ -291,7 +291,7 @@ def test_two_machines_started_with_different_configs_are_refused_naming_the_keys
     # Two launchers on this machine stand in for two machines of one job (the same --run-id
     # and rendezvous): the check is the workers', which see one job of two nodes either way.
     config = write_job(tmp_path / "job.toml", tmp_path / "run", task={"slow_ms": 0})
-    # The port is held until the rendezvous host binds it (dtrain.agent): no one else can.
+    # The port is held until the rendezvous host binds it (dtrain.launch.agent): no one else can.
     with held_port() as port:
         common = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--run-id", "same"]
         launches = [

@@ -17,18 +17,18 @@ import pytest
 import torch.distributed as dist
 
 from dtrain.dist import sealed_store
+from dtrain.dist.reachability import REACH, close_probe_listener, peers_checked
+from dtrain.dist.runtime import NAMESPACE_ENV
 from dtrain.dist.stores import host_store
 from dtrain.errors import UserError
-from dtrain.fault.coordinator import Coordinator, NodeWatcher
-from dtrain.fault.coordinator_link import StoreLink
-from dtrain.fault.membership import Generation, Member, write_value
-from dtrain.fault.node_claim import claim_key, claim_node
 from dtrain.fault.peer_words import PeerWords
 from dtrain.fault.watchdog import Watchdog
-from dtrain.launch import make_options
-from dtrain.launch_inplace import check_shape
-from dtrain.reachability import REACH, close_probe_listener, peers_checked
-from dtrain.runtime import NAMESPACE_ENV
+from dtrain.launch.elastic import make_options
+from dtrain.launch.inplace import check_shape
+from dtrain.recovery.coordinator import Coordinator, NodeWatcher
+from dtrain.recovery.coordinator_link import StoreLink
+from dtrain.recovery.membership import Generation, Member, write_value
+from dtrain.recovery.node_claim import claim_key, claim_node
 from dtrain.testing.ranks import free_port
 
 

@@ -1,4 +1,4 @@
-"""dtrain.fault.sever: a rank that leaves a failed generation shuts down its connections to the
+"""dtrain.recovery.sever: a rank that leaves a failed generation shuts down its connections to the
 other workers, so that a rank blocked on it fails at once instead of at its collective timeout.
 
 Four ranks in gloo's ring all-reduce, rank 2 killed outright: ranks 1 and 3 (its neighbours)
@@ -16,7 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from dtrain.fault.sever import GenerationLinks
+from dtrain.recovery.sever import GenerationLinks
 from dtrain.testing import RankFailed, run_ranks
 
 VICTIM = 2

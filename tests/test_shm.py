@@ -21,7 +21,7 @@ import torch.distributed as dist
 from dtrain.cli import main
 from dtrain.comm.mean import divide_
 from dtrain.comm.shm import SharedMemoryAllReduce, unavailable_reason
-from dtrain.config_load import build_config
+from dtrain.config.load import build_config
 from dtrain.errors import ConfigError
 from dtrain.fault.peer_failure import is_collective_failure
 from dtrain.parallel import strategy_class

@@ -22,11 +22,11 @@ import torch
 
 from dtrain.comm.agreement import MAX_CARRYING_RANKS, StepAgreement
 from dtrain.data.loader import split_to_device, to_device
+from dtrain.dist.runtime import core_share
 from dtrain.parallel.recipe import Recipe
-from dtrain.runtime import core_share
-from dtrain.step import LossScale, run_micro_batches
 from dtrain.task import IGNORE_INDEX, count_target_items, split_input_target
 from dtrain.testing import RankFailed, run_ranks
+from dtrain.train.step import LossScale, run_micro_batches
 from tests.conftest import tiny_raw
 from tests.dist_helpers import make_trainer, params_of, signal_self_at_step, train_params
 

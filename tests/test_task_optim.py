@@ -18,12 +18,13 @@ import pytest
 import torch
 
 from dtrain.checkpoint.rng import seed_everything
+from dtrain.compute.optim import build_scheduler, lr_factor
 from dtrain.config import OptimConfig
-from dtrain.config_load import build_config
+from dtrain.config.load import build_config
 from dtrain.errors import CheckpointError, ConfigError, UserError
 from dtrain.metrics.summary import print_summary
-from dtrain.optim import lr_factor
 from dtrain.testing import run_ranks
+from dtrain.train.optim_choice import OptimizerKinds
 from tests.byo_tasks import (
     ClassifierOptions,
     Clusters,
@@ -203,6 +204,20 @@ def test_bad_optimizers_are_named_in_one_line_and_a_finished_run_says_so(tmp_pat
     # A finished run run again (it printed "train loss nan ... samples/s").
     assert "already finished: step 2 of 2, nothing trained" in errors["finished"]
     assert "nan" not in errors["finished"]
+
+
+def test_a_checkpoint_of_before_the_schedule_moved_still_loads() -> None:
+    # Written when dtrain/optim.py sat at the package root: the same class, another name.
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = build_scheduler(optimizer, OptimConfig(), 10)
+    kinds = OptimizerKinds(optimizer, scheduler)
+    assert kinds.state_dict()["scheduler"] == "dtrain.compute.optim.Schedule"
+    kinds.load_state_dict(
+        {"optimizer": "torch.optim.adamw.AdamW", "scheduler": "dtrain.optim.Schedule"}
+    )
+    with pytest.raises(CheckpointError, match=r"torch\.optim\.lr_scheduler\.StepLR scheduler"):
+        kinds.load_state_dict({"scheduler": "torch.optim.lr_scheduler.StepLR"})
 
 
 def test_schedule_shapes() -> None:

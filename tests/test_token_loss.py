@@ -2,7 +2,7 @@
 and divides by the global token count (the trainer's ``scale = dp / count`` before DDP averages
 the gradients), which equals the single-process mean over the whole batch however the tokens
 are cut across ranks and micro-batches -- also when the scale assumed another count and the
-gradients are rescaled after the sync (:mod:`dtrain.step`). A pure test, on the step function
+gradients are rescaled after the sync (:mod:`dtrain.train.step`). A pure test, on the step function
 every strategy runs."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from dtrain.data.partition import partition_samples, partition_tokens
 from dtrain.data.text import collate_padded
 from dtrain.models.gpt import GPT, GPTConfig
 from dtrain.parallel.recipe import Recipe
-from dtrain.step import run_micro_batches
 from dtrain.task import count_target_items
+from dtrain.train.step import run_micro_batches
 from tests.tasks import VariableTokens, lm_loss
 
 

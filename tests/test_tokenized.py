@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from dtrain.config_load import build_config
+from dtrain.config.load import build_config
 from dtrain.data.build import dataset_fingerprint
 from dtrain.data.loader import RankLoader, fetch_batch
 from dtrain.data.partition import OrderSpec

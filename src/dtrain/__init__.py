@@ -9,9 +9,9 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from dtrain.config import Config
-    from dtrain.config_load import load_config
-    from dtrain.init_from import load_weights
+    from dtrain.config.load import load_config
     from dtrain.task import Task, task_config
+    from dtrain.weights.init_from import load_weights
 
 __all__ = ["Config", "Task", "__version__", "load_config", "load_weights", "task_config"]
 
@@ -19,8 +19,8 @@ __all__ = ["Config", "Task", "__version__", "load_config", "load_weights", "task
 # here), which commands that only read files (`dtrain status`, `dtrain report`) never need.
 _EXPORTS = {
     "Config": "dtrain.config",
-    "load_config": "dtrain.config_load",
-    "load_weights": "dtrain.init_from",
+    "load_config": "dtrain.config.load",
+    "load_weights": "dtrain.weights.init_from",
     "Task": "dtrain.task",
     "task_config": "dtrain.task",
 }

@@ -15,7 +15,7 @@ from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
 from dtrain.process_exit import freeze_heap_at_exit
 
 if TYPE_CHECKING:
-    from dtrain.launch import LaunchOptions
+    from dtrain.launch.elastic import LaunchOptions
 
 
 def _train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -207,7 +207,7 @@ def split_overrides(extra: Sequence[str]) -> list[str]:
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from dtrain.console import guard_console
     from dtrain.dist.job_env import job_environment
-    from dtrain.launch import make_options
+    from dtrain.launch.elastic import make_options
 
     guard_console("the launcher")  # a closed output pipe costs the output, never the run
     if args.resume is not None:
@@ -235,11 +235,11 @@ def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str
     """``dtrain train`` once its options are checked and its environment is set."""
     from dtrain.checkpoint.rundir import check_resume_folder, check_run_dir, held_run_dir
     from dtrain.config import validate_ranks
-    from dtrain.init_from import check_init_from
-    from dtrain.job import default_run_dir, load_job_config
-    from dtrain.launch import launch_workers
+    from dtrain.launch.elastic import launch_workers
     from dtrain.parallel import strategy_class
     from dtrain.parallel.state_form import check_state_form
+    from dtrain.train.job import default_run_dir, load_job_config
+    from dtrain.weights.init_from import check_init_from
 
     cfg = load_job_config(args.config, overrides)
     if cfg.metrics.tensorboard:
@@ -257,7 +257,7 @@ def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str
         strategy_class(cfg.strategy.name).validate_config(cfg, opts.max_world_size)
     check_init_from(cfg.run.init_from)
     if cfg.fault.recovery == "inplace" and opts.max_nodes > 1:
-        from dtrain.launch_inplace import check_machines
+        from dtrain.launch.inplace import check_machines
 
         check_machines(opts, args.nnodes)
     if cfg.fault.recovery == "inplace" and cfg.fault.min_replicas > opts.max_world_size:
@@ -278,7 +278,7 @@ def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str
         if resume_from is not None:
             check_state_form(strategy_class(cfg.strategy.name), resume_from)
         if cfg.fault.recovery == "inplace":
-            from dtrain.launch_inplace import launch_in_place
+            from dtrain.launch.inplace import launch_in_place
 
             return launch_in_place(
                 config_path,
@@ -357,7 +357,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
     from dtrain.config import describe_options
-    from dtrain.job import load_job_config
+    from dtrain.train.job import load_job_config
 
     if args.list:
         for key, default, text in describe_options():
@@ -420,7 +420,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from dtrain.export import export
+    from dtrain.weights.export import export
 
     model = export(args.run_dir, args.out, args.step, args.format)
     if model.note:
@@ -433,7 +433,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     from dtrain.estimate.memory import estimate_memory
     from dtrain.estimate.report import format_json, format_table, parse_bytes
-    from dtrain.job import load_job_config
+    from dtrain.train.job import load_job_config
 
     if args.nproc < 1 or args.nnodes < 1:
         raise UserError(f"--nproc {args.nproc} --nnodes {args.nnodes}: both must be at least 1")
@@ -498,7 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "export":
             return cmd_export(args)
         if args.command == "rendezvous":
-            from dtrain.rendezvous_host import serve
+            from dtrain.launch.rendezvous_host import serve
 
             return serve(args.port, args.bind)
         if args.command == "estimate":

@@ -1,14 +1,20 @@
 """Durable file writes: what crash-consistency rests on (checkpoints, datasets, run records).
 A file is whole or absent: written beside its final name, fsynced, renamed into place, and the
 folder fsynced so that the rename itself survives a power cut. And the checksum that checkpoint
-markers and dataset manifests record of each file."""
+markers and dataset manifests record of each file. And where a command writes what it makes
+(``dtrain export``'s file, ``dtrain report``'s page, ``dtrain prepare``'s dataset, ``dtrain
+train``'s run folder): checked before any of the work, so that a path the user cannot write is
+one line naming it instead of a traceback at the end."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+from dtrain.errors import UserError
 
 # Bytes between two calls of a long write's ``on_progress``.
 _PIECE = 64 * 2**20
@@ -112,3 +118,22 @@ def write_atomic(path: Path | str, data: bytes | str, mode: int | None = None) -
         tmp.unlink(missing_ok=True)  # a full disk leaves no half-written file behind
         raise
     fsync_dir(path.parent)
+
+
+def require_output_folder(folder: Path, label: str, choose: str = "path") -> None:
+    """``folder`` exists (made with its parents if need be) and takes a new file; otherwise a
+    :class:`UserError` that starts with ``label`` (what the user gave, e.g. ``"OUT x.pt"``) and
+    asks for another ``choose`` (e.g. ``"run.dir"``)."""
+    blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:  # the folder is, or runs through, a file
+        raise UserError(f"{label}: {blocker} is a file, not a folder; choose another {choose}")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".dtrain-write-check-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise UserError(
+            f"{label}: cannot write in {folder} ({exc.strerror or exc}); choose a {choose} where "
+            "this user may write"
+        ) from None

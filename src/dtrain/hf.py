@@ -30,7 +30,6 @@ imports it, and this module only when a function here needs it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -310,36 +309,3 @@ class _BertHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.dropout(self.pooler(hidden)))
-
-
-# -- folders from_pretrained loads -------------------------------------------------------------
-
-
-def require_transformers(what: str) -> Any:
-    try:
-        import transformers
-    except ImportError:
-        raise UserError(
-            f"{what} needs Hugging Face transformers: pip install 'dtrain[hf]'"
-        ) from None
-    return transformers
-
-
-def write_pretrained(state: dict[str, torch.Tensor], config_dir: Path, out: Path) -> None:
-    """Write ``state`` as a folder ``from_pretrained`` loads: the model class named in
-    ``config_dir/config.json`` (``architectures``) is built from that config, given the
-    weights (every key must fit), and saved with its own ``save_pretrained``."""
-    transformers = require_transformers("--format hf")
-    config = transformers.AutoConfig.from_pretrained(str(config_dir))
-    names = list(getattr(config, "architectures", None) or [])
-    cls = getattr(transformers, names[0], None) if names else None
-    if cls is None:
-        raise UserError(
-            f"{config_dir / 'config.json'} names no model class transformers has "
-            f"(architectures = {names}); export --format safetensors instead"
-        )
-    model = cls(config)
-    from dtrain.init_from import load_state_into
-
-    load_state_into(model, state, f"the checkpoint ({config_dir.parent})")
-    model.save_pretrained(str(out))

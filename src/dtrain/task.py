@@ -116,7 +116,7 @@ class Task:
     # number: a fixed-length window's tokens, 1 for a classifier's sample. Each rank then checks
     # every batch against it, and even a process's first step knows its global count from the
     # plan. Optional: without it, the ranks agree on every step's count in its gradient sync,
-    # at no cost a step (dtrain.step).
+    # at no cost a step (dtrain.train.step).
     items_per_sample: int | None = None
     # The optimizer, instead of optim.name's: called once with the named parameters this
     # rank's optimizer updates -- of the model as the strategy holds it (FSDP's shards, a

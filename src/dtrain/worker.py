@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 
 def load_worker_config(argv: Sequence[str]) -> Config:
-    from dtrain.job import load_job_config
+    from dtrain.train.job import load_job_config
 
     path = argv[0] if argv and not argv[0].startswith("--") else None
     return load_job_config(path, list(argv[1:] if path else argv))
@@ -45,13 +45,13 @@ def load_worker_config(argv: Sequence[str]) -> Config:
 def train(cfg: Config) -> Summary | None:
     """Run training in this process, as one rank of the job the environment describes (None:
     a worker of an in-place job that the run completed without)."""
-    from dtrain import inplace_worker
     from dtrain.checkpoint.rundir import write_config_of_record
-    from dtrain.fault import inplace
-    from dtrain.job import build_trainer
+    from dtrain.dist.reachability import close_probe_listener
+    from dtrain.dist.runtime import shutdown_runtime
     from dtrain.metrics.summary import print_summary
-    from dtrain.reachability import close_probe_listener
-    from dtrain.runtime import shutdown_runtime
+    from dtrain.recovery import inplace
+    from dtrain.train import inplace_worker
+    from dtrain.train.job import build_trainer
 
     try:
         if inplace.requested():  # fault.recovery = 'inplace' under `dtrain train`
@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank = os.environ.get("RANK", "0")
     # In-place recovery: the worker's agent is its own (RANK 0 on every machine); the job
     # knows it by its member id (docs/fault-tolerance.md).
-    from dtrain.fault.membership import MEMBER_ENV  # after catch_early: it imports torch
+    from dtrain.recovery.membership import MEMBER_ENV  # after catch_early: it imports torch
 
     who = f"member {os.environ[MEMBER_ENV]}" if MEMBER_ENV in os.environ else f"rank {rank}"
     guard_console(who)  # a closed output pipe costs the output, never the run

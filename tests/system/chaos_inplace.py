@@ -113,7 +113,7 @@ def trial_inplace_sigstop(ctx: Context, index: int) -> Outcome:
 def trial_inplace_link(ctx: Context, index: int) -> Outcome:
     """Two namespace hosts, one worker each; host 1's link down for 10 s, then up: host 0
     trains on, host 1 rejoins healed (the trial of tests/test_inplace_hosts.py)."""
-    from dtrain.testing import hosts_unavailable
+    from tests.hosts import hosts_unavailable
     from tests.test_inplace_hosts import CUT_S, STEPS, TIMEOUT_S, check_cut, cut_trial
 
     out = Outcome(ok=False)

@@ -53,8 +53,8 @@ from dtrain.balance.timing import (
 from dtrain.comm.accounting import CommCounter
 from dtrain.config import Config, validate_ranks
 from dtrain.data.loader import RankLoader, StepBatch
+from dtrain.dist.runtime import Runtime
 from dtrain.fault.failpoints import failpoint
-from dtrain.runtime import Runtime
 
 Record = dict[str, Any]
 

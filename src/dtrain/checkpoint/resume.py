@@ -32,10 +32,10 @@ from dtrain.checkpoint.verify import assign, verify_pieces
 from dtrain.checkpoint.write import Checkpointer
 from dtrain.comm.plain import all_gather_json, broadcast_json
 from dtrain.config import Config
+from dtrain.dist.runtime import Runtime
 from dtrain.errors import CheckpointError, UserError
 from dtrain.fault.peer_words import PeerWords
 from dtrain.fault.watchdog import Watchdog
-from dtrain.runtime import Runtime
 
 
 @dataclass

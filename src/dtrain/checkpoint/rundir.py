@@ -17,10 +17,9 @@ from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint.hold import JOB_ID_ENV, launch_config_path, take_hold
 from dtrain.config import Config
-from dtrain.config_load import REMOVED, RENAMED
+from dtrain.config.load import REMOVED, RENAMED
 from dtrain.errors import CheckpointError, UserError
-from dtrain.fsutil import write_atomic
-from dtrain.output_folder import require_output_folder
+from dtrain.fsutil import require_output_folder, write_atomic
 
 if sys.version_info >= (3, 11):
     import tomllib

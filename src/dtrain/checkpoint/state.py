@@ -40,8 +40,8 @@ from dtrain.checkpoint.resume import ResumePoint
 from dtrain.checkpoint.rng import rng_state, set_rng_state
 from dtrain.checkpoint.write import Checkpointer
 from dtrain.config import Config
+from dtrain.dist.runtime import Runtime
 from dtrain.errors import CheckpointError
-from dtrain.runtime import Runtime
 
 
 class Stateful(Protocol):
@@ -121,7 +121,7 @@ def load(state: TrainingState, point: ResumePoint) -> bool:
             "version or start a new run"
         )
     # The parts first: one of them may refuse the checkpoint (another optimizer's, see
-    # dtrain.optim_choice) before the optimizer state is loaded into this run's.
+    # dtrain.train.optim_choice) before the optimizer state is loaded into this run's.
     for name, part in state.parts.items():
         if name in train_state:
             part.load_state_dict(train_state[name])

@@ -5,7 +5,7 @@ per step.
 The sum rides in the gradient all-reduce of the step's last bucket where the comm hook can
 carry it (:meth:`dtrain.comm.hooks.CommHook.carry`): packed as a few float32 values, exact
 integers, appended to the bucket. Otherwise it is one small all-reduce of its own
-(:meth:`StepAgreement.all_reduce`). How the trainer uses it: :mod:`dtrain.step`.
+(:meth:`StepAgreement.all_reduce`). How the trainer uses it: :mod:`dtrain.train.step`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class StepAgreement:
             raise ValueError(f"a step's item count on one rank must be in [0, 2**36): {items}")
         self.local = (items, stop)
         # fault.recovery = 'inplace': a worker waits to join, every rank leaves this
-        # membership generation after the step (dtrain.fault.inplace).
+        # membership generation after the step (dtrain.recovery.inplace).
         self.local_regroup = regroup
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.items = 0  # the sums, once agreed

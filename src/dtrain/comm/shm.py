@@ -48,8 +48,8 @@ import torch.distributed as dist
 from dtrain.comm.mean import divide_into
 from dtrain.comm.plain import all_gather_json, broadcast_json
 from dtrain.config import CommConfig
+from dtrain.dist.runtime import env_int
 from dtrain.process_exit import process_alive
-from dtrain.runtime import env_int
 
 _TOKEN_BYTES = 16
 _LINE = 64  # bytes: one arrival counter per cache line

@@ -1,7 +1,7 @@
 """Typed configuration: nested dataclasses with their ranges and help
 (:mod:`dtrain.config.sections`), and the checks across keys (:mod:`dtrain.config.checks`).
 Reading TOML files and ``--section.key=value`` overrides into a checked :class:`Config` is
-:mod:`dtrain.config_load`'s job.
+:mod:`dtrain.config.load`'s job.
 
 The whole config is loaded and validated in the parent process, before any worker starts, so a
 mistake costs the user a one-line error instead of a crashed job. Each section is a dataclass;

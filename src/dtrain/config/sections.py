@@ -1,7 +1,7 @@
 """The config's schema: one dataclass per section, each key with its default, its range or
 choices and its help, side by side -- validation, the error messages, ``dtrain config --list``
 and docs/config.md all come from these declarations. The checks across keys are
-:mod:`dtrain.config.checks`'s; reading TOML and overrides is :mod:`dtrain.config_load`'s."""
+:mod:`dtrain.config.checks`'s; reading TOML and overrides is :mod:`dtrain.config.load`'s."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _opt(
     min_exclusive: bool = False,
 ) -> Any:
     """A config field with its help text and its allowed range (checked by
-    :mod:`dtrain.config_load`)."""
+    :mod:`dtrain.config.load`)."""
     meta = {"help": help, "min": min, "max": max, "min_exclusive": min_exclusive}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)

@@ -26,7 +26,7 @@ from dtrain.data.shards import (
 )
 from dtrain.data.writer import check_replaceable
 from dtrain.errors import DataError
-from dtrain.output_folder import require_output_folder
+from dtrain.fsutil import require_output_folder
 
 Tokenizer = Callable[[str], Sequence[int]]
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst", ".text")

@@ -15,7 +15,7 @@ import os
 import socket
 from typing import Any
 
-from dtrain.network import interface_of, resolve
+from dtrain.dist.network import interface_of, resolve
 
 LOOPBACK = "127.0.0.1"
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")  # the collectives' interface
@@ -38,7 +38,7 @@ def local_address(host: str) -> str | None:
 
 def listener(address: str, port: int) -> socket.socket:
     """A listening TCP socket on ``address:port`` (port 0: a free one), ``SO_REUSEADDR`` as
-    torch's own store binds (a port held by :func:`dtrain.agent.held_port` stays usable)."""
+    torch's own store binds (a port held by :func:`dtrain.launch.agent.held_port` stays usable)."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:

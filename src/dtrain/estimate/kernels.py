@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from dtrain.precision import Precision
+from dtrain.compute.precision import Precision
 
 BYTES_PER_BF16_PRODUCT = 584 * 1024
 

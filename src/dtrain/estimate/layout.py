@@ -7,7 +7,7 @@ those of the code that lays the state out: tensor parallelism cuts a column-wise
 weight and bias along their outputs (dim 0) and a row-wise one's weight along its inputs
 (dim 1), its bias whole (:mod:`dtrain.parallel.tensor_plan`); FSDP2 cuts dim 0 of each
 (local) tensor into equal parts, padded to a multiple of the shard count; the optimizer's
-state follows :func:`dtrain.optim.build_optimizer`.
+state follows :func:`dtrain.compute.optim.build_optimizer`.
 """
 
 from __future__ import annotations

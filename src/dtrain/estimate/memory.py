@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from dtrain.compute.precision import Precision
 from dtrain.config import Config, parse_activation_checkpointing
 from dtrain.errors import UserError
 from dtrain.estimate.flat import estimate_flat
@@ -35,7 +36,6 @@ from dtrain.parallel import strategy_class
 from dtrain.parallel.composed import ComposedStrategy
 from dtrain.parallel.mesh import ParallelDims
 from dtrain.parallel.recipe import model_blocks
-from dtrain.precision import Precision
 from dtrain.task import Task
 
 

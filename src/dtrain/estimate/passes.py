@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from dtrain.compute.model_call import call_model
+from dtrain.compute.precision import Precision
 from dtrain.errors import UserError
 from dtrain.estimate.probe import (
     PassProfile,
@@ -24,9 +26,7 @@ from dtrain.estimate.probe import (
     profile_pass,
     storage_key,
 )
-from dtrain.model_call import call_model
 from dtrain.parallel.recipe import Recipe, model_blocks
-from dtrain.precision import Precision
 from dtrain.task import Task
 
 Batch = tuple[Any, Any]

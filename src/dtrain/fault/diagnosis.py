@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dtrain.dist.reachability import ADDRESS, OPEN, REFUSED, UNREACHABLE, probe, reach_key
 from dtrain.dist.sealed_store import fits
 from dtrain.fault.liveness import (
     Liveness,
@@ -25,7 +26,6 @@ from dtrain.fault.peer_failure import (
 )
 from dtrain.fault.store_client import StoreTimeout
 from dtrain.process_exit import process_alive
-from dtrain.reachability import ADDRESS, OPEN, REFUSED, UNREACHABLE, probe, reach_key
 
 
 class PeerDiagnosis:
@@ -104,7 +104,7 @@ class PeerDiagnosis:
             failed = self.failures(quick)
             beats = self.peers(quick)
         except Exception as exc:
-            from dtrain.runtime import store_hosted_by_launcher
+            from dtrain.dist.runtime import store_hosted_by_launcher
 
             first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
             why = f"({type(exc).__name__}: {first})"
@@ -176,7 +176,7 @@ class PeerDiagnosis:
         """Where ``rank``'s start-up check listens (it stays open: ``reachability.probe``)."""
         if rank not in self._addresses:
             assert self.store is not None
-            from dtrain.runtime import store_namespace
+            from dtrain.dist.runtime import store_namespace
 
             # Sealed by the rank (a stranger's address: none, warned once by the read).
             record = self.store.read(store_namespace() + reach_key(rank), seconds)

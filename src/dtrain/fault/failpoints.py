@@ -41,7 +41,7 @@ Verifying a checkpoint (:mod:`dtrain.checkpoint.verify`), before resume or a rol
     every rank, before it hashes each piece of its share; ``path`` is the file, ``index`` the
     piece's.
 
-The training loop (:mod:`dtrain.trainer`); ``step`` is the number of the step being trained
+The training loop (:mod:`dtrain.train.trainer`); ``step`` is the number of the step being trained
 (1 for the first, as ``metrics.jsonl`` counts):
 
 ``train.before_collective`` (step)

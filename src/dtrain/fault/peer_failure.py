@@ -69,8 +69,8 @@ def probe_words(
     rank_words: str, state: str, said: str, address: str, beat: Liveness, now: float, node: str
 ) -> tuple[str, bool]:
     """A silent rank on another machine, by what a probe of its address found (see
-    :func:`dtrain.reachability.probe`); with whether the network lost it."""
-    from dtrain.reachability import REFUSED, UNREACHABLE
+    :func:`dtrain.dist.reachability.probe`); with whether the network lost it."""
+    from dtrain.dist.reachability import REFUSED, UNREACHABLE
 
     if state == REFUSED:
         return (

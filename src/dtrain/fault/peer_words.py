@@ -26,9 +26,9 @@ from typing import Any, NoReturn
 
 from dtrain.comm.plain import all_gather_json
 from dtrain.dist import sealed_store
+from dtrain.dist.runtime import store_namespace
 from dtrain.fault.peer_failure import PeerFailure
 from dtrain.fault.watchdog import Watchdog
-from dtrain.runtime import store_namespace
 
 _POLL_S = (0.02, 0.25)  # the first and the longest pause between two looks at the store
 

@@ -88,7 +88,7 @@ class StoreClient:
         if self._stuck:
             host, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
             if host and port.isdigit():
-                from dtrain.reachability import OPEN, probe
+                from dtrain.dist.reachability import OPEN, probe
 
                 state, said = probe(host, int(port), min(limit, 2.0))
                 if state != OPEN:

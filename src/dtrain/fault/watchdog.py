@@ -58,6 +58,7 @@ from typing import Any
 
 from dtrain.console import say_error
 from dtrain.dist import sealed_store
+from dtrain.dist.reachability import node_label
 from dtrain.dist.sealed_store import Shape, fits, warn_once
 from dtrain.fault import oom
 from dtrain.fault.diagnosis import PeerDiagnosis
@@ -75,7 +76,6 @@ from dtrain.fault.peer_failure import (
     is_collective_failure,
 )
 from dtrain.fault.store_client import StoreClient, connect_store
-from dtrain.reachability import node_label
 
 # A beat follows a change of step or phase after at most this long (instead of waiting for the
 # next regular beat), so the store's view of a rank on another machine is rarely more than
@@ -93,7 +93,7 @@ _NO_BACKSTOP = frozenset({"done", "idle", "after_training"})
 
 
 # fault.recovery = 'inplace': the membership generation this process trains in (set per
-# generation by dtrain.fault.inplace). Its ranks' liveness records are one attempt: each
+# generation by dtrain.recovery.inplace). Its ranks' liveness records are one attempt: each
 # worker's own restart count is not.
 GENERATION_ENV = "DTRAIN_INPLACE_GENERATION"
 
@@ -112,7 +112,7 @@ def liveness_attempt() -> int:
 
 def _prefix() -> str:
     # Keys of an earlier attempt (before a restart) must not be read as this one's.
-    from dtrain.runtime import store_namespace
+    from dtrain.dist.runtime import store_namespace
 
     return store_namespace() + "watchdog/"
 

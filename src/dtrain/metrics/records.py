@@ -15,11 +15,11 @@ import torch.distributed as dist
 
 from dtrain.comm.plain import all_gather_json
 from dtrain.config import Config
+from dtrain.dist.runtime import Runtime
 from dtrain.fault.liveness import Speed
 from dtrain.metrics.hardware import describe, memory_bytes, memory_kind
 from dtrain.metrics.summary import Summary
 from dtrain.parallel.base import Strategy
-from dtrain.runtime import Runtime
 
 Record = dict[str, Any]
 

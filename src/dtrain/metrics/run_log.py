@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.config import Config
+from dtrain.dist.runtime import Runtime
 from dtrain.fault.status import RunStatus, write_status
 from dtrain.metrics import records
 from dtrain.metrics.records import Record
 from dtrain.metrics.sinks import Progress, Sinks, open_sinks
 from dtrain.metrics.summary import Summary
 from dtrain.parallel.base import ShardedState, Strategy
-from dtrain.runtime import Runtime
 
 
 class RunLog:

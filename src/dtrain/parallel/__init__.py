@@ -16,9 +16,9 @@ from __future__ import annotations
 import importlib
 
 from dtrain.config import Config
+from dtrain.dist.runtime import Runtime
 from dtrain.errors import ConfigError
 from dtrain.parallel.base import Strategy
-from dtrain.runtime import Runtime
 
 # name -> (module, class)
 _REGISTRY: dict[str, tuple[str, str]] = {

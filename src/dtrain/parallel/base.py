@@ -3,7 +3,7 @@
 A strategy wraps the model, synchronizes gradients after the step's backward, lays out the
 model's and optimizer's state in checkpoints, and gives the model for evaluation and inference.
 The trainer runs the step itself -- forward, loss and backward over the micro-batches, the same
-for every strategy (:mod:`dtrain.step`) -- and talks to a strategy only through
+for every strategy (:mod:`dtrain.train.step`) -- and talks to a strategy only through
 :class:`Strategy`; it never asks which one it has.
 
 What only some strategies can do is a capability, each a small class a strategy also derives
@@ -53,16 +53,16 @@ from dtrain.checkpoint.state import CheckpointParts
 from dtrain.comm.accounting import CommCounter
 from dtrain.comm.compression import validate_compression
 from dtrain.comm.hooks import CommHook
+from dtrain.compute.model_call import call_model
+from dtrain.compute.optim import fit_saved_groups
 from dtrain.config import CommConfig, Config, StrategyConfig, validate_for_world
+from dtrain.dist.runtime import Runtime
 from dtrain.errors import ConfigError
-from dtrain.model_call import call_model
-from dtrain.optim import fit_saved_groups
 from dtrain.parallel.grad_norm import gradient_norm, local_part
 from dtrain.parallel.materialize import is_meta_model, materialize, require_init
 from dtrain.parallel.recipe import Recipe, model_blocks
 from dtrain.parallel.skeleton import meta_copy
 from dtrain.parallel.sync_batchnorm import apply_sync_batchnorm
-from dtrain.runtime import Runtime
 from dtrain.task import Task
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -412,7 +412,7 @@ class CommHookControl(Strategy):
     bucket) -> Future[Tensor]`` (DDP's shape): the one ``comm.compression`` names, or one
     registered with :meth:`register_comm_hook`. A hook of ours (:class:`CommHook`) counts its
     bytes, may keep training state (error feedback: saved per rank, ``comm-rankNNNNN.pt``)
-    and carries the step's agreement with its last bucket (:mod:`dtrain.step`)."""
+    and carries the step's agreement with its last bucket (:mod:`dtrain.train.step`)."""
 
     comm_state: Any = None  # the hook's state (a CommHook, or what a registered hook takes)
 

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dtrain.comm.compression import build_comm_hook
 from dtrain.comm.hooks import CommHook, run_comm_hook
-from dtrain.model_call import call_model
+from dtrain.compute.model_call import call_model
 from dtrain.parallel.base import (
     BackwardSyncControl,
     CommHookControl,

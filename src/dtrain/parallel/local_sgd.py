@@ -73,11 +73,11 @@ from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint.state import CheckpointParts
 from dtrain.config import CommConfig, Config, StrategyConfig
+from dtrain.dist.runtime import Runtime
 from dtrain.errors import CheckpointError
 from dtrain.parallel.base import Strategy
 from dtrain.parallel.grad_sync import MIB, assign_buckets, average_flat, split_like
 from dtrain.parallel.recipe import Recipe
-from dtrain.runtime import Runtime
 from dtrain.task import Task
 
 OUTER_FILE = "outer.pt"  # diloco: the anchor and the outer optimizer's state (rank 0)

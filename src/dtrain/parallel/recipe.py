@@ -28,10 +28,10 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from dtrain.compute.precision import Precision
 from dtrain.config import Config, parse_activation_checkpointing
 from dtrain.errors import UserError
 from dtrain.parallel.blocks import find_blocks
-from dtrain.precision import Precision
 from dtrain.task import Task
 
 

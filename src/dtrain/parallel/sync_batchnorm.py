@@ -19,7 +19,7 @@ last batch of an epoch, token-balanced splits) give the global mean and variance
 
 The backward's all-reduce is what makes the gradients exact: each rank's loss depends on the
 other ranks' inputs through the shared statistics. With every rank's loss scaled by
-``data_parallel_size / G`` (dtrain.step), summing those gradients and letting the strategy
+``data_parallel_size / G`` (dtrain.train.step), summing those gradients and letting the strategy
 average the parameter gradients gives the gradient of one process's global mean.
 
 Each layer keeps its class and its parameter and buffer names (its ``forward`` is replaced on

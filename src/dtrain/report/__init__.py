@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from dtrain.errors import UserError
-from dtrain.output_folder import require_output_folder
+from dtrain.fsutil import require_output_folder
 from dtrain.report.read import read_runs
 
 REPORT_PAGE = "report.html"

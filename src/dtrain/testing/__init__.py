@@ -4,12 +4,9 @@
   on loopback), the multi-process test helper;
 - :mod:`~dtrain.testing.processes`: :class:`Launch`, the real ``dtrain train`` started as a user
   would, and what ``/proc`` says about its processes;
-- :mod:`~dtrain.testing.hosts`: :class:`Hosts`, several hosts on this machine (network
-  namespaces from ``scripts/hosts.sh``, links limited with ``tc``) to run commands in;
 - :mod:`~dtrain.testing.chains`: a chain of deliberately unequal layers for the stage balancer.
 """
 
-from dtrain.testing.hosts import Hosts, hosts_unavailable, leftovers
 from dtrain.testing.processes import (
     Launch,
     children_of,
@@ -24,13 +21,10 @@ from dtrain.testing.processes import (
 from dtrain.testing.ranks import RankFailed, free_port, loopback_store, run_ranks
 
 __all__ = [
-    "Hosts",
     "Launch",
     "RankFailed",
     "children_of",
     "free_port",
-    "hosts_unavailable",
-    "leftovers",
     "loopback_store",
     "metrics_records",
     "pid_alive",

@@ -28,7 +28,7 @@ _LIVE: set[Launch] = set()
 class Launch:
     """One ``python -m dtrain train CONFIG --nproc N ...``, started in ``cwd`` (the repository
     root, for a task such as ``tests.tasks:...`` to import in the workers); after
-    ``exec_prefix`` when given (``Hosts.exec_prefix(i)``: in host i, see ``testing/hosts.py``)."""
+    ``exec_prefix`` when given (``Hosts.exec_prefix(i)``: in host i, see ``tests/hosts.py``)."""
 
     def __init__(
         self,

@@ -27,7 +27,14 @@ from typing import Any
 
 _CONTEXT: Any = None
 # What the forkserver imports once, so that no rank it starts imports it again.
-PRELOADED = ["torch", "torch.distributed", "torch._dynamo", "numpy", "dtrain", "dtrain.trainer"]
+PRELOADED = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "numpy",
+    "dtrain",
+    "dtrain.train.trainer",
+]
 
 
 def _context() -> Any:

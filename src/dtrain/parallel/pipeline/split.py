@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dtrain.compute.precision import Precision
 from dtrain.errors import ConfigError
-from dtrain.precision import Precision
 
 
 def model_layers(

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from dtrain.config import CommConfig, Config, DataConfig, StrategyConfig
+from dtrain.dist.runtime import Runtime
 from dtrain.errors import ConfigError, UserError
 from dtrain.parallel.base import LockstepForward, LossFn, OwnStep, Strategy
 from dtrain.parallel.fsdp_prefetch import apply_backward_prefetch
@@ -77,7 +78,6 @@ from dtrain.parallel.recipe import Recipe
 from dtrain.parallel.sharded import MeshStrategy
 from dtrain.parallel.skeleton import ModelSkeleton, meta_copy
 from dtrain.parallel.tensor_plan import check_no_dropout, model_plan
-from dtrain.runtime import Runtime
 from dtrain.task import Task
 
 INTERLEAVED = "interleaved-1f1b"

@@ -9,7 +9,7 @@ What happens, and where each concern plugs in::
               balance.step_started()               # per-rank phase timing (balance/)
               batch = next(loader)                 # micro-batches of (inputs, targets)
               balance.data_ready(step, batch)      # data wait ends; the slowdown aid arms
-              forward_backward(batch, items, stop flag)      (dtrain.step, every strategy)
+              forward_backward(batch, items, stop flag)      (dtrain.train.step, every strategy)
                   for each micro-batch: loss_fn(model(x), y).sum().backward(scale)
                   strategy.sync_gradients()        # grads = d(global mean loss), synced;
                                                    # the ranks' agreement on the step (global
@@ -18,7 +18,7 @@ What happens, and where each concern plugs in::
                                                    # (both complete during the update)
               norm = strategy.clip_grad_norm()     # global norm: the same on every rank
               if norm is finite: optimizer.step()
-              else: skip (NaN guard, dtrain.nan_guard); after N in a row roll back to the
+              else: skip (NaN guard, dtrain.train.nan_guard); after N in a row roll back to the
                     last checkpoint and never deliver those batches again
               scheduler.step()
               strategy.after_optimizer_step(step)  # localsgd, diloco: sync every H steps
@@ -51,29 +51,29 @@ from dtrain.checkpoint import write as ckpt
 from dtrain.checkpoint.resume import ResumePoint, resolve_resume
 from dtrain.checkpoint.rng import rank_seed, seed_everything
 from dtrain.comm.agreement import StepAgreement
+from dtrain.compute.precision import LossScaler
 from dtrain.config import Config
 from dtrain.data.build import build_train_loader
 from dtrain.data.loader import RankLoader, StepBatch, split_to_device
+from dtrain.dist.runtime import Runtime, barrier
 from dtrain.errors import UserError
-from dtrain.evaluation import check_metrics, evaluate
-from dtrain.fault import inplace
 from dtrain.fault.audit import AuditWriter
 from dtrain.fault.failpoints import failpoint
 from dtrain.fault.liveness import Speed
 from dtrain.fault.preempt import PreemptionFlag
 from dtrain.fault.watchdog import Watchdog
-from dtrain.loss_contract import LossContract
 from dtrain.metrics import records
 from dtrain.metrics.run_log import RunLog
 from dtrain.metrics.summary import LossWindow, Summary
 from dtrain.metrics.tensorboard import check_available as check_tensorboard
-from dtrain.nan_guard import NanGuard
-from dtrain.optim_choice import OptimizerKinds, build_run_optimizer, build_run_scheduler
 from dtrain.parallel import build_strategy
-from dtrain.precision import LossScaler
-from dtrain.runtime import Runtime, barrier
-from dtrain.step import ForwardBackward
+from dtrain.recovery import inplace
 from dtrain.task import Task
+from dtrain.train.evaluation import check_metrics, evaluate
+from dtrain.train.loss_contract import LossContract
+from dtrain.train.nan_guard import NanGuard
+from dtrain.train.optim_choice import OptimizerKinds, build_run_optimizer, build_run_scheduler
+from dtrain.train.step import ForwardBackward
 
 
 class Trainer:
@@ -89,7 +89,7 @@ class Trainer:
         self.strategy.setup(task)
         # What the run writes: status, records to rank 0's sinks, log lines (dtrain.metrics).
         self.run_log = RunLog(cfg, runtime, self.strategy, task.item_name)
-        # The task's optimizer and schedule, or the config's (dtrain.optim_choice).
+        # The task's optimizer and schedule, or the config's (dtrain.train.optim_choice).
         self.optimizer = build_run_optimizer(task, self.strategy, cfg)
         self.scheduler = build_run_scheduler(task, self.optimizer, cfg)
         self.step_lr = float("nan")  # the learning rate the last step trained with
@@ -114,7 +114,7 @@ class Trainer:
         # Counters that are part of the training state (see state_dict).
         self.step = 0
         self.items_seen = 0
-        # fp16-mixed: the dynamic loss scale (dtrain.precision), part of the training state.
+        # fp16-mixed: the dynamic loss scale (dtrain.compute.precision), part of the training state.
         self.scaler: LossScaler | None = None
         if self.strategy.recipe.precision.scales_loss:
             self.scaler = LossScaler(
@@ -184,7 +184,7 @@ class Trainer:
         self.forward_backward = ForwardBackward(
             self.strategy, runtime.device, self.scaler, LossContract(task.count_items)
         )
-        # fault.recovery = 'inplace': set by dtrain.fault.inplace, which runs this trainer for
+        # fault.recovery = 'inplace': set by dtrain.recovery.inplace, which runs this trainer for
         # one membership generation (heals it at resume, keeps each step's start).
         self.recovery: inplace.Recovery | None = None
 
@@ -207,7 +207,7 @@ class Trainer:
             "items_seen": self.items_seen,
             "skipped_steps": self.nan_guard.skipped_steps,
             "rollbacks": self.nan_guard.rollbacks,
-            # The item count the next step's loss scale assumes (dtrain.step).
+            # The item count the next step's loss scale assumes (dtrain.train.step).
             "expected_items": self.forward_backward.expected,
         }
 
@@ -253,7 +253,7 @@ class Trainer:
             return self._fit(preempt)
         except BaseException as exc:
             if self.recovery is not None and self.recovery.recoverable(exc):
-                raise  # the survivors go on (dtrain.fault.inplace): no diagnosis to wait for
+                raise  # the survivors go on (dtrain.recovery.inplace): no diagnosis to wait for
             error = self.watchdog.on_error(exc)
             if error is exc:
                 raise

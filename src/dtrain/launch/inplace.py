@@ -2,7 +2,7 @@
 
 With one agent per worker, an agent that sees its worker die restarts that worker alone
 (``--max-restarts`` times); the others go on. The launcher hosts the job's membership store
-and its :class:`~dtrain.fault.coordinator.Coordinator`, which the workers reach at
+and its :class:`~dtrain.recovery.coordinator.Coordinator`, which the workers reach at
 ``$DTRAIN_INPLACE_COORDINATOR``. Each agent is restart mode's launch for one worker
 (:func:`run_agent`: torch's elastic agent with its own rendezvous on a free port), so restarts,
 signal forwarding and failure reports are those of restart mode.
@@ -11,7 +11,7 @@ Across machines (``--nnodes N --node-rank K``), the launcher of node 0 hosts the
 ``--rdzv-endpoint`` (one of its addresses); every machine's workers reach it there. Members
 are numbered machine by machine (node K's are ``K*nproc .. K*nproc+nproc-1``). The launcher of
 every other machine watches its own workers in /proc and posts their states to the store
-(:class:`~dtrain.fault.coordinator.NodeWatcher`), so the coordinator sees a worker killed or
+(:class:`~dtrain.recovery.coordinator.NodeWatcher`), so the coordinator sees a worker killed or
 stopped on another machine at once; a machine cut off is seen by its beats going stale. Every
 store call on those machines waits out an outage of the network (up to ``--rdzv-timeout``).
 """
@@ -28,11 +28,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
+from dtrain.dist.network import check_port_free, split_endpoint
+from dtrain.dist.reachability import NODE_ADDR_ENV
 from dtrain.dist.stores import LOOPBACK, host_store, local_address
 from dtrain.errors import UserError
-from dtrain.fault.coordinator import Coordinator, NodeWatcher
-from dtrain.fault.coordinator_link import StoreLink
-from dtrain.fault.membership import (
+from dtrain.fault.status import RunStatus, read_status
+from dtrain.launch.elastic import LaunchOptions, wait_for_rendezvous_host
+from dtrain.recovery.coordinator import Coordinator, NodeWatcher
+from dtrain.recovery.coordinator_link import StoreLink
+from dtrain.recovery.membership import (
     COORDINATOR_ENV,
     LOCAL_ENV,
     MEMBER_ENV,
@@ -44,11 +48,7 @@ from dtrain.fault.membership import (
     store_call_s,
     write_value,
 )
-from dtrain.fault.node_claim import claim_node
-from dtrain.fault.status import RunStatus, read_status
-from dtrain.launch import LaunchOptions, wait_for_rendezvous_host
-from dtrain.network import check_port_free, split_endpoint
-from dtrain.reachability import NODE_ADDR_ENV
+from dtrain.recovery.node_claim import claim_node
 
 
 def _die_with_launcher() -> None:
@@ -69,7 +69,7 @@ def agent_command(
     return [
         sys.executable,
         "-m",
-        "dtrain.launch_inplace",
+        "dtrain.launch.inplace",
         str(config_path),
         str(max_restarts),
         str(grace_s),
@@ -79,12 +79,13 @@ def agent_command(
 
 
 def run_agent(argv: Sequence[str]) -> int:
-    """``python -m dtrain.launch_inplace CONFIG MAX_RESTARTS GRACE_S TIMEOUT_S SIGNALS``: the
-    elastic launch of restart mode (:func:`dtrain.launch.launch_workers`) for one worker, with
-    its own rendezvous: its restarts, signal forwarding and failure report are restart mode's."""
+    """``python -m dtrain.launch.inplace CONFIG MAX_RESTARTS GRACE_S TIMEOUT_S SIGNALS``: the
+    elastic launch of restart mode (:func:`dtrain.launch.elastic.launch_workers`) for one
+    worker, with its own rendezvous: its restarts, signal forwarding and failure report are
+    restart mode's."""
     from dtrain.console import say_error
     from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
-    from dtrain.launch import launch_workers
+    from dtrain.launch.elastic import launch_workers
 
     config_path, restarts, grace_s, timeout_s, signals = argv
     opts = LaunchOptions(nproc=1, max_restarts=int(restarts), run_id=uuid.uuid4().hex[:12])
@@ -236,7 +237,7 @@ def join_timed_out(opts: LaunchOptions, why: str) -> str:
 def check_machines(opts: LaunchOptions, nnodes: str) -> None:
     """Before any worker starts, across machines: what in-place recovery cannot do there is
     one line each."""
-    from dtrain.launch import hosts_rendezvous
+    from dtrain.launch.elastic import hosts_rendezvous
 
     if opts.min_nodes != opts.max_nodes:
         raise UserError(

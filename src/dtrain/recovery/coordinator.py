@@ -1,7 +1,7 @@
 """The launcher's side of ``fault.recovery = 'inplace'``: the :class:`Coordinator` that forms
 membership generations (on the machine of ``--node-rank 0``), and the :class:`NodeWatcher`
 that every other machine's launcher runs to post its workers' states. The keys they read and
-write, and the rules, are described in :mod:`dtrain.fault.membership`, which holds the
+write, and the rules, are described in :mod:`dtrain.recovery.membership`, which holds the
 worker's side."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtrain.dist.sealed_store import Opener, warn_once
-from dtrain.fault.coordinator_link import StoreLink, StoreUnreachable
-from dtrain.fault.membership import (
+from dtrain.recovery.coordinator_link import StoreLink, StoreUnreachable
+from dtrain.recovery.membership import (
     INFO,
     POLL_S,
     PREFIX,
@@ -27,7 +27,7 @@ from dtrain.fault.membership import (
     read_text,
     write_value,
 )
-from dtrain.fault.node_claim import BUMP_S, alive_key
+from dtrain.recovery.node_claim import BUMP_S, alive_key
 
 NOTICE_S = 15.0  # the workers of machines started together ask to join well within this
 
@@ -103,7 +103,7 @@ class NodeWatcher(PollingThread):
     Its store calls wait out an outage of the network (:class:`StoreLink`, never giving up:
     the launcher must not end because its machine was cut off for a while). With ``node``,
     it also adds to that rank's liveness counter, which holds this launcher's claim on it
-    (:mod:`dtrain.fault.node_claim`)."""
+    (:mod:`dtrain.recovery.node_claim`)."""
 
     def __init__(self, link: StoreLink, members: Iterable[int], node: int | None = None) -> None:
         self.link = link
@@ -285,7 +285,7 @@ class Coordinator(PollingThread):
             cut_off = self._silent_machines(alive, snap)
             cut = {"gen": self.number, "members": cut_off}
             if cut_off and cut != self._cut:
-                # The others shut down their connections to those machines (dtrain.fault.sever)
+                # The others shut down their connections to those machines (dtrain.recovery.sever)
                 # instead of waiting out the collective timeout.
                 write_value(self.store, "cut", cut)
                 self._cut = cut

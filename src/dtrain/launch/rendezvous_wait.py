@@ -23,9 +23,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from dtrain.dist.network import split_endpoint
 from dtrain.dist.secret import JobSecret
 from dtrain.errors import UserError
-from dtrain.network import split_endpoint
 
 NOTICE_AFTER_S = 5.0  # a rendezvous of machines started together completes well within this
 SHAPE_KEY = "dtrain/launch/shape"  # in the rendezvous store: the hosting launcher's job shape

@@ -6,9 +6,10 @@ strategy's checkpoint at any world size, in one process.
 checkpoint folder. The names are the model's own (``transformer.h.0.attn.c_attn.weight``);
 tensors keep their dtype. ``safetensors`` and ``torch`` write a state dict into the file
 ``OUT``; ``hf`` writes the folder ``OUT`` from the Hugging Face config the run saved
-(``RUN_DIR/hf_config``, :mod:`dtrain.model_config`) with the model's own ``save_pretrained``.
-``OUT`` is written whole or not at all (beside it, then renamed), its modes as the user's umask
-makes them (as the run folder's); the run folder is only read.
+(``RUN_DIR/hf_config``, :mod:`dtrain.weights.model_config`) with the model's own
+``save_pretrained`` (:func:`write_pretrained`). ``OUT`` is written whole or not at all (beside
+it, then renamed), its modes as the user's umask makes them (as the run folder's); the run
+folder is only read.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from dtrain.checkpoint.consolidate import Consolidated, consolidate, find_checkpoint
 from dtrain.errors import UserError
-from dtrain.fsutil import follow_umask, fsync_dir
-from dtrain.model_config import hf_config_dir
-from dtrain.output_folder import require_output_folder
+from dtrain.fsutil import follow_umask, fsync_dir, require_output_folder
+from dtrain.weights.model_config import hf_config_dir
 
 FORMATS = ("safetensors", "torch", "hf")
 
@@ -55,8 +56,6 @@ def export(
         elif fmt == "torch":
             torch.save(model.state, partial)
         else:
-            from dtrain.hf import write_pretrained
-
             write_pretrained(model.state, config_dir, partial)
         # Before the rename, so that OUT never shows the writer's own modes (safetensors:
         # 0600 whatever the umask; save_pretrained's folder holds such a file too).
@@ -88,3 +87,36 @@ def write_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
         tensors[name] = tensor.contiguous() if storage not in seen else tensor.clone()
         seen.add(storage)
     save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+# -- folders from_pretrained loads -------------------------------------------------------------
+
+
+def require_transformers(what: str) -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise UserError(
+            f"{what} needs Hugging Face transformers: pip install 'dtrain[hf]'"
+        ) from None
+    return transformers
+
+
+def write_pretrained(state: dict[str, torch.Tensor], config_dir: Path, out: Path) -> None:
+    """Write ``state`` as a folder ``from_pretrained`` loads: the model class named in
+    ``config_dir/config.json`` (``architectures``) is built from that config, given the
+    weights (every key must fit), and saved with its own ``save_pretrained``."""
+    transformers = require_transformers("--format hf")
+    config = transformers.AutoConfig.from_pretrained(str(config_dir))
+    names = list(getattr(config, "architectures", None) or [])
+    cls = getattr(transformers, names[0], None) if names else None
+    if cls is None:
+        raise UserError(
+            f"{config_dir / 'config.json'} names no model class transformers has "
+            f"(architectures = {names}); export --format safetensors instead"
+        )
+    model = cls(config)
+    from dtrain.weights.init_from import load_state_into
+
+    load_state_into(model, state, f"the checkpoint ({config_dir.parent})")
+    model.save_pretrained(str(out))

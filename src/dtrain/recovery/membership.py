@@ -1,10 +1,10 @@
 """Membership generations for ``fault.recovery = 'inplace'``: who trains together, numbered.
 
 The launcher hosts a key-value store (a TCPStore) that outlives every worker and runs the
-:class:`~dtrain.fault.coordinator.Coordinator` beside it; each worker is a :class:`Member`
+:class:`~dtrain.recovery.coordinator.Coordinator` beside it; each worker is a :class:`Member`
 with a fixed id (0 .. N-1) that a restart of it keeps. A generation is a numbered, sorted list
 of member ids; a member's rank in it is its place in the list. Every generation builds its own
-process group on the store under ``inplace/gen<g>/`` (:mod:`dtrain.fault.inplace`).
+process group on the store under ``inplace/gen<g>/`` (:mod:`dtrain.recovery.inplace`).
 
 Keys (all under ``inplace/``)::
 
@@ -23,7 +23,7 @@ Keys (all under ``inplace/``)::
     stopped            why the job stops (fewer members than fault.min_replicas): a worker
                        waiting to join exits
     cut                {"gen", "members"}: the members of machines fallen silent in ``gen``
-    node/<k>/launcher  the launcher that holds --node-rank k (:mod:`dtrain.fault.node_claim`)
+    node/<k>/launcher  the launcher that holds --node-rank k (:mod:`dtrain.recovery.node_claim`)
     node/<k>/alive     a counter that launcher adds to while it lives
 
 Every value but the counters is sealed with the job's secret under its full key
@@ -39,7 +39,7 @@ the launcher of every other machine reads /proc for its own and posts ``member/<
 when its beats stop for ``stale_s`` (a machine cut off: nothing it posts arrives), or when it
 has not asked within ``hang_s`` of the first member that did (it is stuck, and will come back
 as a joiner). Across machines, a member's and a launcher's store calls ride through an outage
-of the network (:mod:`dtrain.fault.coordinator_link`).
+of the network (:mod:`dtrain.recovery.coordinator_link`).
 
 A regroup that would leave fewer than ``min_members`` (``fault.min_replicas``) forms one last
 generation with a ``stop`` reason: its members heal, save a checkpoint and end; the
@@ -60,9 +60,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtrain.dist import sealed_store
+from dtrain.dist.reachability import NODE_ADDR_ENV
 from dtrain.dist.sealed_store import Opener, Shape
-from dtrain.fault.coordinator_link import StoreLink, StoreUnreachable
-from dtrain.reachability import NODE_ADDR_ENV
+from dtrain.recovery.coordinator_link import StoreLink, StoreUnreachable
 
 PREFIX = "inplace/"
 BEAT_S = 0.1  # a member's heartbeat period

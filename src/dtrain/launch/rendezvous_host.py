@@ -18,8 +18,8 @@ import ipaddress
 import signal
 import sys
 
+from dtrain.dist.network import default_route_interface, interface_addresses, interface_names
 from dtrain.errors import UserError
-from dtrain.network import default_route_interface, interface_addresses, interface_names
 
 
 def default_address() -> str:

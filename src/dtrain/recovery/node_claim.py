@@ -6,7 +6,7 @@ overwriting the other's registration, while the machine nobody was given is wait
 launcher of every machine but node 0 (which hosts the store: a second one cannot hold its
 endpoint) claims its rank in the store before any worker starts.
 
-A claim is held while its launcher lives: the launcher's :class:`~dtrain.fault.coordinator.
+A claim is held while its launcher lives: the launcher's :class:`~dtrain.recovery.coordinator.
 NodeWatcher` adds to the rank's counter (``node/<k>/alive``) every ``BUMP_S``. A launcher that
 finds the rank claimed watches the counter for ``QUIET_S``: if it moved, another launcher runs
 that rank (one line, exit 2); if not, the holder has ended -- a machine whose launcher is
@@ -28,8 +28,8 @@ from typing import Any
 
 from dtrain.dist import sealed_store
 from dtrain.errors import UserError
-from dtrain.fault.coordinator_link import StoreLink
-from dtrain.fault.membership import PREFIX
+from dtrain.recovery.coordinator_link import StoreLink
+from dtrain.recovery.membership import PREFIX
 
 BUMP_S = 0.5  # how often a live launcher adds to its rank's counter
 QUIET_S = 4 * BUMP_S  # a counter still this long: its launcher has ended

@@ -18,13 +18,13 @@ import torch
 from dtrain.checkpoint import state as training_state
 from dtrain.checkpoint.resume import rollback_point
 from dtrain.checkpoint.write import Checkpointer
+from dtrain.compute.precision import LossScaler
 from dtrain.config import Config
 from dtrain.data.loader import RankLoader, StepBatch
+from dtrain.dist.runtime import Runtime
 from dtrain.fault.watchdog import Watchdog
 from dtrain.metrics.run_log import RunLog
 from dtrain.parallel.base import Strategy
-from dtrain.precision import LossScaler
-from dtrain.runtime import Runtime
 
 
 class NanGuard:

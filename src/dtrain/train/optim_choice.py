@@ -1,7 +1,7 @@
 """Which optimizer and learning-rate schedule a run trains with: the task's own
 (``Task.build_optimizer``, ``Task.build_scheduler``), checked against what the strategy holds,
-or the config's (:mod:`dtrain.optim`); and the kinds a checkpoint records, so that a run never
-loads the state of another optimizer or schedule into its own."""
+or the config's (:mod:`dtrain.compute.optim`); and the kinds a checkpoint records, so that a
+run never loads the state of another optimizer or schedule into its own."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
+from dtrain.compute.optim import build_optimizer, build_scheduler
 from dtrain.config import Config
 from dtrain.errors import CheckpointError, UserError
-from dtrain.optim import build_optimizer, build_scheduler
 from dtrain.parallel.base import Strategy
 from dtrain.task import Task
 
@@ -72,6 +72,11 @@ def kind_of(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
+# dtrain's own classes under the names a checkpoint written before they moved records: the
+# same class, so its state loads (dtrain/optim.py became dtrain/compute/optim.py).
+MOVED_KINDS = {"dtrain.optim.Schedule": "dtrain.compute.optim.Schedule"}
+
+
 class OptimizerKinds:
     """A training-state part: the classes of the optimizer and the schedule. Loaded before
     their states (:func:`dtrain.checkpoint.state.load`), so that a checkpoint of another
@@ -87,6 +92,7 @@ class OptimizerKinds:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for part, mine in self.kinds.items():
             theirs = state.get(part)
+            theirs = MOVED_KINDS.get(theirs, theirs) if isinstance(theirs, str) else theirs
             if theirs is not None and theirs != mine:
                 raise CheckpointError(
                     f"the checkpoint holds the state of a {theirs} {part}, this run trains with "

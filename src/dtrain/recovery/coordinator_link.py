@@ -23,9 +23,9 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from dtrain.dist.reachability import OPEN, REFUSED, probe
 from dtrain.errors import UserError
 from dtrain.fault.store_client import bounded
-from dtrain.reachability import OPEN, REFUSED, probe
 
 T = TypeVar("T")
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from dtrain.config import DistConfig
 from dtrain.errors import ConfigError
-from dtrain.reachability import (
+from dtrain.dist.reachability import (
     REACH,
     check_store,
     close_probe_listener,
@@ -105,7 +105,7 @@ def store_hosted_by_launcher() -> bool:
 
 
 # Set by a worker of fault.recovery = 'inplace' for each membership generation (its store is
-# the launcher's coordinator, which outlives every generation; dtrain.fault.inplace).
+# the launcher's coordinator, which outlives every generation; dtrain.recovery.inplace).
 NAMESPACE_ENV = "DTRAIN_STORE_NAMESPACE"
 
 
@@ -117,7 +117,7 @@ def store_namespace() -> str:
     that a restarted attempt reads as its own, and its gloo mesh then tries to connect to the
     dead processes of the attempt before ("Connection refused"). There, every restart attempt
     gets its own prefix. ``dtrain train`` has the workers host a fresh store every round
-    instead (see launch.py), where no prefix is needed -- and where one would be wrong: the
+    instead (see launch/elastic.py), where no prefix is needed -- and where one would be wrong: the
     restart count is per machine, and a machine that joins later counts from 0.
     """
     if os.environ.get(NAMESPACE_ENV):

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from dtrain.checkpoint.rundir import flatten
 from dtrain.comm.plain import all_gather_json
 from dtrain.config import Config
+from dtrain.dist.runtime import Runtime
 from dtrain.errors import ConfigError
-from dtrain.runtime import Runtime
 
 # Where each machine reaches the shared run folder (a shared disk may be mounted at another
 # path on each) and each machine's own loader settings.

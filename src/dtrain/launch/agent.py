@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from dtrain.dist.network import split_endpoint
 from dtrain.dist.stores import LOOPBACK
-from dtrain.network import split_endpoint
-from dtrain.rendezvous_wait import announce_waits
+from dtrain.launch.rendezvous_wait import announce_waits
 
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
@@ -87,7 +87,7 @@ def run_agent(
     torch's local elastic agent, as ``torch.distributed.launcher.elastic_launch`` does, with
     the workers' store at ``store_port`` (None: the port torch's rendezvous picks).
     ``waiting_words``: said once when a rendezvous still waits for the other machines after a
-    few seconds (dtrain.rendezvous_wait; "": nothing). ``before_run``: called once the
+    few seconds (dtrain.launch.rendezvous_wait; "": nothing). ``before_run``: called once the
     rendezvous handler (and, on the machine that hosts it, its store) exists, before any
     worker starts. ``secret`` seals the rendezvous state (:mod:`dtrain.dist.rendezvous`).
     With a ``store_port`` (one machine) the workers' store is at 127.0.0.1.
@@ -133,7 +133,7 @@ def run_agent(
         local_addr=config.local_addr,
         numa_options=config.numa_options,
     )
-    # Set by LaunchConfig itself (its logs) and by dtrain.launch (the grace before SIGKILL).
+    # Set by LaunchConfig itself (its logs) and by dtrain.launch.elastic (the grace before SIGKILL).
     assert config.logs_specs is not None and config.shutdown_timeout is not None
     agent = LocalElasticAgent(
         spec=spec,

@@ -4,7 +4,7 @@ On gloo, a rank killed outright makes the collectives of the ranks that exchange
 fail within milliseconds (its machine closes its sockets). A rank that was waiting on one of
 those survivors instead -- in gloo's ring, any rank not next to the dead one -- would wait out
 the whole collective timeout: the survivor has left the generation, but its sockets stay open,
-because its process groups cannot be freed yet (:class:`dtrain.fault.inplace.Retired`).
+because its process groups cannot be freed yet (:class:`dtrain.recovery.inplace.Retired`).
 
 So a rank that leaves a generation after a failed collective shuts down (``shutdown(2)``, not
 ``close``: the descriptors stay gloo's, freed with their group) every TCP connection that the

@@ -1,5 +1,5 @@
 """A worker under ``fault.recovery = 'inplace'``: the process's loop across membership
-generations (:mod:`dtrain.fault.inplace` holds what one generation's trainer needs to leave,
+generations (:mod:`dtrain.recovery.inplace` holds what one generation's trainer needs to leave,
 heal and go on). It sits above the trainer and the job, as :mod:`dtrain.worker` does, which
 calls it."""
 
@@ -13,7 +13,14 @@ import sys
 from dtrain.checkpoint.layout import committed_steps, step_dir_name
 from dtrain.checkpoint.rundir import write_config_of_record
 from dtrain.config import Config
-from dtrain.fault.inplace import (
+from dtrain.dist.runtime import barrier
+from dtrain.fault.peer_failure import collective_cause
+from dtrain.fault.preempt import early_signal
+from dtrain.fault.status import RunStatus, write_status
+from dtrain.metrics import records
+from dtrain.metrics.sinks import JsonlSink
+from dtrain.metrics.summary import Summary, print_summary
+from dtrain.recovery.inplace import (
     HeldState,
     Recovery,
     Regroup,
@@ -21,7 +28,7 @@ from dtrain.fault.inplace import (
     generation_runtime,
     leave,
 )
-from dtrain.fault.membership import (
+from dtrain.recovery.membership import (
     COORDINATOR_ENV,
     LOCAL_ENV,
     MEMBER_ENV,
@@ -30,15 +37,8 @@ from dtrain.fault.membership import (
     STALE_S,
     Member,
 )
-from dtrain.fault.peer_failure import collective_cause
-from dtrain.fault.preempt import early_signal
-from dtrain.fault.status import RunStatus, write_status
-from dtrain.job import build_trainer_on
-from dtrain.metrics import records
-from dtrain.metrics.sinks import JsonlSink
-from dtrain.metrics.summary import Summary, print_summary
-from dtrain.runtime import barrier
-from dtrain.trainer import Trainer
+from dtrain.train.job import build_trainer_on
+from dtrain.train.trainer import Trainer
 
 
 def _say(text: str) -> None:

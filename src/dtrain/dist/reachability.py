@@ -6,7 +6,7 @@ Without it, a job whose machines were given addresses they cannot use hangs in
 classic case: rank 0's machine advertises its hostname, which resolves to 127.0.0.1 there
 (``torchrun`` without ``--local-addr``), and every other machine's workers try ``localhost``.
 
-What is checked, in :func:`dtrain.runtime.init_runtime`, before ``init_process_group``:
+What is checked, in :func:`dtrain.dist.runtime.init_runtime`, before ``init_process_group``:
 
 1. **The job's store** (``MASTER_ADDR:MASTER_PORT``; rank 0 hosts it under ``dtrain train``,
    torch's agent under plain ``torchrun``). A name that does not resolve fails at once, and so
@@ -54,7 +54,7 @@ from dtrain.dist import sealed_store
 from dtrain.dist.sealed_store import Shape
 from dtrain.dist.stores import host_store, local_address
 from dtrain.errors import UserError
-from dtrain.network import interface_addresses, is_loopback, resolve
+from dtrain.dist.network import interface_addresses, is_loopback, resolve
 
 # Set by ``dtrain train`` for its workers: the address this node advertises to the others.
 NODE_ADDR_ENV = "DTRAIN_NODE_ADDR"
@@ -254,7 +254,7 @@ ADDRESS: Shape = {"addr": str, "port": int, "host": str}  # a rank's published r
 
 def reach_key(rank: int) -> str:
     """Where, in the job's store, a rank's start-up check published its address (under
-    :func:`dtrain.runtime.store_namespace`, as ``peers_checked``'s prefix store wrote it)."""
+    :func:`dtrain.dist.runtime.store_namespace`, as ``peers_checked``'s prefix store wrote it)."""
     return _in_store("", str(rank))
 
 

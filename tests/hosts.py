@@ -29,7 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "hosts.sh"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "hosts.sh"
 SUBNET = "10.77.0"
 
 _probed: dict[str, str | None] = {}

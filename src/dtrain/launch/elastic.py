@@ -17,15 +17,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtrain.agent import held_port, run_agent
-from dtrain.dist.secret import launcher_secret
-from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
-from dtrain.fault.error_log import LOGS_DIR
-from dtrain.fault.membership import MEMBER_ENV
-from dtrain.fault.preempt import signals_to_forward
-from dtrain.fault.status import read_status
-from dtrain.network import check_port_free, choose_node_network, interface_of_host, split_endpoint
-from dtrain.reachability import (
+from dtrain.dist.network import (
+    check_port_free,
+    choose_node_network,
+    interface_of_host,
+    split_endpoint,
+)
+from dtrain.dist.reachability import (
     NODE_ADDR_ENV,
     REFUSED,
     UNREACHABLE,
@@ -33,8 +31,15 @@ from dtrain.reachability import (
     probe,
     wait_for_endpoint,
 )
-from dtrain.rendezvous_wait import share_shape, timed_out_words, waiting_words
-from dtrain.runtime import available_cores
+from dtrain.dist.runtime import available_cores
+from dtrain.dist.secret import launcher_secret
+from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
+from dtrain.fault.error_log import LOGS_DIR
+from dtrain.fault.preempt import signals_to_forward
+from dtrain.fault.status import read_status
+from dtrain.launch.agent import held_port, run_agent
+from dtrain.launch.rendezvous_wait import share_shape, timed_out_words, waiting_words
+from dtrain.recovery.membership import MEMBER_ENV
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,7 @@ class LaunchOptions:
     max_restarts: int = 0
     run_id: str = ""
     rdzv_timeout_s: int = 900
-    # The address this node advertises and the interface of its collectives (network.py).
+    # The address this node advertises and the interface of its collectives (dist/network.py).
     local_addr: str | None = None
     iface: str = ""
 
@@ -198,10 +203,10 @@ def launch_workers(
     # later; in torch 2.13 the c10d rendezvous's shared store breaks that: the node that was
     # rank 0 before keeps its old bootstrap address and never publishes one for the new
     # round, and the joining node waits for it until the rendezvous times out. (2) A fresh
-    # store per round can hold no stale keys of an earlier attempt (see runtime.py).
+    # store per round can hold no stale keys of an earlier attempt (see dist/runtime.py).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # The workers' network: the interface of their collectives, and this node's advertised
-    # address for their start-up check (reachability.py).
+    # address for their start-up check (dist/reachability.py).
     if opts.iface:
         os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = opts.iface
     if opts.local_addr:
@@ -217,7 +222,7 @@ def launch_workers(
     worker_args = ("-u", "-m", "dtrain.worker", str(config_path))
     try:
         if standalone:
-            # Held from now until every attempt has ended: see dtrain.agent.
+            # Held from now until every attempt has ended: see dtrain.launch.agent.
             with held_port() as store_port:
                 run_agent(config, worker_args, store_port, secret)
         else:

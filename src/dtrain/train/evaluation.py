@@ -21,9 +21,9 @@ import torch
 
 from dtrain.data.loader import eval_batches, split_to_device, to_device
 from dtrain.errors import UserError
-from dtrain.loss_contract import LossContract
 from dtrain.parallel.base import LockstepForward, LossFn, Strategy
 from dtrain.task import Task
+from dtrain.train.loss_contract import LossContract
 
 # What a metric may not be called: the eval record's own fields are val_loss and val_items.
 RESERVED_METRICS = ("loss", "items")

@@ -26,8 +26,8 @@ A process's first step with no count to assume agrees on it before the forward i
     gradients *= expected / G  where G != expected   # the gradient of the global mean
 
 Under ``train.precision`` the forward and the loss run in the strategy's autocast context
-(:mod:`dtrain.precision`); under fp16-mixed the scale is also multiplied by the loss scaler's
-power of two, and the rescale divides it out again (exactly) before clipping.
+(:mod:`dtrain.compute.precision`); under fp16-mixed the scale is also multiplied by the loss
+scaler's power of two, and the rescale divides it out again (exactly) before clipping.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from typing import Any
 import torch
 
 from dtrain.comm.agreement import StepAgreement
-from dtrain.loss_contract import LossContract
-from dtrain.model_call import call_model
+from dtrain.compute.model_call import call_model
+from dtrain.compute.precision import LossScaler
 from dtrain.parallel.base import (
     BackwardSyncControl,
     CommHookControl,
@@ -49,7 +49,7 @@ from dtrain.parallel.base import (
     Strategy,
 )
 from dtrain.parallel.grad_norm import local_part
-from dtrain.precision import LossScaler
+from dtrain.train.loss_contract import LossContract
 
 
 class LossScale:
@@ -113,7 +113,7 @@ class ForwardBackward:
         self.strategy = strategy
         self.device = device
         self.scaler = scaler  # fp16-mixed: the loss is scaled by scaler.scale, then unscaled
-        self.contract = contract  # checks every call of the loss (dtrain.loss_contract)
+        self.contract = contract  # checks every call of the loss (dtrain.train.loss_contract)
         self.expected: int | None = None
         self.loss_scale = LossScale(device)
         self._first = True

@@ -28,13 +28,13 @@ import torch.distributed as dist
 from dtrain.checkpoint.rng import seed_everything
 from dtrain.comm.plain import broadcast_json
 from dtrain.config import Config
-from dtrain.config_agreement import agree_on_config
-from dtrain.config_load import apply_overrides, build_config, read_toml
-from dtrain.init_from import init_model
-from dtrain.model_config import save_model_config
-from dtrain.runtime import Runtime, init_runtime
+from dtrain.config.load import apply_overrides, build_config, read_toml
+from dtrain.dist.runtime import Runtime, init_runtime
 from dtrain.task import build_task, resolve_task, task_config_class
-from dtrain.trainer import Trainer
+from dtrain.train.config_agreement import agree_on_config
+from dtrain.train.trainer import Trainer
+from dtrain.weights.init_from import init_model
+from dtrain.weights.model_config import save_model_config
 
 RUNS_DIR = "runs"
 
@@ -83,7 +83,7 @@ def build_trainer(cfg: Config) -> Trainer:
 
 def build_trainer_on(cfg: Config, runtime: Runtime) -> Trainer:
     """The task and its trainer in a process group that is up (``fault.recovery = 'inplace'``
-    builds one per membership generation, dtrain.fault.inplace)."""
+    builds one per membership generation, dtrain.recovery.inplace)."""
     agree_on_config(cfg, runtime)  # one job, one config, whichever machine a rank is on
     factory = resolve_task(cfg.run.task)
     seed_everything(cfg.run.seed)

@@ -2,7 +2,7 @@
 
 Each worker runs :func:`train_in_place` instead of one plain training run::
 
-    member = register with the launcher's coordinator (dtrain.fault.membership)
+    member = register with the launcher's coordinator (dtrain.recovery.membership)
     loop:
         generation = wait for one that holds this member
         process group of the generation (destroy the old one, init on inplace/gen<g>/pg)
@@ -43,20 +43,26 @@ import torch.distributed as dist
 
 from dtrain.comm.plain import all_gather_json
 from dtrain.config import DistConfig
-from dtrain.fault.handover import recv_state, send_state
-from dtrain.fault.membership import (
+from dtrain.dist.runtime import (
+    NAMESPACE_ENV,
+    Runtime,
+    choose_backend,
+    choose_device,
+    threads_per_worker,
+)
+from dtrain.fault.peer_failure import is_collective_failure
+from dtrain.fault.watchdog import GENERATION_ENV
+from dtrain.recovery.handover import recv_state, send_state
+from dtrain.recovery.membership import (
     COORDINATOR_ENV,
     Generation,
     Member,
 )
-from dtrain.fault.peer_failure import is_collective_failure
-from dtrain.fault.sever import GenerationLinks
-from dtrain.fault.watchdog import GENERATION_ENV
-from dtrain.runtime import NAMESPACE_ENV, Runtime, choose_backend, choose_device, threads_per_worker
+from dtrain.recovery.sever import GenerationLinks
 
 
 class Trainer(Protocol):
-    """What recovery reads and sets of a generation's trainer (``dtrain.trainer.Trainer``,
+    """What recovery reads and sets of a generation's trainer (``dtrain.train.trainer.Trainer``,
     not imported: the trainer imports this module)."""
 
     step: int
@@ -107,7 +113,7 @@ class Recovery:
         self._boundary: tuple[int, dict[str, Any], dict[str, torch.Tensor]] | None = None
         self._buffer_names: list[str] | None = None
         # The connections this generation's process groups open to the other members (made
-        # before they are: dtrain.fault.sever), and those members' processes.
+        # before they are: dtrain.recovery.sever), and those members' processes.
         self.links = GenerationLinks()
         others = [m for m in generation.members if m != member.id]
         self._peers = member.pids(others) if others else []
@@ -151,7 +157,7 @@ class Recovery:
     def sever(self) -> int:
         """After a failed collective: shut down this generation's connections to the other
         members, so that a peer blocked on this rank fails at once instead of at its timeout
-        (:mod:`dtrain.fault.sever`); how many were shut down."""
+        (:mod:`dtrain.recovery.sever`); how many were shut down."""
         return self.links.sever(self._peers)
 
     def _cut_off(self, generation: int, cut: list[int], addresses: dict[int, str]) -> None:
@@ -206,7 +212,7 @@ class Recovery:
         # A rank that holds the source's generation and step holds its state: data-parallel
         # replicas are equal bit for bit, and so are the parts (the data position, schedule,
         # counters: global). Only the others -- a joiner, a worker back from a hang, a rank
-        # behind by a step -- receive it, tensor by tensor (dtrain.fault.handover).
+        # behind by a step -- receive it, tensor by tensor (dtrain.recovery.handover).
         behind = [r for r in range(world) if ranks[r] != ranks[source]]
         device = trainer.runtime.device
         if rank == source:

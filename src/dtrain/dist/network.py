@@ -2,7 +2,7 @@
 
 The launcher uses them to choose the address a node advertises to the others (``--local-addr``)
 and the interface its collectives use (``--iface``); the workers' start-up check
-(:mod:`dtrain.reachability`) to know the address their collectives will listen on. Nothing
+(:mod:`dtrain.dist.reachability`) to know the address their collectives will listen on. Nothing
 here sends a packet: routes are looked up with an unconnected UDP socket's ``connect``, which
 only consults the routing table. Linux is read through ``ioctl`` and ``/proc``; elsewhere the
 functions answer "unknown" (an empty list, None) and the callers fall back to torch's defaults.
