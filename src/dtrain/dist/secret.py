@@ -12,7 +12,7 @@ Where the secret comes from:
   workers in their environment (which only this user and root can read).
 A job across machines needs the same secret on every machine: one that is missing is one
 line before any worker starts; one that differs from the rendezvous host's, too
-(:func:`dtrain.dist.signed_rendezvous.check_secret`).
+(:func:`dtrain.dist.rendezvous.check_secret`).
 """
 
 from __future__ import annotations
