@@ -137,8 +137,9 @@ def test_export_of_every_replicated_and_tensor_layout(tmp_path: Path) -> None:
         checkpoint={"every": 3, "keep_last": 3},
     )
     results = run_ranks(train_each, 2, [tensor, local, diloco])[0]
-    export(tmp_path / "tensor", tmp_path / "tensor.pt", "--format", "torch")
-    state = torch.load(tmp_path / "tensor.pt", weights_only=True)
+    # An output name without a dot (torch's own writer refused the temporary ".tmp-tensor-PID").
+    export(tmp_path / "tensor", tmp_path / "tensor-weights", "--format", "torch")
+    state = torch.load(tmp_path / "tensor-weights", weights_only=True)
     assert state.keys() == results[0]["params"].keys()
     for key, value in results[0]["params"].items():
         assert np.array_equal(state[key].numpy(), value), key

@@ -54,7 +54,10 @@ def export(
         if fmt == "safetensors":
             write_safetensors(model.state, partial)
         elif fmt == "torch":
-            torch.save(model.state, partial)
+            # Through a file object: given a path, torch names the archive inside after the
+            # file's name up to its first dot, and refuses ".tmp-NAME" (nothing before it).
+            with open(partial, "wb") as fh:
+                torch.save(model.state, fh)
         else:
             write_pretrained(model.state, config_dir, partial)
         # Before the rename, so that OUT never shows the writer's own modes (safetensors:
