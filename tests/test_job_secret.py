@@ -33,7 +33,7 @@ from dtrain.dist.secret import (
 )
 from dtrain.dist.stores import host_store
 from dtrain.errors import UserError
-from dtrain.testing.processes import Launch, metrics_records
+from dtrain.testing.processes import Launch, children_of, metrics_records
 from tests.conftest import REPO, tiny_config
 
 SECRET = JobSecret(b"the job's secret, for the tests")
@@ -182,19 +182,22 @@ def final_loss(run_dir: Path) -> float:
     return [r for r in metrics_records(run_dir) if r.get("kind") == "train"][-1]["loss"]
 
 
-def test_a_stranger_cannot_steer_a_single_machine_job(tmp_path: Path) -> None:
-    """The job's sockets are all on loopback; a stranger on the machine who writes a pickle
-    into its rendezvous store runs no code, and the job trains as an untouched one does."""
+@pytest.mark.parametrize("recovery", ["restart", "inplace"])
+def test_a_stranger_cannot_steer_a_single_machine_job(tmp_path: Path, recovery: str) -> None:
+    """The job's sockets are all on loopback; a stranger on the machine who writes into the
+    store its launcher hosts (torch's rendezvous; in place, the membership store) runs no code
+    and steers nothing, and the job trains as an untouched one does."""
     runs = {name: tmp_path / f"{name}-run" for name in ("untouched", "attacked")}
     launches = {}
     for name, run_dir in runs.items():
         config = tmp_path / f"{name}.toml"
-        config.write_text(tiny_config(run_dir, train={"steps": 40}).to_toml())
+        cfg = tiny_config(run_dir, train={"steps": 40}, fault={"recovery": recovery})
+        config.write_text(cfg.to_toml())
         launches[name] = Launch(config, 2, "--run-id", name, cwd=REPO)
     attacked = launches["attacked"]
     marker = tmp_path / "marker"
     deadline = time.monotonic() + 60
-    while not listening({attacked.pid}):  # the launcher's rendezvous store, once it is up
+    while not listening({attacked.pid}):  # the store the launcher hosts, once it is up
         assert attacked.alive() and time.monotonic() < deadline, attacked.text()[-3000:]
         time.sleep(0.05)
     for address in listening({attacked.pid}):
@@ -204,16 +207,22 @@ def test_a_stranger_cannot_steer_a_single_machine_job(tmp_path: Path) -> None:
         stranger.set("torch.rendezvous.attacked", base64.b64encode(planted))  # torch's own form
         # The state's own key, as only one who reads the job's traffic (or has the secret) finds.
         stranger.set(state_key(JOB_SECRET, "attacked"), planted)
+        # In-place recovery's: a stop, the end of the job, a member gone.
+        stranger.set("inplace/stopped", b'{"reason": "a stranger says stop"}')
+        stranger.set("inplace/done", b"true")
+        stranger.set("inplace/member/1/state", b'{"state": "down"}')
     sockets: set[str] = set()
     while attacked.alive():  # every socket the job listens on, as they come and go
-        sockets.update(listening({attacked.pid, *attacked.workers()}))
+        sockets.update(listening({attacked.pid, *children_of(attacked.pid)}))
         time.sleep(0.05)
     codes = {name: launch.proc.wait(timeout=180) for name, launch in launches.items()}
     assert codes == {"untouched": 0, "attacked": 0}, attacked.text()[-3000:]
     assert not marker.exists()
-    assert f"ignored the value of rendezvous key '{state_key(JOB_SECRET, 'attacked')}'" in (
-        attacked.text()
-    )
+    if recovery == "restart":
+        warned = f"ignored the value of rendezvous key '{state_key(JOB_SECRET, 'attacked')}'"
+    else:  # the members read the stop as they start (the one a tester's stranger had used)
+        warned = "ignored the value of store key 'inplace/stopped'"
+    assert warned in attacked.text(), attacked.text()[-3000:]
     assert final_loss(runs["attacked"]) == final_loss(runs["untouched"])
     # The launcher's rendezvous store, rank 0's job store, gloo, the start-up probe: loopback.
     assert len(sockets) >= 4 and all(s.startswith("127.0.0.1:") for s in sockets), sockets
