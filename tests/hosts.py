@@ -29,6 +29,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from dtrain.testing import Launch
+
+REPO = Path(__file__).resolve().parent.parent
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "hosts.sh"
 SUBNET = "10.77.0"
 
@@ -182,3 +186,25 @@ def _why_not() -> str | None:
         return f"cannot make a network namespace here: {str(exc).splitlines()[0]}"
     probe.down()
     return None
+
+
+def launch_on_host(
+    hosts: Hosts, i: int, config: Path, endpoint: str, run_id: str, *args: str
+) -> Launch:
+    """``dtrain train CONFIG --nproc 1 --nnodes N --node-rank i --rdzv-endpoint ENDPOINT
+    --run-id RUN_ID ARGS`` in host ``i``, one machine of a job across all ``hosts``."""
+    return Launch(
+        config,
+        1,
+        "--nnodes",
+        str(hosts.n),
+        "--node-rank",
+        str(i),
+        "--rdzv-endpoint",
+        endpoint,
+        "--run-id",
+        run_id,
+        *args,
+        cwd=REPO,
+        exec_prefix=hosts.exec_prefix(i),
+    )

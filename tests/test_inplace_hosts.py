@@ -26,8 +26,8 @@ import pytest
 from dtrain.fault.status import read_status
 from dtrain.testing import Launch, metrics_records
 from tests.audit import check_stream, read_trajectory
-from tests.conftest import REPO, tiny_config
-from tests.hosts import Hosts, hosts_unavailable
+from tests.conftest import tiny_config
+from tests.hosts import Hosts, hosts_unavailable, launch_on_host
 
 # Namespace hosts: one set at a time under pytest-xdist (their own subnet besides).
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("namespace-hosts")]
@@ -111,22 +111,7 @@ def cut_trial(tmp_path: Path, timeout_s: float, steps: int, kill: bool) -> Trial
     with Hosts(2, prefix=PREFIX, hostnames=True, subnet=SUBNET) as hosts:
         endpoint = f"{hosts.address(0)}:29400"
         launches = [
-            Launch(
-                config,
-                1,
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(i),
-                "--rdzv-endpoint",
-                endpoint,
-                "--run-id",
-                "inplace-hosts",
-                "--max-restarts",
-                "1",
-                cwd=REPO,
-                exec_prefix=hosts.exec_prefix(i),
-            )
+            launch_on_host(hosts, i, config, endpoint, "inplace-hosts", "--max-restarts", "1")
             for i in (0, 1)
         ]
         try:

@@ -20,7 +20,7 @@ from dtrain.dist.secret import SECRET_ENV, JobSecret
 from dtrain.testing import Launch
 from dtrain.testing.processes import metrics_records
 from tests.conftest import REPO, tiny_config
-from tests.hosts import Hosts, hosts_unavailable
+from tests.hosts import Hosts, hosts_unavailable, launch_on_host
 
 PREFIX = f"ds{os.getpid() % 100000}"
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("namespace-hosts")]
@@ -72,24 +72,7 @@ def final_loss(run_dir: Path) -> float:
 
 def two_host_job(hosts: Hosts, config: Path, *extra: str) -> list[Launch]:
     endpoint = f"{hosts.address(0)}:29400"
-    return [
-        Launch(
-            config,
-            1,
-            "--nnodes",
-            "2",
-            "--node-rank",
-            str(i),
-            "--rdzv-endpoint",
-            endpoint,
-            "--run-id",
-            "secured",
-            *extra,
-            cwd=REPO,
-            exec_prefix=hosts.exec_prefix(i),
-        )
-        for i in range(2)
-    ]
+    return [launch_on_host(hosts, i, config, endpoint, "secured", *extra) for i in range(2)]
 
 
 @pytest.mark.parametrize("recovery", ["restart", "inplace"])

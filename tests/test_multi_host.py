@@ -26,7 +26,7 @@ from dtrain.dist.reachability import _accept_forever, close_listener, peers_of
 from dtrain.launch.agent import held_port
 from dtrain.testing import Launch
 from tests.conftest import REPO, tiny_config
-from tests.hosts import Hosts, hosts_unavailable, leftovers
+from tests.hosts import Hosts, hosts_unavailable, launch_on_host, leftovers
 
 PREFIX = f"dt{os.getpid() % 100000}"  # the namespaces and links of this test process
 CONNECT_S = 8  # dist.connect_timeout_s in the failure cases
@@ -52,22 +52,7 @@ def on_hosts(hosts: Hosts, config: Path, per_host: list[list[str]], *common: str
     """`dtrain train --nnodes N --nproc 1` in every host, host 0 hosting the rendezvous."""
     endpoint = f"{hosts.address(0)}:29400"
     return [
-        Launch(
-            config,
-            1,
-            "--nnodes",
-            str(hosts.n),
-            "--node-rank",
-            str(i),
-            "--rdzv-endpoint",
-            endpoint,
-            "--run-id",
-            "multihost",
-            *common,
-            *args,
-            cwd=REPO,
-            exec_prefix=hosts.exec_prefix(i),
-        )
+        launch_on_host(hosts, i, config, endpoint, "multihost", *common, *args)
         for i, args in enumerate(per_host)
     ]
 

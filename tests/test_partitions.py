@@ -24,7 +24,7 @@ import pytest
 from dtrain.testing import Launch
 from tests.audit import check_stream, read_trajectory
 from tests.conftest import REPO, tiny_config
-from tests.hosts import Hosts, hosts_unavailable
+from tests.hosts import Hosts, hosts_unavailable, launch_on_host
 
 # Namespace hosts share one subnet: these tests run one at a time under pytest-xdist.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("namespace-hosts")]
@@ -59,21 +59,7 @@ def write_job(tmp_path: Path, name: str) -> tuple[Path, Path]:
 
 
 def launch(hosts: Hosts, i: int, config: Path, endpoint: str, *args: str) -> Launch:
-    return Launch(
-        config,
-        1,
-        "--nnodes",
-        "2",
-        "--node-rank",
-        str(i),
-        "--rdzv-endpoint",
-        endpoint,
-        "--run-id",
-        "partition",
-        *args,
-        cwd=REPO,
-        exec_prefix=hosts.exec_prefix(i),
-    )
+    return launch_on_host(hosts, i, config, endpoint, "partition", *args)
 
 
 def wait_for_step(run_dir: Path, step: int, launches: list[Launch], timeout: float = 180) -> None:
