@@ -226,6 +226,26 @@ def test_each_role_imports_only_what_runs_in_its_process() -> None:
     )
 
 
+def test_the_loop_knows_in_place_recovery_only_through_its_seam() -> None:
+    """Of the worker's side, only the in-place worker (which runs a trainer per membership
+    generation) and the worker entry that starts it import ``dtrain.recovery``; the trainer and
+    the rest of the loop know it as ``train/recovery_seam.RecoverySeam``."""
+    graph = import_graph()
+    importers = {
+        module
+        for module, targets in graph.items()
+        if any(t == "dtrain.recovery" or t.startswith("dtrain.recovery.") for t in targets)
+        and not module.startswith("dtrain.recovery")
+    }
+    assert importers <= {
+        "dtrain.train.inplace_worker",
+        "dtrain.worker",
+        "dtrain.launch.inplace",  # the launcher of fault.recovery = 'inplace'
+        "dtrain.launch.elastic",
+    }, importers
+    assert "dtrain.train.recovery_seam" in graph["dtrain.train.trainer"]
+
+
 # torch modules that importing dtrain's launcher, worker and data-parallel strategies must not
 # bring in, ~1.2 s of imports together: the launcher and every worker paid them while the
 # strategy registry imported every strategy up front. (At run time torch itself imports

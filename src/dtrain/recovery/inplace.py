@@ -36,7 +36,7 @@ import gc
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
@@ -94,7 +94,8 @@ class HeldState:
 
 
 class Recovery:
-    """The trainer's seam for in-place recovery, one per generation."""
+    """The trainer's seam for in-place recovery, one per generation: what the trainer knows of
+    it is :class:`dtrain.train.recovery_seam.RecoverySeam`."""
 
     def __init__(
         self,
@@ -124,6 +125,9 @@ class Recovery:
         member.on_cut = self._cut_off
 
     # -- in the loop -----------------------------------------------------------------------
+
+    def regroup(self, step: int) -> NoReturn:
+        raise Regroup(f"after step {step}")
 
     def joiner_waiting(self) -> bool:
         """Whether this generation must regroup to admit a worker (read from this member's

@@ -67,12 +67,12 @@ from dtrain.metrics.run_log import RunLog
 from dtrain.metrics.summary import LossWindow, Summary
 from dtrain.metrics.tensorboard import check_available as check_tensorboard
 from dtrain.parallel import build_strategy
-from dtrain.recovery import inplace
 from dtrain.task import Task
 from dtrain.train.evaluation import check_metrics, evaluate
 from dtrain.train.loss_contract import LossContract
 from dtrain.train.nan_guard import NanGuard
 from dtrain.train.optim_choice import OptimizerKinds, build_run_optimizer, build_run_scheduler
+from dtrain.train.recovery_seam import RecoverySeam
 from dtrain.train.step import ForwardBackward
 
 
@@ -184,9 +184,9 @@ class Trainer:
         self.forward_backward = ForwardBackward(
             self.strategy, runtime.device, self.scaler, LossContract(task.count_items)
         )
-        # fault.recovery = 'inplace': set by dtrain.recovery.inplace, which runs this trainer for
-        # one membership generation (heals it at resume, keeps each step's start).
-        self.recovery: inplace.Recovery | None = None
+        # fault.recovery = 'inplace': set by the in-place worker, which runs this trainer for one
+        # membership generation (train/recovery_seam.py says where the loop calls it).
+        self.recovery: RecoverySeam | None = None
 
     # -- logging -------------------------------------------------------------------------
 
@@ -253,7 +253,7 @@ class Trainer:
             return self._fit(preempt)
         except BaseException as exc:
             if self.recovery is not None and self.recovery.recoverable(exc):
-                raise  # the survivors go on (dtrain.recovery.inplace): no diagnosis to wait for
+                raise  # the survivors go on (in-place recovery): no diagnosis to wait for
             error = self.watchdog.on_error(exc)
             if error is exc:
                 raise
@@ -352,10 +352,10 @@ class Trainer:
                 and self.step < cfg.train.steps
             ):
                 self.save_checkpoint(blocking=not cfg.checkpoint.async_save)
-            if agreement.regroup and self.step < cfg.train.steps:
+            if agreement.regroup and self.recovery is not None and self.step < cfg.train.steps:
                 # A worker waits to join (fault.recovery = 'inplace'); every rank learnt it in
                 # this step's agreement: all leave after it, its evaluation and save done.
-                raise inplace.Regroup(f"after step {self.step}")
+                self.recovery.regroup(self.step)
         if not summary.preempted:
             summary.val_loss = self.evaluate()  # the whole validation set
             summary.val_metrics = dict(self.val_metrics)
