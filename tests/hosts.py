@@ -189,15 +189,22 @@ def _why_not() -> str | None:
 
 
 def launch_on_host(
-    hosts: Hosts, i: int, config: Path, endpoint: str, run_id: str, *args: str
+    hosts: Hosts,
+    i: int,
+    config: Path,
+    endpoint: str,
+    run_id: str,
+    *args: str,
+    nnodes: int | None = None,
 ) -> Launch:
     """``dtrain train CONFIG --nproc 1 --nnodes N --node-rank i --rdzv-endpoint ENDPOINT
-    --run-id RUN_ID ARGS`` in host ``i``, one machine of a job across all ``hosts``."""
+    --run-id RUN_ID ARGS`` in host ``i``, one machine of a job across ``nnodes`` of the hosts
+    (default: all of them)."""
     return Launch(
         config,
         1,
         "--nnodes",
-        str(hosts.n),
+        str(nnodes or hosts.n),
         "--node-rank",
         str(i),
         "--rdzv-endpoint",

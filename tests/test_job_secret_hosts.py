@@ -72,7 +72,10 @@ def final_loss(run_dir: Path) -> float:
 
 def two_host_job(hosts: Hosts, config: Path, *extra: str) -> list[Launch]:
     endpoint = f"{hosts.address(0)}:29400"
-    return [launch_on_host(hosts, i, config, endpoint, "secured", *extra) for i in range(2)]
+    # Two of the three hosts: the third is the stranger's.
+    return [
+        launch_on_host(hosts, i, config, endpoint, "secured", *extra, nnodes=2) for i in range(2)
+    ]
 
 
 @pytest.mark.parametrize("recovery", ["restart", "inplace"])

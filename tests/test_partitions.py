@@ -59,7 +59,7 @@ def write_job(tmp_path: Path, name: str) -> tuple[Path, Path]:
 
 
 def launch(hosts: Hosts, i: int, config: Path, endpoint: str, *args: str) -> Launch:
-    return launch_on_host(hosts, i, config, endpoint, "partition", *args)
+    return launch_on_host(hosts, i, config, endpoint, "partition", *args, nnodes=2)
 
 
 def wait_for_step(run_dir: Path, step: int, launches: list[Launch], timeout: float = 180) -> None:
