@@ -21,7 +21,8 @@ def job_environment(multi_machine: bool) -> Iterator[JobSecret]:
     """The job's secret (:func:`dtrain.dist.secret.launcher_secret`: a :class:`UserError` for
     a multi-machine job without one) in the environment, and on one machine the collectives
     on loopback, until the block ends."""
-    saved = {name: os.environ.get(name) for name in (SECRET_ENV, SECRET_FILE_ENV, *IFNAME_VARIABLES)}
+    names = (SECRET_ENV, SECRET_FILE_ENV, *IFNAME_VARIABLES)
+    saved = {name: os.environ.get(name) for name in names}
     try:
         secret = launcher_secret(multi_machine)
         if not multi_machine:

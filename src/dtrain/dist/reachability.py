@@ -51,10 +51,10 @@ from typing import Any
 import torch.distributed as dist
 
 from dtrain.dist import sealed_store
+from dtrain.dist.network import interface_addresses, is_loopback, resolve
 from dtrain.dist.sealed_store import Shape
 from dtrain.dist.stores import host_store, local_address
 from dtrain.errors import UserError
-from dtrain.dist.network import interface_addresses, is_loopback, resolve
 
 # Set by ``dtrain train`` for its workers: the address this node advertises to the others.
 NODE_ADDR_ENV = "DTRAIN_NODE_ADDR"

@@ -19,10 +19,6 @@ import struct
 import sys
 from typing import Any
 
-from dtrain.dist.secret import HOW_TO, SECRET_ENV, JobSecret
-from dtrain.dist.stores import host_store
-from dtrain.errors import UserError
-
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
     RendezvousParameters,
@@ -32,6 +28,10 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousState,
     create_handler,
 )
+
+from dtrain.dist.secret import HOW_TO, SECRET_ENV, JobSecret
+from dtrain.dist.stores import host_store
+from dtrain.errors import UserError
 
 _WARNINGS = 5  # forged values warned about, each once; a flood of them is not printed
 _EMPTY = "-"  # the key's value before any state (torch's backend uses a sentinel too)

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from dtrain.config import DistConfig
-from dtrain.errors import ConfigError
 from dtrain.dist.reachability import (
     REACH,
     check_store,
@@ -25,6 +24,7 @@ from dtrain.dist.reachability import (
     open_store,
     peers_checked,
 )
+from dtrain.errors import ConfigError
 
 
 @dataclass(frozen=True)

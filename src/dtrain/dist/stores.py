@@ -86,4 +86,3 @@ def keep_collectives_on_loopback() -> None:
     if loopback and not any(os.environ.get(name) for name in IFNAME_VARIABLES):
         for name in IFNAME_VARIABLES:
             os.environ[name] = loopback
-
