@@ -111,7 +111,7 @@ def test_override_parsing() -> None:
 
 
 def test_docs_config_reference_is_up_to_date() -> None:
-    from dtrain.cli import options_markdown
+    from dtrain.cli.commands import options_markdown
     from tests.conftest import REPO
 
     assert (REPO / "docs" / "config.md").read_text() == options_markdown(), (

@@ -173,13 +173,13 @@ def test_no_package_of_dtrain_imports_itself_back() -> None:
     assert cycles(packages) == []
 
 
-# The package root: the user API (``__init__``, ``task``, ``hf``), the entry points (``cli``,
-# ``__main__``, ``worker``) and leaves. A new module goes into the package of its role.
+# The package root: the user API (``__init__``, ``task``, ``hf``), the entry points
+# (``__main__``, ``worker``; the command line is the package ``cli/``) and leaves. A new module
+# goes into the package of its role.
 ROOT_MODULES = {
     "__init__.py",
     "task.py",
     "hf.py",
-    "cli.py",
     "__main__.py",
     "worker.py",
     "errors.py",

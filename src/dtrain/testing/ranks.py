@@ -181,6 +181,8 @@ def run_ranks(
                 raise failure
             values[rank] = failure
         else:
+            # From this test's own child process, through a multiprocessing pipe (no socket):
+            # nothing another user or host can write.
             values[rank] = pickle.loads(value)
 
     try:

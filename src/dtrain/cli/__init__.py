@@ -1,0 +1,103 @@
+"""The ``dtrain`` command: parse, validate, then hand over. No training logic lives here."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from dtrain.cli.commands import (
+    cmd_config,
+    cmd_estimate,
+    cmd_export,
+    cmd_prepare,
+    cmd_report,
+    cmd_status,
+    cmd_strategies,
+    cmd_verify,
+)
+from dtrain.cli.parser import build_parser
+from dtrain.cli.train import cmd_train
+from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
+from dtrain.process_exit import freeze_heap_at_exit
+
+
+def split_overrides(extra: Sequence[str]) -> list[str]:
+    overrides = []
+    for arg in extra:
+        if arg.startswith("--") and "." in arg.split("=", 1)[0] and "=" in arg:
+            overrides.append(arg)
+        elif arg.startswith("--") and "." in arg:
+            raise UserError(f"override {arg!r} has no value; write it as {arg}=VALUE")
+        else:
+            raise UserError(
+                f"unrecognized argument {arg!r} (config keys are set as --section.key=value)"
+            )
+    return overrides
+
+
+def quiet_launcher_store_logs() -> None:
+    """Before torch is imported in the launcher: its C++ store client logs every failed call
+    with a stack trace of some 30 frames (the rendezvous store of a machine that has gone, a
+    keep-alive during an outage, the close of a rendezvous whose host exited first at the end
+    of a successful run). The launcher reports every failure itself, in a line; the workers,
+    started afresh, keep torch's logging as it was."""
+    if "torch" in sys.modules:
+        return
+    own = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    import torch  # noqa: F401  (reads the level once, as it loads)
+
+    if own is None:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
+    else:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = own
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    freeze_heap_at_exit()
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command in ("train", "rendezvous"):
+        quiet_launcher_store_logs()
+    try:
+        if extra and args.command not in ("train", "config", "estimate"):  # no config keys
+            raise UserError(
+                f"unrecognized arguments: {' '.join(extra)} (see dtrain {args.command} --help)"
+            )
+        overrides = split_overrides(extra)
+        if args.command == "train":
+            return cmd_train(args, overrides)
+        if args.command == "prepare":
+            return cmd_prepare(args)
+        if args.command == "verify":
+            return cmd_verify(args)
+        if args.command == "config":
+            return cmd_config(args, overrides)
+        if args.command == "report":
+            return cmd_report(args)
+        if args.command == "status":
+            return cmd_status(args)
+        if args.command == "export":
+            return cmd_export(args)
+        if args.command == "rendezvous":
+            from dtrain.launch.rendezvous_host import serve
+
+            return serve(args.port, args.bind)
+        if args.command == "estimate":
+            return cmd_estimate(args, overrides)
+        return cmd_strategies()
+    except UserError as exc:
+        print(f"dtrain: error: {exc}", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # The reader of the output went away (`dtrain status RUN | head -3`, `dtrain config
+        # --list | less` quit early): it has what it wanted. Quiet, as other Unix tools, with
+        # their exit status (SIGPIPE's). `dtrain train` guards its console itself.
+        from dtrain.console import drop_stdout
+
+        drop_stdout()
+        return 128 + int(signal.SIGPIPE)
