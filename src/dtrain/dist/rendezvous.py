@@ -7,13 +7,12 @@ with a sequence number, so an old state read off the wire cannot be replayed) un
 whose name only the secret gives (:func:`state_key`), and hands torch only state that opens
 under the job's secret: a forged, replayed or malformed value is ignored
 with one warning naming its key, and the next write of the job replaces it. The handler is
-torch's own (:func:`make_handler`); its store is made here, bound to the job's address
-(:mod:`dtrain.dist.stores`).
+torch's own (:func:`make_handler`); its store is the launcher's, bound to the job's address
+(:func:`dtrain.launch.agent.rendezvous_store`).
 """
 
 from __future__ import annotations
 
-import datetime
 import pickle
 import struct
 import sys
@@ -30,7 +29,6 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from dtrain.dist.secret import HOW_TO, SECRET_ENV, JobSecret
-from dtrain.dist.stores import host_store
 from dtrain.errors import UserError
 
 _WARNINGS = 5  # forged values warned about, each once; a flood of them is not printed
@@ -117,20 +115,6 @@ class SealedRendezvousBackend(RendezvousBackend):
         if opened is None:
             return None
         return opened[0], opened[1], raw == sealed
-
-
-def rendezvous_store(
-    host: str, port: int, *, hosting: bool, bind: str, read_timeout_s: float
-) -> Any:
-    """The rendezvous store: hosted by this process on ``bind:port`` (port 0: a free one), or
-    a client of ``host:port``."""
-    import torch.distributed as dist
-
-    if hosting:
-        return host_store(bind, port, read_timeout_s, multi_tenant=True)
-    return dist.TCPStore(  # type: ignore[attr-defined]
-        host, port, is_master=False, timeout=datetime.timedelta(seconds=read_timeout_s)
-    )
 
 
 def make_handler(params: RendezvousParameters, store: Any, secret: JobSecret) -> Any:

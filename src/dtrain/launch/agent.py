@@ -15,6 +15,7 @@ there it stays torch's pick.
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import sys
@@ -51,8 +52,9 @@ def rendezvous_store(config: LaunchConfig) -> Any:
     client of the machine that hosts it. Where this machine may host it without being told
     (no ``--node-rank``), it hosts it unless another launcher here already does, as torch
     decides."""
-    from dtrain.dist.rendezvous import rendezvous_store as open_rendezvous_store
-    from dtrain.dist.stores import LOOPBACK, local_address
+    import torch.distributed as dist
+
+    from dtrain.dist.stores import LOOPBACK, host_store, local_address
 
     # One machine: "localhost:0" (a free port), which split_endpoint refuses.
     host, port = (
@@ -66,13 +68,13 @@ def rendezvous_store(config: LaunchConfig) -> Any:
     hosting = bool(told) if told is not None else bind is not None
     if hosting and bind is not None:
         try:
-            return open_rendezvous_store(
-                host, port, hosting=True, bind=bind, read_timeout_s=read_timeout_s
-            )
+            return host_store(bind, port, read_timeout_s, multi_tenant=True)
         except OSError:
             if told is not None:
                 raise
-    return open_rendezvous_store(host, port, hosting=False, bind="", read_timeout_s=read_timeout_s)
+    return dist.TCPStore(  # type: ignore[attr-defined]
+        host, port, is_master=False, timeout=datetime.timedelta(seconds=read_timeout_s)
+    )
 
 
 def run_agent(
