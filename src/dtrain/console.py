@@ -85,12 +85,17 @@ def guard_console(who: str) -> None:
     sys.stdout, sys.stderr = out, err
 
 
-def say_error(message: str) -> None:
-    """``dtrain: error: MESSAGE`` on standard error as one write: the ranks of a machine share
+def say_line(text: str) -> None:
+    """``TEXT`` and its newline on standard error as one write: the ranks of a machine share
     their launcher's pipe, and ``print`` writes the text and its newline apart, so two ranks'
-    lines could run together."""
-    sys.stderr.write(f"dtrain: error: {message}\n")
+    lines could run together (a progress line and another rank's error did, in a test)."""
+    sys.stderr.write(f"{text}\n")
     sys.stderr.flush()
+
+
+def say_error(message: str) -> None:
+    """``dtrain: error: MESSAGE`` on standard error, as one write (:func:`say_line`)."""
+    say_line(f"dtrain: error: {message}")
 
 
 def drop_stdout() -> None:

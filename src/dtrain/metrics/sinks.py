@@ -16,6 +16,8 @@ from typing import Any, Protocol, TextIO
 
 from tqdm import tqdm
 
+from dtrain.console import say_line
+
 Record = dict[str, Any]
 
 
@@ -183,11 +185,7 @@ class Progress:
             self.bar.update(step - self.bar.n)
         else:
             eta_text = format_duration(eta) if math.isfinite(eta) else "?"
-            print(
-                f"step {step}/{self.total}  loss {loss:.4f}  {rate}  eta {eta_text}",
-                file=sys.stderr,
-                flush=True,
-            )
+            say_line(f"step {step}/{self.total}  loss {loss:.4f}  {rate}  eta {eta_text}")
 
     def message(self, text: str) -> None:
         if not self.enabled:
@@ -195,7 +193,7 @@ class Progress:
         if self.interactive:
             self.bar.write(text, file=sys.stderr)
         else:
-            print(text, file=sys.stderr, flush=True)
+            say_line(text)
 
     def close(self) -> None:
         self.bar.close()
