@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from dtrain.cli import main
+from dtrain.config import validate_strategy
 from dtrain.errors import ConfigError
-from dtrain.parallel import strategy_class
 from dtrain.testing import run_ranks
 from tests.conftest import tiny_config, tiny_raw
 from tests.dist_helpers import load_full_state, save_and_full_state, train_params
@@ -59,7 +59,7 @@ def test_backward_prefetch_off_without_fsdp_is_a_config_error(
 ) -> None:
     def validate(**strategy: object) -> None:
         cfg = tiny_config(Path("/nonexistent"), strategy={**strategy, "backward_prefetch": False})
-        strategy_class(str(strategy["name"])).validate_config(cfg, 4)
+        validate_strategy(cfg, 4)
 
     validate(name="fsdp")
     validate(name="tensor", tensor_parallel=2, data_parallel="fsdp")

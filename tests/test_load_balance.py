@@ -22,11 +22,11 @@ from dtrain.balance.throughput import (
 )
 from dtrain.balance.timing import FIELDS, INDEX, MAX_WINDOW_STEPS, window_steps
 from dtrain.cli import main
+from dtrain.config import validate_strategy
 from dtrain.config.load import build_config
 from dtrain.data.loader import RankLoader
 from dtrain.data.partition import OrderSpec, plan_step, plan_steps, step_shape
 from dtrain.errors import ConfigError
-from dtrain.parallel import strategy_class
 from dtrain.testing import run_ranks
 from tests.audit import check_stream, read_trajectory
 from tests.conftest import tiny_raw
@@ -341,11 +341,11 @@ def test_bad_balance_input_exits_2_before_any_worker(
 
 
 def test_the_ddp_family_takes_balancing() -> None:
-    cfg = build_config({"balance": {"mode": "throughput"}, "data": {"global_batch_size": 4}})
+    raw = {"balance": {"mode": "throughput"}, "data": {"global_batch_size": 4}}
     for name in ("ddp", "allreduce"):
-        strategy_class(name).validate_config(cfg, 4)
+        validate_strategy(build_config({**raw, "strategy": {"name": name}}), 4)
     with pytest.raises(ConfigError, match="smaller than the 5 data-parallel ranks"):
-        strategy_class("ddp").validate_config(cfg, 5)
+        validate_strategy(build_config(raw), 5)
 
 
 # -- the real trainer on 2 ranks ------------------------------------------------------------

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from dtrain.config import validate_strategy
+from dtrain.config.layout import ParallelDims, fit_dims
 from dtrain.errors import ConfigError
-from dtrain.parallel import strategy_class
-from dtrain.parallel.mesh import ParallelDims, fit_dims
 from dtrain.testing import run_ranks
 from tests.conftest import tiny_config, tiny_raw
 from tests.dist_helpers import crash_then_resume, train_params
@@ -44,7 +44,7 @@ def test_ranks_lie_on_the_mesh_tensor_parallel_innermost() -> None:
 def test_a_mesh_that_does_not_fit_the_world_is_a_config_error() -> None:
     def validate(world: int, **strategy: object) -> None:
         cfg = tiny_config(Path("/nonexistent"), strategy=strategy, data=DATA)
-        strategy_class(str(strategy["name"])).validate_config(cfg, world)
+        validate_strategy(cfg, world)
 
     with pytest.raises(ConfigError, match=r"tensor_parallel = 3 does not divide the world size"):
         validate(4, name="fsdp", tensor_parallel=3)

@@ -12,11 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from dtrain.config import Config
+from dtrain.config import Config, validate_strategy
 from dtrain.dist.runtime import Runtime
 from dtrain.errors import ConfigError
 from dtrain.models.gpt import GPT, GPTConfig
-from dtrain.parallel import strategy_class
 from dtrain.parallel.pipeline.batches import eval_chunks
 from dtrain.parallel.pipeline.split import (
     StageChain,
@@ -166,7 +165,7 @@ def config(**strategy: object) -> Config:
 
 
 def validate(world_size: int, **strategy: object) -> None:
-    strategy_class("pipeline").validate_config(config(**strategy), world_size)
+    validate_strategy(config(**strategy), world_size)
 
 
 def test_world_size_must_divide_into_the_mesh() -> None:

@@ -21,10 +21,10 @@ import torch.distributed as dist
 from dtrain.cli import main
 from dtrain.comm.mean import divide_
 from dtrain.comm.shm import SharedMemoryAllReduce, unavailable_reason
+from dtrain.config import validate_strategy
 from dtrain.config.load import build_config
 from dtrain.errors import ConfigError
 from dtrain.fault.peer_failure import is_collective_failure
-from dtrain.parallel import strategy_class
 from dtrain.testing import RankFailed, run_ranks
 from tests.conftest import tiny_raw
 from tests.dist_helpers import make_trainer, params_of
@@ -296,7 +296,7 @@ def test_auto_goes_on_through_gloo_where_no_segment_can_be_made(tmp_path: Path) 
 def test_bad_transport_is_a_config_error(sections: dict[str, Any], words: str) -> None:
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(".", r"\.")):
         cfg = build_config(sections)
-        strategy_class(cfg.strategy.name).validate_config(cfg, 2)
+        validate_strategy(cfg, 2)
 
 
 def test_shm_across_machines_is_refused_before_any_worker_starts(

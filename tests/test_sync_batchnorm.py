@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from dtrain.checkpoint.rng import seed_everything
+from dtrain.config import validate_strategy
 from dtrain.config.load import build_config
 from dtrain.errors import ConfigError, UserError
-from dtrain.parallel import strategy_class
 from dtrain.parallel.sync_batchnorm import apply_sync_batchnorm
 from dtrain.testing import run_ranks
 from dtrain.weights.init_from import load_weights
@@ -131,12 +131,12 @@ def test_a_model_without_batchnorm_or_a_strategy_that_cannot_is_one_line() -> No
         apply_sync_batchnorm(nn.Sequential(nn.Linear(2, 2)), None)
     cfg = build_config({"strategy": {"name": "pipeline", "sync_batchnorm": True}}, CNNOptions)
     with pytest.raises(ConfigError, match="ddp, allreduce and fsdp only"):
-        strategy_class("pipeline").validate_config(cfg, 2)
+        validate_strategy(cfg, 2)
     cfg = build_config(
         {"strategy": {"sync_batchnorm": True}, "balance": {"mode": "throughput"}}, CNNOptions
     )
     with pytest.raises(ConfigError, match=r"balance\.mode"):
-        strategy_class("ddp").validate_config(cfg, 2)
+        validate_strategy(cfg, 2)
 
 
 def test_a_copy_of_a_synced_model_is_a_plain_batchnorm() -> None:

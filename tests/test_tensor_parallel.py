@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from torch import nn
 
+from dtrain.config import validate_strategy
 from dtrain.errors import ConfigError
 from dtrain.models.gpt import GPT, GPTConfig
-from dtrain.parallel import strategy_class
 from dtrain.parallel.tensor_plan import check_no_dropout, model_plan
 from dtrain.testing import run_ranks
 from tests.conftest import tiny_config, tiny_raw
@@ -46,7 +46,7 @@ def test_two_way_tensor_parallel_equals_one_process(tmp_path: Path) -> None:
 def test_the_degree_must_divide_the_world_and_the_model() -> None:
     cfg = tiny_config(Path("/nonexistent"), strategy={"name": "tensor", "tensor_parallel": 3})
     with pytest.raises(ConfigError, match=r"tensor_parallel = 3 does not divide the world size 4"):
-        strategy_class("tensor").validate_config(cfg, 4)
+        validate_strategy(cfg, 4)
     gpt = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32))
     with pytest.raises(ConfigError, match=r"n_head = 2 .* multiples of the tensor-parallel"):
         model_plan(gpt, 4)

@@ -26,11 +26,10 @@ import torch.distributed as dist
 
 from dtrain.comm.accounting import CommCounter
 from dtrain.comm.hooks import Bf16Hook, CommHook, Fp16Hook, MeanHook
-from dtrain.comm.powersgd import MIN_START_STEP, PowerSGDHook
+from dtrain.comm.powersgd import PowerSGDHook
 from dtrain.comm.shm import shared_all_reduce_for
 from dtrain.comm.topk import TopKHook
-from dtrain.config import CommConfig, Config
-from dtrain.errors import ConfigError
+from dtrain.config import CommConfig
 
 HOOKS: dict[str, type[CommHook]] = {
     cls.name: cls for cls in (MeanHook, Fp16Hook, Bf16Hook, PowerSGDHook, TopKHook)
@@ -52,27 +51,3 @@ def build_comm_hook(
     hook = HOOKS[comm.compression].from_config(comm, counter, group, device)
     hook.shared = shared_all_reduce_for(comm, timeout, hook.sums_only, group, device, capacity)
     return hook
-
-
-def validate_compression(cfg: Config) -> None:
-    """Checks of the ``[comm]`` compression keys beyond their own ranges (in the parent,
-    before any worker starts)."""
-    comm = cfg.comm
-    if comm.transport == "shm" and not HOOKS[comm.compression].sums_only:
-        raise ConfigError(
-            f"comm.transport = 'shm' does not work with comm.compression = "
-            f"{comm.compression!r}: a shared-memory segment carries summing all-reduces only "
-            "(compression none, fp16, bf16 or powersgd); use comm.transport = 'backend'"
-        )
-    if comm.transport == "shm" and cfg.dist.device == "cuda":
-        raise ConfigError(
-            "comm.transport = 'shm' does not work with dist.device = 'cuda': it sums tensors "
-            "in host memory; use comm.transport = 'backend' (NCCL has its own)"
-        )
-    if comm.compression == "powersgd" and comm.powersgd_start_step < MIN_START_STEP:
-        raise ConfigError(
-            f"comm.powersgd_start_step = {comm.powersgd_start_step} is too small for "
-            f"powersgd: torch's PowerSGD with error feedback and warm start needs at least "
-            f"{MIN_START_STEP} steps of plain all-reduce first; set it to {MIN_START_STEP} "
-            "or more"
-        )

@@ -37,9 +37,6 @@ from dtrain.comm.hooks import Bucket, CommHook
 from dtrain.comm.mean import divide_
 from dtrain.config import CommConfig
 
-# torch's PowerSGDState refuses fewer: with error feedback or warm start it needs plain
-# all-reduce steps before the first compressed one (DDP rebuilds its buckets after step 1).
-MIN_START_STEP = 2
 # A matrix is compressed when its factors are at least this many times smaller (torch's
 # default ``min_compression_rate``).
 MIN_COMPRESSION_RATE = 2

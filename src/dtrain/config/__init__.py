@@ -1,5 +1,8 @@
 """Typed configuration: nested dataclasses with their ranges and help
-(:mod:`dtrain.config.sections`), and the checks across keys (:mod:`dtrain.config.checks`).
+(:mod:`dtrain.config.sections`), and every rule across keys and packages: the checks
+(:mod:`dtrain.config.checks`), read from one capability record per strategy
+(:mod:`dtrain.config.capabilities`) and the mesh it lays out (:mod:`dtrain.config.layout`),
+and those that need the job's shape (:mod:`dtrain.config.job`).
 Reading TOML files and ``--section.key=value`` overrides into a checked :class:`Config` is
 :mod:`dtrain.config.load`'s job.
 
@@ -8,17 +11,18 @@ mistake costs the user a one-line error instead of a crashed job. Each section i
 range limits and choices live next to the field in its metadata, so that validation, the error
 messages and the documentation all come from one place.
 
-Everything is imported from here (``from dtrain.config import Config``); the two modules are
-where each part lives.
+The common names are imported from here (``from dtrain.config import Config``); the modules are
+where each part lives. This package imports no strategy (nor torch): the parent process checks a
+config before it starts any worker, in a fraction of a second.
 """
 
 from dtrain.config.checks import (
-    INPLACE_STRATEGIES,
     parse_activation_checkpointing,
     validate_cross_fields,
     validate_for_world,
     validate_ranks,
     validate_schedule,
+    validate_strategy,
     wsd_decay_steps,
 )
 from dtrain.config.sections import (
@@ -40,7 +44,6 @@ from dtrain.config.sections import (
 )
 
 __all__ = [
-    "INPLACE_STRATEGIES",
     "BalanceConfig",
     "CheckpointConfig",
     "CommConfig",
@@ -61,5 +64,6 @@ __all__ = [
     "validate_for_world",
     "validate_ranks",
     "validate_schedule",
+    "validate_strategy",
     "wsd_decay_steps",
 ]

@@ -1,18 +1,29 @@
 """The config's checks across keys: those a whole :class:`Config` answers (at load), and
-those that need the job's shape too -- the data-parallel size, the world size -- run where
+those that need the job's shape too -- the data-parallel size, the world size: what the
+strategy can run (:func:`validate_strategy`, read from its capability record) -- run where
 that is known. Each is a one-line :class:`ConfigError` naming the keys."""
 
 from __future__ import annotations
 
 import math
 import signal
+from collections.abc import Sequence
+from itertools import pairwise
 
+from dtrain.config.capabilities import CAPABILITIES, capabilities
+from dtrain.config.layout import INTERLEAVED, stages_per_rank, strategy_dims
 from dtrain.config.sections import Config, OptimConfig
 from dtrain.errors import ConfigError
 
 # The strategies whose ranks each hold the whole model and optimizer: a survivor can go on
 # alone and a replacement can copy a peer (fault.recovery = 'inplace').
-INPLACE_STRATEGIES = ("ddp", "allreduce")
+INPLACE_STRATEGIES = tuple(name for name, can in CAPABILITIES.items() if can.heals_in_place)
+
+# The compressions whose every collective is a summing all-reduce (what a shared-memory segment
+# carries); tests/test_strategy_capabilities.py holds it to the hooks' own `sums_only`.
+SUMMING_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+# torch's PowerSGD with error feedback and warm start needs this many plain all-reduces first.
+POWERSGD_MIN_START_STEP = 2
 
 
 # The signals fault.preempt_signals may name: those that mean "stop" when something sends them
@@ -143,4 +154,149 @@ def validate_ranks(cfg: Config, world_size: int) -> None:
         raise ConfigError(
             f"debug.slowdown_rank = {rank}: there is no rank {rank} in a job of {world_size} "
             f"rank(s) (ranks are 0..{world_size - 1}); pick one of those, or -1 for none"
+        )
+
+
+def validate_strategy(cfg: Config, world_size: int) -> None:
+    """Reject, in the parent process, a config its strategy cannot run at this world size:
+    the mesh first (its dimensions must divide the world), then the checks at the
+    data-parallel size (the other dimensions split the model, not the batch), then what the
+    strategy's capability record rules out."""
+    name = cfg.strategy.name
+    can = capabilities(name)
+    dims = strategy_dims(cfg.strategy, world_size)
+    validate_for_world(cfg, dims.dp)
+    if cfg.strategy.dp_replicate != 1 and not can.on_mesh:
+        raise ConfigError(
+            f"strategy.dp_replicate = {cfg.strategy.dp_replicate} does not work with "
+            f"strategy.name = {name!r}: its data-parallel ranks all hold the whole "
+            "model already; it sets the copies of a sharded model (fsdp, or tensor and "
+            "pipeline with data_parallel = 'fsdp')"
+        )
+    if cfg.comm.compression != "none" and not can.comm_hooks:
+        raise ConfigError(
+            f"comm.compression = {cfg.comm.compression!r} does not work with "
+            f"strategy.name = {name!r}: it takes comm.compression = 'none' only "
+            "(gradient compression needs a strategy that all-reduces whole gradients "
+            "through comm hooks: ddp or allreduce)"
+        )
+    if cfg.comm.transport == "shm" and not can.comm_hooks:
+        raise ConfigError(
+            f"comm.transport = 'shm' does not work with strategy.name = {name!r}: it "
+            "carries the gradient all-reduce of ddp and allreduce only; use "
+            "comm.transport = 'backend'"
+        )
+    if can.comm_hooks:
+        validate_compression(cfg)
+    fused_sgd = cfg.optim.implementation == "fused" and cfg.optim.name == "sgd"
+    if fused_sgd and can.holds_dtensors(cfg.strategy):
+        raise ConfigError(
+            f"optim.implementation = 'fused' with optim.name = 'sgd' does not work with "
+            f"strategy.name = {name!r}: torch has no fused SGD for the sharded "
+            "parameters (DTensors) it trains; use optim.implementation = 'foreach', or adamw"
+        )
+    if cfg.strategy.sync_batchnorm:
+        validate_sync_batchnorm(cfg)
+    if not cfg.strategy.backward_prefetch and not can.shards_model(cfg.strategy):
+        raise ConfigError(
+            f"strategy.backward_prefetch = false does not work with strategy.name = {name!r}"
+            + (f" and data_parallel = {cfg.strategy.data_parallel!r}" if can.on_mesh else "")
+            + ": it sets when FSDP gathers a sharded model's blocks in backward (fsdp, or "
+            "tensor and pipeline with data_parallel = 'fsdp'); remove it"
+        )
+    if cfg.balance.mode != "off" and not can.uneven_shares:
+        raise ConfigError(
+            f"balance.mode = {cfg.balance.mode!r} does not work with strategy.name = "
+            f"{name!r}: per-rank batch shares need a strategy whose ranks may run "
+            "different numbers of micro-steps (ddp or allreduce); use balance.mode = 'off'"
+        )
+    if can.mesh == "pipeline":
+        validate_pipeline(cfg, dims.dp, dims.pp)
+
+
+def validate_compression(cfg: Config) -> None:
+    """The ``[comm]`` compression keys beyond their own ranges, for a strategy with comm
+    hooks."""
+    comm = cfg.comm
+    if comm.transport == "shm" and comm.compression not in SUMMING_COMPRESSIONS:
+        raise ConfigError(
+            f"comm.transport = 'shm' does not work with comm.compression = "
+            f"{comm.compression!r}: a shared-memory segment carries summing all-reduces only "
+            "(compression none, fp16, bf16 or powersgd); use comm.transport = 'backend'"
+        )
+    if comm.transport == "shm" and cfg.dist.device == "cuda":
+        raise ConfigError(
+            "comm.transport = 'shm' does not work with dist.device = 'cuda': it sums tensors "
+            "in host memory; use comm.transport = 'backend' (NCCL has its own)"
+        )
+    least = POWERSGD_MIN_START_STEP
+    if comm.compression == "powersgd" and comm.powersgd_start_step < least:
+        raise ConfigError(
+            f"comm.powersgd_start_step = {comm.powersgd_start_step} is too small for "
+            f"powersgd: torch's PowerSGD with error feedback and warm start needs at least "
+            f"{least} steps of plain all-reduce first; set it to {least} or more"
+        )
+
+
+def validate_sync_batchnorm(cfg: Config) -> None:
+    """``strategy.sync_batchnorm`` where it cannot give one process's math is a config error."""
+    name = cfg.strategy.name
+    if not capabilities(name).syncs_batchnorm:
+        raise ConfigError(
+            f"strategy.sync_batchnorm = true does not work with strategy.name = {name!r}: "
+            "BatchNorm's statistics are summed over the data-parallel ranks of ddp, allreduce "
+            "and fsdp only"
+        )
+    if cfg.balance.mode != "off":
+        raise ConfigError(
+            f"strategy.sync_batchnorm = true does not work with balance.mode = "
+            f"{cfg.balance.mode!r}: every rank must run the same micro-steps for the "
+            "statistics to be summed over all of them; use balance.mode = 'off'"
+        )
+
+
+def validate_pipeline(cfg: Config, data_parallel: int, pp: int) -> None:
+    """A pipeline's schedule and boundaries at ``data_parallel`` copies of ``pp`` stages."""
+    opts, data = cfg.strategy, cfg.data
+    per_step = data_parallel * data.micro_batches
+    if data.global_batch_size % per_step:
+        raise ConfigError(
+            f"data.global_batch_size = {data.global_batch_size} does not split into "
+            f"{data_parallel} data-parallel copies x {data.micro_batches} micro-batches of "
+            "equal size: a pipeline sends activations of one fixed shape between stages; "
+            f"use a multiple of {per_step}"
+        )
+    if opts.pipeline_schedule == "1f1b" and data.micro_batches < pp:
+        raise ConfigError(
+            f"data.micro_batches = {data.micro_batches} is fewer than the {pp} "
+            "pipeline stages: 1F1B runs a micro-batch's backward as soon as it is through "
+            "the last stage, which needs one micro-batch in flight per stage; use "
+            f"data.micro_batches >= {pp}, or pipeline_schedule = 'gpipe'"
+        )
+    if opts.pipeline_schedule == INTERLEAVED:
+        rounds = max(1, data.micro_batches // pp)
+        if data.micro_batches % rounds:
+            raise ConfigError(
+                f"data.micro_batches = {data.micro_batches}: interleaved 1F1B runs the "
+                f"micro-batches in rounds of the {pp} stages; use a multiple of "
+                f"{pp}, or at most {pp}"
+            )
+    check_boundaries(opts.pipeline_boundaries, pp * stages_per_rank(opts))
+
+
+def check_boundaries(boundaries: Sequence[int], num_stages: int) -> None:
+    """Manual boundaries as the config gives them: the first layer of stages 1..K-1."""
+    if not boundaries:
+        return
+    key = "strategy.pipeline_boundaries"
+    if len(boundaries) != num_stages - 1:
+        raise ConfigError(
+            f"{key} = {list(boundaries)} gives {len(boundaries) + 1} stages, but the job has "
+            f"{num_stages}: give the first layer of every stage but the first "
+            f"({num_stages - 1} numbers)"
+        )
+    if boundaries[0] < 1 or any(b <= a for a, b in pairwise(boundaries)):
+        raise ConfigError(
+            f"{key} = {list(boundaries)} must be strictly increasing and start at 1 or more: "
+            "every stage needs at least one layer"
         )

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from dtrain.config import Config
+from dtrain.config.layout import ParallelDims
 from dtrain.estimate.layout import (
     OptimizerBytes,
     TensorInfo,
@@ -20,7 +21,6 @@ from dtrain.estimate.layout import (
 )
 from dtrain.estimate.passes import Prober
 from dtrain.estimate.result import MemoryEstimate
-from dtrain.parallel.mesh import ParallelDims
 from dtrain.task import Task
 
 CPU = torch.device("cpu")

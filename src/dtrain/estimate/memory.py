@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 
 from dtrain.compute.precision import Precision
-from dtrain.config import Config, parse_activation_checkpointing
+from dtrain.config import Config, parse_activation_checkpointing, validate_strategy
+from dtrain.config.layout import strategy_dims
 from dtrain.errors import UserError
 from dtrain.estimate.flat import estimate_flat
 from dtrain.estimate.job import CPU, Job
@@ -34,7 +35,6 @@ from dtrain.estimate.probe import build_meta_task
 from dtrain.estimate.result import MemoryEstimate
 from dtrain.parallel import strategy_class
 from dtrain.parallel.composed import ComposedStrategy
-from dtrain.parallel.mesh import ParallelDims
 from dtrain.parallel.recipe import model_blocks
 from dtrain.task import Task
 
@@ -43,13 +43,8 @@ def estimate_memory(cfg: Config, world_size: int, budget: int | None = None) -> 
     """The estimate for ``cfg`` on ``world_size`` ranks: a config error where the strategy
     cannot lay it out, a user error where the task's model cannot be built or measured."""
     cls = strategy_class(cfg.strategy.name)
-    cls.validate_config(cfg, world_size)
-    dims_of = getattr(cls, "dims_of", None)
-    dims: ParallelDims = (
-        dims_of(cfg.strategy, world_size)
-        if callable(dims_of)
-        else ParallelDims(dp_replicate=world_size)
-    )
+    validate_strategy(cfg, world_size)
+    dims = strategy_dims(cfg.strategy, world_size)
     task = build_meta_task(cfg)
     every = parse_activation_checkpointing(cfg.train.activation_checkpointing)
     if every:  # a one-line error where the model has no blocks to checkpoint

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from itertools import pairwise
 
+from dtrain.config.layout import stages_per_rank
 from dtrain.errors import UserError
 from dtrain.estimate.job import Job
 from dtrain.estimate.kernels import kernel_bytes, kernel_line
@@ -33,7 +34,6 @@ from dtrain.estimate.result import Line, MemoryEstimate
 def estimate_pipeline(job: Job) -> MemoryEstimate:
     from dtrain.parallel.pipeline.plan import check_stage_count
     from dtrain.parallel.pipeline.stages import uniform_bounds
-    from dtrain.parallel.pipeline.strategy import stages_per_rank
 
     cfg, dims, task = job.cfg, job.dims, job.task
     opts = cfg.strategy

@@ -18,7 +18,7 @@ from dtrain.metrics import records
 from dtrain.metrics.records import Record
 from dtrain.metrics.sinks import Progress, Sinks, open_sinks
 from dtrain.metrics.summary import Summary
-from dtrain.parallel.base import ShardedState, Strategy
+from dtrain.parallel.base import Strategy
 
 
 class RunLog:
@@ -39,7 +39,7 @@ class RunLog:
         # This rank's parameter bytes, for the start and train records (sizes do not change).
         self.param_bytes = strategy.parameter_bytes()
         # A sharded strategy's counters cover only part of its communication: not reported.
-        self.comm_counted = not isinstance(strategy, ShardedState)
+        self.comm_counted = not strategy.capabilities.sharded_state
 
     # -- lines ---------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 The registry lives here, where the package starts: it maps each strategy's ``name`` (what
 ``strategy.name`` in the config says) to the module and class that implement it. The base
-module imports none of them, so adding a strategy is one module plus one entry below, and never
+module imports none of them, so adding a strategy is one module plus one entry below and its
+capability record (:mod:`dtrain.config.capabilities`, what the config's rules read), and never
 touches the trainer.
 
 A strategy's module is imported when a run (or ``dtrain strategies``) asks for it, not before:
@@ -16,8 +17,8 @@ from __future__ import annotations
 import importlib
 
 from dtrain.config import Config
+from dtrain.config.capabilities import capabilities, strategy_names
 from dtrain.dist.runtime import Runtime
-from dtrain.errors import ConfigError
 from dtrain.parallel.base import Strategy
 
 # name -> (module, class)
@@ -32,15 +33,11 @@ _REGISTRY: dict[str, tuple[str, str]] = {
 }
 
 
-def strategy_names() -> list[str]:
-    return sorted(_REGISTRY)
+__all__ = ["build_strategy", "strategy_class", "strategy_names"]
 
 
 def strategy_class(name: str) -> type[Strategy]:
-    if name not in _REGISTRY:
-        raise ConfigError(
-            f"strategy.name = {name!r} is not a strategy; valid: {', '.join(strategy_names())}"
-        )
+    capabilities(name)  # a name that is no strategy: the config error naming the valid ones
     module, attribute = _REGISTRY[name]
     cls: type[Strategy] = getattr(importlib.import_module(module), attribute)
     assert cls.name == name, f"{module}.{attribute}.name is {cls.name!r}, registered as {name!r}"

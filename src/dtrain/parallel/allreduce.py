@@ -72,7 +72,7 @@ from torch import nn
 from dtrain.comm.compression import build_comm_hook
 from dtrain.comm.hooks import run_comm_hook
 from dtrain.comm.mean import divide_
-from dtrain.parallel.base import BackwardSyncControl, CommHookControl, UnevenShares
+from dtrain.parallel.base import BackwardSyncControl, CommHookControl
 from dtrain.parallel.grad_sync import MIB, assign_buckets
 from dtrain.task import Task
 
@@ -147,11 +147,10 @@ class _Bucket:
     future: torch.futures.Future[torch.Tensor] | None = None
 
 
-class AllReduceStrategy(CommHookControl, UnevenShares, BackwardSyncControl):
+class AllReduceStrategy(CommHookControl, BackwardSyncControl):
     """Hand-written data parallel: bucketed, overlapped all-reduce of gradients."""
 
     name = "allreduce"
-    syncs_batchnorm = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -6,9 +6,11 @@ The trainer runs the step itself -- forward, loss and backward over the micro-ba
 for every strategy (:mod:`dtrain.train.step`) -- and talks to a strategy only through
 :class:`Strategy`; it never asks which one it has.
 
-What only some strategies can do is a capability, each a small class a strategy also derives
-from and the trainer tests with ``isinstance`` (in the manner of Lightning Fabric's
-``_BackwardSyncControl``):
+What only some strategies can do is a capability. One that carries behaviour is a small class a
+strategy also derives from and the trainer tests with ``isinstance`` (in the manner of Lightning
+Fabric's ``_BackwardSyncControl``); the rest are plain data in the strategy's capability record
+(:mod:`dtrain.config.capabilities`: uneven shares, lockstep forward, sharded state, the mesh),
+which the config's rules read without importing a strategy.
 
 =====================  ======================================================================
 capability             what it gives                                       who
@@ -19,13 +21,6 @@ CommHookControl        gradients through comm hooks: ``comm.compression``, ddp, 
                        ``register_comm_hook()``, the hook's state in
                        checkpoints, the step's agreement carried with the
                        last bucket
-UnevenShares           ranks may hold different shares of a batch and run  ddp, allreduce
-                       different numbers of micro-steps (load balancing)
-LockstepForward        collectives in forward: every rank runs the same     fsdp, pipeline,
-                       number of forward passes (evaluation pads)          tensor
-ShardedState           ranks hold different parts of the model state        fsdp, pipeline,
-                       (checkpoints through DCP; its traffic runs inside    tensor
-                       torch, so ``comm`` does not count all of it)
 OwnStep                the strategy runs the step's micro-batches itself    pipeline
                        (its schedule interleaves them across stages)
 =====================  ======================================================================
@@ -51,13 +46,12 @@ from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint.state import CheckpointParts
 from dtrain.comm.accounting import CommCounter
-from dtrain.comm.compression import validate_compression
 from dtrain.comm.hooks import CommHook
 from dtrain.compute.model_call import call_model
 from dtrain.compute.optim import fit_saved_groups
-from dtrain.config import CommConfig, Config, StrategyConfig, validate_for_world
+from dtrain.config import CommConfig, Config, StrategyConfig
+from dtrain.config.capabilities import Capabilities, capabilities
 from dtrain.dist.runtime import Runtime
-from dtrain.errors import ConfigError
 from dtrain.parallel.grad_norm import gradient_norm, local_part
 from dtrain.parallel.materialize import is_meta_model, materialize, require_init
 from dtrain.parallel.recipe import Recipe, model_blocks
@@ -70,22 +64,6 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 
 class Strategy(ABC):
     name: ClassVar[str] = ""
-    on_mesh: ClassVar[bool] = False  # lays the ranks out on a mesh of named dimensions
-    # Can sum BatchNorm's statistics over its data-parallel ranks (strategy.sync_batchnorm):
-    # every data-parallel rank runs the same micro-batches, each a forward of the whole model.
-    syncs_batchnorm: ClassVar[bool] = False
-
-    @classmethod
-    def shards_model(cls, options: StrategyConfig) -> bool:
-        """Whether FSDP shards the model's blocks under these options (the keys that tune
-        FSDP, e.g. ``strategy.backward_prefetch``, apply)."""
-        return False
-
-    @classmethod
-    def holds_dtensors(cls, options: StrategyConfig) -> bool:
-        """Whether the parameters it trains are cut or sharded over ranks (DTensors): FSDP's
-        shards, tensor parallelism's cuts."""
-        return cls.shards_model(options)
 
     def __init__(
         self,
@@ -113,52 +91,10 @@ class Strategy(ABC):
         them here)."""
         return cls(runtime, cfg.strategy, cfg.comm, recipe=Recipe.from_config(cfg, runtime.device))
 
-    @classmethod
-    def validate_config(cls, cfg: Config, world_size: int) -> None:
-        """Reject, in the parent process, a config this strategy cannot run at this world
-        size. Data parallel by default: every rank is a data-parallel rank. (A strategy with
-        another mesh dimension calls this with its data-parallel size.)"""
-        validate_for_world(cfg, world_size)
-        if cfg.strategy.dp_replicate != 1 and not cls.on_mesh:
-            raise ConfigError(
-                f"strategy.dp_replicate = {cfg.strategy.dp_replicate} does not work with "
-                f"strategy.name = {cls.name!r}: its data-parallel ranks all hold the whole "
-                "model already; it sets the copies of a sharded model (fsdp, or tensor and "
-                "pipeline with data_parallel = 'fsdp')"
-            )
-        hooks = issubclass(cls, CommHookControl)
-        if cfg.comm.compression != "none" and not hooks:
-            raise ConfigError(
-                f"comm.compression = {cfg.comm.compression!r} does not work with "
-                f"strategy.name = {cls.name!r}: it takes comm.compression = 'none' only "
-                "(gradient compression needs a strategy that all-reduces whole gradients "
-                "through comm hooks: ddp or allreduce)"
-            )
-        if cfg.comm.transport == "shm" and not hooks:
-            raise ConfigError(
-                f"comm.transport = 'shm' does not work with strategy.name = {cls.name!r}: it "
-                "carries the gradient all-reduce of ddp and allreduce only; use "
-                "comm.transport = 'backend'"
-            )
-        if hooks:
-            validate_compression(cfg)
-        fused_sgd = cfg.optim.implementation == "fused" and cfg.optim.name == "sgd"
-        if fused_sgd and cls.holds_dtensors(cfg.strategy):
-            raise ConfigError(
-                f"optim.implementation = 'fused' with optim.name = 'sgd' does not work with "
-                f"strategy.name = {cls.name!r}: torch has no fused SGD for the sharded "
-                "parameters (DTensors) it trains; use optim.implementation = 'foreach', or adamw"
-            )
-        if cfg.strategy.sync_batchnorm:
-            check_sync_batchnorm(cls, cfg)
-        if not cfg.strategy.backward_prefetch:
-            check_backward_prefetch(cls, cfg)
-        if cfg.balance.mode != "off" and not issubclass(cls, UnevenShares):
-            raise ConfigError(
-                f"balance.mode = {cfg.balance.mode!r} does not work with strategy.name = "
-                f"{cls.name!r}: per-rank batch shares need a strategy whose ranks may run "
-                "different numbers of micro-steps (ddp or allreduce); use balance.mode = 'off'"
-            )
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this strategy can do, as the config's rules read it."""
+        return capabilities(self.name)
 
     # -- topology ------------------------------------------------------------------------
 
@@ -329,7 +265,7 @@ class Strategy(ABC):
     def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> CheckpointParts:
         """What this rank writes of the model and optimizer into a checkpoint. Replicated (this
         default): every rank holds the same, so rank 0 writes both whole, as ``model.pt`` and
-        ``optimizer.pt``. (:class:`ShardedState` strategies override.)"""
+        ``optimizer.pt``. (Sharded strategies override: :mod:`.sharded`.)"""
         parts = CheckpointParts()
         if self.runtime.is_main:
             parts.files[layout.MODEL_FILE] = self.model_state_dict()
@@ -366,35 +302,6 @@ class Strategy(ABC):
         self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
         optimizer.load_state_dict(fit_saved_groups(state, optimizer))
-
-
-def check_sync_batchnorm(cls: type[Strategy], cfg: Config) -> None:
-    """``strategy.sync_batchnorm`` where it cannot give one process's math is a config error."""
-    if not cls.syncs_batchnorm:
-        raise ConfigError(
-            f"strategy.sync_batchnorm = true does not work with strategy.name = {cls.name!r}: "
-            "BatchNorm's statistics are summed over the data-parallel ranks of ddp, allreduce "
-            "and fsdp only"
-        )
-    if cfg.balance.mode != "off":
-        raise ConfigError(
-            f"strategy.sync_batchnorm = true does not work with balance.mode = "
-            f"{cfg.balance.mode!r}: every rank must run the same micro-steps for the "
-            "statistics to be summed over all of them; use balance.mode = 'off'"
-        )
-
-
-def check_backward_prefetch(cls: type[Strategy], cfg: Config) -> None:
-    """``strategy.backward_prefetch = false`` where no FSDP shards the model is a config
-    error: it would change nothing."""
-    if not cls.shards_model(cfg.strategy):
-        raise ConfigError(
-            f"strategy.backward_prefetch = false does not work with strategy.name = "
-            f"{cls.name!r}"
-            + (f" and data_parallel = {cfg.strategy.data_parallel!r}" if cls.on_mesh else "")
-            + ": it sets when FSDP gathers a sharded model's blocks in backward (fsdp, or "
-            "tensor and pipeline with data_parallel = 'fsdp'); remove it"
-        )
 
 
 # -- capabilities ---------------------------------------------------------------------------
@@ -462,25 +369,6 @@ class CommHookControl(Strategy):
         }
 
 
-class UnevenShares:
-    """Capability: ranks may hold different shares of a global batch and run different numbers
-    of micro-steps (``balance.mode = 'throughput'``): gradients meet once per step, on each
-    rank's last micro-batch, and nothing else in a step is collective."""
-
-
-class LockstepForward:
-    """Capability (a constraint, really): there are collectives in forward (FSDP's
-    all-gathers, pipeline sends, tensor-parallel all-reduces), so every rank must run the same
-    number of forward passes; evaluation pads with batches computed and not counted."""
-
-
-class ShardedState:
-    """Capability: ranks hold different parts of the model and optimizer state; checkpoints
-    go through ``torch.distributed.checkpoint`` (:mod:`dtrain.parallel.sharded`). Their
-    collectives run inside torch, so ``comm`` counts only dtrain's own: their totals are left
-    out of the metrics rather than understated."""
-
-
 class OwnStep(ABC):
     """Capability: the strategy runs a step's micro-batches itself, where its schedule
     interleaves them (a pipeline's stages), instead of the trainer's forward/backward loop."""
@@ -496,4 +384,4 @@ class OwnStep(ABC):
 
 def replicated_state(strategy: Strategy) -> bool:
     """Whether every rank holds the whole model and optimizer state (rank 0 saves it)."""
-    return not isinstance(strategy, ShardedState)
+    return not strategy.capabilities.sharded_state

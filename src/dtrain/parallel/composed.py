@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from dtrain.parallel.base import BackwardSyncControl, LockstepForward
+from dtrain.parallel.base import BackwardSyncControl
 from dtrain.parallel.fsdp_prefetch import apply_backward_prefetch
 from dtrain.parallel.grad_norm import clip_to_max_norm, local_part, mesh_gradient_norm
 from dtrain.parallel.grad_sync import average_in_buckets
@@ -48,7 +48,7 @@ from dtrain.parallel.tensor_plan import check_no_dropout, model_plan
 from dtrain.task import Task
 
 
-class ComposedStrategy(MeshStrategy, LockstepForward, BackwardSyncControl):
+class ComposedStrategy(MeshStrategy, BackwardSyncControl):
     """Tensor parallel x FSDP x replicas on one mesh (a subclass names the point)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

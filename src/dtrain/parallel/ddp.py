@@ -28,16 +28,14 @@ from dtrain.parallel.base import (
     BackwardSyncControl,
     CommHookControl,
     LossFn,
-    UnevenShares,
 )
 from dtrain.task import Task
 
 
-class DDPStrategy(CommHookControl, UnevenShares, BackwardSyncControl):
+class DDPStrategy(CommHookControl, BackwardSyncControl):
     """torch DistributedDataParallel: replicated model, bucketed all-reduce in backward"""
 
     name = "ddp"
-    syncs_batchnorm = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -20,26 +20,10 @@ layout of the mesh.
 
 from __future__ import annotations
 
-from dtrain.config import StrategyConfig
 from dtrain.parallel.composed import ComposedStrategy
-from dtrain.parallel.mesh import ParallelDims, fit_dims
 
 
 class FSDPStrategy(ComposedStrategy):
     """fully sharded data parallel (FSDP2): parameters, gradients and optimizer state 1/N each"""
 
     name = "fsdp"
-    syncs_batchnorm = True
-
-    @classmethod
-    def shards_model(cls, options: StrategyConfig) -> bool:
-        return True
-
-    @classmethod
-    def dims_of(cls, options: StrategyConfig, world_size: int) -> ParallelDims:
-        return fit_dims(
-            world_size,
-            "dp_shard",
-            tp=("strategy.tensor_parallel", options.tensor_parallel or 1),
-            dp_replicate=("strategy.dp_replicate", options.dp_replicate),
-        )

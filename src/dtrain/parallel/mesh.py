@@ -18,100 +18,13 @@ model-parallel rank are furthest apart::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from dtrain.errors import ConfigError
-
-DIMS = ("dp_replicate", "dp_shard", "pp", "tp")  # outermost first
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    """How many ranks each named dimension of the mesh has (1: the dimension is not used)."""
-
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    pp: int = 1
-    tp: int = 1
-
-    def size(self, name: str) -> int:
-        size: int = getattr(self, name)
-        return size
-
-    @property
-    def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.pp * self.tp
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel ranks: the copies and the shards together (what splits a batch)."""
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def used(self) -> tuple[str, ...]:
-        """The dimensions with more than one rank, outermost first."""
-        return tuple(name for name in DIMS if self.size(name) > 1)
-
-    def coords(self, rank: int) -> dict[str, int]:
-        """Each dimension's index of a global rank."""
-        out: dict[str, int] = {}
-        for name in reversed(DIMS):
-            rank, out[name] = divmod(rank, self.size(name))
-        return out
-
-    def rank_of(self, **coords: int) -> int:
-        """The global rank at ``coords`` (a dimension not given: index 0)."""
-        rank = 0
-        for name in DIMS:
-            rank = rank * self.size(name) + coords.get(name, 0)
-        return rank
-
-    def dp_rank(self, rank: int) -> int:
-        """The data-parallel index of a global rank: copies outside, shards inside."""
-        coords = self.coords(rank)
-        return coords["dp_replicate"] * self.dp_shard + coords["dp_shard"]
-
-    def describe(self) -> str:
-        """``dp_shard 2 x tp 2``; ``1 rank`` when no dimension is used."""
-        parts = [f"{name} {self.size(name)}" for name in self.used]
-        return " x ".join(parts) if parts else "1 rank"
-
-
-def replicas_of_shards(data_parallel: str, dp_replicate: int) -> tuple[str, int]:
-    """``strategy.dp_replicate`` for the layouts whose data-parallel ranks may be FSDP shards:
-    the copies of the sharded model; a config error where they are whole replicas anyway."""
-    if data_parallel == "replicate" and dp_replicate != 1:
-        raise ConfigError(
-            f"strategy.dp_replicate = {dp_replicate} needs strategy.data_parallel = 'fsdp': with "
-            "'replicate' every data-parallel rank holds a whole copy already"
-        )
-    return ("strategy.dp_replicate", dp_replicate)
-
-
-def fit_dims(world_size: int, rest: str, **given: tuple[str, int]) -> ParallelDims:
-    """The dimensions of a strategy at ``world_size``: each of ``given`` is ``dimension=(config
-    key, size)``, and the ``rest`` dimension takes what they leave. A config error names the
-    key whose size does not divide the world."""
-    sizes: dict[str, int] = {}
-    left = world_size
-    for name, (key, size) in given.items():
-        if size < 1 or left % size:
-            used = " x ".join(f"{n} {s}" for n, s in sizes.items() if s > 1)
-            within = f"the {left} ranks left by {used}" if used else f"the world size {left}"
-            raise ConfigError(
-                f"{key} = {size} does not divide {within}: the mesh's dimensions must "
-                f"multiply to the world size; use a divisor of {left}"
-            )
-        sizes[name] = size
-        left //= size
-    sizes[rest] = left
-    names = {f.name for f in fields(ParallelDims)}
-    assert set(sizes) <= names, sizes
-    return ParallelDims(**sizes)
+from dtrain.config.layout import DIMS, ParallelDims
 
 
 @dataclass

@@ -19,10 +19,10 @@ from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint.state import CheckpointParts
 from dtrain.comm.plain import all_gather_json
-from dtrain.config import Config, StrategyConfig
-from dtrain.parallel.base import ShardedState, Strategy
+from dtrain.config.layout import strategy_dims
+from dtrain.parallel.base import Strategy
 from dtrain.parallel.cross_form import load_whole_into_shards, read_in_saved_groups, renamed
-from dtrain.parallel.mesh import Mesh, ParallelDims
+from dtrain.parallel.mesh import Mesh
 
 
 def flattened_optimizer_state(cls: type[Strategy]) -> bool:
@@ -32,7 +32,7 @@ def flattened_optimizer_state(cls: type[Strategy]) -> bool:
     return bool(options is not None and options.flatten_optimizer_state_dict)
 
 
-class ShardedStrategy(Strategy, ShardedState):
+class ShardedStrategy(Strategy):
     """A strategy whose ranks each hold part of the model and optimizer state."""
 
     state_dict_options: ClassVar[Any] = None  # torch's StateDictOptions, or None for its default
@@ -117,27 +117,13 @@ class ShardedStrategy(Strategy, ShardedState):
 
 class MeshStrategy(ShardedStrategy):
     """A sharded strategy on one mesh of named dimensions (:mod:`dtrain.parallel.mesh`): which
-    point of it a subclass trains on follows from its config (:meth:`dims_of`); the mesh's
-    process groups are built in ``setup``."""
-
-    on_mesh = True
-
-    @classmethod
-    def dims_of(cls, options: StrategyConfig, world_size: int) -> ParallelDims:
-        """The mesh ``options`` ask for at ``world_size`` (a config error when it does not
-        fit)."""
-        raise NotImplementedError
-
-    @classmethod
-    def validate_config(cls, cfg: Config, world_size: int) -> None:
-        dims = cls.dims_of(cfg.strategy, world_size)
-        # The base's checks, at the data-parallel size: the other dimensions split the
-        # model, not the batch.
-        super().validate_config(cfg, dims.dp)
+    point of it a subclass trains on follows from its config
+    (:func:`dtrain.config.layout.strategy_dims`); the mesh's process groups are built in
+    ``setup``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.dims = self.dims_of(self.options, self.runtime.world_size)
+        self.dims = strategy_dims(self.options, self.runtime.world_size)
         self.mesh: Mesh | None = None
 
     @property

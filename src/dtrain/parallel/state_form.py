@@ -17,14 +17,15 @@ from pathlib import Path
 from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint.safe_load import torch_load
+from dtrain.config.capabilities import capabilities
 from dtrain.errors import CheckpointError
-from dtrain.parallel.base import ShardedState, Strategy
+from dtrain.parallel.base import Strategy
 from dtrain.parallel.cross_form import NAMES_KEY
 
 
 def check_state_form(cls: type[Strategy], step_dir: Path) -> None:
     """A one-line error where strategy ``cls`` cannot load the state in ``step_dir``."""
-    if (step_dir / layout.SHARDED_DIR).is_dir() or not issubclass(cls, ShardedState):
+    if (step_dir / layout.SHARDED_DIR).is_dir() or not capabilities(cls.name).sharded_state:
         return  # shards into any strategy, whole files into a replica
     if names_its_parameters(step_dir / layout.OPTIMIZER_FILE):
         return  # whole files cut into shards by name

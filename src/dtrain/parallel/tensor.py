@@ -16,28 +16,10 @@ one degree resumes at another.
 
 from __future__ import annotations
 
-from dtrain.config import StrategyConfig
 from dtrain.parallel.composed import ComposedStrategy
-from dtrain.parallel.mesh import ParallelDims, fit_dims, replicas_of_shards
 
 
 class TensorParallelStrategy(ComposedStrategy):
     """tensor parallel (torch.distributed.tensor.parallel), x data-parallel copies or shards"""
 
     name = "tensor"
-
-    @classmethod
-    def shards_model(cls, options: StrategyConfig) -> bool:
-        return options.data_parallel == "fsdp"
-
-    @classmethod
-    def holds_dtensors(cls, options: StrategyConfig) -> bool:
-        return True  # the cut layers' weights
-
-    @classmethod
-    def dims_of(cls, options: StrategyConfig, world_size: int) -> ParallelDims:
-        tp = ("strategy.tensor_parallel", options.tensor_parallel or world_size)
-        replicas = replicas_of_shards(options.data_parallel, options.dp_replicate)
-        if options.data_parallel == "replicate":
-            return fit_dims(world_size, "dp_replicate", tp=tp)
-        return fit_dims(world_size, "dp_shard", tp=tp, dp_replicate=replicas)

@@ -21,7 +21,7 @@ import torch
 
 from dtrain.data.loader import eval_batches, split_to_device, to_device
 from dtrain.errors import UserError
-from dtrain.parallel.base import LockstepForward, LossFn, Strategy
+from dtrain.parallel.base import LossFn, Strategy
 from dtrain.task import Task
 from dtrain.train.loss_contract import LossContract
 
@@ -129,7 +129,7 @@ def evaluate(
         done += 1
         if on_progress is not None:
             on_progress()
-    if isinstance(strategy, LockstepForward):
+    if strategy.capabilities.lockstep_forward:
         # Strategies with collectives in forward need the same number of forward passes on
         # every rank: the ranks with a smaller share run padding batches, not counted.
         total = len(task.val_data) if max_samples <= 0 else min(max_samples, len(task.val_data))

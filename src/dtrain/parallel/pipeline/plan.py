@@ -4,7 +4,6 @@ balancer fed with layer times measured on this job's own devices."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import pairwise
 from typing import Any
 
 import torch
@@ -15,24 +14,6 @@ from dtrain.config import StrategyConfig
 from dtrain.errors import ConfigError
 from dtrain.parallel.pipeline.profile import balance_layers
 from dtrain.parallel.pipeline.stages import StagePlan, plan_from_bounds, uniform_bounds
-
-
-def check_boundaries(boundaries: Sequence[int], num_stages: int) -> None:
-    """Manual boundaries as the config gives them: the first layer of stages 1..K-1."""
-    if not boundaries:
-        return
-    key = "strategy.pipeline_boundaries"
-    if len(boundaries) != num_stages - 1:
-        raise ConfigError(
-            f"{key} = {list(boundaries)} gives {len(boundaries) + 1} stages, but the job has "
-            f"{num_stages}: give the first layer of every stage but the first "
-            f"({num_stages - 1} numbers)"
-        )
-    if boundaries[0] < 1 or any(b <= a for a, b in pairwise(boundaries)):
-        raise ConfigError(
-            f"{key} = {list(boundaries)} must be strictly increasing and start at 1 or more: "
-            "every stage needs at least one layer"
-        )
 
 
 def check_stage_count(num_stages: int, num_layers: int, model: nn.Module) -> None:

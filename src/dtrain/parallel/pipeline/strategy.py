@@ -41,14 +41,15 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from dtrain.config import CommConfig, Config, DataConfig, StrategyConfig
+from dtrain.config.layout import INTERLEAVED, stages_per_rank
 from dtrain.dist.runtime import Runtime
-from dtrain.errors import ConfigError, UserError
-from dtrain.parallel.base import LockstepForward, LossFn, OwnStep, Strategy
+from dtrain.errors import UserError
+from dtrain.parallel.base import LossFn, OwnStep, Strategy
 from dtrain.parallel.fsdp_prefetch import apply_backward_prefetch
 from dtrain.parallel.grad_norm import clip_to_max_norm, local_part, mesh_gradient_norm
 from dtrain.parallel.grad_sync import average_in_buckets
 from dtrain.parallel.materialize import is_meta_model, materialize, require_init
-from dtrain.parallel.mesh import ParallelDims, build_mesh, fit_dims, replicas_of_shards
+from dtrain.parallel.mesh import build_mesh
 from dtrain.parallel.pipeline.batches import (
     batch_signature,
     check_tensor,
@@ -56,7 +57,6 @@ from dtrain.parallel.pipeline.batches import (
     stack_micro_batches,
 )
 from dtrain.parallel.pipeline.plan import (
-    check_boundaries,
     check_stage_count,
     choose_plan,
     example_input,
@@ -80,16 +80,10 @@ from dtrain.parallel.skeleton import ModelSkeleton, meta_copy
 from dtrain.parallel.tensor_plan import check_no_dropout, model_plan
 from dtrain.task import Task
 
-INTERLEAVED = "interleaved-1f1b"
 _CACHED_SCHEDULES = 8  # distinct batch shapes kept (each holds receive buffers of its shape)
 
 
-def stages_per_rank(options: StrategyConfig) -> int:
-    interleaved = options.pipeline_schedule == INTERLEAVED
-    return options.pipeline_virtual_stages if interleaved else 1
-
-
-class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
+class PipelineStrategy(MeshStrategy, OwnStep):
     """pipeline parallel (torch.distributed.pipelining), x data parallel on a 2-D mesh"""
 
     name = "pipeline"
@@ -97,60 +91,6 @@ class PipelineStrategy(MeshStrategy, LockstepForward, OwnStep):
     # Optimizer state keyed by parameter name, not by position: each stage holds different
     # parameters, and a name means the same tensor at any pipeline or data-parallel layout.
     state_dict_options = StateDictOptions(flatten_optimizer_state_dict=True)
-
-    @classmethod
-    def dims_of(cls, options: StrategyConfig, world_size: int) -> ParallelDims:
-        """Stages (0: all the ranks tensor parallelism leaves), then the data-parallel ranks:
-        replicas, or FSDP shards (with ``dp_replicate`` copies of them)."""
-        tp = options.tensor_parallel or 1
-        stages = options.pipeline_stages or max(1, world_size // tp)
-        given = {
-            "tp": ("strategy.tensor_parallel", tp),
-            "pp": ("strategy.pipeline_stages", stages),
-        }
-        replicas = replicas_of_shards(options.data_parallel, options.dp_replicate)
-        if options.data_parallel == "replicate":
-            return fit_dims(world_size, "dp_replicate", **given)
-        return fit_dims(world_size, "dp_shard", **given, dp_replicate=replicas)
-
-    @classmethod
-    def shards_model(cls, options: StrategyConfig) -> bool:
-        return options.data_parallel == "fsdp"
-
-    @classmethod
-    def holds_dtensors(cls, options: StrategyConfig) -> bool:
-        return cls.shards_model(options) or (options.tensor_parallel or 1) > 1
-
-    @classmethod
-    def validate_config(cls, cfg: Config, world_size: int) -> None:
-        super().validate_config(cfg, world_size)  # the mesh, and checks at its dp size
-        dims = cls.dims_of(cfg.strategy, world_size)
-        pp = dims.pp  # ranks per pipeline
-        opts, data = cfg.strategy, cfg.data
-        per_step = dims.dp * data.micro_batches
-        if data.global_batch_size % per_step:
-            raise ConfigError(
-                f"data.global_batch_size = {data.global_batch_size} does not split into "
-                f"{dims.dp} data-parallel copies x {data.micro_batches} micro-batches of "
-                "equal size: a pipeline sends activations of one fixed shape between stages; "
-                f"use a multiple of {per_step}"
-            )
-        if opts.pipeline_schedule == "1f1b" and data.micro_batches < pp:
-            raise ConfigError(
-                f"data.micro_batches = {data.micro_batches} is fewer than the {pp} "
-                "pipeline stages: 1F1B runs a micro-batch's backward as soon as it is through "
-                "the last stage, which needs one micro-batch in flight per stage; use "
-                f"data.micro_batches >= {pp}, or pipeline_schedule = 'gpipe'"
-            )
-        if opts.pipeline_schedule == INTERLEAVED:
-            rounds = max(1, data.micro_batches // pp)
-            if data.micro_batches % rounds:
-                raise ConfigError(
-                    f"data.micro_batches = {data.micro_batches}: interleaved 1F1B runs the "
-                    f"micro-batches in rounds of the {pp} stages; use a multiple of "
-                    f"{pp}, or at most {pp}"
-                )
-        check_boundaries(opts.pipeline_boundaries, pp * stages_per_rank(opts))
 
     def __init__(
         self,

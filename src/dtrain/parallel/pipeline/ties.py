@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import nn
 
+from dtrain.config.layout import ParallelDims
 from dtrain.parallel.grad_norm import local_part
-from dtrain.parallel.mesh import ParallelDims
 from dtrain.parallel.pipeline.split import TiedParameter
 
 
