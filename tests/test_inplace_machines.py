@@ -7,11 +7,12 @@ from typing import Any
 
 import pytest
 
+from dtrain.cli.train import job_shape
+from dtrain.config.job import validate_in_place_machines
 from dtrain.dist import sealed_store
 from dtrain.dist.stores import host_store
 from dtrain.errors import UserError
 from dtrain.launch.elastic import make_options
-from dtrain.launch.inplace import check_machines
 from dtrain.recovery.coordinator import NodeWatcher
 from dtrain.recovery.coordinator_link import StoreLink
 from dtrain.recovery.node_claim import claim_key, claim_node
@@ -19,7 +20,7 @@ from dtrain.recovery.node_claim import claim_key, claim_node
 
 def check(nnodes: str, node_rank: int | None, endpoint: str = "127.0.0.1:29400") -> None:
     opts = make_options(1, nnodes, node_rank, endpoint, 0, "job")
-    check_machines(opts, nnodes)
+    validate_in_place_machines(job_shape(opts, nnodes, in_place=True))
 
 
 def test_two_machines_with_node_ranks_are_accepted() -> None:

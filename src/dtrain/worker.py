@@ -36,10 +36,17 @@ if TYPE_CHECKING:
 
 
 def load_worker_config(argv: Sequence[str]) -> Config:
+    """The config, checked by its rules once: by the ``dtrain train`` that wrote this config
+    file, or here, at this worker's world size (plain ``torchrun``, or overrides of ours)."""
+    from dtrain.config.job import CHECKED_ENV, JobShape, validate_job
     from dtrain.train.job import load_job_config
 
     path = argv[0] if argv and not argv[0].startswith("--") else None
-    return load_job_config(path, list(argv[1:] if path else argv))
+    overrides = list(argv[1:] if path else argv)
+    cfg = load_job_config(path, overrides)
+    if overrides or path is None or os.environ.get(CHECKED_ENV) != path:
+        validate_job(cfg, JobShape.of_world(int(os.environ.get("WORLD_SIZE", "1"))))
+    return cfg
 
 
 def train(cfg: Config) -> Summary | None:

@@ -1,11 +1,14 @@
-"""``dtrain train``: check what the command line and the config say, then launch."""
+"""``dtrain train``: check what the command line and the config say, then launch. The config's
+rules are the config package's (:func:`dtrain.config.job.validate_job`); this module hands them
+the job's shape and tells the workers the config they read was checked."""
 
 from __future__ import annotations
 
 import argparse
+import os
 from typing import TYPE_CHECKING
 
-from dtrain.errors import UserError
+from dtrain.config.job import CHECKED_ENV, JobShape
 
 if TYPE_CHECKING:
     from dtrain.launch.elastic import LaunchOptions
@@ -41,7 +44,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str]) -> int:
     """``dtrain train`` once its options are checked and its environment is set."""
     from dtrain.checkpoint.rundir import check_resume_folder, check_run_dir, held_run_dir
-    from dtrain.config import validate_ranks
+    from dtrain.config.job import validate_job
     from dtrain.launch.elastic import launch_workers
     from dtrain.parallel import strategy_class
     from dtrain.parallel.state_form import check_state_form
@@ -53,26 +56,8 @@ def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str
         from dtrain.metrics.tensorboard import check_available
 
         check_available()
-    strategy_class(cfg.strategy.name).validate_config(cfg, opts.min_world_size)
-    if cfg.comm.transport == "shm" and opts.max_nodes > 1:
-        raise UserError(
-            f"comm.transport = 'shm' needs every rank on one machine, but --nnodes {args.nnodes} "
-            "allows more; use comm.transport = 'auto' (shared memory where it can be used)"
-        )
-    validate_ranks(cfg, opts.min_world_size)  # a rank the config names exists in every world
-    if opts.max_world_size != opts.min_world_size:
-        strategy_class(cfg.strategy.name).validate_config(cfg, opts.max_world_size)
+    validate_job(cfg, job_shape(opts, args.nnodes, cfg.fault.recovery == "inplace"))
     check_init_from(cfg.run.init_from)
-    if cfg.fault.recovery == "inplace" and opts.max_nodes > 1:
-        from dtrain.launch.inplace import check_machines
-
-        check_machines(opts, args.nnodes)
-    if cfg.fault.recovery == "inplace" and cfg.fault.min_replicas > opts.max_world_size:
-        raise UserError(
-            f"fault.min_replicas = {cfg.fault.min_replicas} is more than the job's "
-            f"{opts.max_world_size} workers (--nproc {args.nproc}): it could never train; "
-            "lower fault.min_replicas or raise --nproc"
-        )
     if cfg.run.resume not in ("auto", "never"):
         # Before the run folder is made for this job.
         check_resume_folder(cfg.run.resume, cfg.run.dir)
@@ -81,6 +66,7 @@ def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str
     # Writable, held for this job (another live job's hold is refused), and this launcher's
     # config where only its own workers read it.
     with held_run_dir(cfg, opts.run_id, opts.rdzv_endpoint) as config_path:
+        os.environ[CHECKED_ENV] = str(config_path)  # its workers need not check it again
         resume_from = check_run_dir(cfg, args.force)
         if resume_from is not None:
             check_state_form(strategy_class(cfg.strategy.name), resume_from)
@@ -102,3 +88,20 @@ def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str
             preempt_signals=cfg.fault.preempt_signals,
             collective_timeout_s=cfg.dist.timeout_s,
         )
+
+
+def job_shape(opts: LaunchOptions, nnodes: str, in_place: bool) -> JobShape:
+    """The rules' view of the launch options; whether this machine can host the in-place
+    membership coordinator is asked of its addresses only where that is needed."""
+    from dtrain.launch.elastic import hosts_rendezvous
+
+    hosts = in_place and opts.max_nodes > 1 and hosts_rendezvous(opts)
+    return JobShape(
+        nproc=opts.nproc,
+        min_nodes=opts.min_nodes,
+        max_nodes=opts.max_nodes,
+        nnodes=nnodes,
+        node_rank=opts.node_rank,
+        rdzv_endpoint=opts.rdzv_endpoint,
+        hosts_endpoint=hosts,
+    )

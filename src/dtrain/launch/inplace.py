@@ -124,7 +124,8 @@ def launch_in_place(
         port = split_endpoint(opts.rdzv_endpoint)[1] if nodes > 1 else 0
         # Listening where the members reach it: loopback on one machine, else the address
         # of --rdzv-endpoint here.
-        # (check_machines made sure the endpoint is one of this machine's addresses.)
+        # (dtrain.config.job.validate_in_place_machines made sure the endpoint is one of this
+        # machine's addresses.)
         host = split_endpoint(opts.rdzv_endpoint)[0] if nodes > 1 else LOOPBACK
         bind = local_address(host) or LOOPBACK
         store = host_store(bind, port, collective_timeout_s)
@@ -232,37 +233,6 @@ def join_timed_out(opts: LaunchOptions, why: str) -> str:
         "every machine with the same config, --nnodes, --nproc and --rdzv-endpoint, each with "
         "its own --node-rank (a machine that refused to start says why on its own console)"
     )
-
-
-def check_machines(opts: LaunchOptions, nnodes: str) -> None:
-    """Before any worker starts, across machines: what in-place recovery cannot do there is
-    one line each."""
-    from dtrain.launch.elastic import hosts_rendezvous
-
-    if opts.min_nodes != opts.max_nodes:
-        raise UserError(
-            f"--nnodes {nnodes}: fault.recovery = 'inplace' needs a fixed number of machines "
-            "(a lost worker rejoins in place); use --nnodes N, or fault.recovery = 'restart' "
-            "for an elastic range"
-        )
-    if opts.node_rank is None:
-        raise UserError(
-            "fault.recovery = 'inplace' across machines needs --node-rank K on each (0 hosts "
-            "the membership coordinator at --rdzv-endpoint; the others number their workers "
-            "after it)"
-        )
-    if opts.node_rank >= opts.max_nodes:
-        raise UserError(
-            f"--node-rank {opts.node_rank}: must be below --nnodes {opts.max_nodes} (0 .. "
-            f"{opts.max_nodes - 1})"
-        )
-    if opts.node_rank == 0 and not hosts_rendezvous(opts):
-        raise UserError(
-            f"--rdzv-endpoint {opts.rdzv_endpoint} is not an address of this machine: with "
-            "fault.recovery = 'inplace' the machine with --node-rank 0 hosts the membership "
-            "coordinator there (a rendezvous apart from the machines, `dtrain rendezvous`, is "
-            "for fault.recovery = 'restart')"
-        )
 
 
 def check_shape(link: StoreLink, opts: LaunchOptions) -> None:
