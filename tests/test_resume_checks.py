@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dtrain.checkpoint.rundir import config_differences
 from dtrain.cli import main
 from dtrain.config import Config
+from dtrain.config.resume import config_differences
 from tests.test_cli import run_cli, write_tiny_config
 
 

@@ -335,8 +335,8 @@ def test_a_segment_left_by_a_killed_rank_is_swept(tmp_path: Path) -> None:
 
 
 def test_a_resumed_run_may_change_the_transport() -> None:
-    from dtrain.checkpoint.rundir import config_differences
     from dtrain.config import Config
+    from dtrain.config.resume import config_differences
 
     saved, current = Config(), Config()
     current.comm.transport = "backend"

@@ -1,5 +1,6 @@
 """Checks on the run folder made in the parent process, before any worker starts: resuming into a
-folder made by a different config, a checkpoint to resume from that does not exist, starting
+folder made by a different config (which keys may change is the config's rule,
+:mod:`dtrain.config.resume`), a checkpoint to resume from that does not exist, starting
 afresh over old checkpoints, a folder that cannot be written, a folder another job holds
 (:func:`held_run_dir`)."""
 
@@ -11,71 +12,14 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint.hold import JOB_ID_ENV, launch_config_path, take_hold
 from dtrain.config import Config
-from dtrain.config.load import REMOVED, RENAMED
+from dtrain.config.resume import check_resumed_config
 from dtrain.errors import CheckpointError, UserError
 from dtrain.fsutil import require_output_folder, write_atomic
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
-# Keys a resumed run may change without changing what is being trained.
-SAFE_TO_CHANGE = (
-    "run.dir",
-    "run.resume",
-    "run.init_from",  # the weights of step 0: a resumed run loads its checkpoint
-    "train.steps",
-    "train.log_every",
-    "train.compile",  # the same numbers, within rounding; the same names
-    "train.activation_checkpointing",  # the same numbers, bit for bit
-    "eval.",
-    "checkpoint.",
-    "dist.",
-    "data.num_workers",
-    "data.prefetch",
-    "strategy.",
-    "metrics.",
-    "comm.transport",  # how sums travel, not what they are
-)
-
-
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(flatten(value, name + "."))
-        else:
-            out[name] = value
-    return out
-
-
-def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """The keys that differ and may not; a key the saved config lacks (a checkpoint made
-    before the key existed) counts as its default, which is what that run trained with. A key
-    since renamed is compared under its new name; one since removed changes nothing."""
-    before, after = flatten(saved), flatten(current)
-    for old, (new, _note) in RENAMED.items():
-        if old in before:
-            before.setdefault(new, before.pop(old))
-    for gone in REMOVED:
-        before.pop(gone, None)
-    for key, default in flatten(Config().to_dict()).items():
-        before.setdefault(key, default)
-    diffs = []
-    for key in sorted(set(before) | set(after)):
-        if key.startswith(SAFE_TO_CHANGE) or key in SAFE_TO_CHANGE:
-            continue
-        if before.get(key) != after.get(key):
-            diffs.append(f"{key}: {before.get(key, '(unset)')!r} -> {after.get(key, '(unset)')!r}")
-    return diffs
 
 
 def check_resume_folder(resume: str, run_dir: str = "") -> Path:
@@ -120,18 +64,8 @@ def check_run_dir(cfg: Config, force: bool) -> Path | None:
         path = check_resume_folder(cfg.run.resume, cfg.run.dir)
     if path is None:
         return None
-    meta = ckread.load_meta(path)
-    try:
-        saved = tomllib.loads(meta.get("config", ""))
-    except tomllib.TOMLDecodeError:
-        saved = {}
-    diffs = config_differences(saved, cfg.to_dict())
-    if diffs and not force:
-        shown = "; ".join(diffs[:10]) + (f"; ... {len(diffs) - 10} more" if len(diffs) > 10 else "")
-        raise UserError(
-            f"{path} was made with a different config ({shown}); use a new "
-            "run.dir, or pass --force to resume anyway"
-        )
+    if not force:
+        check_resumed_config(ckread.load_meta(path).get("config", ""), cfg, path)
     return path
 
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dtrain.checkpoint.rundir import flatten
 from dtrain.comm.plain import all_gather_json
 from dtrain.config import Config
+from dtrain.config.resume import flatten
 from dtrain.dist.runtime import Runtime
 from dtrain.errors import ConfigError
 

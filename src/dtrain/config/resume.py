@@ -1,0 +1,85 @@
+"""Which keys a resumed run may change: those that do not change what is being trained. A
+checkpoint's config (its ``meta.json``) against the config resuming it, key by key; the parent
+checks before any worker starts (:mod:`dtrain.checkpoint.rundir` reads the checkpoint's)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from dtrain.config.load import REMOVED, RENAMED
+from dtrain.config.sections import Config
+from dtrain.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+# Keys a resumed run may change without changing what is being trained.
+SAFE_TO_CHANGE = (
+    "run.dir",
+    "run.resume",
+    "run.init_from",  # the weights of step 0: a resumed run loads its checkpoint
+    "train.steps",
+    "train.log_every",
+    "train.compile",  # the same numbers, within rounding; the same names
+    "train.activation_checkpointing",  # the same numbers, bit for bit
+    "eval.",
+    "checkpoint.",
+    "dist.",
+    "data.num_workers",
+    "data.prefetch",
+    "strategy.",
+    "metrics.",
+    "comm.transport",  # how sums travel, not what they are
+)
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The keys that differ and may not; a key the saved config lacks (a checkpoint made
+    before the key existed) counts as its default, which is what that run trained with. A key
+    since renamed is compared under its new name; one since removed changes nothing."""
+    before, after = flatten(saved), flatten(current)
+    for old, (new, _note) in RENAMED.items():
+        if old in before:
+            before.setdefault(new, before.pop(old))
+    for gone in REMOVED:
+        before.pop(gone, None)
+    for key, default in flatten(Config().to_dict()).items():
+        before.setdefault(key, default)
+    diffs = []
+    for key in sorted(set(before) | set(after)):
+        if key.startswith(SAFE_TO_CHANGE) or key in SAFE_TO_CHANGE:
+            continue
+        if before.get(key) != after.get(key):
+            diffs.append(f"{key}: {before.get(key, '(unset)')!r} -> {after.get(key, '(unset)')!r}")
+    return diffs
+
+
+def check_resumed_config(saved_toml: str, cfg: Config, where: Path) -> None:
+    """A one-line error where ``cfg`` changes a key of the config the checkpoint at ``where``
+    was made with (``saved_toml``, its text; unreadable: every key counts as its default)."""
+    try:
+        saved = tomllib.loads(saved_toml)
+    except tomllib.TOMLDecodeError:
+        saved = {}
+    diffs = config_differences(saved, cfg.to_dict())
+    if diffs:
+        shown = "; ".join(diffs[:10]) + (f"; ... {len(diffs) - 10} more" if len(diffs) > 10 else "")
+        raise ConfigError(
+            f"{where} was made with a different config ({shown}); use a new "
+            "run.dir, or pass --force to resume anyway"
+        )
