@@ -84,9 +84,9 @@ def cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
         print(options_markdown(), end="")
         return 0
     cfg = load_job_config(args.config, overrides)
-    from dtrain.parallel import strategy_class
+    from dtrain.config.capabilities import capabilities
 
-    strategy_class(cfg.strategy.name)  # a name `dtrain train` would refuse, refused here too
+    capabilities(cfg.strategy.name)  # a name `dtrain train` would refuse, refused here too
     print(cfg.to_toml(), end="")
     return 0
 
