@@ -110,33 +110,22 @@ def strategy_dims(options: StrategyConfig, world_size: int) -> ParallelDims:
     """The mesh ``options`` ask for at ``world_size`` (a config error when it does not fit):
     the strategy's own layout, or every rank a data-parallel replica."""
     mesh = capabilities(options.name).mesh
-    tp = options.tensor_parallel or 1
+    if mesh == "":
+        return ParallelDims(dp_replicate=world_size)
+    # Tensor parallelism takes every rank unless told (tensor), else none but its own.
+    tp = options.tensor_parallel or (world_size if mesh == "tensor" else 1)
+    given = {"tp": ("strategy.tensor_parallel", tp)}
     if mesh == "fsdp":
-        return fit_dims(
-            world_size,
-            "dp_shard",
-            tp=("strategy.tensor_parallel", tp),
-            dp_replicate=("strategy.dp_replicate", options.dp_replicate),
-        )
-    if mesh == "tensor":
-        cut = ("strategy.tensor_parallel", options.tensor_parallel or world_size)
-        replicas = replicas_of_shards(options.data_parallel, options.dp_replicate)
-        if options.data_parallel == "replicate":
-            return fit_dims(world_size, "dp_replicate", tp=cut)
-        return fit_dims(world_size, "dp_shard", tp=cut, dp_replicate=replicas)
-    if mesh == "pipeline":
-        # Stages (0: all the ranks tensor parallelism leaves), then the data-parallel ranks:
-        # replicas, or FSDP shards (with dp_replicate copies of them).
+        copies = ("strategy.dp_replicate", options.dp_replicate)
+        return fit_dims(world_size, "dp_shard", **given, dp_replicate=copies)
+    if mesh == "pipeline":  # stages: all the ranks tensor parallelism leaves, unless told
         stages = options.pipeline_stages or max(1, world_size // tp)
-        given = {
-            "tp": ("strategy.tensor_parallel", tp),
-            "pp": ("strategy.pipeline_stages", stages),
-        }
-        replicas = replicas_of_shards(options.data_parallel, options.dp_replicate)
-        if options.data_parallel == "replicate":
-            return fit_dims(world_size, "dp_replicate", **given)
-        return fit_dims(world_size, "dp_shard", **given, dp_replicate=replicas)
-    return ParallelDims(dp_replicate=world_size)
+        given["pp"] = ("strategy.pipeline_stages", stages)
+    # Then the data-parallel ranks: replicas, or FSDP shards (with dp_replicate copies of them).
+    replicas = replicas_of_shards(options.data_parallel, options.dp_replicate)
+    if options.data_parallel == "replicate":
+        return fit_dims(world_size, "dp_replicate", **given)
+    return fit_dims(world_size, "dp_shard", **given, dp_replicate=replicas)
 
 
 def stages_per_rank(options: StrategyConfig) -> int:
