@@ -24,6 +24,7 @@ import torch
 
 from dtrain.compute.precision import Precision
 from dtrain.config import Config, parse_activation_checkpointing, validate_strategy
+from dtrain.config.capabilities import capabilities
 from dtrain.config.layout import strategy_dims
 from dtrain.errors import UserError
 from dtrain.estimate.flat import estimate_flat
@@ -33,8 +34,6 @@ from dtrain.estimate.passes import Prober
 from dtrain.estimate.pipeline import estimate_pipeline
 from dtrain.estimate.probe import build_meta_task
 from dtrain.estimate.result import MemoryEstimate
-from dtrain.parallel import strategy_class
-from dtrain.parallel.composed import ComposedStrategy
 from dtrain.parallel.recipe import model_blocks
 from dtrain.task import Task
 
@@ -42,23 +41,21 @@ from dtrain.task import Task
 def estimate_memory(cfg: Config, world_size: int, budget: int | None = None) -> MemoryEstimate:
     """The estimate for ``cfg`` on ``world_size`` ranks: a config error where the strategy
     cannot lay it out, a user error where the task's model cannot be built or measured."""
-    cls = strategy_class(cfg.strategy.name)
+    name = cfg.strategy.name
     validate_strategy(cfg, world_size)
     dims = strategy_dims(cfg.strategy, world_size)
     task = build_meta_task(cfg)
     every = parse_activation_checkpointing(cfg.train.activation_checkpointing)
     if every:  # a one-line error where the model has no blocks to checkpoint
         model_blocks(task, task.model, "train.activation_checkpointing")
-    if issubclass(cls, ComposedStrategy) and dims.dp_shard > 1:  # FSDP shards block by block
-        model_blocks(task, task.model, f"strategy.name = {cls.name!r}")
+    # fsdp and tensor (the composed strategies): FSDP shards block by block.
+    if capabilities(name).mesh in ("fsdp", "tensor") and dims.dp_shard > 1:
+        model_blocks(task, task.model, f"strategy.name = {name!r}")
     cuts = tensor_parallel_cuts(task, dims.tp)
     prober = Prober(task, Precision(cfg.train.precision, CPU), dims.tp, cuts)
     job = Job(cfg, world_size, dims, task, prober, model_tensors(task.model, cuts), every)
     try:
-        if cls.name == "pipeline":
-            estimate = estimate_pipeline(job)
-        else:
-            estimate = estimate_flat(job, cls.name)
+        estimate = estimate_pipeline(job) if name == "pipeline" else estimate_flat(job, name)
     except UserError:
         raise
     except Exception as exc:
