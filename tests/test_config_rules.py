@@ -19,7 +19,7 @@ from dtrain.parallel import strategy_class, strategy_names
 from dtrain.parallel.base import CommHookControl
 from dtrain.parallel.sharded import MeshStrategy, ShardedStrategy
 from dtrain.worker import load_worker_config
-from tests.test_imports import HEAVY, SRC, loaded_after
+from tests.test_imports import HEAVY, SRC, import_graph, loaded_after, package_graph
 
 # Outside the config package a ConfigError says that what a worker alone sees does not fit the
 # config: the task's model (its blocks, its pipeline layers, its tensor-parallel plan, a Hugging
@@ -93,6 +93,8 @@ def test_the_summing_compressions_are_the_hooks_that_only_sum() -> None:
 
 
 def test_checking_a_model_parallel_config_imports_no_strategy() -> None:
+    # The rules stand below everything they judge: the config package imports only errors.
+    assert package_graph(import_graph())["dtrain.config"] == {"dtrain.errors"}
     code = (
         "from dtrain.config.job import JobShape, validate_job\n"
         "from dtrain.config.load import build_config\n"
