@@ -10,8 +10,7 @@ import pytest
 from dtrain.dist import sealed_store
 from dtrain.dist.stores import host_store
 from dtrain.errors import UserError
-from dtrain.launch.elastic import make_options
-from dtrain.launch.inplace import check_machines
+from dtrain.launch.options import check_machines, make_options
 from dtrain.recovery.coordinator import NodeWatcher
 from dtrain.recovery.coordinator_link import StoreLink
 from dtrain.recovery.node_claim import claim_key, claim_node

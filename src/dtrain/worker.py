@@ -26,7 +26,7 @@ from dtrain.fault.error_log import append_traceback
 from dtrain.fault.oom import OutOfMemory
 from dtrain.fault.oom import describe as describe_oom
 from dtrain.fault.preempt import catch_early, settle_early, unforwarded, unforwarded_warning
-from dtrain.process_exit import freeze_heap_at_exit
+from dtrain.process_exit import die_with_parent, freeze_heap_at_exit
 
 if TYPE_CHECKING:
     from dtrain.metrics.summary import Summary
@@ -103,21 +103,14 @@ def record_user_error(message: str) -> None:
 
 
 def die_with_launcher() -> None:
-    """Ask the kernel to kill this worker when its launcher dies (Linux), so a launcher that is
-    killed outright (kill -9, a lost host) leaves no orphan worker training on alone."""
-    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+    """Ask the kernel to kill this worker when its launcher dies, so a launcher that is killed
+    outright leaves no orphan worker training on alone."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
         return
-    import ctypes
     import signal
 
-    pr_set_pdeathsig = 1
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # the launcher died before the request took effect
-        os._exit(1)
+    if die_with_parent(signal.SIGKILL) and os.getppid() == 1:
+        os._exit(1)  # the launcher died before the request took effect
 
 
 def main(argv: Sequence[str] | None = None) -> int:
