@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 from pathlib import Path
 
+from dtrain.console import say_error, say_line
 from dtrain.dist.network import split_endpoint
 from dtrain.dist.reachability import REFUSED, UNREACHABLE, describe, probe, wait_for_endpoint
 from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
@@ -107,11 +107,9 @@ def wait_for_rendezvous_host(opts: LaunchOptions) -> None:
     host, port = split_endpoint(opts.rdzv_endpoint)
 
     def notice(reason: str) -> None:
-        print(
+        say_line(
             f"dtrain: waiting for the rendezvous host at {opts.rdzv_endpoint} ({reason}); "
-            f"giving up after {opts.rdzv_timeout_s}s",
-            file=sys.stderr,
-            flush=True,
+            f"giving up after {opts.rdzv_timeout_s}s"
         )
 
     try:
@@ -134,20 +132,18 @@ def report_preemption(run_dir: Path, signum: int) -> int:
     ``completed`` is written only once the final checkpoint is committed."""
     status = read_status(run_dir)
     if status is not None and status.state == "preempted":
-        print(
+        say_line(
             f"dtrain: preempted by signal {signum}; saved at step {status.step}. Run "
-            "the same command to resume.",
-            file=sys.stderr,
+            "the same command to resume."
         )
         return 0
     if status is not None and status.state == "completed":
-        print(
+        say_line(
             f"dtrain: signal {signum} arrived after the last step; the run completed and "
-            f"saved its final checkpoint (step {status.step})",
-            file=sys.stderr,
+            f"saved its final checkpoint (step {status.step})"
         )
         return 0
-    print(f"dtrain: stopped by signal {signum} before the workers could save", file=sys.stderr)
+    say_line(f"dtrain: stopped by signal {signum} before the workers could save")
     return 128 + signum
 
 
@@ -163,22 +159,18 @@ def report_failure(exc: object, opts: LaunchOptions, run_dir: Path | None = None
         failures.items(), key=lambda item: (item[1].timestamp, item[1].exitcode < 0, item[0])
     )
     attempts = opts.max_restarts + 1
-    print(
-        f"dtrain: training failed (after up to {attempts} attempt(s)); failed ranks:",
-        file=sys.stderr,
-    )
+    say_line(f"dtrain: training failed (after up to {attempts} attempt(s)); failed ranks:")
     # An in-place job's agent runs one worker, its local rank 0: the job knows it as a member.
     member = os.environ.get(MEMBER_ENV)
     for rank, failure in ordered:
         who = f"member {member}" if member is not None else f"rank {rank}"
-        print(
+        say_line(
             f"  {who} (pid {failure.pid}, {exit_words(failure.exitcode)}): "
-            f"{failure_words(failure.message, failure.exitcode)}",
-            file=sys.stderr,
+            f"{failure_words(failure.message, failure.exitcode)}"
         )
     logs = run_dir / LOGS_DIR if run_dir is not None else None
     if logs is not None and logs.is_dir():
-        print(f"dtrain: the failed ranks' tracebacks are in {logs}/", file=sys.stderr)
+        say_line(f"dtrain: the failed ranks' tracebacks are in {logs}/")
     # The root cause decides: a user error (exit 2) on the first rank to fail, whatever the
     # others died of when the agent stopped them.
     user_error = bool(ordered) and ordered[0][1].exitcode == USER_ERROR_EXIT_CODE
@@ -217,13 +209,11 @@ def failure_words(message: object, exitcode: int) -> str:
 
 def waiting_notice(opts: LaunchOptions, nodes: list[int]) -> None:
     """Node 0, before the first generation: the machines whose workers have not asked to join."""
-    print(
+    say_line(
         f"dtrain: waiting for the workers of the machine(s) with --node-rank "
         f"{', '.join(map(str, nodes))} to join at {opts.rdzv_endpoint} (still starting, not "
         "started, or refused: that machine's console says why); giving up after "
-        f"{opts.rdzv_timeout_s}s",
-        file=sys.stderr,
-        flush=True,
+        f"{opts.rdzv_timeout_s}s"
     )
 
 
@@ -256,8 +246,6 @@ def members_outcome(
     preemption; else the first failing agent's code, or the signal's when the launcher got
     one and no agent failed."""
     if stopped:
-        from dtrain.console import say_error
-
         say_error(stopped_words(stopped, status))
         return 1
     if status is not None and status.state in ("completed", "preempted"):
