@@ -41,13 +41,10 @@ class LaunchOptions:
 def default_nproc() -> int:
     """One worker per GPU; on CPU, one per core up to 4 (more, smaller workers mostly add
     communication)."""
-    try:
-        import torch
+    import torch
 
-        if torch.cuda.is_available():
-            return torch.cuda.device_count()
-    except ImportError:  # pragma: no cover
-        pass
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
     return max(1, min(available_cores(), 4))
 
 
