@@ -36,7 +36,7 @@ open(sys.argv[1], "w").write(f"{taken} {store.port == port}")
 # Runs WORKER as the one worker of a standalone job, the store port held or torch's pick.
 LAUNCHER = """
 import os, sys, uuid
-os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # as dtrain.launch.elastic: rank 0 hosts it
+os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # as dtrain.launch.launcher: rank 0 hosts it
 from torch.distributed.launcher.api import LaunchConfig
 from dtrain.launch.agent import held_port, run_agent
 from dtrain.dist.secret import JobSecret

@@ -221,10 +221,10 @@ try:  # nothing listens there: torch's C++ client logs each failed try, with a s
                   timeout=datetime.timedelta(seconds=1), wait_for_workers=False)
 except Exception as exc:
     print("raised", type(exc).__name__)
-from dtrain.launch.elastic import _ExpectedAtExit
+from dtrain.launch.reports import ExpectedAtExit
 record = logging.LogRecord("r", logging.WARNING, "", 0,
     "The node 'x' has failed to shutdown the rendezvous 'job' due to an error", (), None)
-print("kept" if _ExpectedAtExit().filter(record) else "dropped")
+print("kept" if ExpectedAtExit().filter(record) else "dropped")
 """
 
 

@@ -240,8 +240,8 @@ def test_the_loop_knows_in_place_recovery_only_through_its_seam() -> None:
     assert importers <= {
         "dtrain.train.inplace_worker",
         "dtrain.worker",
-        "dtrain.launch.inplace",  # the launcher of fault.recovery = 'inplace'
-        "dtrain.launch.elastic",
+        "dtrain.launch.launcher",  # its layout for fault.recovery = 'inplace'
+        "dtrain.launch.reports",  # a failed in-place worker named by its member id
     }, importers
     assert "dtrain.train.recovery_seam" in graph["dtrain.train.trainer"]
 
@@ -263,7 +263,7 @@ def loaded_after(code: str, modules: tuple[str, ...] = HEAVY) -> set[str]:
 
 
 def test_the_launcher_and_a_ddp_worker_import_no_model_parallel_machinery() -> None:
-    launcher = "import dtrain.cli, dtrain.train.job, dtrain.launch.elastic"
+    launcher = "import dtrain.cli, dtrain.train.job, dtrain.launch.launcher"
     worker = (
         "import dtrain.worker\n"
         "from dtrain.parallel import strategy_class\n"

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dtrain.config import Config
-from dtrain.errors import ConfigError
+from dtrain.errors import ConfigError, UserError
 from dtrain.testing import Launch, run_ranks
 from dtrain.train.job import build_job_config
 from tests.audit import check_stream, read_trajectory
@@ -196,6 +196,22 @@ def test_inplace_with_a_strategy_that_cannot_heal_is_one_config_error(
 ) -> None:
     with pytest.raises(ConfigError, match=r"fault.recovery = 'inplace'.*" + strategy):
         tiny_config(tmp_path, fault={"recovery": "inplace"}, strategy={"name": strategy})
+
+
+def test_an_inplace_config_without_the_launcher_is_one_user_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker picks its loop by the config; only ``dtrain train`` hosts the membership
+    coordinator, so a worker started without one (plain torchrun) says so instead of training
+    as a restart job."""
+    from dtrain.recovery.membership import COORDINATOR_ENV
+    from dtrain.worker import train
+
+    monkeypatch.delenv(COORDINATOR_ENV, raising=False)
+    cfg = tiny_config(tmp_path, fault={"recovery": "inplace"})
+    with pytest.raises(UserError, match=r"fault.recovery = 'inplace' needs `dtrain train`"):
+        train(cfg)
+    assert not (tmp_path / "metrics.jsonl").exists()  # nothing trained
 
 
 def test_inplace_with_allreduce_is_accepted(tmp_path: Path) -> None:

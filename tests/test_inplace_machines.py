@@ -12,7 +12,7 @@ from dtrain.config.job import validate_in_place_machines
 from dtrain.dist import sealed_store
 from dtrain.dist.stores import host_store
 from dtrain.errors import UserError
-from dtrain.launch.elastic import make_options
+from dtrain.launch.options import make_options
 from dtrain.recovery.coordinator import NodeWatcher
 from dtrain.recovery.coordinator_link import StoreLink
 from dtrain.recovery.node_claim import claim_key, claim_node

@@ -18,8 +18,9 @@ import pytest
 
 from dtrain.dist.stores import host_store
 from dtrain.launch.agent import held_port
-from dtrain.launch.elastic import make_options, rendezvous_lost
+from dtrain.launch.options import make_options
 from dtrain.launch.rendezvous_wait import announce_waits
+from dtrain.launch.reports import rendezvous_lost
 from dtrain.recovery.coordinator import NOTICE_S, Coordinator
 from dtrain.recovery.membership import PREFIX, read_text, write_value
 from tests.conftest import REPO, tiny_config
@@ -165,7 +166,8 @@ def test_an_in_place_worker_s_failure_names_its_member_not_its_agent_s_rank_0(
 ) -> None:
     from types import SimpleNamespace
 
-    from dtrain.launch.elastic import LaunchOptions, report_failure
+    from dtrain.launch.options import LaunchOptions
+    from dtrain.launch.reports import report_failure
 
     # In-place recovery runs one agent per worker: its worker is the agent's rank 0 on every
     # machine, and the second machine's said "rank 0" for member 1.
@@ -213,10 +215,10 @@ def test_torch_s_lines_of_what_the_launcher_reports_itself_are_dropped(
 ) -> None:
     import logging
 
-    from dtrain.launch.elastic import _ExpectedAtExit
+    from dtrain.launch.reports import ExpectedAtExit
 
     record = logging.LogRecord("torch", logging.WARNING, "api.py", 1, message, None, None)
-    assert _ExpectedAtExit().filter(record) is kept
+    assert ExpectedAtExit().filter(record) is kept
 
 
 def test_a_machine_the_job_never_admitted_is_told_so_when_it_ends() -> None:

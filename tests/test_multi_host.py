@@ -113,9 +113,7 @@ def test_an_interface_that_does_not_exist_is_one_line_in_the_parent(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     launched: list[object] = []
-    monkeypatch.setattr(
-        "dtrain.launch.elastic.launch_workers", lambda *args, **kw: launched.append(1)
-    )
+    monkeypatch.setattr("dtrain.launch.launcher.launch", lambda *args, **kw: launched.append(1))
     code = main(
         ["train", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400", "--iface", "nosuch0"]
     )

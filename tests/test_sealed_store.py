@@ -23,8 +23,8 @@ from dtrain.dist.stores import host_store
 from dtrain.errors import UserError
 from dtrain.fault.peer_words import PeerWords
 from dtrain.fault.watchdog import Watchdog
-from dtrain.launch.elastic import make_options
-from dtrain.launch.inplace import check_shape
+from dtrain.launch.launcher import check_shape
+from dtrain.launch.options import make_options
 from dtrain.recovery.coordinator import Coordinator, NodeWatcher
 from dtrain.recovery.coordinator_link import StoreLink
 from dtrain.recovery.membership import Generation, Member, write_value

@@ -1,6 +1,6 @@
-"""How dtrain's processes exit: a quicker interpreter exit (the launcher and every worker), and
-whether another process of this machine has exited (a leaf: the fault watchers and the
-shared-memory all-reduce both ask it)."""
+"""How dtrain's processes exit: a quicker interpreter exit (the launcher and every worker), an
+end with the parent (the workers and the in-place agents), and whether another process of this
+machine has exited (a leaf: the fault watchers and the shared-memory all-reduce both ask it)."""
 
 from __future__ import annotations
 
@@ -40,3 +40,15 @@ def process_alive(pid: int) -> bool:
         except PermissionError:
             return True
         return True
+
+
+def die_with_parent(signum: int) -> bool:
+    """Ask the kernel to send this process ``signum`` when its parent dies (Linux
+    ``PR_SET_PDEATHSIG``), so that a launcher killed outright (kill -9, a lost host) leaves
+    nothing of its job running; whether the request was taken."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(1, signum, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False

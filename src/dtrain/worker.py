@@ -20,13 +20,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from dtrain.config import Config
-from dtrain.console import guard_console, say_error
+from dtrain.console import guard_console, say_error, say_line
 from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
 from dtrain.fault.error_log import append_traceback
 from dtrain.fault.oom import OutOfMemory
 from dtrain.fault.oom import describe as describe_oom
 from dtrain.fault.preempt import catch_early, settle_early, unforwarded, unforwarded_warning
-from dtrain.process_exit import freeze_heap_at_exit
+from dtrain.process_exit import die_with_parent, freeze_heap_at_exit
 
 if TYPE_CHECKING:
     from dtrain.metrics.summary import Summary
@@ -50,31 +50,38 @@ def load_worker_config(argv: Sequence[str]) -> Config:
 
 
 def train(cfg: Config) -> Summary | None:
-    """Run training in this process, as one rank of the job the environment describes (None:
-    a worker of an in-place job that the run completed without)."""
-    from dtrain.checkpoint.rundir import write_config_of_record
+    """Run training in this process, as one rank of the job the environment describes: the
+    plain loop, or under ``fault.recovery = 'inplace'`` the loop across membership generations
+    (None: a worker of an in-place job that the run completed without)."""
     from dtrain.dist.reachability import close_probe_listener
     from dtrain.dist.runtime import shutdown_runtime
-    from dtrain.metrics.summary import print_summary
-    from dtrain.recovery import inplace
-    from dtrain.train import inplace_worker
-    from dtrain.train.job import build_trainer
 
     try:
-        if inplace.requested():  # fault.recovery = 'inplace' under `dtrain train`
-            return inplace_worker.train_in_place(cfg)
-        trainer = build_trainer(cfg)
-        if trainer.is_main:
-            warn_unforwarded_signals(cfg)
-            write_config_of_record(cfg)
-        summary = trainer.fit()
-        if trainer.is_main:
-            print_summary(summary, trainer.task.item_name, trainer.runtime.world_size)
-        return summary
+        if cfg.fault.recovery == "inplace":
+            from dtrain.train.inplace_worker import train_in_place
+
+            return train_in_place(cfg)
+        return train_once(cfg)
     finally:
         close_probe_listener()  # its accept thread is one of ours: it must end first
         join_helper_threads()
         shutdown_runtime()
+
+
+def train_once(cfg: Config) -> Summary:
+    """The plain loop: one trainer, its process group the job's."""
+    from dtrain.checkpoint.rundir import write_config_of_record
+    from dtrain.metrics.summary import print_summary
+    from dtrain.train.job import build_trainer
+
+    trainer = build_trainer(cfg)
+    if trainer.is_main:
+        warn_unforwarded_signals(cfg)
+        write_config_of_record(cfg)
+    summary = trainer.fit()
+    if trainer.is_main:
+        print_summary(summary, trainer.task.item_name, trainer.runtime.world_size)
+    return summary
 
 
 def warn_unforwarded_signals(cfg: Config) -> None:
@@ -82,7 +89,7 @@ def warn_unforwarded_signals(cfg: Config) -> None:
     would die of), and how to fix it. ``dtrain train`` tells its agent to forward them all."""
     names = unforwarded(cfg.fault.preempt_signals)
     if names:
-        print(f"dtrain: warning: {unforwarded_warning(names)}", file=sys.stderr, flush=True)
+        say_line(f"dtrain: warning: {unforwarded_warning(names)}")
 
 
 def join_helper_threads(timeout_s: float = 2.0) -> None:
@@ -110,21 +117,14 @@ def record_user_error(message: str) -> None:
 
 
 def die_with_launcher() -> None:
-    """Ask the kernel to kill this worker when its launcher dies (Linux), so a launcher that is
-    killed outright (kill -9, a lost host) leaves no orphan worker training on alone."""
-    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+    """Ask the kernel to kill this worker when its launcher dies, so a launcher that is killed
+    outright leaves no orphan worker training on alone."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
         return
-    import ctypes
     import signal
 
-    pr_set_pdeathsig = 1
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # the launcher died before the request took effect
-        os._exit(1)
+    if die_with_parent(signal.SIGKILL) and os.getppid() == 1:
+        os._exit(1)  # the launcher died before the request took effect
 
 
 def main(argv: Sequence[str] | None = None) -> int:

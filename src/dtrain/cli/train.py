@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 from dtrain.config.job import CHECKED_ENV, JobShape
 
 if TYPE_CHECKING:
-    from dtrain.launch.elastic import LaunchOptions
+    from dtrain.launch.options import LaunchOptions
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from dtrain.console import guard_console
     from dtrain.dist.job_env import job_environment
-    from dtrain.launch.elastic import make_options
+    from dtrain.launch.options import make_options
 
     guard_console("the launcher")  # a closed output pipe costs the output, never the run
     if args.resume is not None:
@@ -45,7 +45,8 @@ def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str
     """``dtrain train`` once its options are checked and its environment is set."""
     from dtrain.checkpoint.rundir import check_resume_folder, check_run_dir, held_run_dir
     from dtrain.config.job import validate_job
-    from dtrain.launch.elastic import launch_workers
+    from dtrain.launch.launcher import launch
+    from dtrain.launch.options import JobSettings
     from dtrain.parallel import strategy_class
     from dtrain.parallel.state_form import check_state_form
     from dtrain.train.job import default_run_dir, load_job_config
@@ -70,30 +71,13 @@ def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str
         resume_from = check_run_dir(cfg, args.force)
         if resume_from is not None:
             check_state_form(strategy_class(cfg.strategy.name), resume_from)
-        if cfg.fault.recovery == "inplace":
-            from dtrain.launch.inplace import launch_in_place
-
-            return launch_in_place(
-                config_path,
-                opts,
-                grace_s=cfg.fault.preempt_grace_s,
-                preempt_signals=cfg.fault.preempt_signals,
-                collective_timeout_s=cfg.dist.timeout_s,
-                min_replicas=cfg.fault.min_replicas,
-            )
-        return launch_workers(
-            config_path,
-            opts,
-            grace_s=cfg.fault.preempt_grace_s,
-            preempt_signals=cfg.fault.preempt_signals,
-            collective_timeout_s=cfg.dist.timeout_s,
-        )
+        return launch(config_path, opts, JobSettings.of(cfg))
 
 
 def job_shape(opts: LaunchOptions, nnodes: str, in_place: bool) -> JobShape:
     """The rules' view of the launch options; whether this machine can host the in-place
     membership coordinator is asked of its addresses only where that is needed."""
-    from dtrain.launch.elastic import hosts_rendezvous
+    from dtrain.launch.options import hosts_rendezvous
 
     hosts = in_place and opts.max_nodes > 1 and hosts_rendezvous(opts)
     return JobShape(

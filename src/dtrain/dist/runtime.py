@@ -117,8 +117,8 @@ def store_namespace() -> str:
     that a restarted attempt reads as its own, and its gloo mesh then tries to connect to the
     dead processes of the attempt before ("Connection refused"). There, every restart attempt
     gets its own prefix. ``dtrain train`` has the workers host a fresh store every round
-    instead (see launch/elastic.py), where no prefix is needed -- and where one would be wrong: the
-    restart count is per machine, and a machine that joins later counts from 0.
+    instead (see launch/launcher.py), where no prefix is needed -- and where one would be wrong:
+    the restart count is per machine, and a machine that joins later counts from 0.
     """
     if os.environ.get(NAMESPACE_ENV):
         return os.environ[NAMESPACE_ENV]

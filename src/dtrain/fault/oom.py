@@ -6,7 +6,7 @@ rest of the traceback (:mod:`dtrain.fault.error_log`).
 Only an allocation that fails is seen here. When the kernel's OOM killer ends a process
 instead (Linux overcommits memory: a large allocation often succeeds and the process is killed
 later, when it touches the pages), the rank dies of SIGKILL and the launcher names it as killed
-(:func:`dtrain.launch.elastic.report_failure`).
+(:func:`dtrain.launch.reports.report_failure`).
 """
 
 from __future__ import annotations

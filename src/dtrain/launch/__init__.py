@@ -1,7 +1,8 @@
-"""The parent process: ``dtrain train``'s launcher, which runs no training itself. ``elastic``:
-torch's elastic launch (signals forwarded, failure and preemption reports, whether this machine
-hosts the rendezvous); ``agent``: torch's local agent with the workers' store port held until
-the job ends; ``rendezvous_wait``: the launcher's side of a rendezvous across machines;
-``rendezvous_host``: ``dtrain rendezvous``, the rendezvous served apart from the training
-machines; ``inplace``: the launcher of ``fault.recovery = "inplace"`` (one agent per worker and
-the membership coordinator, :mod:`dtrain.recovery`)."""
+"""The parent process: ``dtrain train``'s launcher, which runs no training itself. ``launcher``:
+the one launcher, whose recovery mode chooses the layout of torch's elastic agents (one per
+machine, or one per worker beside the membership coordinator of :mod:`dtrain.recovery`);
+``options``: the machines and workers asked for, and where this machine stands; ``reports``:
+what the launcher says and the exit codes; ``agent``: torch's local agent with the workers'
+store port held until the job ends; ``rendezvous_wait``: the launcher's side of a rendezvous
+across machines; ``rendezvous_host``: ``dtrain rendezvous``, the rendezvous served apart from
+the training machines."""

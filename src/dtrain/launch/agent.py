@@ -135,7 +135,8 @@ def run_agent(
         local_addr=config.local_addr,
         numa_options=config.numa_options,
     )
-    # Set by LaunchConfig itself (its logs) and by dtrain.launch.elastic (the grace before SIGKILL).
+    # Set by LaunchConfig itself (its logs) and by dtrain.launch.launcher (the grace before
+    # SIGKILL).
     assert config.logs_specs is not None and config.shutdown_timeout is not None
     agent = LocalElasticAgent(
         spec=spec,

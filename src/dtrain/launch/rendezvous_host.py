@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import ipaddress
 import signal
-import sys
 
+from dtrain.console import say_line
 from dtrain.dist.network import default_route_interface, interface_addresses, interface_names
 from dtrain.errors import UserError
 
@@ -57,10 +57,9 @@ def serve(port: int, bind: str = "") -> int:
         raise UserError(f"dtrain rendezvous needs the job's secret: {HOW_TO}")
     address = bind or default_address()
     if address in WILDCARDS:
-        print(
+        say_line(
             "dtrain: warning: --bind 0.0.0.0: the rendezvous listens on every address of "
-            "this machine; keep its port behind a firewall (docs/security.md)",
-            file=sys.stderr,
+            "this machine; keep its port behind a firewall (docs/security.md)"
         )
         address = "0.0.0.0"
     try:
@@ -69,16 +68,14 @@ def serve(port: int, bind: str = "") -> int:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise UserError(f"cannot serve the rendezvous on {address}:{port}: {first}") from None
     post_secret_check(store, secret)
-    print(
+    say_line(
         f"dtrain: rendezvous store listening on {address}:{port}; start `dtrain train` on "
         f"every machine with --rdzv-endpoint THIS_MACHINE:{port} and the same job secret "
-        "(Ctrl-C or SIGTERM stops it)",
-        file=sys.stderr,
-        flush=True,
+        "(Ctrl-C or SIGTERM stops it)"
     )
     stop = (signal.SIGINT, signal.SIGTERM)
     signal.pthread_sigmask(signal.SIG_BLOCK, stop)
     received = signal.sigwait(stop)
     del store  # closes the server
-    print(f"dtrain: rendezvous store stopped ({signal.Signals(received).name})", file=sys.stderr)
+    say_line(f"dtrain: rendezvous store stopped ({signal.Signals(received).name})")
     return 0

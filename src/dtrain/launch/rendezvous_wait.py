@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import datetime
 import json
-import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
+from dtrain.console import say_line
 from dtrain.dist.network import split_endpoint
 from dtrain.dist.secret import JobSecret
 from dtrain.errors import UserError
@@ -59,11 +59,9 @@ def share_shape(endpoint: str, shape: dict[str, str], hosting: bool, secret: Job
     except ValueError:  # sealed by the job, so never; but a bad shape must not stop a machine
         theirs = None
     if not isinstance(theirs, dict):
-        print(
+        say_line(
             f"dtrain: warning: ignored the value of {SHAPE_KEY!r} in the rendezvous store: it "
-            "fails its seal (written by a process without the job's secret)",
-            file=sys.stderr,
-            flush=True,
+            "fails its seal (written by a process without the job's secret)"
         )
         return
     differ = [flag for flag in shape if theirs.get(flag) != shape[flag]]
@@ -103,7 +101,7 @@ def announce_waits(
     """Wrap ``handler.next_rendezvous`` (a torch ``RendezvousHandler``) so that each call still
     waiting after ``after_s`` prints ``words`` once (to stderr by default)."""
     inner = handler.next_rendezvous
-    speak = say if say is not None else _to_stderr
+    speak = say if say is not None else say_line
 
     def next_rendezvous() -> Any:
         timer = threading.Timer(after_s, speak, args=(words,))
@@ -115,7 +113,3 @@ def announce_waits(
             timer.cancel()
 
     handler.next_rendezvous = next_rendezvous
-
-
-def _to_stderr(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)

@@ -7,5 +7,5 @@ machines, watches each machine's workers), each machine's ``node_claim``; the wo
 (a state sent to a joiner tensor by tensor), ``sever`` (a failed generation's connections shut);
 both sides: ``membership`` (the generations' keys in the launcher's store) and
 ``coordinator_link`` (bounded, reconnecting calls to that store). The two processes' entries
-of this mode sit with their process: ``dtrain.launch.inplace`` (the launcher) and
+of this mode sit with their process: ``dtrain.launch.launcher`` (its in-place layout) and
 ``dtrain.train.inplace_worker`` (a worker's loop over generations)."""

@@ -54,7 +54,6 @@ from dtrain.fault.peer_failure import is_collective_failure
 from dtrain.fault.watchdog import GENERATION_ENV
 from dtrain.recovery.handover import recv_state, send_state
 from dtrain.recovery.membership import (
-    COORDINATOR_ENV,
     Generation,
     Member,
 )
@@ -76,11 +75,6 @@ class Trainer(Protocol):
 class Regroup(Exception):
     """Not an error: a worker waits to join, and every rank leaves the generation after the
     step they agreed on."""
-
-
-def requested() -> bool:
-    """Whether this worker was started by ``dtrain train`` with ``fault.recovery = 'inplace'``."""
-    return bool(os.environ.get(COORDINATOR_ENV))
 
 
 @dataclass

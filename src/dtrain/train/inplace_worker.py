@@ -8,12 +8,13 @@ from __future__ import annotations
 import gc
 import os
 import signal
-import sys
 
 from dtrain.checkpoint.layout import committed_steps, step_dir_name
 from dtrain.checkpoint.rundir import write_config_of_record
 from dtrain.config import Config
+from dtrain.console import say_line
 from dtrain.dist.runtime import barrier
+from dtrain.errors import UserError
 from dtrain.fault.peer_failure import collective_cause
 from dtrain.fault.preempt import early_signal
 from dtrain.fault.status import RunStatus, write_status
@@ -42,13 +43,19 @@ from dtrain.train.trainer import Trainer
 
 
 def _say(text: str) -> None:
-    print(f"dtrain: {text}", file=sys.stderr, flush=True)
+    say_line(f"dtrain: {text}")
 
 
 def train_in_place(cfg: Config) -> Summary | None:
     """Train as member ``$DTRAIN_INPLACE_MEMBER`` across generations; the summary of the
     generation that finished the run, or None when the run completed before this worker
     could join or stopped below ``fault.min_replicas``."""
+    if not os.environ.get(COORDINATOR_ENV):
+        raise UserError(
+            "fault.recovery = 'inplace' needs `dtrain train` to start the workers (its "
+            "launcher hosts the membership coordinator they join); under torchrun, use "
+            "fault.recovery = 'restart'"
+        )
     members = int(os.environ.get(MEMBERS_ENV, "1"))
     index, count = os.environ.get(LOCAL_ENV, f"{os.environ[MEMBER_ENV]}/{members}").split("/")
     member = Member(
