@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Dataset, Sampler, default_collate
 
 import dtrain
 from dtrain.models.gpt import GPT, GPTConfig
@@ -74,11 +74,55 @@ class MLP(nn.Module):
         return self.net(x)
 
 
+class Block(nn.Module):
+    """One pre-norm transformer block of :class:`ByteGPT`: causal self-attention, then an MLP."""
+
+    def __init__(self, d_model: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.norm1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.norm2(x))
+
+
+class ByteGPT(nn.Module):
+    """The README's own-model task: a byte-level GPT as a user writes it for themselves (not
+    dtrain's :class:`~dtrain.models.gpt.GPT`), returning logits."""
+
+    def __init__(self, seq_len: int, n_layer: int, n_head: int, d_model: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(256, d_model)
+        self.positions = nn.Embedding(seq_len, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, 256, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tokens(x) + self.positions(torch.arange(x.size(1), device=x.device))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
 def build_model(spec: dict[str, Any]) -> nn.Module:
     """The model, with random weights (every runner then loads ``init.pt``)."""
     model = spec["model"]
     if model["kind"] == "gpt":
         return GPT(GPTConfig(**model["gpt"]))
+    if model["kind"] == "readme":
+        return ByteGPT(**model["gpt"])
     return MLP(model["inputs"], model["width"], model["depth"], model["classes"])
 
 
@@ -115,8 +159,30 @@ class Samples(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return self.inputs[index], self.targets[index]
 
 
-def load_data(scratch: str | Path) -> tuple[Samples, Samples]:
+class Windows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """The README task's map-style dataset: fixed-length windows of a byte stream, each sample
+    a view ``(stream[s : s + T], stream[s + 1 : s + T + 1])`` as a user writes it."""
+
+    def __init__(self, stream: torch.Tensor, seq_len: int) -> None:
+        self.stream = stream
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return (len(self.stream) - 1) // self.seq_len
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = index * self.seq_len
+        return (
+            self.stream[start : start + self.seq_len],
+            self.stream[start + 1 : start + self.seq_len + 1],
+        )
+
+
+def load_data(scratch: str | Path) -> tuple[Dataset[Any], Dataset[Any]]:
     data = torch.load(Path(scratch) / DATA, weights_only=True)
+    if "train_stream" in data:
+        seq_len = load_spec(scratch)["model"]["gpt"]["seq_len"]
+        return Windows(data["train_stream"], seq_len), Windows(data["val_stream"], seq_len)
     return Samples(data["train_x"], data["train_y"]), Samples(data["val_x"], data["val_y"])
 
 
@@ -151,12 +217,13 @@ def mean_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def validation_loss(model: nn.Module, val: Samples, batch_size: int = 64) -> float:
+def validation_loss(model: nn.Module, val: Dataset[Any], batch_size: int = 64) -> float:
     """Mean per-item loss over the whole validation set (as dtrain's final evaluation)."""
     model.eval()
     total, items = 0.0, 0
-    for begin in range(0, len(val), batch_size):
-        x, y = val.inputs[begin : begin + batch_size], val.targets[begin : begin + batch_size]
+    size = len(val)  # type: ignore[arg-type]
+    for begin in range(0, size, batch_size):
+        x, y = default_collate([val[i] for i in range(begin, min(begin + batch_size, size))])
         losses = item_losses(model(x), y)
         total += float(losses.double().sum())
         items += losses.numel()
@@ -203,7 +270,7 @@ def finish_peer(
     clock: StepClock,
     losses: Sequence[torch.Tensor],
     model: nn.Module,
-    val: Samples,
+    val: Dataset[Any],
 ) -> None:
     """The end of a peer runner (raw, Accelerate, Fabric): every step's global loss (one
     all-reduce of all steps' losses, after training, so the loop itself has no extra sync),
@@ -243,7 +310,7 @@ def build(cfg: dtrain.Config) -> dtrain.Task:
     atexit.register(lambda: write_report(report_path(prefix, rank), _dtrain_record(rank, clock)))
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = item_losses
     spec = load_spec(scratch)
-    per_sample = spec["model"]["gpt"]["seq_len"] if spec["model"]["kind"] == "gpt" else 1
+    per_sample = spec["model"]["gpt"]["seq_len"] if "gpt" in spec["model"] else 1
     return dtrain.Task(
         model=load_model(scratch),
         train_data=train,

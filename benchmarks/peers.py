@@ -105,6 +105,19 @@ MODELS: dict[str, dict[str, Any]] = {
         "train_samples": 4096,
         "val_samples": 256,
     },
+    # The README's own-model task (peer_task.ByteGPT and peer_task.Windows): a byte-level GPT
+    # the user wrote, returning logits, over a map-style Dataset of windows of one byte
+    # stream (views, collated by the loader), per-token unreduced cross-entropy.
+    "readme": {
+        "model": {
+            "kind": "readme",
+            "gpt": {"seq_len": 64, "n_layer": 4, "n_head": 4, "d_model": 128},
+        },
+        "global_batch": 32,
+        "steps": 120,
+        "train_samples": 4096,
+        "val_samples": 256,
+    },
     "mlp": {
         "model": {"kind": "mlp", "inputs": 64, "width": 256, "depth": 3, "classes": 10},
         "global_batch": 256,
@@ -143,6 +156,12 @@ def make_data(setup: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
         width = model["gpt"]["seq_len"] + 1
         windows = stdlib_bytes((train_n + val_n) * width).view(-1, width)
         x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    elif model["kind"] == "readme":
+        # Two byte streams, cut into windows by the dataset itself (peer_task.Windows).
+        seq_len = model["gpt"]["seq_len"]
+        stream = stdlib_bytes((train_n + val_n) * seq_len + 2)
+        cut = train_n * seq_len + 1
+        return {"train_stream": stream[:cut].clone(), "val_stream": stream[cut:].clone()}
     else:
         # Labels from a fixed random teacher: a task the MLP can learn.
         gen = torch.Generator().manual_seed(seed)
@@ -485,7 +504,9 @@ def steps_of(model: str, args: Any) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="gpt,mlp", help="comma-separated: gpt, mlp")
+    parser.add_argument(
+        "--models", default="readme,gpt,mlp", help="comma-separated: readme, gpt, mlp"
+    )
     parser.add_argument("--runners", default=",".join(RUNNERS), help="comma-separated runners")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of every runner")
     parser.add_argument(
@@ -563,8 +584,9 @@ def main() -> None:
                 for r in rounds:
                     r.pop(runner, None)
             gpt = spec["model"].get("gpt")
+            kind = "the README's own GPT" if spec["model"]["kind"] == "readme" else "GPT"
             shape = (
-                f"GPT, {gpt['n_layer']} layers, d_model {gpt['d_model']}, seq {gpt['seq_len']}"
+                f"{kind}, {gpt['n_layer']} layers, d_model {gpt['d_model']}, seq {gpt['seq_len']}"
                 if gpt
                 else f"MLP {spec['model']['inputs']}-{spec['model']['width']}x"
                 f"{spec['model']['depth']}-{spec['model']['classes']}"

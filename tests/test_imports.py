@@ -277,6 +277,22 @@ def test_the_launcher_and_a_ddp_worker_import_no_model_parallel_machinery() -> N
     assert {"torch.distributed.pipelining", "torch.distributed.tensor"} <= loaded_after(pipeline)
 
 
+# The worker's loop, which `dtrain train`'s parent loads configs beside but never runs.
+LOOP = (
+    "dtrain.train.trainer",
+    "dtrain.train.step",
+    "dtrain.data.loader",
+    "dtrain.balance.balancer",
+)
+
+
+def test_the_parent_loads_configs_without_the_workers_loop() -> None:
+    launcher = "import dtrain.cli, dtrain.cli.train, dtrain.train.job, dtrain.launch.elastic"
+    assert loaded_after(launcher, LOOP) == set()
+    # The probe sees them when they are there: building a trainer needs them.
+    assert loaded_after("import dtrain.train.trainer", LOOP) == set(LOOP)
+
+
 def test_every_registered_strategy_has_its_name() -> None:
     for name in strategy_names():
         assert strategy_class(name).name == name

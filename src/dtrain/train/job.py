@@ -21,7 +21,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -32,9 +32,11 @@ from dtrain.config.load import apply_overrides, build_config, read_toml
 from dtrain.dist.runtime import Runtime, init_runtime
 from dtrain.task import build_task, resolve_task, task_config_class
 from dtrain.train.config_agreement import agree_on_config
-from dtrain.train.trainer import Trainer
 from dtrain.weights.init_from import init_model
 from dtrain.weights.model_config import save_model_config
+
+if TYPE_CHECKING:  # the trainer and all it imports are the worker's: the CLI loads configs here
+    from dtrain.train.trainer import Trainer
 
 RUNS_DIR = "runs"
 
@@ -84,6 +86,8 @@ def build_trainer(cfg: Config) -> Trainer:
 def build_trainer_on(cfg: Config, runtime: Runtime) -> Trainer:
     """The task and its trainer in a process group that is up (``fault.recovery = 'inplace'``
     builds one per membership generation, dtrain.recovery.inplace)."""
+    from dtrain.train.trainer import Trainer
+
     agree_on_config(cfg, runtime)  # one job, one config, whichever machine a rank is on
     factory = resolve_task(cfg.run.task)
     seed_everything(cfg.run.seed)
