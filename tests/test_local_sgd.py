@@ -18,9 +18,11 @@ import pytest
 import torch
 
 from dtrain.balance.timing import FIELDS as TIMING_FIELDS
+from dtrain.checkpoint.forms import Form
+from dtrain.checkpoint.layout import OUTER_FILE, part_file
 from dtrain.comm.accounting import all_gather_bytes, all_reduce_bytes
 from dtrain.config import BalanceConfig
-from dtrain.parallel.local_sgd import OUTER_FILE, DiLoCoStrategy, LocalSGDStrategy, replica_file
+from dtrain.parallel.local_sgd import DiLoCoStrategy, LocalSGDStrategy
 from dtrain.testing import run_ranks
 from tests.conftest import tiny_raw
 from tests.dist_helpers import crash_then_resume, losses_by_step, make_trainer, train_with_nan
@@ -263,7 +265,7 @@ def test_resume_mid_interval_is_bit_identical(pair: list[Any], tmp: Path, strate
     losses = losses_by_step(str(tmp / f"{strategy}_crash"))
     assert losses == losses_by_step(str(tmp / strategy))
     step_dir = tmp / f"{strategy}_crash/checkpoints/step-00000010"
-    assert (step_dir / replica_file("model", 1)).exists()
+    assert (step_dir / part_file("model", Form.PER_RANK, 1)).exists()
     assert (step_dir / OUTER_FILE).exists() == (strategy == "diloco")
 
 

@@ -41,10 +41,10 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str]) -> int:
     """``dtrain train`` once its options are checked and its environment is set."""
     from dtrain.checkpoint.rundir import check_resume_folder, check_run_dir, held_run_dir
+    from dtrain.checkpoint.state_form import check_state_form
     from dtrain.config import validate_ranks
     from dtrain.launch.elastic import launch_workers
     from dtrain.parallel import strategy_class
-    from dtrain.parallel.state_form import check_state_form
     from dtrain.train.job import default_run_dir, load_job_config
     from dtrain.weights.init_from import check_init_from
 
@@ -83,7 +83,8 @@ def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str
     with held_run_dir(cfg, opts.run_id, opts.rdzv_endpoint) as config_path:
         resume_from = check_run_dir(cfg, args.force)
         if resume_from is not None:
-            check_state_form(strategy_class(cfg.strategy.name), resume_from)
+            form = strategy_class(cfg.strategy.name).state_form
+            check_state_form(cfg.strategy.name, form, resume_from)
         if cfg.fault.recovery == "inplace":
             from dtrain.launch.inplace import launch_in_place
 
