@@ -42,16 +42,13 @@ MODEL_AND_OPTIMIZER = ("model", "optimizer")
 
 class ModelState(Protocol):
     """What lays out the model and optimizer state (a strategy: it knows how they are spread
-    over the ranks)."""
+    over the ranks); its methods are documented on :class:`dtrain.parallel.base.Strategy`."""
 
     @property
-    def state_form(self) -> Form:
-        """The form of its ``model`` and ``optimizer``."""
+    def state_form(self) -> Form: ...  # of its model and optimizer
 
     @property
-    def settings_per_name(self) -> bool:
-        """Whether its sharded optimizer keeps its settings per parameter (pipeline's) rather
-        than as torch's list of groups."""
+    def settings_per_name(self) -> bool: ...  # a sharded optimizer's settings per parameter
 
     @property
     def data_parallel_rank(self) -> int: ...
@@ -59,23 +56,19 @@ class ModelState(Protocol):
     @property
     def data_parallel_size(self) -> int: ...
 
-    def state_dicts(self, optimizer: torch.optim.Optimizer) -> dict[str, Part]:
-        """This rank's named state dicts in their forms: ``model``, ``optimizer``, and any
-        part beside them."""
+    def state_dicts(self, optimizer: torch.optim.Optimizer) -> dict[str, Part]: ...
 
-    def load_state_dicts(self, optimizer: torch.optim.Optimizer, states: dict[str, Any]) -> None:
-        """Take ``model`` and ``optimizer`` back in the form :meth:`state_dicts` gave them."""
+    def load_state_dicts(
+        self, optimizer: torch.optim.Optimizer, states: dict[str, Any]
+    ) -> None: ...
 
-    def state_dicts_by_name(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """``model`` and ``optimizer`` in the form every other converts through: torch's
-        distributed state-dict default, each parameter by its name in the whole model."""
+    def state_dicts_by_name(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]: ...
 
     def load_state_dicts_by_name(
         self, optimizer: torch.optim.Optimizer, states: dict[str, Any]
     ) -> None: ...
 
-    def load_beside(self, parts: dict[str, Any], origin: Origin) -> None:
-        """Take the parts beside the model and optimizer that the checkpoint holds."""
+    def load_beside(self, parts: dict[str, Any], origin: Origin) -> None: ...
 
 
 @dataclass

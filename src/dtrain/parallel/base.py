@@ -514,8 +514,3 @@ class OwnStep(ABC):
         """Forward and backward over the step's micro-batches, each micro-batch's summed loss
         multiplied by ``scale`` before backward, gradients synchronized; returns this rank's
         summed loss (detached; zero where this rank computes none)."""
-
-
-def replicated_state(strategy: Strategy) -> bool:
-    """Whether every rank holds the whole model and optimizer state (rank 0 saves it)."""
-    return not isinstance(strategy, ShardedState)

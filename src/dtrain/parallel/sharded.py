@@ -33,24 +33,21 @@ class ShardedStrategy(Strategy, ShardedState):
         options = self.state_dict_options
         return bool(options is not None and options.flatten_optimizer_state_dict)
 
-    def sharded_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """``{"model": ..., "optimizer": ...}`` in a form DCP saves and loads in place."""
+    def state_dicts(self, optimizer: torch.optim.Optimizer) -> dict[str, Part]:
+        """Every rank gives its part of the model and optimizer state, in a form DCP saves and
+        loads in place."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optim_state = get_state_dict(
             self.unwrapped, optimizer, options=self.state_dict_options
         )
-        return {"model": model_state, "optimizer": optim_state}
-
-    def state_dicts(self, optimizer: torch.optim.Optimizer) -> dict[str, Part]:
-        """Every rank gives its part of the model and optimizer state."""
         return {
-            name: Part(Form.SHARDED, state)
-            for name, state in self.sharded_state_dict(optimizer).items()
+            "model": Part(Form.SHARDED, model_state),
+            "optimizer": Part(Form.SHARDED, optim_state),
         }
 
     def load_state_dicts(self, optimizer: torch.optim.Optimizer, states: dict[str, Any]) -> None:
-        """Apply a state filled by DCP (see :meth:`sharded_state_dict`)."""
+        """Apply a state filled by DCP (see :meth:`state_dicts`)."""
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         set_state_dict(
