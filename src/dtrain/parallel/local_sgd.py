@@ -48,11 +48,11 @@ Checkpoints. Between syncs the replicas and their inner optimizer states differ,
 gives its own (the per-rank form, :mod:`dtrain.checkpoint.forms`; rank 0's is saved in the files
 of a replicated strategy, so ``ddp`` or ``allreduce`` can resume from them: at a sync step they
 hold the synchronized model); diloco adds ``outer``, replicated (the anchor and the outer
-optimizer's momentum). Resuming at the same data-parallel size
-restores every replica and is bit-identical to the uninterrupted run, mid-interval too. At
-another size the replicas cannot be carried over (there is no rank 3 of 2): every rank starts
-from rank 0's inner optimizer state and, for ``localsgd``, rank 0's replica; for ``diloco``, the
-anchor (the global model of the last outer step). A line on rank 0 says so.
+optimizer's momentum). Resuming at the same data-parallel size restores every replica and is
+bit-identical to the uninterrupted run, mid-interval too. At another size the replicas cannot
+be carried over (there is no rank 3 of 2): every rank starts from rank 0's inner optimizer state
+and, for ``localsgd``, rank 0's replica; for ``diloco``, the anchor (the global model of the
+last outer step). A line on rank 0 says so.
 
 Evaluation runs on every rank's own replica over its share of the validation set, so a periodic
 evaluation between syncs measures the replicas' mixture; the final one always sees the
