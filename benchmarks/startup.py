@@ -45,7 +45,7 @@ SECTION = "bench_startup"
 STEPS = 60
 RUNNERS = ("spirals", "gpt2-dtrain", "gpt2-accelerate", "imports")
 # What `dtrain train` imports in the parent before its launcher starts a worker.
-PARENT_IMPORTS = "import dtrain.cli, dtrain.cli.train, dtrain.launch.elastic"
+PARENT_IMPORTS = "import dtrain.cli, dtrain.cli.train, dtrain.launch.launcher"
 
 
 @dataclass

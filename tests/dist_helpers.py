@@ -8,7 +8,6 @@ from typing import Any
 import numpy as np
 
 from dtrain.fault.failpoints import failpoints
-from dtrain.parallel.base import replicated_state
 from dtrain.train.job import build_job_config, build_trainer
 from dtrain.train.trainer import Trainer
 
@@ -250,11 +249,8 @@ def load_full_state(raw: dict[str, Any]) -> dict[str, Any]:
     point = trainer.resume()
     assert point is not None
     state = trainer.strategy.model_state_dict()
-    optim = (
-        trainer.strategy.sharded_state_dict(trainer.optimizer)["optimizer"]
-        if not replicated_state(trainer.strategy)
-        else trainer.optimizer.state_dict()
-    )
+    # The optimizer's state in the strategy's own form: whole, or this rank's shards.
+    optim = trainer.strategy.state_dicts(trainer.optimizer)["optimizer"].state
     steps = sorted({float(v["step"]) for v in optim["state"].values()})
     return {
         "params": {k: v.detach().cpu().numpy().copy() for k, v in state.items()},

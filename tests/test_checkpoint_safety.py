@@ -254,8 +254,8 @@ def test_a_crafted_whole_file_is_refused_in_one_line(
 ) -> None:
     touched = tmp_path / "RAN"
     run, step = copy_run(saved, "ddp", tmp_path / "run")
-    # optimizer.pt: what a replica's resume (parallel.base) and a sharded strategy's read of
-    # whole files (parallel.cross_form) load it with, and a rollback the same way.
+    # optimizer.pt: what a replica's resume and a sharded strategy's read of whole files
+    # (checkpoint.model_state, checkpoint.cross_form) load it with, and a rollback the same way.
     craft_whole_file(step, layout.OPTIMIZER_FILE, touched)
     assert one_line_error(ckread.load_file, step, layout.OPTIMIZER_FILE) == (
         f"optimizer.pt in {step} is not a checkpoint's data: it tries to load {EXEC}; "

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from dtrain.checkpoint.forms import Form
 from dtrain.comm.compression import HOOKS
 from dtrain.config.capabilities import CAPABILITIES, capabilities
 from dtrain.config.checks import SUMMING_COMPRESSIONS
@@ -81,6 +82,7 @@ def test_each_strategy_has_a_record_that_agrees_with_its_class() -> None:
         cls, can = strategy_class(name), capabilities(name)
         assert can.comm_hooks == issubclass(cls, CommHookControl), name
         assert can.sharded_state == issubclass(cls, ShardedStrategy), name
+        assert can.sharded_state == (cls.state_form is Form.SHARDED), name
         assert can.on_mesh == issubclass(cls, MeshStrategy), name
         # Gradients meeting once per step is what uneven shares need; comm hooks do that.
         assert not can.uneven_shares or can.comm_hooks, name

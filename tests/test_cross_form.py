@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from dtrain.checkpoint import layout
+from dtrain.checkpoint.cross_form import optimizer_state_by_name
+from dtrain.checkpoint.forms import NAMES_KEY
 from dtrain.errors import CheckpointError
-from dtrain.parallel.cross_form import NAMES_KEY, optimizer_state_by_name
 from dtrain.testing import run_ranks
 from tests.conftest import tiny_raw
 from tests.dist_helpers import crash_then_resume, train_params

@@ -287,7 +287,7 @@ LOOP = (
 
 
 def test_the_parent_loads_configs_without_the_workers_loop() -> None:
-    launcher = "import dtrain.cli, dtrain.cli.train, dtrain.train.job, dtrain.launch.elastic"
+    launcher = "import dtrain.cli, dtrain.cli.train, dtrain.train.job, dtrain.launch.launcher"
     assert loaded_after(launcher, LOOP) == set()
     # The probe sees them when they are there: building a trainer needs them.
     assert loaded_after("import dtrain.train.trainer", LOOP) == set(LOOP)

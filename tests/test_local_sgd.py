@@ -18,9 +18,11 @@ import pytest
 import torch
 
 from dtrain.balance.timing import FIELDS as TIMING_FIELDS
+from dtrain.checkpoint.forms import Form
+from dtrain.checkpoint.layout import OUTER_FILE, part_file
 from dtrain.comm.accounting import all_gather_bytes, all_reduce_bytes
 from dtrain.config import BalanceConfig
-from dtrain.parallel.local_sgd import OUTER_FILE, DiLoCoStrategy, LocalSGDStrategy, replica_file
+from dtrain.parallel.local_sgd import DiLoCoStrategy, LocalSGDStrategy
 from dtrain.testing import run_ranks
 from tests.conftest import tiny_raw
 from tests.dist_helpers import crash_then_resume, losses_by_step, make_trainer, train_with_nan
@@ -263,7 +265,7 @@ def test_resume_mid_interval_is_bit_identical(pair: list[Any], tmp: Path, strate
     losses = losses_by_step(str(tmp / f"{strategy}_crash"))
     assert losses == losses_by_step(str(tmp / strategy))
     step_dir = tmp / f"{strategy}_crash/checkpoints/step-00000010"
-    assert (step_dir / replica_file("model", 1)).exists()
+    assert (step_dir / part_file("model", Form.PER_RANK, 1)).exists()
     assert (step_dir / OUTER_FILE).exists() == (strategy == "diloco")
 
 
@@ -408,3 +410,21 @@ def test_one_rank_is_its_own_average(tmp_path: Path) -> None:
     for key, value in ddp["params"].items():  # one replica: its average is itself, bit for bit
         assert np.array_equal(value, local["params"][key]), key
     assert sorted(diloco["losses"]) == sorted(ddp["losses"])  # diloco's outer step ran
+
+
+def test_localsgd_replicas_resumed_by_diloco_share_rank_0s_anchor(tmp_path: Path) -> None:
+    # Saved 2 local steps after the start (no sync before step 10), each rank took back its own
+    # replica; the checkpoint holds no diloco outer state, so the anchor is rank 0's replica on
+    # every rank (each rank's own would make the outer step at the end differ between them).
+    sections: dict[str, dict[str, object]] = {
+        "train": {"steps": 4, "log_every": 1},
+        "checkpoint": {"every": 2},
+        "comm": {"sync_every": 10},
+    }
+    saved = tiny_raw(tmp_path / "run", strategy={"name": "localsgd"}, **sections)
+    resumed = tiny_raw(tmp_path / "run", strategy={"name": "diloco"}, **sections)
+    ranks = run_ranks(crash_then_resume, 2, saved, 3, resumed)
+    assert ranks[0]["start_step"] == 2
+    assert (tmp_path / "run" / "checkpoints" / "step-00000002" / "model-rank00001.pt").exists()
+    for key, value in ranks[0]["params"].items():  # the run ends on one model
+        assert np.array_equal(value, ranks[1]["params"][key]), key

@@ -71,31 +71,31 @@ def test_every_strategy_loads_every_form_of_checkpoint(tmp_path: Path, saved: st
     # Whole files (ddp), torch's list of groups in shards (fsdp, tensor), settings per
     # parameter in shards (pipeline): each read by name by every other strategy (cross_form;
     # pipeline's were refused before launch, and pipeline loaded nothing else).
+    from dtrain.checkpoint.state_form import check_state_form
     from dtrain.parallel import strategy_class, strategy_names
-    from dtrain.parallel.state_form import check_state_form
 
     step_dir = fake_checkpoint(tmp_path, saved, names=True)
     for resumed in strategy_names():
-        check_state_form(strategy_class(resumed), step_dir)
+        check_state_form(resumed, strategy_class(resumed).state_form, step_dir)
 
 
 def test_whole_files_without_parameter_names_load_into_a_replica_only(tmp_path: Path) -> None:
+    from dtrain.checkpoint.state_form import check_state_form
     from dtrain.errors import CheckpointError
     from dtrain.parallel import strategy_class
-    from dtrain.parallel.state_form import check_state_form
 
     step_dir = fake_checkpoint(tmp_path, "ddp", names=False)
     for replicated in ("ddp", "allreduce", "localsgd", "diloco"):
-        check_state_form(strategy_class(replicated), step_dir)
+        check_state_form(replicated, strategy_class(replicated).state_form, step_dir)
     for sharded in ("fsdp", "tensor", "pipeline"):
         with pytest.raises(CheckpointError, match=r"does not name its parameters .* 'ddp'"):
-            check_state_form(strategy_class(sharded), step_dir)
+            check_state_form(sharded, strategy_class(sharded).state_form, step_dir)
 
 
 def fake_checkpoint(tmp_path: Path, saved: str, *, names: bool) -> Path:
     """A checkpoint folder of ``saved``'s form, with what the launcher reads of it."""
     from dtrain.checkpoint import layout
-    from dtrain.parallel.cross_form import NAMES_KEY
+    from dtrain.checkpoint.forms import NAMES_KEY
 
     step_dir = tmp_path / "step-00000004"
     step_dir.mkdir()

@@ -34,7 +34,6 @@ from dtrain.checkpoint import read as ckread
 from dtrain.errors import CheckpointError
 
 MODEL_PREFIX = "model."  # the model's keys in a sharded state ({"model": ..., "optimizer": ...})
-OUTER_FILE = "outer.pt"  # diloco's anchor (dtrain.parallel.local_sgd writes it)
 _REPLICA = re.compile(r"model-rank\d+\.pt")  # localsgd's, diloco's replicas of ranks > 0
 
 
@@ -115,8 +114,8 @@ def consolidate(step_dir: Path) -> Consolidated:
     if all(_equal(first, other) for other in others):
         return Consolidated(first, step_dir)
     strategy = str(ckread.load_meta(step_dir).get("strategy", ""))
-    if strategy == "diloco" and OUTER_FILE in listed:
-        anchor = ckread.load_file(step_dir, OUTER_FILE)["anchor"]
+    if strategy == "diloco" and layout.OUTER_FILE in listed:
+        anchor = ckread.load_file(step_dir, layout.OUTER_FILE)["anchor"]
         state = {**first, **{name: tensor for name, tensor in anchor.items() if name in first}}
         note = (
             f"{step_dir.name} was saved between outer steps: exported the anchor (the "

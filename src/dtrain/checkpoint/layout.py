@@ -1,5 +1,6 @@
 """The on-disk layout of checkpoints: ``checkpoints/step-N/`` folders and the names of the files
-in them, one place for every writer and reader (the strategies name their files with these).
+in them, one place for every writer and reader (a strategy names none: it gives named state
+dicts with their form, :mod:`dtrain.checkpoint.forms`, and :func:`part_file` names their files).
 
 A folder counts only once its completion marker (``COMMITTED.json``) exists and verifies
 (:mod:`dtrain.checkpoint.read`); :mod:`dtrain.checkpoint.write` makes it so.
@@ -13,11 +14,14 @@ import re
 from pathlib import Path
 from typing import Any
 
+from dtrain.checkpoint.forms import Form
+
 MARKER = "COMMITTED.json"
 META = "meta.json"
 SHARDED_DIR = "dcp"  # the sharded model and optimizer state, one file set per rank (DCP)
 MODEL_FILE = "model.pt"  # the whole model state (replicated strategies, from rank 0)
 OPTIMIZER_FILE = "optimizer.pt"  # the whole optimizer state (replicated strategies)
+OUTER_FILE = "outer.pt"  # diloco's anchor and outer optimizer (rank 0)
 TRAIN_STATE_FILE = "train_state.pt"  # scheduler, data position, trainer counters (rank 0)
 _STEP_RE = re.compile(r"^step-(\d+)$")
 # A save writes into .tmp-step-N, renamed step-N before its marker; a prune renames a folder
@@ -63,7 +67,17 @@ def rng_file(rank: int) -> str:
 
 def comm_file(rank: int) -> str:
     """A rank's communication-hook state (error-feedback residuals differ per rank)."""
-    return f"comm-rank{rank:05d}.pt"
+    return part_file("comm", Form.PER_RANK, rank)
+
+
+def part_file(name: str, form: Form, rank: int) -> str:
+    """The file of a whole part ``name`` (not sharded): ``<name>.pt`` written by rank 0
+    (replicated), ``<name>-rankNNNNN.pt`` by each data-parallel rank (per rank) -- except the
+    first rank's model and optimizer, which are the replicated files, so that a replicated
+    strategy resumes from localsgd's replicas (rank 0's)."""
+    if form is Form.REPLICATED or (rank == 0 and name in ("model", "optimizer")):
+        return f"{name}.pt"
+    return f"{name}-rank{rank:05d}.pt"
 
 
 def list_step_dirs(root: Path) -> list[tuple[int, Path]]:

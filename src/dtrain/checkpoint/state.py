@@ -17,25 +17,25 @@ meta               step, world size, config, versions        meta.json (rank 0)
 
 The trainer builds a :class:`TrainingState` once -- the stateful parts, never the trainer
 itself -- and hands it to :func:`save` and :func:`load` (as torchtitan's checkpointer takes
-``states=``). The strategy decides how the model and optimizer are laid out
-(:meth:`~dtrain.parallel.base.Strategy.checkpoint_parts`): whole files from rank 0 for the
-replicated strategies, shards from every rank through ``torch.distributed.checkpoint`` for the
-sharded ones. Everything is tensors and plain data, loaded as nothing else
-(:mod:`dtrain.checkpoint.safe_load`).
+``states=``). The strategy gives and takes the model and optimizer as named state dicts in its
+form (:mod:`dtrain.checkpoint.model_state`): whole files from rank 0 for the replicated
+strategies, one per rank for localsgd's replicas, shards from every rank through
+``torch.distributed.checkpoint`` for the sharded ones. Everything is tensors and plain data,
+loaded as nothing else (:mod:`dtrain.checkpoint.safe_load`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from dtrain import __version__
-from dtrain.checkpoint import layout
+from dtrain.checkpoint import layout, model_state
 from dtrain.checkpoint import read as ckread
+from dtrain.checkpoint.model_state import ModelState
 from dtrain.checkpoint.resume import ResumePoint
 from dtrain.checkpoint.rng import rng_state, set_rng_state
 from dtrain.checkpoint.write import Checkpointer
@@ -48,26 +48,6 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-@dataclass
-class CheckpointParts:
-    """This rank's share of the model and optimizer state in a checkpoint."""
-
-    files: dict[str, Any] = field(default_factory=dict)  # file name -> state (torch.save)
-    sharded: dict[str, Any] | None = None  # a state every rank writes through DCP
-
-
-class ModelState(Protocol):
-    """What lays out the model and optimizer state (a strategy: it knows how they are spread
-    over the ranks)."""
-
-    @property
-    def data_parallel_size(self) -> int: ...
-
-    def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> CheckpointParts: ...
-
-    def load_checkpoint_parts(self, optimizer: torch.optim.Optimizer, step_dir: Path) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -88,7 +68,7 @@ class TrainingState:
 def save(state: TrainingState, checkpointer: Checkpointer, step: int, *, blocking: bool) -> None:
     """Collective: every rank saves its part of ``state`` as checkpoint ``step``."""
     runtime = state.runtime
-    model_parts = state.strategy.checkpoint_parts(state.optimizer)
+    model_parts = model_state.parts_to_write(state.strategy, state.optimizer, runtime.is_main)
     files: dict[str, Any] = {layout.rng_file(runtime.rank): rng_state()}
     meta: dict[str, Any] | None = None
     if runtime.is_main:
@@ -125,7 +105,7 @@ def load(state: TrainingState, point: ResumePoint) -> bool:
     for name, part in state.parts.items():
         if name in train_state:
             part.load_state_dict(train_state[name])
-    state.strategy.load_checkpoint_parts(state.optimizer, point.path)
+    model_state.load(state.strategy, state.optimizer, point.path)
     rng_path = point.path / layout.rng_file(state.runtime.rank)
     if point.world_size != state.runtime.world_size or not rng_path.exists():
         return False

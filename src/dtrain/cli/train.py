@@ -44,11 +44,11 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str]) -> int:
     """``dtrain train`` once its options are checked and its environment is set."""
     from dtrain.checkpoint.rundir import check_resume_folder, check_run_dir, held_run_dir
+    from dtrain.checkpoint.state_form import check_state_form
     from dtrain.config.job import validate_job
     from dtrain.launch.launcher import launch
     from dtrain.launch.options import JobSettings
     from dtrain.parallel import strategy_class
-    from dtrain.parallel.state_form import check_state_form
     from dtrain.train.job import default_run_dir, load_job_config
     from dtrain.weights.init_from import check_init_from
 
@@ -70,7 +70,8 @@ def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str
         os.environ[CHECKED_ENV] = str(config_path)  # its workers need not check it again
         resume_from = check_run_dir(cfg, args.force)
         if resume_from is not None:
-            check_state_form(strategy_class(cfg.strategy.name), resume_from)
+            form = strategy_class(cfg.strategy.name).state_form
+            check_state_form(cfg.strategy.name, form, resume_from)
         return launch(config_path, opts, JobSettings.of(cfg))
 
 

@@ -19,7 +19,7 @@ BackwardSyncControl    ``no_backward_sync()``: accumulation micro-steps    ddp, 
                        without gradient sync
 CommHookControl        gradients through comm hooks: ``comm.compression``, ddp, allreduce
                        ``register_comm_hook()``, the hook's state in
-                       checkpoints, the step's agreement carried with the
+                       checkpoints (per rank), the step's agreement carried with the
                        last bucket
 OwnStep                the strategy runs the step's micro-batches itself    pipeline
                        (its schedule interleaves them across stages)
@@ -34,17 +34,14 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtrain.checkpoint import layout
-from dtrain.checkpoint import read as ckread
-from dtrain.checkpoint.state import CheckpointParts
+from dtrain.checkpoint.forms import Form, Origin, Part, renamed, with_param_names
 from dtrain.comm.accounting import CommCounter
 from dtrain.comm.hooks import CommHook
 from dtrain.compute.model_call import call_model
@@ -262,28 +259,58 @@ class Strategy(ABC):
 
     # -- state ---------------------------------------------------------------------------
 
-    def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> CheckpointParts:
-        """What this rank writes of the model and optimizer into a checkpoint. Replicated (this
-        default): every rank holds the same, so rank 0 writes both whole, as ``model.pt`` and
-        ``optimizer.pt``. (Sharded strategies override: :mod:`.sharded`.)"""
-        parts = CheckpointParts()
-        if self.runtime.is_main:
-            parts.files[layout.MODEL_FILE] = self.model_state_dict()
-            parts.files[layout.OPTIMIZER_FILE] = self.optimizer_state_dict(optimizer)
-        return parts
+    # How this rank's model and optimizer state lie over the ranks (dtrain.checkpoint.forms),
+    # which decides how a checkpoint writes them and reads another form into them.
+    state_form: ClassVar[Form] = Form.REPLICATED
+    # This rank's parameter names that the whole model gives otherwise (a pipeline stage's copy
+    # of a tied parameter -> the parameter's first name), for reading other strategies' state.
+    whole_names: Mapping[str, str] = {}
 
-    def load_checkpoint_parts(self, optimizer: torch.optim.Optimizer, step_dir: Path) -> None:
-        """Load the model and optimizer from what :meth:`checkpoint_parts` wrote into
-        ``step_dir``; a model that does not fit is named key by key."""
-        if not (step_dir / layout.MODEL_FILE).exists():  # a sharded strategy's shards
-            from dtrain.parallel.cross_form import load_shards_into_replica
+    @property
+    def settings_per_name(self) -> bool:
+        """Whether its sharded optimizer state keeps its settings per parameter."""
+        return False
 
-            load_shards_into_replica(self.unwrapped, optimizer, step_dir)
-            return
-        model_state = ckread.load_file(step_dir, layout.MODEL_FILE)
-        ckread.check_model_fits(self.model_state_dict(), model_state, step_dir)
-        self.load_model_state_dict(model_state)
-        self.load_optimizer_state_dict(optimizer, ckread.load_file(step_dir, layout.OPTIMIZER_FILE))
+    def state_dicts(self, optimizer: torch.optim.Optimizer) -> dict[str, Part]:
+        """This rank's named state dicts in their forms. Replicated (this default): every rank
+        holds the same whole model and optimizer (rank 0's are saved)."""
+        return {
+            "model": Part(self.state_form, self.model_state_dict()),
+            "optimizer": Part(self.state_form, self.optimizer_state_dict(optimizer)),
+        }
+
+    def load_state_dicts(self, optimizer: torch.optim.Optimizer, states: dict[str, Any]) -> None:
+        """Take ``model`` and ``optimizer`` back in the form :meth:`state_dicts` gives them."""
+        self.load_model_state_dict(states["model"])
+        self.load_optimizer_state_dict(optimizer, states["optimizer"])
+
+    def state_dicts_by_name(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """``model`` and ``optimizer`` in the form any other strategy's state converts through
+        (:mod:`dtrain.checkpoint.cross_form`): torch's distributed state-dict default, each
+        parameter by its name in the whole model (:attr:`whole_names`); this rank's part of
+        each tensor."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.unwrapped, optimizer)
+        return {"model": model_state, "optimizer": renamed(optim_state, self.whole_names)}
+
+    def load_state_dicts_by_name(
+        self, optimizer: torch.optim.Optimizer, states: dict[str, Any]
+    ) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        ours = {whole: name for name, whole in self.whole_names.items()}
+        set_state_dict(
+            self.unwrapped,
+            optimizer,
+            model_state_dict=states["model"],
+            optim_state_dict=renamed(states["optimizer"], ours),
+        )
+
+    def load_beside(self, parts: dict[str, Any], origin: Origin) -> None:
+        """Take the parts beside the model and optimizer that :meth:`state_dicts` gives and the
+        checkpoint holds (``parts``: those found). Default: none."""
+        return None
 
     def model_state_dict(self) -> dict[str, Any]:
         return self.unwrapped.state_dict()
@@ -293,9 +320,7 @@ class Strategy(ABC):
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """torch's whole state dict, with each group's parameter names beside it (so that a
-        sharded strategy can read it: :mod:`.cross_form`)."""
-        from dtrain.parallel.cross_form import with_param_names
-
+        sharded strategy can read it: :mod:`dtrain.checkpoint.cross_form`)."""
         return with_param_names(optimizer.state_dict(), optimizer, self.named_parameters())
 
     def load_optimizer_state_dict(
@@ -333,27 +358,24 @@ class CommHookControl(Strategy):
         """The hook's state when it is one of ours, else None."""
         return self.comm_state if isinstance(self.comm_state, CommHook) else None
 
-    def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> CheckpointParts:
-        parts = super().checkpoint_parts(optimizer)
+    def state_dicts(self, optimizer: torch.optim.Optimizer) -> dict[str, Part]:
+        parts = super().state_dicts(optimizer)
         hook = self.comm_hook_of_ours
         if hook is not None and hook.stateful:  # every rank: residuals differ between ranks
-            parts.files[layout.comm_file(self.data_parallel_rank)] = {
-                "layout": self._comm_layout(hook),
-                "hook": hook.state_dict(),
-            }
+            state = {"layout": self._comm_layout(hook), "hook": hook.state_dict()}
+            parts["comm"] = Part(Form.PER_RANK, state)
         return parts
 
-    def load_checkpoint_parts(self, optimizer: torch.optim.Optimizer, step_dir: Path) -> None:
+    def load_beside(self, parts: dict[str, Any], origin: Origin) -> None:
         """Also restore this rank's hook state when it was saved with the same layout: the
         same method, strategy, bucket size and data-parallel size (residuals are kept per
         bucket, and belong to a rank's share of the data, as RNG streams do). Else, or when
         the checkpoint has none (saved without compression), the hook starts afresh."""
-        super().load_checkpoint_parts(optimizer, step_dir)
+        super().load_beside(parts, origin)
         hook = self.comm_hook_of_ours
         if hook is None or not hook.stateful:
             return
-        name = layout.comm_file(self.data_parallel_rank)
-        saved = ckread.load_file(step_dir, name) if (step_dir / name).exists() else {}
+        saved = parts.get("comm", {})
         if saved.get("layout") == self._comm_layout(hook):
             hook.load_state_dict(saved["hook"])
         else:
@@ -380,8 +402,3 @@ class OwnStep(ABC):
         """Forward and backward over the step's micro-batches, each micro-batch's summed loss
         multiplied by ``scale`` before backward, gradients synchronized; returns this rank's
         summed loss (detached; zero where this rank computes none)."""
-
-
-def replicated_state(strategy: Strategy) -> bool:
-    """Whether every rank holds the whole model and optimizer state (rank 0 saves it)."""
-    return not strategy.capabilities.sharded_state

@@ -45,14 +45,14 @@ The trainer's NaN guard needs every rank to take the same skip/step branch, so
 any rank's is not finite): the logged ``grad_norm`` is that maximum.
 
 Checkpoints. Between syncs the replicas and their inner optimizer states differ, so every rank
-saves its own: rank 0 as ``model.pt`` / ``optimizer.pt`` (the files of a replicated strategy, so
-``ddp`` or ``allreduce`` can resume from them: at a sync step they hold the synchronized model),
-rank r > 0 as ``model-rankNNNNN.pt`` / ``optimizer-rankNNNNN.pt``; diloco adds ``outer.pt``
-(rank 0: the anchor and the outer optimizer's momentum). Resuming at the same data-parallel size
-restores every replica and is bit-identical to the uninterrupted run, mid-interval too. At
-another size the replicas cannot be carried over (there is no rank 3 of 2): every rank starts
-from rank 0's inner optimizer state and, for ``localsgd``, rank 0's replica; for ``diloco``, the
-anchor (the global model of the last outer step). A line on rank 0 says so.
+gives its own (the per-rank form, :mod:`dtrain.checkpoint.forms`; rank 0's is saved in the files
+of a replicated strategy, so ``ddp`` or ``allreduce`` can resume from them: at a sync step they
+hold the synchronized model); diloco adds ``outer``, replicated (the anchor and the outer
+optimizer's momentum). Resuming at the same data-parallel size restores every replica and is
+bit-identical to the uninterrupted run, mid-interval too. At another size the replicas cannot
+be carried over (there is no rank 3 of 2): every rank starts from rank 0's inner optimizer state
+and, for ``localsgd``, rank 0's replica; for ``diloco``, the anchor (the global model of the
+last outer step). A line on rank 0 says so.
 
 Evaluation runs on every rank's own replica over its share of the validation set, so a periodic
 evaluation between syncs measures the replicas' mixture; the final one always sees the
@@ -62,16 +62,13 @@ synchronized model. Set ``eval.every`` to a multiple of H to evaluate synchroniz
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtrain.checkpoint import layout
-from dtrain.checkpoint import read as ckread
-from dtrain.checkpoint.state import CheckpointParts
+from dtrain.checkpoint.forms import Form, Origin, Part
 from dtrain.config import CommConfig, Config, StrategyConfig
 from dtrain.dist.runtime import Runtime
 from dtrain.errors import CheckpointError
@@ -80,21 +77,12 @@ from dtrain.parallel.grad_sync import MIB, assign_buckets, average_flat, split_l
 from dtrain.parallel.recipe import Recipe
 from dtrain.task import Task
 
-OUTER_FILE = "outer.pt"  # diloco: the anchor and the outer optimizer's state (rank 0)
-
-
-def replica_file(kind: str, rank: int) -> str:
-    """Where rank ``rank`` saves its replica (``kind`` = ``"model"``) or its inner optimizer
-    state (``"optimizer"``): rank 0 in the replicated strategies' files."""
-    if rank == 0:
-        return layout.MODEL_FILE if kind == "model" else layout.OPTIMIZER_FILE
-    return f"{kind}-rank{rank:05d}.pt"
-
 
 class LocalSGDStrategy(Strategy):
     """local SGD: a replica per rank, parameters averaged every comm.sync_every steps"""
 
     name = "localsgd"
+    state_form = Form.PER_RANK  # the replicas differ between syncs
 
     def __init__(
         self,
@@ -243,45 +231,20 @@ class LocalSGDStrategy(Strategy):
 
     # -- state ---------------------------------------------------------------------------
 
-    def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> CheckpointParts:
-        """Every rank writes its replica and inner optimizer state (they differ between
-        syncs); rank 0 in the replicated strategies' files."""
-        rank = self.data_parallel_rank
-        return CheckpointParts(
-            files={
-                replica_file("model", rank): self.model_state_dict(),
-                replica_file("optimizer", rank): self.optimizer_state_dict(optimizer),
-            }
-        )
+    def load_beside(self, parts: dict[str, Any], origin: Origin) -> None:
+        """After the replicas: every rank took its own when the checkpoint was saved at this
+        data-parallel size with one replica per rank, otherwise rank 0's (a checkpoint of a
+        replicated strategy, or another world size: see the module's doc)."""
+        self.next_step = origin.step + 1
+        self._after_load(parts, origin)
+        if origin.per_rank and not origin.own and self.runtime.is_main:
+            print(f"dtrain: {self._resize_message(origin)}", flush=True)
 
-    def load_checkpoint_parts(self, optimizer: torch.optim.Optimizer, step_dir: Path) -> None:
-        """Every rank loads its own replica when the checkpoint was saved at this
-        data-parallel size with one replica per rank; otherwise every rank loads rank 0's (a
-        checkpoint of a replicated strategy, or another world size: see the module's doc)."""
-        meta = ckread.load_meta(step_dir)
-        self.next_step = int(meta.get("step", 0)) + 1
-        saved = int(meta.get("data_parallel_size", meta.get("world_size", 1)))
-        per_replica = saved > 1 and (step_dir / replica_file("model", 1)).exists()
-        exact = saved == self.data_parallel_size and (per_replica or saved == 1)
-        rank = self.data_parallel_rank if exact else 0
-        if rank == 0:
-            super().load_checkpoint_parts(optimizer, step_dir)  # model.pt, optimizer.pt
-        else:
-            state = ckread.load_file(step_dir, replica_file("model", rank))
-            ckread.check_model_fits(self.model_state_dict(), state, step_dir)
-            self.load_model_state_dict(state)
-            self.load_optimizer_state_dict(
-                optimizer, ckread.load_file(step_dir, replica_file("optimizer", rank))
-            )
-        self._after_load(step_dir, exact)
-        if per_replica and not exact and self.runtime.is_main:
-            step = int(meta.get("step", 0))
-            print(f"dtrain: {self._resize_message(step_dir, saved, step)}", flush=True)
-
-    def _after_load(self, step_dir: Path, exact: bool) -> None:
+    def _after_load(self, parts: dict[str, Any], origin: Origin) -> None:
         """What a subclass restores beside the replica (diloco: the anchor)."""
 
-    def _resize_message(self, step_dir: Path, saved: int, step: int) -> str:
+    def _resize_message(self, origin: Origin) -> str:
+        step = origin.step
         since = self._since_sync(step)
         dropped = (
             f"; it was saved {since} step(s) after the sync at step {step - since}: the other "
@@ -290,8 +253,8 @@ class LocalSGDStrategy(Strategy):
             else ""
         )
         return (
-            f"{self.name}: {step_dir.name} holds {saved} replicas and this run has "
-            f"{self.data_parallel_size} ranks; every rank starts from rank 0's replica and "
+            f"{self.name}: {origin.folder} holds {origin.data_parallel_size} replicas and this "
+            f"run has {self.data_parallel_size} ranks; every rank starts from rank 0's replica and "
             f"inner optimizer state{dropped}"
         )
 
@@ -353,49 +316,56 @@ class DiLoCoStrategy(LocalSGDStrategy):
 
     # -- state ---------------------------------------------------------------------------
 
-    def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> CheckpointParts:
-        parts = super().checkpoint_parts(optimizer)
-        if self.runtime.is_main:  # the anchor and the outer optimizer are the same on every rank
-            assert self.outer_optimizer is not None
-            parts.files[OUTER_FILE] = {
-                "anchor": dict(zip(self.anchor_names, self.anchor)),
-                "optimizer": self.outer_optimizer.state_dict(),
-            }
+    def state_dicts(self, optimizer: torch.optim.Optimizer) -> dict[str, Part]:
+        assert self.outer_optimizer is not None
+        parts = super().state_dicts(optimizer)
+        # The anchor and the outer optimizer are the same on every rank.
+        outer = {
+            "anchor": dict(zip(self.anchor_names, self.anchor)),
+            "optimizer": self.outer_optimizer.state_dict(),
+        }
+        parts["outer"] = Part(Form.REPLICATED, outer)
         return parts
 
     @torch.no_grad()
-    def _after_load(self, step_dir: Path, exact: bool) -> None:
-        """The anchor and the outer momentum from ``outer.pt``; at another world size every
-        replica restarts from the anchor. A checkpoint without ``outer.pt`` (saved by another
-        strategy) starts the anchor at rank 0's model with no outer momentum (from fsdp's or
-        tensor's shards, the whole model every rank just read)."""
-        if (step_dir / OUTER_FILE).exists():
-            outer = ckread.load_file(step_dir, OUTER_FILE)
-            anchor, outer_state = outer["anchor"], outer["optimizer"]
+    def _after_load(self, parts: dict[str, Any], origin: Origin) -> None:
+        """The anchor and the outer momentum from ``outer``; at another world size every
+        replica restarts from the anchor. A checkpoint without ``outer`` (saved by another
+        strategy) starts the anchor at rank 0's model with no outer momentum."""
+        if "outer" in parts:
+            anchor, outer_state = parts["outer"]["anchor"], parts["outer"]["optimizer"]
+            if sorted(anchor) != sorted(self.anchor_names):
+                raise CheckpointError(
+                    f"{origin.folder}: diloco's anchor's parameters do not match the "
+                    f"model's ({sorted(set(anchor) ^ set(self.anchor_names))[:5]}); resume "
+                    "with the model that saved it"
+                )
+            for name, tensor in zip(self.anchor_names, self.anchor):
+                tensor.copy_(anchor[name])
         else:
-            whole = (step_dir / layout.MODEL_FILE).exists()
-            model = (
-                ckread.load_file(step_dir, layout.MODEL_FILE) if whole else self.model_state_dict()
-            )
-            anchor, outer_state = {n: model[n] for n in self.anchor_names if n in model}, None
-        if sorted(anchor) != sorted(self.anchor_names):
-            raise CheckpointError(
-                f"{step_dir / OUTER_FILE}: the anchor's parameters do not match the model's "
-                f"({sorted(set(anchor) ^ set(self.anchor_names))[:5]}); resume with the "
-                "model that saved it"
-            )
-        for name, tensor in zip(self.anchor_names, self.anchor):
-            tensor.copy_(anchor[name])
+            outer_state = None
+            for tensor, param in zip(self.anchor, self.params):
+                tensor.copy_(param)
+            if origin.own and self.data_parallel_size > 1:
+                # Each rank took its own replica (localsgd's, at this size): rank 0's is the
+                # anchor, which every rank must share.
+                for tensor in self.anchor:
+                    with self.comm.waiting():
+                        dist.broadcast(tensor, group=self.data_parallel_group, group_src=0)
+                    self.comm.broadcast(
+                        tensor.numel() * tensor.element_size(), self.data_parallel_size
+                    )
         self.outer_optimizer = self._build_outer_optimizer()
         if outer_state is not None:
             self.outer_optimizer.load_state_dict(outer_state)
         # At another world size every replica restarts from the anchor -- after the
         # warm-up; in it, the model (rank 0's, the same on every rank) is already the one.
-        if not exact and not self.warming_up(self.next_step - 1):
+        if not origin.own and not self.warming_up(self.next_step - 1):
             for param, tensor in zip(self.params, self.anchor):
                 param.copy_(tensor)
 
-    def _resize_message(self, step_dir: Path, saved: int, step: int) -> str:
+    def _resize_message(self, origin: Origin) -> str:
+        step = origin.step
         since = self._since_sync(step)
         dropped = (
             f"; the replicas' {since} local step(s) since the outer step at step "
@@ -404,7 +374,7 @@ class DiLoCoStrategy(LocalSGDStrategy):
             else ""
         )
         return (
-            f"{self.name}: {step_dir.name} holds {saved} replicas and this run has "
-            f"{self.data_parallel_size} ranks; every rank restarts from the anchor (the global "
-            f"model of the last outer step) with rank 0's inner optimizer state{dropped}"
+            f"{self.name}: {origin.folder} holds {origin.data_parallel_size} replicas and this "
+            f"run has {self.data_parallel_size} ranks; every rank restarts from the anchor (the "
+            f"global model of the last outer step) with rank 0's inner optimizer state{dropped}"
         )

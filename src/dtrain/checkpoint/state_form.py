@@ -16,23 +16,22 @@ from pathlib import Path
 
 from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
+from dtrain.checkpoint.forms import NAMES_KEY, Form
 from dtrain.checkpoint.safe_load import torch_load
-from dtrain.config.capabilities import capabilities
 from dtrain.errors import CheckpointError
-from dtrain.parallel.base import Strategy
-from dtrain.parallel.cross_form import NAMES_KEY
 
 
-def check_state_form(cls: type[Strategy], step_dir: Path) -> None:
-    """A one-line error where strategy ``cls`` cannot load the state in ``step_dir``."""
-    if (step_dir / layout.SHARDED_DIR).is_dir() or not capabilities(cls.name).sharded_state:
+def check_state_form(strategy: str, form: Form, step_dir: Path) -> None:
+    """A one-line error where strategy ``strategy``, whose state is in ``form``, cannot load
+    the state in ``step_dir``."""
+    if (step_dir / layout.SHARDED_DIR).is_dir() or form is not Form.SHARDED:
         return  # shards into any strategy, whole files into a replica
     if names_its_parameters(step_dir / layout.OPTIMIZER_FILE):
         return  # whole files cut into shards by name
     saved_by = ckread.load_meta(step_dir).get("strategy", "another strategy")
     raise CheckpointError(
         f"{step_dir / layout.OPTIMIZER_FILE} does not name its parameters (saved by an earlier "
-        f"dtrain), which strategy.name = {cls.name!r} reads them by: resume it once with "
+        f"dtrain), which strategy.name = {strategy!r} reads them by: resume it once with "
         f"strategy.name = {saved_by!r} and let it write a checkpoint, or start a new run from "
         f"its weights with --run.init_from={step_dir}"
     )

@@ -1,4 +1,5 @@
-"""A checkpoint read by a strategy that lays the state out otherwise.
+"""A checkpoint read by a strategy that lays the state out otherwise (which conversion a load
+takes: :mod:`dtrain.checkpoint.model_state`).
 
 Every conversion goes through one form, the one torch's distributed state-dict API gives by
 default: the model by parameter name, the optimizer ``{"state": {name: {...}}, "param_groups":
@@ -13,8 +14,8 @@ the shards (DCP reshards into plain tensors) and loads it into its replica.
 Whole files into shards: fsdp, tensor, pipeline or a composed layout resuming what a replicated
 strategy saved (``model.pt``, ``optimizer.pt``). torch keys a whole optimizer state by position
 in the saving optimizer's groups; the replicated strategies write each group's parameter names
-beside it (:data:`NAMES_KEY`), which turns it into the by-name form. Every rank reads both files
-and keeps its own part of each tensor.
+beside it (:data:`~dtrain.checkpoint.forms.NAMES_KEY`), which turns it into the by-name form.
+Every rank reads both files and keeps its own part of each tensor.
 
 Shards of another layout: fsdp and tensor save torch's list of groups (DCP flattens it into
 ``optimizer.param_groups.<i>.<setting>``); pipeline, whose stages hold different parameters,
@@ -22,41 +23,20 @@ its settings per parameter (``optimizer.param_groups.<name>.<setting>``). The op
 state is ``optimizer.state.<name>.<key>`` in both, so only the settings are read otherwise
 (:func:`read_settings_per_name`). A pipeline stage's copy of a tied parameter (the GPT's head on
 the last stage) goes by the parameter's first name in the whole model (the token embedding's)
-while it is read: :meth:`dtrain.parallel.sharded.ShardedStrategy.state_by_name`."""
+while it is read (the strategy's ``state_dicts_by_name``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
+from dtrain.checkpoint.forms import NAMES_KEY
 from dtrain.errors import CheckpointError
-
-# A whole optimizer.pt's key beside torch's "state" and "param_groups": the names of each
-# group's parameters, in the group's order (torch's load ignores keys it does not know).
-NAMES_KEY = "param_names"
-
-
-def load_shards_into_replica(
-    model: nn.Module, optimizer: torch.optim.Optimizer, step_dir: Path
-) -> None:
-    """Collective: every rank fills its whole replica and optimizer from the shards."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    model_state, optim_state = get_state_dict(model, optimizer)  # plain tensors, whole
-    template: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
-    index = ckread.sharded_index(step_dir)
-    wanted = {key: tuple(value.shape) for key, value in template["model"].items()}
-    ckread.check_model_fits(wanted, index.model_shapes, step_dir)
-    read_in_saved_groups(template, step_dir, index)
-    set_state_dict(
-        model, optimizer, model_state_dict=template["model"], optim_state_dict=template["optimizer"]
-    )
 
 
 def read_in_saved_groups(
@@ -134,15 +114,6 @@ def regroup(
     return fitted
 
 
-def with_param_names(
-    state: dict[str, Any], optimizer: torch.optim.Optimizer, named: Iterable[tuple[str, Any]]
-) -> dict[str, Any]:
-    """``state`` (``optimizer``'s whole state dict) with its groups' parameter names."""
-    name_of = {id(param): name for name, param in named}
-    names = [[name_of[id(param)] for param in group["params"]] for group in optimizer.param_groups]
-    return {**state, NAMES_KEY: names}
-
-
 def load_whole_into_shards(
     template: dict[str, Any], step_dir: Path, wanted: Mapping[str, tuple[int, ...]]
 ) -> None:
@@ -207,18 +178,3 @@ def fill_parts(template: dict[str, Any], whole: dict[str, Any]) -> None:
             template[key] = value.to(device=like.device, dtype=like.dtype)
         else:
             template[key] = value
-
-
-def renamed(optim_state: dict[str, Any], names: Mapping[str, str]) -> dict[str, Any]:
-    """An optimizer state in the by-name form with its parameters' names mapped by ``names``
-    (the others kept)."""
-    if not names:
-        return optim_state
-    return {
-        **optim_state,
-        "state": {names.get(k, k): v for k, v in optim_state["state"].items()},
-        "param_groups": [
-            {**group, "params": [names.get(n, n) for n in group["params"]]}
-            for group in optim_state["param_groups"]
-        ],
-    }
