@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 
 from dtrain.dist import sealed_store
+from dtrain.dist.store_link import StoreLink
 from dtrain.dist.stores import host_store
 from dtrain.errors import UserError
 from dtrain.launch.elastic import make_options
 from dtrain.launch.inplace import check_machines
 from dtrain.recovery.coordinator import NodeWatcher
-from dtrain.recovery.coordinator_link import StoreLink
 from dtrain.recovery.node_claim import claim_key, claim_node
 
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from dtrain.dist.store_link import StoreLink
 from dtrain.dist.stores import host_store
 from dtrain.recovery.coordinator import Coordinator, NodeWatcher, process_state
-from dtrain.recovery.coordinator_link import StoreLink
 from dtrain.recovery.membership import (
     CUT,
     GENERATION,

@@ -30,12 +30,12 @@ from types import FrameType
 
 from dtrain.dist.network import check_port_free, split_endpoint
 from dtrain.dist.reachability import NODE_ADDR_ENV
+from dtrain.dist.store_link import StoreLink
 from dtrain.dist.stores import LOOPBACK, host_store, local_address
 from dtrain.errors import UserError
 from dtrain.fault.status import RunStatus, read_status
 from dtrain.launch.elastic import LaunchOptions, wait_for_rendezvous_host
 from dtrain.recovery.coordinator import Coordinator, NodeWatcher
-from dtrain.recovery.coordinator_link import StoreLink
 from dtrain.recovery.membership import (
     COORDINATOR_ENV,
     LOCAL_ENV,

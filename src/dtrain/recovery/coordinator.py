@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtrain.dist.sealed_store import Opener, warn_once
-from dtrain.recovery.coordinator_link import StoreLink, StoreUnreachable
+from dtrain.dist.store_link import StoreLink, StoreUnreachable
 from dtrain.recovery.membership import (
     INFO,
     POLL_S,

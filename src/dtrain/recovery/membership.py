@@ -39,7 +39,7 @@ the launcher of every other machine reads /proc for its own and posts ``member/<
 when its beats stop for ``stale_s`` (a machine cut off: nothing it posts arrives), or when it
 has not asked within ``hang_s`` of the first member that did (it is stuck, and will come back
 as a joiner). Across machines, a member's and a launcher's store calls ride through an outage
-of the network (:mod:`dtrain.recovery.coordinator_link`).
+of the network (:mod:`dtrain.dist.store_link`).
 
 A regroup that would leave fewer than ``min_members`` (``fault.min_replicas``) forms one last
 generation with a ``stop`` reason: its members heal, save a checkpoint and end; the
@@ -62,7 +62,7 @@ from typing import Any
 from dtrain.dist import sealed_store
 from dtrain.dist.reachability import NODE_ADDR_ENV
 from dtrain.dist.sealed_store import Opener, Shape
-from dtrain.recovery.coordinator_link import StoreLink, StoreUnreachable
+from dtrain.dist.store_link import StoreLink, StoreUnreachable
 
 PREFIX = "inplace/"
 BEAT_S = 0.1  # a member's heartbeat period
