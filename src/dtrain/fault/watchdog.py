@@ -186,14 +186,13 @@ class Watchdog(PeerDiagnosis):
         self._speed = Speed()
         self._speed_every_s = max(1.0, heartbeat_s)
         self._speed_mark = (0, time.monotonic())  # step and time of the last measurement
+        self._looks: list[Callable[[], None]] = []  # called at every wake (:meth:`on_wake`)
 
     # -- this rank -----------------------------------------------------------------------
 
     def start(self) -> None:
         if self.store is not None:
             self._beat()
-        elif self.run_dir is None:
-            return
         if self.store is not None and self.rank != 0:
             # Every rank gets this far at start-up, so waiting for rank 0's first beat costs
             # nothing a collective soon after would not; it is what names rank 0 if it dies early.
@@ -208,6 +207,12 @@ class Watchdog(PeerDiagnosis):
         self.liveness.stamp(time.time(), self._speed)
         self._thread = threading.Thread(target=self._run, name="dtrain-watchdog", daemon=True)
         self._thread.start()
+
+    def on_wake(self, look: Callable[[], None]) -> None:
+        """Call ``look()`` on this thread at every wake (at least every 0.2 s) while it runs:
+        in-place recovery's look at the membership, which must go on while the training
+        thread is blocked in a collective. ``look`` never raises (it reports its own)."""
+        self._looks.append(look)
 
     def stop(self) -> None:
         self._stop.set()
@@ -315,6 +320,8 @@ class Watchdog(PeerDiagnosis):
             self.liveness.stamp(time.time(), self._speed)
             if measure:
                 self.liveness.sync()  # for readers on other machines
+            for look in self._looks:
+                look()
             if self.store is None:
                 continue  # no peers: nothing more to beat to, nor a collective to hang in
             if (self.step, self.phase) != where:
