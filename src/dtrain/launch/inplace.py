@@ -12,7 +12,7 @@ Across machines (``--nnodes N --node-rank K``), the launcher of node 0 hosts the
 are numbered machine by machine (node K's are ``K*nproc .. K*nproc+nproc-1``). The launcher of
 every other machine watches its own workers in /proc and posts their states to the store
 (:class:`~dtrain.recovery.coordinator.NodeWatcher`), so the coordinator sees a worker killed or
-stopped on another machine at once; a machine cut off is seen by its beats going stale. Every
+stopped on another machine at once; a machine cut off, by its launcher's counter going still. Every
 store call on those machines waits out an outage of the network (up to ``--rdzv-timeout``).
 """
 

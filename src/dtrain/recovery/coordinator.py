@@ -168,14 +168,6 @@ class _Seen:
     pid: int = 0
 
 
-@dataclass
-class _Voice:
-    """A machine's launcher as the coordinator hears it (its ``node/<k>/alive`` counter)."""
-
-    count: int = -1
-    moved_at: float = 0.0  # on the coordinator's clock, when the counter last moved
-
-
 class Coordinator(PollingThread):
     """Numbers the generations; runs on its own thread in the launcher, beside the store."""
 
@@ -228,11 +220,12 @@ class Coordinator(PollingThread):
             for m in range(members)
             for part in ("info", "want", *(("state",) if m not in self.local else ()))
         ]
+        # Every other machine's launcher's counter (node/<k>/alive), as last read, and when it
+        # last moved (on the clock).
         here = {m // self.per_node for m in self.local}
-        self._voices = {
-            node: _Voice() for node in sorted({m // self.per_node for m in range(members)} - here)
-        }
-        self._keys += [alive_key(node) for node in self._voices]
+        others = sorted({m // self.per_node for m in range(members)} - here)
+        self._voices: dict[int, tuple[int, float]] = {node: (-1, 0.0) for node in others}
+        self._keys += [alive_key(node) for node in others]
         self._known: set[str] = set()  # keys set (none is ever removed)
         # Each value's seal is checked once, not at every poll; a stranger's value over a
         # member's record leaves the record as it was.
@@ -265,15 +258,11 @@ class Coordinator(PollingThread):
         """The other machines whose launcher was heard within ``stale_s`` (its counter moved;
         a machine is heard from the first poll on, and falls silent ``stale_s`` after its
         counter last moved)."""
-        heard = set()
-        for node, voice in self._voices.items():
+        for node, (count, _) in list(self._voices.items()):
             key = alive_key(node)
-            count = counter_value(key, snap[key])
-            if count != voice.count:
-                voice.count, voice.moved_at = count, now
-            if now - voice.moved_at < self.stale_s:
-                heard.add(node)
-        return heard
+            if counter_value(key, snap[key]) != count:
+                self._voices[node] = (counter_value(key, snap[key]), now)
+        return {node for node, (_, at) in self._voices.items() if now - at < self.stale_s}
 
     def _alive(self, member: int, heard: set[int], snap: dict[str, bytes | None]) -> bool:
         """Whether the member's newest incarnation is running: its process exists and is not
