@@ -25,10 +25,9 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import torch.distributed as dist
-
 from dtrain.dist import sealed_store
 from dtrain.dist.reachability import OPEN, REFUSED, probe
+from dtrain.dist.stores import client_store
 from dtrain.errors import UserError
 
 T = TypeVar("T")
@@ -69,17 +68,6 @@ def bounded(call: Callable[[], T], seconds: float, what: str) -> T:
     if "error" in box:
         raise box["error"]
     return box["value"]
-
-
-def open_store(host: str, port: int, timeout_s: float) -> Any:
-    """A plain client of the store at ``host:port`` (its calls wait up to ``timeout_s``)."""
-    return dist.TCPStore(  # type: ignore[attr-defined]
-        host,
-        port,
-        is_master=False,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
 
 
 class StoreLink:
@@ -142,7 +130,7 @@ class StoreLink:
                 )
             if state == OPEN:
                 connect_s = self.call_s if wait_s is None else wait_s
-                opening = functools.partial(open_store, self.host, self.port, connect_s)
+                opening = functools.partial(client_store, self.host, self.port, connect_s)
                 try:
                     client = bounded(opening, connect_s + 1.0, "a new connection")
                     client.set_timeout(datetime.timedelta(seconds=self.call_s))
