@@ -92,3 +92,16 @@ def test_without_patience_a_call_raises_its_own_error_and_the_next_one_reconnect
     link.call(lambda s: s.set("k", "3"), "a set")  # on a fresh connection
     assert link.client is not before and link.read("k") is None  # unsealed: no record
     assert read(server) == b"3"
+
+
+def test_without_patience_a_store_gone_is_a_connection_error_naming_it() -> None:
+    with held_port() as port:
+        server: Any = host_store("127.0.0.1", port, 10.0)
+        link = StoreLink("127.0.0.1", port, 2.0, 0.0, name="the job's key-value store")
+        link.call(lambda s: s.set("k", "1"), "a set")
+        del server  # its address refuses connections from here on
+        with pytest.raises(Exception):  # noqa: B017 (torch's own error: its words vary)
+            link.call(read, "a get")
+        with pytest.raises(ConnectionError, match=f"the job's key-value store at 127.0.0.1:{port}"):
+            link.call(read, "a get")
+    assert link.outages == 1  # the second was refused before any call was made

@@ -130,11 +130,8 @@ class StoreLink:
                 )
             if state == OPEN:
                 connect_s = self.call_s if wait_s is None else wait_s
-                opening = functools.partial(client_store, self.host, self.port, connect_s)
                 try:
-                    client = bounded(opening, connect_s + 1.0, "a new connection")
-                    client.set_timeout(datetime.timedelta(seconds=self.call_s))
-                    return client
+                    return self._open(connect_s, connect_s + 1.0)
                 except Exception as exc:
                     said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             if self._clock() >= deadline:
@@ -144,11 +141,26 @@ class StoreLink:
                 )
             self._sleep(RETRY_S)
 
+    def _open(self, wait_s: float, bound_s: float) -> Any:
+        """A fresh client: torch's tries to connect for ``wait_s``, given up after ``bound_s``;
+        its calls then wait up to ``call_s``."""
+        opening = functools.partial(client_store, self.host, self.port, wait_s)
+        client = bounded(opening, bound_s, "a new connection")
+        client.set_timeout(datetime.timedelta(seconds=self.call_s))
+        return client
+
     def call(self, op: Callable[[Any], T], what: str, seconds: float | None = None) -> T:
         """``op(client)`` within ``seconds`` (default ``call_s``), retried on fresh connections
         until it succeeds; raises :class:`StoreUnreachable` after ``patience_s`` without an
-        answer (without patience: the call's own error, :class:`StoreTimeout` if none came)."""
+        answer. Without patience, one try: its own error raised (:class:`StoreTimeout` if none
+        came), a lost connection made again within the same bound, once its address answers
+        (a plain connection, else :class:`ConnectionError`)."""
         limit = self.call_s if seconds is None else seconds
+        if self.patience_s <= 0 and self._client is None:
+            state, said = probe(self.host, self.port, min(limit, 2.0))
+            if state != OPEN:
+                raise ConnectionError(f"{self.name} at {self.host}:{self.port}: {said}")
+            self._client = self._open(self.call_s, limit)
         deadline = self._clock() + self.patience_s
         while True:
             client = self.client
