@@ -177,19 +177,19 @@ def _cpu_timed(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 def _instrument() -> None:
     from dtrain.balance.balancer import LoadBalancer
     from dtrain.checkpoint.write import Checkpointer
-    from dtrain.fault.store_client import StoreClient
+    from dtrain.dist.store_link import StoreLink
     from dtrain.fault.watchdog import Watchdog
     from dtrain.metrics.sinks import Sinks
     from dtrain.metrics.summary import LossWindow
 
-    ask = StoreClient.ask
+    call = StoreLink.call
 
-    def counted_ask(self: StoreClient, op: Any, what: str, seconds: float | None = None) -> Any:
+    def counted_call(self: StoreLink, op: Any, what: str, seconds: float | None = None) -> Any:
         kind = what.split(" ")[0] if what.startswith("reading") else what
         _STATS["store_ops"][kind] += 1
-        return ask(self, op, what, seconds)
+        return call(self, op, what, seconds)
 
-    StoreClient.ask = counted_ask  # type: ignore[method-assign]
+    StoreLink.call = counted_call  # type: ignore[method-assign]
 
     for cls, names in (
         (Watchdog, ("set_phase", "tick")),

@@ -10,11 +10,11 @@ import pytest
 from dtrain.cli.train import job_shape
 from dtrain.config.job import validate_in_place_machines
 from dtrain.dist import sealed_store
+from dtrain.dist.store_link import StoreLink
 from dtrain.dist.stores import host_store
 from dtrain.errors import UserError
 from dtrain.launch.options import make_options
 from dtrain.recovery.coordinator import NodeWatcher
-from dtrain.recovery.coordinator_link import StoreLink
 from dtrain.recovery.node_claim import claim_key, claim_node
 
 

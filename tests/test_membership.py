@@ -1,28 +1,53 @@
 """The membership coordinator of ``fault.recovery = 'inplace'`` on a real store, members played
-by this process (its own pid: alive) and by processes it ends (gone)."""
+by this process: their processes' states (alive, ended, stopped) and the time that passes are
+what the test says (:class:`Processes`, :class:`Clock`), not real processes and sleeps; and
+members as threads of this process running the worker's side of the protocol. One test reads a
+real stopped process in /proc, one a launcher posting its real worker down and up again."""
 
 from __future__ import annotations
 
 import os
 import subprocess
-import time
+import threading
 from typing import Any
 
 import pytest
 
+from dtrain.dist.store_link import StoreLink
 from dtrain.dist.stores import host_store
 from dtrain.recovery.coordinator import Coordinator, NodeWatcher, process_state
-from dtrain.recovery.coordinator_link import StoreLink
 from dtrain.recovery.membership import (
     CUT,
     GENERATION,
     PREFIX,
     STATE,
+    Generation,
     Member,
     read_json,
     read_text,
     write_value,
 )
+from dtrain.recovery.node_claim import alive_key
+
+
+class Clock:
+    """The coordinator's monotonic time: it passes when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Processes:
+    """Local processes' states as the tests play them: every pid runs until it is ended."""
+
+    def __init__(self) -> None:
+        self.ended: set[int] = set()
+
+    def __call__(self, pid: int) -> str:
+        return "X" if pid in self.ended else "R"
 
 
 @pytest.fixture
@@ -30,10 +55,23 @@ def store() -> Any:
     return host_store("127.0.0.1", 0, 30.0)
 
 
+def coordinator_on(
+    store: Any,
+    members: int,
+    clock: Clock | None = None,
+    processes: Processes | None = None,
+    **kw: Any,
+) -> Coordinator:
+    kw.setdefault("stale_s", 3.0)
+    kw.setdefault("hang_s", 30.0)
+    return Coordinator(
+        store, members, clock=clock or Clock(), state_of=processes or Processes(), **kw
+    )
+
+
 def register(store: Any, member: int, pid: int, nonce: str) -> None:
     info = {"pid": pid, "host": "here", "nonce": nonce}
     write_value(store, f"member/{member}/info", info)
-    store.add(f"{PREFIX}member/{member}/beat", 1)
 
 
 def ask(store: Any, member: int, nonce: str, after: int, step: int = -1) -> None:
@@ -49,19 +87,10 @@ def latest(store: Any) -> dict[str, Any] | None:
     return {"number": number, **record}
 
 
-@pytest.fixture
-def sleeper() -> Any:
-    """A process to play member 0 (and to end)."""
-    proc = subprocess.Popen(["sleep", "60"])
-    yield proc
-    proc.kill()
-    proc.wait()
-
-
-def two_members(store: Any, coordinator: Coordinator, pid0: int | None = None) -> None:
-    """Generation 0 = members 0 (process ``pid0``, default this one) and 1 (this process)."""
-    for member, pid in ((0, pid0 or os.getpid()), (1, os.getpid())):
-        register(store, member, pid, f"n{member}")
+def two_members(store: Any, coordinator: Coordinator) -> None:
+    """Generation 0 = members 0 (process 100) and 1 (process 101)."""
+    for member in (0, 1):
+        register(store, member, 100 + member, f"n{member}")
         ask(store, member, f"n{member}", -1)
     coordinator.poll()
     assert latest(store) == {
@@ -76,19 +105,19 @@ def two_members(store: Any, coordinator: Coordinator, pid0: int | None = None) -
 
 
 def test_the_first_generation_waits_for_every_member(store: Any) -> None:
-    coordinator = Coordinator(store, 2, stale_s=3.0, hang_s=30.0)
-    register(store, 0, os.getpid(), "n0")
+    coordinator = coordinator_on(store, 2)
+    register(store, 0, 100, "n0")
     ask(store, 0, "n0", -1)
     coordinator.poll()
     assert latest(store) is None
     two_members(store, coordinator)
 
 
-def test_a_dead_member_is_left_out_once_the_survivor_asks(store: Any, sleeper: Any) -> None:
-    coordinator = Coordinator(store, 2, stale_s=3.0, hang_s=30.0)
-    two_members(store, coordinator, sleeper.pid)
-    sleeper.kill()  # member 0's process ends (kill -9)
-    sleeper.wait()
+def test_a_dead_member_is_left_out_once_the_survivor_asks(store: Any) -> None:
+    processes = Processes()
+    coordinator = coordinator_on(store, 2, processes=processes)
+    two_members(store, coordinator)
+    processes.ended.add(100)  # member 0's process ends (kill -9)
     coordinator.poll()
     assert latest(store)["number"] == 0  # the survivor has not asked yet
     ask(store, 1, "n1", after=0, step=7)
@@ -98,17 +127,17 @@ def test_a_dead_member_is_left_out_once_the_survivor_asks(store: Any, sleeper: A
     assert gen["asked_at"] > 0
 
 
-def test_a_restarted_member_joins_the_survivor_at_its_next_step(store: Any, sleeper: Any) -> None:
-    coordinator = Coordinator(store, 2, stale_s=3.0, hang_s=30.0)
-    two_members(store, coordinator, sleeper.pid)
-    sleeper.kill()
-    sleeper.wait()
+def test_a_restarted_member_joins_the_survivor_at_its_next_step(store: Any) -> None:
+    processes = Processes()
+    coordinator = coordinator_on(store, 2, processes=processes)
+    two_members(store, coordinator)
+    processes.ended.add(100)
     ask(store, 1, "n1", after=0, step=7)
     coordinator.poll()
     assert latest(store)["members"] == [1]
     # Member 0 restarted: a new incarnation (nonce) asks to join; the survivor trains on, is
     # told to regroup after its next step (``pending``), and asks.
-    register(store, 0, os.getpid(), "n0-again")
+    register(store, 0, 102, "n0-again")
     ask(store, 0, "n0-again", -1)
     coordinator.poll()
     assert read_text(store, "pending") == "1"
@@ -120,14 +149,11 @@ def test_a_restarted_member_joins_the_survivor_at_its_next_step(store: Any, slee
     assert (gen["left"], gen["joined"]) == ([], [0])
 
 
-def test_a_member_restarted_before_the_others_noticed_both_left_and_joined(
-    store: Any, sleeper: Any
-) -> None:
-    coordinator = Coordinator(store, 2, stale_s=3.0, hang_s=30.0)
-    two_members(store, coordinator, sleeper.pid)
-    sleeper.kill()
-    sleeper.wait()
-    register(store, 0, os.getpid(), "n0-again")  # back before member 1's collective failed
+def test_a_member_restarted_before_the_others_noticed_both_left_and_joined(store: Any) -> None:
+    processes = Processes()
+    coordinator = coordinator_on(store, 2, processes=processes)
+    two_members(store, coordinator)
+    register(store, 0, 102, "n0-again")  # back before member 1's collective failed
     ask(store, 0, "n0-again", -1)
     ask(store, 1, "n1", after=0, step=7)
     coordinator.poll()
@@ -136,13 +162,11 @@ def test_a_member_restarted_before_the_others_noticed_both_left_and_joined(
     assert (gen["left"], gen["joined"]) == ([0], [0])
 
 
-def test_fewer_survivors_than_min_members_form_a_last_generation_that_stops(
-    store: Any, sleeper: Any
-) -> None:
-    coordinator = Coordinator(store, 2, stale_s=3.0, hang_s=30.0, min_members=2)
-    two_members(store, coordinator, sleeper.pid)
-    sleeper.kill()
-    sleeper.wait()
+def test_fewer_survivors_than_min_members_form_a_last_generation_that_stops(store: Any) -> None:
+    processes = Processes()
+    coordinator = coordinator_on(store, 2, processes=processes, min_members=2)
+    two_members(store, coordinator)
+    processes.ended.add(100)
     ask(store, 1, "n1", after=0, step=7)
     coordinator.poll()
     gen = latest(store)
@@ -164,13 +188,16 @@ def test_fewer_survivors_than_min_members_form_a_last_generation_that_stops(
 
 
 def test_a_member_that_never_asks_is_left_out_after_hang_s(store: Any) -> None:
-    coordinator = Coordinator(store, 2, stale_s=30.0, hang_s=0.3)
+    clock = Clock()
+    coordinator = coordinator_on(store, 2, clock, hang_s=0.3)
     two_members(store, coordinator)
     ask(store, 1, "n1", after=0)
     coordinator.poll()
-    assert latest(store)["number"] == 0  # member 0 alive and beating: waited for
-    time.sleep(0.4)
-    store.add(f"{PREFIX}member/0/beat", 1)
+    assert latest(store)["number"] == 0  # member 0 alive: waited for
+    clock.now += 0.29
+    coordinator.poll()
+    assert latest(store)["number"] == 0  # still within hang_s
+    clock.now += 0.02
     coordinator.poll()
     assert latest(store)["members"] == [1]
 
@@ -178,10 +205,9 @@ def test_a_member_that_never_asks_is_left_out_after_hang_s(store: Any) -> None:
 def test_a_stopped_process_counts_as_gone() -> None:
     proc = subprocess.Popen(["sleep", "30"])
     try:
+        assert process_state(proc.pid) not in ("T", "t", "X", "Z")
         os.kill(proc.pid, 19)  # SIGSTOP
-        deadline = time.monotonic() + 5
-        while process_state(proc.pid) not in ("T", "t") and time.monotonic() < deadline:
-            time.sleep(0.01)
+        os.waitpid(proc.pid, os.WUNTRACED)  # returns once it has stopped
         assert process_state(proc.pid) in ("T", "t")
     finally:
         proc.kill()
@@ -190,7 +216,7 @@ def test_a_stopped_process_counts_as_gone() -> None:
 
 
 def test_members_wait_for_the_generation_that_holds_them(store: Any) -> None:
-    coordinator = Coordinator(store, 2, stale_s=3.0, hang_s=30.0)
+    coordinator = Coordinator(store, 2, stale_s=3.0, hang_s=30.0)  # its own thread, real time
     coordinator.start()
     address = f"127.0.0.1:{store.port}"
     members = [Member(address, m, 2, timeout_s=10.0) for m in (1, 0)]
@@ -212,9 +238,9 @@ def test_a_member_on_another_machine_is_gone_when_its_launcher_posts_it_down(
     store: Any,
 ) -> None:
     # Member 1 is on another machine (per_node=1): its pid means nothing here; its launcher
-    # posts its state. Its beats go on (stale_s is long): only the posted state counts.
-    coordinator = Coordinator(store, 2, stale_s=30.0, hang_s=30.0, local=[0], per_node=1)
-    two_members(store, coordinator, pid0=os.getpid())
+    # posts its state. Its machine is heard (stale_s is long): only the posted state counts.
+    coordinator = coordinator_on(store, 2, stale_s=30.0, local=[0], per_node=1)
+    two_members(store, coordinator)
     write_value(store, "member/1/state", {"nonce": "n1", "down": False})
     ask(store, 0, "n0", after=0)
     coordinator.poll()
@@ -228,21 +254,18 @@ def test_a_member_on_another_machine_is_gone_when_its_launcher_posts_it_down(
 
 
 def test_a_machine_fallen_silent_is_named_cut_off_but_not_one_posted_down(store: Any) -> None:
-    coordinator = Coordinator(store, 4, stale_s=0.2, hang_s=30.0, local=[0, 1], per_node=2)
+    clock = Clock()
+    coordinator = coordinator_on(store, 4, clock, stale_s=0.2, local=[0, 1], per_node=2)
     for member in range(4):
-        register(store, member, os.getpid(), f"n{member}")
+        register(store, member, 100 + member, f"n{member}")
         ask(store, member, f"n{member}", -1)
     coordinator.poll()
     assert latest(store)["members"] == [0, 1, 2, 3]
-    time.sleep(0.3)
-    store.add(f"{PREFIX}member/0/beat", 1)
-    store.add(f"{PREFIX}member/1/beat", 1)
-    store.add(f"{PREFIX}member/2/beat", 1)  # machine 1 still answers through member 2
+    clock.now += 0.3
+    store.add(alive_key(1), 1)  # machine 1's launcher still answers
     coordinator.poll()
     assert not store.check([f"{PREFIX}cut"])
-    time.sleep(0.3)
-    for member in (0, 1):
-        store.add(f"{PREFIX}member/{member}/beat", 1)
+    clock.now += 0.3  # and now has fallen silent for longer than stale_s
     # A launcher that posts a worker down still answers: not cut off (the timeout applies).
     write_value(store, "member/3/state", {"nonce": "n3", "down": True})
     coordinator.poll()
@@ -250,6 +273,11 @@ def test_a_machine_fallen_silent_is_named_cut_off_but_not_one_posted_down(store:
     write_value(store, "member/3/state", {"nonce": "n3", "down": False})
     coordinator.poll()
     assert read_json(store, "cut", CUT) == {"gen": 0, "members": [2, 3]}
+    # Its members are gone for the next generation too, once the others ask.
+    ask(store, 0, "n0", after=0, step=5)
+    ask(store, 1, "n1", after=0, step=5)
+    coordinator.poll()
+    assert (latest(store)["number"], latest(store)["members"]) == (1, [0, 1])
 
 
 def test_a_member_hears_of_a_machine_cut_off_with_the_addresses(
@@ -260,20 +288,34 @@ def test_a_member_hears_of_a_machine_cut_off_with_the_addresses(
     heard: list[tuple[int, list[int], dict[int, str]]] = []
     member.on_cut = lambda gen, cut, addresses: heard.append((gen, cut, addresses))
     try:
+        member.look()
+        assert heard == [] and member.pending == -1  # nothing to hear yet
         info = {"pid": 1, "host": "there", "nonce": "n1", "addr": "10.81.0.2"}
         write_value(store, "member/1/info", info)
         write_value(store, "cut", {"gen": 3, "members": [1]})
-        deadline = time.monotonic() + 10
-        while not heard and time.monotonic() < deadline:
-            time.sleep(0.02)
+        write_value(store, "pending", "3")
+        member.look()
         assert heard == [(3, [1], {0: "10.81.0.1", 1: "10.81.0.2"})]
+        assert member.pending == 3
+        member.look()
+        assert len(heard) == 1  # told once
     finally:
         member.close()
 
 
+@pytest.fixture
+def sleeper() -> Any:
+    """A real process to play a worker on another machine (stopped, continued)."""
+    proc = subprocess.Popen(["sleep", "60"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
 def test_a_launcher_posts_its_workers_down_and_up_again(store: Any, sleeper: Any) -> None:
     link = StoreLink("127.0.0.1", store.port, call_s=5.0, patience_s=10.0)
-    watcher = NodeWatcher(link, [1])
+    clock = Clock()
+    watcher = NodeWatcher(link, [1], node=1, clock=clock)
     register(store, 1, sleeper.pid, "n1")
 
     def state() -> Any:
@@ -281,19 +323,22 @@ def test_a_launcher_posts_its_workers_down_and_up_again(store: Any, sleeper: Any
 
     watcher.poll()
     assert state() == {"nonce": "n1", "down": False}
+    assert int(store.add(alive_key(1), 0)) == 1  # the machine's voice, for the coordinator
     os.kill(sleeper.pid, 19)  # SIGSTOP
-    deadline = time.monotonic() + 5
-    while state()["down"] is False and time.monotonic() < deadline:
-        watcher.poll()
+    os.waitpid(sleeper.pid, os.WUNTRACED)  # it has stopped
+    watcher.poll()
     assert state() == {"nonce": "n1", "down": True}
     os.kill(sleeper.pid, 18)  # SIGCONT: running again
-    while state()["down"] is True and time.monotonic() < deadline:
-        watcher.poll()
+    os.waitpid(sleeper.pid, os.WCONTINUED)
+    watcher.poll()
     assert state() == {"nonce": "n1", "down": False}
-    # Why the job stopped, for this machine's launcher to say.
+    # Why the job stopped, for this machine's launcher to say (its members' records and the
+    # job's state are read at most twice a second while its workers run).
     write_value(store, "stopped", "1 of 2 workers left")
-    while not watcher.stopped and time.monotonic() < deadline:
-        watcher.poll()
+    watcher.poll()
+    assert watcher.stopped == ""
+    clock.now += 0.6
+    watcher.poll()
     assert watcher.stopped == "1 of 2 workers left"
 
 
@@ -317,9 +362,9 @@ class CountingStore:
 def test_a_steady_poll_reads_every_member_in_one_call(store: Any, members: int) -> None:
     # It made 5-7 calls per member every 10 ms: 0.119 of a core in the launcher at 4 members.
     counting = CountingStore(store)
-    coordinator = Coordinator(counting, members, stale_s=3.0, hang_s=30.0)
+    coordinator = coordinator_on(counting, members)
     for m in range(members):
-        register(store, m, os.getpid(), f"n{m}")
+        register(store, m, 100 + m, f"n{m}")
         ask(store, m, f"n{m}", -1)
     coordinator.poll()
     assert latest(store)["members"] == list(range(members))
@@ -328,3 +373,70 @@ def test_a_steady_poll_reads_every_member_in_one_call(store: Any, members: int) 
         coordinator.poll()
     assert counting.calls == 5  # one multi_get a poll, whatever the number of members
     assert latest(store)["number"] == 0  # and nothing changed
+
+
+def test_members_as_threads_go_on_without_a_lost_one_and_take_it_back(store: Any) -> None:
+    """The worker's side of the protocol, three members as threads against the coordinator's
+    thread: generation 0 holds all; member 2 is lost (its launcher posts it down) and the two
+    survivors, asking after 0, get generation 1 without it; member 2 restarted asks to join,
+    the survivors hear ``pending`` at their next look and ask: generation 2 holds all three,
+    the survivors as they were, the restarted one joined."""
+    # Three machines of one worker each: each member's liveness is its launcher's word
+    # (member/<id>/state) and its machine's voice, heard for the whole test (the clock stands).
+    coordinator = coordinator_on(store, 3, local=[], per_node=1)
+    coordinator.start()
+    address = f"127.0.0.1:{store.port}"
+    members = [Member(address, m, 3, timeout_s=10.0, local=(0, 1)) for m in range(3)]
+    got: dict[int, list[Generation | None]] = {m: [] for m in range(3)}
+
+    def life(member: Member, after: int, step: int) -> None:
+        member.ask(after, step)
+        got[member.id].append(member.wait(after))
+
+    def together(lives: list[tuple[Member, int, int]]) -> None:
+        threads = [threading.Thread(target=life, args=args) for args in lives]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert not any(thread.is_alive() for thread in threads)
+
+    restarted: Member | None = None
+    try:
+        together([(member, -1, -1) for member in members])
+        assert [g.members if g else None for m in range(3) for g in got[m]] == [(0, 1, 2)] * 3
+        write_value(store, "member/2/state", {"nonce": members[2].nonce, "down": True})
+        together([(members[0], 0, 7), (members[1], 0, 7)])
+        first = got[0][-1]
+        assert first is not None and got[1][-1] == first
+        assert (first.number, first.members, first.left, first.joined) == (1, (0, 1), (2,), ())
+        # Member 2 runs again, a new incarnation; it waits until the survivors regroup.
+        restarted = Member(address, 2, 3, timeout_s=10.0, local=(0, 1))
+        joiner = threading.Thread(target=life, args=(restarted, -1, -1))
+        joiner.start()
+        heard = threading.Event()
+
+        def survivor(member: Member) -> None:
+            while member.pending != 1:  # a look at every step, as the watchdog's thread does
+                member.look()
+            heard.set()
+            life(member, 1, 9)
+
+        survivors = [threading.Thread(target=survivor, args=(m,)) for m in members[:2]]
+        for thread in survivors:
+            thread.start()
+        assert heard.wait(30)
+        for thread in [*survivors, joiner]:
+            thread.join(30)
+        second = got[2][-1]
+        assert second is not None and got[0][-1] == got[1][-1] == second
+        assert (second.number, second.members, second.left, second.joined) == (
+            2,
+            (0, 1, 2),
+            (),
+            (2,),
+        )
+    finally:
+        coordinator.stop()
+        for member in [*members, *([restarted] if restarted else [])]:
+            member.close()

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from dtrain.dist import sealed_store
 from dtrain.dist.reachability import REACH, close_probe_listener, peers_checked
 from dtrain.dist.runtime import NAMESPACE_ENV
+from dtrain.dist.store_link import StoreLink
 from dtrain.dist.stores import host_store
 from dtrain.errors import UserError
 from dtrain.fault.peer_words import PeerWords
@@ -26,7 +27,6 @@ from dtrain.fault.watchdog import Watchdog
 from dtrain.launch.launcher import check_shape
 from dtrain.launch.options import make_options
 from dtrain.recovery.coordinator import Coordinator, NodeWatcher
-from dtrain.recovery.coordinator_link import StoreLink
 from dtrain.recovery.membership import Generation, Member, write_value
 from dtrain.recovery.node_claim import claim_key, claim_node
 from dtrain.testing.ranks import free_port
@@ -305,7 +305,7 @@ def test_a_forged_word_is_no_word(
         theirs.append(PeerWords(ranks[1]).gather("resume", "whole", "the check"))
 
     assert ranks[0].store is not None
-    ranks[0].store._store = ThenCall(ranks[0].store._store, key, then)
+    ranks[0].store._client = ThenCall(ranks[0].store.client, key, then)
     assert PeerWords(ranks[0]).gather("resume", "whole", "the check") == ["whole", "whole"]
     assert theirs == [["whole", "whole"]]
     assert warnings_of(capsys.readouterr().err, key) == 1

@@ -506,3 +506,24 @@ def test_the_watchdogs_thread_names_a_rank_whose_long_phase_stops_ticking(store:
         r"at step 3; rank 1 never checked in$",
         hangs[0],
     ), hangs[0]
+
+
+def test_a_look_runs_on_the_watchdog_s_thread_while_the_training_thread_waits() -> None:
+    # In-place recovery's look at the membership (Member.look) must go on while the training
+    # thread is blocked in a collective: here it waits on an event only the look sets. One rank
+    # without a store or a run folder: the thread runs for the look alone.
+    watchdog = Watchdog(0, 1, heartbeat_s=3600.0, timeout_s=3600.0)
+    looked = threading.Event()
+    threads: list[str] = []
+
+    def look() -> None:
+        threads.append(threading.current_thread().name)
+        looked.set()
+
+    watchdog.on_wake(look)
+    watchdog.start()
+    try:
+        assert looked.wait(30)  # the training thread, blocked: the look still came
+    finally:
+        watchdog.stop()
+    assert set(threads) == {"dtrain-watchdog"}

@@ -48,12 +48,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch.distributed as dist
-
 from dtrain.dist import sealed_store
 from dtrain.dist.network import interface_addresses, is_loopback, resolve
 from dtrain.dist.sealed_store import Shape
-from dtrain.dist.stores import host_store, local_address
+from dtrain.dist.stores import client_store, host_store, local_address
 from dtrain.errors import UserError
 
 # Set by ``dtrain train`` for its workers: the address this node advertises to the others.
@@ -156,13 +154,7 @@ def open_store(*, is_master: bool, timeout: datetime.timedelta, connect_timeout_
                 raise OSError(errno.EADDRNOTAVAIL, f"{host} is not an address of this machine")
             store = host_store(address, port, connect_timeout_s)
         else:
-            store = dist.TCPStore(  # type: ignore[attr-defined]
-                host,
-                port,
-                is_master=False,
-                timeout=datetime.timedelta(seconds=connect_timeout_s),
-                wait_for_workers=False,
-            )
+            store = client_store(host, port, connect_timeout_s)
     except (RuntimeError, OSError) as exc:
         role = "host" if is_master else "reach"
         # torch's message is long and mangles addresses; a plain connection says why in a word.

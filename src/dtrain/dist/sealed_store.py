@@ -134,10 +134,6 @@ def put(store: Any, key: str, value: str | bytes) -> None:
     store.set(key, seal(key, value.encode() if isinstance(value, str) else value))
 
 
-def put_json(store: Any, key: str, value: Any) -> None:
-    put(store, key, json.dumps(value))
-
-
 def get(store: Any, key: str) -> bytes | None:
     """The raw value at ``key``, or None while it is not set."""
     return bytes(store.get(key)) if store.check([key]) else None

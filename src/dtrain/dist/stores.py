@@ -78,6 +78,20 @@ def host_store(
     )
 
 
+def client_store(host: str, port: int, timeout_s: float) -> Any:
+    """A plain client of the store at ``host:port``: it tries to connect, and each of its calls
+    waits, up to ``timeout_s``."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(  # type: ignore[attr-defined]
+        host,
+        port,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
 def keep_collectives_on_loopback() -> None:
     """A job on one machine: its collectives listen on loopback (gloo and NCCL otherwise take
     the address of the machine's hostname, open to the network), unless the user chose an

@@ -13,6 +13,7 @@ from typing import Any
 
 from dtrain.dist.reachability import ADDRESS, OPEN, REFUSED, UNREACHABLE, probe, reach_key
 from dtrain.dist.sealed_store import fits
+from dtrain.dist.store_link import StoreTimeout
 from dtrain.fault.liveness import (
     Liveness,
     liveness_path,
@@ -24,7 +25,6 @@ from dtrain.fault.peer_failure import (
     since_words,
     who,
 )
-from dtrain.fault.store_client import StoreTimeout
 from dtrain.process_exit import process_alive
 
 

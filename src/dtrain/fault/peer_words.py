@@ -114,7 +114,7 @@ class PeerWords:
         store = self.watchdog.store
         assert store is not None
         try:
-            return store.ask(op, f"the ranks' words on {what}")
+            return store.call(op, f"the ranks' words on {what}")
         except Exception as exc:
             self._fail(what, exc)
 

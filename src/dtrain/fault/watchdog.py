@@ -60,6 +60,7 @@ from dtrain.console import say_error
 from dtrain.dist import sealed_store
 from dtrain.dist.reachability import node_label
 from dtrain.dist.sealed_store import Shape, fits, warn_once
+from dtrain.dist.store_link import job_store_link
 from dtrain.fault import oom
 from dtrain.fault.diagnosis import PeerDiagnosis
 from dtrain.fault.liveness import (
@@ -75,7 +76,6 @@ from dtrain.fault.peer_failure import (
     connection_closed,
     is_collective_failure,
 )
-from dtrain.fault.store_client import StoreClient, connect_store
 
 # A beat follows a change of step or phase after at most this long (instead of waiting for the
 # next regular beat), so the store's view of a rank on another machine is rarely more than
@@ -160,8 +160,8 @@ class Watchdog(PeerDiagnosis):
         call_s = max(2.0, heartbeat_s * 3)
         # The first connection may wait as long as a start-up does (a loaded machine with
         # many ranks answered it in more than the few seconds a later call is given).
-        client = connect_store(call_s, _CONNECT_S) if world_size > 1 else None
-        if client is None and world_size > 1:
+        self.store = job_store_link(call_s, _CONNECT_S) if world_size > 1 else None
+        if self.store is None and world_size > 1:
             print(
                 f"dtrain: warning: rank {rank}: the job's key-value store did not answer within "
                 f"{_CONNECT_S:.0f}s; this rank's heartbeats stay in its liveness file, and a "
@@ -169,7 +169,6 @@ class Watchdog(PeerDiagnosis):
                 file=sys.stderr,
                 flush=True,
             )
-        self.store = StoreClient(client, call_s) if client is not None else None
         self._thread: threading.Thread | None = None
         # Rank 0's beat, kept while the store answers: when rank 0 hosts the store (it does
         # unless the launcher hosts it) and dies, the store dies with it, and this is all that
@@ -187,21 +186,20 @@ class Watchdog(PeerDiagnosis):
         self._speed = Speed()
         self._speed_every_s = max(1.0, heartbeat_s)
         self._speed_mark = (0, time.monotonic())  # step and time of the last measurement
+        self._looks: list[Callable[[], None]] = []  # called at every wake (:meth:`on_wake`)
 
     # -- this rank -----------------------------------------------------------------------
 
     def start(self) -> None:
         if self.store is not None:
             self._beat()
-        elif self.run_dir is None:
-            return
         if self.store is not None and self.rank != 0:
             # Every rank gets this far at start-up, so waiting for rank 0's first beat costs
             # nothing a collective soon after would not; it is what names rank 0 if it dies early.
             key = f"{_prefix()}hb/0"
             wait = datetime.timedelta(seconds=self.timeout_s)
             try:
-                self.store.ask(lambda store: store.wait([key], wait), key, self.timeout_s + 1)
+                self.store.call(lambda store: store.wait([key], wait), key, self.timeout_s + 1)
                 self._see_rank0(self._read_beat(0), time.monotonic())
             except Exception:
                 pass  # rank 0 is late or gone; a collective will tell
@@ -209,6 +207,12 @@ class Watchdog(PeerDiagnosis):
         self.liveness.stamp(time.time(), self._speed)
         self._thread = threading.Thread(target=self._run, name="dtrain-watchdog", daemon=True)
         self._thread.start()
+
+    def on_wake(self, look: Callable[[], None]) -> None:
+        """Call ``look()`` on this thread at every wake (at least every 0.2 s) while it runs:
+        in-place recovery's look at the membership, which must go on while the training
+        thread is blocked in a collective. ``look`` never raises (it reports its own)."""
+        self._looks.append(look)
 
     def stop(self) -> None:
         self._stop.set()
@@ -275,7 +279,7 @@ class Watchdog(PeerDiagnosis):
             store.append(index, entry)  # the ranks that failed, for a diagnosis to read
 
         try:
-            self.store.ask(post, "posting this rank's failure")
+            self.store.call(post, "posting this rank's failure")
         except Exception:
             pass
 
@@ -285,7 +289,7 @@ class Watchdog(PeerDiagnosis):
         self.liveness.stamp(time.time(), self._speed)
         key = f"{_prefix()}hb/{self.rank}"
         value = sealed_store.seal(key, json.dumps(self.liveness.record().to_dict()).encode())
-        self.store.ask(lambda store: store.set(key, value), "a heartbeat")
+        self.store.call(lambda store: store.set(key, value), "a heartbeat")
 
     def _measure(self, now: float) -> None:
         """This rank's speed, for the record (``now``: ``time.monotonic()``). Never raises."""
@@ -316,6 +320,8 @@ class Watchdog(PeerDiagnosis):
             self.liveness.stamp(time.time(), self._speed)
             if measure:
                 self.liveness.sync()  # for readers on other machines
+            for look in self._looks:
+                look()
             if self.store is None:
                 continue  # no peers: nothing more to beat to, nor a collective to hang in
             if (self.step, self.phase) != where:
@@ -383,7 +389,7 @@ class Watchdog(PeerDiagnosis):
         """The failures other ranks posted: the index of the ranks that failed, then theirs."""
         if self.store is None:
             return {}
-        index = self.store.ask(
+        index = self.store.call(
             lambda store: (
                 store.get(f"{_prefix()}failed") if store.check([f"{_prefix()}failed"]) else b""
             ),

@@ -16,7 +16,7 @@ membership store at ``--rdzv-endpoint`` (one of its addresses) and its
 (node K's are ``K*nproc .. K*nproc+nproc-1``). The launcher of every other machine watches its
 own workers in /proc and posts their states to the store
 (:class:`~dtrain.recovery.coordinator.NodeWatcher`), so the coordinator sees a worker killed or
-stopped on another machine at once; a machine cut off is seen by its beats going stale. Every
+stopped on another machine at once; a machine cut off, by its launcher's counter going still. Every
 store call on those machines waits out an outage of the network (up to ``--rdzv-timeout``).
 """
 
@@ -36,6 +36,7 @@ from types import FrameType
 from dtrain.dist.network import check_port_free, split_endpoint
 from dtrain.dist.reachability import NODE_ADDR_ENV
 from dtrain.dist.secret import launcher_secret
+from dtrain.dist.store_link import StoreLink
 from dtrain.dist.stores import LOOPBACK, host_store, local_address
 from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
 from dtrain.fault.preempt import signals_to_forward
@@ -61,7 +62,6 @@ from dtrain.launch.reports import (
 )
 from dtrain.process_exit import die_with_parent
 from dtrain.recovery.coordinator import Coordinator, NodeWatcher
-from dtrain.recovery.coordinator_link import StoreLink
 from dtrain.recovery.membership import (
     COORDINATOR_ENV,
     LOCAL_ENV,

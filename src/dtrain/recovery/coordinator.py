@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtrain.dist.sealed_store import Opener, warn_once
-from dtrain.recovery.coordinator_link import StoreLink, StoreUnreachable
+from dtrain.dist.store_link import StoreLink, StoreUnreachable
 from dtrain.recovery.membership import (
     INFO,
     POLL_S,
@@ -46,7 +46,7 @@ DOWN_STATES = ("X", "Z", "T", "t")  # no process, ended, stopped, stopped by a t
 
 
 def member_key(member: int, part: str) -> str:
-    """The store key of a member's ``part`` (info, beat, want, state)."""
+    """The store key of a member's ``part`` (info, want, state)."""
     return f"{PREFIX}member/{member}/{part}"
 
 
@@ -105,7 +105,15 @@ class NodeWatcher(PollingThread):
     it also adds to that rank's liveness counter, which holds this launcher's claim on it
     (:mod:`dtrain.recovery.node_claim`)."""
 
-    def __init__(self, link: StoreLink, members: Iterable[int], node: int | None = None) -> None:
+    def __init__(
+        self,
+        link: StoreLink,
+        members: Iterable[int],
+        node: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``clock``: the monotonic time its paces count in (tests pass their own)."""
+        self._clock = clock
         self.link = link
         self.members = list(members)
         self.node = node
@@ -122,7 +130,7 @@ class NodeWatcher(PollingThread):
             super().failed(exc)
 
     def poll(self) -> None:
-        now = time.monotonic()
+        now = self._clock()
         if self.node is not None and now - self._bumped_at >= BUMP_S:
             self._bumped_at = now
             key = alive_key(self.node)
@@ -158,8 +166,6 @@ class NodeWatcher(PollingThread):
 class _Seen:
     nonce: str = ""
     pid: int = 0
-    beats: int = -1
-    beat_at: float = 0.0  # time.monotonic() when the beat counter last moved
 
 
 class Coordinator(PollingThread):
@@ -177,6 +183,8 @@ class Coordinator(PollingThread):
         per_node: int | None = None,
         join_timeout_s: float = 0.0,
         on_wait: Callable[[list[int], bool], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        state_of: Callable[[int], str] = process_state,
     ) -> None:
         """``local``: the members on this machine, whose processes it reads in /proc (default:
         all); the others' launchers post their states. ``per_node``: members per machine.
@@ -184,7 +192,10 @@ class Coordinator(PollingThread):
         (0: for ever); ``on_wait(nodes, gave_up)`` is told, once after ``NOTICE_S`` (or half
         the timeout, if sooner) and once on giving up, which machines (node ranks) it still
         waits for. Given up, the job stops (``gave_up``, and ``stopped`` for the workers)
-        before any step."""
+        before any step. ``clock``: the monotonic time ``stale_s``, ``hang_s`` and the join
+        timeout count in; ``state_of``: a local process's state (:func:`process_state`); tests
+        pass their own of both."""
+        self._clock, self._state_of = clock, state_of
         self.store = store
         self.members = members
         self.local = set(range(members) if local is None else local)
@@ -201,20 +212,27 @@ class Coordinator(PollingThread):
         self.first_ask_wall = 0.0
         self.formed: list[Generation] = []
         self._seen = {m: _Seen() for m in range(members)}
-        # What a poll reads of every member: its registration, beats, wish for the next
-        # generation and, on another machine, the state its launcher posts.
+        # What a poll reads of every member: its registration, wish for the next generation
+        # and, on another machine, the state its launcher posts; and every other machine's
+        # launcher's voice.
         self._keys = [
             member_key(m, part)
             for m in range(members)
-            for part in ("info", "beat", "want", *(("state",) if m not in self.local else ()))
+            for part in ("info", "want", *(("state",) if m not in self.local else ()))
         ]
+        # Every other machine's launcher's counter (node/<k>/alive), as last read, and when it
+        # last moved (on the clock).
+        here = {m // self.per_node for m in self.local}
+        others = sorted({m // self.per_node for m in range(members)} - here)
+        self._voices: dict[int, tuple[int, float]] = {node: (-1, 0.0) for node in others}
+        self._keys += [alive_key(node) for node in others]
         self._known: set[str] = set()  # keys set (none is ever removed)
         # Each value's seal is checked once, not at every poll; a stranger's value over a
         # member's record leaves the record as it was.
         self._opener = Opener()
         self.join_timeout_s = join_timeout_s
         self.on_wait = on_wait
-        self._born = time.monotonic()
+        self._born = clock()
         self._noticed = False
         self.gave_up = ""  # the first generation never formed: why, once given up
         super().__init__("dtrain-coordinator")
@@ -236,53 +254,56 @@ class Coordinator(PollingThread):
         key = member_key(member, part)
         return self._opener.parse(key, snap[key], shape)
 
-    def _alive(self, member: int, now: float, snap: dict[str, bytes | None]) -> bool:
-        """Whether the member's newest incarnation is running: its process exists and is
-        not stopped, and its beats moved within ``stale_s``."""
+    def _hear(self, now: float, snap: dict[str, bytes | None]) -> set[int]:
+        """The other machines whose launcher was heard within ``stale_s`` (its counter moved;
+        a machine is heard from the first poll on, and falls silent ``stale_s`` after its
+        counter last moved)."""
+        for node, (count, _) in list(self._voices.items()):
+            key = alive_key(node)
+            if counter_value(key, snap[key]) != count:
+                self._voices[node] = (counter_value(key, snap[key]), now)
+        return {node for node, (_, at) in self._voices.items() if now - at < self.stale_s}
+
+    def _alive(self, member: int, heard: set[int], snap: dict[str, bytes | None]) -> bool:
+        """Whether the member's newest incarnation is running: its process exists and is not
+        stopped (/proc here, its launcher's word elsewhere), and its machine is heard."""
         seen = self._seen[member]
         info = self._record(snap, member, "info", INFO)
         if info is None:
             return False
         if info["nonce"] != seen.nonce:
             seen.nonce, seen.pid = info["nonce"], info["pid"]
-            seen.beats, seen.beat_at = -1, now
-        beat_key = member_key(member, "beat")
-        beats = counter_value(beat_key, snap[beat_key])
-        if beats != seen.beats:
-            seen.beats, seen.beat_at = beats, now
         if member in self.local:
-            if process_state(seen.pid) in DOWN_STATES:
-                return False
-        else:
-            state = self._record(snap, member, "state", STATE)
-            if state is not None and state["nonce"] == seen.nonce and state["down"]:
-                return False
-        return now - seen.beat_at < self.stale_s
+            return self._state_of(seen.pid) not in DOWN_STATES
+        state = self._record(snap, member, "state", STATE)
+        if state is not None and state["nonce"] == seen.nonce and state["down"]:
+            return False
+        return member // self.per_node in heard
 
-    def _silent_machines(self, alive: set[int], snap: dict[str, bytes | None]) -> list[int]:
-        """The members of the current generation on other machines whose every member of it
-        has fallen silent (beats stale; not posted down by their launcher, which would mean
-        their machine still answers): that machine is cut off, or gone."""
+    def _silent_machines(self, heard: set[int], snap: dict[str, bytes | None]) -> list[int]:
+        """The members of the current generation on other machines whose launcher has fallen
+        silent (and posted none of them down, which would mean their machine still answers):
+        that machine is cut off, or gone."""
         nodes: dict[int, list[int]] = {}
         for m in self.current:
-            if m not in self.local:
+            if m not in self.local and m // self.per_node not in heard:
                 nodes.setdefault(m // self.per_node, []).append(m)
         silent: list[int] = []
         for node_members in nodes.values():
-            if all(m not in alive and self._seen[m].beats >= 0 for m in node_members):
-                states = [self._record(snap, m, "state", STATE) for m in node_members]
-                if not any(st is not None and st["down"] for st in states):
-                    silent += node_members
+            states = [self._record(snap, m, "state", STATE) for m in node_members]
+            if not any(st is not None and st["down"] for st in states):
+                silent += node_members
         return sorted(silent)
 
     def poll(self) -> None:
         if self.stopped:
             return  # the last generation is formed
-        now = time.monotonic()
+        now = self._clock()
         snap = self._snapshot()
-        alive = {m for m in range(self.members) if self._alive(m, now, snap)}
+        heard = self._hear(now, snap)
+        alive = {m for m in range(self.members) if self._alive(m, heard, snap)}
         if self.current and self.local != set(range(self.members)):
-            cut_off = self._silent_machines(alive, snap)
+            cut_off = self._silent_machines(heard, snap)
             cut = {"gen": self.number, "members": cut_off}
             if cut_off and cut != self._cut:
                 # The others shut down their connections to those machines (dtrain.recovery.sever)

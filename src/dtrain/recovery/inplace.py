@@ -70,6 +70,7 @@ class Trainer(Protocol):
     optimizer: Any
     runtime: Runtime
     loader: Any
+    watchdog: Any  # dtrain.fault.watchdog.Watchdog: its thread reads the membership
 
 
 class Regroup(Exception):
@@ -124,8 +125,8 @@ class Recovery:
         raise Regroup(f"after step {step}")
 
     def joiner_waiting(self) -> bool:
-        """Whether this generation must regroup to admit a worker (read from this member's
-        heartbeat thread: no store call here)."""
+        """Whether this generation must regroup to admit a worker (as the watchdog's thread
+        last read it: no store call here)."""
         return self.member.pending == self.generation.number
 
     def step_starting(self, trainer: Trainer) -> None:
@@ -198,7 +199,11 @@ class Recovery:
 
     def heal(self, trainer: Trainer) -> bool:
         """Collective: load the state of the rank furthest along into every rank; False when
-        no rank holds one (the job starts: resume from a checkpoint as always)."""
+        no rank holds one (the job starts: resume from a checkpoint as always). The first call
+        of a generation's trainer: from here on, its watchdog's thread reads what the
+        coordinator tells the members (a joiner waits, machines are cut off), while the
+        training thread may be blocked in a collective, this one's first."""
+        trainer.watchdog.on_wake(self.member.look)
         started = time.monotonic()
         held = self.held
         mine = [held.generation, held.step] if held is not None else [-1, -1]

@@ -10,7 +10,6 @@ Keys (all under ``inplace/``)::
 
     member/<id>/info   {"pid", "host", "nonce"}: this incarnation of the member (a restart
                        posts a new nonce: the old incarnation is then gone)
-    member/<id>/beat   a counter the member's heartbeat thread adds to every BEAT_S
     member/<id>/want   {"after", "nonce", "step"}: the member asks for a generation after
                        ``after`` (-1: it never belonged to one)
     member/<id>/state  {"nonce", "down"}: posted by the launcher of the member's machine
@@ -24,9 +23,9 @@ Keys (all under ``inplace/``)::
                        waiting to join exits
     cut                {"gen", "members"}: the members of machines fallen silent in ``gen``
     node/<k>/launcher  the launcher that holds --node-rank k (:mod:`dtrain.recovery.node_claim`)
-    node/<k>/alive     a counter that launcher adds to while it lives
+    node/<k>/alive     a counter that launcher adds to while it lives: the voice of machine k
 
-Every value but the counters is sealed with the job's secret under its full key
+Every value but the counter is sealed with the job's secret under its full key
 (:mod:`dtrain.dist.sealed_store`): one that fails (a stranger's, who reached the store's
 port) is ignored, with one warning naming its key -- read as absent, or, by the coordinator,
 a member and a launcher's watcher, as the last value of the job's they read there.
@@ -36,10 +35,13 @@ gone, and admits a joining member at the next step boundary (the members of g le
 from ``pending`` and agree on the step in its gradient sync). A member is gone when its
 process has ended or is stopped (the coordinator reads /proc for the workers on its machine;
 the launcher of every other machine reads /proc for its own and posts ``member/<id>/state``),
-when its beats stop for ``stale_s`` (a machine cut off: nothing it posts arrives), or when it
-has not asked within ``hang_s`` of the first member that did (it is stuck, and will come back
-as a joiner). Across machines, a member's and a launcher's store calls ride through an outage
-of the network (:mod:`dtrain.recovery.coordinator_link`).
+when its machine's launcher falls silent for ``stale_s`` (the machine is cut off: nothing it
+posts arrives), or when it has not asked within ``hang_s`` of the first member that did (it is
+stuck, and will come back as a joiner). A member itself does not beat: where a rank is, and
+that it lives, is its liveness record (:mod:`dtrain.fault.liveness`), and what it hears of the
+coordinator (``pending``, ``cut``) it reads on its watchdog's thread (:meth:`Member.look`).
+Across machines, a member's and a launcher's store calls ride through an outage of the network
+(:mod:`dtrain.dist.store_link`).
 
 A regroup that would leave fewer than ``min_members`` (``fault.min_replicas``) forms one last
 generation with a ``stop`` reason: its members heal, save a checkpoint and end; the
@@ -52,7 +54,6 @@ import functools
 import json
 import os
 import socket
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -62,14 +63,13 @@ from typing import Any
 from dtrain.dist import sealed_store
 from dtrain.dist.reachability import NODE_ADDR_ENV
 from dtrain.dist.sealed_store import Opener, Shape
-from dtrain.recovery.coordinator_link import StoreLink, StoreUnreachable
+from dtrain.dist.store_link import StoreLink
 
 PREFIX = "inplace/"
-BEAT_S = 0.1  # a member's heartbeat period
 POLL_S = 0.01  # how often the coordinator and a waiting member look at the store
-# How long the beats of a member may stop before it counts as gone (a stopped or hung
-# process is seen at once through /proc, on any machine; this is the backstop, and what tells
-# that a machine is cut off).
+# How long a machine's launcher may fall silent before its members count as gone (a stopped
+# or ended process is seen at once through /proc, on any machine; this tells that a machine is
+# cut off).
 STALE_S = 3.0
 
 # What the launcher tells each worker (the plumbing of torchrun's RANK, not configuration).
@@ -144,10 +144,10 @@ def write_value(store: Any, key: str, value: Any) -> None:
 
 
 class Member:
-    """This worker in the membership: registered on construction, beating on its own thread
-    (with its own store connection) until :meth:`close`. ``local``: this worker's index among
-    its machine's and their count; ``patience_s``: how long its store calls retry while the
-    store cannot be reached (a machine cut off from the coordinator's) before they raise."""
+    """This worker in the membership, registered on construction. ``local``: this worker's
+    index among its machine's and their count; ``patience_s``: how long its store calls retry
+    while the store cannot be reached (a machine cut off from the coordinator's) before they
+    raise."""
 
     def __init__(
         self,
@@ -169,7 +169,9 @@ class Member:
         # What this member reads: a value a stranger wrote over one of the job's is ignored.
         self._opener = Opener()
         self.link = StoreLink(host, int(port), call_s, patience_s)
-        self._beat_link = StoreLink(host, int(port), call_s, patience_s)
+        # The looks' own connection, without patience: they run on the watchdog's thread
+        # beside the training thread's calls, and one that fails is simply made again later.
+        self._look_link = StoreLink(host, int(port), call_s, 0.0, connect_s=patience_s)
         info = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -178,15 +180,12 @@ class Member:
         }
         self._call(lambda s: write_value(s, f"member/{member_id}/info", info), "registering")
         self.pending = -1  # the generation that must regroup for a joiner, as last seen
-        # Called on the heartbeat thread with (generation, the members cut off, every member's
-        # machine address) when the coordinator finds every worker of some machines silent in
-        # that generation (cut off; this member's own machine, heard of once its link is back).
+        # Called by :meth:`look` with (generation, the members cut off, every member's machine
+        # address) when the coordinator finds every worker of some machines silent in that
+        # generation (cut off; this member's own machine, heard of once its link is back).
         self.on_cut: Callable[[int, list[int], dict[int, str]], None] | None = None
         self._cut_seen: dict[str, Any] | None = None
         self._warned = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name="dtrain-membership", daemon=True)
-        self._thread.start()
 
     @property
     def store(self) -> Any:
@@ -196,33 +195,36 @@ class Member:
     def _call(self, op: Any, what: str) -> Any:
         return self.link.call(op, what)
 
-    def _beat(self) -> None:
-        key = f"{PREFIX}member/{self.id}/beat"
+    def look(self) -> None:
+        """Read what the coordinator tells the members: a worker waits to join (``pending``),
+        machines fell silent (``cut``: :attr:`on_cut` is told). Called on the watchdog's
+        thread while a generation trains (the training thread makes no store call for it).
+        Never raises: a store out of reach is read again at the next look."""
+        opener = self._opener
 
-        def beat(store: Any) -> tuple[int | None, dict[str, Any] | None]:
-            store.add(key, 1)
-            opener = self._opener
+        def news(store: Any) -> tuple[int | None, dict[str, Any] | None]:
             return read_json(store, "pending", int, opener), read_json(store, "cut", CUT, opener)
 
-        while not self._stop.wait(BEAT_S):
-            try:
-                pending, cut = self._beat_link.call(beat, "a beat")
-                self.pending = pending if pending is not None else -1
-                if cut is not None and cut != self._cut_seen:
-                    self._cut_seen = cut
-                    self._cut_off(cut)
-            except StoreUnreachable:  # for the whole patience: the wait says so
-                return
-            except Exception:  # our bug: the beats must go on (a cut only saves a timeout)
-                if not self._warned:
-                    self._warned = True
-                    traceback.print_exc()
+        try:
+            pending, cut = self._look_link.call(news, "a look at the membership")
+        except Exception:  # out of reach now; a collective that waits on it will tell
+            return
+        self.pending = pending if pending is not None else -1
+        if cut is None or cut == self._cut_seen:
+            return
+        try:
+            self._cut_off(cut)
+            self._cut_seen = cut
+        except Exception:  # heard again at the next look; our bug: said once
+            if not self._warned:
+                self._warned = True
+                traceback.print_exc()
 
     def _cut_off(self, cut: dict[str, Any]) -> None:
         if self.on_cut is None:
             return
         everyone = range(self.members)
-        infos = self._beat_link.call(
+        infos = self._look_link.call(
             lambda s: [read_json(s, f"member/{m}/info", INFO, self._opener) for m in everyone],
             "reading members",
         )
@@ -304,5 +306,5 @@ class Member:
             pass
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2 * BEAT_S + 1)
+        """Stop telling :attr:`on_cut` (the last generation's) of machines cut off."""
+        self.on_cut = None

@@ -27,8 +27,8 @@ from collections.abc import Callable
 from typing import Any
 
 from dtrain.dist import sealed_store
+from dtrain.dist.store_link import StoreLink
 from dtrain.errors import UserError
-from dtrain.recovery.coordinator_link import StoreLink
 from dtrain.recovery.membership import PREFIX
 
 BUMP_S = 0.5  # how often a live launcher adds to its rank's counter

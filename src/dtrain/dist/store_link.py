@@ -1,0 +1,225 @@
+"""The one client of a job's key-value store that neither hangs nor gives up too early: the
+watchdog's (the job's store, read when a collective fails) and in-place recovery's (the
+membership store, across machines) alike.
+
+torch's ``TCPStore`` client does neither well alone: a call to a store whose host is stopped
+(SIGSTOP) or cut off can block past the client's own timeout, and a call that timed out leaves
+its request on the connection, so the next call could read the answer meant for it. So every
+call here is bounded in time (:func:`bounded`), and after any failed or abandoned call the
+client is dropped and a fresh connection made -- but only once a plain TCP connection to the
+store's address succeeds (quietly: torch's client prints a C++ stack trace for each failed
+attempt, which a store cut off for minutes would repeat every few seconds).
+
+``patience_s`` says how long :meth:`StoreLink.call` retries: the membership's calls wait out
+an outage of the network (minutes); the watchdog's have none (0: one try, its own error
+raised, the next call reconnects), since it reports what it cannot read instead.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from dtrain.dist import sealed_store
+from dtrain.dist.reachability import OPEN, REFUSED, probe
+from dtrain.dist.stores import client_store
+from dtrain.errors import UserError
+
+T = TypeVar("T")
+
+RETRY_S = 0.2  # between attempts while the store cannot be reached
+
+# How long the store's address may refuse connections before the store counts as gone: the
+# machine answers and nothing listens there, so the launcher that hosted it has ended (its
+# membership state with it: nothing to wait for).
+REFUSED_S = 5.0
+
+
+class StoreTimeout(TimeoutError):
+    """The store did not answer in time (its host is stopped, hung or cut off)."""
+
+
+class StoreUnreachable(UserError):
+    """The store did not answer for the whole patience, or is gone; one line (a lost machine,
+    not a bug: restart mode's lost rendezvous host is one line too)."""
+
+
+def bounded(call: Callable[[], T], seconds: float, what: str) -> T:
+    """``call()``, given up after ``seconds``: the call is left to a daemon thread (a blocked
+    store call cannot be cancelled) and this raises :class:`StoreTimeout` instead."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="dtrain-store-call", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise StoreTimeout(f"no answer to {what} in {seconds:.0f}s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+class StoreLink:
+    """A client of the store at ``host:port`` that reconnects after a failure.
+
+    ``call_s``: the bound of one call (its client's own timeout too); ``patience_s``: how long
+    :meth:`call` retries before it raises :class:`StoreUnreachable` (0: no retry, the call's
+    own error is raised); ``connect_s``: the patience of the first connection (default
+    ``patience_s``); ``name``: the store, in messages. ``clock`` and ``sleep`` are the
+    monotonic time the patience counts in and the wait between attempts (tests pass their
+    own)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        call_s: float,
+        patience_s: float,
+        *,
+        connect_s: float | None = None,
+        name: str = "the membership store",
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.host, self.port = host, port
+        self.call_s = call_s
+        self.patience_s = patience_s
+        self.name = name
+        self._clock, self._sleep = clock, sleep
+        self.outages = 0  # how many times a call found the store unreachable (for the tests)
+        self.last_ok: float | None = time.time()  # wall-clock time of the last call answered
+        # The first connection may wait as long as a start-up does (a loaded machine with many
+        # ranks answered it in more than the few seconds a call is given).
+        first = (patience_s, None) if connect_s is None else (connect_s, connect_s)
+        self._client: Any = self._connect(*first)
+
+    @property
+    def client(self) -> Any:
+        """The connected client now (for what needs a store object: a process group's
+        rendezvous); a failed call replaces it."""
+        if self._client is None:
+            self._client = self._connect(self.patience_s)
+        return self._client
+
+    def _connect(self, patience_s: float, wait_s: float | None = None) -> Any:
+        """A fresh client, tried until ``patience_s`` has passed; ``wait_s``: how long torch's
+        client itself may try (default ``call_s``), its calls then bounded by ``call_s``."""
+        deadline = self._clock() + patience_s
+        said, refused_since = "", None
+        while True:
+            state, said = probe(self.host, self.port, min(2.0, self.call_s))
+            now = self._clock()
+            refused_since = (refused_since or now) if state == REFUSED else None
+            if refused_since is not None and now - refused_since >= REFUSED_S:
+                raise StoreUnreachable(
+                    f"lost the membership coordinator at {self.host}:{self.port}: it refuses "
+                    f"connections ({said}): the `dtrain train` with --node-rank 0 that hosted "
+                    "it has ended or was killed; start `dtrain train` again on every machine "
+                    "(the job resumes from its newest checkpoint)"
+                )
+            if state == OPEN:
+                connect_s = self.call_s if wait_s is None else wait_s
+                try:
+                    return self._open(connect_s, connect_s + 1.0)
+                except Exception as exc:
+                    said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if self._clock() >= deadline:
+                raise StoreUnreachable(
+                    f"{self.name} at {self.host}:{self.port} did not answer for "
+                    f"{patience_s:g}s: {said}"
+                )
+            self._sleep(RETRY_S)
+
+    def _open(self, wait_s: float, bound_s: float) -> Any:
+        """A fresh client: torch's tries to connect for ``wait_s``, given up after ``bound_s``;
+        its calls then wait up to ``call_s``."""
+        opening = functools.partial(client_store, self.host, self.port, wait_s)
+        client = bounded(opening, bound_s, "a new connection")
+        client.set_timeout(datetime.timedelta(seconds=self.call_s))
+        return client
+
+    def call(self, op: Callable[[Any], T], what: str, seconds: float | None = None) -> T:
+        """``op(client)`` within ``seconds`` (default ``call_s``), retried on fresh connections
+        until it succeeds; raises :class:`StoreUnreachable` after ``patience_s`` without an
+        answer. Without patience, one try: its own error raised (:class:`StoreTimeout` if none
+        came), a lost connection made again within the same bound, once its address answers
+        (a plain connection, else :class:`ConnectionError`)."""
+        limit = self.call_s if seconds is None else seconds
+        if self.patience_s <= 0 and self._client is None:
+            state, said = probe(self.host, self.port, min(limit, 2.0))
+            if state != OPEN:
+                raise ConnectionError(f"{self.name} at {self.host}:{self.port}: {said}")
+            self._client = self._open(self.call_s, limit)
+        deadline = self._clock() + self.patience_s
+        while True:
+            client = self.client
+            try:
+                value = bounded(functools.partial(op, client), limit, what)
+            except Exception:
+                self.outages += 1
+                self._client = None  # a call given up on may still hold the connection
+                if self.patience_s <= 0:
+                    raise
+                left = deadline - self._clock()
+                if left <= 0:
+                    raise StoreUnreachable(
+                        f"{self.name} at {self.host}:{self.port} did not answer "
+                        f"{what} for {self.patience_s:g}s"
+                    ) from None
+                self._sleep(RETRY_S)
+                self._client = self._connect(left)
+                continue
+            self.last_ok = time.time()
+            return value
+
+    def read(self, key: str, seconds: float | None = None) -> Any:
+        """The JSON record (a dict) sealed at ``key``, or None when there is none (or it fails
+        its seal, or is no record: warned once)."""
+
+        def read(store: Any) -> bytes | None:
+            return store.get(key) if store.check([key]) else None
+
+        return sealed_store.parse(key, self.call(read, f"reading {key}", seconds), dict)
+
+    def read_many(self, keys: list[str], seconds: float | None = None) -> dict[str, Any]:
+        """The JSON records (dicts) sealed at ``keys``, as :meth:`read`, in one call to the
+        store when all exist (``multi_get``), else one per key. What a diagnosis reads of every
+        rank costs each rank a few calls, not a few per rank: every rank diagnoses at once when
+        a collective fails."""
+
+        def read(store: Any) -> list[bytes | None]:
+            if not keys:
+                return []
+            if store.check(keys):
+                return list(store.multi_get(keys))
+            return [store.get(key) if store.check([key]) else None for key in keys]
+
+        raws = self.call(read, f"reading {len(keys)} keys", seconds)
+        return {
+            key: sealed_store.parse(key, raw, dict) for key, raw in zip(keys, raws, strict=True)
+        }
+
+
+def job_store_link(call_s: float, connect_s: float) -> StoreLink | None:
+    """A link without patience to the job's store (MASTER_ADDR:MASTER_PORT), or None without
+    one, or when it cannot be reached within ``connect_s``."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port or not port.isdigit():
+        return None
+    try:
+        return StoreLink(
+            host, int(port), call_s, 0.0, connect_s=connect_s, name="the job's key-value store"
+        )
+    except StoreUnreachable:
+        return None
