@@ -15,6 +15,7 @@ where each part lives.
 from dtrain.config.checks import (
     INPLACE_STRATEGIES,
     parse_activation_checkpointing,
+    validate_balance_world,
     validate_cross_fields,
     validate_for_world,
     validate_ranks,
@@ -57,6 +58,7 @@ __all__ = [
     "TrainConfig",
     "describe_options",
     "parse_activation_checkpointing",
+    "validate_balance_world",
     "validate_cross_fields",
     "validate_for_world",
     "validate_ranks",
