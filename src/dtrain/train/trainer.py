@@ -152,10 +152,6 @@ class Trainer:
     def step(self, value: int) -> None:
         self.counters.step = value
 
-    @property
-    def items_seen(self) -> int:
-        return self.counters.items_seen
-
     # -- logging -------------------------------------------------------------------------
 
     # Resume logs through this (tests wrap it to read what resume said).
@@ -439,7 +435,7 @@ class Trainer:
                 elapsed,
                 lr=self.step_lr,
                 epoch=self.loader.epoch(),
-                items_seen=self.items_seen,
+                items_seen=self.counters.items_seen,
                 skipped_steps=self.counters.skipped_steps,
             )
         return loss
@@ -466,7 +462,7 @@ class Trainer:
         summary.rollbacks = self.counters.rollbacks
         summary.checkpoint = str(self.run_dir / "checkpoints" / layout.step_dir_name(self.step))
         summary.wall_s = time.perf_counter() - started
-        summary.items = self.items_seen
+        summary.items = self.counters.items_seen
         if self.run_log.comm_counted:
             summary.comm_bytes, summary.comm_wait_s = self.strategy.comm.totals()
         self.run_log.close_progress()
