@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dtrain.balance.balancer import loader_weights
 from dtrain.balance.timing import FIELDS, StepTimer, gather_windows
 from dtrain.comm.accounting import CommCounter
 from dtrain.config import Config
@@ -265,8 +266,7 @@ def train_toggling(raw: dict[str, Any], segment: int) -> None:
             return
         on = (args["step"] // segment) % 2 == 1
         balance.controller = controller if on else None
-        weights = balance.weights
-        balance.loader.set_weights(None if all(w == 1.0 for w in weights) else weights)
+        trainer.loader.set_weights(loader_weights(balance.weights))
 
     balance.controller = None  # the first segment is off
     with failpoints(toggle):

@@ -1,6 +1,9 @@
-"""The trainer's one hook for load balancing: per-rank timing, straggler reports, the
-throughput controller and the slowdown aid. Its state (the controller: weights and smoothed
-times) is a part of the training state (``balance`` in ``train_state.pt``).
+"""Load balancing: per-rank timing, straggler reports, the throughput controller and the
+slowdown aid. It takes its own config section (``[balance]``), the world and the step timings
+(:class:`~dtrain.balance.timing.StepTimer`, which the wiring hooks to the optimizer), and
+returns records and per-rank weights: the trainer writes the records and hands the weights to
+its loader. Its state (the controller: weights and smoothed times) is a part of the training
+state (``balance`` in ``train_state.pt``).
 
 The trainer calls, on every rank, in every step::
 
@@ -9,14 +12,14 @@ The trainer calls, on every rank, in every step::
     balancer.backward_done(step)                after backward; on a window's last step:
                                                 start all-gathering every rank's timing
                                                 window (the steps before this one)
-    records = balancer.step_finished(step)      after the update; on a window's last step:
+    outcome = balancer.step_finished(step)      after the update; on a window's last step:
                                                 the gathered windows, a "ranks" record,
                                                 straggler events, and with
                                                 balance.mode = "throughput" new weights for
                                                 the loader from the next step on
 
 Every rank gets the same gathered numbers and runs the same controller on them, so every rank
-sets the same weights before the same step, and the loader cuts the next global batch by them
+gets the same weights after the same step, and the loader cuts the next global batch by them
 (the position stays one global number: exactly-once delivery holds). A window is
 ``balance.every`` steps, or more where those take less than ``balance.window_s``: the next
 window's length comes from the mean step time in the gathered numbers, so every rank picks the
@@ -28,12 +31,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
-from torch import nn
 
 from dtrain.balance.slowdown import Slowdown
 from dtrain.balance.throughput import (
@@ -51,30 +53,46 @@ from dtrain.balance.timing import (
     window_steps,
 )
 from dtrain.comm.accounting import CommCounter
-from dtrain.config import Config, validate_ranks
-from dtrain.data.loader import RankLoader, StepBatch
+from dtrain.config import BalanceConfig
+from dtrain.data.loader import StepBatch
 from dtrain.dist.runtime import Runtime
 from dtrain.fault.failpoints import failpoint
 
 Record = dict[str, Any]
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """What a step's end gives the trainer: the records to write (rank 0 writes them), and the
+    per-rank weights the loader cuts every batch by from the next step on, when they changed."""
+
+    records: list[Record] = field(default_factory=list)
+    weights: list[float] | None = None
+
+
+NOTHING = Outcome()
+
+
+def loader_weights(weights: Sequence[float]) -> list[float] | None:
+    """``weights`` as the loader takes them: None for equal shares (the unweighted cut)."""
+    return None if all(w == 1.0 for w in weights) else list(weights)
+
+
 class LoadBalancer:
-    """See the module docstring."""
+    """See the module docstring. ``data_parallel_size``: the ranks that share a global batch
+    (all of them under ``balance.mode = "throughput"``, a rule of the config package's)."""
 
     def __init__(
         self,
-        cfg: Config,
+        opts: BalanceConfig,
         runtime: Runtime,
-        loader: RankLoader,
+        data_parallel_size: int,
+        timer: StepTimer,
         comm: CommCounter,
-        optimizer: torch.optim.Optimizer,
-        module: nn.Module,
         log: Callable[[str], None],
         item_name: str = "items",
+        slowdown: Slowdown | None = None,
     ) -> None:
-        validate_ranks(cfg, runtime.world_size)  # a worker started without the CLI's check
-        opts = cfg.balance
         self.every = opts.every
         self.window_s = opts.window_s
         self._next_gather: int | None = None  # the step whose backward starts the next gather
@@ -82,30 +100,22 @@ class LoadBalancer:
         self.world_size = runtime.world_size
         self.writes_records = runtime.is_main  # the records are rank 0's to write
         self.device = runtime.device
-        self.loader = loader
+        self.shares = data_parallel_size  # how many weights
         self.comm = comm
         self.log = log
         self.item_name = item_name
         self.hosts = gather_hosts(runtime.world_size)
-        self.timer = StepTimer(comm, optimizer, runtime.device)
+        self.timer = timer
         self.detector = StragglerDetector(
             runtime.world_size, opts.straggler_threshold, opts.straggler_window
         )
         self.controller: ThroughputController | None = None
         if opts.mode == "throughput":
-            # The strategy said it takes per-rank shares (Strategy.takes_load_balancing): its
-            # data-parallel ranks are all the ranks.
-            assert loader.world_size == runtime.world_size
             settings = ControllerSettings(
                 opts.smoothing, opts.max_change, opts.hysteresis, opts.min_weight
             )
-            self.controller = ThroughputController(loader.world_size, settings)
-        debug = cfg.debug
-        self.slowdown: Slowdown | None = None
-        if debug.slowdown_rank == runtime.rank and debug.slowdown_factor > 1:
-            self.slowdown = Slowdown(
-                module, debug.slowdown_factor, debug.slowdown_from_step, debug.slowdown_to_step
-            )
+            self.controller = ThroughputController(data_parallel_size, settings)
+        self.slowdown = slowdown
 
     # -- the step ------------------------------------------------------------------------
 
@@ -136,24 +146,24 @@ class LoadBalancer:
         failpoint("balance.timing", step=step, window=window)
         self._gathering = start_gather_windows(window, self.world_size, self.comm, self.device)
 
-    def step_finished(self, step: int) -> list[Record]:
+    def step_finished(self, step: int) -> Outcome:
         """After step ``step``'s update. On a window's last step, the window whose gather
-        :meth:`backward_done` started: returns the metrics records to write (rank 0 writes
-        them); the controller's new weights hold from the next step on."""
+        :meth:`backward_done` started: the metrics records to write, and the controller's new
+        weights, which hold from the next step on."""
         last = self.timer.finish()
         if self.slowdown is not None:
             self.slowdown.end(last["compute_s"], int(last["items"]))
         if self._gathering is None:
-            return []
+            return NOTHING
         gathering, self._gathering = self._gathering, None
         rows = gathering()
         self._next_gather = step + window_steps(rows, self.every, self.window_s)
         return self._on_window(step, rows)
 
-    def _on_window(self, step: int, rows: np.ndarray) -> list[Record]:
+    def _on_window(self, step: int, rows: np.ndarray) -> Outcome:
         steps = rows[:, INDEX["steps"]]
         if np.any(steps <= 0):
-            return []  # nothing timed since the last window (a resume on a window boundary)
+            return NOTHING  # nothing timed since the last window (a resume on a window boundary)
         per_step = rows / steps[:, None]
         items = rows[:, INDEX["items"]]
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -171,8 +181,9 @@ class LoadBalancer:
         ):
             records.append(self._on_straggler(step, event.rank, event))
         if self.controller is not None and self.controller.observe(per_item):
-            records.append(self._apply(step))
-        return records
+            records.append(self._new_weights(step))
+            return Outcome(records, self.weights)
+        return Outcome(records)
 
     def _ranks_record(
         self,
@@ -227,11 +238,10 @@ class LoadBalancer:
             "time": time.time(),
         }
 
-    def _apply(self, step: int) -> Record:
-        """New weights from the controller: the loader cuts every batch from the next on by
-        them (the same step on every rank: they all saw the same window)."""
+    def _new_weights(self, step: int) -> Record:
+        """New weights from the controller, for every batch from the next on (the same step on
+        every rank: they all saw the same window): said in the log and as a record."""
         weights = self.weights
-        self.loader.set_weights(None if all(w == 1.0 for w in weights) else weights)
         shares = np.asarray(weights) / sum(weights)
         self.log(
             f"step {step}: load balancing: shares of the global batch now "
@@ -250,35 +260,34 @@ class LoadBalancer:
     def weights(self) -> list[float]:
         """The per-rank weights in effect (equal without a controller)."""
         if self.controller is None:
-            return [1.0] * self.loader.world_size
+            return [1.0] * self.shares
         return list(self.controller.weights)
 
     # -- training state ------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "world_size": self.loader.world_size,
+            "world_size": self.shares,
             "controller": None if self.controller is None else self.controller.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the controller (weights and smoothed times) when it was saved by a run at
-        the same data-parallel size with balancing on; else start from equal shares."""
+        the same data-parallel size with balancing on; else start from equal shares. The
+        trainer hands the loader the weights then in effect (:attr:`weights`)."""
         if self.controller is None:
             return
         saved = state.get("controller")
-        if saved is not None and state.get("world_size") == self.loader.world_size:
+        if saved is not None and state.get("world_size") == self.shares:
             self.controller.load_state_dict(saved)
         else:
-            fresh = ThroughputController(self.loader.world_size, self.controller.settings)
+            fresh = ThroughputController(self.shares, self.controller.settings)
             self.controller = fresh
             if saved is not None:
                 self.log(
                     f"load balancing starts from equal shares: the checkpoint's weights are for "
-                    f"{state.get('world_size')} ranks, this run has {self.loader.world_size}"
+                    f"{state.get('world_size')} ranks, this run has {self.shares}"
                 )
-        weights = self.weights
-        self.loader.set_weights(None if all(w == 1.0 for w in weights) else weights)
 
 
 def _floats(values: np.ndarray) -> list[float | None]:

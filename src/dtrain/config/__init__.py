@@ -18,6 +18,7 @@ config before it starts any worker, in a fraction of a second.
 
 from dtrain.config.checks import (
     parse_activation_checkpointing,
+    validate_balance_world,
     validate_cross_fields,
     validate_for_world,
     validate_ranks,
@@ -60,6 +61,7 @@ __all__ = [
     "TrainConfig",
     "describe_options",
     "parse_activation_checkpointing",
+    "validate_balance_world",
     "validate_cross_fields",
     "validate_for_world",
     "validate_ranks",

@@ -2,7 +2,7 @@
 
 Each rank's liveness is one record (:mod:`dtrain.fault.liveness`): step, phase, progress
 inside the phase, alive stamp and speed, in ``RUN_DIR/liveness/rankN``. The training thread
-writes where it is (:meth:`Watchdog.set_phase` at each phase change, :meth:`Watchdog.tick` as
+writes where it is (:meth:`Watchdog.in_phase` around each phase, :meth:`Watchdog.tick` as
 a long phase progresses) into the file's shared memory, without a system call. This module's
 daemon thread does the rest: it stamps the record alive, measures the rank's speed, and mirrors
 the record into the job's key-value store (hosted by rank 0 under ``dtrain train``, by torch's
@@ -115,6 +115,25 @@ def _prefix() -> str:
     from dtrain.dist.runtime import store_namespace
 
     return store_namespace() + "watchdog/"
+
+
+class InPhase:
+    """A phase of the loop as a context manager (:meth:`Watchdog.in_phase`). Left by an error,
+    the phase stays where the error was raised: that is what the rank's error report and its
+    peers' diagnosis name. A class, not a generator: the loop enters several every step."""
+
+    __slots__ = ("dog", "outer", "phase", "step")
+
+    def __init__(self, dog: Watchdog, phase: str, step: int | None) -> None:
+        self.dog, self.phase, self.step, self.outer = dog, phase, step, ""
+
+    def __enter__(self) -> None:
+        self.outer = self.dog.phase
+        self.dog.set_phase(self.phase, self.step)
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is None:
+            self.dog.set_phase(self.outer)
 
 
 class Watchdog(PeerDiagnosis):
@@ -233,6 +252,11 @@ class Watchdog(PeerDiagnosis):
         if step is not None:
             self.step = step
         self.liveness.set_phase(phase, self.step, time.time())
+
+    def in_phase(self, phase: str, step: int | None = None) -> InPhase:
+        """``with watchdog.in_phase(name):`` the record says ``name`` inside, and the phase it
+        was entered from again once it is left."""
+        return InPhase(self, phase, step)
 
     def tick(self) -> None:
         """A piece of the current phase is done (an evaluation batch, a file written or

@@ -7,6 +7,8 @@ benchmarks::
     build_trainer(cfg)                 (in a worker) join the process group, agree on the run
                                        folder and the config, seed, build the task, then the
                                        Trainer
+    (dtrain.train.wiring.wire_trainer: the one wiring place, every component of the loop,
+    each from its own config section)
 
 The run folder, when the config names none, follows one rule wherever it is chosen
 (:func:`default_run_dir`): ``runs/<run id>`` when the job has an id (``--run-id``, torchrun's
@@ -86,8 +88,6 @@ def build_trainer(cfg: Config) -> Trainer:
 def build_trainer_on(cfg: Config, runtime: Runtime) -> Trainer:
     """The task and its trainer in a process group that is up (``fault.recovery = 'inplace'``
     builds one per membership generation, dtrain.recovery.inplace)."""
-    from dtrain.train.trainer import Trainer
-
     agree_on_config(cfg, runtime)  # one job, one config, whichever machine a rank is on
     factory = resolve_task(cfg.run.task)
     seed_everything(cfg.run.seed)
@@ -96,4 +96,6 @@ def build_trainer_on(cfg: Config, runtime: Runtime) -> Trainer:
         init_model(task.model, cfg.run.init_from, task.init_weights, cfg.run.seed)
     if runtime.is_main:
         save_model_config(task.model, Path(cfg.run.dir))
-    return Trainer(cfg, task, runtime)
+    from dtrain.train.wiring import wire_trainer  # the worker's loop: not the CLI's import
+
+    return wire_trainer(cfg, task, runtime)

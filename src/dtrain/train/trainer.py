@@ -2,10 +2,11 @@
 
 What happens, and where each concern plugs in::
 
-    setup:  strategy.setup(task)                  # wrap the model (ddp, allreduce, fsdp, ...)
+    setup:  (dtrain.train.wiring.wire_trainer, the one wiring place, builds every component)
+            strategy.setup(task)                  # wrap the model (ddp, allreduce, fsdp, ...)
             build optimizer, LR schedule, loader   # loader = this rank's share of one stream
             resume(newest valid checkpoint)        # dict of state_dicts -> every component
-    loop:   for step in range(start, steps):
+    loop:   for step in range(start, steps):      # each phase a `with` (the liveness record)
               balance.step_started()               # per-rank phase timing (balance/)
               batch = next(loader)                 # micro-batches of (inputs, targets)
               balance.data_ready(step, batch)      # data wait ends; the slowdown aid arms
@@ -18,12 +19,15 @@ What happens, and where each concern plugs in::
                                                    # (both complete during the update)
               norm = strategy.clip_grad_norm()     # global norm: the same on every rank
               if norm is finite: optimizer.step()
-              else: skip (NaN guard, dtrain.train.nan_guard); after N in a row roll back to the
-                    last checkpoint and never deliver those batches again
               scheduler.step()
               strategy.after_optimizer_step(step)  # localsgd, diloco: sync every H steps
               balance.step_finished(step)          # once a window: gather the ranks'
-                                                   # timings, name stragglers, new shares
+                                                   # timings, name stragglers; new shares
+                                                   # for the loader from the next step on
+              nan_guard.decide(step, norm)         # a non-finite norm: the step was skipped;
+                                                   # after N in a row roll back to the last
+                                                   # checkpoint, never to deliver those
+                                                   # batches again (the trainer does it)
               every log_every:         a train record to every sink (metrics.jsonl,
                                        progress line, TensorBoard); events as they happen
                                        (all through the RunLog, dtrain.metrics.run_log)
@@ -44,153 +48,113 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dtrain.balance.balancer import LoadBalancer
+import torch
+
+from dtrain.balance.balancer import LoadBalancer, Outcome, loader_weights
 from dtrain.checkpoint import layout
 from dtrain.checkpoint import state as training_state
-from dtrain.checkpoint import write as ckpt
-from dtrain.checkpoint.resume import ResumePoint, resolve_resume
+from dtrain.checkpoint.resume import ResumePoint, resolve_resume, rollback_point
 from dtrain.checkpoint.rng import rank_seed, seed_everything
+from dtrain.checkpoint.write import Checkpointer
 from dtrain.comm.agreement import StepAgreement
 from dtrain.compute.precision import LossScaler
 from dtrain.config import Config
-from dtrain.data.build import build_train_loader
 from dtrain.data.loader import RankLoader, StepBatch, split_to_device
 from dtrain.dist.runtime import Runtime, barrier
-from dtrain.errors import UserError
 from dtrain.fault.audit import AuditWriter
 from dtrain.fault.failpoints import failpoint
-from dtrain.fault.liveness import Speed
 from dtrain.fault.preempt import PreemptionFlag
 from dtrain.fault.watchdog import Watchdog
-from dtrain.metrics import records
 from dtrain.metrics.run_log import RunLog
 from dtrain.metrics.summary import LossWindow, Summary
-from dtrain.metrics.tensorboard import check_available as check_tensorboard
-from dtrain.parallel import build_strategy
+from dtrain.parallel.base import Strategy
 from dtrain.task import Task
-from dtrain.train.evaluation import check_metrics, evaluate
-from dtrain.train.loss_contract import LossContract
-from dtrain.train.nan_guard import NanGuard
-from dtrain.train.optim_choice import OptimizerKinds, build_run_optimizer, build_run_scheduler
+from dtrain.train.evaluation import evaluate
+from dtrain.train.nan_guard import Decision, NanGuard
 from dtrain.train.recovery_seam import RecoverySeam
 from dtrain.train.step import ForwardBackward
 
 
-class Trainer:
-    def __init__(self, cfg: Config, task: Task, runtime: Runtime) -> None:
-        self.cfg = cfg
-        self.task = task
-        self.runtime = runtime
-        self.run_dir = Path(cfg.run.dir)
-        self.is_main = runtime.is_main
-        if cfg.metrics.tensorboard:  # every rank, before the first collective
-            check_tensorboard()
-        self.strategy = build_strategy(cfg, runtime)
-        self.strategy.setup(task)
-        # What the run writes: status, records to rank 0's sinks, log lines (dtrain.metrics).
-        self.run_log = RunLog(cfg, runtime, self.strategy, task.item_name)
-        # The task's optimizer and schedule, or the config's (dtrain.train.optim_choice).
-        self.optimizer = build_run_optimizer(task, self.strategy, cfg)
-        self.scheduler = build_run_scheduler(task, self.optimizer, cfg)
-        self.step_lr = float("nan")  # the learning rate the last step trained with
-        self.loader: RankLoader = build_train_loader(
-            task,
-            cfg,
-            self.strategy.data_parallel_rank,
-            self.strategy.data_parallel_size,
-            runtime.device,
-        )
-        # Per-rank phase timing, straggler reports and (balance.mode) per-rank batch shares.
-        self.balance = LoadBalancer(
-            cfg,
-            runtime,
-            self.loader,
-            self.strategy.comm,
-            self.optimizer,
-            self.strategy.unwrapped,
-            self.log,
-            task.item_name,
-        )
-        # Counters that are part of the training state (see state_dict).
+class Counters:
+    """The trainer's part of the training state (``trainer`` in ``train_state.pt``): how far
+    the run got, what the NaN guard skipped and rolled back, and the item count the next step's
+    loss scale assumes (:mod:`dtrain.train.step`)."""
+
+    def __init__(self, forward_backward: ForwardBackward) -> None:
         self.step = 0
         self.items_seen = 0
-        # fp16-mixed: the dynamic loss scale (dtrain.compute.precision), part of the training state.
-        self.scaler: LossScaler | None = None
-        if self.strategy.recipe.precision.scales_loss:
-            self.scaler = LossScaler(
-                cfg.train.loss_scale_init, cfg.train.loss_scale_growth_interval
-            )
-        # What a checkpoint holds, built once: save and load see these parts, not the trainer
-        # (whose own part is its counters, see state_dict).
-        parts: dict[str, Any] = {
-            # First: it refuses another optimizer's or schedule's checkpoint before any part
-            # of it is loaded.
-            "kinds": OptimizerKinds(self.optimizer, self.scheduler),
-            "scheduler": self.scheduler,
-            "data": self.loader,
-            "trainer": self,
-            "balance": self.balance,
+        self.skipped_steps = 0
+        self.rollbacks = 0
+        self.forward_backward = forward_backward  # holds the expected item count
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "items_seen": self.items_seen,
+            "skipped_steps": self.skipped_steps,
+            "rollbacks": self.rollbacks,
+            "expected_items": self.forward_backward.expected,
         }
-        if self.scaler is not None:
-            parts["loss_scaler"] = self.scaler
-        self.state = training_state.TrainingState(
-            strategy=self.strategy,
-            optimizer=self.optimizer,
-            parts=parts,
-            runtime=runtime,
-            config=cfg,
-            # balance: checkpoints from before load balancing; loss_scaler: from a run in
-            # another precision (the scale starts afresh); kinds: from before they were kept.
-            optional=frozenset({"balance", "loss_scaler", "kinds"}),
-        )
-        self.watchdog = Watchdog(
-            runtime.rank,
-            runtime.world_size,
-            heartbeat_s=cfg.fault.heartbeat_s,
-            timeout_s=cfg.dist.timeout_s,
-            run_dir=self.run_dir,  # RUN_DIR/liveness/rankN: this rank's liveness record
-            stats=self._beat_stats,
-        )
-        self.checkpointer = ckpt.Checkpointer(
-            self.run_dir / "checkpoints",
-            rank=runtime.rank,
-            world_size=runtime.world_size,
-            keep_last=cfg.checkpoint.keep_last,
-            keep_every=cfg.checkpoint.keep_every,
-            timeout=runtime.timeout,
-            log=self.log,
-            on_progress=self.watchdog.tick,
-        )
-        # Skips a step with a non-finite gradient, rolls back after N in a row (its
-        # counters are part of the training state, see state_dict).
-        self.nan_guard = NanGuard(
-            cfg,
-            runtime,
-            self.strategy,
-            self.loader,
-            self.state,
-            self.checkpointer,
-            self.watchdog,
-            self.scaler,
-            self.run_log,
-        )
-        self.audit: AuditWriter | None = None
-        check_metrics(task.metrics)  # before the first step, not at the first evaluation
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.items_seen = int(state["items_seen"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.rollbacks = int(state.get("rollbacks", 0))
+        expected = state.get("expected_items")
+        self.forward_backward.expected = None if expected is None else int(expected)
+
+
+class Trainer:
+    """The loop over components that :func:`dtrain.train.wiring.wire_trainer` built, each from
+    its own config section; this only keeps them."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        task: Task,
+        runtime: Runtime,
+        *,
+        strategy: Strategy,
+        run_log: RunLog,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        loader: RankLoader,
+        balance: LoadBalancer,
+        scaler: LossScaler | None,
+        forward_backward: ForwardBackward,
+        counters: Counters,
+        state: training_state.TrainingState,
+        watchdog: Watchdog,
+        checkpointer: Checkpointer,
+        nan_guard: NanGuard,
+    ) -> None:
+        self.cfg, self.task, self.runtime = cfg, task, runtime
+        self.run_dir, self.is_main = Path(cfg.run.dir), runtime.is_main
+        self.strategy, self.run_log = strategy, run_log
+        self.optimizer, self.scheduler, self.loader = optimizer, scheduler, loader
+        self.balance, self.scaler, self.forward_backward = balance, scaler, forward_backward
+        self.counters, self.state = counters, state
+        self.watchdog, self.checkpointer, self.nan_guard = watchdog, checkpointer, nan_guard
+        self.phase = watchdog.in_phase  # `with self.phase(name):` the liveness record's phase
+        self.step_lr = float("nan")  # the learning rate the last step trained with
         self.val_metrics: dict[str, float] = {}  # of the latest evaluation
-        per_sample = task.items_per_sample
-        if per_sample is not None and (isinstance(per_sample, bool) or per_sample < 1):
-            raise UserError(f"Task.items_per_sample = {per_sample!r}: expected a positive integer")
-        # Forward and backward over a step's micro-batches, and the ranks' agreement on it.
-        self.forward_backward = ForwardBackward(
-            self.strategy, runtime.device, self.scaler, LossContract(task.count_items)
-        )
+        self.audit: AuditWriter | None = None  # fault.audit_sample_ids, opened at the start
         # fault.recovery = 'inplace': set by the in-place worker, which runs this trainer for one
         # membership generation (train/recovery_seam.py says where the loop calls it).
         self.recovery: RecoverySeam | None = None
 
+    @property
+    def step(self) -> int:
+        return self.counters.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.counters.step = value
+
     # -- logging -------------------------------------------------------------------------
 
-    # The balancer, the checkpointer and resume log through these (the run log's lines).
+    # Resume logs through this (tests wrap it to read what resume said).
 
     def log(self, text: str) -> None:
         self.run_log.log(text)
@@ -201,27 +165,9 @@ class Trainer:
 
     # -- training state ------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "items_seen": self.items_seen,
-            "skipped_steps": self.nan_guard.skipped_steps,
-            "rollbacks": self.nan_guard.rollbacks,
-            # The item count the next step's loss scale assumes (dtrain.train.step).
-            "expected_items": self.forward_backward.expected,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
-        self.items_seen = int(state["items_seen"])
-        self.nan_guard.skipped_steps = int(state.get("skipped_steps", 0))
-        self.nan_guard.rollbacks = int(state.get("rollbacks", 0))
-        expected = state.get("expected_items")
-        self.forward_backward.expected = None if expected is None else int(expected)
-
     def save_checkpoint(self, *, blocking: bool) -> None:
-        self.watchdog.set_phase("checkpoint")
-        training_state.save(self.state, self.checkpointer, self.step, blocking=blocking)
+        with self.phase("checkpoint"):
+            training_state.save(self.state, self.checkpointer, self.step, blocking=blocking)
         blocked = self.checkpointer.blocking_seconds[-1]
         self.run_log.event("checkpoint", self.step, blocked_s=blocked, async_save=not blocking)
 
@@ -229,19 +175,21 @@ class Trainer:
         """Load the checkpoint ``run.resume`` asks for, if any; then every RNG either holds
         the saved state or, on a fresh start or at a new world size, a distinct, reproducible
         stream per rank."""
+        point = None
         if self.recovery is not None and self.recovery.heal(self):
             seed_everything(rank_seed(self.cfg.run.seed, self.runtime.rank) + self.step)
-            return None  # healed from a peer's memory
-        point = resolve_resume(
-            self.cfg, self.checkpointer, self.runtime, self.log, watchdog=self.watchdog
-        )
-        if point is None or not training_state.load(self.state, point):
-            seed_everything(rank_seed(self.cfg.run.seed, self.runtime.rank) + self.step)
-        if point is not None and point.strategy not in (None, self.strategy.name):
-            self.log(
-                f"dtrain: {point.path.name} was saved by strategy {point.strategy!r}; "
-                f"{self.strategy.name} read its model and optimizer state"
+        else:  # not healed from a peer's memory
+            point = resolve_resume(
+                self.cfg, self.checkpointer, self.runtime, self.log, watchdog=self.watchdog
             )
+            if point is None or not training_state.load(self.state, point):
+                seed_everything(rank_seed(self.cfg.run.seed, self.runtime.rank) + self.step)
+            if point is not None and point.strategy not in (None, self.strategy.name):
+                self.log(
+                    f"dtrain: {point.path.name} was saved by strategy {point.strategy!r}; "
+                    f"{self.strategy.name} read its model and optimizer state"
+                )
+        self.loader.set_weights(loader_weights(self.balance.weights))  # the state's shares
         return point
 
     # -- the loop ------------------------------------------------------------------------
@@ -265,124 +213,262 @@ class Trainer:
                 self.audit.close()
 
     def _fit(self, preempt: PreemptionFlag) -> Summary:
-        started = time.perf_counter()
-        cfg = self.cfg
-        self.watchdog.set_phase("resume")
-        point = self.resume()
+        started, steps = time.perf_counter(), self.cfg.train.steps
+        with self.phase("resume"):
+            point = self.resume()
         summary = Summary(start_step=self.step)
-        if self.step >= cfg.train.steps:
+        if self.step >= steps:
             return self._already_finished(summary, started)
+        with self.phase("train"):  # what a rank between two phases of the loop says
+            self._open(point)
+            window, last_loss = LossWindow(self.runtime.device), float("nan")
+            self.strategy.unwrapped.train()
+            while self.step < steps:
+                if self.recovery is not None:
+                    self.recovery.step_starting(self)
+                batch, micro, count, planned = self._next_batch()
+                logs = (self.step + 1) % self.cfg.train.log_every == 0 or self.step + 1 == steps
+                agreement, norm, overflowed = self._train_step(
+                    micro, count, preempt, planned, window, logs
+                )
+                self.step += 1
+                self.counters.items_seen += agreement.items  # committed: counters with it
+                if self.step == summary.start_step + 1:
+                    self._first_step_done(time.perf_counter() - started)
+                # Strategies that synchronize every few steps (localsgd, diloco) do it here,
+                # before a rollback, a checkpoint or an evaluation of this step sees the model.
+                with self.phase("after_optimizer_step"):
+                    self.strategy.after_optimizer_step(self.step)
+                # Once a timing window: the ranks' timings gathered; new shares from the next
+                # step on (the same on every rank).
+                with self.phase("balance"):
+                    self._balanced(self.balance.step_finished(self.step))
+                self._audit(batch, norm)
+                span = (batch.plan.start, batch.plan.end)
+                self._carry_out(self.nan_guard.decide(self.step, norm, overflowed, span))
+                self._poll_checkpoint()
+                if logs:
+                    last_loss = self._log_train(window, norm)
+                if agreement.stop and self.step < steps:
+                    # Every rank learnt it in the same step's agreement: all stop after this
+                    # step's update, and the final save follows.
+                    summary.preempted = preempt.signal_name or "a peer's signal"
+                    self.run_log.event("preempted", self.step, signal=summary.preempted)
+                    break
+                if self._due(self.cfg.eval.every):
+                    self.evaluate(self.cfg.eval.max_samples)
+                if self._due(self.cfg.checkpoint.every):
+                    self.save_checkpoint(blocking=not self.cfg.checkpoint.async_save)
+                if agreement.regroup and self.recovery is not None and self.step < steps:
+                    # A worker waits to join (fault.recovery = 'inplace'); every rank learnt it
+                    # in this step's agreement: all leave after it, its evaluation and save done.
+                    self.recovery.regroup(self.step)
+            self._finish(summary, last_loss, started)
+        self.watchdog.set_phase("done")  # the last word, left by no phase
+        return summary
+
+    # -- the loop's parts, in the order it calls them -------------------------------------
+
+    def _open(self, point: ResumePoint | None) -> None:
+        """Training starts at ``self.step``: the run log's sinks and start record, the audit."""
         membership = self.recovery.event() if self.recovery is not None else None
         resumed_from = point.path.name if point is not None else None
         in_place = self.recovery is not None
         self.run_log.open(self.step, self.balance.hosts, resumed_from, membership, in_place)
-        if cfg.fault.audit_sample_ids:
+        if self.cfg.fault.audit_sample_ids:
             self.audit = AuditWriter.open(self.run_dir, self.runtime.rank)
-        window = LossWindow(self.runtime.device)
-        last_loss = float("nan")
-        self.strategy.unwrapped.train()
-        while self.step < cfg.train.steps:
-            if self.recovery is not None:
-                self.recovery.step_starting(self)
-            self.watchdog.set_phase("data", self.step + 1)
+
+    def _next_batch(self) -> tuple[StepBatch, list[Any], int, int | None]:
+        """The next step's batch, its micro-batches on the device, this rank's item count, and
+        the step's global count from its plan where the task declares ``items_per_sample``
+        (this rank's count checked against it), else None."""
+        with self.phase("data", self.step + 1):
             self.balance.step_started()
             batch = next(self.loader)
             parts = [split_to_device(self.task, m, self.runtime.device) for m in batch.micro]
             micro = [part for part, _ in parts]
             count = sum(items for _, items in parts)
             self.balance.data_ready(self.step + 1, batch, count)
-            planned = self._planned_items(batch, count)
+            per_sample = self.task.items_per_sample
+            planned = None
+            if per_sample is not None:
+                planned = batch.planned_items(per_sample, count, self.step + 1)
             failpoint("train.before_collective", step=self.step + 1)
-            logs = (self.step + 1) % cfg.train.log_every == 0 or self.step + 1 == cfg.train.steps
-            agreement, norm, overflowed = self._train_step(
-                micro, count, preempt, planned, window, logs
+        return batch, micro, count, planned
+
+    def _train_step(
+        self,
+        micro: list[Any],
+        count: int,
+        preempt: PreemptionFlag,
+        planned: int | None,
+        window: LossWindow,
+        logs: bool,
+    ) -> tuple[StepAgreement, float, bool]:
+        """Forward, backward, clip and (when the gradient is finite) update; the step's loss
+        goes into ``window``, whose sum over the ranks starts here on a step that logs.
+        Returns what the ranks agreed on about the step, the global gradient norm, and whether
+        the gradient overflowed because of fp16's loss scale (skipped, the scale halved)."""
+        failpoint("train.step", step=self.step + 1)
+        with self.phase("forward_backward"):
+            regroup = self.recovery is not None and self.recovery.joiner_waiting()
+            loss_sum, agreement = self.forward_backward(
+                micro, self.task.loss_fn, count, preempt.requested, planned, regroup
             )
-            self.step += 1
-            self.items_seen += agreement.items  # the step is committed: counters with it
-            if self.step == summary.start_step + 1:
-                self._first_step_done(time.perf_counter() - started)
-            # Strategies that synchronize every few steps (localsgd, diloco) do it here,
-            # before a rollback, a checkpoint or an evaluation of this step sees the model.
-            self.watchdog.set_phase("after_optimizer_step")
-            self.strategy.after_optimizer_step(self.step)
-            # Once a timing window: gather the ranks' timings; new shares from the next
-            # step on (the same on every rank).
-            self.watchdog.set_phase("balance")
-            self.run_log.write_records(self.balance.step_finished(self.step))
-            if self.audit is not None:
-                self.audit.record(
-                    self.step,
-                    batch.plan.start,
-                    batch.plan.end,
-                    batch.ids,
-                    rollbacks=self.nan_guard.rollbacks,
-                    applied=math.isfinite(norm),
-                )
-            self.nan_guard.after_step(self.step, batch, norm, overflowed)
-            error = self.checkpointer.poll()
-            if error:
-                self.warn(error)
-                self.run_log.event("checkpoint_failed", self.step, error=error)
+            # The gradient sync has just brought the ranks together: start the step's small
+            # collectives now, to complete during the optimizer step.
+            window.add(loss_sum, agreement.items)
             if logs:
-                self.watchdog.set_phase("all_reduce(metrics)")
-                last_loss, rate, steps, elapsed = window.flush()
-                self.run_log.train(
-                    self.step,
-                    last_loss,
-                    norm,
-                    rate,
-                    steps,
-                    elapsed,
-                    lr=self.step_lr,
-                    epoch=self.loader.epoch(),
-                    items_seen=self.items_seen,
-                    skipped_steps=self.nan_guard.skipped_steps,
-                )
-            if agreement.stop and self.step < cfg.train.steps:
-                # Every rank learnt it in the same step's agreement: all stop after this
-                # step's update, and the final save follows.
-                summary.preempted = preempt.signal_name or "a peer's signal"
-                self.run_log.event("preempted", self.step, signal=summary.preempted)
-                break
-            if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.train.steps:
-                self.evaluate(cfg.eval.max_samples)
-            if (
-                cfg.checkpoint.every
-                and self.step % cfg.checkpoint.every == 0
-                and self.step < cfg.train.steps
-            ):
-                self.save_checkpoint(blocking=not cfg.checkpoint.async_save)
-            if agreement.regroup and self.recovery is not None and self.step < cfg.train.steps:
-                # A worker waits to join (fault.recovery = 'inplace'); every rank learnt it in
-                # this step's agreement: all leave after it, its evaluation and save done.
-                self.recovery.regroup(self.step)
+                window.start_sum(self.strategy)
+            self.balance.backward_done(self.step + 1)
+        with self.phase("clip_grad_norm"):
+            norm = float(self.strategy.clip_grad_norm(self.cfg.train.grad_clip))
+        with self.phase("optimizer"):
+            # The norm is global (gradients are synchronized, or the norm is all-reduced), so
+            # every rank takes the same branch here without another collective.
+            if math.isfinite(norm):
+                self.optimizer.step()
+            # What the logged lr is (docs/metrics.md): this step's, before the schedule moves on.
+            self.step_lr = float(self.optimizer.param_groups[0]["lr"])
+            overflowed = self._loss_scale_overflowed(norm, loss_sum)
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return agreement, norm, overflowed
+
+    def _loss_scale_overflowed(self, norm: float, loss_sum: torch.Tensor) -> bool:
+        """Under fp16-mixed: whether a non-finite ``norm`` is the loss scale's overflow (every
+        rank's loss finite, the scale above its floor) -- the scaler's to handle -- rather than
+        a divergence, the NaN guard's; the scaler halves the scale after one, and grows it after
+        enough steps without. False without a scaler. Collective after a non-finite norm."""
+        scaler = self.scaler
+        if scaler is None:
+            return False
+        overflowed = False
+        if not math.isfinite(norm) and scaler.scale > scaler.min_scale:
+            with self.phase("all_reduce(loss check)"):
+                bad = torch.logical_not(torch.isfinite(loss_sum)).float().reshape(1)
+                overflowed = float(self.strategy.all_reduce_loss(bad)[0]) == 0.0
+        scaler.update(overflowed)
+        return overflowed
+
+    def _balanced(self, outcome: Outcome) -> None:
+        """The load balancer's records written; its new weights (the same on every rank)
+        cut the loader's batches from the next step on."""
+        self.run_log.write_records(outcome.records)
+        if outcome.weights is not None:
+            self.loader.set_weights(loader_weights(outcome.weights))
+
+    def _audit(self, batch: StepBatch, norm: float) -> None:
+        if self.audit is not None:
+            self.audit.record(
+                self.step,
+                batch.plan.start,
+                batch.plan.end,
+                batch.ids,
+                rollbacks=self.counters.rollbacks,
+                applied=math.isfinite(norm),
+            )
+
+    def _carry_out(self, decision: Decision) -> None:
+        """The NaN guard's decision on the step just committed (the same on every rank)."""
+        if decision.action == "overflow":
+            assert self.scaler is not None
+            self.run_log.event("overflow", self.step, loss_scale=self.scaler.scale)
+        if decision.action not in ("skip", "rollback"):
+            return
+        self.counters.skipped_steps += 1
+        self.run_log.event("step_skipped", self.step, in_a_row=decision.in_a_row)
+        self.warn(f"step {self.step}: non-finite loss or gradient; update skipped on every rank")
+        if decision.action == "rollback":
+            self._rollback(decision)
+
+    def _rollback(self, decision: Decision) -> None:
+        """Collective: load the newest checkpoint before the streak (the step and counters with
+        it) and skip the streak's batches from now on."""
+        step, bad = self.step, decision.bad
+        error = self.checkpointer.wait()
+        if error:
+            self.warn(error)
+        with self.phase("rollback"):
+            point = rollback_point(
+                self.cfg,
+                self.checkpointer,
+                self.runtime,
+                self.run_log.log,
+                decision.first_bad,
+                step,
+                self.watchdog,
+            )
+            # Counters of what happened stay cumulative; the skip list keeps earlier skips too.
+            counters = self.counters
+            rollbacks, skipped = counters.rollbacks + 1, counters.skipped_steps
+            earlier_skips = dict(self.loader.skipped)
+            training_state.load(self.state, point)
+            counters.rollbacks, counters.skipped_steps = rollbacks, skipped
+            for start, end in [*earlier_skips.items(), *bad]:
+                self.loader.skip(start, end)
+            self.loader.set_weights(loader_weights(self.balance.weights))  # the state's shares
+        # At the checkpoint's step, which the trainer's step now is; from the streak's last.
+        self.run_log.event("rollback", point.step, from_step=step, checkpoint=point.path.name)
+        self.run_log.log(
+            f"rolled back to {point.path.name} after {len(bad)} non-finite steps; the "
+            f"{sum(e - s for s, e in bad)} samples of those steps will not be delivered again"
+        )
+
+    def _poll_checkpoint(self) -> None:
+        """An asynchronous save that failed since the last step: said, and recorded."""
+        error = self.checkpointer.poll()
+        if error:
+            self.warn(error)
+            self.run_log.event("checkpoint_failed", self.step, error=error)
+
+    def _log_train(self, window: LossWindow, norm: float) -> float:
+        """A train record for the window's steps; returns its mean loss over the ranks."""
+        with self.phase("all_reduce(metrics)"):
+            loss, rate, steps, elapsed = window.flush()
+            self.run_log.train(
+                self.step,
+                loss,
+                norm,
+                rate,
+                steps,
+                elapsed,
+                lr=self.step_lr,
+                epoch=self.loader.epoch(),
+                items_seen=self.counters.items_seen,
+                skipped_steps=self.counters.skipped_steps,
+            )
+        return loss
+
+    def _due(self, every: int) -> bool:
+        """Whether a task done every ``every`` steps (0: never) is due after this step; the
+        last step's evaluation and save are the end's."""
+        return bool(every) and self.step % every == 0 and self.step < self.cfg.train.steps
+
+    def _finish(self, summary: Summary, last_loss: float, started: float) -> None:
+        """The end of training: the whole validation set, the final checkpoint, the summary."""
         if not summary.preempted:
             summary.val_loss = self.evaluate()  # the whole validation set
             summary.val_metrics = dict(self.val_metrics)
-        self.watchdog.set_phase("checkpoint")  # waiting for the save in flight
-        final_error = self.checkpointer.wait()
+        with self.phase("checkpoint"):  # waiting for the save in flight
+            final_error = self.checkpointer.wait()
         if final_error:
             self.warn(final_error)
         if final_error or self.checkpointer.last_saved_step != self.step:
             self.save_checkpoint(blocking=True)
         summary.steps = self.step
         summary.train_loss = last_loss
-        summary.skipped_steps = self.nan_guard.skipped_steps
-        summary.rollbacks = self.nan_guard.rollbacks
+        summary.skipped_steps = self.counters.skipped_steps
+        summary.rollbacks = self.counters.rollbacks
         summary.checkpoint = str(self.run_dir / "checkpoints" / layout.step_dir_name(self.step))
         summary.wall_s = time.perf_counter() - started
-        summary.items = self.items_seen
+        summary.items = self.counters.items_seen
         if self.run_log.comm_counted:
             summary.comm_bytes, summary.comm_wait_s = self.strategy.comm.totals()
         self.run_log.close_progress()
         if not summary.preempted:
             self._after_training(summary)
-        self.loader.close()
-        self.run_log.finish(summary, self.step)
-        self.watchdog.set_phase("barrier(end)")
-        barrier()
-        self.watchdog.set_phase("done")
-        return summary
+        self._end(summary)
 
     def _already_finished(self, summary: Summary, started: float) -> Summary:
         """The run folder holds a run that reached ``train.steps`` before: nothing to train,
@@ -399,24 +485,28 @@ class Trainer:
         summary.checkpoint = str(self.run_dir / "checkpoints" / layout.step_dir_name(self.step))
         self._after_training(summary)
         summary.wall_s = time.perf_counter() - started
-        self.loader.close()
-        self.run_log.finish(summary, self.step)  # the status 'completed'; no sinks were opened
-        self.watchdog.set_phase("barrier(end)")
-        barrier()
-        self.watchdog.set_phase("done")
+        self._end(summary)  # the status 'completed'; no sinks were opened
+        self.watchdog.set_phase("done")  # the last word, left by no phase
         return summary
+
+    def _end(self, summary: Summary) -> None:
+        """The loader closed, the run's summary recorded, every rank at the end together."""
+        self.loader.close()
+        self.run_log.finish(summary, self.step)
+        with self.phase("barrier(end)"):
+            barrier()
 
     def _after_training(self, summary: Summary) -> None:
         """The task's after-training hook, on rank 0 with the whole model (collective: every
         rank gives its part); its text goes into the summary."""
         if self.task.after_training is None:
             return
-        self.watchdog.set_phase("after_training")
-        model = self.strategy.model_for_inference()
-        if model is not None:
-            model.eval()
-            text = self.task.after_training(model)
-            summary.generated = text if self.is_main else ""
+        with self.phase("after_training"):
+            model = self.strategy.model_for_inference()
+            if model is not None:
+                model.eval()
+                text = self.task.after_training(model)
+                summary.generated = text if self.is_main else ""
 
     def _first_step_done(self, seconds: float) -> None:
         """The time from the start of ``fit`` to the end of this process's first step: set-up
@@ -426,69 +516,16 @@ class Trainer:
         if self.cfg.train.compile:
             self.log(f"first step after {seconds:.1f} s (torch.compile compiled the blocks)")
 
-    def _planned_items(self, batch: StepBatch, count: int) -> int | None:
-        """The step's global item count from its plan, where the task declares
-        ``items_per_sample`` (this rank's ``count`` checked against it); else None."""
-        per_sample = self.task.items_per_sample
-        if per_sample is None:
-            return None
-        return batch.planned_items(per_sample, count, self.step + 1)
-
-    def _train_step(
-        self,
-        micro: list[Any],
-        count: int,
-        preempt: PreemptionFlag,
-        planned: int | None,
-        window: LossWindow,
-        logs: bool,
-    ) -> tuple[StepAgreement, float, bool]:
-        """Forward, backward, clip and (when the gradient is finite) update; the step's loss
-        goes into ``window``, whose sum over the ranks starts here on a step that logs.
-        Returns what the ranks agreed on about the step, the global gradient norm, and whether
-        the gradient overflowed because of fp16's loss scale (skipped, the scale halved)."""
-        failpoint("train.step", step=self.step + 1)
-        self.watchdog.set_phase("forward_backward")
-        regroup = self.recovery is not None and self.recovery.joiner_waiting()
-        loss_sum, agreement = self.forward_backward(
-            micro, self.task.loss_fn, count, preempt.requested, planned, regroup
-        )
-        # The gradient sync has just brought the ranks together: start the step's small
-        # collectives now, to complete during the optimizer step.
-        window.add(loss_sum, agreement.items)
-        if logs:
-            window.start_sum(self.strategy)
-        self.balance.backward_done(self.step + 1)
-        self.watchdog.set_phase("clip_grad_norm")
-        norm = float(self.strategy.clip_grad_norm(self.cfg.train.grad_clip))
-        # The norm is global (gradients are synchronized, or the norm is all-reduced), so
-        # every rank takes the same branch here without another collective.
-        if math.isfinite(norm):
-            self.watchdog.set_phase("optimizer")
-            self.optimizer.step()
-        # What the logged lr is (docs/metrics.md): this step's, before the schedule moves on.
-        self.step_lr = float(self.optimizer.param_groups[0]["lr"])
-        overflowed = self.nan_guard.loss_scale_overflowed(norm, loss_sum)
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return agreement, norm, overflowed
-
-    def _beat_stats(self) -> Speed:
-        """This rank's speed for its liveness record; called on the watchdog's thread (the
-        timer replaces its ``last`` dict whole, so reading it there is safe)."""
-        last = self.balance.timer.last
-        return records.beat_stats(last, self.task.item_name, self.runtime.device)
-
     def evaluate(self, max_samples: int = 0) -> float | None:
         """Mean validation loss, and the task's metrics; every sample of the set (or of its
         first ``max_samples``) counted exactly once across ranks."""
         if self.task.val_data is None:
             return None
-        self.watchdog.set_phase("evaluate")
-        batch_size, tick = self.cfg.eval.batch_size, self.watchdog.tick
-        result = evaluate(
-            self.task, self.strategy, self.runtime.device, batch_size, max_samples, tick
-        )
+        with self.phase("evaluate"):
+            batch_size, tick = self.cfg.eval.batch_size, self.watchdog.tick
+            result = evaluate(
+                self.task, self.strategy, self.runtime.device, batch_size, max_samples, tick
+            )
         self.val_metrics = result.metrics
         self.run_log.evaluated(self.step, result.loss, result.items, result.metrics)
         return result.loss

@@ -1,0 +1,135 @@
+"""The one wiring place: every component of a worker's training loop built from the config,
+each given its own section and the few things it works on, and handed to the
+:class:`~dtrain.train.trainer.Trainer`, which only keeps them (torchtitan's habit: one place
+to read how a run is put together)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dtrain.balance.balancer import LoadBalancer
+from dtrain.balance.slowdown import Slowdown
+from dtrain.balance.timing import StepTimer
+from dtrain.checkpoint.state import TrainingState
+from dtrain.checkpoint.write import Checkpointer
+from dtrain.compute.precision import LossScaler
+from dtrain.config import Config, validate_balance_world, validate_ranks
+from dtrain.data.build import build_train_loader
+from dtrain.dist.runtime import Runtime
+from dtrain.errors import UserError
+from dtrain.fault.watchdog import Watchdog
+from dtrain.metrics import records
+from dtrain.metrics.run_log import RunLog
+from dtrain.metrics.tensorboard import check_available as check_tensorboard
+from dtrain.parallel import build_strategy
+from dtrain.task import Task
+from dtrain.train.evaluation import check_metrics
+from dtrain.train.loss_contract import LossContract
+from dtrain.train.nan_guard import NanGuard
+from dtrain.train.optim_choice import OptimizerKinds, build_run_optimizer, build_run_scheduler
+from dtrain.train.step import ForwardBackward
+from dtrain.train.trainer import Counters, Trainer
+
+
+def wire_trainer(cfg: Config, task: Task, runtime: Runtime) -> Trainer:
+    """The one wiring place: every component of the loop built from the config, each given its
+    own section and the few things it works on, and handed to the trainer, which only keeps
+    them. In this order on every rank: some builds are collective (the strategy's set-up, the
+    hosts' names)."""
+    if cfg.metrics.tensorboard:  # every rank, before the first collective
+        check_tensorboard()
+    strategy = build_strategy(cfg, runtime)
+    strategy.setup(task)
+    # What the run writes: status, records to rank 0's sinks, log lines (dtrain.metrics).
+    run_log = RunLog(cfg, runtime, strategy, task.item_name)
+    # The task's optimizer and schedule, or the config's (dtrain.train.optim_choice).
+    optimizer = build_run_optimizer(task, strategy, cfg)
+    scheduler = build_run_scheduler(task, optimizer, cfg)
+    dp_size = strategy.data_parallel_size
+    loader = build_train_loader(task, cfg, strategy.data_parallel_rank, dp_size, runtime.device)
+    # A worker started without the CLI's checks (plain torchrun) meets them here.
+    validate_ranks(cfg, runtime.world_size)
+    validate_balance_world(cfg, runtime.world_size, dp_size)
+    # Per-rank phase timing (the optimizer's step timed by its hooks), straggler reports and
+    # (balance.mode) per-rank batch shares.
+    timer = StepTimer(strategy.comm, optimizer, runtime.device)
+    debug, slowdown = cfg.debug, None
+    if debug.slowdown_rank == runtime.rank and debug.slowdown_factor > 1:
+        slowdown = Slowdown(
+            strategy.unwrapped,
+            debug.slowdown_factor,
+            debug.slowdown_from_step,
+            debug.slowdown_to_step,
+        )
+    balance = LoadBalancer(
+        cfg.balance, runtime, dp_size, timer, strategy.comm, run_log.log, task.item_name, slowdown
+    )
+    # fp16-mixed: the dynamic loss scale (dtrain.compute.precision), part of the training state.
+    scaler = None
+    if strategy.recipe.precision.scales_loss:
+        scaler = LossScaler(cfg.train.loss_scale_init, cfg.train.loss_scale_growth_interval)
+    contract = LossContract(task.count_items)
+    # Forward and backward over a step's micro-batches, and the ranks' agreement on it.
+    forward_backward = ForwardBackward(strategy, runtime.device, scaler, contract)
+    counters = Counters(forward_backward)
+    # What a checkpoint holds, built once: save and load see these parts, never the trainer.
+    parts: dict[str, Any] = {
+        # First: it refuses another optimizer's or schedule's checkpoint before any part of it
+        # is loaded.
+        "kinds": OptimizerKinds(optimizer, scheduler),
+        "scheduler": scheduler,
+        "data": loader,
+        "trainer": counters,
+        "balance": balance,
+    }
+    if scaler is not None:
+        parts["loss_scaler"] = scaler
+    # balance: checkpoints from before load balancing; loss_scaler: from a run in another
+    # precision (the scale starts afresh); kinds: from before they were kept.
+    optional = frozenset({"balance", "loss_scaler", "kinds"})
+    state = TrainingState(strategy, optimizer, parts, runtime, cfg, optional)
+    run_dir = Path(cfg.run.dir)
+    watchdog = Watchdog(
+        runtime.rank,
+        runtime.world_size,
+        heartbeat_s=cfg.fault.heartbeat_s,
+        timeout_s=cfg.dist.timeout_s,
+        run_dir=run_dir,  # RUN_DIR/liveness/rankN: this rank's liveness record
+        # This rank's speed, read on the watchdog's thread (the timer replaces its `last`
+        # dict whole, so reading it there is safe).
+        stats=lambda: records.beat_stats(timer.last, task.item_name, runtime.device),
+    )
+    checkpointer = Checkpointer(
+        run_dir / "checkpoints",
+        rank=runtime.rank,
+        world_size=runtime.world_size,
+        keep_last=cfg.checkpoint.keep_last,
+        keep_every=cfg.checkpoint.keep_every,
+        timeout=runtime.timeout,
+        log=run_log.log,
+        on_progress=watchdog.tick,
+    )
+    check_metrics(task.metrics)  # before the first step, not at the first evaluation
+    per_sample = task.items_per_sample
+    if per_sample is not None and (isinstance(per_sample, bool) or per_sample < 1):
+        raise UserError(f"Task.items_per_sample = {per_sample!r}: expected a positive integer")
+    return Trainer(
+        cfg,
+        task,
+        runtime,
+        strategy=strategy,
+        run_log=run_log,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loader=loader,
+        balance=balance,
+        scaler=scaler,
+        forward_backward=forward_backward,
+        counters=counters,
+        state=state,
+        watchdog=watchdog,
+        checkpointer=checkpointer,
+        # Decides on a step with a non-finite gradient: skip, or roll back after N in a row.
+        nan_guard=NanGuard(cfg.fault.nan_rollback_after),
+    )
