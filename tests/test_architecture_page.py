@@ -27,7 +27,8 @@ def test_a_new_package_changes_the_table(tmp_path: Path) -> None:
     # The check can fail: a package the page does not know yet makes the rendered page differ.
     architecture = generator()
     package = tmp_path / "dtrain"
-    for name, doc in [("alpha", "Alpha, in the parent: one line. More."), ("beta", "Beta: a list:")]:
+    docs = [("alpha", "Alpha, in the parent: one line. More."), ("beta", "Beta: a list:")]
+    for name, doc in docs:
         (package / name).mkdir(parents=True)
         (package / name / "__init__.py").write_text(f'"""{doc}\n\nDetails."""\n')
     lines = architecture.package_lines(package)

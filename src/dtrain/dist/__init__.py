@@ -1,4 +1,5 @@
-"""How a process joins the job, in every process of it: process group, network, the start-up check, the job's store and secret.
+"""How a process joins the job, in every process of it: process group, network, the start-up
+check, the job's store and secret.
 
 How a process joins the job: its process group, device and threads from the launcher's
 environment (``runtime``), this machine's addresses and interfaces (``network``), the start-up
