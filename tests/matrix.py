@@ -76,6 +76,16 @@ PIPELINE_RESUMES = [
     Resume("ddp", "pipeline-tensor", "adamw", ranks=4, why="whole files into a composed mesh"),
 ]
 
+# Shards resumed under another strategy: tensor keeps plain tensors and DTensors in optimizer
+# groups of their own, fsdp 2 (DCP's load asked for groups the checkpoint did not have); into a
+# whole replica every rank reads the whole state out of DCP (it was refused before the workers
+# started, and by every worker before that).
+SHARDS_RESUMES = [
+    Resume("tensor", "fsdp", "sgd"),
+    Resume("fsdp", "ddp", "sgd"),
+    Resume("tensor", "ddp", "sgd"),
+]
+
 # train.precision: the strategies that compute one process's numbers in mixed precision.
 MIXED_PRECISIONS = ["bf16-mixed", "fp16-mixed"]
 MIXED_PRECISION_STRATEGIES = ["ddp", "fsdp", "gpipe"]
