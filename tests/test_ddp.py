@@ -9,10 +9,6 @@ from dtrain.testing import run_ranks
 from tests.conftest import tiny_raw
 from tests.recipe_helpers import train_each
 
-# Every test here reads the module's shared runs, built once per pytest worker that runs one:
-# one xdist group (make test's --dist loadgroup; see tests/test_fault.py on pytest 9.2).
-pytestmark = pytest.mark.xdist_group("test_ddp-runs")
-
 
 def assert_params_close(
     a: dict[str, np.ndarray], b: dict[str, np.ndarray], rtol: float = 1e-5, atol: float = 1e-6

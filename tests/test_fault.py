@@ -26,7 +26,6 @@ from tests.dist_helpers import (
     train_with_nan,
     two_jobs_then_crash,
 )
-from tests.recipe_helpers import train_each
 
 # This module's job: 16 AdamW steps, a checkpoint every 4, every step logged.
 JOB = {
@@ -42,74 +41,40 @@ def assert_bit_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None
         assert np.array_equal(a[key], b[key]), key
 
 
-# The uninterrupted runs the tests below compare with, by name: (the run's sections beside
-# JOB). They train one after another in one start of 2 ranks (tests.recipe_helpers.train_each).
-REFERENCES: dict[str, dict[str, dict[str, object]]] = {
-    "plain": {},
-    "dropout": {"task": {"dropout": 0.2}},
-    "variable": {"task": {"variable": True}},
-    # step 8 saved while the loop waits for the write, and in the background while training
-    # goes on to step 16
-    "sync-8": {"checkpoint": {"every": 8, "async_save": False}},
-    "async-8": {"checkpoint": {"every": 8, "async_save": True}},
-}
-
-
-# A module fixture is built once per pytest worker that needs it: the tests that read it are
-# one xdist group (make test's --dist loadgroup). pytest 9.2 ignores the group xdist 3.8 sets
-# (it writes item._nodeid, which pytest no longer reads): until one of them is fixed the
-# tests stay consecutive in one module, which xdist's first batches keep together mostly.
-SHARES_REFERENCES = pytest.mark.xdist_group("test_fault-references")
-
-
-@pytest.fixture(scope="module")
-def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
-    """Each reference run's folder and final parameters (rank 0's, rank 1's), by name."""
-    root = tmp_path_factory.mktemp("references")
-    raws = [tiny_raw(root / name, JOB, **sections) for name, sections in REFERENCES.items()]
-    by_rank = run_ranks(train_each, 2, raws)
-    return {
-        name: (root / name, [rank[index]["params"] for rank in by_rank])
-        for index, name in enumerate(REFERENCES)
-    }
-
-
-@SHARES_REFERENCES
-def test_resume_after_a_crash_is_bit_identical_with_dropout(
-    tmp_path: Path, references: dict[str, tuple[Path, Any]]
-) -> None:
-    task = REFERENCES["dropout"]["task"]
-    ref_dir, reference = references["dropout"]
+def test_resume_after_a_crash_is_bit_identical_with_dropout(tmp_path: Path) -> None:
+    task = {"dropout": 0.2}
+    reference = run_ranks(train_params, 2, tiny_raw(tmp_path / "ref", JOB, task=task))
     crashed = run_ranks(crash_then_resume, 2, tiny_raw(tmp_path / "crash", JOB, task=task), 11)
     assert crashed[0]["start_step"] == 8  # resumed from the last checkpoint before the crash
     assert_bit_equal(reference[0], crashed[0]["params"])
     assert_bit_equal(reference[1], crashed[1]["params"])
-    ref_losses = losses_by_step(str(ref_dir))
+    ref_losses = losses_by_step(str(tmp_path / "ref"))
     assert losses_by_step(str(tmp_path / "crash")) == ref_losses  # RNG restored on every rank
 
 
-@SHARES_REFERENCES
-def test_resume_with_a_count_that_changes_every_step_is_bit_identical(
-    tmp_path: Path, references: dict[str, tuple[Path, Any]]
-) -> None:
+def test_resume_with_a_count_that_changes_every_step_is_bit_identical(tmp_path: Path) -> None:
     # Variable-length sequences: each step's item count differs from the one its loss scale
     # assumed (the step before's), and its gradients are rescaled once the count is agreed.
     # A resumed run must assume what the uninterrupted one assumed at that step.
-    task = REFERENCES["variable"]["task"]
-    reference = references["variable"][1]
+    task = {"variable": True}
+    reference = run_ranks(train_params, 2, tiny_raw(tmp_path / "ref", JOB, task=task))
     crashed = run_ranks(crash_then_resume, 2, tiny_raw(tmp_path / "crash", JOB, task=task), 11)
     assert crashed[0]["start_step"] == 8
     assert_bit_equal(reference[0], crashed[0]["params"])
     assert_bit_equal(reference[1], crashed[1]["params"])
 
 
-@SHARES_REFERENCES
-def test_async_checkpoint_equals_the_state_at_its_step(
-    references: dict[str, tuple[Path, Any]],
-) -> None:
-    # A run that saves step 8 synchronously (the loop waits for the write), and one that saves
-    # it in the background while training goes on to step 16.
-    sync_dir, async_dir = references["sync-8"][0], references["async-8"][0]
+def test_async_checkpoint_equals_the_state_at_its_step(tmp_path: Path) -> None:
+    # A run that saves step 8 synchronously (the loop waits for the write) ...
+    sync_dir = tmp_path / "sync"
+    run_ranks(
+        train_params, 2, tiny_raw(sync_dir, JOB, checkpoint={"every": 8, "async_save": False})
+    )
+    # ... and one that saves it in the background while training goes on to step 16.
+    async_dir = tmp_path / "async"
+    run_ranks(
+        train_params, 2, tiny_raw(async_dir, JOB, checkpoint={"every": 8, "async_save": True})
+    )
     import torch
 
     for name in ("model.pt", "optimizer.pt"):
@@ -140,11 +105,8 @@ def _flatten(tree: object, prefix: str = "") -> dict[str, object]:
     return out
 
 
-@SHARES_REFERENCES
-def test_sigterm_saves_at_the_next_step_and_resume_is_bit_identical(
-    tmp_path: Path, references: dict[str, tuple[Path, Any]]
-) -> None:
-    reference = references["plain"][1]
+def test_sigterm_saves_at_the_next_step_and_resume_is_bit_identical(tmp_path: Path) -> None:
+    reference = run_ranks(train_params, 2, tiny_raw(tmp_path / "ref", JOB))
     run_dir = tmp_path / "pre"
     # SIGTERM reaches only rank 1; both ranks must stop at the same step.
     stopped = run_ranks(signal_self_at_step, 2, tiny_raw(run_dir, JOB), 1, 6, "SIGTERM")
