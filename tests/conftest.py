@@ -89,3 +89,15 @@ def hf_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, A
 
     root = tmp_path_factory.mktemp("hf-runs")
     return root, train_hf_runs(root)
+
+
+@pytest.fixture(scope="session")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The reference the exactness tests compare with, trained once per session: the tiny
+    job's parameters after its 20 steps of batch 8 in one process (its name to a NumPy
+    array). Read it, never change it: several tests share it."""
+    from dtrain.testing import run_ranks
+    from tests.dist_helpers import train_params
+
+    params: dict[str, Any] = run_ranks(train_params, 1, tiny_raw(tmp_path_factory.mktemp("one")))[0]
+    return params

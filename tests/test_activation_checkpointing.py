@@ -17,6 +17,7 @@ from dtrain.parallel.recipe import Recipe, is_checkpointed, model_blocks
 from dtrain.task import Task
 from dtrain.testing import run_ranks
 from tests.conftest import tiny_raw
+from tests.matrix import ACTIVATION_CHECKPOINTING, STRATEGIES
 from tests.recipe_helpers import train_each
 
 
@@ -66,13 +67,12 @@ def test_a_model_without_blocks_is_a_one_line_error() -> None:
 
 
 def test_checkpointed_training_is_bit_identical_with_dropout(tmp_path: Path) -> None:
-    runs = [("ddp", "none"), ("ddp", "full"), ("ddp", "every:2"), ("fsdp", "none")]
-    runs += [("fsdp", "full")]
+    runs = ACTIVATION_CHECKPOINTING
     configs = [
         tiny_raw(
             tmp_path / f"{strategy}-{mode.replace(':', '')}",
             task={"dropout": 0.1},
-            strategy={"name": strategy},
+            strategy=STRATEGIES[strategy],
             train={"activation_checkpointing": mode, "steps": 8},
         )
         for strategy, mode in runs

@@ -36,8 +36,9 @@ from dtrain.parallel.base import CommHookControl
 from dtrain.testing import run_ranks
 from tests.conftest import tiny_raw
 from tests.dist_helpers import make_trainer, synced_backward
+from tests.matrix import COMPRESSING, NOT_COMPRESSING
 
-STRATEGY_NAMES = ("ddp", "allreduce")
+STRATEGY_NAMES = COMPRESSING
 FRACTION = 0.05  # topk_fraction of the runs below
 PSGD_RANK = 2  # powersgd_rank of the runs below
 
@@ -499,7 +500,7 @@ def test_every_strategy_without_hooks_rejects_compression() -> None:
             validate_strategy(cfg, 2)
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "pipeline", "tensor"])
+@pytest.mark.parametrize("strategy", NOT_COMPRESSING)
 def test_cli_rejects_compression_where_it_cannot_run(
     strategy: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -15,6 +15,7 @@ from dtrain.errors import CheckpointError
 from dtrain.testing import run_ranks
 from tests.conftest import tiny_raw
 from tests.dist_helpers import crash_then_resume, train_params
+from tests.matrix import OPTIMIZERS, STRATEGIES, WHOLE_FILES_TO_SHARDS, Resume, cases
 from tests.test_cli import run_cli, write_tiny_config
 from tests.test_ddp import assert_params_close
 
@@ -23,45 +24,37 @@ SECTIONS: dict[str, dict[str, object]] = {
     "train": {"steps": 4, "log_every": 1},
     "checkpoint": {"every": 2},
 }
-# AdamW with weight decay: two groups in ddp's optimizer, four in tensor's (plain tensors and
-# DTensors apart), matched by parameter name.
-ADAMW = {"name": "adamw", "lr": 3e-3, "weight_decay": 0.1, "warmup_steps": 1}
 
 
-HYBRID = {"name": "fsdp", "dp_replicate": 2}  # 4 ranks: 2 copies x 2 shards
-
-
-@pytest.mark.parametrize(
-    ("saved_by", "resumed_by", "optim"),
-    [
-        ("ddp", {"name": "fsdp"}, {}),
-        ("ddp", {"name": "tensor"}, ADAMW),
-        ("allreduce", {"name": "fsdp"}, ADAMW),
-        ("ddp", HYBRID, {}),
-    ],
-    ids=["ddp-fsdp", "ddp-tensor", "allreduce-fsdp", "ddp-hybrid"],
-)
-def test_whole_files_resume_under_a_sharded_strategy(
-    tmp_path: Path, saved_by: str, resumed_by: dict[str, object], optim: dict[str, object]
-) -> None:
-    # It was refused before launch: optimizer.pt keyed its state by position only.
+def resume_equals_unchanged(tmp_path: Path, row: Resume) -> None:
+    """Train 2 steps under ``row.saved_by``, crash, resume the 2 more under ``row.resumed_by``:
+    the parameters are those of a ``resumed_by`` run that never changed strategy."""
+    saved_by, resumed_by = STRATEGIES[row.saved_by], STRATEGIES[row.resumed_by]
+    optim = OPTIMIZERS[row.optim]
     sections = {**SECTIONS, "optim": optim}
-    ranks = 4 if resumed_by is HYBRID else 2  # the same global batch: the same math
     reference = run_ranks(
-        train_params, ranks, tiny_raw(tmp_path / "ref", data=DATA, strategy=resumed_by, **sections)
+        train_params,
+        row.ranks,
+        tiny_raw(tmp_path / "ref", data=DATA, strategy=resumed_by, **sections),
     )
-    saved = tiny_raw(tmp_path / "run", data=DATA, strategy={"name": saved_by}, **sections)
+    saved = tiny_raw(tmp_path / "run", data=DATA, strategy=saved_by, **sections)
     resumed = tiny_raw(tmp_path / "run", data=DATA, strategy=resumed_by, **sections)
-    result = run_ranks(crash_then_resume, ranks, saved, 3, resumed)[0]
+    result = run_ranks(crash_then_resume, row.ranks, saved, 3, resumed)[0]
     assert result["start_step"] == 2
-    assert (tmp_path / "run" / "checkpoints" / "step-00000002" / layout.MODEL_FILE).exists()
-    # The optimizer's state carried over (lost, the parameters differ by ~lr). Under AdamW
-    # within 1e-5 absolute: the attention's key bias has a roundoff-only gradient, which
-    # AdamW's normalization turns into a step of up to lr in a direction the last bit picks
-    # (ddp and tensor round differently).
+    # The optimizer's state carried over (lost, the parameters differ by ~lr, or ~lr x
+    # momentum). Under AdamW within 1e-5 absolute: the attention's key bias has a
+    # roundoff-only gradient, which AdamW's normalization turns into a step of up to lr in a
+    # direction the last bit picks (the strategies round differently).
     assert_params_close(reference[0], result["params"], rtol=1e-5, atol=1e-5 if optim else 1e-6)
     if optim:  # each group kept its weight decay through the regrouping
         assert sorted({s["weight_decay"] for s in result["settings"]}) == [0.0, 0.1]
+
+
+@pytest.mark.parametrize("row", cases(WHOLE_FILES_TO_SHARDS))
+def test_whole_files_resume_under_a_sharded_strategy(tmp_path: Path, row: Resume) -> None:
+    # It was refused before launch: optimizer.pt keyed its state by position only.
+    resume_equals_unchanged(tmp_path, row)
+    assert (tmp_path / "run" / "checkpoints" / "step-00000002" / layout.MODEL_FILE).exists()
 
 
 def test_an_optimizer_file_without_names_is_one_clear_line(tmp_path: Path) -> None:

@@ -20,9 +20,11 @@ def assert_params_close(
         np.testing.assert_allclose(a[key], b[key], rtol=rtol, atol=atol, err_msg=key)
 
 
-def test_two_ranks_equal_one_process_with_the_same_global_batch(tmp_path: Path) -> None:
+def test_two_ranks_equal_one_process_with_the_same_global_batch(
+    tmp_path: Path, one_process: dict[str, np.ndarray]
+) -> None:
     # 2 ranks x per-rank batch 4 against 1 process x batch 8, 20 steps.
-    single = run_ranks(train_params, 1, tiny_raw(tmp_path / "one"))[0]
+    single = one_process
     pair = run_ranks(train_params, 2, tiny_raw(tmp_path / "two"))
     assert_params_close(pair[0], pair[1], rtol=0, atol=0)  # replicas stay identical
     assert_params_close(single, pair[0])
@@ -32,8 +34,10 @@ def test_two_ranks_equal_one_process_with_the_same_global_batch(tmp_path: Path) 
 
 
 @pytest.mark.parametrize("micro_batches", [2, 4])
-def test_accumulation_equals_one_large_batch(tmp_path: Path, micro_batches: int) -> None:
-    big = run_ranks(train_params, 1, tiny_raw(tmp_path / "big"))[0]
+def test_accumulation_equals_one_large_batch(
+    tmp_path: Path, one_process: dict[str, np.ndarray], micro_batches: int
+) -> None:
+    big = one_process
     accumulated = run_ranks(
         train_params,
         1,
@@ -42,8 +46,10 @@ def test_accumulation_equals_one_large_batch(tmp_path: Path, micro_batches: int)
     assert_params_close(big, accumulated)
 
 
-def test_accumulation_on_two_ranks_equals_one_process(tmp_path: Path) -> None:
-    single = run_ranks(train_params, 1, tiny_raw(tmp_path / "one"))[0]
+def test_accumulation_on_two_ranks_equals_one_process(
+    tmp_path: Path, one_process: dict[str, np.ndarray]
+) -> None:
+    single = one_process
     pair = run_ranks(
         train_params,
         2,

@@ -13,12 +13,12 @@ from dtrain.config import validate_strategy
 from dtrain.errors import ConfigError
 from dtrain.testing import run_ranks
 from tests.conftest import tiny_config, tiny_raw
-from tests.dist_helpers import load_full_state, save_and_full_state, train_params
+from tests.dist_helpers import load_full_state, save_and_full_state
 from tests.test_ddp import assert_params_close
 
 
-def test_fsdp_equals_one_process(tmp_path: Path) -> None:
-    single = run_ranks(train_params, 1, tiny_raw(tmp_path / "one"))[0]
+def test_fsdp_equals_one_process(tmp_path: Path, one_process: dict[str, np.ndarray]) -> None:
+    single = one_process
     sharded = run_ranks(
         save_and_full_state, 2, tiny_raw(tmp_path / "fsdp", strategy={"name": "fsdp"})
     )
@@ -26,8 +26,10 @@ def test_fsdp_equals_one_process(tmp_path: Path) -> None:
     assert_params_close(single, sharded[0], rtol=1e-5, atol=1e-6)
 
 
-def test_fsdp_accumulation_equals_one_process(tmp_path: Path) -> None:
-    single = run_ranks(train_params, 1, tiny_raw(tmp_path / "one"))[0]
+def test_fsdp_accumulation_equals_one_process(
+    tmp_path: Path, one_process: dict[str, np.ndarray]
+) -> None:
+    single = one_process
     sharded = run_ranks(
         save_and_full_state,
         2,

@@ -18,6 +18,7 @@ from dtrain.models.gpt import GPT, GPTConfig, attend, project_out
 from dtrain.testing import run_ranks
 from tests.conftest import tiny_config, tiny_raw
 from tests.dist_helpers import crash_then_resume, train_params, train_with_nan
+from tests.matrix import MIXED_PRECISION_STRATEGIES, MIXED_PRECISIONS, STRATEGIES
 from tests.recipe_helpers import train_each
 from tests.test_ddp import assert_params_close
 
@@ -31,11 +32,9 @@ def losses(result: dict[str, Any]) -> np.ndarray:
 
 
 def run_config(run_dir: Path, precision: str, strategy: str = "ddp", **extra: Any) -> Any:
+    """``strategy``: a name of tests/matrix.py's ``STRATEGIES``."""
     train = {"precision": precision, "steps": 10, "log_every": 1, **extra.pop("train", {})}
-    options: dict[str, Any] = {"name": strategy}
-    if strategy == "pipeline":
-        options.update(pipeline_balance="uniform", pipeline_schedule="gpipe")
-    return tiny_raw(run_dir, train=train, strategy=options, **extra)
+    return tiny_raw(run_dir, train=train, strategy=dict(STRATEGIES[strategy]), **extra)
 
 
 def test_the_loss_scaler_halves_on_overflow_and_doubles_after_an_interval() -> None:
@@ -76,8 +75,7 @@ def test_each_precision_follows_fp32_within_its_format(tmp_path: Path) -> None:
 
 
 def test_strategies_compute_one_process_s_numbers_in_mixed_precision(tmp_path: Path) -> None:
-    strategies = ["ddp", "fsdp", "pipeline"]
-    precisions = ["bf16-mixed", "fp16-mixed"]
+    strategies, precisions = MIXED_PRECISION_STRATEGIES, MIXED_PRECISIONS
     # One process two ways: the whole batch at once, and accumulating it in two micro-batches,
     # each one rank's share of the batch under data parallelism.
     accumulating = {"micro_batches": 2, "prefetch": 0}
@@ -93,7 +91,7 @@ def test_strategies_compute_one_process_s_numbers_in_mixed_precision(tmp_path: P
             trajectory = losses(result)
             # The same parameters give the same loss: the forward is one process's.
             assert abs(trajectory[0] - reference[0]) <= 1e-6, (precision, strategy)
-            if precision == "fp16-mixed" or strategy == "pipeline":
+            if precision == "fp16-mixed" or STRATEGIES[strategy]["name"] == "pipeline":
                 # fp16 rounds gradients 8x finer than bf16; a pipeline without data
                 # parallelism computes every gradient over the whole batch, as one process.
                 np.testing.assert_allclose(trajectory, reference, rtol=1e-5)
@@ -137,7 +135,7 @@ def test_an_fp16_overflow_is_the_scaler_s_and_a_nan_loss_the_nan_guard_s(
     assert [o["skipped"] for o in nan] == [1, 1]
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
+@pytest.mark.parametrize("precision", MIXED_PRECISIONS)
 def test_resume_is_bit_identical_in_mixed_precision(tmp_path: Path, precision: str) -> None:
     # fp16: the scale starts high enough to overflow, then grows every 3 steps -- it changes
     # before and after the crash, so the scaler's state must come back with the checkpoint.

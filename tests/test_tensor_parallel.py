@@ -16,7 +16,9 @@ from dtrain.parallel.tensor_plan import check_no_dropout, model_plan
 from dtrain.testing import run_ranks
 from tests.conftest import tiny_config, tiny_raw
 from tests.dist_helpers import crash_then_resume, train_params
+from tests.matrix import SHARDS_RESUMES, Resume, cases
 from tests.pipeline_helpers import train_and_report
+from tests.test_cross_form import resume_equals_unchanged
 from tests.test_ddp import assert_params_close
 from tests.test_fault import assert_bit_equal
 
@@ -71,43 +73,10 @@ def test_checkpoint_resume_is_bit_identical(tmp_path: Path) -> None:
     assert_bit_equal(reference[0], crashed[0]["params"])
 
 
-def test_a_tensor_parallel_checkpoint_resumes_under_fsdp(tmp_path: Path) -> None:
-    # tensor keeps plain tensors and DTensors in groups of their own (4 here, with weight
-    # decay), fsdp 2: DCP's load asked for groups the checkpoint did not have.
-    sections: dict[str, dict[str, object]] = {
-        "train": {"steps": 4, "log_every": 1},
-        "checkpoint": {"every": 2},
-    }
-    fsdp, tensor = {"name": "fsdp"}, {"name": "tensor"}
-    reference = run_ranks(
-        train_params, 2, tiny_raw(tmp_path / "ref", data=DATA, strategy=fsdp, **sections)
-    )
-    saved = tiny_raw(tmp_path / "run", data=DATA, strategy=tensor, **sections)
-    resumed = tiny_raw(tmp_path / "run", data=DATA, strategy=fsdp, **sections)
-    result = run_ranks(crash_then_resume, 2, saved, 3, resumed)[0]
-    assert result["start_step"] == 2
+@pytest.mark.parametrize("row", cases(SHARDS_RESUMES))
+def test_a_sharded_checkpoint_resumes_under_another_strategy(tmp_path: Path, row: Resume) -> None:
     # SGD's momentum buffers carried over (lost, the parameters differ by ~lr x momentum).
-    assert_params_close(reference[0], result["params"], rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("saved_by", ["fsdp", "tensor"])
-def test_a_sharded_checkpoint_resumes_under_ddp(tmp_path: Path, saved_by: str) -> None:
-    # Shards into a whole replica: every rank reads the whole state out of DCP (it was refused
-    # before the workers started, and by every worker before that).
-    sections: dict[str, dict[str, object]] = {
-        "train": {"steps": 4, "log_every": 1},
-        "checkpoint": {"every": 2},
-    }
-    ddp = {"name": "ddp"}
-    reference = run_ranks(
-        train_params, 2, tiny_raw(tmp_path / "ref", data=DATA, strategy=ddp, **sections)
-    )
-    saved = tiny_raw(tmp_path / "run", data=DATA, strategy={"name": saved_by}, **sections)
-    resumed = tiny_raw(tmp_path / "run", data=DATA, strategy=ddp, **sections)
-    result = run_ranks(crash_then_resume, 2, saved, 3, resumed)[0]
-    assert result["start_step"] == 2
-    # SGD's momentum buffers carried over (lost, the parameters differ by ~lr x momentum).
-    assert_params_close(reference[0], result["params"], rtol=1e-5, atol=1e-6)
+    resume_equals_unchanged(tmp_path, row)
 
 
 def test_a_sharded_checkpoint_resumes_under_diloco(tmp_path: Path) -> None:

@@ -1,0 +1,2 @@
+"""Metrics, in every worker: one stream of records to every sink (``metrics.jsonl``, the
+progress line, TensorBoard) and the run's summary, which :mod:`dtrain.report` reads back."""
