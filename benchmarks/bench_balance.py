@@ -56,11 +56,13 @@ from dtrain.config import Config
 from dtrain.fault.failpoints import failpoints
 from dtrain.task import Task, task_config
 from dtrain.tasks.gpt import GPTTaskConfig, build
-from dtrain.testing import run_ranks
 from dtrain.train.job import build_job_config, build_trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import command_line, machine, update_section
+from _report import ROOT, command_line, machine, update_section
+
+sys.path.insert(0, str(ROOT))  # tests/: the test aids of a source checkout
+from tests.ranks import run_ranks
 
 SECTION = "bench_balance"
 GPT = {"n_layer": 2, "d_model": 128, "n_head": 4, "seq_len": 128, "generate_tokens": 0}

@@ -46,10 +46,13 @@ from dtrain.comm.accounting import CommCounter
 from dtrain.comm.hooks import MeanHook, run_comm_hook
 from dtrain.comm.shm import SharedMemoryAllReduce
 from dtrain.models.gpt import GPT, GPTConfig
-from dtrain.testing import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import write_report_section
+from _report import ROOT, write_report_section
+
+sys.path.insert(0, str(ROOT))  # tests/: the test aids of a source checkout
+from tests.ranks import run_ranks
+
 from bench_allreduce import Run, alternate, ms, paired_differences, paired_ratios, slowest_rank
 
 SECTION = "bench_scaling_parts"

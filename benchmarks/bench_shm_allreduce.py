@@ -24,10 +24,13 @@ import torch
 import torch.distributed as dist
 
 from dtrain.comm.shm import SharedMemoryAllReduce
-from dtrain.testing import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import write_report_section
+from _report import ROOT, write_report_section
+
+sys.path.insert(0, str(ROOT))  # tests/: the test aids of a source checkout
+from tests.ranks import run_ranks
+
 from bench_allreduce import Run, alternate, describe, median_of, paired_ratios
 
 SECTION = "bench_shm_allreduce"

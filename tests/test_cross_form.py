@@ -11,9 +11,9 @@ import torch
 from dtrain.checkpoint import layout
 from dtrain.errors import CheckpointError
 from dtrain.parallel.cross_form import NAMES_KEY, optimizer_state_by_name
-from dtrain.testing import run_ranks
 from tests.conftest import tiny_raw
 from tests.dist_helpers import crash_then_resume, train_params
+from tests.ranks import run_ranks
 from tests.test_cli import run_cli, write_tiny_config
 from tests.test_ddp import assert_params_close
 

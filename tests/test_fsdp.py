@@ -11,9 +11,9 @@ import pytest
 from dtrain.cli import main
 from dtrain.errors import ConfigError
 from dtrain.parallel import strategy_class
-from dtrain.testing import run_ranks
 from tests.conftest import tiny_config, tiny_raw
 from tests.dist_helpers import load_full_state, save_and_full_state, train_params
+from tests.ranks import run_ranks
 from tests.test_ddp import assert_params_close
 
 

@@ -27,7 +27,6 @@ from dtrain.data.loader import RankLoader
 from dtrain.data.partition import OrderSpec, plan_step, plan_steps, step_shape
 from dtrain.errors import ConfigError
 from dtrain.parallel import strategy_class
-from dtrain.testing import run_ranks
 from tests.audit import check_stream, read_trajectory
 from tests.conftest import tiny_raw
 from tests.load_balance_helpers import (
@@ -38,6 +37,7 @@ from tests.load_balance_helpers import (
     train_with_timings,
     train_with_weights,
 )
+from tests.ranks import run_ranks
 from tests.test_ddp import assert_params_close
 
 # -- the controller -------------------------------------------------------------------------

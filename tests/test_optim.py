@@ -16,9 +16,10 @@ from torch import nn
 
 from dtrain.compute.optim import build_optimizer, fit_saved_groups
 from dtrain.config import OptimConfig
-from dtrain.testing import metrics_records, run_ranks
 from tests.conftest import tiny_config, tiny_raw
 from tests.dist_helpers import crash_then_resume, make_trainer, params_of, train_params
+from tests.processes import metrics_records
+from tests.ranks import run_ranks
 from tests.recipe_helpers import train_each
 from tests.test_ddp import assert_params_close
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.testing import run_ranks
 from tests.conftest import tiny_raw
 from tests.dist_helpers import crash_then_resume, train_params
+from tests.ranks import run_ranks
 from tests.test_ddp import assert_params_close
 
 # 2 micro-batches: 1F1B on 2 stages (the tiny GPT's 4 layers: embedding, 2 blocks, head).

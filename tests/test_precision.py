@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from dtrain.compute.precision import LossScaler
 from dtrain.errors import ConfigError
 from dtrain.models.gpt import GPT, GPTConfig, attend, project_out
-from dtrain.testing import run_ranks
 from tests.conftest import tiny_config, tiny_raw
 from tests.dist_helpers import crash_then_resume, train_params, train_with_nan
+from tests.ranks import run_ranks
 from tests.recipe_helpers import train_each
 from tests.test_ddp import assert_params_close
 

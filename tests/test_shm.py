@@ -25,9 +25,9 @@ from dtrain.config.load import build_config
 from dtrain.errors import ConfigError
 from dtrain.fault.peer_failure import is_collective_failure
 from dtrain.parallel import strategy_class
-from dtrain.testing import RankFailed, run_ranks
 from tests.conftest import tiny_raw
 from tests.dist_helpers import make_trainer, params_of
+from tests.ranks import RankFailed, run_ranks
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 # Small slots, so that the longer tensors below go through in several chunks.

@@ -23,7 +23,6 @@ from dtrain.config import OptimConfig
 from dtrain.config.load import build_config
 from dtrain.errors import CheckpointError, ConfigError, UserError
 from dtrain.metrics.summary import print_summary
-from dtrain.testing import run_ranks
 from dtrain.train.optim_choice import OptimizerKinds
 from tests.byo_tasks import (
     ClassifierOptions,
@@ -37,6 +36,7 @@ from tests.byo_tasks import (
     reference_loop,
 )
 from tests.dist_helpers import crash_then_resume, make_trainer, params_of
+from tests.ranks import run_ranks
 
 BATCH = 8
 
