@@ -41,6 +41,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str]) -> int:
     """``dtrain train`` once its options are checked and its environment is set."""
     from dtrain.checkpoint.rundir import check_resume_folder, check_run_dir, held_run_dir
+    from dtrain.comm.transport import check_transport_machines
     from dtrain.config import validate_ranks
     from dtrain.launch.elastic import launch_workers
     from dtrain.parallel import strategy_class
@@ -54,11 +55,7 @@ def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str
 
         check_available()
     strategy_class(cfg.strategy.name).validate_config(cfg, opts.min_world_size)
-    if cfg.comm.transport == "shm" and opts.max_nodes > 1:
-        raise UserError(
-            f"comm.transport = 'shm' needs every rank on one machine, but --nnodes {args.nnodes} "
-            "allows more; use comm.transport = 'auto' (shared memory where it can be used)"
-        )
+    check_transport_machines(cfg.comm, opts.max_nodes, args.nnodes)
     validate_ranks(cfg, opts.min_world_size)  # a rank the config names exists in every world
     if opts.max_world_size != opts.min_world_size:
         strategy_class(cfg.strategy.name).validate_config(cfg, opts.max_world_size)

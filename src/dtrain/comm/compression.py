@@ -27,8 +27,8 @@ import torch.distributed as dist
 from dtrain.comm.accounting import CommCounter
 from dtrain.comm.hooks import Bf16Hook, CommHook, Fp16Hook, MeanHook
 from dtrain.comm.powersgd import MIN_START_STEP, PowerSGDHook
-from dtrain.comm.shm import shared_all_reduce_for
 from dtrain.comm.topk import TopKHook
+from dtrain.comm.transport import build_transport, check_transport
 from dtrain.config import CommConfig, Config
 from dtrain.errors import ConfigError
 
@@ -47,10 +47,10 @@ def build_comm_hook(
 ) -> CommHook:
     """The hook ``comm.compression`` names, counting into ``counter``, over ``group``, its sums
     carried as ``comm.transport`` says; ``capacity``: the largest bucket in bytes, ``timeout``:
-    the collectives'. Every rank of ``group`` calls this at once (a shared segment is agreed on
-    with collectives)."""
+    the collectives'. Every rank of ``group`` calls this at once (a transport may agree on its
+    set-up with collectives)."""
     hook = HOOKS[comm.compression].from_config(comm, counter, group, device)
-    hook.shared = shared_all_reduce_for(comm, timeout, hook.sums_only, group, device, capacity)
+    hook.transport = build_transport(comm, timeout, hook.sums_only, group, device, capacity)
     return hook
 
 
@@ -58,17 +58,7 @@ def validate_compression(cfg: Config) -> None:
     """Checks of the ``[comm]`` compression keys beyond their own ranges (in the parent,
     before any worker starts)."""
     comm = cfg.comm
-    if comm.transport == "shm" and not HOOKS[comm.compression].sums_only:
-        raise ConfigError(
-            f"comm.transport = 'shm' does not work with comm.compression = "
-            f"{comm.compression!r}: a shared-memory segment carries summing all-reduces only "
-            "(compression none, fp16, bf16 or powersgd); use comm.transport = 'backend'"
-        )
-    if comm.transport == "shm" and cfg.dist.device == "cuda":
-        raise ConfigError(
-            "comm.transport = 'shm' does not work with dist.device = 'cuda': it sums tensors "
-            "in host memory; use comm.transport = 'backend' (NCCL has its own)"
-        )
+    check_transport(cfg, HOOKS[comm.compression].sums_only)
     if comm.compression == "powersgd" and comm.powersgd_start_step < MIN_START_STEP:
         raise ConfigError(
             f"comm.powersgd_start_step = {comm.powersgd_start_step} is too small for "

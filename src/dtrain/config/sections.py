@@ -269,12 +269,10 @@ class CommConfig:
         "gradient compression of ddp and allreduce: none, fp16, bf16, powersgd (low rank, "
         "error feedback) or topk (largest entries, error feedback)",
     )
-    transport: Literal["backend", "shm", "auto"] = _opt(
+    transport: str = _opt(
         "backend",
         "how ddp and allreduce sum gradients between ranks: 'backend' through dist.backend's "
-        "collectives; opt-in: 'shm' through a shared-memory segment (CPU, every rank on one "
-        "machine, x86-64; compression none, fp16, bf16 or powersgd), 'auto' shm where it can "
-        "be used, else backend (docs/communication.md)",
+        "collectives, or an opt-in transport (docs/communication.md)",
     )
     powersgd_rank: int = _opt(4, "powersgd: rank of the low-rank approximation", min=1)
     powersgd_start_step: int = _opt(

@@ -134,11 +134,11 @@ class Strategy(ABC):
                 "(gradient compression needs a strategy that all-reduces whole gradients "
                 "through comm hooks: ddp or allreduce)"
             )
-        if cfg.comm.transport == "shm" and not hooks:
+        if cfg.comm.transport != "backend" and not hooks:
             raise ConfigError(
-                f"comm.transport = 'shm' does not work with strategy.name = {cls.name!r}: it "
-                "carries the gradient all-reduce of ddp and allreduce only; use "
-                "comm.transport = 'backend'"
+                f"comm.transport = {cfg.comm.transport!r} does not work with strategy.name = "
+                f"{cls.name!r}: it carries the gradient all-reduce of ddp and allreduce only; "
+                "use comm.transport = 'backend'"
             )
         if hooks:
             validate_compression(cfg)
