@@ -1,11 +1,11 @@
-"""The trainer's one hook for load balancing: per-rank timing, straggler reports, the
-throughput controller and the slowdown aid. Its state (the controller: weights and smoothed
+"""The trainer's one hook for load balancing: per-rank timing, straggler reports and the
+throughput controller. Its state (the controller: weights and smoothed
 times) is a part of the training state (``balance`` in ``train_state.pt``).
 
 The trainer calls, on every rank, in every step::
 
     balancer.step_started()                     before the loader is asked for the batch
-    balancer.data_ready(step, batch, items)     the batch is on the device
+    balancer.data_ready(batch, items)           the batch is on the device
     balancer.backward_done(step)                after backward; on a window's last step:
                                                 start all-gathering every rank's timing
                                                 window (the steps before this one)
@@ -33,9 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
-from dtrain.balance.slowdown import Slowdown
 from dtrain.balance.throughput import (
     ControllerSettings,
     StragglerDetector,
@@ -51,7 +49,7 @@ from dtrain.balance.timing import (
     window_steps,
 )
 from dtrain.comm.accounting import CommCounter
-from dtrain.config import Config, validate_ranks
+from dtrain.config import Config
 from dtrain.data.loader import RankLoader, StepBatch
 from dtrain.dist.runtime import Runtime
 from dtrain.fault.failpoints import failpoint
@@ -69,11 +67,9 @@ class LoadBalancer:
         loader: RankLoader,
         comm: CommCounter,
         optimizer: torch.optim.Optimizer,
-        module: nn.Module,
         log: Callable[[str], None],
         item_name: str = "items",
     ) -> None:
-        validate_ranks(cfg, runtime.world_size)  # a worker started without the CLI's check
         opts = cfg.balance
         self.every = opts.every
         self.window_s = opts.window_s
@@ -100,24 +96,16 @@ class LoadBalancer:
                 opts.smoothing, opts.max_change, opts.hysteresis, opts.min_weight
             )
             self.controller = ThroughputController(loader.world_size, settings)
-        debug = cfg.debug
-        self.slowdown: Slowdown | None = None
-        if debug.slowdown_rank == runtime.rank and debug.slowdown_factor > 1:
-            self.slowdown = Slowdown(
-                module, debug.slowdown_factor, debug.slowdown_from_step, debug.slowdown_to_step
-            )
 
     # -- the step ------------------------------------------------------------------------
 
     def step_started(self) -> None:
         self.timer.start()
 
-    def data_ready(self, step: int, batch: StepBatch, items: int) -> None:
-        """Step ``step`` (1 = the first of the run) has its batch; ``items`` on this rank."""
+    def data_ready(self, batch: StepBatch, items: int) -> None:
+        """The step has its batch; ``items`` on this rank."""
         samples = sum(len(ids) for ids in batch.ids)
         self.timer.data_ready(items, samples, len(batch.micro))
-        if self.slowdown is not None:
-            self.slowdown.begin(step, items, len(batch.micro))
 
     def backward_done(self, step: int) -> None:
         """Step ``step``'s backward is done. Collective on a window's last step
@@ -140,9 +128,7 @@ class LoadBalancer:
         """After step ``step``'s update. On a window's last step, the window whose gather
         :meth:`backward_done` started: returns the metrics records to write (rank 0 writes
         them); the controller's new weights hold from the next step on."""
-        last = self.timer.finish()
-        if self.slowdown is not None:
-            self.slowdown.end(last["compute_s"], int(last["items"]))
+        self.timer.finish()
         if self._gathering is None:
             return []
         gathering, self._gathering = self._gathering, None

@@ -42,7 +42,6 @@ def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str
     """``dtrain train`` once its options are checked and its environment is set."""
     from dtrain.checkpoint.rundir import check_resume_folder, check_run_dir, held_run_dir
     from dtrain.comm.transport import check_transport_machines
-    from dtrain.config import validate_ranks
     from dtrain.launch.elastic import launch_workers
     from dtrain.parallel import strategy_class
     from dtrain.parallel.state_form import check_state_form
@@ -56,7 +55,6 @@ def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str
         check_available()
     strategy_class(cfg.strategy.name).validate_config(cfg, opts.min_world_size)
     check_transport_machines(cfg.comm, opts.max_nodes, args.nnodes)
-    validate_ranks(cfg, opts.min_world_size)  # a rank the config names exists in every world
     if opts.max_world_size != opts.min_world_size:
         strategy_class(cfg.strategy.name).validate_config(cfg, opts.max_world_size)
     check_init_from(cfg.run.init_from)

@@ -144,7 +144,7 @@ class CommHook:
     def mean_future(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
         """:meth:`sum_future` of ``tensor`` divided by the group size (before the sum, which
         keeps it in range, as torch's ``allreduce_hook`` does). Through an opt-in transport
-        the division is the transport's, in its own pass (shm: the copy into its segment)."""
+        the division is the transport's, in a pass of its own or in its copy of the tensor."""
         if self.transport is not None:
             return self._transport_sum(tensor, divisor=self.world_size)
         return self.sum_future(divide_(tensor, self.world_size))

@@ -17,7 +17,6 @@ from dtrain.config.checks import (
     parse_activation_checkpointing,
     validate_cross_fields,
     validate_for_world,
-    validate_ranks,
     validate_schedule,
     wsd_decay_steps,
 )
@@ -27,7 +26,6 @@ from dtrain.config.sections import (
     CommConfig,
     Config,
     DataConfig,
-    DebugConfig,
     DistConfig,
     EvalConfig,
     FaultConfig,
@@ -46,7 +44,6 @@ __all__ = [
     "CommConfig",
     "Config",
     "DataConfig",
-    "DebugConfig",
     "DistConfig",
     "EvalConfig",
     "FaultConfig",
@@ -59,7 +56,6 @@ __all__ = [
     "parse_activation_checkpointing",
     "validate_cross_fields",
     "validate_for_world",
-    "validate_ranks",
     "validate_schedule",
     "wsd_decay_steps",
 ]

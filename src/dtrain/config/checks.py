@@ -78,12 +78,6 @@ def validate_cross_fields(cfg: Config) -> None:
             "'inplace' only (restart mode restarts every worker after any failure); remove it "
             "or set fault.recovery = 'inplace'"
         )
-    debug = cfg.debug
-    if 0 <= debug.slowdown_to_step < debug.slowdown_from_step:
-        raise ConfigError(
-            f"debug.slowdown_to_step = {debug.slowdown_to_step} is before "
-            f"debug.slowdown_from_step = {debug.slowdown_from_step}: no step would be slowed"
-        )
 
 
 def validate_schedule(cfg: Config) -> None:
@@ -133,14 +127,4 @@ def validate_for_world(cfg: Config, data_parallel_size: int) -> None:
             f"data.global_batch_size = {cfg.data.global_batch_size} is smaller than "
             f"{data_parallel_size} data-parallel ranks x {cfg.data.micro_batches} micro-batches = "
             f"{per_step}: every rank needs at least one sample per micro-step"
-        )
-
-
-def validate_ranks(cfg: Config, world_size: int) -> None:
-    """Checks that name a rank: it must exist in a world of ``world_size`` ranks."""
-    rank = cfg.debug.slowdown_rank
-    if rank >= world_size:
-        raise ConfigError(
-            f"debug.slowdown_rank = {rank}: there is no rank {rank} in a job of {world_size} "
-            f"rank(s) (ranks are 0..{world_size - 1}); pick one of those, or -1 for none"
         )

@@ -376,19 +376,6 @@ class BalanceConfig:
 
 
 @dataclass
-class DebugConfig:
-    slowdown_rank: int = _opt(
-        -1,
-        "testing aid: the rank made slower (-1 = none); it sleeps (factor - 1) x its own "
-        "measured forward + backward time, so a smaller share makes it faster",
-        min=-1,
-    )
-    slowdown_factor: float = _opt(2.0, "testing aid: how many times slower that rank is", min=1)
-    slowdown_from_step: int = _opt(0, "testing aid: first step that is slowed", min=0)
-    slowdown_to_step: int = _opt(-1, "testing aid: last step that is slowed (-1 = the end)", min=-1)
-
-
-@dataclass
 class MetricsConfig:
     tensorboard: bool = _opt(
         False,
@@ -430,7 +417,6 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
-    debug: DebugConfig = field(default_factory=DebugConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     # The task's own options, validated against the task's config class when it declares one.
     task: Any = field(default_factory=dict)

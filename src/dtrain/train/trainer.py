@@ -8,7 +8,7 @@ What happens, and where each concern plugs in::
     loop:   for step in range(start, steps):
               balance.step_started()               # per-rank phase timing (balance/)
               batch = next(loader)                 # micro-batches of (inputs, targets)
-              balance.data_ready(step, batch)      # data wait ends; the slowdown aid arms
+              balance.data_ready(batch)            # data wait ends
               forward_backward(batch, items, stop flag)      (dtrain.train.step, every strategy)
                   for each micro-batch: loss_fn(model(x), y).sum().backward(scale)
                   strategy.sync_gradients()        # grads = d(global mean loss), synced;
@@ -107,7 +107,6 @@ class Trainer:
             self.loader,
             self.strategy.comm,
             self.optimizer,
-            self.strategy.unwrapped,
             self.log,
             task.item_name,
         )
@@ -290,7 +289,7 @@ class Trainer:
             parts = [split_to_device(self.task, m, self.runtime.device) for m in batch.micro]
             micro = [part for part, _ in parts]
             count = sum(items for _, items in parts)
-            self.balance.data_ready(self.step + 1, batch, count)
+            self.balance.data_ready(batch, count)
             planned = self._planned_items(batch, count)
             failpoint("train.before_collective", step=self.step + 1)
             logs = (self.step + 1) % cfg.train.log_every == 0 or self.step + 1 == cfg.train.steps
