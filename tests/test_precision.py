@@ -60,11 +60,6 @@ def test_a_loss_scale_that_is_not_a_power_of_two_is_a_config_error(tmp_path: Pat
         tiny_config(tmp_path, train={"loss_scale_init": 1000.0})
 
 
-def test_strategy_precision_names_its_new_key(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"strategy\.precision is now train\.precision"):
-        tiny_config(tmp_path, strategy={"precision": "bf16"})
-
-
 def test_each_precision_follows_fp32_within_its_format(tmp_path: Path) -> None:
     names = ["fp32", "bf16-mixed", "fp16-mixed"]
     out = run_ranks(train_each, 1, [run_config(tmp_path / n, n) for n in names])

@@ -17,7 +17,6 @@ from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint.hold import JOB_ID_ENV, launch_config_path, take_hold
 from dtrain.config import Config
-from dtrain.config.load import REMOVED, RENAMED
 from dtrain.errors import CheckpointError, UserError
 from dtrain.fsutil import require_output_folder, write_atomic
 
@@ -58,17 +57,8 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """The keys that differ and may not; a key the saved config lacks (a checkpoint made
-    before the key existed) counts as its default, which is what that run trained with. A key
-    since renamed is compared under its new name; one since removed changes nothing."""
+    """The keys that differ and may not (a key only one of them has differs)."""
     before, after = flatten(saved), flatten(current)
-    for old, (new, _note) in RENAMED.items():
-        if old in before:
-            before.setdefault(new, before.pop(old))
-    for gone in REMOVED:
-        before.pop(gone, None)
-    for key, default in flatten(Config().to_dict()).items():
-        before.setdefault(key, default)
     diffs = []
     for key in sorted(set(before) | set(after)):
         if key.startswith(SAFE_TO_CHANGE) or key in SAFE_TO_CHANGE:

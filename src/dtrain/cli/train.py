@@ -44,7 +44,6 @@ def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str
     from dtrain.comm.transport import check_transport_machines
     from dtrain.launch.elastic import launch_workers
     from dtrain.parallel import strategy_class
-    from dtrain.parallel.state_form import check_state_form
     from dtrain.train.job import default_run_dir, load_job_config
     from dtrain.weights.init_from import check_init_from
 
@@ -76,9 +75,7 @@ def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str
     # Writable, held for this job (another live job's hold is refused), and this launcher's
     # config where only its own workers read it.
     with held_run_dir(cfg, opts.run_id, opts.rdzv_endpoint) as config_path:
-        resume_from = check_run_dir(cfg, args.force)
-        if resume_from is not None:
-            check_state_form(strategy_class(cfg.strategy.name), resume_from)
+        check_run_dir(cfg, args.force)
         if cfg.fault.recovery == "inplace":
             from dtrain.launch.inplace import launch_in_place
 

@@ -54,7 +54,6 @@ from dtrain.comm.accounting import CommCounter
 from dtrain.comm.compression import validate_compression
 from dtrain.comm.hooks import CommHook
 from dtrain.compute.model_call import call_model
-from dtrain.compute.optim import fit_saved_groups
 from dtrain.config import CommConfig, Config, StrategyConfig, validate_for_world
 from dtrain.dist.runtime import Runtime
 from dtrain.errors import ConfigError
@@ -365,7 +364,7 @@ class Strategy(ABC):
     def load_optimizer_state_dict(
         self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
-        optimizer.load_state_dict(fit_saved_groups(state, optimizer))
+        optimizer.load_state_dict(state)
 
 
 def check_sync_batchnorm(cls: type[Strategy], cfg: Config) -> None:
