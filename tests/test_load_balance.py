@@ -431,12 +431,13 @@ def test_resume_restores_the_weights_and_continues_bit_identically(tmp_path: Pat
     assert_params_close(resumed["params"], straight["params"], rtol=0, atol=0)
 
 
-def test_a_checkpoint_without_the_balance_part_still_resumes(tmp_path: Path) -> None:
+def test_a_checkpoint_without_the_balance_part_is_refused(tmp_path: Path) -> None:
+    # Every checkpoint holds the part (no format from before it is read): one without it
+    # is refused in one line, not resumed with other weights.
     raw = tiny_raw(tmp_path, train={"steps": 4}, checkpoint={"every": 0})
     result = run_ranks(train_saving_without_balance_part, 1, raw)[0]
     assert "balance" not in result["saved_parts"]
-    assert (result["start_step"], result["steps"]) == (4, 8)
-    assert result["weights"] == [1.0]
+    assert "train_state.pt holds no balance state" in result["error"]
 
 
 def test_timing_records_and_a_dialed_straggler_are_in_the_metrics(tmp_path: Path) -> None:

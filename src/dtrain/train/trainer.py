@@ -138,9 +138,8 @@ class Trainer:
             parts=parts,
             runtime=runtime,
             config=cfg,
-            # balance: checkpoints from before load balancing; loss_scaler: from a run in
-            # another precision (the scale starts afresh); kinds: from before they were kept.
-            optional=frozenset({"balance", "loss_scaler", "kinds"}),
+            # loss_scaler: from a run in another precision (the scale starts afresh).
+            optional=frozenset({"loss_scaler"}),
         )
         self.watchdog = Watchdog(
             runtime.rank,
