@@ -5,8 +5,9 @@ A task takes the options of :class:`SlowdownOptions` in its ``[task]`` section
 (``tests.tasks:tiny_gpt`` does) and calls :func:`slow_down` on its model. After every training
 forward of a micro-batch (before its backward, so the gradient sync waits for it) the slowed rank
 sleeps ``(F - 1)`` x its own estimate of that micro-batch's compute time: the smoothed compute
-time per sample of its recent steps -- from a step's first forward to its last gradient
-accumulated, the sleeps left out -- times the micro-batch's samples. So the slowdown is in
+time per sample of its recent steps -- from a step's first forward to its optimizer step
+(forward, loss, backward, the gradient sync: what the slowed rank does before it updates), the
+sleeps left out -- times the micro-batch's samples. So the slowdown is in
 proportion to the rank's work: give it a smaller share and it gets faster, which is what lets the
 throughput controller converge (and what a benchmark of it needs).
 
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from dtrain.errors import ConfigError
 from dtrain.fault.failpoints import set_handler
@@ -83,15 +85,14 @@ class Slowdown:
         self.step = 0  # the step being trained; 0 before the first
         self.per_sample: float | None = None  # estimated compute seconds per sample, no sleeps
         self._started: float | None = None  # this step's first training forward
-        self._last_grad = 0.0  # when the latest gradient was accumulated
+        self._compute_end: float | None = None  # when this step's optimizer step began
         self._slept = 0.0  # seconds slept in this step
         self._samples = 0  # samples of this step's forwards
         self._steps_seen = 0
         module.register_forward_pre_hook(self._before_forward)
         module.register_forward_hook(self._after_forward)
-        for param in module.parameters():
-            if param.requires_grad:
-                param.register_post_accumulate_grad_hook(self._grad_accumulated)
+        # Every optimizer's, in this process: the task's model has one (the rank's).
+        register_optimizer_step_pre_hook(self._optimizer_step)
 
     def active(self, step: int) -> bool:
         return self.from_step <= step and (self.to_step < 0 or step <= self.to_step)
@@ -108,7 +109,9 @@ class Slowdown:
         self._steps_seen += 1
         if self._steps_seen == 1 or self._samples == 0:
             return  # the process's first step holds set-up: not a measure of its speed
-        raw = max(0.0, self._last_grad - started - self._slept) / self._samples
+        if self._compute_end is None or self._compute_end < started:
+            return  # no update this step (a skipped step): nothing measured
+        raw = max(0.0, self._compute_end - started - self._slept) / self._samples
         if self.per_sample is None:
             self.per_sample = raw
         else:
@@ -133,5 +136,6 @@ class Slowdown:
             time.sleep((self.factor - 1.0) * self.per_sample * samples)
             self._slept += time.perf_counter() - started
 
-    def _grad_accumulated(self, param: torch.Tensor) -> None:
-        self._last_grad = time.perf_counter()
+    def _optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._started is not None:
+            self._compute_end = time.perf_counter()
