@@ -5,11 +5,12 @@ A task takes the options of :class:`SlowdownOptions` in its ``[task]`` section
 (``tests.tasks:tiny_gpt`` does) and calls :func:`slow_down` on its model. After every training
 forward of a micro-batch (before its backward, so the gradient sync waits for it) the slowed rank
 sleeps ``(F - 1)`` x its own estimate of that micro-batch's compute time: the smoothed compute
-time per sample of its recent steps -- from a step's first forward to its optimizer step
-(forward, loss, backward, the gradient sync: what the slowed rank does before it updates), the
-sleeps left out -- times the micro-batch's samples. So the slowdown is in
-proportion to the rank's work: give it a smaller share and it gets faster, which is what lets the
-throughput controller converge (and what a benchmark of it needs).
+time per sample of its recent steps, times the micro-batch's samples. A step's compute is the
+rank's own work, as the product's step timer counts it: from the step's start (the
+``train.step`` fail point) to its last gradient accumulated, plus its optimizer step; not the
+wait for its peers in the gradient sync, nor the sleeps. So the slowdown is in proportion to the
+rank's work: give it a smaller share and it gets faster, which is what lets the throughput
+controller converge (and what a benchmark of it needs).
 
 Steps are numbered by the trainer's ``train.step`` fail point (1 = the first of the run). The
 first step of a process is never slowed, nor counted in the estimate (it holds one-off set-up);
@@ -25,7 +26,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from dtrain.errors import ConfigError
 from dtrain.fault.failpoints import set_handler
@@ -84,15 +88,20 @@ class Slowdown:
         self.to_step = to_step
         self.step = 0  # the step being trained; 0 before the first
         self.per_sample: float | None = None  # estimated compute seconds per sample, no sleeps
-        self._started: float | None = None  # this step's first training forward
-        self._compute_end: float | None = None  # when this step's optimizer step began
+        self._started: float | None = None  # when this step started
+        self._compute_end: float | None = None  # when this step's latest gradient was ready
+        self._optimizer_s = 0.0  # this step's optimizer step
+        self._optimizer_started = 0.0
         self._slept = 0.0  # seconds slept in this step
         self._samples = 0  # samples of this step's forwards
         self._steps_seen = 0
-        module.register_forward_pre_hook(self._before_forward)
         module.register_forward_hook(self._after_forward)
+        for param in module.parameters():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(self._gradient_ready)
         # Every optimizer's, in this process: the task's model has one (the rank's).
-        register_optimizer_step_pre_hook(self._optimizer_step)
+        register_optimizer_step_pre_hook(self._optimizer_starts)
+        register_optimizer_step_post_hook(self._optimizer_ended)
 
     def active(self, step: int) -> bool:
         return self.from_step <= step and (self.to_step < 0 or step <= self.to_step)
@@ -101,17 +110,23 @@ class Slowdown:
         """Step ``step`` is about to run forward and backward: the one before it is done."""
         self._finish_step()
         self.step = step
+        self._started = time.perf_counter()
+        self._compute_end = None
+        self._optimizer_s = 0.0
+        self._slept = 0.0
+        self._samples = 0
 
     def _finish_step(self) -> None:
         if self._started is None:
-            return  # no training forward since the last step (or none yet)
+            return  # no step yet
         started, self._started = self._started, None
         self._steps_seen += 1
         if self._steps_seen == 1 or self._samples == 0:
             return  # the process's first step holds set-up: not a measure of its speed
-        if self._compute_end is None or self._compute_end < started:
-            return  # no update this step (a skipped step): nothing measured
-        raw = max(0.0, self._compute_end - started - self._slept) / self._samples
+        if self._compute_end is None:
+            return  # no gradient this step: nothing measured
+        busy = self._compute_end - started - self._slept + self._optimizer_s
+        raw = max(0.0, busy) / self._samples
         if self.per_sample is None:
             self.per_sample = raw
         else:
@@ -119,12 +134,6 @@ class Slowdown:
 
     def _training(self, module: nn.Module) -> bool:
         return self.step > 0 and module.training and torch.is_grad_enabled()
-
-    def _before_forward(self, module: nn.Module, inputs: Any) -> None:
-        if self._training(module) and self._started is None:
-            self._started = time.perf_counter()
-            self._slept = 0.0
-            self._samples = 0
 
     def _after_forward(self, module: nn.Module, inputs: Any, output: Any) -> None:
         if not self._training(module):
@@ -136,6 +145,12 @@ class Slowdown:
             time.sleep((self.factor - 1.0) * self.per_sample * samples)
             self._slept += time.perf_counter() - started
 
-    def _optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _optimizer_starts(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._optimizer_started = time.perf_counter()
+
+    def _optimizer_ended(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._optimizer_s += time.perf_counter() - self._optimizer_started
+
+    def _gradient_ready(self, param: torch.Tensor) -> None:
         if self._started is not None:
             self._compute_end = time.perf_counter()
