@@ -40,11 +40,13 @@ from dtrain.parallel import build_strategy
 from dtrain.parallel.allreduce import AllReduceStrategy
 from dtrain.parallel.base import Strategy
 from dtrain.task import Task
-from dtrain.testing import run_ranks
 from dtrain.train.step import run_micro_batches
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import write_report_section
+from _report import ROOT, write_report_section
+
+sys.path.insert(0, str(ROOT))  # tests/: the test aids of a source checkout
+from tests.ranks import run_ranks
 
 SECTION = "bench_allreduce"
 

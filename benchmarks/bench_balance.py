@@ -5,8 +5,9 @@ controller costs when nothing is slow.
 Every run is the real trainer (``dtrain.train.job.build_trainer``) on N ranks (gloo on loopback, one
 thread each) training a small byte-level GPT on the stdlib corpus (2 layers, d_model 128,
 sequences of 128 bytes, global batch 32) without evaluation. Rank 1 is slowed 2x with the
-testing aid ``debug.slowdown_*`` (it sleeps after each forward for as long as its own compute
-took, so a smaller share makes it faster, as a slower device would be).
+tests' slowdown aid (``tests/slowdown.py``, the task's ``slowdown_*`` options: it sleeps after
+each forward for as long as its own compute took, so a smaller share makes it faster, as a
+slower device would be).
 
 *Ideal throughput* is the sum of every rank's own sample rate, measured in the same run from
 the per-rank timing records (``kind: "ranks"`` in metrics.jsonl): rank r's rate is its samples
@@ -44,6 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,11 +59,14 @@ from dtrain.config import Config
 from dtrain.fault.failpoints import failpoints
 from dtrain.task import Task, task_config
 from dtrain.tasks.gpt import GPTTaskConfig, build
-from dtrain.testing import run_ranks
 from dtrain.train.job import build_job_config, build_trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import command_line, machine, update_section
+from _report import ROOT, command_line, machine, update_section
+
+sys.path.insert(0, str(ROOT))  # tests/: the test aids of a source checkout
+from tests.ranks import run_ranks
+from tests.slowdown import SlowdownOptions, slow_down
 
 SECTION = "bench_balance"
 GPT = {"n_layer": 2, "d_model": 128, "n_head": 4, "seq_len": 128, "generate_tokens": 0}
@@ -89,11 +94,20 @@ there), so the median is the figure to read."""
 TARGET_OVERHEAD = 0.99
 
 
-@task_config(GPTTaskConfig)
+@dataclass
+class SlowedGPTOptions(GPTTaskConfig, SlowdownOptions):
+    def __post_init__(self) -> None:
+        GPTTaskConfig.__post_init__(self)
+        SlowdownOptions.__post_init__(self)
+
+
+@task_config(SlowedGPTOptions)
 def gpt_without_eval(cfg: Config) -> Task:
-    """The default task without a validation set, so that a run ends when training does."""
+    """The default task without a validation set, so that a run ends when training does;
+    one rank slowed as its ``slowdown_*`` options say."""
     task = build(cfg)
     task.val_data = None
+    slow_down(task.model, cfg.task)
     return task
 
 
@@ -107,16 +121,13 @@ def job(run_dir: Path, steps: int, mode: str, slowdown: tuple[int, int] | None) 
         # Windows of exactly EVERY steps (window_s = 0), whatever the step time: the segments
         # below are counted in windows.
         "balance": {"mode": mode, "every": EVERY, "window_s": 0},
-        "task": GPT,
+        "task": dict(GPT),
     }
     if slowdown is not None:
         start, end = slowdown
-        raw["debug"] = {
-            "slowdown_rank": 1,
-            "slowdown_factor": 2.0,
-            "slowdown_from_step": start,
-            "slowdown_to_step": end,
-        }
+        raw["task"].update(
+            slowdown_rank=1, slowdown_factor=2.0, slowdown_from_step=start, slowdown_to_step=end
+        )
     return raw
 
 

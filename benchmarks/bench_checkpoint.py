@@ -36,7 +36,10 @@ from statistics import median
 from typing import Any
 
 from _report import ROOT, machine_line, update_section
-from dtrain.testing import Launch, run_ranks
+
+sys.path.insert(0, str(ROOT))  # tests/: the test aids of a source checkout
+from tests.processes import Launch
+from tests.ranks import run_ranks
 
 
 def spread(values: list[float]) -> str:

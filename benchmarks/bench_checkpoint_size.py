@@ -43,8 +43,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from _report import write_report_section
-from dtrain.testing import run_ranks
+from _report import ROOT, write_report_section
+
+sys.path.insert(0, str(ROOT))  # tests/: the test aids of a source checkout
+from tests.ranks import run_ranks
 
 CHUNK = 64 * 2**20
 TENSOR_FLOATS = 16 * 2**20  # 64 MB tensors, as a large model's layers are

@@ -45,8 +45,7 @@ from _report import ROOT, command_line, machine, update_section
 
 sys.path.insert(0, str(ROOT))  # tests/hosts.py: the namespace hosts of a source checkout
 from tests.hosts import Hosts, hosts_unavailable
-
-from dtrain.testing import Launch
+from tests.processes import Launch
 
 SECTION = "bench_comm"
 POWERSGD_START = 10  # comm.powersgd_start_step: steps of plain all-reduce first

@@ -31,10 +31,13 @@ from torch.nn.parallel import DistributedDataParallel
 from dtrain.comm.accounting import CommCounter
 from dtrain.comm.hooks import MeanHook, run_comm_hook
 from dtrain.models.gpt import GPT, GPTConfig
-from dtrain.testing import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import write_report_section
+from _report import ROOT, write_report_section
+
+sys.path.insert(0, str(ROOT))  # tests/: the test aids of a source checkout
+from tests.ranks import run_ranks
+
 from bench_allreduce import (
     Run,
     alternate,

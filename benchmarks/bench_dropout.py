@@ -30,8 +30,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import write_report_section
-from dtrain.testing import run_ranks
+from _report import ROOT, write_report_section
+
+sys.path.insert(0, str(ROOT))  # tests/: the test aids of a source checkout
+from tests.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -127,9 +127,9 @@ def config(
 
 def measure(name: str, root: Path) -> dict[str, float]:
     from tests.estimate_helpers import peak_after_warm_up, peak_after_warm_up_default_malloc
+    from tests.ranks import run_ranks
 
     from dtrain.estimate import estimate_memory
-    from dtrain.testing import run_ranks
     from dtrain.train.job import build_job_config
 
     ranks, size, strategy, extra, fixed = CONFIGS[name]

@@ -38,10 +38,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dtrain.testing import RankFailed, run_ranks
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import command_line, machine_line, update_section
+from _report import ROOT, command_line, machine_line, update_section
+
+sys.path.insert(0, str(ROOT))  # tests/: the test aids of a source checkout
+from tests.ranks import RankFailed, run_ranks
 
 CGROUP = Path("/sys/fs/cgroup/memory")
 MIB = 2**20

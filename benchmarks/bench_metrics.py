@@ -49,11 +49,13 @@ from typing import Any
 
 from dtrain.config.load import build_config
 from dtrain.fault.failpoints import failpoints
-from dtrain.testing import run_ranks
 from dtrain.train.job import build_job_config, build_trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import write_report_section
+from _report import ROOT, write_report_section
+
+sys.path.insert(0, str(ROOT))  # tests/: the test aids of a source checkout
+from tests.ranks import run_ranks
 
 SECTION = "bench_metrics"
 NEVER = 10**9

@@ -54,7 +54,9 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import write_report_section
+from _report import ROOT, write_report_section
+
+sys.path.insert(0, str(ROOT))  # tests/: the test aids of a source checkout
 
 SECTION = "bench_pipeline"
 MICRO_BATCHES = (4, 8, 16)
@@ -422,7 +424,7 @@ def run(
     forward_ms: float = 0.0,
     backward_ms: float = 0.0,
 ) -> Steps:
-    from dtrain.testing import run_ranks
+    from tests.ranks import run_ranks
 
     opts = {
         "compute": compute,

@@ -30,7 +30,8 @@ from peers import process_cpu_s
 
 sys.path.insert(0, str(ROOT))
 
-from dtrain.testing import Launch, metrics_records, rank_of, started_at, worker_pids
+from tests.processes import Launch, metrics_records, rank_of, started_at, worker_pids
+
 from dtrain.train.job import build_job_config
 
 

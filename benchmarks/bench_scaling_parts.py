@@ -17,7 +17,7 @@ timed side by side, one step each per round, in alternating order:
   (``dtrain.comm.hooks.MeanHook``) and gloo, as ``dtrain train`` runs it with
   ``comm.transport = "backend"``;
 - ``+ all-reduce, hook, shared memory``: the same hook summing through a shared-memory segment
-  (``dtrain.comm.shm``), as ``dtrain train`` runs it by default on one machine.
+  (``dtrain.ext.shm``), as ``dtrain train`` runs it by default on one machine.
 
 Every variant is forward + backward + AdamW step; a round starts each variant on both ranks at
 once (a barrier, untimed) and takes the slower rank's time; efficiency = the 1-worker step /
@@ -44,12 +44,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dtrain.comm.accounting import CommCounter
 from dtrain.comm.hooks import MeanHook, run_comm_hook
-from dtrain.comm.shm import SharedMemoryAllReduce
+from dtrain.ext.shm import SharedMemoryAllReduce
 from dtrain.models.gpt import GPT, GPTConfig
-from dtrain.testing import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import write_report_section
+from _report import ROOT, write_report_section
+
+sys.path.insert(0, str(ROOT))  # tests/: the test aids of a source checkout
+from tests.ranks import run_ranks
+
 from bench_allreduce import Run, alternate, ms, paired_differences, paired_ratios, slowest_rank
 
 SECTION = "bench_scaling_parts"
@@ -110,7 +113,7 @@ def step_times(opts: dict[str, Any]) -> dict[str, list[float]]:
                 hook = MeanHook(CommCounter(), None, torch.device("cpu"))
                 if label == SHARED:
                     gradient_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-                    hook.shared = SharedMemoryAllReduce(None, gradient_bytes, timeout_s=300.0)
+                    hook.transport = SharedMemoryAllReduce(None, gradient_bytes, timeout_s=300.0)
                 model.register_comm_hook(hook, run_comm_hook)
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3, foreach=True)
 

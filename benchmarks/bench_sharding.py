@@ -32,7 +32,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import write_report_section
+from _report import ROOT, write_report_section
+
+sys.path.insert(0, str(ROOT))  # tests/: the test aids of a source checkout
 
 SECTION = "bench_sharding"
 STRATEGIES = ("ddp", "fsdp", "pipeline", "tensor")
@@ -106,7 +108,7 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args()
-    from dtrain.testing import run_ranks
+    from tests.ranks import run_ranks
 
     model_opts = {"vocab_size": 256, "seq_len": 128, "n_layer": 3, "n_head": 4, "d_model": 192}
     started = time.time()

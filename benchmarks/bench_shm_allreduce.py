@@ -1,5 +1,5 @@
 """The gradient all-reduce between the ranks of one machine: gloo on loopback against dtrain's
-shared-memory segment (``comm.transport``; ``dtrain.comm.shm``).
+shared-memory segment (``comm.transport``; ``dtrain.ext.shm``).
 
 One summing all-reduce of an fp32 tensor, timed alone: both ranks pass a barrier, then each
 times its call, and a call's time in a round is that of the slower rank. The two transports
@@ -23,11 +23,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtrain.comm.shm import SharedMemoryAllReduce
-from dtrain.testing import run_ranks
+from dtrain.ext.shm import SharedMemoryAllReduce
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import write_report_section
+from _report import ROOT, write_report_section
+
+sys.path.insert(0, str(ROOT))  # tests/: the test aids of a source checkout
+from tests.ranks import run_ranks
+
 from bench_allreduce import Run, alternate, describe, median_of, paired_ratios
 
 SECTION = "bench_shm_allreduce"

@@ -34,10 +34,12 @@ from dtrain.models.gpt import GPT, GPTConfig
 from dtrain.parallel.pipeline.profile import balance_layers
 from dtrain.parallel.pipeline.refine import time_plans
 from dtrain.parallel.pipeline.stages import StagePlan, plan_from_bounds, uniform_bounds
-from dtrain.testing.chains import unequal_mlp_chain
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import write_report_section
+from _report import ROOT, write_report_section
+
+sys.path.insert(0, str(ROOT))  # tests/: the test aids of a source checkout
+from tests.chains import unequal_mlp_chain
 
 SECTION = "bench_stage_balance"
 VARIANTS = ("equal layers", "profiled", "refined")

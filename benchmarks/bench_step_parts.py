@@ -39,9 +39,12 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dtrain
 import peer_task
-from _report import write_report_section
+from _report import ROOT, write_report_section
+
+sys.path.insert(0, str(ROOT))  # tests/: the test aids of a source checkout
+from tests.ranks import run_ranks
+
 from dtrain.config.load import build_config
-from dtrain.testing import run_ranks
 
 SECTION = "bench_step_parts"
 SAMPLES = 8192

@@ -45,8 +45,7 @@ from _report import ROOT, machine_line, write_report_section
 
 sys.path.insert(0, str(ROOT))  # tests/hosts.py: the namespace hosts of a source checkout
 from tests.hosts import Hosts, leftovers
-
-from dtrain.testing import Launch, rank_of
+from tests.processes import Launch, rank_of
 
 HERE = Path(__file__).resolve().parent
 PER_RANK_BATCH = 2

@@ -261,7 +261,7 @@ def choose_backend(device: str, ranks: int, asked: str) -> str:
 
 
 def run(rows: list[Row], device: str, asked_backend: str, steps: int, root: Path) -> list[Outcome]:
-    from dtrain.testing import RankFailed, run_ranks
+    from tests.ranks import RankFailed, run_ranks
 
     references: dict[tuple[str, bool, int, bool], dict[str, Any]] = {}
     keys = sorted({row.reference_key for row in rows})

@@ -77,7 +77,7 @@ DTRAIN = {
     "ddp": ["ddp"],
     "allreduce": ["allreduce"],
     "ddp-declared": ["ddp", "--task.declare_items=true"],  # Task.items_per_sample given
-    # Gradients summed through a shared-memory segment (dtrain.comm.shm, opt-in).
+    # Gradients summed through a shared-memory segment (dtrain.ext.shm, opt-in).
     "ddp-shm": ["ddp", "--comm.transport=auto"],
     "ddp-pinned": ["ddp", "--dist.pin_cores=true"],  # weak scaling: what binding gives
 }

@@ -97,6 +97,7 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     job's parameters after its 20 steps of batch 8 in one process (its name to a NumPy
     array). Read it, never change it: several tests share it."""
     from dtrain.testing import run_ranks
+
     from tests.dist_helpers import train_params
 
     params: dict[str, Any] = run_ranks(train_params, 1, tiny_raw(tmp_path_factory.mktemp("one")))[0]

@@ -1,5 +1,5 @@
 """Small datasets for the data-layer tests, and functions the ranks of
-:func:`dtrain.testing.run_ranks` import as ``tests.data_helpers:<name>``."""
+:func:`tests.ranks.run_ranks` import as ``tests.data_helpers:<name>``."""
 
 from __future__ import annotations
 

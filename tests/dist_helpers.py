@@ -1,4 +1,4 @@
-"""Functions that run inside the ranks started by :func:`dtrain.testing.run_ranks`."""
+"""Functions that run inside the ranks started by :func:`tests.ranks.run_ranks`."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ state after every operation: each unit's gathered parameters, their unsharded gr
 flat all-gather buffers (a prefetched unit's, and in forward the last unit's, kept for the
 next copy-out) and the reduce-scatter inputs it keeps until the next unit's reduce-scatter;
 and what each unit prefetches in backward (``strategy.backward_prefetch``). The rank
-functions here run inside :func:`dtrain.testing.run_ranks`.
+functions here run inside :func:`tests.ranks.run_ranks`.
 
 This reads torch's private FSDP2 state (``torch.distributed.fsdp._fully_shard``, torch 2.13):
 it is a measuring aid for the memory estimate's tests, not product code. Where torch renames

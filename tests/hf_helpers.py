@@ -138,7 +138,7 @@ def hf_run_configs(root: Path) -> dict[str, dict[str, Any]]:
 def train_hf_runs(root: Path) -> dict[str, dict[str, Any]]:
     """:func:`hf_run_configs`, trained on 2 ranks in one launch (each rank imports
     transformers once); rank 0's results by name."""
-    from dtrain.testing import run_ranks
+    from tests.ranks import run_ranks
 
     raws = hf_run_configs(root)
     ranks = run_ranks(train_each, 2, list(raws.values()), timeout=280)

@@ -29,7 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from dtrain.testing import Launch
+from tests.processes import Launch
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -8,9 +8,9 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from dtrain.testing import run_ranks
 from tests.conftest import tiny_raw
 from tests.dist_helpers import train_params
+from tests.ranks import run_ranks
 
 OBSERVED = {
     "train": {"steps": 12, "log_every": 2},

@@ -18,6 +18,7 @@ from dtrain.config import Config
 from dtrain.data.text import collate_padded, collate_windows
 from dtrain.models.gpt import GPT, GPTConfig
 from dtrain.task import IGNORE_INDEX, Task, task_config
+from tests.slowdown import SlowdownOptions, slow_down
 
 
 class RandomTokens(Dataset[np.ndarray]):
@@ -69,7 +70,7 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class TinyOptions:
+class TinyOptions(SlowdownOptions):  # slowdown_*: one rank made slower (tests/slowdown.py)
     samples: int = 256
     seq_len: int = 16
     n_layer: int = 2
@@ -120,6 +121,7 @@ def tiny_gpt(cfg: Config) -> Task:
         collate = collate_windows
     if opts.slow_ms or opts.slow_eval_ms:
         model = _Slow(model, opts.slow_ms, opts.slow_eval_ms)
+    slow_down(model, opts)
     return Task(
         model=model,
         train_data=train,

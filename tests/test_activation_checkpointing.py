@@ -15,9 +15,9 @@ from dtrain.errors import ConfigError, UserError
 from dtrain.models.gpt import GPT, GPTConfig
 from dtrain.parallel.recipe import Recipe, is_checkpointed, model_blocks
 from dtrain.task import Task
-from dtrain.testing import run_ranks
 from tests.conftest import tiny_raw
 from tests.matrix import ACTIVATION_CHECKPOINTING, STRATEGIES
+from tests.ranks import run_ranks
 from tests.recipe_helpers import train_each
 
 

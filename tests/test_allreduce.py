@@ -21,9 +21,9 @@ from dtrain.config import Config
 from dtrain.parallel.allreduce import AllReduceStrategy
 from dtrain.parallel.grad_sync import assign_buckets
 from dtrain.task import Task, task_config
-from dtrain.testing import run_ranks
 from tests.conftest import tiny_raw
 from tests.dist_helpers import make_trainer, synced_backward
+from tests.ranks import run_ranks
 from tests.tasks import TinyOptions, tiny_gpt
 
 ATOL = 1e-6  # the bound: parameters equal within 1e-6

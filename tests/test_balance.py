@@ -24,7 +24,7 @@ from dtrain.parallel.pipeline.stages import (
     plan_from_bounds,
     uniform_bounds,
 )
-from dtrain.testing.chains import unequal_mlp_chain
+from tests.chains import unequal_mlp_chain
 
 # -- exactness against brute force -----------------------------------------------------------
 

@@ -33,10 +33,10 @@ from dtrain.checkpoint.stream import PieceHasher, file_entry
 from dtrain.cli import main
 from dtrain.errors import CheckpointError, UserError
 from dtrain.models.gpt import GPT, GPTConfig
-from dtrain.testing import run_ranks
 from dtrain.weights.init_from import init_model, read_weights
 from tests.conftest import tiny_raw
 from tests.hf_helpers import train_each
+from tests.ranks import run_ranks
 
 STEP = layout.step_dir_name(2)
 # How torch.load(weights_only=True) names builtins.exec when it refuses it.

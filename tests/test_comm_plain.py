@@ -11,8 +11,8 @@ from typing import Any
 import torch.distributed as dist
 
 from dtrain.comm.plain import all_gather_json, broadcast_json, gather_json
-from dtrain.testing import run_ranks
 from tests.conftest import REPO
+from tests.ranks import run_ranks
 
 # Rank 0's value is short, rank 1's long and not ASCII, so padding and decoding both matter.
 VALUES: list[Any] = [

@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from dtrain.testing import run_ranks
 from tests.conftest import tiny_raw
 from tests.dist_helpers import crash_then_resume, make_trainer, params_of
+from tests.ranks import run_ranks
 
 
 def compiled_and_eager(raws: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -33,10 +33,10 @@ from dtrain.data.loader import to_device
 from dtrain.errors import ConfigError
 from dtrain.parallel import strategy_class, strategy_names
 from dtrain.parallel.base import CommHookControl
-from dtrain.testing import run_ranks
 from tests.conftest import tiny_raw
 from tests.dist_helpers import make_trainer, synced_backward
 from tests.matrix import COMPRESSING, NOT_COMPRESSING
+from tests.ranks import run_ranks
 
 STRATEGY_NAMES = COMPRESSING
 FRACTION = 0.05  # topk_fraction of the runs below

@@ -37,7 +37,6 @@ def test_integer_accepted_where_a_float_is_expected() -> None:
     [
         ({"train": {"stepz": 3}}, "unknown config key train.stepz (did you mean train.steps?)"),
         ({"trian": {"steps": 3}}, "unknown config section [trian] (did you mean train?)"),
-        ({"data": {"balance": "tokens"}}, "config key data.balance is now data.split ("),
         (
             {"train": {"steps": "many"}},
             "train.steps = 'many' has the wrong type: expected an integer",

@@ -40,6 +40,12 @@ WORKER_SIDE_CHECKS = {
     "dtrain/tasks/gpt.py",  # the task's own [task] section (its dataclass, in the parent)
     "dtrain/train/config_agreement.py",  # ranks started with different configs
 }
+# An opt-in extension's own options (dtrain.ext), checked in the parent right after the config
+# package's rules (comm.transport.check_transport_job): the core does not know them by name.
+EXTENSION_CHECKS = {
+    "dtrain/comm/transport.py",  # a comm.transport no extension answers to
+    "dtrain/ext/shm.py",  # what a shared-memory segment cannot carry
+}
 
 
 def raised_names(path: Path) -> set[str]:
@@ -62,7 +68,7 @@ def test_config_errors_are_raised_in_the_config_package_and_where_only_a_worker_
     }
     inside = {name for name in raising if name.startswith("dtrain/config/")}
     assert {"dtrain/config/checks.py", "dtrain/config/job.py"} <= inside  # it read the tree
-    assert raising - inside == WORKER_SIDE_CHECKS
+    assert raising - inside == WORKER_SIDE_CHECKS | EXTENSION_CHECKS
 
 
 def test_the_entry_points_and_the_launcher_leave_the_rules_to_the_config_package() -> None:

@@ -12,10 +12,10 @@ from dtrain.checkpoint import layout
 from dtrain.checkpoint.cross_form import optimizer_state_by_name
 from dtrain.checkpoint.forms import NAMES_KEY
 from dtrain.errors import CheckpointError
-from dtrain.testing import run_ranks
 from tests.conftest import tiny_raw
 from tests.dist_helpers import crash_then_resume, train_params
 from tests.matrix import OPTIMIZERS, STRATEGIES, WHOLE_FILES_TO_SHARDS, Resume, cases
+from tests.ranks import run_ranks
 from tests.test_cli import run_cli, write_tiny_config
 from tests.test_ddp import assert_params_close
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.testing import run_ranks
 from tests.audit import check_stream, read_trajectory
 from tests.conftest import tiny_raw
 from tests.dist_helpers import train_params
+from tests.ranks import run_ranks
 
 SAMPLES = 40  # 5 steps per epoch at a global batch of 8: the run crosses epochs
 

@@ -23,10 +23,10 @@ from dtrain.estimate.probe import fake_batch, fake_model, profile_pass
 from dtrain.estimate.report import parse_bytes
 from dtrain.models.gpt import GPT, GPTConfig
 from dtrain.parallel.recipe import Recipe
-from dtrain.testing import run_ranks
 from dtrain.train.job import build_job_config
 from tests.conftest import tiny_config, tiny_raw
 from tests.estimate_helpers import peak_after_warm_up, peaks_after_warm_ups
+from tests.ranks import run_ranks
 from tests.tasks import lm_loss
 from tests.test_cli import run_cli
 from tests.test_fault import assert_bit_equal

@@ -23,7 +23,6 @@ from examples import hf_gpt2
 import dtrain
 from dtrain.cli import main
 from dtrain.errors import UserError
-from dtrain.testing import run_ranks
 from dtrain.weights.init_from import read_weights
 from tests.conftest import tiny_raw
 from tests.hf_helpers import (
@@ -34,6 +33,7 @@ from tests.hf_helpers import (
     logged_val_loss,
     train_each,
 )
+from tests.ranks import run_ranks
 
 OPTS = hf_gpt2.GPT2Options(**GPT2_TASK)  # type: ignore[arg-type]
 

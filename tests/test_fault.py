@@ -10,7 +10,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dtrain.testing import RankFailed, run_ranks
 from tests.audit import read_trajectory
 from tests.conftest import tiny_raw
 from tests.dist_helpers import (
@@ -26,6 +25,7 @@ from tests.dist_helpers import (
     train_with_nan,
     two_jobs_then_crash,
 )
+from tests.ranks import RankFailed, run_ranks
 
 # This module's job: 16 AdamW steps, a checkpoint every 4, every step logged.
 JOB = {

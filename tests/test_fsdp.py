@@ -11,9 +11,9 @@ import pytest
 from dtrain.cli import main
 from dtrain.config import validate_strategy
 from dtrain.errors import ConfigError
-from dtrain.testing import run_ranks
 from tests.conftest import tiny_config, tiny_raw
 from tests.dist_helpers import load_full_state, save_and_full_state
+from tests.ranks import run_ranks
 from tests.test_ddp import assert_params_close
 
 

@@ -11,7 +11,7 @@ import torch
 
 from dtrain.recovery import handover
 from dtrain.recovery.handover import Slot, batches, split
-from dtrain.testing import run_ranks
+from tests.ranks import run_ranks
 
 
 def a_state() -> dict[str, Any]:

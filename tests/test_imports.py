@@ -303,3 +303,21 @@ def test_commands_that_read_run_folders_do_not_import_torch() -> None:
     code = "import dtrain.cli, dtrain.report.status\nfrom dtrain.cli import main"
     assert loaded_after(code, ("torch",)) == set()
     assert loaded_after("from dtrain import Task", ("torch",)) == {"torch"}  # still exported
+
+
+def test_opt_in_extensions_are_off_the_core_path() -> None:
+    """No module outside ``dtrain.ext`` imports an extension: each is found by the config
+    value that names it (``comm.transport``: :mod:`dtrain.comm.transport`'s registry) and
+    imported only when a run asks for it; a worker of the default job never loads one."""
+    graph = import_graph()
+    importers = {
+        module
+        for module, targets in graph.items()
+        if any(t == "dtrain.ext" or t.startswith("dtrain.ext.") for t in targets)
+        and not module.startswith("dtrain.ext")
+    }
+    assert importers == set(), importers
+    core = "import dtrain.worker, dtrain.cli, dtrain.comm.compression, dtrain.parallel.ddp"
+    assert loaded_after(core, ("dtrain.ext.shm",)) == set()
+    named = "from dtrain.comm.transport import transport_module\ntransport_module('shm')"
+    assert loaded_after(named, ("dtrain.ext.shm",)) == {"dtrain.ext.shm"}  # the probe sees it

@@ -19,11 +19,12 @@ import torch
 
 from dtrain.config import Config
 from dtrain.errors import ConfigError, UserError
-from dtrain.testing import Launch, run_ranks
 from dtrain.train.job import build_job_config
 from tests.audit import check_stream, read_trajectory
 from tests.conftest import REPO, tiny_config, tiny_raw
 from tests.dist_helpers import train_params
+from tests.processes import Launch
+from tests.ranks import run_ranks
 
 SAMPLES = 48  # 6 steps per epoch at a global batch of 8: the runs cross epochs
 

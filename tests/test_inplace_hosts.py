@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 
 from dtrain.fault.status import read_status
-from dtrain.testing import Launch, metrics_records
 from tests.audit import check_stream, read_trajectory
 from tests.conftest import tiny_config
 from tests.hosts import Hosts, hosts_unavailable, launch_on_host
+from tests.processes import Launch, metrics_records
 
 # Namespace hosts: one set at a time under pytest-xdist (their own subnet besides).
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("namespace-hosts")]

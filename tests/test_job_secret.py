@@ -33,8 +33,8 @@ from dtrain.dist.secret import (
 )
 from dtrain.dist.stores import host_store
 from dtrain.errors import UserError
-from dtrain.testing.processes import Launch, children_of, metrics_records
 from tests.conftest import REPO, tiny_config
+from tests.processes import Launch, children_of, metrics_records
 
 SECRET = JobSecret(b"the job's secret, for the tests")
 JOB_SECRET = JobSecret(os.environ[SECRET_ENV].encode())  # the jobs' the tests start (conftest)

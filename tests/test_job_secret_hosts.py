@@ -17,10 +17,9 @@ import pytest
 
 from dtrain.dist.rendezvous import state_key
 from dtrain.dist.secret import SECRET_ENV, JobSecret
-from dtrain.testing import Launch
-from dtrain.testing.processes import metrics_records
 from tests.conftest import REPO, tiny_config
 from tests.hosts import Hosts, hosts_unavailable, launch_on_host
+from tests.processes import Launch, metrics_records
 
 PREFIX = f"ds{os.getpid() % 100000}"
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("namespace-hosts")]

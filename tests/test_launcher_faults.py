@@ -20,9 +20,9 @@ import torch
 
 from dtrain.fault.liveness import read_run_liveness
 from dtrain.process_exit import process_alive
-from dtrain.testing import children_of, worker_pids
 from tests.audit import check_stream, read_trajectory
 from tests.conftest import REPO
+from tests.processes import children_of, worker_pids
 
 SAMPLES = 64
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from dtrain.balance.throughput import (
     ControllerSettings,
@@ -27,7 +28,6 @@ from dtrain.config.load import build_config
 from dtrain.data.loader import RankLoader
 from dtrain.data.partition import OrderSpec, plan_step, plan_steps, step_shape
 from dtrain.errors import ConfigError
-from dtrain.testing import run_ranks
 from tests.audit import check_stream, read_trajectory
 from tests.conftest import tiny_raw
 from tests.load_balance_helpers import (
@@ -38,6 +38,8 @@ from tests.load_balance_helpers import (
     train_with_timings,
     train_with_weights,
 )
+from tests.ranks import run_ranks
+from tests.slowdown import SlowdownOptions, slow_down
 from tests.test_ddp import assert_params_close
 
 # -- the controller -------------------------------------------------------------------------
@@ -307,10 +309,6 @@ def test_bad_weights_are_refused_with_their_values() -> None:
     ("args", "message"),
     [
         (
-            ["--nproc", "2", "--debug.slowdown_rank=2"],
-            "debug.slowdown_rank = 2: there is no rank 2 in a job of 2 rank(s)",
-        ),
-        (
             ["--nproc", "4", "--balance.mode=throughput", "--data.global_batch_size=3"],
             "data.global_batch_size = 3 is smaller than the 4 data-parallel ranks: balance.mode",
         ),
@@ -324,10 +322,11 @@ def test_bad_weights_are_refused_with_their_values() -> None:
         ),
         (["--balance.mode=fast"], "balance.mode = 'fast' is not allowed"),
         (["--balance.every=0"], "balance.every = 0 is out of range"),
-        (["--debug.slowdown_factor=0.5"], "debug.slowdown_factor = 0.5 is out of range"),
+        # The slowdown aid's options (tests/slowdown.py), checked with the task's section.
+        (["--task.slowdown_factor=0.5"], "task.slowdown_factor = 0.5 is out of range"),
         (
-            ["--debug.slowdown_from_step=10", "--debug.slowdown_to_step=5"],
-            "debug.slowdown_to_step = 5 is before debug.slowdown_from_step = 10",
+            ["--task.slowdown_from_step=10", "--task.slowdown_to_step=5"],
+            "task.slowdown_to_step = 5 is before task.slowdown_from_step = 10",
         ),
     ],
 )
@@ -338,6 +337,19 @@ def test_bad_balance_input_exits_2_before_any_worker(
     err = capsys.readouterr().err
     assert message in err, err
     assert err.count("\n") == 1
+
+
+def test_the_slowdown_aid_refuses_a_rank_that_does_not_exist(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Checked where the aid is installed, in the task's factory on every rank.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError) as error:
+        slow_down(model, SlowdownOptions(slowdown_rank=2))
+    assert "task.slowdown_rank = 2: there is no rank 2 in a job of 2 rank(s)" in str(error.value)
+    assert slow_down(model, SlowdownOptions(slowdown_rank=1)) is None  # another rank's
 
 
 def test_the_ddp_family_takes_balancing() -> None:
@@ -419,12 +431,13 @@ def test_resume_restores_the_weights_and_continues_bit_identically(tmp_path: Pat
     assert_params_close(resumed["params"], straight["params"], rtol=0, atol=0)
 
 
-def test_a_checkpoint_without_the_balance_part_still_resumes(tmp_path: Path) -> None:
+def test_a_checkpoint_without_the_balance_part_is_refused(tmp_path: Path) -> None:
+    # Every checkpoint holds the part (no format from before it is read): one without it
+    # is refused in one line, not resumed with other weights.
     raw = tiny_raw(tmp_path, train={"steps": 4}, checkpoint={"every": 0})
     result = run_ranks(train_saving_without_balance_part, 1, raw)[0]
     assert "balance" not in result["saved_parts"]
-    assert (result["start_step"], result["steps"]) == (4, 8)
-    assert result["weights"] == [1.0]
+    assert "train_state.pt holds no balance state" in result["error"]
 
 
 def test_timing_records_and_a_dialed_straggler_are_in_the_metrics(tmp_path: Path) -> None:
@@ -433,9 +446,8 @@ def test_timing_records_and_a_dialed_straggler_are_in_the_metrics(tmp_path: Path
         tmp_path,
         data={"global_batch_size": 32},
         train={"steps": 30},
-        task={"seq_len": 32, "d_model": 64},
+        task={"seq_len": 32, "d_model": 64, "slowdown_rank": 1, "slowdown_factor": 3.0},
         balance={"every": 5, "window_s": 0, "straggler_window": 15},
-        debug={"slowdown_rank": 1, "slowdown_factor": 3.0},
     )
     records = run_ranks(train_and_read_records, 2, raw)[0]
     ranks = [r for r in records if r["kind"] == "ranks"]
@@ -536,9 +548,15 @@ def test_the_controller_converges_under_a_dialed_slowdown_and_back(tmp_path: Pat
         tmp_path,
         data={"global_batch_size": 64},
         train={"steps": 120, "log_every": 20},
-        task={"seq_len": 64, "d_model": 128, "samples": 2048},
+        task={
+            "seq_len": 64,
+            "d_model": 128,
+            "samples": 2048,
+            "slowdown_rank": 1,
+            "slowdown_factor": 2.0,
+            "slowdown_to_step": 60,
+        },
         balance={"mode": "throughput", "every": 5, "window_s": 0},
-        debug={"slowdown_rank": 1, "slowdown_factor": 2.0, "slowdown_to_step": 60},
     )
     run_ranks(train_and_read_records, 2, raw, timeout=400)
     shares = {step: s[0] for step, s in shares_by_step(str(tmp_path)).items()}

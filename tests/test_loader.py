@@ -19,9 +19,9 @@ from dtrain.data.partition import OrderSpec, plan_step
 from dtrain.data.shards import ShardedDataset, write_shards
 from dtrain.data.text import TokenSequences, TokenWindows, collate_padded
 from dtrain.errors import DataError
-from dtrain.testing import run_ranks
 from tests.conftest import tiny_config
 from tests.data_helpers import rank_loader_ids, write_features, write_sequences
+from tests.ranks import run_ranks
 from tests.tasks import Regression
 
 GBS, WORLD, RANK, MICRO = 10, 3, 1, 2  # 10 does not divide by 3 ranks x 2 micro-batches

@@ -23,9 +23,9 @@ from dtrain.checkpoint.layout import OUTER_FILE, part_file
 from dtrain.comm.accounting import all_gather_bytes, all_reduce_bytes
 from dtrain.config import BalanceConfig
 from dtrain.parallel.local_sgd import DiLoCoStrategy, LocalSGDStrategy
-from dtrain.testing import run_ranks
 from tests.conftest import tiny_raw
 from tests.dist_helpers import crash_then_resume, losses_by_step, make_trainer, train_with_nan
+from tests.ranks import run_ranks
 
 STEPS, H = 20, 8
 SYNC_STEPS = [8, 16, 20]  # every H steps, and the last step: the run ends on one model

@@ -12,10 +12,10 @@ import pytest
 from dtrain.config import validate_strategy
 from dtrain.config.layout import ParallelDims, fit_dims
 from dtrain.errors import ConfigError
-from dtrain.testing import run_ranks
 from tests.conftest import tiny_config, tiny_raw
 from tests.dist_helpers import crash_then_resume, train_params
 from tests.pipeline_helpers import train_and_report
+from tests.ranks import run_ranks
 from tests.test_ddp import assert_params_close
 
 DATA = {"global_batch_size": 8, "micro_batches": 2}

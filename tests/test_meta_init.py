@@ -17,8 +17,8 @@ from dtrain.errors import UserError
 from dtrain.parallel.materialize import materialize, require_init
 from dtrain.parallel.skeleton import meta_copy
 from dtrain.tasks import gpt
-from dtrain.testing import run_ranks
 from tests.conftest import tiny_raw
+from tests.ranks import run_ranks
 from tests.recipe_helpers import initial_state_each, set_up_peak_bytes, train_each
 from tests.test_ddp import assert_params_close
 

@@ -24,9 +24,9 @@ from dtrain.cli import main
 from dtrain.dist.network import check_port_free, choose_node_network, split_endpoint
 from dtrain.dist.reachability import _accept_forever, close_listener, peers_of
 from dtrain.launch.agent import held_port
-from dtrain.testing import Launch
 from tests.conftest import REPO, tiny_config
 from tests.hosts import Hosts, hosts_unavailable, launch_on_host, leftovers
+from tests.processes import Launch
 
 PREFIX = f"dt{os.getpid() % 100000}"  # the namespaces and links of this test process
 CONNECT_S = 8  # dist.connect_timeout_s in the failure cases

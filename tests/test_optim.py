@@ -1,10 +1,8 @@
 """The optimizer built from the config: which parameters take weight decay, and that sharing
-one group when none do changes nothing but the number of kernel launches -- also for a run
-resumed from a checkpoint that an earlier dtrain saved with two groups."""
+one group when none do changes nothing but the number of kernel launches."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -14,11 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from dtrain.compute.optim import build_optimizer, fit_saved_groups
+from dtrain.compute.optim import build_optimizer
 from dtrain.config import OptimConfig
-from dtrain.testing import metrics_records, run_ranks
 from tests.conftest import tiny_config, tiny_raw
-from tests.dist_helpers import crash_then_resume, make_trainer, params_of, train_params
+from tests.dist_helpers import crash_then_resume, train_params
+from tests.processes import metrics_records
+from tests.ranks import run_ranks
 from tests.recipe_helpers import train_each
 from tests.test_ddp import assert_params_close
 
@@ -89,66 +88,12 @@ def test_without_weight_decay_one_group_trains_bit_identically_to_two(name: str)
             assert torch.equal(value, theirs[index][key]), (index, key)
 
 
-def test_a_state_saved_with_two_groups_loads_where_they_share_one() -> None:
-    # What a checkpoint of an earlier dtrain holds: the same parameters, matrices first, in
-    # a group with weight decay 0 and a group of biases and norms with weight decay 0.
-    cfg = OptimConfig(weight_decay=0.0, lr=1e-2)
-    two = small_model()
-    reference = two_groups_as_before(two.named_parameters(), cfg)
-    train(two, reference)
-    one = small_model()
-    one.load_state_dict(two.state_dict())
-    optimizer = build_optimizer(one.named_parameters(), cfg)
-    # A copy, as a checkpoint gives: torch's state_dict() shares the step counters.
-    saved = copy.deepcopy(reference.state_dict())
-    optimizer.load_state_dict(fit_saved_groups(saved, optimizer))
-    for a, b in zip(train(one, optimizer), train(two, reference), strict=True):
-        assert torch.equal(a, b)
-
-
-def test_groups_with_different_settings_are_not_merged() -> None:
+def test_a_state_of_other_groups_is_refused() -> None:
     model = small_model()
     optimizer = build_optimizer(model.named_parameters(), OptimConfig(weight_decay=0.0))
     saved = torch.optim.AdamW(two_groups(small_model().parameters(), 0.1)).state_dict()
-    assert fit_saved_groups(saved, optimizer) is saved
     with pytest.raises(ValueError, match="parameter groups"):
         optimizer.load_state_dict(saved)
-
-
-def resume_across_the_regrouping(raw: dict[str, Any]) -> dict[str, Any]:
-    """Train ``train.steps`` with the two groups and checkpoint; resume with today's one group
-    for 4 steps more; the parameters."""
-    import dtrain.train.optim_choice as choice
-
-    choice.build_optimizer = two_groups_as_before  # this rank's process only
-    try:
-        make_trainer(raw).fit()
-    finally:
-        choice.build_optimizer = build_optimizer
-    steps = raw["train"]["steps"] + 4
-    resumed = make_trainer({**raw, "train": {**raw["train"], "steps": steps}})
-    resumed.fit()
-    return params_of(resumed)
-
-
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_run_resumed_from_a_two_group_checkpoint_is_bit_identical(
-    tmp_path: Path, strategy: str
-) -> None:
-    # AdamW without weight decay at a constant learning rate (the schedule does not depend on
-    # the run's length, so 4 + 4 steps follow the same one as 8).
-    job = {
-        "strategy": {"name": strategy},
-        "optim": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.0, "warmup_steps": 0},
-    }
-    job["optim"]["min_lr_ratio"] = 1.0
-    straight = run_ranks(train_params, 2, tiny_raw(tmp_path / "straight", job, train={"steps": 8}))
-    resumed = run_ranks(
-        resume_across_the_regrouping, 2, tiny_raw(tmp_path / "resumed", job, train={"steps": 4})
-    )
-    assert straight[0].keys() == resumed[0].keys()
-    for key, value in straight[0].items():
-        assert np.array_equal(value, resumed[0][key]), key
 
 
 @pytest.mark.parametrize("name", ["adamw", "sgd"])
@@ -230,7 +175,7 @@ def test_a_loaded_state_keeps_the_configured_kernels(name: str, saved_with: str)
     saving = build_optimizer(model.named_parameters(), cfgs[0])
     train(model, saving, steps=1)
     loading = build_optimizer(model.named_parameters(), cfgs[1])
-    loading.load_state_dict(fit_saved_groups(saving.state_dict(), loading))
+    loading.load_state_dict(saving.state_dict())
     fresh = build_optimizer(model.named_parameters(), cfgs[1])
     for key in ("foreach", "fused"):
         assert [group[key] for group in loading.param_groups] == [
@@ -282,7 +227,7 @@ def test_a_loaded_schedule_takes_the_configured_rate_and_the_saved_position() ->
         loading = build_optimizer(model.named_parameters(), other)
         loaded = build_scheduler(loading, other, total_steps=10)
         loaded.load_state_dict(schedule.state_dict())  # the order of checkpoint.state.load
-        loading.load_state_dict(fit_saved_groups(saving.state_dict(), loading))
+        loading.load_state_dict(saving.state_dict())
         rate = other.lr * lr_factor(5, 10, 2, other.min_lr_ratio, "cosine")
         groups = loading.param_groups
         assert len(groups) == 2  # matrices with weight decay, the rest without

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.testing import Launch
 from tests.audit import check_stream, read_trajectory
 from tests.conftest import REPO, tiny_config
 from tests.hosts import Hosts, hosts_unavailable, launch_on_host
+from tests.processes import Launch
 
 # Namespace hosts share one subnet: these tests run one at a time under pytest-xdist.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("namespace-hosts")]

@@ -26,10 +26,10 @@ from dtrain.parallel.pipeline.split import (
 )
 from dtrain.parallel.pipeline.strategy import PipelineStrategy
 from dtrain.task import Task
-from dtrain.testing import run_ranks
 from tests.conftest import tiny_config, tiny_raw
 from tests.dist_helpers import crash_then_resume, train_params
 from tests.pipeline_helpers import resume_only, train_and_report, train_and_report_each
+from tests.ranks import run_ranks
 from tests.test_ddp import assert_params_close
 from tests.test_fault import assert_bit_equal
 

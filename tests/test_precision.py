@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from dtrain.compute.precision import LossScaler
 from dtrain.errors import ConfigError
 from dtrain.models.gpt import GPT, GPTConfig, attend, project_out
-from dtrain.testing import run_ranks
 from tests.conftest import tiny_config, tiny_raw
 from tests.dist_helpers import crash_then_resume, train_params, train_with_nan
 from tests.matrix import MIXED_PRECISION_STRATEGIES, MIXED_PRECISIONS, STRATEGIES
+from tests.ranks import run_ranks
 from tests.recipe_helpers import train_each
 from tests.test_ddp import assert_params_close
 
@@ -57,11 +57,6 @@ def test_the_loss_scaler_halves_on_overflow_and_doubles_after_an_interval() -> N
 def test_a_loss_scale_that_is_not_a_power_of_two_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="power of two"):
         tiny_config(tmp_path, train={"loss_scale_init": 1000.0})
-
-
-def test_strategy_precision_names_its_new_key(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"strategy\.precision is now train\.precision"):
-        tiny_config(tmp_path, strategy={"precision": "bf16"})
 
 
 def test_each_precision_follows_fp32_within_its_format(tmp_path: Path) -> None:

@@ -23,9 +23,9 @@ from dtrain.metrics.sinks import JsonlSink, Progress
 from dtrain.report import write_report
 from dtrain.report.plots import SIZE_PX, legend_labels, make_plots
 from dtrain.report.read import read_runs
-from dtrain.testing import run_ranks
 from tests.conftest import REPO, tiny_raw
 from tests.dist_helpers import train_with_nan
+from tests.ranks import run_ranks
 from tests.report_helpers import png_size, records_of
 
 pytest.importorskip("matplotlib", reason="dtrain report needs matplotlib (the dev extra has it)")

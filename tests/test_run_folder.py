@@ -27,8 +27,8 @@ from dtrain.checkpoint import read as ckread
 from dtrain.cli import main
 from dtrain.fsutil import write_atomic
 from dtrain.launch.agent import held_port
-from dtrain.testing import Launch
 from tests.conftest import REPO, tiny_config
+from tests.processes import Launch
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ from dtrain.launch.options import make_options
 from dtrain.recovery.coordinator import Coordinator, NodeWatcher
 from dtrain.recovery.membership import Generation, Member, write_value
 from dtrain.recovery.node_claim import claim_key, claim_node
-from dtrain.testing.ranks import free_port
+from tests.ranks import free_port
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain.recovery.sever import GenerationLinks
-from dtrain.testing import RankFailed, run_ranks
+from tests.ranks import RankFailed, run_ranks
 
 VICTIM = 2
 

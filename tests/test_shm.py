@@ -1,5 +1,5 @@
 """The shared-memory all-reduce between the ranks of one machine (``comm.transport``;
-``dtrain.comm.shm``): its sums against gloo's, bit for bit on two ranks and alike on every rank
+``dtrain.ext.shm``): its sums against gloo's, bit for bit on two ranks and alike on every rank
 with three; chunks and alternating slot sets; a peer that exits or falls behind named within
 the timeout; training through it equal to training through gloo; what picks it, and bad
 input as one config error."""
@@ -20,14 +20,14 @@ import torch.distributed as dist
 
 from dtrain.cli import main
 from dtrain.comm.mean import divide_
-from dtrain.comm.shm import SharedMemoryAllReduce, unavailable_reason
 from dtrain.config import validate_strategy
 from dtrain.config.load import build_config
 from dtrain.errors import ConfigError
+from dtrain.ext.shm import SharedMemoryAllReduce, unavailable_reason
 from dtrain.fault.peer_failure import is_collective_failure
-from dtrain.testing import RankFailed, run_ranks
 from tests.conftest import tiny_raw
 from tests.dist_helpers import make_trainer, params_of
+from tests.ranks import RankFailed, run_ranks
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 # Small slots, so that the longer tensors below go through in several chunks.
@@ -170,7 +170,7 @@ def _train_both(raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
         summary = trainer.fit()
         out[name] = {
             "params": params_of(trainer),
-            "shared": getattr(hook, "shared", None) is not None,
+            "shared": getattr(hook, "transport", None) is not None,
             "bytes": trainer.strategy.comm.bytes_sent,
             "steps": summary.steps,
         }
@@ -241,7 +241,7 @@ def test_where_a_segment_cannot_be_used() -> None:
 
 
 def _which(raw: dict[str, Any]) -> bool:
-    return make_trainer(raw).strategy.comm_state.shared is not None
+    return make_trainer(raw).strategy.comm_state.transport is not None
 
 
 def test_auto_leaves_topk_and_other_machines_to_the_backend(tmp_path: Path) -> None:
@@ -257,7 +257,7 @@ def test_auto_leaves_topk_and_other_machines_to_the_backend(tmp_path: Path) -> N
 
 def _without_room(raw: dict[str, Any]) -> dict[str, Any]:
     """As if rank 0's shared memory were full: ``auto`` goes on through gloo, ``shm`` fails."""
-    from dtrain.comm import shm
+    from dtrain.ext import shm
 
     shm._create = lambda size: f"cannot reserve {size} bytes in /dev/shm: No space left"
     out: dict[str, Any] = {}
@@ -320,7 +320,7 @@ def test_shm_across_machines_is_refused_before_any_worker_starts(
 
 
 def test_a_segment_left_by_a_killed_rank_is_swept(tmp_path: Path) -> None:
-    from dtrain.comm import shm
+    from dtrain.ext import shm
 
     dead = tmp_path / f"{shm._PREFIX}999999999-abc"  # no such pid
     alive = tmp_path / f"{shm._PREFIX}{os.getpid()}-abc"

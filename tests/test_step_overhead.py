@@ -25,10 +25,10 @@ from dtrain.data.loader import split_to_device, to_device
 from dtrain.dist.runtime import core_share
 from dtrain.parallel.recipe import Recipe
 from dtrain.task import IGNORE_INDEX, count_target_items, split_input_target
-from dtrain.testing import RankFailed, run_ranks
 from dtrain.train.step import LossScale, run_micro_batches
 from tests.conftest import tiny_raw
 from tests.dist_helpers import make_trainer, params_of, signal_self_at_step, train_params
+from tests.ranks import RankFailed, run_ranks
 
 SEQ_LEN = 16  # the tiny GPT's windows: 16 targets each, none of them padding
 DECLARED = {"items_per_sample": SEQ_LEN}

@@ -19,10 +19,10 @@ from dtrain.config import validate_strategy
 from dtrain.config.load import build_config
 from dtrain.errors import ConfigError, UserError
 from dtrain.parallel.sync_batchnorm import apply_sync_batchnorm
-from dtrain.testing import run_ranks
 from dtrain.weights.init_from import load_weights
 from tests.byo_tasks import CNNOptions, Images, SmallCNN, class_loss, cnn, reference_loop
 from tests.dist_helpers import make_trainer, params_of
+from tests.ranks import run_ranks
 
 BATCH, STEPS, LR = 16, 6, 0.2
 

@@ -13,11 +13,11 @@ from dtrain.config import validate_strategy
 from dtrain.errors import ConfigError
 from dtrain.models.gpt import GPT, GPTConfig
 from dtrain.parallel.tensor_plan import check_no_dropout, model_plan
-from dtrain.testing import run_ranks
 from tests.conftest import tiny_config, tiny_raw
 from tests.dist_helpers import crash_then_resume, train_params
 from tests.matrix import SHARDS_RESUMES, Resume, cases
 from tests.pipeline_helpers import train_and_report
+from tests.ranks import run_ranks
 from tests.test_cross_form import resume_equals_unchanged
 from tests.test_ddp import assert_params_close
 from tests.test_fault import assert_bit_equal

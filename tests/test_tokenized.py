@@ -25,8 +25,8 @@ from dtrain.data.tokenizer import load_tokenizer
 from dtrain.errors import DataError, UserError
 from dtrain.task import split_input_target
 from dtrain.tasks.gpt import GPTTaskConfig
-from dtrain.testing import run_ranks
 from tests.dist_helpers import make_trainer
+from tests.ranks import run_ranks
 from tests.test_cli import run_cli
 
 tokenizers = pytest.importorskip("tokenizers")

@@ -29,8 +29,8 @@ from dtrain.fault.liveness import (
     read_liveness,
 )
 from dtrain.fault.watchdog import Watchdog
-from dtrain.testing import loopback_store
 from tests.conftest import REPO
+from tests.ranks import loopback_store
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ import torch
 
 from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
-from dtrain.testing import Launch, pid_alive, processes_of
 from tests.audit import check_stream, read_trajectory
+from tests.processes import Launch, pid_alive, processes_of
 
 # Every job starts here, so that the workers import the tasks as ``tests.tasks:...``.
 REPO = Path(__file__).resolve().parents[2]

@@ -8,8 +8,8 @@ import os
 import signal
 import time
 
-from dtrain.testing import Launch, metrics_records, pid_alive, started_at
 from tests.audit import check_stream, read_trajectory
+from tests.processes import Launch, metrics_records, pid_alive, started_at
 from tests.system.chaos_checks import (
     REPO,
     SAMPLES,

@@ -10,7 +10,7 @@ import time
 
 from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
-from dtrain.testing import Launch, pid_alive, rank_of
+from tests.processes import Launch, pid_alive, rank_of
 from tests.system.chaos_checks import (
     REPO,
     STARTED,

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
-from dtrain.testing import Launch, wait_gone
 from tests.audit import check_stream, read_trajectory
+from tests.processes import Launch, wait_gone
 from tests.system.chaos_checks import (
     REPO,
     SAMPLES,

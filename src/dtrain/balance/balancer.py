@@ -1,5 +1,5 @@
-"""Load balancing: per-rank timing, straggler reports, the throughput controller and the
-slowdown aid. It takes its own config section (``[balance]``), the world and the step timings
+"""Load balancing: per-rank timing, straggler reports and the throughput controller. It takes
+its own config section (``[balance]``), the world and the step timings
 (:class:`~dtrain.balance.timing.StepTimer`, which the wiring hooks to the optimizer), and
 returns records and per-rank weights: the trainer writes the records and hands the weights to
 its loader. Its state (the controller: weights and smoothed times) is a part of the training
@@ -8,7 +8,7 @@ state (``balance`` in ``train_state.pt``).
 The trainer calls, on every rank, in every step::
 
     balancer.step_started()                     before the loader is asked for the batch
-    balancer.data_ready(step, batch, items)     the batch is on the device
+    balancer.data_ready(batch, items)           the batch is on the device
     balancer.backward_done(step)                after backward; on a window's last step:
                                                 start all-gathering every rank's timing
                                                 window (the steps before this one)
@@ -37,7 +37,6 @@ from typing import Any
 
 import numpy as np
 
-from dtrain.balance.slowdown import Slowdown
 from dtrain.balance.throughput import (
     ControllerSettings,
     StragglerDetector,
@@ -91,7 +90,6 @@ class LoadBalancer:
         comm: CommCounter,
         log: Callable[[str], None],
         item_name: str = "items",
-        slowdown: Slowdown | None = None,
     ) -> None:
         self.every = opts.every
         self.window_s = opts.window_s
@@ -115,19 +113,16 @@ class LoadBalancer:
                 opts.smoothing, opts.max_change, opts.hysteresis, opts.min_weight
             )
             self.controller = ThroughputController(data_parallel_size, settings)
-        self.slowdown = slowdown
 
     # -- the step ------------------------------------------------------------------------
 
     def step_started(self) -> None:
         self.timer.start()
 
-    def data_ready(self, step: int, batch: StepBatch, items: int) -> None:
-        """Step ``step`` (1 = the first of the run) has its batch; ``items`` on this rank."""
+    def data_ready(self, batch: StepBatch, items: int) -> None:
+        """The step has its batch; ``items`` on this rank."""
         samples = sum(len(ids) for ids in batch.ids)
         self.timer.data_ready(items, samples, len(batch.micro))
-        if self.slowdown is not None:
-            self.slowdown.begin(step, items, len(batch.micro))
 
     def backward_done(self, step: int) -> None:
         """Step ``step``'s backward is done. Collective on a window's last step
@@ -150,9 +145,7 @@ class LoadBalancer:
         """After step ``step``'s update. On a window's last step, the window whose gather
         :meth:`backward_done` started: the metrics records to write, and the controller's new
         weights, which hold from the next step on."""
-        last = self.timer.finish()
-        if self.slowdown is not None:
-            self.slowdown.end(last["compute_s"], int(last["items"]))
+        self.timer.finish()
         if self._gathering is None:
             return NOTHING
         gathering, self._gathering = self._gathering, None

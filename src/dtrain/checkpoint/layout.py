@@ -30,8 +30,7 @@ UNFINISHED_PREFIXES = (".tmp-", ".trash-")
 
 # The marker holds one SHA-256 per piece of this many bytes of each file (the last piece may be
 # shorter; an empty file is one empty piece), so that the ranks can verify one large file
-# together, each its own pieces. Markers written before pieces existed hold one digest of the
-# whole file (``sha256``), and are still read.
+# together, each its own pieces.
 PIECE_BYTES = 64 * 2**20
 
 

@@ -44,8 +44,7 @@ if TYPE_CHECKING:
 # Finding and verifying
 
 
-# The marker's own keys; ``marker_sha256`` (a digest of the others) is absent from markers
-# written before it existed, which are still read.
+# The marker's own keys; ``marker_sha256`` is a digest of the others.
 _MARKER_KEYS = frozenset({"step", "files", "world_size", "committed", "marker_sha256"})
 
 
@@ -64,7 +63,7 @@ def read_marker(step_dir: Path) -> dict[str, Any]:
     unknown = sorted(set(marker) - _MARKER_KEYS)
     if unknown:
         raise CheckpointError(f"{path} is corrupted: unexpected key(s) {unknown}")
-    if "marker_sha256" in marker and marker["marker_sha256"] != marker_digest(marker):
+    if marker.get("marker_sha256") != marker_digest(marker):
         raise CheckpointError(f"{path} fails its own SHA-256 checksum")
     for name, info in marker["files"].items():
         if not _good_entry(info):
@@ -73,13 +72,10 @@ def read_marker(step_dir: Path) -> dict[str, Any]:
 
 
 def _good_entry(info: Any) -> bool:
-    """A file's entry: its size, and its pieces' digests (or, in a marker from before pieces,
-    the whole file's)."""
+    """A file's entry: its size, and its pieces' digests."""
     if not isinstance(info, dict) or not isinstance(info.get("bytes"), int):
         return False
-    if "pieces" not in info:
-        return isinstance(info.get("sha256"), str)
-    step, pieces = info.get("piece_bytes"), info["pieces"]
+    step, pieces = info.get("piece_bytes"), info.get("pieces")
     return (
         isinstance(step, int)
         and step > 0

@@ -60,8 +60,8 @@ class TrainingState:
     parts: Mapping[str, Stateful]
     runtime: Runtime
     config: Config
-    # Parts a checkpoint saved before they existed may lack; such a part keeps the state it
-    # was built with (load balancing: equal shares, which is what those runs used).
+    # Parts a checkpoint may lack (the loss scaler, saved by a run in another precision); such
+    # a part keeps the state it was built with.
     optional: frozenset[str] = frozenset()
 
 

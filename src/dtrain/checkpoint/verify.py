@@ -42,7 +42,7 @@ _OWNED = (
 @dataclass(frozen=True)
 class Piece:
     """One piece of a file to hash: ``length`` bytes from ``start``, whose SHA-256 is
-    ``digest``. A marker from before pieces has one piece a file, ``whole``."""
+    ``digest``."""
 
     name: str  # the file, relative to the step folder
     index: int
@@ -50,10 +50,9 @@ class Piece:
     length: int
     digest: str
     file_bytes: int  # the whole file's size, as the marker gives it
-    whole: bool = False
 
     def describe(self) -> str:
-        if self.whole or self.file_bytes <= self.length:
+        if self.file_bytes <= self.length:
             return ""
         return f" (bytes {self.start}-{self.start + self.length - 1} of {self.file_bytes})"
 
@@ -63,9 +62,6 @@ def pieces_of(marker: dict[str, Any]) -> list[Piece]:
     out = []
     for name, info in sorted(marker["files"].items()):
         size = int(info["bytes"])
-        if "pieces" not in info:
-            out.append(Piece(name, 0, 0, size, str(info["sha256"]), size, whole=True))
-            continue
         step = int(info["piece_bytes"])
         for index, digest in enumerate(info["pieces"]):
             start = index * step

@@ -44,11 +44,10 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str]) -> int:
     """``dtrain train`` once its options are checked and its environment is set."""
     from dtrain.checkpoint.rundir import check_resume_folder, check_run_dir, held_run_dir
-    from dtrain.checkpoint.state_form import check_state_form
+    from dtrain.comm.transport import check_transport_job
     from dtrain.config.job import validate_job
     from dtrain.launch.launcher import launch
     from dtrain.launch.options import JobSettings
-    from dtrain.parallel import strategy_class
     from dtrain.train.job import default_run_dir, load_job_config
     from dtrain.weights.init_from import check_init_from
 
@@ -58,6 +57,7 @@ def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str
 
         check_available()
     validate_job(cfg, job_shape(opts, args.nnodes, cfg.fault.recovery == "inplace"))
+    check_transport_job(cfg, opts.max_nodes, args.nnodes)  # an extension's own rules
     check_init_from(cfg.run.init_from)
     if cfg.run.resume not in ("auto", "never"):
         # Before the run folder is made for this job.
@@ -68,10 +68,7 @@ def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str
     # config where only its own workers read it.
     with held_run_dir(cfg, opts.run_id, opts.rdzv_endpoint) as config_path:
         os.environ[CHECKED_ENV] = str(config_path)  # its workers need not check it again
-        resume_from = check_run_dir(cfg, args.force)
-        if resume_from is not None:
-            form = strategy_class(cfg.strategy.name).state_form
-            check_state_form(cfg.strategy.name, form, resume_from)
+        check_run_dir(cfg, args.force)
         return launch(config_path, opts, JobSettings.of(cfg))
 
 

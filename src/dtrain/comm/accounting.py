@@ -14,9 +14,9 @@ all-gather of s    (N-1) x s                           each rank's part passes N
 broadcast of S     S on every rank                     a pipelined chain: each rank forwards
                                                        (the last one sends nothing; counted as
                                                        S for all, an upper bound by one chunk)
-all-reduce of S    S                                   each rank writes its S into the segment
-through shared                                         once and reads its peers' from there
-memory                                                 (:mod:`dtrain.comm.shm`)
+all-reduce of S    what the transport says it sends    (:mod:`dtrain.comm.transport`)
+through an opt-in
+transport
 =================  ==================================  ========================================
 
 With 2 ranks an all-reduce sends exactly its payload. The waiting time is the time a rank is
@@ -82,10 +82,10 @@ class CommCounter:
         self.bytes_sent += all_reduce_bytes(payload, world_size)
         self.collectives += world_size > 1
 
-    def shared_all_reduce(self, payload: int, world_size: int) -> None:
-        """An all-reduce through a shared-memory segment (dtrain.comm.shm): a rank writes its
-        payload into the segment once and reads its peers' from there."""
-        self.bytes_sent += payload if world_size > 1 else 0
+    def sent(self, nbytes: int, world_size: int) -> None:
+        """A collective that sent ``nbytes`` from this rank, as whatever carried it counts them
+        (an opt-in transport's all-reduce)."""
+        self.bytes_sent += nbytes
         self.collectives += world_size > 1
 
     def all_gather(self, part: int, world_size: int) -> None:

@@ -27,8 +27,8 @@ import torch.distributed as dist
 from dtrain.comm.accounting import CommCounter
 from dtrain.comm.hooks import Bf16Hook, CommHook, Fp16Hook, MeanHook
 from dtrain.comm.powersgd import PowerSGDHook
-from dtrain.comm.shm import shared_all_reduce_for
 from dtrain.comm.topk import TopKHook
+from dtrain.comm.transport import build_transport
 from dtrain.config import CommConfig
 
 HOOKS: dict[str, type[CommHook]] = {
@@ -46,8 +46,8 @@ def build_comm_hook(
 ) -> CommHook:
     """The hook ``comm.compression`` names, counting into ``counter``, over ``group``, its sums
     carried as ``comm.transport`` says; ``capacity``: the largest bucket in bytes, ``timeout``:
-    the collectives'. Every rank of ``group`` calls this at once (a shared segment is agreed on
-    with collectives)."""
+    the collectives'. Every rank of ``group`` calls this at once (a transport may agree on its
+    set-up with collectives)."""
     hook = HOOKS[comm.compression].from_config(comm, counter, group, device)
-    hook.shared = shared_all_reduce_for(comm, timeout, hook.sums_only, group, device, capacity)
+    hook.transport = build_transport(comm, timeout, hook.sums_only, group, device, capacity)
     return hook

@@ -27,7 +27,7 @@ from torch._C._distributed_c10d import GradBucket
 from dtrain.comm.accounting import CommCounter
 from dtrain.comm.agreement import MAX_CARRYING_RANKS, StepAgreement
 from dtrain.comm.mean import divide_, divide_into
-from dtrain.comm.shm import SharedMemoryAllReduce
+from dtrain.comm.transport import SumTransport
 from dtrain.config import CommConfig
 
 
@@ -53,8 +53,8 @@ class CommHook:
 
     name: ClassVar[str] = ""
     stateful: ClassVar[bool] = False
-    # Whether its collectives are summing all-reduces that a shared-memory segment can carry
-    # between the ranks of one machine (comm.transport; dtrain.comm.shm).
+    # Whether its collectives are all summing all-reduces, which an opt-in transport can carry
+    # (comm.transport; dtrain.comm.transport).
     sums_only: ClassVar[bool] = False
     # Whether it sums the step's agreement with its last bucket (see carry).
     carries_agreement: ClassVar[bool] = False
@@ -70,8 +70,8 @@ class CommHook:
         # measures the time waiting on communication from there (dtrain.comm.accounting).
         self.last_launch: float | None = None
         self._local = False
-        # Set by build_comm_hook where comm.transport puts the sums in shared memory.
-        self.shared: SharedMemoryAllReduce | None = None
+        # Set by build_comm_hook where comm.transport names an opt-in transport for the sums.
+        self.transport: SumTransport | None = None
         self._last_bucket = False  # whether the bucket being reduced is the step's last
         self._carried: StepAgreement | None = None  # to sum with this step's last bucket
         self._staging: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
@@ -134,26 +134,28 @@ class CommHook:
         """Back to the state of a fresh start."""
 
     def sum_future(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-        """Sum ``tensor`` over the group in place: through the shared segment (done when this
-        returns) or the process group (started); the future's value is ``tensor``."""
-        if self.shared is not None:
-            return self._shared_sum(tensor, divisor=1)
+        """Sum ``tensor`` over the group in place: through the opt-in transport (done when
+        this returns) or the process group (started); the future's value is ``tensor``."""
+        if self.transport is not None:
+            return self._transport_sum(tensor, divisor=1)
         self.counter.all_reduce(nbytes(tensor), self.world_size)
         return all_reduce_future(tensor, self.group)
 
     def mean_future(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
         """:meth:`sum_future` of ``tensor`` divided by the group size (before the sum, which
-        keeps it in range, as torch's ``allreduce_hook`` does). Through the shared segment
-        the division is part of the copy into it: one pass over the bucket fewer."""
-        if self.shared is not None:
-            return self._shared_sum(tensor, divisor=self.world_size)
+        keeps it in range, as torch's ``allreduce_hook`` does). Through an opt-in transport
+        the division is the transport's, in a pass of its own or in its copy of the tensor."""
+        if self.transport is not None:
+            return self._transport_sum(tensor, divisor=self.world_size)
         return self.sum_future(divide_(tensor, self.world_size))
 
-    def _shared_sum(self, tensor: torch.Tensor, divisor: int) -> torch.futures.Future[torch.Tensor]:
-        assert self.shared is not None
-        self.counter.shared_all_reduce(nbytes(tensor), self.world_size)
+    def _transport_sum(
+        self, tensor: torch.Tensor, divisor: int
+    ) -> torch.futures.Future[torch.Tensor]:
+        assert self.transport is not None
+        self.counter.sent(self.transport.bytes_sent(nbytes(tensor)), self.world_size)
         started = time.perf_counter()
-        self.shared.all_reduce_(tensor, divisor=divisor)
+        self.transport.all_reduce_(tensor, divisor=divisor)
         if not self._last_bucket:
             # Done before this returns, in the middle of backward: time that no computation
             # hides. (The strategy counts the last bucket's from its launch.)

@@ -77,36 +77,6 @@ def _keep_configured_settings(
     return {**saved, "param_groups": groups}
 
 
-def fit_saved_groups(saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """An optimizer state dict saved with its parameters split over more groups than
-    ``optimizer`` has, regrouped to ``optimizer``'s layout: a checkpoint of a dtrain that kept
-    biases and norms in a group of their own without weight decay (the same settings as the
-    other group), loaded where they share one. Only where the parameters keep their order and
-    every merged group holds the same settings; anything else is returned as it is, for
-    torch's own check to name."""
-    groups = saved.get("param_groups", [])
-    ours = optimizer.param_groups
-    if len(groups) <= len(ours):
-        return saved
-    ids = [index for group in groups for index in group["params"]]
-    sizes = [len(group["params"]) for group in ours]
-    if len(ids) != sum(sizes):
-        return saved
-    settings = [
-        {key: value for key, value in group.items() if key != "params"}
-        for group in groups
-        for _ in group["params"]
-    ]
-    fitted, begin = [], 0
-    for size in sizes:
-        part = settings[begin : begin + size]
-        if any(setting != part[0] for setting in part):
-            return saved
-        fitted.append({**part[0], "params": ids[begin : begin + size]})
-        begin += size
-    return {**saved, "param_groups": fitted}
-
-
 def _by_tensor_type(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
     """Parameters split by tensor type (plain tensors, DTensors), non-empty parts only: the
     fused foreach kernels take one type per call, and tensor parallelism mixes them (cut
@@ -154,9 +124,9 @@ def lr_factor(
 
 class Schedule(torch.optim.lr_scheduler.LambdaLR):
     """torch's ``LambdaLR`` with one factor for every group, whose saved state also loads where
-    the optimizer has another number of groups than the run that saved it (see
-    :func:`fit_saved_groups`): every group starts from ``optim.lr`` under the same factor, so
-    the state's per-group lists hold one value, repeated."""
+    the optimizer has another number of groups than the run that saved it: every group starts
+    from ``optim.lr`` under the same factor, so the state's per-group lists hold one value,
+    repeated."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, lr_lambda: Callable[[int], float]) -> None:
         super().__init__(optimizer, lr_lambda)

@@ -89,12 +89,6 @@ def validate_cross_fields(cfg: Config) -> None:
             "'inplace' only (restart mode restarts every worker after any failure); remove it "
             "or set fault.recovery = 'inplace'"
         )
-    debug = cfg.debug
-    if 0 <= debug.slowdown_to_step < debug.slowdown_from_step:
-        raise ConfigError(
-            f"debug.slowdown_to_step = {debug.slowdown_to_step} is before "
-            f"debug.slowdown_from_step = {debug.slowdown_from_step}: no step would be slowed"
-        )
 
 
 def validate_schedule(cfg: Config) -> None:
@@ -158,16 +152,6 @@ def validate_balance_world(cfg: Config, world_size: int, data_parallel_size: int
         )
 
 
-def validate_ranks(cfg: Config, world_size: int) -> None:
-    """Checks that name a rank: it must exist in a world of ``world_size`` ranks."""
-    rank = cfg.debug.slowdown_rank
-    if rank >= world_size:
-        raise ConfigError(
-            f"debug.slowdown_rank = {rank}: there is no rank {rank} in a job of {world_size} "
-            f"rank(s) (ranks are 0..{world_size - 1}); pick one of those, or -1 for none"
-        )
-
-
 def validate_strategy(cfg: Config, world_size: int) -> None:
     """Reject, in the parent process, a config its strategy cannot run at this world size:
     the mesh first (its dimensions must divide the world), then the checks at the
@@ -191,11 +175,12 @@ def validate_strategy(cfg: Config, world_size: int) -> None:
             "(gradient compression needs a strategy that all-reduces whole gradients "
             "through comm hooks: ddp or allreduce)"
         )
-    if cfg.comm.transport == "shm" and not can.comm_hooks:
+    if cfg.comm.transport != "backend" and not can.comm_hooks:
+        # An opt-in transport (dtrain.ext) carries comm hooks' sums; its own rules are its.
         raise ConfigError(
-            f"comm.transport = 'shm' does not work with strategy.name = {name!r}: it "
-            "carries the gradient all-reduce of ddp and allreduce only; use "
-            "comm.transport = 'backend'"
+            f"comm.transport = {cfg.comm.transport!r} does not work with strategy.name = "
+            f"{name!r}: it carries the gradient all-reduce of ddp and allreduce only; "
+            "use comm.transport = 'backend'"
         )
     if can.comm_hooks:
         validate_compression(cfg)
@@ -229,17 +214,6 @@ def validate_compression(cfg: Config) -> None:
     """The ``[comm]`` compression keys beyond their own ranges, for a strategy with comm
     hooks."""
     comm = cfg.comm
-    if comm.transport == "shm" and comm.compression not in SUMMING_COMPRESSIONS:
-        raise ConfigError(
-            f"comm.transport = 'shm' does not work with comm.compression = "
-            f"{comm.compression!r}: a shared-memory segment carries summing all-reduces only "
-            "(compression none, fp16, bf16 or powersgd); use comm.transport = 'backend'"
-        )
-    if comm.transport == "shm" and cfg.dist.device == "cuda":
-        raise ConfigError(
-            "comm.transport = 'shm' does not work with dist.device = 'cuda': it sums tensors "
-            "in host memory; use comm.transport = 'backend' (NCCL has its own)"
-        )
     least = POWERSGD_MIN_START_STEP
     if comm.compression == "powersgd" and comm.powersgd_start_step < least:
         raise ConfigError(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dtrain.config.checks import validate_ranks, validate_strategy
+from dtrain.config.checks import validate_strategy
 from dtrain.config.sections import Config
 from dtrain.errors import ConfigError
 
@@ -52,12 +52,6 @@ def validate_job(cfg: Config, job: JobShape) -> None:
     an elastic job may have, the ranks the config names, what needs one machine, and what
     in-place recovery needs of the machines."""
     validate_strategy(cfg, job.min_world_size)
-    if cfg.comm.transport == "shm" and job.max_nodes > 1:
-        raise ConfigError(
-            f"comm.transport = 'shm' needs every rank on one machine, but --nnodes {job.nnodes} "
-            "allows more; use comm.transport = 'auto' (shared memory where it can be used)"
-        )
-    validate_ranks(cfg, job.min_world_size)  # a rank the config names exists in every world
     if job.max_world_size != job.min_world_size:
         validate_strategy(cfg, job.max_world_size)
     if cfg.fault.recovery != "inplace":

@@ -109,36 +109,11 @@ def build_config(raw: Mapping[str, Any], task_config_class: type | None = None) 
     return cfg
 
 
-# Keys an earlier version had under another name: old -> (new, what to know about it).
-RENAMED = {
-    "strategy.precision": (
-        "train.precision",
-        "for every strategy now: 'fp32', 'bf16-mixed' or 'fp16-mixed'",
-    ),
-    "data.balance": (
-        "data.split",
-        "the same values: how a global batch is split across ranks (balance.* is the "
-        "per-rank load balancing)",
-    ),
-}
-
-# Keys an earlier version had that this one does not need: key -> why, and what to do.
-REMOVED = {
-    "fault.preempt_check_s": "every step's ranks agree on a preemption with its gradient sync "
-    "now, at no cost; remove the key",
-}
-
-
 def _build_section(section: str, cls: type, values: Mapping[str, Any]) -> Any:
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in values.items():
-        if f"{section}.{key}" in REMOVED:
-            raise ConfigError(f"config key {section}.{key} is gone: {REMOVED[f'{section}.{key}']}")
-        if f"{section}.{key}" in RENAMED:
-            new_key, note = RENAMED[f"{section}.{key}"]
-            raise ConfigError(f"config key {section}.{key} is now {new_key} ({note})")
         if key not in known:
             raise ConfigError(
                 f"unknown config key {section}.{key}{_suggest(key, known, prefix=section + '.')}"

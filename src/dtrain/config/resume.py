@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dtrain.config.load import REMOVED, RENAMED
 from dtrain.config.sections import Config
 from dtrain.errors import ConfigError
 
@@ -49,17 +48,9 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """The keys that differ and may not; a key the saved config lacks (a checkpoint made
-    before the key existed) counts as its default, which is what that run trained with. A key
-    since renamed is compared under its new name; one since removed changes nothing."""
+    """The keys that differ and may not (a key only one of them has differs: every config a
+    run saves holds every key)."""
     before, after = flatten(saved), flatten(current)
-    for old, (new, _note) in RENAMED.items():
-        if old in before:
-            before.setdefault(new, before.pop(old))
-    for gone in REMOVED:
-        before.pop(gone, None)
-    for key, default in flatten(Config().to_dict()).items():
-        before.setdefault(key, default)
     diffs = []
     for key in sorted(set(before) | set(after)):
         if key.startswith(SAFE_TO_CHANGE) or key in SAFE_TO_CHANGE:
@@ -71,7 +62,7 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
 
 def check_resumed_config(saved_toml: str, cfg: Config, where: Path) -> None:
     """A one-line error where ``cfg`` changes a key of the config the checkpoint at ``where``
-    was made with (``saved_toml``, its text; unreadable: every key counts as its default)."""
+    was made with (``saved_toml``, its text; unreadable: every key differs)."""
     try:
         saved = tomllib.loads(saved_toml)
     except tomllib.TOMLDecodeError:

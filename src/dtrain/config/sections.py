@@ -269,12 +269,10 @@ class CommConfig:
         "gradient compression of ddp and allreduce: none, fp16, bf16, powersgd (low rank, "
         "error feedback) or topk (largest entries, error feedback)",
     )
-    transport: Literal["backend", "shm", "auto"] = _opt(
+    transport: str = _opt(
         "backend",
         "how ddp and allreduce sum gradients between ranks: 'backend' through dist.backend's "
-        "collectives; opt-in: 'shm' through a shared-memory segment (CPU, every rank on one "
-        "machine, x86-64; compression none, fp16, bf16 or powersgd), 'auto' shm where it can "
-        "be used, else backend (docs/communication.md)",
+        "collectives, or an opt-in transport (docs/communication.md)",
     )
     powersgd_rank: int = _opt(4, "powersgd: rank of the low-rank approximation", min=1)
     powersgd_start_step: int = _opt(
@@ -378,19 +376,6 @@ class BalanceConfig:
 
 
 @dataclass
-class DebugConfig:
-    slowdown_rank: int = _opt(
-        -1,
-        "testing aid: the rank made slower (-1 = none); it sleeps (factor - 1) x its own "
-        "measured forward + backward time, so a smaller share makes it faster",
-        min=-1,
-    )
-    slowdown_factor: float = _opt(2.0, "testing aid: how many times slower that rank is", min=1)
-    slowdown_from_step: int = _opt(0, "testing aid: first step that is slowed", min=0)
-    slowdown_to_step: int = _opt(-1, "testing aid: last step that is slowed (-1 = the end)", min=-1)
-
-
-@dataclass
 class MetricsConfig:
     tensorboard: bool = _opt(
         False,
@@ -432,7 +417,6 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
-    debug: DebugConfig = field(default_factory=DebugConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     # The task's own options, validated against the task's config class when it declares one.
     task: Any = field(default_factory=dict)

@@ -45,7 +45,6 @@ from dtrain.checkpoint.forms import Form, Origin, Part, renamed, with_param_name
 from dtrain.comm.accounting import CommCounter
 from dtrain.comm.hooks import CommHook
 from dtrain.compute.model_call import call_model
-from dtrain.compute.optim import fit_saved_groups
 from dtrain.config import CommConfig, Config, StrategyConfig
 from dtrain.config.capabilities import Capabilities, capabilities
 from dtrain.dist.runtime import Runtime
@@ -326,7 +325,7 @@ class Strategy(ABC):
     def load_optimizer_state_dict(
         self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
-        optimizer.load_state_dict(fit_saved_groups(state, optimizer))
+        optimizer.load_state_dict(state)
 
 
 # -- capabilities ---------------------------------------------------------------------------

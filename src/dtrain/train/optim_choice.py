@@ -72,11 +72,6 @@ def kind_of(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
-# dtrain's own classes under the names a checkpoint written before they moved records: the
-# same class, so its state loads (dtrain/optim.py became dtrain/compute/optim.py).
-MOVED_KINDS = {"dtrain.optim.Schedule": "dtrain.compute.optim.Schedule"}
-
-
 class OptimizerKinds:
     """A training-state part: the classes of the optimizer and the schedule. Loaded before
     their states (:func:`dtrain.checkpoint.state.load`), so that a checkpoint of another
@@ -92,7 +87,6 @@ class OptimizerKinds:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for part, mine in self.kinds.items():
             theirs = state.get(part)
-            theirs = MOVED_KINDS.get(theirs, theirs) if isinstance(theirs, str) else theirs
             if theirs is not None and theirs != mine:
                 raise CheckpointError(
                     f"the checkpoint holds the state of a {theirs} {part}, this run trains with "

@@ -9,7 +9,7 @@ What happens, and where each concern plugs in::
     loop:   for step in range(start, steps):      # each phase a `with` (the liveness record)
               balance.step_started()               # per-rank phase timing (balance/)
               batch = next(loader)                 # micro-batches of (inputs, targets)
-              balance.data_ready(step, batch)      # data wait ends; the slowdown aid arms
+              balance.data_ready(batch)            # data wait ends
               forward_backward(batch, items, stop flag)      (dtrain.train.step, every strategy)
                   for each micro-batch: loss_fn(model(x), y).sum().backward(scale)
                   strategy.sync_gradients()        # grads = d(global mean loss), synced;
@@ -288,7 +288,7 @@ class Trainer:
             parts = [split_to_device(self.task, m, self.runtime.device) for m in batch.micro]
             micro = [part for part, _ in parts]
             count = sum(items for _, items in parts)
-            self.balance.data_ready(self.step + 1, batch, count)
+            self.balance.data_ready(batch, count)
             per_sample = self.task.items_per_sample
             planned = None
             if per_sample is not None:

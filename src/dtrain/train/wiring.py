@@ -9,12 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.balance.balancer import LoadBalancer
-from dtrain.balance.slowdown import Slowdown
 from dtrain.balance.timing import StepTimer
 from dtrain.checkpoint.state import TrainingState
 from dtrain.checkpoint.write import Checkpointer
 from dtrain.compute.precision import LossScaler
-from dtrain.config import Config, validate_balance_world, validate_ranks
+from dtrain.config import Config, validate_balance_world
 from dtrain.data.build import build_train_loader
 from dtrain.dist.runtime import Runtime
 from dtrain.errors import UserError
@@ -49,21 +48,12 @@ def wire_trainer(cfg: Config, task: Task, runtime: Runtime) -> Trainer:
     dp_size = strategy.data_parallel_size
     loader = build_train_loader(task, cfg, strategy.data_parallel_rank, dp_size, runtime.device)
     # A worker started without the CLI's checks (plain torchrun) meets them here.
-    validate_ranks(cfg, runtime.world_size)
     validate_balance_world(cfg, runtime.world_size, dp_size)
     # Per-rank phase timing (the optimizer's step timed by its hooks), straggler reports and
     # (balance.mode) per-rank batch shares.
     timer = StepTimer(strategy.comm, optimizer, runtime.device)
-    debug, slowdown = cfg.debug, None
-    if debug.slowdown_rank == runtime.rank and debug.slowdown_factor > 1:
-        slowdown = Slowdown(
-            strategy.unwrapped,
-            debug.slowdown_factor,
-            debug.slowdown_from_step,
-            debug.slowdown_to_step,
-        )
     balance = LoadBalancer(
-        cfg.balance, runtime, dp_size, timer, strategy.comm, run_log.log, task.item_name, slowdown
+        cfg.balance, runtime, dp_size, timer, strategy.comm, run_log.log, task.item_name
     )
     # fp16-mixed: the dynamic loss scale (dtrain.compute.precision), part of the training state.
     scaler = None
@@ -85,9 +75,8 @@ def wire_trainer(cfg: Config, task: Task, runtime: Runtime) -> Trainer:
     }
     if scaler is not None:
         parts["loss_scaler"] = scaler
-    # balance: checkpoints from before load balancing; loss_scaler: from a run in another
-    # precision (the scale starts afresh); kinds: from before they were kept.
-    optional = frozenset({"balance", "loss_scaler", "kinds"})
+    # loss_scaler: from a run in another precision (the scale starts afresh).
+    optional = frozenset({"loss_scaler"})
     state = TrainingState(strategy, optimizer, parts, runtime, cfg, optional)
     run_dir = Path(cfg.run.dir)
     watchdog = Watchdog(

@@ -1,4 +1,6 @@
-"""Summing all-reduce between the ranks of one machine through a shared-memory segment.
+"""Summing all-reduce between the ranks of one machine through a shared-memory segment: the
+opt-in transport ``comm.transport = 'shm'`` (and ``'auto'``: shm where it can be used, else the
+backend), plugged in through :mod:`dtrain.comm.transport`.
 
 On CPU, gloo moves a gradient between two ranks of one machine through TCP on loopback: the
 kernel copies it twice and each side's gloo thread wakes and waits for the other's. Here each
@@ -26,6 +28,9 @@ for (the trainer's fault handling then says where that rank is).
 
 The file is removed as soon as every rank has mapped it: a rank killed outright leaves nothing
 behind in ``/dev/shm``; the mapping lives until the last rank using it exits.
+
+What a rank sends (in the strategy's byte count): its payload once, written into the segment,
+where its peers read it.
 """
 
 from __future__ import annotations
@@ -47,8 +52,9 @@ import torch.distributed as dist
 
 from dtrain.comm.mean import divide_into
 from dtrain.comm.plain import all_gather_json, broadcast_json
-from dtrain.config import CommConfig
+from dtrain.config import CommConfig, Config
 from dtrain.dist.runtime import env_int
+from dtrain.errors import ConfigError, UserError
 from dtrain.process_exit import process_alive
 
 _TOKEN_BYTES = 16
@@ -65,7 +71,33 @@ _LIVENESS_EVERY_S = 0.1
 _STALE_S = 60.0
 
 
-def shared_all_reduce_for(
+def check_config(cfg: Config, sums_only: bool) -> None:
+    """The parent's checks of ``comm.transport = 'shm'`` ('auto' goes through the backend
+    wherever shm cannot be used)."""
+    if cfg.comm.transport != "shm":
+        return
+    if not sums_only:
+        raise ConfigError(
+            f"comm.transport = 'shm' does not work with comm.compression = "
+            f"{cfg.comm.compression!r}: a shared-memory segment carries summing all-reduces only "
+            "(compression none, fp16, bf16 or powersgd); use comm.transport = 'backend'"
+        )
+    if cfg.dist.device == "cuda":
+        raise ConfigError(
+            "comm.transport = 'shm' does not work with dist.device = 'cuda': it sums tensors "
+            "in host memory; use comm.transport = 'backend' (NCCL has its own)"
+        )
+
+
+def check_machines(comm: CommConfig, max_nodes: int, nnodes: str) -> None:
+    if comm.transport == "shm" and max_nodes > 1:
+        raise UserError(
+            f"comm.transport = 'shm' needs every rank on one machine, but --nnodes {nnodes} "
+            "allows more; use comm.transport = 'auto' (shared memory where it can be used)"
+        )
+
+
+def build(
     comm: CommConfig,
     timeout: datetime.timedelta,
     sums_only: bool,
@@ -193,6 +225,10 @@ class SharedMemoryAllReduce:
         # step, and each view made afresh is a call into torch's dispatcher on the hot path.
         self._slot_views: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
         self._calls = 0
+
+    def bytes_sent(self, payload: int) -> int:
+        """Each rank writes its payload into the segment once and reads its peers' there."""
+        return payload if self.size > 1 else 0
 
     def all_reduce_(self, tensor: torch.Tensor, divisor: int = 1) -> torch.Tensor:
         """Sum ``tensor`` over the group, in place (contiguous, on the CPU); returns it.
