@@ -96,9 +96,8 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The reference the exactness tests compare with, trained once per session: the tiny
     job's parameters after its 20 steps of batch 8 in one process (its name to a NumPy
     array). Read it, never change it: several tests share it."""
-    from dtrain.testing import run_ranks
-
     from tests.dist_helpers import train_params
+    from tests.ranks import run_ranks
 
     params: dict[str, Any] = run_ranks(train_params, 1, tiny_raw(tmp_path_factory.mktemp("one")))[0]
     return params

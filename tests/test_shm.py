@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from dtrain.cli import main
 from dtrain.comm.mean import divide_
+from dtrain.comm.transport import check_transport_job
 from dtrain.config import validate_strategy
 from dtrain.config.load import build_config
 from dtrain.errors import ConfigError
@@ -294,9 +295,11 @@ def test_auto_goes_on_through_gloo_where_no_segment_can_be_made(tmp_path: Path) 
     ],
 )
 def test_bad_transport_is_a_config_error(sections: dict[str, Any], words: str) -> None:
+    # The parent's checks, in its order: the config package's rules, then the extension's own.
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(".", r"\.")):
         cfg = build_config(sections)
         validate_strategy(cfg, 2)
+        check_transport_job(cfg, max_nodes=1, nnodes="1")
 
 
 def test_shm_across_machines_is_refused_before_any_worker_starts(
