@@ -266,11 +266,6 @@ class RankLoader:
         self.skipped[start] = end
         self.reset()
 
-    def rewind(self, position: int) -> None:
-        """Hand out the step at ``position`` again (it was fetched but not trained on)."""
-        self.consumed = position
-        self.reset()
-
     def set_weights(self, weights: Sequence[float] | None) -> None:
         """New per-rank shares (one positive number per rank; None = equal) from the next step
         on (load balancing). Every rank must set the same weights before the same step. What

@@ -25,9 +25,6 @@ from typing import Any
 AGENT_SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
 AGENT_DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
-# Signals no process can catch: a handler for them cannot be installed.
-UNCATCHABLE = frozenset({"SIGKILL", "SIGSTOP"})
-
 
 def agent_signals(env: Mapping[str, str]) -> list[str]:
     """The signals the elastic agent whose environment is ``env`` forwards to its workers."""

@@ -63,10 +63,6 @@ def apply_sync_batchnorm(model: nn.Module, group: dist.ProcessGroup | None) -> i
     return len(layers)
 
 
-def is_synced(module: nn.Module) -> bool:
-    return module in _GROUPS
-
-
 class _AllReduceSum(torch.autograd.Function):
     """Sum over the group in forward; the gradient of every rank's copy of the sum, summed
     the same way, in backward."""
