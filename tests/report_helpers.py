@@ -8,6 +8,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from dtrain.report.plots import Plot
 from tests.conftest import tiny_raw
 from tests.dist_helpers import train_params
 from tests.ranks import run_ranks
@@ -41,3 +42,13 @@ def png_size(data: bytes) -> tuple[int, int]:
     assert data[12:16] == b"IHDR"
     width, height = struct.unpack(">II", data[16:24])
     return int(width), int(height)
+
+
+def legend_labels(plot: Plot) -> list[str]:
+    """The labelled series of a plot (its legend's entries)."""
+    out: list[str] = []
+    for ax in plot.figure.axes:
+        legend: Any = ax.get_legend()
+        if legend is not None:
+            out += [t.get_text() for t in legend.get_texts()]
+    return out

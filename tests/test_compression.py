@@ -23,6 +23,7 @@ from torch import nn
 
 from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
+from dtrain.checkpoint.forms import Form
 from dtrain.cli import main
 from dtrain.comm.accounting import CommCounter
 from dtrain.comm.compression import HOOKS
@@ -428,7 +429,7 @@ def test_resume_continues_bit_for_bit(
             np.testing.assert_array_equal(resumed[key], saved[key], err_msg=key)
     step10 = tmp / f"{strategy}-{compression}-saved/checkpoints/step-00000010"
     for rank_index in range(2):  # each rank's error-feedback state, in the checkpoint
-        saved = ckread.load_file(step10, layout.comm_file(rank_index))
+        saved = ckread.load_file(step10, layout.part_file("comm", Form.PER_RANK, rank_index))
         assert saved["layout"] == {
             "compression": compression,
             "strategy": strategy,

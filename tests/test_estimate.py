@@ -147,7 +147,8 @@ def test_the_state_a_rank_holds_follows_the_layout() -> None:
     assert (col.local_shape(2), row.local_shape(2)) == ((4, 6), (8, 3))
     tied = GPT(GPTConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=2, d_model=16))
     infos = model_tensors(tied)
-    assert sum(t.bytes for t in infos) == 4 * tied.num_parameters()  # the tied head once
+    # The tied head once (parameters() yields a shared tensor once).
+    assert sum(t.bytes for t in infos) == 4 * sum(p.numel() for p in tied.parameters())
     params = sum(t.bytes for t in infos)
     adamw = optimizer_bytes(infos, OptimConfig(name="adamw"), 1, 1, CPU)
     assert adamw.state == 2 * params + 4 * len(infos)  # two moments, one step count each

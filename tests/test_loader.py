@@ -335,7 +335,9 @@ def test_each_rank_gets_a_disjoint_part_of_every_global_batch(
             assert r[step]["plan"] == [[m.tolist() for m in p] for p in plan.ids]
             assert r[step]["mine"] == [m.tolist() for m in plan.ids[rank]]
         # Parts are disjoint stream positions whose union is the global batch.
-        assert sorted(i for part in mine for i in part) == sorted(plan.global_ids.tolist())
+        assert sorted(i for part in mine for i in part) == sorted(
+            i for rank in plan.ids for m in rank for i in m.tolist()
+        )
         assert sum(len(part) for part in mine) == 14
 
 

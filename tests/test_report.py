@@ -21,12 +21,12 @@ import pytest
 from dtrain.cli import main
 from dtrain.metrics.sinks import JsonlSink, Progress
 from dtrain.report import write_report
-from dtrain.report.plots import SIZE_PX, legend_labels, make_plots
+from dtrain.report.plots import SIZE_PX, make_plots
 from dtrain.report.read import read_runs
 from tests.conftest import REPO, tiny_raw
 from tests.dist_helpers import train_with_nan
 from tests.ranks import run_ranks
-from tests.report_helpers import png_size, records_of
+from tests.report_helpers import legend_labels, png_size, records_of
 
 pytest.importorskip("matplotlib", reason="dtrain report needs matplotlib (the dev extra has it)")
 

@@ -243,9 +243,10 @@ def test_a_wsd_schedule_that_does_not_fit_is_a_config_error() -> None:
 
 def test_dtrain_report_shows_the_metrics(runs: dict[str, Any]) -> None:
     pytest.importorskip("matplotlib")
-    from dtrain.report.plots import legend_labels, make_plots
+    from dtrain.report.plots import make_plots
     from dtrain.report.read import read_runs
     from dtrain.report.totals import format_totals, totals
+    from tests.report_helpers import legend_labels
 
     run = read_runs([Path(runs["ddp"]["dir"])])
     table = format_totals(totals(run[0]))

@@ -64,11 +64,6 @@ def rng_file(rank: int) -> str:
     return f"rng-rank{rank:05d}.pt"
 
 
-def comm_file(rank: int) -> str:
-    """A rank's communication-hook state (error-feedback residuals differ per rank)."""
-    return part_file("comm", Form.PER_RANK, rank)
-
-
 def part_file(name: str, form: Form, rank: int) -> str:
     """The file of a whole part ``name`` (not sharded): ``<name>.pt`` written by rank 0
     (replicated), ``<name>-rankNNNNN.pt`` by each data-parallel rank (per rank) -- except the

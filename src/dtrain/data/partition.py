@@ -367,10 +367,6 @@ class StepPlan:
         assert self._split is not None
         return [micro[self._row] for micro in self._split.sorted_parts(rank)]
 
-    @property
-    def global_ids(self) -> np.ndarray:
-        return np.concatenate([m for rank in self.ids for m in rank])
-
     def __repr__(self) -> str:
         return f"StepPlan(start={self.start}, end={self.end})"
 

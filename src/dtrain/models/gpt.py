@@ -184,9 +184,6 @@ class GPT(nn.Module):
             plan[f"{prefix}.mlp.2"] = "rowwise"
         return plan
 
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
     @torch.no_grad()
     def generate(
         self,

@@ -99,11 +99,6 @@ def checkpoint_forward(module: nn.Module) -> None:
     module.forward = types.MethodType(_checkpointed_forward, module)
 
 
-def is_checkpointed(module: nn.Module) -> bool:
-    forward = module.__dict__.get("forward")
-    return isinstance(forward, types.MethodType) and forward.__func__ is _checkpointed_forward
-
-
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return torch.utils.checkpoint.checkpoint(
         type(self).forward, self, *args, use_reentrant=False, preserve_rng_state=True, **kwargs

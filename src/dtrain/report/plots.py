@@ -15,7 +15,6 @@ import io
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -403,13 +402,3 @@ def make_plots(runs: list[Run], notes: list[str]) -> list[Plot]:
     """Every plot that at least one run has data for."""
     plots = [plot(runs, notes) for plot in ALL]
     return [p for p in plots if p is not None]
-
-
-def legend_labels(plot: Plot) -> list[str]:
-    """The labelled series of a plot (its legend's entries)."""
-    out: list[str] = []
-    for ax in plot.figure.axes:
-        legend: Any = ax.get_legend()
-        if legend is not None:
-            out += [t.get_text() for t in legend.get_texts()]
-    return out
