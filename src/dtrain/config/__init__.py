@@ -20,10 +20,7 @@ from dtrain.config.checks import (
     parse_activation_checkpointing,
     validate_balance_world,
     validate_cross_fields,
-    validate_for_world,
-    validate_schedule,
     validate_strategy,
-    wsd_decay_steps,
 )
 from dtrain.config.sections import (
     BalanceConfig,
@@ -60,8 +57,5 @@ __all__ = [
     "parse_activation_checkpointing",
     "validate_balance_world",
     "validate_cross_fields",
-    "validate_for_world",
-    "validate_schedule",
     "validate_strategy",
-    "wsd_decay_steps",
 ]
