@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 _TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
@@ -133,14 +133,7 @@ class GenerationLinks:
                 row = rows.get(inode)
                 if row is not None:
                     theirs.add((row.table, row.local, row.remote))
-        count = 0
-        for inode, fd in socket_inodes().items():
-            row = rows.get(inode)
-            if inode in self._before or row is None or row.state != _ESTABLISHED:
-                continue
-            if (row.table, row.remote, row.local) in theirs and _shut_down(fd, inode):
-                count += 1
-        return count
+        return self._shut_down_new(rows, lambda row: (row.table, row.remote, row.local) in theirs)
 
     def sever_addresses(self, addresses: Iterable[str], spare_port: int) -> int:
         """Shut down every established connection opened since this object was made between
@@ -150,13 +143,21 @@ class GenerationLinks:
         if not wanted:
             return 0
         spare = f"{spare_port:04X}"
-        rows = _tcp_rows()
+
+        def to_wanted(row: _Row) -> bool:
+            address, port = row.remote.rsplit(":", 1)
+            return address in wanted and port != spare
+
+        return self._shut_down_new(_tcp_rows(), to_wanted)
+
+    def _shut_down_new(self, rows: dict[int, _Row], chosen: Callable[[_Row], bool]) -> int:
+        """Shut down this process's established connections opened since this object was
+        made whose row is ``chosen``; how many were shut down."""
         count = 0
         for inode, fd in socket_inodes().items():
             row = rows.get(inode)
             if inode in self._before or row is None or row.state != _ESTABLISHED:
                 continue
-            address, port = row.remote.rsplit(":", 1)
-            if address in wanted and port != spare and _shut_down(fd, inode):
+            if chosen(row) and _shut_down(fd, inode):
                 count += 1
         return count
