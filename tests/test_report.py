@@ -429,7 +429,7 @@ def test_events_skip_rollback_resume_and_restart(tmp_path: Path) -> None:
 
 
 def test_the_progress_line_names_the_slowest_rank(capsys: pytest.CaptureFixture[str]) -> None:
-    progress = Progress(100, 0, "tokens", True)
+    progress = Progress(100, 0, "tokens")
     progress.write({"kind": "ranks", "step": 10, "slowdown": [0.98, 2.04, None]})
     progress.write(
         {

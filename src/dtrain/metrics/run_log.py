@@ -75,7 +75,7 @@ class RunLog:
             return
         cfg = self.cfg
         write_status(self.run_dir, RunStatus("running", step))
-        self.progress = Progress(cfg.train.steps, step, self.item_name, True)
+        self.progress = Progress(cfg.train.steps, step, self.item_name)
         self.metrics = open_sinks(self.run_dir, self.progress, tensorboard=cfg.metrics.tensorboard)
         self.metrics.write(
             records.start_record(

@@ -136,11 +136,10 @@ class Progress:
     a sink it shows ``train`` records and remembers the slowest rank of the latest ``ranks``
     record."""
 
-    def __init__(self, total: int, initial: int, item_name: str, enabled: bool) -> None:
+    def __init__(self, total: int, initial: int, item_name: str) -> None:
         self.total = total
         self.item_name = item_name
-        self.enabled = enabled
-        self.interactive = enabled and sys.stderr.isatty()
+        self.interactive = sys.stderr.isatty()
         self.start = time.perf_counter()
         self.start_step = initial
         self.bar = tqdm(
@@ -170,8 +169,6 @@ class Progress:
 
     def update(self, step: int, loss: float, items_per_s: float, comm_bytes: float = 0.0) -> None:
         """``comm_bytes``: what this rank sent per step since the last update."""
-        if not self.enabled:
-            return
         done = step - self.start_step
         elapsed = time.perf_counter() - self.start
         eta = elapsed / done * (self.total - step) if done > 0 else float("nan")
@@ -188,8 +185,6 @@ class Progress:
             say_line(f"step {step}/{self.total}  loss {loss:.4f}  {rate}  eta {eta_text}")
 
     def message(self, text: str) -> None:
-        if not self.enabled:
-            return
         if self.interactive:
             self.bar.write(text, file=sys.stderr)
         else:
