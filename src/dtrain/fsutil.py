@@ -11,13 +11,9 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 from dtrain.errors import UserError
-
-# Bytes between two calls of a long write's ``on_progress``.
-_PIECE = 64 * 2**20
 
 
 def fsync_dir(path: Path | str) -> None:
@@ -28,14 +24,8 @@ def fsync_dir(path: Path | str) -> None:
         os.close(fd)
 
 
-def write_bytes_synced(
-    path: Path | str,
-    data: bytes,
-    on_progress: Callable[[], None] | None = None,
-    mode: int | None = None,
-) -> None:
-    """Write ``data`` to ``path`` and fsync the file (not atomic by itself); ``on_progress``
-    is called after each piece of it written (a checkpoint file may be GBs). ``mode``: the
+def write_bytes_synced(path: Path | str, data: bytes, mode: int | None = None) -> None:
+    """Write ``data`` to ``path`` and fsync the file (not atomic by itself). ``mode``: the
     file is created anew with these permission bits (a file already at ``path`` is removed
     first), so that it is never readable more widely, even for a moment, as a chmod after
     the write would leave it."""
@@ -45,28 +35,17 @@ def write_bytes_synced(
         Path(path).unlink(missing_ok=True)
         opened = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb")
     with opened as fh:
-        if on_progress is None:
-            fh.write(data)
-        else:
-            view = memoryview(data)
-            for start in range(0, len(view), _PIECE):
-                fh.write(view[start : start + _PIECE])
-                on_progress()
+        fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
 
 
-def sha256_file(
-    path: Path | str, chunk: int = 8 * 2**20, on_progress: Callable[[], None] | None = None
-) -> str:
-    """The SHA-256 of a file's bytes, read in chunks (a shard or a checkpoint may be GBs);
-    ``on_progress`` is called after each chunk."""
+def sha256_file(path: Path | str) -> str:
+    """The SHA-256 of a file's bytes, read in 8 MiB chunks (a shard may be GBs)."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
-        while block := fh.read(chunk):
+        while block := fh.read(8 * 2**20):
             h.update(block)
-            if on_progress is not None:
-                on_progress()
     return h.hexdigest()
 
 

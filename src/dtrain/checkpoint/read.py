@@ -111,23 +111,17 @@ def check_marker_and_meta(step_dir: Path) -> None:
 
 
 def find_latest_valid(
-    root: Path,
-    max_step: int | None = None,
-    on_progress: Callable[[], None] | None = None,
-    check: Callable[[Path], None] | None = None,
+    root: Path, check: Callable[[Path], None] | None = None
 ) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The newest checkpoint (at most ``max_step``) that verifies, and the newer ones skipped
-    with their reason; ``on_progress`` as for :func:`verify_checkpoint`. ``check``: what
-    verifying is (default: :func:`verify_checkpoint`, every file)."""
+    """The newest checkpoint that verifies, and the newer ones skipped with their reason.
+    ``check``: what verifying is (default: :func:`verify_checkpoint`, every file)."""
     skipped: list[tuple[Path, str]] = []
-    for step, path in list_step_dirs(root):
-        if max_step is not None and step > max_step:
-            continue
+    for _, path in list_step_dirs(root):
         try:
             if check is not None:
                 check(path)
             else:
-                verify_checkpoint(path, on_progress)
+                verify_checkpoint(path)
         except CheckpointError as exc:
             skipped.append((path, str(exc)))
             continue

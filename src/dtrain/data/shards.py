@@ -17,7 +17,7 @@ once, without reading it); ``verify`` also checks every checksum.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -256,9 +256,7 @@ class BadFile:
         return f"{self.path}: {self.problem}"
 
 
-def verify_dataset(
-    data_dir: str | Path, progress: Callable[[int], None] | None = None
-) -> list[BadFile]:
+def verify_dataset(data_dir: str | Path) -> list[BadFile]:
     """Check every file of a dataset against the manifest: presence, size, SHA-256 (reads
     every byte). Also checks that the manifest's fingerprint matches its checksums, which
     catches a hand-edited manifest."""
@@ -282,6 +280,4 @@ def verify_dataset(
                 bad.append(
                     BadFile(path, f"sha256 {digest[:16]}..., expected {info['sha256'][:16]}...")
                 )
-            if progress is not None:
-                progress(size)
     return bad
