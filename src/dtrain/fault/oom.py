@@ -53,13 +53,10 @@ def asked_for(error: BaseException) -> str | None:
             return f"{match.group(1)} of GPU memory"
         if isinstance(item, MemoryError):
             return "an unknown number of bytes (Python's MemoryError)"
-        try:
-            import torch
+        import torch  # at first use: importing this module costs no torch import
 
-            if isinstance(item, torch.OutOfMemoryError):
-                return "an unknown number of bytes of GPU memory"
-        except ImportError:  # pragma: no cover
-            pass
+        if isinstance(item, torch.OutOfMemoryError):
+            return "an unknown number of bytes of GPU memory"
     return None
 
 
