@@ -8,9 +8,17 @@ import math
 import re
 from typing import Any
 
+import pytest
+import torch
 import torch.distributed as dist
 
-from dtrain.comm.plain import all_gather_json, broadcast_json, gather_json
+from dtrain.comm.plain import (
+    all_gather_json,
+    broadcast_json,
+    dtype_named,
+    gather_json,
+    gather_tensors,
+)
 from tests.conftest import REPO
 from tests.ranks import run_ranks
 
@@ -51,10 +59,6 @@ def test_values_cross_as_json_with_any_length_and_text() -> None:
         assert got["nan"][0] == math.inf and math.isnan(got["nan"][1])
 
 
-# The modules that still send a pickle between the ranks, each for a reason its report gives:
-# the in-place handover's skeleton (dtrain.recovery.handover), and the pipeline's full state
-# gathered to rank 0, which is tensors.
-STILL_PICKLED = {"recovery/handover.py", "parallel/pipeline/strategy.py"}
 OBJECT_COLLECTIVE = re.compile(
     r"\b(?:all_gather|gather|broadcast|scatter|send|recv)_object(?:_list)?\("
 )
@@ -66,4 +70,32 @@ def test_no_other_module_sends_a_pickle_between_the_ranks() -> None:
         str(path.relative_to(src)): OBJECT_COLLECTIVE.findall(path.read_text())
         for path in src.rglob("*.py")
     }
-    assert {name for name, calls in found.items() if calls} <= STILL_PICKLED, found
+    assert {name for name, calls in found.items() if calls} == set(), found
+
+
+def send_named_tensors() -> dict[str, Any]:
+    rank = dist.get_rank()
+    local = (
+        {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "n": torch.tensor([7])}
+        if rank == 1
+        else {"b": torch.ones(2, dtype=torch.bfloat16)}
+    )
+    pieces = gather_tensors(local, dst=0)
+    return {"pieces": pieces}
+
+
+def test_named_tensors_gather_without_a_pickle() -> None:
+    first, second = run_ranks(send_named_tensors, 2)
+    assert second["pieces"] is None
+    mine, theirs = first["pieces"]
+    assert torch.equal(mine["b"], torch.ones(2, dtype=torch.bfloat16))
+    assert list(theirs) == ["w", "n"]
+    assert torch.equal(theirs["w"], torch.arange(6, dtype=torch.float32).reshape(2, 3))
+    assert theirs["n"].dtype == torch.int64 and theirs["n"].tolist() == [7]
+
+
+def test_a_dtype_a_peer_names_must_be_a_torch_dtype() -> None:
+    assert dtype_named("bfloat16", 1) is torch.bfloat16
+    for name in ("Tensor", "load", 3, "os.system"):
+        with pytest.raises(ValueError, match=r"rank 1 named .* not a torch dtype"):
+            dtype_named(name, 1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
+import pytest
 import torch
 
 from dtrain.recovery import handover
@@ -88,3 +89,38 @@ def test_batches_pack_one_dtype_up_to_the_limit() -> None:
     # 40 + 40 bytes of float32; an int64 alone (another dtype); 400 bytes alone (over the
     # limit); then what follows starts a new batch.
     assert cut == [[0, 1], [2], [3], [4]]
+
+
+def test_the_skeleton_crosses_as_tagged_json_and_comes_back_the_same() -> None:
+    import json
+    import math
+
+    state = OrderedDict(w=torch.ones(2), b=torch.zeros(1, dtype=torch.bfloat16))
+    state._metadata = {"": {"version": 1}}  # type: ignore[attr-defined]
+    nest = {
+        "model": state,
+        "optimizer": {
+            "state": {0: {"step": torch.tensor(3.0)}},
+            "groups": [{"betas": (0.9, 0.95)}],
+        },
+        "loss": math.inf,
+        "flags": [True, None, "x"],
+    }
+    skeleton, _ = split(nest)
+    back = handover.from_plain(json.loads(json.dumps(handover.to_plain(skeleton))), src=1)
+    assert back == skeleton  # tuples, int keys, slots and dict kinds as they were
+    assert type(back["model"]) is OrderedDict and back["model"]._metadata == state._metadata
+    assert back["optimizer"]["groups"][0]["betas"] == (0.9, 0.95)
+
+
+def test_a_skeleton_holds_plain_data_only_both_ways() -> None:
+    with pytest.raises(TypeError, match="holds a set: not plain data"):
+        handover.to_plain({"x": {1, 2}})
+    for crafted, words in [
+        ({"slot": [0, "load", [1], True]}, "not a torch dtype"),
+        ({"callable": "os.system"}, "unknown part"),
+        ({"dict": [[{"list": []}, 1]], "ordered": False, "meta": None}, "not hashable"),
+        ({"dict": [], "ordered": False, "meta": {}}, "metadata for a plain dict"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            handover.from_plain(crafted, src=2)

@@ -72,6 +72,63 @@ def broadcast_json(value: Any, src: int = 0, group: dist.ProcessGroup | None = N
     return json.loads(payload) if here else _decode(data, n, src)
 
 
+def gather_tensors(
+    local: dict[str, torch.Tensor], dst: int = 0
+) -> list[dict[str, torch.Tensor]] | None:
+    """Collective over the default group: every rank's named tensors on the rank ``dst``, in
+    rank order, on the CPU; None on the others. What each rank sends is said first as JSON
+    (names, shapes, dtype names); the tensors follow as raw bytes point to point, read into
+    buffers of that shape and dtype -- nothing a peer sends is unpickled, unlike
+    ``gather_object``."""
+    device = _device(None)
+    manifest = [
+        [name, list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in local.items()
+    ]
+    manifests = gather_json(manifest, dst=dst)
+    if manifests is None:
+        for tensor in local.values():
+            dist.send(tensor.detach().contiguous().to(device), dst=dst)
+        return None
+    pieces: list[dict[str, torch.Tensor]] = []
+    for rank, entries in enumerate(manifests):
+        if rank == dst:
+            pieces.append({name: t.detach().cpu() for name, t in local.items()})
+            continue
+        piece = {}
+        for name, shape, dtype in entries:
+            buffer = torch.empty(shape, dtype=dtype_named(dtype, rank), device=device)
+            dist.recv(buffer, src=rank)
+            piece[str(name)] = buffer.cpu()
+        pieces.append(piece)
+    return pieces
+
+
+def send_json(value: Any, dst: int, device: torch.device) -> None:
+    """Point to point over the default group: ``value`` to rank ``dst`` (its length, then its
+    JSON text); the peer calls :func:`recv_json`."""
+    payload = _encode(value)
+    dist.send(torch.tensor([len(payload)], dtype=torch.int64, device=device), dst=dst)
+    dist.send(_padded(payload, len(payload), device), dst=dst)
+
+
+def recv_json(src: int, device: torch.device) -> Any:
+    """The value rank ``src`` sent with :func:`send_json`."""
+    length = torch.empty(1, dtype=torch.int64, device=device)
+    dist.recv(length, src=src)
+    n = _checked(int(length.item()), src)
+    data = torch.empty(n, dtype=torch.uint8, device=device)
+    dist.recv(data, src=src)
+    return _decode(data, n, src)
+
+
+def dtype_named(name: Any, rank: int) -> torch.dtype:
+    """The torch dtype rank ``rank`` named (``"float32"``); a ValueError for anything else."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"rank {rank} named {name!r} as a tensor's dtype: not a torch dtype")
+    return dtype
+
+
 def _encode(value: Any) -> bytes:
     # allow_nan (the default): a timing or a loss may be inf or NaN, which Python's json writes
     # and reads back as such. No default=: a value JSON cannot hold is the caller's bug, said

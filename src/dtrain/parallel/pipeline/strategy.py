@@ -40,6 +40,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
+from dtrain.comm.plain import gather_tensors
 from dtrain.config import CommConfig, Config, DataConfig, StrategyConfig
 from dtrain.config.layout import INTERLEAVED, stages_per_rank
 from dtrain.dist.runtime import Runtime
@@ -382,11 +383,7 @@ class PipelineStrategy(MeshStrategy, OwnStep):
             return [local]
         if self.data_parallel_rank != 0:
             local = {}  # the first copy of the pipeline speaks for all
-        pieces: list[Any] | None = (
-            [None] * self.runtime.world_size if self.runtime.is_main else None
-        )
-        dist.gather_object(local, pieces, dst=0)
-        return pieces
+        return gather_tensors(local, dst=0)
 
     def model_state_dict(self) -> dict[str, Any]:
         """The full model's state on rank 0 (names as in the unsplit model), empty on the
