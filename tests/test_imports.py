@@ -243,7 +243,7 @@ def test_the_loop_knows_in_place_recovery_only_through_its_seam() -> None:
         "dtrain.launch.launcher",  # its layout for fault.recovery = 'inplace'
         "dtrain.launch.reports",  # a failed in-place worker named by its member id
     }, importers
-    assert "dtrain.train.recovery_seam" in graph["dtrain.train.trainer"]
+    assert "dtrain.train.recovery_seam" in graph["dtrain.train.trainer.loop"]
 
 
 # torch modules that importing dtrain's launcher, worker and data-parallel strategies must not

@@ -1,46 +1,6 @@
-"""Hang and failure detection that names the rank at fault, and where it was.
-
-Each rank's liveness is one record (:mod:`dtrain.fault.liveness`): step, phase, progress
-inside the phase, alive stamp and speed, in ``RUN_DIR/liveness/rankN``. The training thread
-writes where it is (:meth:`Watchdog.in_phase` around each phase, :meth:`Watchdog.tick` as
-a long phase progresses) into the file's shared memory, without a system call. This module's
-daemon thread does the rest: it stamps the record alive, measures the rank's speed, and mirrors
-the record into the job's key-value store (hosted by rank 0 under ``dtrain train``, by torch's
-agent under plain ``torchrun``) as ``dtrain/hb/<rank>``, every ``heartbeat_s`` seconds and soon
-(within ~0.4 s) after the rank enters a step or phase that lasts. The training thread never
-waits on the store. A rank that raises posts ``dtrain/failed/<rank>`` before it exits. Both
-records are sealed with the job's secret (:mod:`dtrain.dist.sealed_store`): one that fails
-its seal (a stranger's, who reached the store's port) is read as none, with one warning.
-
-When a collective fails on a rank -- a peer's socket closed, or the collective timeout
-(``dist.timeout_s``) expired because a peer stopped responding -- :meth:`Watchdog.diagnose`
-reads the store and names who is missing, and where:
-
-- a rank that posted a failure: its error, and the step and phase it raised in;
-- a rank of this machine whose process is gone (``kill -9``, the OOM killer): the exact step
-  and phase it died in, from its liveness file (a beat in the store may be many steps behind
-  in a run whose steps take milliseconds); without a readable file, the step is said to be
-  unknown and the last beat is given with its age;
-- a rank whose beat is stale (stopped, hung, or on a machine that was cut off): how long it has
-  made no progress and where, from its file on this machine; elsewhere, its last beat with
-  its age -- never a stale step presented as where it is;
-- a rank that never beat;
-- when the store itself is gone or frozen with rank 0: rank 0, by its last beat (kept while the
-  store answered) or its file. Every store call is bounded in time, so a frozen store never
-  hangs a rank.
-
-The trainer raises that as a :class:`~dtrain.fault.peer_failure.PeerFailure`.
-
-As a backstop for hangs outside a collective with a timeout, the thread also watches this
-rank's record: when neither its phase nor its progress has moved for twice the collective
-timeout, it writes the diagnosis as this worker's error and ends the process, so the launcher
-stops (or restarts) the group instead of hanging. A long phase is no hang as long as it ticks:
-an evaluation per batch, a blocking save per file written, rank 0's resume check per file
-hashed. A rank other than 0 is also not hung while rank 0's record moves: the work only one
-rank does (the resume check, a checkpoint's commit, writing the whole-model files) is rank
-0's, and the others wait for it in a collective. Were such a rank stuck on its own, rank 0
-would soon wait for it in a collective, stop moving, and name it when that times out.
-"""
+"""The watchdog: this rank's phase and progress written into its liveness record, a daemon
+thread that stamps it alive, mirrors it into the job's store and backs up the collective
+timeout against hangs, and the diagnosis of a failed peer (the package's docstring says how)."""
 
 from __future__ import annotations
 
@@ -59,7 +19,7 @@ from typing import Any
 from dtrain.console import say_error
 from dtrain.dist import sealed_store
 from dtrain.dist.reachability import node_label
-from dtrain.dist.sealed_store import Shape, fits, warn_once
+from dtrain.dist.sealed_store import fits, warn_once
 from dtrain.dist.store_link import job_store_link
 from dtrain.fault import oom
 from dtrain.fault.diagnosis import PeerDiagnosis
@@ -76,6 +36,14 @@ from dtrain.fault.peer_failure import (
     connection_closed,
     is_collective_failure,
 )
+from dtrain.fault.watchdog.records import (
+    FAILURE,
+    KILLED,
+    beat_of,
+    failure_text,
+    liveness_attempt,
+    store_prefix,
+)
 
 # A beat follows a change of step or phase after at most this long (instead of waiting for the
 # next regular beat), so the store's view of a rank on another machine is rarely more than
@@ -90,31 +58,6 @@ _CONNECT_S = 30.0
 # Phases the backstop leaves alone: finished ranks, and the user's after-training hook, which
 # cannot tick (it is the user's code); a collective inside it has its own timeout.
 _NO_BACKSTOP = frozenset({"done", "idle", "after_training"})
-
-
-# fault.recovery = 'inplace': the membership generation this process trains in (set per
-# generation by dtrain.recovery.inplace). Its ranks' liveness records are one attempt: each
-# worker's own restart count is not.
-GENERATION_ENV = "DTRAIN_INPLACE_GENERATION"
-
-
-# What a rank posts when it fails, and what a rank posts for a dead rank of its machine.
-FAILURE: Shape = {"host": str, "pid": int, "step": int, "phase": str, "error": str}
-KILLED: Shape = {"host": str, "pid": int, "killed": str, "seen_by": int}
-
-
-def liveness_attempt() -> int:
-    """The attempt a liveness record belongs to: the restart count of torch's agent, or the
-    membership generation under fault.recovery = 'inplace'."""
-    value = os.environ.get(GENERATION_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    return int(value or 0)
-
-
-def _prefix() -> str:
-    # Keys of an earlier attempt (before a restart) must not be read as this one's.
-    from dtrain.dist.runtime import store_namespace
-
-    return store_namespace() + "watchdog/"
 
 
 class InPhase:
@@ -215,7 +158,7 @@ class Watchdog(PeerDiagnosis):
         if self.store is not None and self.rank != 0:
             # Every rank gets this far at start-up, so waiting for rank 0's first beat costs
             # nothing a collective soon after would not; it is what names rank 0 if it dies early.
-            key = f"{_prefix()}hb/0"
+            key = f"{store_prefix()}hb/0"
             wait = datetime.timedelta(seconds=self.timeout_s)
             try:
                 self.store.call(lambda store: store.wait([key], wait), key, self.timeout_s + 1)
@@ -292,11 +235,11 @@ class Watchdog(PeerDiagnosis):
     def _post_failure(self, rank: int, record: dict[str, Any]) -> None:
         if self.store is None:
             return
-        key = f"{_prefix()}failed/{rank}"
+        key = f"{store_prefix()}failed/{rank}"
         value = sealed_store.seal(key, json.dumps(record).encode())
         # The index is appended to by every rank, and cannot be sealed: it only says which
         # records to read, and those are.
-        index, entry = f"{_prefix()}failed", f"{rank},"
+        index, entry = f"{store_prefix()}failed", f"{rank},"
 
         def post(store: Any) -> None:
             store.set(key, value)
@@ -311,7 +254,7 @@ class Watchdog(PeerDiagnosis):
         """This rank's record, as it stands, into the store."""
         assert self.store is not None
         self.liveness.stamp(time.time(), self._speed)
-        key = f"{_prefix()}hb/{self.rank}"
+        key = f"{store_prefix()}hb/{self.rank}"
         value = sealed_store.seal(key, json.dumps(self.liveness.record().to_dict()).encode())
         self.store.call(lambda store: store.set(key, value), "a heartbeat")
 
@@ -405,9 +348,9 @@ class Watchdog(PeerDiagnosis):
         if self.store is None:
             return {}
         others = [rank for rank in range(self.world_size) if rank != self.rank]
-        keys = {rank: f"{_prefix()}hb/{rank}" for rank in others}
+        keys = {rank: f"{store_prefix()}hb/{rank}" for rank in others}
         values = self.store.read_many(list(keys.values()), seconds)
-        return {rank: _beat_of(key, values[key]) for rank, key in keys.items()}
+        return {rank: beat_of(key, values[key]) for rank, key in keys.items()}
 
     def failures(self, seconds: float | None = None) -> dict[int, dict[str, Any]]:
         """The failures other ranks posted: the index of the ranks that failed, then theirs."""
@@ -415,14 +358,16 @@ class Watchdog(PeerDiagnosis):
             return {}
         index = self.store.call(
             lambda store: (
-                store.get(f"{_prefix()}failed") if store.check([f"{_prefix()}failed"]) else b""
+                store.get(f"{store_prefix()}failed")
+                if store.check([f"{store_prefix()}failed"])
+                else b""
             ),
             "reading the failed ranks",
             seconds,
         )
         listed = {int(r) for r in bytes(index).decode(errors="replace").split(",") if r.isdigit()}
         ranks = sorted(listed & set(range(self.world_size)) - {self.rank})
-        keys = {rank: f"{_prefix()}failed/{rank}" for rank in ranks}
+        keys = {rank: f"{store_prefix()}failed/{rank}" for rank in ranks}
         values = self.store.read_many(list(keys.values()), seconds)
         failed: dict[int, dict[str, Any]] = {}
         for rank, key in keys.items():
@@ -435,8 +380,8 @@ class Watchdog(PeerDiagnosis):
 
     def _read_beat(self, rank: int, seconds: float | None = None) -> Liveness | None:
         assert self.store is not None
-        key = f"{_prefix()}hb/{rank}"
-        return _beat_of(key, self.store.read(key, seconds))
+        key = f"{store_prefix()}hb/{rank}"
+        return beat_of(key, self.store.read(key, seconds))
 
     def on_error(self, error: BaseException) -> BaseException:
         """What the trainer raises for an error out of its loop: a collective that failed
@@ -472,22 +417,6 @@ class Watchdog(PeerDiagnosis):
             f"rank {self.rank} ({self.host}) at step {self.step} in {self.phase}: a collective "
             f"failed: {words} (collective error: {cause})"
         )
-
-
-def _beat_of(key: str, record: dict[str, Any] | None) -> Liveness | None:
-    """The heartbeat in a record read at ``key`` (None: none, or not a heartbeat: warned)."""
-    beat = Liveness.from_dict(record)
-    if record is not None and beat is None:
-        warn_once(key, "it is malformed (not the record dtrain writes there)")
-    return beat
-
-
-def failure_text(error: BaseException | str) -> str:
-    """A rank's own failure as the other ranks name it. Ctrl-C on its machine reaches its
-    workers as SIGINT, which was a bare ``KeyboardInterrupt:`` to the others."""
-    if isinstance(error, KeyboardInterrupt):
-        return "interrupted by SIGINT (Ctrl-C on its machine), without saving"
-    return error if isinstance(error, str) else f"{type(error).__name__}: {error}"
 
 
 def _exit_on_hang(message: str) -> None:

@@ -1,45 +1,5 @@
-"""The training loop, and only the loop.
-
-What happens, and where each concern plugs in::
-
-    setup:  (dtrain.train.wiring.wire_trainer, the one wiring place, builds every component)
-            strategy.setup(task)                  # wrap the model (ddp, allreduce, fsdp, ...)
-            build optimizer, LR schedule, loader   # loader = this rank's share of one stream
-            resume(newest valid checkpoint)        # dict of state_dicts -> every component
-    loop:   for step in range(start, steps):      # each phase a `with` (the liveness record)
-              balance.step_started()               # per-rank phase timing (balance/)
-              batch = next(loader)                 # micro-batches of (inputs, targets)
-              balance.data_ready(batch)            # data wait ends
-              forward_backward(batch, items, stop flag)      (dtrain.train.step, every strategy)
-                  for each micro-batch: loss_fn(model(x), y).sum().backward(scale)
-                  strategy.sync_gradients()        # grads = d(global mean loss), synced;
-                                                   # the ranks' agreement on the step (global
-                                                   # items, stop) rides in the last bucket
-              start the logged step's loss sum and, once a timing window, its gather
-                                                   # (both complete during the update)
-              norm = strategy.clip_grad_norm()     # global norm: the same on every rank
-              if norm is finite: optimizer.step()
-              scheduler.step()
-              strategy.after_optimizer_step(step)  # localsgd, diloco: sync every H steps
-              balance.step_finished(step)          # once a window: gather the ranks'
-                                                   # timings, name stragglers; new shares
-                                                   # for the loader from the next step on
-              nan_guard.decide(step, norm)         # a non-finite norm: the step was skipped;
-                                                   # after N in a row roll back to the last
-                                                   # checkpoint, never to deliver those
-                                                   # batches again (the trainer does it)
-              every log_every:         a train record to every sink (metrics.jsonl,
-                                       progress line, TensorBoard); events as they happen
-                                       (all through the RunLog, dtrain.metrics.run_log)
-              if any rank was asked to stop: save, exit 0   # all after the same step
-              every eval.every:        evaluate (each val sample exactly once)
-              every checkpoint.every:  save (async: the loop waits for a snapshot only)
-    end:    evaluate, final checkpoint, summary
-
-The trainer never asks which strategy it runs; everything strategy-specific is behind
-:class:`dtrain.parallel.base.Strategy` and its capabilities. A collective that fails because
-a peer died or hung becomes a :class:`~dtrain.fault.peer_failure.PeerFailure` naming that peer.
-"""
+"""The loop: :class:`Trainer` runs the steps over the components the wiring built (the
+package's docstring draws the whole loop)."""
 
 from __future__ import annotations
 
@@ -73,36 +33,7 @@ from dtrain.train.evaluation import evaluate
 from dtrain.train.nan_guard import Decision, NanGuard
 from dtrain.train.recovery_seam import RecoverySeam
 from dtrain.train.step import ForwardBackward
-
-
-class Counters:
-    """The trainer's part of the training state (``trainer`` in ``train_state.pt``): how far
-    the run got, what the NaN guard skipped and rolled back, and the item count the next step's
-    loss scale assumes (:mod:`dtrain.train.step`)."""
-
-    def __init__(self, forward_backward: ForwardBackward) -> None:
-        self.step = 0
-        self.items_seen = 0
-        self.skipped_steps = 0
-        self.rollbacks = 0
-        self.forward_backward = forward_backward  # holds the expected item count
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "items_seen": self.items_seen,
-            "skipped_steps": self.skipped_steps,
-            "rollbacks": self.rollbacks,
-            "expected_items": self.forward_backward.expected,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
-        self.items_seen = int(state["items_seen"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
-        self.rollbacks = int(state.get("rollbacks", 0))
-        expected = state.get("expected_items")
-        self.forward_backward.expected = None if expected is None else int(expected)
+from dtrain.train.trainer.counters import Counters
 
 
 class Trainer:
