@@ -8,7 +8,8 @@ import math
 import pytest
 
 from dtrain.balance.balancer import loader_weights
-from dtrain.config import Config, validate_balance_world
+from dtrain.config import Config, validate_strategy
+from dtrain.config.capabilities import CAPABILITIES
 from dtrain.errors import ConfigError
 from dtrain.fault.watchdog import Watchdog
 from dtrain.train.nan_guard import Decision, NanGuard
@@ -57,13 +58,15 @@ def test_a_phase_is_left_for_the_one_it_was_entered_from_and_an_error_keeps_it()
 
 
 def test_throughput_balancing_needs_every_rank_to_be_a_data_parallel_rank() -> None:
+    # The config package's rule (balance needs uneven shares) covers it: every strategy that
+    # takes uneven shares lays out no mesh, so each of its ranks is a data-parallel rank.
+    for name, can in CAPABILITIES.items():
+        assert not can.uneven_shares or not can.mesh, name
     cfg = Config()
     cfg.balance.mode = "throughput"
-    validate_balance_world(cfg, 4, 4)
-    with pytest.raises(ConfigError, match=r"2 of the 4 ranks share the global batch"):
-        validate_balance_world(cfg, 4, 2)
-    cfg.balance.mode = "off"
-    validate_balance_world(cfg, 4, 2)
+    cfg.strategy.name, cfg.strategy.tensor_parallel = "tensor", 2
+    with pytest.raises(ConfigError, match=r"balance.mode = 'throughput' does not work with"):
+        validate_strategy(cfg, 4)
 
 
 def test_equal_weights_are_the_loader_s_unweighted_cut() -> None:

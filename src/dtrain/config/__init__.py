@@ -18,7 +18,6 @@ config before it starts any worker, in a fraction of a second.
 
 from dtrain.config.checks import (
     parse_activation_checkpointing,
-    validate_balance_world,
     validate_cross_fields,
     validate_strategy,
 )
@@ -55,7 +54,6 @@ __all__ = [
     "TrainConfig",
     "describe_options",
     "parse_activation_checkpointing",
-    "validate_balance_world",
     "validate_cross_fields",
     "validate_strategy",
 ]

@@ -141,17 +141,6 @@ def validate_for_world(cfg: Config, data_parallel_size: int) -> None:
         )
 
 
-def validate_balance_world(cfg: Config, world_size: int, data_parallel_size: int) -> None:
-    """``balance.mode = "throughput"`` weighs every rank's share of the global batch: every
-    rank must be a data-parallel rank (the strategies that take uneven shares are such)."""
-    if cfg.balance.mode == "throughput" and data_parallel_size != world_size:
-        raise ConfigError(
-            f"balance.mode = 'throughput' with strategy.name = {cfg.strategy.name!r}: "
-            f"{data_parallel_size} of the {world_size} ranks share the global batch, and "
-            "balancing weighs every rank's share; set balance.mode = 'off'"
-        )
-
-
 def validate_strategy(cfg: Config, world_size: int) -> None:
     """Reject, in the parent process, a config its strategy cannot run at this world size:
     the mesh first (its dimensions must divide the world), then the checks at the

@@ -13,7 +13,7 @@ from dtrain.balance.timing import StepTimer
 from dtrain.checkpoint.state import TrainingState
 from dtrain.checkpoint.write import Checkpointer
 from dtrain.compute.precision import LossScaler
-from dtrain.config import Config, validate_balance_world
+from dtrain.config import Config
 from dtrain.data.build import build_train_loader
 from dtrain.dist.runtime import Runtime
 from dtrain.errors import UserError
@@ -47,8 +47,6 @@ def wire_trainer(cfg: Config, task: Task, runtime: Runtime) -> Trainer:
     scheduler = build_run_scheduler(task, optimizer, cfg)
     dp_size = strategy.data_parallel_size
     loader = build_train_loader(task, cfg, strategy.data_parallel_rank, dp_size, runtime.device)
-    # A worker started without the CLI's checks (plain torchrun) meets them here.
-    validate_balance_world(cfg, runtime.world_size, dp_size)
     # Per-rank phase timing (the optimizer's step timed by its hooks), straggler reports and
     # (balance.mode) per-rank batch shares.
     timer = StepTimer(strategy.comm, optimizer, runtime.device)

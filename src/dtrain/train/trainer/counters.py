@@ -31,7 +31,7 @@ class Counters:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.items_seen = int(state["items_seen"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
-        self.rollbacks = int(state.get("rollbacks", 0))
-        expected = state.get("expected_items")
+        self.skipped_steps = int(state["skipped_steps"])
+        self.rollbacks = int(state["rollbacks"])
+        expected = state["expected_items"]
         self.forward_backward.expected = None if expected is None else int(expected)
