@@ -15,6 +15,7 @@ import datetime
 import importlib
 from typing import TYPE_CHECKING, Protocol, cast
 
+from dtrain.config.checks import SUMMING_COMPRESSIONS
 from dtrain.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -87,8 +88,6 @@ def check_transport_job(cfg: Config, max_nodes: int, nnodes: str) -> None:
     hooks for any transport but the backend)."""
     if cfg.comm.transport == BACKEND:
         return
-    from dtrain.config.checks import SUMMING_COMPRESSIONS
-
     module = transport_module(cfg.comm.transport)
     module.check_config(cfg, cfg.comm.compression in SUMMING_COMPRESSIONS)
     module.check_machines(cfg.comm, max_nodes, nnodes)
