@@ -1,12 +1,17 @@
-"""How dtrain's processes exit: a quicker interpreter exit (the launcher and every worker), an
-end with the parent (the workers and the in-place agents), and whether another process of this
-machine has exited (a leaf: the fault watchers and the shared-memory all-reduce both ask it)."""
+"""How dtrain's processes exit: a quicker interpreter exit (the launcher), an exit without the
+interpreter's finalization (every worker), an end with the parent (the workers and the in-place
+agents), and whether another process of this machine has exited (a leaf: the fault watchers and
+the shared-memory all-reduce both ask it)."""
 
 from __future__ import annotations
 
 import atexit
 import gc
 import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import NoReturn
 
 
 def freeze_heap_at_exit() -> None:
@@ -23,6 +28,35 @@ def freeze_heap_at_exit() -> None:
     replaces the first registration."""
     atexit.unregister(gc.freeze)
     atexit.register(gc.freeze)
+
+
+def exit_without_finalizing(main: Callable[[], int]) -> NoReturn:
+    """Run ``main`` and end the process with its exit code the way ``multiprocessing`` ends its
+    children: the atexit handlers run and the standard streams are flushed, then ``os._exit``;
+    ``KeyboardInterrupt`` ends it by SIGINT, as Python would.
+
+    Why: finalization ends daemon threads where they stand, and one inside torch's C++ code (a
+    store call not yet answered, a batch being collated, a matrix product) then aborts the
+    whole process (``terminate called without an active exception``, SIGABRT) after it has
+    reported its result, so its launcher reports a failure: seen in CI when a final save found
+    the disk full. The files dtrain writes are flushed line by line or closed before this."""
+    signum = 0
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        code, signum = 128 + signal.SIGINT, signal.SIGINT
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass  # a closed pipe: the output is lost, the exit code still tells
+        if signum:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        os._exit(code)
 
 
 def process_alive(pid: int) -> bool:

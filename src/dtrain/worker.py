@@ -26,7 +26,7 @@ from dtrain.fault.error_log import append_traceback
 from dtrain.fault.oom import OutOfMemory
 from dtrain.fault.oom import describe as describe_oom
 from dtrain.fault.preempt import catch_early, settle_early, unforwarded, unforwarded_warning
-from dtrain.process_exit import die_with_parent, freeze_heap_at_exit
+from dtrain.process_exit import die_with_parent, exit_without_finalizing
 
 if TYPE_CHECKING:
     from dtrain.metrics.summary import Summary
@@ -97,13 +97,10 @@ def warn_unforwarded_signals(cfg: Config) -> None:
 
 def join_helper_threads(timeout_s: float = 2.0) -> None:
     """Wait (a little) for dtrain's own threads -- data prefetch, checkpoint writer, watchdog,
-    all named ``dtrain-*`` -- to end before the interpreter shuts down.
-
-    They are daemon threads and have been told to stop, but one may still be on its way out,
-    freeing the tensors of a batch it fetched. If Python finalizes meanwhile, the thread is
-    ended inside torch's C++ code and the whole process aborts (``terminate called without an
-    active exception``, SIGABRT) -- after a run that succeeded, so the launcher reports a
-    failure. Bounded: a thread stuck in a collective of a failed run is left behind.
+    all named ``dtrain-*`` -- to end, so that a finished run leaves none behind. They are
+    daemon threads and have been told to stop; one may still be on its way out. Bounded: a
+    thread stuck in a collective of a failed run is left behind, and the process's exit
+    (:func:`~dtrain.process_exit.exit_without_finalizing`) does not wait for it.
     """
     deadline = time.monotonic() + timeout_s
     for thread in threading.enumerate():
@@ -133,7 +130,6 @@ def die_with_launcher() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     catch_early()
-    freeze_heap_at_exit()
     die_with_launcher()
     rank = os.environ.get("RANK", "0")
     # In-place recovery: the worker's agent is its own (RANK 0 on every machine); the job
@@ -155,19 +151,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         # Ctrl-C reaches the launcher and every worker of the terminal: the launcher says the
         # run stopped; each rank's traceback of where its step was said nothing more (40
-        # lines a rank). Re-raised without one, so that the worker still ends as SIGINT ends
-        # a Python process (its atexit handlers run, its exit status is the signal's).
-        sys.excepthook = _no_traceback
+        # lines a rank). The worker ends by SIGINT without one (exit_without_finalizing).
         raise
     except SystemExit:
         raise
     except BaseException as exc:
         return report_crash(exc, int(rank), cfg.run.dir if cfg is not None else "")
     return 0
-
-
-def _no_traceback(*_exc_info: object) -> None:
-    """``sys.excepthook`` for the interrupted worker: nothing printed."""
 
 
 def report_crash(error: BaseException, rank: int, run_dir: str) -> int:
@@ -194,4 +184,4 @@ def report_crash(error: BaseException, rank: int, run_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_finalizing(main)

@@ -138,6 +138,7 @@ class Trainer:
                 raise
             raise error from exc
         finally:
+            self.loader.close()  # its prefetch stops on every way out, not only at the end
             self.watchdog.stop()
             preempt.restore()
             if self.audit is not None:
