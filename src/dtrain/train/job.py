@@ -32,7 +32,7 @@ from dtrain.comm.plain import broadcast_json
 from dtrain.config import Config
 from dtrain.config.load import apply_overrides, build_config, read_toml
 from dtrain.dist.runtime import Runtime, init_runtime
-from dtrain.task import build_task, resolve_task, task_config_class
+from dtrain.task import Task, build_task, resolve_task, task_config_class
 from dtrain.train.config_agreement import agree_on_config
 from dtrain.weights.init_from import init_model
 from dtrain.weights.model_config import save_model_config
@@ -80,9 +80,15 @@ def agree_on_run_dir(cfg: Config, runtime: Runtime) -> None:
 def build_trainer(cfg: Config) -> Trainer:
     """In a worker: join the job's process group, then build the task and its trainer. Every
     rank seeds the same before the task builds its model, so the replicas start equal."""
+    return build_trainer_on(cfg, join_job(cfg))
+
+
+def join_job(cfg: Config) -> Runtime:
+    """Join the job's process group (none for one plain process) and agree on its run
+    folder."""
     runtime = init_runtime(cfg.dist)
     agree_on_run_dir(cfg, runtime)
-    return build_trainer_on(cfg, runtime)
+    return runtime
 
 
 def build_trainer_on(cfg: Config, runtime: Runtime) -> Trainer:
@@ -91,7 +97,12 @@ def build_trainer_on(cfg: Config, runtime: Runtime) -> Trainer:
     agree_on_config(cfg, runtime)  # one job, one config, whichever machine a rank is on
     factory = resolve_task(cfg.run.task)
     seed_everything(cfg.run.seed)
-    task = build_task(factory, cfg)
+    return wire_task(cfg, build_task(factory, cfg), runtime)
+
+
+def wire_task(cfg: Config, task: Task, runtime: Runtime) -> Trainer:
+    """The trainer of ``task``: its model given ``run.init_from``'s weights and recorded, then
+    every component wired (also the engine of a loop of the user's own, :mod:`dtrain.loop`)."""
     if cfg.run.init_from:  # before the strategy spreads the model: every rank holds it whole
         init_model(task.model, cfg.run.init_from, task.init_weights, cfg.run.seed)
     if runtime.is_main:

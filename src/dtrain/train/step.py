@@ -89,12 +89,16 @@ def run_micro_batches(
         with ctx:
             with precision.autocast():  # the forward and the loss; backward runs outside
                 loss_sum = loss_fn(call_model(model, inputs), targets).sum()
-            # The gradient of ``loss_sum * scale``, bit for bit (the product's backward would
-            # pass on 1.0 x scale), without the product and its backward node.
-            loss_sum.backward(scale if scale.dtype == loss_sum.dtype else scale.to(loss_sum.dtype))
+            backward_scaled(loss_sum, scale)
         total = loss_sum.detach() if total is None else total + loss_sum.detach()
     assert total is not None, "a step has at least one micro-batch"
     return total
+
+
+def backward_scaled(loss_sum: torch.Tensor, scale: torch.Tensor) -> None:
+    """The gradient of ``loss_sum * scale``, bit for bit (the product's backward would pass on
+    1.0 x scale), without the product and its backward node."""
+    loss_sum.backward(scale if scale.dtype == loss_sum.dtype else scale.to(loss_sum.dtype))
 
 
 class ForwardBackward:
@@ -117,6 +121,7 @@ class ForwardBackward:
         self.expected: int | None = None
         self.loss_scale = LossScale(device)
         self._first = True
+        self._open: tuple[StepAgreement, int, float] | None = None  # between begin and finish
 
     def __call__(
         self,
@@ -132,9 +137,29 @@ class ForwardBackward:
         known from its plan (``Task.items_per_sample``); ``regroup``: this rank asks every rank to
         leave its membership generation after the step (``fault.recovery = 'inplace'``).
         Gradients are synchronized and scaled for the global mean when this returns."""
-        strategy = self.strategy
         if self.contract is not None:
             loss_fn = self.contract.wrap(loss_fn)
+        scale = self.begin(items, stop, planned, regroup, micro[0], loss_fn)
+        if isinstance(self.strategy, OwnStep):
+            loss_sum = self.strategy.forward_backward(micro, loss_fn, scale)
+        else:
+            loss_sum = run_micro_batches(self.strategy, micro, loss_fn, scale)
+        return loss_sum, self.finish()
+
+    def begin(
+        self,
+        items: int,
+        stop: bool,
+        planned: int | None,
+        regroup: bool,
+        first_micro: tuple[Any, Any],
+        loss_fn: LossFn,
+    ) -> torch.Tensor:
+        """The step's first half, before its first forward: the agreement opened (agreed on
+        now on a process's first step), the scale of every micro-batch's loss sum returned.
+        A loop of the user's own (:mod:`dtrain.loop`) calls it and :meth:`finish` around its
+        micro-batches, as :meth:`__call__` does."""
+        strategy = self.strategy
         agreement = StepAgreement(items if strategy.counts_items else 0, stop, regroup)
         expected = planned if planned is not None else self.expected
         if expected is None:  # nothing to assume: agree before the forward, this once
@@ -142,17 +167,23 @@ class ForwardBackward:
             expected = agreement.items
         if self._first:
             self._first = False
-            strategy.before_first_step(micro[0], loss_fn)
+            strategy.before_first_step(first_micro, loss_fn)
         loss_scale = 1.0 if self.scaler is None else self.scaler.scale  # a power of two
         scale = self.loss_scale(strategy.data_parallel_size / max(1, expected) * loss_scale)
-        if isinstance(strategy, OwnStep):
-            loss_sum = strategy.forward_backward(micro, loss_fn, scale)
-        else:
-            if not agreement.agreed and isinstance(strategy, CommHookControl):
-                hook = strategy.comm_hook_of_ours
-                if hook is not None:
-                    hook.carry(agreement)  # summed with the last bucket, if it can be
-            loss_sum = run_micro_batches(strategy, micro, loss_fn, scale)
+        if not agreement.agreed and isinstance(strategy, CommHookControl):
+            hook = strategy.comm_hook_of_ours
+            if hook is not None:
+                hook.carry(agreement)  # summed with the last bucket, if it can be
+        self._open = (agreement, expected, loss_scale)
+        return scale
+
+    def finish(self) -> StepAgreement:
+        """The step's second half, after its last backward: gradients synchronized, the
+        agreement completed, gradients rescaled for the global mean."""
+        assert self._open is not None, "ForwardBackward.finish without begin"
+        (agreement, expected, loss_scale), self._open = self._open, None
+        strategy = self.strategy
+        if not isinstance(strategy, OwnStep):
             strategy.sync_gradients()
         if not agreement.agreed:
             agreement.all_reduce(strategy.comm, self.device)
@@ -163,7 +194,7 @@ class ForwardBackward:
             # Where only the loss scale is divided out, exactly: it is a power of two.
             rescale_gradients(strategy, factor / loss_scale)
         self.expected = agreement.items
-        return loss_sum, agreement
+        return agreement
 
 
 @torch.no_grad()

@@ -3,8 +3,11 @@ package's docstring draws the whole loop)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +37,16 @@ from dtrain.train.nan_guard import Decision, NanGuard
 from dtrain.train.recovery_seam import RecoverySeam
 from dtrain.train.step import ForwardBackward
 from dtrain.train.trainer.counters import Counters
+
+
+@dataclass
+class LoopState:
+    """What the loop carries from step to step."""
+
+    summary: Summary
+    started: float  # perf_counter() at the start of fit
+    window: LossWindow  # the losses since the last metrics line
+    last_loss: float = float("nan")  # of the last metrics line
 
 
 class Trainer:
@@ -126,10 +139,18 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------
 
     def fit(self) -> Summary:
+        with self.running() as preempt:
+            return self._fit(preempt)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[PreemptionFlag]:
+        """While training runs: the watchdog watching, the preemption signals caught (the flag
+        given), an error diagnosed by the watchdog. Around :meth:`fit`, and around a loop of
+        the user's own (:mod:`dtrain.loop`)."""
         preempt = PreemptionFlag(self.cfg.fault.preempt_signals)
         self.watchdog.start()
         try:
-            return self._fit(preempt)
+            yield preempt
         except BaseException as exc:
             if self.recovery is not None and self.recovery.recoverable(exc):
                 raise  # the survivors go on (in-place recovery): no diagnosis to wait for
@@ -150,54 +171,85 @@ class Trainer:
             point = self.resume()
         summary = Summary(start_step=self.step)
         if self.step >= steps:
-            return self._already_finished(summary, started)
+            return self.already_finished(summary, started)
         with self.phase("train"):  # what a rank between two phases of the loop says
-            self._open(point)
-            window, last_loss = LossWindow(self.runtime.device), float("nan")
-            self.strategy.unwrapped.train()
+            loop = self.open_loop(point, summary, started)
             while self.step < steps:
                 if self.recovery is not None:
                     self.recovery.step_starting(self)
-                batch, micro, count, planned = self._next_batch()
-                logs = (self.step + 1) % self.cfg.train.log_every == 0 or self.step + 1 == steps
-                agreement, norm, overflowed = self._train_step(
-                    micro, count, preempt, planned, window, logs
-                )
-                self.step += 1
-                self.counters.items_seen += agreement.items  # committed: counters with it
-                if self.step == summary.start_step + 1:
-                    self._first_step_done(time.perf_counter() - started)
-                # Strategies that synchronize every few steps (localsgd, diloco) do it here,
-                # before a rollback, a checkpoint or an evaluation of this step sees the model.
-                with self.phase("after_optimizer_step"):
-                    self.strategy.after_optimizer_step(self.step)
-                # Once a timing window: the ranks' timings gathered; new shares from the next
-                # step on (the same on every rank).
-                with self.phase("balance"):
-                    self._balanced(self.balance.step_finished(self.step))
-                self._audit(batch, norm)
-                span = (batch.plan.start, batch.plan.end)
-                self._carry_out(self.nan_guard.decide(self.step, norm, overflowed, span))
-                self._poll_checkpoint()
-                if logs:
-                    last_loss = self._log_train(window, norm)
-                if agreement.stop and self.step < steps:
-                    # Every rank learnt it in the same step's agreement: all stop after this
-                    # step's update, and the final save follows.
-                    summary.preempted = preempt.signal_name or "a peer's signal"
-                    self.run_log.event("preempted", self.step, signal=summary.preempted)
+                batch, micro, count, planned = self.next_batch()
+                logs = self.logs_now()
+                failpoint("train.step", step=self.step + 1)
+                with self.phase("forward_backward"):
+                    regroup = self.recovery is not None and self.recovery.joiner_waiting()
+                    loss_sum, agreement = self.forward_backward(
+                        micro, self.task.loss_fn, count, preempt.requested, planned, regroup
+                    )
+                if self.end_step(loop, batch, loss_sum, agreement, logs, preempt):
                     break
-                if self._due(self.cfg.eval.every):
-                    self.evaluate(self.cfg.eval.max_samples)
-                if self._due(self.cfg.checkpoint.every):
-                    self.save_checkpoint(blocking=not self.cfg.checkpoint.async_save)
-                if agreement.regroup and self.recovery is not None and self.step < steps:
-                    # A worker waits to join (fault.recovery = 'inplace'); every rank learnt it
-                    # in this step's agreement: all leave after it, its evaluation and save done.
-                    self.recovery.regroup(self.step)
-            self._finish(summary, last_loss, started)
+            self.finish(summary, loop.last_loss, started)
         self.watchdog.set_phase("done")  # the last word, left by no phase
         return summary
+
+    def open_loop(self, point: ResumePoint | None, summary: Summary, started: float) -> LoopState:
+        """Training starts at ``self.step``: the run log's sinks and start record, the audit;
+        what the loop carries from step to step."""
+        self._open(point)
+        self.strategy.unwrapped.train()
+        return LoopState(summary, started, LossWindow(self.runtime.device))
+
+    def logs_now(self) -> bool:
+        """Whether the step about to run writes a metrics line."""
+        step = self.step + 1
+        return step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps
+
+    def end_step(
+        self,
+        loop: LoopState,
+        batch: StepBatch,
+        loss_sum: torch.Tensor,
+        agreement: StepAgreement,
+        logs: bool,
+        preempt: PreemptionFlag,
+    ) -> bool:
+        """Everything after the step's backward: the update, then what follows a committed
+        step (synchronizing strategies, balance, audit, NaN guard, metrics, evaluation,
+        checkpoint). Returns whether the ranks agreed to stop (a preemption) after it."""
+        steps = self.cfg.train.steps
+        norm, overflowed = self._update(loss_sum, agreement, loop.window, logs)
+        self.step += 1
+        self.counters.items_seen += agreement.items  # committed: counters with it
+        if self.step == loop.summary.start_step + 1:
+            self._first_step_done(time.perf_counter() - loop.started)
+        # Strategies that synchronize every few steps (localsgd, diloco) do it here,
+        # before a rollback, a checkpoint or an evaluation of this step sees the model.
+        with self.phase("after_optimizer_step"):
+            self.strategy.after_optimizer_step(self.step)
+        # Once a timing window: the ranks' timings gathered; new shares from the next
+        # step on (the same on every rank).
+        with self.phase("balance"):
+            self._balanced(self.balance.step_finished(self.step))
+        self._audit(batch, norm)
+        span = (batch.plan.start, batch.plan.end)
+        self._carry_out(self.nan_guard.decide(self.step, norm, overflowed, span))
+        self._poll_checkpoint()
+        if logs:
+            loop.last_loss = self._log_train(loop.window, norm)
+        if agreement.stop and self.step < steps:
+            # Every rank learnt it in the same step's agreement: all stop after this
+            # step's update, and the final save follows.
+            loop.summary.preempted = preempt.signal_name or "a peer's signal"
+            self.run_log.event("preempted", self.step, signal=loop.summary.preempted)
+            return True
+        if self._due(self.cfg.eval.every):
+            self.evaluate(self.cfg.eval.max_samples)
+        if self._due(self.cfg.checkpoint.every):
+            self.save_checkpoint(blocking=not self.cfg.checkpoint.async_save)
+        if agreement.regroup and self.recovery is not None and self.step < steps:
+            # A worker waits to join (fault.recovery = 'inplace'); every rank learnt it
+            # in this step's agreement: all leave after it, its evaluation and save done.
+            self.recovery.regroup(self.step)
+        return False
 
     # -- the loop's parts, in the order it calls them -------------------------------------
 
@@ -210,7 +262,7 @@ class Trainer:
         if self.cfg.fault.audit_sample_ids:
             self.audit = AuditWriter.open(self.run_dir, self.runtime.rank)
 
-    def _next_batch(self) -> tuple[StepBatch, list[Any], int, int | None]:
+    def next_batch(self) -> tuple[StepBatch, list[Any], int, int | None]:
         """The next step's batch, its micro-batches on the device, this rank's item count, and
         the step's global count from its plan where the task declares ``items_per_sample``
         (this rank's count checked against it), else None."""
@@ -228,25 +280,14 @@ class Trainer:
             failpoint("train.before_collective", step=self.step + 1)
         return batch, micro, count, planned
 
-    def _train_step(
-        self,
-        micro: list[Any],
-        count: int,
-        preempt: PreemptionFlag,
-        planned: int | None,
-        window: LossWindow,
-        logs: bool,
-    ) -> tuple[StepAgreement, float, bool]:
-        """Forward, backward, clip and (when the gradient is finite) update; the step's loss
-        goes into ``window``, whose sum over the ranks starts here on a step that logs.
-        Returns what the ranks agreed on about the step, the global gradient norm, and whether
-        the gradient overflowed because of fp16's loss scale (skipped, the scale halved)."""
-        failpoint("train.step", step=self.step + 1)
+    def _update(
+        self, loss_sum: torch.Tensor, agreement: StepAgreement, window: LossWindow, logs: bool
+    ) -> tuple[float, bool]:
+        """Clip and (when the gradient is finite) update; the step's loss goes into
+        ``window``, whose sum over the ranks starts here on a step that logs. Returns the
+        global gradient norm, and whether the gradient overflowed because of fp16's loss scale
+        (skipped, the scale halved)."""
         with self.phase("forward_backward"):
-            regroup = self.recovery is not None and self.recovery.joiner_waiting()
-            loss_sum, agreement = self.forward_backward(
-                micro, self.task.loss_fn, count, preempt.requested, planned, regroup
-            )
             # The gradient sync has just brought the ranks together: start the step's small
             # collectives now, to complete during the optimizer step.
             window.add(loss_sum, agreement.items)
@@ -265,7 +306,7 @@ class Trainer:
             overflowed = self._loss_scale_overflowed(norm, loss_sum)
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return agreement, norm, overflowed
+        return norm, overflowed
 
     def _loss_scale_overflowed(self, norm: float, loss_sum: torch.Tensor) -> bool:
         """Under fp16-mixed: whether a non-finite ``norm`` is the loss scale's overflow (every
@@ -377,7 +418,7 @@ class Trainer:
         last step's evaluation and save are the end's."""
         return bool(every) and self.step % every == 0 and self.step < self.cfg.train.steps
 
-    def _finish(self, summary: Summary, last_loss: float, started: float) -> None:
+    def finish(self, summary: Summary, last_loss: float, started: float) -> None:
         """The end of training: the whole validation set, the final checkpoint, the summary."""
         if not summary.preempted:
             summary.val_loss = self.evaluate()  # the whole validation set
@@ -402,7 +443,7 @@ class Trainer:
             self._after_training(summary)
         self._end(summary)
 
-    def _already_finished(self, summary: Summary, started: float) -> Summary:
+    def already_finished(self, summary: Summary, started: float) -> Summary:
         """The run folder holds a run that reached ``train.steps`` before: nothing to train,
         evaluate or save again (its records and checkpoint stand as they are). The task's
         after-training hook runs, as at the end of any run: a restart after the hook failed
