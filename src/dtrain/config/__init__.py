@@ -19,6 +19,7 @@ config before it starts any worker, in a fraction of a second.
 from dtrain.config.checks import (
     parse_activation_checkpointing,
     validate_cross_fields,
+    validate_own_loop,
     validate_strategy,
 )
 from dtrain.config.sections import (
@@ -55,5 +56,6 @@ __all__ = [
     "describe_options",
     "parse_activation_checkpointing",
     "validate_cross_fields",
+    "validate_own_loop",
     "validate_strategy",
 ]

@@ -42,6 +42,9 @@ class Capabilities:
     # Collectives in forward: every rank runs the same number of forward passes (evaluation
     # pads with batches computed and not counted).
     lockstep_forward: bool = False
+    # Its schedule runs the step's micro-batches itself (across pipeline stages): a loop of the
+    # user's own (run.script, dtrain.loop) cannot drive its step.
+    owns_step: bool = False
     # The mesh its ranks lie on (dtrain.config.layout.strategy_dims); "": all data parallel.
     mesh: Literal["", "fsdp", "tensor", "pipeline"] = ""
     fsdp: Sometimes = "never"  # whether FSDP shards the model's blocks
@@ -76,7 +79,12 @@ CAPABILITIES: dict[str, Capabilities] = {
         syncs_batchnorm=True, sharded_state=True, lockstep_forward=True, mesh="fsdp", fsdp="always"
     ),
     "pipeline": Capabilities(
-        sharded_state=True, lockstep_forward=True, mesh="pipeline", fsdp="option", cuts="option"
+        owns_step=True,
+        sharded_state=True,
+        lockstep_forward=True,
+        mesh="pipeline",
+        fsdp="option",
+        cuts="option",
     ),
     "tensor": Capabilities(
         sharded_state=True, lockstep_forward=True, mesh="tensor", fsdp="option", cuts="always"

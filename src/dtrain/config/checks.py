@@ -9,6 +9,7 @@ import math
 import signal
 from collections.abc import Sequence
 from itertools import pairwise
+from pathlib import Path
 
 from dtrain.config.capabilities import CAPABILITIES, capabilities
 from dtrain.config.layout import INTERLEAVED, stages_per_rank, strategy_dims
@@ -83,11 +84,36 @@ def validate_cross_fields(cfg: Config) -> None:
             f"{cfg.strategy.name!r}: only {' and '.join(INPLACE_STRATEGIES)} keep a whole "
             "replica on every rank to heal from; use fault.recovery = 'restart'"
         )
+    if cfg.run.script:
+        validate_own_loop(cfg)
+        if not Path(cfg.run.script).is_file():
+            raise ConfigError(
+                f"run.script = {cfg.run.script!r}: no such file (a path from the folder dtrain "
+                "runs in)"
+            )
     if cfg.fault.min_replicas != 1 and cfg.fault.recovery != "inplace":
         raise ConfigError(
             f"fault.min_replicas = {cfg.fault.min_replicas} applies to fault.recovery = "
             "'inplace' only (restart mode restarts every worker after any failure); remove it "
             "or set fault.recovery = 'inplace'"
+        )
+
+
+def validate_own_loop(cfg: Config) -> None:
+    """A loop of the user's own (``run.script``, or ``dtrain.run_main`` under torchrun) runs
+    what dtrain's own loop runs, but for a strategy that owns the step, and in-place recovery
+    (whose protocol the trainer alone speaks, for now)."""
+    if capabilities(cfg.strategy.name).owns_step:
+        raise ConfigError(
+            f"strategy.name = {cfg.strategy.name!r} cannot run in a loop of your own: its "
+            "schedule runs each step's micro-batches across the stages itself; use dtrain's "
+            "loop (run.task) for it, or ddp, allreduce, fsdp or tensor in your own loop"
+        )
+    if cfg.fault.recovery == "inplace":
+        raise ConfigError(
+            "fault.recovery = 'inplace' does not work with a loop of your own yet: use "
+            "fault.recovery = 'restart' (a failed worker restarts the job, which resumes from "
+            "its last checkpoint)"
         )
 
 

@@ -35,6 +35,11 @@ class RunConfig:
         "run folder; empty = runs/<run id>, or runs/<date-time> without one. Resumed if it exists",
     )
     task: str = _opt("dtrain.tasks.gpt:build", "task factory 'package.module:function'")
+    script: str = _opt(
+        "",
+        "a training loop of your own: a Python file whose main(run) trains with dtrain.Run "
+        "(docs/own-loop.md); empty = dtrain's loop over run.task",
+    )
     seed: int = _opt(0, "seed of the model init, the data order and every rank's RNG", min=0)
     resume: str = _opt(
         "auto",
