@@ -16,8 +16,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NoReturn
 
 from dtrain.config import Config
 from dtrain.console import guard_console, say_error, say_line
@@ -29,7 +29,10 @@ from dtrain.fault.preempt import catch_early, settle_early, unforwarded, unforwa
 from dtrain.process_exit import die_with_parent, exit_without_finalizing
 
 if TYPE_CHECKING:
+    from dtrain.loop import Run
     from dtrain.metrics.summary import Summary
+
+    OwnLoop = Callable[[Run], object]  # a loop of the user's own: main(run)
 
 # Nothing here imports torch at module level: main() must set up its signal handling before
 # the second or two that importing torch takes (see dtrain.fault.preempt.catch_early).
@@ -52,38 +55,52 @@ def load_worker_config(argv: Sequence[str]) -> Config:
     return cfg
 
 
-def train(cfg: Config) -> Summary | None:
+def train(cfg: Config, own_loop: OwnLoop | None = None) -> Summary | None:
     """Run training in this process, as one rank of the job the environment describes: the
-    plain loop, or under ``fault.recovery = 'inplace'`` the loop across membership generations
-    (None: a worker of an in-place job that the run completed without)."""
+    plain loop, a loop of the user's own (``own_loop``, or ``run.script``'s ``main``), or under
+    ``fault.recovery = 'inplace'`` the loop across membership generations (None: a worker of an
+    in-place job that the run completed without)."""
     from dtrain.dist.reachability import close_probe_listener
     from dtrain.dist.runtime import shutdown_runtime
 
     try:
-        if cfg.fault.recovery == "inplace":
+        if own_loop is None and cfg.run.script:
+            from dtrain.loop.script import load_main
+
+            own_loop = load_main(cfg.run.script)
+        if cfg.fault.recovery == "inplace" and own_loop is None:
             from dtrain.train.inplace_worker import train_in_place
 
             return train_in_place(cfg)
-        return train_once(cfg)
+        return train_once(cfg, own_loop)
     finally:
         close_probe_listener()  # its accept thread is one of ours: it must end first
         join_helper_threads()
         shutdown_runtime()
 
 
-def train_once(cfg: Config) -> Summary:
-    """The plain loop: one trainer, its process group the job's."""
+def train_once(cfg: Config, own_loop: OwnLoop | None = None) -> Summary:
+    """The plain loop: one trainer, its process group the job's; or the user's ``own_loop``
+    (:mod:`dtrain.loop`), in the same process group, given a :class:`~dtrain.loop.Run`."""
     from dtrain.checkpoint.rundir import write_config_of_record
     from dtrain.metrics.summary import print_summary
     from dtrain.train.job import build_trainer
 
-    trainer = build_trainer(cfg)
-    if trainer.is_main:
+    if own_loop is not None:
+        from dtrain.loop import Run
+
+        run = Run.join(cfg)
+        runtime, fit = run.runtime, lambda: run.train(own_loop)
+    else:
+        trainer = build_trainer(cfg)
+        runtime, fit = trainer.runtime, trainer.fit
+    if runtime.is_main:
         warn_unforwarded_signals(cfg)
         write_config_of_record(cfg)
-    summary = trainer.fit()
-    if trainer.is_main:
-        print_summary(summary, trainer.task.item_name, trainer.runtime.world_size)
+    summary = fit()
+    if runtime.is_main:
+        item_name = run.item_name if own_loop is not None else trainer.task.item_name
+        print_summary(summary, item_name, runtime.world_size)
     return summary
 
 
@@ -127,7 +144,15 @@ def die_with_launcher() -> None:
         os._exit(1)  # the launcher died before the request took effect
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def run_main(own_loop: OwnLoop) -> NoReturn:
+    """``if __name__ == "__main__": dtrain.run_main(main)`` in a script of one's own loop:
+    ``main(run)`` trains as a worker of the job the environment describes (plain ``torchrun
+    script.py [CONFIG.toml] [--section.key=value ...]``, or one process), with this worker's
+    set-up, errors and exit codes. (Under ``dtrain train``, ``run.script`` names the file.)"""
+    sys.exit(main(None, own_loop))
+
+
+def main(argv: Sequence[str] | None = None, own_loop: OwnLoop | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     catch_early()
     die_with_launcher()
@@ -142,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = load_worker_config(args)
         settle_early(cfg.fault.preempt_signals)
-        train(cfg)
+        train(cfg, own_loop)
     except UserError as exc:
         message = f"{who}: {exc}"
         record_user_error(message)

@@ -1,0 +1,7 @@
+"""The own-loop library API, in every worker: a training loop the user writes (``main(run)``),
+with dtrain's strategies, data stream, loss contract, checkpoints and preemption
+(:class:`~dtrain.loop.run.Run`; docs/own-loop.md)."""
+
+from dtrain.loop.run import Batch, Run
+
+__all__ = ["Batch", "Run"]

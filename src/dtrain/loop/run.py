@@ -1,0 +1,370 @@
+"""dtrain in a loop of the user's own: :class:`Run`, what ``main(run)`` trains with.
+
+The loop is the user's; every guarantee is the trainer's, built by the same wiring
+(:func:`dtrain.train.job.wire_task`) and run by the same pieces -- the step's two halves
+(:meth:`ForwardBackward.begin <dtrain.train.step.ForwardBackward.begin>`, ``finish``), the
+trainer's update and what follows it (``Trainer.end_step``), its resume and its end::
+
+    def main(run: dtrain.Run) -> None:
+        model, optimizer = run.prepare(model, dataset)  # wrapped; the config's optimizer
+        run.register(ema=ema)                           # more state to checkpoint
+        for batch in run.batches():                     # resumed; until train.steps or a stop
+            for inputs, targets in batch:               # its micro-batches, gradient sync last
+                run.backward(loss_fn(model(inputs), targets))  # per-item losses
+            if run.step():                              # clip, update, agreement, metrics, save
+                break                                   # every rank agreed to stop
+
+``run.step()`` returns True on the step after which every rank stops (a preemption signal on
+any rank); the final checkpoint is written when ``main`` returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain.checkpoint.rng import seed_everything
+from dtrain.config import Config, validate_own_loop
+from dtrain.data.loader import StepBatch
+from dtrain.dist.runtime import Runtime
+from dtrain.errors import UserError
+from dtrain.fault.failpoints import failpoint
+from dtrain.fault.preempt import PreemptionFlag
+from dtrain.metrics.summary import Summary
+from dtrain.parallel.base import BackwardSyncControl
+from dtrain.task import Task
+from dtrain.train.config_agreement import agree_on_config
+from dtrain.train.job import join_job, wire_task
+from dtrain.train.step import backward_scaled
+from dtrain.train.trainer import Trainer
+from dtrain.train.trainer.loop import LoopState
+
+# What prepare() takes beside the model and the data: the Task's fields that the own loop
+# uses (the loss, the evaluation and after-training hooks are the loop's own business; a
+# pipeline's layers are refused with the strategy).
+PREPARE_OPTIONS = frozenset(
+    {
+        "collate_fn",
+        "split_batch",
+        "count_items",
+        "item_name",
+        "shard_units",
+        "init_weights",
+        "items_per_sample",
+        "build_optimizer",
+        "build_scheduler",
+    }
+)
+
+
+def output_sum(output: Any, targets: Any) -> torch.Tensor:
+    """The loss a strategy's set-up pass sees in an own loop (DDP's throwaway backward that
+    settles its buckets, :meth:`DDPStrategy.before_first_step`): the sum of every floating
+    tensor the model returned, so that backward reaches every parameter the loss would."""
+    if isinstance(output, Mapping):  # a Hugging Face ModelOutput is one
+        output = list(output.values())
+    tensors = output if isinstance(output, (list, tuple)) else [output]
+    parts = [
+        t.float().sum() for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()
+    ]
+    return torch.stack(parts).sum().reshape(1)
+
+
+class Batch:
+    """This rank's part of one optimizer step: iterate it for its micro-batches, each an
+    ``(inputs, targets)`` pair on the device, under the strategy's precision, with no gradient
+    sync but on the last one."""
+
+    def __init__(self, run: Run, batch: StepBatch, micro: list[Any], items: int) -> None:
+        self._run = run
+        self.step_batch = batch
+        self.micro = micro
+        self.items = items  # this rank's items (Task.count_items), of every micro-batch
+        self.current = -1  # the micro-batch being trained
+        self.done: set[int] = set()  # micro-batches whose backward ran
+
+    @property
+    def sample_ids(self) -> list[int]:
+        """The global ids of this rank's samples in this step, micro-batch after
+        micro-batch."""
+        return [int(i) for ids in self.step_batch.ids for i in ids]
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        run = self._run
+        strategy = run.trainer.strategy
+        last = len(self.micro) - 1
+        for index, micro in enumerate(self.micro):
+            if index == 0 and self.current < 0:
+                run._begin(self)
+            self.current = index
+            sync: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+            if index < last and isinstance(strategy, BackwardSyncControl):
+                sync = strategy.no_backward_sync()
+            with sync, strategy.recipe.precision.autocast():
+                yield micro
+
+
+class Run:
+    """A training run in a loop of the user's own (see the module's docstring): set up from
+    the job's config, one model and its optimizer (:meth:`prepare`), the rest of its state
+    (:meth:`register`), the data stream (:meth:`batches`), the loss (:meth:`backward`) and the
+    step (:meth:`step`)."""
+
+    def __init__(self, cfg: Config, runtime: Runtime) -> None:
+        validate_own_loop(cfg)
+        self.config, self.runtime = cfg, runtime
+        self._trainer: Trainer | None = None
+        self._registered: dict[str, Any] = {}
+        self._running = contextlib.ExitStack()  # Trainer.running(): watchdog, signals
+        self._in_train = contextlib.ExitStack()  # the watchdog's phase "train"
+        self._preempt: PreemptionFlag | None = None
+        self._loop: LoopState | None = None
+        self._batch: Batch | None = None  # the step in progress
+        self._scale = torch.ones(())
+        self._loss_sum: torch.Tensor | None = None
+        self._stopped = False
+        self.summary: Summary | None = None  # once the run has ended
+
+    @classmethod
+    def join(cls, cfg: Config) -> Run:
+        """In a worker: join the job (process group, run folder, the config every rank
+        holds), and seed every rank alike, so that the model ``main`` builds starts equal."""
+        runtime = join_job(cfg)
+        agree_on_config(cfg, runtime)
+        seed_everything(cfg.run.seed)
+        return cls(cfg, runtime)
+
+    # -- what the loop reads ---------------------------------------------------------------
+
+    @property
+    def trainer(self) -> Trainer:
+        if self._trainer is None:
+            raise UserError("call run.prepare(model, dataset) first: it sets the run up")
+        return self._trainer
+
+    @property
+    def rank(self) -> int:
+        return self.runtime.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.runtime.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.runtime.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.runtime.is_main
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps done, counted from the start of the run (resumed runs too)."""
+        return self.trainer.step
+
+    @property
+    def scheduler(self) -> Any:
+        """The learning-rate schedule, stepped by :meth:`step`."""
+        return self.trainer.scheduler
+
+    @property
+    def item_name(self) -> str:
+        return self._trainer.task.item_name if self._trainer is not None else "samples"
+
+    # -- set-up ----------------------------------------------------------------------------
+
+    def prepare(
+        self, model: nn.Module, train_data: Any, **options: Any
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """The model spread over the ranks as ``strategy.name`` says, and its optimizer
+        (``optim.*``, or ``build_optimizer(named_parameters)``); ``train_data`` is the dataset
+        :meth:`batches` streams. ``options``: the :class:`~dtrain.Task` fields an own loop
+        uses (``collate_fn``, ``items_per_sample``, ``count_items``, ...). Returns the model
+        to train through and the optimizer :meth:`step` steps."""
+        if self._trainer is not None:
+            raise UserError("run.prepare() was called before: a run trains one model for now")
+        unknown = sorted(set(options) - PREPARE_OPTIONS)
+        if unknown:
+            raise UserError(
+                f"run.prepare() got {', '.join(unknown)}: it takes "
+                f"{', '.join(sorted(PREPARE_OPTIONS))}"
+            )
+        task = Task(model=model, train_data=train_data, loss_fn=output_sum, **options)
+        self._trainer = wire_task(self.config, task, self.runtime)
+        strategy = self._trainer.strategy
+        assert strategy.model is not None
+        return strategy.model, self._trainer.optimizer
+
+    def register(self, **state: Any) -> None:
+        """More state to checkpoint and resume (a second model, an EMA, a scheduler of one's
+        own: anything with ``state_dict`` and ``load_state_dict``), saved by rank 0: the same
+        on every rank. Before the loop starts (its first batch resumes it)."""
+        if self._loop is not None or self.summary is not None:
+            raise UserError(
+                f"run.register({', '.join(state)}) after the loop started: register all state "
+                "before the first run.batches() (its resume, and every save, holds the state "
+                "registered then)"
+            )
+        for name, obj in state.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise UserError(
+                    f"run.register({name}=...): a {type(obj).__name__} has no state_dict() and "
+                    "load_state_dict(): register what has (a module, an optimizer, a "
+                    "scheduler, an object of your own with both)"
+                )
+            self._registered[name] = obj
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def batches(self) -> Iterator[Batch]:
+        """Each step's batch of dtrain's global stream (exactly once, resumable), from where
+        the run's checkpoint left it, until ``train.steps`` or a stop the ranks agreed on."""
+        if self._loop is None and self.summary is None:
+            self._start()
+        trainer, steps = self.trainer, self.config.train.steps
+        while self._loop is not None and not self._stopped and trainer.step < steps:
+            step_batch, micro, count, _ = trainer.next_batch()
+            failpoint("train.step", step=trainer.step + 1)
+            self._batch = Batch(self, step_batch, micro, count)
+            yield self._batch
+            if self._batch is not None:
+                raise UserError(
+                    f"step {trainer.step + 1}: the loop took the next batch without "
+                    "run.step(): call it once after each batch's backward"
+                )
+
+    def _start(self) -> None:
+        """Resume (the registered state with the rest), then open the loop: in ``fit``'s
+        order (:meth:`Trainer._fit`)."""
+        trainer = self.trainer
+        extra = {f"user/{name}": obj for name, obj in self._registered.items()}
+        trainer.state = dataclasses.replace(trainer.state, parts={**trainer.state.parts, **extra})
+        self._preempt = self._running.enter_context(trainer.running())
+        started = time.perf_counter()
+        with trainer.phase("resume"):
+            point = trainer.resume()
+        summary = Summary(start_step=trainer.step)
+        if trainer.step >= self.config.train.steps:
+            self.summary = trainer.already_finished(summary, started)
+            self._running.close()
+            return
+        self._in_train.enter_context(trainer.phase("train"))
+        self._loop = trainer.open_loop(point, summary, started)
+
+    def _begin(self, batch: Batch) -> None:
+        """Before the step's first forward: its agreement opened, its loss scale known."""
+        trainer = self.trainer
+        planned = None
+        per_sample = trainer.task.items_per_sample
+        if per_sample is not None:
+            planned = batch.step_batch.planned_items(per_sample, batch.items, trainer.step + 1)
+        assert self._preempt is not None
+        self._scale = trainer.forward_backward.begin(
+            batch.items, self._preempt.requested, planned, False, batch.micro[0], output_sum
+        )
+        self._loss_sum = None
+
+    def backward(self, losses: torch.Tensor) -> None:
+        """Backward of this micro-batch's per-item losses (``reduction="none"``, checked as
+        dtrain's loop checks ``Task.loss_fn``), scaled so that the step's gradient is that of
+        the mean over every item of the global batch, whatever each rank holds."""
+        batch = self._batch
+        if batch is None or batch.current < 0:
+            raise UserError(
+                "run.backward() outside a batch: call it for each micro-batch of "
+                "`for inputs, targets in batch`, where `batch` comes from run.batches()"
+            )
+        if batch.current in batch.done:
+            raise UserError(
+                "run.backward() twice for one micro-batch: add the losses (per item) and call "
+                "it once"
+            )
+        contract = self.trainer.forward_backward.contract
+        if contract is not None:
+            contract.check(losses, batch.micro[batch.current][1])
+        loss_sum = losses.sum()  # in the precision's autocast, as dtrain's loop sums it
+        with contextlib.ExitStack() as outside:
+            if torch.is_autocast_enabled(self.device.type):  # backward runs outside autocast
+                outside.enter_context(torch.autocast(self.device.type, enabled=False))
+            backward_scaled(loss_sum, self._scale)
+        batch.done.add(batch.current)
+        detached = loss_sum.detach()
+        self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
+
+    def step(self) -> bool:
+        """After the batch's backward: gradients synchronized, clipped (``train.grad_clip``),
+        the optimizer and the schedule stepped, then what follows every step in dtrain's loop
+        (NaN guard, metrics, evaluation, checkpoints). Returns whether every rank stops now."""
+        batch, loop = self._batch, self._loop
+        if batch is None or loop is None:
+            raise UserError("run.step() outside the loop: call it once per run.batches() batch")
+        if self._loss_sum is None:
+            raise UserError(
+                f"run.step() before run.backward(): step {self.trainer.step + 1} has no "
+                "gradient; call run.backward(per-item losses) for each of its micro-batches"
+            )
+        if len(batch.done) != len(batch.micro):
+            raise UserError(
+                f"run.step() after the backward of {len(batch.done)} of the step's "
+                f"{len(batch.micro)} micro-batches: call run.backward() for each"
+            )
+        trainer = self.trainer
+        with trainer.phase("forward_backward"):
+            agreement = trainer.forward_backward.finish()
+        assert self._preempt is not None
+        stopped = trainer.end_step(
+            loop, batch.step_batch, self._loss_sum, agreement, trainer.logs_now(), self._preempt
+        )
+        self._batch, self._loss_sum = None, None
+        self._stopped = stopped
+        return stopped
+
+    def log(self, **values: Any) -> None:
+        """A record of the user's own in ``metrics.jsonl`` at this step (rank 0 writes it;
+        reduce over the ranks first where a value differs among them)."""
+        self.trainer.run_log.event("log", self.trainer.step, **values)
+
+    # -- the end ---------------------------------------------------------------------------
+
+    def train(self, main: Callable[[Run], object]) -> Summary:
+        """``main(self)``, then the run's end (:meth:`finish`)."""
+        try:
+            main(self)
+            return self.finish()
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+
+    def finish(self) -> Summary:
+        """The end of the run, as dtrain's loop ends: the final checkpoint, the summary, every
+        rank together. Called when ``main`` returns."""
+        if self.summary is not None:
+            return self.summary
+        if self._loop is None:
+            self._start()
+            if self.summary is not None:
+                return self.summary
+        loop = self._loop
+        assert loop is not None
+        if self._batch is not None:
+            raise UserError("main(run) returned in the middle of a step: call run.step() first")
+        trainer = self.trainer
+        trainer.finish(loop.summary, loop.last_loss, loop.started)
+        self._in_train.close()
+        trainer.watchdog.set_phase("done")  # the last word, left by no phase
+        self._running.close()
+        self.summary = loop.summary
+        return loop.summary
+
+    def fail(self, error: BaseException) -> None:
+        """``error`` ended the loop: the watchdog's diagnosis of it raised in its place where
+        it has one (a failed peer), as in dtrain's loop."""
+        self._in_train.close()
+        self._running.__exit__(type(error), error, error.__traceback__)
