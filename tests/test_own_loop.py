@@ -1,0 +1,154 @@
+"""A loop of the user's own (``dtrain.Run``, docs/own-loop.md) keeps dtrain's guarantees: the
+default job written as one logs the pinned losses bit for bit; it trains the parameters dtrain's
+loop trains, bit for bit, under ddp, allreduce and fsdp; 2 ranks equal one process; a kill -9
+resumes bit-identically; SIGTERM saves and stops every rank at one step; mistakes are one line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dtrain.config.load import build_config
+from dtrain.errors import ConfigError
+from dtrain.weights.init_from import read_weights
+from tests.conftest import REPO, tiny_raw
+from tests.dist_helpers import train_params
+from tests.own_loops import KILL_ENV, mistake, own_loop_params, signal_at_step
+from tests.ranks import run_ranks
+from tests.test_cli import run_cli, write_tiny_config
+from tests.test_ddp import assert_params_close
+from tests.test_default_job import SHORT, logged_losses, pinned
+
+EXAMPLE = str(REPO / "examples" / "own_loop.py")
+SCRIPT = str(REPO / "tests" / "own_loops.py")
+# AdamW, as the default job trains; a checkpoint every 4 steps.
+JOB = {
+    "train": {"steps": 12, "log_every": 1},
+    "checkpoint": {"every": 4},
+    "optim": {"name": "adamw", "lr": 3e-3, "warmup_steps": 2},
+}
+
+
+def assert_bit_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert np.array_equal(a[key], b[key]), key
+
+
+def test_the_default_job_as_an_own_loop_logs_the_pinned_losses(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = run_cli(
+        "train", "--nproc", "2", f"--run.script={EXAMPLE}", f"--run.dir={run_dir}", *SHORT
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = {step: pinned()["train"][step] for step in ("10", "20")}
+    assert logged_losses(run_dir)["train"] == expected
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "allreduce", "fsdp"])
+def test_an_own_loop_trains_what_dtrain_s_loop_trains(tmp_path: Path, strategy: str) -> None:
+    sections = {"strategy": {"name": strategy}, "data": {"micro_batches": 2}}
+    theirs = run_ranks(train_params, 2, tiny_raw(tmp_path / "trainer", JOB, **sections))
+    ours = run_ranks(own_loop_params, 2, tiny_raw(tmp_path / "own", JOB, **sections))
+    assert_bit_equal(theirs[0], ours[0])
+    assert_bit_equal(theirs[1], ours[1])
+
+
+def test_an_own_loop_on_two_ranks_equals_one_process(tmp_path: Path) -> None:
+    # SGD (tiny_raw's), an uneven split (4 + 3 samples) and accumulation: the exact global mean.
+    data = {"data": {"global_batch_size": 7, "micro_batches": 2}}
+    single = run_ranks(own_loop_params, 1, tiny_raw(tmp_path / "one", **data))[0]
+    pair = run_ranks(own_loop_params, 2, tiny_raw(tmp_path / "two", **data))
+    assert_params_close(pair[0], pair[1], rtol=0, atol=0)
+    assert_params_close(single, pair[0])
+
+
+def test_sigterm_stops_every_rank_at_one_step_saves_and_resumes_bit_identically(
+    tmp_path: Path,
+) -> None:
+    reference = run_ranks(own_loop_params, 2, tiny_raw(tmp_path / "ref", JOB))
+    run_dir = tmp_path / "pre"
+    stopped = run_ranks(signal_at_step, 2, tiny_raw(run_dir, JOB), 1, 6, "SIGTERM")
+    assert [s["preempted"] for s in stopped] == ["a peer's signal", "SIGTERM"]
+    assert stopped[0]["steps"] == stopped[1]["steps"] == 6
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "preempted"
+    assert (run_dir / "checkpoints/step-00000006/COMMITTED.json").exists()
+    resumed = run_ranks(own_loop_params, 2, tiny_raw(run_dir, JOB))
+    assert_bit_equal(reference[0], resumed[0])
+
+
+def test_a_kill_9_under_dtrain_train_resumes_bit_identically(tmp_path: Path) -> None:
+    import os
+
+    finals, outputs = [], []
+    # 12 steps, a checkpoint every 3 (saved in the background): rank 1 killed as it starts
+    # step 11, the job restarted from the newest checkpoint committed before.
+    for name, kill in (("ref", ""), ("killed", "1:11")):
+        run_dir = tmp_path / name
+        config = write_tiny_config(tmp_path / f"{name}.toml", run_dir)
+        os.environ[KILL_ENV] = kill
+        try:
+            result = run_cli(
+                "train",
+                str(config),
+                f"--run.script={SCRIPT}",
+                "--train.steps=12",
+                "--nproc",
+                "2",
+                "--max-restarts",
+                "1",
+            )
+        finally:
+            del os.environ[KILL_ENV]
+        assert result.returncode == 0, result.stderr[-3000:]
+        finals.append(read_weights(run_dir / "checkpoints" / "step-00000012"))
+        outputs.append(result.stderr)
+    assert (tmp_path / "killed" / "killed-once").exists()  # it was killed, and restarted
+    assert "resumed from step-0000000" in outputs[1]
+    reference, resumed = finals
+    assert reference.keys() == resumed.keys()
+    for key in reference:
+        assert reference[key].equal(resumed[key]), key
+
+
+def test_one_process_runs_the_example_with_python(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    config = write_tiny_config(tmp_path / "tiny.toml", tmp_path / "run")
+    result = subprocess.run(
+        [sys.executable, EXAMPLE, str(config), "--train.steps=3"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "done: 3 steps" in result.stdout
+    assert (tmp_path / "run" / "checkpoints" / "step-00000003" / "COMMITTED.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("step before backward", "run.step() before run.backward(): step 1 has no gradient"),
+        ("register after start", "run.register(extra) after the loop started"),
+        ("mean loss", 'it looks reduced: use reduction="none"'),
+    ],
+)
+def test_a_mistake_in_the_loop_is_one_line(tmp_path: Path, kind: str, message: str) -> None:
+    said = run_ranks(mistake, 1, tiny_raw(tmp_path / "run", train={"steps": 2}), kind)[0]
+    assert message in said
+    assert "\n" not in said
+
+
+def test_a_strategy_that_owns_the_step_is_refused_before_any_worker_starts() -> None:
+    raw = {"run": {"script": EXAMPLE}, "strategy": {"name": "pipeline"}}
+    with pytest.raises(ConfigError, match="cannot run in a loop of your own"):
+        build_config(raw)
+    with pytest.raises(ConfigError, match=r"run\.script = 'nope\.py': no such file"):
+        build_config({"run": {"script": "nope.py"}})
