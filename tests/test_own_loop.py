@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from dtrain.config.load import build_config
@@ -22,21 +21,10 @@ from tests.ranks import run_ranks
 from tests.test_cli import run_cli, write_tiny_config
 from tests.test_ddp import assert_params_close
 from tests.test_default_job import SHORT, logged_losses, pinned
+from tests.test_fault import JOB, assert_bit_equal
 
 EXAMPLE = str(REPO / "examples" / "own_loop.py")
 SCRIPT = str(REPO / "tests" / "own_loops.py")
-# AdamW, as the default job trains; a checkpoint every 4 steps.
-JOB = {
-    "train": {"steps": 12, "log_every": 1},
-    "checkpoint": {"every": 4},
-    "optim": {"name": "adamw", "lr": 3e-3, "warmup_steps": 2},
-}
-
-
-def assert_bit_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        assert np.array_equal(a[key], b[key]), key
 
 
 def test_the_default_job_as_an_own_loop_logs_the_pinned_losses(tmp_path: Path) -> None:

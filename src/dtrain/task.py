@@ -165,17 +165,19 @@ def resolve_task(spec: str) -> TaskFactory:
             f"run.task = {spec!r}: cannot import module {module_name!r} ({exc})"
         ) from None
     except Exception as exc:
-        where = traceback.extract_tb(exc.__traceback__)[-1]
-        raise UserError(
-            f"run.task = {spec!r}: importing {module_name!r} raised {type(exc).__name__}: {exc} "
-            f"({where.filename}:{where.lineno})"
-        ) from None
+        raise raised_on_import(f"run.task = {spec!r}: importing {module_name!r}", exc) from None
     factory = getattr(module, attr, None)
     if factory is None:
         raise UserError(f"run.task = {spec!r}: module {module_name!r} has no attribute {attr!r}")
     if not callable(factory):
         raise UserError(f"run.task = {spec!r}: {attr!r} is not a function")
     return factory
+
+
+def raised_on_import(what: str, exc: Exception) -> UserError:
+    """One line for an error that importing the user's code raised: what, and where."""
+    where = traceback.extract_tb(exc.__traceback__)[-1]
+    return UserError(f"{what} raised {type(exc).__name__}: {exc} ({where.filename}:{where.lineno})")
 
 
 def task_config_class(factory: TaskFactory) -> type | None:

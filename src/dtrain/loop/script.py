@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from dtrain.errors import UserError
+from dtrain.task import raised_on_import
 
 
 def load_main(script: str) -> Callable[[Any], object]:
@@ -25,11 +25,7 @@ def load_main(script: str) -> Callable[[Any], object]:
     try:
         spec.loader.exec_module(module)
     except Exception as exc:
-        where = traceback.extract_tb(exc.__traceback__)[-1]
-        raise UserError(
-            f"run.script = {script!r}: importing it raised {type(exc).__name__}: {exc} "
-            f"({where.filename}:{where.lineno})"
-        ) from None
+        raise raised_on_import(f"run.script = {script!r}: importing it", exc) from None
     main = getattr(module, "main", None)
     if not callable(main):
         raise UserError(
