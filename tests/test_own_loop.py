@@ -121,16 +121,16 @@ def test_one_process_runs_the_example_with_python(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("kind", "message"),
+    ("kind", "says"),
     [
-        ("step before backward", "run.step() before run.backward(): step 1 has no gradient"),
-        ("register after start", "run.register(extra) after the loop started"),
-        ("mean loss", 'it looks reduced: use reduction="none"'),
+        ("step before backward", ["run.step() before run.backward(): step 1 has no gradient"]),
+        ("register after start", ["run.register(extra) after the loop started"]),
+        ("mean loss", ["run.backward() got 1 value(s)", 'looks reduced: use reduction="none"']),
     ],
 )
-def test_a_mistake_in_the_loop_is_one_line(tmp_path: Path, kind: str, message: str) -> None:
+def test_a_mistake_in_the_loop_is_one_line(tmp_path: Path, kind: str, says: list[str]) -> None:
     said = run_ranks(mistake, 1, tiny_raw(tmp_path / "run", train={"steps": 2}), kind)[0]
-    assert message in said
+    assert [part for part in says if part not in said] == []
     assert "\n" not in said
 
 

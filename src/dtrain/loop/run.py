@@ -198,6 +198,9 @@ class Run:
             )
         task = Task(model=model, train_data=train_data, loss_fn=output_sum, **options)
         self._trainer = wire_task(self.config, task, self.runtime)
+        contract = self._trainer.forward_backward.contract
+        if contract is not None:  # its messages name what the own loop gave the losses to
+            contract.source = "run.backward() got"
         strategy = self._trainer.strategy
         assert strategy.model is not None
         return strategy.model, self._trainer.optimizer

@@ -36,6 +36,7 @@ class LossContract:
 
     def __init__(self, count_items: CountFn) -> None:
         self.count_items = count_items
+        self.source = "Task.loss_fn returned"  # what the messages say gave the losses
         # (loss shape, target shape) found to hold one value per counted item: a layout that
         # repeats (fixed-length data) is not counted again.
         self._exact: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
@@ -62,7 +63,7 @@ class LossContract:
     def check(self, losses: Any, targets: Any) -> None:
         if not isinstance(losses, torch.Tensor):
             raise UserError(
-                f"Task.loss_fn returned a {type(losses).__name__}; it must return a tensor of "
+                f"{self.source} a {type(losses).__name__}; it must return a tensor of "
                 'per-item losses (reduction="none")'
             )
         values = losses.numel()
@@ -79,7 +80,7 @@ class LossContract:
         shifted = shifted_positions(target_shape)
         if shifted is not None and values == shifted and items <= shifted:
             return  # a shifted-label loss over padded sequences: ignored positions are zeros
-        raise UserError(contract_message(losses, target_shape, items, shifted))
+        raise UserError(contract_message(losses, target_shape, items, shifted, self.source))
 
 
 def is_model_output(output: Any) -> bool:
@@ -110,11 +111,15 @@ def shifted_positions(target_shape: tuple[int, ...] | None) -> int | None:
 
 
 def contract_message(
-    losses: torch.Tensor, target_shape: tuple[int, ...] | None, items: int, shifted: int | None
+    losses: torch.Tensor,
+    target_shape: tuple[int, ...] | None,
+    items: int,
+    shifted: int | None,
+    source: str = "Task.loss_fn returned",
 ) -> str:
     values = losses.numel()
     head = (
-        f"Task.loss_fn returned {values} value(s) (shape {tuple(losses.shape)}) for "
+        f"{source} {values} value(s) (shape {tuple(losses.shape)}) for "
         f"{items} counted item(s)"
         + (f" (targets of shape {target_shape})" if target_shape is not None else "")
         + ": it must return one loss per item, unreduced, which dtrain averages over the "
