@@ -97,17 +97,20 @@ class Batch:
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         run = self._run
-        strategy = run.trainer.strategy
+        trainer = run.trainer
+        strategy = trainer.strategy
         last = len(self.micro) - 1
-        for index, micro in enumerate(self.micro):
-            if index == 0 and self.current < 0:
-                run._begin(self)
-            self.current = index
-            sync: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-            if index < last and isinstance(strategy, BackwardSyncControl):
-                sync = strategy.no_backward_sync()
-            with sync, strategy.recipe.precision.autocast():
-                yield micro
+        # The liveness record says what dtrain's loop says meanwhile (a hang is named by it).
+        with trainer.phase("forward_backward"):
+            for index, micro in enumerate(self.micro):
+                if index == 0 and self.current < 0:
+                    run._begin(self)
+                self.current = index
+                sync: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+                if index < last and isinstance(strategy, BackwardSyncControl):
+                    sync = strategy.no_backward_sync()
+                with sync, strategy.recipe.precision.autocast():
+                    yield micro
 
 
 class Run:
