@@ -149,7 +149,7 @@ def run_main(own_loop: OwnLoop) -> NoReturn:
     ``main(run)`` trains as a worker of the job the environment describes (plain ``torchrun
     script.py [CONFIG.toml] [--section.key=value ...]``, or one process), with this worker's
     set-up, errors and exit codes. (Under ``dtrain train``, ``run.script`` names the file.)"""
-    sys.exit(main(None, own_loop))
+    exit_without_finalizing(lambda: main(None, own_loop))
 
 
 def main(argv: Sequence[str] | None = None, own_loop: OwnLoop | None = None) -> int:
