@@ -72,6 +72,25 @@ def signal_at_step(raw: dict[str, Any], rank: int, step: int, signame: str) -> d
     return train_own_loop(raw, loop)
 
 
+def save_after_step(raw: dict[str, Any], step: int) -> list[str]:
+    """The example's loop, with ``run.save()`` after ``step``; the checkpoints it left."""
+
+    def loop(run: dtrain.Run) -> None:
+        from tests.tasks import tiny_gpt
+
+        task = tiny_gpt(run.config)
+        model, _ = run.prepare(task.model, task.train_data, collate_fn=task.collate_fn)
+        for batch in run.batches():
+            for inputs, targets in batch:
+                run.backward(task.loss_fn(model(inputs), targets))
+            run.step()
+            if run.step_count == step:
+                run.save()
+
+    train_own_loop(raw, loop)
+    return sorted(p.name for p in (Path(raw["run"]["dir"]) / "checkpoints").iterdir())
+
+
 def mistake(raw: dict[str, Any], kind: str) -> str:
     """The one-line error of a loop that makes mistake ``kind``."""
 

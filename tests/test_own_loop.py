@@ -16,7 +16,13 @@ from dtrain.errors import ConfigError
 from dtrain.weights.init_from import read_weights
 from tests.conftest import REPO, tiny_raw
 from tests.dist_helpers import train_params
-from tests.own_loops import KILL_ENV, mistake, own_loop_params, signal_at_step
+from tests.own_loops import (
+    KILL_ENV,
+    mistake,
+    own_loop_params,
+    save_after_step,
+    signal_at_step,
+)
 from tests.ranks import run_ranks
 from tests.test_cli import run_cli, write_tiny_config
 from tests.test_ddp import assert_params_close
@@ -118,6 +124,12 @@ def test_one_process_runs_the_example_with_python(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "done: 3 steps" in result.stdout
     assert (tmp_path / "run" / "checkpoints" / "step-00000003" / "COMMITTED.json").exists()
+
+
+def test_run_save_checkpoints_between_two_steps(tmp_path: Path) -> None:
+    raw = tiny_raw(tmp_path / "run", train={"steps": 4})  # checkpoint.every = 0: the end's only
+    saved = run_ranks(save_after_step, 1, raw, 2)[0]
+    assert saved == ["step-00000002", "step-00000004"]
 
 
 @pytest.mark.parametrize(

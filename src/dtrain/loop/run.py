@@ -332,6 +332,14 @@ class Run:
         self._stopped = stopped
         return stopped
 
+    def save(self) -> None:
+        """A checkpoint of the run now, between two steps, beside those of
+        ``checkpoint.every`` (collective: every rank calls it at the same step)."""
+        if self._loop is None or self._batch is not None:
+            raise UserError("run.save() between two steps of the loop: after run.step()")
+        if self.trainer.checkpointer.last_saved_step != self.trainer.step:
+            self.trainer.save_checkpoint(blocking=not self.config.checkpoint.async_save)
+
     def log(self, **values: Any) -> None:
         """A record of the user's own in ``metrics.jsonl`` at this step (rank 0 writes it;
         reduce over the ranks first where a value differs among them)."""
