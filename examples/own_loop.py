@@ -22,7 +22,7 @@ from dtrain.task import build_task, resolve_task
 def main(run: dtrain.Run) -> None:
     cfg = run.config
     task = build_task(resolve_task(cfg.run.task), cfg)  # the model, the data, the loss
-    model, optimizer = run.prepare(
+    model, _optimizer = run.prepare(  # the optimizer: run.step() steps it
         task.model,
         task.train_data,
         collate_fn=task.collate_fn,
