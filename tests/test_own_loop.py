@@ -1,8 +1,8 @@
 """A loop of the user's own (``dtrain.Run``, docs/own-loop.md) keeps dtrain's guarantees: the
-default job written as one logs the pinned losses bit for bit; it trains the parameters dtrain's
-loop trains, bit for bit, under ddp, allreduce and fsdp; 2 ranks equal one process; a kill -9
-resumes bit-identically; SIGTERM saves and stops every rank at one step; mistakes are one line.
-"""
+default job written as one logs dtrain train's losses bit for bit (ddp: the pinned ones; fsdp);
+it trains the parameters dtrain's loop trains, bit for bit, under ddp, allreduce and fsdp; 2
+ranks equal one process; a kill -9 resumes bit-identically; SIGTERM saves and stops every rank
+at one step; mistakes are one line."""
 
 from __future__ import annotations
 
@@ -41,6 +41,20 @@ def test_the_default_job_as_an_own_loop_logs_the_pinned_losses(tmp_path: Path) -
     assert result.returncode == 0, result.stderr[-3000:]
     expected = {step: pinned()["train"][step] for step in ("10", "20")}
     assert logged_losses(run_dir)["train"] == expected
+
+
+def test_the_default_job_as_an_own_loop_logs_dtrain_train_s_losses_under_fsdp(
+    tmp_path: Path,
+) -> None:
+    job = ["--train.steps=10", "--train.log_every=5", "--strategy.name=fsdp", *SHORT[1:]]
+    losses = []
+    for name, own in (("trainer", []), ("own", [f"--run.script={EXAMPLE}"])):
+        run_dir = tmp_path / name
+        result = run_cli("train", "--nproc", "2", *own, f"--run.dir={run_dir}", *job)
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses.append(logged_losses(run_dir)["train"])
+    assert list(losses[0]) == ["5", "10"]
+    assert losses[0] == losses[1]
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "allreduce", "fsdp"])
