@@ -84,25 +84,26 @@ def fetch_batch(dataset: Any, ids: Sequence[int] | np.ndarray, collate_fn: Colla
     return collate_fn(fetch(dataset, ids))
 
 
-def pin(batch: Any) -> Any:
+def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``batch`` with ``fn`` applied to every tensor in its lists, tuples and dicts."""
     if isinstance(batch, torch.Tensor):
-        return batch.pin_memory()
+        return fn(batch)
     if isinstance(batch, (list, tuple)):
-        return type(batch)(pin(b) for b in batch)
+        return type(batch)(_map_tensors(b, fn) for b in batch)
     if isinstance(batch, dict):
-        return {k: pin(v) for k, v in batch.items()}
+        return {k: _map_tensors(v, fn) for k, v in batch.items()}
     return batch
+
+
+def pin(batch: Any) -> Any:
+    return _map_tensors(batch, torch.Tensor.pin_memory)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        # Already there (CPU training): no call into torch's dispatcher.
-        return batch if batch.device == device else batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch
+    # A tensor already there (CPU training) makes no call into torch's dispatcher.
+    return _map_tensors(
+        batch, lambda t: t if t.device == device else t.to(device, non_blocking=True)
+    )
 
 
 def split_to_device(task: Task, batch: Any, device: torch.device) -> tuple[Any, int]:
@@ -124,12 +125,6 @@ class _FetchDataset(torch.utils.data.Dataset[Any]):
 
     def __getitems__(self, ids: list[int]) -> list[Any]:
         return [fetch_batch(self.dataset, ids, self.collate_fn)]
-
-    def __getitem__(self, index: int) -> Any:
-        return self.dataset[index]
-
-    def __len__(self) -> int:
-        return len(self.dataset)
 
 
 def _only(items: list[Any]) -> Any:

@@ -33,10 +33,6 @@ TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst", ".text")
 FORMATS = ("auto", "text", "jsonl", "npy", "parquet")
 
 
-def byte_tokens(data: bytes) -> np.ndarray:
-    return np.frombuffer(data, dtype=np.uint8)
-
-
 def _token_field(tokenized: bool, vocab_size: int | None) -> FieldSpec:
     """Bytes for byte-level text; the narrowest type that holds the vocabulary for token ids
     (uint32 when the vocabulary size is not given)."""
@@ -50,7 +46,7 @@ def _token_field(tokenized: bool, vocab_size: int | None) -> FieldSpec:
 def _tokenize(text_or_bytes: str | bytes, tokenizer: Tokenizer | None) -> np.ndarray:
     if tokenizer is None:
         data = text_or_bytes.encode() if isinstance(text_or_bytes, str) else text_or_bytes
-        return byte_tokens(data)
+        return np.frombuffer(data, dtype=np.uint8)
     text = text_or_bytes.decode() if isinstance(text_or_bytes, bytes) else text_or_bytes
     return np.asarray(tokenizer(text), dtype=np.int64)
 
@@ -296,9 +292,7 @@ def prepare(
     arrays: dict[str, np.ndarray] | None = None
     total: int | None = None
     if fmt == "text":
-        files = list_text_files(src)
-        if not files:
-            raise DataError(f"no text files ({', '.join(TEXT_SUFFIXES)}) in {src}")
+        files = _source_files(src, TEXT_SUFFIXES, "text")
         samples, total = text_samples(files, tokenizer), len(files)
         fields = {"tokens": token_field}
     elif fmt == "jsonl":

@@ -158,22 +158,16 @@ class ShardWriter:
         if self._buffer_count == 0 or self.fields is None:
             return
         name = f"shard-{len(self.shards):05d}"
-        files: dict[str, dict[str, Any]] = {}
+        arrays: dict[str, np.ndarray] = {}
         for field_name, spec in self.fields.items():
-            parts = self._buffer[field_name]
+            parts = self._buffer[field_name]  # not empty: the shard holds a sample
+            arrays[f"{name}.{field_name}.npy"] = np.concatenate(parts)
             if spec.variable:
                 lengths = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
                 offsets = np.zeros(len(parts) + 1, dtype=np.int64)
                 np.cumsum(lengths, out=offsets[1:])
-                values = np.concatenate(parts) if parts else np.zeros(0, dtype=spec.dtype)
-                files[f"{name}.{field_name}.npy"] = self._save(f"{name}.{field_name}.npy", values)
-                files[f"{name}.{field_name}.idx.npy"] = self._save(
-                    f"{name}.{field_name}.idx.npy", offsets
-                )
-            else:
-                files[f"{name}.{field_name}.npy"] = self._save(
-                    f"{name}.{field_name}.npy", np.concatenate(parts)
-                )
+                arrays[f"{name}.{field_name}.idx.npy"] = offsets
+        files = {filename: self._save(filename, array) for filename, array in arrays.items()}
         self.shards.append({"name": name, "num_samples": self._buffer_count, "files": files})
         self._buffer = {n: [] for n in self.fields}
         self._buffer_bytes = 0
