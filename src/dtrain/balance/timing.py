@@ -172,13 +172,6 @@ def start_gather_windows(
     return result
 
 
-def gather_windows(
-    window: np.ndarray, world_size: int, comm: CommCounter, device: torch.device
-) -> np.ndarray:
-    """Collective: :func:`start_gather_windows` and its result at once."""
-    return start_gather_windows(window, world_size, comm, device)()
-
-
 def gather_hosts(world_size: int) -> list[str]:
     """Collective: every rank's host name (``socket.gethostname()``), in rank order; once, at
     start."""

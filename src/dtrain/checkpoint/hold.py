@@ -75,14 +75,6 @@ class HoldRecord:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
         return f"job {self.run_id!r} (host {self.host}, pid {self.pid}, since {since})"
 
-    @classmethod
-    def parse(cls, text: str) -> HoldRecord | None:
-        try:
-            data: Any = json.loads(text)
-            return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
-        except (ValueError, TypeError):
-            return None
-
 
 class Hold:
     """A run folder this launcher holds (or shares, with the other machines of its job), renewed
@@ -138,9 +130,11 @@ class Hold:
 
 
 def read_hold(path: Path) -> HoldRecord | None:
+    """The hold in ``path``; None where there is none, or it is no hold."""
     try:
-        return HoldRecord.parse(path.read_text())
-    except OSError:
+        data: Any = json.loads(path.read_text())
+        return HoldRecord(**{k: data[k] for k in HoldRecord.__dataclass_fields__ if k in data})
+    except (OSError, ValueError, TypeError):
         return None
 
 
@@ -260,7 +254,6 @@ def _alive(record: HoldRecord, path: Path, lease_s: float) -> bool:
         if now.renewals != record.renewals:
             return True
     return False
-    return True
 
 
 def _started(pid: int) -> int:

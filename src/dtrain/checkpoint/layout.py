@@ -94,5 +94,15 @@ def marker_digest(marker: dict[str, Any]) -> str:
     ).hexdigest()
 
 
+def job_of(step_dir: Path) -> str:
+    """The job that wrote the checkpoint in ``step_dir`` (its ``meta.json`` says); empty when
+    unknown."""
+    try:
+        meta = json.loads((step_dir / META).read_text())
+    except (OSError, ValueError):
+        return ""
+    return str(meta.get("job", "")) if isinstance(meta, dict) else ""
+
+
 def committed_steps(root: Path) -> list[int]:
     return [step for step, path in list_step_dirs(root) if (path / MARKER).exists()]

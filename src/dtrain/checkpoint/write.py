@@ -32,6 +32,7 @@ import datetime
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -49,10 +50,11 @@ from dtrain.checkpoint.layout import (
     META,
     SHARDED_DIR,
     committed_steps,
+    job_of,
     marker_digest,
     step_dir_name,
 )
-from dtrain.checkpoint.stream import hashing_file_system, write_file
+from dtrain.checkpoint.stream import hashing_file_system, nothing, write_file
 from dtrain.comm.plain import broadcast_json, gather_json
 from dtrain.errors import CheckpointError
 from dtrain.fault.failpoints import failpoint
@@ -67,7 +69,23 @@ def snapshot(obj: Any, reuse: Any = None) -> Any:
     are copied into where shape, dtype and layout match: copying into memory that is already
     mapped costs a fraction of allocating fresh memory and faulting in every page of it, which
     is most of what the loop waits for in an asynchronous save of a large state.
+
+    A DTensor (a sharded state) keeps its mesh and placements, with a CPU copy of this rank's
+    shard (no communication).
     """
+    # No DTensor can exist before its module is imported (importing it costs a replicated
+    # run a second it never needs).
+    dtensors = sys.modules.get("torch.distributed.tensor")
+    if dtensors is not None and isinstance(obj, dtensors.DTensor):
+        local = obj.to_local().detach().to("cpu", copy=True)
+        return dtensors.DTensor.from_local(
+            local,
+            obj.device_mesh,
+            obj.placements,
+            run_check=False,
+            shape=obj.shape,
+            stride=obj.stride(),
+        )
     if isinstance(obj, torch.Tensor):
         if (
             isinstance(reuse, torch.Tensor)
@@ -91,30 +109,6 @@ def snapshot(obj: Any, reuse: Any = None) -> Any:
     return obj
 
 
-def snapshot_sharded(obj: Any) -> Any:
-    """:func:`snapshot` for a sharded state: a DTensor keeps its mesh and placements, with a
-    CPU copy of this rank's shard (no communication)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(obj, DTensor):
-        local = obj.to_local().detach().to("cpu", copy=True)
-        return DTensor.from_local(
-            local,
-            obj.device_mesh,
-            obj.placements,
-            run_check=False,
-            shape=obj.shape,
-            stride=obj.stride(),
-        )
-    if isinstance(obj, dict):
-        return {k: snapshot_sharded(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [snapshot_sharded(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(snapshot_sharded(v) for v in obj)
-    return snapshot(obj)
-
-
 def _progress_planner(on_progress: Callable[[], None]) -> Any:
     """DCP's default save planner, marking progress as the writer takes each item (it asks
     for an item as it comes to write it)."""
@@ -126,10 +120,6 @@ def _progress_planner(on_progress: Callable[[], None]) -> Any:
             return super().resolve_data(write_item)
 
     return ProgressPlanner()
-
-
-def _nothing() -> None:
-    pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,7 +174,7 @@ class Checkpointer:
         self.blocking_seconds: list[float] = []
         self.write_seconds: list[float] = []
         self._staged: dict[str, Any] = {}  # the last async snapshot, reused by the next one
-        self._on_progress = on_progress or _nothing
+        self._on_progress = on_progress or nothing
         self._pieces = 0  # pieces the background writer has done (only it counts them)
         # Retention's knowledge (rank 0's): this job's id, the steps this process committed,
         # those verified whole (the resume or rollback point), and each checkpoint's job.
@@ -200,8 +190,7 @@ class Checkpointer:
         if self._thread is not None and not self._thread.is_alive():
             self._thread.join()
             self._thread = None
-        error, self._error = self._error, None
-        return error
+        return self._take_error()
 
     def wait(self) -> str | None:
         """Wait for the save in flight; the error of a failed one, once."""
@@ -213,6 +202,9 @@ class Checkpointer:
                     seen = self._pieces
                     self._on_progress()
             self._thread = None
+        return self._take_error()
+
+    def _take_error(self) -> str | None:
         error, self._error = self._error, None
         return error
 
@@ -245,8 +237,7 @@ class Checkpointer:
             meta = {**meta, "job": self.job}  # which checkpoints are this job's (retention)
         if blocking:
             self._write(step, files, meta, sharded, self._on_progress)
-            error = self._error
-            self._error = None
+            error = self._take_error()
             self.blocking_seconds.append(time.perf_counter() - started)
             if error:
                 raise CheckpointError(error)
@@ -254,7 +245,7 @@ class Checkpointer:
         # The previous save is written (waited for above): its copy can take this one.
         staged, self._staged = self._staged, {}
         snap = {name: snapshot(obj, staged.get(name)) for name, obj in files.items()}
-        sharded_snap = snapshot_sharded(sharded) if sharded is not None else None
+        sharded_snap = snapshot(sharded)
         self.blocking_seconds.append(time.perf_counter() - started)
         self._staged = snap  # kept for the next asynchronous save (one copy of this state)
         self._thread = threading.Thread(
@@ -448,11 +439,7 @@ class Checkpointer:
         if not self.job:
             return False
         if step not in self._jobs:
-            try:
-                meta = json.loads((self.root / step_dir_name(step) / META).read_text())
-                self._jobs[step] = str(meta.get("job", "")) if isinstance(meta, dict) else ""
-            except (OSError, ValueError):
-                self._jobs[step] = ""
+            self._jobs[step] = job_of(self.root / step_dir_name(step))
         return self._jobs[step] == self.job
 
     def prune(self) -> list[int]:
