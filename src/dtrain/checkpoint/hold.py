@@ -43,6 +43,11 @@ HOLD_MODE = 0o600
 LEASE_S = 30.0  # a hold from another machine not renewed for this long is stale
 
 
+def say(text: str) -> None:
+    """A line for the user on the launcher's console (stderr, beside its other words)."""
+    print(f"dtrain: {text}", file=sys.stderr, flush=True)
+
+
 def launch_config_path(run_dir: Path, host: str, pid: int) -> Path:
     """Where a launcher keeps, while it holds the folder, the config its own workers read
     (``RUN_DIR/config.toml`` is the resolved config of record, written by rank 0)."""
@@ -99,11 +104,7 @@ class Hold:
             current = read_hold(self.path)
             if current is not None and current.job != self.record.job:
                 if not warned:  # taken over, which a live job's hold never is: say so once
-                    print(
-                        f"dtrain: warning: {self.path} is now held by {current.who()}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    say(f"warning: {self.path} is now held by {current.who()}")
                     warned = True
                 continue
             renewals = max(renewals, current.renewals if current else 0) + 1
@@ -183,11 +184,7 @@ def take_hold(run_dir: Path, run_id: str, rdzv_endpoint: str, lease_s: float = L
         if _take_over(path, current):
             # What the gone launcher left beside its hold: its workers' config.
             launch_config_path(run_dir, current.host, current.pid).unlink(missing_ok=True)
-            print(
-                f"dtrain: {path} was held by {current.who()}, which is gone; taking it over",
-                file=sys.stderr,
-                flush=True,
-            )
+            say(f"{path} was held by {current.who()}, which is gone; taking it over")
     raise UserError(f"run.dir {run_dir}: could not take {HOLD_FILE}: other jobs keep taking it")
 
 
@@ -239,11 +236,9 @@ def _alive(record: HoldRecord, path: Path, lease_s: float) -> bool:
     if record.boot_id and record.boot_id == _boot_id():
         # This machine: its launcher's process, if it is the same process.
         return _started(record.pid) == record.pid_started if process_alive(record.pid) else False
-    print(
-        f"dtrain: {path} is held by {record.who()}, on another machine; waiting up to "
-        f"{lease_s:.0f}s to see whether that job still renews it",
-        file=sys.stderr,
-        flush=True,
+    say(
+        f"{path} is held by {record.who()}, on another machine; waiting up to {lease_s:.0f}s to "
+        "see whether that job still renews it"
     )
     deadline = time.monotonic() + lease_s
     while time.monotonic() < deadline:

@@ -212,7 +212,7 @@ def step_shape(
         # Equal shares, the common case; computed directly, as this runs on every step.
         per_rank = _equal_counts(total, world_size, minimum)
     else:
-        _check_weights(weights, world_size)
+        check_weights(weights, world_size)
         per_rank = split_counts(total, weights, minimum=minimum)
     return [_equal_counts(n, _micro_steps(n, micro_batches, micro_cap), 1) for n in per_rank]
 
@@ -274,7 +274,7 @@ def partition_tokens(
     ``micro_cap`` a rank's micro-steps follow its sample count, as in :func:`step_shape`.
     """
     weights = list(weights) if weights is not None else equal_weights(world_size)
-    _check_weights(weights, world_size)
+    check_weights(weights, world_size)
     minimum = micro_batches if micro_cap <= 0 else 1
     if len(ids) < world_size * minimum:
         raise ValueError(
@@ -319,11 +319,6 @@ def _lpt_assign(lengths: np.ndarray, weights: Sequence[float], minimum: int) -> 
             owed -= 1
         heapq.heappush(heap, (load[part] / w[part], part))
     return [np.sort(np.asarray(a, dtype=np.int64)) for a in assigned]
-
-
-def _check_weights(weights: Sequence[float], world_size: int) -> None:
-    if len(weights) != world_size:
-        check_weights(weights, world_size)  # raises, naming them
 
 
 class StepPlan:

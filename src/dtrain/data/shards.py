@@ -72,7 +72,6 @@ class ShardedDataset:
         }
         self.shard_sizes = tuple(int(s["num_samples"]) for s in self.manifest["shards"])
         self._starts = np.concatenate([[0], np.cumsum(self.shard_sizes)]).astype(np.int64)
-        self._start_list: list[int] = self._starts.tolist()
         self._shard_names = [str(s["name"]) for s in self.manifest["shards"]]
         self._check_sizes()
         self._arrays: dict[str, np.ndarray] = {}
