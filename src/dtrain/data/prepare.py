@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -287,29 +288,31 @@ def prepare(
     if fmt == "auto":
         fmt = detect_format(src)
     token_field = _token_field(tokenizer is not None, vocab_size)
-    fields: dict[str, FieldSpec] | None = None
-    samples: Iterator[dict[str, Any]] | None = None
-    arrays: dict[str, np.ndarray] | None = None
     total: int | None = None
     if fmt == "text":
         files = _source_files(src, TEXT_SUFFIXES, "text")
-        samples, total = text_samples(files, tokenizer), len(files)
-        fields = {"tokens": token_field}
+        total = len(files)
+        write = partial(
+            write_shards, text_samples(files, tokenizer), fields={"tokens": token_field}
+        )
     elif fmt == "jsonl":
         files = _source_files(src, (".jsonl", ".json"), "JSONL")
         if tokenizer is None and isinstance(first_jsonl_value(files, field), list):
             # Pre-tokenized ids: bytes would not hold them.
             token_field = _token_field(True, vocab_size)
-        fields = {"tokens": token_field}
         samples = jsonl_samples(files, field, tokenizer, token_field.dtype)
+        write = partial(write_shards, samples, fields={"tokens": token_field})
     elif fmt == "npy":
         arrays = npy_arrays(src)
         total = next(iter(arrays.values())).shape[0]
+        write = partial(write_npy, arrays)
     elif fmt == "parquet":
         files = _source_files(src, (".parquet",), "Parquet")
-        samples = parquet_samples(files, columns, field, tokenizer)
         # Text columns become variable-length tokens; other columns' types are inferred.
         fields = {"tokens": token_field} if _parquet_has_text(files[0], field, columns) else None
+        write = partial(
+            write_shards, parquet_samples(files, columns, field, tokenizer), fields=fields
+        )
     else:
         raise DataError(f"unknown format {fmt!r}: expected one of {', '.join(FORMATS)}")
     bar = tqdm(
@@ -321,20 +324,8 @@ def prepare(
     )
     metadata = {"source": str(src), "format": fmt, **(metadata or {})}
     try:
-        if arrays is not None:
-            return write_npy(
-                arrays,
-                out,
-                shard_bytes=shard_bytes,
-                overwrite=overwrite,
-                metadata=metadata,
-                progress=bar.update,
-            )
-        assert samples is not None
-        return write_shards(
-            samples,
+        return write(
             out,
-            fields=fields,
             shard_bytes=shard_bytes,
             overwrite=overwrite,
             metadata=metadata,
