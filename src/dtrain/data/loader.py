@@ -16,7 +16,7 @@ import collections
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -148,72 +148,59 @@ class _PlanSampler(Sampler[list[int]]):
             for ids in plan.rank_ids(self.rank):
                 yield ids.tolist()
 
-    def __len__(self) -> int:  # an endless stream
-        raise TypeError("the training stream has no length")
 
-
+@dataclass(eq=False, repr=False)
 class RankLoader:
     """Endless iterator of :class:`StepBatch` for one rank of the data-parallel group."""
 
-    def __init__(
-        self,
-        dataset: Any,
-        *,
-        order: OrderSpec,
-        global_batch_size: int,
-        micro_batches: int,
-        rank: int,
-        world_size: int,
-        collate_fn: Collate,
-        lengths: np.ndarray | None = None,
-        weights: Sequence[float] | None = None,
-        max_micro_batch: int = 0,
-        num_workers: int = 0,
-        prefetch: int = 2,
-        pin_memory: bool = False,
-        fingerprint: str = "",
-    ) -> None:
-        if len(dataset) != order.num_samples:
+    dataset: Any
+    _: KW_ONLY
+    order: OrderSpec
+    global_batch_size: int
+    micro_batches: int
+    rank: int
+    world_size: int
+    collate_fn: Collate
+    lengths: np.ndarray | None = None
+    weights: Sequence[float] | None = None
+    # Samples a rank holds per micro-batch at most (0 = data.micro_batches for every rank).
+    max_micro_batch: int = 0
+    num_workers: int = 0
+    prefetch: int = 2
+    pin_memory: bool = False
+    fingerprint: str = ""
+    consumed: int = field(default=0, init=False)  # stream position after the last step
+    # start -> end of stream ranges never delivered
+    skipped: dict[int, int] = field(default_factory=dict, init=False)
+    _source: Iterator[StepBatch] | None = field(default=None, init=False)
+    _halt: Callable[[], None] | None = field(default=None, init=False)  # stops the prefetch
+
+    def __post_init__(self) -> None:
+        order, world_size = self.order, self.world_size
+        if len(self.dataset) != order.num_samples:
             raise ValueError("order spec and dataset disagree on the number of samples")
-        if lengths is not None and len(lengths) != order.num_samples:
+        if self.lengths is not None and len(self.lengths) != order.num_samples:
             raise DataError(
-                f"sample_lengths() gives {len(lengths)} lengths for {order.num_samples} samples"
+                f"sample_lengths() gives {len(self.lengths)} lengths for {order.num_samples} "
+                "samples"
             )
         # Under a micro-batch cap (load balancing) each rank needs one sample, not one per
         # micro-step: its micro-steps follow its share (partition.step_shape).
-        per_rank = micro_batches if max_micro_batch <= 0 else 1
-        if world_size * per_rank > global_batch_size:
+        per_rank = self.micro_batches if self.max_micro_batch <= 0 else 1
+        if world_size * per_rank > self.global_batch_size:
             raise DataError(
-                f"a global batch of {global_batch_size} samples cannot give "
+                f"a global batch of {self.global_batch_size} samples cannot give "
                 f"{world_size} ranks x {per_rank} micro-batches one sample each; raise "
                 "data.global_batch_size or lower data.micro_batches"
             )
-        if weights is not None:
-            check_weights(weights, world_size)
+        if self.weights is not None:
+            check_weights(self.weights, world_size)
+            self.weights = list(self.weights)
         if world_size > order.num_samples:
             raise DataError(
                 f"the dataset has {order.num_samples} samples, fewer than the "
                 f"{world_size} data-parallel ranks; train on fewer ranks or on more data"
             )
-        self.dataset = dataset
-        self.order = order
-        self.global_batch_size = global_batch_size
-        self.micro_batches = micro_batches
-        self.rank = rank
-        self.world_size = world_size
-        self.collate_fn = collate_fn
-        self.lengths = lengths
-        self.weights = list(weights) if weights is not None else None
-        # Samples a rank holds per micro-batch at most (0 = data.micro_batches for every rank).
-        self.max_micro_batch = max_micro_batch
-        self.num_workers = num_workers
-        self.prefetch = prefetch
-        self.pin_memory = pin_memory
-        self.fingerprint = fingerprint
-        self.consumed = 0  # stream position after the last step handed out
-        self.skipped: dict[int, int] = {}  # start -> end of stream ranges never delivered
-        self._source: Iterator[StepBatch] | None = None
-        self._halt: Callable[[], None] | None = None  # stops the prefetch thread
 
     # -- position ------------------------------------------------------------------------
 
