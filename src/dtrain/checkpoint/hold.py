@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +108,7 @@ class Hold:
                     warned = True
                 continue
             renewals = max(renewals, current.renewals if current else 0) + 1
-            record = HoldRecord(**{**asdict(self.record), "renewals": renewals})
+            record = replace(self.record, renewals=renewals)
             try:
                 if current is None:
                     _create(self.path, record)
@@ -168,13 +168,8 @@ def take_hold(run_dir: Path, run_id: str, rdzv_endpoint: str, lease_s: float = L
             continue
         if current.job == key:  # another machine of this job took it first
             # Renewed as this launcher's from now on (its token stays the job's).
-            here = {
-                "host": host,
-                "pid": pid,
-                "boot_id": mine.boot_id,
-                "pid_started": mine.pid_started,
-            }
-            return Hold(path, HoldRecord(**{**asdict(current), **here}), joined=True)
+            here = replace(current, host=host, pid=pid, boot_id=mine.boot_id)
+            return Hold(path, replace(here, pid_started=mine.pid_started), joined=True)
         if _alive(current, path, lease_s):
             raise UserError(
                 f"run.dir {run_dir} is in use by {current.who()}; wait for that job to end, "

@@ -111,10 +111,6 @@ class HashingWriter:
     def closed(self) -> bool:
         return self._fh.closed
 
-    def sync(self) -> None:
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-
     def close(self) -> None:
         self._fh.close()
 
@@ -122,7 +118,8 @@ class HashingWriter:
         """Sync (unless the writer synced before closing, as DCP does) and close; the file's
         marker entry."""
         if not self._fh.closed:
-            self.sync()
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
             self._fh.close()
         self._on_progress()
         return file_entry(self.hasher)
