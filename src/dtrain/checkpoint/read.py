@@ -179,19 +179,16 @@ class ShardedIndex:
         return bool(groups) and not any(_GROUP_PARAMS.fullmatch(key) for key in groups)
 
 
-def sharded_files(step_dir: Path) -> frozenset[str]:
-    """The names in ``dcp/`` that the completion marker lists: the only files a read of the
-    sharded state opens."""
-    prefix = f"{SHARDED_DIR}/"
-    listed = read_marker(step_dir)["files"]
-    return frozenset(name[len(prefix) :] for name in listed if name.startswith(prefix))
-
-
 def sharded_reader(step_dir: Path) -> SafeReader:
-    """DCP's reader of the sharded state in ``step_dir``, as data only."""
+    """DCP's reader of the sharded state in ``step_dir``, as data only, which opens only the
+    files in ``dcp/`` that the completion marker lists."""
     from dtrain.checkpoint.safe_dcp import SafeReader
 
-    return SafeReader(step_dir, sharded_files(step_dir))
+    prefix = f"{SHARDED_DIR}/"
+    listed = read_marker(step_dir)["files"]
+    return SafeReader(
+        step_dir, {name.removeprefix(prefix) for name in listed if name.startswith(prefix)}
+    )
 
 
 def sharded_index(step_dir: Path, reader: SafeReader | None = None) -> ShardedIndex:
