@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader
 
 from dtrain.data.partition import OrderSpec, StepPlan, check_weights, eval_shard, plan_steps
 from dtrain.errors import DataError
@@ -130,23 +130,6 @@ class _FetchDataset(torch.utils.data.Dataset[Any]):
 def _only(items: list[Any]) -> Any:
     """The DataLoader's collate step: the worker already collated (see _FetchDataset)."""
     return items[0]
-
-
-class _PlanSampler(Sampler[list[int]]):
-    """Yields this rank's micro-batch id lists, step after step, from a start position; each
-    plan is also queued in ``planned`` so that the consumer pairs it with its micro-batches
-    without computing it again."""
-
-    def __init__(self, plans: Iterator[StepPlan], rank: int) -> None:
-        self.plans = plans
-        self.rank = rank
-        self.planned: collections.deque[StepPlan] = collections.deque()
-
-    def __iter__(self) -> Iterator[list[int]]:
-        for plan in self.plans:
-            self.planned.append(plan)
-            for ids in plan.rank_ids(self.rank):
-                yield ids.tolist()
 
 
 @dataclass(eq=False, repr=False)
@@ -367,10 +350,19 @@ class RankLoader:
         return consume()
 
     def _worker_stream(self, start: int) -> Iterator[StepBatch]:
-        sampler = _PlanSampler(self._plans(start), self.rank)
+        planned: collections.deque[StepPlan] = collections.deque()
+
+        def micro_ids() -> Iterator[list[int]]:
+            # This rank's micro-batches, step after step; each plan is queued for the consumer
+            # to pair with its micro-batches without computing it again.
+            for plan in self._plans(start):
+                planned.append(plan)
+                for ids in plan.rank_ids(self.rank):
+                    yield ids.tolist()
+
         loader = DataLoader(
             _FetchDataset(self.dataset, self.collate_fn),
-            batch_sampler=sampler,
+            batch_sampler=micro_ids(),
             num_workers=self.num_workers,
             collate_fn=_only,
             pin_memory=self.pin_memory,
@@ -380,12 +372,12 @@ class RankLoader:
         micro_iter = iter(loader)
 
         def regroup() -> Iterator[StepBatch]:
-            # The DataLoader yields micro-batches in sampler order, and the sampler queues each
-            # plan before yielding its first micro-batch, so the plan is there once the first
-            # micro-batch is; it says how many this rank has (per rank under a cap).
+            # The DataLoader yields micro-batches in micro_ids' order, which queues each plan
+            # before its first micro-batch, so the plan is there once the first micro-batch is;
+            # it says how many this rank has (per rank under a cap).
             while True:
                 micro = [next(micro_iter)]
-                plan = sampler.planned.popleft()
+                plan = planned.popleft()
                 micro += [next(micro_iter) for _ in range(len(plan.rank_ids(self.rank)) - 1)]
                 yield StepBatch(plan=plan, micro=micro, rank=self.rank)
 
