@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -128,9 +128,10 @@ def _progress_planner(on_progress: Callable[[], None]) -> Any:
 
 @dataclass
 class _Outcome:
-    ok: bool
-    error: str
-    files: dict[str, dict[str, Any]]
+    """One rank's write: what failed (empty: nothing), or the marker entries of its files."""
+
+    error: str = ""
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 class Checkpointer:
@@ -271,7 +272,7 @@ class Checkpointer:
         background writer's (``on_progress``: what each piece done calls, on that thread)."""
         started = time.perf_counter()
         tmp = self.root / f".tmp-{step_dir_name(step)}"
-        outcome = _Outcome(ok=True, error="", files={})
+        outcome = _Outcome()
         meta_text = json.dumps(meta, indent=1, sort_keys=True).encode() if meta else b""
         need = space.state_bytes(files) + space.state_bytes(sharded) + len(meta_text)
         try:
@@ -289,7 +290,7 @@ class Checkpointer:
         except Exception as exc:
             mine = [*files, *([META] if meta is not None else [])]
             why = self._why_not_written(exc, tmp, need, mine)
-            outcome = _Outcome(ok=False, error=why, files={})
+            outcome = _Outcome(error=why)
         outcomes = self._gather(outcome)
         error = ""
         if self.rank == 0:
@@ -364,9 +365,7 @@ class Checkpointer:
         try:
             gathered = gather_json(asdict(outcome), dst=0, group=self.group)
         except Exception as exc:
-            return [
-                _Outcome(ok=False, error=f"the ranks could not agree on the save: {exc}", files={})
-            ]
+            return [_Outcome(error=f"the ranks could not agree on the save: {exc}")]
         return [_Outcome(**each) for each in gathered] if gathered is not None else [outcome]
 
     def _agree_on_commit(self, step: int, error: str, outcome: _Outcome) -> str:
@@ -382,7 +381,7 @@ class Checkpointer:
         return str(word)
 
     def _commit(self, step: int, tmp: Path, outcomes: list[_Outcome]) -> None:
-        failures = [o.error for o in outcomes if not o.ok]
+        failures = [o.error for o in outcomes if o.error]
         if failures:
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError("; ".join(failures))
