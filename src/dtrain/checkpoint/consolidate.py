@@ -52,7 +52,7 @@ def is_checkpoint_folder(path: Path) -> bool:
     marker, ``meta.json`` or ``dcp/`` (a renamed copy)."""
     name = path.name
     return (
-        layout.is_step_dir_name(name)
+        layout.step_of(name) is not None
         or layout.is_unfinished_step_dir_name(name)
         or any((path / part).exists() for part in (layout.MARKER, layout.META, layout.SHARDED_DIR))
     )

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dtrain.checkpoint.layout import (
-    _STEP_RE,
     MARKER,
     META,
     SHARDED_DIR,
@@ -31,6 +30,7 @@ from dtrain.checkpoint.layout import (
     list_step_dirs,
     marker_digest,
     piece_count,
+    step_of,
 )
 from dtrain.checkpoint.safe_load import load_file as load_file
 from dtrain.checkpoint.verify import pieces_of, verify_pieces
@@ -133,7 +133,7 @@ def remove_leftovers(root: Path) -> list[Path]:
         return removed
     for entry in root.iterdir():
         stale = entry.name.startswith(UNFINISHED_PREFIXES)
-        uncommitted = bool(_STEP_RE.match(entry.name)) and not (entry / MARKER).exists()
+        uncommitted = step_of(entry.name) is not None and not (entry / MARKER).exists()
         if entry.is_dir() and (stale or uncommitted):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
