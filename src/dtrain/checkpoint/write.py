@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import KW_ONLY, asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -134,48 +134,42 @@ class _Outcome:
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
+@dataclass(eq=False)
 class Checkpointer:
     """Saves on every rank, commits on rank 0. At most one save is in flight; a failed
-    background save is reported by :meth:`poll` (at the next step) and never committed."""
+    background save is reported by :meth:`poll` (at the next step) and never committed.
 
-    def __init__(
-        self,
-        root: Path,
-        *,
-        rank: int,
-        world_size: int,
-        keep_last: int,
-        keep_every: int,
-        timeout: datetime.timedelta = datetime.timedelta(minutes=5),
-        log: Callable[[str], None] = print,
-        on_progress: Callable[[], None] | None = None,
-    ) -> None:
-        """Collective when the process group is up: every rank makes the checkpointer's own
-        group (``timeout``: its collectives' limit) at the same point.
+    Made collectively when the process group is up: every rank makes the checkpointer's own
+    group (``timeout``: its collectives' limit) at the same point.
 
-        ``on_progress`` is called on the training thread as a save it waits for goes on (a
-        file written or hashed, a piece of a large one): by a blocking save as it writes, and
-        by :meth:`wait` as the background writer of an asynchronous one does its pieces. The
-        writer thread only counts them: a thread working beside the training thread must not
-        vouch for it, which may be hung meanwhile."""
-        self.root = root
-        self.rank = rank
-        self.world_size = world_size
-        self.keep_last = keep_last
-        self.keep_every = keep_every
+    ``on_progress`` is called on the training thread as a save it waits for goes on (a file
+    written or hashed, a piece of a large one): by a blocking save as it writes, and by
+    :meth:`wait` as the background writer of an asynchronous one does its pieces. The writer
+    thread only counts them: a thread working beside the training thread must not vouch for
+    it, which may be hung meanwhile."""
+
+    root: Path
+    _: KW_ONLY
+    rank: int
+    world_size: int
+    keep_last: int
+    keep_every: int
+    timeout: datetime.timedelta = datetime.timedelta(minutes=5)
+    log: Callable[[str], None] = print
+    on_progress: Callable[[], None] = nothing
+    last_saved_step: int | None = field(default=None, init=False)  # saved or being saved
+    blocking_seconds: list[float] = field(default_factory=list, init=False)
+    write_seconds: list[float] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
         # Saves coordinate over their own gloo group, so that a background save never
         # interleaves its collectives with the training collectives of the default group.
         self.group: dist.ProcessGroup | None = (
-            dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
+            dist.new_group(backend="gloo", timeout=self.timeout) if dist.is_initialized() else None
         )
-        self.log = log
         self._thread: threading.Thread | None = None
         self._error: str | None = None
-        self.last_saved_step: int | None = None  # the newest step saved or being saved
-        self.blocking_seconds: list[float] = []
-        self.write_seconds: list[float] = []
         self._staged: dict[str, Any] = {}  # the last async snapshot, reused by the next one
-        self._on_progress = on_progress or nothing
         self._pieces = 0  # pieces the background writer has done (only it counts them)
         # Retention's knowledge (rank 0's): this job's id, the steps this process committed,
         # those verified whole (the resume or rollback point), and each checkpoint's job.
@@ -201,7 +195,7 @@ class Checkpointer:
                 self._thread.join(timeout=0.5)
                 if self._pieces != seen:  # the writer moved on: so does this wait for it
                     seen = self._pieces
-                    self._on_progress()
+                    self.on_progress()
             self._thread = None
         return self._take_error()
 
@@ -237,7 +231,7 @@ class Checkpointer:
         if meta is not None:
             meta = {**meta, "job": self.job}  # which checkpoints are this job's (retention)
         if blocking:
-            self._write(step, files, meta, sharded, self._on_progress)
+            self._write(step, files, meta, sharded, self.on_progress)
             error = self._take_error()
             self.blocking_seconds.append(time.perf_counter() - started)
             if error:
