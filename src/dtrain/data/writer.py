@@ -28,7 +28,7 @@ from dtrain.data.format import (
     read_manifest,
 )
 from dtrain.errors import DataError
-from dtrain.fsutil import fsync_dir, sha256_file
+from dtrain.fsutil import fsync_dir, sha256_file, write_bytes_synced
 
 
 class ShardWriter:
@@ -199,10 +199,7 @@ class ShardWriter:
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "metadata": self.metadata,
         }
-        with (self.tmp_dir / MANIFEST).open("w") as fh:
-            json.dump(manifest, fh, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
+        write_bytes_synced(self.tmp_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
         if os.path.lexists(self.out_dir):
             # Checked again: the folder may have changed in the minutes the shards took.
             check_replaceable(self.out_dir)
