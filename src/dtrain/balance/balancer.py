@@ -268,8 +268,7 @@ class LoadBalancer:
         if saved is not None and state.get("world_size") == self.shares:
             self.controller.load_state_dict(saved)
         else:
-            fresh = ThroughputController(self.shares, self.controller.settings)
-            self.controller = fresh
+            self.controller = ThroughputController(self.shares, self.controller.settings)
             if saved is not None:
                 self.log(
                     f"load balancing starts from equal shares: the checkpoint's weights are for "
