@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from dtrain.balance.balancer import loader_weights
-from dtrain.balance.timing import FIELDS, StepTimer, gather_windows
+from dtrain.balance.timing import FIELDS, StepTimer, start_gather_windows
 from dtrain.comm.accounting import CommCounter
 from dtrain.config import Config
 from dtrain.fault.failpoints import failpoints
@@ -324,10 +324,10 @@ def gather_cost(repeats: int) -> float:
     comm = CommCounter()
     device = torch.device("cpu")
     for _ in range(20):
-        gather_windows(window, torch.distributed.get_world_size(), comm, device)
+        start_gather_windows(window, torch.distributed.get_world_size(), comm, device)()
     started = time.perf_counter()
     for _ in range(repeats):
-        gather_windows(window, torch.distributed.get_world_size(), comm, device)
+        start_gather_windows(window, torch.distributed.get_world_size(), comm, device)()
     return (time.perf_counter() - started) / repeats
 
 

@@ -194,6 +194,7 @@ def measure_in_rank(root_text: str, total: int, layout: str, rounds: int) -> dic
     from dtrain.checkpoint.write import Checkpointer
     from dtrain.config import Config
     from dtrain.dist.runtime import Runtime
+    from dtrain.fault.peer_words import PeerWords
     from dtrain.fault.watchdog import Watchdog
 
     torch.set_num_threads(1)
@@ -275,7 +276,7 @@ def measure_in_rank(root_text: str, total: int, layout: str, rounds: int) -> dic
 
     dog = Watchdog(rank, world, heartbeat_s=1.0, timeout_s=300.0, run_dir=root)
     dog.start()
-    words = resume._Words(dog, runtime)
+    words = PeerWords(dog)
     alone = ckread.verify_checkpoint if rank == 0 else (lambda _: None)
 
     def shared(key: str) -> None:

@@ -157,18 +157,16 @@ class LoadBalancer:
         steps = rows[:, INDEX["steps"]]
         if np.any(steps <= 0):
             return NOTHING  # nothing timed since the last window (a resume on a window boundary)
-        per_step = rows / steps[:, None]
         items = rows[:, INDEX["items"]]
         with np.errstate(divide="ignore", invalid="ignore"):
             data_per_item = rows[:, INDEX["data_s"]] / items
             compute_per_item = rows[:, INDEX["compute_s"]] / items
         per_item = rows[:, INDEX["time_per_item_s"]]  # each rank's median over the window
-        samples = per_step[:, INDEX["samples"]]
         # The ranks record holds W entries a field: built where it is written, once a window,
         # not on every rank (where it cost O(W) each window, for nothing).
         records: list[Record] = []
         if self.writes_records:
-            records.append(self._ranks_record(step, steps, per_step, samples, per_item, rows))
+            records.append(self._ranks_record(step, rows))
         for event in self.detector.observe(
             int(steps[0]), per_item, data_per_item, compute_per_item
         ):
@@ -178,15 +176,11 @@ class LoadBalancer:
             return Outcome(records, self.weights)
         return Outcome(records)
 
-    def _ranks_record(
-        self,
-        step: int,
-        steps: np.ndarray,
-        per_step: np.ndarray,
-        samples: np.ndarray,
-        per_item: np.ndarray,
-        rows: np.ndarray,
-    ) -> Record:
+    def _ranks_record(self, step: int, rows: np.ndarray) -> Record:
+        steps = rows[:, INDEX["steps"]]
+        per_step = rows / steps[:, None]
+        samples = per_step[:, INDEX["samples"]]
+        per_item = rows[:, INDEX["time_per_item_s"]]
         return {
             "kind": "ranks",
             "step": step,
@@ -274,8 +268,7 @@ class LoadBalancer:
         if saved is not None and state.get("world_size") == self.shares:
             self.controller.load_state_dict(saved)
         else:
-            fresh = ThroughputController(self.shares, self.controller.settings)
-            self.controller = fresh
+            self.controller = ThroughputController(self.shares, self.controller.settings)
             if saved is not None:
                 self.log(
                     f"load balancing starts from equal shares: the checkpoint's weights are for "

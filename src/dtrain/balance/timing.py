@@ -103,8 +103,8 @@ class StepTimer:
         self._comm_start = self.comm.wait_s
         self._counts = (items, samples, micro_steps)
 
-    def finish(self) -> dict[str, float]:
-        """The step's update is done: add its phases to the window; returns them."""
+    def finish(self) -> None:
+        """The step's update is done: add its phases to the window (and :attr:`last`)."""
         end = time.perf_counter()
         data = self._ready - self._start
         comm = max(0.0, self.comm.wait_s - self._comm_start)
@@ -117,7 +117,6 @@ class StepTimer:
         if items > 0:
             self._per_item.append(per_item)
         self.last = dict(zip(FIELDS, (*row, per_item)))
-        return self.last
 
     def take(self) -> np.ndarray:
         """The window's sums and median time per item (a copy); the next window starts
@@ -170,13 +169,6 @@ def start_gather_windows(
             return torch.stack(parts).cpu().numpy()
 
     return result
-
-
-def gather_windows(
-    window: np.ndarray, world_size: int, comm: CommCounter, device: torch.device
-) -> np.ndarray:
-    """Collective: :func:`start_gather_windows` and its result at once."""
-    return start_gather_windows(window, world_size, comm, device)()
 
 
 def gather_hosts(world_size: int) -> list[str]:

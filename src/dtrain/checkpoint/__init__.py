@@ -11,7 +11,6 @@
 ``forms``        the forms a strategy's state takes (replicated, per rank, sharded): no files
 ``model_state``  a strategy's named state dicts to their files, and any saved form into its own
 ``cross_form``   the conversions between forms, by parameter name
-``state_form``   whether a strategy can resume a checkpoint, as the launcher sees it
 ``rng``          every RNG's state (a part of each rank's checkpoint) and the run's seeding
 ``rundir``       the launcher's checks of a run folder before any worker starts
 ===============  ============================================================================

@@ -33,7 +33,6 @@ from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
 from dtrain.errors import CheckpointError
 
-MODEL_PREFIX = "model."  # the model's keys in a sharded state ({"model": ..., "optimizer": ...})
 _REPLICA = re.compile(r"model-rank\d+\.pt")  # localsgd's, diloco's replicas of ranks > 0
 
 
@@ -53,7 +52,7 @@ def is_checkpoint_folder(path: Path) -> bool:
     marker, ``meta.json`` or ``dcp/`` (a renamed copy)."""
     name = path.name
     return (
-        layout.is_step_dir_name(name)
+        layout.step_of(name) is not None
         or layout.is_unfinished_step_dir_name(name)
         or any((path / part).exists() for part in (layout.MARKER, layout.META, layout.SHARDED_DIR))
     )
@@ -132,19 +131,14 @@ def consolidate(step_dir: Path) -> Consolidated:
 def read_sharded_model(step_dir: Path) -> dict[str, torch.Tensor]:
     """Every model tensor of a DCP checkpoint, whole, on CPU (no process group needed), read
     as data only (:mod:`dtrain.checkpoint.safe_dcp`)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     from dtrain.checkpoint.safe_dcp import load_sharded
 
     reader = ckread.sharded_reader(step_dir)
-    metadata = reader.read_metadata()
-    template: dict[str, Any] = {"model": {}}
-    for key, item in metadata.state_dict_metadata.items():
-        if key.startswith(MODEL_PREFIX) and isinstance(item, TensorStorageMetadata):
-            template["model"][key[len(MODEL_PREFIX) :]] = torch.empty(
-                tuple(item.size), dtype=item.properties.dtype
-            )
-    if not template["model"]:
+    saved = ckread.sharded_index(step_dir, reader).model
+    template = {
+        "model": {name: torch.empty_like(like, device="cpu") for name, like in saved.items()}
+    }
+    if not saved:
         raise CheckpointError(f"{step_dir / layout.SHARDED_DIR} holds no model tensors")
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
         warnings.simplefilter("ignore", UserWarning)

@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,11 @@ RENEW_S = 5.0  # how often a launcher renews its hold
 # token readable for a moment, and a renewal would undo it.
 HOLD_MODE = 0o600
 LEASE_S = 30.0  # a hold from another machine not renewed for this long is stale
+
+
+def say(text: str) -> None:
+    """A line for the user on the launcher's console (stderr, beside its other words)."""
+    print(f"dtrain: {text}", file=sys.stderr, flush=True)
 
 
 def launch_config_path(run_dir: Path, host: str, pid: int) -> Path:
@@ -75,14 +80,6 @@ class HoldRecord:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
         return f"job {self.run_id!r} (host {self.host}, pid {self.pid}, since {since})"
 
-    @classmethod
-    def parse(cls, text: str) -> HoldRecord | None:
-        try:
-            data: Any = json.loads(text)
-            return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
-        except (ValueError, TypeError):
-            return None
-
 
 class Hold:
     """A run folder this launcher holds (or shares, with the other machines of its job), renewed
@@ -107,15 +104,11 @@ class Hold:
             current = read_hold(self.path)
             if current is not None and current.job != self.record.job:
                 if not warned:  # taken over, which a live job's hold never is: say so once
-                    print(
-                        f"dtrain: warning: {self.path} is now held by {current.who()}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    say(f"warning: {self.path} is now held by {current.who()}")
                     warned = True
                 continue
             renewals = max(renewals, current.renewals if current else 0) + 1
-            record = HoldRecord(**{**asdict(self.record), "renewals": renewals})
+            record = replace(self.record, renewals=renewals)
             try:
                 if current is None:
                     _create(self.path, record)
@@ -138,9 +131,11 @@ class Hold:
 
 
 def read_hold(path: Path) -> HoldRecord | None:
+    """The hold in ``path``; None where there is none, or it is no hold."""
     try:
-        return HoldRecord.parse(path.read_text())
-    except OSError:
+        data: Any = json.loads(path.read_text())
+        return HoldRecord(**{k: data[k] for k in HoldRecord.__dataclass_fields__ if k in data})
+    except (OSError, ValueError, TypeError):
         return None
 
 
@@ -173,13 +168,8 @@ def take_hold(run_dir: Path, run_id: str, rdzv_endpoint: str, lease_s: float = L
             continue
         if current.job == key:  # another machine of this job took it first
             # Renewed as this launcher's from now on (its token stays the job's).
-            here = {
-                "host": host,
-                "pid": pid,
-                "boot_id": mine.boot_id,
-                "pid_started": mine.pid_started,
-            }
-            return Hold(path, HoldRecord(**{**asdict(current), **here}), joined=True)
+            here = replace(current, host=host, pid=pid, boot_id=mine.boot_id)
+            return Hold(path, replace(here, pid_started=mine.pid_started), joined=True)
         if _alive(current, path, lease_s):
             raise UserError(
                 f"run.dir {run_dir} is in use by {current.who()}; wait for that job to end, "
@@ -189,11 +179,7 @@ def take_hold(run_dir: Path, run_id: str, rdzv_endpoint: str, lease_s: float = L
         if _take_over(path, current):
             # What the gone launcher left beside its hold: its workers' config.
             launch_config_path(run_dir, current.host, current.pid).unlink(missing_ok=True)
-            print(
-                f"dtrain: {path} was held by {current.who()}, which is gone; taking it over",
-                file=sys.stderr,
-                flush=True,
-            )
+            say(f"{path} was held by {current.who()}, which is gone; taking it over")
     raise UserError(f"run.dir {run_dir}: could not take {HOLD_FILE}: other jobs keep taking it")
 
 
@@ -245,11 +231,9 @@ def _alive(record: HoldRecord, path: Path, lease_s: float) -> bool:
     if record.boot_id and record.boot_id == _boot_id():
         # This machine: its launcher's process, if it is the same process.
         return _started(record.pid) == record.pid_started if process_alive(record.pid) else False
-    print(
-        f"dtrain: {path} is held by {record.who()}, on another machine; waiting up to "
-        f"{lease_s:.0f}s to see whether that job still renews it",
-        file=sys.stderr,
-        flush=True,
+    say(
+        f"{path} is held by {record.who()}, on another machine; waiting up to {lease_s:.0f}s to "
+        "see whether that job still renews it"
     )
     deadline = time.monotonic() + lease_s
     while time.monotonic() < deadline:
@@ -260,7 +244,6 @@ def _alive(record: HoldRecord, path: Path, lease_s: float) -> bool:
         if now.renewals != record.renewals:
             return True
     return False
-    return True
 
 
 def _started(pid: int) -> int:

@@ -48,14 +48,10 @@ def step_of(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def is_step_dir_name(name: str) -> bool:
-    return step_of(name) is not None
-
-
 def is_unfinished_step_dir_name(name: str) -> bool:
     """``.tmp-step-N`` or ``.trash-step-N``: a checkpoint's folder that does not count."""
     return any(
-        name.startswith(prefix) and is_step_dir_name(name[len(prefix) :])
+        name.startswith(prefix) and step_of(name[len(prefix) :]) is not None
         for prefix in UNFINISHED_PREFIXES
     )
 
@@ -78,12 +74,8 @@ def list_step_dirs(root: Path) -> list[tuple[int, Path]]:
     """``(step, folder)`` of every ``step-N`` folder, newest first (committed or not)."""
     if not root.is_dir():
         return []
-    found = []
-    for entry in root.iterdir():
-        match = _STEP_RE.match(entry.name)
-        if match and entry.is_dir():
-            found.append((int(match.group(1)), entry))
-    return sorted(found, reverse=True)
+    named = ((step_of(entry.name), entry) for entry in root.iterdir())
+    return sorted(((s, e) for s, e in named if s is not None and e.is_dir()), reverse=True)
 
 
 def marker_digest(marker: dict[str, Any]) -> str:
@@ -92,6 +84,16 @@ def marker_digest(marker: dict[str, Any]) -> str:
     return hashlib.sha256(
         json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()
     ).hexdigest()
+
+
+def job_of(step_dir: Path) -> str:
+    """The job that wrote the checkpoint in ``step_dir`` (its ``meta.json`` says); empty when
+    unknown."""
+    try:
+        meta = json.loads((step_dir / META).read_text())
+    except (OSError, ValueError):
+        return ""
+    return str(meta.get("job", "")) if isinstance(meta, dict) else ""
 
 
 def committed_steps(root: Path) -> list[int]:

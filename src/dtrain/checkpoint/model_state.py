@@ -155,7 +155,7 @@ def _load_shards(
         state = {name: part.state for name, part in template.items() if name in MODEL_AND_OPTIMIZER}
     else:
         state = strategy.state_dicts_by_name(optimizer)
-    ckread.check_model_fits(_wanted(strategy, state), index.model_shapes, step_dir)
+    ckread.check_model_fits(_wanted(strategy, state), index.model, step_dir)
     read_in_saved_groups(state, step_dir, index)
     if own:
         strategy.load_state_dicts(optimizer, state)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dtrain.checkpoint.layout import (
-    _STEP_RE,
     MARKER,
     META,
     SHARDED_DIR,
@@ -31,9 +30,10 @@ from dtrain.checkpoint.layout import (
     list_step_dirs,
     marker_digest,
     piece_count,
+    step_of,
 )
-from dtrain.checkpoint.safe_load import load_file as _load_file
-from dtrain.checkpoint.verify import pieces_of, verify_all, verify_pieces
+from dtrain.checkpoint.safe_load import load_file as load_file
+from dtrain.checkpoint.verify import pieces_of, verify_pieces
 from dtrain.errors import CheckpointError
 from dtrain.fsutil import fsync_dir
 
@@ -51,6 +51,8 @@ _MARKER_KEYS = frozenset({"step", "files", "world_size", "committed", "marker_sh
 def read_marker(step_dir: Path) -> dict[str, Any]:
     """The completion marker, checked against its own digest, so that any damage to it (not
     only to the files it lists) makes the checkpoint count as corrupted."""
+    if not step_dir.is_dir():
+        raise CheckpointError(f"checkpoint folder {step_dir} does not exist")
     path = step_dir / MARKER
     if not path.exists():
         raise CheckpointError(f"{step_dir} has no {MARKER}: the save did not finish")
@@ -90,19 +92,16 @@ def verify_checkpoint(step_dir: Path, on_progress: Callable[[], None] | None = N
     checking every file in this process (the ranks of a job share the work instead:
     :func:`dtrain.checkpoint.resume.resolve_resume`); ``on_progress`` is called as the files
     are hashed (after each 8 MiB and each piece)."""
-    if not step_dir.is_dir():
-        raise CheckpointError(f"checkpoint folder {step_dir} does not exist")
-    verify_all(step_dir, read_marker(step_dir), on_progress)
+    problem = verify_pieces(step_dir, pieces_of(read_marker(step_dir)), on_progress)
+    if problem:
+        raise CheckpointError(problem)
 
 
 def check_marker_and_meta(step_dir: Path) -> None:
     """The cheap part of :func:`verify_checkpoint`: the marker and ``meta.json`` (a few kB),
     not the state's files. What the launcher reads before any worker starts; the workers
     verify every file."""
-    if not step_dir.is_dir():
-        raise CheckpointError(f"checkpoint folder {step_dir} does not exist")
-    marker = read_marker(step_dir)
-    meta = [piece for piece in pieces_of(marker) if piece.name == META]
+    meta = [piece for piece in pieces_of(read_marker(step_dir)) if piece.name == META]
     if not meta:
         raise CheckpointError(f"{step_dir / MARKER} lists no {META}")
     problem = verify_pieces(step_dir, meta)
@@ -118,10 +117,7 @@ def find_latest_valid(
     skipped: list[tuple[Path, str]] = []
     for _, path in list_step_dirs(root):
         try:
-            if check is not None:
-                check(path)
-            else:
-                verify_checkpoint(path)
+            (check or verify_checkpoint)(path)
         except CheckpointError as exc:
             skipped.append((path, str(exc)))
             continue
@@ -137,19 +133,13 @@ def remove_leftovers(root: Path) -> list[Path]:
         return removed
     for entry in root.iterdir():
         stale = entry.name.startswith(UNFINISHED_PREFIXES)
-        uncommitted = bool(_STEP_RE.match(entry.name)) and not (entry / MARKER).exists()
+        uncommitted = step_of(entry.name) is not None and not (entry / MARKER).exists()
         if entry.is_dir() and (stale or uncommitted):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     if removed:
         fsync_dir(root)
     return removed
-
-
-def load_file(step_dir: Path, name: str) -> Any:
-    """The file ``name`` of the checkpoint in ``step_dir``, as tensors (on the CPU) and plain
-    data: anything else is one line naming the file and what it tries to load."""
-    return _load_file(step_dir, name)
 
 
 def load_meta(step_dir: Path) -> dict[str, Any]:
@@ -171,7 +161,8 @@ class ShardedIndex:
     reads it, and it grows with the model and the number of ranks that saved it)."""
 
     keys: frozenset[str]  # as DCP flattened them: model.<name>, optimizer.state.<name>.<key>
-    model_shapes: dict[str, tuple[int, ...]]  # global shape of every model tensor, by name
+    # Every model tensor by name, of its global shape and dtype, on the meta device.
+    model: dict[str, torch.Tensor]
 
     @property
     def param_groups(self) -> int:
@@ -188,34 +179,32 @@ class ShardedIndex:
         return bool(groups) and not any(_GROUP_PARAMS.fullmatch(key) for key in groups)
 
 
-def sharded_files(step_dir: Path) -> frozenset[str]:
-    """The names in ``dcp/`` that the completion marker lists: the only files a read of the
-    sharded state opens."""
-    prefix = f"{SHARDED_DIR}/"
-    listed = read_marker(step_dir)["files"]
-    return frozenset(name[len(prefix) :] for name in listed if name.startswith(prefix))
-
-
 def sharded_reader(step_dir: Path) -> SafeReader:
-    """DCP's reader of the sharded state in ``step_dir``, as data only."""
+    """DCP's reader of the sharded state in ``step_dir``, as data only, which opens only the
+    files in ``dcp/`` that the completion marker lists."""
     from dtrain.checkpoint.safe_dcp import SafeReader
 
-    return SafeReader(step_dir, sharded_files(step_dir))
+    prefix = f"{SHARDED_DIR}/"
+    listed = read_marker(step_dir)["files"]
+    return SafeReader(
+        step_dir, {name.removeprefix(prefix) for name in listed if name.startswith(prefix)}
+    )
 
 
-def sharded_index(step_dir: Path) -> ShardedIndex:
+def sharded_index(step_dir: Path, reader: SafeReader | None = None) -> ShardedIndex:
     """What the sharded state in ``step_dir`` holds, from its metadata (checked: a crafted
-    ``dcp/.metadata`` is one line naming it)."""
+    ``dcp/.metadata`` is one line naming it); ``reader``: one that read it already."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = sharded_reader(step_dir).read_metadata()
-    prefix = "model."
-    shapes = {
-        key[len(prefix) :]: tuple(item.size)
+    metadata = (reader or sharded_reader(step_dir)).read_metadata()
+    model = {
+        key.removeprefix("model."): torch.empty(
+            item.size, dtype=item.properties.dtype, device="meta"
+        )
         for key, item in metadata.state_dict_metadata.items()
-        if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
+        if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
     }
-    return ShardedIndex(frozenset(metadata.state_dict_metadata), shapes)
+    return ShardedIndex(frozenset(metadata.state_dict_metadata), model)
 
 
 def load_sharded(step_dir: Path, template: dict[str, Any]) -> None:
@@ -231,16 +220,25 @@ def load_sharded(step_dir: Path, template: dict[str, Any]) -> None:
 # Does the saved model fit?
 
 
-def state_dict_mismatches(expected: Mapping[str, Any], found: Mapping[str, Any]) -> list[str]:
-    problems = []
-    for key in sorted(set(expected) - set(found)):
-        problems.append(f"missing {key}")
-    for key in sorted(set(found) - set(expected)):
-        problems.append(f"unexpected {key}")
+def state_dict_mismatches(
+    expected: Mapping[str, Any],
+    found: Mapping[str, Any],
+    source: str = "checkpoint",
+    tied: Iterable[set[str]] = (),
+) -> list[str]:
+    """Why ``found`` does not fit the model of ``expected``: missing and unexpected keys,
+    other shapes (``source`` names ``found`` in them). A group of ``tied`` names is one tensor:
+    given under any of its names, none of them is missing."""
+    missing = set(expected) - set(found)
+    for group in tied:
+        if group & set(found):
+            missing -= group
+    problems = [f"missing {key}" for key in sorted(missing)]
+    problems += [f"unexpected {key}" for key in sorted(set(found) - set(expected))]
     for key in sorted(set(expected) & set(found)):
         want, got = _shape(expected[key]), _shape(found[key])
         if want is not None and got is not None and want != got:
-            problems.append(f"{key}: checkpoint {got}, model {want}")
+            problems.append(f"{key}: {source} {got}, model {want}")
     return problems
 
 
@@ -253,10 +251,15 @@ def _shape(value: Any) -> tuple[int, ...] | None:
     return None
 
 
+def first_problems(problems: list[str]) -> str:
+    """The first eight problems, and how many more there are."""
+    more = len(problems) - 8
+    return "; ".join(problems[:8]) + (f"; ... {more} more" if more > 0 else "")
+
+
 def check_model_fits(expected: Mapping[str, Any], found: Mapping[str, Any], where: Path) -> None:
     problems = state_dict_mismatches(expected, found)
     if problems:
-        shown = "; ".join(problems[:8]) + (
-            f"; ... {len(problems) - 8} more" if len(problems) > 8 else ""
+        raise CheckpointError(
+            f"checkpoint {where} is from a different model: {first_problems(problems)}"
         )
-        raise CheckpointError(f"checkpoint {where} is from a different model: {shown}")

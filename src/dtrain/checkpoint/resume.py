@@ -16,7 +16,6 @@ one line.
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,10 +26,10 @@ import torch.distributed as dist
 
 from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint.hold import job_id
-from dtrain.checkpoint.layout import META, list_step_dirs
+from dtrain.checkpoint.layout import job_of, list_step_dirs
 from dtrain.checkpoint.verify import assign, verify_pieces
 from dtrain.checkpoint.write import Checkpointer
-from dtrain.comm.plain import all_gather_json, broadcast_json
+from dtrain.comm.plain import broadcast_json
 from dtrain.config import Config
 from dtrain.dist.runtime import Runtime
 from dtrain.errors import CheckpointError, UserError
@@ -64,16 +63,8 @@ def candidates(
         return [path for _, path in found]
     named = Path(cfg.run.resume)
     job = job_id()
-    ours = [path for _, path in found if job and _job_of(path) == job]
+    ours = [path for _, path in found if job and job_of(path) == job]
     return [path for path in ours if path.resolve() != named.resolve()] + [named]
-
-
-def _job_of(step_dir: Path) -> str:
-    try:
-        meta = json.loads((step_dir / META).read_text())
-    except (OSError, ValueError):
-        return ""
-    return str(meta.get("job", "")) if isinstance(meta, dict) else ""
 
 
 class TrainingDiverged(UserError):
@@ -86,12 +77,13 @@ def resolve_resume(
     runtime: Runtime,
     log: Callable[[str], None],
     max_step: int | None = None,
-    watchdog: Watchdog | None = None,
+    *,
+    watchdog: Watchdog,
 ) -> ResumePoint | None:
     """Collective: the newest candidate (:func:`candidates`) that every rank's share of
     verifies, on every rank; None when there is none. A ``run.resume`` folder that does not
     verify is an error. ``watchdog``: this rank's, through which the ranks wait for each
-    other's verification (without one, in a collective under its timeout)."""
+    other's verification (:class:`PeerWords`)."""
     decision: list[Any] = [[], None, ""]
     if runtime.is_main:
         try:
@@ -105,7 +97,7 @@ def resolve_resume(
     if error:
         raise CheckpointError(error)
     named = max_step is None and cfg.run.resume not in ("auto", "never")
-    words = _Words(watchdog, runtime)
+    words = PeerWords(watchdog)
     for index, text in enumerate(paths):
         path = Path(text)
         problem = verify_together(path, runtime, words, f"{nonce}/{index}")
@@ -122,12 +114,10 @@ def resolve_resume(
     return None
 
 
-def verify_together(path: Path, runtime: Runtime, words: _Words, key: str) -> str | None:
+def verify_together(path: Path, runtime: Runtime, words: PeerWords, key: str) -> str | None:
     """Collective: None when every rank's share of checkpoint ``path`` verifies, else what is
     wrong with it (every problem the ranks found, each naming its file)."""
     try:
-        if not path.is_dir():
-            raise CheckpointError(f"checkpoint folder {path} does not exist")
         marker = ckread.read_marker(path)
         share = assign(marker, runtime.world_size)[runtime.rank]
         word = verify_pieces(path, share, words.tick) or ""
@@ -140,25 +130,6 @@ def verify_together(path: Path, runtime: Runtime, words: _Words, key: str) -> st
     return "; ".join(problems) or None
 
 
-class _Words:
-    """The ranks' words through the watchdog (:class:`PeerWords`), or one collective."""
-
-    def __init__(self, watchdog: Watchdog | None, runtime: Runtime) -> None:
-        self.peers = PeerWords(watchdog) if watchdog is not None else None
-        self.world_size = runtime.world_size
-
-    def tick(self) -> None:
-        if self.peers is not None:
-            self.peers.tick()
-
-    def gather(self, key: str, word: str, what: str) -> list[str]:
-        if self.peers is not None:
-            return self.peers.gather(key, word, what)
-        if self.world_size == 1 or not dist.is_initialized():
-            return [word]
-        return [str(w) for w in all_gather_json(word)]
-
-
 def rollback_point(
     cfg: Config,
     checkpointer: Checkpointer,
@@ -166,12 +137,12 @@ def rollback_point(
     log: Callable[[str], None],
     first_bad_step: int,
     last_bad_step: int,
-    watchdog: Watchdog | None = None,
+    watchdog: Watchdog,
 ) -> ResumePoint:
     """Collective: where the NaN guard rolls back to after non-finite steps ``first_bad_step``
     to ``last_bad_step``. A checkpoint saved during the streak holds the same weights as the one
     before it (skipped steps change nothing), so: the newest one before the first bad step."""
-    point = resolve_resume(cfg, checkpointer, runtime, log, first_bad_step - 1, watchdog)
+    point = resolve_resume(cfg, checkpointer, runtime, log, first_bad_step - 1, watchdog=watchdog)
     if point is None:
         raise TrainingDiverged(
             f"the loss was non-finite for {last_bad_step - first_bad_step + 1} steps in a row "

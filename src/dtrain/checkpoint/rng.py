@@ -48,9 +48,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def _as_python_state(value: Any) -> Any:
     # random.setstate wants tuples where a round trip may have given lists.
-    if isinstance(value, list):
-        return tuple(_as_python_state(v) for v in value)
-    if isinstance(value, tuple):
+    if isinstance(value, (list, tuple)):
         return tuple(_as_python_state(v) for v in value)
     return value
 

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
-from dtrain.checkpoint.hold import JOB_ID_ENV, launch_config_path, take_hold
+from dtrain.checkpoint.hold import JOB_ID_ENV, launch_config_path, say, take_hold
 from dtrain.config import Config
 from dtrain.config.resume import check_resumed_config
 from dtrain.errors import CheckpointError, UserError
@@ -105,8 +104,4 @@ def write_config_of_record(cfg: Config) -> None:
         os.makedirs(cfg.run.dir, exist_ok=True)
         write_atomic(os.path.join(cfg.run.dir, "config.toml"), cfg.to_toml())
     except OSError as exc:
-        print(
-            f"dtrain: warning: cannot write {cfg.run.dir}/config.toml ({exc.strerror or exc})",
-            file=sys.stderr,
-            flush=True,
-        )
+        say(f"warning: cannot write {cfg.run.dir}/config.toml ({exc.strerror or exc})")

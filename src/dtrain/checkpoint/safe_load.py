@@ -66,21 +66,14 @@ _TORCH_CONSTANT_NAMES = frozenset(
 )
 
 
-def allowed_global(module: str, name: str) -> bool:
-    """Whether ``.metadata`` may name ``module.name``."""
-    return (module, name) in METADATA_GLOBALS or (
-        module == "torch" and name in _TORCH_CONSTANT_NAMES
-    )
-
-
 # ---------------------------------------------------------------------------------------------
 # Whole files
 
 
-def torch_load(path: Path, *, mmap: bool = False) -> Any:
+def torch_load(path: Path) -> Any:
     """``path`` as tensors (on the CPU) and plain data; a ``pickle.UnpicklingError`` for
     anything else (:func:`why_refused` says what in one line)."""
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def load_file(step_dir: Path, name: str) -> Any:
@@ -136,7 +129,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     imported."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if allowed_global(module, name):
+        if (module, name) in METADATA_GLOBALS or (
+            module == "torch" and name in _TORCH_CONSTANT_NAMES
+        ):
             return super().find_class(module, name)
         raise _Refused(f"{module}.{name}")
 

@@ -21,8 +21,8 @@ import torch
 from dtrain.checkpoint import layout
 
 
-def _nothing() -> None:
-    pass
+def nothing() -> None:
+    """What a progress mark calls where no one watches."""
 
 
 class PieceHasher:
@@ -76,7 +76,7 @@ class HashingWriter:
         # larger than the buffer, goes to the file directly.
         self._fh = open(self.path, "wb")  # noqa: SIM115 (closed by close/finish)
         self.hasher = PieceHasher()
-        self._on_progress = on_progress or _nothing
+        self._on_progress = on_progress or nothing
         self._marked = 0  # pieces written when progress was last marked
 
     def write(self, data: Any) -> int:
@@ -111,10 +111,6 @@ class HashingWriter:
     def closed(self) -> bool:
         return self._fh.closed
 
-    def sync(self) -> None:
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-
     def close(self) -> None:
         self._fh.close()
 
@@ -122,7 +118,8 @@ class HashingWriter:
         """Sync (unless the writer synced before closing, as DCP does) and close; the file's
         marker entry."""
         if not self._fh.closed:
-            self.sync()
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
             self._fh.close()
         self._on_progress()
         return file_entry(self.hasher)

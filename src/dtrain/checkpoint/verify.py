@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.checkpoint.layout import MARKER, SHARDED_DIR
-from dtrain.errors import CheckpointError
 from dtrain.fault.failpoints import failpoint
 
 # Bytes read and hashed between two progress marks.
@@ -143,13 +142,3 @@ def _hash_range(
             left -= got
             tick()
     return digest.hexdigest()
-
-
-def verify_all(
-    step_dir: Path, marker: dict[str, Any], on_progress: Callable[[], None] | None = None
-) -> None:
-    """Every piece, in this process; raise :class:`CheckpointError` naming the first bad
-    file."""
-    problem = verify_pieces(step_dir, assign(marker, 1)[0], on_progress)
-    if problem:
-        raise CheckpointError(problem)

@@ -32,10 +32,11 @@ import datetime
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import KW_ONLY, asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +50,11 @@ from dtrain.checkpoint.layout import (
     META,
     SHARDED_DIR,
     committed_steps,
+    job_of,
     marker_digest,
     step_dir_name,
 )
-from dtrain.checkpoint.stream import hashing_file_system, write_file
+from dtrain.checkpoint.stream import hashing_file_system, nothing, write_file
 from dtrain.comm.plain import broadcast_json, gather_json
 from dtrain.errors import CheckpointError
 from dtrain.fault.failpoints import failpoint
@@ -67,7 +69,23 @@ def snapshot(obj: Any, reuse: Any = None) -> Any:
     are copied into where shape, dtype and layout match: copying into memory that is already
     mapped costs a fraction of allocating fresh memory and faulting in every page of it, which
     is most of what the loop waits for in an asynchronous save of a large state.
+
+    A DTensor (a sharded state) keeps its mesh and placements, with a CPU copy of this rank's
+    shard (no communication).
     """
+    # No DTensor can exist before its module is imported (importing it costs a replicated
+    # run a second it never needs).
+    dtensors = sys.modules.get("torch.distributed.tensor")
+    if dtensors is not None and isinstance(obj, dtensors.DTensor):
+        local = obj.to_local().detach().to("cpu", copy=True)
+        return dtensors.DTensor.from_local(
+            local,
+            obj.device_mesh,
+            obj.placements,
+            run_check=False,
+            shape=obj.shape,
+            stride=obj.stride(),
+        )
     if isinstance(obj, torch.Tensor):
         if (
             isinstance(reuse, torch.Tensor)
@@ -91,30 +109,6 @@ def snapshot(obj: Any, reuse: Any = None) -> Any:
     return obj
 
 
-def snapshot_sharded(obj: Any) -> Any:
-    """:func:`snapshot` for a sharded state: a DTensor keeps its mesh and placements, with a
-    CPU copy of this rank's shard (no communication)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(obj, DTensor):
-        local = obj.to_local().detach().to("cpu", copy=True)
-        return DTensor.from_local(
-            local,
-            obj.device_mesh,
-            obj.placements,
-            run_check=False,
-            shape=obj.shape,
-            stride=obj.stride(),
-        )
-    if isinstance(obj, dict):
-        return {k: snapshot_sharded(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [snapshot_sharded(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(snapshot_sharded(v) for v in obj)
-    return snapshot(obj)
-
-
 def _progress_planner(on_progress: Callable[[], None]) -> Any:
     """DCP's default save planner, marking progress as the writer takes each item (it asks
     for an item as it comes to write it)."""
@@ -128,63 +122,54 @@ def _progress_planner(on_progress: Callable[[], None]) -> Any:
     return ProgressPlanner()
 
 
-def _nothing() -> None:
-    pass
-
-
 # ---------------------------------------------------------------------------------------------
 # Saving
 
 
 @dataclass
 class _Outcome:
-    ok: bool
-    error: str
-    files: dict[str, dict[str, Any]]
+    """One rank's write: what failed (empty: nothing), or the marker entries of its files."""
+
+    error: str = ""
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
+@dataclass(eq=False)
 class Checkpointer:
     """Saves on every rank, commits on rank 0. At most one save is in flight; a failed
-    background save is reported by :meth:`poll` (at the next step) and never committed."""
+    background save is reported by :meth:`poll` (at the next step) and never committed.
 
-    def __init__(
-        self,
-        root: Path,
-        *,
-        rank: int,
-        world_size: int,
-        keep_last: int,
-        keep_every: int,
-        timeout: datetime.timedelta = datetime.timedelta(minutes=5),
-        log: Callable[[str], None] = print,
-        on_progress: Callable[[], None] | None = None,
-    ) -> None:
-        """Collective when the process group is up: every rank makes the checkpointer's own
-        group (``timeout``: its collectives' limit) at the same point.
+    Made collectively when the process group is up: every rank makes the checkpointer's own
+    group (``timeout``: its collectives' limit) at the same point.
 
-        ``on_progress`` is called on the training thread as a save it waits for goes on (a
-        file written or hashed, a piece of a large one): by a blocking save as it writes, and
-        by :meth:`wait` as the background writer of an asynchronous one does its pieces. The
-        writer thread only counts them: a thread working beside the training thread must not
-        vouch for it, which may be hung meanwhile."""
-        self.root = root
-        self.rank = rank
-        self.world_size = world_size
-        self.keep_last = keep_last
-        self.keep_every = keep_every
+    ``on_progress`` is called on the training thread as a save it waits for goes on (a file
+    written or hashed, a piece of a large one): by a blocking save as it writes, and by
+    :meth:`wait` as the background writer of an asynchronous one does its pieces. The writer
+    thread only counts them: a thread working beside the training thread must not vouch for
+    it, which may be hung meanwhile."""
+
+    root: Path
+    _: KW_ONLY
+    rank: int
+    world_size: int
+    keep_last: int
+    keep_every: int
+    timeout: datetime.timedelta = datetime.timedelta(minutes=5)
+    log: Callable[[str], None] = print
+    on_progress: Callable[[], None] = nothing
+    last_saved_step: int | None = field(default=None, init=False)  # saved or being saved
+    blocking_seconds: list[float] = field(default_factory=list, init=False)
+    write_seconds: list[float] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
         # Saves coordinate over their own gloo group, so that a background save never
         # interleaves its collectives with the training collectives of the default group.
         self.group: dist.ProcessGroup | None = (
-            dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
+            dist.new_group(backend="gloo", timeout=self.timeout) if dist.is_initialized() else None
         )
-        self.log = log
         self._thread: threading.Thread | None = None
         self._error: str | None = None
-        self.last_saved_step: int | None = None  # the newest step saved or being saved
-        self.blocking_seconds: list[float] = []
-        self.write_seconds: list[float] = []
         self._staged: dict[str, Any] = {}  # the last async snapshot, reused by the next one
-        self._on_progress = on_progress or _nothing
         self._pieces = 0  # pieces the background writer has done (only it counts them)
         # Retention's knowledge (rank 0's): this job's id, the steps this process committed,
         # those verified whole (the resume or rollback point), and each checkpoint's job.
@@ -200,8 +185,7 @@ class Checkpointer:
         if self._thread is not None and not self._thread.is_alive():
             self._thread.join()
             self._thread = None
-        error, self._error = self._error, None
-        return error
+        return self._take_error()
 
     def wait(self) -> str | None:
         """Wait for the save in flight; the error of a failed one, once."""
@@ -211,8 +195,11 @@ class Checkpointer:
                 self._thread.join(timeout=0.5)
                 if self._pieces != seen:  # the writer moved on: so does this wait for it
                     seen = self._pieces
-                    self._on_progress()
+                    self.on_progress()
             self._thread = None
+        return self._take_error()
+
+    def _take_error(self) -> str | None:
         error, self._error = self._error, None
         return error
 
@@ -244,9 +231,8 @@ class Checkpointer:
         if meta is not None:
             meta = {**meta, "job": self.job}  # which checkpoints are this job's (retention)
         if blocking:
-            self._write(step, files, meta, sharded, self._on_progress)
-            error = self._error
-            self._error = None
+            self._write(step, files, meta, sharded, self.on_progress)
+            error = self._take_error()
             self.blocking_seconds.append(time.perf_counter() - started)
             if error:
                 raise CheckpointError(error)
@@ -254,7 +240,7 @@ class Checkpointer:
         # The previous save is written (waited for above): its copy can take this one.
         staged, self._staged = self._staged, {}
         snap = {name: snapshot(obj, staged.get(name)) for name, obj in files.items()}
-        sharded_snap = snapshot_sharded(sharded) if sharded is not None else None
+        sharded_snap = snapshot(sharded)
         self.blocking_seconds.append(time.perf_counter() - started)
         self._staged = snap  # kept for the next asynchronous save (one copy of this state)
         self._thread = threading.Thread(
@@ -280,7 +266,7 @@ class Checkpointer:
         background writer's (``on_progress``: what each piece done calls, on that thread)."""
         started = time.perf_counter()
         tmp = self.root / f".tmp-{step_dir_name(step)}"
-        outcome = _Outcome(ok=True, error="", files={})
+        outcome = _Outcome()
         meta_text = json.dumps(meta, indent=1, sort_keys=True).encode() if meta else b""
         need = space.state_bytes(files) + space.state_bytes(sharded) + len(meta_text)
         try:
@@ -298,7 +284,7 @@ class Checkpointer:
         except Exception as exc:
             mine = [*files, *([META] if meta is not None else [])]
             why = self._why_not_written(exc, tmp, need, mine)
-            outcome = _Outcome(ok=False, error=why, files={})
+            outcome = _Outcome(error=why)
         outcomes = self._gather(outcome)
         error = ""
         if self.rank == 0:
@@ -373,9 +359,7 @@ class Checkpointer:
         try:
             gathered = gather_json(asdict(outcome), dst=0, group=self.group)
         except Exception as exc:
-            return [
-                _Outcome(ok=False, error=f"the ranks could not agree on the save: {exc}", files={})
-            ]
+            return [_Outcome(error=f"the ranks could not agree on the save: {exc}")]
         return [_Outcome(**each) for each in gathered] if gathered is not None else [outcome]
 
     def _agree_on_commit(self, step: int, error: str, outcome: _Outcome) -> str:
@@ -391,7 +375,7 @@ class Checkpointer:
         return str(word)
 
     def _commit(self, step: int, tmp: Path, outcomes: list[_Outcome]) -> None:
-        failures = [o.error for o in outcomes if not o.ok]
+        failures = [o.error for o in outcomes if o.error]
         if failures:
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError("; ".join(failures))
@@ -448,11 +432,7 @@ class Checkpointer:
         if not self.job:
             return False
         if step not in self._jobs:
-            try:
-                meta = json.loads((self.root / step_dir_name(step) / META).read_text())
-                self._jobs[step] = str(meta.get("job", "")) if isinstance(meta, dict) else ""
-            except (OSError, ValueError):
-                self._jobs[step] = ""
+            self._jobs[step] = job_of(self.root / step_dir_name(step))
         return self._jobs[step] == self.job
 
     def prune(self) -> list[int]:

@@ -33,19 +33,13 @@ def dataset_fingerprint(dataset: Any) -> str:
     fingerprint = getattr(dataset, "fingerprint", None)
     if isinstance(fingerprint, str):
         return fingerprint
-    own = hf_fingerprint(dataset)
-    if own is not None:
-        return f"datasets:{own}"
+    # The _fingerprint a datasets.Dataset keeps (the library has no public name for it), read
+    # only from objects of that library's classes: datasets is not imported.
+    if type(dataset).__module__.partition(".")[0] == "datasets":
+        own = getattr(dataset, "_fingerprint", None)
+        if isinstance(own, str) and own:
+            return f"datasets:{own}"
     return f"{type(dataset).__module__}.{type(dataset).__qualname__}:{len(dataset)}"
-
-
-def hf_fingerprint(dataset: Any) -> str | None:
-    """The ``_fingerprint`` a ``datasets.Dataset`` keeps (the library has no public name for
-    it), read only from objects of that library's classes: ``datasets`` is not imported."""
-    if type(dataset).__module__.partition(".")[0] != "datasets":
-        return None
-    value = getattr(dataset, "_fingerprint", None)
-    return value if isinstance(value, str) and value else None
 
 
 def order_spec(dataset: Any, cfg: Config) -> OrderSpec:

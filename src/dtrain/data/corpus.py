@@ -41,13 +41,11 @@ def cache_root() -> Path:
     return Path(base) / "dtrain"
 
 
-def corpus_dir(root: Path | None = None, files: list[Path] | None = None) -> Path:
+def corpus_dir(root: Path | None, files: list[Path]) -> Path:
     """A folder name that changes when the corpus would (another Python, other files)."""
-    files = stdlib_files() if files is None else files
     digest = hashlib.sha256()
     for path in files:
-        stat = path.stat()
-        digest.update(f"{path}:{stat.st_size}".encode())
+        digest.update(f"{path}:{path.stat().st_size}".encode())
     version = f"py{sys.version_info.major}{sys.version_info.minor}"
     return (root or cache_root()) / f"stdlib-{version}-{digest.hexdigest()[:12]}"
 

@@ -16,12 +16,12 @@ import collections
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader
 
 from dtrain.data.partition import OrderSpec, StepPlan, check_weights, eval_shard, plan_steps
 from dtrain.errors import DataError
@@ -84,25 +84,26 @@ def fetch_batch(dataset: Any, ids: Sequence[int] | np.ndarray, collate_fn: Colla
     return collate_fn(fetch(dataset, ids))
 
 
-def pin(batch: Any) -> Any:
+def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``batch`` with ``fn`` applied to every tensor in its lists, tuples and dicts."""
     if isinstance(batch, torch.Tensor):
-        return batch.pin_memory()
+        return fn(batch)
     if isinstance(batch, (list, tuple)):
-        return type(batch)(pin(b) for b in batch)
+        return type(batch)(_map_tensors(b, fn) for b in batch)
     if isinstance(batch, dict):
-        return {k: pin(v) for k, v in batch.items()}
+        return {k: _map_tensors(v, fn) for k, v in batch.items()}
     return batch
+
+
+def pin(batch: Any) -> Any:
+    return _map_tensors(batch, torch.Tensor.pin_memory)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        # Already there (CPU training): no call into torch's dispatcher.
-        return batch if batch.device == device else batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch
+    # A tensor already there (CPU training) makes no call into torch's dispatcher.
+    return _map_tensors(
+        batch, lambda t: t if t.device == device else t.to(device, non_blocking=True)
+    )
 
 
 def split_to_device(task: Task, batch: Any, device: torch.device) -> tuple[Any, int]:
@@ -125,100 +126,64 @@ class _FetchDataset(torch.utils.data.Dataset[Any]):
     def __getitems__(self, ids: list[int]) -> list[Any]:
         return [fetch_batch(self.dataset, ids, self.collate_fn)]
 
-    def __getitem__(self, index: int) -> Any:
-        return self.dataset[index]
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
 
 def _only(items: list[Any]) -> Any:
     """The DataLoader's collate step: the worker already collated (see _FetchDataset)."""
     return items[0]
 
 
-class _PlanSampler(Sampler[list[int]]):
-    """Yields this rank's micro-batch id lists, step after step, from a start position; each
-    plan is also queued in ``planned`` so that the consumer pairs it with its micro-batches
-    without computing it again."""
-
-    def __init__(self, plans: Iterator[StepPlan], rank: int) -> None:
-        self.plans = plans
-        self.rank = rank
-        self.planned: collections.deque[StepPlan] = collections.deque()
-
-    def __iter__(self) -> Iterator[list[int]]:
-        for plan in self.plans:
-            self.planned.append(plan)
-            for ids in plan.rank_ids(self.rank):
-                yield ids.tolist()
-
-    def __len__(self) -> int:  # an endless stream
-        raise TypeError("the training stream has no length")
-
-
+@dataclass(eq=False, repr=False)
 class RankLoader:
     """Endless iterator of :class:`StepBatch` for one rank of the data-parallel group."""
 
-    def __init__(
-        self,
-        dataset: Any,
-        *,
-        order: OrderSpec,
-        global_batch_size: int,
-        micro_batches: int,
-        rank: int,
-        world_size: int,
-        collate_fn: Collate,
-        lengths: np.ndarray | None = None,
-        weights: Sequence[float] | None = None,
-        max_micro_batch: int = 0,
-        num_workers: int = 0,
-        prefetch: int = 2,
-        pin_memory: bool = False,
-        fingerprint: str = "",
-    ) -> None:
-        if len(dataset) != order.num_samples:
+    dataset: Any
+    _: KW_ONLY
+    order: OrderSpec
+    global_batch_size: int
+    micro_batches: int
+    rank: int
+    world_size: int
+    collate_fn: Collate
+    lengths: np.ndarray | None = None
+    weights: Sequence[float] | None = None
+    # Samples a rank holds per micro-batch at most (0 = data.micro_batches for every rank).
+    max_micro_batch: int = 0
+    num_workers: int = 0
+    prefetch: int = 2
+    pin_memory: bool = False
+    fingerprint: str = ""
+    consumed: int = field(default=0, init=False)  # stream position after the last step
+    # start -> end of stream ranges never delivered
+    skipped: dict[int, int] = field(default_factory=dict, init=False)
+    _source: Iterator[StepBatch] | None = field(default=None, init=False)
+    _halt: Callable[[], None] | None = field(default=None, init=False)  # stops the prefetch
+
+    def __post_init__(self) -> None:
+        order, world_size = self.order, self.world_size
+        if len(self.dataset) != order.num_samples:
             raise ValueError("order spec and dataset disagree on the number of samples")
-        if lengths is not None and len(lengths) != order.num_samples:
+        if self.lengths is not None and len(self.lengths) != order.num_samples:
             raise DataError(
-                f"sample_lengths() gives {len(lengths)} lengths for {order.num_samples} samples"
+                f"sample_lengths() gives {len(self.lengths)} lengths for {order.num_samples} "
+                "samples"
             )
         # Under a micro-batch cap (load balancing) each rank needs one sample, not one per
         # micro-step: its micro-steps follow its share (partition.step_shape).
-        per_rank = micro_batches if max_micro_batch <= 0 else 1
-        if world_size * per_rank > global_batch_size:
+        per_rank = self.micro_batches if self.max_micro_batch <= 0 else 1
+        if world_size * per_rank > self.global_batch_size:
             raise DataError(
-                f"a global batch of {global_batch_size} samples cannot give "
+                f"a global batch of {self.global_batch_size} samples cannot give "
                 f"{world_size} ranks x {per_rank} micro-batches one sample each; raise "
                 "data.global_batch_size or lower data.micro_batches"
             )
-        if weights is not None:
-            check_weights(weights, world_size)
+        if self.weights is not None:
+            check_weights(self.weights, world_size)
+            self.weights = list(self.weights)
         if world_size > order.num_samples:
             raise DataError(
                 f"the dataset has {order.num_samples} samples, fewer than the "
                 f"{world_size} data-parallel ranks; train on fewer ranks or on more data"
             )
-        self.dataset = dataset
-        self.order = order
-        self.global_batch_size = global_batch_size
-        self.micro_batches = micro_batches
-        self.rank = rank
-        self.world_size = world_size
-        self.collate_fn = collate_fn
-        self.lengths = lengths
-        self.weights = list(weights) if weights is not None else None
-        # Samples a rank holds per micro-batch at most (0 = data.micro_batches for every rank).
-        self.max_micro_batch = max_micro_batch
-        self.num_workers = num_workers
-        self.prefetch = prefetch
-        self.pin_memory = pin_memory
-        self.fingerprint = fingerprint
-        self.consumed = 0  # stream position after the last step handed out
-        self.skipped: dict[int, int] = {}  # start -> end of stream ranges never delivered
-        self._source: Iterator[StepBatch] | None = None
-        self._halt: Callable[[], None] | None = None  # stops the prefetch thread
 
     # -- position ------------------------------------------------------------------------
 
@@ -385,10 +350,19 @@ class RankLoader:
         return consume()
 
     def _worker_stream(self, start: int) -> Iterator[StepBatch]:
-        sampler = _PlanSampler(self._plans(start), self.rank)
+        planned: collections.deque[StepPlan] = collections.deque()
+
+        def micro_ids() -> Iterator[list[int]]:
+            # This rank's micro-batches, step after step; each plan is queued for the consumer
+            # to pair with its micro-batches without computing it again.
+            for plan in self._plans(start):
+                planned.append(plan)
+                for ids in plan.rank_ids(self.rank):
+                    yield ids.tolist()
+
         loader = DataLoader(
             _FetchDataset(self.dataset, self.collate_fn),
-            batch_sampler=sampler,
+            batch_sampler=micro_ids(),
             num_workers=self.num_workers,
             collate_fn=_only,
             pin_memory=self.pin_memory,
@@ -398,12 +372,12 @@ class RankLoader:
         micro_iter = iter(loader)
 
         def regroup() -> Iterator[StepBatch]:
-            # The DataLoader yields micro-batches in sampler order, and the sampler queues each
-            # plan before yielding its first micro-batch, so the plan is there once the first
-            # micro-batch is; it says how many this rank has (per rank under a cap).
+            # The DataLoader yields micro-batches in micro_ids' order, which queues each plan
+            # before its first micro-batch, so the plan is there once the first micro-batch is;
+            # it says how many this rank has (per rank under a cap).
             while True:
                 micro = [next(micro_iter)]
-                plan = sampler.planned.popleft()
+                plan = planned.popleft()
                 micro += [next(micro_iter) for _ in range(len(plan.rank_ids(self.rank)) - 1)]
                 yield StepBatch(plan=plan, micro=micro, rank=self.rank)
 

@@ -212,7 +212,7 @@ def step_shape(
         # Equal shares, the common case; computed directly, as this runs on every step.
         per_rank = _equal_counts(total, world_size, minimum)
     else:
-        _check_weights(weights, world_size)
+        check_weights(weights, world_size)
         per_rank = split_counts(total, weights, minimum=minimum)
     return [_equal_counts(n, _micro_steps(n, micro_batches, micro_cap), 1) for n in per_rank]
 
@@ -274,7 +274,7 @@ def partition_tokens(
     ``micro_cap`` a rank's micro-steps follow its sample count, as in :func:`step_shape`.
     """
     weights = list(weights) if weights is not None else equal_weights(world_size)
-    _check_weights(weights, world_size)
+    check_weights(weights, world_size)
     minimum = micro_batches if micro_cap <= 0 else 1
     if len(ids) < world_size * minimum:
         raise ValueError(
@@ -321,15 +321,10 @@ def _lpt_assign(lengths: np.ndarray, weights: Sequence[float], minimum: int) -> 
     return [np.sort(np.asarray(a, dtype=np.int64)) for a in assigned]
 
 
-def _check_weights(weights: Sequence[float], world_size: int) -> None:
-    if len(weights) != world_size:
-        check_weights(weights, world_size)  # raises, naming them
-
-
 class StepPlan:
     """One optimizer step's share of the stream for every rank: ``ids[rank][micro]``.
 
-    Plans made together by :func:`plan_steps` share one :class:`_EqualSplit` and sort a
+    Plans made together by :func:`plan_steps` share one :class:`_CountSplit` and sort a
     rank's parts only when they are asked for: a rank's loader reads its own parts
     (:meth:`rank_ids`), so the other ranks' parts are never sorted on it."""
 
@@ -338,17 +333,14 @@ class StepPlan:
     def __init__(
         self,
         start: int,
-        ids: list[list[np.ndarray]] | None,
         end: int,
-        *,
-        split: _EqualSplit | None = None,
+        ids: list[list[np.ndarray]] | None = None,
+        split: _CountSplit | None = None,
         row: int = 0,
     ) -> None:
-        if (ids is None) == (split is None):
-            raise ValueError("a StepPlan takes either ids or a shared split")
         self.start = start  # stream position before the step
         self.end = end  # stream position after the step (start + the global batch size)
-        self._ids = ids
+        self._ids = ids  # given (the token split), or read from the shared split
         self._split = split
         self._row = row
 
@@ -357,7 +349,7 @@ class StepPlan:
         """[rank][micro-batch] -> sample ids, ascending within each micro-batch."""
         if self._ids is None:
             assert self._split is not None
-            self._ids = [self.rank_ids(r) for r in range(self._split.world_size)]
+            self._ids = [self.rank_ids(r) for r in range(len(self._split.columns))]
         return self._ids
 
     def rank_ids(self, rank: int) -> list[np.ndarray]:
@@ -371,14 +363,13 @@ class StepPlan:
         return f"StepPlan(start={self.start}, end={self.end})"
 
 
-class _EqualSplit:
-    """The count split (equal or weighted) of ``steps`` consecutive global batches (rows of
-    ``block``), each rank's parts sorted on first use, for all the steps in one call."""
+class _CountSplit:
+    """The count split (equal or weighted) of consecutive global batches (rows of ``block``),
+    each rank's parts sorted on first use, for all the steps at once."""
 
     def __init__(self, block: np.ndarray, columns: list[list[tuple[int, int]]]) -> None:
         self.block = block  # (steps, global batch size), the epoch order's own dtype
         self.columns = columns  # [rank][micro] -> (first, last + 1) column of the part
-        self.world_size = len(columns)
         self._sorted: dict[int, list[np.ndarray]] = {}
 
     def sorted_parts(self, rank: int) -> list[np.ndarray]:
@@ -407,12 +398,8 @@ def plan_step(
     """The step that starts at stream position ``consumed``. With ``lengths`` (the token count
     of every sample id) the split is token-balanced, else equal-count (in proportion to
     ``weights`` when given). ``micro_cap``: see :func:`step_shape`."""
-    ids = stream_slice(spec, consumed, global_batch_size)
-    if lengths is None:
-        parts = partition_samples(ids, world_size, micro_batches, weights, micro_cap)
-    else:
-        parts = partition_tokens(ids, lengths[ids], world_size, micro_batches, weights, micro_cap)
-    return StepPlan(start=consumed, ids=parts, end=consumed + global_batch_size)
+    cut = (global_batch_size, world_size, micro_batches, weights, lengths, micro_cap)
+    return plan_steps(spec, consumed, 1, *cut)[0]
 
 
 def plan_steps(
@@ -426,42 +413,27 @@ def plan_steps(
     lengths: np.ndarray | None = None,
     micro_cap: int = 0,
 ) -> list[StepPlan]:
-    """``steps`` consecutive plans from stream position ``consumed``: the same as calling
-    :func:`plan_step` for each, and cheaper for the count split (equal or weighted), whose
-    slicing and sorting run once per rank and micro-batch for all the steps instead of once
-    per step."""
-    if lengths is not None or steps < 2:
+    """``steps`` consecutive plans from stream position ``consumed``, each as
+    :func:`plan_step` gives it. The count split (equal or weighted) slices and sorts once per
+    rank and micro-batch for all the steps instead of once per step."""
+    starts = [consumed + step * global_batch_size for step in range(steps)]
+    if lengths is not None:
         plans = []
-        for _ in range(steps):
-            plans.append(
-                plan_step(
-                    spec,
-                    consumed,
-                    global_batch_size,
-                    world_size,
-                    micro_batches,
-                    weights,
-                    lengths,
-                    micro_cap,
-                )
+        for start in starts:
+            ids = stream_slice(spec, start, global_batch_size)
+            parts = partition_tokens(
+                ids, lengths[ids], world_size, micro_batches, weights, micro_cap
             )
-            consumed = plans[-1].end
+            plans.append(StepPlan(start, start + global_batch_size, ids=parts))
         return plans
     block = _stream_block(spec, consumed, steps * global_batch_size)
-    block = block.reshape(steps, global_batch_size)
     # The columns of every (rank, micro-batch) part, the same in every step: the count split
     # depends on the batch size, the weights and the cap only.
     shape = step_shape(global_batch_size, world_size, micro_batches, weights, micro_cap)
-    split = _EqualSplit(block, _part_bounds(shape))
+    split = _CountSplit(block.reshape(steps, global_batch_size), _part_bounds(shape))
     return [
-        StepPlan(
-            consumed + step * global_batch_size,
-            None,
-            consumed + (step + 1) * global_batch_size,
-            split=split,
-            row=step,
-        )
-        for step in range(steps)
+        StepPlan(start, start + global_batch_size, split=split, row=row)
+        for row, start in enumerate(starts)
     ]
 
 

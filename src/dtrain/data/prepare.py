@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +34,6 @@ TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst", ".text")
 FORMATS = ("auto", "text", "jsonl", "npy", "parquet")
 
 
-def byte_tokens(data: bytes) -> np.ndarray:
-    return np.frombuffer(data, dtype=np.uint8)
-
-
 def _token_field(tokenized: bool, vocab_size: int | None) -> FieldSpec:
     """Bytes for byte-level text; the narrowest type that holds the vocabulary for token ids
     (uint32 when the vocabulary size is not given)."""
@@ -50,7 +47,7 @@ def _token_field(tokenized: bool, vocab_size: int | None) -> FieldSpec:
 def _tokenize(text_or_bytes: str | bytes, tokenizer: Tokenizer | None) -> np.ndarray:
     if tokenizer is None:
         data = text_or_bytes.encode() if isinstance(text_or_bytes, str) else text_or_bytes
-        return byte_tokens(data)
+        return np.frombuffer(data, dtype=np.uint8)
     text = text_or_bytes.decode() if isinstance(text_or_bytes, bytes) else text_or_bytes
     return np.asarray(tokenizer(text), dtype=np.int64)
 
@@ -291,31 +288,31 @@ def prepare(
     if fmt == "auto":
         fmt = detect_format(src)
     token_field = _token_field(tokenizer is not None, vocab_size)
-    fields: dict[str, FieldSpec] | None = None
-    samples: Iterator[dict[str, Any]] | None = None
-    arrays: dict[str, np.ndarray] | None = None
     total: int | None = None
     if fmt == "text":
-        files = list_text_files(src)
-        if not files:
-            raise DataError(f"no text files ({', '.join(TEXT_SUFFIXES)}) in {src}")
-        samples, total = text_samples(files, tokenizer), len(files)
-        fields = {"tokens": token_field}
+        files = _source_files(src, TEXT_SUFFIXES, "text")
+        total = len(files)
+        write = partial(
+            write_shards, text_samples(files, tokenizer), fields={"tokens": token_field}
+        )
     elif fmt == "jsonl":
         files = _source_files(src, (".jsonl", ".json"), "JSONL")
         if tokenizer is None and isinstance(first_jsonl_value(files, field), list):
             # Pre-tokenized ids: bytes would not hold them.
             token_field = _token_field(True, vocab_size)
-        fields = {"tokens": token_field}
         samples = jsonl_samples(files, field, tokenizer, token_field.dtype)
+        write = partial(write_shards, samples, fields={"tokens": token_field})
     elif fmt == "npy":
         arrays = npy_arrays(src)
         total = next(iter(arrays.values())).shape[0]
+        write = partial(write_npy, arrays)
     elif fmt == "parquet":
         files = _source_files(src, (".parquet",), "Parquet")
-        samples = parquet_samples(files, columns, field, tokenizer)
         # Text columns become variable-length tokens; other columns' types are inferred.
         fields = {"tokens": token_field} if _parquet_has_text(files[0], field, columns) else None
+        write = partial(
+            write_shards, parquet_samples(files, columns, field, tokenizer), fields=fields
+        )
     else:
         raise DataError(f"unknown format {fmt!r}: expected one of {', '.join(FORMATS)}")
     bar = tqdm(
@@ -327,20 +324,8 @@ def prepare(
     )
     metadata = {"source": str(src), "format": fmt, **(metadata or {})}
     try:
-        if arrays is not None:
-            return write_npy(
-                arrays,
-                out,
-                shard_bytes=shard_bytes,
-                overwrite=overwrite,
-                metadata=metadata,
-                progress=bar.update,
-            )
-        assert samples is not None
-        return write_shards(
-            samples,
+        return write(
             out,
-            fields=fields,
             shard_bytes=shard_bytes,
             overwrite=overwrite,
             metadata=metadata,

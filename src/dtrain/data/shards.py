@@ -72,14 +72,11 @@ class ShardedDataset:
         }
         self.shard_sizes = tuple(int(s["num_samples"]) for s in self.manifest["shards"])
         self._starts = np.concatenate([[0], np.cumsum(self.shard_sizes)]).astype(np.int64)
-        self._start_list: list[int] = self._starts.tolist()
         self._shard_names = [str(s["name"]) for s in self.manifest["shards"]]
         self._check_sizes()
         self._arrays: dict[str, np.ndarray] = {}
         self._rows: dict[str, ShardRows] = {}  # fixed-size field -> its batched reader
         self._lengths: dict[str, np.ndarray] = {}
-        self._fixed_only: bool | None = None
-        self._collate_fast: tuple[Any, Any] = (None, None)
 
     @property
     def fingerprint(self) -> str:
@@ -92,7 +89,7 @@ class ShardedDataset:
         # Sent to DataLoader workers (spawn/forkserver): pickling a memory map would copy the
         # whole file, so each process maps the files again on first use.
         state = self.__dict__.copy()
-        state.update(_arrays={}, _rows={}, _fixed_only=None, _collate_fast=(None, None))
+        state.update(_arrays={}, _rows={})
         return state
 
     def _check_sizes(self) -> None:
@@ -140,8 +137,7 @@ class ShardedDataset:
 
     def field_offsets(self, shard: int, name: str) -> np.ndarray:
         n = self.shard_sizes[shard]
-        offsets = self._array(f"{self._shard_names[shard]}.{name}.idx.npy", "int64", (n + 1,))
-        return offsets
+        return self._array(f"{self._shard_names[shard]}.{name}.idx.npy", "int64", (n + 1,))
 
     def field_values(self, shard: int, name: str) -> np.ndarray:
         spec = self.fields[name]
@@ -165,9 +161,6 @@ class ShardedDataset:
                 out[name] = values[local]
         return out
 
-    def __getitems__(self, indices: list[int]) -> list[dict[str, np.ndarray]]:
-        return [self[i] for i in indices]
-
     def gather(self, name: str, indices: np.ndarray | Sequence[int]) -> np.ndarray:
         """A fixed-size field for many samples at once, as one new array: one vectorized read
         however many shards the ids touch (:class:`~dtrain.data.rows.ShardRows`)."""
@@ -177,16 +170,14 @@ class ShardedDataset:
         """The batch ``collate_fn`` would make of these samples, read in one vectorized step
         per field -- or None when there is no fast path (variable-length fields, or a collate
         function other than torch's ``default_collate``). Used by :mod:`dtrain.data.loader`."""
-        if self._fixed_only is None:
-            # Imported here, so that `dtrain prepare` and `verify` start without torch.
-            import torch
-            from torch.utils.data import default_collate
+        # Imported here, so that `dtrain prepare` and `verify` start without torch.
+        import torch
+        from torch.utils.data import default_collate
 
-            self._fixed_only = not any(s.variable for s in self.fields.values())
-            self._collate_fast = (default_collate, torch.from_numpy)
-        default, from_numpy = self._collate_fast
-        if collate_fn is default and not self._fixed_only:
-            variable = [name for name, spec in self.fields.items() if spec.variable]
+        if collate_fn is not default_collate:
+            return None
+        variable = [name for name, spec in self.fields.items() if spec.variable]
+        if variable:
             raise DataError(
                 f"{self.path}: field(s) {variable} hold sequences of different lengths, which "
                 "the default batch layout (torch's default_collate) cannot stack: train on "
@@ -194,11 +185,10 @@ class ShardedDataset:
                 "collate_fn=collate_windows (or TokenSequences with collate_padded), or give "
                 "Task.collate_fn and Task.split_batch for these fields"
             )
-        if collate_fn is not default:
-            return None
         idx, shard_of = self._ids_and_shards(indices)  # shared by the fields
         return {
-            name: from_numpy(self._field_rows(name).read(idx, shard_of)) for name in self.fields
+            name: torch.from_numpy(self._field_rows(name).read(idx, shard_of))
+            for name in self.fields
         }
 
     def _ids_and_shards(self, indices: np.ndarray | Sequence[int]) -> tuple[np.ndarray, np.ndarray]:

@@ -84,9 +84,6 @@ class TokenWindows:
         start = index * self.stride
         return self.tokens(start, start + self.seq_len + 1).astype(np.int64)
 
-    def __getitems__(self, indices: list[int]) -> list[np.ndarray]:
-        return [self[i] for i in indices]
-
 
 class TokenSequences:
     def __init__(self, dataset: ShardedDataset, max_len: int, field: str = "tokens") -> None:
@@ -111,9 +108,6 @@ class TokenSequences:
 
     def __getitem__(self, index: int) -> np.ndarray:
         return self.dataset[index][self.field][: self.max_len + 1]
-
-    def __getitems__(self, indices: list[int]) -> list[np.ndarray]:
-        return [self[i] for i in indices]
 
 
 def collate_windows(samples: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,7 +28,7 @@ from dtrain.data.format import (
     read_manifest,
 )
 from dtrain.errors import DataError
-from dtrain.fsutil import fsync_dir, sha256_file
+from dtrain.fsutil import fsync_dir, sha256_file, write_bytes_synced
 
 
 class ShardWriter:
@@ -59,7 +59,6 @@ class ShardWriter:
         self.declared: dict[str, FieldSpec] = dict(fields or {})
         self.fields: dict[str, FieldSpec] | None = None
         self.shard_bytes = shard_bytes
-        self.overwrite = overwrite
         self.metadata = dict(metadata or {})
         self.tmp_dir = self.out_dir.parent / f".{self.out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
         self.tmp_dir.mkdir(parents=True)
@@ -109,13 +108,7 @@ class ShardWriter:
             elif arr.shape != spec.shape:
                 raise DataError(f"{where}: shape {arr.shape}, expected {spec.shape}")
             converted[name] = arr if spec.variable else arr[None]
-        for name, arr in converted.items():
-            self._buffer[name].append(arr)
-            self._buffer_bytes += arr.nbytes
-        self._buffer_count += 1
-        self.num_samples += 1
-        if self._buffer_bytes >= self.shard_bytes:
-            self._flush()
+        self._append(converted, 1)
 
     def write_rows(self, columns: Mapping[str, Any]) -> None:
         """Many samples at once: one array per field, one row per sample (fixed-size fields
@@ -141,39 +134,40 @@ class ShardWriter:
         while begin < n:
             room = max(1, -(-(self.shard_bytes - self._buffer_bytes) // row_bytes))
             end = min(n, begin + room)
-            for name, spec in fields.items():
-                where = f"samples {self.num_samples}..{self.num_samples + end - begin - 1}"
-                block = to_field_array(
+            where = f"samples {self.num_samples}..{self.num_samples + end - begin - 1}"
+            blocks = {
+                name: to_field_array(
                     arrays[name][begin:end], spec.dtype, f"{where}, field {name!r}"
                 )
-                self._buffer[name].append(block)
-                self._buffer_bytes += block.nbytes
-            self._buffer_count += end - begin
-            self.num_samples += end - begin
+                for name, spec in fields.items()
+            }
+            self._append(blocks, end - begin)
             begin = end
-            if self._buffer_bytes >= self.shard_bytes:
-                self._flush()
+
+    def _append(self, arrays: dict[str, np.ndarray], count: int) -> None:
+        """Buffer ``count`` samples (``arrays``: each field's, checked), flushing a full shard."""
+        for name, arr in arrays.items():
+            self._buffer[name].append(arr)
+            self._buffer_bytes += arr.nbytes
+        self._buffer_count += count
+        self.num_samples += count
+        if self._buffer_bytes >= self.shard_bytes:
+            self._flush()
 
     def _flush(self) -> None:
         if self._buffer_count == 0 or self.fields is None:
             return
         name = f"shard-{len(self.shards):05d}"
-        files: dict[str, dict[str, Any]] = {}
+        arrays: dict[str, np.ndarray] = {}
         for field_name, spec in self.fields.items():
-            parts = self._buffer[field_name]
+            parts = self._buffer[field_name]  # not empty: the shard holds a sample
+            arrays[f"{name}.{field_name}.npy"] = np.concatenate(parts)
             if spec.variable:
                 lengths = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
                 offsets = np.zeros(len(parts) + 1, dtype=np.int64)
                 np.cumsum(lengths, out=offsets[1:])
-                values = np.concatenate(parts) if parts else np.zeros(0, dtype=spec.dtype)
-                files[f"{name}.{field_name}.npy"] = self._save(f"{name}.{field_name}.npy", values)
-                files[f"{name}.{field_name}.idx.npy"] = self._save(
-                    f"{name}.{field_name}.idx.npy", offsets
-                )
-            else:
-                files[f"{name}.{field_name}.npy"] = self._save(
-                    f"{name}.{field_name}.npy", np.concatenate(parts)
-                )
+                arrays[f"{name}.{field_name}.idx.npy"] = offsets
+        files = {filename: self._save(filename, array) for filename, array in arrays.items()}
         self.shards.append({"name": name, "num_samples": self._buffer_count, "files": files})
         self._buffer = {n: [] for n in self.fields}
         self._buffer_bytes = 0
@@ -205,10 +199,7 @@ class ShardWriter:
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "metadata": self.metadata,
         }
-        with (self.tmp_dir / MANIFEST).open("w") as fh:
-            json.dump(manifest, fh, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
+        write_bytes_synced(self.tmp_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
         if os.path.lexists(self.out_dir):
             # Checked again: the folder may have changed in the minutes the shards took.
             check_replaceable(self.out_dir)

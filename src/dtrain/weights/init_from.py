@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from dtrain.checkpoint.consolidate import consolidate, find_checkpoint, is_checkpoint_folder
+from dtrain.checkpoint.read import first_problems, state_dict_mismatches
 from dtrain.checkpoint.safe_load import ONLY_DATA, first_line, torch_load, why_refused
 from dtrain.errors import CheckpointError, UserError
 from dtrain.parallel.materialize import is_meta_model, materialize, require_init
@@ -137,41 +138,20 @@ def tied_groups(model: nn.Module) -> list[set[str]]:
     return [names for names in groups.values() if len(names) > 1]
 
 
-def mismatches(model: nn.Module, state: Mapping[str, Any]) -> list[str]:
-    """Why ``state`` does not fit ``model``: missing and unexpected keys, other shapes (a
-    tied parameter given under one of its names is not missing)."""
-    expected = model.state_dict()
-    given = set(state)
-    missing = set(expected) - given
-    for group in tied_groups(model):
-        if group & given:
-            missing -= group
-    problems = [f"missing {key}" for key in sorted(missing)]
-    problems += [f"unexpected {key}" for key in sorted(given - set(expected))]
-    for key in sorted(given & set(expected)):
-        want, got = tuple(expected[key].shape), tuple(state[key].shape)
-        if want != got:
-            problems.append(f"{key}: weights {got}, model {want}")
-    return problems
-
-
 def load_state_into(model: nn.Module, state: Mapping[str, torch.Tensor], where: str) -> None:
     """Copy ``state`` into ``model``'s tensors (each to its own dtype and device), after
     checking that it fits: a :class:`CheckpointError` listing what does not."""
-    problems = mismatches(model, state)
+    current, tied = model.state_dict(), tied_groups(model)
+    problems = state_dict_mismatches(current, state, "weights", tied)
     if problems:
-        shown = "; ".join(problems[:8]) + (
-            f"; ... {len(problems) - 8} more" if len(problems) > 8 else ""
-        )
         raise CheckpointError(
-            f"{where} does not fit {type(model).__name__}: {shown}; load weights made for "
-            "this model (the same architecture and sizes)"
+            f"{where} does not fit {type(model).__name__}: {first_problems(problems)}; load "
+            "weights made for this model (the same architecture and sizes)"
         )
-    current = model.state_dict()
     given = {key: value for key, value in state.items() if key in current}
     with torch.no_grad():
         # Tied parameters: one tensor, loaded once (from whichever name the weights hold).
-        for group in tied_groups(model):
+        for group in tied:
             present = sorted(group & set(given))
             for name in present[1:]:
                 given.pop(name)
