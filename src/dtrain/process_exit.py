@@ -1,5 +1,5 @@
 """How dtrain's processes exit: a quicker interpreter exit (the launcher and every worker), an
-end with the parent (the workers and the in-place agents), and whether another process of this
+end with the parent (the workers), and whether another process of this
 machine has exited (a leaf: the fault watchers and the shared-memory all-reduce both ask it)."""
 
 from __future__ import annotations

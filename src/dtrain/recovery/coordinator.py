@@ -365,7 +365,7 @@ class Coordinator(PollingThread):
             if self.on_wait is not None:
                 self.on_wait(others, False)
         # Only other machines are given up on: this machine's own workers may be slow to
-        # start on a loaded machine, and their agents report a worker that fails to.
+        # start on a loaded machine, and their launcher reports a worker that fails to.
         if others and self.join_timeout_s > 0 and waited >= self.join_timeout_s:
             nodes = ", ".join(map(str, others))
             self.gave_up = (
