@@ -25,21 +25,28 @@ def freeze_heap_at_exit() -> None:
     atexit.register(gc.freeze)
 
 
-def process_alive(pid: int) -> bool:
-    """Whether a process of this machine is alive (a zombie, dead but not yet reaped, is not)."""
+def process_state(pid: int) -> str:
+    """The one-letter state of a process of this machine ("R", "S", "T" stopped, "Z" ended
+    but not yet reaped, ...); "X" when there is none. Without /proc the kernel says only
+    whether it exists ("R")."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+            return fh.read().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: ask the kernel
+        return "X"
+    except (OSError, IndexError):  # no /proc: ask the kernel
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            return False
+            return "X"
         except PermissionError:
-            return True
-        return True
+            pass
+        return "R"
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process of this machine is alive (a zombie, dead but not yet reaped, is not)."""
+    return process_state(pid) not in ("Z", "X")
 
 
 def die_with_parent(signum: int) -> bool:
