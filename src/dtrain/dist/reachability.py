@@ -49,9 +49,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from dtrain.dist import sealed_store
-from dtrain.dist.network import interface_addresses, is_loopback, resolve
+from dtrain.dist.network import interface_addresses, is_loopback, local_address, resolve
 from dtrain.dist.sealed_store import Shape
-from dtrain.dist.stores import client_store, host_store, local_address
+from dtrain.dist.stores import client_store, host_store
 from dtrain.errors import UserError
 
 # Set by ``dtrain train`` for its workers: the address this node advertises to the others.

@@ -20,6 +20,7 @@ store call on those machines waits out an outage of the network (up to ``--rdzv-
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -30,11 +31,11 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from dtrain.dist.network import check_port_free, split_endpoint
+from dtrain.dist.network import check_port_free, local_address, split_endpoint
 from dtrain.dist.reachability import NODE_ADDR_ENV
 from dtrain.dist.secret import launcher_secret
 from dtrain.dist.store_link import StoreLink
-from dtrain.dist.stores import LOOPBACK, host_store, local_address
+from dtrain.dist.stores import LOOPBACK, host_store
 from dtrain.errors import UserError
 from dtrain.fault.preempt import signals_to_forward
 from dtrain.fault.status import read_status
@@ -251,7 +252,8 @@ def supervise_members(
         signalled.append(signum)
         for proc in running.values():
             if proc.poll() is None:
-                os.killpg(proc.pid, signum)
+                with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                    os.killpg(proc.pid, signum)
 
     codes: dict[int, int] = {}
     names = set(job.preempt_signals) | {"SIGINT", "SIGTERM"}

@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dtrain.dist.network import choose_node_network, interface_of_host, split_endpoint
+from dtrain.dist.network import choose_node_network, local_address, split_endpoint
 from dtrain.dist.runtime import available_cores
 from dtrain.errors import UserError
 
@@ -156,7 +156,7 @@ def hosts_rendezvous(opts: LaunchOptions) -> bool:
     endpoint is not one of its addresses -- a rendezvous run apart from the nodes
     (``dtrain rendezvous``), which outlives any of them."""
     host, _ = split_endpoint(opts.rdzv_endpoint)
-    return opts.node_rank == 0 and interface_of_host(host) is not None
+    return opts.node_rank == 0 and local_address(host) is not None
 
 
 def may_host_rendezvous(opts: LaunchOptions) -> bool:
@@ -164,6 +164,4 @@ def may_host_rendezvous(opts: LaunchOptions) -> bool:
     says so; without ``--node-rank`` torch decides by the machine's addresses, so any machine
     that has the endpoint's address may."""
     host, _ = split_endpoint(opts.rdzv_endpoint)
-    return hosts_rendezvous(opts) or (
-        opts.node_rank is None and interface_of_host(host) is not None
-    )
+    return hosts_rendezvous(opts) or (opts.node_rank is None and local_address(host) is not None)

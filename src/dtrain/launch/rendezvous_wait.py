@@ -19,7 +19,6 @@ from __future__ import annotations
 import datetime
 import json
 import threading
-from collections.abc import Callable
 from typing import Any
 
 from dtrain.console import say_line
@@ -92,19 +91,13 @@ def timed_out_words(endpoint: str, run_id: str, nnodes: str, timeout_s: int) -> 
     )
 
 
-def announce_waits(
-    handler: Any,
-    words: str,
-    after_s: float = NOTICE_AFTER_S,
-    say: Callable[[str], None] | None = None,
-) -> None:
+def announce_waits(handler: Any, words: str) -> None:
     """Wrap ``handler.next_rendezvous`` (a torch ``RendezvousHandler``) so that each call still
-    waiting after ``after_s`` prints ``words`` once (to stderr by default)."""
+    waiting after :data:`NOTICE_AFTER_S` prints ``words`` once."""
     inner = handler.next_rendezvous
-    speak = say if say is not None else say_line
 
     def next_rendezvous() -> Any:
-        timer = threading.Timer(after_s, speak, args=(words,))
+        timer = threading.Timer(NOTICE_AFTER_S, say_line, args=(words,))
         timer.daemon = True
         timer.start()
         try:
