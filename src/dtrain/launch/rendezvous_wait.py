@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import json
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from dtrain.console import say_line
@@ -91,13 +92,19 @@ def timed_out_words(endpoint: str, run_id: str, nnodes: str, timeout_s: int) -> 
     )
 
 
-def announce_waits(handler: Any, words: str) -> None:
+def announce_waits(
+    handler: Any,
+    words: str,
+    after_s: float = NOTICE_AFTER_S,
+    say: Callable[[str], None] | None = None,
+) -> None:
     """Wrap ``handler.next_rendezvous`` (a torch ``RendezvousHandler``) so that each call still
-    waiting after :data:`NOTICE_AFTER_S` prints ``words`` once."""
+    waiting after ``after_s`` prints ``words`` once (to stderr by default)."""
     inner = handler.next_rendezvous
+    speak = say if say is not None else say_line
 
     def next_rendezvous() -> Any:
-        timer = threading.Timer(NOTICE_AFTER_S, say_line, args=(words,))
+        timer = threading.Timer(after_s, speak, args=(words,))
         timer.daemon = True
         timer.start()
         try:
