@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -228,25 +227,22 @@ def supervise_members(
     it; a signal's outcome once, :func:`report_preemption`) and the signals received."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    run_dir = config_path.parent
-    errors = Path(tempfile.mkdtemp(prefix="dtrain-members-"))
+    run_dir, attempts = config_path.parent, dict.fromkeys(envs, 0)
     running: dict[int, subprocess.Popen[bytes]] = {}
-    attempts = dict.fromkeys(envs, 0)
+    codes: dict[int, int] = {}
     signalled: list[int] = []
+    errors = tempfile.TemporaryDirectory(prefix="dtrain-members-")
 
     def error_file(member: int) -> str:
-        return str(errors / f"member{member}-attempt{attempts[member]}.json")
+        return f"{errors.name}/member{member}-attempt{attempts[member]}.json"
 
     def start(member: int) -> None:
         env = {**envs[member], "TORCHELASTIC_RESTART_COUNT": str(attempts[member])}
         env["TORCHELASTIC_ERROR_FILE"] = error_file(member)
         # A session of its own, as torch's agent starts its workers: Ctrl-C on the terminal
         # reaches the launcher, which passes it on once.
-        running[member] = subprocess.Popen(
-            [sys.executable, "-u", "-m", "dtrain.worker", str(config_path)],
-            env=env,
-            start_new_session=True,
-        )
+        command = [sys.executable, "-u", "-m", "dtrain.worker", str(config_path)]
+        running[member] = subprocess.Popen(command, env=env, start_new_session=True)
 
     def forward(signum: int, frame: FrameType | None) -> None:
         signalled.append(signum)
@@ -255,7 +251,6 @@ def supervise_members(
                 with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
                     os.killpg(proc.pid, signum)
 
-    codes: dict[int, int] = {}
     names = set(job.preempt_signals) | {"SIGINT", "SIGTERM"}
     previous = {name: signal.signal(getattr(signal, name), forward) for name in names}
     try:
@@ -271,12 +266,10 @@ def supervise_members(
                     start(member)
                     continue
                 del running[member]
-                failure = ProcessFailure(0, proc.pid, code, error_file(member))
-                codes[member] = (
-                    0
-                    if code == 0
-                    else report_failure({0: failure}, max_restarts, run_dir, f"member {member}")
-                )
+                if code:
+                    failure = {0: ProcessFailure(0, proc.pid, code, error_file(member))}
+                    code = report_failure(failure, max_restarts, run_dir, f"member {member}")
+                codes[member] = code
             time.sleep(0.05)
         if running:  # a signal: every worker still running saves, or is killed after the grace
             deadline = time.monotonic() + job.grace_s
@@ -286,15 +279,14 @@ def supervise_members(
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
-            code = report_preemption(run_dir, signalled[0])
-            codes.update(dict.fromkeys(running, code))
+            codes.update(dict.fromkeys(running, report_preemption(run_dir, signalled[0])))
     finally:
         for name, handler in previous.items():
             signal.signal(getattr(signal, name), handler)
         for proc in running.values():
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-        shutil.rmtree(errors, ignore_errors=True)
+        errors.cleanup()
     return [codes[member] for member in envs], signalled
 
 
