@@ -156,7 +156,7 @@ def main() -> None:
         f"Command: `python benchmarks/bench_recovery.py --trials {args.trials}{option}`  ",
         f"Machine: {machine_line()}  ",
         f"Job: tiny GPT, gloo, {nproc} workers on one machine, ~50 ms steps, a checkpoint every "
-        "4 steps; worker 1 killed (SIGKILL) after step 10; torch's agent restarts it "
+        "4 steps; worker 1 killed (SIGKILL) after step 10; its launcher restarts it "
         f"(`--max-restarts 3`). Times are wall clock from the train records; min / median / "
         f"max over {args.trials} trials, the modes alternating.",
         "",

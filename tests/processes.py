@@ -99,18 +99,13 @@ class Launch:
         return pids
 
     def inplace_workers(self) -> dict[int, int]:
-        """Under ``fault.recovery = 'inplace'``: member id -> pid of its worker process itself
-        (not of its torch agent, whose command line names ``dtrain.worker`` too)."""
+        """Under ``fault.recovery = 'inplace'``: member id -> pid of its worker process."""
         found: dict[int, int] = {}
         for pid in self.workers():
             try:
-                with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                    cmdline = fh.read()
                 with open(f"/proc/{pid}/environ", "rb") as fh:
                     environ = fh.read().split(b"\0")
             except OSError:
-                continue
-            if b"torch.distributed.run" in cmdline:
                 continue
             for item in environ:
                 if item.startswith(b"DTRAIN_INPLACE_MEMBER="):

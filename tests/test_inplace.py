@@ -1,5 +1,5 @@
-"""``fault.recovery = 'inplace'`` through the real CLI (one torch agent per worker, the
-launcher's membership coordinator): a worker killed outright mid-step, the survivor goes on at
+"""``fault.recovery = 'inplace'`` through the real CLI (the launcher supervising each worker,
+beside its membership coordinator): a worker killed outright mid-step, the survivor goes on at
 the new world size, and a restart of the killed worker heals from the survivor's memory.
 
 Each run is checked against a reference trained with checkpoint resumes at the same sequence of

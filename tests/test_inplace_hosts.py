@@ -5,7 +5,7 @@ Host 1's link down for 10 s, then up. Host 0 (which holds the membership coordin
 step in flight once host 1 has been silent for 3 s -- before ``dist.timeout_s`` -- and trains on
 alone; once the link is back, host 1's worker, whose collective failed (at its timeout, or when
 the link returned), asks to join and is healed from host 0's memory. Then host 1's worker is
-killed outright: its launcher posts it down, host 0 goes on, and host 1's agent restarts it,
+killed outright: its launcher posts it down, host 0 goes on, and host 1's launcher restarts it,
 healed again from memory. No checkpoint is read, every sample is seen once. Each trial ends
 the run with SIGTERM once it has seen what it checks (the workers save and exit 0).
 
@@ -123,7 +123,7 @@ def cut_trial(tmp_path: Path, timeout_s: float, steps: int, kill: bool) -> Trial
             back = time.time()
             wait_for("rejoin after the cut", lambda: joins(run_dir) >= 1, launches)
             if kill:
-                # A few steps trained together: kill host 1's worker outright; its agent
+                # A few steps trained together: kill host 1's worker outright; its launcher
                 # restarts it, and it rejoins.
                 wait_for_step(run_dir, last_step(run_dir) + 5, launches)
                 os.kill(launches[1].inplace_workers()[1], signal.SIGKILL)

@@ -161,19 +161,17 @@ def test_a_member_waiting_for_the_first_generation_gives_up_when_told() -> None:
         member.close()
 
 
-def test_an_in_place_worker_s_failure_names_its_member_not_its_agent_s_rank_0(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+def test_an_in_place_worker_s_failure_names_its_member_not_rank_0(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from types import SimpleNamespace
 
-    from dtrain.launch.options import LaunchOptions
     from dtrain.launch.reports import report_failure
 
-    # In-place recovery runs one agent per worker: its worker is the agent's rank 0 on every
-    # machine, and the second machine's said "rank 0" for member 1.
-    monkeypatch.setenv("DTRAIN_INPLACE_MEMBER", "1")
+    # In-place recovery supervises each worker alone, as a job of one (its rank 0 on every
+    # machine): the second machine's said "rank 0" for member 1.
     failure = SimpleNamespace(timestamp=0, exitcode=2, pid=4027, message="member 1: configs differ")
-    code = report_failure(SimpleNamespace(failures={0: failure}), LaunchOptions(nproc=1))
+    code = report_failure({0: failure}, 0, tmp_path, "member 1")
     assert code == 2
     lines = capsys.readouterr().err.splitlines()
     assert lines[1] == "  member 1 (pid 4027, exit code 2): member 1: configs differ"

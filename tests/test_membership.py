@@ -15,7 +15,8 @@ import pytest
 
 from dtrain.dist.store_link import StoreLink
 from dtrain.dist.stores import host_store
-from dtrain.recovery.coordinator import Coordinator, NodeWatcher, process_state
+from dtrain.process_exit import process_state
+from dtrain.recovery.coordinator import Coordinator, NodeWatcher
 from dtrain.recovery.membership import (
     CUT,
     GENERATION,

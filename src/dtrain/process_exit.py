@@ -1,7 +1,7 @@
 """How dtrain's processes exit: a quicker interpreter exit (the launcher), an exit without the
-interpreter's finalization (every worker), an end with the parent (the workers and the in-place
-agents), and whether another process of this machine has exited (a leaf: the fault watchers and
-the shared-memory all-reduce both ask it)."""
+interpreter's finalization (every worker), an end with the parent (the workers), and whether
+another process of this machine has exited (a leaf: the fault watchers and the shared-memory
+all-reduce both ask it)."""
 
 from __future__ import annotations
 
@@ -59,21 +59,28 @@ def exit_without_finalizing(main: Callable[[], int]) -> NoReturn:
         os._exit(code)
 
 
-def process_alive(pid: int) -> bool:
-    """Whether a process of this machine is alive (a zombie, dead but not yet reaped, is not)."""
+def process_state(pid: int) -> str:
+    """The one-letter state of a process of this machine ("R", "S", "T" stopped, "Z" ended
+    but not yet reaped, ...); "X" when there is none. Without /proc the kernel says only
+    whether it exists ("R")."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+            return fh.read().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: ask the kernel
+        return "X"
+    except (OSError, IndexError):  # no /proc: ask the kernel
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            return False
+            return "X"
         except PermissionError:
-            return True
-        return True
+            pass
+        return "R"
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process of this machine is alive (a zombie, dead but not yet reaped, is not)."""
+    return process_state(pid) not in ("Z", "X")
 
 
 def die_with_parent(signum: int) -> bool:

@@ -9,7 +9,6 @@ it with exit code 1, one line on stderr and its traceback in ``RUN_DIR/logs/rank
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
@@ -22,7 +21,7 @@ from typing import TYPE_CHECKING, NoReturn
 from dtrain.config import Config
 from dtrain.console import guard_console, say_error, say_line
 from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
-from dtrain.fault.error_log import append_traceback
+from dtrain.fault.error_log import append_traceback, record_error
 from dtrain.fault.oom import OutOfMemory
 from dtrain.fault.oom import describe as describe_oom
 from dtrain.fault.preempt import catch_early, settle_early, unforwarded, unforwarded_warning
@@ -125,14 +124,6 @@ def join_helper_threads(timeout_s: float = 2.0) -> None:
             thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def record_user_error(message: str) -> None:
-    """Leave the message where torch elastic's agent looks for a worker's failure."""
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        with open(error_file, "w") as fh:
-            json.dump({"message": message, "timestamp": int(time.time())}, fh)
-
-
 def die_with_launcher() -> None:
     """Ask the kernel to kill this worker when its launcher dies, so a launcher that is killed
     outright leaves no orphan worker training on alone."""
@@ -157,7 +148,7 @@ def main(argv: Sequence[str] | None = None, own_loop: OwnLoop | None = None) -> 
     catch_early()
     die_with_launcher()
     rank = os.environ.get("RANK", "0")
-    # In-place recovery: the worker's agent is its own (RANK 0 on every machine); the job
+    # In-place recovery: each worker is supervised alone (RANK 0 on every machine); the job
     # knows it by its member id (docs/fault-tolerance.md).
     from dtrain.recovery.membership import MEMBER_ENV  # after catch_early: it imports torch
 
@@ -170,7 +161,7 @@ def main(argv: Sequence[str] | None = None, own_loop: OwnLoop | None = None) -> 
         train(cfg, own_loop)
     except UserError as exc:
         message = f"{who}: {exc}"
-        record_user_error(message)
+        record_error(message)
         say_error(message)
         return USER_ERROR_EXIT_CODE
     except KeyboardInterrupt:

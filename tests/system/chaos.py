@@ -234,7 +234,7 @@ READING = [
     "- `kill9 -> the others' next step` (inplace): from the kill to the first step the others "
     "commit without the killed worker (the step in flight dropped, a new generation formed).",
     "- `restarted worker's start -> its first step with the others` (inplace): from the start "
-    "of the process torch's agent started in its place (importing torch, being let in at a "
+    "of the process the launcher started in its place (importing torch, being let in at a "
     "step boundary, receiving the state from a peer) to the first step trained with it.",
     "- `link down -> the other host's next step` (inplace_link): the coordinator names a "
     "machine whose workers have all been silent for 3 s cut off, and the others shut down "

@@ -92,7 +92,7 @@ def _trial(ctx: Context, index: int, kind: str) -> Outcome:
 
 
 def replacement(launch: Launch, member: int, victim: int, within: float = 120.0) -> int:
-    """The pid of the worker that the member's agent started in place of ``victim``."""
+    """The pid of the worker that the launcher started for the member in place of ``victim``."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline and launch.alive():
         pid = launch.inplace_workers().get(member)

@@ -12,8 +12,9 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from dtrain.dist.network import IFNAME_VARIABLES
 from dtrain.dist.secret import SECRET_ENV, SECRET_FILE_ENV, JobSecret, launcher_secret
-from dtrain.dist.stores import IFNAME_VARIABLES, keep_collectives_on_loopback
+from dtrain.dist.stores import keep_collectives_on_loopback
 
 
 @contextmanager

@@ -20,6 +20,7 @@ import sys
 from dtrain.errors import UserError
 
 _SIOCGIFADDR = 0x8915  # Linux: an interface's (first) IPv4 address
+IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")  # the collectives' interface
 
 
 def interface_names() -> list[str]:
@@ -218,7 +219,7 @@ def choose_node_network(rdzv_endpoint: str, local_addr: str, iface: str) -> tupl
         )
     if not address:
         address = advertised_address(rdzv_host)
-    if not iface and address and not _socket_ifname_set():
+    if not iface and address and not socket_ifname_set():
         try:
             iface = interface_of(resolve(address)[0]) or ""
         except OSError:  # pragma: no cover - resolved above
@@ -226,19 +227,19 @@ def choose_node_network(rdzv_endpoint: str, local_addr: str, iface: str) -> tupl
     return address, iface
 
 
-def _socket_ifname_set() -> bool:
-    return any(os.environ.get(name) for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"))
+def socket_ifname_set() -> bool:
+    """Whether the user chose the collectives' interface (``GLOO_SOCKET_IFNAME``/``NCCL_...``)."""
+    return any(os.environ.get(name) for name in IFNAME_VARIABLES)
 
 
-def interface_of_host(host: str) -> str | None:
-    """The interface of this machine holding an address ``host`` resolves to ("lo" for a
-    loopback one), or None: whether ``host`` is this machine."""
+def local_address(host: str) -> str | None:
+    """The address of this machine that ``host`` (a name or an address) resolves to -- what a
+    store reached as ``host`` listens on -- or None when ``host`` is not this machine."""
     try:
         addresses = resolve(host)
     except OSError:
         return None
     for address in addresses:
-        interface = interface_of(address)
-        if interface or ipaddress.ip_address(address).is_loopback:
-            return interface or "lo"
+        if interface_of(address) is not None or ipaddress.ip_address(address).is_loopback:
+            return address
     return None

@@ -49,9 +49,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from dtrain.dist import sealed_store
-from dtrain.dist.network import interface_addresses, is_loopback, resolve
+from dtrain.dist.network import interface_addresses, is_loopback, local_address, resolve
 from dtrain.dist.sealed_store import Shape
-from dtrain.dist.stores import client_store, host_store, local_address
+from dtrain.dist.stores import client_store, host_store
 from dtrain.errors import UserError
 
 # Set by ``dtrain train`` for its workers: the address this node advertises to the others.
@@ -117,10 +117,14 @@ def _hint_loopback(host: str) -> str:
     )
 
 
+def master_endpoint() -> tuple[str, int]:
+    """The job's store, as torch's launcher tells its workers (MASTER_ADDR:MASTER_PORT)."""
+    return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
+
+
 def check_store(nodes: int, timeout_s: float) -> None:
     """Raise :class:`Unreachable` unless the job's store answers at MASTER_ADDR:MASTER_PORT."""
-    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = int(os.environ.get("MASTER_PORT", "29500"))
+    host, port = master_endpoint()
     where = f"the job's store at {host}:{port} (MASTER_ADDR:MASTER_PORT, from rank 0's machine)"
     try:
         resolve(host)
@@ -145,8 +149,7 @@ def check_store(nodes: int, timeout_s: float) -> None:
 def open_store(*, is_master: bool, timeout: datetime.timedelta, connect_timeout_s: float) -> Any:
     """The job's store (MASTER_ADDR:MASTER_PORT), opened within ``connect_timeout_s``; its later
     calls wait up to ``timeout``."""
-    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = int(os.environ.get("MASTER_PORT", "29500"))
+    host, port = master_endpoint()
     try:
         if is_master:  # listening where the ranks reach it (MASTER_ADDR), not everywhere
             address = local_address(host)

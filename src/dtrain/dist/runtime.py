@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -127,13 +126,6 @@ def store_namespace() -> str:
     return "dtrain/"
 
 
-def attempt_store(rank: int, timeout: datetime.timedelta, connect_timeout_s: float) -> Any:
-    """The job's key-value store (MASTER_ADDR:MASTER_PORT), opened (or, by rank 0, hosted)
-    within ``connect_timeout_s``; the caller prefixes it with :func:`store_namespace`."""
-    is_master = not store_hosted_by_launcher() and rank == 0
-    return open_store(is_master=is_master, timeout=timeout, connect_timeout_s=connect_timeout_s)
-
-
 def init_runtime(cfg: DistConfig) -> Runtime:
     """Join the process group the launcher prepared (or none, for one plain process)."""
     rank = env_int("RANK", 0)
@@ -154,11 +146,11 @@ def init_runtime(cfg: DistConfig) -> Runtime:
         # Every address this rank needs is checked first, each within dist.connect_timeout_s:
         # an unreachable one is a one-line error naming it, not a hang (reachability.py).
         connect_s = cfg.connect_timeout_s
-        if store_hosted_by_launcher() or rank != 0:
+        hosts_store = not store_hosted_by_launcher() and rank == 0  # else the launcher does
+        if not hosts_store:
             check_store(env_int("GROUP_WORLD_SIZE", 1), connect_s)
-        store = attempt_store(rank, timeout, connect_s)
+        store = open_store(is_master=hosts_store, timeout=timeout, connect_timeout_s=connect_s)
         reach = dist.PrefixStore(store_namespace() + REACH, store)  # type: ignore[attr-defined]
-        hosts_store = not store_hosted_by_launcher() and rank == 0
         with peers_checked(
             reach, rank, world_size, backend, connect_s, hosts_store, namespace=store_namespace()
         ):

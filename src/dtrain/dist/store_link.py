@@ -186,11 +186,7 @@ class StoreLink:
     def read(self, key: str, seconds: float | None = None) -> Any:
         """The JSON record (a dict) sealed at ``key``, or None when there is none (or it fails
         its seal, or is no record: warned once)."""
-
-        def read(store: Any) -> bytes | None:
-            return store.get(key) if store.check([key]) else None
-
-        return sealed_store.parse(key, self.call(read, f"reading {key}", seconds), dict)
+        return self.read_many([key], seconds)[key]
 
     def read_many(self, keys: list[str], seconds: float | None = None) -> dict[str, Any]:
         """The JSON records (dicts) sealed at ``keys``, as :meth:`read`, in one call to the
@@ -205,7 +201,8 @@ class StoreLink:
                 return list(store.multi_get(keys))
             return [store.get(key) if store.check([key]) else None for key in keys]
 
-        raws = self.call(read, f"reading {len(keys)} keys", seconds)
+        what = f"reading {keys[0]}" if len(keys) == 1 else f"reading {len(keys)} keys"
+        raws = self.call(read, what, seconds)
         return {
             key: sealed_store.parse(key, raw, dict) for key, raw in zip(keys, raws, strict=True)
         }

@@ -10,30 +10,15 @@ reach across machines (docs/security.md lists the ports and addresses of a job).
 from __future__ import annotations
 
 import datetime
-import ipaddress
 import os
 import socket
 from typing import Any
 
-from dtrain.dist.network import interface_of, resolve
+from dtrain.dist.network import IFNAME_VARIABLES, interface_of, socket_ifname_set
 
 LOOPBACK = "127.0.0.1"
-IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")  # the collectives' interface
 WILDCARDS = ("0.0.0.0", "::", "")
 _BACKLOG = 2048  # torch's own store listens with a backlog this deep: every rank connects at once
-
-
-def local_address(host: str) -> str | None:
-    """The address of this machine that ``host`` (a name or an address) resolves to -- what a
-    store reached as ``host`` listens on -- or None when ``host`` is not this machine."""
-    try:
-        addresses = resolve(host)
-    except OSError:
-        return None
-    for address in addresses:
-        if interface_of(address) is not None or ipaddress.ip_address(address).is_loopback:
-            return address
-    return None
 
 
 def listener(address: str, port: int) -> socket.socket:
@@ -97,6 +82,6 @@ def keep_collectives_on_loopback() -> None:
     the address of the machine's hostname, open to the network), unless the user chose an
     interface (``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``); the workers inherit this."""
     loopback = interface_of(LOOPBACK)  # "lo" on Linux; None where interfaces are unknown
-    if loopback and not any(os.environ.get(name) for name in IFNAME_VARIABLES):
+    if loopback and not socket_ifname_set():
         for name in IFNAME_VARIABLES:
             os.environ[name] = loopback

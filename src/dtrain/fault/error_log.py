@@ -1,10 +1,11 @@
 """The run folder's error log: the full traceback of every failure of a rank, one file per rank
 (``RUN_DIR/logs/rankN.log``), appended attempt after attempt. The terminal gets one line per
 failed rank that names this file (:mod:`dtrain.worker`), instead of the tracebacks of every
-rank of every restart."""
+rank of every restart; and the worker's error file, where the launcher reads its failure."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -14,14 +15,22 @@ from pathlib import Path
 LOGS_DIR = "logs"
 
 
-def error_log_path(run_dir: str | Path, rank: int) -> Path:
-    return Path(run_dir) / LOGS_DIR / f"rank{rank}.log"
+def record_error(message: str) -> None:
+    """Leave ``message`` where the launcher (torch's agent, or dtrain's supervising in-place
+    workers) reads a worker's failure: its error file. Never raises."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    try:
+        if error_file:
+            with open(error_file, "w") as fh:
+                json.dump({"message": message, "timestamp": int(time.time())}, fh)
+    except OSError:
+        pass
 
 
 def append_traceback(run_dir: str | Path, rank: int, error: BaseException) -> Path | None:
     """Append ``error``'s traceback (and those it was raised from) to this rank's log, under a
     header naming the attempt, host, pid and time; None when the log cannot be written."""
-    path = error_log_path(run_dir, rank)
+    path = Path(run_dir) / LOGS_DIR / f"rank{rank}.log"
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     header = (
         f"--- rank {rank}, attempt {attempt}, host {socket.gethostname()}, pid {os.getpid()}, "

@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from dtrain.dist.network import split_endpoint
-from dtrain.dist.stores import LOOPBACK
+from dtrain.dist.network import local_address, split_endpoint
+from dtrain.dist.stores import LOOPBACK, host_store
 from dtrain.launch.rendezvous_wait import announce_waits
 
 if TYPE_CHECKING:
@@ -53,8 +53,6 @@ def rendezvous_store(config: LaunchConfig) -> Any:
     (no ``--node-rank``), it hosts it unless another launcher here already does, as torch
     decides."""
     import torch.distributed as dist
-
-    from dtrain.dist.stores import LOOPBACK, host_store, local_address
 
     # One machine: "localhost:0" (a free port), which split_endpoint refuses.
     host, port = (

@@ -1,14 +1,12 @@
-"""The launcher: starts the workers (``python -m dtrain.worker``) under torch's elastic agent
-(the machinery behind ``torchrun``) and reports how they ended. ``fault.recovery`` chooses the
-layout of the agents, and that is all that differs:
+"""The launcher: starts the workers (``python -m dtrain.worker``) and reports how they ended.
+``fault.recovery`` chooses how they are supervised:
 
 - ``"restart"``: one agent on each machine runs its ``nproc`` workers, joins the other machines
   through a c10d rendezvous, restarts the whole group up to ``max_restarts`` times when a
   worker dies (the workers resume from the newest checkpoint by themselves), and with
   ``--nnodes MIN:MAX`` admits machines that join or leave (:func:`run_group`).
-- ``"inplace"``: one agent per worker, each the restart layout for one worker in a process of
-  its own (``python -m dtrain.launch.launcher``), so that an agent restarts its worker alone
-  and the others go on; beside them the membership service (:func:`run_members`).
+- ``"inplace"``: the launcher starts and supervises each worker itself, restarting one that
+  failed alone while the others go on; beside them the membership service (:func:`run_members`).
 
 Across machines in place (``--nnodes N --node-rank K``), the launcher of node 0 hosts the
 membership store at ``--rdzv-endpoint`` (one of its addresses) and its
@@ -22,23 +20,22 @@ store call on those machines waits out an outage of the network (up to ``--rdzv-
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-import uuid
-from dataclasses import asdict
 from pathlib import Path
 from types import FrameType
 
-from dtrain.dist.network import check_port_free, split_endpoint
+from dtrain.dist.network import check_port_free, local_address, split_endpoint
 from dtrain.dist.reachability import NODE_ADDR_ENV
 from dtrain.dist.secret import launcher_secret
 from dtrain.dist.store_link import StoreLink
-from dtrain.dist.stores import LOOPBACK, host_store, local_address
-from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
+from dtrain.dist.stores import LOOPBACK, host_store
+from dtrain.errors import UserError
 from dtrain.fault.preempt import signals_to_forward
 from dtrain.fault.status import read_status
 from dtrain.launch.agent import held_port, run_agent
@@ -60,7 +57,6 @@ from dtrain.launch.reports import (
     wait_for_rendezvous_host,
     waiting_notice,
 )
-from dtrain.process_exit import die_with_parent
 from dtrain.recovery.coordinator import Coordinator, NodeWatcher
 from dtrain.recovery.membership import (
     COORDINATOR_ENV,
@@ -172,7 +168,7 @@ def run_group(config_path: Path, opts: LaunchOptions, job: JobSettings) -> int:
     except RendezvousError as exc:
         raise UserError(rendezvous_lost(opts, exc)) from None
     except ChildFailedError as exc:
-        return report_failure(exc, opts, config_path.parent)
+        return report_failure(exc.failures, opts.max_restarts, config_path.parent)
     except SignalException as exc:
         return report_preemption(config_path.parent, int(exc.sigval))
     return 0
@@ -191,10 +187,10 @@ def agent_store_timeout(opts: LaunchOptions, collective_timeout_s: float) -> int
 
 def run_members(config_path: Path, opts: LaunchOptions, job: JobSettings) -> int:
     """In place: the membership service (node 0's coordinator, or another machine's watcher of
-    its workers), then one agent process per worker of this machine, signals forwarded to
-    them; the exit code: 0 once the run completed (or saved on a preemption signal); 1 when a
-    failure left fewer than ``job.min_replicas`` workers (they saved and stopped); else the
-    first failing agent's."""
+    its workers), then this machine's workers, supervised (:func:`supervise_members`); the exit
+    code: 0 once the run completed (or saved on a preemption signal); 1 when a failure left
+    fewer than ``job.min_replicas`` workers (they saved and stopped); else the first failing
+    member's."""
     nodes, node = opts.max_nodes, opts.node_rank or 0
     mine = range(node * opts.nproc, (node + 1) * opts.nproc)  # this machine's member ids
     membership, address = membership_service(opts, job, mine)
@@ -202,38 +198,96 @@ def run_members(config_path: Path, opts: LaunchOptions, job: JobSettings) -> int
     env[COORDINATOR_ENV] = address
     env[MEMBERS_ENV] = str(opts.nproc * nodes)
     env[PATIENCE_ENV] = str(opts.rdzv_timeout_s)
-    if nodes > 1:  # each agent is a single-machine launch, which leaves these as it finds them
+    # What torch's agent tells a worker, as a job of one: the worker reads its run id (it
+    # dies with its launcher), and its rank only to name itself before it joins.
+    env.update({"TORCHELASTIC_RUN_ID": opts.run_id, "RANK": "0", "WORLD_SIZE": "1"})
+    if nodes > 1:
         set_worker_network(opts, env)
-    agent = [sys.executable, "-m", "dtrain.launch.launcher", str(config_path)]
-    agent.append(json.dumps({**asdict(job), "max_restarts": opts.max_restarts}))
-    agents = [
-        subprocess.Popen(
-            agent,
-            env={**env, MEMBER_ENV: str(m), LOCAL_ENV: f"{i}/{opts.nproc}"},
-            preexec_fn=die_with_launcher,
-        )
-        for i, m in enumerate(mine)
-    ]
-    signalled: list[int] = []
-
-    def forward(signum: int, frame: FrameType | None) -> None:
-        signalled.append(signum)
-        for each in agents:
-            if each.poll() is None:
-                each.send_signal(signum)
-
-    names = set(job.preempt_signals) | {"SIGINT", "SIGTERM"}
-    previous = {name: signal.signal(getattr(signal, name), forward) for name in names}
+    envs = {
+        m: {**env, MEMBER_ENV: str(m), LOCAL_ENV: f"{i}/{opts.nproc}"} for i, m in enumerate(mine)
+    }
     try:
-        codes = [each.wait() for each in agents]  # a signal's handler runs; the wait goes on
+        codes, signalled = supervise_members(config_path, envs, opts.max_restarts, job)
     finally:
-        for name, handler in previous.items():
-            signal.signal(getattr(signal, name), handler)
         membership.stop()
     if isinstance(membership, Coordinator) and membership.gave_up:
         raise UserError(join_timed_out(opts, membership.gave_up))
     # Why the job stopped: the coordinator's machine knows; the others read it in the store.
     return members_outcome(read_status(config_path.parent), membership.stopped, codes, signalled)
+
+
+def supervise_members(
+    config_path: Path, envs: dict[int, dict[str, str]], max_restarts: int, job: JobSettings
+) -> tuple[list[int], list[int]]:
+    """Run one worker per member (``envs``: member -> its environment) and supervise them, as
+    torch's agent supervises its one worker in restart mode: a worker that fails is started
+    again alone, up to ``max_restarts`` times per member, while the others go on; a signal the
+    launcher gets is passed to every worker, which then has ``job.grace_s`` to save and end
+    before SIGKILL. The members' exit codes (a failure said in one line, as restart mode says
+    it; a signal's outcome once, :func:`report_preemption`) and the signals received."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    run_dir, attempts = config_path.parent, dict.fromkeys(envs, 0)
+    running: dict[int, subprocess.Popen[bytes]] = {}
+    codes: dict[int, int] = {}
+    signalled: list[int] = []
+    errors = tempfile.TemporaryDirectory(prefix="dtrain-members-")
+
+    def error_file(member: int) -> str:
+        return f"{errors.name}/member{member}-attempt{attempts[member]}.json"
+
+    def start(member: int) -> None:
+        env = {**envs[member], "TORCHELASTIC_RESTART_COUNT": str(attempts[member])}
+        env["TORCHELASTIC_ERROR_FILE"] = error_file(member)
+        # A session of its own, as torch's agent starts its workers: Ctrl-C on the terminal
+        # reaches the launcher, which passes it on once.
+        command = [sys.executable, "-u", "-m", "dtrain.worker", str(config_path)]
+        running[member] = subprocess.Popen(command, env=env, start_new_session=True)
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        signalled.append(signum)
+        for proc in running.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                    os.killpg(proc.pid, signum)
+
+    names = set(job.preempt_signals) | {"SIGINT", "SIGTERM"}
+    previous = {name: signal.signal(getattr(signal, name), forward) for name in names}
+    try:
+        for member in envs:
+            start(member)
+        while running and not signalled:
+            for member, proc in list(running.items()):
+                code = proc.poll()
+                if code is None or signalled:
+                    continue
+                if code != 0 and attempts[member] < max_restarts:
+                    attempts[member] += 1
+                    start(member)
+                    continue
+                del running[member]
+                if code:
+                    failure = {0: ProcessFailure(0, proc.pid, code, error_file(member))}
+                    code = report_failure(failure, max_restarts, run_dir, f"member {member}")
+                codes[member] = code
+            time.sleep(0.05)
+        if running:  # a signal: every worker still running saves, or is killed after the grace
+            deadline = time.monotonic() + job.grace_s
+            for proc in running.values():
+                try:
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+            codes.update(dict.fromkeys(running, report_preemption(run_dir, signalled[0])))
+    finally:
+        for name, handler in previous.items():
+            signal.signal(getattr(signal, name), handler)
+        for proc in running.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        errors.cleanup()
+    return [codes[member] for member in envs], signalled
 
 
 def membership_service(
@@ -300,30 +354,3 @@ def check_shape(link: StoreLink, opts: LaunchOptions) -> None:
             f"--node-rank 0 runs --nnodes {shape['nnodes']} --nproc {shape['nproc']}: "
             "fault.recovery = 'inplace' needs the same on every machine"
         )
-
-
-def die_with_launcher() -> None:
-    """In each in-place agent, before it starts: end with the launcher, as its workers end
-    with it."""
-    die_with_parent(signal.SIGTERM)
-
-
-def run_member_agent(config_path: str, settings: str) -> int:
-    """``python -m dtrain.launch.launcher CONFIG SETTINGS``: one in-place worker's agent, the
-    restart layout for one worker with a rendezvous of its own, so that its restarts, signal
-    forwarding and failure report are those of restart mode."""
-    from dtrain.console import say_error
-
-    given = json.loads(settings)
-    restarts = int(given.pop("max_restarts"))
-    job = JobSettings(**{**given, "preempt_signals": tuple(given["preempt_signals"])})
-    opts = LaunchOptions(nproc=1, max_restarts=restarts, run_id=uuid.uuid4().hex[:12])
-    try:
-        return run_group(Path(config_path), opts, job)
-    except UserError as exc:
-        say_error(str(exc))
-        return USER_ERROR_EXIT_CODE
-
-
-if __name__ == "__main__":
-    sys.exit(run_member_agent(*sys.argv[1:]))

@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dtrain.dist.network import choose_node_network, interface_of_host, split_endpoint
+from dtrain.dist.network import choose_node_network, local_address, split_endpoint
 from dtrain.dist.runtime import available_cores
 from dtrain.errors import UserError
 
@@ -155,15 +155,15 @@ def hosts_rendezvous(opts: LaunchOptions) -> bool:
     """Whether this machine hosts the rendezvous: the one with ``--node-rank 0``, unless the
     endpoint is not one of its addresses -- a rendezvous run apart from the nodes
     (``dtrain rendezvous``), which outlives any of them."""
-    host, _ = split_endpoint(opts.rdzv_endpoint)
-    return opts.node_rank == 0 and interface_of_host(host) is not None
+    return opts.node_rank == 0 and endpoint_is_here(opts)
 
 
 def may_host_rendezvous(opts: LaunchOptions) -> bool:
     """Whether this machine may host the rendezvous: it does where :func:`hosts_rendezvous`
     says so; without ``--node-rank`` torch decides by the machine's addresses, so any machine
     that has the endpoint's address may."""
-    host, _ = split_endpoint(opts.rdzv_endpoint)
-    return hosts_rendezvous(opts) or (
-        opts.node_rank is None and interface_of_host(host) is not None
-    )
+    return opts.node_rank in (0, None) and endpoint_is_here(opts)
+
+
+def endpoint_is_here(opts: LaunchOptions) -> bool:
+    return local_address(split_endpoint(opts.rdzv_endpoint)[0]) is not None

@@ -5,9 +5,10 @@ torch's log lines of the same events, dropped."""
 from __future__ import annotations
 
 import logging
-import os
 import signal
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from dtrain.console import say_error, say_line
 from dtrain.dist.network import split_endpoint
@@ -17,7 +18,6 @@ from dtrain.fault.error_log import LOGS_DIR
 from dtrain.fault.status import RunStatus, read_status
 from dtrain.launch.options import LaunchOptions, may_host_rendezvous, nnodes_text
 from dtrain.launch.rendezvous_wait import timed_out_words
-from dtrain.recovery.membership import MEMBER_ENV
 
 EXPECTED_LOGGERS = (
     "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
@@ -147,30 +147,27 @@ def report_preemption(run_dir: Path, signum: int) -> int:
     return 128 + signum
 
 
-def report_failure(exc: object, opts: LaunchOptions, run_dir: Path | None = None) -> int:
-    """One line per failed rank, the first failure first; exit 2 when every failure was a
-    user error (the worker said so with exit code 2), else 1. The workers keep their full
-    tracebacks in ``RUN_DIR/logs/`` (dtrain.fault.error_log)."""
-    failures = getattr(exc, "failures", {})
+def report_failure(
+    failures: Mapping[int, Any], max_restarts: int, run_dir: Path, who: str = ""
+) -> int:
+    """One line per failed rank (torch's ``ProcessFailure`` by rank; ``who``: how the job
+    knows a lone one, an in-place member), the first failure first; exit 2 when every failure
+    was a user error (the worker said so with exit code 2), else 1. The workers keep their
+    full tracebacks in ``RUN_DIR/logs/`` (dtrain.fault.error_log)."""
     # Timestamps are whole seconds: within one, a rank that exited by itself comes before one
     # the agent ended with a signal once another had failed (it may have been on its way out
     # with the same error, which it recorded).
     ordered = sorted(
         failures.items(), key=lambda item: (item[1].timestamp, item[1].exitcode < 0, item[0])
     )
-    attempts = opts.max_restarts + 1
-    say_line(f"dtrain: training failed (after up to {attempts} attempt(s)); failed ranks:")
-    # An in-place job's agent runs one worker, its local rank 0: the job knows it as a member.
-    member = os.environ.get(MEMBER_ENV)
+    say_line(f"dtrain: training failed (after up to {max_restarts + 1} attempt(s)); failed ranks:")
     for rank, failure in ordered:
-        who = f"member {member}" if member is not None else f"rank {rank}"
         say_line(
-            f"  {who} (pid {failure.pid}, {exit_words(failure.exitcode)}): "
+            f"  {who or f'rank {rank}'} (pid {failure.pid}, {exit_words(failure.exitcode)}): "
             f"{failure_words(failure.message, failure.exitcode)}"
         )
-    logs = run_dir / LOGS_DIR if run_dir is not None else None
-    if logs is not None and logs.is_dir():
-        say_line(f"dtrain: the failed ranks' tracebacks are in {logs}/")
+    if (run_dir / LOGS_DIR).is_dir():
+        say_line(f"dtrain: the failed ranks' tracebacks are in {run_dir / LOGS_DIR}/")
     # The root cause decides: a user error (exit 2) on the first rank to fail, whatever the
     # others died of when the agent stopped them.
     user_error = bool(ordered) and ordered[0][1].exitcode == USER_ERROR_EXIT_CODE
@@ -241,10 +238,10 @@ def stopped_words(reason: str, status: RunStatus | None) -> str:
 def members_outcome(
     status: RunStatus | None, stopped: str, codes: list[int], signalled: list[int]
 ) -> int:
-    """In place, once every agent has ended (``codes``): 1 when the job stopped below
+    """In place, once every member has ended (``codes``): 1 when the job stopped below
     fault.min_replicas (``stopped``: why; said here), 0 when the run completed or saved on a
-    preemption; else the first failing agent's code, or the signal's when the launcher got
-    one and no agent failed."""
+    preemption; else the first failing member's code, or the signal's when the launcher got
+    one and no member failed."""
     if stopped:
         say_error(stopped_words(stopped, status))
         return 1

@@ -16,6 +16,7 @@ from typing import Any
 
 from dtrain.dist.sealed_store import Opener, warn_once
 from dtrain.dist.store_link import StoreLink, StoreUnreachable
+from dtrain.process_exit import process_state
 from dtrain.recovery.membership import (
     INFO,
     POLL_S,
@@ -30,16 +31,6 @@ from dtrain.recovery.membership import (
 from dtrain.recovery.node_claim import BUMP_S, alive_key
 
 NOTICE_S = 15.0  # the workers of machines started together ask to join well within this
-
-
-def process_state(pid: int) -> str:
-    """The one-letter state of a local process ("R", "S", "T" stopped, "Z" ended, ...); "X"
-    when there is none."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "X"
 
 
 DOWN_STATES = ("X", "Z", "T", "t")  # no process, ended, stopped, stopped by a tracer
@@ -365,7 +356,7 @@ class Coordinator(PollingThread):
             if self.on_wait is not None:
                 self.on_wait(others, False)
         # Only other machines are given up on: this machine's own workers may be slow to
-        # start on a loaded machine, and their agents report a worker that fails to.
+        # start on a loaded machine, and their launcher reports a worker that fails to.
         if others and self.join_timeout_s > 0 and waited >= self.join_timeout_s:
             nodes = ", ".join(map(str, others))
             self.gave_up = (

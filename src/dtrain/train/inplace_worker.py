@@ -79,7 +79,7 @@ def train_in_place(cfg: Config) -> Summary | None:
             member.ask(after, held.step if held is not None else -1)
             # Before the first generation there is nothing to save: a preemption signal (the
             # launcher's Ctrl-C, a scheduler's SIGTERM) ends the wait at once, not after the
-            # agent's grace of fault.preempt_grace_s and a SIGKILL.
+            # launcher's grace of fault.preempt_grace_s and a SIGKILL.
             first = after < 0 and held is None
             generation = member.wait(after, give_up=early_signal if first else None)
             if generation is None and first and early_signal():

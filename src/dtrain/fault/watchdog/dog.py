@@ -23,6 +23,7 @@ from dtrain.dist.sealed_store import fits, warn_once
 from dtrain.dist.store_link import job_store_link
 from dtrain.fault import oom
 from dtrain.fault.diagnosis import PeerDiagnosis
+from dtrain.fault.error_log import record_error
 from dtrain.fault.liveness import (
     Liveness,
     LivenessFile,
@@ -422,12 +423,6 @@ class Watchdog(PeerDiagnosis):
 def _exit_on_hang(message: str) -> None:
     """Leave the diagnosis where the launcher reads a worker's failure, then end the process:
     the main thread is stuck in native code and cannot raise."""
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        try:
-            with open(error_file, "w") as fh:
-                json.dump({"message": f"PeerFailure: {message}", "timestamp": int(time.time())}, fh)
-        except OSError:
-            pass
+    record_error(f"PeerFailure: {message}")
     say_error(message)
     os._exit(3)
