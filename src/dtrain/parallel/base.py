@@ -49,7 +49,7 @@ from dtrain.config import CommConfig, Config, StrategyConfig
 from dtrain.config.capabilities import Capabilities, capabilities
 from dtrain.dist.runtime import Runtime
 from dtrain.parallel.grad_norm import gradient_norm, local_part
-from dtrain.parallel.materialize import is_meta_model, materialize, require_init
+from dtrain.parallel.materialize import is_meta_model, materialize
 from dtrain.parallel.recipe import Recipe, model_blocks
 from dtrain.parallel.skeleton import meta_copy
 from dtrain.parallel.sync_batchnorm import apply_sync_batchnorm
@@ -123,8 +123,8 @@ class Strategy(ABC):
         strategy wraps. A meta-built model gets its values here (:mod:`.materialize`)."""
         model = task.model
         if is_meta_model(model):
-            init = require_init(model, task.init_weights)
-            materialize(meta_copy(model), model, init, self.runtime.device, self.recipe.seed)
+            seed = self.recipe.seed
+            materialize(meta_copy(model), model, task.init_weights, self.runtime.device, seed)
         else:
             model = model.to(self.runtime.device)
         self.apply_recipe(task, model)

@@ -13,7 +13,7 @@ sharding: the gradients reduce-scatter inside a copy, then all-reduce across cop
 machines with fast links inside and slow ones between), and ``strategy.tensor_parallel = T``
 cuts each layer over T ranks inside each shard (FSDP x tensor parallelism).
 
-Checkpoints are sharded (:class:`~dtrain.parallel.sharded.ShardedStrategy`): one DCP file set
+Checkpoints are sharded (:class:`~dtrain.parallel.sharded.MeshStrategy`): one DCP file set
 per rank, resharded on load, so a run saved on 4 ranks resumes on 2 or on 1, and at another
 layout of the mesh.
 """
