@@ -170,7 +170,8 @@ class AllReduceStrategy(CommHookControl, BackwardSyncControl):
         self.module = self.model = self.build_replica(task)
         if self.runtime.world_size == 1:
             return  # nothing to average: plain local training
-        self._broadcast_from_rank0(self.module)
+        # Replicas must start equal; after that equal averaged gradients keep them equal.
+        self.broadcast_from_first([*self.module.parameters(), *self.module.buffers()])
         # parameters() yields a shared (tied) parameter once, so it gets one hook and one slot;
         # autograd sums all its uses into .grad before that hook fires.
         params = [p for p in self.module.parameters() if p.requires_grad]
@@ -193,13 +194,6 @@ class AllReduceStrategy(CommHookControl, BackwardSyncControl):
             ),
         )
         self.register_comm_hook(hook, run_comm_hook)
-
-    @torch.no_grad()
-    def _broadcast_from_rank0(self, module: nn.Module) -> None:
-        # Replicas must start equal; after that equal averaged gradients keep them equal.
-        for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor, src=0, group=self.data_parallel_group)
-            self.comm.broadcast(tensor.numel() * tensor.element_size(), self.data_parallel_size)
 
     def _add_bucket(self, params: list[nn.Parameter]) -> None:
         numel = sum(p.numel() for p in params)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -228,20 +228,26 @@ class Strategy(ABC):
     # -- evaluation and inference --------------------------------------------------------
 
     @torch.no_grad()
+    def broadcast_from_first(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Every data-parallel rank takes the first one's ``tensors``, in place (counted, the
+        wait timed). Collective over the data-parallel group."""
+        for tensor in tensors:
+            with self.comm.waiting():
+                dist.broadcast(tensor, group=self.data_parallel_group, group_src=0)
+            self.comm.broadcast(tensor.numel() * tensor.element_size(), self.data_parallel_size)
+
     def agree_on_buffers(self) -> None:
         """Before an evaluation: every data-parallel rank takes the first one's buffers
         (BatchNorm's running statistics, which each rank updates from its own share unless
         ``strategy.sync_batchnorm``), the ones a checkpoint saves -- so that the evaluation
         is the saved model's. Collective over the data-parallel group. Training does not
         read running statistics, so its math does not change."""
-        if self.data_parallel_size == 1 or not dist.is_initialized():
-            return
-        for buffer in self.unwrapped.buffers():
-            if type(buffer) is not torch.Tensor or buffer.is_meta:
-                continue  # a DTensor's parts are laid out by its own mesh
-            with self.comm.waiting():
-                dist.broadcast(buffer, group=self.data_parallel_group, group_src=0)
-            self.comm.broadcast(buffer.numel() * buffer.element_size(), self.data_parallel_size)
+        if self.data_parallel_size > 1 and dist.is_initialized():
+            # A DTensor's parts are laid out by its own mesh.
+            buffers = self.unwrapped.buffers()
+            self.broadcast_from_first(
+                b for b in buffers if type(b) is torch.Tensor and not b.is_meta
+            )
 
     @torch.no_grad()
     def eval_loss(self, batch: tuple[Any, Any], loss_fn: LossFn) -> torch.Tensor:

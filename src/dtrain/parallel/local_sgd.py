@@ -73,7 +73,7 @@ from dtrain.config import CommConfig, Config, StrategyConfig
 from dtrain.dist.runtime import Runtime
 from dtrain.errors import CheckpointError
 from dtrain.parallel.base import Strategy
-from dtrain.parallel.grad_sync import MIB, assign_buckets, average_flat, split_like
+from dtrain.parallel.grad_sync import MIB, assign_buckets, average_bucket, average_flat, split_like
 from dtrain.parallel.recipe import Recipe
 from dtrain.task import Task
 
@@ -106,17 +106,9 @@ class LocalSGDStrategy(Strategy):
         recipe = Recipe.from_config(cfg, runtime.device)
         return cls(runtime, cfg.strategy, cfg.comm, recipe, steps=cfg.train.steps)
 
-    @property
-    def local_start_step(self) -> int:
-        return self.comm_options.local_start_step
-
     def warming_up(self, step: int) -> bool:
         """Whether ``step`` is one of the data-parallel steps before the local ones."""
-        return step <= self.local_start_step
-
-    @property
-    def sync_every(self) -> int:
-        return self.comm_options.sync_every
+        return step <= self.comm_options.local_start_step
 
     # -- set-up --------------------------------------------------------------------------
 
@@ -129,16 +121,8 @@ class LocalSGDStrategy(Strategy):
         self.param_buckets = [[self.params[i] for i in m] for m in assign_buckets(self.params, cap)]
         self.buffer_buckets = [[buffers[i] for i in m] for m in assign_buckets(buffers, cap)]
         if self.data_parallel_size > 1:
-            self._broadcast_from_rank0()
-
-    @torch.no_grad()
-    def _broadcast_from_rank0(self) -> None:
-        # Replicas start equal (frozen parameters and integer buffers then stay equal).
-        assert self.module is not None
-        for tensor in [*self.module.parameters(), *self.module.buffers()]:
-            with self.comm.waiting():
-                dist.broadcast(tensor, src=0, group=self.data_parallel_group)
-            self.comm.broadcast(tensor.numel() * tensor.element_size(), self.data_parallel_size)
+            # Replicas start equal (frozen parameters and integer buffers then stay equal).
+            self.broadcast_from_first([*self.module.parameters(), *self.module.buffers()])
 
     # -- the step ------------------------------------------------------------------------
 
@@ -159,8 +143,11 @@ class LocalSGDStrategy(Strategy):
             used = [p.grad is not None for p in params]
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             flags = torch.tensor(used, dtype=grads[0].dtype, device=grads[0].device)
-            flat = torch.cat([*(g.reshape(-1) for g in grads), flags])
-            self._all_reduce_mean(flat)
+            flat = average_flat(
+                torch.cat([*(g.reshape(-1) for g in grads), flags]),
+                self.data_parallel_group,
+                self.comm,
+            )
             grads_part, flags_part = flat[: -len(params)], flat[-len(params) :]
             for param, part, anyone in zip(params, split_like(grads_part, params), flags_part):
                 if param.grad is not None:
@@ -190,9 +177,8 @@ class LocalSGDStrategy(Strategy):
 
     def _since_sync(self, step: int) -> int:
         """Local steps after ``step`` since the replicas last met (0 in the warm-up)."""
-        return (
-            (step - self.local_start_step) % self.sync_every if step > self.local_start_step else 0
-        )
+        start = self.comm_options.local_start_step
+        return (step - start) % self.comm_options.sync_every if step > start else 0
 
     def agree_on_buffers(self) -> None:
         """Nothing: the replicas' buffers are averaged with their parameters at every
@@ -201,33 +187,16 @@ class LocalSGDStrategy(Strategy):
 
     def after_optimizer_step(self, step: int) -> None:
         self.next_step = step + 1
-        if step == self.local_start_step:
-            self._start_local()
         if self.sync_due(step):
             self.synchronize()
-
-    def _start_local(self) -> None:
-        """At the end of the warm-up (diloco: the anchor becomes the model)."""
 
     @torch.no_grad()
     def synchronize(self) -> None:
         """Collective: average the replicas' parameters and floating-point buffers."""
-        for params in self.param_buckets:
-            self._average(params)
-        for buffers in self.buffer_buckets:
-            self._average(buffers)
+        buckets: list[Sequence[torch.Tensor]] = [*self.param_buckets, *self.buffer_buckets]
+        for tensors in buckets:
+            average_bucket(tensors, self.data_parallel_group, self.comm)
         self.syncs += 1
-
-    @torch.no_grad()
-    def _average(self, tensors: Sequence[torch.Tensor]) -> None:
-        flat = torch.cat([t.reshape(-1) for t in tensors])  # (bucket numel,)
-        self._all_reduce_mean(flat)
-        for tensor, part in zip(tensors, split_like(flat, tensors)):
-            tensor.copy_(part)
-
-    def _all_reduce_mean(self, flat: torch.Tensor) -> None:
-        """Mean over the data-parallel group, in place: every rank ends with the same bits."""
-        average_flat(flat, self.data_parallel_group, self.comm)
 
     # -- state ---------------------------------------------------------------------------
 
@@ -243,19 +212,20 @@ class LocalSGDStrategy(Strategy):
     def _after_load(self, parts: dict[str, Any], origin: Origin) -> None:
         """What a subclass restores beside the replica (diloco: the anchor)."""
 
+    # What a resume at another data-parallel size starts from, and what it drops when saved
+    # {since} local steps after the sync at step {at}.
+    _restart = "every rank starts from rank 0's replica and inner optimizer state"
+    _dropped = (
+        "; it was saved {since} step(s) after the sync at step {at}: the other replicas' local "
+        "progress since then is not carried over"
+    )
+
     def _resize_message(self, origin: Origin) -> str:
-        step = origin.step
-        since = self._since_sync(step)
-        dropped = (
-            f"; it was saved {since} step(s) after the sync at step {step - since}: the other "
-            "replicas' local progress since then is not carried over"
-            if since
-            else ""
-        )
+        since = self._since_sync(origin.step)
+        dropped = self._dropped.format(since=since, at=origin.step - since) if since else ""
         return (
             f"{self.name}: {origin.folder} holds {origin.data_parallel_size} replicas and this "
-            f"run has {self.data_parallel_size} ranks; every rank starts from rank 0's replica and "
-            f"inner optimizer state{dropped}"
+            f"run has {self.data_parallel_size} ranks; {self._restart}{dropped}"
         )
 
 
@@ -263,6 +233,14 @@ class DiLoCoStrategy(LocalSGDStrategy):
     """DiLoCo: local steps, then an outer Nesterov step on the averaged update every H steps"""
 
     name = "diloco"
+    _restart = (
+        "every rank restarts from the anchor (the global model of the last outer step) with "
+        "rank 0's inner optimizer state"
+    )
+    _dropped = (
+        "; the replicas' {since} local step(s) since the outer step at step {at} are not "
+        "carried over"
+    )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -280,10 +258,12 @@ class DiLoCoStrategy(LocalSGDStrategy):
         self.outer_optimizer = self._build_outer_optimizer()
 
     @torch.no_grad()
-    def _start_local(self) -> None:
-        # The replicas are one data-parallel model now: the outer steps start from it.
-        for anchor, param in zip(self.anchor, self.params):
-            anchor.copy_(param)
+    def after_optimizer_step(self, step: int) -> None:
+        if step == self.comm_options.local_start_step:
+            # The replicas are one data-parallel model now: the outer steps start from it.
+            for anchor, param in zip(self.anchor, self.params):
+                anchor.copy_(param)
+        super().after_optimizer_step(step)
 
     def _build_outer_optimizer(self) -> torch.optim.SGD:
         momentum = self.comm_options.outer_momentum
@@ -303,7 +283,7 @@ class DiLoCoStrategy(LocalSGDStrategy):
             anchors = [anchor_of[id(p)] for p in bucket]
             # delta: (bucket numel,), this replica's move since the last sync, negated.
             delta = torch.cat([(a - p).reshape(-1) for a, p in zip(anchors, bucket)])
-            self._all_reduce_mean(delta)
+            average_flat(delta, self.data_parallel_group, self.comm)
             for anchor, part in zip(anchors, split_like(delta, anchors)):
                 anchor.grad = part
         self.outer_optimizer.step()
@@ -311,7 +291,7 @@ class DiLoCoStrategy(LocalSGDStrategy):
             anchor.grad = None
             param.copy_(anchor)
         for buffers in self.buffer_buckets:
-            self._average(buffers)
+            average_bucket(buffers, self.data_parallel_group, self.comm)
         self.syncs += 1
 
     # -- state ---------------------------------------------------------------------------
@@ -349,12 +329,7 @@ class DiLoCoStrategy(LocalSGDStrategy):
             if origin.own and self.data_parallel_size > 1:
                 # Each rank took its own replica (localsgd's, at this size): rank 0's is the
                 # anchor, which every rank must share.
-                for tensor in self.anchor:
-                    with self.comm.waiting():
-                        dist.broadcast(tensor, group=self.data_parallel_group, group_src=0)
-                    self.comm.broadcast(
-                        tensor.numel() * tensor.element_size(), self.data_parallel_size
-                    )
+                self.broadcast_from_first(self.anchor)
         self.outer_optimizer = self._build_outer_optimizer()
         if outer_state is not None:
             self.outer_optimizer.load_state_dict(outer_state)
@@ -363,18 +338,3 @@ class DiLoCoStrategy(LocalSGDStrategy):
         if not origin.own and not self.warming_up(self.next_step - 1):
             for param, tensor in zip(self.params, self.anchor):
                 param.copy_(tensor)
-
-    def _resize_message(self, origin: Origin) -> str:
-        step = origin.step
-        since = self._since_sync(step)
-        dropped = (
-            f"; the replicas' {since} local step(s) since the outer step at step "
-            f"{step - since} are not carried over"
-            if since
-            else ""
-        )
-        return (
-            f"{self.name}: {origin.folder} holds {origin.data_parallel_size} replicas and this "
-            f"run has {self.data_parallel_size} ranks; every rank restarts from the anchor (the "
-            f"global model of the last outer step) with rank 0's inner optimizer state{dropped}"
-        )
