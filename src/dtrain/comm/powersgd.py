@@ -35,7 +35,6 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from dtrain.comm.accounting import CommCounter
 from dtrain.comm.hooks import Bucket, CommHook
 from dtrain.comm.mean import divide_
-from dtrain.config import CommConfig
 
 # A matrix is compressed when its factors are at least this many times smaller (torch's
 # default ``min_compression_rate``).
@@ -80,19 +79,6 @@ class PowerSGDHook(CommHook):
         }
         self.state = PowerSGDState(**self.options)
         self.factors = factors
-
-    @classmethod
-    def from_config(
-        cls,
-        cfg: CommConfig,
-        counter: CommCounter,
-        group: dist.ProcessGroup | None,
-        device: torch.device,
-    ) -> PowerSGDHook:
-        factors = FACTOR_DTYPES[cfg.powersgd_factors]
-        return cls(
-            counter, group, device, cfg.powersgd_rank, cfg.powersgd_start_step, factors=factors
-        )
 
     def reduce(self, bucket: Bucket) -> torch.futures.Future[torch.Tensor]:
         state = self.state
