@@ -2,8 +2,21 @@
 (``tp``) inside, FSDP over the data-parallel shards (``dp_shard``), replicas of the whole
 (sharded) model outside (``dp_replicate``) -- FSDP, hybrid sharding (replicate x shard),
 FSDP x tensor parallelism, tensor parallelism x replicas. The strategies ``fsdp`` and
-``tensor`` are points of this space (:mod:`dtrain.parallel.fsdp`,
-:mod:`dtrain.parallel.tensor`).
+``tensor`` are points of this space:
+
+- ``fsdp`` (torch's FSDP2, ``fully_shard``): a rank keeps 1/N of every parameter, gradient and
+  optimizer state, all-gathers a block's parameters just before using it and reduce-scatters
+  its gradients right after; the math is data parallelism's. ``strategy.dp_replicate = R``
+  keeps R copies of a model sharded over world / R ranks (hybrid sharding: reduce-scatter
+  inside a copy, all-reduce across copies -- for fast links inside machines and slow ones
+  between), and ``strategy.tensor_parallel = T`` cuts each layer over T ranks inside each shard.
+- ``tensor`` (``torch.distributed.tensor.parallel``): each layer's weight matrices cut across
+  ranks, Megatron-style (column-wise into a block, row-wise out of it: one all-reduce in
+  forward and one in backward per block), as the model's plan names them
+  (:mod:`dtrain.parallel.tensor_plan`). The cut weights become ``DTensor`` shards; every other
+  parameter is replicated over the group. With more ranks than ``strategy.tensor_parallel``,
+  ``world / degree`` data-parallel copies train beside it: whole replicas
+  (``strategy.data_parallel = 'replicate'``, gradients averaged) or FSDP shards (``'fsdp'``).
 
 Set-up applies each part to the model in one order, torchtitan's::
 
@@ -106,3 +119,15 @@ class ComposedStrategy(MeshStrategy, BackwardSyncControl):
 
     def load_model_state_dict(self, state: dict[str, Any]) -> None:
         set_model_state_dict(self.unwrapped, state, options=StateDictOptions(full_state_dict=True))
+
+
+class FSDPStrategy(ComposedStrategy):
+    """fully sharded data parallel (FSDP2): parameters, gradients and optimizer state 1/N each"""
+
+    name = "fsdp"
+
+
+class TensorParallelStrategy(ComposedStrategy):
+    """tensor parallel (torch.distributed.tensor.parallel), x data-parallel copies or shards"""
+
+    name = "tensor"
