@@ -32,10 +32,10 @@ WORKER_SIDE_CHECKS = {
     "dtrain/data/partition.py",  # an OrderSpec built by hand with an unknown shuffle
     "dtrain/dist/runtime.py",  # dist.device = 'cuda' on a machine without one
     "dtrain/hf.py",  # a Hugging Face architecture the pipeline cannot cut
-    "dtrain/parallel/blocks.py",  # a model without repeated blocks
     "dtrain/parallel/pipeline/plan.py",  # more stages than the model has layers
     "dtrain/parallel/pipeline/split.py",  # a model that is no chain of layers
     "dtrain/parallel/pipeline/stages.py",  # layer costs and memory limits, measured
+    "dtrain/parallel/recipe.py",  # a model without repeated blocks
     "dtrain/parallel/tensor_plan.py",  # a model without a plan, or with dropout
     "dtrain/tasks/gpt.py",  # the task's own [task] section (its dataclass, in the parent)
     "dtrain/train/config_agreement.py",  # ranks started with different configs
