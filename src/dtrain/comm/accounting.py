@@ -66,10 +66,6 @@ def all_gather_bytes(part: int, world_size: int) -> int:
     return (world_size - 1) * part if world_size > 1 else 0
 
 
-def broadcast_bytes(payload: int, world_size: int) -> int:
-    return payload if world_size > 1 else 0
-
-
 @dataclass
 class CommCounter:
     """A rank's running totals since it started; the trainer logs their differences."""
@@ -93,7 +89,7 @@ class CommCounter:
         self.collectives += world_size > 1
 
     def broadcast(self, payload: int, world_size: int) -> None:
-        self.bytes_sent += broadcast_bytes(payload, world_size)
+        self.bytes_sent += payload if world_size > 1 else 0  # every rank forwards it
         self.collectives += world_size > 1
 
     def waited(self, seconds: float) -> None:
