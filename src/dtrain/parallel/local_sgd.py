@@ -1,62 +1,33 @@
-"""``localsgd`` and ``diloco``: data parallelism that communicates every H steps, not every step.
+"""``localsgd`` and ``diloco``: data parallelism that communicates every H steps, not every step
+(docs/communication.md, "Fewer rounds", says it all at length).
 
-Each rank trains its own replica of the model with the normal (inner) optimizer on its share of
-every global batch; nothing is synchronized in backward. Every H = ``comm.sync_every`` steps
-(and at the last step of the run, so that the run ends on one model) the replicas meet::
+Each rank trains its own replica with the normal (inner) optimizer on its share of every global
+batch; nothing is synchronized in backward. Every H = ``comm.sync_every`` steps counted from
+``comm.local_start_step`` (and at the run's last step, so that it ends on one model) the
+replicas meet::
 
     setup      broadcast parameters and buffers from rank 0           (replicas start equal)
     step t     forward/backward on this rank's share, local clip,
                one 4-byte all-reduce: the largest local gradient norm  (every rank agrees
                                                                         whether to skip)
                inner optimizer step on this rank's replica
-    t % H == 0 localsgd: average the parameters over the data-parallel group
+    sync       localsgd: average the parameters over the data-parallel group
                diloco:   outer gradient = anchor - mean(replicas); an outer SGD step with
                          Nesterov momentum moves the anchor; every replica restarts from it
-               (one all-reduce of every parameter, in flat buckets of ``strategy.bucket_mb``;
-               floating-point buffers are averaged in the same way)
+               (flat buckets of ``strategy.bucket_mb``; floating-point buffers averaged too)
 
-A step's traffic is 2 small collectives (the trainer's item count and the norm agreement);
-a sync's is one all-reduce of the parameters: 1/H of plain data parallelism's gradient traffic.
+The first ``comm.local_start_step`` steps are plain data parallelism: each step's gradients are
+averaged before the optimizer step (post-local SGD; diloco's anchor is the model of that step).
+The trainer's loss scale makes each replica's gradient that of its local mean with equal
+shares, and weights its steps by its share of the items otherwise. Clipping is per replica;
+:meth:`LocalSGDStrategy.clip_grad_norm` returns the largest local norm over the ranks (+inf
+where any is not finite), so the NaN guard takes one branch everywhere.
 
-Warm-up (``comm.local_start_step`` = S > 0). The first S steps are plain data parallelism: each
-step's gradients are averaged over the group (flat buckets, as the parameters are at a sync)
-before the optimizer step, so every replica takes the same step from the same state -- the
-same update as ``ddp``, with any optimizer. Local steps begin after step S (post-local SGD,
-Lin et al. 2020; DiLoCo starts its replicas from a data-parallel model the same way, and its
-anchor is the model of step S). The replicas then meet every H steps counted from S, and at
-the last step. Early steps, where the loss falls fastest and replicas on half a batch each pull
-apart most, are the ones local steps cost most; ``benchmarks/bench_comm.py`` shows how much.
-
-The loss scale. The trainer multiplies each rank's loss sum by ``data_parallel_size /
-global_items``. With equal shares (n items on each of N ranks) that is ``1 / n``: each rank's
-gradient is exactly the gradient of its local mean loss, the objective of local SGD. With
-unequal shares (a batch that does not divide, token balancing) rank r's gradient is
-``N n_r / G`` times its local mean, i.e. each replica's step is weighted by its share of the
-items; averaging the parameters with equal weights then gives, to first order in the learning
-rate, ``sum_r n_r g_r / G``: the gradient of the global mean, as for one process. (With an
-optimizer that normalizes the gradient's scale -- AdamW -- the weight mostly cancels and each
-replica follows its own local mean.) With H = 1 and an optimizer linear in the gradient (SGD,
-momentum, weight decay) the average of the replicas after one step *is* data parallelism's step,
-which the tests check to 1e-6.
-
-Clipping is per replica, by the local gradient's norm (DiLoCo's inner optimizer does the same).
-The trainer's NaN guard needs every rank to take the same skip/step branch, so
-:meth:`LocalSGDStrategy.clip_grad_norm` returns the largest local norm over the ranks (+inf where
-any rank's is not finite): the logged ``grad_norm`` is that maximum.
-
-Checkpoints. Between syncs the replicas and their inner optimizer states differ, so every rank
-gives its own (the per-rank form, :mod:`dtrain.checkpoint.forms`; rank 0's is saved in the files
-of a replicated strategy, so ``ddp`` or ``allreduce`` can resume from them: at a sync step they
-hold the synchronized model); diloco adds ``outer``, replicated (the anchor and the outer
-optimizer's momentum). Resuming at the same data-parallel size restores every replica and is
-bit-identical to the uninterrupted run, mid-interval too. At another size the replicas cannot
-be carried over (there is no rank 3 of 2): every rank starts from rank 0's inner optimizer state
-and, for ``localsgd``, rank 0's replica; for ``diloco``, the anchor (the global model of the
-last outer step). A line on rank 0 says so.
-
-Evaluation runs on every rank's own replica over its share of the validation set, so a periodic
-evaluation between syncs measures the replicas' mixture; the final one always sees the
-synchronized model. Set ``eval.every`` to a multiple of H to evaluate synchronized models only.
+Checkpoints: every rank gives its own replica and inner optimizer state (the per-rank form;
+rank 0's in a replicated strategy's files); diloco adds ``outer``, replicated (the anchor and
+the outer momentum). A resume at the same data-parallel size is bit-identical, mid-interval too;
+at another size every rank starts from rank 0's state (diloco: from the anchor), and rank 0
+says so. Evaluation runs on each rank's own replica: between syncs it measures their mixture.
 """
 
 from __future__ import annotations
