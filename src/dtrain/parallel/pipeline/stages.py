@@ -40,10 +40,6 @@ class StagePlan:
     memory: tuple[float, ...] | None = None  # summed layer memory of each stage, when given
 
     @property
-    def num_stages(self) -> int:
-        return len(self.costs)
-
-    @property
     def bottleneck(self) -> float:
         """The cost of the slowest stage: what sets the pipeline's pace."""
         return max(self.costs)

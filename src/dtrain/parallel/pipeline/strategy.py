@@ -190,15 +190,13 @@ class PipelineStrategy(MeshStrategy, OwnStep):
             )
             for index, chain in self.chains.items()
         ]
-        name = self.options.pipeline_schedule
+        name, loss = self.options.pipeline_schedule, self._stage_loss
         if name == INTERLEAVED:
-            schedule: Any = ScheduleInterleaved1F1B(
-                stages, chunks, loss_fn=self._stage_loss, scale_grads=False
-            )
+            schedule: Any = ScheduleInterleaved1F1B(stages, chunks, loss, scale_grads=False)
         elif name == "1f1b" and kind == "train":
-            schedule = Schedule1F1B(stages[0], chunks, loss_fn=self._stage_loss, scale_grads=False)
+            schedule = Schedule1F1B(stages[0], chunks, loss, scale_grads=False)
         else:  # GPipe; also every forward-only pass (all schedules run it the same way)
-            schedule = ScheduleGPipe(stages[0], chunks, loss_fn=self._stage_loss, scale_grads=False)
+            schedule = ScheduleGPipe(stages[0], chunks, loss, scale_grads=False)
         self._schedules[key] = schedule
         if len(self._schedules) > _CACHED_SCHEDULES:
             self._schedules.popitem(last=False)
