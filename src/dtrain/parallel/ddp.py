@@ -37,14 +37,11 @@ class DDPStrategy(CommHookControl, BackwardSyncControl):
 
     name = "ddp"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # The comm hook, as DDP takes it: hook(state, bucket). Set-up builds the one
-        # comm.compression names; register_comm_hook replaces it. DDP takes one hook, once:
-        # it is registered before the first step.
-        self.comm_state: Any = None
-        self.comm_hook: Any = None
-        self._hook_registered = False
+    # The comm hook, as DDP takes it: hook(state, bucket) (and comm_state). Set-up builds the
+    # one comm.compression names; register_comm_hook replaces it. DDP takes one hook, once: it
+    # is registered before the first step.
+    comm_hook: Any = None
+    _hook_registered = False
 
     def setup(self, task: Task) -> None:
         self.module = self.build_replica(task)
