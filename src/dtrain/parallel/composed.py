@@ -48,7 +48,6 @@ from torch.distributed.fsdp import FSDPModule
 
 from dtrain.parallel.base import BackwardSyncControl
 from dtrain.parallel.grad_norm import clip_to_max_norm, local_part, mesh_gradient_norm
-from dtrain.parallel.grad_sync import average_in_buckets
 from dtrain.parallel.recipe import model_blocks
 from dtrain.parallel.sharded import MeshStrategy
 from dtrain.parallel.sync_batchnorm import apply_sync_batchnorm
@@ -99,9 +98,7 @@ class ComposedStrategy(MeshStrategy, BackwardSyncControl):
             model.set_requires_gradient_sync(True)
 
     def sync_gradients(self) -> None:
-        if not self.sharded and self.dims.dp > 1:
-            grads = [local_part(p.grad) for p in self.parameters() if p.grad is not None]
-            average_in_buckets(grads, self.data_parallel_group, self.options.bucket_mb)
+        self._average_copies(self.parameters())
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         assert self.mesh is not None

@@ -27,6 +27,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 from dtrain.checkpoint.forms import Form, Part
 from dtrain.config.layout import strategy_dims
 from dtrain.parallel.base import Strategy
+from dtrain.parallel.grad_norm import local_part
+from dtrain.parallel.grad_sync import average_in_buckets
 from dtrain.parallel.materialize import is_meta_model, materialize
 from dtrain.parallel.mesh import Mesh, build_mesh
 from dtrain.parallel.skeleton import ModelSkeleton, meta_copy
@@ -124,6 +126,15 @@ class MeshStrategy(Strategy):
         if skeleton is not None:
             materialize(skeleton, model, task.init_weights, self.runtime.device, self.recipe.seed)
         self.module = self.model = model
+
+    # -- the step ------------------------------------------------------------------------
+
+    def _average_copies(self, params: Iterable[nn.Parameter]) -> None:
+        """Without FSDP (which reduce-scatters in backward), the data-parallel copies average
+        their gradients after the step's backward, in buckets."""
+        if self.dims.dp > 1 and not self.sharded:
+            grads = [local_part(p.grad) for p in params if p.grad is not None]
+            average_in_buckets(grads, self.data_parallel_group, self.options.bucket_mb)
 
     # -- state ---------------------------------------------------------------------------
 

@@ -46,7 +46,6 @@ from dtrain.dist.runtime import Runtime
 from dtrain.errors import UserError
 from dtrain.parallel.base import LossFn, OwnStep, Strategy
 from dtrain.parallel.grad_norm import clip_to_max_norm, local_part, mesh_gradient_norm
-from dtrain.parallel.grad_sync import average_in_buckets
 from dtrain.parallel.pipeline.batches import (
     batch_signature,
     check_tensor,
@@ -255,12 +254,7 @@ class PipelineStrategy(MeshStrategy, OwnStep):
             if param.grad is None and param.requires_grad:
                 # A parameter this micro-batch did not reach: its copies must still agree.
                 param.grad = torch.zeros_like(param)
-        if self.dims.dp > 1 and not self.sharded:
-            average_in_buckets(
-                [local_part(p.grad) for p in params if p.grad is not None],
-                self.data_parallel_group,
-                self.options.bucket_mb,
-            )
+        self._average_copies(params)
         sum_tied_gradients(self.tied, self.unwrapped)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
