@@ -131,9 +131,7 @@ def plan_from_bounds(
             "at least one layer"
         )
     pairs = list(pairwise(bounds))
-    mem = None if memory is None else _check_values("layer memory", memory)
-    if mem is not None and len(mem) != n:
-        raise ConfigError(f"{len(mem)} layer memory sizes given for {n} layers; give one each")
+    mem = None if memory is None else _check_memory(memory, None, n, len(pairs))[0]
     return StagePlan(
         bounds=bounds,
         costs=tuple(sum(costs[a:b]) for a, b in pairs),
