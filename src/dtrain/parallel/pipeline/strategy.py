@@ -317,7 +317,7 @@ class PipelineStrategy(MeshStrategy, OwnStep):
             return {}
         merged = {name: tensor for piece in pieces for name, tensor in piece.items()}
         assert self._skeleton is not None  # rank 0 kept it
-        return {k: merged[k] for k in self._skeleton.state_names() if k in merged}
+        return {k: merged[k] for k in self._skeleton.model.state_dict() if k in merged}
 
     def load_model_state_dict(self, state: dict[str, Any]) -> None:
         mine = {k: v for k, v in state.items() if k in self.unwrapped.state_dict()}
