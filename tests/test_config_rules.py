@@ -18,7 +18,7 @@ from dtrain.config.job import CHECKED_ENV
 from dtrain.errors import ConfigError
 from dtrain.parallel import strategy_class, strategy_names
 from dtrain.parallel.base import CommHookControl
-from dtrain.parallel.sharded import MeshStrategy, ShardedStrategy
+from dtrain.parallel.sharded import MeshStrategy
 from dtrain.worker import load_worker_config
 from tests.test_imports import HEAVY, SRC, import_graph, loaded_after, package_graph
 
@@ -32,10 +32,10 @@ WORKER_SIDE_CHECKS = {
     "dtrain/data/partition.py",  # an OrderSpec built by hand with an unknown shuffle
     "dtrain/dist/runtime.py",  # dist.device = 'cuda' on a machine without one
     "dtrain/hf.py",  # a Hugging Face architecture the pipeline cannot cut
-    "dtrain/parallel/blocks.py",  # a model without repeated blocks
     "dtrain/parallel/pipeline/plan.py",  # more stages than the model has layers
     "dtrain/parallel/pipeline/split.py",  # a model that is no chain of layers
     "dtrain/parallel/pipeline/stages.py",  # layer costs and memory limits, measured
+    "dtrain/parallel/recipe.py",  # a model without repeated blocks
     "dtrain/parallel/tensor_plan.py",  # a model without a plan, or with dropout
     "dtrain/tasks/gpt.py",  # the task's own [task] section (its dataclass, in the parent)
     "dtrain/train/config_agreement.py",  # ranks started with different configs
@@ -87,7 +87,7 @@ def test_each_strategy_has_a_record_that_agrees_with_its_class() -> None:
     for name in strategy_names():
         cls, can = strategy_class(name), capabilities(name)
         assert can.comm_hooks == issubclass(cls, CommHookControl), name
-        assert can.sharded_state == issubclass(cls, ShardedStrategy), name
+        assert can.sharded_state == issubclass(cls, MeshStrategy), name
         assert can.sharded_state == (cls.state_form is Form.SHARDED), name
         assert can.on_mesh == issubclass(cls, MeshStrategy), name
         # Gradients meeting once per step is what uneven shares need; comm hooks do that.

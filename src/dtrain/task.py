@@ -99,7 +99,7 @@ class Task:
     # Named for the summary and the metrics: "tokens" for language models, else "samples".
     item_name: str = "samples"
     # The modules FSDP shards one by one, and that activation checkpointing and compile apply
-    # to (default: the model's repeated blocks, see dtrain.parallel.blocks.find_blocks).
+    # to (default: the model's repeated blocks, see dtrain.parallel.recipe.find_blocks).
     shard_units: Callable[[nn.Module], list[nn.Module]] | None = None
     # For a model built on the meta device (``with torch.device("meta"): model = ...``: no
     # memory): initializes the parameters and buffers one module holds itself, as

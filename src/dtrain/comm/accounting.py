@@ -24,26 +24,11 @@ blocked on communication that no computation hides: for gradients synchronized d
 backward, from the end of the backward computation (the last bucket launched) until every
 bucket is reduced; for a blocking collective, its whole duration.
 
-What ``ddp`` and ``allreduce`` count, exactly:
-
-- *bytes*: every bucket as its comm hook sends it (:mod:`dtrain.comm.compression`: the whole
-  bucket, half of it in fp16/bf16, PowerSGD's factors, top-k values and indices), counted by
-  the hook when it hands the tensor to the collective; the all-reduce of the used-parameter
-  flags with ``strategy.find_unused_parameters`` (one int32 per parameter); DDP's broadcast of
-  the buffers before a forward that syncs them; the step's small all-reduces
-  (``all_reduce_sum``: item count, loss); the load balancer's all-gather of every rank's
-  timing window once a window (``dtrain.balance.timing``); and, once, set-up's
-  broadcast of rank 0's parameters and buffers (in the totals, in no step's figure). Not
-  counted: DDP's own small metadata exchanges (parameter shapes at construction, bucket order
-  at its rebuild).
-- *waiting*: ``allreduce``: from the time the last bucket is handed to its hook (backward's
-  computation has ended; the buckets a parameter without gradient held back are launched at
-  the start of ``finish_gradient_sync``) until every bucket's future has its value, the used-
-  parameter all-reduce included; copying the results into ``.grad`` is not. ``ddp``: from the
-  hook call of the last bucket until ``backward()`` returns (DDP waits for every bucket, then
-  copies them into ``.grad`` before it returns). Either way the decompression a hook runs when
-  its data arrives (PowerSGD's second matrix product, top-k's scatter) counts as waiting, and
-  the compression it runs when called overlaps backward, except for the last bucket's.
+What ``ddp`` and ``allreduce`` count: every bucket as its hook hands it to the collective, the
+step's small collectives, the other collectives each issues (their modules' docstrings), and
+set-up's broadcast (in the totals only); waiting, from the last bucket's launch
+(docs/communication.md, "Bytes, exactly" and "Waiting"). Not counted: DDP's own small metadata
+exchanges (parameter shapes at construction, bucket order at its rebuild).
 """
 
 from __future__ import annotations
@@ -64,10 +49,6 @@ def all_reduce_bytes(payload: int, world_size: int) -> int:
 def all_gather_bytes(part: int, world_size: int) -> int:
     """Bytes one rank sends in a ring all-gather where every rank contributes ``part`` bytes."""
     return (world_size - 1) * part if world_size > 1 else 0
-
-
-def broadcast_bytes(payload: int, world_size: int) -> int:
-    return payload if world_size > 1 else 0
 
 
 @dataclass
@@ -93,7 +74,7 @@ class CommCounter:
         self.collectives += world_size > 1
 
     def broadcast(self, payload: int, world_size: int) -> None:
-        self.bytes_sent += broadcast_bytes(payload, world_size)
+        self.bytes_sent += payload if world_size > 1 else 0  # every rank forwards it
         self.collectives += world_size > 1
 
     def waited(self, seconds: float) -> None:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from dtrain.comm.accounting import CommCounter
 from dtrain.comm.hooks import Bf16Hook, CommHook, Fp16Hook, MeanHook
-from dtrain.comm.powersgd import PowerSGDHook
+from dtrain.comm.powersgd import FACTOR_DTYPES, PowerSGDHook
 from dtrain.comm.topk import TopKHook
 from dtrain.comm.transport import build_transport
 from dtrain.config import CommConfig
@@ -48,6 +48,13 @@ def build_comm_hook(
     carried as ``comm.transport`` says; ``capacity``: the largest bucket in bytes, ``timeout``:
     the collectives'. Every rank of ``group`` calls this at once (a transport may agree on its
     set-up with collectives)."""
-    hook = HOOKS[comm.compression].from_config(comm, counter, group, device)
+    hook: CommHook
+    if comm.compression == "powersgd":
+        rank, start, factors = comm.powersgd_rank, comm.powersgd_start_step, comm.powersgd_factors
+        hook = PowerSGDHook(counter, group, device, rank, start, factors=FACTOR_DTYPES[factors])
+    elif comm.compression == "topk":
+        hook = TopKHook(counter, group, device, comm.topk_fraction)
+    else:  # the hooks without settings of their own
+        hook = HOOKS[comm.compression](counter, group, device)
     hook.transport = build_transport(comm, timeout, hook.sums_only, group, device, capacity)
     return hook

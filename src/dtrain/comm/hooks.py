@@ -28,7 +28,6 @@ from dtrain.comm.accounting import CommCounter
 from dtrain.comm.agreement import MAX_CARRYING_RANKS, StepAgreement
 from dtrain.comm.mean import divide_, divide_into
 from dtrain.comm.transport import SumTransport
-from dtrain.config import CommConfig
 
 
 class Bucket(Protocol):
@@ -75,16 +74,6 @@ class CommHook:
         self._last_bucket = False  # whether the bucket being reduced is the step's last
         self._carried: StepAgreement | None = None  # to sum with this step's last bucket
         self._staging: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
-
-    @classmethod
-    def from_config(
-        cls,
-        cfg: CommConfig,
-        counter: CommCounter,
-        group: dist.ProcessGroup | None,
-        device: torch.device,
-    ) -> "CommHook":
-        return cls(counter, group, device)
 
     def launch(self, bucket: Bucket) -> torch.futures.Future[torch.Tensor]:
         if self._local:

@@ -35,7 +35,6 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from dtrain.comm.accounting import CommCounter
 from dtrain.comm.hooks import Bucket, CommHook
 from dtrain.comm.mean import divide_
-from dtrain.config import CommConfig
 
 # A matrix is compressed when its factors are at least this many times smaller (torch's
 # default ``min_compression_rate``).
@@ -44,14 +43,10 @@ MIN_COMPRESSION_RATE = 2
 FACTOR_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def factor_rank(rows: int, cols: int, rank: int) -> int:
-    return min(rows, cols, rank)
-
-
 def compresses(rows: int, cols: int, rank: int) -> bool:
     """Whether a ``rows`` x ``cols`` matrix goes as factors: they must be at least
     MIN_COMPRESSION_RATE times smaller than the matrix."""
-    return (rows + cols) * factor_rank(rows, cols, rank) * MIN_COMPRESSION_RATE < rows * cols
+    return (rows + cols) * min(rows, cols, rank) * MIN_COMPRESSION_RATE < rows * cols
 
 
 class PowerSGDHook(CommHook):
@@ -80,19 +75,6 @@ class PowerSGDHook(CommHook):
         }
         self.state = PowerSGDState(**self.options)
         self.factors = factors
-
-    @classmethod
-    def from_config(
-        cls,
-        cfg: CommConfig,
-        counter: CommCounter,
-        group: dist.ProcessGroup | None,
-        device: torch.device,
-    ) -> PowerSGDHook:
-        factors = FACTOR_DTYPES[cfg.powersgd_factors]
-        return cls(
-            counter, group, device, cfg.powersgd_rank, cfg.powersgd_start_step, factors=factors
-        )
 
     def reduce(self, bucket: Bucket) -> torch.futures.Future[torch.Tensor]:
         state = self.state
@@ -184,14 +166,8 @@ class PowerSGDHook(CommHook):
         the gradients' ``dtype``); Q is drawn at random where the bucket has none yet (its
         first compressed step)."""
         state = self.state
-        shapes = [
-            (
-                m.shape[0],
-                m.shape[1],
-                factor_rank(m.shape[0], m.shape[1], state.matrix_approximation_rank),
-            )
-            for m in matrices
-        ]
+        rank = state.matrix_approximation_rank
+        shapes = [(n, m, min(n, m, rank)) for n, m in (matrix.shape for matrix in matrices)]
         p_size = sum(n * r for n, _, r in shapes)
         q_size = sum(m * r for _, m, r in shapes)
         q_memory = state.q_memory_dict.get(index)

@@ -22,7 +22,6 @@ import torch.distributed as dist
 from dtrain.comm.accounting import CommCounter
 from dtrain.comm.hooks import Bucket, CommHook
 from dtrain.comm.mean import divide_
-from dtrain.config import CommConfig
 
 INT32_LIMIT = 2**31 - 1
 
@@ -54,16 +53,6 @@ class TopKHook(CommHook):
         self.fraction = fraction
         self.error_feedback = error_feedback
         self.residuals: dict[int, torch.Tensor] = {}  # bucket index -> what was not sent yet
-
-    @classmethod
-    def from_config(
-        cls,
-        cfg: CommConfig,
-        counter: CommCounter,
-        group: dist.ProcessGroup | None,
-        device: torch.device,
-    ) -> TopKHook:
-        return cls(counter, group, device, cfg.topk_fraction)
 
     def reduce(self, bucket: Bucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()  # (numel,): this rank's gradients, flat

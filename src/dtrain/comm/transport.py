@@ -63,22 +63,13 @@ class TransportModule(Protocol):
         carry the sums after all; ``capacity``: the largest bucket in bytes."""
 
 
-def transport_names() -> list[str]:
-    return sorted([BACKEND, *_registry()])
-
-
-def _registry() -> dict[str, str]:
-    return dict(importlib.import_module(_REGISTRY).TRANSPORTS)
-
-
 def transport_module(name: str) -> TransportModule:
     """The module that carries ``comm.transport = name`` (not ``'backend'``)."""
-    module = _registry().get(name)
-    if module is None:
-        raise ConfigError(
-            f"comm.transport = {name!r} is not a transport; valid: {', '.join(transport_names())}"
-        )
-    return cast(TransportModule, importlib.import_module(module))
+    registry: dict[str, str] = importlib.import_module(_REGISTRY).TRANSPORTS
+    if name not in registry:
+        valid = ", ".join(sorted([BACKEND, *registry]))
+        raise ConfigError(f"comm.transport = {name!r} is not a transport; valid: {valid}")
+    return cast(TransportModule, importlib.import_module(registry[name]))
 
 
 def check_transport_job(cfg: Config, max_nodes: int, nnodes: str) -> None:

@@ -30,15 +30,10 @@ def call_model(model: nn.Module, inputs: Any) -> Any:
     return model(inputs)
 
 
-def innermost(model: nn.Module) -> nn.Module:
-    """The user's model inside a wrapper that forwards its arguments (DDP's ``module``)."""
-    inner = getattr(model, "module", None)
-    return inner if isinstance(inner, nn.Module) else model
-
-
 def check_keywords(model: nn.Module, inputs: Mapping[str, Any]) -> None:
     """Raise a :class:`UserError` when the batch's keys do not fit ``model.forward``."""
-    target = innermost(model)
+    inner = getattr(model, "module", None)  # the user's model inside DDP's wrapper
+    target = inner if isinstance(inner, nn.Module) else model
     forward = getattr(type(target), "forward", None)
     key = (forward, frozenset(inputs))
     if key in _checked:

@@ -41,10 +41,6 @@ class Precision:
         if self.dtype is not None:
             check_supported(name, self.dtype, device)
 
-    @property
-    def mixed(self) -> bool:
-        return self.dtype is not None
-
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The context every forward (and its loss) runs in; a no-op in fp32."""
         if self.dtype is None:

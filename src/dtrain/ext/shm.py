@@ -43,7 +43,6 @@ import secrets
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -110,9 +109,7 @@ def build(
     sends nothing but summing all-reduces; ``capacity``: its largest tensor in bytes.
 
     Every input is the same on every rank of the group, so all of them decide alike."""
-    transport = comm.transport
-    if transport == "backend":
-        return None
+    transport = comm.transport  # 'shm' or 'auto' (dtrain.comm.transport handles 'backend')
     reason = unavailable_reason(
         device,
         dist.get_world_size(group),
@@ -159,20 +156,6 @@ def unavailable_reason(
     return None
 
 
-@dataclass(frozen=True)
-class _Segment:
-    path: str
-    token: bytes
-    size: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "token": self.token.hex(), "size": self.size}
-
-    @classmethod
-    def from_json(cls, word: dict[str, Any]) -> _Segment:
-        return cls(str(word["path"]), bytes.fromhex(word["token"]), int(word["size"]))
-
-
 class SharedMemoryAllReduce:
     """Sum equal-shaped tensors across ``group`` (every rank on this machine) in place.
 
@@ -192,19 +175,17 @@ class SharedMemoryAllReduce:
         self.header_bytes = _round_up(_LINE * (self.size + 1), _PAGE)
         segment_size = self.header_bytes + 2 * self.size * self.slot_bytes
         made = _create(segment_size) if self.rank == 0 else ""
-        word = broadcast_json(
-            made if isinstance(made, str) else made.to_json(), src=self.global_ranks[0], group=group
-        )
+        word = broadcast_json(made, src=self.global_ranks[0], group=group)
         if isinstance(word, str):
             raise SegmentUnavailable(
                 f"shared-memory all-reduce: rank 0 could not make its segment: {word}"
             )
-        segment = _Segment.from_json(word)
-        mapped, problem = _open(segment)
+        path = str(word["path"])
+        mapped, problem = _open(path, bytes.fromhex(word["token"]), int(word["size"]))
         gathered = all_gather_json([problem, os.getpid()], group=group)
         answers = [(None if p is None else str(p), int(pid)) for p, pid in gathered]
         if self.rank == 0:
-            _remove(segment.path)  # every rank has it mapped (or has given up on it)
+            _remove(path)  # every rank has it mapped (or has given up on it)
         problems = [(r, p) for r, (p, _) in enumerate(answers) if p]
         if problems or mapped is None:
             if mapped is not None:
@@ -212,7 +193,7 @@ class SharedMemoryAllReduce:
             rank, problem = problems[0]
             raise SegmentUnavailable(
                 f"shared-memory all-reduce: rank {self.global_ranks[rank]} cannot share "
-                f"{segment.path} with rank {self.global_ranks[0]}: {problem}"
+                f"{path} with rank {self.global_ranks[0]}: {problem}"
             )
         self.pids = [pid for _, pid in answers]
         self._map = mapped
@@ -316,9 +297,10 @@ def _segment_dir() -> str:
     return tempfile.gettempdir()
 
 
-def _create(size: int) -> _Segment | str:
+def _create(size: int) -> dict[str, Any] | str:
     """A new zeroed segment of ``size`` bytes with its pages reserved (a full ``/dev/shm``
-    fails here, not with SIGBUS at the first write)."""
+    fails here, not with SIGBUS at the first write): its path, token (hex) and size as JSON,
+    or what went wrong."""
     folder = _segment_dir()
     _sweep(folder)
     path = os.path.join(folder, f"{_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
@@ -335,7 +317,7 @@ def _create(size: int) -> _Segment | str:
         _remove(path)
         return f"cannot reserve {size} bytes in {folder}: {error.strerror}"
     os.close(fd)
-    return _Segment(path, token, size)
+    return {"path": path, "token": token.hex(), "size": size}
 
 
 def _sweep(folder: str) -> None:
@@ -357,16 +339,16 @@ def _sweep(folder: str) -> None:
             _remove(path)
 
 
-def _open(segment: _Segment) -> tuple[mmap.mmap | None, str | None]:
+def _open(path: str, token: bytes, size: int) -> tuple[mmap.mmap | None, str | None]:
     try:
-        fd = os.open(segment.path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR)
     except OSError as error:
         return None, f"cannot open it: {error.strerror} (is this rank on another machine?)"
     try:
-        mapped = mmap.mmap(fd, segment.size)
+        mapped = mmap.mmap(fd, size)
     finally:
         os.close(fd)
-    if mapped[:_TOKEN_BYTES] != segment.token:
+    if mapped[:_TOKEN_BYTES] != token:
         mapped.close()
         return None, "its file there is another one (is this rank on another machine?)"
     return mapped, None

@@ -25,9 +25,9 @@ from dtrain.parallel.base import Strategy
 _REGISTRY: dict[str, tuple[str, str]] = {
     "ddp": ("dtrain.parallel.ddp", "DDPStrategy"),
     "allreduce": ("dtrain.parallel.allreduce", "AllReduceStrategy"),
-    "fsdp": ("dtrain.parallel.fsdp", "FSDPStrategy"),
+    "fsdp": ("dtrain.parallel.composed", "FSDPStrategy"),
     "pipeline": ("dtrain.parallel.pipeline.strategy", "PipelineStrategy"),
-    "tensor": ("dtrain.parallel.tensor", "TensorParallelStrategy"),
+    "tensor": ("dtrain.parallel.composed", "TensorParallelStrategy"),
     "localsgd": ("dtrain.parallel.local_sgd", "LocalSGDStrategy"),
     "diloco": ("dtrain.parallel.local_sgd", "DiLoCoStrategy"),
 }

@@ -42,10 +42,9 @@ this strategy unchanged::
 Set-up registers the hook ``comm.compression`` names (:mod:`dtrain.comm.compression`; ``none``
 is :class:`~dtrain.comm.hooks.MeanHook`: divide by the group size, one asynchronous
 ``all_reduce``), which counts its bytes in ``strategy.comm``; a hook registered by hand replaces
-it (and counts nothing unless it does so itself). :func:`allreduce_hook` is the same plain
-average without the counting; its ``state`` is the process group (``None`` = the default
-group), as for DDP. The time waited on communication is measured in ``finish_gradient_sync``:
-from the last bucket's launch until every bucket is reduced.
+it (and counts nothing unless it does so itself). The time waited on communication is
+measured in ``finish_gradient_sync``: from the last bucket's launch until every bucket is
+reduced.
 
 Differences from torch DDP worth knowing: buckets are not rebuilt after the first step from the
 observed gradient order; buffers (e.g. BatchNorm statistics) are broadcast once at set-up, not
@@ -71,7 +70,6 @@ from torch import nn
 
 from dtrain.comm.compression import build_comm_hook
 from dtrain.comm.hooks import run_comm_hook
-from dtrain.comm.mean import divide_
 from dtrain.parallel.base import BackwardSyncControl, CommHookControl
 from dtrain.parallel.grad_sync import MIB, assign_buckets
 from dtrain.task import Task
@@ -125,18 +123,6 @@ class GradBucket:
 HookFn = Callable[[Any, Any], torch.futures.Future[torch.Tensor]]
 
 
-def allreduce_hook(
-    process_group: dist.ProcessGroup | None, bucket: GradBucket
-) -> torch.futures.Future[torch.Tensor]:
-    """The default hook: the mean over the group, by an asynchronous all-reduce.
-
-    Dividing *before* summing, as torch's own hook does, keeps low-precision sums in range."""
-    buffer = divide_(bucket.buffer(), dist.get_world_size(process_group))
-    work = dist.all_reduce(buffer, group=process_group, async_op=True)
-    assert work is not None  # async_op=True always gives a handle
-    return work.get_future().then(lambda fut: fut.value()[0])
-
-
 @dataclass(eq=False)
 class _Bucket:
     index: int
@@ -154,10 +140,10 @@ class AllReduceStrategy(CommHookControl, BackwardSyncControl):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # Set-up replaces these with the hook comm.compression names (dtrain.comm), which
-        # counts its bytes; a hook registered by hand (register_comm_hook) replaces that.
-        self.comm_hook: HookFn = allreduce_hook
-        self.comm_state: Any = None  # the default hook's state: the process group
+        # Set-up registers the hook comm.compression names (dtrain.comm), which counts its
+        # bytes; a hook registered by hand (register_comm_hook) replaces it. Only a rank with
+        # buckets (set up, world > 1) launches one.
+        self.comm_hook: HookFn
         self._last_launch = 0.0  # time.perf_counter() when the latest bucket was launched
         self.buckets: list[_Bucket] = []
         self.launches = 0  # bucket communications started since set-up (tests count them)
@@ -170,7 +156,8 @@ class AllReduceStrategy(CommHookControl, BackwardSyncControl):
         self.module = self.model = self.build_replica(task)
         if self.runtime.world_size == 1:
             return  # nothing to average: plain local training
-        self._broadcast_from_rank0(self.module)
+        # Replicas must start equal; after that equal averaged gradients keep them equal.
+        self.broadcast_from_first([*self.module.parameters(), *self.module.buffers()])
         # parameters() yields a shared (tied) parameter once, so it gets one hook and one slot;
         # autograd sums all its uses into .grad before that hook fires.
         params = [p for p in self.module.parameters() if p.requires_grad]
@@ -193,13 +180,6 @@ class AllReduceStrategy(CommHookControl, BackwardSyncControl):
             ),
         )
         self.register_comm_hook(hook, run_comm_hook)
-
-    @torch.no_grad()
-    def _broadcast_from_rank0(self, module: nn.Module) -> None:
-        # Replicas must start equal; after that equal averaged gradients keep them equal.
-        for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor, src=0, group=self.data_parallel_group)
-            self.comm.broadcast(tensor.numel() * tensor.element_size(), self.data_parallel_size)
 
     def _add_bucket(self, params: list[nn.Parameter]) -> None:
         numel = sum(p.numel() for p in params)

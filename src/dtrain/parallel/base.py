@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -49,7 +49,7 @@ from dtrain.config import CommConfig, Config, StrategyConfig
 from dtrain.config.capabilities import Capabilities, capabilities
 from dtrain.dist.runtime import Runtime
 from dtrain.parallel.grad_norm import gradient_norm, local_part
-from dtrain.parallel.materialize import is_meta_model, materialize, require_init
+from dtrain.parallel.materialize import is_meta_model, materialize
 from dtrain.parallel.recipe import Recipe, model_blocks
 from dtrain.parallel.skeleton import meta_copy
 from dtrain.parallel.sync_batchnorm import apply_sync_batchnorm
@@ -123,8 +123,8 @@ class Strategy(ABC):
         strategy wraps. A meta-built model gets its values here (:mod:`.materialize`)."""
         model = task.model
         if is_meta_model(model):
-            init = require_init(model, task.init_weights)
-            materialize(meta_copy(model), model, init, self.runtime.device, self.recipe.seed)
+            seed = self.recipe.seed
+            materialize(meta_copy(model), model, task.init_weights, self.runtime.device, seed)
         else:
             model = model.to(self.runtime.device)
         self.apply_recipe(task, model)
@@ -228,20 +228,26 @@ class Strategy(ABC):
     # -- evaluation and inference --------------------------------------------------------
 
     @torch.no_grad()
+    def broadcast_from_first(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Every data-parallel rank takes the first one's ``tensors``, in place (counted, the
+        wait timed). Collective over the data-parallel group."""
+        for tensor in tensors:
+            with self.comm.waiting():
+                dist.broadcast(tensor, group=self.data_parallel_group, group_src=0)
+            self.comm.broadcast(tensor.numel() * tensor.element_size(), self.data_parallel_size)
+
     def agree_on_buffers(self) -> None:
         """Before an evaluation: every data-parallel rank takes the first one's buffers
         (BatchNorm's running statistics, which each rank updates from its own share unless
         ``strategy.sync_batchnorm``), the ones a checkpoint saves -- so that the evaluation
         is the saved model's. Collective over the data-parallel group. Training does not
         read running statistics, so its math does not change."""
-        if self.data_parallel_size == 1 or not dist.is_initialized():
-            return
-        for buffer in self.unwrapped.buffers():
-            if type(buffer) is not torch.Tensor or buffer.is_meta:
-                continue  # a DTensor's parts are laid out by its own mesh
-            with self.comm.waiting():
-                dist.broadcast(buffer, group=self.data_parallel_group, group_src=0)
-            self.comm.broadcast(buffer.numel() * buffer.element_size(), self.data_parallel_size)
+        if self.data_parallel_size > 1 and dist.is_initialized():
+            # A DTensor's parts are laid out by its own mesh.
+            buffers = self.unwrapped.buffers()
+            self.broadcast_from_first(
+                b for b in buffers if type(b) is torch.Tensor and not b.is_meta
+            )
 
     @torch.no_grad()
     def eval_loss(self, batch: tuple[Any, Any], loss_fn: LossFn) -> torch.Tensor:

@@ -37,14 +37,11 @@ class DDPStrategy(CommHookControl, BackwardSyncControl):
 
     name = "ddp"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # The comm hook, as DDP takes it: hook(state, bucket). Set-up builds the one
-        # comm.compression names; register_comm_hook replaces it. DDP takes one hook, once:
-        # it is registered before the first step.
-        self.comm_state: Any = None
-        self.comm_hook: Any = None
-        self._hook_registered = False
+    # The comm hook, as DDP takes it: hook(state, bucket) (and comm_state). Set-up builds the
+    # one comm.compression names; register_comm_hook replaces it. DDP takes one hook, once: it
+    # is registered before the first step.
+    comm_hook: Any = None
+    _hook_registered = False
 
     def setup(self, task: Task) -> None:
         self.module = self.build_replica(task)
@@ -86,16 +83,6 @@ class DDPStrategy(CommHookControl, BackwardSyncControl):
             raise RuntimeError("register_comm_hook() must be called before the first step")
         self.comm_state, self.comm_hook = state, hook
 
-    def _register_hook(self) -> None:
-        self._hook_registered = True
-        if not isinstance(self.model, DistributedDataParallel) or self.comm_hook is None:
-            return
-        if getattr(self.model, "_comm_hooks", None):
-            # One registered on the DDP module itself: DDP takes no second; it stays.
-            self.comm_state = self.comm_hook = None
-            return
-        self.model.register_comm_hook(self.comm_state, self.comm_hook)
-
     def _count_buffer_sync(self, model: nn.Module, inputs: Any) -> None:
         # Runs just before DDP's forward, which broadcasts the buffers from rank 0 when this
         # says so (in training, with broadcast_buffers, when there are any).
@@ -110,16 +97,20 @@ class DDPStrategy(CommHookControl, BackwardSyncControl):
         return contextlib.nullcontext()
 
     def before_first_step(self, micro_batch: tuple[Any, Any], loss_fn: LossFn) -> None:
-        self._register_hook()
+        self._hook_registered = True
+        if isinstance(self.model, DistributedDataParallel) and self.comm_hook is not None:
+            if getattr(self.model, "_comm_hooks", None):
+                # One registered on the DDP module itself: DDP takes no second; it stays.
+                self.comm_state = self.comm_hook = None
+            else:
+                self.model.register_comm_hook(self.comm_state, self.comm_hook)
         self._warm_up(micro_batch, loss_fn)
 
     def sync_gradients(self) -> None:
-        if isinstance(self.model, DistributedDataParallel):
-            self._count_backward_sync()
-
-    def _count_backward_sync(self) -> None:
-        """After a step's synchronized backward: the time waited on its buckets, and the
+        """After a step's synchronized backward: count the time waited on its buckets, and the
         used-parameter map's all-reduce."""
+        if not isinstance(self.model, DistributedDataParallel):
+            return
         hook = self.comm_state
         if isinstance(hook, CommHook) and hook.last_launch is not None:
             # From the last bucket's hook call (backward's computation had ended) until
@@ -150,7 +141,7 @@ class DDPStrategy(CommHookControl, BackwardSyncControl):
             or self.options.find_unused_parameters
         ):
             return
-        hook = self.comm_state if isinstance(self.comm_state, CommHook) else None
+        hook = self.comm_hook_of_ours
         if self.runtime.world_size < 3 and not (hook is not None and hook.stateful):
             return  # a sum of two values does not depend on their order
         assert self.module is not None

@@ -74,10 +74,17 @@ def average_in_buckets(
     MiB (one collective per bucket, not per tensor)."""
     cap = max(1, int(bucket_mb * MIB))
     for members in assign_buckets(tensors, cap):
-        bucket = [tensors[i] for i in members]
-        flat = average_flat(torch.cat([t.reshape(-1) for t in bucket]), group, counter)
-        for tensor, part in zip(bucket, split_like(flat, bucket)):
-            tensor.copy_(part)
+        average_bucket([tensors[i] for i in members], group, counter)
+
+
+@torch.no_grad()
+def average_bucket(
+    bucket: Sequence[torch.Tensor], group: dist.ProcessGroup | None, counter: CommCounter | None
+) -> None:
+    """Average ``bucket``'s tensors over ``group`` in place, flattened into one collective."""
+    flat = average_flat(torch.cat([t.reshape(-1) for t in bucket]), group, counter)
+    for tensor, part in zip(bucket, split_like(flat, bucket)):
+        tensor.copy_(part)
 
 
 def split_like(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:

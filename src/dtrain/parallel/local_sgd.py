@@ -1,62 +1,33 @@
-"""``localsgd`` and ``diloco``: data parallelism that communicates every H steps, not every step.
+"""``localsgd`` and ``diloco``: data parallelism that communicates every H steps, not every step
+(docs/communication.md, "Fewer rounds", says it all at length).
 
-Each rank trains its own replica of the model with the normal (inner) optimizer on its share of
-every global batch; nothing is synchronized in backward. Every H = ``comm.sync_every`` steps
-(and at the last step of the run, so that the run ends on one model) the replicas meet::
+Each rank trains its own replica with the normal (inner) optimizer on its share of every global
+batch; nothing is synchronized in backward. Every H = ``comm.sync_every`` steps counted from
+``comm.local_start_step`` (and at the run's last step, so that it ends on one model) the
+replicas meet::
 
     setup      broadcast parameters and buffers from rank 0           (replicas start equal)
     step t     forward/backward on this rank's share, local clip,
                one 4-byte all-reduce: the largest local gradient norm  (every rank agrees
                                                                         whether to skip)
                inner optimizer step on this rank's replica
-    t % H == 0 localsgd: average the parameters over the data-parallel group
+    sync       localsgd: average the parameters over the data-parallel group
                diloco:   outer gradient = anchor - mean(replicas); an outer SGD step with
                          Nesterov momentum moves the anchor; every replica restarts from it
-               (one all-reduce of every parameter, in flat buckets of ``strategy.bucket_mb``;
-               floating-point buffers are averaged in the same way)
+               (flat buckets of ``strategy.bucket_mb``; floating-point buffers averaged too)
 
-A step's traffic is 2 small collectives (the trainer's item count and the norm agreement);
-a sync's is one all-reduce of the parameters: 1/H of plain data parallelism's gradient traffic.
+The first ``comm.local_start_step`` steps are plain data parallelism: each step's gradients are
+averaged before the optimizer step (post-local SGD; diloco's anchor is the model of that step).
+The trainer's loss scale makes each replica's gradient that of its local mean with equal
+shares, and weights its steps by its share of the items otherwise. Clipping is per replica;
+:meth:`LocalSGDStrategy.clip_grad_norm` returns the largest local norm over the ranks (+inf
+where any is not finite), so the NaN guard takes one branch everywhere.
 
-Warm-up (``comm.local_start_step`` = S > 0). The first S steps are plain data parallelism: each
-step's gradients are averaged over the group (flat buckets, as the parameters are at a sync)
-before the optimizer step, so every replica takes the same step from the same state -- the
-same update as ``ddp``, with any optimizer. Local steps begin after step S (post-local SGD,
-Lin et al. 2020; DiLoCo starts its replicas from a data-parallel model the same way, and its
-anchor is the model of step S). The replicas then meet every H steps counted from S, and at
-the last step. Early steps, where the loss falls fastest and replicas on half a batch each pull
-apart most, are the ones local steps cost most; ``benchmarks/bench_comm.py`` shows how much.
-
-The loss scale. The trainer multiplies each rank's loss sum by ``data_parallel_size /
-global_items``. With equal shares (n items on each of N ranks) that is ``1 / n``: each rank's
-gradient is exactly the gradient of its local mean loss, the objective of local SGD. With
-unequal shares (a batch that does not divide, token balancing) rank r's gradient is
-``N n_r / G`` times its local mean, i.e. each replica's step is weighted by its share of the
-items; averaging the parameters with equal weights then gives, to first order in the learning
-rate, ``sum_r n_r g_r / G``: the gradient of the global mean, as for one process. (With an
-optimizer that normalizes the gradient's scale -- AdamW -- the weight mostly cancels and each
-replica follows its own local mean.) With H = 1 and an optimizer linear in the gradient (SGD,
-momentum, weight decay) the average of the replicas after one step *is* data parallelism's step,
-which the tests check to 1e-6.
-
-Clipping is per replica, by the local gradient's norm (DiLoCo's inner optimizer does the same).
-The trainer's NaN guard needs every rank to take the same skip/step branch, so
-:meth:`LocalSGDStrategy.clip_grad_norm` returns the largest local norm over the ranks (+inf where
-any rank's is not finite): the logged ``grad_norm`` is that maximum.
-
-Checkpoints. Between syncs the replicas and their inner optimizer states differ, so every rank
-gives its own (the per-rank form, :mod:`dtrain.checkpoint.forms`; rank 0's is saved in the files
-of a replicated strategy, so ``ddp`` or ``allreduce`` can resume from them: at a sync step they
-hold the synchronized model); diloco adds ``outer``, replicated (the anchor and the outer
-optimizer's momentum). Resuming at the same data-parallel size restores every replica and is
-bit-identical to the uninterrupted run, mid-interval too. At another size the replicas cannot
-be carried over (there is no rank 3 of 2): every rank starts from rank 0's inner optimizer state
-and, for ``localsgd``, rank 0's replica; for ``diloco``, the anchor (the global model of the
-last outer step). A line on rank 0 says so.
-
-Evaluation runs on every rank's own replica over its share of the validation set, so a periodic
-evaluation between syncs measures the replicas' mixture; the final one always sees the
-synchronized model. Set ``eval.every`` to a multiple of H to evaluate synchronized models only.
+Checkpoints: every rank gives its own replica and inner optimizer state (the per-rank form;
+rank 0's in a replicated strategy's files); diloco adds ``outer``, replicated (the anchor and
+the outer momentum). A resume at the same data-parallel size is bit-identical, mid-interval too;
+at another size every rank starts from rank 0's state (diloco: from the anchor), and rank 0
+says so. Evaluation runs on each rank's own replica: between syncs it measures their mixture.
 """
 
 from __future__ import annotations
@@ -73,7 +44,7 @@ from dtrain.config import CommConfig, Config, StrategyConfig
 from dtrain.dist.runtime import Runtime
 from dtrain.errors import CheckpointError
 from dtrain.parallel.base import Strategy
-from dtrain.parallel.grad_sync import MIB, assign_buckets, average_flat, split_like
+from dtrain.parallel.grad_sync import MIB, assign_buckets, average_bucket, average_flat, split_like
 from dtrain.parallel.recipe import Recipe
 from dtrain.task import Task
 
@@ -106,17 +77,9 @@ class LocalSGDStrategy(Strategy):
         recipe = Recipe.from_config(cfg, runtime.device)
         return cls(runtime, cfg.strategy, cfg.comm, recipe, steps=cfg.train.steps)
 
-    @property
-    def local_start_step(self) -> int:
-        return self.comm_options.local_start_step
-
     def warming_up(self, step: int) -> bool:
         """Whether ``step`` is one of the data-parallel steps before the local ones."""
-        return step <= self.local_start_step
-
-    @property
-    def sync_every(self) -> int:
-        return self.comm_options.sync_every
+        return step <= self.comm_options.local_start_step
 
     # -- set-up --------------------------------------------------------------------------
 
@@ -129,16 +92,8 @@ class LocalSGDStrategy(Strategy):
         self.param_buckets = [[self.params[i] for i in m] for m in assign_buckets(self.params, cap)]
         self.buffer_buckets = [[buffers[i] for i in m] for m in assign_buckets(buffers, cap)]
         if self.data_parallel_size > 1:
-            self._broadcast_from_rank0()
-
-    @torch.no_grad()
-    def _broadcast_from_rank0(self) -> None:
-        # Replicas start equal (frozen parameters and integer buffers then stay equal).
-        assert self.module is not None
-        for tensor in [*self.module.parameters(), *self.module.buffers()]:
-            with self.comm.waiting():
-                dist.broadcast(tensor, src=0, group=self.data_parallel_group)
-            self.comm.broadcast(tensor.numel() * tensor.element_size(), self.data_parallel_size)
+            # Replicas start equal (frozen parameters and integer buffers then stay equal).
+            self.broadcast_from_first([*self.module.parameters(), *self.module.buffers()])
 
     # -- the step ------------------------------------------------------------------------
 
@@ -159,8 +114,11 @@ class LocalSGDStrategy(Strategy):
             used = [p.grad is not None for p in params]
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             flags = torch.tensor(used, dtype=grads[0].dtype, device=grads[0].device)
-            flat = torch.cat([*(g.reshape(-1) for g in grads), flags])
-            self._all_reduce_mean(flat)
+            flat = average_flat(
+                torch.cat([*(g.reshape(-1) for g in grads), flags]),
+                self.data_parallel_group,
+                self.comm,
+            )
             grads_part, flags_part = flat[: -len(params)], flat[-len(params) :]
             for param, part, anyone in zip(params, split_like(grads_part, params), flags_part):
                 if param.grad is not None:
@@ -190,9 +148,8 @@ class LocalSGDStrategy(Strategy):
 
     def _since_sync(self, step: int) -> int:
         """Local steps after ``step`` since the replicas last met (0 in the warm-up)."""
-        return (
-            (step - self.local_start_step) % self.sync_every if step > self.local_start_step else 0
-        )
+        start = self.comm_options.local_start_step
+        return (step - start) % self.comm_options.sync_every if step > start else 0
 
     def agree_on_buffers(self) -> None:
         """Nothing: the replicas' buffers are averaged with their parameters at every
@@ -201,33 +158,16 @@ class LocalSGDStrategy(Strategy):
 
     def after_optimizer_step(self, step: int) -> None:
         self.next_step = step + 1
-        if step == self.local_start_step:
-            self._start_local()
         if self.sync_due(step):
             self.synchronize()
-
-    def _start_local(self) -> None:
-        """At the end of the warm-up (diloco: the anchor becomes the model)."""
 
     @torch.no_grad()
     def synchronize(self) -> None:
         """Collective: average the replicas' parameters and floating-point buffers."""
-        for params in self.param_buckets:
-            self._average(params)
-        for buffers in self.buffer_buckets:
-            self._average(buffers)
+        buckets: list[Sequence[torch.Tensor]] = [*self.param_buckets, *self.buffer_buckets]
+        for tensors in buckets:
+            average_bucket(tensors, self.data_parallel_group, self.comm)
         self.syncs += 1
-
-    @torch.no_grad()
-    def _average(self, tensors: Sequence[torch.Tensor]) -> None:
-        flat = torch.cat([t.reshape(-1) for t in tensors])  # (bucket numel,)
-        self._all_reduce_mean(flat)
-        for tensor, part in zip(tensors, split_like(flat, tensors)):
-            tensor.copy_(part)
-
-    def _all_reduce_mean(self, flat: torch.Tensor) -> None:
-        """Mean over the data-parallel group, in place: every rank ends with the same bits."""
-        average_flat(flat, self.data_parallel_group, self.comm)
 
     # -- state ---------------------------------------------------------------------------
 
@@ -243,19 +183,20 @@ class LocalSGDStrategy(Strategy):
     def _after_load(self, parts: dict[str, Any], origin: Origin) -> None:
         """What a subclass restores beside the replica (diloco: the anchor)."""
 
+    # What a resume at another data-parallel size starts from, and what it drops when saved
+    # {since} local steps after the sync at step {at}.
+    _restart = "every rank starts from rank 0's replica and inner optimizer state"
+    _dropped = (
+        "; it was saved {since} step(s) after the sync at step {at}: the other replicas' local "
+        "progress since then is not carried over"
+    )
+
     def _resize_message(self, origin: Origin) -> str:
-        step = origin.step
-        since = self._since_sync(step)
-        dropped = (
-            f"; it was saved {since} step(s) after the sync at step {step - since}: the other "
-            "replicas' local progress since then is not carried over"
-            if since
-            else ""
-        )
+        since = self._since_sync(origin.step)
+        dropped = self._dropped.format(since=since, at=origin.step - since) if since else ""
         return (
             f"{self.name}: {origin.folder} holds {origin.data_parallel_size} replicas and this "
-            f"run has {self.data_parallel_size} ranks; every rank starts from rank 0's replica and "
-            f"inner optimizer state{dropped}"
+            f"run has {self.data_parallel_size} ranks; {self._restart}{dropped}"
         )
 
 
@@ -263,6 +204,14 @@ class DiLoCoStrategy(LocalSGDStrategy):
     """DiLoCo: local steps, then an outer Nesterov step on the averaged update every H steps"""
 
     name = "diloco"
+    _restart = (
+        "every rank restarts from the anchor (the global model of the last outer step) with "
+        "rank 0's inner optimizer state"
+    )
+    _dropped = (
+        "; the replicas' {since} local step(s) since the outer step at step {at} are not "
+        "carried over"
+    )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -280,10 +229,12 @@ class DiLoCoStrategy(LocalSGDStrategy):
         self.outer_optimizer = self._build_outer_optimizer()
 
     @torch.no_grad()
-    def _start_local(self) -> None:
-        # The replicas are one data-parallel model now: the outer steps start from it.
-        for anchor, param in zip(self.anchor, self.params):
-            anchor.copy_(param)
+    def after_optimizer_step(self, step: int) -> None:
+        if step == self.comm_options.local_start_step:
+            # The replicas are one data-parallel model now: the outer steps start from it.
+            for anchor, param in zip(self.anchor, self.params):
+                anchor.copy_(param)
+        super().after_optimizer_step(step)
 
     def _build_outer_optimizer(self) -> torch.optim.SGD:
         momentum = self.comm_options.outer_momentum
@@ -303,7 +254,7 @@ class DiLoCoStrategy(LocalSGDStrategy):
             anchors = [anchor_of[id(p)] for p in bucket]
             # delta: (bucket numel,), this replica's move since the last sync, negated.
             delta = torch.cat([(a - p).reshape(-1) for a, p in zip(anchors, bucket)])
-            self._all_reduce_mean(delta)
+            average_flat(delta, self.data_parallel_group, self.comm)
             for anchor, part in zip(anchors, split_like(delta, anchors)):
                 anchor.grad = part
         self.outer_optimizer.step()
@@ -311,7 +262,7 @@ class DiLoCoStrategy(LocalSGDStrategy):
             anchor.grad = None
             param.copy_(anchor)
         for buffers in self.buffer_buckets:
-            self._average(buffers)
+            average_bucket(buffers, self.data_parallel_group, self.comm)
         self.syncs += 1
 
     # -- state ---------------------------------------------------------------------------
@@ -349,12 +300,7 @@ class DiLoCoStrategy(LocalSGDStrategy):
             if origin.own and self.data_parallel_size > 1:
                 # Each rank took its own replica (localsgd's, at this size): rank 0's is the
                 # anchor, which every rank must share.
-                for tensor in self.anchor:
-                    with self.comm.waiting():
-                        dist.broadcast(tensor, group=self.data_parallel_group, group_src=0)
-                    self.comm.broadcast(
-                        tensor.numel() * tensor.element_size(), self.data_parallel_size
-                    )
+                self.broadcast_from_first(self.anchor)
         self.outer_optimizer = self._build_outer_optimizer()
         if outer_state is not None:
             self.outer_optimizer.load_state_dict(outer_state)
@@ -363,18 +309,3 @@ class DiLoCoStrategy(LocalSGDStrategy):
         if not origin.own and not self.warming_up(self.next_step - 1):
             for param, tensor in zip(self.params, self.anchor):
                 param.copy_(tensor)
-
-    def _resize_message(self, origin: Origin) -> str:
-        step = origin.step
-        since = self._since_sync(step)
-        dropped = (
-            f"; the replicas' {since} local step(s) since the outer step at step "
-            f"{step - since} are not carried over"
-            if since
-            else ""
-        )
-        return (
-            f"{self.name}: {origin.folder} holds {origin.data_parallel_size} replicas and this "
-            f"run has {self.data_parallel_size} ranks; every rank restarts from the anchor (the "
-            f"global model of the last outer step) with rank 0's inner optimizer state{dropped}"
-        )

@@ -57,14 +57,15 @@ def require_init(model: nn.Module, init_weights: InitFn | None) -> InitFn:
 def materialize(
     skeleton: nn.Module,
     live: nn.Module,
-    init_weights: InitFn,
+    init_weights: InitFn | None,
     device: torch.device,
     seed: int,
 ) -> None:
     """Give ``live`` (the strategy's model, its tensors on meta: whole, sharded, sliced or
-    pruned to a stage) its values from ``init_weights`` run over ``skeleton`` (a meta copy of
-    the whole model with the same names), seeded with ``seed``. Collective only in that every
-    rank must call it (it sends nothing)."""
+    pruned to a stage) its values from ``init_weights`` (the task's: :func:`require_init`) run
+    over ``skeleton`` (a meta copy of the whole model with the same names), seeded with
+    ``seed``. Collective only in that every rank must call it (it sends nothing)."""
+    init_weights = require_init(live, init_weights)
     live.to_empty(device=device)
     _tie_again(live, skeleton)
     targets = _named_tensors(live)

@@ -30,8 +30,7 @@ from torch import nn
 
 from dtrain.compute.precision import Precision
 from dtrain.config import Config, parse_activation_checkpointing
-from dtrain.errors import UserError
-from dtrain.parallel.blocks import find_blocks
+from dtrain.errors import ConfigError, UserError
 from dtrain.task import Task
 
 
@@ -91,6 +90,26 @@ def model_blocks(task: Task, model: nn.Module, why: str) -> list[nn.Module]:
         return find_blocks(model)
     except UserError as exc:
         raise UserError(f"{why}: {exc}") from None
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: ``model.blocks`` / ``layers`` / ``h`` / ``layer`` when it is
+    a non-empty ``ModuleList`` (or ``Sequential``), else the longest ``ModuleList`` anywhere in
+    the model (the first of the longest)."""
+    for name in ("blocks", "layers", "h", "layer"):
+        candidate = getattr(model, name, None)
+        if isinstance(candidate, (nn.ModuleList, nn.Sequential)) and len(candidate) > 0:
+            return list(candidate)
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if lists:
+        longest: nn.ModuleList = max(lists, key=len)
+        return list(longest)
+    raise ConfigError(
+        f"cannot find the repeated blocks of {type(model).__name__} (the units it applies "
+        "to, one by one): "
+        "expected an nn.ModuleList attribute named blocks, layers or h (or give "
+        "Task.shard_units)"
+    )
 
 
 def checkpoint_forward(module: nn.Module) -> None:

@@ -21,10 +21,6 @@ class ModelSkeleton:
         self.model = meta_copy(model)
         self.ties = shared_names(model)
 
-    def state_names(self) -> list[str]:
-        """The full model's state-dict keys, in its order."""
-        return list(self.model.state_dict())
-
     def fill(self, state: dict[str, Any]) -> nn.Module:
         """The full model holding ``state`` (taken, not copied), tied parameters one again."""
         self.model.load_state_dict(state, assign=True)

@@ -55,15 +55,15 @@ def profile_layers(
     for _ in range(warmup):
         chain_pass(layers, example_input, clock)
     samples = [chain_pass(layers, example_input, clock) for _ in range(repeats)]
-    inputs = _layer_inputs(layers, example_input)
-    return [
-        LayerProfile(
-            seconds=statistics.median(times),
-            param_bytes=_param_bytes(layer),
-            activation_bytes=_saved_bytes(layer, x, first=index == 0),
-        )
-        for index, (times, (layer, x)) in enumerate(zip(zip(*samples), inputs))
-    ]
+    profiles = []
+    x = example_input
+    for index, (layer, times) in enumerate(zip(layers, zip(*samples))):
+        param_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+        saved = _saved_bytes(layer, x, first=index == 0)
+        profiles.append(LayerProfile(statistics.median(times), param_bytes, saved))
+        with torch.no_grad():
+            x = layer(x)  # the next layer's input
+    return profiles
 
 
 def chain_pass(
@@ -154,29 +154,12 @@ def balance_layers(
 # -- measuring -------------------------------------------------------------------------------
 
 
-def _layer_inputs(
-    layers: Sequence[nn.Module], example_input: torch.Tensor
-) -> list[tuple[nn.Module, torch.Tensor]]:
-    out = []
-    x = example_input
-    with torch.no_grad():
-        for layer in layers:
-            out.append((layer, x))
-            x = layer(x)
-    return out
-
-
-def _as_stage_input(x: torch.Tensor, first: bool) -> torch.Tensor:
-    x = x.detach()
-    return x if first or not x.is_floating_point() else x.requires_grad_()
-
-
-def _param_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
-
-
 def _saved_bytes(module: nn.Module, x: torch.Tensor, *, first: bool) -> int:
-    """Bytes of the distinct tensors autograd keeps from one forward of ``module``."""
+    """Bytes of the distinct tensors autograd keeps from one forward of ``module``, fed ``x``
+    as a stage receives it (detached; needing a gradient unless it is the model's input)."""
+    x = x.detach()
+    if not first and x.is_floating_point():
+        x.requires_grad_()
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}
     storages: dict[int, int] = {}
 
@@ -187,5 +170,5 @@ def _saved_bytes(module: nn.Module, x: torch.Tensor, *, first: bool) -> int:
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        module(_as_stage_input(x, first))
+        module(x)
     return sum(storages.values())

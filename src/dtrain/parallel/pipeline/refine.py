@@ -16,6 +16,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from itertools import pairwise
 
 import torch
@@ -62,13 +63,13 @@ def refine_plan(
             break  # settled: the correction leads back to a plan already measured
         candidates.append(plan)
     if len(candidates) == 1:
-        return with_costs(candidates[0], measured)
+        return replace(candidates[0], costs=tuple(measured))
     # Measured side by side, so that a change of load between rounds favours no plan.
     timed = time_plans(
         layers, example_input, [c.bounds for c in candidates], repeats, clock, average
     )
     best = min(range(len(candidates)), key=lambda i: max(timed[i]))  # ties: the earliest
-    return with_costs(candidates[best], timed[best])
+    return replace(candidates[best], costs=tuple(timed[best]))
 
 
 def corrected(costs: Sequence[float], plan: StagePlan, measured: Sequence[float]) -> list[float]:
@@ -79,10 +80,6 @@ def corrected(costs: Sequence[float], plan: StagePlan, measured: Sequence[float]
         for i in stage:
             out[i] = costs[i] * seconds / predicted if predicted > 0 else seconds / len(stage)
     return out
-
-
-def with_costs(plan: StagePlan, seconds: Sequence[float]) -> StagePlan:
-    return StagePlan(bounds=plan.bounds, costs=tuple(seconds), memory=plan.memory)
 
 
 def time_plans(

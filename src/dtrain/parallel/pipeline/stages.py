@@ -40,10 +40,6 @@ class StagePlan:
     memory: tuple[float, ...] | None = None  # summed layer memory of each stage, when given
 
     @property
-    def num_stages(self) -> int:
-        return len(self.costs)
-
-    @property
     def bottleneck(self) -> float:
         """The cost of the slowest stage: what sets the pipeline's pace."""
         return max(self.costs)
@@ -135,9 +131,7 @@ def plan_from_bounds(
             "at least one layer"
         )
     pairs = list(pairwise(bounds))
-    mem = None if memory is None else _check_values("layer memory", memory)
-    if mem is not None and len(mem) != n:
-        raise ConfigError(f"{len(mem)} layer memory sizes given for {n} layers; give one each")
+    mem = None if memory is None else _check_memory(memory, None, n, len(pairs))[0]
     return StagePlan(
         bounds=bounds,
         costs=tuple(sum(costs[a:b]) for a, b in pairs),

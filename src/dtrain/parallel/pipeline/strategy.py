@@ -20,7 +20,7 @@ global batch the mean, whichever stage or copy computes which part of it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     set_model_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -38,7 +38,6 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import parallelize_module
 
 from dtrain.comm.plain import gather_tensors
 from dtrain.config import CommConfig, Config, DataConfig, StrategyConfig
@@ -46,11 +45,7 @@ from dtrain.config.layout import INTERLEAVED, stages_per_rank
 from dtrain.dist.runtime import Runtime
 from dtrain.errors import UserError
 from dtrain.parallel.base import LossFn, OwnStep, Strategy
-from dtrain.parallel.fsdp_prefetch import apply_backward_prefetch
 from dtrain.parallel.grad_norm import clip_to_max_norm, local_part, mesh_gradient_norm
-from dtrain.parallel.grad_sync import average_in_buckets
-from dtrain.parallel.materialize import is_meta_model, materialize, require_init
-from dtrain.parallel.mesh import build_mesh
 from dtrain.parallel.pipeline.batches import (
     batch_signature,
     check_tensor,
@@ -77,8 +72,6 @@ from dtrain.parallel.pipeline.stages import StagePlan
 from dtrain.parallel.pipeline.ties import Tie, make_ties, sum_tied_gradients, uncounted
 from dtrain.parallel.recipe import Recipe
 from dtrain.parallel.sharded import MeshStrategy
-from dtrain.parallel.skeleton import ModelSkeleton, meta_copy
-from dtrain.parallel.tensor_plan import check_no_dropout, model_plan
 from dtrain.task import Task
 
 _CACHED_SCHEDULES = 8  # distinct batch shapes kept (each holds receive buffers of its shape)
@@ -108,7 +101,6 @@ class PipelineStrategy(MeshStrategy, OwnStep):
         self.num_stages = 1
         self.chains: dict[int, StageChain] = {}  # stage index -> this rank's layers
         self.tied: list[Tie] = []  # parameters this rank shares with other stages
-        self._skeleton: ModelSkeleton | None = None  # rank 0: the full model, on meta
         self._schedules: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
         self._loss_fn: LossFn | None = None
         self._scale: torch.Tensor | None = None
@@ -121,105 +113,58 @@ class PipelineStrategy(MeshStrategy, OwnStep):
         recipe = Recipe.from_config(cfg, runtime.device)
         return cls(runtime, cfg.strategy, cfg.comm, recipe, data=cfg.data)
 
-    @property
-    def pipeline_rank(self) -> int:
-        return self.coords["pp"]
-
-    @property
-    def pipeline_size(self) -> int:
-        """Ranks per pipeline: the mesh's pp dimension."""
-        return self.dims.pp
-
-    @property
-    def _fsdp(self) -> bool:
-        return self.dims.dp_shard > 1
-
     # -- set-up --------------------------------------------------------------------------
 
     def setup(self, task: Task) -> None:
-        device = self.runtime.device
         model = task.model
-        # A meta-built model is cut while still on meta; each rank then makes its stages.
-        skeleton = meta_copy(model) if is_meta_model(model) else None
         layers = model_layers(model, task.pipeline_layers)
-        self.num_stages = (
-            self.pipeline_size * stages_per_rank(self.options) if self.pipeline_size > 1 else 1
-        )
+        pp = self.dims.pp
+        self.num_stages = pp * stages_per_rank(self.options) if pp > 1 else 1
         check_stage_count(self.num_stages, len(layers), model)
-        self.mesh = build_mesh(self.dims, device)
-        if skeleton is None:
-            model.to(device)
-        elif self._needs_example():
+        # A meta-built model is cut while still on meta; each rank then makes its stages.
+        skeleton = self._start_setup(model)
+        profile = pp > 1 and not self.options.pipeline_boundaries
+        profile = profile and self.options.pipeline_balance == "profile"
+        if skeleton is not None and profile:
             raise UserError(
                 "strategy.pipeline_balance = 'profile' times every layer of the model, which a "
                 "meta-built model (Task.init_weights) does not hold on any one rank: set "
                 "strategy.pipeline_balance = 'uniform' or strategy.pipeline_boundaries"
             )
-        data = self.data_options
-        rows = data.global_batch_size // (self.dims.dp * data.micro_batches)
-        example = (
-            example_input(task.train_data, task.collate_fn, task.split_batch, rows, device)
-            if self._needs_example()
-            else None
-        )
+        example = None
+        if profile:
+            data = self.data_options
+            rows = data.global_batch_size // (self.dims.dp * data.micro_batches)
+            example = example_input(
+                task.train_data, task.collate_fn, task.split_batch, rows, self.runtime.device
+            )
         self.plan = choose_plan(self.options, layers, self.num_stages, example)
         precision = self.recipe.precision
         all_chains = [StageChain(layers[r.start : r.stop], precision) for r in self.plan.stages()]
         kept = [stage_entries(model, [chain]) for chain in all_chains]
         check_coverage(model, kept)
-        if self.runtime.is_main:
-            self._skeleton = ModelSkeleton(model)
-        mine = list(range(self.pipeline_rank, self.num_stages, self.pipeline_size))
-        self.chains = {s: all_chains[s] for s in mine}
+        self.chains = {s: all_chains[s] for s in range(self.coords["pp"], self.num_stages, pp)}
         my_entries = stage_entries(model, list(self.chains.values()))
         self.tied = make_ties(tied_parameters(kept), self.dims, self.chains, self.runtime.rank)
         first = first_names(model)
         prune_to_stages(model, my_entries)
         self.whole_names = names_in_whole(model, first)  # before FSDP or TP replace tensors
         del all_chains, kept, layers
-        tp_mesh = self.mesh.submesh("tp")
-        if self.dims.tp > 1:
-            styles = model_plan(model, self.dims.tp, held_only=True)
-            check_no_dropout(model)
-            if tp_mesh is not None:
-                parallelize_module(model, tp_mesh, styles)
+        self._cut_tensor_parallel(model, held_only=True)
         self.apply_recipe(task, model)  # this rank's blocks; the others' hold no tensors
-        if self._fsdp:
-            self._shard()
-        if skeleton is not None:
-            init = require_init(model, task.init_weights)
-            materialize(skeleton, model, init, device, self.recipe.seed)
-        self.module = model
-        self.model = model
-
-    def _needs_example(self) -> bool:
-        opts = self.options
-        return (
-            self.pipeline_size > 1
-            and not opts.pipeline_boundaries
-            and opts.pipeline_balance == "profile"
-        )
-
-    def _shard(self) -> None:
-        """FSDP over the data-parallel shards (x copies: hybrid), per layer then per stage (as
-        ``fsdp``, ``strategy.reshard_after_forward`` included)."""
-        assert self.mesh is not None
-        mesh = self.mesh.submesh("dp_replicate", "dp_shard")
-        reshard = self.options.reshard_after_forward
-        for chain in self.chains.values():
-            shared = shared_parameters(chain.layers)
-            for layer in chain.layers:
-                # A layer that shares a parameter with another of its stage (a one-stage
-                # pipeline holds the GPT's tied embedding and head) is sharded with the stage:
-                # FSDP keeps a parameter in one unit only.
-                params = [id(p) for p in layer.parameters()]
-                if params and not shared.intersection(params):
-                    fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
-            fully_shard(chain, mesh=mesh, reshard_after_forward=reshard)
-            apply_backward_prefetch(chain, self.options.backward_prefetch)
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        return self.unwrapped.named_parameters()
+        if self.sharded:
+            for chain in self.chains.values():
+                # Per layer, then per stage. A layer that shares a parameter with another of
+                # its stage (a one-stage pipeline holds the GPT's tied embedding and head) is
+                # sharded with the stage: FSDP keeps a parameter in one unit only.
+                shared = shared_parameters(chain.layers)
+                units = [
+                    layer
+                    for layer in chain.layers
+                    if (ids := {id(p) for p in layer.parameters()}) and not shared & ids
+                ]
+                self._fully_shard(units, chain)
+        self._finish_setup(task, model, skeleton)
 
     # -- the step ------------------------------------------------------------------------
 
@@ -244,41 +189,32 @@ class PipelineStrategy(MeshStrategy, OwnStep):
             )
             for index, chain in self.chains.items()
         ]
-        name = self.options.pipeline_schedule
+        name, loss = self.options.pipeline_schedule, self._stage_loss
         if name == INTERLEAVED:
-            schedule: Any = ScheduleInterleaved1F1B(
-                stages, chunks, loss_fn=self._stage_loss, scale_grads=False
-            )
+            schedule: Any = ScheduleInterleaved1F1B(stages, chunks, loss, scale_grads=False)
         elif name == "1f1b" and kind == "train":
-            schedule = Schedule1F1B(stages[0], chunks, loss_fn=self._stage_loss, scale_grads=False)
+            schedule = Schedule1F1B(stages[0], chunks, loss, scale_grads=False)
         else:  # GPipe; also every forward-only pass (all schedules run it the same way)
-            schedule = ScheduleGPipe(stages[0], chunks, loss_fn=self._stage_loss, scale_grads=False)
+            schedule = ScheduleGPipe(stages[0], chunks, loss, scale_grads=False)
         self._schedules[key] = schedule
         if len(self._schedules) > _CACHED_SCHEDULES:
             self._schedules.popitem(last=False)
         return schedule
-
-    @property
-    def _has_first(self) -> bool:
-        return 0 in self.chains
-
-    @property
-    def _has_last(self) -> bool:
-        return self.num_stages - 1 in self.chains
 
     def _run(self, kind: str, chunks: int, inputs: Any, targets: Any) -> torch.Tensor:
         """One pass of the schedule; returns this rank's summed loss (0 without the loss)."""
         for chain in self.chains.values():
             chain.train(self.unwrapped.training)
         schedule = self._schedule(kind, chunks, inputs, targets)
-        args = (inputs,) if self._has_first else ()
-        target = targets if self._has_last else None
+        has_last = self.num_stages - 1 in self.chains
+        args = (inputs,) if 0 in self.chains else ()
+        target = targets if has_last else None
         self._losses.clear()
         if kind == "train":
             schedule.step(*args, target=target, return_outputs=False)
         else:
             schedule.eval(*args, target=target, return_outputs=False)
-        if not self._has_last:
+        if not has_last:
             return torch.zeros((), device=self.runtime.device)
         # The first pass of a new shape also calls the loss on placeholder data (torch infers
         # the gradient shapes that way): only the last `chunks` calls are the batch's.
@@ -318,12 +254,7 @@ class PipelineStrategy(MeshStrategy, OwnStep):
             if param.grad is None and param.requires_grad:
                 # A parameter this micro-batch did not reach: its copies must still agree.
                 param.grad = torch.zeros_like(param)
-        if self.dims.dp > 1 and not self._fsdp:
-            average_in_buckets(
-                [local_part(p.grad) for p in params if p.grad is not None],
-                self.data_parallel_group,
-                self.options.bucket_mb,
-            )
+        self._average_copies(params)
         sum_tied_gradients(self.tied, self.unwrapped)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
@@ -359,58 +290,40 @@ class PipelineStrategy(MeshStrategy, OwnStep):
         if self.num_stages == 1:
             (chain,) = self.chains.values()
             chain.train(self.unwrapped.training)
-            with self.recipe.precision.autocast():
-                return loss_fn(chain(inputs), targets).sum()
+            return self._stage_loss(chain(inputs), targets)
         check_tensor(inputs, "inputs")
         chunks = eval_chunks(
             inputs.shape[0],
             self.data_options.micro_batches,
-            self.pipeline_size,
+            self.dims.pp,
             self.options.pipeline_schedule == INTERLEAVED,
         )
         return self._run("eval", chunks, inputs, targets)
 
     # -- state ---------------------------------------------------------------------------
 
-    def _full_state_pieces(self) -> list[dict[str, torch.Tensor]] | None:
-        """Every stage's tensors, full (unsharded) and on CPU, gathered to rank 0 (None on
-        the others). Collective."""
+    def model_state_dict(self) -> dict[str, Any]:
+        """The full model's state on rank 0 (names and order as in the unsplit model), empty on
+        the others: every stage's tensors, full (unsharded) and on CPU. Collective."""
         local: dict[str, torch.Tensor] = {}
         for name, tensor in self.unwrapped.state_dict().items():
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             local[name] = full.detach().cpu()
-        if not dist.is_initialized() or self.runtime.world_size == 1:
-            return [local]
-        if self.data_parallel_rank != 0:
-            local = {}  # the first copy of the pipeline speaks for all
-        return gather_tensors(local, dst=0)
-
-    def model_state_dict(self) -> dict[str, Any]:
-        """The full model's state on rank 0 (names as in the unsplit model), empty on the
-        others. Collective."""
-        pieces = self._full_state_pieces()
+        pieces: list[dict[str, torch.Tensor]] | None = [local]
+        if dist.is_initialized() and self.runtime.world_size > 1:
+            # The first copy of the pipeline speaks for all.
+            pieces = gather_tensors(local if self.data_parallel_rank == 0 else {}, dst=0)
         if pieces is None:
             return {}
-        merged: dict[str, torch.Tensor] = {}
-        for piece in pieces:
-            merged.update(piece)
-        if self._skeleton is None:
-            return merged
-        order = self._skeleton.state_names()
-        return {k: merged[k] for k in order if k in merged}
+        merged = {name: tensor for piece in pieces for name, tensor in piece.items()}
+        assert self._skeleton is not None  # rank 0 kept it
+        return {k: merged[k] for k in self._skeleton.model.state_dict() if k in merged}
 
     def load_model_state_dict(self, state: dict[str, Any]) -> None:
         mine = {k: v for k, v in state.items() if k in self.unwrapped.state_dict()}
         set_model_state_dict(
             self.unwrapped, mine, options=StateDictOptions(full_state_dict=True, strict=True)
         )
-
-    def model_for_inference(self) -> nn.Module | None:
-        """Rank 0 gets the whole trained model, on CPU (the other ranks: None). Collective."""
-        state = self.model_state_dict()
-        if self._skeleton is None:
-            return None
-        return self._skeleton.fill(state)
 
 
 def shared_parameters(layers: Iterable[nn.Module]) -> set[int]:
