@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -77,61 +76,6 @@ def summary_record(summary: Summary, state: str, step: int) -> Record:
         "rollbacks": summary.rollbacks,
         "comm_bytes": summary.comm_bytes,
         "comm_wait_s": summary.comm_wait_s,
-    }
-
-
-@dataclass
-class TrainWindow:
-    """What the trainer measured over the steps since the last train record."""
-
-    loss: float  # mean per item, all ranks
-    grad_norm: float  # of the last step
-    items_per_s: float
-    steps: int
-    elapsed_s: float
-    sent: float  # bytes this rank sent over the window
-    waited_s: float  # seconds it waited on communication
-
-
-def train_record(
-    step: int,
-    window: TrainWindow,
-    *,
-    lr: float,
-    item_name: str,
-    global_batch_size: int,
-    epoch: float,
-    items_seen: int,
-    skipped_steps: int,
-    param_bytes: int,
-    counted: bool,
-) -> Record:
-    """A train record (docs/metrics.md); communication is None where the strategy cannot
-    count all of it (``counted`` false)."""
-    steps, elapsed = max(1, window.steps), window.elapsed_s
-    comm: dict[str, float | None] = {"comm_bytes_per_step": None, "comm_wait_s_per_step": None}
-    if counted:
-        comm = {
-            "comm_bytes_per_step": window.sent / steps,
-            "comm_wait_s_per_step": window.waited_s / steps,
-            "comm_wait_share": window.waited_s / elapsed if elapsed > 0 else 0.0,
-        }
-    return {
-        "kind": "train",
-        "step": step,
-        "loss": window.loss,
-        "grad_norm": window.grad_norm,
-        "lr": lr,
-        f"{item_name}_per_s": window.items_per_s,
-        # Every step holds the global batch's samples, whatever the items are.
-        "samples_per_s": window.steps * global_batch_size / elapsed if elapsed > 0 else 0.0,
-        "step_time_s": elapsed / steps,
-        "epoch": epoch,
-        "items_seen": items_seen,
-        "skipped_steps": skipped_steps,
-        "param_bytes_rank0": param_bytes,
-        **comm,
-        "time": time.time(),
     }
 
 

@@ -8,6 +8,7 @@ since the last line); rank 0 writes, and the others only count and warn.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -127,7 +128,8 @@ class RunLog:
         items_seen: int,
         skipped_steps: int,
     ) -> None:
-        """The train record of the ``steps`` steps up to ``step`` (every rank: it counts)."""
+        """The train record (docs/metrics.md) of the ``steps`` steps up to ``step`` (every
+        rank: it counts); communication is None where the strategy cannot count all of it."""
         # This rank's communication since the last line (every rank counts its own; rank 0's
         # is logged: data-parallel ranks send alike).
         total_sent, total_waited = self.strategy.comm.totals()
@@ -135,20 +137,33 @@ class RunLog:
         self._comm_mark = (total_sent, total_waited)
         if not self.is_main:
             return
-        window = records.TrainWindow(loss, grad_norm, rate, steps, elapsed, sent, waited)
-        record = records.train_record(
-            step,
-            window,
-            lr=lr,
-            item_name=self.item_name,
-            global_batch_size=self.cfg.data.global_batch_size,
-            epoch=epoch,
-            items_seen=items_seen,
-            skipped_steps=skipped_steps,
-            param_bytes=self.param_bytes,
-            counted=self.comm_counted,
-        )
         assert self.metrics is not None
+        per_step = max(1, steps)
+        comm: dict[str, float | None] = {"comm_bytes_per_step": None, "comm_wait_s_per_step": None}
+        if self.comm_counted:
+            comm = {
+                "comm_bytes_per_step": sent / per_step,
+                "comm_wait_s_per_step": waited / per_step,
+                "comm_wait_share": waited / elapsed if elapsed > 0 else 0.0,
+            }
+        global_batch = self.cfg.data.global_batch_size
+        record = {
+            "kind": "train",
+            "step": step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            f"{self.item_name}_per_s": rate,
+            # Every step holds the global batch's samples, whatever the items are.
+            "samples_per_s": steps * global_batch / elapsed if elapsed > 0 else 0.0,
+            "step_time_s": elapsed / per_step,
+            "epoch": epoch,
+            "items_seen": items_seen,
+            "skipped_steps": skipped_steps,
+            "param_bytes_rank0": self.param_bytes,
+            **comm,
+            "time": time.time(),
+        }
         self.metrics.write(record)  # the progress line is one of the sinks
 
     def evaluated(self, step: int, loss: float, items: int, metrics: dict[str, float]) -> None:
