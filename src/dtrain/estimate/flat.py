@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dtrain.estimate.fsdp import Moment, Unit, fsdp_moments
 from dtrain.estimate.job import Job
-from dtrain.estimate.kernels import kernel_bytes, kernel_line
 from dtrain.estimate.layout import TensorInfo, bucket_bytes, tensors_of
 from dtrain.estimate.passes import measure_both
 from dtrain.estimate.probe import example_micro_batch
@@ -24,10 +23,7 @@ def estimate_flat(job: Job, name: str) -> MemoryEstimate:
     batch = example_micro_batch(job.task, rows)
     passes = measure_both(job.every, lambda every: job.prober.whole(batch, every))
     params, buffers, grads, optim = job.state(tp, shards)
-    lines = [Line("parameters", params)]
-    if buffers:
-        lines.append(Line("buffers", buffers))
-    lines += [Line("gradients", grads), Line(f"optimizer state ({cfg.optim.name})", optim.state)]
+    lines = job.state_lines(params, buffers, grads, optim)
     notes = []
     persistent = 0  # besides the parameters, gradients and optimizer state, for the whole run
     data_parallel = job.world_size > 1
@@ -44,11 +40,7 @@ def estimate_flat(job: Job, name: str) -> MemoryEstimate:
         anchor = grads * (2 if cfg.comm.outer_momentum > 0 else 1)
         persistent += anchor
         lines.append(Line("diloco: the global model and its outer momentum", anchor))
-    products = len(passes.runs[job.every].products)
-    kernels = kernel_bytes(products, job.prober.precision)
-    if kernels:
-        persistent += kernels
-        lines.append(Line(kernel_line(products), kernels))
+    persistent += job.kernels(len(passes.runs[job.every].products), lines)
     # Gradients that exist before a micro-batch's backward: ddp's buckets, or the sum of the
     # step's earlier micro-batches. Otherwise they are made while its activations are freed.
     held = (name == "ddp" and data_parallel) or cfg.data.micro_batches > 1
