@@ -57,15 +57,13 @@ def estimate_pipeline(job: Job) -> MemoryEstimate:
             )
     spans = [range(a, b) for a, b in pairwise(bounds)]
     batch = example_micro_batch(task, rows)
-    outputs = job.prober.layer_outputs(batch)
 
     def measure(every: int) -> list[StagePass]:
-        return [
-            job.prober.stage(
-                batch, span, None if s == 0 else outputs[span.start - 1], s == stages - 1, every
-            )
-            for s, span in enumerate(spans)
-        ]
+        done: list[StagePass] = []
+        for s, span in enumerate(spans):  # each stage receives what the one before sends
+            received = done[-1].output if done else None
+            done.append(job.prober.stage(batch, span, received, s == stages - 1, every))
+        return done
 
     passes = {choice: measure(choice) for choice in {0, job.every or 1}}
     for stage_passes in passes.values():  # what a stage saves: read without checkpointing
