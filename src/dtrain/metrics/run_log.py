@@ -16,10 +16,15 @@ from dtrain.config import Config
 from dtrain.dist.runtime import Runtime
 from dtrain.fault.status import RunStatus, write_status
 from dtrain.metrics import records
+from dtrain.metrics.hardware import describe, memory_kind
 from dtrain.metrics.records import Record
 from dtrain.metrics.sinks import Progress, Sinks, open_sinks
 from dtrain.metrics.summary import Summary
 from dtrain.parallel.base import Strategy
+
+# The summary record's numbers, each the Summary's field of that name (docs/metrics.md).
+SUMMARY_FIELDS = ("wall_s", "train_loss", "val_loss", "skipped_steps", "rollbacks", "comm_bytes",
+                  "comm_wait_s")  # fmt: skip
 
 
 class RunLog:
@@ -78,18 +83,24 @@ class RunLog:
         write_status(self.run_dir, RunStatus("running", step))
         self.progress = Progress(cfg.train.steps, step, self.item_name)
         self.metrics = open_sinks(self.run_dir, self.progress, tensorboard=cfg.metrics.tensorboard)
-        self.metrics.write(
-            records.start_record(
-                cfg,
-                self.runtime,
-                self.strategy,
-                self.item_name,
-                hosts,
-                step,
-                self.param_bytes,
-                attempt,
-            )
-        )
+        device = self.runtime.device
+        start = {  # what this attempt runs, and on what (rank 0's machine)
+            "kind": "start",
+            "step": step,
+            "steps": cfg.train.steps,
+            "attempt": attempt,
+            "world_size": self.runtime.world_size,
+            "data_parallel_size": self.strategy.data_parallel_size,
+            "strategy": self.strategy.name,
+            "item_name": self.item_name,
+            "global_batch_size": cfg.data.global_batch_size,
+            "hosts": hosts,
+            "param_bytes_rank0": self.param_bytes,
+            "memory_kind": memory_kind(device),
+            "hardware": describe(device),
+            "time": time.time(),
+        }
+        self.metrics.write(start)
         if attempt and not in_place:  # in place: a membership event instead
             self.event("restart", step, attempt=attempt)
         if resumed_from is not None:
@@ -172,7 +183,9 @@ class RunLog:
         if not self.is_main:
             return
         assert self.metrics is not None
-        self.metrics.write(records.eval_record(step, loss, items, metrics))
+        named = {f"val_{name}": value for name, value in metrics.items()}  # Task.metrics
+        record = {"kind": "eval", "step": step, "val_loss": loss, "val_items": items, **named}
+        self.metrics.write({**record, "time": time.time()})
         extra = "".join(f", {name} {value:.4f}" for name, value in metrics.items())
         self.log(f"step {step}: val_loss {loss:.4f} over {items} {self.item_name}{extra}")
 
@@ -187,5 +200,6 @@ class RunLog:
         state = "preempted" if summary.preempted else "completed"
         write_status(self.run_dir, RunStatus(state, step, summary.preempted))
         if self.metrics is not None:
-            self.metrics.write(records.summary_record(summary, state, step))
+            totals = {key: getattr(summary, key) for key in SUMMARY_FIELDS}
+            self.metrics.write({"kind": "summary", "state": state, "step": step, **totals})
             self.metrics.close()
