@@ -22,8 +22,7 @@ def estimate_flat(job: Job, name: str) -> MemoryEstimate:
     rows = -(-cfg.data.global_batch_size // (dims.dp * cfg.data.micro_batches))
     batch = example_micro_batch(job.task, rows)
     passes = measure_both(job.every, lambda every: job.prober.whole(batch, every))
-    params, buffers, grads, optim = job.state(tp, shards)
-    lines = job.state_lines(params, buffers, grads, optim)
+    params, buffers, grads, optim, lines = job.state(tp, shards)
     notes = []
     persistent = 0  # besides the parameters, gradients and optimizer state, for the whole run
     data_parallel = job.world_size > 1
@@ -149,7 +148,7 @@ def fsdp_units(job: Job, tp: int, shards: int) -> tuple[list[Unit], Unit]:
     return [unit(b) for b in blocks], unit(root)
 
 
-def unsynced_gradients(job: Job, name: str, infos: list[TensorInfo] | None = None) -> int:
+def unsynced_gradients(job: Job, name: str) -> int:
     """Gradients a rank holds besides its synchronized ones while a step accumulates over
     several micro-batches: ddp's micro-steps without sync make plain gradient tensors beside
     its buckets; FSDP's keep each unit's gradients unsharded (whole) until the last one
@@ -157,8 +156,7 @@ def unsynced_gradients(job: Job, name: str, infos: list[TensorInfo] | None = Non
     dims, micro = job.dims, job.cfg.data.micro_batches
     if micro == 1:
         return 0
-    infos = job.infos if infos is None else infos
-    trainable = [t for t in infos if t.is_parameter and t.trainable]
+    trainable = [t for t in job.infos if t.is_parameter and t.trainable]
     if dims.dp_shard > 1:
         return sum(t.gathered_bytes(dims.tp, dims.dp_shard) for t in trainable)
     if name == "ddp" and job.world_size > 1:

@@ -55,23 +55,21 @@ class Job:
 
     def state(
         self, tp: int, shards: int, infos: Sequence[TensorInfo] | None = None
-    ) -> tuple[int, int, int, OptimizerBytes]:
+    ) -> tuple[int, int, int, OptimizerBytes, list[Line]]:
         """(parameters, buffers, gradients, optimizer) of one rank holding ``infos`` (all:
-        None), cut ``tp`` ways and sharded over ``shards`` ranks; buffers stay whole."""
+        None), cut ``tp`` ways and sharded over ``shards`` ranks (buffers stay whole), and the
+        estimate's lines of them (buffers where there are any)."""
         infos = self.infos if infos is None else infos
         params = sum(t.local_bytes(tp, shards) for t in infos if t.is_parameter)
         buffers = sum(t.bytes for t in infos if not t.is_parameter)
         grads = sum(t.local_bytes(tp, shards) for t in infos if t.is_parameter and t.trainable)
-        return params, buffers, grads, optimizer_bytes(infos, self.cfg.optim, tp, shards, CPU)
-
-    def state_lines(
-        self, params: int, buffers: int, grads: int, optim: OptimizerBytes
-    ) -> list[Line]:
-        """The estimate's first lines: the rank's state (buffers where there are any)."""
-        optimizer = f"optimizer state ({self.cfg.optim.name})"
+        optim = optimizer_bytes(infos, self.cfg.optim, tp, shards, CPU)
         state = [("parameters", params), ("buffers", buffers), ("gradients", grads)]
-        return [Line(what, size) for what, size in [*state, (optimizer, optim.state)]
-                if size or what != "buffers"]  # fmt: skip
+        optimizer = (f"optimizer state ({self.cfg.optim.name})", optim.state)
+        lines = [
+            Line(what, size) for what, size in [*state, optimizer] if size or what != "buffers"
+        ]
+        return params, buffers, grads, optim, lines
 
     def kernels(self, products: int, lines: list[Line]) -> int:
         """oneDNN's kernels for ``products`` distinct bfloat16 matrix products (:mod:`.kernels`),

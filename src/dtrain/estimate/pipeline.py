@@ -132,8 +132,7 @@ def _rank_estimate(
 ) -> MemoryEstimate:
     cfg, dims = job.cfg, job.dims
     tp, shards, micro = dims.tp, dims.dp_shard, cfg.data.micro_batches
-    params, buffers, grads, optim = job.state(tp, shards, infos)
-    lines = job.state_lines(params, buffers, grads, optim)
+    params, buffers, grads, optim, lines = job.state(tp, shards, infos)
     received = 0
     for s in mine:
         if s > 0:
