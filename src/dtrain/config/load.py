@@ -17,8 +17,9 @@ from typing import Any, Literal
 from dtrain.config import Config, validate_cross_fields
 from dtrain.errors import ConfigError
 
+# The one place that picks the TOML reader (dtrain.config.resume reads through it too).
 if sys.version_info >= (3, 11):
-    import tomllib
+    import tomllib as tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 

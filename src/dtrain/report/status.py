@@ -15,12 +15,12 @@ The total number of steps comes from the run's ``config.toml``.
 from __future__ import annotations
 
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from dtrain.errors import UserError
+from dtrain.config.load import read_toml
+from dtrain.errors import ConfigError, UserError
 from dtrain.fault.liveness import LIVENESS_DIR, Liveness, read_run_liveness
 from dtrain.fault.status import read_status
 from dtrain.metrics.sinks import format_bytes, format_duration, format_rate
@@ -33,11 +33,6 @@ from dtrain.report.read import (
     val_metrics,
 )
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
-
 # A beat older than this is called stale: the watchdog's thread stamps one several times a
 # second (on shared storage, other machines see it every second or so).
 STALE_S = 10.0
@@ -45,9 +40,8 @@ STALE_S = 10.0
 
 def _total_steps(run: Run) -> int | None:
     try:
-        with (run.path / CONFIG_FILE).open("rb") as fh:
-            return int(tomllib.load(fh)["train"]["steps"])
-    except (OSError, ValueError, KeyError, TypeError, tomllib.TOMLDecodeError):
+        return int(read_toml(run.path / CONFIG_FILE)["train"]["steps"])
+    except (ConfigError, OSError, ValueError, KeyError, TypeError):
         pass
     start = run.last("start")
     return int(start["steps"]) if start else None
