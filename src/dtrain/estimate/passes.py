@@ -168,8 +168,7 @@ class Prober:
             with mode:
                 inputs = torch.empty_strided(received.shape, received.stride, dtype=received.dtype)
                 inputs.requires_grad_(received.dtype.is_floating_point)
-        sent: dict[str, int] = {}
-        shape: list[Shape] = []
+        sent: dict[str, Any] = {}  # of the output: storage key, bytes, shape
         loss_fn = self.task.loss_fn
 
         def run() -> torch.Tensor:
@@ -177,7 +176,7 @@ class Prober:
             for layer in layers:
                 x = layer(x)
             sent["key"], sent["bytes"] = storage_key(x)
-            shape.append(Shape(tuple(x.shape), tuple(x.stride()), x.dtype))
+            sent["shape"] = Shape(tuple(x.shape), tuple(x.stride()), x.dtype)
             return loss_fn(x, targets).sum() if last else x
 
         profile = profile_pass(model, (inputs, targets), run, blocks, self.precision.autocast, mode)
@@ -186,7 +185,7 @@ class Prober:
             saved=profile.saved,
             every=every,
             input_bytes=0 if received is None else received.bytes,
-            output=shape[0],
+            output=sent["shape"],
             output_bytes=sent["bytes"],
             output_saved=sent["key"] in profile.saved.saved,
         )
