@@ -201,16 +201,16 @@ def pipeline_layers(model: nn.Module) -> list[nn.Module]:
         return [
             _GPT2Embeddings(gpt2),
             *(_GPT2Block(block, gpt2.config) for block in gpt2.h),
-            _GPT2Head(gpt2.ln_f, hf.lm_head),
+            nn.Sequential(gpt2.ln_f, hf.lm_head),  # the final norm and the head
         ]
     if name == "BertForSequenceClassification":
         bert: Any = hf.bert
         if bert.pooler is None:
             raise ConfigError("strategy 'pipeline': this BERT has no pooler to classify from")
         return [
-            _BertEmbeddings(bert.embeddings),
+            bert.embeddings,  # takes the input ids as its first argument
             *(_BertLayer(layer, bert.config) for layer in bert.encoder.layer),
-            _BertHead(bert.pooler, hf.dropout, hf.classifier),
+            nn.Sequential(bert.pooler, hf.dropout, hf.classifier),
         ]
     raise ConfigError(
         f"strategy.name = 'pipeline': dtrain.hf cuts GPT2LMHeadModel and "
@@ -259,24 +259,6 @@ class _GPT2Block(nn.Module):
         return self.block(hidden, None, mask, position_ids=positions)
 
 
-class _GPT2Head(nn.Module):
-    def __init__(self, ln_f: nn.Module, lm_head: nn.Module) -> None:
-        super().__init__()
-        self.ln_f, self.lm_head = ln_f, lm_head
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(hidden))
-
-
-class _BertEmbeddings(nn.Module):
-    def __init__(self, embeddings: nn.Module) -> None:
-        super().__init__()
-        self.embeddings = embeddings
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embeddings(input_ids=input_ids)
-
-
 class _BertLayer(nn.Module):
     """One encoder layer, with the (absent: no padding) mask its model would build."""
 
@@ -291,12 +273,3 @@ class _BertLayer(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         mask = self.make_mask(config=self.model_config, inputs_embeds=hidden, attention_mask=None)
         return self.layer(hidden, mask)
-
-
-class _BertHead(nn.Module):
-    def __init__(self, pooler: nn.Module, dropout: nn.Module, classifier: nn.Module) -> None:
-        super().__init__()
-        self.pooler, self.dropout, self.classifier = pooler, dropout, classifier
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.dropout(self.pooler(hidden)))
