@@ -422,26 +422,18 @@ class Config:
     task: Any = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        out = {f.name: _section_to_dict(getattr(self, f.name)) for f in dataclasses.fields(self)}
-        return out
+        return dataclasses.asdict(self)  # the [task] section too, a dict or its dataclass
 
     def to_toml(self) -> str:
         return tomli_w.dumps(self.to_dict())
 
 
-def _section_to_dict(section: Any) -> Any:
-    if dataclasses.is_dataclass(section) and not isinstance(section, type):
-        return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
-    return dict(section)
-
-
 def describe_options() -> list[tuple[str, Any, str]]:
     """(key, default, help) for every documented option, in declaration order."""
-    rows: list[tuple[str, Any, str]] = []
-    for section in dataclasses.fields(Config):
-        if section.name == "task":
-            continue
-        for f in dataclasses.fields(getattr(Config(), section.name)):
-            default = getattr(getattr(Config(), section.name), f.name)
-            rows.append((f"{section.name}.{f.name}", default, f.metadata.get("help", "")))
-    return rows
+    cfg = Config()
+    return [
+        (f"{s.name}.{f.name}", getattr(getattr(cfg, s.name), f.name), f.metadata.get("help", ""))
+        for s in dataclasses.fields(cfg)
+        if s.name != "task"
+        for f in dataclasses.fields(getattr(cfg, s.name))
+    ]
