@@ -78,15 +78,12 @@ def check_run_folder(run_dir: Path) -> None:
         raise UserError(f"{run_dir} is not a folder; give a run folder (run.dir)")
 
 
-def parse_lines(
-    lines: list[bytes], where: str, first_line: int = 1
-) -> tuple[list[Record], list[str]]:
+def parse_lines(lines: list[bytes], where: str) -> tuple[list[Record], list[str]]:
     """Records of JSON lines, and what was skipped: a cut-off last line (the run stopped while
     writing it) or a line that is not a JSON object."""
     records: list[Record] = []
     skipped: list[str] = []
-    last = len(lines) - 1
-    for i, raw in enumerate(lines):
+    for number, raw in enumerate(lines, 1):
         text = raw.strip()
         if not text:
             continue
@@ -94,7 +91,6 @@ def parse_lines(
             record = json.loads(text)
         except ValueError:
             record = None
-        number = first_line + i
         if isinstance(record, dict):
             wrong = malformed_field(record)
             if wrong is None:
@@ -102,7 +98,7 @@ def parse_lines(
             else:
                 skipped.append(f"{where}: line {number} has {wrong}; skipped it")
             continue
-        if i == last and not raw.endswith(b"\n"):
+        if number == len(lines) and not raw.endswith(b"\n"):
             skipped.append(
                 f"{where}: the last line ({number}) is cut off after {len(raw)} bytes (the run "
                 "stopped while writing it); skipped it"
