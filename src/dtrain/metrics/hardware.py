@@ -37,16 +37,13 @@ def describe(device: torch.device) -> dict[str, Any]:
     cpu = proc_field("/proc/cpuinfo", "model name") or platform.processor() or platform.machine()
     total = proc_field("/proc/meminfo", "MemTotal")  # "123 kB"
     memory_gb = round(int(total.split()[0]) * 1024 / 1e9, 1) if total else None
-    out: dict[str, Any] = {
+    return {
         "device": device.type,
         "cpu": cpu,
         "cpu_cores": os.cpu_count(),
         "memory_gb": memory_gb,
-        "gpu": None,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(terse=True),
     }
-    if device.type == "cuda":
-        out["gpu"] = torch.cuda.get_device_name(device)
-    return out
