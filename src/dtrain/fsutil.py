@@ -49,16 +49,26 @@ def sha256_file(path: Path | str) -> str:
     return h.hexdigest()
 
 
+def proc_field(path: str, key: str) -> str | None:
+    """The value of the first ``key:`` line of a ``/proc`` file (None: no such line, or no
+    such file: not Linux)."""
+    try:
+        with open(path) as fh:
+            for line in fh:
+                name, colon, value = line.partition(":")
+                if colon and name.strip() == key:
+                    return value.strip()
+    except OSError:
+        pass
+    return None
+
+
 def current_umask() -> int:
     """This process's umask, read without changing it: ``os.umask`` only sets it, and setting
     it even for an instant changes the mode of a file another thread creates meanwhile."""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
+    umask = proc_field("/proc/self/status", "Umask")
+    if umask is not None:
+        return int(umask, 8)
     old = os.umask(0o077)  # no /proc (not Linux): the strictest mask for that instant
     os.umask(old)
     return old

@@ -124,16 +124,7 @@ def causal_lm_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
     (Hugging Face's convention: the logits at position t predict label t + 1), one value per
     position of ``labels[:, 1:]``; ignored labels (-100) give 0."""
     own = own_loss(output)
-    if own is not None:
-        return own
-    logits = logits_of(output)
-    shifted = logits[..., :-1, :]
-    return F.cross_entropy(
-        shifted.reshape(-1, shifted.size(-1)).float(),
-        labels[..., 1:].reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="none",
-    )
+    return own if own is not None else _per_item(logits_of(output)[..., :-1, :], labels[..., 1:])
 
 
 def count_causal_lm_items(labels: Any) -> int:
@@ -144,9 +135,11 @@ def count_causal_lm_items(labels: Any) -> int:
 def classification_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
     """Per-sample cross-entropy of a classifier's logits (labels of -100 give 0)."""
     own = own_loss(output)
-    if own is not None:
-        return own
-    logits = logits_of(output)
+    return own if own is not None else _per_item(logits_of(output), labels)
+
+
+def _per_item(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy in float32 per label, unreduced; ignored labels give 0."""
     return F.cross_entropy(
         logits.reshape(-1, logits.size(-1)).float(),
         labels.reshape(-1),
@@ -161,15 +154,13 @@ def classification_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
 def causal_lm_task(model: nn.Module, train_data: Any, val_data: Any = None, **fields: Any) -> Task:
     """A :class:`~dtrain.Task` training ``model`` (e.g. ``GPT2LMHeadModel``) as a causal LM
     on dict samples (see the module's docstring); ``fields`` set any other Task field."""
-    _no_cache(model)
-    defaults: dict[str, Any] = {
-        "split_batch": split_causal_lm_batch,
-        "loss_fn": causal_lm_loss,
-        "count_items": count_causal_lm_items,
-        "item_name": "tokens",
-        "pipeline_layers": pipeline_layers,
-    }
-    return Task(model=model, train_data=train_data, val_data=val_data, **{**defaults, **fields})
+    defaults = dict(
+        split_batch=split_causal_lm_batch,
+        loss_fn=causal_lm_loss,
+        count_items=count_causal_lm_items,
+        item_name="tokens",
+    )
+    return _task(model, train_data, val_data, {**defaults, **fields})
 
 
 def sequence_classification_task(
@@ -178,22 +169,22 @@ def sequence_classification_task(
     """A :class:`~dtrain.Task` training ``model`` (e.g. ``BertForSequenceClassification``)
     on dict samples with one class label each (``labels``); ``fields`` set any other Task
     field."""
-    _no_cache(model)
-    defaults: dict[str, Any] = {
-        "split_batch": split_classification_batch,
-        "loss_fn": classification_loss,
-        "item_name": "samples",
-        "items_per_sample": 1,
-        "pipeline_layers": pipeline_layers,
-    }
-    return Task(model=model, train_data=train_data, val_data=val_data, **{**defaults, **fields})
+    defaults = dict(
+        split_batch=split_classification_batch,
+        loss_fn=classification_loss,
+        item_name="samples",
+        items_per_sample=1,
+    )
+    return _task(model, train_data, val_data, {**defaults, **fields})
 
 
-def _no_cache(model: nn.Module) -> None:
-    """Training needs no key/value cache: a forward that keeps one only holds memory."""
+def _task(model: nn.Module, train_data: Any, val_data: Any, fields: dict[str, Any]) -> Task:
+    # Training needs no key/value cache: a forward that keeps one only holds memory.
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "use_cache"):
         config.use_cache = False
+    fields = {"pipeline_layers": pipeline_layers, **fields}
+    return Task(model=model, train_data=train_data, val_data=val_data, **fields)
 
 
 # -- pipeline layers ---------------------------------------------------------------------------
@@ -210,16 +201,16 @@ def pipeline_layers(model: nn.Module) -> list[nn.Module]:
         return [
             _GPT2Embeddings(gpt2),
             *(_GPT2Block(block, gpt2.config) for block in gpt2.h),
-            _GPT2Head(gpt2.ln_f, hf.lm_head),
+            nn.Sequential(gpt2.ln_f, hf.lm_head),  # the final norm and the head
         ]
     if name == "BertForSequenceClassification":
         bert: Any = hf.bert
         if bert.pooler is None:
             raise ConfigError("strategy 'pipeline': this BERT has no pooler to classify from")
         return [
-            _BertEmbeddings(bert.embeddings),
+            bert.embeddings,  # takes the input ids as its first argument
             *(_BertLayer(layer, bert.config) for layer in bert.encoder.layer),
-            _BertHead(bert.pooler, hf.dropout, hf.classifier),
+            nn.Sequential(bert.pooler, hf.dropout, hf.classifier),
         ]
     raise ConfigError(
         f"strategy.name = 'pipeline': dtrain.hf cuts GPT2LMHeadModel and "
@@ -268,24 +259,6 @@ class _GPT2Block(nn.Module):
         return self.block(hidden, None, mask, position_ids=positions)
 
 
-class _GPT2Head(nn.Module):
-    def __init__(self, ln_f: nn.Module, lm_head: nn.Module) -> None:
-        super().__init__()
-        self.ln_f, self.lm_head = ln_f, lm_head
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(hidden))
-
-
-class _BertEmbeddings(nn.Module):
-    def __init__(self, embeddings: nn.Module) -> None:
-        super().__init__()
-        self.embeddings = embeddings
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embeddings(input_ids=input_ids)
-
-
 class _BertLayer(nn.Module):
     """One encoder layer, with the (absent: no padding) mask its model would build."""
 
@@ -300,12 +273,3 @@ class _BertLayer(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         mask = self.make_mask(config=self.model_config, inputs_embeds=hidden, attention_mask=None)
         return self.layer(hidden, mask)
-
-
-class _BertHead(nn.Module):
-    def __init__(self, pooler: nn.Module, dropout: nn.Module, classifier: nn.Module) -> None:
-        super().__init__()
-        self.pooler, self.dropout, self.classifier = pooler, dropout, classifier
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.dropout(self.pooler(hidden)))

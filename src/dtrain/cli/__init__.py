@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from dtrain.cli.commands import (
     cmd_config,
     cmd_estimate,
     cmd_export,
     cmd_prepare,
+    cmd_rendezvous,
     cmd_report,
     cmd_status,
     cmd_strategies,
@@ -21,6 +23,20 @@ from dtrain.cli.parser import build_parser
 from dtrain.cli.train import cmd_train
 from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
 from dtrain.process_exit import freeze_heap_at_exit
+
+# Each command takes the parsed arguments, its config overrides as ``args.overrides``.
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "train": cmd_train,
+    "prepare": cmd_prepare,
+    "verify": cmd_verify,
+    "config": cmd_config,
+    "report": cmd_report,
+    "status": cmd_status,
+    "export": cmd_export,
+    "rendezvous": cmd_rendezvous,
+    "estimate": cmd_estimate,
+    "strategies": cmd_strategies,
+}
 
 
 def split_overrides(extra: Sequence[str]) -> list[str]:
@@ -66,28 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UserError(
                 f"unrecognized arguments: {' '.join(extra)} (see dtrain {args.command} --help)"
             )
-        overrides = split_overrides(extra)
-        if args.command == "train":
-            return cmd_train(args, overrides)
-        if args.command == "prepare":
-            return cmd_prepare(args)
-        if args.command == "verify":
-            return cmd_verify(args)
-        if args.command == "config":
-            return cmd_config(args, overrides)
-        if args.command == "report":
-            return cmd_report(args)
-        if args.command == "status":
-            return cmd_status(args)
-        if args.command == "export":
-            return cmd_export(args)
-        if args.command == "rendezvous":
-            from dtrain.launch.rendezvous_host import serve
-
-            return serve(args.port, args.bind)
-        if args.command == "estimate":
-            return cmd_estimate(args, overrides)
-        return cmd_strategies()
+        args.overrides = split_overrides(extra)
+        return COMMANDS[args.command](args)
     except UserError as exc:
         print(f"dtrain: error: {exc}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE

@@ -6,12 +6,8 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from dtrain.errors import UserError
-
-if TYPE_CHECKING:
-    pass
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -72,7 +68,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
+def cmd_config(args: argparse.Namespace) -> int:
     from dtrain.config import describe_options
     from dtrain.train.job import load_job_config
 
@@ -83,7 +79,7 @@ def cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.markdown:
         print(options_markdown(), end="")
         return 0
-    cfg = load_job_config(args.config, overrides)
+    cfg = load_job_config(args.config, args.overrides)
     from dtrain.config.capabilities import capabilities
 
     capabilities(cfg.strategy.name)  # a name `dtrain train` would refuse, refused here too
@@ -147,7 +143,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
+def cmd_estimate(args: argparse.Namespace) -> int:
     from dtrain.estimate.memory import estimate_memory
     from dtrain.estimate.report import format_json, format_table, parse_bytes
     from dtrain.train.job import load_job_config
@@ -155,13 +151,19 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.nproc < 1 or args.nnodes < 1:
         raise UserError(f"--nproc {args.nproc} --nnodes {args.nnodes}: both must be at least 1")
     budget = parse_bytes(args.memory) if args.memory is not None else None
-    cfg = load_job_config(args.config, overrides)
+    cfg = load_job_config(args.config, args.overrides)
     estimate = estimate_memory(cfg, args.nproc * args.nnodes, budget)
     print(format_json(estimate) if args.json else format_table(estimate))
     return 0
 
 
-def cmd_strategies() -> int:
+def cmd_rendezvous(args: argparse.Namespace) -> int:
+    from dtrain.launch.rendezvous_host import serve
+
+    return serve(args.port, args.bind)
+
+
+def cmd_strategies(args: argparse.Namespace) -> int:
     from dtrain.parallel import strategy_class, strategy_names
 
     for name in strategy_names():

@@ -14,12 +14,13 @@ if TYPE_CHECKING:
     from dtrain.launch.options import LaunchOptions
 
 
-def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
+def cmd_train(args: argparse.Namespace) -> int:
     from dtrain.console import guard_console
     from dtrain.dist.job_env import job_environment
     from dtrain.launch.options import make_options
 
     guard_console("the launcher")  # a closed output pipe costs the output, never the run
+    overrides = args.overrides
     if args.resume is not None:
         overrides = [*overrides, f"--run.resume={args.resume}"]
     opts = make_options(

@@ -17,8 +17,9 @@ from typing import Any, Literal
 from dtrain.config import Config, validate_cross_fields
 from dtrain.errors import ConfigError
 
+# The one place that picks the TOML reader (dtrain.config.resume reads through it too).
 if sys.version_info >= (3, 11):
-    import tomllib
+    import tomllib as tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
@@ -179,24 +180,20 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
         if not isinstance(value, list):
             raise wrong
         return [_coerce(f"{key}[{i}]", item, v) for i, v in enumerate(value)]
-    if tp is bool:
-        if not isinstance(value, bool):
+    if tp in _PLAIN:
+        # bool is an int to Python, never to a config: true is not 1.
+        plain = isinstance(value, _PLAIN[tp]) and (tp is bool or not isinstance(value, bool))
+        if not plain:
             raise wrong
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise wrong
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise wrong
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise wrong
-        return value
-    if tp is type(None):
-        if value is not None:
-            raise wrong
-        return None
+        return float(value) if tp is float else value
     return value
+
+
+# What each plain type of a key takes from TOML (a float key takes an integer too).
+_PLAIN: dict[Any, type | tuple[type, ...]] = {
+    bool: bool,
+    int: int,
+    float: (int, float),
+    str: str,
+    type(None): type(None),
+}

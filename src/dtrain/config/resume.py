@@ -4,17 +4,12 @@ checks before any worker starts (:mod:`dtrain.checkpoint.rundir` reads the check
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
+from dtrain.config.load import tomllib
 from dtrain.config.sections import Config
 from dtrain.errors import ConfigError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 # Keys a resumed run may change without changing what is being trained.
 SAFE_TO_CHANGE = (

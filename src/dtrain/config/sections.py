@@ -12,7 +12,7 @@ from typing import Any, Literal
 import tomli_w
 
 
-def _opt(
+def option(
     default: Any,
     help: str,
     *,
@@ -30,22 +30,22 @@ def _opt(
 
 @dataclass
 class RunConfig:
-    dir: str = _opt(
+    dir: str = option(
         "",
         "run folder; empty = runs/<run id>, or runs/<date-time> without one. Resumed if it exists",
     )
-    task: str = _opt("dtrain.tasks.gpt:build", "task factory 'package.module:function'")
-    script: str = _opt(
+    task: str = option("dtrain.tasks.gpt:build", "task factory 'package.module:function'")
+    script: str = option(
         "",
         "a training loop of your own: a Python file whose main(run) trains with dtrain.Run "
         "(docs/own-loop.md); empty = dtrain's loop over run.task",
     )
-    seed: int = _opt(0, "seed of the model init, the data order and every rank's RNG", min=0)
-    resume: str = _opt(
+    seed: int = option(0, "seed of the model init, the data order and every rank's RNG", min=0)
+    resume: str = option(
         "auto",
         "'auto' (newest valid checkpoint in run.dir), 'never', or a step folder to start from",
     )
-    init_from: str = _opt(
+    init_from: str = option(
         "",
         "start from these weights, with a fresh optimizer: a .safetensors or torch file, a "
         "Hugging Face folder, a dtrain run folder or step-N checkpoint (a resumed run loads "
@@ -55,26 +55,26 @@ class RunConfig:
 
 @dataclass
 class DataConfig:
-    global_batch_size: int = _opt(
+    global_batch_size: int = option(
         16,
         "samples per optimizer step, all ranks and micro-steps "
         "together; kept when the world size changes",
         min=1,
     )
-    micro_batches: int = _opt(1, "gradient-accumulation micro-steps per optimizer step", min=1)
-    shuffle: Literal["full", "locality", "none"] = _opt(
+    micro_batches: int = option(1, "gradient-accumulation micro-steps per optimizer step", min=1)
+    shuffle: Literal["full", "locality", "none"] = option(
         "full", "order of each epoch: full shuffle, shard-local shuffle, or the stored order"
     )
-    shuffle_window: int = _opt(
+    shuffle_window: int = option(
         0, "locality shuffle: samples per shuffle window (0 = 4 shards)", min=0
     )
-    split: Literal["auto", "samples", "tokens"] = _opt(
+    split: Literal["auto", "samples", "tokens"] = option(
         "auto",
         "split of a global batch across ranks: equal samples, or equal tokens for "
         "variable-length data ('auto' picks by the data)",
     )
-    num_workers: int = _opt(0, "DataLoader worker processes per rank", min=0)
-    prefetch: int = _opt(
+    num_workers: int = option(0, "DataLoader worker processes per rank", min=0)
+    prefetch: int = option(
         -1,
         "steps fetched ahead on a background thread (-1 = 2 on GPU, 0 on CPU, where the thread "
         "would compete with the step for the same cores)",
@@ -84,38 +84,38 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = _opt(700, "optimizer steps", min=1)
-    grad_clip: float = _opt(1.0, "max global gradient norm (0 = no clipping)", min=0)
-    log_every: int = _opt(10, "steps between metrics lines", min=1)
-    precision: Literal["fp32", "bf16-mixed", "fp16-mixed"] = _opt(
+    steps: int = option(700, "optimizer steps", min=1)
+    grad_clip: float = option(1.0, "max global gradient norm (0 = no clipping)", min=0)
+    log_every: int = option(10, "steps between metrics lines", min=1)
+    precision: Literal["fp32", "bf16-mixed", "fp16-mixed"] = option(
         "fp32",
         "forward and loss under autocast to bfloat16 or float16 (fp16: with dynamic loss "
         "scaling); weights, gradients and optimizer state stay float32, every strategy",
     )
-    loss_scale_init: float = _opt(
+    loss_scale_init: float = option(
         65536.0, "fp16-mixed: the loss scale to start from (a power of two)", min=1
     )
-    loss_scale_growth_interval: int = _opt(
+    loss_scale_growth_interval: int = option(
         2000, "fp16-mixed: steps in a row without an overflow before the loss scale doubles", min=1
     )
-    activation_checkpointing: str = _opt(
+    activation_checkpointing: str = option(
         "none",
         "recompute the model's blocks in backward instead of keeping their activations: "
         "'none', 'full' (every block) or 'every:K' (every K-th block)",
     )
-    compile: bool = _opt(
+    compile: bool = option(
         False, "torch.compile each of the model's blocks (regional; checkpoint keys unchanged)"
     )
 
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw", "sgd"] = _opt("adamw", "optimizer")
-    lr: float = _opt(5e-3, "peak learning rate", min=0, min_exclusive=True)
-    weight_decay: float = _opt(0.1, "decoupled weight decay (matrices only)", min=0)
-    betas: list[float] = _opt([0.9, 0.95], "AdamW betas")
-    momentum: float = _opt(0.9, "SGD momentum", min=0, max=1)
-    implementation: Literal["foreach", "fused"] = _opt(
+    name: Literal["adamw", "sgd"] = option("adamw", "optimizer")
+    lr: float = option(5e-3, "peak learning rate", min=0, min_exclusive=True)
+    weight_decay: float = option(0.1, "decoupled weight decay (matrices only)", min=0)
+    betas: list[float] = option([0.9, 0.95], "AdamW betas")
+    momentum: float = option(0.9, "SGD momentum", min=0, max=1)
+    implementation: Literal["foreach", "fused"] = option(
         "foreach",
         "the optimizer's kernels: 'foreach' (each operation once over all tensors; SGD: torch's "
         "default, foreach on CUDA) or 'fused' (the whole update of a tensor in one kernel, no "
@@ -123,30 +123,30 @@ class OptimConfig:
         "foreach's in the last bit, so a run resumes bit-identically only under the same "
         "choice). A task's own Task.build_optimizer chooses its own",
     )
-    schedule: Literal["cosine", "wsd", "constant"] = _opt(
+    schedule: Literal["cosine", "wsd", "constant"] = option(
         "cosine",
         "learning-rate schedule after the linear warm-up: 'cosine' (decay to min_lr_ratio over "
         "decay_steps), 'wsd' (warm-up, stable at lr, then a linear decay to min_lr_ratio over "
         "the last decay_steps), 'constant' (lr after the warm-up). A task's "
         "Task.build_scheduler replaces it",
     )
-    warmup_steps: int = _opt(30, "linear warm-up steps", min=0)
-    decay_steps: int = _opt(
+    warmup_steps: int = option(30, "linear warm-up steps", min=0)
+    decay_steps: int = option(
         0,
         "steps the decay lasts. cosine: from the end of the warm-up, then lr stays at the floor "
         "(0 = until train.steps); wsd: the last decay_steps of train.steps (0 = a fifth of them)",
         min=0,
     )
-    min_lr_ratio: float = _opt(
+    min_lr_ratio: float = option(
         0.1, "floor the decay reaches (cosine, wsd), as a fraction of lr", min=0, max=1
     )
 
 
 @dataclass
 class EvalConfig:
-    every: int = _opt(250, "steps between evaluations (0 = only at the end)", min=0)
-    batch_size: int = _opt(64, "samples per rank per evaluation batch", min=1)
-    max_samples: int = _opt(
+    every: int = option(250, "steps between evaluations (0 = only at the end)", min=0)
+    batch_size: int = option(64, "samples per rank per evaluation batch", min=1)
+    max_samples: int = option(
         512,
         "periodic evaluations use the first N validation samples (0 = all); the final one "
         "always uses the whole set",
@@ -156,48 +156,48 @@ class EvalConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = _opt(100, "steps between checkpoints (0 = only the final one)", min=0)
-    keep_last: int = _opt(2, "newest checkpoints kept", min=1)
-    keep_every: int = _opt(
+    every: int = option(100, "steps between checkpoints (0 = only the final one)", min=0)
+    keep_last: int = option(2, "newest checkpoints kept", min=1)
+    keep_every: int = option(
         0, "also keep every checkpoint whose step divides by this (0 = no)", min=0
     )
-    async_save: bool = _opt(
+    async_save: bool = option(
         True, "write checkpoints in the background; the loop waits only for a memory snapshot"
     )
 
 
 @dataclass
 class FaultConfig:
-    nan_rollback_after: int = _opt(
+    nan_rollback_after: int = option(
         3,
         "consecutive steps with a non-finite loss or gradient before rolling back to the last "
         "checkpoint (0 = never roll back, only skip)",
         min=0,
     )
-    preempt_signals: list[str] = _opt(
+    preempt_signals: list[str] = option(
         ["SIGTERM", "SIGUSR1"],
         "signals that make every rank save at the next step and exit 0: any of SIGTERM, "
         "SIGINT, SIGHUP, SIGUSR1, SIGUSR2, SIGQUIT, SIGXCPU (the signals that mean 'stop')",
     )
-    preempt_grace_s: float = _opt(
+    preempt_grace_s: float = option(
         120.0, "time the launcher gives workers to save after a preemption signal", min=1
     )
-    heartbeat_s: float = _opt(
+    heartbeat_s: float = option(
         1.0,
         "seconds between liveness beats (names a rank that stops responding)",
         min=0,
         min_exclusive=True,
     )
-    audit_sample_ids: bool = _opt(
+    audit_sample_ids: bool = option(
         False, "write every rank's sample ids per step to RUN_DIR/sample_ids/ (exactly-once audit)"
     )
-    recovery: Literal["restart", "inplace"] = _opt(
+    recovery: Literal["restart", "inplace"] = option(
         "restart",
         "after a worker fails: restart every worker from the newest checkpoint, or (ddp, "
         "allreduce) the survivors go on at the new world size and a restarted worker heals "
         "from a peer's memory (docs/fault-tolerance.md)",
     )
-    min_replicas: int = _opt(
+    min_replicas: int = option(
         1,
         "fault.recovery = 'inplace': the fewest workers training goes on with; a failure that "
         "leaves fewer stops the job (the survivors save a checkpoint; exit code 1)",
@@ -207,59 +207,59 @@ class FaultConfig:
 
 @dataclass
 class StrategyConfig:
-    name: str = _opt("ddp", "parallel strategy (see `dtrain strategies`)")
-    bucket_mb: float = _opt(25.0, "gradient bucket size in MB", min=0, min_exclusive=True)
-    find_unused_parameters: bool = _opt(False, "ddp: allow parameters that get no gradient")
-    sync_batchnorm: bool = _opt(
+    name: str = option("ddp", "parallel strategy (see `dtrain strategies`)")
+    bucket_mb: float = option(25.0, "gradient bucket size in MB", min=0, min_exclusive=True)
+    find_unused_parameters: bool = option(False, "ddp: allow parameters that get no gradient")
+    sync_batchnorm: bool = option(
         False,
         "ddp, allreduce, fsdp: BatchNorm layers normalize over the whole global (micro-)batch, "
         "their statistics summed exactly over the data-parallel ranks, as one process would "
         "(docs/models.md); false: each rank normalizes over its own share",
     )
-    reshard_after_forward: bool = _opt(
+    reshard_after_forward: bool = option(
         True,
         "fsdp, and pipeline with data_parallel = 'fsdp': free gathered parameters after "
         "forward (less memory, one more all-gather)",
     )
-    backward_prefetch: bool = _opt(
+    backward_prefetch: bool = option(
         True,
         "fsdp: gather the next block's parameters while a block runs backward; false: each "
         "block gathered when its own backward begins -- one block's parameters less at the "
         "peak; on a GPU the all-gather then no longer overlaps compute",
     )
-    pipeline_stages: int = _opt(
+    pipeline_stages: int = option(
         0,
         "pipeline: ranks per pipeline (0 = all); world size / pipeline_stages copies of the "
         "pipeline train data parallel",
         min=0,
     )
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = _opt(
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = option(
         "1f1b", "pipeline: micro-batch schedule (data.micro_batches micro-batches per step)"
     )
-    pipeline_virtual_stages: int = _opt(
+    pipeline_virtual_stages: int = option(
         2, "pipeline: model chunks per rank with the interleaved-1f1b schedule", min=1
     )
-    pipeline_boundaries: list[int] = _opt(
+    pipeline_boundaries: list[int] = option(
         [],
         "pipeline: first layer of every stage but the first, e.g. [3, 6] (empty = balancer)",
     )
-    pipeline_balance: Literal["profile", "uniform"] = _opt(
+    pipeline_balance: Literal["profile", "uniform"] = option(
         "profile",
         "pipeline: stage boundaries from measured layer times (exact partition), or equal "
         "layer counts",
     )
-    tensor_parallel: int = _opt(
+    tensor_parallel: int = option(
         0,
         "ranks that split each layer (tensor parallelism): tensor: 0 = all ranks, the rest "
         "train data parallel; fsdp, pipeline: 0 = none",
         min=0,
     )
-    data_parallel: Literal["replicate", "fsdp"] = _opt(
+    data_parallel: Literal["replicate", "fsdp"] = option(
         "replicate",
         "pipeline, tensor: the data-parallel ranks are replicas (gradients all-reduced) or FSDP "
         "shards",
     )
-    dp_replicate: int = _opt(
+    dp_replicate: int = option(
         1,
         "fsdp (and data_parallel = 'fsdp'): copies of the sharded model, each sharded over "
         "world / (dp_replicate x tensor_parallel x stages) ranks (hybrid sharding)",
@@ -269,47 +269,47 @@ class StrategyConfig:
 
 @dataclass
 class CommConfig:
-    compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = _opt(
+    compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = option(
         "none",
         "gradient compression of ddp and allreduce: none, fp16, bf16, powersgd (low rank, "
         "error feedback) or topk (largest entries, error feedback)",
     )
-    transport: str = _opt(
+    transport: str = option(
         "backend",
         "how ddp and allreduce sum gradients between ranks: 'backend' through dist.backend's "
         "collectives, or an opt-in transport (docs/communication.md)",
     )
-    powersgd_rank: int = _opt(4, "powersgd: rank of the low-rank approximation", min=1)
-    powersgd_start_step: int = _opt(
+    powersgd_rank: int = option(4, "powersgd: rank of the low-rank approximation", min=1)
+    powersgd_start_step: int = option(
         10,
         "powersgd: steps of plain all-reduce before compressing (at least 2, as torch's "
         "PowerSGD requires)",
         min=0,
     )
-    powersgd_factors: Literal["fp32", "fp16", "bf16"] = _opt(
+    powersgd_factors: Literal["fp32", "fp16", "bf16"] = option(
         "fp32",
         "powersgd: the format its factors (and the small tensors it sends whole) travel in; "
         "fp16 or bf16 halve the bytes (the products and the error feedback keep the gradients' "
         "precision)",
     )
-    topk_fraction: float = _opt(
+    topk_fraction: float = option(
         0.01,
         "topk: fraction of each bucket's entries sent per step",
         min=0,
         max=1,
         min_exclusive=True,
     )
-    sync_every: int = _opt(
+    sync_every: int = option(
         8, "localsgd, diloco: local optimizer steps between synchronizations (H)", min=1
     )
-    local_start_step: int = _opt(
+    local_start_step: int = option(
         0,
         "localsgd, diloco: steps of plain data parallelism first (gradients all-reduced every "
         "step, one model), then local steps (post-local SGD; DiLoCo's start from a "
         "data-parallel model)",
         min=0,
     )
-    outer_lr: float = _opt(
+    outer_lr: float = option(
         0.7,
         "diloco: learning rate of the outer Nesterov step (the DiLoCo paper's, for H in the "
         "hundreds; at small H lower it and outer_momentum, e.g. 0.5 and 0.5 at H = 8: "
@@ -317,72 +317,72 @@ class CommConfig:
         min=0,
         min_exclusive=True,
     )
-    outer_momentum: float = _opt(
+    outer_momentum: float = option(
         0.9, "diloco: momentum of the outer Nesterov step (the DiLoCo paper's)", min=0, max=1
     )
 
 
 @dataclass
 class BalanceConfig:
-    mode: Literal["off", "throughput"] = _opt(
+    mode: Literal["off", "throughput"] = option(
         "off",
         "per-rank batch shares: 'off' (equal), or 'throughput' (in proportion to each rank's "
         "measured speed; ddp and allreduce). Per-rank timing and straggler reports run either way",
     )
-    every: int = _opt(
+    every: int = option(
         10, "steps between gathers of every rank's timing (and updates of the shares)", min=1
     )
-    window_s: float = _opt(
+    window_s: float = option(
         1.0,
         "seconds a timing window lasts at least: where balance.every steps take less, the "
         "gathers are spaced by the steps that fit in this time at the ranks' mean step time "
         "(at most 1000); 0 = exactly every balance.every steps",
         min=0,
     )
-    smoothing: float = _opt(
+    smoothing: float = option(
         0.5,
         "weight of the newest timing window in the smoothed per-item times (1 = no smoothing)",
         min=0,
         max=1,
         min_exclusive=True,
     )
-    max_change: float = _opt(
+    max_change: float = option(
         0.25, "largest relative change of a rank's weight in one update", min=0, min_exclusive=True
     )
-    hysteresis: float = _opt(
+    hysteresis: float = option(
         0.05,
         "shares move only when the predicted step time would drop by more than this fraction",
         min=0,
     )
-    min_weight: float = _opt(
+    min_weight: float = option(
         0.1,
         "floor of a rank's weight, as a fraction of an equal share (no rank gets nothing)",
         min=0,
         max=1,
         min_exclusive=True,
     )
-    max_micro_batch: int = _opt(
+    max_micro_batch: int = option(
         0,
         "samples a rank holds per micro-batch at most; a larger share accumulates over more "
         "micro-steps (0 = the equal split's micro-batch, global_batch_size / (ranks x "
         "micro_batches) rounded up)",
         min=0,
     )
-    straggler_threshold: float = _opt(
+    straggler_threshold: float = option(
         1.25,
         "a rank whose time per item (data + compute) exceeds the other ranks' median by this "
         "factor is a straggler",
         min=1,
         min_exclusive=True,
     )
-    straggler_window: int = _opt(
+    straggler_window: int = option(
         50, "steps a rank must stay that slow before it is named in the log", min=1
     )
 
 
 @dataclass
 class MetricsConfig:
-    tensorboard: bool = _opt(
+    tensorboard: bool = option(
         False,
         "also write TensorBoard event files to RUN_DIR/tensorboard (needs the tensorboard "
         "extra: pip install 'dtrain[tensorboard]')",
@@ -391,16 +391,16 @@ class MetricsConfig:
 
 @dataclass
 class DistConfig:
-    backend: Literal["auto", "gloo", "nccl"] = _opt("auto", "collective backend")
-    device: Literal["auto", "cpu", "cuda"] = _opt("auto", "compute device")
-    timeout_s: float = _opt(300.0, "collective timeout in seconds", min=0, min_exclusive=True)
-    threads: int = _opt(0, "torch threads per worker (0 = cores / local workers)", min=0)
-    pin_cores: bool = _opt(
+    backend: Literal["auto", "gloo", "nccl"] = option("auto", "collective backend")
+    device: Literal["auto", "cpu", "cuda"] = option("auto", "compute device")
+    timeout_s: float = option(300.0, "collective timeout in seconds", min=0, min_exclusive=True)
+    threads: int = option(0, "torch threads per worker (0 = cores / local workers)", min=0)
+    pin_cores: bool = option(
         False,
         "CPU workers: bind each worker of a machine to its own equal share of the cores (when "
         "every worker gets at least its threads); false = the OS places them",
     )
-    connect_timeout_s: float = _opt(
+    connect_timeout_s: float = option(
         30.0,
         "at start, how long a rank tries to reach the job's store and its peers before it fails "
         "naming the address it could not reach",
@@ -427,26 +427,18 @@ class Config:
     task: Any = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        out = {f.name: _section_to_dict(getattr(self, f.name)) for f in dataclasses.fields(self)}
-        return out
+        return dataclasses.asdict(self)  # the [task] section too, a dict or its dataclass
 
     def to_toml(self) -> str:
         return tomli_w.dumps(self.to_dict())
 
 
-def _section_to_dict(section: Any) -> Any:
-    if dataclasses.is_dataclass(section) and not isinstance(section, type):
-        return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
-    return dict(section)
-
-
 def describe_options() -> list[tuple[str, Any, str]]:
     """(key, default, help) for every documented option, in declaration order."""
-    rows: list[tuple[str, Any, str]] = []
-    for section in dataclasses.fields(Config):
-        if section.name == "task":
-            continue
-        for f in dataclasses.fields(getattr(Config(), section.name)):
-            default = getattr(getattr(Config(), section.name), f.name)
-            rows.append((f"{section.name}.{f.name}", default, f.metadata.get("help", "")))
-    return rows
+    cfg = Config()
+    return [
+        (f"{s.name}.{f.name}", getattr(getattr(cfg, s.name), f.name), f.metadata.get("help", ""))
+        for s in dataclasses.fields(cfg)
+        if s.name != "task"
+        for f in dataclasses.fields(getattr(cfg, s.name))
+    ]

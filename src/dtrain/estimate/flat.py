@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dtrain.estimate.fsdp import Moment, Unit, fsdp_moments
 from dtrain.estimate.job import Job
-from dtrain.estimate.kernels import kernel_bytes, kernel_line
 from dtrain.estimate.layout import TensorInfo, bucket_bytes, tensors_of
 from dtrain.estimate.passes import measure_both
 from dtrain.estimate.probe import example_micro_batch
@@ -23,11 +22,7 @@ def estimate_flat(job: Job, name: str) -> MemoryEstimate:
     rows = -(-cfg.data.global_batch_size // (dims.dp * cfg.data.micro_batches))
     batch = example_micro_batch(job.task, rows)
     passes = measure_both(job.every, lambda every: job.prober.whole(batch, every))
-    params, buffers, grads, optim = job.state(tp, shards)
-    lines = [Line("parameters", params)]
-    if buffers:
-        lines.append(Line("buffers", buffers))
-    lines += [Line("gradients", grads), Line(f"optimizer state ({cfg.optim.name})", optim.state)]
+    params, buffers, grads, optim, lines = job.state(tp, shards)
     notes = []
     persistent = 0  # besides the parameters, gradients and optimizer state, for the whole run
     data_parallel = job.world_size > 1
@@ -44,11 +39,7 @@ def estimate_flat(job: Job, name: str) -> MemoryEstimate:
         anchor = grads * (2 if cfg.comm.outer_momentum > 0 else 1)
         persistent += anchor
         lines.append(Line("diloco: the global model and its outer momentum", anchor))
-    products = len(passes.runs[job.every].products)
-    kernels = kernel_bytes(products, job.prober.precision)
-    if kernels:
-        persistent += kernels
-        lines.append(Line(kernel_line(products), kernels))
+    persistent += job.kernels(len(passes.runs[job.every].products), lines)
     # Gradients that exist before a micro-batch's backward: ddp's buckets, or the sum of the
     # step's earlier micro-batches. Otherwise they are made while its activations are freed.
     held = (name == "ddp" and data_parallel) or cfg.data.micro_batches > 1
@@ -157,7 +148,7 @@ def fsdp_units(job: Job, tp: int, shards: int) -> tuple[list[Unit], Unit]:
     return [unit(b) for b in blocks], unit(root)
 
 
-def unsynced_gradients(job: Job, name: str, infos: list[TensorInfo] | None = None) -> int:
+def unsynced_gradients(job: Job, name: str) -> int:
     """Gradients a rank holds besides its synchronized ones while a step accumulates over
     several micro-batches: ddp's micro-steps without sync make plain gradient tensors beside
     its buckets; FSDP's keep each unit's gradients unsharded (whole) until the last one
@@ -165,8 +156,7 @@ def unsynced_gradients(job: Job, name: str, infos: list[TensorInfo] | None = Non
     dims, micro = job.dims, job.cfg.data.micro_batches
     if micro == 1:
         return 0
-    infos = job.infos if infos is None else infos
-    trainable = [t for t in infos if t.is_parameter and t.trainable]
+    trainable = [t for t in job.infos if t.is_parameter and t.trainable]
     if dims.dp_shard > 1:
         return sum(t.gathered_bytes(dims.tp, dims.dp_shard) for t in trainable)
     if name == "ddp" and job.world_size > 1:

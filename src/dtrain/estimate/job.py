@@ -13,6 +13,7 @@ import torch
 
 from dtrain.config import Config
 from dtrain.config.layout import ParallelDims
+from dtrain.estimate.kernels import kernel_bytes
 from dtrain.estimate.layout import (
     OptimizerBytes,
     TensorInfo,
@@ -20,7 +21,7 @@ from dtrain.estimate.layout import (
     optimizer_bytes,
 )
 from dtrain.estimate.passes import Prober
-from dtrain.estimate.result import MemoryEstimate
+from dtrain.estimate.result import Line, MemoryEstimate
 from dtrain.task import Task
 
 CPU = torch.device("cpu")
@@ -54,14 +55,30 @@ class Job:
 
     def state(
         self, tp: int, shards: int, infos: Sequence[TensorInfo] | None = None
-    ) -> tuple[int, int, int, OptimizerBytes]:
+    ) -> tuple[int, int, int, OptimizerBytes, list[Line]]:
         """(parameters, buffers, gradients, optimizer) of one rank holding ``infos`` (all:
-        None), cut ``tp`` ways and sharded over ``shards`` ranks; buffers stay whole."""
+        None), cut ``tp`` ways and sharded over ``shards`` ranks (buffers stay whole), and the
+        estimate's lines of them (buffers where there are any)."""
         infos = self.infos if infos is None else infos
         params = sum(t.local_bytes(tp, shards) for t in infos if t.is_parameter)
         buffers = sum(t.bytes for t in infos if not t.is_parameter)
         grads = sum(t.local_bytes(tp, shards) for t in infos if t.is_parameter and t.trainable)
-        return params, buffers, grads, optimizer_bytes(infos, self.cfg.optim, tp, shards, CPU)
+        optim = optimizer_bytes(infos, self.cfg.optim, tp, shards, CPU)
+        state = [("parameters", params), ("buffers", buffers), ("gradients", grads)]
+        optimizer = (f"optimizer state ({self.cfg.optim.name})", optim.state)
+        lines = [
+            Line(what, size) for what, size in [*state, optimizer] if size or what != "buffers"
+        ]
+        return params, buffers, grads, optim, lines
+
+    def kernels(self, products: int, lines: list[Line]) -> int:
+        """oneDNN's kernels for ``products`` distinct bfloat16 matrix products (:mod:`.kernels`),
+        their line added to ``lines`` where they take any memory."""
+        size = kernel_bytes(products, self.prober.precision)
+        if size:
+            what = f"oneDNN's kernels for {products} distinct bfloat16 matrix products (CPU)"
+            lines.append(Line(what, size))
+        return size
 
     def setup(self, mine: int, relaid: bool) -> int:
         """Set-up's peak: a model built eagerly is whole on every rank before the strategy

@@ -55,8 +55,3 @@ def kernel_bytes(products: int, precision: Precision) -> int:
     if not mixed_bf16 or not torch.backends.mkldnn.is_available():
         return 0
     return products * BYTES_PER_BF16_PRODUCT
-
-
-def kernel_line(products: int) -> str:
-    """The estimate's line for them."""
-    return f"oneDNN's kernels for {products} distinct bfloat16 matrix products (CPU)"

@@ -12,6 +12,7 @@ state follows :func:`dtrain.compute.optim.build_optimizer`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -40,7 +41,7 @@ class TensorInfo:
 
     @property
     def bytes(self) -> int:
-        return _numel(self.shape) * self.element_size
+        return math.prod(self.shape) * self.element_size
 
     def local_meta(self, tp: int = 1) -> torch.Tensor:
         """A meta tensor of the shape one rank holds (tensor parallelism only)."""
@@ -61,20 +62,13 @@ class TensorInfo:
         shape = self.local_shape(tp)
         if shards > 1 and shape:
             rows = -(-shape[0] // shards)
-            return rows * _numel(shape[1:]) * self.element_size
-        return _numel(shape) * self.element_size
+            return rows * math.prod(shape[1:]) * self.element_size
+        return math.prod(shape) * self.element_size
 
     def gathered_bytes(self, tp: int, shards: int) -> int:
         """Bytes of the whole (tensor-parallel local) tensor as FSDP gathers it: every
         rank's padded shard."""
         return self.local_bytes(tp, shards) * shards
-
-
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def model_tensors(model: nn.Module, cuts: dict[str, str] | None = None) -> list[TensorInfo]:

@@ -81,7 +81,8 @@ class StagePass:
     saved: SavedProfile  # of the stage's pass without checkpointing (see Passes)
     every: int
     input_bytes: int  # what it receives (0 on the first stage: the batch)
-    output_bytes: int  # what it sends (and keeps until the micro-batch's backward)
+    output: Shape  # what it sends, which the next stage receives
+    output_bytes: int  # its storage's bytes (kept until the micro-batch's backward)
     output_saved: bool  # whether its forward saved its output anyway
 
     @property
@@ -153,19 +154,6 @@ class Prober:
 
         return model_layers(model, self.task.pipeline_layers)
 
-    def layer_outputs(self, batch: Batch) -> list[Shape]:
-        """The shape of each pipeline layer's output on ``batch``."""
-        mode = FakeTensorMode()
-        model, _ = self.fresh(0, mode)
-        inputs, _ = fake_batch(batch, mode)
-        shapes = []
-        with mode, torch.no_grad(), self.precision.autocast():
-            x = inputs
-            for layer in self.layers(model):
-                x = layer(x)
-                shapes.append(Shape(tuple(x.shape), tuple(x.stride()), x.dtype))
-        return shapes
-
     def stage(
         self, batch: Batch, span: range, received: Shape | None, last: bool, every: int
     ) -> StagePass:
@@ -180,7 +168,7 @@ class Prober:
             with mode:
                 inputs = torch.empty_strided(received.shape, received.stride, dtype=received.dtype)
                 inputs.requires_grad_(received.dtype.is_floating_point)
-        sent: dict[str, int] = {}
+        sent: dict[str, Any] = {}  # of the output: storage key, bytes, shape
         loss_fn = self.task.loss_fn
 
         def run() -> torch.Tensor:
@@ -188,6 +176,7 @@ class Prober:
             for layer in layers:
                 x = layer(x)
             sent["key"], sent["bytes"] = storage_key(x)
+            sent["shape"] = Shape(tuple(x.shape), tuple(x.stride()), x.dtype)
             return loss_fn(x, targets).sum() if last else x
 
         profile = profile_pass(model, (inputs, targets), run, blocks, self.precision.autocast, mode)
@@ -196,6 +185,7 @@ class Prober:
             saved=profile.saved,
             every=every,
             input_bytes=0 if received is None else received.bytes,
+            output=sent["shape"],
             output_bytes=sent["bytes"],
             output_saved=sent["key"] in profile.saved.saved,
         )

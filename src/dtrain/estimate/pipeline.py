@@ -24,7 +24,6 @@ from itertools import pairwise
 from dtrain.config.layout import stages_per_rank
 from dtrain.errors import UserError
 from dtrain.estimate.job import Job
-from dtrain.estimate.kernels import kernel_bytes, kernel_line
 from dtrain.estimate.layout import TensorInfo, tensors_of
 from dtrain.estimate.passes import StagePass
 from dtrain.estimate.probe import example_micro_batch
@@ -58,15 +57,13 @@ def estimate_pipeline(job: Job) -> MemoryEstimate:
             )
     spans = [range(a, b) for a, b in pairwise(bounds)]
     batch = example_micro_batch(task, rows)
-    outputs = job.prober.layer_outputs(batch)
 
     def measure(every: int) -> list[StagePass]:
-        return [
-            job.prober.stage(
-                batch, span, None if s == 0 else outputs[span.start - 1], s == stages - 1, every
-            )
-            for s, span in enumerate(spans)
-        ]
+        done: list[StagePass] = []
+        for s, span in enumerate(spans):  # each stage receives what the one before sends
+            received = done[-1].output if done else None
+            done.append(job.prober.stage(batch, span, received, s == stages - 1, every))
+        return done
 
     passes = {choice: measure(choice) for choice in {0, job.every or 1}}
     for stage_passes in passes.values():  # what a stage saves: read without checkpointing
@@ -135,11 +132,7 @@ def _rank_estimate(
 ) -> MemoryEstimate:
     cfg, dims = job.cfg, job.dims
     tp, shards, micro = dims.tp, dims.dp_shard, cfg.data.micro_batches
-    params, buffers, grads, optim = job.state(tp, shards, infos)
-    lines = [Line("parameters", params)]
-    if buffers:
-        lines.append(Line("buffers", buffers))
-    lines += [Line("gradients", grads), Line(f"optimizer state ({cfg.optim.name})", optim.state)]
+    params, buffers, grads, optim, lines = job.state(tp, shards, infos)
     received = 0
     for s in mine:
         if s > 0:
@@ -202,10 +195,8 @@ def _rank_estimate(
         after = (flying - 1, (flying - 1) * kept, sum(fsdp_later) + later, True)
         return max(first, after, key=lambda moment: moment[2])
 
-    products = len(frozenset().union(*(passes[job.every][s].run.products for s in mine)))
-    kernels = kernel_bytes(products, job.prober.precision)
-    if kernels:
-        lines.append(Line(kernel_line(products), kernels))
+    products = frozenset().union(*(passes[job.every][s].run.products for s in mine))
+    kernels = job.kernels(len(products), lines)
     base = params + buffers + optim.state + received + kernels
     counted, activations, step, after_first = peak_of(job.every)
     if after_first:

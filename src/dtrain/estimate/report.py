@@ -8,18 +8,10 @@ import re
 from dtrain.errors import UserError
 from dtrain.estimate.result import MemoryEstimate
 
-UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
+# Bytes ("", "b"); kB to TB in powers of 10^3, KiB to TiB in powers of 2^10.
+PREFIXES = "kmgt"
+UNITS = {"": 1, "b": 1} | {f"{p}b": 1000 ** (i + 1) for i, p in enumerate(PREFIXES)}
+UNITS |= {f"{p}ib": 1024 ** (i + 1) for i, p in enumerate(PREFIXES)}
 
 
 def parse_bytes(text: str) -> int:

@@ -9,19 +9,15 @@ from typing import Any
 
 import torch
 
+from dtrain.fsutil import proc_field
+
 
 def rss_anon_bytes() -> float:
     """This process's anonymous resident memory (heap, stacks, tensors on the CPU; not the
     file-backed pages of memory-mapped shards and libraries, which the kernel can drop):
     ``RssAnon`` of ``/proc/self/status``; NaN where there is none (not Linux)."""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("RssAnon:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return float("nan")
+    rss = proc_field("/proc/self/status", "RssAnon")  # "123 kB"
+    return float(rss.split()[0]) * 1024 if rss else float("nan")
 
 
 def memory_bytes(device: torch.device) -> float:
@@ -38,31 +34,16 @@ def memory_kind(device: torch.device) -> str:
 
 def describe(device: torch.device) -> dict[str, Any]:
     """This machine: CPU model and cores, memory, accelerator, versions."""
-    cpu = platform.processor() or platform.machine()
-    memory_gb: float | None = None
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemTotal:"):
-                    memory_gb = round(int(line.split()[1]) * 1024 / 1e9, 1)
-                    break
-    except OSError:
-        pass
-    out: dict[str, Any] = {
+    cpu = proc_field("/proc/cpuinfo", "model name") or platform.processor() or platform.machine()
+    total = proc_field("/proc/meminfo", "MemTotal")  # "123 kB"
+    memory_gb = round(int(total.split()[0]) * 1024 / 1e9, 1) if total else None
+    return {
         "device": device.type,
         "cpu": cpu,
         "cpu_cores": os.cpu_count(),
         "memory_gb": memory_gb,
-        "gpu": None,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(terse=True),
     }
-    if device.type == "cuda":
-        out["gpu"] = torch.cuda.get_device_name(device)
-    return out

@@ -1,25 +1,21 @@
-"""The records of ``metrics.jsonl`` that are not measurements: the ``start`` record of each
-attempt (what ran, on what) and ``event`` records (checkpoint saved, resumed, restart, step
-skipped, rollback). Every kind and field is documented in docs/metrics.md."""
+"""``event`` records of ``metrics.jsonl`` (checkpoint saved, resumed, restart, step skipped,
+rollback, ...), the restart count of the ``start`` record, and a rank's own speed for its
+liveness record. Every kind and field is documented in docs/metrics.md."""
 
 from __future__ import annotations
 
 import math
 import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dtrain.comm.plain import all_gather_json
-from dtrain.config import Config
 from dtrain.dist.runtime import Runtime
 from dtrain.fault.liveness import Speed
-from dtrain.metrics.hardware import describe, memory_bytes, memory_kind
-from dtrain.metrics.summary import Summary
-from dtrain.parallel.base import Strategy
+from dtrain.metrics.hardware import memory_bytes
 
 Record = dict[str, Any]
 
@@ -62,122 +58,6 @@ def group_restart_attempt(runtime: Runtime) -> int:
 def event(name: str, step: int, **fields: Any) -> Record:
     assert name in EVENTS, name
     return {"kind": "event", "name": name, "step": step, **fields, "time": time.time()}
-
-
-def summary_record(summary: Summary, state: str, step: int) -> Record:
-    """The run's end: ``state`` is "completed" or "preempted"."""
-    return {
-        "kind": "summary",
-        "state": state,
-        "step": step,
-        "wall_s": summary.wall_s,
-        "train_loss": summary.train_loss,
-        "val_loss": summary.val_loss,
-        "skipped_steps": summary.skipped_steps,
-        "rollbacks": summary.rollbacks,
-        "comm_bytes": summary.comm_bytes,
-        "comm_wait_s": summary.comm_wait_s,
-    }
-
-
-@dataclass
-class TrainWindow:
-    """What the trainer measured over the steps since the last train record."""
-
-    loss: float  # mean per item, all ranks
-    grad_norm: float  # of the last step
-    items_per_s: float
-    steps: int
-    elapsed_s: float
-    sent: float  # bytes this rank sent over the window
-    waited_s: float  # seconds it waited on communication
-
-
-def train_record(
-    step: int,
-    window: TrainWindow,
-    *,
-    lr: float,
-    item_name: str,
-    global_batch_size: int,
-    epoch: float,
-    items_seen: int,
-    skipped_steps: int,
-    param_bytes: int,
-    counted: bool,
-) -> Record:
-    """A train record (docs/metrics.md); communication is None where the strategy cannot
-    count all of it (``counted`` false)."""
-    steps, elapsed = max(1, window.steps), window.elapsed_s
-    comm: dict[str, float | None] = {"comm_bytes_per_step": None, "comm_wait_s_per_step": None}
-    if counted:
-        comm = {
-            "comm_bytes_per_step": window.sent / steps,
-            "comm_wait_s_per_step": window.waited_s / steps,
-            "comm_wait_share": window.waited_s / elapsed if elapsed > 0 else 0.0,
-        }
-    return {
-        "kind": "train",
-        "step": step,
-        "loss": window.loss,
-        "grad_norm": window.grad_norm,
-        "lr": lr,
-        f"{item_name}_per_s": window.items_per_s,
-        # Every step holds the global batch's samples, whatever the items are.
-        "samples_per_s": window.steps * global_batch_size / elapsed if elapsed > 0 else 0.0,
-        "step_time_s": elapsed / steps,
-        "epoch": epoch,
-        "items_seen": items_seen,
-        "skipped_steps": skipped_steps,
-        "param_bytes_rank0": param_bytes,
-        **comm,
-        "time": time.time(),
-    }
-
-
-def eval_record(
-    step: int, val_loss: float, items: int, metrics: dict[str, float] | None = None
-) -> Record:
-    """An eval record; the task's metrics (``Task.metrics``) as ``val_<name>``."""
-    return {
-        "kind": "eval",
-        "step": step,
-        "val_loss": val_loss,
-        "val_items": items,
-        **{f"val_{name}": value for name, value in (metrics or {}).items()},
-        "time": time.time(),
-    }
-
-
-def start_record(
-    cfg: Config,
-    runtime: Runtime,
-    strategy: Strategy,
-    item_name: str,
-    hosts: list[str],
-    step: int,
-    param_bytes: int,
-    attempt: int | None = None,
-) -> Record:
-    """What this attempt runs, and on what (rank 0's machine); ``param_bytes``: the parameters
-    rank 0 holds; ``attempt``: the group's restart count (:func:`group_restart_attempt`; this
-    machine's own where not given)."""
-    return {
-        "kind": "start",
-        "step": step,
-        "steps": cfg.train.steps,
-        "attempt": restart_attempt() if attempt is None else attempt,
-        "world_size": runtime.world_size,
-        "data_parallel_size": strategy.data_parallel_size,
-        "strategy": strategy.name,
-        "item_name": item_name,
-        "global_batch_size": cfg.data.global_batch_size,
-        "hosts": hosts,
-        "param_bytes_rank0": param_bytes,
-        "memory_kind": memory_kind(runtime.device),
-        "hardware": describe(runtime.device),
-        "time": time.time(),
-    }
 
 
 def beat_stats(last: dict[str, float], item_name: str, device: torch.device) -> Speed:

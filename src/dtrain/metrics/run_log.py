@@ -8,6 +8,7 @@ since the last line); rank 0 writes, and the others only count and warn.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +16,15 @@ from dtrain.config import Config
 from dtrain.dist.runtime import Runtime
 from dtrain.fault.status import RunStatus, write_status
 from dtrain.metrics import records
+from dtrain.metrics.hardware import describe, memory_kind
 from dtrain.metrics.records import Record
 from dtrain.metrics.sinks import Progress, Sinks, open_sinks
 from dtrain.metrics.summary import Summary
 from dtrain.parallel.base import Strategy
+
+# The summary record's numbers, each the Summary's field of that name (docs/metrics.md).
+SUMMARY_FIELDS = ("wall_s", "train_loss", "val_loss", "skipped_steps", "rollbacks", "comm_bytes",
+                  "comm_wait_s")  # fmt: skip
 
 
 class RunLog:
@@ -77,18 +83,24 @@ class RunLog:
         write_status(self.run_dir, RunStatus("running", step))
         self.progress = Progress(cfg.train.steps, step, self.item_name)
         self.metrics = open_sinks(self.run_dir, self.progress, tensorboard=cfg.metrics.tensorboard)
-        self.metrics.write(
-            records.start_record(
-                cfg,
-                self.runtime,
-                self.strategy,
-                self.item_name,
-                hosts,
-                step,
-                self.param_bytes,
-                attempt,
-            )
-        )
+        device = self.runtime.device
+        start = {  # what this attempt runs, and on what (rank 0's machine)
+            "kind": "start",
+            "step": step,
+            "steps": cfg.train.steps,
+            "attempt": attempt,
+            "world_size": self.runtime.world_size,
+            "data_parallel_size": self.strategy.data_parallel_size,
+            "strategy": self.strategy.name,
+            "item_name": self.item_name,
+            "global_batch_size": cfg.data.global_batch_size,
+            "hosts": hosts,
+            "param_bytes_rank0": self.param_bytes,
+            "memory_kind": memory_kind(device),
+            "hardware": describe(device),
+            "time": time.time(),
+        }
+        self.metrics.write(start)
         if attempt and not in_place:  # in place: a membership event instead
             self.event("restart", step, attempt=attempt)
         if resumed_from is not None:
@@ -127,7 +139,8 @@ class RunLog:
         items_seen: int,
         skipped_steps: int,
     ) -> None:
-        """The train record of the ``steps`` steps up to ``step`` (every rank: it counts)."""
+        """The train record (docs/metrics.md) of the ``steps`` steps up to ``step`` (every
+        rank: it counts); communication is None where the strategy cannot count all of it."""
         # This rank's communication since the last line (every rank counts its own; rank 0's
         # is logged: data-parallel ranks send alike).
         total_sent, total_waited = self.strategy.comm.totals()
@@ -135,20 +148,33 @@ class RunLog:
         self._comm_mark = (total_sent, total_waited)
         if not self.is_main:
             return
-        window = records.TrainWindow(loss, grad_norm, rate, steps, elapsed, sent, waited)
-        record = records.train_record(
-            step,
-            window,
-            lr=lr,
-            item_name=self.item_name,
-            global_batch_size=self.cfg.data.global_batch_size,
-            epoch=epoch,
-            items_seen=items_seen,
-            skipped_steps=skipped_steps,
-            param_bytes=self.param_bytes,
-            counted=self.comm_counted,
-        )
         assert self.metrics is not None
+        per_step = max(1, steps)
+        comm: dict[str, float | None] = {"comm_bytes_per_step": None, "comm_wait_s_per_step": None}
+        if self.comm_counted:
+            comm = {
+                "comm_bytes_per_step": sent / per_step,
+                "comm_wait_s_per_step": waited / per_step,
+                "comm_wait_share": waited / elapsed if elapsed > 0 else 0.0,
+            }
+        global_batch = self.cfg.data.global_batch_size
+        record = {
+            "kind": "train",
+            "step": step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            f"{self.item_name}_per_s": rate,
+            # Every step holds the global batch's samples, whatever the items are.
+            "samples_per_s": steps * global_batch / elapsed if elapsed > 0 else 0.0,
+            "step_time_s": elapsed / per_step,
+            "epoch": epoch,
+            "items_seen": items_seen,
+            "skipped_steps": skipped_steps,
+            "param_bytes_rank0": self.param_bytes,
+            **comm,
+            "time": time.time(),
+        }
         self.metrics.write(record)  # the progress line is one of the sinks
 
     def evaluated(self, step: int, loss: float, items: int, metrics: dict[str, float]) -> None:
@@ -157,7 +183,9 @@ class RunLog:
         if not self.is_main:
             return
         assert self.metrics is not None
-        self.metrics.write(records.eval_record(step, loss, items, metrics))
+        named = {f"val_{name}": value for name, value in metrics.items()}  # Task.metrics
+        record = {"kind": "eval", "step": step, "val_loss": loss, "val_items": items, **named}
+        self.metrics.write({**record, "time": time.time()})
         extra = "".join(f", {name} {value:.4f}" for name, value in metrics.items())
         self.log(f"step {step}: val_loss {loss:.4f} over {items} {self.item_name}{extra}")
 
@@ -172,5 +200,6 @@ class RunLog:
         state = "preempted" if summary.preempted else "completed"
         write_status(self.run_dir, RunStatus(state, step, summary.preempted))
         if self.metrics is not None:
-            self.metrics.write(records.summary_record(summary, state, step))
+            totals = {key: getattr(summary, key) for key in SUMMARY_FIELDS}
+            self.metrics.write({"kind": "summary", "state": state, "step": step, **totals})
             self.metrics.close()

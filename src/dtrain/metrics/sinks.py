@@ -111,17 +111,16 @@ class JsonlSink:
 
 
 def format_rate(value: float) -> str:
-    for unit, scale in (("M", 1e6), ("k", 1e3)):
-        if value >= scale:
-            return f"{value / scale:.1f}{unit}"
-    return f"{value:.0f}"
+    return _scaled(value, (("M", 1e6), ("k", 1e3)), f"{value:.0f}")
 
 
 def format_bytes(value: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if value >= size:
-            return f"{value / size:.1f} {unit}"
-    return f"{value:.0f} B"
+    return _scaled(value, ((" GB", 1e9), (" MB", 1e6), (" kB", 1e3)), f"{value:.0f} B")
+
+
+def _scaled(value: float, units: tuple[tuple[str, float], ...], small: str) -> str:
+    """``value`` in the largest of ``units`` it reaches, one decimal; ``small`` below them."""
+    return next((f"{value / size:.1f}{unit}" for unit, size in units if value >= size), small)
 
 
 def format_duration(seconds: float) -> str:
@@ -156,23 +155,16 @@ class Progress:
         kind = record.get("kind")
         if kind == "ranks":
             self.slowest = slowest_rank(record)
-        elif kind == "train":
-            comm = record.get("comm_bytes_per_step")
-            rate = record.get(f"{self.item_name}_per_s")
-            loss = record.get("loss")
-            self.update(
-                int(record["step"]),
-                float("nan") if loss is None else float(loss),
-                float(rate or 0.0),
-                float(comm or 0.0),
-            )
-
-    def update(self, step: int, loss: float, items_per_s: float, comm_bytes: float = 0.0) -> None:
-        """``comm_bytes``: what this rank sent per step since the last update."""
+        if kind != "train":
+            return
+        step, loss = int(record["step"]), record.get("loss")
+        loss = float("nan") if loss is None else float(loss)
         done = step - self.start_step
         elapsed = time.perf_counter() - self.start
         eta = elapsed / done * (self.total - step) if done > 0 else float("nan")
+        items_per_s = float(record.get(f"{self.item_name}_per_s") or 0.0)
         rate = f"{format_rate(items_per_s)} {self.item_name}/s"
+        comm_bytes = float(record.get("comm_bytes_per_step") or 0.0)  # what this rank sent
         if comm_bytes:
             rate += f"  comm {format_bytes(comm_bytes)}/step"
         if self.slowest:

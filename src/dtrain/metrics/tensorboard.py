@@ -31,13 +31,9 @@ TENSORBOARD_DIR = "tensorboard"
 _NOT_SCALARS = {"step", "time", "steps", "epoch"}
 
 
-def available() -> bool:
-    return importlib.util.find_spec("tensorboard") is not None
-
-
 def check_available() -> None:
     """A one-line user error when the config asks for TensorBoard and it is not installed."""
-    if not available():
+    if importlib.util.find_spec("tensorboard") is None:
         raise UserError(
             "metrics.tensorboard = true needs the tensorboard package: "
             "pip install 'dtrain[tensorboard]' (or set metrics.tensorboard = false)"

@@ -10,6 +10,7 @@ block, norm + head).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -117,29 +118,21 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied: fewer parameters, faster learning
-        # GPT-2's scaled init of the residual projections keeps early updates stable.
-        residual_std = 0.02 / math.sqrt(2 * cfg.n_layer)
-        self.apply(self._init_weights)
-        for name, param in self.named_parameters():
-            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
-                nn.init.normal_(param, mean=0.0, std=residual_std)
+        # GPT-2's init at 0.02, then the residual projections' own (init_std) drawn again: the
+        # order of draws every eagerly built GPT has had (the default job's losses pin it).
+        self.apply(functools.partial(self.init_weights, scaled=False))
+        for module in self.modules():
+            if isinstance(module, ResidualProjection):
+                nn.init.normal_(module.weight, mean=0.0, std=module.init_std)
 
     @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-
-    @staticmethod
-    def init_weights(module: nn.Module) -> None:
+    def init_weights(module: nn.Module, scaled: bool = True) -> None:
         """The tensors ``module`` holds itself, for a model built on the meta device
         (``Task.init_weights``): the distributions of the constructor's init, drawn in one
-        pass over the modules (so its values differ from an eagerly built GPT's)."""
+        pass over the modules (so its values differ from an eagerly built GPT's). ``scaled``
+        false: every linear map at 0.02 (the constructor's first pass)."""
         if isinstance(module, nn.Linear):
-            std = module.init_std if isinstance(module, ResidualProjection) else 0.02
+            std = module.init_std if scaled and isinstance(module, ResidualProjection) else 0.02
             nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)

@@ -54,7 +54,7 @@ def hardware_rows(run: Run) -> list[tuple[str, str]]:
     hw = start.get("hardware") or {}
     hosts = start.get("hosts") or []
     distinct = sorted(set(hosts))
-    rows = [
+    return [
         ("strategy", str(start.get("strategy", "-"))),
         (
             "ranks",
@@ -69,7 +69,6 @@ def hardware_rows(run: Run) -> list[tuple[str, str]]:
         ("parameters", f"{(start.get('param_bytes_rank0') or 0) / 1e6:.1f} MB on rank 0"),
         ("attempts", str(len(starts))),
     ]
-    return rows
 
 
 def render(runs: list[Run], images: list[tuple[str, str, bytes]], notes: list[str]) -> str:

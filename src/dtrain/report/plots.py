@@ -20,7 +20,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from dtrain.report.read import Record, Run
+from dtrain.report.read import Record, Run, val_metrics
 
 DPI = 100
 SIZE_PX = (960, 480)
@@ -113,25 +113,22 @@ def _mark_events(
         labelled.add(text)
         return text
 
+    lines = (  # event names, their line's style and label
+        (("checkpoint",), dict(color="0.55", ls=":", lw=1), "checkpoint"),
+        (("resumed", "restart"), dict(color="tab:red", ls="--", lw=1.2), "restart / resume"),
+        (("membership",), dict(color="tab:orange", ls="--", lw=1.2), "membership"),  # in place
+        (("rollback",), dict(color="tab:purple", ls="-.", lw=1.2), "rollback"),
+    )
     for run in runs:
         x = x_of(run)
-        for record in run.events("checkpoint"):
-            at = x(record)
-            if at is not None:
-                ax.axvline(at, color="0.55", ls=":", lw=1, label=label("checkpoint"))
-        resumed = {r["step"]: r for r in run.events("resumed", "restart")}
-        for record in resumed.values():
-            at = x(record)
-            if at is not None:
-                ax.axvline(at, color="tab:red", ls="--", lw=1.2, label=label("restart / resume"))
-        for record in run.events("membership"):  # fault.recovery = 'inplace'
-            at = x(record)
-            if at is not None:
-                ax.axvline(at, color="tab:orange", ls="--", lw=1.2, label=label("membership"))
-        for record in run.events("rollback"):
-            at = x(record)
-            if at is not None:
-                ax.axvline(at, color="tab:purple", ls="-.", lw=1.2, label=label("rollback"))
+        for names, style, text in lines:
+            records = run.events(*names)
+            if len(names) > 1:  # a resume and a restart at one step are one line
+                records = list({r["step"]: r for r in records}.values())
+            for record in records:
+                at = x(record)
+                if at is not None:
+                    ax.axvline(at, label=label(text), **style)  # type: ignore[arg-type]
         skipped = [a for a in (x(r) for r in run.events("step_skipped")) if a is not None]
         if skipped:
             ax.plot(
@@ -142,6 +139,29 @@ def _mark_events(
                 transform=ax.get_xaxis_transform(),
                 label=label("skipped step"),
             )
+
+
+def _done(
+    drawn: tuple[Figure, Axes] | None,
+    name: str,
+    title: str,
+    ylabel: str = "",
+    heading: str = "",
+    from_zero: bool = False,
+    xlabel: str = "step",
+) -> Plot | None:
+    """The figure ``drawn`` on (None: nothing was) labelled, titled (``heading``, else
+    ``title``) and with its legend, as the plot ``name``."""
+    if drawn is None:
+        return None
+    fig, ax = drawn
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if from_zero:
+        ax.set_ylim(bottom=0)
+    ax.set_title(heading or title)
+    ax.legend(fontsize="small")
+    return Plot(name, title, fig)
 
 
 def plot_loss(runs: list[Run], notes: list[str], by: str = "step") -> Plot | None:
@@ -166,17 +186,37 @@ def plot_loss(runs: list[Run], notes: list[str], by: str = "step") -> Plot | Non
         vx, vy = _points(run.of("eval"), x_of(run), "val_loss")
         if vx:
             ax.plot(vx, vy, "o--", color=_color(i), ms=4, lw=1, label=f"{prefix}val loss")
-    if not drawn:
-        return None
-    _mark_events(ax, runs, x_of)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("loss")
-    ax.set_title(title)
-    ax.legend(fontsize="small")
-    return Plot("loss_by_step" if by == "step" else "loss_by_time", title, fig)
+    if drawn:
+        _mark_events(ax, runs, x_of)
+    name = "loss_by_step" if by == "step" else "loss_by_time"
+    return _done((fig, ax) if drawn else None, name, title, "loss", xlabel=xlabel)
 
 
 # -- throughput, communication ---------------------------------------------------------------
+
+
+def _train_lines(
+    runs: list[Run],
+    notes: list[str],
+    title: str,
+    field: str,
+    single: str,
+    divisor: float = 1.0,
+    why: Callable[[Run], str] | None = None,
+) -> tuple[Figure, Axes] | None:
+    """Each run's train records' ``field`` (divided by ``divisor``) by step, labelled
+    ``single`` when there is one run; a run without it left out (``why``: in what words)."""
+    fig, ax = _figure()
+    drawn = False
+    for i, run in enumerate(runs):
+        xs, ys = _points(run.of("train"), _by_step, field)
+        if not xs:
+            _left_out(notes, title, run, why(run) if why else f"its train records have no {field}")
+            continue
+        label = run.label if len(runs) > 1 else single
+        ax.plot(xs, [y / divisor for y in ys], color=_color(i), lw=1.5, label=label)
+        drawn = True
+    return (fig, ax) if drawn else None
 
 
 def plot_throughput(runs: list[Run], notes: list[str]) -> Plot | None:
@@ -184,57 +224,29 @@ def plot_throughput(runs: list[Run], notes: list[str]) -> Plot | None:
     title = "throughput"
     items = {run.item_name for run in runs}
     item = items.pop() if len(items) == 1 else "samples"
-    field = f"{item}_per_s"
-    fig, ax = _figure()
-    drawn = False
-    for i, run in enumerate(runs):
-        xs, ys = _points(run.of("train"), _by_step, field)
-        if not xs:
-            _left_out(notes, title, run, f"its train records have no {field}")
-            continue
-        ax.plot(xs, ys, color=_color(i), lw=1.5, label=run.label if len(runs) > 1 else item)
-        drawn = True
-    if not drawn:
-        return None
-    ax.set_xlabel("step")
-    ax.set_ylabel(f"{item} / s")
-    ax.set_ylim(bottom=0)
-    ax.set_title(f"{title} ({item} per second, whole job)")
-    ax.legend(fontsize="small")
-    return Plot("throughput", title, fig)
+    drawn = _train_lines(runs, notes, title, f"{item}_per_s", item)
+    heading = f"{title} ({item} per second, whole job)"
+    return _done(drawn, "throughput", title, f"{item} / s", heading, from_zero=True)
+
+
+def _uncounted(run: Run) -> str:
+    """Why a run has no bytes communicated (a null field: its strategy does not count them)."""
+    trains = run.of("train")
+    if trains and all(
+        "comm_bytes_per_step" in r and r["comm_bytes_per_step"] is None for r in trains
+    ):
+        strategy = next((r.get("strategy") for r in run.of("start")), None)
+        named = f" ({strategy})" if strategy else ""
+        return f"its strategy{named} does not count its traffic"
+    return "no comm_bytes_per_step"
 
 
 def plot_comm(runs: list[Run], notes: list[str]) -> Plot | None:
     """Bytes each rank sends per step (rank 0's count)."""
     title = "bytes communicated"
-    fig, ax = _figure()
-    drawn = False
-    for i, run in enumerate(runs):
-        xs, ys = _points(run.of("train"), _by_step, "comm_bytes_per_step")
-        if not xs:
-            strategy = next((r.get("strategy") for r in run.of("start")), None)
-            why = "no comm_bytes_per_step"
-            if run.of("train") and all(
-                "comm_bytes_per_step" in r and r["comm_bytes_per_step"] is None
-                for r in run.of("train")
-            ):
-                named = f" ({strategy})" if strategy else ""
-                why = f"its strategy{named} does not count its traffic"
-            _left_out(notes, title, run, why)
-            continue
-        ax.plot(
-            xs, [y / 1e6 for y in ys], color=_color(i), lw=1.5,
-            label=run.label if len(runs) > 1 else "rank 0",
-        )  # fmt: skip
-        drawn = True
-    if not drawn:
-        return None
-    ax.set_xlabel("step")
-    ax.set_ylabel("MB sent per step")
-    ax.set_ylim(bottom=0)
-    ax.set_title(f"{title} (per step, by one rank)")
-    ax.legend(fontsize="small")
-    return Plot("comm", title, fig)
+    drawn = _train_lines(runs, notes, title, "comm_bytes_per_step", "rank 0", 1e6, _uncounted)
+    heading = f"{title} (per step, by one rank)"
+    return _done(drawn, "comm", title, "MB sent per step", heading, from_zero=True)
 
 
 # -- per rank --------------------------------------------------------------------------------
@@ -324,38 +336,25 @@ def _per_rank_lines(
             color, style = (_color(rank), STYLES[i % len(STYLES)])
             ax.plot(xs, ys, style, color=color, lw=1.5, label=f"{prefix}rank {rank}")
             drawn = True
-    if not drawn:
-        return None
-    ax.set_xlabel("step")
-    ax.legend(fontsize="small")
-    return fig, ax
+    return (fig, ax) if drawn else None
 
 
 def plot_shares(runs: list[Run], notes: list[str]) -> Plot | None:
     """Each rank's share of the global batch over time (moves under balance.mode)."""
     title = "batch share by rank"
     drawn = _per_rank_lines(runs, notes, title, "share", 100.0)
-    if drawn is None:
-        return None
-    fig, ax = drawn
-    ax.set_ylabel("% of the global batch's samples")
-    ax.set_ylim(bottom=0)
-    ax.set_title(title)
-    return Plot("shares", title, fig)
+    ylabel = "% of the global batch's samples"
+    return _done(drawn, "shares", title, ylabel, from_zero=True)
 
 
 def plot_memory(runs: list[Run], notes: list[str]) -> Plot | None:
     """Each rank's memory (RssAnon on CPU, the peak allocated on CUDA)."""
     title = "memory by rank"
     drawn = _per_rank_lines(runs, notes, title, "memory_bytes", 1e-6)
-    if drawn is None:
-        return None
-    fig, ax = drawn
     kinds = {r.get("memory_kind") for run in runs for r in run.of("start")} - {None}
     what = {"rss_anon": "RssAnon", "cuda_max_allocated": "CUDA max allocated"}
-    ax.set_ylabel("MB" + (f" ({', '.join(what.get(str(k), str(k)) for k in kinds)})"))
-    ax.set_title(title)
-    return Plot("memory", title, fig)
+    ylabel = "MB" + (f" ({', '.join(what.get(str(k), str(k)) for k in kinds)})")
+    return _done(drawn, "memory", title, ylabel)
 
 
 def plot_val_metrics(runs: list[Run], notes: list[str]) -> Plot | None:
@@ -363,27 +362,17 @@ def plot_val_metrics(runs: list[Run], notes: list[str]) -> Plot | None:
     fields beside the loss) against the step; None when no run has any."""
     title = "validation metrics"
     fig, ax = _figure()
-    drawn = 0
+    drawn = False
     several = len(runs) > 1
     for i, run in enumerate(runs):
-        fields = dict.fromkeys(
-            key
-            for record in run.of("eval")
-            for key in record
-            if key.startswith("val_") and key not in ("val_loss", "val_items")
-        )
-        for j, key in enumerate(fields):
-            xs, ys = _points(run.of("eval"), _by_step, key)
+        names = dict.fromkeys(name for record in run.of("eval") for name in val_metrics(record))
+        for j, name in enumerate(names):
+            xs, ys = _points(run.of("eval"), _by_step, f"val_{name}")
             if xs:
-                label = (f"{run.label}: " if several else "") + key[len("val_") :]
+                label = (f"{run.label}: " if several else "") + name
                 ax.plot(xs, ys, "o-", color=_color(i + j), ms=4, lw=1.5, label=label)
-                drawn += 1
-    if not drawn:
-        return None
-    ax.set_xlabel("step")
-    ax.set_title(title)
-    ax.legend(fontsize="small")
-    return Plot("val_metrics", title, fig)
+                drawn = True
+    return _done((fig, ax) if drawn else None, "val_metrics", title)
 
 
 ALL: tuple[Callable[[list[Run], list[str]], Plot | None], ...] = (

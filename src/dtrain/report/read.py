@@ -35,6 +35,11 @@ class Run:
     def events(self, *names: str) -> list[Record]:
         return [r for r in self.of("event") if r.get("name") in names]
 
+    def last(self, kind: str, *names: str) -> Record | None:
+        """The newest record of ``kind`` (of an event: named one of ``names``)."""
+        found = self.events(*names) if names else self.of(kind)
+        return found[-1] if found else None
+
     @property
     def item_name(self) -> str:
         """The task's items (``tokens``, ``samples``), from the newest start record, else
@@ -54,15 +59,31 @@ class Run:
         return min(times) if times else None
 
 
-def parse_lines(
-    lines: list[bytes], where: str, first_line: int = 1
-) -> tuple[list[Record], list[str]]:
+def val_metrics(record: Record) -> dict[str, Any]:
+    """The task's metrics (``Task.metrics``) of an eval record: its numeric ``val_<name>``
+    fields other than the loss and the item count, by name."""
+    return {
+        key[len("val_") :]: value
+        for key, value in record.items()
+        if key.startswith("val_")
+        and key not in ("val_loss", "val_items")
+        and isinstance(value, (int, float))
+    }
+
+
+def check_run_folder(run_dir: Path) -> None:
+    if not run_dir.exists():
+        raise UserError(f"run folder {run_dir} does not exist")
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir} is not a folder; give a run folder (run.dir)")
+
+
+def parse_lines(lines: list[bytes], where: str) -> tuple[list[Record], list[str]]:
     """Records of JSON lines, and what was skipped: a cut-off last line (the run stopped while
     writing it) or a line that is not a JSON object."""
     records: list[Record] = []
     skipped: list[str] = []
-    last = len(lines) - 1
-    for i, raw in enumerate(lines):
+    for number, raw in enumerate(lines, 1):
         text = raw.strip()
         if not text:
             continue
@@ -70,7 +91,6 @@ def parse_lines(
             record = json.loads(text)
         except ValueError:
             record = None
-        number = first_line + i
         if isinstance(record, dict):
             wrong = malformed_field(record)
             if wrong is None:
@@ -78,7 +98,7 @@ def parse_lines(
             else:
                 skipped.append(f"{where}: line {number} has {wrong}; skipped it")
             continue
-        if i == last and not raw.endswith(b"\n"):
+        if number == len(lines) and not raw.endswith(b"\n"):
             skipped.append(
                 f"{where}: the last line ({number}) is cut off after {len(raw)} bytes (the run "
                 "stopped while writing it); skipped it"
@@ -125,10 +145,7 @@ def read_tail(path: Path, max_bytes: int = 1 << 20) -> list[Record]:
 def read_run(run_dir: Path, label: str = "") -> Run:
     """A run folder's records; a folder that is not a run, or holds no metrics, is a user
     error naming it."""
-    if not run_dir.exists():
-        raise UserError(f"run folder {run_dir} does not exist")
-    if not run_dir.is_dir():
-        raise UserError(f"{run_dir} is not a folder; give a run folder (run.dir)")
+    check_run_folder(run_dir)
     path = run_dir / METRICS_FILE
     if not path.exists():
         raise UserError(

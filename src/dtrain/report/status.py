@@ -15,49 +15,36 @@ The total number of steps comes from the run's ``config.toml``.
 from __future__ import annotations
 
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from dtrain.errors import UserError
+from dtrain.config.load import read_toml
+from dtrain.errors import ConfigError, UserError
 from dtrain.fault.liveness import LIVENESS_DIR, Liveness, read_run_liveness
 from dtrain.fault.status import read_status
 from dtrain.metrics.sinks import format_bytes, format_duration, format_rate
-from dtrain.report.read import CONFIG_FILE, METRICS_FILE, Record, read_tail
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
+from dtrain.report.read import (
+    CONFIG_FILE,
+    METRICS_FILE,
+    Run,
+    check_run_folder,
+    read_tail,
+    val_metrics,
+)
 
 # A beat older than this is called stale: the watchdog's thread stamps one several times a
 # second (on shared storage, other machines see it every second or so).
 STALE_S = 10.0
 
 
-def _total_steps(run_dir: Path, tail: list[Record]) -> int | None:
+def _total_steps(run: Run) -> int | None:
     try:
-        with (run_dir / CONFIG_FILE).open("rb") as fh:
-            return int(tomllib.load(fh)["train"]["steps"])
-    except (OSError, ValueError, KeyError, TypeError, tomllib.TOMLDecodeError):
+        return int(read_toml(run.path / CONFIG_FILE)["train"]["steps"])
+    except (ConfigError, OSError, ValueError, KeyError, TypeError):
         pass
-    starts = [r for r in tail if r.get("kind") == "start"]
-    return int(starts[-1]["steps"]) if starts else None
-
-
-def _last(tail: list[Record], kind: str) -> Record | None:
-    for record in reversed(tail):
-        if record.get("kind") == kind:
-            return record
-    return None
-
-
-def _last_event(tail: list[Record], name: str) -> Record | None:
-    for record in reversed(tail):
-        if record.get("kind") == "event" and record.get("name") == name:
-            return record
-    return None
+    start = run.last("start")
+    return int(start["steps"]) if start else None
 
 
 def _ago(seconds: float) -> str:
@@ -69,21 +56,18 @@ def _ago(seconds: float) -> str:
 def run_status(run_dir: Path, now: float | None = None) -> str:
     """The status, as lines of text; a folder with nothing to read is a user error."""
     now = time.time() if now is None else now
-    if not run_dir.exists():
-        raise UserError(f"run folder {run_dir} does not exist")
-    if not run_dir.is_dir():
-        raise UserError(f"{run_dir} is not a folder; give a run folder (run.dir)")
+    check_run_folder(run_dir)
     status = read_status(run_dir)
     metrics = run_dir / METRICS_FILE
-    tail = read_tail(metrics) if metrics.exists() else []
+    run = Run(run_dir, run_dir.name, read_tail(metrics) if metrics.exists() else [])
     beats = read_run_liveness(run_dir)
-    if status is None and not tail and not beats:
+    if status is None and not run.records and not beats:
         raise UserError(
             f"{run_dir} has no status.json, {METRICS_FILE} or heartbeats ({LIVENESS_DIR}/rankN): "
             "not a run folder, or its run has not started yet"
         )
-    total = _total_steps(run_dir, tail)
-    train, evaluation = _last(tail, "train"), _last(tail, "eval")
+    total = _total_steps(run)
+    train, evaluation, item = run.last("train"), run.last("eval"), run.item_name
     newest_attempt = max((b.attempt for b in beats.values()), default=0)
     current = [b for b in beats.values() if b.attempt == newest_attempt]
     steps = [b.step for b in current]
@@ -108,7 +92,6 @@ def run_status(run_dir: Path, now: float | None = None) -> str:
         loss = train.get("loss")
         shown = f"{loss:.4f}" if isinstance(loss, (int, float)) else "n/a (non-finite)"
         text = f"  last loss {shown} at step {train['step']} ({_ago(now - train['time'])})"
-        item = _item_name(tail, train)
         rate = train.get(f"{item}_per_s")
         if isinstance(rate, (int, float)):
             text += f", {format_rate(rate)} {item}/s"
@@ -118,13 +101,7 @@ def run_status(run_dir: Path, now: float | None = None) -> str:
     else:
         lines.append("  no train record yet")
     if evaluation is not None and isinstance(evaluation.get("val_loss"), (int, float)):
-        shown = "".join(
-            f", {key[len('val_') :]} {value:.4f}"
-            for key, value in evaluation.items()
-            if key.startswith("val_")
-            and key not in ("val_loss", "val_items")
-            and isinstance(value, (int, float))
-        )
+        shown = "".join(f", {key} {value:.4f}" for key, value in val_metrics(evaluation).items())
         lines.append(f"  val loss {evaluation['val_loss']:.4f}{shown} at step {evaluation['step']}")
     if state == "running" and current and all(now - b.seen_at > STALE_S for b in current):
         newest = min(now - b.seen_at for b in current)
@@ -132,7 +109,7 @@ def run_status(run_dir: Path, now: float | None = None) -> str:
             f"  no heartbeat for {format_duration(newest)}: the job may have stopped (killed, "
             "or its machine lost) without updating status.json"
         )
-    change = _last_event(tail, "membership")
+    change = run.last("event", "membership")
     if change is not None:  # fault.recovery = 'inplace'
         lines.append(
             f"  in place: generation {change['generation']}, {change['world_size']} worker(s) "
@@ -140,18 +117,8 @@ def run_status(run_dir: Path, now: float | None = None) -> str:
             f"): left {change['left']}, joined {change['joined']}, took {change['seconds']:.2f} s"
         )
     running = state == "running"
-    lines += _rank_table(beats, newest_attempt, _item_name(tail, train), now, running)
+    lines += _rank_table(beats, newest_attempt, item, now, running)
     return "\n".join(lines)
-
-
-def _item_name(tail: list[Record], train: Record | None) -> str:
-    start = _last(tail, "start")
-    if start is not None and start.get("item_name"):
-        return str(start["item_name"])
-    for key in train or {}:
-        if key.endswith("_per_s") and key != "samples_per_s":
-            return key[: -len("_per_s")]
-    return "samples"
 
 
 def _rank_table(

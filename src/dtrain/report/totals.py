@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from dtrain.metrics.sinks import format_duration
-from dtrain.report.read import Run
+from dtrain.report.read import Run, val_metrics
 
 
 def _last(run: Run, kind: str, field: str) -> Any:
@@ -57,23 +57,7 @@ def totals(run: Run) -> dict[str, Any]:
         "rollbacks": len(run.events("rollback")),
         "membership_changes": len(run.events("membership")),
         "stragglers": len([r for r in run.of("straggler") if r.get("state") == "slow"]),
-        "val_metrics": val_metrics(run),
-    }
-
-
-def val_metrics(run: Run) -> dict[str, float]:
-    """The task's metrics (``Task.metrics``) of the run's last evaluation: its ``val_<name>``
-    fields other than the loss and the item count."""
-    evaluations = run.of("eval")
-    if not evaluations:
-        return {}
-    last = evaluations[-1]
-    return {
-        key[len("val_") :]: value
-        for key, value in last.items()
-        if key.startswith("val_")
-        and key not in ("val_loss", "val_items")
-        and isinstance(value, (int, float))
+        "val_metrics": val_metrics(run.of("eval")[-1]) if run.of("eval") else {},
     }
 
 

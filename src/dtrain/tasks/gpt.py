@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dtrain.config import Config
+from dtrain.config.sections import option
 from dtrain.data.corpus import prepare_stdlib_corpus
 from dtrain.data.shards import ShardedDataset
 from dtrain.data.text import TokenSequences, TokenWindows, collate_padded, collate_windows
@@ -22,28 +23,19 @@ from dtrain.task import IGNORE_INDEX, Task, task_config
 PROMPTS = ("def ", "class ", "import ")
 
 
-def _size(default: int, help: str) -> Any:
-    """A size of the model: a whole number of at least 1 (config_load checks the range)."""
-    return field(default=default, metadata={"help": help, "min": 1})
-
-
 @dataclass
 class GPTTaskConfig:
-    seq_len: int = _size(128, "tokens per sample (the context length)")
-    n_layer: int = _size(3, "transformer blocks")
-    n_head: int = _size(4, "attention heads per block; must divide d_model")
-    d_model: int = _size(192, "width of the residual stream")
-    dropout: float = field(default=0.0, metadata={"help": "dropout rate", "min": 0, "max": 1})
+    seq_len: int = option(128, "tokens per sample (the context length)", min=1)
+    n_layer: int = option(3, "transformer blocks", min=1)
+    n_head: int = option(4, "attention heads per block; must divide d_model", min=1)
+    d_model: int = option(192, "width of the residual stream", min=1)
+    dropout: float = option(0.0, "dropout rate", min=0, max=1)
     data_dir: str = ""  # a prepared dataset with train/ and val/; empty = the stdlib corpus
     samples: Literal["windows", "documents"] = "windows"  # documents: one file per sample
-    generate_tokens: int = field(
-        default=160, metadata={"help": "printed after training, per prompt (0 = none)", "min": 0}
-    )
+    generate_tokens: int = option(160, "printed after training, per prompt (0 = none)", min=0)
     # windows: a window starts every `stride` tokens (0 = seq_len: no overlap; 1: at every
     # offset, as nanoGPT samples). An epoch visits every start once.
-    stride: int = field(
-        default=0, metadata={"help": "tokens between window starts (0 = seq_len)", "min": 0}
-    )
+    stride: int = option(0, "tokens between window starts (0 = seq_len)", min=0)
     # Build the model on the meta device: each rank makes only the part it holds (fsdp,
     # pipeline, tensor), for models larger than one rank's memory.
     meta_init: bool = False

@@ -96,8 +96,8 @@ def evaluate(
     strategy: Strategy,
     device: torch.device,
     batch_size: int,
-    max_samples: int = 0,
-    on_progress: Callable[[], None] | None = None,
+    max_samples: int,
+    on_progress: Callable[[], None],
 ) -> EvalResult:
     """The mean loss, items counted and metrics over ``task.val_data`` (or its first
     ``max_samples`` samples); collective: every rank calls it. ``on_progress`` is called after
@@ -127,8 +127,7 @@ def evaluate(
         totals[0] += strategy.eval_loss(pair, loss_fn).double()
         totals[1] += items
         done += 1
-        if on_progress is not None:
-            on_progress()
+        on_progress()
     if strategy.capabilities.lockstep_forward:
         # Strategies with collectives in forward need the same number of forward passes on
         # every rank: the ranks with a smaller share run padding batches, not counted.
@@ -140,8 +139,7 @@ def evaluate(
         for _ in range(needed - done):
             inputs, targets = to_device(task.split_batch(padding), device)
             strategy.eval_loss((inputs, targets), loss_fn)
-            if on_progress is not None:
-                on_progress()
+            on_progress()
     # The loss and the metrics are summed over every rank that computes them (a pipeline's
     # other stages add zeros), the item count over the data-parallel ranks.
     summed = torch.cat([totals[0:1], metrics.totals])

@@ -20,6 +20,7 @@ before the step's update.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -104,10 +105,7 @@ def shifted_positions(target_shape: tuple[int, ...] | None) -> int | None:
     ``labels[..., 1:]`` (None for targets with no sequence dimension)."""
     if target_shape is None or len(target_shape) < 2:
         return None
-    count = 1
-    for size in (*target_shape[:-1], target_shape[-1] - 1):
-        count *= size
-    return count
+    return math.prod((*target_shape[:-1], target_shape[-1] - 1))
 
 
 def contract_message(
