@@ -9,11 +9,11 @@ How one step goes::
                register_post_accumulate_grad_hook on every parameter
     backward   a parameter's .grad is final -> its hook marks it ready in its bucket;
                a bucket whose parameters are all ready (and every bucket before it launched)
-               -> flatten its grads into the bucket buffer -> comm hook -> async all_reduce
-                  (or a compressed exchange: comm.compression)
+               -> copy its grads into the bucket buffer, each .grad then a view of it
+                  -> comm hook -> async all_reduce (or a compressed exchange: comm.compression)
                (communication overlaps the rest of the backward pass)
     finish     launch the buckets backward never completed (parameters without a gradient
-               this step), wait for every bucket, copy the averaged values back into .grad
+               this step), wait for every bucket: each .grad, a view of one, is averaged
     no_backward_sync()   the hooks do nothing: accumulation micro-steps stay local
 
 Buckets are launched strictly in index order, whatever order they became ready in: collectives
@@ -33,9 +33,9 @@ Communication hooks have the shape of torch DDP's (``DistributedDataParallel.reg
 
 ``bucket`` is a :class:`GradBucket` with the methods of ``torch.distributed.GradBucket``
 (``index()``, ``buffer()``, ``gradients()``, ``parameters()``, ``is_last()``, ``set_buffer()``);
-the future's value is the *averaged* flat gradient, which is copied back into ``.grad``. So a hook
-written for DDP -- torch's own ``fp16_compress_hook`` or ``powerSGD_hook`` included -- plugs into
-this strategy unchanged::
+the future's value is the *averaged* flat gradient, which the bucket (and so ``.grad``) takes.
+So a hook written for DDP -- torch's own ``fp16_compress_hook`` or ``powerSGD_hook`` included --
+plugs into this strategy unchanged::
 
     strategy.register_comm_hook(state=None, hook=fp16_compress_hook)   # before the first step
 
@@ -259,17 +259,21 @@ class AllReduceStrategy(CommHookControl, BackwardSyncControl):
             self._launch(head)
 
     def _launch(self, bucket: _Bucket) -> None:
-        # A parameter without a gradient on this rank contributes zeros to the sum.
         for param, view in zip(bucket.params, bucket.views):
-            if param.grad is None:
-                view.zero_()
-            elif param.grad.is_sparse:
+            grad = param.grad
+            if grad is None:
+                view.zero_()  # no gradient on this rank: it contributes zeros to the sum
+            elif grad.is_sparse:
                 raise RuntimeError(
                     "allreduce: sparse gradients are not supported (an Embedding with "
                     "sparse=True?); use dense gradients or strategy.name = 'ddp'"
                 )
-            else:
-                view.copy_(param.grad)
+            elif grad is not view:
+                # From now on .grad is its view of the bucket (as DDP's gradient_as_bucket_view),
+                # so the averaged values need no copy back, and a .grad kept from step to step
+                # (zero_grad(set_to_none=False)) is accumulated into the bucket: no copy at all.
+                view.copy_(grad)
+                param.grad = view
         last = bucket.index == len(self.buckets) - 1
         handle = GradBucket(bucket.index, bucket.buffer, bucket.params, bucket.views, last)
         self._last_launch = time.perf_counter()
@@ -293,20 +297,17 @@ class AllReduceStrategy(CommHookControl, BackwardSyncControl):
             assert bucket.future is not None
             results.append(bucket.future.wait())
         # Waiting on communication: from the last bucket's launch (backward's computation had
-        # ended) until every bucket is reduced; copying into .grad is not counted.
+        # ended) until every bucket is reduced; a hook's result copied in is not counted.
         self.comm.waited(time.perf_counter() - self._last_launch)
         slot = 0
         for bucket, averaged in zip(self.buckets, results):
-            offset = 0
-            for param in bucket.params:
-                value = averaged[offset : offset + param.numel()].view_as(param)
-                offset += param.numel()
-                if used is not None and not used[slot]:
-                    pass  # no rank produced a gradient: leave .grad as one process would
-                elif param.grad is None:
-                    param.grad = value.clone()
-                else:
-                    param.grad.copy_(value)
+            if averaged.data_ptr() != bucket.buffer.data_ptr():
+                bucket.buffer.copy_(averaged)  # a hook that gives its mean in a tensor of its own
+            # Every .grad that launching found is a view of the bucket, now averaged; the rest
+            # (no gradient on this rank) get theirs.
+            for param, view in zip(bucket.params, bucket.views):
+                if param.grad is None and (used is None or used[slot]):
+                    param.grad = view  # (no rank produced one: left at None, as one process)
                 slot += 1
             bucket.ready.clear()
             bucket.future = None
