@@ -7,10 +7,10 @@ How one step goes::
                buckets = parameters in reverse registration order,  (the order backward
                          cut so that none passes strategy.bucket_mb   produces gradients)
                register_post_accumulate_grad_hook on every parameter
-    backward   a parameter's .grad is final -> its hook marks it ready in its bucket;
+    backward   a parameter's .grad is final -> its hook copies it into its place in the
+               bucket buffer, makes .grad that view, and marks it ready;
                a bucket whose parameters are all ready (and every bucket before it launched)
-               -> copy its grads into the bucket buffer, each .grad then a view of it
-                  -> comm hook -> async all_reduce (or a compressed exchange: comm.compression)
+               -> comm hook -> async all_reduce (or a compressed exchange: comm.compression)
                (communication overlaps the rest of the backward pass)
     finish     launch the buckets backward never completed (parameters without a gradient
                this step), wait for every bucket: each .grad, a view of one, is averaged
@@ -209,8 +209,9 @@ class AllReduceStrategy(CommHookControl, BackwardSyncControl):
         ]
         bucket = _Bucket(index=len(self.buckets), params=params, buffer=buffer, views=views)
         self.buckets.append(bucket)
-        for param in params:
-            param.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, bucket))
+        for param, view in zip(params, views):
+            hook = functools.partial(self._grad_ready, bucket, view)
+            param.register_post_accumulate_grad_hook(hook)
 
     def register_comm_hook(self, state: Any, hook: HookFn) -> None:
         """Use ``hook(state, bucket)`` instead of the plain averaging all-reduce; the same
@@ -240,7 +241,7 @@ class AllReduceStrategy(CommHookControl, BackwardSyncControl):
     def sync_gradients(self) -> None:
         self.finish_gradient_sync()
 
-    def _grad_ready(self, bucket: _Bucket, param: torch.Tensor) -> None:
+    def _grad_ready(self, bucket: _Bucket, view: torch.Tensor, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: ``param.grad`` holds its final value for this backward."""
         if not self._sync:
             return  # an accumulation micro-step: the gradient stays local
@@ -250,6 +251,10 @@ class AllReduceStrategy(CommHookControl, BackwardSyncControl):
                 "reduced in this step; run one backward per synchronized step and put "
                 "accumulation micro-steps inside no_backward_sync()"
             )
+        # Into the bucket now, as DDP does, not when the bucket launches: backward frees the
+        # gradient it made at once, and the last gradient is all that is left to copy when
+        # backward ends.
+        _into_bucket(param, view)
         bucket.ready.add(id(param))
         # Launch every bucket that is complete, in order, up to the first incomplete one.
         while self._next < len(self.buckets):
@@ -259,21 +264,11 @@ class AllReduceStrategy(CommHookControl, BackwardSyncControl):
             self._launch(head)
 
     def _launch(self, bucket: _Bucket) -> None:
+        # The parameters whose hook did not fire in this backward: no gradient on this rank,
+        # or one left from an accumulation micro-step.
         for param, view in zip(bucket.params, bucket.views):
-            grad = param.grad
-            if grad is None:
-                view.zero_()  # no gradient on this rank: it contributes zeros to the sum
-            elif grad.is_sparse:
-                raise RuntimeError(
-                    "allreduce: sparse gradients are not supported (an Embedding with "
-                    "sparse=True?); use dense gradients or strategy.name = 'ddp'"
-                )
-            elif grad is not view:
-                # From now on .grad is its view of the bucket (as DDP's gradient_as_bucket_view),
-                # so the averaged values need no copy back, and a .grad kept from step to step
-                # (zero_grad(set_to_none=False)) is accumulated into the bucket: no copy at all.
-                view.copy_(grad)
-                param.grad = view
+            if id(param) not in bucket.ready:
+                _into_bucket(param, view)
         last = bucket.index == len(self.buckets) - 1
         handle = GradBucket(bucket.index, bucket.buffer, bucket.params, bucket.views, last)
         self._last_launch = time.perf_counter()
@@ -282,10 +277,10 @@ class AllReduceStrategy(CommHookControl, BackwardSyncControl):
         self._next = bucket.index + 1
 
     def finish_gradient_sync(self) -> None:
-        """Complete the step's gradient sync: launch what backward did not, wait for every
-        bucket and write the averaged gradients into ``.grad``. After it, gradients are equal
-        on every rank. (``sync_gradients``; a hand-written loop calls it after the last
-        backward of a step.)"""
+        """Complete the step's gradient sync: launch what backward did not and wait for every
+        bucket, which every ``.grad`` is a view of. After it, gradients are equal on every
+        rank. (``sync_gradients``; a hand-written loop calls it after the last backward of a
+        step.)"""
         if not self.buckets:
             return
         while self._next < len(self.buckets):
@@ -303,8 +298,8 @@ class AllReduceStrategy(CommHookControl, BackwardSyncControl):
         for bucket, averaged in zip(self.buckets, results):
             if averaged.data_ptr() != bucket.buffer.data_ptr():
                 bucket.buffer.copy_(averaged)  # a hook that gives its mean in a tensor of its own
-            # Every .grad that launching found is a view of the bucket, now averaged; the rest
-            # (no gradient on this rank) get theirs.
+            # Every .grad the bucket took in is its view, now averaged; the rest (no gradient
+            # on this rank) get theirs.
             for param, view in zip(bucket.params, bucket.views):
                 if param.grad is None and (used is None or used[slot]):
                     param.grad = view  # (no rank produced one: left at None, as one process)
@@ -322,3 +317,21 @@ class AllReduceStrategy(CommHookControl, BackwardSyncControl):
         dist.all_reduce(flags, group=self.data_parallel_group)
         self.comm.all_reduce(flags.numel() * flags.element_size(), self.data_parallel_size)
         return [bool(flag) for flag in flags.tolist()]
+
+
+def _into_bucket(param: torch.Tensor, view: torch.Tensor) -> None:
+    """Put ``param``'s gradient into ``view``, its place in a bucket (zeros where this rank has
+    none: they add nothing to the sum), and make ``.grad`` that view: as DDP's
+    ``gradient_as_bucket_view``, the averaged bucket then needs no copy back, and a ``.grad``
+    kept from step to step (``zero_grad(set_to_none=False)``) accumulates in the bucket itself."""
+    grad = param.grad
+    if grad is None:
+        view.zero_()
+    elif grad.is_sparse:
+        raise RuntimeError(
+            "allreduce: sparse gradients are not supported (an Embedding with "
+            "sparse=True?); use dense gradients or strategy.name = 'ddp'"
+        )
+    elif grad is not view:
+        view.copy_(grad)
+        param.grad = view
