@@ -53,7 +53,9 @@ before every forward; and a parameter that gets no gradient is not an error. It 
 so after a step every parameter has the averaged gradient -- zeros where no rank produced one;
 with ``strategy.find_unused_parameters = true`` one extra small all-reduce per step finds the
 parameters no rank used, and leaves their ``.grad`` at ``None`` as one process would (so an
-optimizer with weight decay or momentum skips them exactly as it would there).
+optimizer with weight decay or momentum skips them exactly as it would there). As in DDP with
+``gradient_as_bucket_view`` (the ``ddp`` strategy's setting), a ``.grad`` is a view of its
+bucket from the sync on: the next step's sync writes over it (clone a gradient to keep it).
 """
 
 from __future__ import annotations
