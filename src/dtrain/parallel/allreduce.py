@@ -253,9 +253,8 @@ class AllReduceStrategy(CommHookControl, BackwardSyncControl):
                 "reduced in this step; run one backward per synchronized step and put "
                 "accumulation micro-steps inside no_backward_sync()"
             )
-        # Into the bucket now, as DDP does, not when the bucket launches: backward frees the
-        # gradient it made at once, and the last gradient is all that is left to copy when
-        # backward ends.
+        # Now, as DDP does, not at launch: backward frees its gradient at once, and when it
+        # ends only the last gradient is left to copy before the last bucket goes out.
         _into_bucket(param, view)
         bucket.ready.add(id(param))
         # Launch every bucket that is complete, in order, up to the first incomplete one.
@@ -322,10 +321,9 @@ class AllReduceStrategy(CommHookControl, BackwardSyncControl):
 
 
 def _into_bucket(param: torch.Tensor, view: torch.Tensor) -> None:
-    """Put ``param``'s gradient into ``view``, its place in a bucket (zeros where this rank has
-    none: they add nothing to the sum), and make ``.grad`` that view: as DDP's
-    ``gradient_as_bucket_view``, the averaged bucket then needs no copy back, and a ``.grad``
-    kept from step to step (``zero_grad(set_to_none=False)``) accumulates in the bucket itself."""
+    """``param``'s gradient into ``view``, its place in a bucket (zeros where this rank has none),
+    and ``.grad`` made that view (DDP's ``gradient_as_bucket_view``): the averaged bucket needs no
+    copy back, and a ``.grad`` kept between steps accumulates in the bucket itself."""
     grad = param.grad
     if grad is None:
         view.zero_()
