@@ -7,13 +7,13 @@ How one step goes::
                buckets = parameters in reverse registration order,  (the order backward
                          cut so that none passes strategy.bucket_mb   produces gradients)
                register_post_accumulate_grad_hook on every parameter
-    backward   a parameter's .grad is final -> its hook marks it ready in its bucket;
+    backward   a parameter's .grad is final -> its hook copies it into its place in the
+               bucket buffer, makes .grad that view, and marks it ready;
                a bucket whose parameters are all ready (and every bucket before it launched)
-               -> flatten its grads into the bucket buffer -> comm hook -> async all_reduce
-                  (or a compressed exchange: comm.compression)
+               -> comm hook -> async all_reduce (or a compressed exchange: comm.compression)
                (communication overlaps the rest of the backward pass)
     finish     launch the buckets backward never completed (parameters without a gradient
-               this step), wait for every bucket, copy the averaged values back into .grad
+               this step), wait for every bucket: each .grad, a view of one, is averaged
     no_backward_sync()   the hooks do nothing: accumulation micro-steps stay local
 
 Buckets are launched strictly in index order, whatever order they became ready in: collectives
@@ -33,9 +33,9 @@ Communication hooks have the shape of torch DDP's (``DistributedDataParallel.reg
 
 ``bucket`` is a :class:`GradBucket` with the methods of ``torch.distributed.GradBucket``
 (``index()``, ``buffer()``, ``gradients()``, ``parameters()``, ``is_last()``, ``set_buffer()``);
-the future's value is the *averaged* flat gradient, which is copied back into ``.grad``. So a hook
-written for DDP -- torch's own ``fp16_compress_hook`` or ``powerSGD_hook`` included -- plugs into
-this strategy unchanged::
+the future's value is the *averaged* flat gradient, which the bucket (and so ``.grad``) takes.
+So a hook written for DDP -- torch's own ``fp16_compress_hook`` or ``powerSGD_hook`` included --
+plugs into this strategy unchanged::
 
     strategy.register_comm_hook(state=None, hook=fp16_compress_hook)   # before the first step
 
@@ -52,7 +52,9 @@ before every forward; and a parameter that gets no gradient is not an error. It 
 so after a step every parameter has the averaged gradient -- zeros where no rank produced one;
 with ``strategy.find_unused_parameters = true`` one extra small all-reduce per step finds the
 parameters no rank used, and leaves their ``.grad`` at ``None`` as one process would (so an
-optimizer with weight decay or momentum skips them exactly as it would there).
+optimizer with weight decay or momentum skips them exactly as it would there). As in DDP with
+``gradient_as_bucket_view`` (the ``ddp`` strategy's setting), a ``.grad`` is a view of its
+bucket from the sync on: the next step's sync writes over it (clone a gradient to keep it).
 """
 
 from __future__ import annotations
@@ -189,8 +191,9 @@ class AllReduceStrategy(CommHookControl, BackwardSyncControl):
         ]
         bucket = _Bucket(index=len(self.buckets), params=params, buffer=buffer, views=views)
         self.buckets.append(bucket)
-        for param in params:
-            param.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, bucket))
+        for param, view in zip(params, views):
+            hook = functools.partial(self._grad_ready, bucket, view)
+            param.register_post_accumulate_grad_hook(hook)
 
     def register_comm_hook(self, state: Any, hook: HookFn) -> None:
         """Use ``hook(state, bucket)`` instead of the plain averaging all-reduce; the same
@@ -220,7 +223,7 @@ class AllReduceStrategy(CommHookControl, BackwardSyncControl):
     def sync_gradients(self) -> None:
         self.finish_gradient_sync()
 
-    def _grad_ready(self, bucket: _Bucket, param: torch.Tensor) -> None:
+    def _grad_ready(self, bucket: _Bucket, view: torch.Tensor, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: ``param.grad`` holds its final value for this backward."""
         if not self._sync:
             return  # an accumulation micro-step: the gradient stays local
@@ -230,6 +233,9 @@ class AllReduceStrategy(CommHookControl, BackwardSyncControl):
                 "reduced in this step; run one backward per synchronized step and put "
                 "accumulation micro-steps inside no_backward_sync()"
             )
+        # Now, as DDP does, not at launch: backward frees its gradient at once, and when it
+        # ends only the last gradient is left to copy before the last bucket goes out.
+        _into_bucket(param, view)
         bucket.ready.add(id(param))
         # Launch every bucket that is complete, in order, up to the first incomplete one.
         while self._next < len(self.buckets):
@@ -239,17 +245,11 @@ class AllReduceStrategy(CommHookControl, BackwardSyncControl):
             self._launch(head)
 
     def _launch(self, bucket: _Bucket) -> None:
-        # A parameter without a gradient on this rank contributes zeros to the sum.
+        # The parameters whose hook did not fire in this backward: no gradient on this rank,
+        # or one left from an accumulation micro-step.
         for param, view in zip(bucket.params, bucket.views):
-            if param.grad is None:
-                view.zero_()
-            elif param.grad.is_sparse:
-                raise RuntimeError(
-                    "allreduce: sparse gradients are not supported (an Embedding with "
-                    "sparse=True?); use dense gradients or strategy.name = 'ddp'"
-                )
-            else:
-                view.copy_(param.grad)
+            if id(param) not in bucket.ready:
+                _into_bucket(param, view)
         last = bucket.index == len(self.buckets) - 1
         handle = GradBucket(bucket.index, bucket.buffer, bucket.params, bucket.views, last)
         self._last_launch = time.perf_counter()
@@ -258,10 +258,10 @@ class AllReduceStrategy(CommHookControl, BackwardSyncControl):
         self._next = bucket.index + 1
 
     def finish_gradient_sync(self) -> None:
-        """Complete the step's gradient sync: launch what backward did not, wait for every
-        bucket and write the averaged gradients into ``.grad``. After it, gradients are equal
-        on every rank. (``sync_gradients``; a hand-written loop calls it after the last
-        backward of a step.)"""
+        """Complete the step's gradient sync: launch what backward did not and wait for every
+        bucket, which every ``.grad`` is a view of. After it, gradients are equal on every
+        rank. (``sync_gradients``; a hand-written loop calls it after the last backward of a
+        step.)"""
         if not self.buckets:
             return
         while self._next < len(self.buckets):
@@ -273,20 +273,17 @@ class AllReduceStrategy(CommHookControl, BackwardSyncControl):
             assert bucket.future is not None
             results.append(bucket.future.wait())
         # Waiting on communication: from the last bucket's launch (backward's computation had
-        # ended) until every bucket is reduced; copying into .grad is not counted.
+        # ended) until every bucket is reduced; a hook's result copied in is not counted.
         self.comm.waited(time.perf_counter() - self._last_launch)
         slot = 0
         for bucket, averaged in zip(self.buckets, results):
-            offset = 0
-            for param in bucket.params:
-                value = averaged[offset : offset + param.numel()].view_as(param)
-                offset += param.numel()
-                if used is not None and not used[slot]:
-                    pass  # no rank produced a gradient: leave .grad as one process would
-                elif param.grad is None:
-                    param.grad = value.clone()
-                else:
-                    param.grad.copy_(value)
+            if averaged.data_ptr() != bucket.buffer.data_ptr():
+                bucket.buffer.copy_(averaged)  # a hook that gives its mean in a tensor of its own
+            # Every .grad the bucket took in is its view, now averaged; the rest (no gradient
+            # on this rank) get theirs.
+            for param, view in zip(bucket.params, bucket.views):
+                if param.grad is None and (used is None or used[slot]):
+                    param.grad = view  # (no rank produced one: left at None, as one process)
                 slot += 1
             bucket.ready.clear()
             bucket.future = None
@@ -301,3 +298,20 @@ class AllReduceStrategy(CommHookControl, BackwardSyncControl):
         dist.all_reduce(flags, group=self.data_parallel_group)
         self.comm.all_reduce(flags.numel() * flags.element_size(), self.data_parallel_size)
         return [bool(flag) for flag in flags.tolist()]
+
+
+def _into_bucket(param: torch.Tensor, view: torch.Tensor) -> None:
+    """``param``'s gradient into ``view``, its place in a bucket (zeros where this rank has none),
+    and ``.grad`` made that view (DDP's ``gradient_as_bucket_view``): the averaged bucket needs no
+    copy back, and a ``.grad`` kept between steps accumulates in the bucket itself."""
+    grad = param.grad
+    if grad is None:
+        view.zero_()
+    elif grad.is_sparse:
+        raise RuntimeError(
+            "allreduce: sparse gradients are not supported (an Embedding with "
+            "sparse=True?); use dense gradients or strategy.name = 'ddp'"
+        )
+    elif grad is not view:
+        view.copy_(grad)
+        param.grad = view
