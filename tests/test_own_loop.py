@@ -43,6 +43,8 @@ def test_the_default_job_as_an_own_loop_logs_the_pinned_losses(tmp_path: Path) -
     assert logged_losses(run_dir)["train"] == expected
 
 
+@pytest.mark.slow  # two whole launches (~40 s loaded); the default suite checks fsdp's bits
+# through both loops in one pair of processes (test_an_own_loop_trains_what_dtrain_s_loop_trains)
 def test_the_default_job_as_an_own_loop_logs_dtrain_train_s_losses_under_fsdp(
     tmp_path: Path,
 ) -> None:
