@@ -102,11 +102,55 @@ def evaluate(
     """The mean loss, items counted and metrics over ``task.val_data`` (or its first
     ``max_samples`` samples); collective: every rank calls it. ``on_progress`` is called after
     each batch."""
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    names = check_metrics(task.metrics)
+    metrics = MetricTotals(task.metrics or {}, names, device)
+    loss_fn = metrics.wrap(LossContract(task.count_items).wrap(task.loss_fn))
+
+    def add(pair: tuple[Any, Any], items: int, counted: bool) -> None:
+        metrics.counting = counted
+        loss = strategy.eval_loss(pair, loss_fn)
+        if counted:
+            totals[0] += loss.double()
+            totals[1] += items
+
+    sweep(task, strategy, device, batch_size, max_samples, on_progress, add)
+    # The loss and the metrics are summed over every rank that computes them (a pipeline's
+    # other stages add zeros), the item count over the data-parallel ranks.
+    summed = torch.cat([totals[0:1], metrics.totals])
+    strategy.all_reduce_loss(summed)
+    strategy.all_reduce_sum(totals[1:2])
+    items = int(totals[1])
+    val_loss = float(summed[0] / totals[1]) if items > 0 else float("nan")
+    values: dict[str, float] = {}
+    for index, name in enumerate(names):
+        value, count = float(summed[1 + 2 * index]), float(summed[2 + 2 * index])
+        values[name] = value / count if count > 0 else float("nan")
+    return EvalResult(val_loss, items, values)
+
+
+@torch.no_grad()
+def sweep(
+    task: Task,
+    strategy: Strategy,
+    device: torch.device,
+    batch_size: int,
+    max_samples: int,
+    on_progress: Callable[[], None],
+    add: Callable[[tuple[Any, Any], int, bool], None],
+) -> None:
+    """This rank's share of ``task.val_data`` (or of its first ``max_samples`` samples), batch
+    after batch, as ``add(pair on the device, items, counted)``: the shares of the
+    data-parallel ranks cover the set once, unpadded. Where the strategy has collectives in
+    its forward (``lockstep_forward``), a rank with a smaller share then runs padding batches
+    (``counted`` False) until every rank ran as many forwards. The ranks' buffers agreed on
+    first; the model in eval mode meanwhile. Collective: every rank calls it; the sums are the
+    caller's to reduce (:func:`evaluate`, :mod:`dtrain.loop.evaluate`)."""
     assert task.val_data is not None
     strategy.agree_on_buffers()
     module = strategy.unwrapped
+    training = module.training
     module.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
     dp_size = strategy.data_parallel_size
     batches = eval_batches(
         task.val_data,
@@ -116,40 +160,20 @@ def evaluate(
         task.collate_fn,
         max_samples,
     )
-    names = check_metrics(task.metrics)
-    metrics = MetricTotals(task.metrics or {}, names, device)
-    loss_fn = metrics.wrap(LossContract(task.count_items).wrap(task.loss_fn))
     first: Any = None
     done = 0
     for batch in batches:  # fetched one at a time: a large set is never all in memory
         first = batch if first is None else first
         pair, items = split_to_device(task, batch, device)
-        totals[0] += strategy.eval_loss(pair, loss_fn).double()
-        totals[1] += items
+        add(pair, items, True)
         done += 1
         on_progress()
     if strategy.capabilities.lockstep_forward:
-        # Strategies with collectives in forward need the same number of forward passes on
-        # every rank: the ranks with a smaller share run padding batches, not counted.
         total = len(task.val_data) if max_samples <= 0 else min(max_samples, len(task.val_data))
         largest_share = -(-total // dp_size)
         needed = -(-largest_share // batch_size)
         padding = first if first is not None else task.collate_fn([task.val_data[0]])
-        metrics.counting = False
         for _ in range(needed - done):
-            inputs, targets = to_device(task.split_batch(padding), device)
-            strategy.eval_loss((inputs, targets), loss_fn)
+            add(to_device(task.split_batch(padding), device), 0, False)
             on_progress()
-    # The loss and the metrics are summed over every rank that computes them (a pipeline's
-    # other stages add zeros), the item count over the data-parallel ranks.
-    summed = torch.cat([totals[0:1], metrics.totals])
-    strategy.all_reduce_loss(summed)
-    strategy.all_reduce_sum(totals[1:2])
-    module.train()
-    items = int(totals[1])
-    val_loss = float(summed[0] / totals[1]) if items > 0 else float("nan")
-    values: dict[str, float] = {}
-    for index, name in enumerate(names):
-        value, count = float(summed[1 + 2 * index]), float(summed[2 + 2 * index])
-        values[name] = value / count if count > 0 else float("nan")
-    return EvalResult(val_loss, items, values)
+    module.train(training)
