@@ -30,6 +30,7 @@ EVENTS = (
     "overflow",
     "rollback",
     "preempted",
+    "early_stop",
     "membership",
 )
 

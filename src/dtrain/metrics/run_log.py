@@ -201,5 +201,7 @@ class RunLog:
         write_status(self.run_dir, RunStatus(state, step, summary.preempted))
         if self.metrics is not None:
             totals = {key: getattr(summary, key) for key in SUMMARY_FIELDS}
+            if summary.stopped:  # an own loop's early stop: completed, and why
+                totals["stopped"] = summary.stopped
             self.metrics.write({"kind": "summary", "state": state, "step": step, **totals})
             self.metrics.close()

@@ -24,6 +24,7 @@ class Summary:
     skipped_steps: int = 0
     rollbacks: int = 0
     preempted: str = ""  # the signal's name when the run stopped early to be resumed
+    stopped: str = ""  # why a loop of the user's own stopped before train.steps (run.stop())
     checkpoint: str = ""
     generated: str = ""
     comm_bytes: int = 0  # this rank's, over the run (dtrain.comm.accounting)
@@ -108,6 +109,8 @@ def print_summary(summary: Summary, item_name: str, world_size: int) -> None:
         )
     else:
         head = f"done: {summary.steps} steps"
+        if summary.stopped:
+            head += f", stopped early ({summary.stopped})"
     lines = [
         "",
         f"{head} ({summary.steps - summary.start_step} this run) on {world_size} rank(s) in "
