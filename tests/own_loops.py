@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from examples.own_loop import main as example_main
 
 import dtrain
@@ -47,7 +48,12 @@ def train_own_loop(
     run = dtrain.Run.join(build_job_config(raw))
     summary = run.train(loop)
     params = params_of(run.trainer)
-    return {"params": params, "preempted": summary.preempted, "steps": summary.steps}
+    return {
+        "params": params,
+        "preempted": summary.preempted,
+        "stopped": summary.stopped,
+        "steps": summary.steps,
+    }
 
 
 def own_loop_params(raw: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -116,3 +122,52 @@ def mistake(raw: dict[str, Any], kind: str) -> str:
     except UserError as exc:
         return str(exc)
     return "no error"
+
+
+def evaluate_and_reduce(raw: dict[str, Any], samples: int) -> dict[str, Any]:
+    """``run.evaluate`` of the first ``samples`` validation samples before the first step (per
+    token: the loss, and each target token's id, whose mean the data alone says), then the
+    example's steps; ``run.reduce`` of this rank's number (rank + 1) by every op."""
+    from torch.utils.data import Subset
+
+    from tests.tasks import tiny_gpt
+
+    out: dict[str, Any] = {}
+
+    def loop(run: dtrain.Run) -> None:
+        task = tiny_gpt(run.config)
+        model, _ = run.prepare(task.model, task.train_data, collate_fn=task.collate_fn)
+        val = Subset(task.val_data, range(samples))
+
+        def fn(inputs: Any, targets: Any) -> dict[str, Any]:
+            return {"loss": task.loss_fn(model(inputs), targets), "token": targets.double()}
+
+        out["eval"] = run.evaluate(val, fn, batch_size=4)
+        for batch in run.batches():
+            for inputs, targets in batch:
+                run.backward(task.loss_fn(model(inputs), targets))
+            run.step()
+        mine = float(run.rank + 1)
+        out["reduce"] = {op: run.reduce(mine, op) for op in ("sum", "mean", "max", "min")}
+        out["reduce_tensor"] = run.reduce(torch.full((2,), mine), "sum").tolist()
+
+    train_own_loop(raw, loop)
+    return out
+
+
+def stop_on_one_rank(raw: dict[str, Any], rank: int, step: int) -> dict[str, Any]:
+    """The tiny loop, where ``rank`` alone calls ``run.stop()`` before the forward of ``step``;
+    the loop itself never breaks (``run.batches()`` ends where the ranks agreed)."""
+    from tests.tasks import tiny_gpt
+
+    def loop(run: dtrain.Run) -> None:
+        task = tiny_gpt(run.config)
+        model, _ = run.prepare(task.model, task.train_data, collate_fn=task.collate_fn)
+        for batch in run.batches():
+            if run.rank == rank and run.step_count + 1 == step:
+                run.stop(f"rank {rank} had enough")
+            for inputs, targets in batch:
+                run.backward(task.loss_fn(model(inputs), targets))
+            run.step()
+
+    return train_own_loop(raw, loop)

@@ -15,7 +15,9 @@ trainer's update and what follows it (``Trainer.end_step``), its resume and its 
                 break                                   # every rank agreed to stop
 
 ``run.step()`` returns True on the step after which every rank stops (a preemption signal on
-any rank); the final checkpoint is written when ``main`` returns.
+any rank, or a rank's ``run.stop()``); the final checkpoint is written when ``main`` returns.
+``run.evaluate(data, fn)`` and ``run.reduce(value, op)`` give numbers reduced exactly over the
+ranks (:mod:`dtrain.loop.evaluate`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from dtrain.dist.runtime import Runtime
 from dtrain.errors import UserError
 from dtrain.fault.failpoints import failpoint
 from dtrain.fault.preempt import PreemptionFlag
+from dtrain.loop.early_stop import agreed_reasons
+from dtrain.loop.evaluate import EvalFn, ReduceOp, evaluate_in_loop, reduce_over_ranks
 from dtrain.metrics.summary import Summary
 from dtrain.parallel.base import BackwardSyncControl
 from dtrain.task import Task
@@ -132,6 +136,7 @@ class Run:
         self._scale = torch.ones(())
         self._loss_sum: torch.Tensor | None = None
         self._stopped = False
+        self._wish = ""  # run.stop()'s reason, until a step's agreement carries it
         self.summary: Summary | None = None  # once the run has ended
 
     @classmethod
@@ -273,7 +278,13 @@ class Run:
             planned = batch.step_batch.planned_items(per_sample, batch.items, trainer.step + 1)
         assert self._preempt is not None
         self._scale = trainer.forward_backward.begin(
-            batch.items, self._preempt.requested, planned, False, batch.micro[0], output_sum
+            batch.items,
+            self._preempt.requested,
+            planned,
+            False,
+            batch.micro[0],
+            output_sum,
+            wish=bool(self._wish),
         )
         self._loss_sum = None
 
@@ -329,8 +340,57 @@ class Run:
             loop, batch.step_batch, self._loss_sum, agreement, trainer.logs_now(), self._preempt
         )
         self._batch, self._loss_sum = None, None
+        if agreement.wish and not stopped and trainer.step < self.config.train.steps:
+            stopped = self._stop_agreed(loop)
         self._stopped = stopped
         return stopped
+
+    def stop(self, reason: str = "run.stop()") -> None:
+        """This rank wishes every rank to stop (early stopping): they all stop after the same
+        step -- this one if its first forward has not begun, else the next -- and the run ends
+        completed, its final checkpoint saved, ``reason`` in its summary. No collective of its
+        own: the wish rides in the step's agreement (:mod:`dtrain.loop.early_stop`)."""
+        self._wish = self._wish or reason or "run.stop()"
+
+    def _stop_agreed(self, loop: LoopState) -> bool:
+        """The ranks agreed on a wish to stop in this step's agreement: every rank stops now."""
+        reasons = agreed_reasons(self._wish)
+        loop.summary.stopped = reasons or "run.stop()"
+        self.trainer.run_log.event("early_stop", self.trainer.step, reason=loop.summary.stopped)
+        return True
+
+    def evaluate(
+        self,
+        data: Any,
+        fn: EvalFn,
+        *,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        batch_size: int | None = None,
+        max_samples: int = 0,
+    ) -> dict[str, float]:
+        """The mean of ``fn(inputs, targets)``'s per-item values over every item of ``data``
+        (its first ``max_samples`` samples, if given), each item counted once across the
+        ranks: the value one process computes over the set. ``fn`` returns the batch's
+        per-item losses, or a dict of per-item values with a ``'loss'`` entry; it runs without
+        gradients, the model in eval mode, under the strategy's precision. Logged as dtrain's
+        evaluations are (``val_loss``, ``val_<name>``); before the first step (it then resumes
+        the run, as the first ``run.batches()`` does) or between two, every rank calls it
+        (:mod:`dtrain.loop.evaluate`)."""
+        if self._loop is None and self.summary is None:
+            self._start()
+        if self._loop is None or self._batch is not None:
+            raise UserError(
+                "run.evaluate() between two steps of the loop (after run.step()), or before "
+                "the first, while the run has not ended"
+            )
+        size = self.config.eval.batch_size if batch_size is None else batch_size
+        return evaluate_in_loop(self.trainer, data, fn, collate_fn, size, max_samples)
+
+    def reduce(self, value: Any, op: ReduceOp = "mean") -> Any:
+        """``value`` (a number or a tensor) reduced over the data-parallel ranks: ``"sum"``,
+        ``"mean"``, ``"max"`` or ``"min"``; the same result on every rank (every rank calls
+        it)."""
+        return reduce_over_ranks(self.trainer.strategy, value, op)
 
     def save(self) -> None:
         """A checkpoint of the run now, between two steps, beside those of

@@ -1,0 +1,66 @@
+"""An own loop's evaluation and early stop (``run.evaluate``, ``run.reduce``, ``run.stop``;
+docs/own-loop.md): the evaluation's means count every item of the set once at any world size
+(2 ranks equal one process, for a set that does not divide evenly), the reductions are over
+the ranks, and one rank's wish to stop stops every rank after the same step, completed and
+saved."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import tiny_raw
+from tests.own_loops import evaluate_and_reduce, stop_on_one_rank
+from tests.ranks import run_ranks
+from tests.test_fault import JOB
+
+SAMPLES = 13  # 7 + 6 samples on 2 ranks, in batches of 4: shares and batches both uneven
+
+
+def eval_records(run_dir: Path) -> list[dict[str, object]]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("kind") == "eval"]
+
+
+def test_an_own_evaluation_on_two_ranks_equals_one_process(tmp_path: Path) -> None:
+    from tests.tasks import RandomTokens
+
+    raws = {n: tiny_raw(tmp_path / str(n), train={"steps": 2}) for n in (1, 2)}
+    one = run_ranks(evaluate_and_reduce, 1, raws[1], SAMPLES)[0]
+    two = run_ranks(evaluate_and_reduce, 2, raws[2], SAMPLES)
+    assert two[0]["eval"] == two[1]["eval"]  # every rank has the reduced values
+    assert abs(two[0]["eval"]["loss"] - one["eval"]["loss"]) <= 1e-6
+    # The targets' mean is the data's: each of the set's items counted exactly once.
+    seq_len = raws[1]["task"]["seq_len"]
+    data = RandomTokens(max(8, raws[1]["task"]["samples"] // 8), seq_len, seed=2)
+    targets = np.concatenate([np.asarray(data[i])[1:] for i in range(SAMPLES)])
+    for result in (one, two[0]):
+        assert result["eval"]["token"] == pytest.approx(targets.mean(), abs=1e-12)
+    for run_dir in (tmp_path / "1", tmp_path / "2"):
+        (record,) = eval_records(run_dir)
+        assert record["step"] == 0 and record["val_items"] == SAMPLES * seq_len
+        assert record["val_loss"] == pytest.approx(one["eval"]["loss"], abs=1e-6)
+    # run.reduce over the ranks: rank r holds r + 1.
+    assert two[0]["reduce"] == two[1]["reduce"] == {"sum": 3, "mean": 1.5, "max": 2, "min": 1}
+    assert two[1]["reduce_tensor"] == [3.0, 3.0]
+    assert one["reduce"] == {"sum": 1, "mean": 1, "max": 1, "min": 1}
+
+
+def test_one_rank_s_stop_stops_every_rank_after_the_same_step_saved(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    raw = tiny_raw(run_dir, JOB)  # 16 steps, checkpoints every 4
+    ended = run_ranks(stop_on_one_rank, 2, raw, 1, 6)
+    assert [e["steps"] for e in ended] == [6, 6]
+    assert [e["stopped"] for e in ended] == ["rank 1 had enough"] * 2
+    assert [e["preempted"] for e in ended] == ["", ""]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert (status["state"], status["step"]) == ("completed", 6)
+    assert (run_dir / "checkpoints/step-00000006/COMMITTED.json").exists()
+    assert not (run_dir / "checkpoints/step-00000008").exists()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (summary,) = [r for r in records if r.get("kind") == "summary"]
+    assert (summary["state"], summary["step"]) == ("completed", 6)
+    assert summary["stopped"] == "rank 1 had enough"
