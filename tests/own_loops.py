@@ -142,7 +142,7 @@ def evaluate_and_reduce(raw: dict[str, Any], samples: int) -> dict[str, Any]:
         def fn(inputs: Any, targets: Any) -> dict[str, Any]:
             return {"loss": task.loss_fn(model(inputs), targets), "token": targets.double()}
 
-        out["eval"] = run.evaluate(val, fn, batch_size=4)
+        out["eval"] = run.evaluate(val, fn, batch_size=3)
         for batch in run.batches():
             for inputs, targets in batch:
                 run.backward(task.loss_fn(model(inputs), targets))

@@ -1,6 +1,7 @@
 """A loop of the user's own (``dtrain.Run``, docs/own-loop.md) keeps dtrain's guarantees: the
 default job written as one logs dtrain train's losses bit for bit (ddp: the pinned ones; fsdp);
-it trains the parameters dtrain's loop trains, bit for bit, under ddp, allreduce and fsdp; 2
+it trains the parameters dtrain's loop trains, bit for bit, under ddp, allreduce, fsdp, tensor
+and 2 x 2 composed meshes; 2
 ranks equal one process; a kill -9 resumes bit-identically; SIGTERM saves and stops every rank
 at one step; mistakes are one line."""
 
@@ -59,13 +60,35 @@ def test_the_default_job_as_an_own_loop_logs_dtrain_train_s_losses_under_fsdp(
     assert losses[0] == losses[1]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "allreduce", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "allreduce", "fsdp", "tensor"])
 def test_an_own_loop_trains_what_dtrain_s_loop_trains(tmp_path: Path, strategy: str) -> None:
     sections = {"strategy": {"name": strategy}, "data": {"micro_batches": 2}}
     theirs = run_ranks(train_params, 2, tiny_raw(tmp_path / "trainer", JOB, **sections))
     ours = run_ranks(own_loop_params, 2, tiny_raw(tmp_path / "own", JOB, **sections))
     assert_bit_equal(theirs[0], ours[0])
     assert_bit_equal(theirs[1], ours[1])
+
+
+# 2 x 2 meshes on 4 ranks: FSDP shards x tensor-parallel pairs, and data-parallel copies x
+# tensor-parallel pairs. In the slow suite: about 5 s each, loaded, for a default suite at its
+# time budget; the default suite checks tensor's bits (2 ranks) above.
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        {"name": "fsdp", "tensor_parallel": 2},
+        {"name": "tensor", "tensor_parallel": 2},
+    ],
+    ids=["fsdp-tensor", "copies-tensor"],
+)
+def test_an_own_loop_trains_what_dtrain_s_loop_trains_on_a_composed_mesh(
+    tmp_path: Path, mesh: dict[str, object]
+) -> None:
+    sections = {"strategy": mesh, "train": {"steps": 6}}
+    theirs = run_ranks(train_params, 4, tiny_raw(tmp_path / "trainer", JOB, **sections))
+    ours = run_ranks(own_loop_params, 4, tiny_raw(tmp_path / "own", JOB, **sections))
+    for rank in range(4):
+        assert_bit_equal(theirs[rank], ours[rank])
 
 
 def test_an_own_loop_on_two_ranks_equals_one_process(tmp_path: Path) -> None:
