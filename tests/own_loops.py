@@ -171,3 +171,15 @@ def stop_on_one_rank(raw: dict[str, Any], rank: int, step: int) -> dict[str, Any
             run.step()
 
     return train_own_loop(raw, loop)
+
+
+def early_stop_example(raw: dict[str, Any], patience: int, min_improvement: float) -> Any:
+    """examples/own_loop_early_stop.py's loop: what the run did, and its evaluations."""
+    from examples.own_loop_early_stop import train
+
+    evaluations: list[dict[str, float]] = []
+
+    def loop(run: dtrain.Run) -> None:
+        evaluations.extend(train(run, patience, min_improvement))
+
+    return {**train_own_loop(raw, loop), "evaluations": evaluations}

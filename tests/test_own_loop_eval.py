@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import tiny_raw
-from tests.own_loops import evaluate_and_reduce, stop_on_one_rank
+from tests.own_loops import early_stop_example, evaluate_and_reduce, stop_on_one_rank
 from tests.ranks import run_ranks
 from tests.test_fault import JOB
 
@@ -68,3 +68,23 @@ def test_one_rank_s_stop_stops_every_rank_after_the_same_step_saved(tmp_path: Pa
     (summary,) = [r for r in records if r.get("kind") == "summary"]
     assert (summary["state"], summary["step"]) == ("completed", 6)
     assert summary["stopped"] == "rank 1 had enough"
+
+
+def test_the_early_stop_example_stops_every_rank_after_the_step_that_follows_its_decision(
+    tmp_path: Path,
+) -> None:
+    # Evaluations every 3 steps; no loss betters the first by 1.0, so the second (step 6)
+    # asks to stop, on every rank alike: every rank stops after step 7, saved.
+    run_dir = tmp_path / "run"
+    raw = tiny_raw(run_dir, JOB, eval={"every": 3, "max_samples": 0})
+    ended = run_ranks(early_stop_example, 2, raw, 1, 1.0)
+    assert [e["steps"] for e in ended] == [7, 7]
+    assert ended[0]["stopped"] == ended[1]["stopped"]
+    assert ended[0]["stopped"].endswith("not bettered in the last 1 evaluation(s)")
+    assert ended[0]["evaluations"] == ended[1]["evaluations"]
+    assert len(ended[0]["evaluations"]) == 2
+    assert (run_dir / "checkpoints/step-00000007/COMMITTED.json").exists()
+    records = eval_records(run_dir)
+    assert [r["step"] for r in records] == [3, 6]
+    assert [r["val_accuracy"] for r in records] == [e["accuracy"] for e in ended[0]["evaluations"]]
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "completed"
