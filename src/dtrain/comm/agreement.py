@@ -1,6 +1,6 @@
 """What the ranks agree on about each training step: its global item count (the loss scale's
-denominator), whether any rank was asked to stop (preemption) and whether any rank's own loop
-wishes to stop (``run.stop()``, early stopping), summed over every rank once per step.
+denominator) and whether any rank was asked to stop (preemption), summed over every rank once
+per step.
 
 The sum rides in the gradient all-reduce of the step's last bucket where the comm hook can
 carry it (:meth:`dtrain.comm.hooks.CommHook.carry`): packed as a few float32 values, exact
@@ -34,26 +34,22 @@ class StepAgreement:
     Summed once per step by whoever gets to it: a comm hook that carries it with the
     gradients (:meth:`pack`, then :meth:`unpack` of the sums), or :meth:`all_reduce`."""
 
-    # Values when packed: the count's digits, the flags, the wishes. The flags share one
-    # value, stop + (W + 1) x regroup: summed over W ranks, the stops (at most W) and the
-    # regroups come apart exactly, and a job that never regroups sends what it sent before.
-    # The wishes to stop (a loop's run.stop()) are a value of their own, so that a wish is
-    # never taken for a preemption (it ends the run completed, not to be resumed).
-    WIDTH = _LIMBS + 2
+    # Values when packed: the count's digits, then the flags. The flags share one value,
+    # stop + (W + 1) x regroup: summed over W ranks, the stops (at most W) and the regroups
+    # come apart exactly, and a job that never regroups sends what it sent before.
+    WIDTH = _LIMBS + 1
 
-    def __init__(self, items: int, stop: bool, regroup: bool = False, wish: bool = False) -> None:
+    def __init__(self, items: int, stop: bool, regroup: bool = False) -> None:
         if items < 0 or items >= _RADIX**_LIMBS:
             raise ValueError(f"a step's item count on one rank must be in [0, 2**36): {items}")
         self.local = (items, stop)
         # fault.recovery = 'inplace': a worker waits to join, every rank leaves this
         # membership generation after the step (dtrain.recovery.inplace).
         self.local_regroup = regroup
-        self.local_wish = wish  # a loop of the user's own wishes to stop (dtrain.loop)
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.items = 0  # the sums, once agreed
         self.stop = False
         self.regroup = False
-        self.wish = False
         self.agreed = False
 
     def _flags(self) -> float:
@@ -66,13 +62,12 @@ class StepAgreement:
     def pack(self) -> list[float]:
         items = self.local[0]
         digits = [float((items >> (_LIMB_BITS * i)) & (_RADIX - 1)) for i in range(_LIMBS)]
-        return [*digits, self._flags(), float(self.local_wish)]
+        return [*digits, self._flags()]
 
     def unpack(self, sums: Sequence[float]) -> None:
         """Take the sums of every rank's :meth:`pack` (exact: see ``MAX_CARRYING_RANKS``)."""
         self.items = sum(int(sums[i]) << (_LIMB_BITS * i) for i in range(_LIMBS))
         self._take_flags(sums[_LIMBS])
-        self.wish = sums[_LIMBS + 1] > 0
         self.agreed = True
 
     def all_reduce(self, comm: CommCounter, device: torch.device) -> None:
@@ -80,13 +75,11 @@ class StepAgreement:
         items, stop = self.local
         if self.world == 1:
             self.items, self.stop, self.agreed = items, stop, True
-            self.regroup, self.wish = self.local_regroup, self.local_wish
+            self.regroup = self.local_regroup
             return
-        values = [items, self._flags(), float(self.local_wish)]
-        sums = torch.tensor(values, dtype=torch.float64, device=device)
+        sums = torch.tensor([items, self._flags()], dtype=torch.float64, device=device)
         with comm.waiting():
             dist.all_reduce(sums)
         comm.all_reduce(sums.numel() * sums.element_size(), self.world)
         self.items, self.agreed = int(sums[0]), True
         self._take_flags(float(sums[1]))
-        self.wish = float(sums[2]) > 0

@@ -154,15 +154,13 @@ class ForwardBackward:
         regroup: bool,
         first_micro: tuple[Any, Any],
         loss_fn: LossFn,
-        wish: bool = False,
     ) -> torch.Tensor:
         """The step's first half, before its first forward: the agreement opened (agreed on
         now on a process's first step), the scale of every micro-batch's loss sum returned.
         A loop of the user's own (:mod:`dtrain.loop`) calls it and :meth:`finish` around its
-        micro-batches, as :meth:`__call__` does; ``wish``: its loop wishes every rank to stop
-        after this step (``run.stop()``)."""
+        micro-batches, as :meth:`__call__` does."""
         strategy = self.strategy
-        agreement = StepAgreement(items if strategy.counts_items else 0, stop, regroup, wish)
+        agreement = StepAgreement(items if strategy.counts_items else 0, stop, regroup)
         expected = planned if planned is not None else self.expected
         if expected is None:  # nothing to assume: agree before the forward, this once
             agreement.all_reduce(strategy.comm, self.device)
