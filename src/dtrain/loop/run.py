@@ -38,7 +38,7 @@ from dtrain.dist.runtime import Runtime
 from dtrain.errors import UserError
 from dtrain.fault.failpoints import failpoint
 from dtrain.fault.preempt import PreemptionFlag
-from dtrain.loop.early_stop import agreed_reasons
+from dtrain.loop.early_stop import stop_causes
 from dtrain.loop.evaluate import EvalFn, ReduceOp, evaluate_in_loop, reduce_over_ranks
 from dtrain.metrics.summary import Summary
 from dtrain.parallel.base import BackwardSyncControl
@@ -277,14 +277,9 @@ class Run:
         if per_sample is not None:
             planned = batch.step_batch.planned_items(per_sample, batch.items, trainer.step + 1)
         assert self._preempt is not None
+        stop = self._preempt.requested or bool(self._wish)  # a wish rides in the stop flag
         self._scale = trainer.forward_backward.begin(
-            batch.items,
-            self._preempt.requested,
-            planned,
-            False,
-            batch.micro[0],
-            output_sum,
-            wish=bool(self._wish),
+            batch.items, stop, planned, False, batch.micro[0], output_sum
         )
         self._loss_sum = None
 
@@ -336,12 +331,19 @@ class Run:
         with trainer.phase("forward_backward"):
             agreement = trainer.forward_backward.finish()
         assert self._preempt is not None
+        wished: list[str] = []
+        if agreement.stop and trainer.step + 1 < self.config.train.steps:
+            causes = stop_causes(self._preempt.signal_name, self._wish)
+            if not causes.preempted:  # wishes only: the step ends as any step, then the run
+                agreement.stop, wished = False, causes.reasons
         stopped = trainer.end_step(
             loop, batch.step_batch, self._loss_sum, agreement, trainer.logs_now(), self._preempt
         )
         self._batch, self._loss_sum = None, None
-        if agreement.wish and not stopped and trainer.step < self.config.train.steps:
-            stopped = self._stop_agreed(loop)
+        if wished:
+            loop.summary.stopped = "; ".join(wished)
+            trainer.run_log.event("early_stop", trainer.step, reason=loop.summary.stopped)
+            stopped = True
         self._stopped = stopped
         return stopped
 
@@ -351,13 +353,6 @@ class Run:
         completed, its final checkpoint saved, ``reason`` in its summary. No collective of its
         own: the wish rides in the step's agreement (:mod:`dtrain.loop.early_stop`)."""
         self._wish = self._wish or reason or "run.stop()"
-
-    def _stop_agreed(self, loop: LoopState) -> bool:
-        """The ranks agreed on a wish to stop in this step's agreement: every rank stops now."""
-        reasons = agreed_reasons(self._wish)
-        loop.summary.stopped = reasons or "run.stop()"
-        self.trainer.run_log.event("early_stop", self.trainer.step, reason=loop.summary.stopped)
-        return True
 
     def evaluate(
         self,
