@@ -183,3 +183,28 @@ def early_stop_example(raw: dict[str, Any], patience: int, min_improvement: floa
         evaluations.extend(train(run, patience, min_improvement))
 
     return {**train_own_loop(raw, loop), "evaluations": evaluations}
+
+
+def evaluation_mistake(raw: dict[str, Any], kind: str) -> str:
+    """The one-line error of ``run.evaluate`` given mistake ``kind``."""
+    from tests.tasks import tiny_gpt
+
+    def loop(run: dtrain.Run) -> None:
+        task = tiny_gpt(run.config)
+        model, _ = run.prepare(task.model, task.train_data, collate_fn=task.collate_fn)
+
+        def fn(inputs: Any, targets: Any) -> Any:
+            losses = task.loss_fn(model(inputs), targets)
+            if kind == "no loss":
+                return {"right": losses}
+            if kind == "a number":
+                return {"loss": float(losses.mean())}
+            return {"loss": losses, "items": losses}
+
+        run.evaluate(task.val_data, fn)
+
+    try:
+        train_own_loop(raw, loop)
+    except UserError as exc:
+        return str(exc)
+    return "no error"

@@ -13,7 +13,12 @@ import numpy as np
 import pytest
 
 from tests.conftest import tiny_raw
-from tests.own_loops import early_stop_example, evaluate_and_reduce, stop_on_one_rank
+from tests.own_loops import (
+    early_stop_example,
+    evaluate_and_reduce,
+    evaluation_mistake,
+    stop_on_one_rank,
+)
 from tests.ranks import run_ranks
 from tests.test_fault import JOB
 
@@ -88,3 +93,16 @@ def test_the_early_stop_example_stops_every_rank_after_the_step_that_follows_its
     assert [r["step"] for r in records] == [3, 6]
     assert [r["val_accuracy"] for r in records] == [e["accuracy"] for e in ended[0]["evaluations"]]
     assert json.loads((run_dir / "status.json").read_text())["state"] == "completed"
+
+
+@pytest.mark.parametrize(
+    ("kind", "says"),
+    [
+        ("no loss", "fn returned dict: return the batch's per-item losses"),
+        ("a number", "fn's 'loss' is a float: give a tensor of per-item values"),
+        ("reserved name", "'items' cannot name a value"),
+    ],
+)
+def test_an_evaluation_s_mistake_is_one_line(tmp_path: Path, kind: str, says: str) -> None:
+    said = run_ranks(evaluation_mistake, 1, tiny_raw(tmp_path / "run"), kind)[0]
+    assert says in said and "\n" not in said

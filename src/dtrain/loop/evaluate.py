@@ -28,8 +28,13 @@ from dtrain.train.trainer import Trainer
 EvalFn = Callable[[Any, Any], "torch.Tensor | Mapping[str, torch.Tensor]"]
 ReduceOp = Literal["sum", "mean", "max", "min"]
 
-_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-        "min": dist.ReduceOp.MIN}  # fmt: skip
+# A mean is a sum divided by the ranks.
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
 
 
 def per_item_values(result: Any) -> dict[str, torch.Tensor]:

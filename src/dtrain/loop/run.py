@@ -383,8 +383,9 @@ class Run:
 
     def reduce(self, value: Any, op: ReduceOp = "mean") -> Any:
         """``value`` (a number or a tensor) reduced over the data-parallel ranks: ``"sum"``,
-        ``"mean"``, ``"max"`` or ``"min"``; the same result on every rank (every rank calls
-        it)."""
+        ``"mean"``, ``"max"`` or ``"min"`` (every rank calls it). The ranks of a
+        tensor-parallel group share their batch, so hold the same numbers of it: they are one
+        data-parallel rank, counted once."""
         return reduce_over_ranks(self.trainer.strategy, value, op)
 
     def save(self) -> None:
