@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from dtrain.comm.plain import all_gather_json
+
 
 @dataclass(frozen=True)
 class StopCauses:
@@ -37,9 +39,8 @@ def stop_causes(signal: str, reason: str) -> StopCauses:
     the step whose agreement stopped the run."""
     causes = [(signal, reason)]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered: list[tuple[str, str]] = [("", "")] * dist.get_world_size()
-        dist.all_gather_object(gathered, (signal, reason))
-        causes = gathered
+        # Plain JSON, never pickles: nothing a peer sends is unpickled (comm/plain.py).
+        causes = [(str(s), str(r)) for s, r in all_gather_json([signal, reason])]
     reasons: list[str] = []
     for _, wish in causes:
         if wish and wish not in reasons:
