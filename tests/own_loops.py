@@ -208,3 +208,70 @@ def evaluation_mistake(raw: dict[str, Any], kind: str) -> str:
     except UserError as exc:
         return str(exc)
     return "no error"
+
+
+def sgd(params: list[tuple[str, Any]]) -> Any:
+    """The GAN's critic under SGD, as tiny_raw's generator: both compare at 1e-5 (Adam's
+    division by sqrt(v) turns last-bit differences near zero gradients into visible ones)."""
+    import torch
+
+    return torch.optim.SGD(params, lr=0.05)
+
+
+def gan_loop(run: dtrain.Run, signal_at: tuple[int, int, str] | None = None) -> None:
+    """The GAN example's loop with an SGD critic; ``signal_at``: (rank, step, signal) sent to
+    this process as that rank starts that step."""
+    from examples.own_loop_gan import train_gan
+
+    if signal_at is not None:
+        rank, step, signame = signal_at
+
+        def send(name: str, **args: Any) -> None:
+            if name == "train.step" and args["step"] == step and run.rank == rank:
+                os.kill(os.getpid(), getattr(signal, signame))
+
+        set_handler(send)
+    try:
+        train_gan(run, sgd)
+    finally:
+        set_handler(None)
+
+
+def gan_params(
+    raw: dict[str, Any], signal_at: tuple[int, int, str] | None = None
+) -> dict[str, Any]:
+    """:func:`gan_loop` trained as this rank of the job: both models' parameters (the
+    critic's under ``critic.``), whether it was preempted, its steps."""
+    run = dtrain.Run.join(build_job_config(raw))
+    summary = run.train(lambda r: gan_loop(r, signal_at))
+    params = params_of(run.trainer)
+    critic = run._wrapped["critic"].strategy.model_state_dict()  # collective under fsdp
+    params.update({f"critic.{k}": v.detach().cpu().numpy().copy() for k, v in critic.items()})
+    return {"params": params, "preempted": summary.preempted, "steps": summary.steps}
+
+
+def models_mistake(raw: dict[str, Any], kind: str) -> str:
+    """The one-line error of a loop with further models that makes mistake ``kind``."""
+    import torch
+    import torch.nn.functional as F
+    from examples.own_loop_gan import LATENT, MLP, RingSamples, samples
+
+    def loop(run: dtrain.Run) -> None:
+        generator, _ = run.prepare(MLP(LATENT, 8, 2), RingSamples(64), count_items=samples)
+        critic: Any = MLP(2, 8, 1)
+        if kind != "not wrapped":
+            critic, _ = run.wrap("critic", critic, optimizer=sgd)
+        for batch in run.batches():
+            if kind == "wrap after start":
+                run.wrap("late", MLP(2, 8, 1))
+            for latents, _real in batch:
+                run.backward(F.softplus(-critic(generator(latents)).squeeze(1)))
+            if kind == "update of another optimizer":
+                run.update(torch.optim.SGD(generator.parameters(), lr=0.1))
+            run.step()
+
+    try:
+        train_own_loop(raw, loop)
+    except UserError as exc:
+        return str(exc)
+    return "no error"

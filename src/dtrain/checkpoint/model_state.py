@@ -18,8 +18,10 @@ shards                 any other                    by name, regrouped (:mod:`.c
 =====================  ===========================  ==========================================
 
 The parts beside the model and optimizer (a comm hook's residuals, diloco's ``outer``) are
-whole; the strategy gets those the checkpoint holds, and where the state came from
-(:class:`~dtrain.checkpoint.forms.Origin`), and decides what a missing one means.
+whole, or shards (a further model of a loop of the user's own, :mod:`dtrain.loop.models`,
+read in the form it was saved in); the strategy gets those the checkpoint holds, and where
+the state came from (:class:`~dtrain.checkpoint.forms.Origin`), and decides what a missing one
+means.
 """
 
 from __future__ import annotations
@@ -114,13 +116,23 @@ def load(strategy: ModelState, optimizer: torch.optim.Optimizer, step_dir: Path)
         strategy.load_state_dicts_by_name(optimizer, state)
     else:
         _load_whole(strategy, optimizer, step_dir, template, 0)
-    beside = {}
+    beside: dict[str, Any] = {}
+    sharded: dict[str, Any] = {}
     for name, part in template.items():
         if name in MODEL_AND_OPTIMIZER:
+            continue
+        if part.form is Form.SHARDED:  # a further model's (dtrain.loop.models): in the shards
+            sharded[name] = part.state
             continue
         file = layout.part_file(name, part.form, strategy.data_parallel_rank)
         if (step_dir / file).exists():
             beside[name] = ckread.load_file(step_dir, file)
+    if sharded and (step_dir / layout.SHARDED_DIR).is_dir():
+        keys = ckread.sharded_index(step_dir).keys
+        held = {n: s for n, s in sharded.items() if any(k.startswith(f"{n}.") for k in keys)}
+        if held:  # collective: the same names on every rank (one index)
+            ckread.load_sharded(step_dir, held)
+        beside.update(held)
     strategy.load_beside(beside, Origin(step_dir.name, step, saved, per_rank, own))
 
 

@@ -7,6 +7,7 @@ trainer's update and what follows it (``Trainer.end_step``), its resume and its 
 
     def main(run: dtrain.Run) -> None:
         model, optimizer = run.prepare(model, dataset)  # wrapped; the config's optimizer
+        critic, critic_opt = run.wrap("critic", critic, optimizer=build)  # a further model
         run.register(ema=ema)                           # more state to checkpoint
         for batch in run.batches():                     # resumed; until train.steps or a stop
             for inputs, targets in batch:               # its micro-batches, gradient sync last
@@ -17,13 +18,24 @@ trainer's update and what follows it (``Trainer.end_step``), its resume and its 
 ``run.step()`` returns True on the step after which every rank stops (a preemption signal on
 any rank, or a rank's ``run.stop()``); the final checkpoint is written when ``main`` returns.
 ``run.evaluate(data, fn)`` and ``run.reduce(value, op)`` give numbers reduced exactly over the
-ranks (:mod:`dtrain.loop.evaluate`).
+ranks (:mod:`dtrain.loop.evaluate`). A further model's optimizer steps within the step, in a
+phase of its own (a GAN's critic before its generator)::
+
+        for batch in run.batches():
+            for inputs, targets in batch:
+                run.backward(critic_losses(...))
+            run.update(critic_opt)                      # synced, rescaled, clipped, stepped
+            for inputs, targets in batch:               # the same micro-batches again
+                run.backward(generator_losses(...))
+            if run.step():                              # the main optimizer; the step's end
+                break
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -40,12 +52,21 @@ from dtrain.fault.failpoints import failpoint
 from dtrain.fault.preempt import PreemptionFlag
 from dtrain.loop.early_stop import stop_causes
 from dtrain.loop.evaluate import EvalFn, ReduceOp, evaluate_in_loop, reduce_over_ranks
+from dtrain.loop.models import (
+    BuildOptimizer,
+    WithModels,
+    Wrapped,
+    place_frozen,
+    wrap_trained,
+    zero_gradients,
+)
+from dtrain.loop.unwrapped import UnwrappedWatch
 from dtrain.metrics.summary import Summary
 from dtrain.parallel.base import BackwardSyncControl
 from dtrain.task import Task
 from dtrain.train.config_agreement import agree_on_config
 from dtrain.train.job import join_job, wire_task
-from dtrain.train.step import backward_scaled
+from dtrain.train.step import backward_scaled, rescale_gradients
 from dtrain.train.trainer import Trainer
 from dtrain.train.trainer.loop import LoopState
 
@@ -90,8 +111,9 @@ class Batch:
         self.step_batch = batch
         self.micro = micro
         self.items = items  # this rank's items (Task.count_items), of every micro-batch
+        self.begun = False  # the step's first half has run (Run._begin)
         self.current = -1  # the micro-batch being trained
-        self.done: set[int] = set()  # micro-batches whose backward ran
+        self.done: set[int] = set()  # micro-batches whose backward ran, in this phase
 
     @property
     def sample_ids(self) -> list[int]:
@@ -107,13 +129,16 @@ class Batch:
         # The liveness record says what dtrain's loop says meanwhile (a hang is named by it).
         with trainer.phase("forward_backward"):
             for index, micro in enumerate(self.micro):
-                if index == 0 and self.current < 0:
+                if not self.begun:
+                    self.begun = True
                     run._begin(self)
                 self.current = index
-                sync: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-                if index < last and isinstance(strategy, BackwardSyncControl):
-                    sync = strategy.no_backward_sync()
-                with sync, strategy.recipe.precision.autocast():
+                with contextlib.ExitStack() as sync:
+                    if index < last:  # every wrapped model's gradients: on the last only
+                        for each in (strategy, *run._strategies()):
+                            if isinstance(each, BackwardSyncControl):
+                                sync.enter_context(each.no_backward_sync())
+                    sync.enter_context(strategy.recipe.precision.autocast())
                     yield micro
 
 
@@ -128,6 +153,9 @@ class Run:
         self.config, self.runtime = cfg, runtime
         self._trainer: Trainer | None = None
         self._registered: dict[str, Any] = {}
+        self._wrapped: dict[str, Wrapped] = {}  # further models with optimizers (run.wrap)
+        self._frozen: dict[str, nn.Module] = {}  # further models without
+        self._watch: UnwrappedWatch | None = None  # the process's first step: unwrapped models
         self._running = contextlib.ExitStack()  # Trainer.running(): watchdog, signals
         self._in_train = contextlib.ExitStack()  # the watchdog's phase "train"
         self._preempt: PreemptionFlag | None = None
@@ -137,6 +165,7 @@ class Run:
         self._loss_sum: torch.Tensor | None = None
         self._stopped = False
         self._wish = ""  # run.stop()'s reason, until a step's agreement carries it
+        self._started_at = -1  # the step the loop started from in this process
         self.summary: Summary | None = None  # once the run has ended
 
     @classmethod
@@ -197,7 +226,10 @@ class Run:
         uses (``collate_fn``, ``items_per_sample``, ``count_items``, ...). Returns the model
         to train through and the optimizer :meth:`step` steps."""
         if self._trainer is not None:
-            raise UserError("run.prepare() was called before: a run trains one model for now")
+            raise UserError(
+                "run.prepare() was called before: it sets up the main model and the data; "
+                "give each further model to run.wrap(name, model, optimizer=...)"
+            )
         unknown = sorted(set(options) - PREPARE_OPTIONS)
         if unknown:
             raise UserError(
@@ -213,16 +245,44 @@ class Run:
         assert strategy.model is not None
         return strategy.model, self._trainer.optimizer
 
+    def wrap(
+        self, name: str, model: nn.Module, optimizer: BuildOptimizer | None = None
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """A further model (a GAN's critic, a distillation's teacher), after :meth:`prepare`
+        and before the loop starts. With ``optimizer`` (called once with the named parameters
+        the strategy holds, as ``build_optimizer``): spread as ``strategy.name`` spreads the
+        main model, its gradients synchronized, its model and optimizer state checkpointed and
+        resumed with the run under ``name``; :meth:`update` steps it. Without: frozen, on the
+        device and equal on every rank (rank 0's values), never saved. Returns the model to
+        call and its optimizer (None when frozen)."""
+        self._before_loop(f"run.wrap({name!r}, ...)")
+        trainer = self.trainer
+        taken = {*self._wrapped, *self._frozen, "model", "optimizer", "comm", "outer"}
+        if not name.isidentifier() or name in taken:
+            raise UserError(
+                f"run.wrap({name!r}, ...): name each further model once, with an identifier "
+                "other than model, optimizer, comm and outer (its checkpoint parts' name)"
+            )
+        known = {*self._modules(), *trainer.strategy.unwrapped.modules()}
+        if any(module in known for module in model.modules()):
+            raise UserError(
+                f"run.wrap({name!r}, ...): the model shares modules with one the run holds "
+                "already; give each model once"
+            )
+        if optimizer is None:
+            frozen = place_frozen(model, self.device, trainer.strategy)
+            self._frozen[name] = frozen
+            return frozen, None
+        wrapped = wrap_trained(self.config, self.runtime, name, model, optimizer, output_sum)
+        self._wrapped[name] = wrapped
+        assert wrapped.strategy.model is not None
+        return wrapped.strategy.model, wrapped.optimizer
+
     def register(self, **state: Any) -> None:
         """More state to checkpoint and resume (a second model, an EMA, a scheduler of one's
         own: anything with ``state_dict`` and ``load_state_dict``), saved by rank 0: the same
         on every rank. Before the loop starts (its first batch resumes it)."""
-        if self._loop is not None or self.summary is not None:
-            raise UserError(
-                f"run.register({', '.join(state)}) after the loop started: register all state "
-                "before the first run.batches() (its resume, and every save, holds the state "
-                "registered then)"
-            )
+        self._before_loop(f"run.register({', '.join(state)})")
         for name, obj in state.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise UserError(
@@ -231,6 +291,22 @@ class Run:
                     "scheduler, an object of your own with both)"
                 )
             self._registered[name] = obj
+
+    def _before_loop(self, call: str) -> None:
+        if self._loop is not None or self.summary is not None:
+            raise UserError(
+                f"{call} after the loop started: register and wrap everything before the "
+                "first run.batches() (its resume, and every save, holds what was given then)"
+            )
+
+    def _strategies(self) -> list[Any]:
+        """The further models' strategies (:meth:`wrap`), by name."""
+        return [self._wrapped[name].strategy for name in sorted(self._wrapped)]
+
+    def _modules(self) -> list[nn.Module]:
+        """Every module of the further models, wrapped or frozen."""
+        models = [w.strategy.unwrapped for w in self._wrapped.values()]
+        return [m for model in [*models, *self._frozen.values()] for m in model.modules()]
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -256,7 +332,11 @@ class Run:
         order (:meth:`Trainer._fit`)."""
         trainer = self.trainer
         extra = {f"user/{name}": obj for name, obj in self._registered.items()}
-        trainer.state = dataclasses.replace(trainer.state, parts={**trainer.state.parts, **extra})
+        parts = {**trainer.state.parts, **extra}
+        models = trainer.state.strategy
+        if self._wrapped:  # their parts beside the main model's (dtrain.loop.models)
+            models = WithModels(trainer.strategy, self._wrapped)
+        trainer.state = dataclasses.replace(trainer.state, strategy=models, parts=parts)
         self._preempt = self._running.enter_context(trainer.running())
         started = time.perf_counter()
         with trainer.phase("resume"):
@@ -268,6 +348,7 @@ class Run:
             return
         self._in_train.enter_context(trainer.phase("train"))
         self._loop = trainer.open_loop(point, summary, started)
+        self._started_at = trainer.step
 
     def _begin(self, batch: Batch) -> None:
         """Before the step's first forward: its agreement opened, its loss scale known."""
@@ -282,6 +363,10 @@ class Run:
             batch.items, stop, planned, False, batch.micro[0], output_sum
         )
         self._loss_sum = None
+        if trainer.step == self._started_at:  # the process's first step only: it costs a call
+            # per module called
+            known = [*trainer.strategy.unwrapped.modules(), *self._modules()]
+            self._watch = UnwrappedWatch(known)
 
     def backward(self, losses: torch.Tensor) -> None:
         """Backward of this micro-batch's per-item losses (``reduction="none"``, checked as
@@ -328,8 +413,16 @@ class Run:
                 f"{len(batch.micro)} micro-batches: call run.backward() for each"
             )
         trainer = self.trainer
+        self._check_watch()
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         with trainer.phase("forward_backward"):
+            for strategy in self._strategies():  # what their backward started (discarded)
+                strategy.sync_gradients()
             agreement = trainer.forward_backward.finish()
+        for strategy in self._strategies():  # the step ends: a further model starts afresh
+            zero_gradients(strategy)
         assert self._preempt is not None
         wished: list[str] = []
         if agreement.stop and trainer.step + 1 < self.config.train.steps:
@@ -388,6 +481,53 @@ class Run:
         data-parallel rank, counted once."""
         return reduce_over_ranks(self.trainer.strategy, value, op)
 
+    def update(self, optimizer: torch.optim.Optimizer) -> float:
+        """Within the step, after the backward of every micro-batch of a phase: the optimizer
+        of a model given to :meth:`wrap` steps -- its gradients synchronized and rescaled for
+        the global mean (the step's agreement completed now where it has not been), clipped
+        (``train.grad_clip``), stepped when their norm is finite (as the NaN guard skips a
+        step; an event records it) -- then every model's gradients are dropped, and the next
+        phase iterates the batch's micro-batches again. Returns the global gradient norm."""
+        batch = self._batch
+        wrapped = next((w for w in self._wrapped.values() if w.optimizer is optimizer), None)
+        if wrapped is None:
+            raise UserError(
+                "run.update() of an optimizer run.wrap() did not return: the main optimizer "
+                "steps with run.step(), a further model's is the one run.wrap() returned"
+            )
+        if batch is None or not batch.done or len(batch.done) != len(batch.micro):
+            done = 0 if batch is None else len(batch.done)
+            total = "the step's" if batch is None else f"the step's {len(batch.micro)}"
+            raise UserError(
+                f"run.update() after the backward of {done} of {total} micro-batches in this "
+                "phase: call run.backward() for each, then run.update()"
+            )
+        trainer = self.trainer
+        self._check_watch()
+        with trainer.phase("forward_backward"):
+            wrapped.strategy.sync_gradients()
+            factor = trainer.forward_backward.agree_within()
+        if factor != 1.0:
+            rescale_gradients(wrapped.strategy, factor)
+        with trainer.phase("clip_grad_norm"):
+            norm = float(wrapped.strategy.clip_grad_norm(self.config.train.grad_clip))
+        with trainer.phase("optimizer"):
+            if math.isfinite(norm):  # global: every rank takes the same branch
+                optimizer.step()
+            else:
+                trainer.run_log.event("skipped_update", trainer.step + 1, model=wrapped.name)
+            for strategy in (trainer.strategy, *self._strategies()):
+                zero_gradients(strategy)
+        batch.done.clear()
+        self._loss_sum = None  # the step's logged loss: that of the main optimizer's phase
+        return norm
+
+    def _check_watch(self) -> None:
+        """On the process's first step: a module with trainable parameters that ran outside
+        every model the run holds is named (its gradients were never synchronized)."""
+        if self._watch is not None:
+            self._watch.check(self.trainer.step + 1)
+
     def save(self) -> None:
         """A checkpoint of the run now, between two steps, beside those of
         ``checkpoint.every`` (collective: every rank calls it at the same step)."""
@@ -436,5 +576,7 @@ class Run:
     def fail(self, error: BaseException) -> None:
         """``error`` ended the loop: the watchdog's diagnosis of it raised in its place where
         it has one (a failed peer), as in dtrain's loop."""
+        if self._watch is not None:
+            self._watch.close()
         self._in_train.close()
         self._running.__exit__(type(error), error, error.__traceback__)

@@ -187,14 +187,33 @@ class ForwardBackward:
             strategy.sync_gradients()
         if not agreement.agreed:
             agreement.all_reduce(strategy.comm, self.device)
-        factor = 1.0
-        if agreement.items != expected and agreement.items > 0:
-            factor = expected / agreement.items
+        factor = _count_factor(agreement, expected)
         if factor != 1.0 or loss_scale != 1.0:
             # Where only the loss scale is divided out, exactly: it is a power of two.
             rescale_gradients(strategy, factor / loss_scale)
         self.expected = agreement.items
         return agreement
+
+    def agree_within(self) -> float:
+        """Within the step, before :meth:`finish`: the agreement completed now (where no
+        gradient sync has carried it yet), and the factor that turns gradients of this step's
+        scale into those of the global mean. For a further optimizer that a loop of the
+        user's own steps before the step ends (:meth:`dtrain.loop.run.Run.update`)."""
+        assert self._open is not None, "ForwardBackward.agree_within without begin"
+        agreement, expected, loss_scale = self._open
+        if not agreement.agreed:
+            # Summing the ranks' counts is idempotent: a hook that carries the agreement later
+            # in the step sums the same values again.
+            agreement.all_reduce(self.strategy.comm, self.device)
+        return _count_factor(agreement, expected) / loss_scale
+
+
+def _count_factor(agreement: StepAgreement, expected: int) -> float:
+    """``expected / G`` where the step's agreed global count ``G`` is not the one its scale
+    assumed, else 1."""
+    if agreement.items != expected and agreement.items > 0:
+        return expected / agreement.items
+    return 1.0
 
 
 @torch.no_grad()

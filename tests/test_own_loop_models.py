@@ -1,0 +1,83 @@
+"""A loop of the user's own with two models and two optimizers (``run.wrap``, ``run.update``;
+docs/own-loop.md), the GAN of examples/own_loop_gan.py: on 2 ranks it trains both models as one
+process does, under ddp, allreduce and fsdp; SIGTERM stops it, and the resumed run is
+bit-identical to an uninterrupted one, both optimizers included; a model trained without being
+wrapped, and the other mistakes of further models, are one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import tiny_raw
+from tests.own_loops import gan_params, models_mistake
+from tests.ranks import run_ranks
+from tests.test_ddp import assert_params_close
+from tests.test_fault import JOB, assert_bit_equal
+
+# Accumulation over 2 micro-batches, an uneven split (4 + 3 samples): the exact global mean of
+# both models' losses.
+UNEVEN = {"data": {"global_batch_size": 7, "micro_batches": 2}, "train": {"steps": 8}}
+
+
+def initial_critic() -> dict[str, np.ndarray]:
+    """The critic's parameters before training, as the example builds it after the generator
+    (every rank seeded with run.seed = 0)."""
+    from examples.own_loop_gan import LATENT, MLP
+
+    from dtrain.checkpoint.rng import seed_everything
+
+    seed_everything(0)
+    MLP(LATENT, 64, 64, 2)
+    critic = MLP(2, 64, 64, 1)
+    return {f"critic.{k}": v.detach().numpy().copy() for k, v in critic.state_dict().items()}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "allreduce", "fsdp"])
+def test_two_models_on_two_ranks_equal_one_process(tmp_path: Path, strategy: str) -> None:
+    sections = {**UNEVEN, "strategy": {"name": strategy}}
+    single = run_ranks(gan_params, 1, tiny_raw(tmp_path / "one", **sections))[0]["params"]
+    pair = [r["params"] for r in run_ranks(gan_params, 2, tiny_raw(tmp_path / "two", **sections))]
+    # Both models trained: the critic is no longer the one every rank built.
+    initial = initial_critic()
+    assert initial.keys() == {k for k in single if k.startswith("critic.")}
+    assert all(not np.allclose(initial[k], single[k]) for k in initial)
+    if strategy != "fsdp":  # fsdp's whole state is rank 0's only
+        assert_params_close(pair[0], pair[1], rtol=0, atol=0)
+    assert_params_close(single, pair[0])
+
+
+@pytest.mark.parametrize(
+    ("strategy", "saved_as"), [("ddp", "critic.optimizer.pt"), ("fsdp", "dcp")]
+)
+def test_sigterm_stops_two_optimizers_and_resumes_bit_identically(
+    tmp_path: Path, strategy: str, saved_as: str
+) -> None:
+    job = {**JOB, "strategy": {"name": strategy}}
+    reference = run_ranks(gan_params, 2, tiny_raw(tmp_path / "ref", job))
+    run_dir = tmp_path / "pre"
+    stopped = run_ranks(gan_params, 2, tiny_raw(run_dir, job), (1, 6, "SIGTERM"))
+    assert [s["steps"] for s in stopped] == [6, 6]
+    assert stopped[1]["preempted"] == "SIGTERM"
+    # The critic's model and optimizer: files of rank 0 (replicated), or shards.
+    assert (run_dir / "checkpoints" / "step-00000006" / saved_as).exists()
+    resumed = run_ranks(gan_params, 2, tiny_raw(run_dir, job))
+    assert_bit_equal(reference[0]["params"], resumed[0]["params"])
+
+
+@pytest.mark.parametrize(
+    ("kind", "says"),
+    [
+        ("not wrapped", ["step 1: a MLP with trainable parameters ran in the loop outside"]),
+        ("wrap after start", ["run.wrap('late', ...) after the loop started"]),
+        ("update of another optimizer", ["run.update() of an optimizer run.wrap() did not"]),
+    ],
+)
+def test_a_mistake_with_further_models_is_one_line(
+    tmp_path: Path, kind: str, says: list[str]
+) -> None:
+    said = run_ranks(models_mistake, 1, tiny_raw(tmp_path / "run", train={"steps": 2}), kind)[0]
+    assert [part for part in says if part not in said] == []
+    assert "\n" not in said
