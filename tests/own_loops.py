@@ -275,3 +275,31 @@ def models_mistake(raw: dict[str, Any], kind: str) -> str:
     except UserError as exc:
         return str(exc)
     return "no error"
+
+
+def frozen_teacher(raw: dict[str, Any]) -> dict[str, Any]:
+    """A distillation's set-up: a teacher built differently on each rank (seeded by rank),
+    given to run.wrap without an optimizer; what the loop calls, and the student's
+    parameters after training towards the teacher's outputs."""
+    import torch
+    import torch.nn.functional as F
+    from examples.own_loop_gan import LATENT, MLP, RingSamples, samples
+
+    seen: dict[str, Any] = {}
+
+    def loop(run: dtrain.Run) -> None:
+        student, _ = run.prepare(MLP(LATENT, 8, 2), RingSamples(64), count_items=samples)
+        torch.manual_seed(run.rank)
+        teacher, optimizer = run.wrap("teacher", MLP(LATENT, 16, 2))
+        seen["optimizer"] = optimizer
+        seen["requires_grad"] = any(p.requires_grad for p in teacher.parameters())
+        seen["teacher"] = {k: v.numpy().copy() for k, v in teacher.state_dict().items()}
+        for batch in run.batches():
+            for latents, _real in batch:
+                with torch.no_grad():
+                    goal = teacher(latents)
+                run.backward(F.mse_loss(student(latents), goal, reduction="none").sum(1))
+            run.step()
+
+    summary = train_own_loop(raw, loop)
+    return {**seen, "student": summary["params"]}

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import tiny_raw
-from tests.own_loops import gan_params, models_mistake
+from tests.own_loops import frozen_teacher, gan_params, models_mistake
 from tests.ranks import run_ranks
 from tests.test_ddp import assert_params_close
 from tests.test_fault import JOB, assert_bit_equal
@@ -81,3 +81,17 @@ def test_a_mistake_with_further_models_is_one_line(
     said = run_ranks(models_mistake, 1, tiny_raw(tmp_path / "run", train={"steps": 2}), kind)[0]
     assert [part for part in says if part not in said] == []
     assert "\n" not in said
+
+
+def test_a_frozen_teacher_is_rank_0_s_on_every_rank_and_the_student_trains_alike(
+    tmp_path: Path,
+) -> None:
+    raw = tiny_raw(tmp_path / "run", **UNEVEN)
+    ranks = run_ranks(frozen_teacher, 2, raw)
+    single = run_ranks(frozen_teacher, 1, tiny_raw(tmp_path / "one", **UNEVEN))[0]
+    for rank in ranks:
+        assert rank["optimizer"] is None
+        assert not rank["requires_grad"]
+    assert_bit_equal(ranks[0]["teacher"], ranks[1]["teacher"])
+    assert_bit_equal(single["teacher"], ranks[0]["teacher"])  # rank 0 built it as one process
+    assert_params_close(single["student"], ranks[0]["student"])

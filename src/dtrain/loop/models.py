@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dtrain.checkpoint.forms import Form, Origin, Part
@@ -107,8 +108,8 @@ def place_frozen(model: nn.Module, device: torch.device, main: Strategy) -> nn.M
     rank (rank 0's values, broadcast by the main strategy over its data-parallel group)."""
     model = model.to(device)
     model.requires_grad_(False)
-    tensors = [*model.parameters(), *model.buffers()]
-    main.broadcast_from_first(t for t in tensors if type(t) is torch.Tensor or t.is_leaf)
+    if main.data_parallel_size > 1 and dist.is_initialized():
+        main.broadcast_from_first([*model.parameters(), *model.buffers()])
     return model
 
 
