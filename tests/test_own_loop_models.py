@@ -11,12 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import tiny_raw
+from tests.conftest import REPO, tiny_raw
 from tests.own_loops import frozen_teacher, gan_params, models_mistake
 from tests.ranks import run_ranks
+from tests.test_cli import run_cli, write_tiny_config
 from tests.test_ddp import assert_params_close
 from tests.test_fault import JOB, assert_bit_equal
 
+GAN = str(REPO / "examples" / "own_loop_gan.py")
 # Accumulation over 2 micro-batches, an uneven split (4 + 3 samples): the exact global mean of
 # both models' losses.
 UNEVEN = {"data": {"global_batch_size": 7, "micro_batches": 2}, "train": {"steps": 8}}
@@ -95,3 +97,15 @@ def test_a_frozen_teacher_is_rank_0_s_on_every_rank_and_the_student_trains_alike
     assert_bit_equal(ranks[0]["teacher"], ranks[1]["teacher"])
     assert_bit_equal(single["teacher"], ranks[0]["teacher"])  # rank 0 built it as one process
     assert_params_close(single["student"], ranks[0]["student"])
+
+
+@pytest.mark.slow  # a whole launch (~15 s loaded); the default suite trains the same loop in
+# pairs of processes above
+def test_the_gan_example_runs_under_dtrain_train(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    config = write_tiny_config(tmp_path / "tiny.toml", run_dir)
+    result = run_cli("train", str(config), f"--run.script={GAN}", "--train.steps=4", "--nproc", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    final = run_dir / "checkpoints" / "step-00000004"
+    assert (final / "COMMITTED.json").exists()
+    assert (final / "critic.model.pt").exists() and (final / "critic.optimizer.pt").exists()

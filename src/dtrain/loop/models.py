@@ -53,6 +53,7 @@ def wrap_trained(
     model: nn.Module,
     build_optimizer: BuildOptimizer,
     set_up: LossFn,
+    main: Strategy,
 ) -> Wrapped:
     """``model`` spread by a new instance of the run's strategy, and its optimizer built over
     the parameters that strategy holds (``build_optimizer(named_parameters)``, as
@@ -64,6 +65,7 @@ def wrap_trained(
             f"model is wrapped under {', '.join(WRAPPING_STRATEGIES)} for now"
         )
     strategy = build_strategy(cfg, runtime)
+    strategy.comm = main.comm  # its bytes and waits are the run's: counted with the main's
     if strategy.recipe.precision.scales_loss:
         raise UserError(
             f"run.wrap({name!r}, ...) under train.precision = {cfg.train.precision!r}: a "

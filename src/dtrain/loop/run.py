@@ -273,7 +273,9 @@ class Run:
             frozen = place_frozen(model, self.device, trainer.strategy)
             self._frozen[name] = frozen
             return frozen, None
-        wrapped = wrap_trained(self.config, self.runtime, name, model, optimizer, output_sum)
+        wrapped = wrap_trained(
+            self.config, self.runtime, name, model, optimizer, output_sum, trainer.strategy
+        )
         self._wrapped[name] = wrapped
         assert wrapped.strategy.model is not None
         return wrapped.strategy.model, wrapped.optimizer
