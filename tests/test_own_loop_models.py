@@ -99,6 +99,13 @@ def test_a_frozen_teacher_is_rank_0_s_on_every_rank_and_the_student_trains_alike
     assert_params_close(single["student"], ranks[0]["student"])
 
 
+def test_a_strategy_that_cannot_wrap_a_further_model_says_so_in_one_line(tmp_path: Path) -> None:
+    raw = tiny_raw(tmp_path / "run", train={"steps": 2}, strategy={"name": "localsgd"})
+    said = run_ranks(models_mistake, 1, raw, "wrap")[0]
+    assert "run.wrap('critic', ...) under strategy.name = 'localsgd'" in said
+    assert "wrapped under ddp, allreduce, fsdp" in said
+
+
 @pytest.mark.slow  # a whole launch (~15 s loaded); the default suite trains the same loop in
 # pairs of processes above
 def test_the_gan_example_runs_under_dtrain_train(tmp_path: Path) -> None:
