@@ -62,7 +62,7 @@ from dtrain.loop.models import (
 )
 from dtrain.loop.unwrapped import UnwrappedWatch
 from dtrain.metrics.summary import Summary
-from dtrain.parallel.base import BackwardSyncControl
+from dtrain.parallel.base import BackwardSyncControl, Strategy
 from dtrain.task import Task
 from dtrain.train.config_agreement import agree_on_config
 from dtrain.train.job import join_job, wire_task
@@ -104,7 +104,8 @@ def output_sum(output: Any, targets: Any) -> torch.Tensor:
 class Batch:
     """This rank's part of one optimizer step: iterate it for its micro-batches, each an
     ``(inputs, targets)`` pair on the device, under the strategy's precision, with no gradient
-    sync but on the last one."""
+    sync but on the last one (of every model's). After :meth:`Run.update`, iterate it again for
+    the next phase."""
 
     def __init__(self, run: Run, batch: StepBatch, micro: list[Any], items: int) -> None:
         self._run = run
@@ -301,7 +302,7 @@ class Run:
                 "first run.batches() (its resume, and every save, holds what was given then)"
             )
 
-    def _strategies(self) -> list[Any]:
+    def _strategies(self) -> list[Strategy]:
         """The further models' strategies (:meth:`wrap`), by name."""
         return [self._wrapped[name].strategy for name in sorted(self._wrapped)]
 
