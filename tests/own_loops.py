@@ -303,3 +303,46 @@ def frozen_teacher(raw: dict[str, Any]) -> dict[str, Any]:
 
     summary = train_own_loop(raw, loop)
     return {**seen, "student": summary["params"]}
+
+
+def right_half(targets: Any) -> int:
+    """The items of a ring batch in :func:`half_ring_gan`: its points right of the axis."""
+    return int((targets[:, 0] > 0).sum())
+
+
+def half_ring_gan(raw: dict[str, Any], exact: bool = False) -> dict[str, Any]:
+    """The GAN's two phases with a loss on the points right of the axis only: a step's global
+    item count changes from step to step, so the critic's update rescales its gradients for
+    the count the ranks agree on (its scale assumed the step before's). ``exact``: every step
+    agrees on its count before its forward instead (nothing assumed, nothing rescaled). Both
+    models' parameters, the critic's under ``critic.``."""
+    import torch
+    import torch.nn.functional as F
+    from examples.own_loop_gan import LATENT, MLP, RingSamples
+
+    def loop(run: dtrain.Run) -> None:
+        generator, _ = run.prepare(MLP(LATENT, 16, 2), RingSamples(256), count_items=right_half)
+        critic, critic_optimizer = run.wrap("critic", MLP(2, 16, 1), optimizer=sgd)
+        assert critic_optimizer is not None
+        for batch in run.batches():
+            if exact:  # nothing to assume: the step's first half agrees before the forward
+                run.trainer.forward_backward.expected = None
+            for latents, real in batch:
+                right = real[:, 0] > 0
+                with torch.no_grad():
+                    fake = generator(latents)
+                real_scores, fake_scores = critic(torch.cat([real, fake])).squeeze(1).chunk(2)
+                losses = F.softplus(-real_scores) + F.softplus(fake_scores)
+                run.backward(losses[right])
+            run.update(critic_optimizer)
+            for latents, real in batch:
+                losses = F.softplus(-critic(generator(latents)).squeeze(1))
+                run.backward(losses[real[:, 0] > 0])
+            run.step()
+
+    run = dtrain.Run.join(build_job_config(raw))
+    run.train(loop)
+    params = params_of(run.trainer)
+    critic = run._wrapped["critic"].strategy.model_state_dict()
+    params.update({f"critic.{k}": v.detach().cpu().numpy().copy() for k, v in critic.items()})
+    return params

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import REPO, tiny_raw
-from tests.own_loops import frozen_teacher, gan_params, models_mistake
+from tests.own_loops import frozen_teacher, gan_params, half_ring_gan, models_mistake
 from tests.ranks import run_ranks
 from tests.test_cli import run_cli, write_tiny_config
 from tests.test_ddp import assert_params_close
@@ -48,6 +48,17 @@ def test_two_models_on_two_ranks_equal_one_process(tmp_path: Path, strategy: str
     assert all(not np.allclose(initial[k], single[k]) for k in initial)
     if strategy != "fsdp":  # fsdp's whole state is rank 0's only
         assert_params_close(pair[0], pair[1], rtol=0, atol=0)
+    assert_params_close(single, pair[0])
+
+
+def test_a_further_optimizer_steps_on_the_count_the_ranks_agree_on(tmp_path: Path) -> None:
+    # Items vary from step to step: each step's scale assumes the count of the step before,
+    # and run.update() rescales the critic's gradients for the count agreed within the step;
+    # the reference agrees on every count before the forward (one process).
+    sections = {**UNEVEN, "train": {"steps": 6}}
+    single = run_ranks(half_ring_gan, 1, tiny_raw(tmp_path / "one", **sections), True)[0]
+    pair = run_ranks(half_ring_gan, 2, tiny_raw(tmp_path / "two", **sections))
+    assert_params_close(pair[0], pair[1], rtol=0, atol=0)
     assert_params_close(single, pair[0])
 
 
