@@ -27,22 +27,31 @@ def read_trajectory(run_dir: Path) -> dict[int, StepRecord]:
     """step -> what the final trajectory delivered at that step (all ranks).
 
     Each record carries its attempt: ``[start time of the attempt, chosen by rank 0, rollbacks
-    so far]``. A step run again (after a restart, at any world size, or after a NaN rollback)
-    is taken from its newest attempt, with the records of every rank of that attempt -- so
-    the stale records of a rank that is gone after a world-size change are left out."""
+    so far]``. A step counts in an attempt where some rank committed it (a step dropped in
+    flight does not); a step run again (after a restart, at any world size, or after a NaN
+    rollback) is taken from its newest such attempt, with the records of every rank of that
+    attempt -- so the stale records of a rank that is gone after a world-size change are left
+    out, and those of a rank killed after its gradient was summed are kept."""
     folder = Path(run_dir) / AUDIT_DIR
     by_step: dict[int, dict[tuple[int, ...], list[dict[str, Any]]]] = {}
+    committed: set[tuple[int, tuple[int, ...]]] = set()
     for path in sorted(folder.glob("rank*.jsonl")):
         for line in path.read_text().splitlines():
             if not line.strip():
                 continue
             record = json.loads(line)
             attempt = tuple(int(a) for a in record.get("attempt", [0, 0]))
+            if record.get("committed"):
+                committed.add((int(record["step"]), attempt))
+                continue
             record["_file"] = path.name
             by_step.setdefault(int(record["step"]), {}).setdefault(attempt, []).append(record)
     steps: dict[int, StepRecord] = {}
     for step, attempts in sorted(by_step.items()):
-        records = attempts[max(attempts)]
+        done = [attempt for attempt in attempts if (step, attempt) in committed]
+        if not done:
+            continue  # dropped in flight, never trained
+        records = attempts[max(done)]
         first = records[0]
         entry = StepRecord(step, int(first["start"]), int(first["end"]))
         seen_files: set[str] = set()

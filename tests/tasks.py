@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import Dataset
 
 from dtrain.config import Config
@@ -358,6 +359,9 @@ class MemberKillOptions(TinyOptions):
     # -1: none. A restart of it (TORCHELASTIC_RESTART_COUNT > 0) lives on.
     kill_member: int = -1
     kill_at_forward: int = 0
+    # ... or in its optimizer update number kill_at_update, just before it: the step's
+    # gradient sync is done, so the others commit that step without it.
+    kill_at_update: int = 0
 
 
 @task_config(MemberKillOptions)
@@ -370,6 +374,15 @@ def member_kill_gpt(cfg: Config) -> Task:
     first_life = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     armed = opts.kill_member >= 0 and member == opts.kill_member and first_life
     task.model = _KillAtForward(task.model, opts.kill_at_forward if armed else 0)
+    if armed and opts.kill_at_update > 0:
+        updates = [0]
+
+        def kill_before_update(*_: object) -> None:
+            updates[0] += 1
+            if updates[0] == opts.kill_at_update:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        register_optimizer_step_pre_hook(kill_before_update)
     return task
 
 

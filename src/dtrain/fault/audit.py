@@ -1,11 +1,15 @@
 """The record of the samples a run trained on, for an exactly-once audit.
 
-With ``fault.audit_sample_ids = true`` every rank appends, after every step, a JSON line with
-the step, the stream positions it covered and this rank's sample ids to
-``RUN_DIR/sample_ids/rankNNNNN.jsonl`` (:class:`AuditWriter`). Restarts and rollbacks re-run
-steps and append again. The reader and checker of these files live with the tests
-(``tests/audit.py``: the tests and the chaos trials verify that every sample was trained on
-exactly once).
+With ``fault.audit_sample_ids = true`` every rank appends to
+``RUN_DIR/sample_ids/rankNNNNN.jsonl`` (:class:`AuditWriter`), at every step, two JSON lines:
+the step, the stream positions it covers and this rank's sample ids once its batch is fetched,
+before the step's first collective (:meth:`AuditWriter.record`); and, once the step's update is
+applied, that it committed (:meth:`AuditWriter.commit`). A step counts where some rank of its
+attempt committed it: a rank killed after its gradient was summed (the others commit the step
+without it) has its samples on record, and a step dropped in flight is not counted. Restarts
+and rollbacks re-run steps and append again. The reader and checker of these files live with
+the tests (``tests/audit.py``: the tests and the chaos trials verify that every sample was
+trained on exactly once).
 """
 
 from __future__ import annotations
@@ -52,19 +56,25 @@ class AuditWriter:
         ids: Sequence[np.ndarray],
         *,
         rollbacks: int,
-        applied: bool,
     ) -> None:
-        """One step: its stream positions ``start .. end-1``, this rank's sample ids (one
-        array per micro-batch) and whether the update was applied (the NaN guard skips)."""
-        record = {
-            "step": step,
-            "start": start,
-            "end": end,
-            "attempt": [self.attempt, rollbacks],
-            "applied": applied,
-            "ids": [int(i) for micro in ids for i in micro],
-        }
-        # Flushed each step: a rank killed outright leaves every step it finished on record.
+        """One step: its stream positions ``start .. end-1`` and this rank's sample ids (one
+        array per micro-batch)."""
+        self._write(
+            {
+                "step": step,
+                "start": start,
+                "end": end,
+                "attempt": [self.attempt, rollbacks],
+                "ids": [int(i) for micro in ids for i in micro],
+            }
+        )
+
+    def commit(self, step: int, *, rollbacks: int) -> None:
+        """Step ``step``'s update is applied on this rank."""
+        self._write({"step": step, "attempt": [self.attempt, rollbacks], "committed": True})
+
+    def _write(self, record: dict[str, object]) -> None:
+        # Flushed each time: a rank killed outright leaves every line it wrote on record.
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 

@@ -219,6 +219,8 @@ class Trainer:
         norm, overflowed = self._update(loss_sum, agreement, loop.window, logs)
         self.step += 1
         self.counters.items_seen += agreement.items  # committed: counters with it
+        if self.audit is not None:
+            self.audit.commit(self.step, rollbacks=self.counters.rollbacks)
         if self.step == loop.summary.start_step + 1:
             self._first_step_done(time.perf_counter() - loop.started)
         # Strategies that synchronize every few steps (localsgd, diloco) do it here,
@@ -229,7 +231,6 @@ class Trainer:
         # step on (the same on every rank).
         with self.phase("balance"):
             self._balanced(self.balance.step_finished(self.step))
-        self._audit(batch, norm)
         span = (batch.plan.start, batch.plan.end)
         self._carry_out(self.nan_guard.decide(self.step, norm, overflowed, span))
         self._poll_checkpoint()
@@ -277,6 +278,7 @@ class Trainer:
             planned = None
             if per_sample is not None:
                 planned = batch.planned_items(per_sample, count, self.step + 1)
+            self._audit(batch)
             failpoint("train.before_collective", step=self.step + 1)
         return batch, micro, count, planned
 
@@ -331,15 +333,16 @@ class Trainer:
         if outcome.weights is not None:
             self.loader.set_weights(loader_weights(outcome.weights))
 
-    def _audit(self, batch: StepBatch, norm: float) -> None:
+    def _audit(self, batch: StepBatch) -> None:
+        """The step's sample ids on record before its first collective (its commit follows the
+        update): a rank killed once its gradient was summed has its part on record."""
         if self.audit is not None:
             self.audit.record(
-                self.step,
+                self.step + 1,
                 batch.plan.start,
                 batch.plan.end,
                 batch.ids,
                 rollbacks=self.counters.rollbacks,
-                applied=math.isfinite(norm),
             )
 
     def _carry_out(self, decision: Decision) -> None:
