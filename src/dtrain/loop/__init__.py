@@ -2,6 +2,7 @@
 with dtrain's strategies, data stream, loss contract, checkpoints and preemption
 (:class:`~dtrain.loop.run.Run`; docs/own-loop.md)."""
 
-from dtrain.loop.run import Batch, Run
+from dtrain.loop.batch import Batch
+from dtrain.loop.run import Run
 
 __all__ = ["Batch", "Run"]

@@ -13,6 +13,7 @@ saved: it is placed on the device and made equal on every rank (rank 0's values)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,8 @@ from dtrain.parallel import build_strategy
 from dtrain.parallel.base import LossFn, Strategy
 from dtrain.task import Task
 from dtrain.train.optim_choice import check_held
+from dtrain.train.step import rescale_gradients
+from dtrain.train.trainer import Trainer
 
 BuildOptimizer = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
 
@@ -119,6 +122,28 @@ def zero_gradients(strategy: Strategy) -> None:
     """Drop the strategy's gradients (``zero_grad(set_to_none=True)``, as the trainer's)."""
     for param in strategy.parameters():
         param.grad = None
+
+
+def update_wrapped(trainer: Trainer, wrapped: Wrapped, strategies: list[Strategy]) -> float:
+    """``wrapped``'s optimizer steps within the step (``run.update``): its gradients
+    synchronized and rescaled for the global mean (the step's agreement completed now where it
+    has not been), clipped (``train.grad_clip``), stepped when their norm is finite (an event
+    records a skip); then every model's gradients are dropped. The global gradient norm."""
+    with trainer.phase("forward_backward"):
+        wrapped.strategy.sync_gradients()
+        factor = trainer.forward_backward.agree_within()
+    if factor != 1.0:
+        rescale_gradients(wrapped.strategy, factor)
+    with trainer.phase("clip_grad_norm"):
+        norm = float(wrapped.strategy.clip_grad_norm(trainer.cfg.train.grad_clip))
+    with trainer.phase("optimizer"):
+        if math.isfinite(norm):  # global: every rank takes the same branch
+            wrapped.optimizer.step()
+        else:
+            trainer.run_log.event("skipped_update", trainer.step + 1, model=wrapped.name)
+        for strategy in (trainer.strategy, *strategies):
+            zero_gradients(strategy)
+    return norm
 
 
 class WithModels:

@@ -19,25 +19,16 @@ trainer's update and what follows it (``Trainer.end_step``), its resume and its 
 any rank, or a rank's ``run.stop()``); the final checkpoint is written when ``main`` returns.
 ``run.evaluate(data, fn)`` and ``run.reduce(value, op)`` give numbers reduced exactly over the
 ranks (:mod:`dtrain.loop.evaluate`). A further model's optimizer steps within the step, in a
-phase of its own (a GAN's critic before its generator)::
-
-        for batch in run.batches():
-            for inputs, targets in batch:
-                run.backward(critic_losses(...))
-            run.update(critic_opt)                      # synced, rescaled, clipped, stepped
-            for inputs, targets in batch:               # the same micro-batches again
-                run.backward(generator_losses(...))
-            if run.step():                              # the main optimizer; the step's end
-                break
+phase of its own (``run.update``, :mod:`dtrain.loop.models`; the GAN of
+``examples/own_loop_gan.py`` and docs/own-loop.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -45,11 +36,11 @@ from torch import nn
 
 from dtrain.checkpoint.rng import seed_everything
 from dtrain.config import Config, validate_own_loop
-from dtrain.data.loader import StepBatch
 from dtrain.dist.runtime import Runtime
 from dtrain.errors import UserError
 from dtrain.fault.failpoints import failpoint
 from dtrain.fault.preempt import PreemptionFlag
+from dtrain.loop.batch import Batch, output_sum, own_task
 from dtrain.loop.early_stop import stop_causes
 from dtrain.loop.evaluate import EvalFn, ReduceOp, evaluate_in_loop, reduce_over_ranks
 from dtrain.loop.models import (
@@ -57,90 +48,18 @@ from dtrain.loop.models import (
     WithModels,
     Wrapped,
     place_frozen,
+    update_wrapped,
     wrap_trained,
     zero_gradients,
 )
 from dtrain.loop.unwrapped import UnwrappedWatch
 from dtrain.metrics.summary import Summary
-from dtrain.parallel.base import BackwardSyncControl, Strategy
-from dtrain.task import Task
+from dtrain.parallel.base import Strategy
 from dtrain.train.config_agreement import agree_on_config
 from dtrain.train.job import join_job, wire_task
-from dtrain.train.step import backward_scaled, rescale_gradients
+from dtrain.train.step import backward_scaled
 from dtrain.train.trainer import Trainer
 from dtrain.train.trainer.loop import LoopState
-
-# What prepare() takes beside the model and the data: the Task's fields that the own loop
-# uses (the loss, the evaluation and after-training hooks are the loop's own business; a
-# pipeline's layers are refused with the strategy).
-PREPARE_OPTIONS = frozenset(
-    {
-        "collate_fn",
-        "split_batch",
-        "count_items",
-        "item_name",
-        "shard_units",
-        "init_weights",
-        "items_per_sample",
-        "build_optimizer",
-        "build_scheduler",
-    }
-)
-
-
-def output_sum(output: Any, targets: Any) -> torch.Tensor:
-    """The loss a strategy's set-up pass sees in an own loop (DDP's throwaway backward that
-    settles its buckets, :meth:`DDPStrategy.before_first_step`): the sum of every floating
-    tensor the model returned, so that backward reaches every parameter the loss would."""
-    if isinstance(output, Mapping):  # a Hugging Face ModelOutput is one
-        output = list(output.values())
-    tensors = output if isinstance(output, (list, tuple)) else [output]
-    parts = [
-        t.float().sum() for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()
-    ]
-    return torch.stack(parts).sum().reshape(1)
-
-
-class Batch:
-    """This rank's part of one optimizer step: iterate it for its micro-batches, each an
-    ``(inputs, targets)`` pair on the device, under the strategy's precision, with no gradient
-    sync but on the last one (of every model's). After :meth:`Run.update`, iterate it again for
-    the next phase."""
-
-    def __init__(self, run: Run, batch: StepBatch, micro: list[Any], items: int) -> None:
-        self._run = run
-        self.step_batch = batch
-        self.micro = micro
-        self.items = items  # this rank's items (Task.count_items), of every micro-batch
-        self.begun = False  # the step's first half has run (Run._begin)
-        self.current = -1  # the micro-batch being trained
-        self.done: set[int] = set()  # micro-batches whose backward ran, in this phase
-
-    @property
-    def sample_ids(self) -> list[int]:
-        """The global ids of this rank's samples in this step, micro-batch after
-        micro-batch."""
-        return [int(i) for ids in self.step_batch.ids for i in ids]
-
-    def __iter__(self) -> Iterator[tuple[Any, Any]]:
-        run = self._run
-        trainer = run.trainer
-        strategy = trainer.strategy
-        last = len(self.micro) - 1
-        # The liveness record says what dtrain's loop says meanwhile (a hang is named by it).
-        with trainer.phase("forward_backward"):
-            for index, micro in enumerate(self.micro):
-                if not self.begun:
-                    self.begun = True
-                    run._begin(self)
-                self.current = index
-                with contextlib.ExitStack() as sync:
-                    if index < last:  # every wrapped model's gradients: on the last only
-                        for each in (strategy, *run._strategies()):
-                            if isinstance(each, BackwardSyncControl):
-                                sync.enter_context(each.no_backward_sync())
-                    sync.enter_context(strategy.recipe.precision.autocast())
-                    yield micro
 
 
 class Run:
@@ -231,14 +150,7 @@ class Run:
                 "run.prepare() was called before: it sets up the main model and the data; "
                 "give each further model to run.wrap(name, model, optimizer=...)"
             )
-        unknown = sorted(set(options) - PREPARE_OPTIONS)
-        if unknown:
-            raise UserError(
-                f"run.prepare() got {', '.join(unknown)}: it takes "
-                f"{', '.join(sorted(PREPARE_OPTIONS))}"
-            )
-        task = Task(model=model, train_data=train_data, loss_fn=output_sum, **options)
-        self._trainer = wire_task(self.config, task, self.runtime)
+        self._trainer = wire_task(self.config, own_task(model, train_data, options), self.runtime)
         contract = self._trainer.forward_backward.contract
         if contract is not None:  # its messages name what the own loop gave the losses to
             contract.source = "run.backward() got"
@@ -322,7 +234,8 @@ class Run:
         while self._loop is not None and not self._stopped and trainer.step < steps:
             step_batch, micro, count, _ = trainer.next_batch()
             failpoint("train.step", step=trainer.step + 1)
-            self._batch = Batch(self, step_batch, micro, count)
+            further = self._strategies()
+            self._batch = Batch(trainer, self._begin, further, step_batch, micro, count)
             yield self._batch
             if self._batch is not None:
                 raise UserError(
@@ -505,22 +418,8 @@ class Run:
                 f"run.update() after the backward of {done} of {total} micro-batches in this "
                 "phase: call run.backward() for each, then run.update()"
             )
-        trainer = self.trainer
         self._check_watch()
-        with trainer.phase("forward_backward"):
-            wrapped.strategy.sync_gradients()
-            factor = trainer.forward_backward.agree_within()
-        if factor != 1.0:
-            rescale_gradients(wrapped.strategy, factor)
-        with trainer.phase("clip_grad_norm"):
-            norm = float(wrapped.strategy.clip_grad_norm(self.config.train.grad_clip))
-        with trainer.phase("optimizer"):
-            if math.isfinite(norm):  # global: every rank takes the same branch
-                optimizer.step()
-            else:
-                trainer.run_log.event("skipped_update", trainer.step + 1, model=wrapped.name)
-            for strategy in (trainer.strategy, *self._strategies()):
-                zero_gradients(strategy)
+        norm = update_wrapped(self.trainer, wrapped, self._strategies())
         batch.done.clear()
         self._loss_sum = None  # the step's logged loss: that of the main optimizer's phase
         return norm
