@@ -43,6 +43,7 @@ a peer died or hung becomes a :class:`~dtrain.fault.peer_failure.PeerFailure` na
 ============  ==================================================================================
 ``loop``      :class:`Trainer`: the steps, and what a step's end carries out
 ``counters``  :class:`Counters`: step, items seen, skipped and rolled-back steps (checkpointed)
+``rollback``  the NaN guard's decision carried out: a skipped update counted, a rollback loaded
 ============  ==================================================================================
 """
 

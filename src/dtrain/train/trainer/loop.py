@@ -16,7 +16,7 @@ import torch
 from dtrain.balance.balancer import LoadBalancer, Outcome, loader_weights
 from dtrain.checkpoint import layout
 from dtrain.checkpoint import state as training_state
-from dtrain.checkpoint.resume import ResumePoint, resolve_resume, rollback_point
+from dtrain.checkpoint.resume import ResumePoint, resolve_resume
 from dtrain.checkpoint.rng import rank_seed, seed_everything
 from dtrain.checkpoint.write import Checkpointer
 from dtrain.comm.agreement import StepAgreement
@@ -33,10 +33,11 @@ from dtrain.metrics.summary import LossWindow, Summary
 from dtrain.parallel.base import Strategy
 from dtrain.task import Task
 from dtrain.train.evaluation import evaluate
-from dtrain.train.nan_guard import Decision, NanGuard
+from dtrain.train.nan_guard import NanGuard
 from dtrain.train.recovery_seam import RecoverySeam
 from dtrain.train.step import ForwardBackward
 from dtrain.train.trainer.counters import Counters
+from dtrain.train.trainer.rollback import carry_out
 
 
 @dataclass
@@ -232,7 +233,7 @@ class Trainer:
         with self.phase("balance"):
             self._balanced(self.balance.step_finished(self.step))
         span = (batch.plan.start, batch.plan.end)
-        self._carry_out(self.nan_guard.decide(self.step, norm, overflowed, span))
+        carry_out(self, self.nan_guard.decide(self.step, norm, overflowed, span))
         self._poll_checkpoint()
         if logs:
             loop.last_loss = self._log_train(loop.window, norm)
@@ -344,52 +345,6 @@ class Trainer:
                 batch.ids,
                 rollbacks=self.counters.rollbacks,
             )
-
-    def _carry_out(self, decision: Decision) -> None:
-        """The NaN guard's decision on the step just committed (the same on every rank)."""
-        if decision.action == "overflow":
-            assert self.scaler is not None
-            self.run_log.event("overflow", self.step, loss_scale=self.scaler.scale)
-        if decision.action not in ("skip", "rollback"):
-            return
-        self.counters.skipped_steps += 1
-        self.run_log.event("step_skipped", self.step, in_a_row=decision.in_a_row)
-        self.warn(f"step {self.step}: non-finite loss or gradient; update skipped on every rank")
-        if decision.action == "rollback":
-            self._rollback(decision)
-
-    def _rollback(self, decision: Decision) -> None:
-        """Collective: load the newest checkpoint before the streak (the step and counters with
-        it) and skip the streak's batches from now on."""
-        step, bad = self.step, decision.bad
-        error = self.checkpointer.wait()
-        if error:
-            self.warn(error)
-        with self.phase("rollback"):
-            point = rollback_point(
-                self.cfg,
-                self.checkpointer,
-                self.runtime,
-                self.run_log.log,
-                decision.first_bad,
-                step,
-                self.watchdog,
-            )
-            # Counters of what happened stay cumulative; the skip list keeps earlier skips too.
-            counters = self.counters
-            rollbacks, skipped = counters.rollbacks + 1, counters.skipped_steps
-            earlier_skips = dict(self.loader.skipped)
-            training_state.load(self.state, point)
-            counters.rollbacks, counters.skipped_steps = rollbacks, skipped
-            for start, end in [*earlier_skips.items(), *bad]:
-                self.loader.skip(start, end)
-            self.loader.set_weights(loader_weights(self.balance.weights))  # the state's shares
-        # At the checkpoint's step, which the trainer's step now is; from the streak's last.
-        self.run_log.event("rollback", point.step, from_step=step, checkpoint=point.path.name)
-        self.run_log.log(
-            f"rolled back to {point.path.name} after {len(bad)} non-finite steps; the "
-            f"{sum(e - s for s, e in bad)} samples of those steps will not be delivered again"
-        )
 
     def _poll_checkpoint(self) -> None:
         """An asynchronous save that failed since the last step: said, and recorded."""
