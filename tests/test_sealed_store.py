@@ -276,39 +276,64 @@ def test_a_forged_failure_or_heartbeat_names_no_rank(
 
 
 class ThenCall:
-    """A store client that calls ``then()`` right after its first read of ``key``."""
+    """A store client that calls ``then()`` right after its first read of ``key`` (a ``get`` of
+    it, or a ``multi_get`` among others)."""
 
     def __init__(self, store: Any, key: str, then: Callable[[], Any]) -> None:
         self._store, self._key, self._then = store, key, then
 
     def get(self, key: str) -> Any:
         value = self._store.get(key)
-        if key == self._key and self._then is not None:
+        self._after([key])
+        return value
+
+    def multi_get(self, keys: list[str]) -> Any:
+        values = self._store.multi_get(keys)
+        self._after(keys)
+        return values
+
+    def _after(self, keys: list[str]) -> None:
+        if self._key in keys and self._then is not None:
             then, self._then = self._then, None
             then()
-        return value
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
 
 
-def test_a_forged_word_is_no_word(
+def test_a_forged_word_or_verdict_is_no_word(
     job_store: Any, stranger: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     ranks = [Watchdog(rank, 2, heartbeat_s=1.0, timeout_s=30.0) for rank in (0, 1)]
-    key = "dtrain/words/resume/1"
-    stranger.set(key, "torn")  # rank 1's word on its share of the checkpoint, forged
-    # Rank 1 says its own word once rank 0 has read the forged one.
+    prefix = "dtrain/words/resume/"
+    key, verdict = f"{prefix}1", f"{prefix}verdict"
+    # Rank 1's word on its share of the checkpoint, forged and counted as posted (so rank 0,
+    # the collector, reads it), and the verdict every other rank waits for, forged.
+    stranger.set(key, "torn")
+    stranger.add(f"{prefix}posted", 1)
+    stranger.set(verdict, json.dumps({"words": ["torn", "torn"]}))
+    # Rank 1 says its own word once rank 0 has read the forged one, and rank 0 goes on once
+    # rank 1 has read the forged verdict.
     theirs: list[list[str]] = []
+    read_forged = threading.Event()
+    assert ranks[1].store is not None
+    ranks[1].store._client = ThenCall(ranks[1].store.client, verdict, read_forged.set)
+    rank1 = threading.Thread(
+        target=lambda: theirs.append(PeerWords(ranks[1]).gather("resume", "whole", "the check"))
+    )
 
     def then() -> None:
-        theirs.append(PeerWords(ranks[1]).gather("resume", "whole", "the check"))
+        rank1.start()
+        assert read_forged.wait(30)
 
     assert ranks[0].store is not None
     ranks[0].store._client = ThenCall(ranks[0].store.client, key, then)
     assert PeerWords(ranks[0]).gather("resume", "whole", "the check") == ["whole", "whole"]
+    rank1.join(30)
     assert theirs == [["whole", "whole"]]
-    assert warnings_of(capsys.readouterr().err, key) == 1
+    err = capsys.readouterr().err
+    assert warnings_of(err, key) == 1
+    assert warnings_of(err, verdict) == 1
 
 
 def test_a_forged_address_or_failure_does_not_stop_the_job_s_start(

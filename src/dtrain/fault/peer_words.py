@@ -3,24 +3,34 @@ each hashes its share of a checkpoint before it can say whether the share is who
 
 A collective would wait for the slowest rank under the collective timeout (``dist.timeout_s``),
 so a large enough checkpoint would fail its own resume. Instead each rank posts its word to
-the job's key-value store and reads the others', waiting as long as every rank still owed
-makes progress: its liveness record (step, phase, progress marks: :mod:`dtrain.fault.liveness`),
-which the watchdog mirrors into the store, moves. A rank whose record has not moved for the
-collective timeout, or that posted a failure, ends the wait with a
-:class:`~dtrain.fault.peer_failure.PeerFailure` naming it, as a failed collective does. While
-the others move, so does this rank's record (each time it sees them move), so that its own
-hang backstop leaves it alone.
+the job's key-value store and counts itself on one counter; rank 0 (the collector) waits for
+the count, reads the words in one call and posts them all as one verdict, which every other
+rank waits for. So a gathering costs O(W) store calls in all and O(1) per rank other than the
+collector (every rank reading every other rank's key cost about 2W² calls: minutes of store
+time at thousands of ranks).
+
+The wait lasts as long as the ranks still owed make progress: their liveness records (step,
+phase, progress marks: :mod:`dtrain.fault.liveness`), which the watchdogs mirror into the
+store, move. The collector watches every rank's record; one still owed that has not moved for
+the collective timeout, or a posted failure, ends the gathering with a
+:class:`~dtrain.fault.peer_failure.PeerFailure` naming it, posted as the verdict so that every
+rank raises the same. The other ranks watch the collector's record (a few seconds longer, so
+that a live collector names the rank at fault first) and the collector's posted failure.
+Each rank marks its own progress when the record it watches moves, so that its own hang
+backstop leaves it alone while it waits.
 
 Without the store (a run without peers or without a store client) the words go through one
 collective, under its timeout.
 
-The words are sealed with the job's secret (:mod:`dtrain.dist.sealed_store`): one that fails
-its seal (a stranger's, who reached the store's port) counts as a word not posted yet (one
-warning names its key).
+The words and the verdict are sealed with the job's secret (:mod:`dtrain.dist.sealed_store`):
+one that fails its seal (a stranger's, who reached the store's port) counts as not posted yet
+(one warning names its key). The counter is not sealed (a store counter cannot be): a
+stranger who bumps it only makes the collector read early and find a word still missing.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, NoReturn
 
@@ -31,6 +41,12 @@ from dtrain.fault.peer_failure import PeerFailure
 from dtrain.fault.watchdog import Watchdog
 
 _POLL_S = (0.02, 0.25)  # the first and the longest pause between two looks at the store
+_COLLECTOR = 0
+# How much longer than the collective timeout the other ranks give the collector before they
+# name it: a collector that is alive names the rank at fault (in its verdict) first.
+_GRACE_S = 5.0
+_VERDICT = {"words": [str]}
+_FAILED = {"failed": str}
 
 
 class PeerWords:
@@ -54,61 +70,107 @@ class PeerWords:
             return [str(w) for w in all_gather_json(word)]
         prefix = f"{store_namespace()}words/{key}/"
         mine = f"{prefix}{dog.rank}"
-        encoded = sealed_store.seal(mine, word.encode())
-        self._ask(lambda s: s.set(mine, encoded), what)
+        sealed = sealed_store.seal(mine, word.encode())
+        self._ask(lambda s: (s.set(mine, sealed), s.add(f"{prefix}posted", 1)), what)
+        if dog.rank == _COLLECTOR:
+            return self._collect(prefix, word, what)
+        return self._await_verdict(prefix, what)
+
+    # -- the collector -------------------------------------------------------------------
+
+    def _collect(self, prefix: str, word: str, what: str) -> list[str]:
+        dog = self.watchdog
         got = {dog.rank: word}
-        started = time.monotonic()
-        moved_at = {rank: started for rank in range(dog.world_size) if rank != dog.rank}
-        motion: dict[int, Any] = {}
-        pause, looked = _POLL_S[0], started
+        others = [rank for rank in range(dog.world_size) if rank != dog.rank]
+        watch = _Motion(dog, others, dog.timeout_s)
+        counted, pause = 0, _POLL_S[0]
         while len(got) < dog.world_size:
-            owed = [rank for rank in range(dog.world_size) if rank not in got]
-            keys = [f"{prefix}{rank}" for rank in owed]
-            ready = self._ask(lambda s, keys=keys: [s.check([k]) for k in keys], what)
-            for rank, key_ready in zip(owed, ready):
-                if key_ready:
-                    name = f"{prefix}{rank}"
-                    value = sealed_store.text(name, self._ask(lambda s, k=name: s.get(k), what))
-                    if value is not None:
-                        got[rank] = value
+            posted = int(self._ask(lambda s: s.add(f"{prefix}posted", 0), what))
+            if posted >= dog.world_size and posted != counted:
+                counted = posted  # read again only when the count moves (a stranger's bump)
+                got.update(self._read_words(prefix, self._owed(got), what))
             if len(got) == dog.world_size:
                 break
-            now = time.monotonic()
-            if now - looked >= min(1.0, dog.heartbeat_s):
-                looked = now
-                self._look_at(owed, moved_at, motion, now, what)
+            if watch.due():
+                self._watch_all(prefix, got, watch, what)
             time.sleep(pause)
             pause = min(pause * 1.5, _POLL_S[1])
-        return [got[rank] for rank in range(dog.world_size)]
+        words = [got[rank] for rank in range(dog.world_size)]
+        self._post_verdict(prefix, {"words": words}, what)
+        return words
 
-    def _look_at(
-        self,
-        owed: list[int],
-        moved_at: dict[int, float],
-        motion: dict[int, Any],
-        now: float,
-        what: str,
-    ) -> None:
-        """Raise when a rank still owed failed or has not moved for the collective timeout;
-        mark this rank's own progress when one of them moved."""
+    def _owed(self, got: dict[int, str]) -> list[int]:
+        return [rank for rank in range(self.watchdog.world_size) if rank not in got]
+
+    def _read_words(self, prefix: str, ranks: list[int], what: str) -> dict[int, str]:
+        """The words of ``ranks`` that are posted (and pass their seal): one call when all are."""
+        keys = [f"{prefix}{rank}" for rank in ranks]
+
+        def read(store: Any) -> list[Any]:
+            if store.check(keys):
+                return list(store.multi_get(keys))
+            return [store.get(k) if store.check([k]) else None for k in keys]
+
+        raws = self._ask(read, what)
+        words = {rank: sealed_store.text(k, raw) for rank, k, raw in zip(ranks, keys, raws)}
+        return {rank: text for rank, text in words.items() if text is not None}
+
+    def _watch_all(self, prefix: str, got: dict[int, str], watch: _Motion, what: str) -> None:
+        """Fail, posting why, when a rank failed or a rank still owed has not moved for the
+        collective timeout. Every rank's record is read in one call; which of the still ones
+        are owed is read only then (the count says how many, not which)."""
         dog = self.watchdog
         quick = max(1.0, min(2.0, dog.heartbeat_s))
         try:
-            failed = dog.failures(quick)
-            beats = dog.peers(quick)
+            stopped = set(dog.failures(quick)) | set(watch.see(dog.peers(quick)))
         except Exception as exc:
-            self._fail(what, exc)
-        if any(rank in failed for rank in owed):
-            self._fail(what)
-        for rank in owed:
-            beat = beats.get(rank)
-            seen = beat.motion if beat is not None else None
-            if seen is not None and seen != motion.get(rank):
-                motion[rank], moved_at[rank] = seen, now
-                dog.tick()  # waiting on a rank that moves is progress of this rank's phase
-        stalled = [rank for rank in owed if now - moved_at[rank] > dog.timeout_s]
-        if stalled:
-            self._fail(what)
+            self._fail_all(prefix, what, exc)
+        suspects = sorted(stopped - set(got))
+        if suspects:  # a rank that failed or stood still after it spoke holds nothing up
+            got.update(self._read_words(prefix, suspects, what))
+            if any(rank not in got for rank in suspects):
+                self._fail_all(prefix, what)
+
+    def _post_verdict(self, prefix: str, verdict: dict[str, Any], what: str) -> None:
+        name = f"{prefix}verdict"
+        sealed = sealed_store.seal(name, json.dumps(verdict).encode())
+        self._ask(lambda s: s.set(name, sealed), what)
+
+    def _fail_all(self, prefix: str, what: str, error: BaseException | None = None) -> NoReturn:
+        failure = self._failure(what, error)
+        try:
+            self._post_verdict(prefix, {"failed": str(failure)}, what)
+        except PeerFailure:
+            pass  # the store is what failed: the others find out from it too
+        raise failure
+
+    # -- the others ----------------------------------------------------------------------
+
+    def _await_verdict(self, prefix: str, what: str) -> list[str]:
+        dog = self.watchdog
+        name = f"{prefix}verdict"
+        watch = _Motion(dog, [_COLLECTOR], dog.timeout_s + _GRACE_S)
+        pause = _POLL_S[0]
+        while True:
+            raw = self._ask(lambda s: s.get(name) if s.check([name]) else None, what)
+            verdict: Any = sealed_store.parse(name, raw, dict) if raw is not None else None
+            if sealed_store.fits(verdict, _VERDICT) and len(verdict["words"]) == dog.world_size:
+                return [str(w) for w in verdict["words"]]
+            if sealed_store.fits(verdict, _FAILED):
+                raise PeerFailure(f"rank {dog.rank} ({dog.host}): {verdict['failed']}")
+            if watch.due():
+                quick = max(1.0, min(2.0, dog.heartbeat_s))
+                try:
+                    failed = _COLLECTOR in dog.failures(quick)
+                    still = watch.see({_COLLECTOR: dog.read_beat(_COLLECTOR, quick)})
+                except Exception as exc:
+                    raise self._failure(what, exc) from exc
+                if failed or still:  # the others are the collector's to watch
+                    raise self._failure(what)
+            time.sleep(pause)
+            pause = min(pause * 1.5, _POLL_S[1])
+
+    # -- both ----------------------------------------------------------------------------
 
     def _ask(self, op: Any, what: str) -> Any:
         store = self.watchdog.store
@@ -116,12 +178,43 @@ class PeerWords:
         try:
             return store.call(op, f"the ranks' words on {what}")
         except Exception as exc:
-            self._fail(what, exc)
+            raise self._failure(what, exc) from exc
 
-    def _fail(self, what: str, error: BaseException | None = None) -> NoReturn:
+    def _failure(self, what: str, error: BaseException | None = None) -> PeerFailure:
         dog = self.watchdog
         cause = f" ({type(error).__name__}: {error})" if error is not None else ""
-        raise PeerFailure(
+        return PeerFailure(
             f"rank {dog.rank} ({dog.host}) at step {dog.step} in {dog.phase}: waiting for the "
             f"other ranks' {what} failed: {dog.diagnose()}{cause}"
         )
+
+
+class _Motion:
+    """When each watched rank's liveness record last moved, seen through its beats; a move
+    marks this rank's own progress (waiting on a rank that moves is progress)."""
+
+    def __init__(self, dog: Watchdog, ranks: list[int], patience_s: float) -> None:
+        self.dog, self.patience_s = dog, patience_s
+        now = time.monotonic()
+        self.moved_at = {rank: now for rank in ranks}
+        self.motion: dict[int, Any] = {}
+        self.looked = now
+
+    def due(self) -> bool:
+        """Whether a look is due (at most one a second)."""
+        now = time.monotonic()
+        if now - self.looked < min(1.0, self.dog.heartbeat_s):
+            return False
+        self.looked = now
+        return True
+
+    def see(self, beats: dict[int, Any]) -> list[int]:
+        """Take in the watched ranks' beats; the ranks that have not moved for the patience."""
+        now = time.monotonic()
+        for rank in self.moved_at:
+            beat = beats.get(rank)
+            seen = beat.motion if beat is not None else None
+            if seen is not None and seen != self.motion.get(rank):
+                self.motion[rank], self.moved_at[rank] = seen, now
+                self.dog.tick()
+        return [rank for rank, at in self.moved_at.items() if now - at > self.patience_s]

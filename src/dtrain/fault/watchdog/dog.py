@@ -163,7 +163,7 @@ class Watchdog(PeerDiagnosis):
             wait = datetime.timedelta(seconds=self.timeout_s)
             try:
                 self.store.call(lambda store: store.wait([key], wait), key, self.timeout_s + 1)
-                self._see_rank0(self._read_beat(0), time.monotonic())
+                self._see_rank0(self.read_beat(0), time.monotonic())
             except Exception:
                 pass  # rank 0 is late or gone; a collective will tell
         self._moves_seen, self._moved_at = self.liveness.moves, time.monotonic()
@@ -308,7 +308,7 @@ class Watchdog(PeerDiagnosis):
                     self._beat()
                 if self.rank != 0 and now - last_read >= self.heartbeat_s:
                     last_read = now
-                    self._see_rank0(self._read_beat(0), now)
+                    self._see_rank0(self.read_beat(0), now)
             except Exception:
                 pass  # the store's host may be gone; a collective will tell
             hung = self.check_hang(time.monotonic())
@@ -379,7 +379,7 @@ class Watchdog(PeerDiagnosis):
                 failed[rank] = record
         return failed
 
-    def _read_beat(self, rank: int, seconds: float | None = None) -> Liveness | None:
+    def read_beat(self, rank: int, seconds: float | None = None) -> Liveness | None:
         assert self.store is not None
         key = f"{store_prefix()}hb/{rank}"
         return beat_of(key, self.store.read(key, seconds))
