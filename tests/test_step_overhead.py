@@ -120,14 +120,28 @@ def test_no_step_makes_a_collective_of_its_own_for_its_count_or_stop(tmp_path: P
 
 def test_the_agreement_packs_counts_that_sum_exactly_in_float32() -> None:
     rng = np.random.default_rng(0)
-    for ranks in (2, 7, MAX_CARRYING_RANKS):
+    # Around each change of the packing (12-bit digits and one flags value up to 4,095 ranks;
+    # narrower digits from 4,098; two flag values from 4,096) and far beyond.
+    for ranks in (2, 7, 4094, 4095, 4096, 4097, 4098, 70_000):
         counts = rng.integers(0, 2**36, ranks)
+        counts[: ranks // 2] = 2**36 - 1  # every digit at its largest: the sums at their edge
         stops = rng.random(ranks) < 0.01
-        packed = [StepAgreement(int(c), bool(s)).pack() for c, s in zip(counts, stops)]
+        regroups = rng.random(ranks) < 0.01
+        packed = [
+            StepAgreement(int(c), bool(s), bool(g), world=ranks).pack()
+            for c, s, g in zip(counts, stops, regroups)
+        ]
         sums = torch.tensor(packed, dtype=torch.float32).sum(dim=0)  # as an all-reduce adds
-        agreed = StepAgreement(0, False)
+        agreed = StepAgreement(0, False, world=ranks)
+        assert sums.numel() == agreed.width
         agreed.unpack(sums.tolist())
-        assert agreed.items == int(counts.sum()) and agreed.stop == bool(stops.any())
+        assert agreed.items == int(counts.sum()), ranks
+        assert (agreed.stop, agreed.regroup) == (bool(stops.any()), bool(regroups.any()))
+    # Up to the most ranks a float32 sum counts exactly: each digit's sum stays within 2**24.
+    for ranks in (4097, 4098, 2**20, MAX_CARRYING_RANKS):
+        agreed = StepAgreement(0, False, world=ranks)
+        digit_max = (1 << agreed._bits) - 1
+        assert ranks * digit_max <= 2**24 and agreed._bits * agreed._digits >= 36
     with pytest.raises(ValueError, match="2\\*\\*36"):
         StepAgreement(2**36, False)
 

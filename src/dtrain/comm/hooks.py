@@ -218,10 +218,10 @@ class MeanHook(CommHook):
             return self.mean_future(bucket.buffer())
         buffer = bucket.buffer()
         n = buffer.numel()
-        key = (n, buffer.dtype, buffer.device)
+        key = (n + carried.width, buffer.dtype, buffer.device)
         if key not in self._staging:
-            self._staging[key] = buffer.new_empty(n + carried.WIDTH)
-        # staging: (bucket numel + WIDTH,) = the bucket's share of the mean, then the packed
+            self._staging[key] = buffer.new_empty(n + carried.width)
+        # staging: (bucket numel + width,) = the bucket's share of the mean, then the packed
         # agreement (exact integers: summed, never divided).
         staging = self._staging[key]
         divide_into(buffer, self.world_size, out=staging[:n])
