@@ -73,7 +73,14 @@ def test_kill9_of_one_of_two_an_own_loop_survives_in_place(tmp_path: Path) -> No
     assert (event["world_size"], event["healed_from"]) == (1, 1)
     assert_exactly_once(run_dir, 10)
     reference = reference_params(tmp_path, [(2, 3), (1, 10)])
-    assert_same_final_params(reference, run_dir, 10)
+    assert_same_final_params(reference, run_dir, 10)  # tests/test_inplace.py's standard
+    # ... and bit for bit (one thread per rank; two ranks' sums do not depend on the order):
+    # the own loop trains what dtrain's loop trains, recovery included.
+    final = "checkpoints/step-00000010/model.pt"
+    expected = torch.load(reference / final, weights_only=True)
+    got = torch.load(run_dir / final, weights_only=True)
+    assert got.keys() == expected.keys()
+    assert [key for key, value in expected.items() if not got[key].equal(value)] == []
     # The loop's registered count: 3 healed (step 4's raise taken back), then 7 steps alone.
     assert begun_steps(run_dir, 10) == 10
 
