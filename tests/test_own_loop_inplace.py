@@ -23,6 +23,7 @@ from tests.ranks import run_ranks
 from tests.test_inplace import (
     JOB,
     assert_exactly_once,
+    assert_rejoined_healed,
     assert_same_final_params,
     membership_events,
     reference_params,
@@ -94,14 +95,7 @@ def test_the_killed_worker_restarted_joins_an_own_loop_healed_from_the_survivor(
     # the survivor's main(run) leaves through run.step() (the regroup) and is called again.
     steps = 400
     run_dir, _ = launch_own_loop(tmp_path, steps=steps, max_restarts=1, slow_ms=60)
-    left, joined = membership_events(run_dir)
-    assert (left["step"], left["left"], left["world_size"]) == (3, [0], 1)
-    assert (joined["joined"], joined["world_size"], joined["healed_from"]) == ([0], 2, 1)
-    assert 3 < joined["step"] < steps
-    assert_exactly_once(run_dir, steps)
-    sizes = [(2, 3), (1, joined["step"]), (2, steps)]
-    reference = reference_params(tmp_path, sizes, slow_ms=0)
-    assert_same_final_params(reference, run_dir, steps)
+    assert_rejoined_healed(tmp_path, run_dir, steps)
     assert begun_steps(run_dir, steps) == steps  # the joiner's count: the survivor's
 
 
