@@ -38,6 +38,7 @@ def launch_own_loop(
     max_restarts: int,
     expect: int = 0,
     fault: dict[str, object] | None = None,
+    strategy: str = "ddp",
     **task: object,
 ) -> tuple[Path, str]:
     """``dtrain train --run.script=tests/own_loop_counted.py`` under fault.recovery =
@@ -45,7 +46,8 @@ def launch_own_loop(
     the task's options); the run folder and the launcher's output."""
     run_dir = tmp_path / "run"
     fault = {"recovery": "inplace", **(fault or {})}
-    raw = tiny_raw(run_dir, JOB, run={"script": SCRIPT}, train={"steps": steps}, fault=fault)
+    sections = {"run": {"script": SCRIPT}, "strategy": {"name": strategy}, "fault": fault}
+    raw = tiny_raw(run_dir, JOB, train={"steps": steps}, **sections)
     raw["task"].update({"kill_member": 0, "kill_at_forward": 4, **task})
     config = tmp_path / "job.toml"
     config.write_text(build_job_config(raw).to_toml())
@@ -66,14 +68,15 @@ def begun_steps(run_dir: Path, step: int) -> int:
     return begun
 
 
-def test_kill9_of_one_of_two_an_own_loop_survives_in_place(tmp_path: Path) -> None:
-    run_dir, text = launch_own_loop(tmp_path, steps=10, max_restarts=0)
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("allreduce", marks=[pytest.mark.slow])])
+def test_kill9_of_one_of_two_an_own_loop_survives_in_place(tmp_path: Path, strategy: str) -> None:
+    run_dir, text = launch_own_loop(tmp_path, steps=10, max_restarts=0, strategy=strategy)
     assert "member 1: leaving generation 0 at step 3 (the step in flight dropped)" in text
     (event,) = membership_events(run_dir)  # and no checkpoint was read
     assert (event["step"], event["left"], event["joined"]) == (3, [0], [])
     assert (event["world_size"], event["healed_from"]) == (1, 1)
     assert_exactly_once(run_dir, 10)
-    reference = reference_params(tmp_path, [(2, 3), (1, 10)])
+    reference = reference_params(tmp_path, [(2, 3), (1, 10)], strategy)
     assert_same_final_params(reference, run_dir, 10)  # tests/test_inplace.py's standard
     # ... and bit for bit (one thread per rank; two ranks' sums do not depend on the order):
     # the own loop trains what dtrain's loop trains, recovery included.
@@ -84,6 +87,23 @@ def test_kill9_of_one_of_two_an_own_loop_survives_in_place(tmp_path: Path) -> No
     assert [key for key, value in expected.items() if not got[key].equal(value)] == []
     # The loop's registered count: 3 healed (step 4's raise taken back), then 7 steps alone.
     assert begun_steps(run_dir, 10) == 10
+
+
+@pytest.mark.slow
+def test_a_worker_of_an_own_loop_killed_after_the_gradient_sync_leaves_its_samples_on_record(
+    tmp_path: Path,
+) -> None:
+    # Member 0 dies just before its 4th update: member 1 commits step 4 without it, leaves (in
+    # step 4's metrics or step 5's first collective, which it drops), and its main(run) is
+    # called again from step 4's end.
+    run_dir, text = launch_own_loop(
+        tmp_path, steps=8, max_restarts=0, kill_at_forward=0, kill_at_update=4
+    )
+    assert "member 1: leaving generation 0 at step 4" in text
+    (event,) = membership_events(run_dir)
+    assert (event["step"], event["left"], event["world_size"]) == (4, [0], 1)
+    assert_exactly_once(run_dir, 8)
+    assert begun_steps(run_dir, 8) == 8
 
 
 @pytest.mark.slow
