@@ -158,6 +158,12 @@ def test_the_killed_worker_restarted_heals_from_the_survivor(tmp_path: Path) -> 
     # machine) joins long before the end.
     steps = 400
     run_dir = launch_job(tmp_path, steps=steps, max_restarts=1, slow_ms=60)
+    assert_rejoined_healed(tmp_path, run_dir, steps)
+
+
+def assert_rejoined_healed(tmp_path: Path, run_dir: Path, steps: int) -> None:
+    """Member 0, killed in step 4, left member 1 alone; restarted, it joined healed from
+    member 1; every sample once, and the parameters of resumes at those world sizes."""
     left, joined = membership_events(run_dir)
     assert (left["step"], left["left"], left["world_size"]) == (3, [0], 1)
     assert (joined["joined"], joined["world_size"], joined["healed_from"]) == ([0], 2, 1)

@@ -67,10 +67,14 @@ def train(cfg: Config, own_loop: OwnLoop | None = None) -> Summary | None:
             from dtrain.loop.script import load_main
 
             own_loop = load_main(cfg.run.script)
-        if cfg.fault.recovery == "inplace" and own_loop is None:
-            from dtrain.train.inplace_worker import train_in_place
+        if cfg.fault.recovery == "inplace":
+            from dtrain.train.inplace_worker import TrainerLoop, train_in_place
 
-            return train_in_place(cfg)
+            if own_loop is None:
+                return train_in_place(cfg, TrainerLoop)
+            from dtrain.loop.inplace import start_own_loop
+
+            return train_in_place(cfg, start_own_loop(own_loop))
         return train_once(cfg, own_loop)
     finally:
         close_probe_listener()  # its accept thread is one of ours: it must end first

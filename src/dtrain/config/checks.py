@@ -101,19 +101,12 @@ def validate_cross_fields(cfg: Config) -> None:
 
 def validate_own_loop(cfg: Config) -> None:
     """A loop of the user's own (``run.script``, or ``dtrain.run_main`` under torchrun) runs
-    what dtrain's own loop runs, but for a strategy that owns the step, and in-place recovery
-    (whose protocol the trainer alone speaks, for now)."""
+    what dtrain's own loop runs, but for a strategy that owns the step."""
     if capabilities(cfg.strategy.name).owns_step:
         raise ConfigError(
             f"strategy.name = {cfg.strategy.name!r} cannot run in a loop of your own: its "
             "schedule runs each step's micro-batches across the stages itself; use dtrain's "
             "loop (run.task) for it, or ddp, allreduce, fsdp or tensor in your own loop"
-        )
-    if cfg.fault.recovery == "inplace":
-        raise ConfigError(
-            "fault.recovery = 'inplace' does not work with a loop of your own yet: use "
-            "fault.recovery = 'restart' (a failed worker restarts the job, which resumes from "
-            "its last checkpoint)"
         )
 
 

@@ -67,6 +67,13 @@ def wrap_trained(
             f"run.wrap({name!r}, ...) under strategy.name = {cfg.strategy.name!r}: a further "
             f"model is wrapped under {', '.join(WRAPPING_STRATEGIES)} for now"
         )
+    if cfg.fault.recovery == "inplace":
+        raise UserError(
+            f"run.wrap({name!r}, ..., optimizer=...) under fault.recovery = 'inplace': a "
+            "further optimizer steps within the step (run.update), before the gradient sync a "
+            "failed peer can drop, so the survivors could not take the step back; use "
+            "fault.recovery = 'restart', or wrap it frozen (without an optimizer)"
+        )
     strategy = build_strategy(cfg, runtime)
     strategy.comm = main.comm  # its bytes and waits are the run's: counted with the main's
     if strategy.recipe.precision.scales_loss:

@@ -57,6 +57,7 @@ from dtrain.metrics.summary import Summary
 from dtrain.parallel.base import Strategy
 from dtrain.train.config_agreement import agree_on_config
 from dtrain.train.job import join_job, wire_task
+from dtrain.train.recovery_seam import RecoverySeam
 from dtrain.train.step import backward_scaled
 from dtrain.train.trainer import Trainer
 from dtrain.train.trainer.loop import LoopState
@@ -68,9 +69,17 @@ class Run:
     (:meth:`register`), the data stream (:meth:`batches`), the loss (:meth:`backward`) and the
     step (:meth:`step`)."""
 
-    def __init__(self, cfg: Config, runtime: Runtime) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        runtime: Runtime,
+        recovery: RecoverySeam | None = None,
+        before_resume: Callable[[Trainer], None] | None = None,
+    ) -> None:
         validate_own_loop(cfg)
         self.config, self.runtime = cfg, runtime
+        # fault.recovery = 'inplace': one generation's run, its trainer given the seam (.inplace)
+        self._recovery, self._before_resume = recovery, before_resume
         self._trainer: Trainer | None = None
         self._registered: dict[str, Any] = {}
         self._wrapped: dict[str, Wrapped] = {}  # further models with optimizers (run.wrap)
@@ -103,6 +112,10 @@ class Run:
     def trainer(self) -> Trainer:
         if self._trainer is None:
             raise UserError("call run.prepare(model, dataset) first: it sets the run up")
+        return self._trainer
+
+    @property
+    def built(self) -> Trainer | None:  # the trainer, once prepare() built it
         return self._trainer
 
     @property
@@ -151,6 +164,7 @@ class Run:
                 "give each further model to run.wrap(name, model, optimizer=...)"
             )
         self._trainer = wire_task(self.config, own_task(model, train_data, options), self.runtime)
+        self._trainer.recovery = self._recovery
         contract = self._trainer.forward_backward.contract
         if contract is not None:  # its messages name what the own loop gave the losses to
             contract.source = "run.backward() got"
@@ -253,6 +267,8 @@ class Run:
         if self._wrapped:  # their parts beside the main model's (dtrain.loop.models)
             models = WithModels(trainer.strategy, self._wrapped)
         trainer.state = dataclasses.replace(trainer.state, strategy=models, parts=parts)
+        if self._before_resume is not None:
+            self._before_resume(trainer)
         self._preempt = self._running.enter_context(trainer.running())
         started = time.perf_counter()
         with trainer.phase("resume"):
@@ -276,7 +292,7 @@ class Run:
         assert self._preempt is not None
         stop = self._preempt.requested or bool(self._wish)  # a wish rides in the stop flag
         self._scale = trainer.forward_backward.begin(
-            batch.items, stop, planned, False, batch.micro[0], output_sum
+            batch.items, stop, planned, trainer.regroup(), batch.micro[0], output_sum
         )
         self._loss_sum = None
         if trainer.step == self._started_at:  # the process's first step only: it costs a call

@@ -7,7 +7,8 @@ Each worker runs :func:`train_in_place` instead of one plain training run::
         generation = wait for one that holds this member
         process group of the generation (destroy the old one, init on inplace/gen<g>/pg)
         trainer = a fresh task and Trainer at the generation's rank and world size
-        trainer.fit():
+                  (a loop of the user's own: its main(run) called again builds them)
+        trainer.fit(), or main(run):
             resume: heal -- the rank furthest along (newest generation, then step) sends
                     model, optimizer, LR schedule, data position and trainer counters, tensor
                     by tensor, to each rank that holds an older state (a joiner); every rank

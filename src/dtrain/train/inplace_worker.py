@@ -1,19 +1,26 @@
 """A worker under ``fault.recovery = 'inplace'``: the process's loop across membership
 generations (:mod:`dtrain.recovery.inplace` holds what one generation's trainer needs to leave,
 heal and go on). It sits above the trainer and the job, as :mod:`dtrain.worker` does, which
-calls it."""
+calls it.
+
+What trains in a generation is a :class:`GenerationLoop`: dtrain's loop (:class:`TrainerLoop`),
+or a loop of the user's own (:mod:`dtrain.loop.inplace`: ``main(run)`` called again in each
+generation). Both build one trainer, and recovery reaches it only through its seam
+(:mod:`dtrain.train.recovery_seam`), so there is one in-place recovery for both."""
 
 from __future__ import annotations
 
 import gc
 import os
 import signal
+from collections.abc import Callable
+from typing import NoReturn, Protocol
 
 from dtrain.checkpoint.layout import committed_steps, step_dir_name
 from dtrain.checkpoint.rundir import write_config_of_record
 from dtrain.config import Config
 from dtrain.console import say_line
-from dtrain.dist.runtime import barrier
+from dtrain.dist.runtime import Runtime, barrier
 from dtrain.errors import UserError
 from dtrain.fault.peer_failure import collective_cause
 from dtrain.fault.preempt import early_signal
@@ -38,18 +45,63 @@ from dtrain.recovery.membership import (
     STALE_S,
     Member,
 )
-from dtrain.train.job import build_trainer_on
+from dtrain.train.config_agreement import agree_on_config
+from dtrain.train.job import build_agreed_trainer
+from dtrain.train.recovery_seam import RecoverySeam
 from dtrain.train.trainer import Trainer
+
+# What a generation that must not train (fewer workers than fault.min_replicas) does with its
+# trainer once built, before it resumes: heal, save, and end it (raises JobStopped).
+Halt = Callable[[Trainer], NoReturn]
+
+
+class JobStopped(Exception):
+    """The job stopped below ``fault.min_replicas``: the survivors saved, and end."""
+
+
+class GenerationLoop(Protocol):
+    """What trains in one membership generation, on a process group that is up."""
+
+    @property
+    def trainer(self) -> Trainer | None:
+        """The generation's trainer, once built (a regroup holds its state and leaves it)."""
+
+    def fit(self) -> Summary:
+        """Resume (heal from the survivors' memory), then train until the run's end; a failed
+        collective or an agreed regroup raises (:meth:`RecoverySeam.recoverable`)."""
+
+
+# How a worker builds a generation's loop: given the config (the ranks agreed on it), the
+# generation's runtime, the seam its trainer is given, and the halt it calls instead of
+# resuming (None: it trains).
+StartLoop = Callable[[Config, Runtime, RecoverySeam, Halt | None], GenerationLoop]
+
+
+class TrainerLoop:
+    """dtrain's loop in one generation: a fresh task and :class:`Trainer` at the generation's
+    rank and world size."""
+
+    def __init__(
+        self, cfg: Config, runtime: Runtime, recovery: RecoverySeam, halt: Halt | None
+    ) -> None:
+        self.trainer = build_agreed_trainer(cfg, runtime)
+        self.trainer.recovery = recovery
+        self._halt = halt
+
+    def fit(self) -> Summary:
+        if self._halt is not None:
+            self._halt(self.trainer)
+        return self.trainer.fit()
 
 
 def _say(text: str) -> None:
     say_line(f"dtrain: {text}")
 
 
-def train_in_place(cfg: Config) -> Summary | None:
-    """Train as member ``$DTRAIN_INPLACE_MEMBER`` across generations; the summary of the
-    generation that finished the run, or None when the run completed before this worker
-    could join or stopped below ``fault.min_replicas``."""
+def train_in_place(cfg: Config, start: StartLoop = TrainerLoop) -> Summary | None:
+    """Train as member ``$DTRAIN_INPLACE_MEMBER`` across generations, each trained by the loop
+    ``start`` builds; the summary of the generation that finished the run, or None when the
+    run completed before this worker could join or stopped below ``fault.min_replicas``."""
     if not os.environ.get(COORDINATOR_ENV):
         raise UserError(
             "fault.recovery = 'inplace' needs `dtrain train` to start the workers (its "
@@ -96,20 +148,20 @@ def train_in_place(cfg: Config) -> Summary | None:
             gc.freeze()
             recovery = Recovery(member, generation, held, retired)
             held = None
-            trainer: Trainer | None = None
+            loop: GenerationLoop | None = None
             try:
                 runtime = generation_runtime(cfg.dist, generation, member)
-                trainer = build_trainer_on(cfg, runtime)
-                trainer.recovery = recovery
-                if trainer.is_main and generation.number == 0:
+                agree_on_config(cfg, runtime)  # one job, one config, on whichever machine
+                if runtime.is_main and generation.number == 0:
                     write_config_of_record(cfg)
-                if generation.stop:
-                    save_and_stop(trainer, recovery, retired, generation.stop)
-                    return None
-                summary = trainer.fit()
+                loop = start(cfg, runtime, recovery, halt(recovery, retired, generation.stop))
+                summary = loop.fit()
+            except JobStopped:
+                return None
             except BaseException as exc:
                 if not recovery.recoverable(exc):
                     raise
+                trainer = loop.trainer if loop is not None else None
                 if not isinstance(exc, Regroup):
                     recovery.sever()  # first: peers blocked on this rank fail at once
                 why = "to admit a worker" if isinstance(exc, Regroup) else collective_cause(exc)
@@ -132,15 +184,29 @@ def train_in_place(cfg: Config) -> Summary | None:
                 )
             else:
                 member.finish()
-                if trainer.is_main:
-                    print_summary(summary, trainer.task.item_name, trainer.runtime.world_size)
+                done = loop.trainer
+                assert done is not None
+                if done.is_main:
+                    print_summary(summary, done.task.item_name, done.runtime.world_size)
                 return summary
             after = generation.number
             leave(trainer)
             retired.keep(trainer)
-            del trainer, recovery
+            del trainer, recovery, loop
     finally:
         member.close()
+
+
+def halt(recovery: Recovery, retired: Retired, reason: str) -> Halt | None:
+    """A generation's halt: None where it trains, else :func:`save_and_stop` (``reason``)."""
+    if not reason:
+        return None
+
+    def stop(trainer: Trainer) -> NoReturn:
+        save_and_stop(trainer, recovery, retired, reason)
+        raise JobStopped(reason)
+
+    return stop
 
 
 def save_and_stop(trainer: Trainer, recovery: Recovery, retired: Retired, reason: str) -> None:

@@ -92,9 +92,15 @@ def join_job(cfg: Config) -> Runtime:
 
 
 def build_trainer_on(cfg: Config, runtime: Runtime) -> Trainer:
-    """The task and its trainer in a process group that is up (``fault.recovery = 'inplace'``
-    builds one per membership generation, dtrain.recovery.inplace)."""
+    """The task and its trainer in a process group that is up."""
     agree_on_config(cfg, runtime)  # one job, one config, whichever machine a rank is on
+    return build_agreed_trainer(cfg, runtime)
+
+
+def build_agreed_trainer(cfg: Config, runtime: Runtime) -> Trainer:
+    """:func:`build_trainer_on` once the ranks agreed on ``cfg``: every rank seeded alike, the
+    task built, its trainer wired (``fault.recovery = 'inplace'`` builds one per membership
+    generation, :mod:`dtrain.train.inplace_worker`)."""
     factory = resolve_task(cfg.run.task)
     seed_everything(cfg.run.seed)
     return wire_task(cfg, build_task(factory, cfg), runtime)

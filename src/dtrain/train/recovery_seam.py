@@ -6,12 +6,13 @@ torchft's loop calls its Manager at the start of a step and at its end; the conc
 (:mod:`dtrain.train.inplace_worker`), which runs one trainer per membership generation. Under
 ``fault.recovery = "restart"`` there is none (``Trainer.recovery is None``).
 
-Where the loop calls it::
+Where the loop calls it -- in the trainer's methods that dtrain's loop and a loop of the user's
+own (:class:`dtrain.loop.run.Run`) both call, so the two recover alike::
 
     resume:               heal(trainer)        -- the state from a peer's memory, not a file
     the run log opens:    event()              -- this generation's membership, for the record
-    each step starts:     step_starting(trainer)
-    each step's sync:     joiner_waiting()     -- carried in the step's agreement
+    each step starts:     step_starting(trainer)  (Trainer.next_batch)
+    each step's sync:     joiner_waiting()     -- carried in the step's agreement (.regroup)
     the step after it:    regroup(step)        -- every rank leaves the generation (raises)
     an error:             recoverable(error)   -- the survivors go on, no diagnosis to wait for
 """

@@ -176,15 +176,12 @@ class Trainer:
         with self.phase("train"):  # what a rank between two phases of the loop says
             loop = self.open_loop(point, summary, started)
             while self.step < steps:
-                if self.recovery is not None:
-                    self.recovery.step_starting(self)
                 batch, micro, count, planned = self.next_batch()
                 logs = self.logs_now()
                 failpoint("train.step", step=self.step + 1)
                 with self.phase("forward_backward"):
-                    regroup = self.recovery is not None and self.recovery.joiner_waiting()
                     loss_sum, agreement = self.forward_backward(
-                        micro, self.task.loss_fn, count, preempt.requested, planned, regroup
+                        micro, self.task.loss_fn, count, preempt.requested, planned, self.regroup()
                     )
                 if self.end_step(loop, batch, loss_sum, agreement, logs, preempt):
                     break
@@ -267,7 +264,11 @@ class Trainer:
     def next_batch(self) -> tuple[StepBatch, list[Any], int, int | None]:
         """The next step's batch, its micro-batches on the device, this rank's item count, and
         the step's global count from its plan where the task declares ``items_per_sample``
-        (this rank's count checked against it), else None."""
+        (this rank's count checked against it), else None. Under in-place recovery the step's
+        start is kept first (what a dropped step goes back to): every loop, dtrain's and an own
+        loop's (:mod:`dtrain.loop`), starts its steps here."""
+        if self.recovery is not None:
+            self.recovery.step_starting(self)
         with self.phase("data", self.step + 1):
             self.balance.step_started()
             batch = next(self.loader)
@@ -282,6 +283,11 @@ class Trainer:
             self._audit(batch)
             failpoint("train.before_collective", step=self.step + 1)
         return batch, micro, count, planned
+
+    def regroup(self) -> bool:
+        """Whether this rank asks, in the step's agreement, that every rank leave the generation
+        after the step: a worker waits to join (in-place recovery only)."""
+        return self.recovery is not None and self.recovery.joiner_waiting()
 
     def _update(
         self, loss_sum: torch.Tensor, agreement: StepAgreement, window: LossWindow, logs: bool
