@@ -51,6 +51,28 @@ class Lockstep:
         return exchange
 
 
+def make_loader(
+    dataset: Any,
+    rank: int = 0,
+    world: int = 1,
+    exchange: Callable[[Any], list[Any]] | None = None,
+    shuffle: str = "none",
+    micro_batches: int = 1,
+    seed: int = 3,
+) -> StreamLoader:
+    return StreamLoader(
+        stream_source(dataset),
+        seed=seed,
+        shuffle=shuffle,
+        global_batch_size=B,
+        micro_batches=micro_batches,
+        rank=rank,
+        world_size=world,
+        collate_fn=list,
+        exchange=exchange or Lockstep(1).of_rank(0),
+    )
+
+
 def run(
     dataset: Any,
     lengths: tuple[int, ...],
@@ -64,17 +86,7 @@ def run(
     order), checked against the items delivered; and the position after them."""
     lockstep = Lockstep(world)
     loaders = [
-        StreamLoader(
-            stream_source(dataset),
-            seed=3,
-            shuffle=shuffle,
-            global_batch_size=B,
-            micro_batches=micro_batches,
-            rank=r,
-            world_size=world,
-            collate_fn=list,
-            exchange=lockstep.of_rank(r),
-        )
+        make_loader(dataset, r, world, lockstep.of_rank(r), shuffle, micro_batches)
         for r in range(world)
     ]
     batches: list[list[Any]] = [[] for _ in range(world)]
@@ -154,17 +166,7 @@ def test_a_hugging_face_stream_across_a_world_size_change(tmp_path: Path) -> Non
 
 def test_a_skipped_step_is_read_and_dropped() -> None:
     whole, _ = run(ShardStream(LENGTHS), LENGTHS, 1, 6)
-    loader = StreamLoader(
-        stream_source(ShardStream(LENGTHS)),
-        seed=3,
-        shuffle="none",
-        global_batch_size=B,
-        micro_batches=1,
-        rank=0,
-        world_size=1,
-        collate_fn=list,
-        exchange=Lockstep(1).of_rank(0),
-    )
+    loader = make_loader(ShardStream(LENGTHS))
     loader.skip(2 * B, 3 * B)  # what the NaN guard asks after a rollback
     got = [next(loader) for _ in range(5)]
     assert [b.plan.start for b in got] == [0, B, 3 * B, 4 * B, 5 * B]
@@ -215,18 +217,7 @@ def test_a_hugging_face_shuffle_buffer_resumes_as_it_was(tmp_path: Path) -> None
     write_jsonl_shards(tmp_path, LENGTHS)
 
     def loader() -> StreamLoader:
-        stream = hf_stream(tmp_path).shuffle(seed=5, buffer_size=4)
-        return StreamLoader(
-            stream_source(stream),
-            seed=0,
-            shuffle="full",
-            global_batch_size=B,
-            micro_batches=1,
-            rank=0,
-            world_size=1,
-            collate_fn=list,
-            exchange=Lockstep(1).of_rank(0),
-        )
+        return make_loader(hf_stream(tmp_path).shuffle(seed=5, buffer_size=4), shuffle="full")
 
     def keys(source: StreamLoader, steps: int) -> list[list[tuple[int, int]]]:
         return [[item_key(i) for i in next(source).micro[0]] for _ in range(steps)]
@@ -239,3 +230,14 @@ def test_a_hugging_face_shuffle_buffer_resumes_as_it_was(tmp_path: Path) -> None
     assert head + keys(resumed, 7) == whole
     # The buffer shuffles within a shard: not the stored order, the same items.
     assert whole[0] != sorted(whole[0]) and len({k for ks in whole[:6] for k in ks}) == 6 * B
+
+
+def test_the_start_up_line_says_how_the_stream_is_read() -> None:
+    own = make_loader(ShardStream(LENGTHS), 0, 3).notice()
+    assert own.startswith("data: a stream of 5 source shard(s) (num_shards, read_shard): each ")
+    assert "every shard's position is checkpointed" in own and "\n" not in own
+    dealt = make_loader(ShardStream(LENGTHS[:2]), 0, 3).notice()
+    assert "fewer shards than the 3 ranks: every rank reads every item" in dealt
+    plain = make_loader(Unsharded(LENGTHS), shuffle="full").notice()
+    assert "an unsharded iterable dataset" in plain
+    assert "provided every pass yields the same items in the same order" in plain

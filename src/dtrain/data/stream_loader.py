@@ -23,6 +23,7 @@ seek unless the protocol's ``read_shard`` has one). Steps are read in the traini
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
@@ -68,18 +69,18 @@ class UnitReader:
                 epoch, shard = self.units.locate(unit)
                 self._reading[unit] = (self.source.read(shard, start, epoch), start)
             items, index = self._reading[unit]
-            try:
-                item = next(items)
-            except StopIteration:
+            wanted = count - len(self._buffer)
+            for item in itertools.islice(items, wanted):
+                self._buffer.append((unit, index, item))
+                index += 1
+            self._reading[unit] = (items, index)
+            if len(self._buffer) < count:  # the unit ended before the buffer was full
                 del self._reading[unit]
                 self._length[unit] = index
                 # Nothing of it waits in the buffer: delivered up to here (since the last
                 # report, or before it).
                 if self._delivered.get(unit, self.state.open[unit]) == index:
                     self._finish(unit)
-                continue
-            self._buffer.append((unit, index, item))
-            self._reading[unit] = (items, index + 1)
         return False
 
     def deliver(self, count: int) -> tuple[list[Any], list[int]]:
