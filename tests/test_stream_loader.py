@@ -241,3 +241,14 @@ def test_the_start_up_line_says_how_the_stream_is_read() -> None:
     plain = make_loader(Unsharded(LENGTHS), shuffle="full").notice()
     assert "an unsharded iterable dataset" in plain
     assert "provided every pass yields the same items in the same order" in plain
+
+
+def test_a_position_of_other_data_is_refused_in_one_line() -> None:
+    _, state = run(ShardStream(LENGTHS), LENGTHS, 1, 2)
+    with pytest.raises(UserError, match="the number of source shards 5, this run has 2"):
+        make_loader(ShardStream(LENGTHS[:2])).load_state_dict(state)
+    with pytest.raises(UserError, match=r"run\.seed 3, this run has 4"):
+        make_loader(ShardStream(LENGTHS), seed=4).load_state_dict(state)
+    map_style = {"consumed": 12, "seed": 3, "num_samples": 39, "shuffle": "none"}
+    with pytest.raises(UserError, match="the checkpoint trained on a map-style dataset"):
+        make_loader(ShardStream(LENGTHS)).load_state_dict(map_style)
