@@ -1,16 +1,20 @@
-"""The training loader a task's dataset gets: policy chosen by what the data is."""
+"""The training loader a task's dataset gets: policy chosen by what the data is (a map-style
+dataset: the global plan, :mod:`dtrain.data.loader`; a stream: :mod:`dtrain.data.stream_loader`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from dtrain.config import Config
-from dtrain.data.loader import RankLoader
+from dtrain.data.loader import RankLoader, StepLoader
 from dtrain.data.partition import OrderSpec
-from dtrain.errors import ConfigError
+from dtrain.data.stream_loader import StreamLoader
+from dtrain.data.stream_source import PREPARE_HINT, is_stream, stream_source
+from dtrain.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
     from dtrain.task import Task
@@ -74,11 +78,60 @@ def max_micro_batch(cfg: Config, data_parallel_size: int) -> int:
     return -(-cfg.data.global_batch_size // per_step)
 
 
+def check_task_data(task: Task, cfg: Config) -> None:
+    """What a stream cannot do, refused in one line before the model is spread or a step runs
+    (the datasets exist only once the task is built, in the workers)."""
+    if task.val_data is not None and is_stream(task.val_data):
+        raise DataError(
+            "Task.val_data is a stream: evaluation gives every rank a contiguous share of a "
+            "sized set; give a map-style val_data (e.g. datasets.Dataset.from_list(list("
+            f"stream.take(n)))) {PREPARE_HINT}"
+        )
+    if not is_stream(task.train_data):
+        return
+    stream_source(task.train_data)  # a one-pass iterator, a malformed protocol: refused here
+    if cfg.data.num_workers > 0:
+        raise ConfigError(
+            f"data.num_workers = {cfg.data.num_workers}: worker processes fetch a map-style "
+            "dataset's planned ids; a stream is read in the training process: set "
+            f"data.num_workers = 0, {PREPARE_HINT}"
+        )
+    if cfg.data.split == "tokens":
+        raise ConfigError(
+            "data.split = 'tokens' needs every sample's length before the step; a stream's "
+            "are unknown until read: use 'samples' or 'auto'"
+        )
+
+
 def build_train_loader(
-    task: Task, cfg: Config, rank: int, ranks: int, device: torch.device
-) -> RankLoader:
-    """This data-parallel ``rank``'s loader, of ``ranks`` that share each global batch."""
+    task: Task,
+    cfg: Config,
+    rank: int,
+    ranks: int,
+    device: torch.device,
+    exchange: Callable[[Any], list[Any]] | None = None,
+) -> StepLoader:
+    """This data-parallel ``rank``'s loader, of ``ranks`` that share each global batch.
+    ``exchange`` (collective: every rank's value, in rank order; None for one process) carries
+    a stream's shard positions between the ranks."""
     dataset = task.train_data
+    if is_stream(dataset):
+        check_task_data(task, cfg)
+        if exchange is None and ranks > 1:
+            raise ValueError("a stream read by several ranks needs their exchange of positions")
+        return StreamLoader(
+            stream_source(dataset),
+            seed=cfg.run.seed,
+            shuffle=cfg.data.shuffle,
+            global_batch_size=cfg.data.global_batch_size,
+            micro_batches=cfg.data.micro_batches,
+            rank=rank,
+            world_size=ranks,
+            collate_fn=task.collate_fn,
+            exchange=exchange or (lambda value: [value]),
+            max_micro_batch=max_micro_batch(cfg, ranks),
+            pin_memory=device.type == "cuda",
+        )
     lengths = None
     if cfg.data.split in ("auto", "tokens"):
         lengths = dataset_lengths(dataset)

@@ -17,7 +17,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import KW_ONLY, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -58,6 +58,29 @@ class StepBatch:
                 "ranks then count every step's items)"
             )
         return (self.plan.end - self.plan.start) * items_per_sample
+
+
+class StepLoader(Protocol):
+    """What the training loop asks of a loader: a map-style dataset's :class:`RankLoader`
+    or a stream's (:class:`dtrain.data.stream_loader.StreamLoader`)."""
+
+    skipped: dict[int, int]  # start -> end of stream ranges never delivered (the NaN guard's)
+
+    def __next__(self) -> StepBatch: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def skip(self, start: int, end: int) -> None: ...
+
+    def set_weights(self, weights: Sequence[float] | None) -> None: ...
+
+    def epoch(self) -> float: ...
+
+    def close(self) -> None: ...
+
+    def notice(self) -> str: ...
 
 
 def fetch(dataset: Any, ids: Sequence[int] | np.ndarray) -> list[Any]:
@@ -203,6 +226,11 @@ class RankLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at ``state["consumed"]``: O(1), the next plan is computed, not replayed.
         Refuses a position that counts in a different stream, naming what differs."""
+        if state.get("kind") == "stream":
+            raise DataError(
+                "cannot resume the data position: the checkpoint trained on a stream and this "
+                "run's train_data is a map-style dataset; use the same data or start a new run"
+            )
         checks: list[tuple[str, str, Any]] = [
             ("seed", "run.seed", self.order.seed),
             ("num_samples", "the dataset size", self.order.num_samples),
@@ -246,6 +274,11 @@ class RankLoader:
 
     def epoch(self) -> float:
         return self.consumed / self.order.num_samples
+
+    def notice(self) -> str:
+        """A start-up line on how the data is read: none for a map-style dataset (docs/data.md
+        says it all)."""
+        return ""
 
     # -- planning ------------------------------------------------------------------------
 

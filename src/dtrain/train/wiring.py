@@ -12,9 +12,10 @@ from dtrain.balance.balancer import LoadBalancer
 from dtrain.balance.timing import StepTimer
 from dtrain.checkpoint.state import TrainingState
 from dtrain.checkpoint.write import Checkpointer
+from dtrain.comm.plain import all_gather_json
 from dtrain.compute.precision import LossScaler
 from dtrain.config import Config
-from dtrain.data.build import build_train_loader
+from dtrain.data.build import build_train_loader, check_task_data
 from dtrain.dist.runtime import Runtime
 from dtrain.errors import UserError
 from dtrain.fault.watchdog import Watchdog
@@ -38,6 +39,7 @@ def wire_trainer(cfg: Config, task: Task, runtime: Runtime) -> Trainer:
     hosts' names)."""
     if cfg.metrics.tensorboard:  # every rank, before the first collective
         check_tensorboard()
+    check_task_data(task, cfg)  # a stream's mistakes, before the model is spread
     strategy = build_strategy(cfg, runtime)
     strategy.setup(task)
     # What the run writes: status, records to rank 0's sinks, log lines (dtrain.metrics).
@@ -46,7 +48,14 @@ def wire_trainer(cfg: Config, task: Task, runtime: Runtime) -> Trainer:
     optimizer = build_run_optimizer(task, strategy, cfg)
     scheduler = build_run_scheduler(task, optimizer, cfg)
     dp_size = strategy.data_parallel_size
-    loader = build_train_loader(task, cfg, strategy.data_parallel_rank, dp_size, runtime.device)
+    # A stream's ranks exchange their shard positions after every step (dtrain.data.
+    # stream_loader): over the whole job, where ranks of one data-parallel rank say the same.
+    exchange = all_gather_json if runtime.world_size > 1 else None
+    loader = build_train_loader(
+        task, cfg, strategy.data_parallel_rank, dp_size, runtime.device, exchange
+    )
+    if loader.notice():
+        run_log.log(loader.notice())
     # Per-rank phase timing (the optimizer's step timed by its hooks), straggler reports and
     # (balance.mode) per-rank batch shares.
     timer = StepTimer(strategy.comm, optimizer, runtime.device)

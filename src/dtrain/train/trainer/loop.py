@@ -22,7 +22,7 @@ from dtrain.checkpoint.write import Checkpointer
 from dtrain.comm.agreement import StepAgreement
 from dtrain.compute.precision import LossScaler
 from dtrain.config import Config
-from dtrain.data.loader import RankLoader, StepBatch, split_to_device
+from dtrain.data.loader import StepBatch, StepLoader, split_to_device
 from dtrain.dist.runtime import Runtime, barrier
 from dtrain.fault.audit import AuditWriter
 from dtrain.fault.failpoints import failpoint
@@ -64,7 +64,7 @@ class Trainer:
         run_log: RunLog,
         optimizer: torch.optim.Optimizer,
         scheduler: Any,
-        loader: RankLoader,
+        loader: StepLoader,
         balance: LoadBalancer,
         scaler: LossScaler | None,
         forward_backward: ForwardBackward,

@@ -12,7 +12,7 @@ from dtrain.checkpoint.resume import rollback_point
 from dtrain.checkpoint.write import Checkpointer
 from dtrain.compute.precision import LossScaler
 from dtrain.config import Config
-from dtrain.data.loader import RankLoader
+from dtrain.data.loader import StepLoader
 from dtrain.dist.runtime import Runtime
 from dtrain.fault.watchdog import Watchdog
 from dtrain.metrics.run_log import RunLog
@@ -28,7 +28,7 @@ class Trainer(Protocol):
     checkpointer: Checkpointer
     run_log: RunLog
     counters: Counters
-    loader: RankLoader
+    loader: StepLoader
     state: training_state.TrainingState
     balance: LoadBalancer
     watchdog: Watchdog
