@@ -34,6 +34,7 @@ from dtrain.parallel.base import Strategy
 from dtrain.task import Task
 from dtrain.train.evaluation import evaluate
 from dtrain.train.nan_guard import NanGuard
+from dtrain.train.profile import StepProfiler
 from dtrain.train.recovery_seam import RecoverySeam
 from dtrain.train.step import ForwardBackward
 from dtrain.train.trainer.counters import Counters
@@ -73,6 +74,7 @@ class Trainer:
         watchdog: Watchdog,
         checkpointer: Checkpointer,
         nan_guard: NanGuard,
+        profiler: StepProfiler,
     ) -> None:
         self.cfg, self.task, self.runtime = cfg, task, runtime
         self.run_dir, self.is_main = Path(cfg.run.dir), runtime.is_main
@@ -81,6 +83,7 @@ class Trainer:
         self.balance, self.scaler, self.forward_backward = balance, scaler, forward_backward
         self.counters, self.state = counters, state
         self.watchdog, self.checkpointer, self.nan_guard = watchdog, checkpointer, nan_guard
+        self.profiler = profiler  # train.profile: inert outside its window of steps
         self.phase = watchdog.in_phase  # `with self.phase(name):` the liveness record's phase
         self.step_lr = float("nan")  # the learning rate the last step trained with
         self.val_metrics: dict[str, float] = {}  # of the latest evaluation
@@ -161,6 +164,7 @@ class Trainer:
             raise error from exc
         finally:
             self.loader.close()  # its prefetch stops on every way out, not only at the end
+            self.profiler.discard()  # left inside train.profile's window by an error
             self.watchdog.stop()
             preempt.restore()
             if self.audit is not None:
@@ -216,6 +220,21 @@ class Trainer:
         """Everything after the step's backward: the update, then what follows a committed
         step (synchronizing strategies, balance, audit, NaN guard, metrics, evaluation,
         checkpoint). Returns whether the ranks agreed to stop (a preemption) after it."""
+        stopped = self._end_step(loop, batch, loss_sum, agreement, logs, preempt)
+        trace = self.profiler.step_ended(self.step, stopped)  # the step, all of it, traced
+        if trace is not None:
+            self.log(f"dtrain: profiler traces of {trace.stem} in {trace.parent} (one per rank)")
+        return stopped
+
+    def _end_step(
+        self,
+        loop: LoopState,
+        batch: StepBatch,
+        loss_sum: torch.Tensor,
+        agreement: StepAgreement,
+        logs: bool,
+        preempt: PreemptionFlag,
+    ) -> bool:
         steps = self.cfg.train.steps
         norm, overflowed = self._update(loss_sum, agreement, loop.window, logs)
         self.step += 1
@@ -268,6 +287,7 @@ class Trainer:
         """The next step's batch, its micro-batches on the device, this rank's item count, and
         the step's global count from its plan where the task declares ``items_per_sample``
         (this rank's count checked against it), else None."""
+        self.profiler.step_starting(self.step + 1)  # an int compare outside its window
         with self.phase("data", self.step + 1):
             self.balance.step_started()
             batch = next(self.loader)
