@@ -139,7 +139,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from dtrain.weights.export import export
 
-    model = export(args.run_dir, args.out, args.step, args.format)
+    model = export(args.run_dir, args.out, args.step, args.format, args.merge, args.base)
     if model.note:
         print(f"note: {model.note}")
     tensors = len(model.state)

@@ -51,6 +51,11 @@ class RunConfig:
         "Hugging Face folder, a dtrain run folder or step-N checkpoint (a resumed run loads "
         "its checkpoint instead)",
     )
+    init_adapter: str = option(
+        "",
+        "a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) loaded into "
+        "the task's PEFT model, over run.init_from's base",
+    )
 
 
 @dataclass
