@@ -109,6 +109,30 @@ def test_the_report_page_lists_the_traces(profiled: tuple[Path, dict[str, Any]])
     assert "Profiler traces" not in render(read_runs([root / "plain"]), [], [])
 
 
+def test_no_profiler_is_alive_outside_the_window(tmp_path: Path) -> None:
+    """The window's steps only: before step A and after step B nothing records (torch's
+    profiler is off, and the loop holds no profiler object)."""
+    import torch
+
+    from dtrain.train.profile import StepProfiler
+
+    cfg = build_config(tiny_raw(tmp_path, JOB, train={**JOB["train"], "profile": "steps:2-3"}))
+    profiler = StepProfiler(cfg, rank=0, device=torch.device("cpu"))
+    seen = []
+    for step in range(1, 6):
+        profiler.step_starting(step)
+        torch.ones(4).sum()
+        seen.append(torch.autograd.profiler._is_profiler_enabled)
+        written = profiler.step_ended(step, stopping=False)
+        assert (written is not None) == (step == 3)
+        seen.append(profiler._profiler is not None)
+    # (recording during step, alive after step) for steps 1 to 5
+    assert seen == [False, False, True, True, True, False, False, False, False, False]
+    names = event_names(tmp_path / "traces" / "rank0-steps2-3.json")
+    assert {n for n in names if n.startswith("dtrain step")} == {"dtrain step 2", "dtrain step 3"}
+    assert "aten::ones" in names
+
+
 @pytest.mark.parametrize(
     ("value", "message"),
     [

@@ -220,21 +220,6 @@ class Trainer:
         """Everything after the step's backward: the update, then what follows a committed
         step (synchronizing strategies, balance, audit, NaN guard, metrics, evaluation,
         checkpoint). Returns whether the ranks agreed to stop (a preemption) after it."""
-        stopped = self._end_step(loop, batch, loss_sum, agreement, logs, preempt)
-        trace = self.profiler.step_ended(self.step, stopped)  # the step, all of it, traced
-        if trace is not None:
-            self.log(f"dtrain: profiler traces of {trace.stem} in {trace.parent} (one per rank)")
-        return stopped
-
-    def _end_step(
-        self,
-        loop: LoopState,
-        batch: StepBatch,
-        loss_sum: torch.Tensor,
-        agreement: StepAgreement,
-        logs: bool,
-        preempt: PreemptionFlag,
-    ) -> bool:
         steps = self.cfg.train.steps
         norm, overflowed = self._update(loss_sum, agreement, loop.window, logs)
         self.step += 1
@@ -261,7 +246,7 @@ class Trainer:
             # step's update, and the final save follows.
             loop.summary.preempted = preempt.signal_name or "a peer's signal"
             self.run_log.event("preempted", self.step, signal=loop.summary.preempted)
-            return True
+            return self._step_ended(stopped=True)
         if self._due(self.cfg.eval.every):
             self.evaluate(self.cfg.eval.max_samples)
         if self._due(self.cfg.checkpoint.every):
@@ -270,7 +255,15 @@ class Trainer:
             # A worker waits to join (fault.recovery = 'inplace'); every rank learnt it
             # in this step's agreement: all leave after it, its evaluation and save done.
             self.recovery.regroup(self.step)
-        return False
+        return self._step_ended(stopped=False)
+
+    def _step_ended(self, stopped: bool) -> bool:
+        """The step has ended, all of it (update, metrics, evaluation, checkpoint):
+        ``train.profile``'s window closes here. Returns ``stopped``."""
+        trace = self.profiler.step_ended(self.step, stopped)
+        if trace is not None:
+            self.log(f"dtrain: profiler traces of {trace.stem} in {trace.parent} (one per rank)")
+        return stopped
 
     # -- the loop's parts, in the order it calls them -------------------------------------
 
@@ -398,6 +391,9 @@ class Trainer:
 
     def finish(self, summary: Summary, last_loss: float, started: float) -> None:
         """The end of training: the whole validation set, the final checkpoint, the summary."""
+        # A loop of the user's own that stopped early inside train.profile's window: its trace
+        # holds the steps done (dtrain's loop closes the window at its last step or stop).
+        self._step_ended(stopped=True)
         if not summary.preempted:
             summary.val_loss = self.evaluate()  # the whole validation set
             summary.val_metrics = dict(self.val_metrics)
