@@ -37,14 +37,18 @@ def lora_raw(run_dir: Path, base: Path, **sections: dict[str, Any]) -> dict[str,
 
 
 def lora_run_configs(root: Path) -> dict[str, dict[str, Any]]:
-    """LoRA under ddp and fsdp from the base of :func:`prepare_lora_runs`, and one step from
-    that base plus the adapter PEFT saved there."""
+    """LoRA under ddp and fsdp from the base of :func:`prepare_lora_runs`; one step from that
+    base plus the adapter PEFT saved there; a run resumed at another strategy."""
     base = root / "lora-base"
     adapter = {"init_adapter": str(root / "lora-adapter")}
+    half = {"steps": STEPS // 2}
     return {
         "lora-ddp": lora_raw(root / "lora-ddp", base, strategy={"name": "ddp"}),
         "lora-fsdp": lora_raw(root / "lora-fsdp", base, strategy={"name": "fsdp"}),
         "lora-again": lora_raw(root / "lora-again", base, run=adapter, train={"steps": 1}),
+        # Half the steps under ddp, then resumed from its adapters-only checkpoint under fsdp.
+        "lora-half": lora_raw(root / "lora-resumed", base, strategy={"name": "ddp"}, train=half),
+        "lora-resumed": lora_raw(root / "lora-resumed", base, strategy={"name": "fsdp"}),
     }
 
 

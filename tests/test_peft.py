@@ -88,6 +88,19 @@ def test_checkpoints_and_optimizer_state_hold_the_adapters_only(
         assert set(consolidate(find_checkpoint(root / f"lora-{name}")).state) == adapters
 
 
+def test_a_run_resumes_its_adapters_at_another_strategy(
+    lora: tuple[Path, dict[str, Any]],
+) -> None:
+    """Half the steps under ddp, the rest resumed under fsdp from the adapters-only checkpoint
+    (read by name into shards, the base built again): the uninterrupted run's losses."""
+    _, runs = lora
+    assert len(runs["half"]["losses"]) == 3
+    resumed = runs["resumed"]["losses"]  # the folder's records: both attempts
+    assert len(resumed) == 6
+    for step, (got, want) in enumerate(zip(resumed, runs["ddp"]["losses"])):
+        assert abs(got - want) < 1e-6, (step, got, want)
+
+
 def test_the_exported_adapter_loads_in_peft_with_the_run_s_logits(
     lora: tuple[Path, dict[str, Any]],
 ) -> None:
