@@ -3,10 +3,9 @@
 In: ``run.init_from`` into a PEFT model loads its *base* (a Hugging Face folder or file of the
 base model's own names, ``transformer.h.0.attn.c_attn.weight``, into the wrapped layers'
 ``base_layer``: :func:`dtrain.weights.init_from.load_base_into`); ``run.init_adapter`` then
-loads an adapter folder as PEFT saves it
-(``adapter_config.json`` + ``adapter_model.safetensors``), after checking that it was made for
-this model: the same tuner settings (rank, alpha, target modules, ...) and tensors of the same
-names and shapes.
+loads an adapter folder as PEFT saves it (``adapter_config.json`` +
+``adapter_model.safetensors``), after checking that it was made for this model: the same tuner
+settings (rank, alpha, target modules, ...) and tensors of the same names and shapes.
 
 Out (``dtrain export --format hf``): a PEFT run's checkpoint holds the adapters only (its base
 is frozen, :mod:`dtrain.parallel.frozen`); the export builds the PEFT model from the configs the
@@ -100,7 +99,8 @@ def read_adapter(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
 
 def load_adapter_into(model: nn.Module, folder: str | Path) -> None:
     """``run.init_adapter``: the adapter at ``folder`` into PEFT ``model``, after checking that
-    it was made for this model (its settings, then its tensors' names and shapes)."""
+    it was made for this model (its settings, then its tensors' names and shapes). PEFT's own
+    mapping puts the saved names (without the adapter's name) into the model's."""
     where = f"run.init_adapter = {str(folder)!r}"
     if not is_peft_model(model):
         raise UserError(

@@ -205,11 +205,12 @@ def load_base_into(model: nn.Module, weights: Mapping[str, torch.Tensor], where:
             "give the weights of the base model the adapters were added to"
         )
     with torch.no_grad():
+        # The state dict's tensors share the parameters' storage. A tied name the weights lack
+        # (save_pretrained keeps one of GPT-2's head and token embedding) is filled through the
+        # other name of its group.
         for name, tensor in current.items():
             if name in weights:
                 tensor.copy_(weights[name])
-            else:  # a tied name: its tensor came under another name of its group
-                continue
 
 
 def check_init_from(path: str) -> None:
