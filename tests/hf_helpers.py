@@ -3,6 +3,7 @@ by worker processes (``tests.hf_helpers:...``); they need ``transformers``."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +100,10 @@ def train_each(raws: list[dict[str, Any]]) -> list[dict[str, Any]]:
         result["generated"] = summary.generated
         result["seconds"] = time.perf_counter() - started
         result["hook"] = hook
+        if "lora_r" in raw["task"]:  # LoRA: the trained model's logits (tests/test_peft.py)
+            from tests.peft_helpers import probe
+
+            result.update(probe(trainer))
         if raw.get("strategy", {}).get("name") == "tensor":
             result["params"] = params_of(trainer)
         out.append(result)
@@ -132,6 +137,10 @@ def hf_run_configs(root: Path) -> dict[str, dict[str, Any]]:
     init = {"init_from": str(root / "gpt2-fsdp")}
     raws["init"] = hf_raw(root / "init", "gpt2", run=init, train={"steps": 2})
     raws["bad-init"] = hf_raw(root / "bad-init", "gpt2", run=init, task={"n_embd": 16})
+    if importlib.util.find_spec("peft") is not None:  # LoRA (tests/test_peft.py)
+        from tests.peft_helpers import lora_run_configs
+
+        raws.update(lora_run_configs(root))
     return raws
 
 
@@ -140,6 +149,10 @@ def train_hf_runs(root: Path) -> dict[str, dict[str, Any]]:
     transformers once); rank 0's results by name."""
     from tests.ranks import run_ranks
 
+    if importlib.util.find_spec("peft") is not None:
+        from tests.peft_helpers import prepare_lora_runs
+
+        prepare_lora_runs(root)
     raws = hf_run_configs(root)
     ranks = run_ranks(train_each, 2, list(raws.values()), timeout=280)
     results = dict(zip(raws, ranks[0]))

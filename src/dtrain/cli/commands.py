@@ -117,11 +117,15 @@ def options_markdown() -> str:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from dtrain.metrics.traces import list_traces
     from dtrain.report import write_report
 
     out = Path(args.out) if args.out else None
     page = write_report([Path(d) for d in args.run_dirs], out)
     print(f"wrote {page}")
+    for run_dir in args.run_dirs:  # train.profile's traces, to open in Perfetto
+        for trace in list_traces(Path(run_dir)):
+            print(f"trace of steps {trace.steps}, rank {trace.rank}: {trace.path}")
     return 0
 
 
@@ -135,7 +139,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from dtrain.weights.export import export
 
-    model = export(args.run_dir, args.out, args.step, args.format)
+    model = export(args.run_dir, args.out, args.step, args.format, args.merge, args.base)
     if model.note:
         print(f"note: {model.note}")
     tensors = len(model.state)

@@ -172,6 +172,18 @@ def build_parser() -> argparse.ArgumentParser:
         default="safetensors",
         choices=["safetensors", "torch", "hf"],
         help="safetensors (default) or torch: a state dict in a file; hf: a folder "
-        "from_pretrained loads (a run of a Hugging Face model)",
+        "from_pretrained loads (a run of a Hugging Face model; of a PEFT model: its adapter, "
+        "which PeftModel.from_pretrained loads)",
+    )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="with --format hf, of a PEFT run: the base model with the adapter merged in",
+    )
+    p.add_argument(
+        "--base",
+        default=None,
+        metavar="PATH",
+        help="--merge: the base model's weights (default: the run's run.init_from)",
     )
     return parser

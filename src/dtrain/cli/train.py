@@ -50,6 +50,7 @@ def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str
     from dtrain.launch.launcher import launch
     from dtrain.launch.options import JobSettings
     from dtrain.train.job import default_run_dir, load_job_config
+    from dtrain.weights.adapters import check_init_adapter
     from dtrain.weights.init_from import check_init_from
 
     cfg = load_job_config(args.config, overrides)
@@ -60,6 +61,7 @@ def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str
     validate_job(cfg, job_shape(opts, args.nnodes, cfg.fault.recovery == "inplace"))
     check_transport_job(cfg, opts.max_nodes, args.nnodes)  # an extension's own rules
     check_init_from(cfg.run.init_from)
+    check_init_adapter(cfg.run.init_adapter)
     if cfg.run.resume not in ("auto", "never"):
         # Before the run folder is made for this job.
         check_resume_folder(cfg.run.resume, cfg.run.dir)

@@ -73,6 +73,7 @@ def validate_cross_fields(cfg: Config) -> None:
     if cfg.run.resume not in ("auto", "never") and not cfg.run.resume:
         raise ConfigError("run.resume is empty: use 'auto', 'never' or a checkpoint folder")
     parse_activation_checkpointing(cfg.train.activation_checkpointing)
+    validate_profile(cfg)
     if not math.log2(cfg.train.loss_scale_init).is_integer():
         raise ConfigError(
             f"train.loss_scale_init = {cfg.train.loss_scale_init!r}: expected a power of two "
@@ -141,6 +142,32 @@ def parse_activation_checkpointing(value: str) -> int:
         f"train.activation_checkpointing = {value!r}: expected 'none', 'full' or 'every:K' "
         "with K a positive integer (every K-th block)"
     )
+
+
+def parse_profile(value: str) -> tuple[int, int] | None:
+    """``train.profile``: the steps ``(A, B)`` of ``'steps:A-B'`` (``'steps:A'``: ``(A, A)``),
+    or None for ``'none'``."""
+    if value == "none":
+        return None
+    form = "expected 'steps:A-B' (the first and last step to record, 1-based) or 'none'"
+    kind, _, span = value.partition(":")
+    first, dash, last = span.partition("-")
+    if kind != "steps" or not first.isdigit() or (dash and not last.isdigit()):
+        raise ConfigError(f"train.profile = {value!r}: {form}")
+    window = int(first), int(last) if dash else int(first)
+    if window[0] < 1 or window[0] > window[1]:
+        raise ConfigError(f"train.profile = {value!r}: steps {window[0]} to {window[1]}; {form}")
+    return window
+
+
+def validate_profile(cfg: Config) -> None:
+    """``train.profile`` names steps the run takes."""
+    window = parse_profile(cfg.train.profile)
+    if window is not None and window[1] > cfg.train.steps:
+        raise ConfigError(
+            f"train.profile = {cfg.train.profile!r}: step {window[1]} is past the run's last "
+            f"(train.steps = {cfg.train.steps}); record steps up to {cfg.train.steps}"
+        )
 
 
 def validate_for_world(cfg: Config, data_parallel_size: int) -> None:

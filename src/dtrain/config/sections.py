@@ -51,6 +51,11 @@ class RunConfig:
         "Hugging Face folder, a dtrain run folder or step-N checkpoint (a resumed run loads "
         "its checkpoint instead)",
     )
+    init_adapter: str = option(
+        "",
+        "a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) loaded into "
+        "the task's PEFT model, over run.init_from's base",
+    )
 
 
 @dataclass
@@ -105,6 +110,15 @@ class TrainConfig:
     )
     compile: bool = option(
         False, "torch.compile each of the model's blocks (regional; checkpoint keys unchanged)"
+    )
+    profile: str = option(
+        "none",
+        "torch.profiler traces of steps A to B on every rank, into RUN_DIR/traces: "
+        "'steps:A-B', 'steps:A' (one step) or 'none'",
+    )
+    profile_shapes: bool = option(False, "train.profile: record each op's input shapes")
+    profile_stack: bool = option(
+        False, "train.profile: record each op's Python stack (bigger traces, slower steps)"
     )
 
 

@@ -33,6 +33,7 @@ imports none of them.
 from __future__ import annotations
 
 import contextlib
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
@@ -48,6 +49,7 @@ from dtrain.compute.model_call import call_model
 from dtrain.config import CommConfig, Config, StrategyConfig
 from dtrain.config.capabilities import Capabilities, capabilities
 from dtrain.dist.runtime import Runtime
+from dtrain.parallel.frozen import checkpoint_options, frozen_names, with_frozen, without
 from dtrain.parallel.grad_norm import gradient_norm, local_part
 from dtrain.parallel.materialize import is_meta_model, materialize
 from dtrain.parallel.recipe import Recipe, model_blocks
@@ -280,14 +282,20 @@ class Strategy(ABC):
         """This rank's named state dicts in their forms. Replicated (this default): every rank
         holds the same whole model and optimizer (rank 0's are saved)."""
         return {
-            "model": Part(self.state_form, self.model_state_dict()),
+            "model": Part(self.state_form, without(self.model_state_dict(), self.left_out)),
             "optimizer": Part(self.state_form, self.optimizer_state_dict(optimizer)),
         }
 
     def load_state_dicts(self, optimizer: torch.optim.Optimizer, states: dict[str, Any]) -> None:
         """Take ``model`` and ``optimizer`` back in the form :meth:`state_dicts` gives them."""
-        self.load_model_state_dict(states["model"])
+        self.load_model_state_dict(with_frozen(states["model"], self.unwrapped, self.left_out))
         self.load_optimizer_state_dict(optimizer, states["optimizer"])
+
+    @functools.cached_property
+    def left_out(self) -> frozenset[str]:
+        """The model's names its checkpoints leave out: a PEFT model's frozen base
+        (:mod:`dtrain.parallel.frozen`), else none."""
+        return frozen_names(self.unwrapped)
 
     def state_dicts_by_name(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """``model`` and ``optimizer`` in the form any other strategy's state converts through
@@ -296,7 +304,9 @@ class Strategy(ABC):
         each tensor."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optim_state = get_state_dict(self.unwrapped, optimizer)
+        options = checkpoint_options(None, self.left_out)
+        model_state, optim_state = get_state_dict(self.unwrapped, optimizer, options=options)
+        model_state = without(model_state, self.left_out)
         return {"model": model_state, "optimizer": renamed(optim_state, self.whole_names)}
 
     def load_state_dicts_by_name(
@@ -310,6 +320,7 @@ class Strategy(ABC):
             optimizer,
             model_state_dict=states["model"],
             optim_state_dict=renamed(states["optimizer"], ours),
+            options=checkpoint_options(None, self.left_out),
         )
 
     def load_beside(self, parts: dict[str, Any], origin: Origin) -> None:

@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from dtrain.checkpoint.forms import Form, Part
 from dtrain.config.layout import strategy_dims
 from dtrain.parallel.base import Strategy
+from dtrain.parallel.frozen import checkpoint_options, without
 from dtrain.parallel.grad_norm import local_part
 from dtrain.parallel.grad_sync import average_in_buckets
 from dtrain.parallel.materialize import is_meta_model, materialize
@@ -150,9 +151,9 @@ class MeshStrategy(Strategy):
         loads in place."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optim_state = get_state_dict(
-            self.unwrapped, optimizer, options=self.state_dict_options
-        )
+        options = checkpoint_options(self.state_dict_options, self.left_out)
+        model_state, optim_state = get_state_dict(self.unwrapped, optimizer, options=options)
+        model_state = without(model_state, self.left_out)
         return {
             "model": Part(Form.SHARDED, model_state),
             "optimizer": Part(Form.SHARDED, optim_state),
@@ -167,7 +168,7 @@ class MeshStrategy(Strategy):
             optimizer,
             model_state_dict=states["model"],
             optim_state_dict=states["optimizer"],
-            options=self.state_dict_options,
+            options=checkpoint_options(self.state_dict_options, self.left_out),
         )
 
     def model_for_inference(self) -> nn.Module | None:

@@ -9,6 +9,7 @@ import html
 import time
 from typing import Any
 
+from dtrain.metrics.traces import list_traces
 from dtrain.report.read import Run
 from dtrain.report.totals import format_totals, totals
 
@@ -71,6 +72,25 @@ def hardware_rows(run: Run) -> list[tuple[str, str]]:
     ]
 
 
+def _traces(run: Run) -> list[str]:
+    """The run's profiler traces (``train.profile``), to open in https://ui.perfetto.dev."""
+    traces = list_traces(run.path)
+    if not traces:
+        return []
+    rows = [
+        f"<tr><td>{_e(t.steps)}</td><td>{t.rank}</td><td>{_e(t.path.relative_to(run.path))}</td>"
+        f'<td class="num">{t.size / 1e6:.1f} MB</td></tr>'
+        for t in traces
+    ]
+    return [
+        "<h3>Profiler traces</h3>",
+        "<p>Open one in https://ui.perfetto.dev or chrome://tracing (docs/observability.md).</p>",
+        "<table><tr><th>steps</th><th>rank</th><th>file</th><th>size</th></tr>",
+        *rows,
+        "</table>",
+    ]
+
+
 def render(runs: list[Run], images: list[tuple[str, str, bytes]], notes: list[str]) -> str:
     """The page: ``images`` are (file name, title, PNG bytes)."""
     labels = ", ".join(run.label for run in runs)
@@ -100,6 +120,7 @@ def render(runs: list[Run], images: list[tuple[str, str, bytes]], notes: list[st
         parts.append(f"<p>{_e(run.path)}</p><table>")
         parts += [f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in hardware_rows(run)]
         parts.append("</table>")
+        parts += _traces(run)
         config = run.config_text or "(no config.toml in the run folder)"
         parts.append(f"<details><summary>config.toml</summary><pre>{_e(config)}</pre></details>")
     parts.append("</body></html>")

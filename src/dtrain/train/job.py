@@ -34,6 +34,7 @@ from dtrain.config.load import apply_overrides, build_config, read_toml
 from dtrain.dist.runtime import Runtime, init_runtime
 from dtrain.task import Task, build_task, resolve_task, task_config_class
 from dtrain.train.config_agreement import agree_on_config
+from dtrain.weights.adapters import load_adapter_into
 from dtrain.weights.init_from import init_model
 from dtrain.weights.model_config import save_model_config
 
@@ -111,6 +112,8 @@ def wire_task(cfg: Config, task: Task, runtime: Runtime) -> Trainer:
     every component wired (also the engine of a loop of the user's own, :mod:`dtrain.loop`)."""
     if cfg.run.init_from:  # before the strategy spreads the model: every rank holds it whole
         init_model(task.model, cfg.run.init_from, task.init_weights, cfg.run.seed)
+    if cfg.run.init_adapter:  # a PEFT model's adapter, over its base
+        load_adapter_into(task.model, cfg.run.init_adapter)
     if runtime.is_main:
         save_model_config(task.model, Path(cfg.run.dir))
     from dtrain.train.wiring import wire_trainer  # the worker's loop: not the CLI's import

@@ -28,6 +28,7 @@ from dtrain.train.evaluation import check_metrics
 from dtrain.train.loss_contract import LossContract
 from dtrain.train.nan_guard import NanGuard
 from dtrain.train.optim_choice import OptimizerKinds, build_run_optimizer, build_run_scheduler
+from dtrain.train.profile import StepProfiler
 from dtrain.train.step import ForwardBackward
 from dtrain.train.trainer import Counters, Trainer
 
@@ -128,4 +129,6 @@ def wire_trainer(cfg: Config, task: Task, runtime: Runtime) -> Trainer:
         checkpointer=checkpointer,
         # Decides on a step with a non-finite gradient: skip, or roll back after N in a row.
         nan_guard=NanGuard(cfg.fault.nan_rollback_after),
+        # train.profile: a torch.profiler trace of a window of steps (nothing outside it).
+        profiler=StepProfiler(cfg, runtime.rank, runtime.device),
     )

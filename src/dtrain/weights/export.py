@@ -7,7 +7,9 @@ checkpoint folder. The names are the model's own (``transformer.h.0.attn.c_attn.
 tensors keep their dtype. ``safetensors`` and ``torch`` write a state dict into the file
 ``OUT``; ``hf`` writes the folder ``OUT`` from the Hugging Face config the run saved
 (``RUN_DIR/hf_config``, :mod:`dtrain.weights.model_config`) with the model's own
-``save_pretrained`` (:func:`write_pretrained`). ``OUT`` is written whole or not at all (beside
+``save_pretrained`` (:func:`write_pretrained`); a PEFT run's ``hf`` folder is its adapter as
+PEFT saves it, or with ``--merge`` the base with the adapter merged in
+(:mod:`dtrain.weights.adapters`). ``OUT`` is written whole or not at all (beside
 it, then renamed), its modes as the user's umask makes them (as the run folder's); the run
 folder is only read.
 """
@@ -24,24 +26,45 @@ import torch
 from dtrain.checkpoint.consolidate import Consolidated, consolidate, find_checkpoint
 from dtrain.errors import UserError
 from dtrain.fsutil import follow_umask, fsync_dir, require_output_folder
+from dtrain.weights.adapters import is_peft_run, load_adapters, require_peft
+from dtrain.weights.init_from import load_base_into
 from dtrain.weights.model_config import hf_config_dir
 
 FORMATS = ("safetensors", "torch", "hf")
 
 
 def export(
-    run_dir: str | Path, out: str | Path, step: int | None = None, fmt: str = "safetensors"
+    run_dir: str | Path,
+    out: str | Path,
+    step: int | None = None,
+    fmt: str = "safetensors",
+    merge: bool = False,
+    base: str | None = None,
 ) -> Consolidated:
     """Write the model of ``run_dir``'s checkpoint to ``out`` in ``fmt``; returns what was
-    exported."""
+    exported. A PEFT run's ``hf`` folder is its adapter, or with ``merge`` the base (from
+    ``base``, else the run's ``run.init_from``) with the adapter merged in
+    (:mod:`dtrain.weights.adapters`)."""
     run_dir, out = Path(run_dir), Path(out)
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    if (merge or base) and fmt != "hf":
+        what = "--merge" if merge else "--base"
+        raise UserError(f"{what} writes a Hugging Face folder: give --format hf with it")
+    if base and not merge:
+        raise UserError("--base names the weights --merge merges the adapter into: add --merge")
     if out.exists():
         raise UserError(f"{out} already exists: choose another output path, or remove it first")
     step_dir = find_checkpoint(run_dir, step)
     require_output_folder(out.parent, f"OUT {out}")
     config_dir = hf_config_dir(step_dir.parent.parent)
+    peft_run = is_peft_run(config_dir)
+    if merge and not peft_run:
+        raise UserError(
+            f"--merge: the model of {run_dir} is not a PEFT model (its run saved no "
+            f"{config_dir / 'adapter_config.json'}): there is no adapter to merge; export it "
+            "without --merge"
+        )
     if fmt == "hf" and not (config_dir / "config.json").exists():
         raise UserError(
             f"--format hf needs the Hugging Face config a run saves with it "
@@ -58,6 +81,9 @@ def export(
             # file's name up to its first dot, and refuses ".tmp-NAME" (nothing before it).
             with open(partial, "wb") as fh:
                 torch.save(model.state, fh)
+        elif peft_run:
+            base_path = merge_base(step_dir, base) if merge else None
+            write_adapter_folder(model.state, config_dir, partial, base_path)
         else:
             write_pretrained(model.state, config_dir, partial)
         # Before the rename, so that OUT never shows the writer's own modes (safetensors:
@@ -109,6 +135,16 @@ def write_pretrained(state: dict[str, torch.Tensor], config_dir: Path, out: Path
     """Write ``state`` as a folder ``from_pretrained`` loads: the model class named in
     ``config_dir/config.json`` (``architectures``) is built from that config, given the
     weights (every key must fit), and saved with its own ``save_pretrained``."""
+    model = build_pretrained_model(config_dir)
+    from dtrain.weights.init_from import load_state_into
+
+    load_state_into(model, state, f"the checkpoint ({config_dir.parent})")
+    model.save_pretrained(str(out))
+
+
+def build_pretrained_model(config_dir: Path) -> Any:
+    """The model class named in ``config_dir/config.json`` (``architectures``), built from
+    that config (initial weights)."""
     transformers = require_transformers("--format hf")
     config = transformers.AutoConfig.from_pretrained(str(config_dir))
     names = list(getattr(config, "architectures", None) or [])
@@ -118,8 +154,51 @@ def write_pretrained(state: dict[str, torch.Tensor], config_dir: Path, out: Path
             f"{config_dir / 'config.json'} names no model class transformers has "
             f"(architectures = {names}); export --format safetensors instead"
         )
-    model = cls(config)
-    from dtrain.weights.init_from import load_state_into
+    return cls(config)
 
-    load_state_into(model, state, f"the checkpoint ({config_dir.parent})")
+
+def write_adapter_folder(
+    state: dict[str, torch.Tensor], config_dir: Path, out: Path, base: str | None
+) -> None:
+    """A PEFT run's adapters (``state``) as PEFT saves them; with ``base`` (the path of the
+    base's weights), the base with them merged in, as the plain model saves itself."""
+    from dtrain.weights.init_from import read_weights
+
+    weights = read_weights(base) if base is not None else None
+    model: Any = build_peft_model(config_dir, weights)
+    load_adapters(model, state, f"the checkpoint ({config_dir.parent})")
+    if base is not None:
+        model = model.merge_and_unload()
     model.save_pretrained(str(out))
+
+
+def build_peft_model(config_dir: Path, base: dict[str, torch.Tensor] | None) -> Any:
+    """The run's PEFT model from the configs it saved: the base's class from ``config.json``
+    (its weights ``base`` where given), the adapter from ``adapter_config.json``."""
+    peft = require_peft("exporting a PEFT run")
+    model = build_pretrained_model(config_dir)
+    settings = peft.PeftConfig.from_pretrained(str(config_dir))
+    peft_model = peft.get_peft_model(model, settings)
+    if base is not None:
+        load_base_into(peft_model, base, "--base")
+    return peft_model
+
+
+def merge_base(step_dir: Path, base: str | None) -> str:
+    """The base weights ``--merge`` merges into: ``--base``, else the run's ``run.init_from``
+    (the checkpoint holds the adapters only: its base is frozen and not saved)."""
+    if base:
+        return base
+    import tomllib
+
+    from dtrain.checkpoint.read import load_meta
+
+    config = tomllib.loads(str(load_meta(step_dir).get("config", "")))
+    init_from = str(config.get("run", {}).get("init_from", ""))
+    if not init_from:
+        raise UserError(
+            f"--merge needs the base model's weights, and {step_dir} holds the adapters only "
+            "(a PEFT run's base is frozen and not checkpointed) and its run had no "
+            "run.init_from: give --base PATH (the base's Hugging Face folder or weights file)"
+        )
+    return init_from

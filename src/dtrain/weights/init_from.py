@@ -36,6 +36,7 @@ from dtrain.checkpoint.consolidate import consolidate, find_checkpoint, is_check
 from dtrain.checkpoint.read import first_problems, state_dict_mismatches
 from dtrain.checkpoint.safe_load import ONLY_DATA, first_line, torch_load, why_refused
 from dtrain.errors import CheckpointError, UserError
+from dtrain.parallel.frozen import is_peft_model
 from dtrain.parallel.materialize import is_meta_model, materialize, require_init
 from dtrain.parallel.skeleton import meta_copy
 
@@ -179,7 +180,37 @@ def init_model(
     if is_meta_model(model):
         init = require_init(model, init_weights)
         materialize(meta_copy(model), model, init, torch.device("cpu"), seed)
-    load_state_into(model, read_weights(path), f"run.init_from = {path!r}")
+    where = f"run.init_from = {path!r}"
+    if is_peft_model(model):  # the weights of its base, by the base's own names
+        load_base_into(model, read_weights(path), where)
+    else:
+        load_state_into(model, read_weights(path), where)
+
+
+def load_base_into(model: nn.Module, weights: Mapping[str, torch.Tensor], where: str) -> None:
+    """The base model's weights (its own names) into PEFT ``model``'s frozen base, after
+    checking that they fit key by key (tied names given under either)."""
+    from peft.utils.save_and_load import get_base_model_state_dict
+
+    current = get_base_model_state_dict(model)  # the base's own names -> the model's tensors
+    groups: dict[int, set[str]] = {}
+    for name, tensor in current.items():
+        groups.setdefault(tensor.untyped_storage().data_ptr(), set()).add(name)
+    tied = [names for names in groups.values() if len(names) > 1]
+    problems = state_dict_mismatches(current, weights, "weights", tied)
+    if problems:
+        base = type(getattr(model, "get_base_model")()).__name__  # noqa: B009
+        raise CheckpointError(
+            f"{where} does not fit the PEFT model's base ({base}): {first_problems(problems)}; "
+            "give the weights of the base model the adapters were added to"
+        )
+    with torch.no_grad():
+        # The state dict's tensors share the parameters' storage. A tied name the weights lack
+        # (save_pretrained keeps one of GPT-2's head and token embedding) is filled through the
+        # other name of its group.
+        for name, tensor in current.items():
+            if name in weights:
+                tensor.copy_(weights[name])
 
 
 def check_init_from(path: str) -> None:

@@ -1,7 +1,8 @@
 """The model's own config, saved with a run so that ``dtrain export --format hf`` can write a
 folder ``from_pretrained`` loads: for a Hugging Face model (one with ``config.save_pretrained``
 and its own ``save_pretrained``), ``RUN_DIR/hf_config/config.json``, with ``architectures``
-naming the model's class, as ``save_pretrained`` writes it. Other models have no such config
+naming the model's class, as ``save_pretrained`` writes it (a PEFT model: its base's class, and
+the adapter's ``adapter_config.json`` beside it). Other models have no such config
 and nothing is written.
 
 Duck-typed: this module does not import ``transformers``.
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from torch import nn
+
+from dtrain.parallel.frozen import is_peft_model
 
 HF_CONFIG_DIR = "hf_config"
 
@@ -35,13 +38,19 @@ def save_model_config(model: nn.Module, run_dir: Path) -> Path | None:
     if not is_hf_model(model):
         return None
     config: Any = getattr(model, "config")  # noqa: B009 (not a module attribute to mypy)
-    # What save_pretrained records: the class from_pretrained must build.
-    config.architectures = [type(model).__name__]
+    peft = is_peft_model(model)
+    # What save_pretrained records: the class from_pretrained must build (a PEFT model's base).
+    base = getattr(model, "get_base_model")() if peft else model  # noqa: B009
+    config.architectures = [type(base).__name__]
     target = hf_config_dir(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     partial = run_dir / f".tmp-{HF_CONFIG_DIR}"
     shutil.rmtree(partial, ignore_errors=True)
     config.save_pretrained(str(partial))
+    if peft:  # beside it, adapter_config.json: what dtrain export builds the adapter from
+        from dtrain.weights.adapters import save_adapter_config
+
+        save_adapter_config(model, partial)
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
     return target

@@ -34,6 +34,7 @@ from dtrain.parallel.base import Strategy
 from dtrain.task import Task
 from dtrain.train.evaluation import evaluate
 from dtrain.train.nan_guard import NanGuard
+from dtrain.train.profile import StepProfiler
 from dtrain.train.recovery_seam import RecoverySeam
 from dtrain.train.step import ForwardBackward
 from dtrain.train.trainer.counters import Counters
@@ -73,6 +74,7 @@ class Trainer:
         watchdog: Watchdog,
         checkpointer: Checkpointer,
         nan_guard: NanGuard,
+        profiler: StepProfiler,
     ) -> None:
         self.cfg, self.task, self.runtime = cfg, task, runtime
         self.run_dir, self.is_main = Path(cfg.run.dir), runtime.is_main
@@ -81,6 +83,7 @@ class Trainer:
         self.balance, self.scaler, self.forward_backward = balance, scaler, forward_backward
         self.counters, self.state = counters, state
         self.watchdog, self.checkpointer, self.nan_guard = watchdog, checkpointer, nan_guard
+        self.profiler = profiler  # train.profile: inert outside its window of steps
         self.phase = watchdog.in_phase  # `with self.phase(name):` the liveness record's phase
         self.step_lr = float("nan")  # the learning rate the last step trained with
         self.val_metrics: dict[str, float] = {}  # of the latest evaluation
@@ -161,6 +164,7 @@ class Trainer:
             raise error from exc
         finally:
             self.loader.close()  # its prefetch stops on every way out, not only at the end
+            self.profiler.discard()  # left inside train.profile's window by an error
             self.watchdog.stop()
             preempt.restore()
             if self.audit is not None:
@@ -239,7 +243,7 @@ class Trainer:
             # step's update, and the final save follows.
             loop.summary.preempted = preempt.signal_name or "a peer's signal"
             self.run_log.event("preempted", self.step, signal=loop.summary.preempted)
-            return True
+            return self._step_ended(stopped=True)
         if self._due(self.cfg.eval.every):
             self.evaluate(self.cfg.eval.max_samples)
         if self._due(self.cfg.checkpoint.every):
@@ -248,7 +252,15 @@ class Trainer:
             # A worker waits to join (fault.recovery = 'inplace'); every rank learnt it
             # in this step's agreement: all leave after it, its evaluation and save done.
             self.recovery.regroup(self.step)
-        return False
+        return self._step_ended(stopped=False)
+
+    def _step_ended(self, stopped: bool) -> bool:
+        """The step has ended, all of it (update, metrics, evaluation, checkpoint):
+        ``train.profile``'s window closes here. Returns ``stopped``."""
+        trace = self.profiler.step_ended(self.step, stopped)
+        if trace is not None:
+            self.log(f"dtrain: profiler traces of {trace.stem} in {trace.parent} (one per rank)")
+        return stopped
 
     # -- the loop's parts, in the order it calls them -------------------------------------
 
@@ -269,6 +281,7 @@ class Trainer:
         loop's (:mod:`dtrain.loop`), starts its steps here."""
         if self.recovery is not None:
             self.recovery.step_starting(self)
+        self.profiler.step_starting(self.step + 1)  # an int compare outside its window
         with self.phase("data", self.step + 1):
             self.balance.step_started()
             batch = next(self.loader)
@@ -384,6 +397,9 @@ class Trainer:
 
     def finish(self, summary: Summary, last_loss: float, started: float) -> None:
         """The end of training: the whole validation set, the final checkpoint, the summary."""
+        # A loop of the user's own that stopped early inside train.profile's window: its trace
+        # holds the steps done (dtrain's loop closes the window at its last step or stop).
+        self._step_ended(stopped=True)
         if not summary.preempted:
             summary.val_loss = self.evaluate()  # the whole validation set
             summary.val_metrics = dict(self.val_metrics)
