@@ -16,6 +16,12 @@ from dtrain.metrics.trackers.sink import Setup, Tracker, TrackerSink
 # Each tracker's importable package and the extra that installs it.
 PACKAGES = {"wandb": "wandb", "mlflow": "mlflow"}
 
+# The tracker sinks this process holds open, by tracker and run folder. A process may train
+# several times (fault.recovery = "inplace": a fresh trainer per membership generation, the
+# earlier one left without closing its sinks); it goes on with the sink it has, so the tracker
+# run goes on, and W&B, which holds one run per process, is never asked for a second.
+_OPEN: dict[tuple[str, Path], TrackerSink] = {}
+
 
 def check_available(names: Sequence[str]) -> None:
     """A one-line user error naming the extra to install when a tracker's package is missing
@@ -57,6 +63,10 @@ def open_trackers(cfg: Config, continuing: bool) -> list[TrackerSink]:
     setup = setup_of(cfg)
     sinks = []
     for name in cfg.metrics.trackers:
+        held = _OPEN.get((name, setup.run_dir))
+        if held is not None and not held.closed:
+            sinks.append(held)
+            continue
         tracker: Tracker
         if name == "wandb":
             from dtrain.metrics.trackers.wandb_run import WandbTracker
@@ -66,5 +76,7 @@ def open_trackers(cfg: Config, continuing: bool) -> list[TrackerSink]:
             from dtrain.metrics.trackers.mlflow_run import MlflowTracker
 
             tracker = MlflowTracker(setup)
-        sinks.append(TrackerSink(tracker, setup.run_dir, continuing))
+        sink = TrackerSink(tracker, setup.run_dir, continuing)
+        _OPEN[(name, setup.run_dir)] = sink
+        sinks.append(sink)
     return sinks

@@ -163,6 +163,10 @@ class TrackerSink:
                     "has them all)"
                 )
 
+    @property
+    def closed(self) -> bool:
+        return self._closing.is_set()
+
     def close(self) -> None:
         self.final.checkpoint = newest_checkpoint(self.run_dir)
         self._closing.set()
