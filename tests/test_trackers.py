@@ -61,12 +61,16 @@ def tracked(tmp_path_factory: pytest.TempPathFactory) -> Tracked:
     }
     env = trackers_env(root)
     ids = []
-    losses = run_ranks(train_losses, 2, tiny_raw(run_dir, JOB, metrics=metrics), env=env)[0]
-    ids.append(json.loads((run_dir / "trackers.json").read_text()))
-    # Resumed from its step-6 checkpoint, three steps further.
-    resumed = tiny_raw(run_dir, JOB, train={"steps": 9}, metrics=metrics)
-    run_ranks(train_losses, 2, resumed, env=env)
-    ids.append(json.loads((run_dir / "trackers.json").read_text()))
+    with pytest.MonkeyPatch.context() as patch:
+        # The ranks start here (MLflow keeps a local store's artifacts in ./mlruns).
+        patch.chdir(root)
+        raw = tiny_raw(run_dir, JOB, metrics=metrics)
+        losses = run_ranks(train_losses, 2, raw, env=env)[0]
+        ids.append(json.loads((run_dir / "trackers.json").read_text()))
+        # Resumed from its step-6 checkpoint, three steps further.
+        resumed = tiny_raw(run_dir, JOB, train={"steps": 9}, metrics=metrics)
+        run_ranks(train_losses, 2, resumed, env=env)
+        ids.append(json.loads((run_dir / "trackers.json").read_text()))
     return Tracked(run_dir, root / "wandb", ids, losses)
 
 
@@ -174,6 +178,37 @@ def test_wandb_offline_holds_the_config_and_every_loss_in_one_run_across_the_res
     assert min(row["step"] for row in histories[1]) == 7  # the resume goes on after step 6
     ranks = [row["step"] for h in histories for row in h if "ranks/step_s/rank1" in row]
     assert ranks == [3, 6, 9]
+    # Each attempt's last checkpoint, as a reference artifact (its path, not its bytes).
+    checkpoints = [
+        [c.ref for c in r.artifact.manifest.contents]
+        for f in files
+        for r in wandb_records(f)
+        if r.WhichOneof("record_type") == "artifact"
+    ]
+    folder = (tracked.run_dir / "checkpoints").resolve()
+    for refs, step in zip(checkpoints, ("step-00000006", "step-00000009"), strict=True):
+        assert f"file://{folder}/{step}/meta.json" in refs  # W&B lists the folder's files
+        assert {ref.rsplit("/", 1)[0] for ref in refs} == {f"file://{folder}/{step}"}
+
+
+def test_the_report_goes_to_the_runs_trackers(
+    tracked: Tracked, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    from mlflow.tracking import MlflowClient
+
+    assert main(["report", str(tracked.run_dir), "--to-trackers"]) == 0
+    out = capsys.readouterr().out
+    assert "sent the report (" in out and "to mlflow" in out and "to wandb" in out, out
+    ids = tracked.ids[-1]
+    client = MlflowClient(tracking_uri=ids["mlflow"]["tracking_uri"])
+    sent = {Path(a.path).name for a in client.list_artifacts(ids["mlflow"]["run_id"], "report")}
+    assert {"loss_by_step.png", "time_breakdown.png", "report.html"} <= sent
+    # W&B offline: one more file of the same run, beside the run's (no WANDB_DIR here).
+    (report,) = tracked.run_dir.glob(f"wandb/offline-run-*-{ids['wandb']['id']}/run-*.wandb")
+    artifacts = [r.artifact for r in wandb_records(report) if r.artifact.type == "report"]
+    assert [a.type for a in artifacts] == ["report"]
+    assert {"loss_by_step.png", "report.html"} <= {c.path for c in artifacts[0].manifest.contents}
 
 
 # -- a tracker that fails ------------------------------------------------------------------
