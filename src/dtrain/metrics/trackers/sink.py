@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from dtrain.checkpoint import layout
+
 RUN_IDS = "trackers.json"
 
 # The thread sends what queued up at most this often: one batch per interval rather than one
@@ -254,9 +256,12 @@ def write_run_id(run_dir: Path, name: str, ids: dict[str, Any]) -> None:
 
 
 def newest_checkpoint(run_dir: Path) -> str | None:
-    """The newest complete checkpoint's folder, absolute; None before the first."""
-    from dtrain.checkpoint import layout
-
+    """The newest complete checkpoint's folder, absolute; None before the first, or where the
+    folder cannot be listed (the trackers then go without the path: the run's end must not
+    fail on it)."""
     root = run_dir / "checkpoints"
-    steps = layout.committed_steps(root) if root.is_dir() else []
+    try:
+        steps = layout.committed_steps(root) if root.is_dir() else []
+    except (OSError, ValueError):
+        return None
     return str((root / layout.step_dir_name(max(steps))).resolve()) if steps else None

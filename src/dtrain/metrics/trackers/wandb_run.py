@@ -74,8 +74,12 @@ class WandbTracker:
         self.run.summary.update(summary)
         if final.checkpoint:
             self._log_checkpoint(final.checkpoint)
-        # A preempted run is to be resumed: W&B's exit code 1 marks it not finished.
-        self.run.finish(exit_code=0 if final.state != "preempted" else 1)
+        if final.state == "preempted":
+            # To be resumed: W&B shows a preempting run that exits non-zero as preempted.
+            self.run.mark_preempting()
+            self.run.finish(exit_code=1)
+        else:
+            self.run.finish(exit_code=0)
 
     def _log_checkpoint(self, path: str) -> None:
         """The final checkpoint as a reference artifact: its path and digest, not its bytes
