@@ -43,6 +43,7 @@ from dtrain.train.job import build_job_config, build_trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import ROOT, write_report_section
+from bench_metrics import describe, ratios  # within each round, a variant over off
 
 sys.path.insert(0, str(ROOT))  # tests/: the test aids of a source checkout
 from tests.ranks import run_ranks
@@ -130,17 +131,6 @@ def measure(raw: dict[str, Any], opts: dict[str, Any]) -> dict[str, list[float]]
         times[f"{name}: thread per record"] = [spent.get(f"{name}: thread", 0.0) / count]
         times[f"{name}: failed"] = [float(trackers[name].failed.is_set())]
     return times
-
-
-def ratios(times: dict[str, list[float]], variant: str, what: str = "") -> list[float]:
-    return [a / b for a, b in zip(times[variant + what], times["off" + what])]
-
-
-def describe(values: list[float]) -> str:
-    if len(values) < 2:
-        return f"{statistics.median(values):.4f}x"
-    q = statistics.quantiles(values, n=4)
-    return f"{statistics.median(values):.4f}x (quartiles {q[0]:.4f}-{q[2]:.4f})"
 
 
 def main() -> None:

@@ -191,6 +191,7 @@ def test_wandb_offline_holds_the_config_and_every_loss_in_one_run_across_the_res
         assert {ref.rsplit("/", 1)[0] for ref in refs} == {f"file://{folder}/{step}"}
 
 
+@pytest.mark.slow  # matplotlib's plots and a third W&B start: ~10 s the default suite keeps
 def test_the_report_goes_to_the_runs_trackers(
     tracked: Tracked, capsys: pytest.CaptureFixture[str]
 ) -> None:
