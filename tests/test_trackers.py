@@ -28,6 +28,8 @@ from tests.test_cli import write_tiny_config
 
 pytest.importorskip("wandb")
 pytest.importorskip("mlflow")
+# MLflow's SQL store asks SQLAlchemy for a loader it deprecated: theirs, not ours.
+pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy")
 
 JOB = {
     "train": {"steps": 6, "log_every": 1},
