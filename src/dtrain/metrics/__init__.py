@@ -1,2 +1,3 @@
 """Metrics, in every worker: one stream of records to every sink (``metrics.jsonl``, the
-progress line, TensorBoard) and the run's summary, which :mod:`dtrain.report` reads back."""
+progress line, TensorBoard, W&B and MLflow) and the run's summary, which :mod:`dtrain.report`
+reads back."""
