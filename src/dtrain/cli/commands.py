@@ -121,11 +121,23 @@ def cmd_report(args: argparse.Namespace) -> int:
     from dtrain.report import write_report
 
     out = Path(args.out) if args.out else None
+    if args.to_trackers and len(args.run_dirs) != 1:
+        raise UserError("--to-trackers sends one run's report to its trackers: give one RUN_DIR")
     page = write_report([Path(d) for d in args.run_dirs], out)
     print(f"wrote {page}")
     for run_dir in args.run_dirs:  # train.profile's traces, to open in Perfetto
         for trace in list_traces(Path(run_dir)):
             print(f"trace of steps {trace.steps}, rank {trace.rank}: {trace.path}")
+    if args.to_trackers:
+        from dtrain.metrics.trackers.report_files import send_report
+
+        files = [*sorted(page.parent.glob("*.png")), page]
+        sent, failed = send_report(Path(args.run_dirs[0]), files)
+        for line in sent:
+            print(line)
+        for line in failed:
+            print(f"dtrain report: warning: {line}", file=sys.stderr)
+        return 1 if failed else 0
     return 0
 
 

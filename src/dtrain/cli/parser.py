@@ -138,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="output folder (default: RUN_DIR/report for one run, ./report for several)",
     )
+    p.add_argument(
+        "--to-trackers",
+        action="store_true",
+        help="also send the plots and the page to the W&B and MLflow runs the run logged to "
+        "(RUN_DIR/trackers.json; metrics.trackers); one run folder",
+    )
     p = sub.add_parser(
         "rendezvous",
         help="serve a multi-machine job's rendezvous apart from the machines that train",

@@ -58,6 +58,10 @@ def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str
         from dtrain.metrics.tensorboard import check_available
 
         check_available()
+    if cfg.metrics.trackers:
+        from dtrain.metrics.trackers import check_available as check_trackers
+
+        check_trackers(cfg.metrics.trackers)
     validate_job(cfg, job_shape(opts, args.nnodes, cfg.fault.recovery == "inplace"))
     check_transport_job(cfg, opts.max_nodes, args.nnodes)  # an extension's own rules
     check_init_from(cfg.run.init_from)

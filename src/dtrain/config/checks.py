@@ -70,6 +70,9 @@ def validate_cross_fields(cfg: Config) -> None:
             "every micro-step needs a sample"
         )
     validate_preempt_signals(cfg.fault.preempt_signals)
+    twice = sorted({name for name in cfg.metrics.trackers if cfg.metrics.trackers.count(name) > 1})
+    if twice:
+        raise ConfigError(f"metrics.trackers names {twice[0]!r} twice: name each tracker once")
     if cfg.run.resume not in ("auto", "never") and not cfg.run.resume:
         raise ConfigError("run.resume is empty: use 'auto', 'never' or a checkpoint folder")
     parse_activation_checkpointing(cfg.train.activation_checkpointing)

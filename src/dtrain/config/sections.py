@@ -401,6 +401,27 @@ class MetricsConfig:
         "also write TensorBoard event files to RUN_DIR/tensorboard (needs the tensorboard "
         "extra: pip install 'dtrain[tensorboard]')",
     )
+    trackers: list[Literal["wandb", "mlflow"]] = option(
+        [],
+        "experiment trackers that get the run's config and records beside metrics.jsonl, from "
+        "rank 0: 'wandb', 'mlflow' (each needs its extra: pip install 'dtrain[wandb]'); "
+        "docs/observability.md",
+    )
+    project: str = option(
+        "",
+        "the trackers' W&B project and MLflow experiment; empty = WANDB_PROJECT and "
+        "MLFLOW_EXPERIMENT_NAME, else each tracker's default",
+    )
+    tags: list[str] = option(
+        [],
+        "tags of the tracker runs, each 'name' or 'key=value' (MLflow's tags are key-value; "
+        "W&B's are added to WANDB_TAGS)",
+    )
+    tracking_uri: str = option(
+        "",
+        "MLflow's tracking URI (a server http://host:5000, sqlite:///mlflow.db, a folder); "
+        "empty = MLFLOW_TRACKING_URI, else MLflow's default",
+    )
 
 
 @dataclass

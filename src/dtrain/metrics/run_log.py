@@ -1,6 +1,7 @@
 """What a run writes, for the trainer: the run's status, its records (the start record, events,
 train and eval records, the summary record) to rank 0's sinks (metrics.jsonl, the progress
-line, TensorBoard), and its log lines. docs/metrics.md describes every record.
+line, TensorBoard, the experiment trackers), and its log lines. docs/metrics.md describes every
+record.
 
 Every rank keeps its own communication counters (the train record's bytes and waiting time
 since the last line); rank 0 writes, and the others only count and warn.
@@ -20,6 +21,7 @@ from dtrain.metrics.hardware import describe, memory_kind
 from dtrain.metrics.records import Record
 from dtrain.metrics.sinks import Progress, Sinks, open_sinks
 from dtrain.metrics.summary import Summary
+from dtrain.metrics.trackers import open_trackers
 from dtrain.parallel.base import Strategy
 
 # The summary record's numbers, each the Summary's field of that name (docs/metrics.md).
@@ -82,7 +84,15 @@ class RunLog:
         cfg = self.cfg
         write_status(self.run_dir, RunStatus("running", step))
         self.progress = Progress(cfg.train.steps, step, self.item_name)
-        self.metrics = open_sinks(self.run_dir, self.progress, tensorboard=cfg.metrics.tensorboard)
+        # A run that goes on from where one stopped (a resume, a restart, a new membership)
+        # goes on with its tracker runs too.
+        continuing = step > 0 or attempt > 0 or membership is not None
+        self.metrics = open_sinks(
+            self.run_dir,
+            self.progress,
+            tensorboard=cfg.metrics.tensorboard,
+            trackers=open_trackers(cfg, continuing),
+        )
         device = self.runtime.device
         start = {  # what this attempt runs, and on what (rank 0's machine)
             "kind": "start",

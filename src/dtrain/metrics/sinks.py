@@ -1,5 +1,6 @@
 """Where metrics go: ``RUN_DIR/metrics.jsonl`` (one JSON object per line, the schema is
-docs/metrics.md), the console, and TensorBoard (:mod:`dtrain.metrics.tensorboard`).
+docs/metrics.md), the console, TensorBoard (:mod:`dtrain.metrics.tensorboard`) and the
+experiment trackers (:mod:`dtrain.metrics.trackers`).
 
 Every sink takes the same records (:class:`Sink`); the trainer writes each record once, to
 :class:`Sinks`, which hands it to every sink it holds. Only rank 0 has sinks."""
@@ -42,15 +43,18 @@ class Sinks:
             sink.close()
 
 
-def open_sinks(run_dir: Path, progress: Progress, *, tensorboard: bool) -> Sinks:
-    """Rank 0's sinks: ``RUN_DIR/metrics.jsonl``, the progress line, and TensorBoard when
-    ``metrics.tensorboard`` asks for it."""
+def open_sinks(
+    run_dir: Path, progress: Progress, *, tensorboard: bool, trackers: Sequence[Sink] = ()
+) -> Sinks:
+    """Rank 0's sinks: ``RUN_DIR/metrics.jsonl``, the progress line, TensorBoard when
+    ``metrics.tensorboard`` asks for it, and the experiment ``trackers``
+    (:mod:`dtrain.metrics.trackers`)."""
     sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl"), progress]
     if tensorboard:
         from dtrain.metrics.tensorboard import TensorBoardSink
 
         sinks.append(TensorBoardSink(run_dir))
-    return Sinks(sinks)
+    return Sinks([*sinks, *trackers])
 
 
 class JsonlSink:

@@ -22,6 +22,7 @@ from dtrain.fault.watchdog import Watchdog
 from dtrain.metrics import records
 from dtrain.metrics.run_log import RunLog
 from dtrain.metrics.tensorboard import check_available as check_tensorboard
+from dtrain.metrics.trackers import check_available as check_trackers
 from dtrain.parallel import build_strategy
 from dtrain.task import Task
 from dtrain.train.evaluation import check_metrics
@@ -41,6 +42,7 @@ def wire_trainer(cfg: Config, task: Task, runtime: Runtime) -> Trainer:
     if cfg.metrics.tensorboard:  # every rank, before the first collective
         check_tensorboard()
     check_task_data(task, cfg)  # a stream's mistakes, before the model is spread
+    check_trackers(cfg.metrics.trackers)
     strategy = build_strategy(cfg, runtime)
     strategy.setup(task)
     # What the run writes: status, records to rank 0's sinks, log lines (dtrain.metrics).

@@ -1,0 +1,205 @@
+"""What an experiment tracker costs the step: the default job with W&B (offline) or MLflow (a
+local SQLite store) as a sink, against the same job without it. Target: at most 1.01x (issue
+43).
+
+Measured side by side in one training run of the default job on 2 ranks (gloo on loopback, one
+thread each), logging every step (``train.log_every = 1``) in every variant: the run is cut into
+segments of ``--segment`` steps, and each round runs every variant for one segment, in
+alternating order, switched at a step boundary (the ``train.step`` fail point) by putting the
+tracker's sink into rank 0's sinks or taking it out:
+
+- ``off``: ``metrics.jsonl`` and the progress line only;
+- ``wandb``: W&B's sink too (``WANDB_MODE=offline``: its own process writes the run's file);
+- ``mlflow``: MLflow's sink too (an SQL transaction per batch of records).
+
+The trackers' runs are opened before the first segment (W&B's process started, MLflow's store
+made), as in a run they are while the first steps train. A tracker's own thread sends what it
+queued once a second, so part of a segment's sending lands in the next one, whichever variant
+that is: segments of several seconds keep that share small. Two steadier figures beside the
+wall-time ratio: the job's CPU time per step (the tracker's thread included), and the work on
+the step's path itself (the sink's ``write``: a record turned into numbers and queued) and on
+the tracker's thread (its CPU time per record), measured on rank 0.
+
+    .venv/bin/python benchmarks/bench_trackers.py               # prints the figures
+    .venv/bin/python benchmarks/bench_trackers.py --write-docs  # also updates docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from dtrain.config.load import build_config
+from dtrain.fault.failpoints import failpoints
+from dtrain.train.job import build_job_config, build_trainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import ROOT, write_report_section
+from bench_metrics import describe, ratios  # within each round, a variant over off
+
+sys.path.insert(0, str(ROOT))  # tests/: the test aids of a source checkout
+from tests.ranks import run_ranks
+
+SECTION = "bench_trackers"
+
+
+def measure(raw: dict[str, Any], opts: dict[str, Any]) -> dict[str, list[float]]:
+    """On every rank: train through the planned segments; each variant's segment times."""
+    import torch.distributed as dist
+
+    from dtrain.metrics.trackers.sink import TrackerSink
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        Path(raw["run"]["dir"]).mkdir(parents=True, exist_ok=True)
+        sys.stderr = open(Path(raw["run"]["dir"]) / "progress.log", "w")  # noqa: SIM115
+    trainer = build_trainer(build_job_config(raw))
+    variants: list[str] = opts["variants"]
+    plan: dict[int, str] = {}  # first step of a segment -> its variant
+    step = opts["warmup"] + 1
+    for i in range(opts["rounds"]):
+        for variant in variants if i % 2 == 0 else list(reversed(variants)):
+            plan[step] = variant
+            step += opts["segment"]
+    end = step
+    starts: dict[int, float] = {}
+    cpu_starts: dict[int, float] = {}
+    trackers: dict[str, TrackerSink] = {}
+    spent: dict[str, float] = {}  # the step's path in each tracker's write; its thread's CPU
+    written: dict[str, int] = {}
+
+    def instrument(sink: TrackerSink) -> None:
+        name = sink.tracker.name
+        write, log = sink.write, sink.tracker.log
+
+        def timed_write(record: dict[str, Any]) -> None:
+            began = time.perf_counter()
+            write(record)
+            spent[f"{name}: write"] = spent.get(f"{name}: write", 0.0) + time.perf_counter() - began
+            written[name] = written.get(name, 0) + 1
+
+        def timed_log(rows: Any) -> None:
+            began = time.thread_time()  # this thread's CPU time: what it takes from the step
+            log(rows)
+            spent[f"{name}: thread"] = (
+                spent.get(f"{name}: thread", 0.0) + time.thread_time() - began
+            )
+
+        sink.write = timed_write  # type: ignore[method-assign]
+        sink.tracker.log = timed_log  # type: ignore[method-assign]
+
+    def switch(name: str, **args: Any) -> None:
+        if name != "train.step":
+            return
+        step = args["step"]
+        if step in plan or step == end:
+            starts[step] = time.perf_counter()
+            cpu_starts[step] = time.process_time()
+        sinks = trainer.run_log.metrics
+        if sinks is None:  # not rank 0
+            return
+        if not trackers:  # the first step: the tracker sinks the run opened, put aside
+            for sink in sinks.sinks:
+                if isinstance(sink, TrackerSink):
+                    trackers[sink.tracker.name] = sink
+                    instrument(sink)
+        variant = plan.get(step)
+        if variant is not None or step == end:
+            kept = [s for s in sinks.sinks if not isinstance(s, TrackerSink)]
+            sinks.sinks = kept + ([trackers[variant]] if variant in trackers else [])
+
+    with failpoints(switch):
+        # The sinks' own warmup (W&B's process, MLflow's store) before the first segment.
+        trainer.fit()
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    times |= {f"{v}: cpu": [] for v in variants}
+    bounds = [*sorted(plan), end]
+    for first, after in itertools.pairwise(bounds):
+        times[plan[first]].append(starts[after] - starts[first])
+        times[f"{plan[first]}: cpu"].append(cpu_starts[after] - cpu_starts[first])
+    for name in trackers:
+        count = max(1, written.get(name, 0))
+        times[f"{name}: write per record"] = [spent.get(f"{name}: write", 0.0) / count]
+        times[f"{name}: thread per record"] = [spent.get(f"{name}: thread", 0.0) / count]
+        times[f"{name}: failed"] = [float(trackers[name].failed.is_set())]
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
+    parser.add_argument("--rounds", type=int, default=16, help="segments of each variant")
+    parser.add_argument("--segment", type=int, default=30, help="steps per segment")
+    parser.add_argument("--warmup", type=int, default=20, help="steps before the first segment")
+    args = parser.parse_args()
+    names = [n for n in ("wandb", "mlflow") if importlib.util.find_spec(n) is not None]
+    if not names:
+        sys.exit("bench_trackers: neither wandb nor mlflow is installed: pip install -e '.[dev]'")
+    variants = ["off", *names]
+    steps = args.warmup + args.rounds * len(variants) * args.segment + 1
+    with tempfile.TemporaryDirectory(prefix="bench-trackers-") as scratch:
+        raw = build_config(
+            {
+                "run": {"dir": f"{scratch}/run"},
+                "train": {"steps": steps, "log_every": 1},
+                "eval": {"every": 0, "max_samples": 64},
+                "checkpoint": {"every": 0},
+                "dist": {"threads": 1},
+                "task": {"generate_tokens": 0},
+                "metrics": {"trackers": names, "tracking_uri": f"sqlite:///{scratch}/mlflow.db"},
+            }
+        ).to_dict()
+        opts = {"rounds": args.rounds, "segment": args.segment, "warmup": args.warmup}
+        env = {"WANDB_MODE": "offline", "WANDB_DIR": scratch, "WANDB_SILENT": "true"}
+        os.environ.update(env)
+        started = time.perf_counter()
+        per_rank = run_ranks(measure, 2, raw, opts | {"variants": variants}, timeout=7200, env=env)
+        times = per_rank[0]
+        for variant in variants:  # the job's CPU time: both ranks'
+            both = zip(per_rank[0][f"{variant}: cpu"], per_rank[1][f"{variant}: cpu"])
+            times[f"{variant}: cpu"] = [a + b for a, b in both]
+        wall = time.perf_counter() - started
+    seg = args.segment
+    off = statistics.median(times["off"]) / seg
+    lines = [
+        f"The default job on 2 ranks, logging every step, {steps} steps in {wall:.0f}s: "
+        f"{args.rounds} rounds of {seg}-step segments per variant, alternating.",
+        f"  off:     {off * 1e3:.1f} ms/step (median)",
+    ]
+    for name in names:
+        if times[f"{name}: failed"][0]:
+            lines.append(f"  {name}: FAILED during the run (its warning is in progress.log)")
+        step_ms = statistics.median(times[name]) / seg * 1e3
+        lines.append(
+            f"  {name + ':':8s} {step_ms:.1f} ms/step; ratio to off = "
+            f"{describe(ratios(times, name))}; CPU time of the job "
+            f"{describe(ratios(times, name, ': cpu'))}"
+        )
+        write_us = times[f"{name}: write per record"][0] * 1e6
+        thread_us = times[f"{name}: thread per record"][0] * 1e6
+        share = 100 * thread_us / 1e6 / off
+        lines.append(
+            f"           the step's path {write_us:.0f} us per record (the sink's write); the "
+            f"tracker's thread {thread_us:.0f} us of CPU per record ({share:.2f}"
+            "% of a step)"
+        )
+        target = statistics.median(ratios(times, name))
+        lines.append(f"           target <= 1.01x: {'met' if target <= 1.01 else 'MISSED'}")
+    report = "\n".join(lines)
+    print(report)
+    if args.write_docs:
+        title = "Experiment trackers: W&B and MLflow sinks against none"
+        setting = "2 ranks, gloo on loopback, CPU, 1 thread per rank"
+        print(f"wrote {write_report_section(SECTION, title, report, setting)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Weights & Biases (``metrics.trackers = ["wandb"]``, the ``wandb`` extra): one W&B run per
+dtrain run, named after the run folder, its config the flattened config, and every record's
+numbers at the record's step.
+
+W&B's own environment variables work as with any script: ``WANDB_PROJECT`` (unless
+``metrics.project`` is set), ``WANDB_MODE=offline``, ``WANDB_TAGS`` (``metrics.tags`` are added),
+``WANDB_ENTITY``, ``WANDB_NAME``, ``WANDB_API_KEY``; its files go to ``WANDB_DIR``, else into
+the run folder (``RUN_DIR/wandb``).
+
+The x-axis of every chart is dtrain's ``step``, a metric of its own (``define_metric``), not
+W&B's internal row counter: W&B drops a row whose ``step=`` is below the last one, and a resumed
+run logs again the steps after its checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from dtrain.metrics.trackers.sink import Final, Row, Setup
+
+STEP = "step"
+
+
+class WandbTracker:
+    name = "wandb"
+
+    def __init__(self, setup: Setup) -> None:
+        self.setup = setup
+        self.run: Any = None
+        self.where = f"project {setup.project or os.environ.get('WANDB_PROJECT') or '(default)'}"
+
+    def start(self, stored: dict[str, Any] | None) -> dict[str, Any]:
+        import wandb
+
+        setup = self.setup
+        env_tags = [t.strip() for t in os.environ.get("WANDB_TAGS", "").split(",") if t.strip()]
+        self.run = wandb.init(
+            project=setup.project or None,
+            name=os.environ.get("WANDB_NAME") or setup.name,
+            id=stored.get("id") if stored else None,
+            # "allow": the stored run goes on where it exists (online), else one by its id.
+            resume="allow" if stored else None,
+            config=setup.params,
+            tags=[*env_tags, *setup.tags] or None,
+            dir=os.environ.get("WANDB_DIR") or str(setup.run_dir),
+            # The worker's stdout is dtrain's progress line; W&B's console capture would copy
+            # it, and its banner would interleave with it.
+            settings=wandb.Settings(console="off", silent=True),
+        )
+        self.run.define_metric(STEP)
+        for prefix in ("train", "eval", "ranks", "log"):
+            self.run.define_metric(f"{prefix}/*", step_metric=STEP)
+        if self.run.offline:
+            self.where = f"run {self.run.id} offline, in {self.run.settings.sync_dir}"
+        else:
+            self.where = f"run {self.run.id}, {self.run.url}"
+        return {
+            "id": self.run.id,
+            "project": self.run.project,
+            "mode": "offline" if self.run.offline else "online",
+        }
+
+    def log(self, rows: list[Row]) -> None:
+        for row in rows:
+            self.run.log({STEP: row.step, **row.values})
+
+    def finish(self, final: Final) -> None:
+        summary: dict[str, Any] = {f"summary/{k}": v for k, v in final.summary.items()}
+        if final.state:
+            summary["summary/state"] = final.state
+        if final.checkpoint:
+            summary["checkpoint"] = final.checkpoint
+        self.run.summary.update(summary)
+        if final.checkpoint:
+            self._log_checkpoint(final.checkpoint)
+        if final.state == "preempted":
+            # To be resumed: W&B shows a preempting run that exits non-zero as preempted.
+            self.run.mark_preempting()
+            self.run.finish(exit_code=1)
+        else:
+            self.run.finish(exit_code=0)
+
+    def _log_checkpoint(self, path: str) -> None:
+        """The final checkpoint as a reference artifact: its path and digest, not its bytes
+        (a checkpoint can be many GB; the run folder keeps it)."""
+        import wandb
+
+        artifact = wandb.Artifact(f"{self.run.id}-checkpoint", type="model")
+        artifact.add_reference(f"file://{path}", checksum=False)
+        self.run.log_artifact(artifact)
