@@ -118,17 +118,23 @@ def options_markdown() -> str:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from dtrain.report import write_report
+    from dtrain.report.stored import readable_runs
 
     out = Path(args.out) if args.out else None
-    page = write_report([Path(d) for d in args.run_dirs], out)
+    if out is None and any("://" in d for d in args.run_dirs):
+        out = Path("report")  # not into the temporary copy of a store's run folder
+    with readable_runs(args.run_dirs) as run_dirs:
+        page = write_report(run_dirs, out)
     print(f"wrote {page}")
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     from dtrain.report.status import run_status
+    from dtrain.report.stored import readable_runs
 
-    print(run_status(Path(args.run_dir)))
+    with readable_runs([args.run_dir], live=True) as (run_dir,):
+        print(run_status(run_dir))
     return 0
 
 

@@ -22,9 +22,10 @@ from typing import Any
 import torch
 
 from dtrain.checkpoint.consolidate import Consolidated, consolidate, find_checkpoint
+from dtrain.checkpoint.store import local_copy, location
 from dtrain.errors import UserError
 from dtrain.fsutil import follow_umask, fsync_dir, require_output_folder
-from dtrain.weights.model_config import hf_config_dir
+from dtrain.weights.model_config import HF_CONFIG_DIR
 
 FORMATS = ("safetensors", "torch", "hf")
 
@@ -34,14 +35,14 @@ def export(
 ) -> Consolidated:
     """Write the model of ``run_dir``'s checkpoint to ``out`` in ``fmt``; returns what was
     exported."""
-    run_dir, out = Path(run_dir), Path(out)
+    source, out = location(run_dir), Path(out)
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
     if out.exists():
         raise UserError(f"{out} already exists: choose another output path, or remove it first")
-    step_dir = find_checkpoint(run_dir, step)
+    step_dir = find_checkpoint(source, step)
     require_output_folder(out.parent, f"OUT {out}")
-    config_dir = hf_config_dir(step_dir.parent.parent)
+    config_dir = step_dir.parent.parent / HF_CONFIG_DIR  # RUN_DIR/hf_config
     if fmt == "hf" and not (config_dir / "config.json").exists():
         raise UserError(
             f"--format hf needs the Hugging Face config a run saves with it "
@@ -59,7 +60,8 @@ def export(
             with open(partial, "wb") as fh:
                 torch.save(model.state, fh)
         else:
-            write_pretrained(model.state, config_dir, partial)
+            with local_copy(config_dir) as config_copy:  # transformers reads a local folder
+                write_pretrained(model.state, config_copy, partial)
         # Before the rename, so that OUT never shows the writer's own modes (safetensors:
         # 0600 whatever the umask; save_pretrained's folder holds such a file too).
         follow_umask(partial)
