@@ -143,7 +143,8 @@ class ObjectPath:
 
     def store(self) -> str:
         """The store, in words, for errors."""
-        where = f", endpoint {endpoint()}" if self.scheme == "s3" else ""
+        url = getattr(self.fs, "endpoint_url", None) or endpoint()
+        where = f", endpoint {url}" if self.scheme == "s3" else ""
         return f"object store {self.scheme}://{self.bucket}{where}"
 
     # -- requests ------------------------------------------------------------------------

@@ -335,7 +335,10 @@ class Checkpointer:
         return f"rank {self.rank}: {type(error).__name__}: {error}"
 
     def _newest_kept(self) -> str:
-        steps = committed_steps(self.root)
+        try:
+            steps = committed_steps(self.root)
+        except OSError:  # a store that stopped answering: the failure above says so
+            return ""
         if not steps:
             return " (no earlier checkpoint exists)"
         return f"; the newest checkpoint is still {step_dir_name(steps[0])}"
@@ -397,7 +400,11 @@ class Checkpointer:
     def _commit(self, step: int, tmp: Location, outcomes: list[_Outcome]) -> None:
         failures = [o.error for o in outcomes if o.error]
         if failures:
-            remove_tree(tmp)
+            try:
+                remove_tree(tmp)
+            except OSError:
+                pass  # a store that stopped answering: the next start removes the leftover
+
             raise CheckpointError("; ".join(failures))
         listing: dict[str, dict[str, Any]] = {}
         for o in outcomes:

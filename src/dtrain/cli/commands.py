@@ -134,7 +134,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     from dtrain.report.stored import readable_runs
 
     with readable_runs([args.run_dir], live=True) as (run_dir,):
-        print(run_status(run_dir))
+        # A store's run folder is read from a copy, named as the user named it.
+        print(run_status(run_dir).replace(str(run_dir), args.run_dir))
     return 0
 
 
