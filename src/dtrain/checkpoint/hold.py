@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from dtrain.checkpoint.store import Location, ObjectPath
+from dtrain.checkpoint.store import Location, NoConditionalWrites, ObjectPath
 from dtrain.errors import UserError
 from dtrain.fsutil import fsync_dir, write_atomic
 from dtrain.process_exit import process_alive
@@ -211,7 +211,15 @@ def _create(path: Location, record: HoldRecord) -> None:
     beside, then linked into place (atomic, and safe on NFS); in a store, one conditional
     write."""
     if isinstance(path, ObjectPath):
-        path.create(json.dumps(asdict(record)).encode())
+        data = json.dumps(asdict(record)).encode()
+        try:
+            path.create(data)
+        except NoConditionalWrites:
+            # Look, then write: two jobs starting in the same instant may both see none (the
+            # launcher's write probe warned about such a store).
+            if path.exists():
+                raise FileExistsError(str(path)) from None
+            path.write_bytes(data)
         return
     tmp = path.with_name(f".{path.name}.{record.token}.{os.getpid()}")
     write_atomic(tmp, json.dumps(asdict(record)), mode=HOLD_MODE)
@@ -233,7 +241,12 @@ def _take_over_object(path: ObjectPath, stale: HoldRecord, mine: HoldRecord) -> 
     seen = read_hold(path)
     if seen is None or seen.token != stale.token:
         return False
-    return path.replace_if(json.dumps(asdict(mine)).encode(), version)
+    data = json.dumps(asdict(mine)).encode()
+    try:
+        return path.replace_if(data, version)
+    except NoConditionalWrites:  # as in _create: unguarded, and warned about
+        path.write_bytes(data)
+        return True
 
 
 def _take_over(path: Path, stale: HoldRecord) -> bool:

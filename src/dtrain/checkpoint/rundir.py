@@ -20,6 +20,7 @@ from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint.hold import JOB_ID_ENV, launch_config_path, say, take_hold
 from dtrain.checkpoint.store import (
     Location,
+    NoConditionalWrites,
     ObjectPath,
     StoreError,
     file_system,
@@ -98,16 +99,21 @@ def check_store(run_dir: ObjectPath) -> None:
     if not run_dir.bucket:
         raise UserError(f"{label}: no bucket named; give {run_dir.scheme}://BUCKET/PREFIX")
     probe = run_dir / f".dtrain-write-check-{uuid.uuid4().hex}"
+    unguarded = (
+        f"warning: {label}: the {run_dir.store()} %s conditional writes, so the run folder's "
+        "hold cannot keep two jobs apart there: run one job per run.dir"
+    )
     try:
-        probe.create(b"")
         try:
             probe.create(b"")
-            say(
-                f"warning: {label}: the {run_dir.store()} ignores conditional writes, so the "
-                "run folder's hold cannot keep two jobs apart there: run one job per run.dir"
-            )
-        except FileExistsError:
-            pass
+            try:
+                probe.create(b"")
+                say(unguarded % "ignores")
+            except FileExistsError:
+                pass
+        except NoConditionalWrites:
+            probe.write_bytes(b"")
+            say(unguarded % "does not implement")
         probe.unlink(missing_ok=True)
     except FileNotFoundError:
         raise UserError(

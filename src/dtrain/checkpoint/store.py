@@ -50,6 +50,11 @@ class StoreError(OSError):
     key and the retry policy)."""
 
 
+class NoConditionalWrites(StoreError):
+    """The store refuses conditional writes (``If-None-Match``, ``If-Match``) as not
+    implemented: OpenStack Swift's S3 API, older S3-compatible stores."""
+
+
 def endpoint() -> str:
     """The S3 endpoint botocore will use, in words (the variables it honours, in its order)."""
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS"
@@ -201,8 +206,13 @@ class ObjectPath:
 
     def create(self, data: bytes) -> None:
         """Write the object only where none exists (a conditional write, ``If-None-Match``):
-        FileExistsError otherwise."""
-        self._call("write", lambda: self.fs.pipe_file(self.url, data, mode="create"))
+        FileExistsError otherwise; :class:`NoConditionalWrites` where the store has none."""
+        try:
+            self.fs.pipe_file(self.url, data, mode="create")
+        except FileExistsError:
+            raise
+        except OSError as exc:
+            self._refused(exc)
 
     def etag(self) -> str:
         """The object's version as the store names it (FileNotFoundError: none)."""
@@ -220,9 +230,17 @@ class ObjectPath:
         except OSError as exc:
             if exc.errno == errno.EINVAL:  # 412: the object is no longer that version
                 return False
-            failure = exc
-            self._call("write", lambda: _raise(failure))
+            self._refused(exc)
         return True
+
+    def _refused(self, exc: OSError) -> None:
+        """A conditional write's failure, in words: the store has none (501, which s3fs gives
+        as ENOSYS), or another failure of the store."""
+        if exc.errno == errno.ENOSYS:
+            raise NoConditionalWrites(
+                f"the {self.store()} does not implement conditional writes ({exc})"
+            ) from None
+        self._call("write", lambda: _raise(exc))
 
     def unlink(self, missing_ok: bool = False) -> None:
         try:
