@@ -133,7 +133,10 @@ def remove_leftovers(root: Location) -> list[Location]:
         stale = entry.name.startswith(UNFINISHED_PREFIXES)
         uncommitted = step_of(entry.name) is not None and not (entry / MARKER).exists()
         if entry.is_dir() and (stale or uncommitted):
-            remove_tree(entry)
+            try:
+                remove_tree(entry)
+            except OSError:
+                continue  # a store that failed it: never counts, and the next start tries again
             removed.append(entry)
     if removed:
         sync_folder(root)

@@ -211,7 +211,7 @@ class ObjectPath:
             self.fs.pipe_file(self.url, data, mode="create")
         except FileExistsError:
             raise
-        except OSError as exc:
+        except Exception as exc:
             self._refused(exc)
 
     def etag(self) -> str:
@@ -227,16 +227,16 @@ class ObjectPath:
             self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfMatch=etag)
         except FileNotFoundError:
             return False
-        except OSError as exc:
-            if exc.errno == errno.EINVAL:  # 412: the object is no longer that version
+        except Exception as exc:
+            if isinstance(exc, OSError) and exc.errno == errno.EINVAL:  # 412: another version
                 return False
             self._refused(exc)
         return True
 
-    def _refused(self, exc: OSError) -> None:
+    def _refused(self, exc: Exception) -> None:
         """A conditional write's failure, in words: the store has none (501, which s3fs gives
         as ENOSYS), or another failure of the store."""
-        if exc.errno == errno.ENOSYS:
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSYS:
             raise NoConditionalWrites(
                 f"the {self.store()} does not implement conditional writes ({exc})"
             ) from None
@@ -253,10 +253,20 @@ class ObjectPath:
         """A prefix needs no making."""
 
     def remove_tree(self) -> None:
+        """Delete every object under this prefix, one request each: a multi-object delete
+        needs a Content-MD5 header that botocore no longer sends, which stores such as
+        OpenStack Swift's S3 API require (a checkpoint's folder holds a few files a rank)."""
         try:
-            self._call("delete", lambda: self.fs.rm(self.url, recursive=True))
+            keys = self._call("list", lambda: self.fs.find(self.url))
         except FileNotFoundError:
-            pass
+            return
+        for key in keys:
+            (ObjectPath(f"{self.scheme}://{key}", self.fs)).unlink(missing_ok=True)
+
+    def rename_to(self, target: ObjectPath) -> None:
+        """Copy to ``target``, then delete: a store's rename (of one small object)."""
+        self._call("copy", lambda: self.fs.copy(self.url, target.url))
+        self.unlink()
 
 
 Location = Path | ObjectPath
