@@ -129,7 +129,7 @@ def finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
 class Journey:
     store: Store
     tmp: Path
-    trained: str  # the store's run's output
+    trained: str  # the store's run's output (its launch's)
     local_export: Path
     s3_export: Path
     status: str
@@ -159,6 +159,7 @@ def journey(store: Store, tmp_path_factory: pytest.TempPathFactory) -> Journey:
         dtrain(store, "export", str(tmp / "local-run"), str(tmp / "local.safetensors")),
         dtrain(store, "export", f"s3://{BUCKET}/exp", str(tmp / "s3.safetensors")),
         dtrain(store, "status", f"s3://{BUCKET}/exp"),
+        dtrain(store, "report", f"s3://{BUCKET}/exp", "--out", str(tmp / "report")),
     ]
     done = [finish(p) for p in procs]
     for code, text in done:
@@ -179,6 +180,8 @@ def test_kill9_and_resume_in_the_store_exports_the_local_run_s_bits(journey: Jou
         assert torch.equal(local[name], remote[name]), name  # bit-identical
     assert "completed, step 8/8" in journey.status, journey.status
     assert f"s3://{BUCKET}/exp" in journey.status
+    page = (journey.tmp / "report" / "report.html").read_text()
+    assert "exp" in page and "8" in page  # the store's run, read from its uploaded records
 
 
 @pytest.mark.slow
@@ -313,3 +316,25 @@ def test_the_hold_keeps_a_second_job_out_of_the_store_s_folder(store: Store) -> 
     finally:
         first.release()
     assert not (folder / "hold.json").exists()
+
+
+@pytest.mark.slow
+def test_the_store_s_run_goes_on_under_fsdp_on_one_rank_and_exports(journey: Journey) -> None:
+    # Last in this file: it extends the journey's run. ddp on 2 ranks saved step 8 (whole
+    # files); fsdp on 1 rank resumes it from the store and saves step 10 as DCP shards there.
+    config = journey.tmp / "s3.toml"
+    args = ("--nproc", "1", "--strategy.name=fsdp", "--train.steps=10")
+    code, said = finish(dtrain(journey.store, "train", str(config), *args))
+    assert code == 0, said[-3000:]
+    assert "training fsdp on 1 rank(s), cpu, resumed from step-00000008" in said
+    assert "step-00000008 was saved by strategy 'ddp'; fsdp read its model" in said
+    step10 = journey.store.path("exp/checkpoints/step-00000010")
+    assert (step10 / "dcp" / ".metadata").exists()
+    ckread.verify_checkpoint(step10)
+    out = journey.tmp / "fsdp.safetensors"
+    code, said = finish(dtrain(journey.store, "export", f"s3://{BUCKET}/exp", str(out)))
+    assert code == 0 and "from s3://runs/exp/checkpoints/step-00000010" in said, said[-2000:]
+    load_file = pytest.importorskip("safetensors.torch").load_file
+    exported, before = load_file(out), load_file(journey.s3_export)
+    assert exported.keys() == before.keys()
+    assert any(not torch.equal(exported[k], before[k]) for k in before)  # two more steps
