@@ -128,23 +128,11 @@ reseller_prefix = AUTH
 use = egg:swift#memcache
 memcache_servers = 127.0.0.1:$(port_of memcached)
 
-[filter:catch_errors]
-use = egg:swift#catch_errors
-[filter:gatekeeper]
-use = egg:swift#gatekeeper
-[filter:healthcheck]
-use = egg:swift#healthcheck
-[filter:proxy-logging]
-use = egg:swift#proxy_logging
-[filter:listing_formats]
-use = egg:swift#listing_formats
-[filter:copy]
-use = egg:swift#copy
-[filter:slo]
-use = egg:swift#slo
-[filter:dlo]
-use = egg:swift#dlo
 EOF
+    local filter # the plain ones, as the pipeline names them: egg:swift#NAME, nothing to set
+    for filter in catch_errors gatekeeper healthcheck proxy-logging listing_formats copy slo dlo; do
+        printf '[filter:%s]\nuse = egg:swift#%s\n' "$filter" "${filter//-/_}" >>"$ROOT/proxy-server.conf"
+    done
 }
 
 build_rings() {

@@ -195,22 +195,6 @@ def test_retention_and_the_marker_in_the_store(journey: Journey) -> None:
 
 
 @pytest.mark.slow
-def test_a_damaged_piece_in_the_store_is_named_and_skipped(journey: Journey) -> None:
-    fs = journey.store.fs
-    fs.copy(f"{BUCKET}/exp/checkpoints", f"{BUCKET}/damaged/checkpoints", recursive=True)
-    root = journey.store.path("damaged/checkpoints")
-    model = root / "step-00000008" / "model.pt"
-    data = bytearray(model.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    model.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"model\.pt fails its SHA-256 checksum"):
-        ckread.verify_checkpoint(root / "step-00000008")
-    newest, skipped = ckread.find_latest_valid(root)
-    assert newest == root / "step-00000006"
-    assert [path.name for path, _ in skipped] == ["step-00000008"]
-
-
-@pytest.mark.slow
 def test_no_credential_is_written_to_the_store_or_the_local_folder(journey: Journey) -> None:
     fs = journey.store.fs
     keys = fs.find(f"{BUCKET}/exp")
