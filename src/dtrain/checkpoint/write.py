@@ -33,6 +33,7 @@ import json
 import sys
 import threading
 import time
+from contextlib import suppress
 from collections.abc import Callable
 from dataclasses import KW_ONLY, asdict, dataclass, field
 from pathlib import Path
@@ -400,10 +401,8 @@ class Checkpointer:
     def _commit(self, step: int, tmp: Location, outcomes: list[_Outcome]) -> None:
         failures = [o.error for o in outcomes if o.error]
         if failures:
-            try:
+            with suppress(OSError):  # a store that stopped answering: removed at the next start
                 remove_tree(tmp)
-            except OSError:
-                pass  # a store that stopped answering: the next start removes the leftover
 
             raise CheckpointError("; ".join(failures))
         listing: dict[str, dict[str, Any]] = {}
