@@ -33,8 +33,8 @@ import json
 import sys
 import threading
 import time
-from contextlib import suppress
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import KW_ONLY, asdict, dataclass, field
 from pathlib import Path
 from typing import Any
