@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest test-slow test-slurm slurm-packages chaos clean browser
+.PHONY: demo test lint typecheck pytest test-slow test-slurm slurm-packages test-s3 chaos clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,6 +57,15 @@ test-slow: $(STAMP)
 # this can (root, apt-get); otherwise the test skips and says why.
 test-slurm: $(STAMP) slurm-packages
 	$(PY) -m pytest -q -m "slow or not slow" tests/test_slurm.py
+
+# A run folder in a real object store: OpenStack Swift's S3 API on this machine
+# (scripts/s3.sh; Debian's packages installed when missing, 3-4 minutes), the whole of
+# tests/test_s3_run_dir.py against it (train, kill -9 and resume in the store, export, status).
+test-s3: $(STAMP)
+	PYTHON=$(PY) scripts/s3.sh up
+	DTRAIN_TEST_S3_ENDPOINT=http://127.0.0.1:$${DTRAIN_S3_PORT:-18480} \
+		$(PY) -m pytest -q -m "slow or not slow" tests/test_s3_run_dir.py; \
+		code=$$?; scripts/s3.sh down; exit $$code
 
 slurm-packages:
 	@command -v slurmctld >/dev/null 2>&1 && command -v slurmd >/dev/null 2>&1 && \

@@ -84,6 +84,9 @@ class TinyOptions(SlowdownOptions):  # slowdown_*: one rank made slower (tests/s
     # ... or, when set, kill that rank outright (SIGKILL, as kill -9 or the OOM killer would)
     # in the forward of this step instead of raising.
     kill_at_step: int = 0
+    # ... in the first this many attempts of the job only (0: in every attempt), so that a
+    # restarted job goes on past the kill.
+    kill_attempts: int = 0
     # ... or, when set, ask the allocator for 4 TiB at this step's forward on that rank: an
     # allocation no machine here grants, which fails at once and touches no memory.
     oom_at_step: int = 0
@@ -212,10 +215,13 @@ class _FailingModel(nn.Module):
 def failing_gpt(cfg: Config) -> Task:
     task = tiny_gpt(cfg)
     opts: TinyOptions = cfg.task
-    attempts = os.path.join(cfg.run.dir, "attempts.log")
+    # Counted in a local run folder only (a store's is no place to append to).
+    attempts = os.path.join(cfg.run.dir, "attempts.log") if "://" not in cfg.run.dir else ""
     kill, oom = opts.kill_at_step > 0, opts.oom_at_step > 0
     step = opts.kill_at_step if kill else opts.oom_at_step if oom else opts.fail_at_step
-    task.model = _FailingModel(task.model, opts.fail_rank, step, attempts, kill, oom)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    rank = -1 if opts.kill_attempts and attempt >= opts.kill_attempts else opts.fail_rank
+    task.model = _FailingModel(task.model, rank, step, attempts, kill, oom)
     return task
 
 

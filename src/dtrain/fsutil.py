@@ -10,10 +10,34 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 from pathlib import Path
 
 from dtrain.errors import UserError
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def scheme_of(path: str | os.PathLike[str]) -> str:
+    """The scheme of a URL (``s3`` for ``s3://bucket/key``); empty for a local path."""
+    match = _SCHEME.match(str(path))
+    return match.group(1).lower() if match else ""
+
+
+def local_run_dir(run_dir: str, local_dir: str = "") -> Path:
+    """Where a run keeps what is per machine and short-lived (launch files, liveness, logs,
+    ``metrics.jsonl`` as it grows): the run folder itself when it is local; for a run folder
+    in an object store (``s3://bucket/prefix``), ``local_dir`` or, empty, a folder of the
+    user's cache named after the URL (``~/.cache/dtrain/runs/s3/bucket/prefix``)."""
+    scheme = scheme_of(run_dir)
+    if not scheme:
+        return Path(run_dir)
+    if local_dir:
+        return Path(local_dir)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    rest = str(run_dir).split("://", 1)[1].strip("/")
+    return Path(cache, "dtrain", "runs", scheme, *[part for part in rest.split("/") if part])
 
 
 def fsync_dir(path: Path | str) -> None:

@@ -25,6 +25,7 @@ from dtrain.fault.error_log import append_traceback, record_error
 from dtrain.fault.oom import OutOfMemory
 from dtrain.fault.oom import describe as describe_oom
 from dtrain.fault.preempt import catch_early, settle_early, unforwarded, unforwarded_warning
+from dtrain.fsutil import local_run_dir
 from dtrain.process_exit import die_with_parent, exit_without_finalizing
 
 if TYPE_CHECKING:
@@ -176,7 +177,10 @@ def main(argv: Sequence[str] | None = None, own_loop: OwnLoop | None = None) -> 
     except SystemExit:
         raise
     except BaseException as exc:
-        return report_crash(exc, int(rank), cfg.run.dir if cfg is not None else "")
+        where = ""  # no run folder yet: the traceback goes to stderr
+        if cfg is not None and cfg.run.dir:
+            where = str(local_run_dir(cfg.run.dir, cfg.run.local_dir))
+        return report_crash(exc, int(rank), where)
     return 0
 
 

@@ -24,13 +24,13 @@ from __future__ import annotations
 import re
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
+from dtrain.checkpoint.store import Location
 from dtrain.errors import CheckpointError
 
 _REPLICA = re.compile(r"model-rank\d+\.pt")  # localsgd's, diloco's replicas of ranks > 0
@@ -42,11 +42,11 @@ class Consolidated:
     (empty when the checkpoint held the model as it is)."""
 
     state: dict[str, torch.Tensor]
-    step_dir: Path
+    step_dir: Location
     note: str = ""
 
 
-def is_checkpoint_folder(path: Path) -> bool:
+def is_checkpoint_folder(path: Location) -> bool:
     """Whether ``path`` is one checkpoint's folder, committed or not: a ``step-N`` folder, one
     a save or a prune left (``.tmp-step-N``, ``.trash-step-N``), or any folder holding a
     marker, ``meta.json`` or ``dcp/`` (a renamed copy)."""
@@ -58,7 +58,7 @@ def is_checkpoint_folder(path: Path) -> bool:
     )
 
 
-def find_checkpoint(path: Path, step: int | None = None) -> Path:
+def find_checkpoint(path: Location, step: int | None = None) -> Location:
     """The committed checkpoint ``path`` names: a checkpoint's folder itself (verified against
     its marker), or in a run folder (or its ``checkpoints/``) the newest one that verifies
     (``step``: that one)."""
@@ -97,7 +97,7 @@ def find_checkpoint(path: Path, step: int | None = None) -> Path:
     return found
 
 
-def consolidate(step_dir: Path) -> Consolidated:
+def consolidate(step_dir: Location) -> Consolidated:
     """The whole model of the checkpoint in ``step_dir`` (verified by the caller), from the
     files its marker lists."""
     listed = ckread.read_marker(step_dir)["files"]
@@ -128,7 +128,7 @@ def consolidate(step_dir: Path) -> Consolidated:
     return Consolidated(_mean([first, *others]), step_dir, note)
 
 
-def read_sharded_model(step_dir: Path) -> dict[str, torch.Tensor]:
+def read_sharded_model(step_dir: Location) -> dict[str, torch.Tensor]:
     """Every model tensor of a DCP checkpoint, whole, on CPU (no process group needed), read
     as data only (:mod:`dtrain.checkpoint.safe_dcp`)."""
     from dtrain.checkpoint.safe_dcp import load_sharded

@@ -28,7 +28,6 @@ while it is read (the strategy's ``state_dicts_by_name``)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,11 +35,12 @@ import torch
 from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint.forms import NAMES_KEY
+from dtrain.checkpoint.store import Location
 from dtrain.errors import CheckpointError
 
 
 def read_in_saved_groups(
-    template: dict[str, Any], step_dir: Path, index: ckread.ShardedIndex
+    template: dict[str, Any], step_dir: Location, index: ckread.ShardedIndex
 ) -> None:
     """Fill ``template`` from the shards (collective). Where it is in the by-name form (a list
     of groups), its groups are laid out as this rank's afterwards, whichever way the saving
@@ -60,7 +60,7 @@ def read_in_saved_groups(
 
 
 def read_settings_per_name(
-    template: dict[str, Any], step_dir: Path, keys: frozenset[str]
+    template: dict[str, Any], step_dir: Location, keys: frozenset[str]
 ) -> list[dict[str, Any]]:
     """Fill ``template`` (by name, list of groups) from shards that keep their optimizer
     settings per parameter (pipeline's; collective); returns the saved settings as one group
@@ -91,7 +91,7 @@ def read_settings_per_name(
 
 
 def regroup(
-    saved: list[dict[str, Any]], ours: list[dict[str, Any]], step_dir: Path
+    saved: list[dict[str, Any]], ours: list[dict[str, Any]], step_dir: Location
 ) -> list[dict[str, Any]]:
     """The saved parameter groups laid out as this rank's (``ours``, parameters by name): each
     of ours takes the settings of the saved group that held its parameters, which must be one
@@ -115,7 +115,7 @@ def regroup(
 
 
 def load_whole_into_shards(
-    template: dict[str, Any], step_dir: Path, wanted: Mapping[str, tuple[int, ...]]
+    template: dict[str, Any], step_dir: Location, wanted: Mapping[str, tuple[int, ...]]
 ) -> None:
     """Fill ``template`` (this rank's sharded state: ``{"model": ..., "optimizer": ...}``
     keyed by name, DTensors where it holds a part) in place from a replicated strategy's
@@ -142,7 +142,7 @@ def load_whole_into_shards(
 
 
 def optimizer_state_by_name(
-    saved: dict[str, Any], step_dir: Path
+    saved: dict[str, Any], step_dir: Location
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """A whole optimizer state keyed by parameter name (state, groups), from the names the
     saving strategy wrote beside it."""

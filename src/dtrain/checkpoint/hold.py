@@ -10,7 +10,14 @@ process's start time, so that a reused pid is not taken for it); held from anoth
 when its renewals have stopped for :data:`LEASE_S` seconds. Taking over renames the stale
 hold aside first, so that of two jobs taking over at once, one wins and the other is refused.
 
-``hold.json`` is the user's alone to read (mode 0600 from its creation, whatever the umask).
+In an object store (``run.dir = "s3://..."``) the same protocol runs on conditional writes: the
+hold is created only where none exists (``If-None-Match``) and a stale one is taken over only
+while it is still the version that was found stale (``If-Match``), so of two jobs one wins. A
+store that ignores these conditions cannot keep two jobs apart: the launcher's write probe
+finds that out and says so (:func:`dtrain.checkpoint.rundir.check_store`).
+
+``hold.json`` is the user's alone to read (mode 0600 from its creation, whatever the umask; in
+a store, as the bucket's policy allows).
 The hold's token names the job to its workers (:func:`job_id`): it goes into each
 checkpoint's ``meta.json``, where retention and restarts tell this job's checkpoints from
 others'. Under plain ``torchrun`` (no hold) the job is its rendezvous id.
@@ -29,6 +36,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from dtrain.checkpoint.store import Location, NoConditionalWrites, ObjectPath
 from dtrain.errors import UserError
 from dtrain.fsutil import fsync_dir, write_atomic
 from dtrain.process_exit import process_alive
@@ -85,7 +93,7 @@ class Hold:
     """A run folder this launcher holds (or shares, with the other machines of its job), renewed
     by a daemon thread until :meth:`release`."""
 
-    def __init__(self, path: Path, record: HoldRecord, joined: bool) -> None:
+    def __init__(self, path: Location, record: HoldRecord, joined: bool) -> None:
         self.path = path
         self.record = record
         self.joined = joined
@@ -112,6 +120,8 @@ class Hold:
             try:
                 if current is None:
                     _create(self.path, record)
+                elif isinstance(self.path, ObjectPath):
+                    self.path.write_bytes(json.dumps(asdict(record)).encode())
                 else:
                     write_atomic(self.path, json.dumps(asdict(record)), mode=HOLD_MODE)
             except OSError:
@@ -130,7 +140,7 @@ class Hold:
                 pass
 
 
-def read_hold(path: Path) -> HoldRecord | None:
+def read_hold(path: Location) -> HoldRecord | None:
     """The hold in ``path``; None where there is none, or it is no hold."""
     try:
         data: Any = json.loads(path.read_text())
@@ -139,9 +149,17 @@ def read_hold(path: Path) -> HoldRecord | None:
         return None
 
 
-def take_hold(run_dir: Path, run_id: str, rdzv_endpoint: str, lease_s: float = LEASE_S) -> Hold:
+def take_hold(
+    run_dir: Location,
+    run_id: str,
+    rdzv_endpoint: str,
+    lease_s: float = LEASE_S,
+    local_dir: Path | None = None,
+) -> Hold:
     """Hold ``run_dir`` for this job, or raise a :class:`UserError` naming the live job that
-    holds it. Joins the hold of another machine of the same job; takes over a stale one."""
+    holds it. Joins the hold of another machine of the same job; takes over a stale one.
+    ``local_dir``: where this machine's launch files are (default: the run folder)."""
+    launch_dir = local_dir if local_dir is not None else Path(str(run_dir))
     host = socket.gethostname()
     pid = os.getpid()
     key = f"{run_id}@{rdzv_endpoint}" if rdzv_endpoint else f"{run_id}@{host}:{pid}"
@@ -176,16 +194,33 @@ def take_hold(run_dir: Path, run_id: str, rdzv_endpoint: str, lease_s: float = L
                 "stop it, or choose another run.dir (a job of several machines shares one "
                 "folder only with the same --run-id and --rdzv-endpoint)"
             )
+        if isinstance(path, ObjectPath):  # no rename there: the hold is replaced in place
+            if _take_over_object(path, current, mine):
+                say(f"{path} was held by {current.who()}, which is gone; taking it over")
+                return Hold(path, mine, joined=False)
+            continue
         if _take_over(path, current):
             # What the gone launcher left beside its hold: its workers' config.
-            launch_config_path(run_dir, current.host, current.pid).unlink(missing_ok=True)
+            launch_config_path(launch_dir, current.host, current.pid).unlink(missing_ok=True)
             say(f"{path} was held by {current.who()}, which is gone; taking it over")
     raise UserError(f"run.dir {run_dir}: could not take {HOLD_FILE}: other jobs keep taking it")
 
 
-def _create(path: Path, record: HoldRecord) -> None:
+def _create(path: Location, record: HoldRecord) -> None:
     """Create the hold whole or not at all (raises FileExistsError if one exists): written
-    beside, then linked into place (atomic, and safe on NFS)."""
+    beside, then linked into place (atomic, and safe on NFS); in a store, one conditional
+    write."""
+    if isinstance(path, ObjectPath):
+        data = json.dumps(asdict(record)).encode()
+        try:
+            path.create(data)
+        except NoConditionalWrites:
+            # Look, then write: two jobs starting in the same instant may both see none (the
+            # launcher's write probe warned about such a store).
+            if path.exists():
+                raise FileExistsError(str(path)) from None
+            path.write_bytes(data)
+        return
     tmp = path.with_name(f".{path.name}.{record.token}.{os.getpid()}")
     write_atomic(tmp, json.dumps(asdict(record)), mode=HOLD_MODE)
     try:
@@ -193,6 +228,25 @@ def _create(path: Path, record: HoldRecord) -> None:
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
+
+
+def _take_over_object(path: ObjectPath, stale: HoldRecord, mine: HoldRecord) -> bool:
+    """Replace the stale hold in a store by ``mine`` only while it is still the stale one
+    (its version, read before its content: a newer content fails the condition); False when
+    another job moved first."""
+    try:
+        version = path.etag()
+    except FileNotFoundError:
+        return False
+    seen = read_hold(path)
+    if seen is None or seen.token != stale.token:
+        return False
+    data = json.dumps(asdict(mine)).encode()
+    try:
+        return path.replace_if(data, version)
+    except NoConditionalWrites:  # as in _create: unguarded, and warned about
+        path.write_bytes(data)
+        return True
 
 
 def _take_over(path: Path, stale: HoldRecord) -> bool:
@@ -215,10 +269,14 @@ def _take_over(path: Path, stale: HoldRecord) -> bool:
     return True
 
 
-def _set_aside_unreadable(path: Path) -> None:
+def _set_aside_unreadable(path: Location) -> None:
     """A hold file that is not a hold (damaged, or from something else): moved aside once it
     has stayed so for a moment (a hold is never seen half-written: it is linked whole)."""
     time.sleep(0.2)
+    if isinstance(path, ObjectPath):
+        if path.exists() and read_hold(path) is None:
+            path.unlink(missing_ok=True)
+        return
     if path.exists() and read_hold(path) is None:
         try:
             os.rename(path, path.with_name(f".{path.name}.unreadable-{uuid.uuid4().hex}"))
@@ -226,7 +284,7 @@ def _set_aside_unreadable(path: Path) -> None:
             pass
 
 
-def _alive(record: HoldRecord, path: Path, lease_s: float) -> bool:
+def _alive(record: HoldRecord, path: Location, lease_s: float) -> bool:
     """Whether the job holding the folder still runs."""
     if record.boot_id and record.boot_id == _boot_id():
         # This machine: its launcher's process, if it is the same process.

@@ -11,10 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 from dtrain.checkpoint.forms import Form
+from dtrain.checkpoint.store import Location
 
 MARKER = "COMMITTED.json"
 META = "meta.json"
@@ -70,7 +70,7 @@ def part_file(name: str, form: Form, rank: int) -> str:
     return f"{name}-rank{rank:05d}.pt"
 
 
-def list_step_dirs(root: Path) -> list[tuple[int, Path]]:
+def list_step_dirs(root: Location) -> list[tuple[int, Location]]:
     """``(step, folder)`` of every ``step-N`` folder, newest first (committed or not)."""
     if not root.is_dir():
         return []
@@ -86,7 +86,7 @@ def marker_digest(marker: dict[str, Any]) -> str:
     ).hexdigest()
 
 
-def job_of(step_dir: Path) -> str:
+def job_of(step_dir: Location) -> str:
     """The job that wrote the checkpoint in ``step_dir`` (its ``meta.json`` says); empty when
     unknown."""
     try:
@@ -96,5 +96,5 @@ def job_of(step_dir: Path) -> str:
     return str(meta.get("job", "")) if isinstance(meta, dict) else ""
 
 
-def committed_steps(root: Path) -> list[int]:
+def committed_steps(root: Location) -> list[int]:
     return [step for step, path in list_step_dirs(root) if (path / MARKER).exists()]

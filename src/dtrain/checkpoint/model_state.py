@@ -27,7 +27,6 @@ means.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -37,6 +36,7 @@ from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint.cross_form import load_whole_into_shards, read_in_saved_groups
 from dtrain.checkpoint.forms import Form, Origin, Part
+from dtrain.checkpoint.store import Location
 from dtrain.comm.plain import all_gather_json
 
 MODEL_AND_OPTIMIZER = ("model", "optimizer")
@@ -95,7 +95,7 @@ def parts_to_write(
     return out
 
 
-def load(strategy: ModelState, optimizer: torch.optim.Optimizer, step_dir: Path) -> None:
+def load(strategy: ModelState, optimizer: torch.optim.Optimizer, step_dir: Location) -> None:
     """Collective: the strategy's state from the checkpoint in ``step_dir``, whatever form
     saved it; a model that does not fit is named key by key."""
     meta = ckread.load_meta(step_dir)
@@ -139,7 +139,7 @@ def load(strategy: ModelState, optimizer: torch.optim.Optimizer, step_dir: Path)
 def _load_whole(
     strategy: ModelState,
     optimizer: torch.optim.Optimizer,
-    step_dir: Path,
+    step_dir: Location,
     template: dict[str, Part],
     rank: int,
 ) -> None:
@@ -153,7 +153,7 @@ def _load_whole(
 def _load_shards(
     strategy: ModelState,
     optimizer: torch.optim.Optimizer,
-    step_dir: Path,
+    step_dir: Location,
     template: dict[str, Part],
 ) -> None:
     """Shards laid out as the strategy lays them out are read as they are; anything else

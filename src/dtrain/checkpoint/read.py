@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,9 +31,9 @@ from dtrain.checkpoint.layout import (
     step_of,
 )
 from dtrain.checkpoint.safe_load import load_file as load_file
+from dtrain.checkpoint.store import Location, remove_tree, sync_folder
 from dtrain.checkpoint.verify import pieces_of, verify_pieces
 from dtrain.errors import CheckpointError
-from dtrain.fsutil import fsync_dir
 
 if TYPE_CHECKING:
     from dtrain.checkpoint.safe_dcp import SafeReader
@@ -48,7 +46,7 @@ if TYPE_CHECKING:
 _MARKER_KEYS = frozenset({"step", "files", "world_size", "committed", "marker_sha256"})
 
 
-def read_marker(step_dir: Path) -> dict[str, Any]:
+def read_marker(step_dir: Location) -> dict[str, Any]:
     """The completion marker, checked against its own digest, so that any damage to it (not
     only to the files it lists) makes the checkpoint count as corrupted."""
     if not step_dir.is_dir():
@@ -87,7 +85,7 @@ def _good_entry(info: Any) -> bool:
     )
 
 
-def verify_checkpoint(step_dir: Path, on_progress: Callable[[], None] | None = None) -> None:
+def verify_checkpoint(step_dir: Location, on_progress: Callable[[], None] | None = None) -> None:
     """Raise :class:`CheckpointError` naming the first file that does not match the marker,
     checking every file in this process (the ranks of a job share the work instead:
     :func:`dtrain.checkpoint.resume.resolve_resume`); ``on_progress`` is called as the files
@@ -97,7 +95,7 @@ def verify_checkpoint(step_dir: Path, on_progress: Callable[[], None] | None = N
         raise CheckpointError(problem)
 
 
-def check_marker_and_meta(step_dir: Path) -> None:
+def check_marker_and_meta(step_dir: Location) -> None:
     """The cheap part of :func:`verify_checkpoint`: the marker and ``meta.json`` (a few kB),
     not the state's files. What the launcher reads before any worker starts; the workers
     verify every file."""
@@ -110,11 +108,11 @@ def check_marker_and_meta(step_dir: Path) -> None:
 
 
 def find_latest_valid(
-    root: Path, check: Callable[[Path], None] | None = None
-) -> tuple[Path | None, list[tuple[Path, str]]]:
+    root: Location, check: Callable[[Location], None] | None = None
+) -> tuple[Location | None, list[tuple[Location, str]]]:
     """The newest checkpoint that verifies, and the newer ones skipped with their reason.
     ``check``: what verifying is (default: :func:`verify_checkpoint`, every file)."""
-    skipped: list[tuple[Path, str]] = []
+    skipped: list[tuple[Location, str]] = []
     for _, path in list_step_dirs(root):
         try:
             (check or verify_checkpoint)(path)
@@ -125,24 +123,27 @@ def find_latest_valid(
     return None, skipped
 
 
-def remove_leftovers(root: Path) -> list[Path]:
+def remove_leftovers(root: Location) -> list[Location]:
     """Delete what interrupted saves and prunes left: temp folders and uncommitted ``step-N``
     folders. Call on rank 0 before anything else writes checkpoints."""
-    removed: list[Path] = []
+    removed: list[Location] = []
     if not root.is_dir():
         return removed
     for entry in root.iterdir():
         stale = entry.name.startswith(UNFINISHED_PREFIXES)
         uncommitted = step_of(entry.name) is not None and not (entry / MARKER).exists()
         if entry.is_dir() and (stale or uncommitted):
-            shutil.rmtree(entry, ignore_errors=True)
+            try:
+                remove_tree(entry)
+            except OSError:
+                continue  # a store that failed it: never counts, and the next start tries again
             removed.append(entry)
     if removed:
-        fsync_dir(root)
+        sync_folder(root)
     return removed
 
 
-def load_meta(step_dir: Path) -> dict[str, Any]:
+def load_meta(step_dir: Location) -> dict[str, Any]:
     try:
         return json.loads((step_dir / META).read_text())
     except FileNotFoundError:
@@ -179,7 +180,7 @@ class ShardedIndex:
         return bool(groups) and not any(_GROUP_PARAMS.fullmatch(key) for key in groups)
 
 
-def sharded_reader(step_dir: Path) -> SafeReader:
+def sharded_reader(step_dir: Location) -> SafeReader:
     """DCP's reader of the sharded state in ``step_dir``, as data only, which opens only the
     files in ``dcp/`` that the completion marker lists."""
     from dtrain.checkpoint.safe_dcp import SafeReader
@@ -191,7 +192,7 @@ def sharded_reader(step_dir: Path) -> SafeReader:
     )
 
 
-def sharded_index(step_dir: Path, reader: SafeReader | None = None) -> ShardedIndex:
+def sharded_index(step_dir: Location, reader: SafeReader | None = None) -> ShardedIndex:
     """What the sharded state in ``step_dir`` holds, from its metadata (checked: a crafted
     ``dcp/.metadata`` is one line naming it); ``reader``: one that read it already."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -207,7 +208,7 @@ def sharded_index(step_dir: Path, reader: SafeReader | None = None) -> ShardedIn
     return ShardedIndex(frozenset(metadata.state_dict_metadata), model)
 
 
-def load_sharded(step_dir: Path, template: dict[str, Any]) -> None:
+def load_sharded(step_dir: Location, template: dict[str, Any]) -> None:
     """Fill ``template`` (this rank's sharded state, at this world size) in place from the
     checkpoint, resharding as needed, as tensors and plain data only. Collective: every rank
     calls it (and each refuses a crafted file with the same line)."""
@@ -257,7 +258,9 @@ def first_problems(problems: list[str]) -> str:
     return "; ".join(problems[:8]) + (f"; ... {more} more" if more > 0 else "")
 
 
-def check_model_fits(expected: Mapping[str, Any], found: Mapping[str, Any], where: Path) -> None:
+def check_model_fits(
+    expected: Mapping[str, Any], found: Mapping[str, Any], where: Location
+) -> None:
     problems = state_dict_mismatches(expected, found)
     if problems:
         raise CheckpointError(

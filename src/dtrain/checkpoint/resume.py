@@ -19,7 +19,6 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint.hold import job_id
 from dtrain.checkpoint.layout import job_of, list_step_dirs
+from dtrain.checkpoint.store import Location, location
 from dtrain.checkpoint.verify import assign, verify_pieces
 from dtrain.checkpoint.write import Checkpointer
 from dtrain.comm.plain import broadcast_json
@@ -39,15 +39,15 @@ from dtrain.fault.watchdog import Watchdog
 
 @dataclass
 class ResumePoint:
-    path: Path
+    path: Location
     step: int
     world_size: int
     strategy: str | None = None  # the strategy that saved it (None: not recorded)
 
 
 def candidates(
-    cfg: Config, root: Path, log: Callable[[str], None], max_step: int | None = None
-) -> list[Path]:
+    cfg: Config, root: Location, log: Callable[[str], None], max_step: int | None = None
+) -> list[Location]:
     """Rank 0's list, newest first, of the checkpoints to try: every one (``auto``), none
     (``never``), or the one ``run.resume`` names -- after this job's own, when it has saved
     any since (a restart goes on from where the job got, not back to where it started); for
@@ -61,7 +61,7 @@ def candidates(
         return []
     if cfg.run.resume == "auto":
         return [path for _, path in found]
-    named = Path(cfg.run.resume)
+    named = location(cfg.run.resume)
     job = job_id()
     ours = [path for _, path in found if job and job_of(path) == job]
     return [path for path in ours if path.resolve() != named.resolve()] + [named]
@@ -99,7 +99,7 @@ def resolve_resume(
     named = max_step is None and cfg.run.resume not in ("auto", "never")
     words = PeerWords(watchdog)
     for index, text in enumerate(paths):
-        path = Path(text)
+        path = location(text)
         problem = verify_together(path, runtime, words, f"{nonce}/{index}")
         if problem is None:
             meta = ckread.load_meta(path)
@@ -114,7 +114,7 @@ def resolve_resume(
     return None
 
 
-def verify_together(path: Path, runtime: Runtime, words: PeerWords, key: str) -> str | None:
+def verify_together(path: Location, runtime: Runtime, words: PeerWords, key: str) -> str | None:
     """Collective: None when every rank's share of checkpoint ``path`` verifies, else what is
     wrong with it (every problem the ranks found, each naming its file)."""
     try:

@@ -2,12 +2,15 @@
 folder made by a different config (which keys may change is the config's rule,
 :mod:`dtrain.config.resume`), a checkpoint to resume from that does not exist, starting
 afresh over old checkpoints, a folder that cannot be written, a folder another job holds
-(:func:`held_run_dir`)."""
+(:func:`held_run_dir`). A run folder in an object store (``s3://bucket/prefix``) is probed with
+a write (:func:`check_store`): missing credentials, an endpoint that does not answer, a bucket
+that does not exist or cannot be written are one line each, before any worker starts."""
 
 from __future__ import annotations
 
 import os
 import socket
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,19 +18,28 @@ from pathlib import Path
 from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint.hold import JOB_ID_ENV, launch_config_path, say, take_hold
+from dtrain.checkpoint.store import (
+    Location,
+    NoConditionalWrites,
+    ObjectPath,
+    StoreError,
+    file_system,
+    location,
+    write_whole,
+)
 from dtrain.config import Config
 from dtrain.config.resume import check_resumed_config
 from dtrain.errors import CheckpointError, UserError
-from dtrain.fsutil import require_output_folder, write_atomic
+from dtrain.fsutil import local_run_dir, require_output_folder, scheme_of, write_atomic
 
 
-def check_resume_folder(resume: str, run_dir: str = "") -> Path:
+def check_resume_folder(resume: str, run_dir: str = "") -> Location:
     """The step folder ``run.resume`` names, when it is one that a run can start from (its
     marker and meta.json; the workers verify every file): a user error otherwise."""
-    path = Path(resume)
+    path = location(resume)
     if not path.exists():
         # run.resume is a path (from the working folder), not a name in run.dir's checkpoints/.
-        within = Path(run_dir) / "checkpoints" / path if run_dir else None
+        within = location(run_dir) / "checkpoints" / str(path) if run_dir else None
         hint = f": did you mean {within}?" if within is not None and within.is_dir() else ""
         raise CheckpointError(f"checkpoint folder {path} does not exist{hint}")
     root_given = path / "checkpoints" if (path / "checkpoints").is_dir() else path
@@ -43,10 +55,10 @@ def check_resume_folder(resume: str, run_dir: str = "") -> Path:
     return path
 
 
-def check_run_dir(cfg: Config, force: bool) -> Path | None:
+def check_run_dir(cfg: Config, force: bool) -> Location | None:
     """The checkpoint the run will resume from (None: a fresh start); raises a user error
     when the request does not fit what the folder holds."""
-    root = Path(cfg.run.dir) / "checkpoints"
+    root = location(cfg.run.dir) / "checkpoints"
     if cfg.run.resume == "never":
         if layout.committed_steps(root) and not force:
             raise UserError(
@@ -68,11 +80,80 @@ def check_run_dir(cfg: Config, force: bool) -> Path | None:
     return path
 
 
-def check_writable(run_dir: Path) -> None:
+def check_writable(run_dir: Location) -> None:
     """The run folder and its ``checkpoints/`` exist (made if need be) and take a file: a
     one-line user error otherwise (read-only, not ours, a file where a folder should be)."""
+    if isinstance(run_dir, ObjectPath):
+        check_store(run_dir)
+        return
     for folder in (run_dir, run_dir / "checkpoints"):
         require_output_folder(folder, f"run.dir {run_dir}", choose="run.dir")
+
+
+def check_store(run_dir: ObjectPath) -> None:
+    """A write probe of a run folder in an object store, with a conditional write (what the
+    hold rests on): a user error naming what is wrong and what to do. A store that takes a
+    second exclusive write of one key ignores the condition: said as a warning (the hold cannot
+    keep two jobs apart there)."""
+    label = f"run.dir {run_dir}"
+    if not run_dir.bucket:
+        raise UserError(f"{label}: no bucket named; give {run_dir.scheme}://BUCKET/PREFIX")
+    probe = run_dir / f".dtrain-write-check-{uuid.uuid4().hex}"
+    unguarded = (
+        f"warning: {label}: the {run_dir.store()} %s conditional writes, so the run folder's "
+        "hold cannot keep two jobs apart there: run one job per run.dir"
+    )
+    try:
+        try:
+            probe.create(b"")
+            try:
+                probe.create(b"")
+                say(unguarded % "ignores")
+            except FileExistsError:
+                pass
+        except NoConditionalWrites:
+            probe.write_bytes(b"")
+            say(unguarded % "does not implement")
+        probe.unlink(missing_ok=True)
+    except FileNotFoundError:
+        raise UserError(
+            f"{label}: the bucket {run_dir.bucket!r} does not exist in the {run_dir.store()}; "
+            "create it, or choose another run.dir"
+        ) from None
+    except StoreError as exc:
+        text = str(exc)
+        if "NoCredentialsError" in text or "PartialCredentials" in text:
+            raise UserError(
+                f"{label}: no credentials for the {run_dir.store()}: set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE with ~/.aws/credentials"
+            ) from None
+        if "EndpointConnectionError" in text or "ConnectTimeout" in text:
+            raise UserError(
+                f"{label}: the {run_dir.store()} does not answer; check AWS_ENDPOINT_URL_S3 "
+                "(or AWS_ENDPOINT_URL) and that the store runs"
+            ) from None
+        raise UserError(f"{label}: cannot write there: {text}") from None
+    except PermissionError as exc:
+        raise UserError(
+            f"{label}: the credentials may not write in bucket {run_dir.bucket!r} of the "
+            f"{run_dir.store()} ({exc}); use credentials that may, or another run.dir"
+        ) from None
+
+
+def check_scheme(run_dir: str) -> None:
+    """A URL run folder names a scheme fsspec knows and can open here: a user error
+    otherwise (naming the package to install)."""
+    scheme = scheme_of(run_dir)
+    if not scheme:
+        return
+    from fsspec.registry import known_implementations, registry
+
+    if scheme not in known_implementations and scheme not in registry:
+        raise UserError(
+            f"run.dir {run_dir}: unknown scheme {scheme}://; a run folder is a local path or "
+            "s3://bucket/prefix (other fsspec schemes: gs://, az://, ...)"
+        )
+    file_system(scheme)  # a missing package (s3fs) is one line naming the extra
 
 
 @contextmanager
@@ -81,14 +162,18 @@ def held_run_dir(cfg: Config, run_id: str, rdzv_endpoint: str) -> Iterator[Path]
     another live job holds it), and this launcher's config written where only its own workers
     read it (the machines of a job each have their own; the workers check that they agree).
     Yields that config file; on exit, removes it and releases the hold."""
-    run_dir = Path(cfg.run.dir)
+    check_scheme(cfg.run.dir)
+    run_dir = location(cfg.run.dir)
+    local = local_run_dir(cfg.run.dir, cfg.run.local_dir)
     check_writable(run_dir)
+    if local != Path(str(run_dir)):
+        require_output_folder(local, f"run.local_dir {local}", choose="run.local_dir")
     try:
-        hold = take_hold(run_dir, run_id, rdzv_endpoint)
+        hold = take_hold(run_dir, run_id, rdzv_endpoint, local_dir=local)
     except OSError as exc:
         raise UserError(f"run.dir {run_dir}: cannot take it for this job: {exc}") from None
     os.environ[JOB_ID_ENV] = hold.token  # the workers name their checkpoints' job with it
-    path = launch_config_path(run_dir, socket.gethostname(), os.getpid())
+    path = launch_config_path(local, socket.gethostname(), os.getpid())
     try:
         write_atomic(path, cfg.to_toml())
         yield path
@@ -101,7 +186,8 @@ def write_config_of_record(cfg: Config) -> None:
     """``RUN_DIR/config.toml``, the resolved config; a disk that cannot take it is a warning
     (the checkpoints hold the config too, in meta.json)."""
     try:
-        os.makedirs(cfg.run.dir, exist_ok=True)
-        write_atomic(os.path.join(cfg.run.dir, "config.toml"), cfg.to_toml())
+        run_dir = location(cfg.run.dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_whole(run_dir / "config.toml", cfg.to_toml())
     except OSError as exc:
         say(f"warning: cannot write {cfg.run.dir}/config.toml ({exc.strerror or exc})")

@@ -26,15 +26,25 @@ from dtrain.checkpoint.safe_load import (
     read_metadata,
     why_refused,
 )
+from dtrain.checkpoint.store import Location, ObjectPath
 from dtrain.errors import CheckpointError
 
 
 class SafeReader(FileSystemReader):
     """DCP's file reader for ``step_dir/dcp``, its metadata read by :func:`read_metadata`
-    (once: the reader keeps it)."""
+    (once: the reader keeps it). In an object store it reads through fsspec, as torch's
+    ``FsspecReader`` does, with the store's own file system."""
 
-    def __init__(self, step_dir: Path, listed: Collection[str]) -> None:
-        super().__init__(str(step_dir / SHARDED_DIR))
+    def __init__(self, step_dir: Location, listed: Collection[str]) -> None:
+        folder = step_dir / SHARDED_DIR
+        super().__init__(str(folder) if isinstance(folder, Path) else "")
+        if isinstance(folder, ObjectPath):
+            from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
+
+            store_fs: Any = FileSystem()
+            store_fs.fs = folder.fs
+            self.fs = store_fs
+            self.path = str(folder)
         self.step_dir = step_dir
         self.listed = frozenset(listed)
         self._metadata: Metadata | None = None

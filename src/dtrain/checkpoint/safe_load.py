@@ -20,6 +20,7 @@ DTensor: the launcher and the replicated strategies read whole files only.)
 
 from __future__ import annotations
 
+import io
 import pickle
 import re
 from collections.abc import Collection
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dtrain.checkpoint.layout import SHARDED_DIR
+from dtrain.checkpoint.store import Location, open_read
 from dtrain.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -70,13 +72,15 @@ _TORCH_CONSTANT_NAMES = frozenset(
 # Whole files
 
 
-def torch_load(path: Path) -> Any:
+def torch_load(path: Location) -> Any:
     """``path`` as tensors (on the CPU) and plain data; a ``pickle.UnpicklingError`` for
-    anything else (:func:`why_refused` says what in one line)."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+    anything else (:func:`why_refused` says what in one line). A store's file is read whole
+    first (one request, rather than one per record of the archive)."""
+    source: Any = path if isinstance(path, Path) else io.BytesIO(path.read_bytes())
+    return torch.load(source, map_location="cpu", weights_only=True)
 
 
-def load_file(step_dir: Path, name: str) -> Any:
+def load_file(step_dir: Location, name: str) -> Any:
     """The checkpoint file ``name`` of ``step_dir``, as tensors and plain data."""
     path = step_dir / name
     try:
@@ -136,7 +140,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise _Refused(f"{module}.{name}")
 
 
-def read_metadata(step_dir: Path, listed: Collection[str]) -> Metadata:
+def read_metadata(step_dir: Location, listed: Collection[str]) -> Metadata:
     """``dcp/.metadata`` of ``step_dir``, checked: a :class:`CheckpointError` naming it where it
     holds anything but DCP's metadata, or names a file outside ``listed`` (the names in ``dcp/``
     that the completion marker lists)."""
@@ -144,7 +148,7 @@ def read_metadata(step_dir: Path, listed: Collection[str]) -> Metadata:
     if METADATA_FILE not in listed:
         raise CheckpointError(f"{shown} is not a file the completion marker lists")
     try:
-        with open(step_dir / SHARDED_DIR / METADATA_FILE, "rb") as fh:
+        with open_read(step_dir / SHARDED_DIR / METADATA_FILE) as fh:
             metadata = _MetadataUnpickler(fh).load()
     except FileNotFoundError:
         raise CheckpointError(f"{shown} is missing") from None

@@ -11,12 +11,13 @@ checkpoint stays the newest.
 from __future__ import annotations
 
 import errno
-import os
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from dtrain.checkpoint import store
+from dtrain.checkpoint.store import Location
 
 # What torch.save adds to a file beyond its tensors' bytes (the pickled structure, the zip
 # records) is small; a rank is only refused at once when its tensors alone cannot fit.
@@ -54,10 +55,10 @@ def _storages(obj: Any, seen: dict[int, int]) -> None:
         seen[id(obj)] = len(obj)
 
 
-def free_bytes(folder: Path) -> int:
-    """Bytes an unprivileged writer may still use on ``folder``'s filesystem."""
-    stats = os.statvfs(folder)
-    return int(stats.f_bavail * stats.f_frsize)
+def free_bytes(folder: Location) -> int | None:
+    """Bytes an unprivileged writer may still use on ``folder``'s filesystem (None: an object
+    store's, which has no disk dtrain can see)."""
+    return store.free_bytes(folder)
 
 
 def format_size(size: float) -> str:
@@ -67,10 +68,11 @@ def format_size(size: float) -> str:
     return f"{size:.0f} B"
 
 
-def words(folder: Path, need: int) -> str:
+def words(folder: Location, need: int) -> str:
     """A full disk, in words: where, what was needed, what is free."""
     try:
-        free = format_size(free_bytes(folder))
+        room = free_bytes(folder)
+        free = "an unknown amount" if room is None else format_size(room)
     except OSError:
         free = "an unknown amount"
     return (
@@ -79,9 +81,10 @@ def words(folder: Path, need: int) -> str:
     )
 
 
-def check_room(folder: Path, need: int) -> None:
+def check_room(folder: Location, need: int) -> None:
     """Raise :class:`DiskFull` when ``need`` bytes cannot fit on ``folder``'s disk."""
-    if need > free_bytes(folder):
+    room = free_bytes(folder)
+    if room is not None and need > room:
         raise DiskFull(words(folder, need))
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from dtrain.checkpoint import layout
+from dtrain.checkpoint.store import Location, ObjectPath, location, open_write
 
 
 def nothing() -> None:
@@ -68,13 +69,15 @@ class HashingWriter:
     """A file opened for writing whose bytes are hashed, piece by piece, as they are written.
     What ``torch.save`` and DCP's writer call on a stream: ``write``, ``flush``, ``tell``,
     ``fileno``, ``close``. ``on_progress`` is called after each piece written (a file may be
-    GBs); :meth:`finish` syncs the file to its storage and gives its marker entry."""
+    GBs); :meth:`finish` syncs the file to its storage and gives its marker entry. In an object
+    store the file is a multipart upload, sent part by part as it is written, complete (and
+    visible) once closed."""
 
-    def __init__(self, path: Path | str, on_progress: Callable[[], None] | None = None) -> None:
-        self.path = Path(path)
+    def __init__(self, path: Location | str, on_progress: Callable[[], None] | None = None) -> None:
+        self.path = location(path)
         # Buffered: torch writes each record's small header apart from its data; the data,
         # larger than the buffer, goes to the file directly.
-        self._fh = open(self.path, "wb")  # noqa: SIM115 (closed by close/finish)
+        self._fh, self._sync = open_write(self.path)
         self.hasher = PieceHasher()
         self._on_progress = on_progress or nothing
         self._marked = 0  # pieces written when progress was last marked
@@ -119,7 +122,7 @@ class HashingWriter:
         marker entry."""
         if not self._fh.closed:
             self._fh.flush()
-            os.fsync(self._fh.fileno())
+            self._sync(self._fh)
             self._fh.close()
         self._on_progress()
         return file_entry(self.hasher)
@@ -137,7 +140,7 @@ class HashingWriter:
 
 
 def write_file(
-    path: Path, obj: Any, on_progress: Callable[[], None] | None = None
+    path: Location, obj: Any, on_progress: Callable[[], None] | None = None
 ) -> dict[str, Any]:
     """Write ``obj`` (bytes as they are, anything else through ``torch.save``) to ``path``,
     synced to its storage; its marker entry."""
@@ -149,25 +152,39 @@ def write_file(
         return out.finish()
 
 
-def hashing_file_system(records: dict[str, dict[str, Any]], on_progress: Callable[[], None]) -> Any:
-    """A DCP file system (for ``FileSystemWriter.fs``) whose written files are hashed as they
-    are written: ``records`` gets each file's marker entry under its final path."""
-    from torch.distributed.checkpoint.filesystem import FileSystem
+def hashing_file_system(
+    records: dict[str, dict[str, Any]], on_progress: Callable[[], None], folder: Location
+) -> Any:
+    """A DCP file system (for ``FileSystemWriter.fs``) for ``folder`` (local, or a store's,
+    through fsspec) whose written files are hashed as they are written: ``records`` gets each
+    file's marker entry under its final path."""
+    base: Any
+    if isinstance(folder, ObjectPath):
+        from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as base
+    else:
+        from torch.distributed.checkpoint.filesystem import FileSystem as base
 
-    class HashingFileSystem(FileSystem):
+    class HashingFileSystem(base):  # type: ignore[misc]
         @contextmanager
         def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
             if "w" not in mode:
                 with super().create_stream(path, mode) as stream:
                     yield stream
                 return
-            with HashingWriter(Path(path), on_progress) as out:
+            where = folder / Path(path).name if isinstance(folder, ObjectPath) else Path(path)
+            with HashingWriter(where, on_progress) as out:
                 yield out
                 records[str(path)] = out.finish()
 
         def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
-            super().rename(path, new_path)
+            if isinstance(folder, ObjectPath):  # DCP's .metadata.tmp: no multi-object delete
+                (folder / Path(path).name).rename_to(folder / Path(new_path).name)
+            else:
+                super().rename(path, new_path)
             if str(path) in records:
                 records[str(new_path)] = records.pop(str(path))
 
-    return HashingFileSystem()
+    hashing = HashingFileSystem()
+    if isinstance(folder, ObjectPath):
+        hashing.fs = folder.fs  # the store's own, which caches no listing
+    return hashing

@@ -20,10 +20,10 @@ import heapq
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from dtrain.checkpoint.layout import MARKER, SHARDED_DIR
+from dtrain.checkpoint.store import Location, open_read
 from dtrain.fault.failpoints import failpoint
 
 # Bytes read and hashed between two progress marks.
@@ -102,7 +102,7 @@ def assign(marker: dict[str, Any], world_size: int) -> list[list[Piece]]:
 
 
 def verify_pieces(
-    step_dir: Path, pieces: Iterable[Piece], on_progress: Callable[[], None] | None = None
+    step_dir: Location, pieces: Iterable[Piece], on_progress: Callable[[], None] | None = None
 ) -> str | None:
     """Check ``pieces`` of the checkpoint in ``step_dir``: None, or the first problem, naming
     the file (missing, of another size, or failing its checksum). ``on_progress`` is called
@@ -127,11 +127,11 @@ def verify_pieces(
 
 
 def _hash_range(
-    path: Path, start: int, length: int, buffer: bytearray, tick: Callable[[], None]
+    path: Location, start: int, length: int, buffer: bytearray, tick: Callable[[], None]
 ) -> str:
     digest = hashlib.sha256()
     view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as fh:
+    with open_read(path) as fh:
         fh.seek(start)
         left = length
         while left > 0:

@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-import shutil
 import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import KW_ONLY, asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,11 +53,20 @@ from dtrain.checkpoint.layout import (
     marker_digest,
     step_dir_name,
 )
+from dtrain.checkpoint.store import (
+    Location,
+    ObjectPath,
+    move_into_place,
+    remove_tree,
+    set_aside,
+    staging_folder,
+    sync_folder,
+    write_whole,
+)
 from dtrain.checkpoint.stream import hashing_file_system, nothing, write_file
 from dtrain.comm.plain import broadcast_json, gather_json
 from dtrain.errors import CheckpointError
 from dtrain.fault.failpoints import failpoint
-from dtrain.fsutil import fsync_dir, write_atomic
 
 
 def snapshot(obj: Any, reuse: Any = None) -> Any:
@@ -148,7 +156,7 @@ class Checkpointer:
     thread only counts them: a thread working beside the training thread must not vouch for
     it, which may be hung meanwhile."""
 
-    root: Path
+    root: Location
     _: KW_ONLY
     rank: int
     world_size: int
@@ -265,11 +273,16 @@ class Checkpointer:
         """Write, gather, commit: on the training thread for a blocking save, else on the
         background writer's (``on_progress``: what each piece done calls, on that thread)."""
         started = time.perf_counter()
-        tmp = self.root / f".tmp-{step_dir_name(step)}"
+        tmp = staging_folder(self.root, step_dir_name(step))
         outcome = _Outcome()
         meta_text = json.dumps(meta, indent=1, sort_keys=True).encode() if meta else b""
         need = space.state_bytes(files) + space.state_bytes(sharded) + len(meta_text)
         try:
+            if self.rank == 0:
+                # A store's save writes into step-N itself: a marker there from another
+                # trajectory's save of this step goes first (until the new one is written,
+                # the folder does not count; a piece read meanwhile fails its checksum).
+                (tmp / MARKER).unlink(missing_ok=True)
             tmp.mkdir(parents=True, exist_ok=True)
             failpoint("checkpoint.write", step=step)
             space.check_room(self.root, need)
@@ -304,7 +317,9 @@ class Checkpointer:
             self._prune_after(step)
         self.write_seconds.append(time.perf_counter() - started)
 
-    def _why_not_written(self, error: BaseException, tmp: Path, need: int, names: list[str]) -> str:
+    def _why_not_written(
+        self, error: BaseException, tmp: Location, need: int, names: list[str]
+    ) -> str:
         """This rank's failure to write its files (``names``, and its DCP shards), in words. A
         full disk names the folder, what this rank's files need and what is free once its
         partial files are gone."""
@@ -321,23 +336,32 @@ class Checkpointer:
         return f"rank {self.rank}: {type(error).__name__}: {error}"
 
     def _newest_kept(self) -> str:
-        steps = committed_steps(self.root)
+        try:
+            steps = committed_steps(self.root)
+        except OSError:  # a store that stopped answering: the failure above says so
+            return ""
         if not steps:
             return " (no earlier checkpoint exists)"
         return f"; the newest checkpoint is still {step_dir_name(steps[0])}"
 
     def _write_sharded(
-        self, tmp: Path, state: dict[str, Any], on_progress: Callable[[], None]
+        self, tmp: Location, state: dict[str, Any], on_progress: Callable[[], None]
     ) -> dict[str, dict[str, Any]]:
         """Every rank writes its shards with DCP (coordinated over the side group), each file
         hashed as it is written; returns the files this rank wrote, with their marker entries."""
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
         from torch.distributed.checkpoint.filesystem import FileSystemWriter
         from torch.distributed.checkpoint.state_dict_saver import save
 
         folder = tmp / SHARDED_DIR
         records: dict[str, dict[str, Any]] = {}
-        writer = FileSystemWriter(str(folder), sync_files=True)
-        writer.fs = hashing_file_system(records, on_progress)
+        # A store's file is durable once its upload completes (closed): nothing to fsync.
+        writer = (
+            FsspecWriter(str(folder), sync_files=False)
+            if isinstance(folder, ObjectPath)
+            else FileSystemWriter(str(folder), sync_files=True)
+        )
+        writer.fs = hashing_file_system(records, on_progress, folder)
         save(
             state,
             # One writer thread (the default): DCP writes on the thread that called it, so the
@@ -374,25 +398,26 @@ class Checkpointer:
             return f"checkpoint {step_dir_name(step)} was not committed: {why}"
         return str(word)
 
-    def _commit(self, step: int, tmp: Path, outcomes: list[_Outcome]) -> None:
+    def _commit(self, step: int, tmp: Location, outcomes: list[_Outcome]) -> None:
         failures = [o.error for o in outcomes if o.error]
         if failures:
-            shutil.rmtree(tmp, ignore_errors=True)
+            with suppress(OSError):  # a store that stopped answering: removed at the next start
+                remove_tree(tmp)
+
             raise CheckpointError("; ".join(failures))
         listing: dict[str, dict[str, Any]] = {}
         for o in outcomes:
             listing.update(o.files)
         failpoint("checkpoint.before_rename", step=step)
         final = self.root / step_dir_name(step)
-        if final.exists():
+        if final != tmp and final.exists():
             # An older save of this step from another trajectory: one that resume skipped as
             # corrupted, or one from before a NaN rollback or a --resume of an earlier step.
             # This save holds the state the run has now, so it replaces the old one (keeping
             # the old one would leave a corrupted or stale checkpoint as "latest").
             self._discard(final)
         self._jobs.pop(step, None)
-        os.replace(tmp, final)
-        fsync_dir(self.root)
+        move_into_place(tmp, final)  # a store's save wrote into final: no rename
         try:
             failpoint("checkpoint.before_marker", step=step)
             marker = {
@@ -402,10 +427,11 @@ class Checkpointer:
                 "committed": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             }
             marker["marker_sha256"] = marker_digest(marker)
-            write_atomic(final / MARKER, json.dumps(marker, indent=1, sort_keys=True))
+            # Written last, whole or not at all: the commit.
+            write_whole(final / MARKER, json.dumps(marker, indent=1, sort_keys=True))
         except BaseException:
             # Not committed: its space goes back (a full disk is the likeliest cause).
-            shutil.rmtree(final, ignore_errors=True)
+            remove_tree(final)
             raise
         self._ours = [s for s in self._ours if s != step] + [step]
 
@@ -465,13 +491,9 @@ class Checkpointer:
             removed.append(step)
         return removed
 
-    def _discard(self, folder: Path) -> None:
+    def _discard(self, folder: Location) -> None:
         """Delete a checkpoint folder, uncommitting it first, so that an interruption never
         leaves a half-deleted folder that looks whole."""
         (folder / MARKER).unlink(missing_ok=True)
-        fsync_dir(folder)
-        trash = self.root / f".trash-{folder.name}"
-        if trash.exists():
-            shutil.rmtree(trash, ignore_errors=True)
-        os.replace(folder, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+        sync_folder(folder)
+        remove_tree(set_aside(folder, self.root / f".trash-{folder.name}"))

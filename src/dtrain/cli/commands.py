@@ -119,32 +119,39 @@ def options_markdown() -> str:
 def cmd_report(args: argparse.Namespace) -> int:
     from dtrain.metrics.traces import list_traces
     from dtrain.report import write_report
+    from dtrain.report.stored import readable_runs
 
     out = Path(args.out) if args.out else None
     if args.to_trackers and len(args.run_dirs) != 1:
         raise UserError("--to-trackers sends one run's report to its trackers: give one RUN_DIR")
-    page = write_report([Path(d) for d in args.run_dirs], out)
-    print(f"wrote {page}")
-    for run_dir in args.run_dirs:  # train.profile's traces, to open in Perfetto
-        for trace in list_traces(Path(run_dir)):
-            print(f"trace of steps {trace.steps}, rank {trace.rank}: {trace.path}")
-    if args.to_trackers:
-        from dtrain.metrics.trackers.report_files import send_report
+    if out is None and any("://" in d for d in args.run_dirs):
+        out = Path("report")  # not into the temporary copy of a store's run folder
+    with readable_runs(args.run_dirs) as run_dirs:
+        page = write_report(run_dirs, out)
+        print(f"wrote {page}")
+        for run_dir in run_dirs:  # train.profile's traces, to open in Perfetto
+            for trace in list_traces(run_dir):
+                print(f"trace of steps {trace.steps}, rank {trace.rank}: {trace.path}")
+        if args.to_trackers:
+            from dtrain.metrics.trackers.report_files import send_report
 
-        files = [*sorted(page.parent.glob("*.png")), page]
-        sent, failed = send_report(Path(args.run_dirs[0]), files)
-        for line in sent:
-            print(line)
-        for line in failed:
-            print(f"dtrain report: warning: {line}", file=sys.stderr)
-        return 1 if failed else 0
+            files = [*sorted(page.parent.glob("*.png")), page]
+            sent, failed = send_report(run_dirs[0], files)
+            for line in sent:
+                print(line)
+            for line in failed:
+                print(f"dtrain report: warning: {line}", file=sys.stderr)
+            return 1 if failed else 0
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     from dtrain.report.status import run_status
+    from dtrain.report.stored import readable_runs
 
-    print(run_status(Path(args.run_dir)))
+    with readable_runs([args.run_dir], live=True) as (run_dir,):
+        # A store's run folder is read from a copy, named as the user named it.
+        print(run_status(run_dir).replace(str(run_dir), args.run_dir))
     return 0
 
 

@@ -4,7 +4,6 @@ checks before any worker starts (:mod:`dtrain.checkpoint.rundir` reads the check
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from dtrain.config.load import tomllib
@@ -14,6 +13,7 @@ from dtrain.errors import ConfigError
 # Keys a resumed run may change without changing what is being trained.
 SAFE_TO_CHANGE = (
     "run.dir",
+    "run.local_dir",  # where this machine keeps its liveness and logs
     "run.resume",
     "run.init_from",  # the weights of step 0: a resumed run loads its checkpoint
     "train.steps",
@@ -55,7 +55,7 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
     return diffs
 
 
-def check_resumed_config(saved_toml: str, cfg: Config, where: Path) -> None:
+def check_resumed_config(saved_toml: str, cfg: Config, where: object) -> None:
     """A one-line error where ``cfg`` changes a key of the config the checkpoint at ``where``
     was made with (``saved_toml``, its text; unreadable: every key differs)."""
     try:

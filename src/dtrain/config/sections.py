@@ -32,7 +32,13 @@ def option(
 class RunConfig:
     dir: str = option(
         "",
-        "run folder; empty = runs/<run id>, or runs/<date-time> without one. Resumed if it exists",
+        "run folder; empty = runs/<run id>, or runs/<date-time> without one. Resumed if it "
+        "exists. s3://bucket/prefix: checkpoints in an object store (docs/multi-host.md)",
+    )
+    local_dir: str = option(
+        "",
+        "with run.dir in an object store: this machine's folder for liveness, logs and "
+        "metrics as they grow; empty = ~/.cache/dtrain/runs/<scheme>/<bucket>/<prefix>",
     )
     task: str = option("dtrain.tasks.gpt:build", "task factory 'package.module:function'")
     script: str = option(

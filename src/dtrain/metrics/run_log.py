@@ -10,12 +10,12 @@ since the last line); rank 0 writes, and the others only count and warn.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 from dtrain.config import Config
 from dtrain.dist.runtime import Runtime
 from dtrain.fault.status import RunStatus, write_status
+from dtrain.fsutil import local_run_dir
 from dtrain.metrics import records
 from dtrain.metrics.hardware import describe, memory_kind
 from dtrain.metrics.records import Record
@@ -37,7 +37,7 @@ class RunLog:
         self.runtime = runtime
         self.strategy = strategy
         self.item_name = item_name
-        self.run_dir = Path(cfg.run.dir)
+        self.run_dir = local_run_dir(cfg.run.dir, cfg.run.local_dir)  # this machine's
         self.is_main = runtime.is_main
         self.progress: Progress | None = None
         self.metrics: Sinks | None = None  # rank 0's, from open() on
@@ -48,6 +48,12 @@ class RunLog:
         self.param_bytes = strategy.parameter_bytes()
         # A sharded strategy's counters cover only part of its communication: not reported.
         self.comm_counted = not strategy.capabilities.sharded_state
+
+    def where(self) -> str:
+        """The run folder, and this machine's folder where the run folder is in a store."""
+        if str(self.run_dir) == self.cfg.run.dir:
+            return self.cfg.run.dir
+        return f"{self.cfg.run.dir} (this machine's records: {self.run_dir})"
 
     # -- lines ---------------------------------------------------------------------------
 
@@ -122,7 +128,7 @@ class RunLog:
             where = f"healed from member {membership['healed_from']}'s memory"
         self.log(
             f"dtrain: training {self.strategy.name} on {self.runtime.world_size} "
-            f"rank(s), {self.runtime.device.type}, {where}; run folder {self.run_dir}"
+            f"rank(s), {self.runtime.device.type}, {where}; run folder {self.where()}"
         )
 
     def event(self, name: str, step: int, **fields: Any) -> None:

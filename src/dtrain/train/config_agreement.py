@@ -26,7 +26,7 @@ from dtrain.errors import ConfigError
 
 # Where each machine reaches the shared run folder (a shared disk may be mounted at another
 # path on each) and each machine's own loader settings.
-PER_HOST = ("run.dir", "data.num_workers", "data.prefetch")
+PER_HOST = ("run.dir", "run.local_dir", "data.num_workers", "data.prefetch")
 
 
 def shared_part(cfg: Config) -> dict[str, Any]:

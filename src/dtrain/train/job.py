@@ -32,6 +32,7 @@ from dtrain.comm.plain import broadcast_json
 from dtrain.config import Config
 from dtrain.config.load import apply_overrides, build_config, read_toml
 from dtrain.dist.runtime import Runtime, init_runtime
+from dtrain.fsutil import local_run_dir
 from dtrain.task import Task, build_task, resolve_task, task_config_class
 from dtrain.train.config_agreement import agree_on_config
 from dtrain.weights.adapters import load_adapter_into
@@ -115,7 +116,8 @@ def wire_task(cfg: Config, task: Task, runtime: Runtime) -> Trainer:
     if cfg.run.init_adapter:  # a PEFT model's adapter, over its base
         load_adapter_into(task.model, cfg.run.init_adapter)
     if runtime.is_main:
-        save_model_config(task.model, Path(cfg.run.dir))
+        # Into this machine's folder; a store's run folder gets a copy with the records.
+        save_model_config(task.model, local_run_dir(cfg.run.dir, cfg.run.local_dir))
     from dtrain.train.wiring import wire_trainer  # the worker's loop: not the CLI's import
 
     return wire_trainer(cfg, task, runtime)

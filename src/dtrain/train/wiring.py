@@ -5,12 +5,12 @@ to read how a run is put together)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from dtrain.balance.balancer import LoadBalancer
 from dtrain.balance.timing import StepTimer
 from dtrain.checkpoint.state import TrainingState
+from dtrain.checkpoint.store import location
 from dtrain.checkpoint.write import Checkpointer
 from dtrain.comm.plain import all_gather_json
 from dtrain.compute.precision import LossScaler
@@ -19,6 +19,7 @@ from dtrain.data.build import build_train_loader, check_task_data
 from dtrain.dist.runtime import Runtime
 from dtrain.errors import UserError
 from dtrain.fault.watchdog import Watchdog
+from dtrain.fsutil import local_run_dir
 from dtrain.metrics import records
 from dtrain.metrics.run_log import RunLog
 from dtrain.metrics.tensorboard import check_available as check_tensorboard
@@ -88,7 +89,7 @@ def wire_trainer(cfg: Config, task: Task, runtime: Runtime) -> Trainer:
     # loss_scaler: from a run in another precision (the scale starts afresh).
     optional = frozenset({"loss_scaler"})
     state = TrainingState(strategy, optimizer, parts, runtime, cfg, optional)
-    run_dir = Path(cfg.run.dir)
+    run_dir = local_run_dir(cfg.run.dir, cfg.run.local_dir)  # this machine's
     watchdog = Watchdog(
         runtime.rank,
         runtime.world_size,
@@ -100,7 +101,7 @@ def wire_trainer(cfg: Config, task: Task, runtime: Runtime) -> Trainer:
         stats=lambda: records.beat_stats(timer.last, task.item_name, runtime.device),
     )
     checkpointer = Checkpointer(
-        run_dir / "checkpoints",
+        location(cfg.run.dir) / "checkpoints",
         rank=runtime.rank,
         world_size=runtime.world_size,
         keep_last=cfg.checkpoint.keep_last,

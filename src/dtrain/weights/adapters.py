@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from dtrain.checkpoint.read import first_problems, state_dict_mismatches
+from dtrain.checkpoint.store import Location
 from dtrain.errors import CheckpointError, UserError
 from dtrain.parallel.frozen import frozen_names, is_peft_model
 from dtrain.weights.init_from import read_safetensors
@@ -172,6 +173,6 @@ def load_adapters(model: nn.Module, state: Mapping[str, torch.Tensor], where: st
     model.load_state_dict(dict(state), strict=False)
 
 
-def is_peft_run(config_dir: Path) -> bool:
+def is_peft_run(config_dir: Location) -> bool:
     """Whether the run whose configs are in ``config_dir`` trained a PEFT model."""
     return (config_dir / ADAPTER_CONFIG).is_file()

@@ -24,11 +24,12 @@ from typing import Any
 import torch
 
 from dtrain.checkpoint.consolidate import Consolidated, consolidate, find_checkpoint
+from dtrain.checkpoint.store import Location, local_copy, location
 from dtrain.errors import UserError
 from dtrain.fsutil import follow_umask, fsync_dir, require_output_folder
 from dtrain.weights.adapters import is_peft_run, load_adapters, require_peft
 from dtrain.weights.init_from import load_base_into
-from dtrain.weights.model_config import hf_config_dir
+from dtrain.weights.model_config import HF_CONFIG_DIR
 
 FORMATS = ("safetensors", "torch", "hf")
 
@@ -45,7 +46,7 @@ def export(
     exported. A PEFT run's ``hf`` folder is its adapter, or with ``merge`` the base (from
     ``base``, else the run's ``run.init_from``) with the adapter merged in
     (:mod:`dtrain.weights.adapters`)."""
-    run_dir, out = Path(run_dir), Path(out)
+    source, out = location(run_dir), Path(out)
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
     if (merge or base) and fmt != "hf":
@@ -55,9 +56,9 @@ def export(
         raise UserError("--base names the weights --merge merges the adapter into: add --merge")
     if out.exists():
         raise UserError(f"{out} already exists: choose another output path, or remove it first")
-    step_dir = find_checkpoint(run_dir, step)
+    step_dir = find_checkpoint(source, step)
     require_output_folder(out.parent, f"OUT {out}")
-    config_dir = hf_config_dir(step_dir.parent.parent)
+    config_dir = step_dir.parent.parent / HF_CONFIG_DIR  # RUN_DIR/hf_config
     peft_run = is_peft_run(config_dir)
     if merge and not peft_run:
         raise UserError(
@@ -81,11 +82,13 @@ def export(
             # file's name up to its first dot, and refuses ".tmp-NAME" (nothing before it).
             with open(partial, "wb") as fh:
                 torch.save(model.state, fh)
-        elif peft_run:
-            base_path = merge_base(step_dir, base) if merge else None
-            write_adapter_folder(model.state, config_dir, partial, base_path)
         else:
-            write_pretrained(model.state, config_dir, partial)
+            base_path = merge_base(step_dir, base) if peft_run and merge else None
+            with local_copy(config_dir) as config_copy:  # transformers reads a local folder
+                if peft_run:
+                    write_adapter_folder(model.state, config_copy, partial, base_path)
+                else:
+                    write_pretrained(model.state, config_copy, partial)
         # Before the rename, so that OUT never shows the writer's own modes (safetensors:
         # 0600 whatever the umask; save_pretrained's folder holds such a file too).
         follow_umask(partial)
@@ -184,7 +187,7 @@ def build_peft_model(config_dir: Path, base: dict[str, torch.Tensor] | None) -> 
     return peft_model
 
 
-def merge_base(step_dir: Path, base: str | None) -> str:
+def merge_base(step_dir: Location, base: str | None) -> str:
     """The base weights ``--merge`` merges into: ``--base``, else the run's ``run.init_from``
     (the checkpoint holds the adapters only: its base is frozen and not saved)."""
     if base:

@@ -8,7 +8,6 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,6 +15,7 @@ import torch
 from dtrain.balance.balancer import LoadBalancer, Outcome, loader_weights
 from dtrain.checkpoint import layout
 from dtrain.checkpoint import state as training_state
+from dtrain.checkpoint.publish import publish_records
 from dtrain.checkpoint.resume import ResumePoint, resolve_resume
 from dtrain.checkpoint.rng import rank_seed, seed_everything
 from dtrain.checkpoint.write import Checkpointer
@@ -28,6 +28,7 @@ from dtrain.fault.audit import AuditWriter
 from dtrain.fault.failpoints import failpoint
 from dtrain.fault.preempt import PreemptionFlag
 from dtrain.fault.watchdog import Watchdog
+from dtrain.fsutil import local_run_dir
 from dtrain.metrics.run_log import RunLog
 from dtrain.metrics.summary import LossWindow, Summary
 from dtrain.parallel.base import Strategy
@@ -77,7 +78,8 @@ class Trainer:
         profiler: StepProfiler,
     ) -> None:
         self.cfg, self.task, self.runtime = cfg, task, runtime
-        self.run_dir, self.is_main = Path(cfg.run.dir), runtime.is_main
+        # This machine's folder (the run folder, or its local one where that is in a store).
+        self.run_dir, self.is_main = local_run_dir(cfg.run.dir, cfg.run.local_dir), runtime.is_main
         self.strategy, self.run_log = strategy, run_log
         self.optimizer, self.scheduler, self.loader = optimizer, scheduler, loader
         self.balance, self.scaler, self.forward_backward = balance, scaler, forward_backward
@@ -118,6 +120,16 @@ class Trainer:
             training_state.save(self.state, self.checkpointer, self.step, blocking=blocking)
         blocked = self.checkpointer.blocking_seconds[-1]
         self.run_log.event("checkpoint", self.step, blocked_s=blocked, async_save=not blocking)
+        self.publish_records()
+
+    def publish_records(self) -> None:
+        """Rank 0: the run's records uploaded to a run folder in a store (nothing where it is
+        local); a store that fails it costs a warning, not the run (the next one retries)."""
+        if self.is_main:
+            try:
+                publish_records(self.cfg.run.dir, self.cfg.run.local_dir)
+            except OSError as exc:
+                self.warn(f"the run's records were not uploaded: {exc}")
 
     def resume(self) -> ResumePoint | None:
         """Load the checkpoint ``run.resume`` asks for, if any; then every RNG either holds
@@ -413,7 +425,7 @@ class Trainer:
         summary.train_loss = last_loss
         summary.skipped_steps = self.counters.skipped_steps
         summary.rollbacks = self.counters.rollbacks
-        summary.checkpoint = str(self.run_dir / "checkpoints" / layout.step_dir_name(self.step))
+        summary.checkpoint = str(self.checkpointer.root / layout.step_dir_name(self.step))
         summary.wall_s = time.perf_counter() - started
         summary.items = self.counters.items_seen
         if self.run_log.comm_counted:
@@ -429,13 +441,13 @@ class Trainer:
         after-training hook runs, as at the end of any run: a restart after the hook failed
         runs it again, as it did before this path existed."""
         self.log(
-            f"the run in {self.run_dir} already finished at step {self.step} "
+            f"the run in {self.cfg.run.dir} already finished at step {self.step} "
             f"(train.steps = {self.cfg.train.steps}): nothing to train; raise train.steps to "
             "train it further, or give another run.dir for a new run"
         )
         summary.finished_before = True
         summary.steps = self.step
-        summary.checkpoint = str(self.run_dir / "checkpoints" / layout.step_dir_name(self.step))
+        summary.checkpoint = str(self.checkpointer.root / layout.step_dir_name(self.step))
         self._after_training(summary)
         summary.wall_s = time.perf_counter() - started
         self._end(summary)  # the status 'completed'; no sinks were opened
@@ -446,6 +458,7 @@ class Trainer:
         """The loader closed, the run's summary recorded, every rank at the end together."""
         self.loader.close()
         self.run_log.finish(summary, self.step)
+        self.publish_records()  # the final status and summary record
         with self.phase("barrier(end)"):
             barrier()
 

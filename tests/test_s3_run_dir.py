@@ -1,0 +1,324 @@
+"""A run folder in an object store (``run.dir = "s3://bucket/prefix"``, docs/multi-host.md),
+against moto's S3 server started here. The runs are real ``dtrain train`` launches (2 ranks);
+the store's endpoint and the fake credentials are in their environment only, and the test
+reads the bucket with a client of its own, given them explicitly.
+
+``make test-s3`` runs the same tests against OpenStack Swift's S3 API (``scripts/s3.sh up``),
+given to them as ``DTRAIN_TEST_S3_ENDPOINT`` (with Swift's test account).
+
+The default suite saves, prunes, verifies and loads checkpoints in the store in this process
+(whole files and DCP's sharded state), and checks the refusals of bad stores. The journey
+(``slow``: about a minute on 2 busy cores; ``make test-s3``) is made once for the module: a
+local run, and the same run in the store whose rank 1 is killed (SIGKILL) at step 5 and
+restarted (``--max-restarts 1``); then ``dtrain export`` of both and ``dtrain status`` of the
+store's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dtrain.checkpoint import read as ckread
+from dtrain.checkpoint.hold import take_hold
+from dtrain.checkpoint.layout import committed_steps
+from dtrain.checkpoint.rundir import check_scheme, check_store
+from dtrain.checkpoint.store import ObjectPath
+from dtrain.checkpoint.write import Checkpointer
+from dtrain.errors import CheckpointError, UserError
+from tests.conftest import REPO
+
+s3fs = pytest.importorskip("s3fs")
+moto_server = pytest.importorskip("moto.server")
+
+KEY_ID = "DTRAINTESTKEYID0001"
+SECRET = "dtrain-test-secret-never-written-0001"
+BUCKET = "runs"
+
+
+@dataclass
+class Store:
+    endpoint: str
+    env: dict[str, str]  # what the launches get
+    fs: Any  # the test's own client
+    secrets: tuple[str, ...]  # what must never be written
+
+    def path(self, key: str) -> ObjectPath:
+        return ObjectPath(f"s3://{BUCKET}/{key}", self.fs)
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[Store]:
+    server = None
+    endpoint = os.environ.get("DTRAIN_TEST_S3_ENDPOINT", "")
+    key, secret = ("test:tester", "testing") if endpoint else (KEY_ID, SECRET)  # Swift's
+    if not endpoint:
+        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+    env = {
+        "AWS_ENDPOINT_URL_S3": endpoint,
+        "AWS_ACCESS_KEY_ID": key,
+        "AWS_SECRET_ACCESS_KEY": secret,
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    fs = s3fs.S3FileSystem(key=key, secret=secret, endpoint_url=endpoint, use_listings_cache=False)
+    if fs.exists(BUCKET):  # a store kept from an earlier run (make test-s3): start clean
+        for key in fs.find(BUCKET):
+            fs.rm_file(key)  # one by one: Swift refuses botocore's multi-object delete
+    else:
+        fs.mkdir(BUCKET)
+    yield Store(endpoint, env, fs, (key, secret))
+    if server is not None:
+        server.stop()
+
+
+def write_config(path: Path, run_dir: str, local_dir: Path, **task: object) -> Path:
+    options = {"samples": 64, "fail_rank": -1} | task
+    lines = [
+        "[run]",
+        f'dir = "{run_dir}"',
+        f'local_dir = "{local_dir}"',
+        'task = "tests.tasks:failing_gpt"',
+        "[data]",
+        "global_batch_size = 8",
+        "[train]",
+        "steps = 8",
+        "log_every = 1",
+        "[eval]",
+        "every = 0",
+        "[checkpoint]",
+        "every = 2",
+        "keep_last = 2",
+        "[optim]",
+        'name = "adamw"',
+        "[dist]",
+        "timeout_s = 20",
+        "[task]",
+        *(f"{k} = {v}" for k, v in options.items()),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def dtrain(store: Store, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "dtrain", *args],
+        cwd=REPO,
+        env={**os.environ, **store.env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out + err
+
+
+@dataclass
+class Journey:
+    store: Store
+    tmp: Path
+    trained: str  # the store's run's output (its launch's)
+    local_export: Path
+    s3_export: Path
+    status: str
+
+
+@pytest.fixture(scope="module")
+def journey(store: Store, tmp_path_factory: pytest.TempPathFactory) -> Journey:
+    tmp = tmp_path_factory.mktemp("s3-journey")
+    local = write_config(tmp / "local.toml", str(tmp / "local-run"), tmp / "unused")
+    remote = write_config(
+        tmp / "s3.toml",
+        f"s3://{BUCKET}/exp",
+        tmp / "s3-local",
+        fail_rank=1,
+        kill_at_step=5,
+        kill_attempts=1,
+    )
+    # Side by side: the two launches, then the two exports and the status.
+    runs = [
+        dtrain(store, "train", str(local), "--nproc", "2"),
+        dtrain(store, "train", str(remote), "--nproc", "2", "--max-restarts", "1"),
+    ]
+    (code_local, said_local), (code, said) = map(finish, runs)
+    assert code_local == 0, said_local[-3000:]
+    assert code == 0, said[-3000:]
+    procs = [
+        dtrain(store, "export", str(tmp / "local-run"), str(tmp / "local.safetensors")),
+        dtrain(store, "export", f"s3://{BUCKET}/exp", str(tmp / "s3.safetensors")),
+        dtrain(store, "status", f"s3://{BUCKET}/exp"),
+        dtrain(store, "report", f"s3://{BUCKET}/exp", "--out", str(tmp / "report")),
+    ]
+    done = [finish(p) for p in procs]
+    for code, text in done:
+        assert code == 0, text[-3000:]
+    return Journey(store, tmp, said, tmp / "local.safetensors", tmp / "s3.safetensors", done[2][1])
+
+
+@pytest.mark.slow
+def test_kill9_and_resume_in_the_store_exports_the_local_run_s_bits(journey: Journey) -> None:
+    load_file = pytest.importorskip("safetensors.torch").load_file
+
+    # Killed once, restarted from a checkpoint in the store.
+    assert journey.trained.count("dtrain: training ddp on 2 rank(s)") == 2, journey.trained
+    assert "resumed from step-" in journey.trained
+    local, remote = load_file(journey.local_export), load_file(journey.s3_export)
+    assert local.keys() == remote.keys() and len(local) > 0
+    for name in local:
+        assert torch.equal(local[name], remote[name]), name  # bit-identical
+    assert "completed, step 8/8" in journey.status, journey.status
+    assert f"s3://{BUCKET}/exp" in journey.status
+    page = (journey.tmp / "report" / "report.html").read_text()
+    assert "exp" in page and "8" in page  # the store's run, read from its uploaded records
+
+
+@pytest.mark.slow
+def test_retention_and_the_marker_in_the_store(journey: Journey) -> None:
+    root = journey.store.path("exp/checkpoints")
+    names = sorted(entry.name for entry in root.iterdir())
+    assert names == ["step-00000006", "step-00000008"]  # keep_last = 2, nothing unfinished
+    assert committed_steps(root) == [8, 6]
+    newest, skipped = ckread.find_latest_valid(root)
+    assert newest == root / "step-00000008" and not skipped
+
+
+@pytest.mark.slow
+def test_no_credential_is_written_to_the_store_or_the_local_folder(journey: Journey) -> None:
+    fs = journey.store.fs
+    keys = fs.find(f"{BUCKET}/exp")
+    assert f"{BUCKET}/exp/config.toml" in keys and f"{BUCKET}/exp/metrics.jsonl" in keys
+    for key in keys:
+        data = fs.cat_file(key)
+        for secret in journey.store.secrets:
+            assert secret.encode() not in data, key
+    local = [p for p in (journey.tmp / "s3-local").rglob("*") if p.is_file()]
+    assert any(p.name == "metrics.jsonl" for p in local)
+    assert any(p.parent.name == "liveness" for p in local)  # per machine: stays local
+    for path in local:
+        data = path.read_bytes()
+        for secret in journey.store.secrets:
+            assert secret.encode() not in data, path
+
+
+def test_checkpoints_in_the_store_commit_prune_verify_and_load(store: Store) -> None:
+    root = store.path("inproc/checkpoints")
+    saver = Checkpointer(root, rank=0, world_size=1, keep_last=2, keep_every=0, log=print)
+    for step in (1, 2, 3):
+        weights = {"w": torch.full((3, 4), float(step)), "b": torch.arange(5.0) * step}
+        saver.save(
+            step,
+            {"model.pt": weights},
+            {"step": step, "world_size": 1},
+            blocking=True,
+            sharded={"model": {"s": torch.full((6,), step + 0.5)}},
+        )
+    assert committed_steps(root) == [3, 2]  # keep_last = 2: step 1 pruned, marker first
+    assert sorted(entry.name for entry in root.iterdir()) == ["step-00000002", "step-00000003"]
+    newest, skipped = ckread.find_latest_valid(root)
+    assert newest == root / "step-00000003" and not skipped
+    loaded = ckread.load_file(root / "step-00000003", "model.pt")
+    assert torch.equal(loaded["w"], torch.full((3, 4), 3.0))
+    template = {"model": {"s": torch.zeros(6)}}
+    ckread.load_sharded(root / "step-00000003", template)  # dtrain's safe reader, via fsspec
+    assert torch.equal(template["model"]["s"], torch.full((6,), 3.5))
+    # Damage one piece: named, and the newest that verifies is the one before.
+    model = root / "step-00000003" / "model.pt"
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    model.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"step-00000003/model\.pt fails its SHA-256"):
+        ckread.verify_checkpoint(root / "step-00000003")
+    newest, skipped = ckread.find_latest_valid(root)
+    assert newest == root / "step-00000002" and [p.name for p, _ in skipped] == ["step-00000003"]
+    # No marker, no checkpoint: a save cut off before its marker never counts.
+    (root / "step-00000002" / "COMMITTED.json").unlink()
+    assert committed_steps(root) == [3]
+    assert ckread.find_latest_valid(root)[0] is None
+
+
+def test_bad_stores_are_one_line_each(
+    store: Store, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    with pytest.raises(UserError, match="unknown scheme nosuch://"):
+        check_scheme("nosuch://bucket/run")
+    with pytest.raises(UserError, match="the bucket 'no-such-bucket' does not exist"):
+        check_store(ObjectPath("s3://no-such-bucket/run", store.fs))
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    anonymous = s3fs.S3FileSystem(endpoint_url=store.endpoint, skip_instance_cache=True)
+    with pytest.raises(UserError, match=f"no credentials for the object store s3://{BUCKET}"):
+        check_store(ObjectPath(f"s3://{BUCKET}/run", anonymous))
+
+
+def test_a_store_that_does_not_answer_fails_the_save_naming_it(store: Store) -> None:
+    # A port nothing listens on: each request is refused, retried, and given up.
+    gone = s3fs.S3FileSystem(
+        key=KEY_ID,
+        secret=SECRET,
+        endpoint_url="http://127.0.0.1:9",
+        config_kwargs={"retries": {"max_attempts": 1, "mode": "standard"}},
+        skip_instance_cache=True,
+    )
+    gone.retries = 1
+    saver = Checkpointer(
+        ObjectPath(f"s3://{BUCKET}/gone/checkpoints", gone),
+        rank=0,
+        world_size=1,
+        keep_last=2,
+        keep_every=0,
+        log=lambda _: None,
+    )
+    with pytest.raises(CheckpointError) as caught:
+        saver.save(1, {"model.pt": {"w": torch.zeros(2)}}, {"step": 1}, blocking=True)
+    said = str(caught.value)
+    assert "checkpoint step-00000001 was not committed" in said
+    assert f"object store s3://{BUCKET}" in said and "attempts per request" in said
+    assert f"s3://{BUCKET}/gone/checkpoints/step-00000001/" in said  # the key
+
+
+def test_the_hold_keeps_a_second_job_out_of_the_store_s_folder(store: Store) -> None:
+    folder = store.path("held")
+    first = take_hold(folder, "job-a", "")
+    try:
+        with pytest.raises(UserError, match=r"is in use by job 'job-a'"):
+            take_hold(folder, "job-b", "")
+    finally:
+        first.release()
+    assert not (folder / "hold.json").exists()
+
+
+@pytest.mark.slow
+def test_the_store_s_run_goes_on_under_fsdp_on_one_rank_and_exports(journey: Journey) -> None:
+    # Last in this file: it extends the journey's run. ddp on 2 ranks saved step 8 (whole
+    # files); fsdp on 1 rank resumes it from the store and saves step 10 as DCP shards there.
+    config = journey.tmp / "s3.toml"
+    args = ("--nproc", "1", "--strategy.name=fsdp", "--train.steps=10")
+    code, said = finish(dtrain(journey.store, "train", str(config), *args))
+    assert code == 0, said[-3000:]
+    assert "training fsdp on 1 rank(s), cpu, resumed from step-00000008" in said
+    assert "step-00000008 was saved by strategy 'ddp'; fsdp read its model" in said
+    step10 = journey.store.path("exp/checkpoints/step-00000010")
+    assert (step10 / "dcp" / ".metadata").exists()
+    ckread.verify_checkpoint(step10)
+    out = journey.tmp / "fsdp.safetensors"
+    code, said = finish(dtrain(journey.store, "export", f"s3://{BUCKET}/exp", str(out)))
+    assert code == 0 and "from s3://runs/exp/checkpoints/step-00000010" in said, said[-2000:]
+    load_file = pytest.importorskip("safetensors.torch").load_file
+    exported, before = load_file(out), load_file(journey.s3_export)
+    assert exported.keys() == before.keys()
+    assert any(not torch.equal(exported[k], before[k]) for k in before)  # two more steps
