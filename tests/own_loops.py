@@ -109,6 +109,8 @@ def mistake(raw: dict[str, Any], kind: str) -> str:
             for _ in run.batches():
                 run.register(extra=model)
         for batch in run.batches():
+            if kind == "leave mid step" and run.step_count == 1:
+                break  # step 2's batch taken, never stepped
             for inputs, targets in batch:
                 losses = task.loss_fn(model(inputs), targets)
                 if kind == "mean loss":
@@ -346,3 +348,25 @@ def half_ring_gan(raw: dict[str, Any], exact: bool = False) -> dict[str, Any]:
     critic = run._wrapped["critic"].strategy.model_state_dict()
     params.update({f"critic.{k}": v.detach().cpu().numpy().copy() for k, v in critic.items()})
     return params
+
+
+def leave_stream(raw: dict[str, Any], leaving: list[int], after: int) -> dict[str, Any]:
+    """The tiny loop, where the ranks in ``leaving`` ``break`` out of ``run.batches()`` after
+    step ``after`` and the others go on: what each rank said (one line; "" if none) and did."""
+    from dtrain.fault.peer_failure import PeerFailure
+    from tests.tasks import tiny_gpt
+
+    def loop(run: dtrain.Run) -> None:
+        task = tiny_gpt(run.config)
+        model, _ = run.prepare(task.model, task.train_data, collate_fn=task.collate_fn)
+        for batch in run.batches():
+            for inputs, targets in batch:
+                run.backward(task.loss_fn(model(inputs), targets))
+            run.step()
+            if run.rank in leaving and run.step_count == after:
+                break
+
+    try:
+        return {"said": "", **train_own_loop(raw, loop)}
+    except (UserError, PeerFailure) as exc:
+        return {"said": str(exc)}

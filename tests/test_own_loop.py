@@ -177,6 +177,7 @@ def test_run_save_checkpoints_between_two_steps(tmp_path: Path) -> None:
         ("step before backward", ["run.step() before run.backward(): step 1 has no gradient"]),
         ("register after start", ["run.register(extra) after the loop started"]),
         ("mean loss", ["run.backward() got 1 value(s)", 'looks reduced: use reduction="none"']),
+        ("leave mid step", ["rank 0 left run.batches() in the middle of step 2, before its"]),
     ],
 )
 def test_a_mistake_in_the_loop_is_one_line(tmp_path: Path, kind: str, says: list[str]) -> None:

@@ -22,13 +22,19 @@ warning names its key).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from dtrain.comm.plain import all_gather_json
 from dtrain.dist import sealed_store
 from dtrain.dist.runtime import store_namespace
+from dtrain.fault.liveness import Liveness
 from dtrain.fault.peer_failure import PeerFailure
 from dtrain.fault.watchdog import Watchdog
+
+# Called with the latest beats of the ranks still owed, at each look at them; raises to end the
+# wait (a rank's beat shows it will never post its word).
+BeatsWatch = Callable[[dict[int, Liveness | None]], None]
 
 _POLL_S = (0.02, 0.25)  # the first and the longest pause between two looks at the store
 
@@ -43,10 +49,11 @@ class PeerWords:
         """A piece of this rank's own share is done (its progress mark)."""
         self.watchdog.tick()
 
-    def gather(self, key: str, word: str, what: str) -> list[str]:
+    def gather(self, key: str, word: str, what: str, watch: BeatsWatch | None = None) -> list[str]:
         """Every rank's word posted under ``key`` (the same on every rank, new for each
         gathering), by rank. ``what``: what the ranks were doing, for the error that names a
-        rank that stopped."""
+        rank that stopped. ``watch``: given the owed ranks' beats at each look (about every
+        second); what it raises ends the wait."""
         dog = self.watchdog
         if dog.world_size == 1:
             return [word]
@@ -76,7 +83,7 @@ class PeerWords:
             now = time.monotonic()
             if now - looked >= min(1.0, dog.heartbeat_s):
                 looked = now
-                self._look_at(owed, moved_at, motion, now, what)
+                self._look_at(owed, moved_at, motion, now, what, watch)
             time.sleep(pause)
             pause = min(pause * 1.5, _POLL_S[1])
         return [got[rank] for rank in range(dog.world_size)]
@@ -88,6 +95,7 @@ class PeerWords:
         motion: dict[int, Any],
         now: float,
         what: str,
+        watch: BeatsWatch | None = None,
     ) -> None:
         """Raise when a rank still owed failed or has not moved for the collective timeout;
         mark this rank's own progress when one of them moved."""
@@ -100,6 +108,8 @@ class PeerWords:
             self._fail(what, exc)
         if any(rank in failed for rank in owed):
             self._fail(what)
+        if watch is not None:
+            watch({rank: beats.get(rank) for rank in owed})
         for rank in owed:
             beat = beats.get(rank)
             seen = beat.motion if beat is not None else None

@@ -15,12 +15,11 @@ trainer's update and what follows it (``Trainer.end_step``), its resume and its 
             if run.step():                              # clip, update, agreement, metrics, save
                 break                                   # every rank agreed to stop
 
-``run.step()`` returns True on the step after which every rank stops (a preemption signal on
-any rank, or a rank's ``run.stop()``); the final checkpoint is written when ``main`` returns.
-``run.evaluate(data, fn)`` and ``run.reduce(value, op)`` give numbers reduced exactly over the
-ranks (:mod:`dtrain.loop.evaluate`). A further model's optimizer steps within the step, in a
-phase of its own (``run.update``, :mod:`dtrain.loop.models`; the GAN of
-``examples/own_loop_gan.py`` and docs/own-loop.md).
+``run.step()`` is True on the step after which every rank stops (a preemption, a rank's
+``run.stop()``); ``main`` returning writes the final checkpoint. Exact reductions:
+:mod:`dtrain.loop.evaluate`; further models (``run.wrap``, ``run.update``, the GAN of
+``examples/own_loop_gan.py``): :mod:`dtrain.loop.models`; leaving the loop early on some ranks
+only: :mod:`dtrain.loop.stream_exit`.
 """
 
 from __future__ import annotations
@@ -52,6 +51,7 @@ from dtrain.loop.models import (
     wrap_trained,
     zero_gradients,
 )
+from dtrain.loop.stream_exit import check_left
 from dtrain.loop.unwrapped import UnwrappedWatch
 from dtrain.metrics.summary import Summary
 from dtrain.parallel.base import Strategy
@@ -85,6 +85,7 @@ class Run:
         self._loss_sum: torch.Tensor | None = None
         self._stopped = False
         self._wish = ""  # run.stop()'s reason, until a step's agreement carries it
+        self._left: int | None = None  # the step after which run.batches() was left early
         self._started_at = -1  # the step the loop started from in this process
         self.summary: Summary | None = None  # once the run has ended
 
@@ -231,17 +232,23 @@ class Run:
         if self._loop is None and self.summary is None:
             self._start()
         trainer, steps = self.trainer, self.config.train.steps
-        while self._loop is not None and not self._stopped and trainer.step < steps:
-            step_batch, micro, count, _ = trainer.next_batch()
-            failpoint("train.step", step=trainer.step + 1)
-            further = self._strategies()
-            self._batch = Batch(trainer, self._begin, further, step_batch, micro, count)
-            yield self._batch
-            if self._batch is not None:
-                raise UserError(
-                    f"step {trainer.step + 1}: the loop took the next batch without "
-                    "run.step(): call it once after each batch's backward"
-                )
+        self._left = None  # consuming again (a loop may leave and come back on every rank)
+        try:
+            while self._loop is not None and not self._stopped and trainer.step < steps:
+                step_batch, micro, count, _ = trainer.next_batch()
+                failpoint("train.step", step=trainer.step + 1)
+                further = self._strategies()
+                self._batch = Batch(trainer, self._begin, further, step_batch, micro, count)
+                yield self._batch
+                if self._batch is not None:
+                    raise UserError(
+                        f"step {trainer.step + 1}: the loop took the next batch without "
+                        "run.step(): call it once after each batch's backward"
+                    )
+        except GeneratorExit:  # the loop left (break, return) before the run's end
+            if self._loop is not None and not self._stopped and trainer.step < steps:
+                self._left = trainer.step  # checked where it next talks to the ranks
+            raise
 
     def _start(self) -> None:
         """Resume (the registered state with the rest), then open the loop: in ``fit``'s
@@ -372,14 +379,11 @@ class Run:
         batch_size: int | None = None,
         max_samples: int = 0,
     ) -> dict[str, float]:
-        """The mean of ``fn(inputs, targets)``'s per-item values over every item of ``data``
-        (its first ``max_samples`` samples, if given), each item counted once across the
-        ranks: the value one process computes over the set. ``fn`` returns the batch's
-        per-item losses, or a dict of per-item values with a ``'loss'`` entry; it runs without
-        gradients, the model in eval mode, under the strategy's precision. Logged as dtrain's
-        evaluations are (``val_loss``, ``val_<name>``); before the first step (it then resumes
-        the run, as the first ``run.batches()`` does) or between two, every rank calls it
-        (:mod:`dtrain.loop.evaluate`)."""
+        """The mean of ``fn(inputs, targets)``'s per-item values (per-item losses, or a dict
+        of them with a ``'loss'`` entry) over every item of ``data`` (its first
+        ``max_samples``), each counted once across the ranks; without gradients, in eval mode,
+        under the strategy's precision; logged as ``val_loss``, ``val_<name>``. Before the
+        first step (it resumes the run) or between two, every rank (:mod:`dtrain.loop.evaluate`)."""
         if self._loop is None and self.summary is None:
             self._start()
         if self._loop is None or self._batch is not None:
@@ -387,6 +391,7 @@ class Run:
                 "run.evaluate() between two steps of the loop (after run.step()), or before "
                 "the first, while the run has not ended"
             )
+        self._talks()
         size = self.config.eval.batch_size if batch_size is None else batch_size
         return evaluate_in_loop(self.trainer, data, fn, collate_fn, size, max_samples)
 
@@ -395,6 +400,7 @@ class Run:
         ``"mean"``, ``"max"`` or ``"min"`` (every rank calls it). The ranks of a
         tensor-parallel group share their batch, so hold the same numbers of it: they are one
         data-parallel rank, counted once."""
+        self._talks()
         return reduce_over_ranks(self.trainer.strategy, value, op)
 
     def update(self, optimizer: torch.optim.Optimizer) -> float:
@@ -430,11 +436,19 @@ class Run:
         if self._watch is not None:
             self._watch.check(self.trainer.step + 1)
 
+    def _talks(self) -> None:
+        """Before this rank talks to the others outside the stream: where it left
+        ``run.batches()`` early, so did every rank (:mod:`dtrain.loop.stream_exit`)."""
+        left, self._left = self._left, None
+        if left is not None:
+            check_left(self.trainer.watchdog, left, self._batch is not None)
+
     def save(self) -> None:
         """A checkpoint of the run now, between two steps, beside those of
         ``checkpoint.every`` (collective: every rank calls it at the same step)."""
         if self._loop is None or self._batch is not None:
             raise UserError("run.save() between two steps of the loop: after run.step()")
+        self._talks()
         if self.trainer.checkpointer.last_saved_step != self.trainer.step:
             self.trainer.save_checkpoint(blocking=not self.config.checkpoint.async_save)
 
@@ -465,9 +479,10 @@ class Run:
                 return self.summary
         loop = self._loop
         assert loop is not None
-        if self._batch is not None:
-            raise UserError("main(run) returned in the middle of a step: call run.step() first")
         trainer = self.trainer
+        if not self._stopped and trainer.step < self.config.train.steps:
+            self._left = trainer.step  # main returned before the run's end
+        self._talks()
         trainer.finish(loop.summary, loop.last_loss, loop.started)
         self._in_train.close()
         trainer.watchdog.set_phase("done")  # the last word, left by no phase
@@ -480,5 +495,6 @@ class Run:
         it has one (a failed peer), as in dtrain's loop."""
         if self._watch is not None:
             self._watch.close()
-        self._in_train.close()
+        # Left by the error: the phase stays where it was raised, for the diagnosis to name.
+        self._in_train.__exit__(type(error), error, error.__traceback__)
         self._running.__exit__(type(error), error, error.__traceback__)
