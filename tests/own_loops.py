@@ -19,8 +19,9 @@ from dtrain.fault.failpoints import set_handler
 from dtrain.train.job import build_job_config
 from tests.dist_helpers import params_of
 
-# "RANK:STEP": that rank kills itself (kill -9) as it starts that step, in the first attempt
-# of the run only (a file in the run folder remembers it); for run.script under `dtrain train`.
+# "RANK:STEP[:SIGNAL]": that rank sends itself SIGNAL (SIGKILL: kill -9) as it starts that
+# step, in the first attempt of the run only (a file in the run folder remembers it); for
+# run.script under `dtrain train`.
 KILL_ENV = "DTRAIN_TEST_OWN_LOOP_KILL"
 
 
@@ -28,14 +29,14 @@ def main(run: dtrain.Run) -> None:
     """The example's loop; killed once where ``KILL_ENV`` says."""
     where = os.environ.get(KILL_ENV)
     if where:
-        rank, step = (int(v) for v in where.split(":"))
+        rank, step, *sent = where.split(":")
         stamp = Path(run.config.run.dir) / "killed-once"
 
         def kill(name: str, **args: Any) -> None:
-            at = name == "train.step" and args["step"] == step and run.rank == rank
+            at = name == "train.step" and args["step"] == int(step) and run.rank == int(rank)
             if at and not stamp.exists():
                 stamp.write_text("")
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), getattr(signal, sent[0] if sent else "SIGKILL"))
 
         set_handler(kill)
     example_main(run)

@@ -14,6 +14,7 @@ import pytest
 
 from dtrain.config.load import build_config
 from dtrain.errors import ConfigError
+from dtrain.train.job import build_job_config
 from dtrain.weights.init_from import read_weights
 from tests.conftest import REPO, tiny_raw
 from tests.dist_helpers import train_params
@@ -146,6 +147,51 @@ def test_a_kill_9_under_dtrain_train_resumes_bit_identically(tmp_path: Path) -> 
     assert reference.keys() == resumed.keys()
     for key in reference:
         assert reference[key].equal(resumed[key]), key
+
+
+# 40 samples at a global batch of 8: 5 steps an epoch, so the resumed run crosses epochs.
+AUDITED = {"task": {"samples": 40}, "fault": {"audit_sample_ids": True}}
+
+
+@pytest.mark.parametrize(
+    "launch",
+    # Under `dtrain train` (the job's exit code): two launches, ~30 s loaded; the default
+    # suite stops the same loop in-process (run_ranks).
+    ["ranks", pytest.param("dtrain train", marks=pytest.mark.slow)],
+)
+def test_sigterm_saves_exits_0_and_a_resume_on_3_ranks_keeps_every_sample_once(
+    tmp_path: Path, launch: str
+) -> None:
+    import os
+
+    from tests.audit import check_stream, read_trajectory
+
+    # 2 ranks: rank 1 gets SIGTERM as it starts step 5; every rank stops after it, saved.
+    run_dir = tmp_path / "run"
+    raw = tiny_raw(run_dir, train={"steps": 12}, **AUDITED)
+    if launch == "ranks":
+        stopped = run_ranks(signal_at_step, 2, raw, 1, 5, "SIGTERM")
+        assert [s["steps"] for s in stopped] == [5, 5]
+    else:
+        config = tmp_path / "job.toml"
+        config.write_text(build_job_config(raw).to_toml())
+        os.environ[KILL_ENV] = "1:5:SIGTERM"
+        try:
+            result = run_cli("train", str(config), f"--run.script={SCRIPT}", "--nproc", "2")
+        finally:
+            del os.environ[KILL_ENV]
+        assert result.returncode == 0, result.stderr[-3000:]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert (status["state"], status["step"]) == ("preempted", 5)
+    assert (run_dir / "checkpoints/step-00000005/COMMITTED.json").exists()
+    # Resumed by the own loop on 3 ranks: each sample once per epoch, no position skipped.
+    run_ranks(own_loop_params, 3, raw)
+    trajectory = read_trajectory(run_dir)
+    assert sorted(trajectory) == list(range(1, 13))
+    assert {len(trajectory[step].ids) for step in trajectory} == {8}
+    checked = check_stream(trajectory, 40)
+    assert checked.exactly_once and not checked.gaps, checked
+    assert checked.positions == 12 * 8
 
 
 def test_one_process_runs_the_example_with_python(tmp_path: Path) -> None:
