@@ -371,3 +371,32 @@ def leave_stream(raw: dict[str, Any], leaving: list[int], after: int) -> dict[st
         return {"said": "", **train_own_loop(raw, loop)}
     except (UserError, PeerFailure) as exc:
         return {"said": str(exc)}
+
+
+def notebook(config: str) -> dict[str, Any]:
+    """``dtrain.Run.from_config`` as a notebook uses it, twice in one process: 3 steps of the
+    example by ``run.train``, then the run resumed from a ``Config`` with 2 more steps, driven
+    by hand and ended by ``run.finish()``; and a mistaken override."""
+    from dtrain.errors import ConfigError
+    from dtrain.train.job import load_job_config
+    from tests.tasks import tiny_gpt
+
+    first = dtrain.Run.from_config(config, "--train.steps=3").train(example_main)
+    run = dtrain.Run.from_config(load_job_config(config), "--train.steps=5")
+    task = tiny_gpt(run.config)
+    model, _ = run.prepare(task.model, task.train_data, collate_fn=task.collate_fn)
+    for batch in run.batches():
+        for inputs, targets in batch:
+            run.backward(task.loss_fn(model(inputs), targets))
+        run.step()
+    second = run.finish()
+    try:
+        dtrain.Run.from_config(config, "--train.stepz=3")
+        mistaken = "no error"
+    except ConfigError as exc:
+        mistaken = str(exc)
+    return {
+        "first": (first.start_step, first.steps),
+        "second": (second.start_step, second.steps),
+        "mistaken": mistaken,
+    }

@@ -21,6 +21,7 @@ from tests.dist_helpers import train_params
 from tests.own_loops import (
     KILL_ENV,
     mistake,
+    notebook,
     own_loop_params,
     save_after_step,
     signal_at_step,
@@ -209,6 +210,18 @@ def test_one_process_runs_the_example_with_python(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "done: 3 steps" in result.stdout
     assert (tmp_path / "run" / "checkpoints" / "step-00000003" / "COMMITTED.json").exists()
+
+
+def test_run_from_config_trains_and_resumes_in_one_process_as_a_notebook_does(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    config = write_tiny_config(tmp_path / "job.toml", run_dir)
+    done = run_ranks(notebook, 1, str(config), init_group=False)[0]
+    assert done["first"] == (0, 3) and done["second"] == (3, 5)
+    assert (run_dir / "checkpoints/step-00000005/COMMITTED.json").exists()
+    assert "steps = 5" in (run_dir / "config.toml").read_text()
+    assert "train.stepz" in done["mistaken"] and "\n" not in done["mistaken"]
 
 
 def test_run_save_checkpoints_between_two_steps(tmp_path: Path) -> None:

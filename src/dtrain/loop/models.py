@@ -49,6 +49,21 @@ class Wrapped:
     optimizer: torch.optim.Optimizer
 
 
+def check_further(name: str, model: nn.Module, taken: set[str], known: set[nn.Module]) -> None:
+    """``run.wrap(name, model)``'s mistakes, in one line: a name taken (by a further model, or
+    by the run's own checkpoint parts) or not an identifier; a module the run holds already."""
+    if not name.isidentifier() or name in {*taken, "model", "optimizer", "comm", "outer"}:
+        raise UserError(
+            f"run.wrap({name!r}, ...): name each further model once, with an identifier "
+            "other than model, optimizer, comm and outer (its checkpoint parts' name)"
+        )
+    if any(module in known for module in model.modules()):
+        raise UserError(
+            f"run.wrap({name!r}, ...): the model shares modules with one the run holds "
+            "already; give each model once"
+        )
+
+
 def wrap_trained(
     cfg: Config,
     runtime: Runtime,

@@ -15,11 +15,10 @@ trainer's update and what follows it (``Trainer.end_step``), its resume and its 
             if run.step():                              # clip, update, agreement, metrics, save
                 break                                   # every rank agreed to stop
 
-``run.step()`` is True on the step after which every rank stops (a preemption, a rank's
-``run.stop()``); ``main`` returning writes the final checkpoint. Exact reductions:
-:mod:`dtrain.loop.evaluate`; further models (``run.wrap``, ``run.update``, the GAN of
-``examples/own_loop_gan.py``): :mod:`dtrain.loop.models`; leaving the loop early on some ranks
-only: :mod:`dtrain.loop.stream_exit`.
+``run.step()`` is True on the step after which every rank stops; ``main`` returning writes the
+final checkpoint. Exact reductions: :mod:`dtrain.loop.evaluate`; further models (``run.wrap``,
+``run.update``; ``examples/own_loop_gan.py``): :mod:`dtrain.loop.models`; leaving the loop early
+on some ranks only: :mod:`dtrain.loop.stream_exit`.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ import torch
 from torch import nn
 
 from dtrain.checkpoint.rng import seed_everything
+from dtrain.checkpoint.rundir import write_config_of_record
 from dtrain.config import Config, validate_own_loop
 from dtrain.dist.runtime import Runtime
 from dtrain.errors import UserError
@@ -46,6 +46,7 @@ from dtrain.loop.models import (
     BuildOptimizer,
     WithModels,
     Wrapped,
+    check_further,
     place_frozen,
     update_wrapped,
     wrap_trained,
@@ -56,7 +57,7 @@ from dtrain.loop.unwrapped import UnwrappedWatch
 from dtrain.metrics.summary import Summary
 from dtrain.parallel.base import Strategy
 from dtrain.train.config_agreement import agree_on_config
-from dtrain.train.job import join_job, wire_task
+from dtrain.train.job import PathLike, checked_job_config, join_job, wire_task
 from dtrain.train.step import backward_scaled
 from dtrain.train.trainer import Trainer
 from dtrain.train.trainer.loop import LoopState
@@ -97,6 +98,16 @@ class Run:
         agree_on_config(cfg, runtime)
         seed_everything(cfg.run.seed)
         return cls(cfg, runtime)
+
+    @classmethod
+    def from_config(cls, config: Config | PathLike | None = None, *overrides: str) -> Run:
+        """A run without ``dtrain train`` (a notebook, one process): a config file or ``Config``
+        (None: the defaults) and ``--section.key=value`` overrides, checked as a worker checks
+        it, then :meth:`join`. Drive it by :meth:`train`, or the loop then :meth:`finish`."""
+        run = cls.join(checked_job_config(config, overrides))
+        if run.is_main:
+            write_config_of_record(run.config)  # RUN_DIR/config.toml, as a worker writes it
+        return run
 
     # -- what the loop reads ---------------------------------------------------------------
 
@@ -171,18 +182,8 @@ class Run:
         call and its optimizer (None when frozen)."""
         self._before_loop(f"run.wrap({name!r}, ...)")
         trainer = self.trainer
-        taken = {*self._wrapped, *self._frozen, "model", "optimizer", "comm", "outer"}
-        if not name.isidentifier() or name in taken:
-            raise UserError(
-                f"run.wrap({name!r}, ...): name each further model once, with an identifier "
-                "other than model, optimizer, comm and outer (its checkpoint parts' name)"
-            )
         known = {*self._modules(), *trainer.strategy.unwrapped.modules()}
-        if any(module in known for module in model.modules()):
-            raise UserError(
-                f"run.wrap({name!r}, ...): the model shares modules with one the run holds "
-                "already; give each model once"
-            )
+        check_further(name, model, {*self._wrapped, *self._frozen}, known)
         if optimizer is None:
             frozen = place_frozen(model, self.device, trainer.strategy)
             self._frozen[name] = frozen
@@ -437,8 +438,7 @@ class Run:
             self._watch.check(self.trainer.step + 1)
 
     def _talks(self) -> None:
-        """Before this rank talks to the others outside the stream: where it left
-        ``run.batches()`` early, so did every rank (:mod:`dtrain.loop.stream_exit`)."""
+        """Before talking to the ranks off the stream: left early, all left (``stream_exit``)."""
         left, self._left = self._left, None
         if left is not None:
             check_left(self.trainer.watchdog, left, self._batch is not None)
