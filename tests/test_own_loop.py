@@ -245,6 +245,21 @@ def test_a_mistake_in_the_loop_is_one_line(tmp_path: Path, kind: str, says: list
     assert "\n" not in said
 
 
+def test_lines_of_code_count_code_only_and_the_own_loop_s_job_is_the_shortest() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("loc_count", REPO / "benchmarks/loc/count.py")
+    assert spec is not None and spec.loader is not None
+    count = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(count)
+    snippet = '"""Doc.\n\nMore."""\n\nimport os  # why\n# alone\n\ndef f():\n    """Doc."""\n'
+    assert count.python_lines(snippet + "    return (1,\n            2)\n") == 4
+    assert count.config_lines("# a comment\n[train]\n\nsteps = 60\n") == 2
+    totals = {name: sum(map(count.count, paths)) for name, paths in count.JOBS.items()}
+    ours = totals.pop("dtrain own loop")
+    assert len(totals) == 2 and ours < min(totals.values())
+
+
 def test_a_strategy_that_owns_the_step_is_refused_before_any_worker_starts() -> None:
     raw = {"run": {"script": EXAMPLE}, "strategy": {"name": "pipeline"}}
     with pytest.raises(ConfigError, match="cannot run in a loop of your own"):

@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # the trainer and all it imports are the worker's: the CLI lo
     from dtrain.train.trainer import Trainer
 
 RUNS_DIR = "runs"
-PathLike = str | os.PathLike[str]
+PathLike = str | Path
 
 
 def load_job_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
