@@ -153,6 +153,7 @@ def evaluate_and_reduce(raw: dict[str, Any], samples: int) -> dict[str, Any]:
         mine = float(run.rank + 1)
         out["reduce"] = {op: run.reduce(mine, op) for op in ("sum", "mean", "max", "min")}
         out["reduce_tensor"] = run.reduce(torch.full((2,), mine), "sum").tolist()
+        run.log(ranks_summed=out["reduce"]["sum"])  # a record of the loop's own
 
     train_own_loop(raw, loop)
     return out
@@ -250,7 +251,13 @@ def gan_params(
     params = params_of(run.trainer)
     critic = run._wrapped["critic"].strategy.model_state_dict()  # collective under fsdp
     params.update({f"critic.{k}": v.detach().cpu().numpy().copy() for k, v in critic.items()})
-    return {"params": params, "preempted": summary.preempted, "steps": summary.steps}
+    scaler = run.trainer.scaler  # fp16-mixed: the loss scale the run ended with
+    return {
+        "params": params,
+        "preempted": summary.preempted,
+        "steps": summary.steps,
+        "scale": None if scaler is None else scaler.scale,
+    }
 
 
 def models_mistake(raw: dict[str, Any], kind: str) -> str:
@@ -400,3 +407,35 @@ def notebook(config: str) -> dict[str, Any]:
         "second": (second.start_step, second.steps),
         "mistaken": mistaken,
     }
+
+
+def loud_critic_gan(raw: dict[str, Any]) -> dict[str, Any]:
+    """The GAN's two phases with the critic's losses 2**10 times the generator's: under
+    fp16-mixed its gradients overflow float16 at loss scales the generator's do not. Both
+    models' parameters (the critic's under ``critic.``) and the loss scale the run ended with."""
+    import torch
+    import torch.nn.functional as F
+    from examples.own_loop_gan import LATENT, MLP, RingSamples, samples
+
+    def loop(run: dtrain.Run) -> None:
+        generator, _ = run.prepare(MLP(LATENT, 16, 2), RingSamples(256), count_items=samples)
+        critic, critic_optimizer = run.wrap("critic", MLP(2, 16, 1), optimizer=sgd)
+        assert critic_optimizer is not None
+        for batch in run.batches():
+            for latents, real in batch:
+                with torch.no_grad():
+                    fake = generator(latents)
+                real_scores, fake_scores = critic(torch.cat([real, fake])).squeeze(1).chunk(2)
+                run.backward((F.softplus(-real_scores) + F.softplus(fake_scores)) * 2.0**10)
+            run.update(critic_optimizer)
+            for latents, _real in batch:
+                run.backward(F.softplus(-critic(generator(latents)).squeeze(1)))
+            run.step()
+
+    run = dtrain.Run.join(build_job_config(raw))
+    run.train(loop)
+    params = params_of(run.trainer)
+    critic = run._wrapped["critic"].strategy.model_state_dict()
+    params.update({f"critic.{k}": v.detach().cpu().numpy().copy() for k, v in critic.items()})
+    assert run.trainer.scaler is not None
+    return {"params": params, "scale": run.trainer.scaler.scale}

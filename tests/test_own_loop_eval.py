@@ -57,6 +57,9 @@ def test_an_own_evaluation_on_two_ranks_equals_one_process(tmp_path: Path, strat
     assert two[0]["reduce"] == two[1]["reduce"] == {"sum": 3, "mean": 1.5, "max": 2, "min": 1}
     assert two[1]["reduce_tensor"] == [3.0, 3.0]
     assert one["reduce"] == {"sum": 1, "mean": 1, "max": 1, "min": 1}
+    lines = (tmp_path / "2" / "metrics.jsonl").read_text().splitlines()
+    (logged,) = [r for r in map(json.loads, lines) if r.get("name") == "log"]
+    assert (logged["kind"], logged["step"], logged["ranks_summed"]) == ("event", 2, 3)
 
 
 def test_one_rank_s_stop_stops_every_rank_after_the_same_step_saved(tmp_path: Path) -> None:

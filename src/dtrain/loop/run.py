@@ -408,9 +408,9 @@ class Run:
         """Within the step, after the backward of every micro-batch of a phase: the optimizer
         of a model given to :meth:`wrap` steps -- its gradients synchronized and rescaled for
         the global mean (the step's agreement completed now where it has not been), clipped
-        (``train.grad_clip``), stepped when their norm is finite (as the NaN guard skips a
-        step; an event records it) -- then every model's gradients are dropped, and the next
-        phase iterates the batch's micro-batches again. Returns the global gradient norm."""
+        (``train.grad_clip``), stepped when their norm is finite (a skip is an event; fp16's
+        overflow halves the loss scale at the step's end) -- then every model's gradients are
+        dropped; the next phase iterates the batch again. Returns the global gradient norm."""
         batch = self._batch
         wrapped = next((w for w in self._wrapped.values() if w.optimizer is optimizer), None)
         if wrapped is None:
@@ -418,7 +418,7 @@ class Run:
                 "run.update() of an optimizer run.wrap() did not return: the main optimizer "
                 "steps with run.step(), a further model's is the one run.wrap() returned"
             )
-        if batch is None or not batch.done or len(batch.done) != len(batch.micro):
+        if batch is None or self._loss_sum is None or len(batch.done) != len(batch.micro):
             done = 0 if batch is None else len(batch.done)
             total = "the step's" if batch is None else f"the step's {len(batch.micro)}"
             raise UserError(
@@ -426,7 +426,7 @@ class Run:
                 "phase: call run.backward() for each, then run.update()"
             )
         self._check_watch()
-        norm = update_wrapped(self.trainer, wrapped, self._strategies())
+        norm = update_wrapped(self.trainer, wrapped, self._strategies(), self._loss_sum)
         batch.done.clear()
         self._loss_sum = None  # the step's logged loss: that of the main optimizer's phase
         return norm
