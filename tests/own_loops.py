@@ -79,22 +79,29 @@ def signal_at_step(raw: dict[str, Any], rank: int, step: int, signame: str) -> d
     return train_own_loop(raw, loop)
 
 
+def tiny_loop(run: dtrain.Run, after_step: Callable[[dtrain.Run], bool] | None = None) -> None:
+    """The tiny GPT's loop; ``after_step(run)`` after each step, True to leave the loop."""
+    from tests.tasks import tiny_gpt
+
+    task = tiny_gpt(run.config)
+    model, _ = run.prepare(task.model, task.train_data, collate_fn=task.collate_fn)
+    for batch in run.batches():
+        for inputs, targets in batch:
+            run.backward(task.loss_fn(model(inputs), targets))
+        run.step()
+        if after_step is not None and after_step(run):
+            break
+
+
 def save_after_step(raw: dict[str, Any], step: int) -> list[str]:
-    """The example's loop, with ``run.save()`` after ``step``; the checkpoints it left."""
+    """The tiny loop, with ``run.save()`` after ``step``; the checkpoints it left."""
 
-    def loop(run: dtrain.Run) -> None:
-        from tests.tasks import tiny_gpt
+    def save(run: dtrain.Run) -> bool:
+        if run.step_count == step:
+            run.save()
+        return False
 
-        task = tiny_gpt(run.config)
-        model, _ = run.prepare(task.model, task.train_data, collate_fn=task.collate_fn)
-        for batch in run.batches():
-            for inputs, targets in batch:
-                run.backward(task.loss_fn(model(inputs), targets))
-            run.step()
-            if run.step_count == step:
-                run.save()
-
-    train_own_loop(raw, loop)
+    train_own_loop(raw, lambda run: tiny_loop(run, save))
     return sorted(p.name for p in (Path(raw["run"]["dir"]) / "checkpoints").iterdir())
 
 
@@ -246,18 +253,23 @@ def gan_params(
 ) -> dict[str, Any]:
     """:func:`gan_loop` trained as this rank of the job: both models' parameters (the
     critic's under ``critic.``), whether it was preempted, its steps."""
+    params, summary, _ = train_two_models(raw, lambda r: gan_loop(r, signal_at))
+    return {"params": params, "preempted": summary.preempted, "steps": summary.steps}
+
+
+def train_two_models(
+    raw: dict[str, Any], loop: Callable[[dtrain.Run], object]
+) -> tuple[dict[str, Any], Any, float | None]:
+    """``loop`` (a main model and a critic) trained as this rank of the job: both models'
+    parameters (the critic's under ``critic.``), the summary, and the fp16 loss scale the run
+    ended with (None without one)."""
     run = dtrain.Run.join(build_job_config(raw))
-    summary = run.train(lambda r: gan_loop(r, signal_at))
+    summary = run.train(loop)
     params = params_of(run.trainer)
     critic = run._wrapped["critic"].strategy.model_state_dict()  # collective under fsdp
     params.update({f"critic.{k}": v.detach().cpu().numpy().copy() for k, v in critic.items()})
-    scaler = run.trainer.scaler  # fp16-mixed: the loss scale the run ended with
-    return {
-        "params": params,
-        "preempted": summary.preempted,
-        "steps": summary.steps,
-        "scale": None if scaler is None else scaler.scale,
-    }
+    scaler = run.trainer.scaler
+    return params, summary, None if scaler is None else scaler.scale
 
 
 def models_mistake(raw: dict[str, Any], kind: str) -> str:
@@ -350,32 +362,19 @@ def half_ring_gan(raw: dict[str, Any], exact: bool = False) -> dict[str, Any]:
                 run.backward(losses[real[:, 0] > 0])
             run.step()
 
-    run = dtrain.Run.join(build_job_config(raw))
-    run.train(loop)
-    params = params_of(run.trainer)
-    critic = run._wrapped["critic"].strategy.model_state_dict()
-    params.update({f"critic.{k}": v.detach().cpu().numpy().copy() for k, v in critic.items()})
-    return params
+    return train_two_models(raw, loop)[0]
 
 
 def leave_stream(raw: dict[str, Any], leaving: list[int], after: int) -> dict[str, Any]:
     """The tiny loop, where the ranks in ``leaving`` ``break`` out of ``run.batches()`` after
     step ``after`` and the others go on: what each rank said (one line; "" if none) and did."""
     from dtrain.fault.peer_failure import PeerFailure
-    from tests.tasks import tiny_gpt
 
-    def loop(run: dtrain.Run) -> None:
-        task = tiny_gpt(run.config)
-        model, _ = run.prepare(task.model, task.train_data, collate_fn=task.collate_fn)
-        for batch in run.batches():
-            for inputs, targets in batch:
-                run.backward(task.loss_fn(model(inputs), targets))
-            run.step()
-            if run.rank in leaving and run.step_count == after:
-                break
+    def leaves(run: dtrain.Run) -> bool:
+        return run.rank in leaving and run.step_count == after
 
     try:
-        return {"said": "", **train_own_loop(raw, loop)}
+        return {"said": "", **train_own_loop(raw, lambda run: tiny_loop(run, leaves))}
     except (UserError, PeerFailure) as exc:
         return {"said": str(exc)}
 
@@ -386,16 +385,10 @@ def notebook(config: str) -> dict[str, Any]:
     by hand and ended by ``run.finish()``; and a mistaken override."""
     from dtrain.errors import ConfigError
     from dtrain.train.job import load_job_config
-    from tests.tasks import tiny_gpt
 
     first = dtrain.Run.from_config(config, "--train.steps=3").train(example_main)
     run = dtrain.Run.from_config(load_job_config(config), "--train.steps=5")
-    task = tiny_gpt(run.config)
-    model, _ = run.prepare(task.model, task.train_data, collate_fn=task.collate_fn)
-    for batch in run.batches():
-        for inputs, targets in batch:
-            run.backward(task.loss_fn(model(inputs), targets))
-        run.step()
+    tiny_loop(run)  # as a notebook's cell would write it, then:
     second = run.finish()
     try:
         dtrain.Run.from_config(config, "--train.stepz=3")
@@ -432,10 +425,5 @@ def loud_critic_gan(raw: dict[str, Any]) -> dict[str, Any]:
                 run.backward(F.softplus(-critic(generator(latents)).squeeze(1)))
             run.step()
 
-    run = dtrain.Run.join(build_job_config(raw))
-    run.train(loop)
-    params = params_of(run.trainer)
-    critic = run._wrapped["critic"].strategy.model_state_dict()
-    params.update({f"critic.{k}": v.detach().cpu().numpy().copy() for k, v in critic.items()})
-    assert run.trainer.scaler is not None
-    return {"params": params, "scale": run.trainer.scaler.scale}
+    params, _, scale = train_two_models(raw, loop)
+    return {"params": params, "scale": scale}
