@@ -7,11 +7,13 @@ Run it from the repository root (``pip install 'dtrain[hf]'``); the model's size
 ``examples/hf_gpt2.toml``'s ``[task]`` (``run.task = "examples.hf_gpt2:build"``, whose loop this
 replaces), or ``hf_gpt2.GPT2Options``'s defaults under a config that names another task::
 
-    dtrain train examples/hf_gpt2.toml --run.script=examples/own_loop_hf.py --nproc 2
-    torchrun --nproc-per-node 2 -m examples.own_loop_hf examples/hf_gpt2.toml
-    python -m examples.own_loop_hf examples/hf_gpt2.toml --train.steps=50
+    dtrain train examples/hf_gpt2.toml --run.script=examples/own_loop_hf.py --nproc 2 \
+        --run.dir=runs/own-loop-hf
+    torchrun --nproc-per-node 2 -m examples.own_loop_hf examples/hf_gpt2.toml --run.dir=...
+    python -m examples.own_loop_hf examples/hf_gpt2.toml --train.steps=50 --run.dir=...
 
-Under ddp, allreduce and fsdp it equals one process within 1e-5
+(a run folder of its own: ``hf_gpt2.toml``'s is dtrain's loop's, which it would resume). On 2
+ranks under ddp and fsdp it equals one process within 1e-5
 (``tests/test_hf.py::test_the_hf_gpt2_own_loop_equals_one_process_under_ddp_and_fsdp``).
 """
 
