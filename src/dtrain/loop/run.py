@@ -296,17 +296,7 @@ class Run:
         """Backward of this micro-batch's per-item losses (``reduction="none"``, checked as
         dtrain's loop checks ``Task.loss_fn``), scaled so that the step's gradient is that of
         the mean over every item of the global batch, whatever each rank holds."""
-        batch = self._batch
-        if batch is None or batch.current < 0:
-            raise UserError(
-                "run.backward() outside a batch: call it for each micro-batch of "
-                "`for inputs, targets in batch`, where `batch` comes from run.batches()"
-            )
-        if batch.current in batch.done:
-            raise UserError(
-                "run.backward() twice for one micro-batch: add the losses (per item) and call "
-                "it once"
-            )
+        batch = Batch.training(self._batch)
         contract = self.trainer.forward_backward.contract
         if contract is not None:
             contract.check(losses, batch.micro[batch.current][1])
@@ -323,19 +313,8 @@ class Run:
         """After the batch's backward: gradients synchronized, clipped (``train.grad_clip``),
         the optimizer and the schedule stepped, then what follows every step in dtrain's loop
         (NaN guard, metrics, evaluation, checkpoints). Returns whether every rank stops now."""
-        batch, loop = self._batch, self._loop
-        if batch is None or loop is None:
-            raise UserError("run.step() outside the loop: call it once per run.batches() batch")
-        if self._loss_sum is None:
-            raise UserError(
-                f"run.step() before run.backward(): step {self.trainer.step + 1} has no "
-                "gradient; call run.backward(per-item losses) for each of its micro-batches"
-            )
-        if len(batch.done) != len(batch.micro):
-            raise UserError(
-                f"run.step() after the backward of {len(batch.done)} of the step's "
-                f"{len(batch.micro)} micro-batches: call run.backward() for each"
-            )
+        (batch, loss_sum), loop = Batch.stepping(self._batch, self._loss_sum), self._loop
+        assert loop is not None  # a batch is only taken while the loop is open
         trainer = self.trainer
         self._check_watch()
         if self._watch is not None:
@@ -354,7 +333,7 @@ class Run:
             if not causes.preempted:  # wishes only: the step ends as any step, then the run
                 agreement.stop, wished = False, causes.reasons
         stopped = trainer.end_step(
-            loop, batch.step_batch, self._loss_sum, agreement, trainer.logs_now(), self._preempt
+            loop, batch.step_batch, loss_sum, agreement, trainer.logs_now(), self._preempt
         )
         self._batch, self._loss_sum = None, None
         if wished:
@@ -411,22 +390,15 @@ class Run:
         (``train.grad_clip``), stepped when their norm is finite (a skip is an event; fp16's
         overflow halves the loss scale at the step's end) -- then every model's gradients are
         dropped; the next phase iterates the batch again. Returns the global gradient norm."""
-        batch = self._batch
         wrapped = next((w for w in self._wrapped.values() if w.optimizer is optimizer), None)
         if wrapped is None:
             raise UserError(
                 "run.update() of an optimizer run.wrap() did not return: the main optimizer "
                 "steps with run.step(), a further model's is the one run.wrap() returned"
             )
-        if batch is None or self._loss_sum is None or len(batch.done) != len(batch.micro):
-            done = 0 if batch is None else len(batch.done)
-            total = "the step's" if batch is None else f"the step's {len(batch.micro)}"
-            raise UserError(
-                f"run.update() after the backward of {done} of {total} micro-batches in this "
-                "phase: call run.backward() for each, then run.update()"
-            )
+        batch, loss_sum = Batch.updating(self._batch, self._loss_sum)
         self._check_watch()
-        norm = update_wrapped(self.trainer, wrapped, self._strategies(), self._loss_sum)
+        norm = update_wrapped(self.trainer, wrapped, self._strategies(), loss_sum)
         batch.done.clear()
         self._loss_sum = None  # the step's logged loss: that of the main optimizer's phase
         return norm
