@@ -10,11 +10,12 @@ written out per step and rank for the others), with the same optimizer (AdamW, c
 weight decay, no clipping), global batch, seed and step count, on 2 processes of 1 thread each
 under torch's elastic launcher: ``torchrun`` for the raw loop (``peer_raw.py``), Accelerate
 (``peer_accelerate.py``) and Fabric (``peer_fabric.py``); ``dtrain train --run.task=...`` for
-dtrain's ``ddp`` and ``allreduce``, as a user runs it (the CLI, reading its ``metrics.jsonl``:
-what dtrain costs includes its launcher, its loop and its defaults, which a call to
-``Trainer.fit`` in a test harness would leave out). Every runner sums gradients through gloo on
-loopback (dtrain's default ``comm.transport = "backend"``); dtrain's task declares nothing, as
-the README's does, except in the row that declares ``Task.items_per_sample``.
+dtrain's ``ddp`` and ``allreduce``, and with ``--run.script=peer_own_loop.py`` for the same
+task in a loop of the user's own (``dtrain.Run``), as a user runs it (the CLI, reading its
+``metrics.jsonl``: what dtrain costs includes its launcher, its loop and its defaults, which a
+call to ``Trainer.fit`` in a test harness would leave out). Every runner sums gradients through
+gloo on loopback (dtrain's default ``comm.transport = "backend"``); dtrain's task declares
+nothing, as the README's does, except in the row that declares ``Task.items_per_sample``.
 
 Runners alternate (A B C D E, then E D C B A, ...) over ``--repeats`` rounds. A run reports, for
 each rank, the end time of every optimizer step (a global post-hook on ``Optimizer.step``: the
@@ -67,7 +68,7 @@ from dtrain.data.partition import OrderSpec, plan_steps
 
 HERE = Path(__file__).resolve().parent
 SECTION = "bench_peers"
-RUNNERS = ("raw", "ddp", "ddp-declared", "allreduce", "accelerate", "fabric")
+RUNNERS = ("raw", "ddp", "own-loop", "ddp-declared", "allreduce", "accelerate", "fabric")
 # Which package each peer needs; dtrain's rows and the raw loop need only torch.
 PACKAGES = {"accelerate": "accelerate", "fabric": "lightning"}
 SCRIPTS = {"raw": "peer_raw.py", "accelerate": "peer_accelerate.py", "fabric": "peer_fabric.py"}
@@ -77,6 +78,8 @@ DTRAIN = {
     "ddp": ["ddp"],
     "allreduce": ["allreduce"],
     "ddp-declared": ["ddp", "--task.declare_items=true"],  # Task.items_per_sample given
+    # The same task in a loop of the user's own (dtrain.Run), under ddp.
+    "own-loop": ["ddp", f"--run.script={HERE / 'peer_own_loop.py'}"],
     # Gradients summed through a shared-memory segment (dtrain.ext.shm, opt-in).
     "ddp-shm": ["ddp", "--comm.transport=auto"],
     "ddp-pinned": ["ddp", "--dist.pin_cores=true"],  # weak scaling: what binding gives
@@ -84,6 +87,7 @@ DTRAIN = {
 LABELS = {
     "raw": "raw PyTorch DDP loop (peer_raw.py)",
     "ddp": "dtrain ddp",
+    "own-loop": "dtrain own loop (dtrain.Run, ddp; peer_own_loop.py)",
     "allreduce": "dtrain allreduce",
     "accelerate": "Hugging Face Accelerate",
     "fabric": "Lightning Fabric",
@@ -320,7 +324,10 @@ def run_once(
             json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
         ]
         windows = [float(r["loss"]) for r in records if r.get("kind") == "train"]
-        val_loss = float(next(r for r in records if r.get("kind") == "summary")["val_loss"])
+        summary = next(r for r in records if r.get("kind") == "summary")
+        # An own loop's evaluation is its own (run.evaluate), logged before the summary.
+        evals = [r["val_loss"] for r in records if r.get("kind") == "eval"]
+        val_loss = float(summary["val_loss"] if summary.get("val_loss") is not None else evals[-1])
     else:
         losses = reports[0]["step_losses"]
         windows = [

@@ -39,6 +39,7 @@ BERT_TASK = {
     "val_size": 16,
 }
 BATCH = 8
+OWN_LOOP_HF = Path(hf_gpt2.__file__).parent / "own_loop_hf.py"
 
 
 def hf_raw(run_dir: Path, model: str, **sections: dict[str, Any]) -> dict[str, Any]:
@@ -86,6 +87,11 @@ def train_each(raws: list[dict[str, Any]]) -> list[dict[str, Any]]:
         trainer = None
         hook: dict[str, Any] = {}
         try:
+            if raw["run"].get("script"):  # a loop of the user's own: its logged losses
+                train_script(raw)
+                seconds = time.perf_counter() - started
+                out.append({"losses": logged_losses(raw["run"]["dir"]), "seconds": seconds})
+                continue
             trainer = make_trainer(raw)
             if trainer.task.after_training is not None:
                 trainer.task.after_training = probe_after_training(
@@ -110,6 +116,15 @@ def train_each(raws: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def train_script(raw: dict[str, Any]) -> None:
+    """``run.script``'s ``main(run)`` trained as this rank of the job."""
+    import dtrain
+    from dtrain.loop.script import load_main
+    from dtrain.train.job import build_job_config
+
+    dtrain.Run.join(build_job_config(raw)).train(load_main(raw["run"]["script"]))
+
+
 PIPELINE = {"name": "pipeline", "pipeline_stages": 2, "pipeline_schedule": "gpipe"}
 STRATEGIES: dict[str, dict[str, Any]] = {
     "ddp": {"name": "ddp"},
@@ -121,7 +136,8 @@ STRATEGIES: dict[str, dict[str, Any]] = {
 
 def hf_run_configs(root: Path) -> dict[str, dict[str, Any]]:
     """Every Hugging Face run the tests read, in the order one launch trains them: GPT-2 and
-    BERT under each strategy (10 steps, evaluated and saved at the end), a loss written as
+    BERT under each strategy (10 steps, evaluated and saved at the end), GPT-2 in
+    examples/own_loop_hf.py's loop under ddp and fsdp, a loss written as
     Hugging Face shifts it with the default count, a run starting from the fsdp GPT-2's
     weights and one whose model has another shape."""
     raws: dict[str, dict[str, Any]] = {}
@@ -131,6 +147,11 @@ def hf_run_configs(root: Path) -> dict[str, dict[str, Any]]:
             raws[f"{model}-{name}"] = hf_raw(
                 root / f"{model}-{name}", model, strategy=strategy, data=micro
             )
+    for name in ("ddp", "fsdp"):  # examples/own_loop_hf.py: the same job in a loop of its own
+        own = {"script": str(OWN_LOOP_HF)}
+        raws[f"gpt2-own-{name}"] = hf_raw(
+            root / f"gpt2-own-{name}", "gpt2", run=own, strategy={"name": name}
+        )
     shifted = hf_raw(root / "shifted", "gpt2", strategy={"name": "ddp"})
     shifted["run"]["task"] = "tests.hf_helpers:gpt2_user_shifted_loss"
     raws["shifted"] = shifted

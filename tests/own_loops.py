@@ -19,8 +19,9 @@ from dtrain.fault.failpoints import set_handler
 from dtrain.train.job import build_job_config
 from tests.dist_helpers import params_of
 
-# "RANK:STEP": that rank kills itself (kill -9) as it starts that step, in the first attempt
-# of the run only (a file in the run folder remembers it); for run.script under `dtrain train`.
+# "RANK:STEP[:SIGNAL]": that rank sends itself SIGNAL (SIGKILL: kill -9) as it starts that
+# step, in the first attempt of the run only (a file in the run folder remembers it); for
+# run.script under `dtrain train`.
 KILL_ENV = "DTRAIN_TEST_OWN_LOOP_KILL"
 
 
@@ -28,14 +29,14 @@ def main(run: dtrain.Run) -> None:
     """The example's loop; killed once where ``KILL_ENV`` says."""
     where = os.environ.get(KILL_ENV)
     if where:
-        rank, step = (int(v) for v in where.split(":"))
+        rank, step, *sent = where.split(":")
         stamp = Path(run.config.run.dir) / "killed-once"
 
         def kill(name: str, **args: Any) -> None:
-            at = name == "train.step" and args["step"] == step and run.rank == rank
+            at = name == "train.step" and args["step"] == int(step) and run.rank == int(rank)
             if at and not stamp.exists():
                 stamp.write_text("")
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), getattr(signal, sent[0] if sent else "SIGKILL"))
 
         set_handler(kill)
     example_main(run)
@@ -78,22 +79,29 @@ def signal_at_step(raw: dict[str, Any], rank: int, step: int, signame: str) -> d
     return train_own_loop(raw, loop)
 
 
+def tiny_loop(run: dtrain.Run, after_step: Callable[[dtrain.Run], bool] | None = None) -> None:
+    """The tiny GPT's loop; ``after_step(run)`` after each step, True to leave the loop."""
+    from tests.tasks import tiny_gpt
+
+    task = tiny_gpt(run.config)
+    model, _ = run.prepare(task.model, task.train_data, collate_fn=task.collate_fn)
+    for batch in run.batches():
+        for inputs, targets in batch:
+            run.backward(task.loss_fn(model(inputs), targets))
+        run.step()
+        if after_step is not None and after_step(run):
+            break
+
+
 def save_after_step(raw: dict[str, Any], step: int) -> list[str]:
-    """The example's loop, with ``run.save()`` after ``step``; the checkpoints it left."""
+    """The tiny loop, with ``run.save()`` after ``step``; the checkpoints it left."""
 
-    def loop(run: dtrain.Run) -> None:
-        from tests.tasks import tiny_gpt
+    def save(run: dtrain.Run) -> bool:
+        if run.step_count == step:
+            run.save()
+        return False
 
-        task = tiny_gpt(run.config)
-        model, _ = run.prepare(task.model, task.train_data, collate_fn=task.collate_fn)
-        for batch in run.batches():
-            for inputs, targets in batch:
-                run.backward(task.loss_fn(model(inputs), targets))
-            run.step()
-            if run.step_count == step:
-                run.save()
-
-    train_own_loop(raw, loop)
+    train_own_loop(raw, lambda run: tiny_loop(run, save))
     return sorted(p.name for p in (Path(raw["run"]["dir"]) / "checkpoints").iterdir())
 
 
@@ -109,6 +117,8 @@ def mistake(raw: dict[str, Any], kind: str) -> str:
             for _ in run.batches():
                 run.register(extra=model)
         for batch in run.batches():
+            if kind == "leave mid step" and run.step_count == 1:
+                break  # step 2's batch taken, never stepped
             for inputs, targets in batch:
                 losses = task.loss_fn(model(inputs), targets)
                 if kind == "mean loss":
@@ -150,6 +160,7 @@ def evaluate_and_reduce(raw: dict[str, Any], samples: int) -> dict[str, Any]:
         mine = float(run.rank + 1)
         out["reduce"] = {op: run.reduce(mine, op) for op in ("sum", "mean", "max", "min")}
         out["reduce_tensor"] = run.reduce(torch.full((2,), mine), "sum").tolist()
+        run.log(ranks_summed=out["reduce"]["sum"])  # a record of the loop's own
 
     train_own_loop(raw, loop)
     return out
@@ -242,12 +253,23 @@ def gan_params(
 ) -> dict[str, Any]:
     """:func:`gan_loop` trained as this rank of the job: both models' parameters (the
     critic's under ``critic.``), whether it was preempted, its steps."""
+    params, summary, _ = train_two_models(raw, lambda r: gan_loop(r, signal_at))
+    return {"params": params, "preempted": summary.preempted, "steps": summary.steps}
+
+
+def train_two_models(
+    raw: dict[str, Any], loop: Callable[[dtrain.Run], object]
+) -> tuple[dict[str, Any], Any, float | None]:
+    """``loop`` (a main model and a critic) trained as this rank of the job: both models'
+    parameters (the critic's under ``critic.``), the summary, and the fp16 loss scale the run
+    ended with (None without one)."""
     run = dtrain.Run.join(build_job_config(raw))
-    summary = run.train(lambda r: gan_loop(r, signal_at))
+    summary = run.train(loop)
     params = params_of(run.trainer)
     critic = run._wrapped["critic"].strategy.model_state_dict()  # collective under fsdp
     params.update({f"critic.{k}": v.detach().cpu().numpy().copy() for k, v in critic.items()})
-    return {"params": params, "preempted": summary.preempted, "steps": summary.steps}
+    scaler = run.trainer.scaler
+    return params, summary, None if scaler is None else scaler.scale
 
 
 def models_mistake(raw: dict[str, Any], kind: str) -> str:
@@ -340,9 +362,68 @@ def half_ring_gan(raw: dict[str, Any], exact: bool = False) -> dict[str, Any]:
                 run.backward(losses[real[:, 0] > 0])
             run.step()
 
-    run = dtrain.Run.join(build_job_config(raw))
-    run.train(loop)
-    params = params_of(run.trainer)
-    critic = run._wrapped["critic"].strategy.model_state_dict()
-    params.update({f"critic.{k}": v.detach().cpu().numpy().copy() for k, v in critic.items()})
-    return params
+    return train_two_models(raw, loop)[0]
+
+
+def leave_stream(raw: dict[str, Any], leaving: list[int], after: int) -> dict[str, Any]:
+    """The tiny loop, where the ranks in ``leaving`` ``break`` out of ``run.batches()`` after
+    step ``after`` and the others go on: what each rank said (one line; "" if none) and did."""
+    from dtrain.fault.peer_failure import PeerFailure
+
+    def leaves(run: dtrain.Run) -> bool:
+        return run.rank in leaving and run.step_count == after
+
+    try:
+        return {"said": "", **train_own_loop(raw, lambda run: tiny_loop(run, leaves))}
+    except (UserError, PeerFailure) as exc:
+        return {"said": str(exc)}
+
+
+def notebook(config: str) -> dict[str, Any]:
+    """``dtrain.Run.from_config`` as a notebook uses it, twice in one process: 3 steps of the
+    example by ``run.train``, then the run resumed from a ``Config`` with 2 more steps, driven
+    by hand and ended by ``run.finish()``; and a mistaken override."""
+    from dtrain.errors import ConfigError
+    from dtrain.train.job import load_job_config
+
+    first = dtrain.Run.from_config(config, "--train.steps=3").train(example_main)
+    run = dtrain.Run.from_config(load_job_config(config), "--train.steps=5")
+    tiny_loop(run)  # as a notebook's cell would write it, then:
+    second = run.finish()
+    try:
+        dtrain.Run.from_config(config, "--train.stepz=3")
+        mistaken = "no error"
+    except ConfigError as exc:
+        mistaken = str(exc)
+    return {
+        "first": (first.start_step, first.steps),
+        "second": (second.start_step, second.steps),
+        "mistaken": mistaken,
+    }
+
+
+def loud_critic_gan(raw: dict[str, Any]) -> dict[str, Any]:
+    """The GAN's two phases with the critic's losses 2**10 times the generator's: under
+    fp16-mixed its gradients overflow float16 at loss scales the generator's do not. Both
+    models' parameters (the critic's under ``critic.``) and the loss scale the run ended with."""
+    import torch
+    import torch.nn.functional as F
+    from examples.own_loop_gan import LATENT, MLP, RingSamples, samples
+
+    def loop(run: dtrain.Run) -> None:
+        generator, _ = run.prepare(MLP(LATENT, 16, 2), RingSamples(256), count_items=samples)
+        critic, critic_optimizer = run.wrap("critic", MLP(2, 16, 1), optimizer=sgd)
+        assert critic_optimizer is not None
+        for batch in run.batches():
+            for latents, real in batch:
+                with torch.no_grad():
+                    fake = generator(latents)
+                real_scores, fake_scores = critic(torch.cat([real, fake])).squeeze(1).chunk(2)
+                run.backward((F.softplus(-real_scores) + F.softplus(fake_scores)) * 2.0**10)
+            run.update(critic_optimizer)
+            for latents, _real in batch:
+                run.backward(F.softplus(-critic(generator(latents)).squeeze(1)))
+            run.step()
+
+    params, _, scale = train_two_models(raw, loop)
+    return {"params": params, "scale": scale}

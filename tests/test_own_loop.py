@@ -14,12 +14,14 @@ import pytest
 
 from dtrain.config.load import build_config
 from dtrain.errors import ConfigError
+from dtrain.train.job import build_job_config
 from dtrain.weights.init_from import read_weights
 from tests.conftest import REPO, tiny_raw
 from tests.dist_helpers import train_params
 from tests.own_loops import (
     KILL_ENV,
     mistake,
+    notebook,
     own_loop_params,
     save_after_step,
     signal_at_step,
@@ -148,6 +150,51 @@ def test_a_kill_9_under_dtrain_train_resumes_bit_identically(tmp_path: Path) -> 
         assert reference[key].equal(resumed[key]), key
 
 
+# 40 samples at a global batch of 8: 5 steps an epoch, so the resumed run crosses epochs.
+AUDITED = {"task": {"samples": 40}, "fault": {"audit_sample_ids": True}}
+
+
+@pytest.mark.parametrize(
+    "launch",
+    # Under `dtrain train` (the job's exit code): two launches, ~30 s loaded; the default
+    # suite stops the same loop in-process (run_ranks).
+    ["ranks", pytest.param("dtrain train", marks=pytest.mark.slow)],
+)
+def test_sigterm_saves_exits_0_and_a_resume_on_3_ranks_keeps_every_sample_once(
+    tmp_path: Path, launch: str
+) -> None:
+    import os
+
+    from tests.audit import check_stream, read_trajectory
+
+    # 2 ranks: rank 1 gets SIGTERM as it starts step 5; every rank stops after it, saved.
+    run_dir = tmp_path / "run"
+    raw = tiny_raw(run_dir, train={"steps": 12}, **AUDITED)
+    if launch == "ranks":
+        stopped = run_ranks(signal_at_step, 2, raw, 1, 5, "SIGTERM")
+        assert [s["steps"] for s in stopped] == [5, 5]
+    else:
+        config = tmp_path / "job.toml"
+        config.write_text(build_job_config(raw).to_toml())
+        os.environ[KILL_ENV] = "1:5:SIGTERM"
+        try:
+            result = run_cli("train", str(config), f"--run.script={SCRIPT}", "--nproc", "2")
+        finally:
+            del os.environ[KILL_ENV]
+        assert result.returncode == 0, result.stderr[-3000:]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert (status["state"], status["step"]) == ("preempted", 5)
+    assert (run_dir / "checkpoints/step-00000005/COMMITTED.json").exists()
+    # Resumed by the own loop on 3 ranks: each sample once per epoch, no position skipped.
+    run_ranks(own_loop_params, 3, raw)
+    trajectory = read_trajectory(run_dir)
+    assert sorted(trajectory) == list(range(1, 13))
+    assert {len(trajectory[step].ids) for step in trajectory} == {8}
+    checked = check_stream(trajectory, 40)
+    assert checked.exactly_once and not checked.gaps, checked
+    assert checked.positions == 12 * 8
+
+
 def test_one_process_runs_the_example_with_python(tmp_path: Path) -> None:
     import subprocess
     import sys
@@ -165,6 +212,18 @@ def test_one_process_runs_the_example_with_python(tmp_path: Path) -> None:
     assert (tmp_path / "run" / "checkpoints" / "step-00000003" / "COMMITTED.json").exists()
 
 
+def test_run_from_config_trains_and_resumes_in_one_process_as_a_notebook_does(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    config = write_tiny_config(tmp_path / "job.toml", run_dir)
+    done = run_ranks(notebook, 1, str(config), init_group=False)[0]
+    assert done["first"] == (0, 3) and done["second"] == (3, 5)
+    assert (run_dir / "checkpoints/step-00000005/COMMITTED.json").exists()
+    assert "steps = 5" in (run_dir / "config.toml").read_text()
+    assert "train.stepz" in done["mistaken"] and "\n" not in done["mistaken"]
+
+
 def test_run_save_checkpoints_between_two_steps(tmp_path: Path) -> None:
     raw = tiny_raw(tmp_path / "run", train={"steps": 4})  # checkpoint.every = 0: the end's only
     saved = run_ranks(save_after_step, 1, raw, 2)[0]
@@ -177,12 +236,28 @@ def test_run_save_checkpoints_between_two_steps(tmp_path: Path) -> None:
         ("step before backward", ["run.step() before run.backward(): step 1 has no gradient"]),
         ("register after start", ["run.register(extra) after the loop started"]),
         ("mean loss", ["run.backward() got 1 value(s)", 'looks reduced: use reduction="none"']),
+        ("leave mid step", ["rank 0 left run.batches() in the middle of step 2, before its"]),
     ],
 )
 def test_a_mistake_in_the_loop_is_one_line(tmp_path: Path, kind: str, says: list[str]) -> None:
     said = run_ranks(mistake, 1, tiny_raw(tmp_path / "run", train={"steps": 2}), kind)[0]
     assert [part for part in says if part not in said] == []
     assert "\n" not in said
+
+
+def test_lines_of_code_count_code_only_and_the_own_loop_s_job_is_the_shortest() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("loc_count", REPO / "benchmarks/loc/count.py")
+    assert spec is not None and spec.loader is not None
+    count = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(count)
+    snippet = '"""Doc.\n\nMore."""\n\nimport os  # why\n# alone\n\ndef f():\n    """Doc."""\n'
+    assert count.python_lines(snippet + "    return (1,\n            2)\n") == 4
+    assert count.config_lines("# a comment\n[train]\n\nsteps = 60\n") == 2
+    totals = {name: sum(map(count.count, paths)) for name, paths in count.JOBS.items()}
+    ours = totals.pop("dtrain own loop")
+    assert len(totals) == 2 and ours < min(totals.values())
 
 
 def test_a_strategy_that_owns_the_step_is_refused_before_any_worker_starts() -> None:

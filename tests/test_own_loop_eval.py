@@ -2,7 +2,7 @@
 docs/own-loop.md): the evaluation's means count every item of the set once at any world size
 (2 ranks equal one process, for a set that does not divide evenly), the reductions are over
 the ranks, and one rank's wish to stop stops every rank after the same step, completed and
-saved."""
+saved; a rank that leaves the stream while the others go on is named on every rank."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from tests.own_loops import (
     early_stop_example,
     evaluate_and_reduce,
     evaluation_mistake,
+    leave_stream,
     stop_on_one_rank,
 )
 from tests.ranks import run_ranks
@@ -56,6 +57,9 @@ def test_an_own_evaluation_on_two_ranks_equals_one_process(tmp_path: Path, strat
     assert two[0]["reduce"] == two[1]["reduce"] == {"sum": 3, "mean": 1.5, "max": 2, "min": 1}
     assert two[1]["reduce_tensor"] == [3.0, 3.0]
     assert one["reduce"] == {"sum": 1, "mean": 1, "max": 1, "min": 1}
+    lines = (tmp_path / "2" / "metrics.jsonl").read_text().splitlines()
+    (logged,) = [r for r in map(json.loads, lines) if r.get("name") == "log"]
+    assert (logged["kind"], logged["step"], logged["ranks_summed"]) == ("event", 2, 3)
 
 
 def test_one_rank_s_stop_stops_every_rank_after_the_same_step_saved(tmp_path: Path) -> None:
@@ -73,6 +77,24 @@ def test_one_rank_s_stop_stops_every_rank_after_the_same_step_saved(tmp_path: Pa
     (summary,) = [r for r in records if r.get("kind") == "summary"]
     assert (summary["state"], summary["step"]) == ("completed", 6)
     assert summary["stopped"] == "rank 1 had enough"
+
+
+def test_a_rank_that_leaves_the_stream_alone_is_named_on_every_rank(tmp_path: Path) -> None:
+    # Rank 1 breaks out of run.batches() after step 3, rank 0 goes on: rank 1 learns it from
+    # rank 0's beat and says so; rank 0's gradient sync of step 4 fails at once, quoting it.
+    # (Before: both waited until the collective timeout, then blamed a checkpoint's commit.)
+    raw = tiny_raw(tmp_path / "run", train={"steps": 5})
+    said = [r["said"] for r in run_ranks(leave_stream, 2, raw, [1], 3)]
+    words = "rank 1 left run.batches() after step 3 while rank 0 went on to step 4"
+    assert said[1].startswith(words) and "run.stop(reason)" in said[1]
+    assert said[0].startswith("rank 0 (") and "at step 4 in forward_backward" in said[0]
+    assert words in said[0]
+    assert "\n" not in said[0] + said[1]
+    # Every rank leaving after the same step is no mistake: the run ends there, saved.
+    raw = tiny_raw(tmp_path / "both", train={"steps": 5})
+    together = run_ranks(leave_stream, 2, raw, [0, 1], 3)
+    assert [(r["said"], r["steps"], r["preempted"]) for r in together] == [("", 3, "")] * 2
+    assert (tmp_path / "both/checkpoints/step-00000003/COMMITTED.json").exists()
 
 
 def test_the_early_stop_example_stops_every_rank_after_the_step_that_follows_its_decision(

@@ -6,13 +6,20 @@ wrapped, and the other mistakes of further models, are one line."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.conftest import REPO, tiny_raw
-from tests.own_loops import frozen_teacher, gan_params, half_ring_gan, models_mistake
+from tests.own_loops import (
+    frozen_teacher,
+    gan_params,
+    half_ring_gan,
+    loud_critic_gan,
+    models_mistake,
+)
 from tests.ranks import run_ranks
 from tests.test_cli import run_cli, write_tiny_config
 from tests.test_ddp import assert_params_close
@@ -84,6 +91,30 @@ def test_sigterm_stops_two_optimizers_and_resumes_bit_identically(
     assert (run_dir / "checkpoints" / "step-00000006" / saved_as).exists()
     resumed = run_ranks(gan_params, 2, tiny_raw(run_dir, job))
     assert_bit_equal(reference[0]["params"], resumed[0]["params"])
+
+
+def test_a_further_optimizer_s_fp16_overflow_skips_it_and_halves_the_loss_scale(
+    tmp_path: Path,
+) -> None:
+    # fp16-mixed from a loss scale of 2**14: the critic's gradients (its losses 2**10 times the
+    # generator's) overflow float16, the generator's do not. Each such step the critic's update
+    # is skipped on every rank and the scale halved once at the step's end (as torch's
+    # GradScaler halves once for any of a step's optimizers), until it fits; the generator
+    # steps throughout. (Before: the scale never fell, and the critic never trained.)
+    run_dir = tmp_path / "run"
+    fp16 = {"steps": 10, "precision": "fp16-mixed", "loss_scale_init": 2.0**14}
+    ranks = run_ranks(loud_critic_gan, 2, tiny_raw(run_dir, **{**UNEVEN, "train": fp16}))
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    events = [r for r in map(json.loads, lines) if r.get("kind") == "event"]
+    skipped = [
+        (e["step"], e["model"], e["loss_scale"]) for e in events if e["name"] == "skipped_update"
+    ]
+    assert 2 <= len(skipped) < 10, skipped
+    assert skipped == [(s + 1, "critic", 2.0 ** (14 - s)) for s in range(len(skipped))]
+    assert not [e for e in events if e["name"] in ("overflow", "step_skipped", "rollback")]
+    assert ranks[0]["scale"] == ranks[1]["scale"] == 2.0 ** (14 - len(skipped))
+    assert_bit_equal(ranks[0]["params"], ranks[1]["params"])
+    assert all(np.isfinite(v).all() for v in ranks[0]["params"].values())
 
 
 @pytest.mark.parametrize(

@@ -41,17 +41,14 @@ if TYPE_CHECKING:
 def load_worker_config(argv: Sequence[str]) -> Config:
     """The config, checked by its rules once: by the ``dtrain train`` that wrote this config
     file, or here, at this worker's world size (plain ``torchrun``, or overrides of ours)."""
-    from dtrain.comm.transport import check_transport_job
-    from dtrain.config.job import CHECKED_ENV, JobShape, validate_job
-    from dtrain.train.job import load_job_config
+    from dtrain.config.job import CHECKED_ENV
+    from dtrain.train.job import check_at_world, load_job_config
 
     path = argv[0] if argv and not argv[0].startswith("--") else None
     overrides = list(argv[1:] if path else argv)
     cfg = load_job_config(path, overrides)
     if overrides or path is None or os.environ.get(CHECKED_ENV) != path:
-        shape = JobShape.of_world(int(os.environ.get("WORLD_SIZE", "1")))
-        validate_job(cfg, shape)
-        check_transport_job(cfg, shape.max_nodes, shape.nnodes)  # an extension's own rules
+        check_at_world(cfg)
     return cfg
 
 

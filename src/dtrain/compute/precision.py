@@ -92,8 +92,16 @@ class LossScaler:
         self.growth_interval = growth_interval
         self.min_scale = min_scale
         self.good_steps = 0  # steps since the last overflow or growth
+        self._noted = False  # an update within the step overflowed (note_overflow)
+
+    def note_overflow(self) -> None:
+        """An update within the step overflowed (a further optimizer's, in a loop of the
+        user's own: skipped): the step's :meth:`update` counts it as the step's overflow, as
+        torch's ``GradScaler`` halves once for any of a step's optimizers."""
+        self._noted = True
 
     def update(self, overflowed: bool) -> None:
+        overflowed, self._noted = overflowed or self._noted, False
         if overflowed:
             self.scale = max(self.min_scale, self.scale / 2)
             self.good_steps = 0

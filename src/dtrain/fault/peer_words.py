@@ -32,13 +32,20 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from dtrain.comm.plain import all_gather_json
 from dtrain.dist import sealed_store
 from dtrain.dist.runtime import store_namespace
+from dtrain.fault.liveness import Liveness
 from dtrain.fault.peer_failure import PeerFailure
 from dtrain.fault.watchdog import Watchdog
+
+# Called at each look (about every second) with the latest beats of the ranks this rank
+# watches (the collector: every rank not yet heard from; the others: the collector); raises to
+# end the wait (a rank's beat shows it will never post its word).
+BeatsWatch = Callable[[dict[int, Liveness | None]], None]
 
 _POLL_S = (0.02, 0.25)  # the first and the longest pause between two looks at the store
 _COLLECTOR = 0
@@ -59,10 +66,11 @@ class PeerWords:
         """A piece of this rank's own share is done (its progress mark)."""
         self.watchdog.tick()
 
-    def gather(self, key: str, word: str, what: str) -> list[str]:
+    def gather(self, key: str, word: str, what: str, watch: BeatsWatch | None = None) -> list[str]:
         """Every rank's word posted under ``key`` (the same on every rank, new for each
         gathering), by rank. ``what``: what the ranks were doing, for the error that names a
-        rank that stopped."""
+        rank that stopped. ``watch``: given the watched ranks' beats at each look; what it
+        raises ends the wait."""
         dog = self.watchdog
         if dog.world_size == 1:
             return [word]
@@ -73,12 +81,14 @@ class PeerWords:
         sealed = sealed_store.seal(mine, word.encode())
         self._ask(lambda s: (s.set(mine, sealed), s.add(f"{prefix}posted", 1)), what)
         if dog.rank == _COLLECTOR:
-            return self._collect(prefix, word, what)
-        return self._await_verdict(prefix, what)
+            return self._collect(prefix, word, what, watch)
+        return self._await_verdict(prefix, what, watch)
 
     # -- the collector -------------------------------------------------------------------
 
-    def _collect(self, prefix: str, word: str, what: str) -> list[str]:
+    def _collect(
+        self, prefix: str, word: str, what: str, watch_beats: BeatsWatch | None
+    ) -> list[str]:
         dog = self.watchdog
         got = {dog.rank: word}
         others = [rank for rank in range(dog.world_size) if rank != dog.rank]
@@ -92,7 +102,7 @@ class PeerWords:
             if len(got) == dog.world_size:
                 break
             if watch.due():
-                self._watch_all(prefix, got, watch, what)
+                self._watch_all(prefix, got, watch, what, watch_beats)
             time.sleep(pause)
             pause = min(pause * 1.5, _POLL_S[1])
         words = [got[rank] for rank in range(dog.world_size)]
@@ -115,16 +125,26 @@ class PeerWords:
         words = {rank: sealed_store.text(k, raw) for rank, k, raw in zip(ranks, keys, raws)}
         return {rank: text for rank, text in words.items() if text is not None}
 
-    def _watch_all(self, prefix: str, got: dict[int, str], watch: _Motion, what: str) -> None:
+    def _watch_all(
+        self,
+        prefix: str,
+        got: dict[int, str],
+        watch: _Motion,
+        what: str,
+        watch_beats: BeatsWatch | None,
+    ) -> None:
         """Fail, posting why, when a rank failed or a rank still owed has not moved for the
         collective timeout. Every rank's record is read in one call; which of the still ones
         are owed is read only then (the count says how many, not which)."""
         dog = self.watchdog
         quick = max(1.0, min(2.0, dog.heartbeat_s))
         try:
-            stopped = set(dog.failures(quick)) | set(watch.see(dog.peers(quick)))
+            failed, beats = dog.failures(quick), dog.peers(quick)
         except Exception as exc:
             self._fail_all(prefix, what, exc)
+        if watch_beats is not None:
+            watch_beats({rank: beat for rank, beat in beats.items() if rank not in got})
+        stopped = set(failed) | set(watch.see(beats))
         suspects = sorted(stopped - set(got))
         if suspects:  # a rank that failed or stood still after it spoke holds nothing up
             got.update(self._read_words(prefix, suspects, what))
@@ -146,7 +166,7 @@ class PeerWords:
 
     # -- the others ----------------------------------------------------------------------
 
-    def _await_verdict(self, prefix: str, what: str) -> list[str]:
+    def _await_verdict(self, prefix: str, what: str, watch_beats: BeatsWatch | None) -> list[str]:
         dog = self.watchdog
         name = f"{prefix}verdict"
         watch = _Motion(dog, [_COLLECTOR], dog.timeout_s + _GRACE_S)
@@ -162,9 +182,12 @@ class PeerWords:
                 quick = max(1.0, min(2.0, dog.heartbeat_s))
                 try:
                     failed = _COLLECTOR in dog.failures(quick)
-                    still = watch.see({_COLLECTOR: dog.read_beat(_COLLECTOR, quick)})
+                    beats = {_COLLECTOR: dog.read_beat(_COLLECTOR, quick)}
                 except Exception as exc:
                     raise self._failure(what, exc) from exc
+                if watch_beats is not None:
+                    watch_beats(beats)
+                still = watch.see(beats)
                 if failed or still:  # the others are the collector's to watch
                     raise self._failure(what)
             time.sleep(pause)

@@ -82,6 +82,54 @@ class Batch:
         self.current = -1  # the micro-batch being trained
         self.done: set[int] = set()  # micro-batches whose backward ran, in this phase
 
+    # -- the loop's calls in order, each mistake one line ----------------------------------
+
+    @staticmethod
+    def training(batch: Batch | None) -> Batch:
+        """The batch whose current micro-batch a ``run.backward()`` trains."""
+        if batch is None or batch.current < 0:
+            raise UserError(
+                "run.backward() outside a batch: call it for each micro-batch of "
+                "`for inputs, targets in batch`, where `batch` comes from run.batches()"
+            )
+        if batch.current in batch.done:
+            raise UserError(
+                "run.backward() twice for one micro-batch: add the losses (per item) and call "
+                "it once"
+            )
+        return batch
+
+    @staticmethod
+    def stepping(batch: Batch | None, loss_sum: torch.Tensor | None) -> tuple[Batch, torch.Tensor]:
+        """The batch a ``run.step()`` ends, every micro-batch's backward run, and the phase's
+        loss sum (``loss_sum``: None before the phase's first backward)."""
+        if batch is None:
+            raise UserError("run.step() outside the loop: call it once per run.batches() batch")
+        if loss_sum is None:
+            raise UserError(
+                f"run.step() before run.backward(): step {batch._trainer.step + 1} has no "
+                "gradient; call run.backward(per-item losses) for each of its micro-batches"
+            )
+        if len(batch.done) != len(batch.micro):
+            raise UserError(
+                f"run.step() after the backward of {len(batch.done)} of the step's "
+                f"{len(batch.micro)} micro-batches: call run.backward() for each"
+            )
+        return batch, loss_sum
+
+    @staticmethod
+    def updating(batch: Batch | None, loss_sum: torch.Tensor | None) -> tuple[Batch, torch.Tensor]:
+        """The batch whose phase a ``run.update()`` ends, every micro-batch's backward run,
+        and the phase's loss sum."""
+        if batch is None or loss_sum is None or len(batch.done) != len(batch.micro):
+            done = 0 if batch is None else len(batch.done)
+            total = "the step's" if batch is None else f"the step's {len(batch.micro)}"
+            raise UserError(
+                f"run.update() after the backward of {done} of {total} micro-batches in this "
+                "phase: call run.backward() for each, then run.update()"
+            )
+        return batch, loss_sum
+
     @property
     def sample_ids(self) -> list[int]:
         """The global ids of this rank's samples in this step, micro-batch after

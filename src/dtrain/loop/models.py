@@ -49,6 +49,21 @@ class Wrapped:
     optimizer: torch.optim.Optimizer
 
 
+def check_further(name: str, model: nn.Module, taken: set[str], known: set[nn.Module]) -> None:
+    """``run.wrap(name, model)``'s mistakes, in one line: a name taken (by a further model, or
+    by the run's own checkpoint parts) or not an identifier; a module the run holds already."""
+    if not name.isidentifier() or name in {*taken, "model", "optimizer", "comm", "outer"}:
+        raise UserError(
+            f"run.wrap({name!r}, ...): name each further model once, with an identifier "
+            "other than model, optimizer, comm and outer (its checkpoint parts' name)"
+        )
+    if any(module in known for module in model.modules()):
+        raise UserError(
+            f"run.wrap({name!r}, ...): the model shares modules with one the run holds "
+            "already; give each model once"
+        )
+
+
 def wrap_trained(
     cfg: Config,
     runtime: Runtime,
@@ -76,11 +91,6 @@ def wrap_trained(
         )
     strategy = build_strategy(cfg, runtime)
     strategy.comm = main.comm  # its bytes and waits are the run's: counted with the main's
-    if strategy.recipe.precision.scales_loss:
-        raise UserError(
-            f"run.wrap({name!r}, ...) under train.precision = {cfg.train.precision!r}: a "
-            "further optimizer has no loss scaler of its own yet; use bf16-mixed"
-        )
     strategy.setup(Task(model=model, train_data=(), loss_fn=set_up))
     optimizer = build_optimizer(list(strategy.named_parameters()))
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -131,11 +141,16 @@ def zero_gradients(strategy: Strategy) -> None:
         param.grad = None
 
 
-def update_wrapped(trainer: Trainer, wrapped: Wrapped, strategies: list[Strategy]) -> float:
+def update_wrapped(
+    trainer: Trainer, wrapped: Wrapped, strategies: list[Strategy], loss_sum: torch.Tensor
+) -> float:
     """``wrapped``'s optimizer steps within the step (``run.update``): its gradients
     synchronized and rescaled for the global mean (the step's agreement completed now where it
-    has not been), clipped (``train.grad_clip``), stepped when their norm is finite (an event
-    records a skip); then every model's gradients are dropped. The global gradient norm."""
+    has not been; under fp16-mixed the loss scale divided out), clipped (``train.grad_clip``),
+    stepped when their norm is finite (an event records a skip; one that is fp16's loss scale
+    overflowing -- ``loss_sum``, the phase's, finite on every rank -- halves the scale at the
+    step's end, as the main optimizer's would); then every model's gradients are dropped. The
+    global gradient norm."""
     with trainer.phase("forward_backward"):
         wrapped.strategy.sync_gradients()
         factor = trainer.forward_backward.agree_within()
@@ -146,6 +161,13 @@ def update_wrapped(trainer: Trainer, wrapped: Wrapped, strategies: list[Strategy
     with trainer.phase("optimizer"):
         if math.isfinite(norm):  # global: every rank takes the same branch
             wrapped.optimizer.step()
+        elif trainer.scale_overflowed(norm, loss_sum):
+            assert trainer.scaler is not None
+            trainer.scaler.note_overflow()
+            scale = trainer.scaler.scale
+            trainer.run_log.event(
+                "skipped_update", trainer.step + 1, model=wrapped.name, loss_scale=scale
+            )
         else:
             trainer.run_log.event("skipped_update", trainer.step + 1, model=wrapped.name)
         for strategy in (trainer.strategy, *strategies):

@@ -15,12 +15,10 @@ trainer's update and what follows it (``Trainer.end_step``), its resume and its 
             if run.step():                              # clip, update, agreement, metrics, save
                 break                                   # every rank agreed to stop
 
-``run.step()`` returns True on the step after which every rank stops (a preemption signal on
-any rank, or a rank's ``run.stop()``); the final checkpoint is written when ``main`` returns.
-``run.evaluate(data, fn)`` and ``run.reduce(value, op)`` give numbers reduced exactly over the
-ranks (:mod:`dtrain.loop.evaluate`). A further model's optimizer steps within the step, in a
-phase of its own (``run.update``, :mod:`dtrain.loop.models`; the GAN of
-``examples/own_loop_gan.py`` and docs/own-loop.md).
+``run.step()`` is True on the step after which every rank stops; ``main`` returning writes the
+final checkpoint. Exact reductions: :mod:`dtrain.loop.evaluate`; further models (``run.wrap``,
+``run.update``; ``examples/own_loop_gan.py``): :mod:`dtrain.loop.models`; leaving the loop early
+on some ranks only: :mod:`dtrain.loop.stream_exit`.
 """
 
 from __future__ import annotations
@@ -35,6 +33,7 @@ import torch
 from torch import nn
 
 from dtrain.checkpoint.rng import seed_everything
+from dtrain.checkpoint.rundir import write_config_of_record
 from dtrain.config import Config, validate_own_loop
 from dtrain.dist.runtime import Runtime
 from dtrain.errors import UserError
@@ -47,16 +46,18 @@ from dtrain.loop.models import (
     BuildOptimizer,
     WithModels,
     Wrapped,
+    check_further,
     place_frozen,
     update_wrapped,
     wrap_trained,
     zero_gradients,
 )
+from dtrain.loop.stream_exit import check_left
 from dtrain.loop.unwrapped import UnwrappedWatch
 from dtrain.metrics.summary import Summary
 from dtrain.parallel.base import Strategy
 from dtrain.train.config_agreement import agree_on_config
-from dtrain.train.job import join_job, wire_task
+from dtrain.train.job import PathLike, checked_job_config, join_job, wire_task
 from dtrain.train.recovery_seam import RecoverySeam
 from dtrain.train.step import backward_scaled
 from dtrain.train.trainer import Trainer
@@ -94,6 +95,7 @@ class Run:
         self._loss_sum: torch.Tensor | None = None
         self._stopped = False
         self._wish = ""  # run.stop()'s reason, until a step's agreement carries it
+        self._left: int | None = None  # the step after which run.batches() was left early
         self._started_at = -1  # the step the loop started from in this process
         self.summary: Summary | None = None  # once the run has ended
 
@@ -105,6 +107,16 @@ class Run:
         agree_on_config(cfg, runtime)
         seed_everything(cfg.run.seed)
         return cls(cfg, runtime)
+
+    @classmethod
+    def from_config(cls, config: Config | PathLike | None = None, *overrides: str) -> Run:
+        """A run without ``dtrain train`` (a notebook, one process): a config file or ``Config``
+        (None: the defaults) and ``--section.key=value`` overrides, checked as a worker checks
+        it, then :meth:`join`. Drive it by :meth:`train`, or the loop then :meth:`finish`."""
+        run = cls.join(checked_job_config(config, overrides))
+        if run.is_main:
+            write_config_of_record(run.config)  # RUN_DIR/config.toml, as a worker writes it
+        return run
 
     # -- what the loop reads ---------------------------------------------------------------
 
@@ -184,18 +196,8 @@ class Run:
         call and its optimizer (None when frozen)."""
         self._before_loop(f"run.wrap({name!r}, ...)")
         trainer = self.trainer
-        taken = {*self._wrapped, *self._frozen, "model", "optimizer", "comm", "outer"}
-        if not name.isidentifier() or name in taken:
-            raise UserError(
-                f"run.wrap({name!r}, ...): name each further model once, with an identifier "
-                "other than model, optimizer, comm and outer (its checkpoint parts' name)"
-            )
         known = {*self._modules(), *trainer.strategy.unwrapped.modules()}
-        if any(module in known for module in model.modules()):
-            raise UserError(
-                f"run.wrap({name!r}, ...): the model shares modules with one the run holds "
-                "already; give each model once"
-            )
+        check_further(name, model, {*self._wrapped, *self._frozen}, known)
         if optimizer is None:
             frozen = place_frozen(model, self.device, trainer.strategy)
             self._frozen[name] = frozen
@@ -245,17 +247,23 @@ class Run:
         if self._loop is None and self.summary is None:
             self._start()
         trainer, steps = self.trainer, self.config.train.steps
-        while self._loop is not None and not self._stopped and trainer.step < steps:
-            step_batch, micro, count, _ = trainer.next_batch()
-            failpoint("train.step", step=trainer.step + 1)
-            further = self._strategies()
-            self._batch = Batch(trainer, self._begin, further, step_batch, micro, count)
-            yield self._batch
-            if self._batch is not None:
-                raise UserError(
-                    f"step {trainer.step + 1}: the loop took the next batch without "
-                    "run.step(): call it once after each batch's backward"
-                )
+        self._left = None  # consuming again (a loop may leave and come back on every rank)
+        try:
+            while self._loop is not None and not self._stopped and trainer.step < steps:
+                step_batch, micro, count, _ = trainer.next_batch()
+                failpoint("train.step", step=trainer.step + 1)
+                further = self._strategies()
+                self._batch = Batch(trainer, self._begin, further, step_batch, micro, count)
+                yield self._batch
+                if self._batch is not None:
+                    raise UserError(
+                        f"step {trainer.step + 1}: the loop took the next batch without "
+                        "run.step(): call it once after each batch's backward"
+                    )
+        except GeneratorExit:  # the loop left (break, return) before the run's end
+            if self._loop is not None and not self._stopped and trainer.step < steps:
+                self._left = trainer.step  # checked where it next talks to the ranks
+            raise
 
     def _start(self) -> None:
         """Resume (the registered state with the rest), then open the loop: in ``fit``'s
@@ -304,17 +312,7 @@ class Run:
         """Backward of this micro-batch's per-item losses (``reduction="none"``, checked as
         dtrain's loop checks ``Task.loss_fn``), scaled so that the step's gradient is that of
         the mean over every item of the global batch, whatever each rank holds."""
-        batch = self._batch
-        if batch is None or batch.current < 0:
-            raise UserError(
-                "run.backward() outside a batch: call it for each micro-batch of "
-                "`for inputs, targets in batch`, where `batch` comes from run.batches()"
-            )
-        if batch.current in batch.done:
-            raise UserError(
-                "run.backward() twice for one micro-batch: add the losses (per item) and call "
-                "it once"
-            )
+        batch = Batch.training(self._batch)
         contract = self.trainer.forward_backward.contract
         if contract is not None:
             contract.check(losses, batch.micro[batch.current][1])
@@ -331,19 +329,8 @@ class Run:
         """After the batch's backward: gradients synchronized, clipped (``train.grad_clip``),
         the optimizer and the schedule stepped, then what follows every step in dtrain's loop
         (NaN guard, metrics, evaluation, checkpoints). Returns whether every rank stops now."""
-        batch, loop = self._batch, self._loop
-        if batch is None or loop is None:
-            raise UserError("run.step() outside the loop: call it once per run.batches() batch")
-        if self._loss_sum is None:
-            raise UserError(
-                f"run.step() before run.backward(): step {self.trainer.step + 1} has no "
-                "gradient; call run.backward(per-item losses) for each of its micro-batches"
-            )
-        if len(batch.done) != len(batch.micro):
-            raise UserError(
-                f"run.step() after the backward of {len(batch.done)} of the step's "
-                f"{len(batch.micro)} micro-batches: call run.backward() for each"
-            )
+        (batch, loss_sum), loop = Batch.stepping(self._batch, self._loss_sum), self._loop
+        assert loop is not None  # a batch is only taken while the loop is open
         trainer = self.trainer
         self._check_watch()
         if self._watch is not None:
@@ -362,7 +349,7 @@ class Run:
             if not causes.preempted:  # wishes only: the step ends as any step, then the run
                 agreement.stop, wished = False, causes.reasons
         stopped = trainer.end_step(
-            loop, batch.step_batch, self._loss_sum, agreement, trainer.logs_now(), self._preempt
+            loop, batch.step_batch, loss_sum, agreement, trainer.logs_now(), self._preempt
         )
         self._batch, self._loss_sum = None, None
         if wished:
@@ -388,14 +375,11 @@ class Run:
         batch_size: int | None = None,
         max_samples: int = 0,
     ) -> dict[str, float]:
-        """The mean of ``fn(inputs, targets)``'s per-item values over every item of ``data``
-        (its first ``max_samples`` samples, if given), each item counted once across the
-        ranks: the value one process computes over the set. ``fn`` returns the batch's
-        per-item losses, or a dict of per-item values with a ``'loss'`` entry; it runs without
-        gradients, the model in eval mode, under the strategy's precision. Logged as dtrain's
-        evaluations are (``val_loss``, ``val_<name>``); before the first step (it then resumes
-        the run, as the first ``run.batches()`` does) or between two, every rank calls it
-        (:mod:`dtrain.loop.evaluate`)."""
+        """The mean of ``fn(inputs, targets)``'s per-item values (per-item losses, or a dict
+        of them with a ``'loss'`` entry) over every item of ``data`` (its first
+        ``max_samples``), each counted once across the ranks; without gradients, in eval mode,
+        under the strategy's precision; logged as ``val_loss``, ``val_<name>``. Before the
+        first step (it resumes the run) or between two, every rank (:mod:`dtrain.loop.evaluate`)."""
         if self._loop is None and self.summary is None:
             self._start()
         if self._loop is None or self._batch is not None:
@@ -403,6 +387,7 @@ class Run:
                 "run.evaluate() between two steps of the loop (after run.step()), or before "
                 "the first, while the run has not ended"
             )
+        self._talks()
         size = self.config.eval.batch_size if batch_size is None else batch_size
         return evaluate_in_loop(self.trainer, data, fn, collate_fn, size, max_samples)
 
@@ -411,31 +396,25 @@ class Run:
         ``"mean"``, ``"max"`` or ``"min"`` (every rank calls it). The ranks of a
         tensor-parallel group share their batch, so hold the same numbers of it: they are one
         data-parallel rank, counted once."""
+        self._talks()
         return reduce_over_ranks(self.trainer.strategy, value, op)
 
     def update(self, optimizer: torch.optim.Optimizer) -> float:
         """Within the step, after the backward of every micro-batch of a phase: the optimizer
         of a model given to :meth:`wrap` steps -- its gradients synchronized and rescaled for
         the global mean (the step's agreement completed now where it has not been), clipped
-        (``train.grad_clip``), stepped when their norm is finite (as the NaN guard skips a
-        step; an event records it) -- then every model's gradients are dropped, and the next
-        phase iterates the batch's micro-batches again. Returns the global gradient norm."""
-        batch = self._batch
+        (``train.grad_clip``), stepped when their norm is finite (a skip is an event; fp16's
+        overflow halves the loss scale at the step's end) -- then every model's gradients are
+        dropped; the next phase iterates the batch again. Returns the global gradient norm."""
         wrapped = next((w for w in self._wrapped.values() if w.optimizer is optimizer), None)
         if wrapped is None:
             raise UserError(
                 "run.update() of an optimizer run.wrap() did not return: the main optimizer "
                 "steps with run.step(), a further model's is the one run.wrap() returned"
             )
-        if batch is None or not batch.done or len(batch.done) != len(batch.micro):
-            done = 0 if batch is None else len(batch.done)
-            total = "the step's" if batch is None else f"the step's {len(batch.micro)}"
-            raise UserError(
-                f"run.update() after the backward of {done} of {total} micro-batches in this "
-                "phase: call run.backward() for each, then run.update()"
-            )
+        batch, loss_sum = Batch.updating(self._batch, self._loss_sum)
         self._check_watch()
-        norm = update_wrapped(self.trainer, wrapped, self._strategies())
+        norm = update_wrapped(self.trainer, wrapped, self._strategies(), loss_sum)
         batch.done.clear()
         self._loss_sum = None  # the step's logged loss: that of the main optimizer's phase
         return norm
@@ -446,11 +425,18 @@ class Run:
         if self._watch is not None:
             self._watch.check(self.trainer.step + 1)
 
+    def _talks(self) -> None:
+        """Before talking to the ranks off the stream: left early, all left (``stream_exit``)."""
+        left, self._left = self._left, None
+        if left is not None:
+            check_left(self.trainer.watchdog, left, self._batch is not None)
+
     def save(self) -> None:
         """A checkpoint of the run now, between two steps, beside those of
         ``checkpoint.every`` (collective: every rank calls it at the same step)."""
         if self._loop is None or self._batch is not None:
             raise UserError("run.save() between two steps of the loop: after run.step()")
+        self._talks()
         if self.trainer.checkpointer.last_saved_step != self.trainer.step:
             self.trainer.save_checkpoint(blocking=not self.config.checkpoint.async_save)
 
@@ -481,9 +467,10 @@ class Run:
                 return self.summary
         loop = self._loop
         assert loop is not None
-        if self._batch is not None:
-            raise UserError("main(run) returned in the middle of a step: call run.step() first")
         trainer = self.trainer
+        if not self._stopped and trainer.step < self.config.train.steps:
+            self._left = trainer.step  # main returned before the run's end
+        self._talks()
         trainer.finish(loop.summary, loop.last_loss, loop.started)
         self._in_train.close()
         trainer.watchdog.set_phase("done")  # the last word, left by no phase
@@ -496,5 +483,6 @@ class Run:
         it has one (a failed peer), as in dtrain's loop."""
         if self._watch is not None:
             self._watch.close()
-        self._in_train.close()
+        # Left by the error: the phase stays where it was raised, for the diagnosis to name.
+        self._in_train.__exit__(type(error), error, error.__traceback__)
         self._running.__exit__(type(error), error, error.__traceback__)

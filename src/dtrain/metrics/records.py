@@ -32,6 +32,8 @@ EVENTS = (
     "preempted",
     "early_stop",
     "membership",
+    "skipped_update",
+    "log",
 )
 
 

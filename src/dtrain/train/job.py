@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # the trainer and all it imports are the worker's: the CLI lo
     from dtrain.train.trainer import Trainer
 
 RUNS_DIR = "runs"
+PathLike = str | Path
 
 
 def load_job_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
@@ -58,6 +59,25 @@ def build_job_config(raw: Mapping[str, Any]) -> Config:
     probe = build_config(raw)
     factory = resolve_task(probe.run.task)
     return build_config(raw, task_config_class(factory))
+
+
+def checked_job_config(config: Config | PathLike | None, overrides: Sequence[str] = ()) -> Config:
+    """The job's config from a TOML file's path or a ``Config`` (None: the defaults) and
+    ``--section.key=value`` overrides, with the rules that need the job's shape checked at this
+    process's world size (``WORLD_SIZE``; 1 for a plain process)."""
+    raw = config.to_dict() if isinstance(config, Config) else read_toml(config) if config else {}
+    return check_at_world(build_job_config(apply_overrides(raw, overrides)))
+
+
+def check_at_world(cfg: Config) -> Config:
+    """``cfg``'s rules that need the job's shape, at this process's world size."""
+    from dtrain.comm.transport import check_transport_job
+    from dtrain.config.job import JobShape, validate_job
+
+    shape = JobShape.of_world(int(os.environ.get("WORLD_SIZE", "1")))
+    validate_job(cfg, shape)
+    check_transport_job(cfg, shape.max_nodes, shape.nnodes)  # an extension's own rules
+    return cfg
 
 
 def default_run_dir(run_id: str = "") -> str:

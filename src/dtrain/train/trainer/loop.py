@@ -346,17 +346,24 @@ class Trainer:
         """Under fp16-mixed: whether a non-finite ``norm`` is the loss scale's overflow (every
         rank's loss finite, the scale above its floor) -- the scaler's to handle -- rather than
         a divergence, the NaN guard's; the scaler halves the scale after one, and grows it after
-        enough steps without. False without a scaler. Collective after a non-finite norm."""
+        enough steps without (an update within the step that overflowed counts: a further
+        optimizer's, :meth:`LossScaler.note_overflow`). False without a scaler."""
         scaler = self.scaler
         if scaler is None:
             return False
-        overflowed = False
-        if not math.isfinite(norm) and scaler.scale > scaler.min_scale:
-            with self.phase("all_reduce(loss check)"):
-                bad = torch.logical_not(torch.isfinite(loss_sum)).float().reshape(1)
-                overflowed = float(self.strategy.all_reduce_loss(bad)[0]) == 0.0
+        overflowed = self.scale_overflowed(norm, loss_sum)
         scaler.update(overflowed)
         return overflowed
+
+    def scale_overflowed(self, norm: float, loss_sum: torch.Tensor) -> bool:
+        """Whether a non-finite ``norm`` is fp16's loss scale overflowing: every rank's
+        ``loss_sum`` finite, the scale above its floor. Collective after a non-finite norm."""
+        scaler = self.scaler
+        if scaler is None or math.isfinite(norm) or scaler.scale <= scaler.min_scale:
+            return False
+        with self.phase("all_reduce(loss check)"):
+            bad = torch.logical_not(torch.isfinite(loss_sum)).float().reshape(1)
+            return float(self.strategy.all_reduce_loss(bad)[0]) == 0.0
 
     def _balanced(self, outcome: Outcome) -> None:
         """The load balancer's records written; its new weights (the same on every rank)
