@@ -165,9 +165,10 @@ def main(argv: Sequence[str] | None = None, own_loop: OwnLoop | None = None) -> 
         say_error(message)
         return USER_ERROR_EXIT_CODE
     except KeyboardInterrupt:
-        # Ctrl-C reaches the launcher and every worker of the terminal: the launcher says the
-        # run stopped; each rank's traceback of where its step was said nothing more (40
-        # lines a rank). The worker ends by SIGINT without one (exit_without_finalizing).
+        # A second Ctrl-C (the first saves: fault.preempt_signals), or one where SIGINT is no
+        # preemption signal: the launcher says the run stopped; each rank's traceback of where
+        # its step was said nothing more (40 lines a rank). The worker ends by SIGINT without
+        # one (exit_without_finalizing).
         raise
     except SystemExit:
         raise

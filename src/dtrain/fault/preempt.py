@@ -1,5 +1,9 @@
 """Preemption: a signal asks every rank to save at the next step boundary and exit 0.
 
+Ctrl-C (SIGINT) is one of them by default: the first saves at the next step, as SIGTERM does; a
+second one stops at once (``KeyboardInterrupt``, Python's own answer to Ctrl-C), whatever the
+first started -- a user who presses it twice wants out, not a save.
+
 The handler only sets a flag -- no file I/O, no collectives, nothing that could deadlock inside
 a signal handler. The trainer folds the flag into the step's agreement
 (:class:`~dtrain.comm.agreement.StepAgreement`), which every step sums over the ranks with its
@@ -70,10 +74,18 @@ def unforwarded_warning(names: Sequence[str]) -> str:
 # early, during start-up -- is remembered, and the first step's agreement stops the run with
 # a save, instead of the signal's default action ending the worker unsaved.
 _EARLY: dict[str, Any] = {"signum": 0, "caught": set()}
-DEFAULT_PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1")
+DEFAULT_PREEMPT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
+
+
+def stop_at_once_if_again(signum: int, first: int) -> None:
+    """A second Ctrl-C (``signum`` SIGINT after a ``first`` SIGINT): raise
+    ``KeyboardInterrupt`` in the main thread, which ends the worker unsaved."""
+    if signum == first == signal.SIGINT:
+        raise KeyboardInterrupt
 
 
 def _remember(signum: int, frame: FrameType | None) -> None:
+    stop_at_once_if_again(signum, _EARLY["signum"])
     _EARLY["signum"] = _EARLY["signum"] or signum
 
 
@@ -114,7 +126,8 @@ class PreemptionFlag:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.signum = signum
+        stop_at_once_if_again(signum, self.signum)
+        self.signum = self.signum or signum
 
     @property
     def requested(self) -> bool:

@@ -126,10 +126,11 @@ def wait_for_rendezvous_host(opts: LaunchOptions) -> None:
         )
 
 
-def report_preemption(run_dir: Path, signum: int) -> int:
+def report_preemption(run_dir: Path, signum: int, at_once: bool = False) -> int:
     """After the launcher itself got a preemption signal: 0 when the workers saved, whether
     the signal stopped them (``preempted``) or came too late to, after their last step:
-    ``completed`` is written only once the final checkpoint is committed."""
+    ``completed`` is written only once the final checkpoint is committed. ``at_once``: a
+    second signal cut their grace short and they were killed (Ctrl-C twice)."""
     status = read_status(run_dir)
     if status is not None and status.state == "preempted":
         say_line(
@@ -143,7 +144,13 @@ def report_preemption(run_dir: Path, signum: int) -> int:
             f"saved its final checkpoint (step {status.step})"
         )
         return 0
-    say_line(f"dtrain: stopped by signal {signum} before the workers could save")
+    if at_once:
+        say_line(
+            f"dtrain: stopped at once by a second signal {signum}: the workers were killed "
+            "unsaved; run the same command to resume from the newest checkpoint"
+        )
+    else:
+        say_line(f"dtrain: stopped by signal {signum} before the workers could save")
     return 128 + signum
 
 
@@ -246,6 +253,14 @@ def members_outcome(
         say_error(stopped_words(stopped, status))
         return 1
     if status is not None and status.state in ("completed", "preempted"):
+        if status.state == "preempted" and not signalled:
+            # The signal went elsewhere (node 0's Ctrl-C, a worker's SIGTERM): this
+            # launcher's workers learnt it in a step's agreement and saved with the others.
+            say_line(
+                f"dtrain: the job was stopped by {status.signal or 'a signal'} sent elsewhere "
+                f"(another machine's Ctrl-C, say); saved at step {status.step}. Run the same "
+                "command on every machine to resume."
+            )
         return 0
     failed = [code for code in codes if code != 0]
     if signalled and not failed:
