@@ -311,7 +311,8 @@ def test_missing_matplotlib_names_the_extra(
     )
     assert main(["report", str(observed_run)]) == 2
     err = capsys.readouterr().err
-    assert err == "dtrain: error: dtrain report needs matplotlib: pip install 'dtrain[report]'\n"
+    needs = "dtrain report needs matplotlib: pip install -e '.[report]' in dtrain's clone"
+    assert err == f"dtrain: error: {needs}\n"
 
 
 def test_missing_tensorboard_is_one_line_before_launch(
@@ -447,7 +448,7 @@ def test_the_progress_line_names_the_slowest_rank(capsys: pytest.CaptureFixture[
 
 @pytest.mark.skipif(
     importlib.util.find_spec("tensorboard") is None,
-    reason="tensorboard is not installed (pip install 'dtrain[tensorboard]')",
+    reason="tensorboard is not installed (pip install -e '.[tensorboard]' in dtrain's clone)",
 )
 def test_tensorboard_event_files_hold_the_records(observed_run: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -386,7 +386,7 @@ class MetricsConfig:
     tensorboard: bool = option(
         False,
         "also write TensorBoard event files to RUN_DIR/tensorboard (needs the tensorboard "
-        "extra: pip install 'dtrain[tensorboard]')",
+        "extra: pip install -e '.[tensorboard]' in dtrain's clone)",
     )
 
 
