@@ -249,8 +249,10 @@ def test_every_line_shows_equal_ones_are_named_and_sizes_start_at_zero(
     assert list(rank0.get_ydata()) == list(rank1.get_ydata())
     assert rank0.get_linestyle() == "-" and rank1.get_linestyle() not in ("-", "solid")
     assert rank1.get_marker() == "o" and rank0.get_marker() in ("None", "", None)
-    assert [t.get_text() for t in shares.texts] == ["rank 1 identical to rank 0 (drawn over it)"]
-    assert not plots["loss_by_step"].figure.axes[0].texts  # nothing equal: nothing said
+    said = shares.get_legend().get_title().get_text()
+    assert said == "rank 1 identical to rank 0 (drawn over it)"
+    # Nothing equal: nothing said.
+    assert not plots["loss_by_step"].figure.axes[0].get_legend().get_title().get_text()
     # A loss is not a size: its range is the data's, padded both ways.
     loss = plots["loss_by_step"].figure.axes[0]
     losses = [y for line in loss.get_lines()[:2] for y in line.get_ydata()]
@@ -261,11 +263,10 @@ def test_every_line_shows_equal_ones_are_named_and_sizes_start_at_zero(
     overlaid = {p.name: p for p in make_plots(read_runs([a, b]), notes)}
     assert notes == []
     axes = overlaid["loss_by_step"].figure.axes[0]
-    said = [t.get_text() for t in axes.texts]
-    assert said == [
+    assert axes.get_legend().get_title().get_text() == (
         "again: train loss identical to first: train loss (drawn over it)\n"
         "again: val loss identical to first: val loss (drawn over it)"
-    ]
+    )
     styles = {line.get_label(): (line.get_linestyle(), line.get_marker()) for line in axes.lines}
     assert styles["first: train loss"] != styles["again: train loss"]
     assert styles["first: val loss"] != styles["again: val loss"]

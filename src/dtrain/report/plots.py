@@ -9,7 +9,7 @@ Every figure is :data:`SIZE_PX` pixels. Series carry labels (the legend); unlabe
 are decoration. Every line stays visible (:func:`_done`): the y-range is padded past the data,
 so a near-constant series never sits on a spine; a series equal to one drawn before it (a
 resumed run bit-identical to another, two ranks' equal shares) is drawn dashed with markers
-over it, and the figure says which it equals.
+over it, and the legend says which it equals.
 """
 
 from __future__ import annotations
@@ -169,25 +169,26 @@ def _pad_y(ax: Axes, from_zero: bool) -> None:
     ax.set_ylim(low if from_zero else low - pad, high + pad)
 
 
-def _show_identical(ax: Axes) -> None:
-    """Each series equal to one drawn before it, point for point, restyled (dashed, with
-    markers, so that the first shows through) and named on the figure: drawn plainly, it hid
-    the first completely."""
-    lines, said = _data_lines(ax), []
+MARKERS = ("o", "s", "^", "D")
+
+
+def _show_identical(ax: Axes) -> str:
+    """Each series equal to one drawn before it, point for point, restyled (dashed or dotted,
+    with markers placed apart from the other copies', so that the first shows through) and
+    named: drawn plainly, it hid the first completely. The words, for the legend's title."""
+    lines, said = _data_lines(ax), list[str]()
     for j, line in enumerate(lines):
         xs, ys = _xy(line)
         twin = next((o for o in lines[:j] if _xy(o) == (xs, ys)), None)
         if twin is None or not xs:
             continue
-        dotted = twin.get_linestyle() not in ("-", "solid")
-        line.set_linestyle((0, (1, 3)) if dotted else (0, (6, 4)))
-        line.set_marker("s" if twin.get_marker() == "o" else "o")
+        copy, every = len(said), max(1, len(xs) // 12)
+        line.set_linestyle((0, (6, 4)) if copy % 2 == 0 else (0, (1, 3)))
+        line.set_marker(MARKERS[copy % len(MARKERS)])
         line.set_markersize(4)
-        line.set_markevery(max(1, len(xs) // 12))
+        line.set_markevery((copy * max(1, every // 4) % every, every))
         said.append(f"{line.get_label()} identical to {twin.get_label()} (drawn over it)")
-    if said:
-        box = dict(facecolor="white", alpha=0.85, edgecolor="0.8")
-        ax.text(0.01, 0.02, "\n".join(said), transform=ax.transAxes, fontsize="small", bbox=box)
+    return "\n".join(said)
 
 
 def _done(
@@ -206,10 +207,11 @@ def _done(
     fig, ax = drawn
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    _show_identical(ax)
+    identical = _show_identical(ax)
     _pad_y(ax, from_zero)
     ax.set_title(heading or title)
-    ax.legend(fontsize="small")
+    # The words on equal series head the legend, which finds room for them with it.
+    ax.legend(fontsize="small", title=identical or None, title_fontsize="small")
     return Plot(name, title, fig)
 
 
