@@ -174,6 +174,9 @@ def test_a_worker_that_always_fails_stops_after_max_restarts(tmp_path: Path) -> 
     log = (run_dir / "logs" / "rank1.log").read_text()
     assert log.count("Traceback (most recent call last)") == 3
     assert [f"attempt {i}," in log for i in range(3)] == [True] * 3
+    # status.json said "running" at step 0 for good after the job had failed.
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status == {"state": "failed", "step": 3, "signal": ""}  # the step it failed in
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and _processes_of(run_dir):
         time.sleep(0.2)

@@ -51,6 +51,7 @@ from dtrain.launch.reports import (
     join_timed_out,
     members_outcome,
     quiet_expected_logs,
+    record_failure,
     rendezvous_lost,
     report_failure,
     report_preemption,
@@ -168,6 +169,7 @@ def run_group(config_path: Path, opts: LaunchOptions, job: JobSettings) -> int:
     except RendezvousError as exc:
         raise UserError(rendezvous_lost(opts, exc)) from None
     except ChildFailedError as exc:
+        record_failure(config_path.parent)
         return report_failure(exc.failures, opts.max_restarts, config_path.parent)
     except SignalException as exc:
         return report_preemption(config_path.parent, int(exc.sigval))

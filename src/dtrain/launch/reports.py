@@ -15,7 +15,7 @@ from dtrain.dist.network import split_endpoint
 from dtrain.dist.reachability import REFUSED, UNREACHABLE, describe, probe, wait_for_endpoint
 from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
 from dtrain.fault.error_log import LOGS_DIR
-from dtrain.fault.status import RunStatus, read_status
+from dtrain.fault.status import RunStatus, read_status, write_status
 from dtrain.launch.options import LaunchOptions, may_host_rendezvous, nnodes_text
 from dtrain.launch.rendezvous_wait import timed_out_words
 
@@ -152,6 +152,19 @@ def report_preemption(run_dir: Path, signum: int, at_once: bool = False) -> int:
     else:
         say_line(f"dtrain: stopped by signal {signum} before the workers could save")
     return 128 + signum
+
+
+def record_failure(run_dir: Path) -> None:
+    """The job failed for good: ``status.json`` says so, at the furthest step a rank's
+    liveness record was in -- where the job failed (it said ``running`` at the step the last
+    attempt started, and kept saying it after the job had ended)."""
+    from dtrain.fault.liveness import read_run_liveness
+
+    status = read_status(run_dir)
+    if status is None or status.state != "running":
+        return  # none written yet (nothing started), or it ended otherwise already
+    steps = [status.step, *(beat.step for beat in read_run_liveness(run_dir).values())]
+    write_status(run_dir, RunStatus("failed", max(steps)))
 
 
 def report_failure(
