@@ -92,6 +92,26 @@ def test_a_preemption_signal_during_start_up_is_remembered_not_fatal() -> None:
     assert run("SIGTERM").returncode == -signal.SIGUSR1
 
 
+_CTRL_C_EARLY = """
+import os, signal
+from dtrain.fault.preempt import catch_early, settle_early
+catch_early()  # SIGINT among them
+settle_early(["SIGTERM"])  # a config without it: Ctrl-C is Python's KeyboardInterrupt again
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+except KeyboardInterrupt:
+    print("KeyboardInterrupt")
+"""
+
+
+def test_ctrl_c_left_out_of_the_config_is_a_keyboard_interrupt_again() -> None:
+    # Not the default action (the worker killed outright, none of its own clean-up run).
+    run = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_EARLY], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "KeyboardInterrupt", run.stderr
+
+
 _TWICE = """
 import os, signal
 from dtrain.fault.preempt import PreemptionFlag, catch_early

@@ -73,7 +73,7 @@ def unforwarded_warning(names: Sequence[str]) -> str:
 # own (settle_early). A signal in between -- Slurm's --signal=USR1@N may come up to a minute
 # early, during start-up -- is remembered, and the first step's agreement stops the run with
 # a save, instead of the signal's default action ending the worker unsaved.
-_EARLY: dict[str, Any] = {"signum": 0, "caught": set()}
+_EARLY: dict[str, Any] = {"signum": 0, "caught": set(), "previous": {}}
 DEFAULT_PREEMPT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
 
 
@@ -94,16 +94,19 @@ def catch_early(signal_names: Sequence[str] = DEFAULT_PREEMPT_SIGNALS) -> None:
     thread, first thing)."""
     for name in signal_names:
         sig = getattr(signal, name)
-        signal.signal(sig, _remember)
+        previous = signal.signal(sig, _remember)
+        if sig not in _EARLY["caught"]:
+            _EARLY["previous"][sig] = previous
         _EARLY["caught"].add(sig)
 
 
 def settle_early(signal_names: Sequence[str]) -> None:
     """Once the config is read: keep remembering the signals it names; give those it does not
-    their default action back -- and apply it now, to one that came meanwhile."""
+    their handler from before back (Python's KeyboardInterrupt for SIGINT, else the default
+    action) -- and apply it now, to one that came meanwhile."""
     wanted = {getattr(signal, name) for name in signal_names}
     for sig in sorted(_EARLY["caught"] - wanted):
-        signal.signal(sig, signal.SIG_DFL)
+        signal.signal(sig, _EARLY["previous"].pop(sig, signal.SIG_DFL))
         _EARLY["caught"].discard(sig)
         if _EARLY["signum"] == sig:
             _EARLY["signum"] = 0
