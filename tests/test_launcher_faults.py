@@ -406,6 +406,32 @@ def test_sigusr1_to_the_launcher_saves_and_exits_0(tmp_path: Path) -> None:
     assert not children_of(proc.pid)
 
 
+def test_ranks_that_failed_alike_share_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Every rank's loss-contract error (400 characters) was listed once per rank, below each
+    # worker's own line of it.
+    from types import SimpleNamespace
+
+    from dtrain.launch.reports import report_failure
+
+    said = "Task.loss_fn returned 1 value(s) for 64 counted item(s): use reduction='none'"
+    failures = {
+        rank: SimpleNamespace(
+            timestamp=0, exitcode=2, pid=100 + rank, message=f"rank {rank}: {said}"
+        )
+        for rank in (0, 1, 2)
+    }
+    failures[3] = SimpleNamespace(timestamp=1, exitcode=-signal.SIGTERM, pid=103, message="")
+    assert report_failure(failures, 0, tmp_path) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[1:] == [
+        f"  ranks 0, 1, 2 (pids 100, 101, 102, exit code 2): {said}",
+        "  rank 3 (pid 103, ended by SIGTERM): no error of its own: ended by the signal (torch's "
+        "agent ends a job's other ranks so when one fails)",
+    ]
+
+
 @pytest.mark.skipif(
     Path("/proc/sys/vm/overcommit_memory").exists()
     and Path("/proc/sys/vm/overcommit_memory").read_text().strip() == "1",

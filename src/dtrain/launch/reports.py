@@ -5,6 +5,7 @@ torch's log lines of the same events, dropped."""
 from __future__ import annotations
 
 import logging
+import re
 import signal
 from collections.abc import Mapping
 from pathlib import Path
@@ -181,17 +182,32 @@ def report_failure(
         failures.items(), key=lambda item: (item[1].timestamp, item[1].exitcode < 0, item[0])
     )
     say_line(f"dtrain: training failed (after up to {max_restarts + 1} attempt(s)); failed ranks:")
+    # Ranks that failed alike (every rank's loss-contract error, the ranks the agent ended)
+    # share one line: it listed the same 400 characters once per rank.
+    groups: dict[tuple[str, str], list[tuple[int, Any]]] = {}
     for rank, failure in ordered:
-        say_line(
-            f"  {who or f'rank {rank}'} (pid {failure.pid}, {exit_words(failure.exitcode)}): "
-            f"{failure_words(failure.message, failure.exitcode)}"
-        )
+        words = failure_words(failure.message, failure.exitcode)
+        key = (exit_words(failure.exitcode), RANK_PREFIX.sub("", words))
+        groups.setdefault(key, []).append((rank, failure))
+    for (how, words), members in groups.items():
+        if len(members) == 1:
+            rank, failure = members[0]
+            said = failure_words(failure.message, failure.exitcode)
+            say_line(f"  {who or f'rank {rank}'} (pid {failure.pid}, {how}): {said}")
+            continue
+        ranks = ", ".join(str(rank) for rank, _ in members)
+        pids = ", ".join(str(failure.pid) for _, failure in members)
+        say_line(f"  ranks {ranks} (pids {pids}, {how}): {words}")
     if (run_dir / LOGS_DIR).is_dir():
         say_line(f"dtrain: the failed ranks' tracebacks are in {run_dir / LOGS_DIR}/")
     # The root cause decides: a user error (exit 2) on the first rank to fail, whatever the
     # others died of when the agent stopped them.
     user_error = bool(ordered) and ordered[0][1].exitcode == USER_ERROR_EXIT_CODE
     return USER_ERROR_EXIT_CODE if user_error else 1
+
+
+# How a worker names itself at the head of its error ("rank 1: ...", "member 1: ...").
+RANK_PREFIX = re.compile(r"^(rank|member) \d+: ")
 
 
 def exit_words(exitcode: int) -> str:
