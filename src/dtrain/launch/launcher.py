@@ -78,6 +78,12 @@ def launch(config_path: Path, opts: LaunchOptions, job: JobSettings) -> int:
     """Run the job (the config at ``config_path``, in its run folder) in the layout of
     ``job.recovery``; the exit code for the CLI."""
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    # The workers' C++ store client logs every call to a store whose host has gone at WARNING,
+    # with a C++ stack trace of some 20 frames: each of a rank's threads that reads the job's
+    # store (rank 0's) after rank 0 was killed (a kill -9, a second Ctrl-C on its machine)
+    # printed one or two. The rank says what failed itself, in a line (the watchdog's
+    # diagnosis names the peer); torch's errors still show. A level the user set stands.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     if job.recovery == "inplace":
         return run_members(config_path, opts, job)
     return run_group(config_path, opts, job)
