@@ -8,15 +8,25 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test lint typecheck pytest test-slow test-slurm slurm-packages test-s3 chaos clean browser
 
 $(STAMP): pyproject.toml
+	@echo "make: creating $(VENV) and installing torch (CPU) and dtrain with its dev extras;"
+	@echo "make: a few minutes the first time (pip's progress below), seconds after that"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned: the CPU build on these machines. A bare `torch` requirement
-	# could otherwise pull a multi-GB CUDA build.
-	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	# could otherwise pull a multi-GB CUDA build. Not --quiet: a first install takes minutes,
+	# and pip's progress is the only sign of life.
+	$(PY) -m pip install --disable-pip-version-check --progress-bar on torch==2.13.0
+	$(PY) -m pip install --disable-pip-version-check --progress-bar on -e '.[dev]'
 	touch $(STAMP)
 
+# The default job in a run folder of its own, then what to run on it next.
 demo: $(STAMP)
-	$(VENV)/bin/dtrain train
+	@run=runs/demo-$$(date +%Y%m%d-%H%M%S) && $(VENV)/bin/dtrain train --run.dir=$$run && \
+	echo && echo "next, on this run (after . $(VENV)/bin/activate):" && \
+	echo "  plots and an HTML page:   dtrain report $$run" && \
+	echo "  where it stands:          dtrain status $$run" && \
+	echo "  the weights as one file:  dtrain export $$run model.safetensors" && \
+	echo "  train it further:         dtrain train --run.dir=$$run --train.steps=1400" && \
+	echo "  Ctrl-C during a run saves it; the same command resumes it, bit for bit"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples

@@ -5,7 +5,7 @@
 * torch ``DataLoader`` + ``DistributedSampler`` over that memmap (a map-style Dataset returning
   one sample per ``__getitem__``, default collate), the usual way to do it;
 * mosaicml-streaming (``StreamingDataset`` over the same samples written as MDS), when it is
-  installed (``pip install 'dtrain[bench]'``; in one process, so it reads as a single rank).
+  installed (``pip install -e '.[bench]'``; in one process, so it reads as a single rank).
 
 All read from a warm page cache (each file is read once before timing): the figures measure the
 loader, not the disk. Each method runs ``--repeats`` times, interleaved; medians are reported.

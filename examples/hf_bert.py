@@ -1,7 +1,7 @@
 """A Hugging Face ``transformers`` BERT sequence classifier, trained by dtrain as it comes: no
 wrapper, dict batches, the model's own weight names in checkpoints and exports.
 
-Run it on 2 workers (from the repository root; needs ``pip install 'dtrain[hf]'``)::
+Run it on 2 workers (from the repository root; needs ``pip install -e '.[hf]'``)::
 
     dtrain train examples/hf_bert.toml --nproc 2
     dtrain train examples/hf_bert.toml --nproc 2 --strategy.name=fsdp --run.dir=runs/bert-fsdp

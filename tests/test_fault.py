@@ -327,3 +327,25 @@ def test_a_restart_after_resume_path_goes_on_from_this_job_s_checkpoints(tmp_pat
     out = run_ranks(two_jobs_then_crash, 2, earlier, again, 7)
     assert out[0]["left"] == [12, 10, 8, 4]
     assert [o["start_step"] for o in out] == [6, 6]
+
+
+def test_a_peer_lost_outside_the_loop_is_said_as_such() -> None:
+    # A rank whose peer was killed during a resume said only "DistNetworkError: Broken pipe".
+    import torch.distributed as dist
+
+    from dtrain.fault.peer_failure import PeerFailure
+    from dtrain.worker import lost_peer_words
+
+    words = lost_peer_words(dist.DistNetworkError("Broken pipe"), "DistNetworkError: Broken pipe")
+    assert words == (
+        "lost a peer outside the training loop (starting, resuming or ending: DistNetworkError: "
+        "Broken pipe): a rank of the job ended or was killed; its own line, or the launcher's, "
+        "says why"
+    )
+    # The loop's own diagnosis, a timeout and this rank's own error stand as they are.
+    for error in (
+        PeerFailure("rank 1 (h) at step 3 in forward_backward: a collective failed: broken pipe"),
+        dist.DistNetworkError("timed out after 30s"),
+        ValueError("broken pipe in the user's own code"),
+    ):
+        assert lost_peer_words(error, "as it was") == "as it was"

@@ -1,6 +1,6 @@
 """Faults through the real launcher (torch's elastic agent): kill -9 with restarts, a worker that
-always fails, SIGTERM to the launcher. Each kind runs once here; tests/system/chaos.py runs many
-trials of each."""
+always fails, SIGTERM to the launcher, Ctrl-C (once: a save; twice: at once). Each kind runs
+once here; tests/system/chaos.py runs many trials of each."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -59,33 +60,47 @@ def write_config(
     return path
 
 
-def start(config: Path, *args: str) -> subprocess.Popen[str]:
+def start(config: Path, *args: str, terminal: bool = False) -> subprocess.Popen[str]:
+    """``dtrain train CONFIG --nproc 2 ARGS``; ``terminal``: in a process group of its own, as
+    a terminal's foreground job, which Ctrl-C signals as a whole (``os.killpg``)."""
     return subprocess.Popen(
         [sys.executable, "-m", "dtrain", "train", str(config), "--nproc", "2", *args],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=terminal,
     )
 
 
 def wait_for_step(
     run_dir: Path, step: int, proc: subprocess.Popen[str], timeout: float = 120
 ) -> None:
-    deadline = time.monotonic() + timeout
+    def reached() -> bool:
+        steps = [record.get("step", 0) for record in records(run_dir)]
+        return bool(steps) and max(steps) >= step
+
+    wait_until(reached, proc, f"the run did not reach step {step}", timeout)
+
+
+def records(run_dir: Path) -> list[dict[str, object]]:
+    """The lines of the run's ``metrics.jsonl`` so far."""
     metrics = run_dir / "metrics.jsonl"
+    text = metrics.read_text() if metrics.exists() else ""
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def wait_until(
+    done: Callable[[], bool], proc: subprocess.Popen[str], what: str, timeout: float = 120
+) -> None:
+    """Poll ``done()`` while ``proc`` runs; ``what`` (it did not happen) after ``timeout``."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()
-        if metrics.exists():
-            steps = [
-                json.loads(line).get("step", 0)
-                for line in metrics.read_text().splitlines()
-                if line.strip()
-            ]
-            if steps and max(steps) >= step:
-                return
+        if done():
+            return
         time.sleep(0.02)
-    raise AssertionError(f"the run did not reach step {step} in {timeout}s")
+    raise AssertionError(f"{what} in {timeout}s")
 
 
 def final_params(run_dir: Path, step: int = 20) -> dict[str, torch.Tensor]:
@@ -100,6 +115,13 @@ def reference(tmp_path: Path) -> Path:
     return run_dir
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run of :func:`write_config`, never interrupted: what every interrupted and resumed
+    run of this module must equal bit for bit (trained once per module)."""
+    return reference(tmp_path_factory.mktemp("uninterrupted"))
+
+
 def assert_same_run(a: Path, b: Path) -> None:
     pa, pb = final_params(a), final_params(b)
     assert pa.keys() == pb.keys()
@@ -111,8 +133,10 @@ def assert_same_run(a: Path, b: Path) -> None:
     assert audit.exactly_once and not audit.gaps, audit
 
 
-def test_kill9_of_a_worker_restarts_and_ends_bit_identical(tmp_path: Path) -> None:
-    ref = reference(tmp_path)
+def test_kill9_of_a_worker_restarts_and_ends_bit_identical(
+    tmp_path: Path, uninterrupted: Path
+) -> None:
+    ref = uninterrupted
     run_dir = tmp_path / "chaos"
     proc = start(write_config(tmp_path / "chaos.toml", run_dir), "--max-restarts", "3")
     wait_for_step(run_dir, random.Random(os.getpid()).randint(3, 14), proc)
@@ -150,6 +174,9 @@ def test_a_worker_that_always_fails_stops_after_max_restarts(tmp_path: Path) -> 
     log = (run_dir / "logs" / "rank1.log").read_text()
     assert log.count("Traceback (most recent call last)") == 3
     assert [f"attempt {i}," in log for i in range(3)] == [True] * 3
+    # status.json said "running" at step 0 for good after the job had failed.
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status == {"state": "failed", "step": 3, "signal": ""}  # the step it failed in
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and _processes_of(run_dir):
         time.sleep(0.2)
@@ -255,8 +282,10 @@ def _processes_of(run_dir: Path) -> list[int]:
     return found
 
 
-def test_sigterm_to_the_launcher_saves_exits_0_and_resumes_bit_identical(tmp_path: Path) -> None:
-    ref = reference(tmp_path)
+def test_sigterm_then_ctrl_c_save_exit_0_and_resume_bit_identical(
+    tmp_path: Path, uninterrupted: Path
+) -> None:
+    ref = uninterrupted
     run_dir = tmp_path / "preempt"
     config = write_config(tmp_path / "pre.toml", run_dir)
     proc = start(config)
@@ -270,9 +299,29 @@ def test_sigterm_to_the_launcher_saves_exits_0_and_resumes_bit_identical(tmp_pat
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "preempted"
     assert not children_of(proc.pid)
-    again = start(config)
-    out, err = again.communicate(timeout=240)
+    # Resumed, then Ctrl-C. It was the one stop that lost work: the workers took SIGINT as
+    # KeyboardInterrupt and died unsaved (`stopped by signal 2 before the workers could
+    # save`, exit 130), each at its own moment -- a rank alive a moment longer called the
+    # store that rank 0, gone, had hosted, and torch printed its C++ "Broken pipe" trace
+    # (frames #0-#17). SIGINT is a preemption signal by default now: the ranks agree on a
+    # step, save, and exit together.
+    again = start(config, terminal=True)
+    wait_for_step(run_dir, status["step"] + 3, again)
+    os.killpg(again.pid, signal.SIGINT)  # what the terminal sends its foreground job
+    out, err = again.communicate(timeout=60)
     assert again.returncode == 0, err[-3000:]
+    assert f"resumed from step-{status['step']:08d}" in err + out
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "preempted" and status["signal"] == "SIGINT", status
+    assert status["step"] < 20, status
+    assert (run_dir / "checkpoints" / f"step-{status['step']:08d}" / "COMMITTED.json").exists()
+    assert f"preempted by signal {int(signal.SIGINT)}; saved at step {status['step']}" in err
+    for noise in ("Broken pipe", "frame #", "Traceback", "KeyboardInterrupt"):
+        assert noise not in out + err, (out + err)[-3000:]
+    assert not children_of(again.pid)
+    last = start(config)
+    out, err = last.communicate(timeout=240)
+    assert last.returncode == 0, err[-3000:]
     assert f"resumed from step-{status['step']:08d}" in err + out
     assert_same_run(ref, run_dir)
 
@@ -357,6 +406,32 @@ def test_sigusr1_to_the_launcher_saves_and_exits_0(tmp_path: Path) -> None:
     assert not children_of(proc.pid)
 
 
+def test_ranks_that_failed_alike_share_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Every rank's loss-contract error (400 characters) was listed once per rank, below each
+    # worker's own line of it.
+    from types import SimpleNamespace
+
+    from dtrain.launch.reports import report_failure
+
+    said = "Task.loss_fn returned 1 value(s) for 64 counted item(s): use reduction='none'"
+    failures = {
+        rank: SimpleNamespace(
+            timestamp=0, exitcode=2, pid=100 + rank, message=f"rank {rank}: {said}"
+        )
+        for rank in (0, 1, 2)
+    }
+    failures[3] = SimpleNamespace(timestamp=1, exitcode=-signal.SIGTERM, pid=103, message="")
+    assert report_failure(failures, 0, tmp_path) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[1:] == [
+        f"  ranks 0, 1, 2 (pids 100, 101, 102, exit code 2): {said}",
+        "  rank 3 (pid 103, ended by SIGTERM): no error of its own: ended by the signal (torch's "
+        "agent ends a job's other ranks so when one fails)",
+    ]
+
+
 @pytest.mark.skipif(
     Path("/proc/sys/vm/overcommit_memory").exists()
     and Path("/proc/sys/vm/overcommit_memory").read_text().strip() == "1",
@@ -392,22 +467,23 @@ def test_out_of_memory_is_one_line_per_rank_with_the_traceback_in_the_run_folder
 
 
 @pytest.mark.slow  # a launch of its own (~12 s on 2 cores)
-def test_ctrl_c_stops_the_run_without_a_traceback_from_every_rank(tmp_path: Path) -> None:
-    # Ctrl-C sends SIGINT to the terminal's whole process group: the launcher and its workers.
-    # Each worker printed the KeyboardInterrupt traceback of where its step was (~40 lines a
-    # rank) below the launcher's one line.
+def test_a_second_ctrl_c_stops_at_once_without_a_traceback_from_every_rank(
+    tmp_path: Path,
+) -> None:
+    # The first Ctrl-C asks for a save at the next step; the second, while the workers save
+    # (each file write slowed to 3 s here), kills them at once, together. Before, each worker
+    # printed the KeyboardInterrupt traceback of where its step was (~40 lines a rank) below
+    # the launcher's one line.
     run_dir = tmp_path / "ctrl-c"
-    config = write_config(tmp_path / "c.toml", run_dir)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dtrain", "train", str(config), "--nproc", "2", "--train.steps=200"],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own process group, as a terminal's foreground job
-    )
+    config = write_config(tmp_path / "c.toml", run_dir, task="tests.tasks:chaos_gpt")
+    slow_save = ["--task.save_slow_ms=3000", "--checkpoint.every=0", "--train.steps=200"]
+    proc = start(config, *slow_save, terminal=True)
     try:
         wait_for_step(run_dir, 2, proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        # The ranks agreed to stop and log it before their (slow) final save.
+        stopping = lambda: any(r.get("name") == "preempted" for r in records(run_dir))  # noqa: E731
+        wait_until(stopping, proc, "the ranks did not agree to stop", 60)
         os.killpg(proc.pid, signal.SIGINT)
         _out, err = proc.communicate(timeout=60)
     finally:
@@ -415,6 +491,8 @@ def test_ctrl_c_stops_the_run_without_a_traceback_from_every_rank(tmp_path: Path
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
-    assert "stopped by signal 2 before the workers could save" in err, err[-3000:]
+    assert "stopped at once by a second signal 2: the workers were killed unsaved" in err, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert "Broken pipe" not in err and "frame #" not in err, err[-3000:]
+    assert not list((run_dir / "checkpoints").glob("step-*/COMMITTED.json"))  # nothing saved
     assert not children_of(proc.pid)

@@ -3,6 +3,7 @@ the same parameters under every strategy and world size, and each rank makes onl
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +106,13 @@ def test_run_init_from_fills_a_meta_built_model(tmp_path: Path) -> None:
     # The weights of a finished run, given to a meta-built model under fsdp: the new run
     # starts from exactly them (not from init_weights' values).
     first = tiny_raw(tmp_path / "first", train={"steps": 4})
-    trained = run_ranks(train_each, 1, [first])[0][0]["params"]
+    # And a plain run from them, which must say where its weights came from (it said "from
+    # scratch"): its start line and start record name them.
+    init = {"init_from": str(tmp_path / "first")}
+    plain = tiny_raw(tmp_path / "plain", train={"steps": 1}, run=init)
+    trained = run_ranks(train_each, 1, [first, plain])[0][0]["params"]
+    records = map(json.loads, (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines())
+    assert [r["init_from"] for r in records if r["kind"] == "start"] == [init["init_from"]]
     second = tiny_raw(
         tmp_path / "second",
         task=META,

@@ -90,3 +90,57 @@ def test_a_preemption_signal_during_start_up_is_remembered_not_fatal() -> None:
     assert remembered.returncode == 0 and remembered.stdout.strip() == "SIGUSR1"
     # A config that does not name it: the signal's default action, as before.
     assert run("SIGTERM").returncode == -signal.SIGUSR1
+
+
+_CTRL_C_EARLY = """
+import os, signal
+from dtrain.fault.preempt import catch_early, settle_early
+catch_early()  # SIGINT among them
+settle_early(["SIGTERM"])  # a config without it: Ctrl-C is Python's KeyboardInterrupt again
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+except KeyboardInterrupt:
+    print("KeyboardInterrupt")
+"""
+
+
+def test_ctrl_c_left_out_of_the_config_is_a_keyboard_interrupt_again() -> None:
+    # Not the default action (the worker killed outright, none of its own clean-up run).
+    run = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_EARLY], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "KeyboardInterrupt", run.stderr
+
+
+_TWICE = """
+import os, signal
+from dtrain.fault.preempt import PreemptionFlag, catch_early
+
+def twice(signum, make):
+    make()
+    os.kill(os.getpid(), signum)  # saves at the next step
+    first = "saves"
+    try:
+        os.kill(os.getpid(), signum)
+        second = "saves"
+    except KeyboardInterrupt:
+        second = "stops at once"
+    return f"{signal.Signals(signum).name}: {first}, then {second}"
+
+flags = []
+print(twice(signal.SIGINT, lambda: flags.append(PreemptionFlag(["SIGTERM", "SIGINT"]))))
+print(flags[-1].signal_name)
+print(twice(signal.SIGTERM, lambda: flags.append(PreemptionFlag(["SIGTERM", "SIGINT"]))))
+print(twice(signal.SIGINT, catch_early))  # still starting: the default signals
+"""
+
+
+def test_the_first_ctrl_c_saves_and_a_second_one_stops_at_once() -> None:
+    run = subprocess.run([sys.executable, "-c", _TWICE], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == [
+        "SIGINT: saves, then stops at once",
+        "SIGINT",
+        "SIGTERM: saves, then saves",  # a scheduler's repeated SIGTERM still saves
+        "SIGINT: saves, then stops at once",
+    ]

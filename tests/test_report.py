@@ -23,6 +23,7 @@ from dtrain.metrics.sinks import JsonlSink, Progress
 from dtrain.report import write_report
 from dtrain.report.plots import SIZE_PX, make_plots
 from dtrain.report.read import read_runs
+from dtrain.report.totals import format_totals, totals
 from tests.conftest import REPO, tiny_raw
 from tests.dist_helpers import train_with_nan
 from tests.ranks import run_ranks
@@ -232,6 +233,65 @@ def test_two_runs_overlay_their_curves(observed_run: Path, tmp_path: Path) -> No
     assert "plain" in page.read_text() and "powersgd" in page.read_text()
 
 
+def test_every_line_shows_equal_ones_are_named_and_sizes_start_at_zero(
+    observed_run: Path, tmp_path: Path
+) -> None:
+    # The default job's bytes per step and its 50/50 shares are constant: drawn on the top
+    # spine they looked empty; rank 1's share hid rank 0's; memory from 323 MB up made 9% of
+    # growth look like a leak; a resumed run bit-identical to another vanished under it.
+    plots = {p.name: p for p in make_plots(read_runs([observed_run]), [])}
+    for name in ("comm", "shares", "memory", "throughput"):
+        axes = plots[name].figure.axes[0]
+        top = max(max(line.get_ydata()) for line in axes.get_lines())
+        assert axes.get_ylim()[0] == 0 and axes.get_ylim()[1] >= 1.05 * top, name
+    shares = plots["shares"].figure.axes[0]
+    rank0, rank1 = shares.get_lines()
+    assert list(rank0.get_ydata()) == list(rank1.get_ydata())
+    assert rank0.get_linestyle() == "-" and rank1.get_linestyle() not in ("-", "solid")
+    assert rank1.get_marker() == "o" and rank0.get_marker() in ("None", "", None)
+    said = shares.get_legend().get_title().get_text()
+    assert said == "rank 1 identical to rank 0 (drawn over it)"
+    # Nothing equal: nothing said.
+    assert not plots["loss_by_step"].figure.axes[0].get_legend().get_title().get_text()
+    # A loss is not a size: its range is the data's, padded both ways.
+    loss = plots["loss_by_step"].figure.axes[0]
+    losses = [y for line in loss.get_lines()[:2] for y in line.get_ydata()]
+    assert loss.get_ylim()[0] < min(losses) and loss.get_ylim()[1] > max(losses)
+    # Two runs, the second a bit-identical copy of the first (a resume that matched).
+    a, b = copy_run(observed_run, tmp_path / "first"), copy_run(observed_run, tmp_path / "again")
+    notes: list[str] = []
+    overlaid = {p.name: p for p in make_plots(read_runs([a, b]), notes)}
+    assert notes == []
+    axes = overlaid["loss_by_step"].figure.axes[0]
+    assert axes.get_legend().get_title().get_text() == (
+        "again: train loss identical to first: train loss (drawn over it)\n"
+        "again: val loss identical to first: val loss (drawn over it)"
+    )
+    styles = {line.get_label(): (line.get_linestyle(), line.get_marker()) for line in axes.lines}
+    assert styles["first: train loss"] != styles["again: train loss"]
+    assert styles["first: val loss"] != styles["again: val loss"]
+
+
+def test_the_report_sends_the_bytes_the_console_said(tmp_path: Path) -> None:
+    # The console's figure is the strategy's own count (the summary record's); the page summed
+    # the train records' per-step figures, which leave out the warm-up all-reduce before the
+    # first step: 3.944 GB on the page, 3.950 GB on the console for the default job.
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [
+        {"kind": "start", "step": 0, "time": 1.0},
+        {"kind": "train", "step": 2, "comm_bytes_per_step": 1e6, "time": 2.0},
+        {"kind": "train", "step": 4, "comm_bytes_per_step": 1e6, "time": 3.0},
+        {"kind": "summary", "state": "preempted", "step": 4, "comm_bytes": 5e6, "wall_s": 2.0},
+        {"kind": "start", "step": 4, "time": 4.0},  # resumed, then killed: no summary
+        {"kind": "train", "step": 6, "comm_bytes_per_step": 1e6, "time": 5.0},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    counted = totals(read_runs([run])[0])
+    assert counted["comm_bytes"] == 5e6 + 2e6  # the first attempt's count, the second's steps
+    assert format_totals(counted)["GB sent (rank 0)"] == "0.007"
+
+
 def test_runs_with_metrics_the_others_lack_plot_what_they_share(
     observed_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -311,7 +371,8 @@ def test_missing_matplotlib_names_the_extra(
     )
     assert main(["report", str(observed_run)]) == 2
     err = capsys.readouterr().err
-    assert err == "dtrain: error: dtrain report needs matplotlib: pip install 'dtrain[report]'\n"
+    needs = "dtrain report needs matplotlib: pip install -e '.[report]' in dtrain's clone"
+    assert err == f"dtrain: error: {needs}\n"
 
 
 def test_missing_tensorboard_is_one_line_before_launch(
@@ -447,7 +508,7 @@ def test_the_progress_line_names_the_slowest_rank(capsys: pytest.CaptureFixture[
 
 @pytest.mark.skipif(
     importlib.util.find_spec("tensorboard") is None,
-    reason="tensorboard is not installed (pip install 'dtrain[tensorboard]')",
+    reason="tensorboard is not installed (pip install -e '.[tensorboard]' in dtrain's clone)",
 )
 def test_tensorboard_event_files_hold_the_records(observed_run: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

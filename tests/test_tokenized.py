@@ -130,6 +130,8 @@ def test_a_window_at_every_offset(prepared: Path) -> None:
     assert dataset_fingerprint(TokenWindows(dataset, 16)).endswith(":windows16")
     inputs, targets = collate_windows([windows[3], windows[4]])
     assert inputs.dtype == torch.int64 and torch.equal(inputs[1], targets[0])
+    assert targets.view(-1).tolist() == [*stream[4:20].tolist(), *stream[5:21].tolist()]
+    assert inputs.is_contiguous() and targets.is_contiguous()
 
 
 def loader(windows: TokenWindows, rank: int, **kw: Any) -> RankLoader:

@@ -23,7 +23,7 @@ batches of ``input_ids`` alone (an attention mask would have to travel with the 
 through every stage, which torch's pipeline stages do not do). Every other strategy takes any
 model and batch.
 
-``transformers`` is an optional extra (``pip install 'dtrain[hf]'``); the rest of dtrain never
+``transformers`` is an optional extra (``pip install -e '.[hf]'``); the rest of dtrain never
 imports it, and this module only when a function here needs it.
 """
 

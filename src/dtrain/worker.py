@@ -167,9 +167,10 @@ def main(argv: Sequence[str] | None = None, own_loop: OwnLoop | None = None) -> 
         say_error(message)
         return USER_ERROR_EXIT_CODE
     except KeyboardInterrupt:
-        # Ctrl-C reaches the launcher and every worker of the terminal: the launcher says the
-        # run stopped; each rank's traceback of where its step was said nothing more (40
-        # lines a rank). The worker ends by SIGINT without one (exit_without_finalizing).
+        # A second Ctrl-C (the first saves: fault.preempt_signals), or one where SIGINT is no
+        # preemption signal: the launcher says the run stopped; each rank's traceback of where
+        # its step was said nothing more (40 lines a rank). The worker ends by SIGINT without
+        # one (exit_without_finalizing).
         raise
     except SystemExit:
         raise
@@ -179,6 +180,22 @@ def main(argv: Sequence[str] | None = None, own_loop: OwnLoop | None = None) -> 
             where = str(local_run_dir(cfg.run.dir, cfg.run.local_dir))
         return report_crash(exc, int(rank), where)
     return 0
+
+
+def lost_peer_words(error: BaseException, first: str) -> str:
+    """``first`` (an error's first line), said as what it means when a peer's connection
+    closed outside the training loop, whose own diagnosis names the peer: a rank whose peer
+    was killed during a resume said only ``DistNetworkError: Broken pipe``."""
+    from dtrain.fault.peer_failure import PeerFailure, connection_closed, is_collective_failure
+
+    if isinstance(error, PeerFailure) or not is_collective_failure(error):
+        return first
+    if not connection_closed(error):
+        return first
+    return (
+        f"lost a peer outside the training loop (starting, resuming or ending: {first}): a "
+        "rank of the job ended or was killed; its own line, or the launcher's, says why"
+    )
 
 
 def report_crash(error: BaseException, rank: int, run_dir: str) -> int:
@@ -195,7 +212,7 @@ def report_crash(error: BaseException, rank: int, run_dir: str) -> int:
         error = wrapped
     ErrorHandler().record_exception(error)
     text = f"{type(error).__name__}: {error}".strip()
-    first = text.splitlines()[0] if text else type(error).__name__
+    first = lost_peer_words(error, text.splitlines()[0] if text else type(error).__name__)
     log = append_traceback(run_dir, rank, error) if run_dir else None
     if log is None:
         traceback.print_exception(error)

@@ -57,8 +57,8 @@ def quiet_launcher_store_logs() -> None:
     """Before torch is imported in the launcher: its C++ store client logs every failed call
     with a stack trace of some 30 frames (the rendezvous store of a machine that has gone, a
     keep-alive during an outage, the close of a rendezvous whose host exited first at the end
-    of a successful run). The launcher reports every failure itself, in a line; the workers,
-    started afresh, keep torch's logging as it was."""
+    of a successful run). The launcher reports every failure itself, in a line; its workers
+    start afresh with their own level (:func:`dtrain.launch.launcher.launch`)."""
     if "torch" in sys.modules:
         return
     own = os.environ.get("TORCH_CPP_LOG_LEVEL")

@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer",
         default="",
         help="a Hugging Face tokenizer.json: text becomes its token ids (uint16 or uint32 by "
-        "the vocabulary's size) instead of bytes; needs pip install 'dtrain[tokenizers]'",
+        "the vocabulary's size) instead of bytes; needs pip install -e '.[tokenizers]' in "
+        "dtrain's clone",
     )
     p.add_argument(
         "--eos",
@@ -130,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
         "report",
         help="plots and an HTML page of one or more runs (several: their curves overlaid)",
         description="Write PNG plots and one self-contained HTML page from run folders' "
-        "metrics.jsonl (needs matplotlib: pip install 'dtrain[report]').",
+        "metrics.jsonl (needs matplotlib: pip install -e '.[report]' in dtrain's clone).",
     )
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folder(s) to report on")
     p.add_argument(

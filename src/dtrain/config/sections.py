@@ -195,9 +195,10 @@ class FaultConfig:
         min=0,
     )
     preempt_signals: list[str] = option(
-        ["SIGTERM", "SIGUSR1"],
+        ["SIGTERM", "SIGINT", "SIGUSR1"],
         "signals that make every rank save at the next step and exit 0: any of SIGTERM, "
-        "SIGINT, SIGHUP, SIGUSR1, SIGUSR2, SIGQUIT, SIGXCPU (the signals that mean 'stop')",
+        "SIGINT, SIGHUP, SIGUSR1, SIGUSR2, SIGQUIT, SIGXCPU (the signals that mean 'stop'); "
+        "with SIGINT, Ctrl-C saves and a second Ctrl-C stops at once, unsaved",
     )
     preempt_grace_s: float = option(
         120.0, "time the launcher gives workers to save after a preemption signal", min=1
@@ -405,7 +406,7 @@ class MetricsConfig:
     tensorboard: bool = option(
         False,
         "also write TensorBoard event files to RUN_DIR/tensorboard (needs the tensorboard "
-        "extra: pip install 'dtrain[tensorboard]')",
+        "extra: pip install -e '.[tensorboard]' in dtrain's clone)",
     )
     trackers: list[Literal["wandb", "mlflow"]] = option(
         [],

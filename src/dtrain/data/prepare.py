@@ -187,7 +187,9 @@ def parquet_samples(
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DataError("Parquet sources need pyarrow: pip install 'dtrain[parquet]'") from None
+        raise DataError(
+            "Parquet sources need pyarrow: pip install -e '.[parquet]' in dtrain's clone"
+        ) from None
     for path in files:
         try:
             table_file = pq.ParquetFile(path)

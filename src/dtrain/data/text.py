@@ -111,9 +111,11 @@ class TokenSequences:
 
 
 def collate_windows(samples: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Equal-length windows to ``(inputs, targets)``, targets shifted by one token."""
+    """Equal-length windows to ``(inputs, targets)``, targets shifted by one token; each its
+    own contiguous tensor (slices of one block were not: a model's ``targets.view(-1)``
+    failed)."""
     block = torch.from_numpy(np.stack(samples).astype(np.int64))
-    return block[:, :-1], block[:, 1:]
+    return block[:, :-1].contiguous(), block[:, 1:].contiguous()
 
 
 def collate_padded(samples: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:

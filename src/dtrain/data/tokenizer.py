@@ -1,7 +1,7 @@
 """A Hugging Face ``tokenizers`` file (``tokenizer.json``) as ``dtrain prepare --tokenizer``
 uses it: text in, token ids out, and the vocabulary size that picks the shards' id type
 (uint16 up to 65,536 ids, else uint32). ``tokenizers`` is an optional extra
-(``pip install 'dtrain[tokenizers]'``); nothing else imports it."""
+(``pip install -e '.[tokenizers]'``); nothing else imports it."""
 
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def load_tokenizer(path: str | Path, eos: str | None = None) -> FileTokenizer:
         from tokenizers import Tokenizer
     except ImportError:
         raise UserError(
-            f"--tokenizer {path}: needs the tokenizers package: pip install 'dtrain[tokenizers]'"
+            f"--tokenizer {path}: needs the tokenizers package: pip install -e '.[tokenizers]' "
+            "in dtrain's clone"
         ) from None
     if not path.is_file():
         raise DataError(f"--tokenizer {path}: no such file (a Hugging Face tokenizer.json)")

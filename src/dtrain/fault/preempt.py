@@ -1,5 +1,9 @@
 """Preemption: a signal asks every rank to save at the next step boundary and exit 0.
 
+Ctrl-C (SIGINT) is one of them by default: the first saves at the next step, as SIGTERM does; a
+second one stops at once (``KeyboardInterrupt``, Python's own answer to Ctrl-C), whatever the
+first started -- a user who presses it twice wants out, not a save.
+
 The handler only sets a flag -- no file I/O, no collectives, nothing that could deadlock inside
 a signal handler. The trainer folds the flag into the step's agreement
 (:class:`~dtrain.comm.agreement.StepAgreement`), which every step sums over the ranks with its
@@ -69,11 +73,19 @@ def unforwarded_warning(names: Sequence[str]) -> str:
 # own (settle_early). A signal in between -- Slurm's --signal=USR1@N may come up to a minute
 # early, during start-up -- is remembered, and the first step's agreement stops the run with
 # a save, instead of the signal's default action ending the worker unsaved.
-_EARLY: dict[str, Any] = {"signum": 0, "caught": set()}
-DEFAULT_PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1")
+_EARLY: dict[str, Any] = {"signum": 0, "caught": set(), "previous": {}}
+DEFAULT_PREEMPT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
+
+
+def stop_at_once_if_again(signum: int, first: int) -> None:
+    """A second Ctrl-C (``signum`` SIGINT after a ``first`` SIGINT): raise
+    ``KeyboardInterrupt`` in the main thread, which ends the worker unsaved."""
+    if signum == first == signal.SIGINT:
+        raise KeyboardInterrupt
 
 
 def _remember(signum: int, frame: FrameType | None) -> None:
+    stop_at_once_if_again(signum, _EARLY["signum"])
     _EARLY["signum"] = _EARLY["signum"] or signum
 
 
@@ -82,16 +94,19 @@ def catch_early(signal_names: Sequence[str] = DEFAULT_PREEMPT_SIGNALS) -> None:
     thread, first thing)."""
     for name in signal_names:
         sig = getattr(signal, name)
-        signal.signal(sig, _remember)
+        previous = signal.signal(sig, _remember)
+        if sig not in _EARLY["caught"]:
+            _EARLY["previous"][sig] = previous
         _EARLY["caught"].add(sig)
 
 
 def settle_early(signal_names: Sequence[str]) -> None:
     """Once the config is read: keep remembering the signals it names; give those it does not
-    their default action back -- and apply it now, to one that came meanwhile."""
+    their handler from before back (Python's KeyboardInterrupt for SIGINT, else the default
+    action) -- and apply it now, to one that came meanwhile."""
     wanted = {getattr(signal, name) for name in signal_names}
     for sig in sorted(_EARLY["caught"] - wanted):
-        signal.signal(sig, signal.SIG_DFL)
+        signal.signal(sig, _EARLY["previous"].pop(sig, signal.SIG_DFL))
         _EARLY["caught"].discard(sig)
         if _EARLY["signum"] == sig:
             _EARLY["signum"] = 0
@@ -114,7 +129,8 @@ class PreemptionFlag:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.signum = signum
+        stop_at_once_if_again(signum, self.signum)
+        self.signum = self.signum or signum
 
     @property
     def requested(self) -> bool:

@@ -3,8 +3,9 @@
 
 ``state`` is ``running`` while training, ``completed`` at the end, ``preempted`` when a
 signal stopped the run after it saved (``signal`` names it), or ``stopped`` when a failure
-left fewer workers than ``fault.min_replicas`` and they saved (``signal`` says so); ``step``
-is the step it was at.
+left fewer workers than ``fault.min_replicas`` and they saved (``signal`` says so), or
+``failed`` when the launcher gave up on the job (its restarts spent: written by the launcher,
+at the furthest step a rank was in: where it failed); ``step`` is the step it was at.
 The file is replaced atomically, so a reader never sees half of it.
 """
 
@@ -22,7 +23,7 @@ STATUS_FILE = "status.json"
 
 @dataclass(frozen=True)
 class RunStatus:
-    state: str  # running | completed | preempted | stopped
+    state: str  # running | completed | preempted | stopped | failed
     step: int
     # The signal that preempted the run, or "a peer's signal"; why it stopped (stopped).
     signal: str = ""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
 import sys
 from collections.abc import Callable, Iterator
@@ -75,6 +76,37 @@ def rendezvous_store(config: LaunchConfig) -> Any:
     )
 
 
+def _agent_class() -> Any:
+    """torch's local elastic agent, but for a second signal during the workers' grace (Ctrl-C
+    twice): torch's own then sends them SIGTERM and waits the whole grace again; this one
+    kills them at once, together (not one by one as the launcher exits: a rank alive a
+    moment longer would call the store a killed one hosted, and torch print its C++ trace).
+    A class made on first use: torch is imported only once a job starts."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    class Agent(LocalElasticAgent):
+        stopped_at_once = 0  # the second signal, once it cut the grace short
+
+        def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+            try:
+                super()._shutdown(death_sig, timeout)
+            except SignalException as exc:
+                self.stopped_at_once = int(exc.sigval)
+                super()._shutdown(signal.SIGKILL, timeout=5)
+                raise
+
+    return Agent
+
+
+class StoppedAtOnce(Exception):
+    """A second signal came while the workers had their grace to save: they were killed."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped at once by signal {signum}")
+        self.signum = signum
+
+
 def run_agent(
     config: LaunchConfig,
     args: tuple[str, ...],
@@ -93,9 +125,9 @@ def run_agent(
     With a ``store_port`` (one machine) the workers' store is at 127.0.0.1.
 
     Raises ``ChildFailedError`` when workers failed; ``RendezvousError`` and
-    ``SignalException`` pass through as from ``elastic_launch``."""
+    ``SignalException`` pass through as from ``elastic_launch``; :class:`StoppedAtOnce` when a
+    second signal cut the workers' grace short."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -136,7 +168,7 @@ def run_agent(
     # Set by LaunchConfig itself (its logs) and by dtrain.launch.launcher (the grace before
     # SIGKILL).
     assert config.logs_specs is not None and config.shutdown_timeout is not None
-    agent = LocalElasticAgent(
+    agent = _agent_class()(
         spec=spec,
         logs_specs=config.logs_specs,
         start_method=config.start_method,
@@ -155,6 +187,8 @@ def run_agent(
         # A launcher ended by a signal leaves the rendezvous open: closing it would end the
         # job for the other machines too, which may go on without this one.
         close_rendezvous = False
+        if agent.stopped_at_once:
+            raise StoppedAtOnce(agent.stopped_at_once) from None
         raise
     finally:
         if close_rendezvous:

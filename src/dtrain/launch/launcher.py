@@ -38,7 +38,7 @@ from dtrain.dist.stores import LOOPBACK, host_store
 from dtrain.errors import UserError
 from dtrain.fault.preempt import signals_to_forward
 from dtrain.fault.status import read_status
-from dtrain.launch.agent import held_port, run_agent
+from dtrain.launch.agent import StoppedAtOnce, held_port, run_agent
 from dtrain.launch.options import (
     JobSettings,
     LaunchOptions,
@@ -51,6 +51,7 @@ from dtrain.launch.reports import (
     join_timed_out,
     members_outcome,
     quiet_expected_logs,
+    record_failure,
     rendezvous_lost,
     report_failure,
     report_preemption,
@@ -77,6 +78,12 @@ def launch(config_path: Path, opts: LaunchOptions, job: JobSettings) -> int:
     """Run the job (the config at ``config_path``, in its run folder) in the layout of
     ``job.recovery``; the exit code for the CLI."""
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    # The workers' C++ store client logs every call to a store whose host has gone at WARNING,
+    # with a C++ stack trace of some 20 frames: each of a rank's threads that reads the job's
+    # store (rank 0's) after rank 0 was killed (a kill -9, a second Ctrl-C on its machine)
+    # printed one or two. The rank says what failed itself, in a line (the watchdog's
+    # diagnosis names the peer); torch's errors still show. A level the user set stands.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     if job.recovery == "inplace":
         return run_members(config_path, opts, job)
     return run_group(config_path, opts, job)
@@ -168,9 +175,12 @@ def run_group(config_path: Path, opts: LaunchOptions, job: JobSettings) -> int:
     except RendezvousError as exc:
         raise UserError(rendezvous_lost(opts, exc)) from None
     except ChildFailedError as exc:
+        record_failure(config_path.parent)
         return report_failure(exc.failures, opts.max_restarts, config_path.parent)
     except SignalException as exc:
         return report_preemption(config_path.parent, int(exc.sigval))
+    except StoppedAtOnce as exc:
+        return report_preemption(config_path.parent, exc.signum, at_once=True)
     return 0
 
 
@@ -223,8 +233,9 @@ def supervise_members(
     torch's agent supervises its one worker in restart mode: a worker that fails is started
     again alone, up to ``max_restarts`` times per member, while the others go on; a signal the
     launcher gets is passed to every worker, which then has ``job.grace_s`` to save and end
-    before SIGKILL. The members' exit codes (a failure said in one line, as restart mode says
-    it; a signal's outcome once, :func:`report_preemption`) and the signals received."""
+    before SIGKILL (a second signal: SIGKILL at once). The members' exit codes (a failure
+    said in one line, as restart mode says it; a signal's outcome once,
+    :func:`report_preemption`) and the signals received."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     run_dir, attempts = config_path.parent, dict.fromkeys(envs, 0)
@@ -245,11 +256,14 @@ def supervise_members(
         running[member] = subprocess.Popen(command, env=env, start_new_session=True)
 
     def forward(signum: int, frame: FrameType | None) -> None:
+        # The first signal is passed on (the workers save at the next step); a second one
+        # (Ctrl-C twice) kills them at once, all together.
+        sent = signal.SIGKILL if signalled else signum
         signalled.append(signum)
         for proc in running.values():
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
-                    os.killpg(proc.pid, signum)
+                    os.killpg(proc.pid, sent)
 
     names = set(job.preempt_signals) | {"SIGINT", "SIGTERM"}
     previous = {name: signal.signal(getattr(signal, name), forward) for name in names}
@@ -279,7 +293,8 @@ def supervise_members(
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
-            codes.update(dict.fromkeys(running, report_preemption(run_dir, signalled[0])))
+            code = report_preemption(run_dir, signalled[0], at_once=len(signalled) > 1)
+            codes.update(dict.fromkeys(running, code))
     finally:
         for name, handler in previous.items():
             signal.signal(getattr(signal, name), handler)

@@ -128,7 +128,7 @@ class JobSettings:
     ``min_replicas``: in place, the fewest workers the job trains with."""
 
     grace_s: float = 120.0
-    preempt_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
+    preempt_signals: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGUSR1")
     collective_timeout_s: float = 300.0
     recovery: str = "restart"
     min_replicas: int = 1

@@ -5,6 +5,7 @@ torch's log lines of the same events, dropped."""
 from __future__ import annotations
 
 import logging
+import re
 import signal
 from collections.abc import Mapping
 from pathlib import Path
@@ -15,7 +16,7 @@ from dtrain.dist.network import split_endpoint
 from dtrain.dist.reachability import REFUSED, UNREACHABLE, describe, probe, wait_for_endpoint
 from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
 from dtrain.fault.error_log import LOGS_DIR
-from dtrain.fault.status import RunStatus, read_status
+from dtrain.fault.status import RunStatus, read_status, write_status
 from dtrain.launch.options import LaunchOptions, may_host_rendezvous, nnodes_text
 from dtrain.launch.rendezvous_wait import timed_out_words
 
@@ -126,10 +127,11 @@ def wait_for_rendezvous_host(opts: LaunchOptions) -> None:
         )
 
 
-def report_preemption(run_dir: Path, signum: int) -> int:
+def report_preemption(run_dir: Path, signum: int, at_once: bool = False) -> int:
     """After the launcher itself got a preemption signal: 0 when the workers saved, whether
     the signal stopped them (``preempted``) or came too late to, after their last step:
-    ``completed`` is written only once the final checkpoint is committed."""
+    ``completed`` is written only once the final checkpoint is committed. ``at_once``: a
+    second signal cut their grace short and they were killed (Ctrl-C twice)."""
     status = read_status(run_dir)
     if status is not None and status.state == "preempted":
         say_line(
@@ -143,8 +145,27 @@ def report_preemption(run_dir: Path, signum: int) -> int:
             f"saved its final checkpoint (step {status.step})"
         )
         return 0
-    say_line(f"dtrain: stopped by signal {signum} before the workers could save")
+    if at_once:
+        say_line(
+            f"dtrain: stopped at once by a second signal {signum}: the workers were killed "
+            "unsaved; run the same command to resume from the newest checkpoint"
+        )
+    else:
+        say_line(f"dtrain: stopped by signal {signum} before the workers could save")
     return 128 + signum
+
+
+def record_failure(run_dir: Path) -> None:
+    """The job failed for good: ``status.json`` says so, at the furthest step a rank's
+    liveness record was in -- where the job failed (it said ``running`` at the step the last
+    attempt started, and kept saying it after the job had ended)."""
+    from dtrain.fault.liveness import read_run_liveness
+
+    status = read_status(run_dir)
+    if status is None or status.state != "running":
+        return  # none written yet (nothing started), or it ended otherwise already
+    steps = [status.step, *(beat.step for beat in read_run_liveness(run_dir).values())]
+    write_status(run_dir, RunStatus("failed", max(steps)))
 
 
 def report_failure(
@@ -161,17 +182,32 @@ def report_failure(
         failures.items(), key=lambda item: (item[1].timestamp, item[1].exitcode < 0, item[0])
     )
     say_line(f"dtrain: training failed (after up to {max_restarts + 1} attempt(s)); failed ranks:")
+    # Ranks that failed alike (every rank's loss-contract error, the ranks the agent ended)
+    # share one line: it listed the same 400 characters once per rank.
+    groups: dict[tuple[str, str], list[tuple[int, Any]]] = {}
     for rank, failure in ordered:
-        say_line(
-            f"  {who or f'rank {rank}'} (pid {failure.pid}, {exit_words(failure.exitcode)}): "
-            f"{failure_words(failure.message, failure.exitcode)}"
-        )
+        words = failure_words(failure.message, failure.exitcode)
+        key = (exit_words(failure.exitcode), RANK_PREFIX.sub("", words))
+        groups.setdefault(key, []).append((rank, failure))
+    for (how, words), members in groups.items():
+        if len(members) == 1:
+            rank, failure = members[0]
+            said = failure_words(failure.message, failure.exitcode)
+            say_line(f"  {who or f'rank {rank}'} (pid {failure.pid}, {how}): {said}")
+            continue
+        ranks = ", ".join(str(rank) for rank, _ in members)
+        pids = ", ".join(str(failure.pid) for _, failure in members)
+        say_line(f"  ranks {ranks} (pids {pids}, {how}): {words}")
     if (run_dir / LOGS_DIR).is_dir():
         say_line(f"dtrain: the failed ranks' tracebacks are in {run_dir / LOGS_DIR}/")
     # The root cause decides: a user error (exit 2) on the first rank to fail, whatever the
     # others died of when the agent stopped them.
     user_error = bool(ordered) and ordered[0][1].exitcode == USER_ERROR_EXIT_CODE
     return USER_ERROR_EXIT_CODE if user_error else 1
+
+
+# How a worker names itself at the head of its error ("rank 1: ...", "member 1: ...").
+RANK_PREFIX = re.compile(r"^(rank|member) \d+: ")
 
 
 def exit_words(exitcode: int) -> str:
@@ -246,6 +282,14 @@ def members_outcome(
         say_error(stopped_words(stopped, status))
         return 1
     if status is not None and status.state in ("completed", "preempted"):
+        if status.state == "preempted" and not signalled:
+            # The signal went elsewhere (node 0's Ctrl-C, a worker's SIGTERM): this
+            # launcher's workers learnt it in a step's agreement and saved with the others.
+            say_line(
+                f"dtrain: the job was stopped by {status.signal or 'a signal'} sent elsewhere "
+                f"(another machine's Ctrl-C, say); saved at step {status.step}. Run the same "
+                "command on every machine to resume."
+            )
         return 0
     failed = [code for code in codes if code != 0]
     if signalled and not failed:

@@ -116,6 +116,9 @@ class RunLog:
             "hardware": describe(device),
             "time": time.time(),
         }
+        init_from = cfg.run.init_from if not resumed_from else ""  # a resume reads its own
+        if init_from:
+            start["init_from"] = init_from
         self.metrics.write(start)
         if attempt and not in_place:  # in place: a membership event instead
             self.event("restart", step, attempt=attempt)
@@ -124,6 +127,8 @@ class RunLog:
         if membership is not None:
             self.event("membership", step, **membership)
         where = f"resumed from {resumed_from}" if resumed_from else "from scratch"
+        if init_from:
+            where = f"from the weights in {init_from} (run.init_from)"
         if membership is not None:
             where = f"healed from member {membership['healed_from']}'s memory"
         self.log(

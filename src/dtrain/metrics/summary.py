@@ -103,10 +103,8 @@ def print_summary(summary: Summary, item_name: str, world_size: int) -> None:
     for name, value in summary.val_metrics.items():
         val += f"   val {name} {value:.4f}"
     if summary.preempted:
-        head = (
-            f"stopped by {summary.preempted} at step {summary.steps} and saved; run the same "
-            "command to resume"
-        )
+        # Facts only: how to resume is the launcher's line, printed once (`dtrain train`).
+        head = f"stopped by {summary.preempted} at step {summary.steps}, saved"
     else:
         head = f"done: {summary.steps} steps"
         if summary.stopped:

@@ -1,7 +1,7 @@
 """TensorBoard event files (``metrics.tensorboard = true``): the records of ``metrics.jsonl``
 as scalars in ``RUN_DIR/tensorboard``, through ``torch.utils.tensorboard.SummaryWriter``.
 
-``tensorboard`` is an optional extra (``pip install 'dtrain[tensorboard]'``); asking for it
+``tensorboard`` is an optional extra (``pip install -e '.[tensorboard]'``); asking for it
 without it installed is a one-line error before any worker starts (:func:`check_available`).
 
 What goes where (``tensorboard --logdir RUN_DIR/tensorboard``):
@@ -36,7 +36,7 @@ def check_available() -> None:
     if importlib.util.find_spec("tensorboard") is None:
         raise UserError(
             "metrics.tensorboard = true needs the tensorboard package: "
-            "pip install 'dtrain[tensorboard]' (or set metrics.tensorboard = false)"
+            "pip install -e '.[tensorboard]' in dtrain's clone (or set metrics.tensorboard = false)"
         )
 
 

@@ -28,7 +28,9 @@ def write_report(run_dirs: list[Path], out_dir: Path | None = None) -> Path:
     (default: ``RUN_DIR/report`` for one run, ``./report`` for several); returns the page.
     What was skipped or left out is printed on stderr and listed on the page."""
     if importlib.util.find_spec("matplotlib") is None:
-        raise UserError("dtrain report needs matplotlib: pip install 'dtrain[report]'")
+        raise UserError(
+            "dtrain report needs matplotlib: pip install -e '.[report]' in dtrain's clone"
+        )
     from dtrain.report.page import render
     from dtrain.report.plots import make_plots
 

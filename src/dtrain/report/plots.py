@@ -6,7 +6,10 @@ has what it needs. A run that lacks a plot's data is left out of that plot and a
 several runs are compared on what they share.
 
 Every figure is :data:`SIZE_PX` pixels. Series carry labels (the legend); unlabelled artists
-are decoration.
+are decoration. Every line stays visible (:func:`_done`): the y-range is padded past the data,
+so a near-constant series never sits on a spine; a series equal to one drawn before it (a
+resumed run bit-identical to another, two ranks' equal shares) is drawn dashed with markers
+over it, and the legend says which it equals.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ import io
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 
 from dtrain.report.read import Record, Run, val_metrics
 
@@ -141,6 +146,51 @@ def _mark_events(
             )
 
 
+def _data_lines(ax: Axes) -> list[Line2D]:
+    """The series (in data coordinates), not the event lines drawn across the axes."""
+    return [line for line in ax.get_lines() if line.get_transform() == ax.transData]
+
+
+def _xy(line: Line2D) -> tuple[list[float], list[float]]:
+    xs: Any = line.get_xdata()  # what the series was drawn from: numbers (matplotlib's
+    ys: Any = line.get_ydata()  # types allow strings and arrays of any kind)
+    return [float(x) for x in xs], [float(y) for y in ys]
+
+
+def _pad_y(ax: Axes, from_zero: bool) -> None:
+    """A y-range with room above (and, unless it starts at zero, below) the data: matplotlib's
+    own put a near-constant series exactly on the top spine once the bottom was set to zero
+    (the default job's bytes per step, its throughput and shares looked empty)."""
+    ys = [y for line in _data_lines(ax) for y in _xy(line)[1] if math.isfinite(y)]
+    if not ys:
+        return
+    low, high = (min(0.0, min(ys)) if from_zero else min(ys)), max(ys)
+    pad = 0.08 * ((high - low) or abs(high) or 1.0)
+    ax.set_ylim(low if from_zero else low - pad, high + pad)
+
+
+MARKERS = ("o", "s", "^", "D")
+
+
+def _show_identical(ax: Axes) -> str:
+    """Each series equal to one drawn before it, point for point, restyled (dashed or dotted,
+    with markers placed apart from the other copies', so that the first shows through) and
+    named: drawn plainly, it hid the first completely. The words, for the legend's title."""
+    lines, said = _data_lines(ax), list[str]()
+    for j, line in enumerate(lines):
+        xs, ys = _xy(line)
+        twin = next((o for o in lines[:j] if _xy(o) == (xs, ys)), None)
+        if twin is None or not xs:
+            continue
+        copy, every = len(said), max(1, len(xs) // 12)
+        line.set_linestyle((0, (6, 4)) if copy % 2 == 0 else (0, (1, 3)))
+        line.set_marker(MARKERS[copy % len(MARKERS)])
+        line.set_markersize(4)
+        line.set_markevery((copy * max(1, every // 4) % every, every))
+        said.append(f"{line.get_label()} identical to {twin.get_label()} (drawn over it)")
+    return "\n".join(said)
+
+
 def _done(
     drawn: tuple[Figure, Axes] | None,
     name: str,
@@ -157,10 +207,11 @@ def _done(
     fig, ax = drawn
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    if from_zero:
-        ax.set_ylim(bottom=0)
+    identical = _show_identical(ax)
+    _pad_y(ax, from_zero)
     ax.set_title(heading or title)
-    ax.legend(fontsize="small")
+    # The words on equal series head the legend, which finds room for them with it.
+    ax.legend(fontsize="small", title=identical or None, title_fontsize="small")
     return Plot(name, title, fig)
 
 
@@ -354,7 +405,8 @@ def plot_memory(runs: list[Run], notes: list[str]) -> Plot | None:
     kinds = {r.get("memory_kind") for run in runs for r in run.of("start")} - {None}
     what = {"rss_anon": "RssAnon", "cuda_max_allocated": "CUDA max allocated"}
     ylabel = "MB" + (f" ({', '.join(what.get(str(k), str(k)) for k in kinds)})")
-    return _done(drawn, "memory", title, ylabel)
+    # From zero: a few percent of growth must not look like a leak.
+    return _done(drawn, "memory", title, ylabel, from_zero=True)
 
 
 def plot_val_metrics(runs: list[Run], notes: list[str]) -> Plot | None:

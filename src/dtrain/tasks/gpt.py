@@ -70,7 +70,14 @@ def generate_samples(model: nn.Module, new_tokens: int, seed: int = 0) -> str:
         return ""
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
-    lines = ["samples from the trained model:"]
+    millions = sum(p.numel() for p in model.parameters()) / 1e6
+    # What to expect, said before the text: a small byte-level model writes Python's shape.
+    lines = [
+        f"samples from the trained model ({millions:.1f} M parameters, byte by byte after each "
+        "prompt):",
+        "expect Python's shape (indentation, keywords, plausible names and calls), not working "
+        "code; more steps and a larger model (task.n_layer, task.d_model) get closer",
+    ]
     for prompt in PROMPTS:
         idx = torch.tensor([list(prompt.encode())], dtype=torch.int64, device=device)
         out = model.generate(idx, new_tokens, generator=generator)[0].tolist()

@@ -109,7 +109,8 @@ def write_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
         from safetensors.torch import save_file
     except ImportError:
         raise UserError(
-            "--format safetensors needs: pip install safetensors (or 'dtrain[hf]'); "
+            "--format safetensors needs: pip install safetensors (or pip install -e '.[hf]' in "
+            "dtrain's clone); "
             "--format torch needs nothing more"
         ) from None
     seen: set[int] = set()
@@ -129,7 +130,7 @@ def require_transformers(what: str) -> Any:
         import transformers
     except ImportError:
         raise UserError(
-            f"{what} needs Hugging Face transformers: pip install 'dtrain[hf]'"
+            f"{what} needs Hugging Face transformers: pip install -e '.[hf]' in dtrain's clone"
         ) from None
     return transformers
 
