@@ -3,7 +3,7 @@ trains through ``dtrain.hf.causal_lm_task`` as it comes, under ddp and fsdp; onl
 get gradients, travel between ranks and go into checkpoints (the base is frozen, and the task
 builds it again on every start).
 
-Run it on 2 workers (needs ``pip install 'dtrain[hf,peft]'``)::
+Run it on 2 workers (needs ``pip install -e '.[hf,peft]'``)::
 
     dtrain train examples/hf_gpt2_lora.toml --nproc 2
     dtrain export runs/hf-gpt2-lora lora-adapter --format hf   # the adapter, as PEFT saves it

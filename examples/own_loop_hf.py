@@ -3,7 +3,7 @@ the run's strategy and streams its data; the loss is Hugging Face's shifted caus
 token, so the step's gradient is the mean over every token of the global batch (padding
 excluded) whatever each rank holds (docs/own-loop.md).
 
-Run it from the repository root (``pip install 'dtrain[hf]'``); the model's sizes and data are
+Run it from the repository root (``pip install -e '.[hf]'``); the model's sizes and data are
 ``examples/hf_gpt2.toml``'s ``[task]`` (``run.task = "examples.hf_gpt2:build"``, whose loop this
 replaces), or ``hf_gpt2.GPT2Options``'s defaults under a config that names another task::
 

@@ -67,7 +67,7 @@ def file_system(scheme: str) -> Any:
     try:
         import fsspec
     except ImportError:  # pragma: no cover - fsspec comes with torch
-        raise UserError(f"{scheme}:// needs fsspec: pip install 'dtrain[s3]'") from None
+        raise UserError(f"{scheme}:// needs fsspec: pip install -e '.[s3]'") from None
     if scheme != "s3":
         try:
             return fsspec.filesystem(scheme, use_listings_cache=False)
@@ -77,7 +77,7 @@ def file_system(scheme: str) -> Any:
         import s3fs
     except ImportError:
         raise UserError(
-            "s3:// needs the s3fs package, which is not installed: pip install 'dtrain[s3]'"
+            "s3:// needs the s3fs package, which is not installed: pip install -e '.[s3]'"
         ) from None
     fs = s3fs.S3FileSystem(
         use_listings_cache=False,

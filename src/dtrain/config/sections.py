@@ -411,7 +411,7 @@ class MetricsConfig:
     trackers: list[Literal["wandb", "mlflow"]] = option(
         [],
         "experiment trackers that get the run's config and records beside metrics.jsonl, from "
-        "rank 0: 'wandb', 'mlflow' (each needs its extra: pip install 'dtrain[wandb]'); "
+        "rank 0: 'wandb', 'mlflow' (each needs its extra: pip install -e '.[wandb]'); "
         "docs/observability.md",
     )
     project: str = option(

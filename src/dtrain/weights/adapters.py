@@ -16,7 +16,7 @@ the adapters into it and writes the folder with PEFT's own ``save_pretrained``, 
 (``merge_and_unload``) and writes the plain model's folder ``from_pretrained`` loads.
 
 The files are JSON and safetensors: nothing is unpickled. ``peft`` is an optional extra
-(``pip install 'dtrain[peft]'``), imported only here and only when a function needs it.
+(``pip install -e '.[peft]'``), imported only here and only when a function needs it.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ MATCHED = (
 def require_peft(what: str) -> Any:
     """The ``peft`` module, or one line naming the extra to install."""
     if importlib.util.find_spec("peft") is None:
-        raise UserError(f"{what} needs PEFT: pip install 'dtrain[peft]'")
+        raise UserError(f"{what} needs PEFT: pip install -e '.[peft]'")
     import peft
 
     return peft

@@ -30,8 +30,8 @@ def check_available(names: Sequence[str]) -> None:
         if importlib.util.find_spec(PACKAGES[name]) is None:
             raise UserError(
                 f"metrics.trackers names {name!r}, but the {PACKAGES[name]} package is not "
-                f"installed: pip install 'dtrain[{name}]' (from a clone: pip install -e "
-                f"'.[{name}]'), or remove {name!r} from metrics.trackers"
+                f"installed: pip install -e '.[{name}]' in dtrain's clone, or remove {name!r} "
+                "from metrics.trackers"
             )
 
 
