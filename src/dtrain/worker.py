@@ -178,8 +178,19 @@ def main(argv: Sequence[str] | None = None, own_loop: OwnLoop | None = None) -> 
         where = ""  # no run folder yet: the traceback goes to stderr
         if cfg is not None and cfg.run.dir:
             where = str(local_run_dir(cfg.run.dir, cfg.run.local_dir))
-        return report_crash(exc, int(rank), where)
+        code = report_crash(exc, int(rank), where)
+        if cfg is not None and is_peer_failure(exc):
+            from dtrain.fault.store_host import hold_store_for_peers
+
+            hold_store_for_peers(cfg.fault.heartbeat_s)  # their diagnosis reads its store
+        return code
     return 0
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    from dtrain.fault.peer_failure import PeerFailure
+
+    return isinstance(error, PeerFailure)
 
 
 def lost_peer_words(error: BaseException, first: str) -> str:
