@@ -198,6 +198,9 @@ def test_a_global_batch_larger_than_the_training_set_is_one_line(tmp_path: Path)
         "them at once); use at most 64"
     ) in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+    from dtrain.data.build import check_batch_fits
+
+    check_batch_fits(64, 64)  # the whole training set in one step is a batch like any other
 
 
 def test_plain_torchrun_runs_the_worker_module(tmp_path: Path) -> None:
