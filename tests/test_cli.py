@@ -185,6 +185,24 @@ def test_worker_side_user_error_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_a_global_batch_larger_than_the_training_set_is_one_line(tmp_path: Path) -> None:
+    # It passed every check and grew rank 0 (its plan of 16 batches of 10^8 ids, then the
+    # batch) until the kernel killed it. The training set's size exists once the task is
+    # built: each worker refuses it before the model is spread or a step is planned.
+    config = write_tiny_config(tmp_path / "tiny.toml", tmp_path / "run")
+    result = run_cli("train", str(config), "--nproc", "1", "--data.global_batch_size=100000000")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert (
+        "rank 0: data.global_batch_size = 100000000 is more than the training set's 64 "
+        "samples: one step would take some samples twice (and every rank hold its share of "
+        "them at once); use at most 64"
+    ) in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    from dtrain.data.build import check_batch_fits
+
+    check_batch_fits(64, 64)  # the whole training set in one step is a batch like any other
+
+
 def test_plain_torchrun_runs_the_worker_module(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     config = write_tiny_config(tmp_path / "tiny.toml", run_dir)

@@ -201,6 +201,40 @@ def test_bad_exports_are_one_line_and_leave_the_run_folder_alone(
     assert "invalid choice" in capsys.readouterr().err
 
 
+def test_a_fallback_to_an_older_checkpoint_names_the_one_skipped_and_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The newest checkpoint damaged (one byte of its model.pt): the export takes the one
+    before, and one line says which was skipped, what was wrong with it and which was taken."""
+    from dtrain.checkpoint.write import Checkpointer
+
+    root = tmp_path / "run" / "checkpoints"
+    saver = Checkpointer(root, rank=0, world_size=1, keep_last=2, keep_every=0, log=print)
+    states = {step: {"w": torch.full((64,), float(step))} for step in (1, 2)}
+    for step, state in states.items():
+        meta = {"step": step, "world_size": 1, "strategy": "ddp"}
+        saver.save(step, {"model.pt": state}, meta, blocking=True)
+    damaged = root / "step-00000002" / "model.pt"
+    good = damaged.read_bytes()
+    data = bytearray(good)
+    data[-100] ^= 0xFF  # one byte flipped: the size stays, the checksum fails
+    damaged.write_bytes(bytes(data))
+    capsys.readouterr()
+    export(tmp_path / "run", tmp_path / "out.pt", "--format", "torch")
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1, notes
+    assert notes[0].startswith(
+        f"note: skipped step-00000002 ({damaged} fails its SHA-256 checksum"
+    ), notes
+    assert notes[0].endswith("): took step-00000001, the newest checkpoint that verifies")
+    assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True)["w"], states[1]["w"])
+    # An export of the newest checkpoint when it verifies says nothing of the kind.
+    damaged.write_bytes(good)
+    export(tmp_path / "run", tmp_path / "newest.pt", "--format", "torch")
+    assert "note:" not in capsys.readouterr().out
+    assert torch.equal(torch.load(tmp_path / "newest.pt", weights_only=True)["w"], states[2]["w"])
+
+
 @pytest.fixture(params=[0o022, 0o077], ids=["umask022", "umask077"])
 def umask(request: pytest.FixtureRequest) -> Iterator[int]:
     old = os.umask(request.param)

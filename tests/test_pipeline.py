@@ -15,6 +15,7 @@ from torch import nn
 from dtrain.config import Config, validate_strategy
 from dtrain.dist.runtime import Runtime
 from dtrain.errors import ConfigError
+from dtrain.fault.audit import AUDIT_DIR
 from dtrain.models.gpt import GPT, GPTConfig
 from dtrain.parallel.pipeline.batches import eval_chunks
 from dtrain.parallel.pipeline.split import (
@@ -26,6 +27,7 @@ from dtrain.parallel.pipeline.split import (
 )
 from dtrain.parallel.pipeline.strategy import PipelineStrategy
 from dtrain.task import Task
+from tests.audit import check_stream, read_trajectory
 from tests.conftest import tiny_config, tiny_raw
 from tests.dist_helpers import crash_then_resume, train_params
 from tests.pipeline_helpers import resume_only, train_and_report, train_and_report_each
@@ -87,11 +89,19 @@ def test_interleaved_1f1b_two_chunks_per_rank(single: dict[str, Any], tmp_path: 
 
 def test_data_parallel_x_pipeline_on_4_ranks(single: dict[str, Any], tmp_path: Path) -> None:
     strategy = pipeline(pipeline_stages=2, pipeline_schedule="1f1b", pipeline_balance="uniform")
-    ranks = run_ranks(train_and_report, 4, tiny_raw(tmp_path, data=DATA, strategy=strategy))
+    audit = {"audit_sample_ids": True}
+    config = tiny_raw(tmp_path, data=DATA, strategy=strategy, fault=audit)
+    ranks = run_ranks(train_and_report, 4, config)
     check_matches(single, ranks)
     assert [r["dp"] for r in ranks] == [(0, 2), (0, 2), (1, 2), (1, 2)]
     # The two copies of a stage hold the same parameters.
     assert ranks[0]["param_bytes"] == ranks[2]["param_bytes"]
+    # The sample-id audit checks a pipeline run: each replica's ids are written once, by its
+    # first stage (every stage wrote them, and the check found twice the ids of each step).
+    files = sorted(path.name for path in (tmp_path / AUDIT_DIR).iterdir())
+    assert files == ["rank00000.jsonl", "rank00002.jsonl"]
+    result = check_stream(read_trajectory(tmp_path), num_samples=256)
+    assert result.steps == 20 and result.positions == 20 * 8 and result.exactly_once, result
 
 
 def test_fsdp_x_pipeline_on_4_ranks(single: dict[str, Any], tmp_path: Path) -> None:

@@ -293,3 +293,35 @@ def test_overwrite_replaces_a_dataset_and_nothing_else(
         after = {p: p.read_bytes() for p in [out, *out.rglob("*")] if p.is_file()}
         assert after == before, out
     assert no_leftovers(tmp_path)
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_temporary_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """6 MB of text into a 2 MB disk, shards of 0.5 MB: the disk fills after some shards were
+    written. It was a 30-line OSError traceback leaving the hidden temporary folder behind."""
+    from tests.test_run_folder import small_disk
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(30):
+        (src / f"f{i:02d}.txt").write_text(f"line {i}\n" * 25_000)  # 200 kB each
+    with small_disk(tmp_path / "disk", "2m") as disk:
+        out = disk / "data"
+        assert main(["prepare", str(src), str(out), "--shard-mb", "0.5"]) == USER_ERROR_EXIT_CODE
+        err = capsys.readouterr().err
+        last = err.strip().splitlines()[-1]  # after the progress bar's line
+        assert last.startswith(
+            f"dtrain: error: no space left on the disk of {disk} for the dataset data: it "
+            "needs more than "
+        ), err
+        assert last.endswith(
+            "is free with its partial copy removed; free some space there or choose another "
+            "output folder"
+        ), err
+        taken = float(last.split("more than ")[1].split(" MB")[0])
+        free = float(last.split(") and ")[1].split(" MB")[0])
+        assert 2.1 <= taken <= 3.0, last  # more than the 2 MiB disk holds, far less than 6 MB
+        assert free == 2.1, last  # the whole disk again
+        assert "Traceback" not in err
+        assert list(disk.iterdir()) == []  # no dataset, no temporary folder

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -48,6 +50,42 @@ def test_a_key_only_one_config_has_is_a_difference() -> None:
     assert config_differences(older, current) == [
         "data.balance: 'auto' -> '(unset)'",
         "data.split: '(unset)' -> 'auto'",
+    ]
+
+
+def test_ddp_resumes_under_pipeline_with_other_micro_batches_without_force(
+    finished_run: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The data position is one count of samples, whatever the micro-batches: a change of
+    data.micro_batches (which a pipeline needs) needs no --force, and the resumed run goes on
+    from the checkpoint's position. (A copy: the other tests read the finished run.)"""
+    config, run_dir = finished_run
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    result = run_cli(
+        "train",
+        str(config),
+        "--nproc",
+        "2",
+        f"--run.dir={copy}",
+        "--strategy.name=pipeline",
+        "--data.micro_batches=2",
+        "--train.steps=8",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    meta = json.loads((copy / "checkpoints" / "step-00000008" / "meta.json").read_text())
+    assert meta["strategy"] == "pipeline" and meta["world_size"] == 2
+    assert meta["data"]["consumed"] == 8 * 8  # 6 steps of 8 samples under ddp, then 2 more
+    records = [json.loads(line) for line in (copy / "metrics.jsonl").read_text().splitlines()]
+    resumed = [r for r in records if r["kind"] == "event" and r["name"] == "resumed"]
+    assert [(r["step"], r["checkpoint"]) for r in resumed] == [(6, "step-00000006")]
+    # What does change what is trained still needs --force.
+    changed = Config()
+    changed.data.micro_batches = 4
+    assert config_differences(Config().to_dict(), changed.to_dict()) == []
+    changed.data.global_batch_size = 32
+    assert config_differences(Config().to_dict(), changed.to_dict()) == [
+        "data.global_batch_size: 16 -> 32"
     ]
 
 

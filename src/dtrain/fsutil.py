@@ -4,10 +4,11 @@ folder fsynced so that the rename itself survives a power cut. And the checksum 
 markers and dataset manifests record of each file. And where a command writes what it makes
 (``dtrain export``'s file, ``dtrain report``'s page, ``dtrain prepare``'s dataset, ``dtrain
 train``'s run folder): checked before any of the work, so that a path the user cannot write is
-one line naming it instead of a traceback at the end."""
+one line naming it instead of a traceback at the end. And the words for a disk that is full."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
@@ -150,3 +151,15 @@ def require_output_folder(folder: Path, label: str, choose: str = "path") -> Non
             f"{label}: cannot write in {folder} ({exc.strerror or exc}); choose a {choose} where "
             "this user may write"
         ) from None
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether ``error`` is a write that found no room (the disk, or the user's quota)."""
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def format_size(size: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size:.0f} B"

@@ -62,6 +62,24 @@ def find_checkpoint(path: Location, step: int | None = None) -> Location:
     """The committed checkpoint ``path`` names: a checkpoint's folder itself (verified against
     its marker), or in a run folder (or its ``checkpoints/``) the newest one that verifies
     (``step``: that one)."""
+    return locate_checkpoint(path, step)[0]
+
+
+def skipped_words(found: Location, skipped: list[tuple[Location, str]]) -> str:
+    """The newer checkpoints :func:`locate_checkpoint` passed over, in one line: each one's
+    folder and what was wrong with it, then the one taken instead (empty when none was)."""
+    if not skipped:
+        return ""
+    passed = "; ".join(f"{where.name} ({why})" for where, why in skipped)
+    return f"skipped {passed}: took {found.name}, the newest checkpoint that verifies"
+
+
+def locate_checkpoint(
+    path: Location, step: int | None = None
+) -> tuple[Location, list[tuple[Location, str]]]:
+    """:func:`find_checkpoint`, and the newer committed-looking checkpoints of a run folder
+    it skipped because they do not verify, with the reason (:func:`skipped_words` says them):
+    a caller that falls back to an older checkpoint says which it passed over and why."""
     if not path.exists():
         raise CheckpointError(f"{path} does not exist")
     if layout.is_unfinished_step_dir_name(path.name):
@@ -75,7 +93,7 @@ def find_checkpoint(path: Location, step: int | None = None) -> Location:
         if step is not None and layout.step_of(path.name) not in (None, step):
             raise CheckpointError(f"{path} is the checkpoint of another step than {step}")
         ckread.verify_checkpoint(path)
-        return path
+        return path, []
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     if step is not None:
         step_dir = root / layout.step_dir_name(step)
@@ -86,7 +104,7 @@ def find_checkpoint(path: Location, step: int | None = None) -> Location:
                 f"{', '.join(map(str, sorted(have))) or 'none'})"
             )
         ckread.verify_checkpoint(step_dir)
-        return step_dir
+        return step_dir, []
     found, skipped = ckread.find_latest_valid(root)
     if found is None:
         why = f" ({skipped[0][0].name}: {skipped[0][1]})" if skipped else ""
@@ -94,7 +112,7 @@ def find_checkpoint(path: Location, step: int | None = None) -> Location:
             f"{path} holds no committed checkpoint{why}: a run writes one every "
             "checkpoint.every steps and at its end"
         )
-    return found
+    return found, skipped
 
 
 def consolidate(step_dir: Location) -> Consolidated:

@@ -10,7 +10,6 @@ checkpoint stays the newest.
 
 from __future__ import annotations
 
-import errno
 import sys
 from typing import Any
 
@@ -18,6 +17,8 @@ import torch
 
 from dtrain.checkpoint import store
 from dtrain.checkpoint.store import Location
+from dtrain.fsutil import format_size as format_size
+from dtrain.fsutil import is_disk_full as is_disk_full
 
 # What torch.save adds to a file beyond its tensors' bytes (the pickled structure, the zip
 # records) is small; a rank is only refused at once when its tensors alone cannot fit.
@@ -61,13 +62,6 @@ def free_bytes(folder: Location) -> int | None:
     return store.free_bytes(folder)
 
 
-def format_size(size: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if size >= scale:
-            return f"{size / scale:.1f} {unit}"
-    return f"{size:.0f} B"
-
-
 def words(folder: Location, need: int) -> str:
     """A full disk, in words: where, what was needed, what is free."""
     try:
@@ -86,7 +80,3 @@ def check_room(folder: Location, need: int) -> None:
     room = free_bytes(folder)
     if room is not None and need > room:
         raise DiskFull(words(folder, need))
-
-
-def is_disk_full(error: BaseException) -> bool:
-    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)

@@ -25,6 +25,10 @@ SAFE_TO_CHANGE = (
     "dist.",
     "data.num_workers",
     "data.prefetch",
+    # The data position is one count of samples: a step takes the same global batch however
+    # it is cut into micro-batches, and its gradient is that batch's mean for any cut (up to
+    # rounding, as at another world size). A pipeline needs more of them than ddp does.
+    "data.micro_batches",
     "strategy.",
     "metrics.",
     "comm.transport",  # how sums travel, not what they are

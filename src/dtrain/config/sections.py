@@ -210,7 +210,9 @@ class FaultConfig:
         min_exclusive=True,
     )
     audit_sample_ids: bool = option(
-        False, "write every rank's sample ids per step to RUN_DIR/sample_ids/ (exactly-once audit)"
+        False,
+        "write each data-parallel replica's sample ids per step to RUN_DIR/sample_ids/ "
+        "(exactly-once audit)",
     )
     recovery: Literal["restart", "inplace"] = option(
         "restart",

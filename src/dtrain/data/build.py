@@ -79,8 +79,11 @@ def max_micro_batch(cfg: Config, data_parallel_size: int) -> int:
 
 
 def check_task_data(task: Task, cfg: Config) -> None:
-    """What a stream cannot do, refused in one line before the model is spread or a step runs
-    (the datasets exist only once the task is built, in the workers)."""
+    """What the task's data cannot do, refused in one line before the model is spread or a
+    step runs (the datasets exist only once the task is built, in the workers): a global batch
+    larger than a map-style training set, what a stream cannot do."""
+    if not is_stream(task.train_data):
+        check_batch_fits(len(task.train_data), cfg.data.global_batch_size)
     if task.val_data is not None and is_stream(task.val_data):
         raise DataError(
             "Task.val_data is a stream: evaluation gives every rank a contiguous share of a "
@@ -103,6 +106,19 @@ def check_task_data(task: Task, cfg: Config) -> None:
         )
 
 
+def check_batch_fits(num_samples: int, global_batch_size: int) -> None:
+    """A step takes ``global_batch_size`` consecutive positions of the stream, epochs back to
+    back: past the training set's size one step would take some samples twice, and each rank
+    would plan and hold its share of a batch no data needs (a batch of 10^8 grew rank 0 until
+    the kernel killed it). The training set's size is the bound."""
+    if global_batch_size > num_samples:
+        raise ConfigError(
+            f"data.global_batch_size = {global_batch_size} is more than the training set's "
+            f"{num_samples} samples: one step would take some samples twice (and every rank "
+            f"hold its share of them at once); use at most {num_samples}"
+        )
+
+
 def build_train_loader(
     task: Task,
     cfg: Config,
@@ -115,8 +131,8 @@ def build_train_loader(
     ``exchange`` (collective: every rank's value, in rank order; None for one process) carries
     a stream's shard positions between the ranks."""
     dataset = task.train_data
+    check_task_data(task, cfg)
     if is_stream(dataset):
-        check_task_data(task, cfg)
         if exchange is None and ranks > 1:
             raise ValueError("a stream read by several ranks needs their exchange of positions")
         return StreamLoader(

@@ -30,7 +30,11 @@ if TYPE_CHECKING:
     from dtrain.task import Task
 
 Collate = Callable[[list[Any]], Any]
-PLAN_CHUNK = 16  # steps planned at once (a plan is a few KB: 16 are nothing to hold)
+# Steps planned at once: 16, or fewer where their ids would pass PLAN_IDS (a plan holds its
+# global batch's ids: 16 batches of 10^6 samples would be 64 MB of them). Plans are a pure
+# function of the position: how many are made at once changes no plan.
+PLAN_CHUNK = 16
+PLAN_IDS = 1 << 20
 
 
 @dataclass
@@ -291,7 +295,7 @@ class RankLoader:
             for plan in plan_steps(
                 self.order,
                 position,
-                PLAN_CHUNK,
+                max(1, min(PLAN_CHUNK, PLAN_IDS // self.global_batch_size)),
                 self.global_batch_size,
                 self.world_size,
                 self.micro_batches,

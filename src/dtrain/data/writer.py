@@ -1,17 +1,19 @@
 """Writing a dataset: :class:`ShardWriter` and :func:`write_shards`.
 
 Shards go into a hidden temporary folder next to the target, which is renamed into place only
-once the manifest is written, so an interrupted write never leaves a folder that looks whole.
+once the manifest is written, so an interrupted write never leaves a folder that looks whole. A
+write that fails (a full disk: one line, a :class:`DataError`) removes that folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,13 @@ from dtrain.data.format import (
     read_manifest,
 )
 from dtrain.errors import DataError
-from dtrain.fsutil import fsync_dir, sha256_file, write_bytes_synced
+from dtrain.fsutil import (
+    format_size,
+    fsync_dir,
+    is_disk_full,
+    sha256_file,
+    write_bytes_synced,
+)
 
 
 class ShardWriter:
@@ -175,16 +183,55 @@ class ShardWriter:
 
     def _save(self, filename: str, array: np.ndarray) -> dict[str, Any]:
         path = self.tmp_dir / filename
-        with path.open("wb") as fh:
+        with self._room(array.nbytes), path.open("wb") as fh:
             np.save(fh, np.ascontiguousarray(array), allow_pickle=False)
             fh.flush()
             os.fsync(fh.fileno())
         return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
+    @contextlib.contextmanager
+    def _room(self, need: int) -> Iterator[None]:
+        """A write of ``need`` bytes into the temporary folder. A full disk (or quota) is the
+        user's to fix -- free space, or write elsewhere -- so a :class:`DataError` in one line:
+        the folder, what the dataset had taken when the disk filled (a lower bound of what it
+        needs: the rest of the source is unread), what is free once the partial copy is
+        removed."""
+        try:
+            yield
+        except OSError as exc:
+            # NumPy's array writer reports a short write without an errno ("575000 requested
+            # and 499584 written"): a disk with less room left than the write needed is full.
+            if not (is_disk_full(exc) or self._free() < need):
+                raise
+            # The shards written, and the one being written (its buffer is kept until then).
+            taken = self._buffer_bytes + sum(
+                info["bytes"] for shard in self.shards for info in shard["files"].values()
+            )
+            self.abort()
+            raise DataError(
+                f"no space left on the disk of {self.out_dir.parent} for the dataset "
+                f"{self.out_dir.name}: it needs more than {format_size(taken)} (what it held "
+                f"when the disk filled) and {format_size(self._free())} is free with its "
+                "partial copy removed; free some space there or choose another output folder"
+            ) from None
+
+    def _free(self) -> int:
+        """Bytes an unprivileged writer may still use on the target's disk."""
+        stats = os.statvfs(self.out_dir.parent)
+        return stats.f_bavail * stats.f_frsize
+
     def close(self) -> Path:
-        """Write the manifest and move the dataset into place."""
+        """Write the manifest and move the dataset into place; if anything fails, the
+        temporary folder is removed (nothing is left beside the target)."""
         if self.closed:
             return self.out_dir
+        try:
+            return self._commit()
+        except BaseException:
+            self.abort()
+            raise
+
+    def _commit(self) -> Path:
         self._flush()
         if self.num_samples == 0 or self.fields is None:
             self.abort()
@@ -199,7 +246,9 @@ class ShardWriter:
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "metadata": self.metadata,
         }
-        write_bytes_synced(self.tmp_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
+        text = json.dumps(manifest, indent=1).encode()
+        with self._room(len(text)):
+            write_bytes_synced(self.tmp_dir / MANIFEST, text)
         if os.path.lexists(self.out_dir):
             # Checked again: the folder may have changed in the minutes the shards took.
             check_replaceable(self.out_dir)

@@ -1,7 +1,10 @@
 """The record of the samples a run trained on, for an exactly-once audit.
 
-With ``fault.audit_sample_ids = true`` every rank appends to
-``RUN_DIR/sample_ids/rankNNNNN.jsonl`` (:class:`AuditWriter`), at every step, two JSON lines:
+With ``fault.audit_sample_ids = true`` one rank of each data-parallel replica -- the one that
+counts its items (``Strategy.counts_items``: every rank in data parallel; the first pipeline
+stage's first tensor-parallel rank where a replica spans several ranks, which all hold the same
+samples) -- appends to ``RUN_DIR/sample_ids/rankNNNNN.jsonl`` (:class:`AuditWriter`), at every
+step, two JSON lines:
 the step, the stream positions it covers and this rank's sample ids once its batch is fetched,
 before the step's first collective (:meth:`AuditWriter.record`); and, once the step's update is
 applied, that it committed (:meth:`AuditWriter.commit`). A step counts where some rank of its
@@ -34,16 +37,19 @@ class AuditWriter:
     clock, agreed at :meth:`open`), and the rollbacks so far, so that :func:`read_trajectory`
     can tell a re-run step from its first run."""
 
-    def __init__(self, file: IO[str], attempt: int) -> None:
-        self._file = file
+    def __init__(self, file: IO[str] | None, attempt: int) -> None:
+        self._file = file  # None: another rank of this replica records its samples
         self.attempt = attempt
 
     @classmethod
-    def open(cls, run_dir: Path, rank: int) -> AuditWriter:
-        """Collective: every rank opens its writer at the same point."""
+    def open(cls, run_dir: Path, rank: int, records: bool = True) -> AuditWriter:
+        """Collective: every rank opens its writer at the same point; one that does not
+        ``records`` (its samples are another rank's record) writes nothing."""
         token = time.time_ns()
         if dist.is_initialized():
             token = broadcast_json(token, src=0)
+        if not records:
+            return cls(None, int(token))
         folder = Path(run_dir) / AUDIT_DIR
         folder.mkdir(parents=True, exist_ok=True)
         return cls((folder / f"rank{rank:05d}.jsonl").open("a"), int(token))
@@ -74,9 +80,12 @@ class AuditWriter:
         self._write({"step": step, "attempt": [self.attempt, rollbacks], "committed": True})
 
     def _write(self, record: dict[str, object]) -> None:
+        if self._file is None:
+            return
         # Flushed each time: a rank killed outright leaves every line it wrote on record.
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()

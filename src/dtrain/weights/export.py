@@ -2,7 +2,8 @@
 model as one file (or, for a Hugging Face model, a folder ``from_pretrained`` loads), from any
 strategy's checkpoint at any world size, in one process.
 
-``RUN_DIR`` is a run folder (its newest committed checkpoint, or ``--step N``) or a ``step-N``
+``RUN_DIR`` is a run folder (its newest committed checkpoint that verifies, or ``--step N``;
+a newer one passed over is named in a note, with what is wrong with it) or a ``step-N``
 checkpoint folder. The names are the model's own (``transformer.h.0.attn.c_attn.weight``);
 tensors keep their dtype. ``safetensors`` and ``torch`` write a state dict into the file
 ``OUT``; ``hf`` writes the folder ``OUT`` from the Hugging Face config the run saved
@@ -23,7 +24,12 @@ from typing import Any
 
 import torch
 
-from dtrain.checkpoint.consolidate import Consolidated, consolidate, find_checkpoint
+from dtrain.checkpoint.consolidate import (
+    Consolidated,
+    consolidate,
+    locate_checkpoint,
+    skipped_words,
+)
 from dtrain.checkpoint.store import Location, local_copy, location
 from dtrain.errors import UserError
 from dtrain.fsutil import follow_umask, fsync_dir, require_output_folder
@@ -56,7 +62,7 @@ def export(
         raise UserError("--base names the weights --merge merges the adapter into: add --merge")
     if out.exists():
         raise UserError(f"{out} already exists: choose another output path, or remove it first")
-    step_dir = find_checkpoint(source, step)
+    step_dir, skipped = locate_checkpoint(source, step)
     require_output_folder(out.parent, f"OUT {out}")
     config_dir = step_dir.parent.parent / HF_CONFIG_DIR  # RUN_DIR/hf_config
     peft_run = is_peft_run(config_dir)
@@ -73,6 +79,9 @@ def export(
             "transformers model? Export --format safetensors instead"
         )
     model = consolidate(step_dir)
+    # A fallback to an older checkpoint is said, with what was wrong with each newer one: the
+    # user asked for the run's newest model and gets another step's.
+    model.note = "; ".join(filter(None, [skipped_words(step_dir, skipped), model.note]))
     partial = out.with_name(f".tmp-{out.name}-{os.getpid()}")
     try:
         if fmt == "safetensors":

@@ -280,10 +280,10 @@ class Trainer:
         """Training starts at ``self.step``: the run log's sinks and start record, the audit."""
         membership = self.recovery.event() if self.recovery is not None else None
         resumed_from = point.path.name if point is not None else None
-        in_place = self.recovery is not None
+        in_place, counts = self.recovery is not None, self.strategy.counts_items
         self.run_log.open(self.step, self.balance.hosts, resumed_from, membership, in_place)
         if self.cfg.fault.audit_sample_ids:
-            self.audit = AuditWriter.open(self.run_dir, self.runtime.rank)
+            self.audit = AuditWriter.open(self.run_dir, self.runtime.rank, records=counts)
 
     def next_batch(self) -> tuple[StepBatch, list[Any], int, int | None]:
         """The next step's batch, its micro-batches on the device, this rank's item count, and
