@@ -53,8 +53,7 @@ class LoopState:
 
 
 class Trainer:
-    """The loop over components that :func:`dtrain.train.wiring.wire_trainer` built, each from
-    its own config section; this only keeps them."""
+    """The loop over the components :func:`dtrain.train.wiring.wire_trainer` built (kept here)."""
 
     def __init__(
         self,
@@ -77,21 +76,19 @@ class Trainer:
         nan_guard: NanGuard,
         profiler: StepProfiler,
     ) -> None:
-        self.cfg, self.task, self.runtime = cfg, task, runtime
+        self.cfg, self.task, self.runtime, self.strategy = cfg, task, runtime, strategy
         # This machine's folder (the run folder, or its local one where that is in a store).
         self.run_dir, self.is_main = local_run_dir(cfg.run.dir, cfg.run.local_dir), runtime.is_main
-        self.strategy, self.run_log = strategy, run_log
         self.optimizer, self.scheduler, self.loader = optimizer, scheduler, loader
         self.balance, self.scaler, self.forward_backward = balance, scaler, forward_backward
-        self.counters, self.state = counters, state
-        self.watchdog, self.checkpointer, self.nan_guard = watchdog, checkpointer, nan_guard
-        self.profiler = profiler  # train.profile: inert outside its window of steps
+        self.counters, self.state, self.run_log = counters, state, run_log
+        self.watchdog, self.checkpointer = watchdog, checkpointer
+        self.nan_guard, self.profiler = nan_guard, profiler  # the profiler: inert outside its steps
         self.phase = watchdog.in_phase  # `with self.phase(name):` the liveness record's phase
         self.step_lr = float("nan")  # the learning rate the last step trained with
         self.val_metrics: dict[str, float] = {}  # of the latest evaluation
         self.audit: AuditWriter | None = None  # fault.audit_sample_ids, opened at the start
-        # fault.recovery = 'inplace': set by the in-place worker, which runs this trainer for one
-        # membership generation (train/recovery_seam.py says where the loop calls it).
+        # fault.recovery = 'inplace': set by the in-place worker (see train/recovery_seam.py).
         self.recovery: RecoverySeam | None = None
 
     @property
@@ -104,9 +101,8 @@ class Trainer:
 
     # -- logging -------------------------------------------------------------------------
 
-    # Resume logs through this (tests wrap it to read what resume said).
-
     def log(self, text: str) -> None:
+        """Resume logs through this (tests wrap it to read what resume said)."""
         self.run_log.log(text)
 
     def warn(self, text: str) -> None:
