@@ -57,6 +57,15 @@ def train_own_loop(
     }
 
 
+def error_of(raw: dict[str, Any], loop: Callable[[dtrain.Run], None]) -> str:
+    """The one-line UserError the loop's run raised, or "no error"."""
+    try:
+        train_own_loop(raw, loop)
+    except UserError as exc:
+        return str(exc)
+    return "no error"
+
+
 def own_loop_params(raw: dict[str, Any]) -> dict[str, np.ndarray]:
     params: dict[str, np.ndarray] = train_own_loop(raw)["params"]
     return params
@@ -127,11 +136,7 @@ def mistake(raw: dict[str, Any], kind: str) -> str:
                     run.backward(losses)
             run.step()
 
-    try:
-        train_own_loop(raw, loop)
-    except UserError as exc:
-        return str(exc)
-    return "no error"
+    return error_of(raw, loop)
 
 
 def evaluate_and_reduce(raw: dict[str, Any], samples: int) -> dict[str, Any]:
@@ -214,11 +219,7 @@ def evaluation_mistake(raw: dict[str, Any], kind: str) -> str:
 
         run.evaluate(task.val_data, fn)
 
-    try:
-        train_own_loop(raw, loop)
-    except UserError as exc:
-        return str(exc)
-    return "no error"
+    return error_of(raw, loop)
 
 
 def sgd(params: list[tuple[str, Any]]) -> Any:
@@ -292,11 +293,7 @@ def models_mistake(raw: dict[str, Any], kind: str) -> str:
                 run.update(torch.optim.SGD(generator.parameters(), lr=0.1))
             run.step()
 
-    try:
-        train_own_loop(raw, loop)
-    except UserError as exc:
-        return str(exc)
-    return "no error"
+    return error_of(raw, loop)
 
 
 def frozen_teacher(raw: dict[str, Any]) -> dict[str, Any]:
