@@ -12,7 +12,7 @@ import time
 
 from dtrain.dist.runtime import store_hosted_by_launcher
 from dtrain.dist.store_link import job_store_link
-from dtrain.fault.watchdog.records import store_prefix
+from dtrain.fault.watchdog.records import failed_ranks
 
 _LOOK_S = 0.1  # how often the failures' index is read meanwhile
 
@@ -30,18 +30,11 @@ def hold_store_for_peers(heartbeat_s: float) -> None:
     # A peer's diagnosis waits for a beat to go stale (3 heartbeats, at least 3 s) and half a
     # second more; it began when its collective failed, about when this rank's did.
     deadline = time.monotonic() + max(3 * heartbeat_s, 3.0) + 1.5
-    key = f"{store_prefix()}failed"
     others = set(range(1, world))
     while time.monotonic() < deadline:
         try:
-            index = link.call(
-                lambda s: s.get(key) if s.check([key]) else b"", "reading the failed ranks", 1.0
-            )
+            if others <= failed_ranks(link, 1.0):  # a stranger's entries only end it early
+                return
         except Exception:
-            return
-        # The index is a store counter's kind of value, unsealed: a stranger's entries can
-        # only end the wait early.
-        listed = {int(r) for r in bytes(index).decode(errors="replace").split(",") if r.isdigit()}
-        if others <= listed:
             return
         time.sleep(_LOOK_S)

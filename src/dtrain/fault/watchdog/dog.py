@@ -41,6 +41,7 @@ from dtrain.fault.watchdog.records import (
     FAILURE,
     KILLED,
     beat_of,
+    failed_ranks,
     failure_text,
     liveness_attempt,
     store_prefix,
@@ -357,16 +358,7 @@ class Watchdog(PeerDiagnosis):
         """The failures other ranks posted: the index of the ranks that failed, then theirs."""
         if self.store is None:
             return {}
-        index = self.store.call(
-            lambda store: (
-                store.get(f"{store_prefix()}failed")
-                if store.check([f"{store_prefix()}failed"])
-                else b""
-            ),
-            "reading the failed ranks",
-            seconds,
-        )
-        listed = {int(r) for r in bytes(index).decode(errors="replace").split(",") if r.isdigit()}
+        listed = failed_ranks(self.store, seconds)
         ranks = sorted(listed & set(range(self.world_size)) - {self.rank})
         keys = {rank: f"{store_prefix()}failed/{rank}" for rank in ranks}
         values = self.store.read_many(list(keys.values()), seconds)

@@ -34,6 +34,19 @@ def store_prefix() -> str:
     return store_namespace() + "watchdog/"
 
 
+def failed_ranks(link: Any, seconds: float | None = None) -> set[int]:
+    """The ranks listed in the job's index of failed ranks, read through ``link`` (a
+    :class:`~dtrain.dist.store_link.StoreLink`). The index is appended to, so unsealed: a
+    stranger's entries name ranks whose sealed records then do not open."""
+    key = f"{store_prefix()}failed"
+    index = link.call(
+        lambda store: store.get(key) if store.check([key]) else b"",
+        "reading the failed ranks",
+        seconds,
+    )
+    return {int(r) for r in bytes(index).decode(errors="replace").split(",") if r.isdigit()}
+
+
 def beat_of(key: str, record: dict[str, Any] | None) -> Liveness | None:
     """The heartbeat in a record read at ``key`` (None: none, or not a heartbeat: warned)."""
     beat = Liveness.from_dict(record)
