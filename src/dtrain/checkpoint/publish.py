@@ -19,6 +19,9 @@ from dtrain.fsutil import local_run_dir, scheme_of, write_atomic
 # metrics sink, the status writer and the Hugging Face config writer use in the local folder.
 RECORDS = ("metrics.jsonl", STATUS_FILE)
 RECORD_FOLDERS = ("hf_config",)
+# In a local copy of a store's records (:func:`fetch_records`): the store's run folder, for
+# what is listed there rather than copied (train.profile's traces).
+ORIGIN = ".dtrain-origin"
 
 
 def publish_records(run_dir: str, local_dir: str = "") -> None:
@@ -38,13 +41,31 @@ def publish_records(run_dir: str, local_dir: str = "") -> None:
 
 
 def fetch_records(store: ObjectPath, into: Path) -> Path:
-    """Copy what :func:`publish_records` uploaded, and ``config.toml``, into ``into`` (a
+    """Copy what :func:`publish_records` uploaded, ``config.toml`` and the trackers' run ids
+    (``trackers.json``, which rank 0 writes into the store itself) into ``into`` (a
     folder named as the store's run folder); that folder."""
     folder = into / (store.name or store.bucket)
     folder.mkdir(parents=True, exist_ok=True)
-    for name in (*RECORDS, "config.toml"):
+    for name in (*RECORDS, "config.toml", "trackers.json"):
         try:
             write_atomic(folder / name, (store / name).read_bytes())
         except FileNotFoundError:
             pass
+    write_atomic(folder / ORIGIN, store.url)
     return folder
+
+
+def origin_of(folder: Path) -> str:
+    """The store's run folder that ``folder`` is a copy of (:func:`fetch_records`); empty for
+    a run folder itself."""
+    try:
+        return (folder / ORIGIN).read_text().strip()
+    except OSError:
+        return ""
+
+
+def publish_files(run_dir: str, sub: str, files: list[Path]) -> None:
+    """Upload ``files`` (this machine's) into ``sub/`` of the store's run folder ``run_dir``,
+    each object whole."""
+    for path in files:
+        write_whole(location(run_dir) / sub / path.name, path.read_bytes())

@@ -25,6 +25,7 @@ from dtrain.checkpoint.store import (
     StoreError,
     file_system,
     location,
+    store_refusal,
     write_whole,
 )
 from dtrain.config import Config
@@ -121,18 +122,7 @@ def check_store(run_dir: ObjectPath) -> None:
             "create it, or choose another run.dir"
         ) from None
     except StoreError as exc:
-        text = str(exc)
-        if "NoCredentialsError" in text or "PartialCredentials" in text:
-            raise UserError(
-                f"{label}: no credentials for the {run_dir.store()}: set AWS_ACCESS_KEY_ID and "
-                "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE with ~/.aws/credentials"
-            ) from None
-        if "EndpointConnectionError" in text or "ConnectTimeout" in text:
-            raise UserError(
-                f"{label}: the {run_dir.store()} does not answer; check AWS_ENDPOINT_URL_S3 "
-                "(or AWS_ENDPOINT_URL) and that the store runs"
-            ) from None
-        raise UserError(f"{label}: cannot write there: {text}") from None
+        raise store_refusal(label, run_dir, exc, "cannot write there: ") from None
     except PermissionError as exc:
         raise UserError(
             f"{label}: the credentials may not write in bucket {run_dir.bucket!r} of the "

@@ -272,6 +272,24 @@ class ObjectPath:
 Location = Path | ObjectPath
 
 
+def store_refusal(label: str, where: ObjectPath, exc: StoreError, doing: str = "") -> UserError:
+    """A store's failure to answer for ``label`` (the config key and its value) as a user's
+    mistake in one line: no credentials, an endpoint that does not answer, or else ``doing``
+    and the store's own words."""
+    text = str(exc)
+    if "NoCredentialsError" in text or "PartialCredentials" in text:
+        return UserError(
+            f"{label}: no credentials for the {where.store()}: set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE with ~/.aws/credentials"
+        )
+    if "EndpointConnectionError" in text or "ConnectTimeout" in text:
+        return UserError(
+            f"{label}: the {where.store()} does not answer; check AWS_ENDPOINT_URL_S3 "
+            "(or AWS_ENDPOINT_URL) and that the store runs"
+        )
+    return UserError(f"{label}: {doing}{text}")
+
+
 def location(text: str | Location) -> Location:
     """What a run folder, a checkpoint's folder or a file in one is: an :class:`ObjectPath` for
     a URL (``s3://bucket/key``), else a local path."""

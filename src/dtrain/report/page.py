@@ -9,7 +9,7 @@ import html
 import time
 from typing import Any
 
-from dtrain.metrics.traces import list_traces
+from dtrain.metrics.traces import TRACES_DIR, list_traces
 from dtrain.report.read import Run
 from dtrain.report.totals import format_totals, totals
 
@@ -78,7 +78,7 @@ def _traces(run: Run) -> list[str]:
     if not traces:
         return []
     rows = [
-        f"<tr><td>{_e(t.steps)}</td><td>{t.rank}</td><td>{_e(t.path.relative_to(run.path))}</td>"
+        f"<tr><td>{_e(t.steps)}</td><td>{t.rank}</td><td>{_e(f'{TRACES_DIR}/{t.path.name}')}</td>"
         f'<td class="num">{t.size / 1e6:.1f} MB</td></tr>'
         for t in traces
     ]

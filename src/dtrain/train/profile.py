@@ -1,6 +1,9 @@
 """``train.profile = "steps:A-B"``: a ``torch.profiler`` trace of steps A to B on every rank,
 written to ``RUN_DIR/traces/rank<R>-steps<A>-<B>.json`` (:mod:`dtrain.metrics.traces`), a
-Chrome trace that Perfetto (https://ui.perfetto.dev) and ``chrome://tracing`` open.
+Chrome trace that Perfetto (https://ui.perfetto.dev) and ``chrome://tracing`` open. The profiler
+writes local files: for a run folder in an object store each rank writes to its
+``run.local_dir`` and uploads its own traces there at each checkpoint and at the end, as rank 0
+does the run's records (:meth:`StepProfiler.publish`).
 
 The profiler exists only inside the window: it is built and started as step A begins (before
 its batch is fetched, so the data wait shows) and stopped, exported and dropped once step B
@@ -23,9 +26,11 @@ from typing import Any
 
 import torch
 
+from dtrain.checkpoint.publish import publish_files
 from dtrain.config import Config
 from dtrain.config.checks import parse_profile
-from dtrain.metrics.traces import trace_path
+from dtrain.fsutil import local_run_dir, scheme_of
+from dtrain.metrics.traces import TRACES_DIR, trace_path
 
 
 class StepProfiler:
@@ -35,7 +40,10 @@ class StepProfiler:
     def __init__(self, cfg: Config, rank: int, device: torch.device) -> None:
         window = parse_profile(cfg.train.profile)
         self.first, self.last = window or (0, 0)
-        self.run_dir, self.rank, self.device = Path(cfg.run.dir), rank, device
+        self.run_dir = local_run_dir(cfg.run.dir, cfg.run.local_dir)  # this machine's
+        self.rank, self.device = rank, device
+        self.store_dir = cfg.run.dir if scheme_of(cfg.run.dir) else ""  # where it uploads
+        self._published: set[str] = set()  # the names of this rank's traces uploaded
         self.shapes, self.stack = cfg.train.profile_shapes, cfg.train.profile_stack
         self._profiler: Any = None  # a torch.profiler.profile, only inside the window
         self._step_range: Any = None  # the open step's record_function
@@ -59,6 +67,18 @@ class StepProfiler:
         if step < self.last and not stopping:
             return None
         return self._write(step)
+
+    def publish(self) -> None:
+        """This rank's traces not yet in the store's run folder uploaded there (nothing for a
+        local run folder, where they were written). Traces an earlier process of this rank left
+        (a restart) go too."""
+        folder = self.run_dir / TRACES_DIR
+        if not self.store_dir or not folder.is_dir():
+            return
+        mine = sorted(folder.glob(f"rank{self.rank}-steps*.json"))
+        new = [path for path in mine if path.name not in self._published]
+        publish_files(self.store_dir, TRACES_DIR, new)
+        self._published.update(path.name for path in new)
 
     def discard(self) -> None:
         """The loop left by an error inside the window: the profiler stopped, nothing written

@@ -12,6 +12,9 @@ A path may be
   completion marker first: a folder without a valid one (a ``.tmp-step-N`` a save left) is
   refused.
 
+Each may be in an object store (``s3://bucket/prefix/...``, through fsspec as a run folder
+there is: :mod:`dtrain.checkpoint.store`), read by the same readers.
+
 Whatever the path, it is read as tensors and plain data only
 (:mod:`dtrain.checkpoint.safe_load`): a file that asks to run code is refused in one line.
 
@@ -35,6 +38,7 @@ from torch import nn
 from dtrain.checkpoint.consolidate import consolidate, find_checkpoint, is_checkpoint_folder
 from dtrain.checkpoint.read import first_problems, state_dict_mismatches
 from dtrain.checkpoint.safe_load import ONLY_DATA, first_line, torch_load, why_refused
+from dtrain.checkpoint.store import Location, ObjectPath, StoreError, location, store_refusal
 from dtrain.errors import CheckpointError, UserError
 from dtrain.parallel.frozen import is_peft_model
 from dtrain.parallel.materialize import is_meta_model, materialize, require_init
@@ -44,13 +48,14 @@ TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
 
-def weights_kind(path: Path) -> str:
+def weights_kind(path: Location) -> str:
     """What ``path`` holds: 'safetensors', 'torch', 'hf', 'checkpoint' or 'run'; a
     :class:`UserError` when it is none of them."""
     if path.is_file():
-        if path.suffix == ".safetensors":
+        suffix = Path(path.name).suffix
+        if suffix == ".safetensors":
             return "safetensors"
-        if path.suffix in TORCH_SUFFIXES:
+        if suffix in TORCH_SUFFIXES:
             return "torch"
         raise UserError(
             f"{path}: a weights file must be .safetensors or a torch file "
@@ -70,9 +75,9 @@ def weights_kind(path: Path) -> str:
     raise UserError(f"{path} does not exist")
 
 
-def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+def read_weights(path: str | Location) -> dict[str, torch.Tensor]:
     """The state dict ``path`` holds (see the module's docstring), on CPU."""
-    path = Path(path)
+    path = location(str(path))
     kind = weights_kind(path)
     if kind == "safetensors":
         return read_safetensors(path)
@@ -83,18 +88,20 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     return consolidate(find_checkpoint(path)).state
 
 
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def read_safetensors(path: Location) -> dict[str, torch.Tensor]:
     try:
-        from safetensors.torch import load_file
+        from safetensors.torch import load, load_file
     except ImportError:
         raise UserError(f"{path}: reading safetensors needs: pip install safetensors") from None
     try:
+        if isinstance(path, ObjectPath):  # one request for the whole file
+            return dict(load(path.read_bytes()))
         return dict(load_file(str(path)))
     except Exception as exc:  # a truncated or foreign file
         raise UserError(f"{path} cannot be read as safetensors: {exc}") from None
 
 
-def read_hf_folder(folder: Path) -> dict[str, torch.Tensor]:
+def read_hf_folder(folder: Location) -> dict[str, torch.Tensor]:
     """The weights of a ``save_pretrained`` folder (one file, or shards with an index)."""
     import json
 
@@ -113,7 +120,7 @@ def read_hf_folder(folder: Path) -> dict[str, torch.Tensor]:
     return _as_state_dict(_torch_load(folder / "pytorch_model.bin"), folder)
 
 
-def _torch_load(path: Path) -> Any:
+def _torch_load(path: Location) -> Any:
     try:
         return torch_load(path)
     except pickle.UnpicklingError as exc:
@@ -125,7 +132,7 @@ def _torch_load(path: Path) -> Any:
         raise UserError(f"{path} cannot be loaded as a torch file of tensors: {why}") from None
 
 
-def _as_state_dict(value: Any, path: Path) -> dict[str, torch.Tensor]:
+def _as_state_dict(value: Any, path: Location) -> dict[str, torch.Tensor]:
     if isinstance(value, Mapping) and all(isinstance(v, torch.Tensor) for v in value.values()):
         return dict(value)
     raise UserError(f"{path} holds no state dict (a mapping of names to tensors)")
@@ -215,12 +222,18 @@ def load_base_into(model: nn.Module, weights: Mapping[str, torch.Tensor], where:
 
 def check_init_from(path: str) -> None:
     """In the parent process, before any worker starts: the path exists and holds weights
-    (whether they fit the model is known once a worker has built it)."""
+    (whether they fit the model is known once a worker has built it); in a store, the
+    credentials and the endpoint answer."""
     if not path:
         return
+    label = f"run.init_from = {path!r}"
     try:
-        kind = weights_kind(Path(path))
+        where = location(path)
+        kind = weights_kind(where)
         if kind in ("checkpoint", "run"):
-            find_checkpoint(Path(path))
+            find_checkpoint(where)
+    except StoreError as exc:
+        assert isinstance(where, ObjectPath)  # only a store's requests raise it
+        raise store_refusal(label, where, exc, "cannot read it: ") from None
     except UserError as exc:
-        raise UserError(f"run.init_from = {path!r}: {exc}") from None
+        raise UserError(f"{label}: {exc}") from None

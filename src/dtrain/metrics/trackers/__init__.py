@@ -9,8 +9,10 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from dtrain.checkpoint.store import location
 from dtrain.config import Config
 from dtrain.errors import UserError
+from dtrain.fsutil import local_run_dir, scheme_of
 from dtrain.metrics.trackers.sink import Setup, Tracker, TrackerSink
 
 # Each tracker's importable package and the extra that installs it.
@@ -36,7 +38,9 @@ def check_available(names: Sequence[str]) -> None:
 
 
 def setup_of(cfg: Config) -> Setup:
-    run_dir = Path(cfg.run.dir).resolve()
+    run_dir = local_run_dir(cfg.run.dir, cfg.run.local_dir).resolve()  # this machine's
+    # The run folder itself: a store's (trackers.json there: a resume on any machine reads it).
+    folder = location(cfg.run.dir) if scheme_of(cfg.run.dir) else run_dir
     params = {
         f"{section}.{key}": value
         for section, keys in cfg.to_dict().items()
@@ -47,7 +51,8 @@ def setup_of(cfg: Config) -> Setup:
         params["dtrain.run_id"] = run_id
     return Setup(
         run_dir=run_dir,
-        name=run_dir.name,
+        folder=folder,
+        name=folder.name,
         params=params,
         project=cfg.metrics.project,
         tags=tuple(cfg.metrics.tags),
@@ -76,7 +81,7 @@ def open_trackers(cfg: Config, continuing: bool) -> list[TrackerSink]:
             from dtrain.metrics.trackers.mlflow_run import MlflowTracker
 
             tracker = MlflowTracker(setup)
-        sink = TrackerSink(tracker, setup.run_dir, continuing)
+        sink = TrackerSink(tracker, setup.folder, continuing)
         _OPEN[(name, setup.run_dir)] = sink
         sinks.append(sink)
     return sinks

@@ -53,7 +53,7 @@ class MlflowTracker:
             self.run_id = str(run_id)
             self.client.update_run(self.run_id, status="RUNNING")
         else:
-            tags = resolve_tags({**_tags(setup.tags), "dtrain.run_dir": str(setup.run_dir)})
+            tags = resolve_tags({**_tags(setup.tags), "dtrain.run_dir": str(setup.folder)})
             run = self.client.create_run(self._experiment_id(), run_name=setup.name, tags=tags)
             self.run_id = run.info.run_id
             # Parameters are write-once in MLflow: logged when the run is made, never again (a

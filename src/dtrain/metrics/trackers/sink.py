@@ -7,7 +7,9 @@ costs its own records, never the run: one warning, and the sink takes no more re
 ``metrics.jsonl`` keeps every record whatever the trackers do.
 
 What identifies each tracker's run is kept in ``RUN_DIR/trackers.json`` (:data:`RUN_IDS`), so a
-resumed or restarted run goes on logging to the same tracker run.
+resumed or restarted run goes on logging to the same tracker run; for a run folder in an object
+store, in the store's folder (one object, replaced whole), so that a resume on another machine
+goes on with it too.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dtrain.checkpoint import layout
+from dtrain.checkpoint.store import Location, write_whole
 
 RUN_IDS = "trackers.json"
 
@@ -66,7 +69,8 @@ class Final:
 class Setup:
     """What every tracker is told about the run (from the config, on rank 0)."""
 
-    run_dir: Path
+    run_dir: Path  # this machine's folder of the run (the trackers' own files go there)
+    folder: Location  # the run folder itself (trackers.json, the checkpoints): maybe a store's
     name: str  # the run folder's name
     params: dict[str, Any]  # the config, flattened: "train.lr" -> 0.5
     project: str  # metrics.project; empty = the tracker's environment variable or default
@@ -123,7 +127,7 @@ class TrackerSink:
     """A :class:`~dtrain.metrics.sinks.Sink` in front of one tracker; see the module
     docstring."""
 
-    def __init__(self, tracker: Tracker, run_dir: Path, continuing: bool) -> None:
+    def __init__(self, tracker: Tracker, run_dir: Location, continuing: bool) -> None:
         self.tracker = tracker
         self.run_dir = run_dir
         # A new run (step 0, first attempt) starts a new tracker run even where an old one's
@@ -234,7 +238,7 @@ _IDS_LOCK = threading.Lock()  # the sinks' threads each update their own entry
 _WARN_LOCK = threading.Lock()
 
 
-def read_run_ids(run_dir: Path) -> dict[str, dict[str, Any]]:
+def read_run_ids(run_dir: Location) -> dict[str, dict[str, Any]]:
     """Each tracker's run as the folder's last run opened it; empty when there is none (or the
     file is unreadable: a new tracker run then, never a stopped training)."""
     try:
@@ -244,18 +248,21 @@ def read_run_ids(run_dir: Path) -> dict[str, dict[str, Any]]:
     return {k: v for k, v in ids.items() if isinstance(v, dict)} if isinstance(ids, dict) else {}
 
 
-def write_run_id(run_dir: Path, name: str, ids: dict[str, Any]) -> None:
+def write_run_id(run_dir: Location, name: str, ids: dict[str, Any]) -> None:
     """``ids`` as ``name``'s entry, written whole to a temporary file and renamed over the old
-    one, so a crash leaves the old file or the new one."""
+    one (in a store: one request), so a crash leaves the old file or the new one."""
     with _IDS_LOCK:
         every = {**read_run_ids(run_dir), name: ids}
         path = run_dir / RUN_IDS
+        if not isinstance(path, Path):
+            write_whole(path, json.dumps(every, indent=1, sort_keys=True) + "\n")
+            return
         tmp = path.with_name(f".{RUN_IDS}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(every, indent=1, sort_keys=True) + "\n")
         os.replace(tmp, path)
 
 
-def newest_checkpoint(run_dir: Path) -> str | None:
+def newest_checkpoint(run_dir: Location) -> str | None:
     """The newest complete checkpoint's folder, absolute; None before the first, or where the
     folder cannot be listed (the trackers then go without the path: the run's end must not
     fail on it)."""

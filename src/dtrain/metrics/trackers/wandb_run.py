@@ -14,6 +14,7 @@ run logs again the steps after its checkpoint.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any
 
@@ -83,9 +84,12 @@ class WandbTracker:
 
     def _log_checkpoint(self, path: str) -> None:
         """The final checkpoint as a reference artifact: its path and digest, not its bytes
-        (a checkpoint can be many GB; the run folder keeps it)."""
+        (a checkpoint can be many GB; the run folder keeps it). W&B references a store's
+        (``s3://``) through boto3: without it, the summary's ``checkpoint`` alone names it."""
         import wandb
 
+        if "://" in path and importlib.util.find_spec("boto3") is None:
+            return
         artifact = wandb.Artifact(f"{self.run.id}-checkpoint", type="model")
-        artifact.add_reference(f"file://{path}", checksum=False)
+        artifact.add_reference(path if "://" in path else f"file://{path}", checksum=False)
         self.run.log_artifact(artifact)

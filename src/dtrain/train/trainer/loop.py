@@ -119,13 +119,13 @@ class Trainer:
         self.publish_records()
 
     def publish_records(self) -> None:
-        """Rank 0: the run's records uploaded to a run folder in a store (nothing where it is
-        local); a store that fails it costs a warning, not the run (the next one retries)."""
-        if self.is_main:
-            try:
+        """Records (rank 0's), traces (each rank's) to a store's run folder; a failure warns."""
+        try:
+            self.profiler.publish()
+            if self.is_main:
                 publish_records(self.cfg.run.dir, self.cfg.run.local_dir)
-            except OSError as exc:
-                self.warn(f"the run's records were not uploaded: {exc}")
+        except OSError as exc:
+            self.warn(f"the run's records were not uploaded: {exc}")
 
     def resume(self) -> ResumePoint | None:
         """Load the checkpoint ``run.resume`` asks for, if any; then every RNG either holds
