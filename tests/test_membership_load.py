@@ -17,7 +17,7 @@ from dtrain.dist.stores import host_store
 from dtrain.recovery import membership
 from dtrain.recovery.changes import SWEEP_KEYS
 from dtrain.recovery.coordinator import Coordinator
-from dtrain.recovery.membership import Member, announce, post
+from dtrain.recovery.membership import Member, post
 
 
 class Counting:
@@ -110,7 +110,7 @@ def test_a_waiting_member_blocks_on_the_store_and_wakes_on_news(
         member.close()
 
 
-def test_give_up_done_and_stopped_end_a_blocked_wait(
+def test_give_up_and_done_end_a_blocked_wait(
     store: Any, clients: list[Counting], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(membership, "WAIT_S", 60.0)  # only what is announced ends a wait
@@ -132,7 +132,9 @@ def test_give_up_done_and_stopped_end_a_blocked_wait(
         flag.set()  # a preemption signal before the first generation: seen within POLL_S
         threads[0].join(30)
         assert not threads[0].is_alive() and got[0] is None
-        announce(store)  # news, nothing new: member 0's abandoned wait ends, the others wait on
+        # Its blocked call was woken (news: the others look, find nothing new, wait on) and
+        # has ended: nothing of the member's is in flight when its process exits.
+        assert members[0]._waiting is None
         members[0].finish()
         for thread in threads[1:]:
             thread.join(30)
@@ -193,3 +195,28 @@ def test_a_poll_reads_what_changed_not_every_member(store: Any, members: int) ->
     coordinator.poll()
     assert [len(g.members) for g in coordinator.formed] == [members, members]
     assert counting.calls <= 7  # and the generation written (2), announced (2)
+
+
+def test_the_job_stopping_ends_a_blocked_wait(
+    store: Any, clients: list[Counting], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(membership, "WAIT_S", 60.0)
+    # Member 1's machine never joins: the coordinator gives up on it and the job stops.
+    coordinator = Coordinator(
+        store, 2, stale_s=3.0, hang_s=30.0, local=[0], per_node=1, join_timeout_s=5.0
+    )
+    member = Member(f"127.0.0.1:{store.port}", 0, 2, timeout_s=10.0)
+    got: list[Any] = []
+    member.ask(-1, -1)
+    thread = threading.Thread(target=lambda: got.append(member.wait(-1)))
+    thread.start()
+    try:
+        waits_reach(clients[0], 1, started=True)
+        coordinator._born -= 10.0  # as if the join timeout had passed
+        coordinator.poll()
+        assert coordinator.stopped
+        thread.join(30)
+        assert not thread.is_alive() and got == [None]
+        assert member.stopped() == coordinator.stopped
+    finally:
+        member.close()

@@ -104,9 +104,9 @@ class Changes:
         """The next slice of member keys (all of them while they are few)."""
         if len(self._keys) <= SWEEP_KEYS:
             return self._keys
-        start = self._sweep
-        self._sweep = (start + SWEEP_KEYS) % len(self._keys)
-        return (self._keys + self._keys)[start : start + SWEEP_KEYS]
+        start, end = self._sweep, self._sweep + SWEEP_KEYS
+        self._sweep = end % len(self._keys)
+        return self._keys[start:end] + self._keys[: max(0, end - len(self._keys))]
 
     def _learn(self, keys: list[str], limit: int | None) -> None:
         """Mark those of ``keys`` that are set as known: one ``check`` for all, else one

@@ -343,7 +343,14 @@ class Member:
         while thread.is_alive():
             thread.join(POLL_S)
             if thread.is_alive() and give_up():
-                self._waiting = thread
+                # Wake the blocked call (news for every waiting member: one look each) and let
+                # it end: a process ending with a store call in flight on a thread aborts.
+                try:
+                    self._look_link.call(announce, "ending a wait")
+                except Exception:
+                    pass  # the store is out of reach: so is the call, bounded by the link
+                thread.join(self.link.call_s)
+                self._waiting = thread if thread.is_alive() else None
                 return True
         if failed:
             raise failed[0]
