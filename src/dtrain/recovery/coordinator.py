@@ -14,16 +14,18 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from dtrain.dist.sealed_store import Opener, warn_once
+from dtrain.dist.sealed_store import Opener
 from dtrain.dist.store_link import StoreLink, StoreUnreachable
 from dtrain.process_exit import process_state
+from dtrain.recovery.changes import Changes, member_key
 from dtrain.recovery.membership import (
     INFO,
     POLL_S,
-    PREFIX,
     STATE,
     WANT,
     Generation,
+    announce,
+    post,
     read_json,
     read_text,
     write_value,
@@ -32,25 +34,7 @@ from dtrain.recovery.node_claim import BUMP_S, alive_key
 
 NOTICE_S = 15.0  # the workers of machines started together ask to join well within this
 
-
 DOWN_STATES = ("X", "Z", "T", "t")  # no process, ended, stopped, stopped by a tracer
-
-
-def member_key(member: int, part: str) -> str:
-    """The store key of a member's ``part`` (info, want, state)."""
-    return f"{PREFIX}member/{member}/{part}"
-
-
-def counter_value(key: str, raw: bytes | None) -> int:
-    """A counter's value (``store.add``: not sealed); 0 while unset, and for one a stranger
-    made no number (warned once)."""
-    if raw is None:
-        return 0
-    try:
-        return int(bytes(raw))
-    except ValueError:
-        warn_once(key, "it is malformed (not a counter)")
-        return 0
 
 
 class PollingThread:
@@ -148,8 +132,8 @@ class NodeWatcher(PollingThread):
             state = (nonce, down[m])
             if self._posted.get(m) != state:
                 record = {"nonce": nonce, "down": down[m]}
-                post = functools.partial(write_value, key=f"member/{m}/state", value=record)
-                self.link.call(post, "a state")
+                posting = functools.partial(post, member=m, part="state", value=record)
+                self.link.call(posting, "a state")
                 self._posted[m] = state
 
 
@@ -203,21 +187,19 @@ class Coordinator(PollingThread):
         self.first_ask_wall = 0.0
         self.formed: list[Generation] = []
         self._seen = {m: _Seen() for m in range(members)}
-        # What a poll reads of every member: its registration, wish for the next generation
-        # and, on another machine, the state its launcher posts; and every other machine's
-        # launcher's voice.
-        self._keys = [
+        # What a poll reads: every member's registration, wish for the next generation and,
+        # on another machine, the state its launcher posts; and every other machine's voice.
+        keys = [
             member_key(m, part)
             for m in range(members)
             for part in ("info", "want", *(("state",) if m not in self.local else ()))
         ]
-        # Every other machine's launcher's counter (node/<k>/alive), as last read, and when it
-        # last moved (on the clock).
         here = {m // self.per_node for m in self.local}
         others = sorted({m // self.per_node for m in range(members)} - here)
-        self._voices: dict[int, tuple[int, float]] = {node: (-1, 0.0) for node in others}
-        self._keys += [alive_key(node) for node in others]
-        self._known: set[str] = set()  # keys set (none is ever removed)
+        self._changes = Changes(store, members, keys, others)
+        # What the last decision saw of time-driven state: machines heard, local members down.
+        self._heard: set[int] | None = None
+        self._down: set[int] = set()
         # Each value's seal is checked once, not at every poll; a stranger's value over a
         # member's record leaves the record as it was.
         self._opener = Opener()
@@ -228,32 +210,26 @@ class Coordinator(PollingThread):
         self.gave_up = ""  # the first generation never formed: why, once given up
         super().__init__("dtrain-coordinator")
 
-    def _snapshot(self) -> dict[str, bytes | None]:
-        """Every member's keys (None where unset), in one call to the store (``multi_get``)
-        for those set before, and one look (``check``) each at the others until they are
-        set: a poll every 10 ms made 5-7 calls per member, 8.5% of a core in the launcher
-        with 2 members, growing with the job."""
-        fresh = [key for key in self._keys if key not in self._known and self.store.check([key])]
-        self._known.update(fresh)
-        present = [key for key in self._keys if key in self._known]
-        values = dict(zip(present, self.store.multi_get(present), strict=True)) if present else {}
-        return {key: values.get(key) for key in self._keys}
-
     def _record(self, snap: dict[str, bytes | None], member: int, part: str, shape: Any) -> Any:
         """A member's record in the snapshot; None where unset. One that fails its seal or has
         another shape (a stranger's: warned once) leaves the last record that opened there."""
         key = member_key(member, part)
         return self._opener.parse(key, snap[key], shape)
 
-    def _hear(self, now: float, snap: dict[str, bytes | None]) -> set[int]:
+    def _hear(self, now: float) -> set[int]:
         """The other machines whose launcher was heard within ``stale_s`` (its counter moved;
         a machine is heard from the first poll on, and falls silent ``stale_s`` after its
         counter last moved)."""
-        for node, (count, _) in list(self._voices.items()):
-            key = alive_key(node)
-            if counter_value(key, snap[key]) != count:
-                self._voices[node] = (counter_value(key, snap[key]), now)
-        return {node for node, (_, at) in self._voices.items() if now - at < self.stale_s}
+        voices = self._changes.voices
+        return {node for node, (_, at) in voices.items() if now - at < self.stale_s}
+
+    def _local_down(self) -> set[int]:
+        """The members on this machine whose process is known and ended or stopped (/proc)."""
+        return {
+            m
+            for m in self.local
+            if self._seen[m].pid and self._state_of(self._seen[m].pid) in DOWN_STATES
+        }
 
     def _alive(self, member: int, heard: set[int], snap: dict[str, bytes | None]) -> bool:
         """Whether the member's newest incarnation is running: its process exists and is not
@@ -290,8 +266,16 @@ class Coordinator(PollingThread):
         if self.stopped:
             return  # the last generation is formed
         now = self._clock()
-        snap = self._snapshot()
-        heard = self._hear(now, snap)
+        changed = self._changes.read(now)
+        heard, down = self._hear(now), self._local_down()
+        # A decision reads every member's record: made only when something it reads changed
+        # (a post, a machine heard or silent, a local process ended), or while time itself
+        # decides (a regroup's hang_s, the first generation's wait for the machines).
+        still = not changed and heard == self._heard and down == self._down
+        if still and self.first_ask is None and self.number >= 0:
+            return
+        self._heard, self._down = heard, down
+        snap = self._changes.raw
         alive = {m for m in range(self.members) if self._alive(m, heard, snap)}
         if self.current and self.local != set(range(self.members)):
             cut_off = self._silent_machines(heard, snap)
@@ -367,6 +351,7 @@ class Coordinator(PollingThread):
                 self.on_wait(others, True)
             self.stopped = self.gave_up
             write_value(self.store, "stopped", self.gave_up)
+            announce(self.store)
 
     def _members_of(self, node: int) -> set[int]:
         return set(range(node * self.per_node, (node + 1) * self.per_node))
@@ -411,3 +396,4 @@ class Coordinator(PollingThread):
         if stop:  # after the generation: a member of it must see the generation first
             self.stopped = stop
             write_value(self.store, "stopped", stop)
+        announce(self.store)  # the members waiting for a generation wake

@@ -24,8 +24,13 @@ Keys (all under ``inplace/``)::
     cut                {"gen", "members"}: the members of machines fallen silent in ``gen``
     node/<k>/launcher  the launcher that holds --node-rank k (:mod:`dtrain.recovery.node_claim`)
     node/<k>/alive     a counter that launcher adds to while it lives: the voice of machine k
+    changes            what was posted since the coordinator last read it: ``<id>/<part>`` a
+                       line, appended after each post of ``member/<id>/<part>``
+    news               a counter the coordinator (and a member saying ``done``) adds to after
+                       writing a generation, ``stopped`` or ``done``; ``news/<n>`` is set
+                       right after: a waiting member blocks on the next one (``wait``)
 
-Every value but the counter is sealed with the job's secret under its full key
+Every value but the counters and the change log is sealed with the job's secret under its full key
 (:mod:`dtrain.dist.sealed_store`): one that fails (a stranger's, who reached the store's
 port) is ignored, with one warning naming its key -- read as absent, or, by the coordinator,
 a member and a launcher's watcher, as the last value of the job's they read there.
@@ -43,6 +48,12 @@ coordinator (``pending``, ``cut``) it reads on its watchdog's thread (:meth:`Mem
 Across machines, a member's and a launcher's store calls ride through an outage of the network
 (:mod:`dtrain.dist.store_link`).
 
+Nobody polls the whole membership: a member waiting for a generation blocks on the store until
+the coordinator announces one (``news``), and the coordinator reads what was posted since its
+last look (``changes``) plus a bounded slice of every member's keys (what a stranger, or a
+poster killed between its two calls, wrote unannounced), so the calls of both do not grow with
+the number of members (docs/fault-tolerance.md).
+
 A regroup that would leave fewer than ``min_members`` (``fault.min_replicas``) forms one last
 generation with a ``stop`` reason: its members heal, save a checkpoint and end; the
 coordinator forms no generation after it.
@@ -50,10 +61,12 @@ coordinator forms no generation after it.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import os
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -66,7 +79,12 @@ from dtrain.dist.sealed_store import Opener, Shape
 from dtrain.dist.store_link import StoreLink
 
 PREFIX = "inplace/"
-POLL_S = 0.01  # how often the coordinator and a waiting member look at the store
+POLL_S = 0.01  # how often the coordinator looks at the store (and a waiting member at give_up)
+# How long one blocking wait for news lasts before the member looks again (a news key a
+# stranger's add skipped is missed for at most this long); well within a store call's bound.
+WAIT_S = 2.0
+CHANGES = "changes"
+NEWS = "news"
 # How long a machine's launcher may fall silent before its members count as gone (a stopped
 # or ended process is seen at once through /proc, on any machine; this tells that a machine is
 # cut off).
@@ -140,6 +158,42 @@ def write_value(store: Any, key: str, value: Any) -> None:
     sealed_store.put(store, PREFIX + key, value if isinstance(value, str) else json.dumps(value))
 
 
+def post(store: Any, member: int, part: str, value: Any) -> None:
+    """``member/<member>/<part>`` = value, then its name appended to ``changes``: the
+    coordinator reads it at its next poll without reading every member's keys."""
+    write_value(store, f"member/{member}/{part}", value)
+    store.append(PREFIX + CHANGES, f"{member}/{part}\n".encode())
+
+
+def announce(store: Any) -> None:
+    """Wake the members waiting for news (after a generation, ``stopped`` or ``done`` is
+    written): the counter first, then the key of its new value, which they wait on."""
+    number = int(store.add(PREFIX + NEWS, 1))
+    write_value(store, f"{NEWS}/{number}", "")
+
+
+def _say_done(store: Any) -> None:
+    write_value(store, "done", "1")
+    announce(store)
+
+
+def news_count(store: Any) -> int:
+    """How many times news was announced (a counter: 0 before the first)."""
+    return int(store.add(PREFIX + NEWS, 0))
+
+
+def wait_for(store: Any, key: str, seconds: float) -> bool:
+    """Whether ``inplace/<key>`` was set within ``seconds`` (one blocking call to the store).
+    torch logs a timed-out wait at WARNING: the workers run at TORCH_CPP_LOG_LEVEL=ERROR."""
+    import torch.distributed as dist
+
+    try:
+        store.wait([PREFIX + key], datetime.timedelta(seconds=seconds))
+    except dist.DistStoreError:  # timed out (a lost connection is a DistNetworkError)
+        return False
+    return True
+
+
 # -- the worker's side ------------------------------------------------------------------------
 
 
@@ -172,13 +226,16 @@ class Member:
         # The looks' own connection, without patience: they run on the watchdog's thread
         # beside the training thread's calls, and one that fails is simply made again later.
         self._look_link = StoreLink(host, int(port), call_s, 0.0, connect_s=patience_s)
+        # A blocking wait for news given up on (give_up): its call still holds the link, so
+        # the next call waits for it to end (within WAIT_S) instead of sharing the connection.
+        self._waiting: threading.Thread | None = None
         info = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "nonce": self.nonce,
             "addr": os.environ.get(NODE_ADDR_ENV, ""),  # this machine's, across machines
         }
-        self._call(lambda s: write_value(s, f"member/{member_id}/info", info), "registering")
+        self._call(lambda s: post(s, member_id, "info", info), "registering")
         self.pending = -1  # the generation that must regroup for a joiner, as last seen
         # Called by :meth:`look` with (generation, the members cut off, every member's machine
         # address) when the coordinator finds every worker of some machines silent in that
@@ -192,8 +249,11 @@ class Member:
         """A connected client of the store (a process group's rendezvous is built on it)."""
         return self.link.client
 
-    def _call(self, op: Any, what: str) -> Any:
-        return self.link.call(op, what)
+    def _call(self, op: Any, what: str, seconds: float | None = None) -> Any:
+        if self._waiting is not None:
+            self._waiting.join()
+            self._waiting = None
+        return self.link.call(op, what, seconds)
 
     def look(self) -> None:
         """Read what the coordinator tells the members: a worker waits to join (``pending``),
@@ -238,19 +298,63 @@ class Member:
     def ask(self, after: int, step: int) -> None:
         """Ask for a generation after ``after`` (-1: none yet); ``step``: this member's."""
         want = {"after": after, "nonce": self.nonce, "step": step}
-        self._call(lambda s: write_value(s, f"member/{self.id}/want", want), "asking")
+        self._call(lambda s: post(s, self.id, "want", want), "asking")
 
     def wait(self, after: int, give_up: Callable[[], object] | None = None) -> Generation | None:
         """Wait until a generation after ``after`` that holds this member is formed; None when
         the run completed or stopped (:meth:`stopped`) meanwhile, or once ``give_up()`` is
-        true (a preemption signal before there is anything to save)."""
+        true (a preemption signal before there is anything to save: looked at every
+        ``POLL_S``). Blocks on the store between announcements (``news``): two calls every
+        ``WAIT_S`` while nothing happens (it made about 400 a second, polling)."""
+        seen = -1
         while True:
-            found = self._call(lambda s: self._look(s, after), "waiting for a generation")
-            if found != "wait":
-                return found
+            # The count before the look: whatever is announced after it sets news/<count+1>.
+            count = self._call(news_count, "waiting for a generation")
+            if count != seen:
+                found = self._call(lambda s: self._look(s, after), "waiting for a generation")
+                if found != "wait":
+                    return found
+                seen = count
             if give_up is not None and give_up():
                 return None
-            time.sleep(POLL_S)
+            if self._await(f"{NEWS}/{count + 1}", give_up):
+                return None
+
+    def _await(self, key: str, give_up: Callable[[], object] | None) -> bool:
+        """Until ``inplace/<key>`` is set or ``WAIT_S`` has passed; True once ``give_up()``
+        is (the wait left running)."""
+        wait = functools.partial(wait_for, key=key, seconds=WAIT_S)
+        seconds = WAIT_S + self.link.call_s
+        if give_up is None:
+            self._call(wait, "waiting for news", seconds)
+            return False
+        # The blocking call on a thread of its own, so that give_up is answered as promptly
+        # as when the member polled; it makes no store call.
+        failed: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self.link.call(wait, "waiting for news", seconds)
+            except BaseException as exc:  # handed to the caller
+                failed.append(exc)
+
+        thread = threading.Thread(target=run, name="dtrain-member-wait", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(POLL_S)
+            if thread.is_alive() and give_up():
+                # Wake the blocked call (news for every waiting member: one look each) and let
+                # it end: a process ending with a store call in flight on a thread aborts.
+                try:
+                    self._look_link.call(announce, "ending a wait")
+                except Exception:
+                    pass  # the store is out of reach: so is the call, bounded by the link
+                thread.join(self.link.call_s)
+                self._waiting = thread if thread.is_alive() else None
+                return True
+        if failed:
+            raise failed[0]
+        return False
 
     def _look(self, store: Any, after: int) -> Generation | str | None:
         opener = self._opener
@@ -301,7 +405,7 @@ class Member:
     def finish(self) -> None:
         """The run completed: members still waiting to join need not."""
         try:
-            self._call(lambda s: write_value(s, "done", "1"), "saying the run completed")
+            self._call(_say_done, "saying the run completed")
         except Exception:
             pass
 
