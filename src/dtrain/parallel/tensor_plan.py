@@ -1,6 +1,7 @@
 """What tensor parallelism cuts: the model names it (``model.tensor_parallel_plan(degree)``
 returns ``{module name: "colwise" | "rowwise"}``; the built-in GPT cuts the attention's heads
-and the MLP's hidden units, Megatron-style), and this checks it against the model."""
+and the MLP's hidden units, Megatron-style), and this checks it against the model; a Hugging
+Face model without that method gets the plan dtrain knows for it (:mod:`.hf_plan`), if any."""
 
 from __future__ import annotations
 
@@ -18,12 +19,7 @@ def model_plan(model: nn.Module, degree: int, held_only: bool = False) -> dict[s
     parameters here)."""
     plan_of = getattr(model, "tensor_parallel_plan", None)
     if not callable(plan_of):
-        raise ConfigError(
-            f"strategy.tensor_parallel = {degree} cannot split {type(model).__name__}: "
-            "expected a model "
-            "with a tensor_parallel_plan(degree) method returning {module name: 'colwise' | "
-            "'rowwise'} for the nn.Linear layers to cut"
-        )
+        return _known_plan(model, degree, held_only)
     try:
         plan = dict(plan_of(degree))
     except ValueError as exc:
@@ -46,6 +42,31 @@ def model_plan(model: nn.Module, degree: int, held_only: bool = False) -> dict[s
             )
         styles[name] = STYLES[style]()
     return styles
+
+
+def _known_plan(model: nn.Module, degree: int, held_only: bool) -> dict[str, ParallelStyle]:
+    """The plan of a Hugging Face model dtrain knows (:mod:`dtrain.parallel.hf_plan`)."""
+    from dtrain.parallel.hf_plan import KNOWN, hf_plan
+
+    kind = type(model).__name__
+    try:
+        plan = hf_plan(model, degree)
+    except ValueError as exc:
+        raise ConfigError(f"strategy.tensor_parallel = {degree} cannot split {kind}: {exc}") from None
+    if plan is None:
+        raise ConfigError(
+            f"strategy.tensor_parallel = {degree} cannot split {kind}: it has no "
+            "tensor_parallel_plan(degree) method returning {module name: 'colwise' | 'rowwise'} "
+            f"for the nn.Linear layers to cut, and dtrain knows the plans of {KNOWN} only; "
+            "give the model that method, or use ddp or fsdp"
+        )
+    if held_only:  # a pipeline stage's: the layers it holds parameters of
+        plan = {
+            name: style
+            for name, style in plan.items()
+            if any(True for _ in model.get_submodule(name).parameters())
+        }
+    return plan
 
 
 def check_no_dropout(model: nn.Module) -> None:
