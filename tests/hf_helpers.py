@@ -126,6 +126,7 @@ def train_script(raw: dict[str, Any]) -> None:
 
 
 PIPELINE = {"name": "pipeline", "pipeline_stages": 2, "pipeline_schedule": "gpipe"}
+TENSOR = {"name": "tensor", "tensor_parallel": 2}
 STRATEGIES: dict[str, dict[str, Any]] = {
     "ddp": {"name": "ddp"},
     "allreduce": {"name": "allreduce"},
@@ -136,8 +137,9 @@ STRATEGIES: dict[str, dict[str, Any]] = {
 
 def hf_run_configs(root: Path) -> dict[str, dict[str, Any]]:
     """Every Hugging Face run the tests read, in the order one launch trains them: GPT-2 and
-    BERT under each strategy (10 steps, evaluated and saved at the end), GPT-2 in
-    examples/own_loop_hf.py's loop under ddp and fsdp, a loss written as
+    BERT under each strategy and tensor (10 steps, evaluated and saved at the end; BERT has
+    no tensor plan), GPT-2 in examples/own_loop_hf.py's loop under ddp, fsdp and tensor, a
+    run starting from the tensor run's weights under ddp, a loss written as
     Hugging Face shifts it with the default count, a run starting from the fsdp GPT-2's
     weights and one whose model has another shape."""
     raws: dict[str, dict[str, Any]] = {}
@@ -147,10 +149,17 @@ def hf_run_configs(root: Path) -> dict[str, dict[str, Any]]:
             raws[f"{model}-{name}"] = hf_raw(
                 root / f"{model}-{name}", model, strategy=strategy, data=micro
             )
-    for name in ("ddp", "fsdp"):  # examples/own_loop_hf.py: the same job in a loop of its own
+    # Tensor parallelism: GPT-2 has a plan (its fused attention cut by head), BERT none.
+    for model in ("gpt2", "bert"):
+        raws[f"{model}-tensor"] = hf_raw(root / f"{model}-tensor", model, strategy=TENSOR)
+    # Stopped at step 5 and resumed to 10: the fused attention's state read back as it was.
+    for name, steps in (("tensor-half", 5), ("tensor-resumed", 10)):
+        raws[name] = hf_raw(root / "tensor-half", "gpt2", strategy=TENSOR, train={"steps": steps})
+    for name in ("ddp", "fsdp", "tensor"):  # examples/own_loop_hf.py: the job in a loop of its own
         own = {"script": str(OWN_LOOP_HF)}
+        strategy = TENSOR if name == "tensor" else {"name": name}
         raws[f"gpt2-own-{name}"] = hf_raw(
-            root / f"gpt2-own-{name}", "gpt2", run=own, strategy={"name": name}
+            root / f"gpt2-own-{name}", "gpt2", run=own, strategy=strategy
         )
     shifted = hf_raw(root / "shifted", "gpt2", strategy={"name": "ddp"})
     shifted["run"]["task"] = "tests.hf_helpers:gpt2_user_shifted_loss"
@@ -158,6 +167,9 @@ def hf_run_configs(root: Path) -> dict[str, dict[str, Any]]:
     init = {"init_from": str(root / "gpt2-fsdp")}
     raws["init"] = hf_raw(root / "init", "gpt2", run=init, train={"steps": 2})
     raws["bad-init"] = hf_raw(root / "bad-init", "gpt2", run=init, task={"n_embd": 16})
+    # The tensor-parallel run's checkpoint, in GPT-2's own layout, read under ddp.
+    from_tensor = {"init_from": str(root / "gpt2-tensor")}
+    raws["init-tensor"] = hf_raw(root / "init-tensor", "gpt2", run=from_tensor, train={"steps": 2})
     if importlib.util.find_spec("peft") is not None:  # LoRA (tests/test_peft.py)
         from tests.peft_helpers import lora_run_configs
 

@@ -1,6 +1,7 @@
 """Hugging Face models as they come (dtrain.hf): dict batches as keyword arguments, the
 model's own weight names, HF's shifted labels counted as the loss counts them; GPT-2 and a
-BERT classifier train under ddp, fsdp and pipeline with the losses of a single-process loop."""
+BERT classifier train under ddp, fsdp and pipeline with the losses of a single-process loop;
+GPT-2 under tensor parallelism too (its fused attention cut by head), BERT refused there."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from dtrain.hf import (
 )
 from dtrain.task import split_input_target
 from dtrain.train.loss_contract import LossContract
+from tests.dist_helpers import losses_by_step
 from tests.hf_helpers import (
     BERT_TASK,
     GPT2_TASK,
@@ -130,19 +132,44 @@ def test_hf_models_train_as_one_process_under_ddp_fsdp_and_pipeline(
                 assert abs(got - want) < 1e-5, (model, strategy, step, got, want)
 
 
-def test_the_hf_gpt2_own_loop_equals_one_process_under_ddp_and_fsdp(
+def test_the_hf_gpt2_own_loop_equals_one_process_under_ddp_fsdp_and_tensor(
     hf_runs: tuple[Path, dict[str, Any]],
 ) -> None:
     """examples/own_loop_hf.py (issue #41): the HF GPT-2 as it comes in a loop of the user's
     own, on 2 ranks, within 1e-5 of the hand-written single-process loop over 10 steps."""
     reference = one_process_losses("gpt2")
-    for strategy in ("ddp", "fsdp"):
+    for strategy in ("ddp", "fsdp", "tensor"):
         result = hf_runs[1][f"gpt2-own-{strategy}"]
         assert "error" not in result, (strategy, result)
         losses = result["losses"]
         assert len(losses) == 10, strategy
         for step, (got, want) in enumerate(zip(losses, reference)):
             assert abs(got - want) < 1e-5, (strategy, step, got, want)
+
+
+def test_hf_gpt2_under_tensor_parallelism_equals_one_process_and_bert_is_refused(
+    hf_runs: tuple[Path, dict[str, Any]],
+) -> None:
+    """dtrain's own loop (``dtrain.hf.causal_lm_task``) with GPT-2 cut over 2 ranks: c_attn by
+    head (q, k and v alike), c_fc column-wise, the c_projs row-wise; within 1e-5 of one process
+    over 10 steps, its parameters the model's own (names and global shapes). BERT, for which
+    dtrain knows no plan, is one line naming it."""
+    results = hf_runs[1]
+    reference = one_process_losses("gpt2")
+    result = results["gpt2-tensor"]
+    assert "error" not in result, result
+    assert len(result["losses"]) == 10
+    for step, (got, want) in enumerate(zip(result["losses"], reference)):
+        assert abs(got - want) < 1e-5, (step, got, want)
+    params = result["params"]  # gathered whole, by the model's own names
+    assert params["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)
+    assert params["transformer.h.1.mlp.c_fc.weight"].shape == (32, 128)
+    # Saved at step 5 (its c_attn gathered for DCP) and resumed: the same losses, bit for bit.
+    resumed = losses_by_step(str(hf_runs[0] / "tensor-half"))
+    assert [resumed[step] for step in range(1, 11)] == result["losses"]
+    error = results["bert-tensor"]["error"]
+    assert "cannot split BertForSequenceClassification" in error and "\n" not in error
+    assert "tensor_parallel_plan" in error and "use ddp or fsdp" in error
 
 
 def test_a_loss_shifted_as_hugging_face_does_counted_by_default_fails_at_once(
