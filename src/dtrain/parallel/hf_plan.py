@@ -29,6 +29,14 @@ from dtrain.parallel.transposed import FusedHeadsAttention, TransposedParallel
 KNOWN = "GPT-2 (GPT2Attention and GPT2MLP blocks) and models whose config has a base_model_tp_plan"
 
 
+def knows(model: nn.Module) -> bool:
+    """Whether the model is one of the kinds :func:`hf_plan` cuts."""
+    if any(type(m).__name__ in ("GPT2Attention", "GPT2MLP") for m in model.modules()):
+        return True
+    patterns = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    return isinstance(patterns, dict) and bool(patterns)
+
+
 def hf_plan(model: nn.Module, degree: int) -> dict[str, ParallelStyle] | None:
     """The styles of the layers to cut at ``degree`` (raises ValueError where the shapes do not
     divide), or None when the model is none of the known kinds."""

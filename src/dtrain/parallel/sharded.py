@@ -33,7 +33,7 @@ from dtrain.parallel.grad_sync import average_in_buckets
 from dtrain.parallel.materialize import is_meta_model, materialize
 from dtrain.parallel.mesh import Mesh, build_mesh
 from dtrain.parallel.skeleton import ModelSkeleton, meta_copy
-from dtrain.parallel.tensor_plan import check_no_dropout, model_plan
+from dtrain.parallel.tensor_plan import check_no_dropout, has_plan, model_plan
 from dtrain.parallel.transposed import back_to_layout, dcp_ready, has_fused_cuts
 from dtrain.task import Task
 
@@ -52,6 +52,9 @@ class MeshStrategy(Strategy):
         # Whether a layer is cut inside blocks (GPT-2's fused q|k|v): its pieces are no box
         # of the global tensor, so its state is gathered for DCP and cut again when read.
         self.fused_cuts = False
+        # A model without a plan held whole on every rank of the tensor-parallel group rather
+        # than refused (a further model of an own loop: dtrain.loop.models).
+        self.whole_without_plan = False
 
     @property
     def sharded(self) -> bool:
@@ -102,6 +105,9 @@ class MeshStrategy(Strategy):
         if self.dims.tp == 1:
             return
         assert self.mesh is not None
+        if self.whole_without_plan and not has_plan(model):
+            check_no_dropout(model)  # its whole copies would draw different masks too
+            return
         styles = model_plan(model, self.dims.tp, held_only=held_only)
         check_no_dropout(model)
         tp_mesh = self.mesh.submesh("tp")

@@ -44,6 +44,13 @@ def model_plan(model: nn.Module, degree: int, held_only: bool = False) -> dict[s
     return styles
 
 
+def has_plan(model: nn.Module) -> bool:
+    """Whether the model names its cuts, or dtrain knows them (:mod:`.hf_plan`)."""
+    from dtrain.parallel.hf_plan import knows
+
+    return callable(getattr(model, "tensor_parallel_plan", None)) or knows(model)
+
+
 def _known_plan(model: nn.Module, degree: int, held_only: bool) -> dict[str, ParallelStyle]:
     """The plan of a Hugging Face model dtrain knows (:mod:`dtrain.parallel.hf_plan`)."""
     from dtrain.parallel.hf_plan import KNOWN, hf_plan
