@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import REPO, tiny_raw
+from tests.own_loop_tensor import distill_params
 from tests.own_loops import (
     frozen_teacher,
     gan_params,
@@ -21,7 +22,6 @@ from tests.own_loops import (
     loud_critic_gan,
     models_mistake,
 )
-from tests.own_loop_tensor import distill_params
 from tests.ranks import run_ranks
 from tests.test_cli import run_cli, write_tiny_config
 from tests.test_ddp import assert_params_close

@@ -59,7 +59,9 @@ def _known_plan(model: nn.Module, degree: int, held_only: bool) -> dict[str, Par
     try:
         plan = hf_plan(model, degree)
     except ValueError as exc:
-        raise ConfigError(f"strategy.tensor_parallel = {degree} cannot split {kind}: {exc}") from None
+        raise ConfigError(
+            f"strategy.tensor_parallel = {degree} cannot split {kind}: {exc}"
+        ) from None
     if plan is None:
         raise ConfigError(
             f"strategy.tensor_parallel = {degree} cannot split {kind}: it has no "

@@ -25,7 +25,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
@@ -128,7 +127,8 @@ def _cut_again_later(placements: tuple[Placement, ...], index: int) -> bool:
 
 def _unfused(value: DTensor) -> list[Placement]:
     return [
-        Replicate() if isinstance(p, _StridedShard) and not _cut_again_later(value.placements, i)
+        Replicate()
+        if isinstance(p, _StridedShard) and not _cut_again_later(value.placements, i)
         else p
         for i, p in enumerate(value.placements)
     ]
@@ -166,4 +166,3 @@ def back_to_layout(state: Any, layout: Any) -> Any:
     ):
         return state.redistribute(placements=layout.placements)
     return state
-
