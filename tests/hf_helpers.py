@@ -270,3 +270,48 @@ def gpt2_user_shifted_loss(cfg: Config) -> Task:
         train_data=[{"input_ids": ids, "labels": ids} for ids in data.ids],
         loss_fn=shifted,
     )
+
+
+def tp_plan_losses(kinds: list[str]) -> list[dict[str, Any]]:
+    """:func:`tp_plan_run` of each kind, in one launch."""
+    return [tp_plan_run(kind) for kind in kinds]
+
+
+def tp_plan_run(kind: str) -> dict[str, Any]:
+    """A tiny ``transformers`` model of ``kind`` ("llama", "qwen2") cut over every rank by
+    the plan its config carries (``base_model_tp_plan``, read by dtrain) beside the same model
+    whole, 3 SGD steps each on one batch: both models' losses and the names cut."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from dtrain.parallel.tensor_plan import model_plan
+
+    names = {"llama": "Llama", "qwen2": "Qwen2"}[kind]
+    config = getattr(transformers, f"{names}Config")(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    build = getattr(transformers, f"{names}ForCausalLM")
+    torch.manual_seed(0)
+    whole = build(config)
+    torch.manual_seed(0)
+    cut = build(config)
+    plan = model_plan(cut, torch.distributed.get_world_size())
+    parallelize_module(cut, init_device_mesh("cpu", (torch.distributed.get_world_size(),)), plan)
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    out: dict[str, Any] = {"cut": sorted(plan), "whole": [], "tensor": []}
+    for name, model in (("whole", whole), ("tensor", cut)):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            loss = model(input_ids=ids, labels=ids).loss
+            out[name].append(float(loss.detach()))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return out

@@ -172,6 +172,30 @@ def test_hf_gpt2_under_tensor_parallelism_equals_one_process_and_bert_is_refused
     assert "tensor_parallel_plan" in error and "use ddp or fsdp" in error
 
 
+@pytest.mark.slow  # two more model families on 2 ranks: ~10 s (make test-slow)
+def test_transformers_own_tensor_plans_cut_llama_and_qwen2_as_one_process_trains() -> None:
+    """Llama and Qwen2 carry transformers' base_model_tp_plan (q, k, v, gate, up column-wise;
+    o, down row-wise): dtrain reads it, and on 2 ranks (grouped key/value heads, 2 per rank)
+    3 steps give the whole model's losses within 1e-5."""
+    from tests.hf_helpers import tp_plan_losses
+    from tests.ranks import run_ranks
+
+    results = run_ranks(tp_plan_losses, 2, ["llama", "qwen2"])[0]
+    for kind, result in zip(("llama", "qwen2"), results, strict=True):
+        assert len(result["cut"]) == 14, result["cut"]  # 7 maps in each of 2 layers
+        assert "model.layers.1.self_attn.k_proj" in result["cut"]
+        for got, want in zip(result["tensor"], result["whole"], strict=True):
+            assert abs(got - want) < 1e-5, (kind, got, want)
+
+
+def test_the_estimate_says_it_cannot_lay_out_gpt2_s_tensor_cuts_in_one_line() -> None:
+    from dtrain.estimate.memory import tensor_parallel_cuts
+    from dtrain.task import Task
+
+    with pytest.raises(UserError, match=r"GPT2LMHeadModel's tensor-parallel plan cuts layers"):
+        tensor_parallel_cuts(Task(model=small_gpt2(), train_data=[], loss_fn=causal_lm_loss), 2)
+
+
 def test_a_loss_shifted_as_hugging_face_does_counted_by_default_fails_at_once(
     hf_runs: tuple[Path, dict[str, Any]],
 ) -> None:

@@ -64,9 +64,9 @@ def _known_plan(model: nn.Module, degree: int, held_only: bool) -> dict[str, Par
         ) from None
     if plan is None:
         raise ConfigError(
-            f"strategy.tensor_parallel = {degree} cannot split {kind}: it has no "
+            f"strategy.tensor_parallel = {degree} cannot split {kind}: expected a model with a "
             "tensor_parallel_plan(degree) method returning {module name: 'colwise' | 'rowwise'} "
-            f"for the nn.Linear layers to cut, and dtrain knows the plans of {KNOWN} only; "
+            f"for the nn.Linear layers to cut, or one whose plan dtrain knows ({KNOWN}); "
             "give the model that method, or use ddp or fsdp"
         )
     if held_only:  # a pipeline stage's: the layers it holds parameters of
