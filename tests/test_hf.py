@@ -188,12 +188,42 @@ def test_transformers_own_tensor_plans_cut_llama_and_qwen2_as_one_process_trains
             assert abs(got - want) < 1e-5, (kind, got, want)
 
 
-def test_the_estimate_says_it_cannot_lay_out_gpt2_s_tensor_cuts_in_one_line() -> None:
+def test_what_cannot_take_gpt2_s_fused_cut_says_so_in_one_line() -> None:
+    """FSDP over the fused c_attn (its bias's layout would not be the model's), and the
+    memory estimate, which lays out nn.Linear cuts only."""
+    from dtrain.errors import ConfigError
     from dtrain.estimate.memory import tensor_parallel_cuts
+    from dtrain.parallel.tensor_plan import check_not_sharded, model_plan
     from dtrain.task import Task
 
+    model = small_gpt2()
+    with pytest.raises(ConfigError, match=r"cannot shard GPT2LMHeadModel: transformer.h.0.attn"):
+        check_not_sharded(model, model_plan(model, 2))
     with pytest.raises(UserError, match=r"GPT2LMHeadModel's tensor-parallel plan cuts layers"):
-        tensor_parallel_cuts(Task(model=small_gpt2(), train_data=[], loss_fn=causal_lm_loss), 2)
+        tensor_parallel_cuts(Task(model=model, train_data=[], loss_fn=causal_lm_loss), 2)
+
+
+@pytest.mark.slow  # 4 ranks, three runs: ~30 s (make test-slow)
+def test_hf_gpt2_under_tensor_with_data_parallel_copies_equals_one_process_and_resumes(
+    tmp_path: Path,
+) -> None:
+    """2 copies x 2-way tensor parallelism: within 1e-5 of one process, and a run stopped at
+    step 5 and resumed gives the uninterrupted run's losses bit for bit."""
+    from tests.hf_helpers import hf_raw, train_each
+    from tests.ranks import run_ranks
+
+    mesh = {"name": "tensor", "tensor_parallel": 2, "data_parallel": "replicate"}
+    raws = [
+        hf_raw(tmp_path / "full", "gpt2", strategy=mesh),
+        hf_raw(tmp_path / "half", "gpt2", strategy=mesh, train={"steps": 5}),
+        hf_raw(tmp_path / "half", "gpt2", strategy=mesh),
+    ]
+    results = run_ranks(train_each, 4, raws, timeout=400)[0]
+    assert all("error" not in result for result in results), results
+    full = losses_by_step(str(tmp_path / "full"))
+    for step, want in enumerate(one_process_losses("gpt2"), start=1):
+        assert abs(full[step] - want) < 1e-5, (step, full[step], want)
+    assert losses_by_step(str(tmp_path / "half")) == full
 
 
 def test_a_loss_shifted_as_hugging_face_does_counted_by_default_fails_at_once(

@@ -33,7 +33,12 @@ from dtrain.parallel.grad_sync import average_in_buckets
 from dtrain.parallel.materialize import is_meta_model, materialize
 from dtrain.parallel.mesh import Mesh, build_mesh
 from dtrain.parallel.skeleton import ModelSkeleton, meta_copy
-from dtrain.parallel.tensor_plan import check_no_dropout, has_plan, model_plan
+from dtrain.parallel.tensor_plan import (
+    check_no_dropout,
+    check_not_sharded,
+    has_plan,
+    model_plan,
+)
 from dtrain.parallel.transposed import back_to_layout, dcp_ready, has_fused_cuts
 from dtrain.task import Task
 
@@ -110,6 +115,8 @@ class MeshStrategy(Strategy):
             return
         styles = model_plan(model, self.dims.tp, held_only=held_only)
         check_no_dropout(model)
+        if self.sharded:
+            check_not_sharded(model, styles)
         tp_mesh = self.mesh.submesh("tp")
         if tp_mesh is not None:
             parallelize_module(model, tp_mesh, styles)

@@ -78,6 +78,22 @@ def _known_plan(model: nn.Module, degree: int, held_only: bool) -> dict[str, Par
     return plan
 
 
+def check_not_sharded(model: nn.Module, styles: dict[str, ParallelStyle]) -> None:
+    """FSDP cannot shard what is cut inside blocks (GPT-2's fused q|k|v): on a 1-D bias it
+    would lay its shards over tensor parallelism's as over a plain cut, and the whole tensor it
+    then describes (saves, exports) is not the model's."""
+    from dtrain.parallel.transposed import FusedHeadsAttention
+
+    fused = [name for name, style in styles.items() if isinstance(style, FusedHeadsAttention)]
+    if fused:
+        raise ConfigError(
+            f"FSDP with tensor parallelism cannot shard {type(model).__name__}: {fused[0]}'s "
+            "fused q|k|v projection is cut by head, which FSDP's layout over it does not "
+            "describe; use strategy.name = 'tensor' with data_parallel = 'replicate', or fsdp "
+            "without tensor_parallel"
+        )
+
+
 def check_no_dropout(model: nn.Module) -> None:
     """Every rank of a tensor-parallel group computes the replicated activations itself; with
     dropout each would draw its own mask, and the copies would drift apart."""
