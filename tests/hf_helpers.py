@@ -3,6 +3,7 @@ by worker processes (``tests.hf_helpers:...``); they need ``transformers``."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 from dataclasses import dataclass
@@ -216,7 +217,8 @@ def gpt2_batches(steps: int) -> list[torch.Tensor]:
     return [data.ids[s * BATCH : (s + 1) * BATCH] for s in range(steps)]
 
 
-def one_process_losses(model_kind: str, steps: int = 10, lr: float = 0.1) -> list[float]:
+@functools.cache  # several tests compare with the same loop: it runs once per process
+def one_process_losses(model_kind: str, steps: int = 10, lr: float = 0.1) -> tuple[float, ...]:
     """The hand-written single-process loop: the model's own (mean) loss from its own labels
     -- Hugging Face's convention, shifted inside the model for GPT-2 -- and torch's SGD."""
     from dtrain.checkpoint.rng import seed_everything
@@ -244,7 +246,7 @@ def one_process_losses(model_kind: str, steps: int = 10, lr: float = 0.1) -> lis
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    return losses
+    return tuple(losses)
 
 
 @dataclass
