@@ -13,8 +13,9 @@ replaces), or ``hf_gpt2.GPT2Options``'s defaults under a config that names anoth
     python -m examples.own_loop_hf examples/hf_gpt2.toml --train.steps=50 --run.dir=...
 
 (a run folder of its own: ``hf_gpt2.toml``'s is dtrain's loop's, which it would resume). On 2
-ranks under ddp and fsdp it equals one process within 1e-5
-(``tests/test_hf.py::test_the_hf_gpt2_own_loop_equals_one_process_under_ddp_and_fsdp``).
+ranks under ddp, fsdp and tensor (``--strategy.name=tensor``: GPT-2's attention cut by head)
+it equals one process within 1e-5
+(``tests/test_hf.py::test_the_hf_gpt2_own_loop_equals_one_process_under_ddp_fsdp_and_tensor``).
 """
 
 from __future__ import annotations

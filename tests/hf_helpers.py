@@ -3,6 +3,7 @@ by worker processes (``tests.hf_helpers:...``); they need ``transformers``."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 from dataclasses import dataclass
@@ -126,6 +127,7 @@ def train_script(raw: dict[str, Any]) -> None:
 
 
 PIPELINE = {"name": "pipeline", "pipeline_stages": 2, "pipeline_schedule": "gpipe"}
+TENSOR = {"name": "tensor", "tensor_parallel": 2}
 STRATEGIES: dict[str, dict[str, Any]] = {
     "ddp": {"name": "ddp"},
     "allreduce": {"name": "allreduce"},
@@ -136,8 +138,9 @@ STRATEGIES: dict[str, dict[str, Any]] = {
 
 def hf_run_configs(root: Path) -> dict[str, dict[str, Any]]:
     """Every Hugging Face run the tests read, in the order one launch trains them: GPT-2 and
-    BERT under each strategy (10 steps, evaluated and saved at the end), GPT-2 in
-    examples/own_loop_hf.py's loop under ddp and fsdp, a loss written as
+    BERT under each strategy and tensor (10 steps, evaluated and saved at the end; BERT has
+    no tensor plan), GPT-2 in examples/own_loop_hf.py's loop under ddp, fsdp and tensor, a
+    run starting from the tensor run's weights under ddp, a loss written as
     Hugging Face shifts it with the default count, a run starting from the fsdp GPT-2's
     weights and one whose model has another shape."""
     raws: dict[str, dict[str, Any]] = {}
@@ -147,10 +150,17 @@ def hf_run_configs(root: Path) -> dict[str, dict[str, Any]]:
             raws[f"{model}-{name}"] = hf_raw(
                 root / f"{model}-{name}", model, strategy=strategy, data=micro
             )
-    for name in ("ddp", "fsdp"):  # examples/own_loop_hf.py: the same job in a loop of its own
+    # Tensor parallelism: GPT-2 has a plan (its fused attention cut by head), BERT none.
+    for model in ("gpt2", "bert"):
+        raws[f"{model}-tensor"] = hf_raw(root / f"{model}-tensor", model, strategy=TENSOR)
+    # Stopped at step 5 and resumed to 10: the fused attention's state read back as it was.
+    for name, steps in (("tensor-half", 5), ("tensor-resumed", 10)):
+        raws[name] = hf_raw(root / "tensor-half", "gpt2", strategy=TENSOR, train={"steps": steps})
+    for name in ("ddp", "fsdp", "tensor"):  # examples/own_loop_hf.py: the job in a loop of its own
         own = {"script": str(OWN_LOOP_HF)}
+        strategy = TENSOR if name == "tensor" else {"name": name}
         raws[f"gpt2-own-{name}"] = hf_raw(
-            root / f"gpt2-own-{name}", "gpt2", run=own, strategy={"name": name}
+            root / f"gpt2-own-{name}", "gpt2", run=own, strategy=strategy
         )
     shifted = hf_raw(root / "shifted", "gpt2", strategy={"name": "ddp"})
     shifted["run"]["task"] = "tests.hf_helpers:gpt2_user_shifted_loss"
@@ -158,6 +168,9 @@ def hf_run_configs(root: Path) -> dict[str, dict[str, Any]]:
     init = {"init_from": str(root / "gpt2-fsdp")}
     raws["init"] = hf_raw(root / "init", "gpt2", run=init, train={"steps": 2})
     raws["bad-init"] = hf_raw(root / "bad-init", "gpt2", run=init, task={"n_embd": 16})
+    # The tensor-parallel run's checkpoint, in GPT-2's own layout, read under ddp.
+    from_tensor = {"init_from": str(root / "gpt2-tensor")}
+    raws["init-tensor"] = hf_raw(root / "init-tensor", "gpt2", run=from_tensor, train={"steps": 2})
     if importlib.util.find_spec("peft") is not None:  # LoRA (tests/test_peft.py)
         from tests.peft_helpers import lora_run_configs
 
@@ -204,7 +217,8 @@ def gpt2_batches(steps: int) -> list[torch.Tensor]:
     return [data.ids[s * BATCH : (s + 1) * BATCH] for s in range(steps)]
 
 
-def one_process_losses(model_kind: str, steps: int = 10, lr: float = 0.1) -> list[float]:
+@functools.cache  # several tests compare with the same loop: it runs once per process
+def one_process_losses(model_kind: str, steps: int = 10, lr: float = 0.1) -> tuple[float, ...]:
     """The hand-written single-process loop: the model's own (mean) loss from its own labels
     -- Hugging Face's convention, shifted inside the model for GPT-2 -- and torch's SGD."""
     from dtrain.checkpoint.rng import seed_everything
@@ -232,7 +246,7 @@ def one_process_losses(model_kind: str, steps: int = 10, lr: float = 0.1) -> lis
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    return losses
+    return tuple(losses)
 
 
 @dataclass
@@ -258,3 +272,48 @@ def gpt2_user_shifted_loss(cfg: Config) -> Task:
         train_data=[{"input_ids": ids, "labels": ids} for ids in data.ids],
         loss_fn=shifted,
     )
+
+
+def tp_plan_losses(kinds: list[str]) -> list[dict[str, Any]]:
+    """:func:`tp_plan_run` of each kind, in one launch."""
+    return [tp_plan_run(kind) for kind in kinds]
+
+
+def tp_plan_run(kind: str) -> dict[str, Any]:
+    """A tiny ``transformers`` model of ``kind`` ("llama", "qwen2") cut over every rank by
+    the plan its config carries (``base_model_tp_plan``, read by dtrain) beside the same model
+    whole, 3 SGD steps each on one batch: both models' losses and the names cut."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from dtrain.parallel.tensor_plan import model_plan
+
+    names = {"llama": "Llama", "qwen2": "Qwen2"}[kind]
+    config = getattr(transformers, f"{names}Config")(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    build = getattr(transformers, f"{names}ForCausalLM")
+    torch.manual_seed(0)
+    whole = build(config)
+    torch.manual_seed(0)
+    cut = build(config)
+    plan = model_plan(cut, torch.distributed.get_world_size())
+    parallelize_module(cut, init_device_mesh("cpu", (torch.distributed.get_world_size(),)), plan)
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    out: dict[str, Any] = {"cut": sorted(plan), "whole": [], "tensor": []}
+    for name, model in (("whole", whole), ("tensor", cut)):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            loss = model(input_ids=ids, labels=ids).loss
+            out[name].append(float(loss.detach()))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return out

@@ -88,6 +88,25 @@ def test_fsdp_and_pipeline_export_round_trip(
     check_round_trip(root, tmp_path, root / "gpt2-fsdp")
 
 
+def test_a_tensor_parallel_gpt2_exports_and_starts_a_ddp_run_in_its_own_layout(
+    hf_runs: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """GPT-2 trained under tensor parallelism (c_attn cut by head: no box of the global
+    tensor) checkpoints the model's own layout: its HF export loads with from_pretrained and
+    evaluates as the run evaluated itself, and a ddp run started from its folder begins at
+    that model's loss."""
+    root = hf_runs[0]
+    export(root / "gpt2-tensor", tmp_path / "tensor-hf", "--format", "hf")
+    from transformers import GPT2LMHeadModel
+
+    pretrained = GPT2LMHeadModel.from_pretrained(str(tmp_path / "tensor-hf")).eval()
+    assert_close(val_loss(pretrained), logged_val_loss(root / "gpt2-tensor"))
+    ids = gpt2_batches(1)[0]
+    with torch.no_grad():
+        first = float(pretrained(input_ids=ids, labels=ids).loss)
+    assert_close(logged_losses(root / "init-tensor")[0], first)
+
+
 @pytest.mark.slow
 def test_fsdp_on_4_ranks_export_round_trip(
     hf_runs: tuple[Path, dict[str, Any]], tmp_path: Path

@@ -1,6 +1,7 @@
 """Hugging Face models as they come (dtrain.hf): dict batches as keyword arguments, the
 model's own weight names, HF's shifted labels counted as the loss counts them; GPT-2 and a
-BERT classifier train under ddp, fsdp and pipeline with the losses of a single-process loop."""
+BERT classifier train under ddp, fsdp and pipeline with the losses of a single-process loop;
+GPT-2 under tensor parallelism too (its fused attention cut by head), BERT refused there."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from dtrain.hf import (
 )
 from dtrain.task import split_input_target
 from dtrain.train.loss_contract import LossContract
+from tests.dist_helpers import losses_by_step
 from tests.hf_helpers import (
     BERT_TASK,
     GPT2_TASK,
@@ -130,19 +132,98 @@ def test_hf_models_train_as_one_process_under_ddp_fsdp_and_pipeline(
                 assert abs(got - want) < 1e-5, (model, strategy, step, got, want)
 
 
-def test_the_hf_gpt2_own_loop_equals_one_process_under_ddp_and_fsdp(
+def test_the_hf_gpt2_own_loop_equals_one_process_under_ddp_fsdp_and_tensor(
     hf_runs: tuple[Path, dict[str, Any]],
 ) -> None:
     """examples/own_loop_hf.py (issue #41): the HF GPT-2 as it comes in a loop of the user's
     own, on 2 ranks, within 1e-5 of the hand-written single-process loop over 10 steps."""
     reference = one_process_losses("gpt2")
-    for strategy in ("ddp", "fsdp"):
+    for strategy in ("ddp", "fsdp", "tensor"):
         result = hf_runs[1][f"gpt2-own-{strategy}"]
         assert "error" not in result, (strategy, result)
         losses = result["losses"]
         assert len(losses) == 10, strategy
         for step, (got, want) in enumerate(zip(losses, reference)):
             assert abs(got - want) < 1e-5, (strategy, step, got, want)
+
+
+def test_hf_gpt2_under_tensor_parallelism_equals_one_process_and_bert_is_refused(
+    hf_runs: tuple[Path, dict[str, Any]],
+) -> None:
+    """dtrain's own loop (``dtrain.hf.causal_lm_task``) with GPT-2 cut over 2 ranks: c_attn by
+    head (q, k and v alike), c_fc column-wise, the c_projs row-wise; within 1e-5 of one process
+    over 10 steps, its parameters the model's own (names and global shapes). BERT, for which
+    dtrain knows no plan, is one line naming it."""
+    results = hf_runs[1]
+    reference = one_process_losses("gpt2")
+    result = results["gpt2-tensor"]
+    assert "error" not in result, result
+    assert len(result["losses"]) == 10
+    for step, (got, want) in enumerate(zip(result["losses"], reference)):
+        assert abs(got - want) < 1e-5, (step, got, want)
+    params = result["params"]  # gathered whole, by the model's own names
+    assert params["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)
+    assert params["transformer.h.1.mlp.c_fc.weight"].shape == (32, 128)
+    # Saved at step 5 (its c_attn gathered for DCP) and resumed: the same losses, bit for bit.
+    resumed = losses_by_step(str(hf_runs[0] / "tensor-half"))
+    assert [resumed[step] for step in range(1, 11)] == result["losses"]
+    error = results["bert-tensor"]["error"]
+    assert "cannot split BertForSequenceClassification" in error and "\n" not in error
+    assert "tensor_parallel_plan" in error and "use ddp or fsdp" in error
+
+
+@pytest.mark.slow  # two more model families on 2 ranks: ~10 s (make test-slow)
+def test_transformers_own_tensor_plans_cut_llama_and_qwen2_as_one_process_trains() -> None:
+    """Llama and Qwen2 carry transformers' base_model_tp_plan (q, k, v, gate, up column-wise;
+    o, down row-wise): dtrain reads it, and on 2 ranks (grouped key/value heads, 2 per rank)
+    3 steps give the whole model's losses within 1e-5."""
+    from tests.hf_helpers import tp_plan_losses
+    from tests.ranks import run_ranks
+
+    results = run_ranks(tp_plan_losses, 2, ["llama", "qwen2"])[0]
+    for kind, result in zip(("llama", "qwen2"), results, strict=True):
+        assert len(result["cut"]) == 14, result["cut"]  # 7 maps in each of 2 layers
+        assert "model.layers.1.self_attn.k_proj" in result["cut"]
+        for got, want in zip(result["tensor"], result["whole"], strict=True):
+            assert abs(got - want) < 1e-5, (kind, got, want)
+
+
+def test_what_cannot_take_gpt2_s_fused_cut_says_so_in_one_line() -> None:
+    """FSDP over the fused c_attn (its bias's layout would not be the model's), and the
+    memory estimate, which lays out nn.Linear cuts only."""
+    from dtrain.errors import ConfigError
+    from dtrain.estimate.memory import tensor_parallel_cuts
+    from dtrain.parallel.tensor_plan import check_not_sharded, model_plan
+    from dtrain.task import Task
+
+    model = small_gpt2()
+    with pytest.raises(ConfigError, match=r"cannot shard GPT2LMHeadModel: transformer.h.0.attn"):
+        check_not_sharded(model, model_plan(model, 2))
+    with pytest.raises(UserError, match=r"GPT2LMHeadModel's tensor-parallel plan cuts layers"):
+        tensor_parallel_cuts(Task(model=model, train_data=[], loss_fn=causal_lm_loss), 2)
+
+
+@pytest.mark.slow  # 4 ranks, three runs: ~30 s (make test-slow)
+def test_hf_gpt2_under_tensor_with_data_parallel_copies_equals_one_process_and_resumes(
+    tmp_path: Path,
+) -> None:
+    """2 copies x 2-way tensor parallelism: within 1e-5 of one process, and a run stopped at
+    step 5 and resumed gives the uninterrupted run's losses bit for bit."""
+    from tests.hf_helpers import hf_raw, train_each
+    from tests.ranks import run_ranks
+
+    mesh = {"name": "tensor", "tensor_parallel": 2, "data_parallel": "replicate"}
+    raws = [
+        hf_raw(tmp_path / "full", "gpt2", strategy=mesh),
+        hf_raw(tmp_path / "half", "gpt2", strategy=mesh, train={"steps": 5}),
+        hf_raw(tmp_path / "half", "gpt2", strategy=mesh),
+    ]
+    results = run_ranks(train_each, 4, raws, timeout=400)[0]
+    assert all("error" not in result for result in results), results
+    full = losses_by_step(str(tmp_path / "full"))
+    for step, want in enumerate(one_process_losses("gpt2"), start=1):
+        assert abs(full[step] - want) < 1e-5, (step, full[step], want)
+    assert losses_by_step(str(tmp_path / "half")) == full
 
 
 def test_a_loss_shifted_as_hugging_face_does_counted_by_default_fails_at_once(

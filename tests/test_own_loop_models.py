@@ -1,6 +1,7 @@
 """A loop of the user's own with two models and two optimizers (``run.wrap``, ``run.update``;
 docs/own-loop.md), the GAN of examples/own_loop_gan.py: on 2 ranks it trains both models as one
-process does, under ddp, allreduce and fsdp; SIGTERM stops it, and the resumed run is
+process does, under ddp, allreduce and fsdp, and under tensor parallelism (a further model
+cut by its plan, or whole where it has none); SIGTERM stops it, and the resumed run is
 bit-identical to an uninterrupted one, both optimizers included; a model trained without being
 wrapped, and the other mistakes of further models, are one line."""
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import REPO, tiny_raw
+from tests.own_loop_tensor import distill_params
 from tests.own_loops import (
     frozen_teacher,
     gan_params,
@@ -56,6 +58,22 @@ def test_two_models_on_two_ranks_equal_one_process(tmp_path: Path, strategy: str
     if strategy != "fsdp":  # fsdp's whole state is rank 0's only
         assert_params_close(pair[0], pair[1], rtol=0, atol=0)
     assert_params_close(single, pair[0])
+
+
+def test_further_models_under_tensor_parallelism_equal_one_process(tmp_path: Path) -> None:
+    """A further model with a plan (a smaller GPT) is cut over the tensor-parallel group, one
+    without (a linear probe) is whole on each rank, a frozen one is rank 0's everywhere; with
+    the main model cut too, 2 ranks train all three as one process does (within 1e-5)."""
+    single = run_ranks(distill_params, 1, tiny_raw(tmp_path / "one", **UNEVEN))[0]
+    tensor = {"name": "tensor", "tensor_parallel": 2}
+    pair = run_ranks(distill_params, 2, tiny_raw(tmp_path / "two", **UNEVEN, strategy=tensor))
+    assert pair[0]["cut"]["probe"] == [] and single["cut"]["student"] == []
+    assert "blocks.0.attn.qkv.weight" in pair[0]["cut"]["student"]
+    for mine in pair:
+        assert np.array_equal(mine["anchor"], single["anchor"])  # rank 0's seed, everywhere
+    assert_params_close(single["params"], pair[0]["params"])
+    for name in ("student.blocks.0.attn.qkv.weight", "probe.weight", "blocks.0.attn.qkv.weight"):
+        assert name in single["params"]
 
 
 def test_a_further_optimizer_steps_on_the_count_the_ranks_agree_on(tmp_path: Path) -> None:

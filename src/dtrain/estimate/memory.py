@@ -81,4 +81,14 @@ def tensor_parallel_cuts(task: Task, tp: int) -> dict[str, str]:
 
     styles = model_plan(task.model, tp)
     check_no_dropout(task.model)
-    return {name: type(s).__name__.removesuffix("Parallel").lower() for name, s in styles.items()}
+    cuts = {name: type(s).__name__.removesuffix("Parallel").lower() for name, s in styles.items()}
+    other = sorted(
+        {type(s).__name__ for s in styles.values()} - {"ColwiseParallel", "RowwiseParallel"}
+    )
+    if other:  # GPT-2's Conv1D and fused attention (dtrain.parallel.transposed)
+        raise UserError(
+            f"dtrain estimate: {type(task.model).__name__}'s tensor-parallel plan cuts layers "
+            f"that are not nn.Linear ({', '.join(other)}), which the estimate does not lay out "
+            "yet; estimate it with strategy.tensor_parallel = 1 (ddp or fsdp)"
+        )
+    return cuts

@@ -7,8 +7,13 @@ instance of the same strategy (built by the same registry from the same config),
 it, synchronizes its gradients and lays out its state exactly as it does the main model's. Its
 parts join the checkpoint as parts beside the main model's (:class:`WithModels`): in the
 strategy's form, under ``<name>.model``, ``<name>.optimizer`` (files of rank 0 for ddp and
-allreduce, shards through DCP for fsdp). A frozen model (no optimizer) is neither wrapped nor
-saved: it is placed on the device and made equal on every rank (rank 0's values).
+allreduce, shards through DCP for fsdp and tensor). A frozen model (no optimizer) is neither
+wrapped nor saved: it is placed on the device and made equal on every rank (rank 0's values).
+
+Under tensor parallelism (``tensor``, or ``fsdp`` with ``strategy.tensor_parallel``) a further
+model with a plan (``tensor_parallel_plan``, or a Hugging Face model dtrain knows) is cut by
+it; one without is held whole on every rank of the tensor-parallel group (its inputs are the
+same there, so are its gradients), which suits the small ones this is for: a critic, a probe.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dtrain.dist.runtime import Runtime
 from dtrain.errors import CheckpointError, UserError
 from dtrain.parallel import build_strategy
 from dtrain.parallel.base import LossFn, Strategy
+from dtrain.parallel.sharded import MeshStrategy
 from dtrain.task import Task
 from dtrain.train.optim_choice import check_held
 from dtrain.train.step import rescale_gradients
@@ -36,8 +42,8 @@ from dtrain.train.trainer import Trainer
 BuildOptimizer = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
 
 # The strategies a further model is wrapped under: those that wrap any module by itself. (A
-# tensor plan, a pipeline's stages and localsgd's periodic averaging belong to one model.)
-WRAPPING_STRATEGIES = ("ddp", "allreduce", "fsdp")
+# pipeline's stages and localsgd's periodic averaging belong to one model.)
+WRAPPING_STRATEGIES = ("ddp", "allreduce", "fsdp", "tensor")
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,8 @@ def wrap_trained(
             "fault.recovery = 'restart', or wrap it frozen (without an optimizer)"
         )
     strategy = build_strategy(cfg, runtime)
+    if isinstance(strategy, MeshStrategy):  # no plan: whole on each tensor-parallel rank
+        strategy.whole_without_plan = True
     strategy.comm = main.comm  # its bytes and waits are the run's: counted with the main's
     strategy.setup(Task(model=model, train_data=(), loss_fn=set_up))
     optimizer = build_optimizer(list(strategy.named_parameters()))
@@ -127,11 +135,18 @@ def set_up_on_first_call(strategy: Strategy, loss_fn: LossFn) -> None:
 @torch.no_grad()
 def place_frozen(model: nn.Module, device: torch.device, main: Strategy) -> nn.Module:
     """A model that is not trained: on the device, without gradients, and equal on every
-    rank (rank 0's values, broadcast by the main strategy over its data-parallel group)."""
+    rank (rank 0's values, broadcast by the main strategy over its data-parallel group, and
+    over every rank where model-parallel ranks share a data-parallel rank: tensor's)."""
     model = model.to(device)
     model.requires_grad_(False)
-    if main.data_parallel_size > 1 and dist.is_initialized():
-        main.broadcast_from_first([*model.parameters(), *model.buffers()])
+    tensors = [*model.parameters(), *model.buffers()]
+    if not dist.is_initialized():
+        return model
+    if dist.get_world_size() > main.data_parallel_size:
+        for tensor in tensors:  # once, at set-up
+            dist.broadcast(tensor, src=0)
+    elif main.data_parallel_size > 1:
+        main.broadcast_from_first(tensors)
     return model
 
 
@@ -181,7 +196,7 @@ class WithModels:
     the strategy's form. The main model and optimizer are saved and read exactly as without
     further models (every form conversion included); a further model's parts are read back
     in the form they were saved in, so a run with further models resumes under a strategy of
-    the same form (ddp and allreduce: replicated; fsdp: sharded)."""
+    the same form (ddp and allreduce: replicated; fsdp and tensor: sharded)."""
 
     def __init__(self, main: Strategy, wrapped: Mapping[str, Wrapped]) -> None:
         self.main = main

@@ -33,7 +33,13 @@ from dtrain.parallel.grad_sync import average_in_buckets
 from dtrain.parallel.materialize import is_meta_model, materialize
 from dtrain.parallel.mesh import Mesh, build_mesh
 from dtrain.parallel.skeleton import ModelSkeleton, meta_copy
-from dtrain.parallel.tensor_plan import check_no_dropout, model_plan
+from dtrain.parallel.tensor_plan import (
+    check_no_dropout,
+    check_not_sharded,
+    has_plan,
+    model_plan,
+)
+from dtrain.parallel.transposed import back_to_layout, dcp_ready, has_fused_cuts
 from dtrain.task import Task
 
 
@@ -48,6 +54,12 @@ class MeshStrategy(Strategy):
         self.dims = strategy_dims(self.options, self.runtime.world_size)
         self.mesh: Mesh | None = None  # built in setup (collective)
         self._skeleton: ModelSkeleton | None = None  # rank 0: the full model, on meta
+        # Whether a layer is cut inside blocks (GPT-2's fused q|k|v): its pieces are no box
+        # of the global tensor, so its state is gathered for DCP and cut again when read.
+        self.fused_cuts = False
+        # A model without a plan held whole on every rank of the tensor-parallel group rather
+        # than refused (a further model of an own loop: dtrain.loop.models).
+        self.whole_without_plan = False
 
     @property
     def sharded(self) -> bool:
@@ -98,11 +110,17 @@ class MeshStrategy(Strategy):
         if self.dims.tp == 1:
             return
         assert self.mesh is not None
+        if self.whole_without_plan and not has_plan(model):
+            check_no_dropout(model)  # its whole copies would draw different masks too
+            return
         styles = model_plan(model, self.dims.tp, held_only=held_only)
         check_no_dropout(model)
+        if self.sharded:
+            check_not_sharded(model, styles)
         tp_mesh = self.mesh.submesh("tp")
         if tp_mesh is not None:
             parallelize_module(model, tp_mesh, styles)
+            self.fused_cuts = has_fused_cuts(model)
 
     def _fully_shard(self, units: Iterable[nn.Module], root: nn.Module) -> None:
         """FSDP over ``dp_shard`` (x ``dp_replicate``: hybrid): each unit, then ``root``, which
@@ -154,6 +172,8 @@ class MeshStrategy(Strategy):
         options = checkpoint_options(self.state_dict_options, self.left_out)
         model_state, optim_state = get_state_dict(self.unwrapped, optimizer, options=options)
         model_state = without(model_state, self.left_out)
+        if self.fused_cuts:
+            model_state, optim_state = dcp_ready(model_state), dcp_ready(optim_state)
         return {
             "model": Part(Form.SHARDED, model_state),
             "optimizer": Part(Form.SHARDED, optim_state),
@@ -161,15 +181,32 @@ class MeshStrategy(Strategy):
 
     def load_state_dicts(self, optimizer: torch.optim.Optimizer, states: dict[str, Any]) -> None:
         """Apply a state filled by DCP (see :meth:`state_dicts`)."""
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+        options = checkpoint_options(self.state_dict_options, self.left_out)
+        model_state, optim_state = states["model"], states["optimizer"]
+        if self.fused_cuts:
+            model_layout, optim_layout = get_state_dict(self.unwrapped, optimizer, options=options)
+            model_state = back_to_layout(model_state, model_layout)
+            optim_state = back_to_layout(optim_state, optim_layout)
         set_state_dict(
             self.unwrapped,
             optimizer,
-            model_state_dict=states["model"],
-            optim_state_dict=states["optimizer"],
-            options=checkpoint_options(self.state_dict_options, self.left_out),
+            model_state_dict=model_state,
+            optim_state_dict=optim_state,
+            options=options,
         )
+
+    def state_dicts_by_name(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        states = super().state_dicts_by_name(optimizer)
+        return dcp_ready(states) if self.fused_cuts else states
+
+    def load_state_dicts_by_name(
+        self, optimizer: torch.optim.Optimizer, states: dict[str, Any]
+    ) -> None:
+        if self.fused_cuts:
+            states = back_to_layout(states, super().state_dicts_by_name(optimizer))
+        super().load_state_dicts_by_name(optimizer, states)
 
     def model_for_inference(self) -> nn.Module | None:
         """Rank 0 gets the whole trained model, a plain module on CPU (the others: None).

@@ -1,6 +1,7 @@
 """What tensor parallelism cuts: the model names it (``model.tensor_parallel_plan(degree)``
 returns ``{module name: "colwise" | "rowwise"}``; the built-in GPT cuts the attention's heads
-and the MLP's hidden units, Megatron-style), and this checks it against the model."""
+and the MLP's hidden units, Megatron-style), and this checks it against the model; a Hugging
+Face model without that method gets the plan dtrain knows for it (:mod:`.hf_plan`), if any."""
 
 from __future__ import annotations
 
@@ -18,12 +19,7 @@ def model_plan(model: nn.Module, degree: int, held_only: bool = False) -> dict[s
     parameters here)."""
     plan_of = getattr(model, "tensor_parallel_plan", None)
     if not callable(plan_of):
-        raise ConfigError(
-            f"strategy.tensor_parallel = {degree} cannot split {type(model).__name__}: "
-            "expected a model "
-            "with a tensor_parallel_plan(degree) method returning {module name: 'colwise' | "
-            "'rowwise'} for the nn.Linear layers to cut"
-        )
+        return _known_plan(model, degree, held_only)
     try:
         plan = dict(plan_of(degree))
     except ValueError as exc:
@@ -46,6 +42,56 @@ def model_plan(model: nn.Module, degree: int, held_only: bool = False) -> dict[s
             )
         styles[name] = STYLES[style]()
     return styles
+
+
+def has_plan(model: nn.Module) -> bool:
+    """Whether the model names its cuts, or dtrain knows them (:mod:`.hf_plan`)."""
+    from dtrain.parallel.hf_plan import knows
+
+    return callable(getattr(model, "tensor_parallel_plan", None)) or knows(model)
+
+
+def _known_plan(model: nn.Module, degree: int, held_only: bool) -> dict[str, ParallelStyle]:
+    """The plan of a Hugging Face model dtrain knows (:mod:`dtrain.parallel.hf_plan`)."""
+    from dtrain.parallel.hf_plan import KNOWN, hf_plan
+
+    kind = type(model).__name__
+    try:
+        plan = hf_plan(model, degree)
+    except ValueError as exc:
+        raise ConfigError(
+            f"strategy.tensor_parallel = {degree} cannot split {kind}: {exc}"
+        ) from None
+    if plan is None:
+        raise ConfigError(
+            f"strategy.tensor_parallel = {degree} cannot split {kind}: expected a model with a "
+            "tensor_parallel_plan(degree) method returning {module name: 'colwise' | 'rowwise'} "
+            f"for the nn.Linear layers to cut, or one whose plan dtrain knows ({KNOWN}); "
+            "give the model that method, or use ddp or fsdp"
+        )
+    if held_only:  # a pipeline stage's: the layers it holds parameters of
+        plan = {
+            name: style
+            for name, style in plan.items()
+            if any(True for _ in model.get_submodule(name).parameters())
+        }
+    return plan
+
+
+def check_not_sharded(model: nn.Module, styles: dict[str, ParallelStyle]) -> None:
+    """FSDP cannot shard what is cut inside blocks (GPT-2's fused q|k|v): on a 1-D bias it
+    would lay its shards over tensor parallelism's as over a plain cut, and the whole tensor it
+    then describes (saves, exports) is not the model's."""
+    from dtrain.parallel.transposed import FusedHeadsAttention
+
+    fused = [name for name, style in styles.items() if isinstance(style, FusedHeadsAttention)]
+    if fused:
+        raise ConfigError(
+            f"FSDP with tensor parallelism cannot shard {type(model).__name__}: {fused[0]}'s "
+            "fused q|k|v projection is cut by head, which FSDP's layout over it does not "
+            "describe; use strategy.name = 'tensor' with data_parallel = 'replicate', or fsdp "
+            "without tensor_parallel"
+        )
 
 
 def check_no_dropout(model: nn.Module) -> None:
