@@ -23,7 +23,7 @@ from examples import hf_gpt2
 import dtrain
 from dtrain.cli import main
 from dtrain.errors import UserError
-from dtrain.weights.init_from import read_weights
+from dtrain.weights.init_from import read_weights, read_weights_said
 from tests.conftest import tiny_raw
 from tests.hf_helpers import (
     GPT2_TASK,
@@ -228,11 +228,21 @@ def test_a_fallback_to_an_older_checkpoint_names_the_one_skipped_and_why(
     ), notes
     assert notes[0].endswith("): took step-00000001, the newest checkpoint that verifies")
     assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True)["w"], states[1]["w"])
+    # run.init_from of the run folder falls back alike, and its start line says so (it said
+    # only "from the weights in RUN_DIR").
+    weights, said = read_weights_said(str(tmp_path / "run"))
+    assert torch.equal(weights["w"], states[1]["w"])
+    assert said.startswith(
+        f"{tmp_path / 'run'}, checkpoint step-00000001 (skipped step-00000002 ({damaged} fails"
+    ), said
+    assert said.endswith("): took step-00000001, the newest checkpoint that verifies)"), said
     # An export of the newest checkpoint when it verifies says nothing of the kind.
     damaged.write_bytes(good)
     export(tmp_path / "run", tmp_path / "newest.pt", "--format", "torch")
     assert "note:" not in capsys.readouterr().out
     assert torch.equal(torch.load(tmp_path / "newest.pt", weights_only=True)["w"], states[2]["w"])
+    said = read_weights_said(str(tmp_path / "run"))[1]
+    assert said == f"{tmp_path / 'run'}, checkpoint step-00000002"
 
 
 @pytest.fixture(params=[0o022, 0o077], ids=["umask022", "umask077"])

@@ -35,7 +35,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain.checkpoint.consolidate import consolidate, find_checkpoint, is_checkpoint_folder
+from dtrain.checkpoint.consolidate import (
+    consolidate,
+    find_checkpoint,
+    is_checkpoint_folder,
+    locate_checkpoint,
+    skipped_words,
+)
 from dtrain.checkpoint.read import first_problems, state_dict_mismatches
 from dtrain.checkpoint.safe_load import ONLY_DATA, first_line, torch_load, why_refused
 from dtrain.checkpoint.store import Location, ObjectPath, StoreError, location, store_refusal
@@ -179,19 +185,35 @@ def init_model(
     path: str,
     init_weights: Callable[[nn.Module], None] | None = None,
     seed: int = 0,
-) -> None:
+) -> str:
     """``run.init_from``: the task's model takes the weights at ``path`` before the strategy
     spreads it (every rank reads them). A meta-built model is made whole on the CPU first
     (its ``init_weights`` give what the weights do not hold, such as non-persistent
-    buffers): the weights come whole, so every rank holds the whole model once."""
+    buffers): the weights come whole, so every rank holds the whole model once. Returns
+    what was loaded, for the start line (:func:`loaded_words`)."""
     if is_meta_model(model):
         init = require_init(model, init_weights)
         materialize(meta_copy(model), model, init, torch.device("cpu"), seed)
     where = f"run.init_from = {path!r}"
+    weights, loaded = read_weights_said(path)
     if is_peft_model(model):  # the weights of its base, by the base's own names
-        load_base_into(model, read_weights(path), where)
+        load_base_into(model, weights, where)
     else:
-        load_state_into(model, read_weights(path), where)
+        load_state_into(model, weights, where)
+    return loaded
+
+
+def read_weights_said(path: str) -> tuple[dict[str, torch.Tensor], str]:
+    """:func:`read_weights`, and what they are in words: a run folder's checkpoint is named,
+    with the newer ones passed over and why (a run folder's newest checkpoint that does not
+    verify is skipped: the weights then come from an older step)."""
+    if weights_kind(Path(path)) != "run":
+        return read_weights(path), path
+    step_dir, skipped = locate_checkpoint(Path(path))
+    said = f"{path}, checkpoint {step_dir.name}"
+    if skipped:
+        said += f" ({skipped_words(step_dir, skipped)})"
+    return consolidate(step_dir).state, said
 
 
 def load_base_into(model: nn.Module, weights: Mapping[str, torch.Tensor], where: str) -> None:
