@@ -82,10 +82,13 @@ def check_round_trip(root: Path, out: Path, fsdp_dir: Path) -> None:
 
 
 def test_fsdp_and_pipeline_export_round_trip(
-    hf_runs: tuple[Path, dict[str, Any]], tmp_path: Path
+    hf_runs: tuple[Path, dict[str, Any]], tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     root = hf_runs[0]
+    capfd.readouterr()
     check_round_trip(root, tmp_path, root / "gpt2-fsdp")
+    # One line per export; transformers' progress bar ("Writing model shards: 0%|") is not.
+    assert "Writing model shards" not in capfd.readouterr().err
 
 
 @pytest.mark.slow
