@@ -109,10 +109,11 @@ def print_summary(summary: Summary, item_name: str, world_size: int) -> None:
         head = f"done: {summary.steps} steps"
         if summary.stopped:
             head += f", stopped early ({summary.stopped})"
+    # Under a minute in tenths: a short run said "in 0m00s" (whole seconds, cut down).
+    took = format_duration(summary.wall_s) if summary.wall_s >= 60 else f"{summary.wall_s:.1f}s"
     lines = [
         "",
-        f"{head} ({summary.steps - summary.start_step} this run) on {world_size} rank(s) in "
-        f"{format_duration(summary.wall_s)}",
+        f"{head} ({summary.steps - summary.start_step} this run) on {world_size} rank(s) in {took}",
         f"  train loss {summary.train_loss:.4f}   val loss {val}   "
         f"{format_rate(rate)} {item_name}/s overall",
     ]
