@@ -530,6 +530,8 @@ def test_a_huge_batch_is_estimated_from_a_few_samples_scaled(tmp_path: Path, str
         estimate = estimate_memory(cfg, 2)
         assert _CountedRegression.reads <= 64  # probe.SAMPLED_ROWS
         lines = {line.what.split(" (")[0]: line.bytes for line in estimate.lines}
+        refused = f"data.global_batch_size = {global_batch} is more than the training set's 96"
+        assert any(note.startswith(refused) for note in estimate.notes) == (global_batch > 96)
         return lines["activations"]
 
     small = activations(2 * 64)  # 64 rows a rank: the samples themselves
