@@ -20,7 +20,8 @@ class Summary:
     wall_s: float = 0.0
     train_loss: float = float("nan")
     val_loss: float | None = None
-    items: int = 0
+    items: int = 0  # trained this run (the rate divides them by this run's wall_s)
+    start_items: int = 0  # the run's count when this run started (a resume's, else 0)
     skipped_steps: int = 0
     rollbacks: int = 0
     preempted: str = ""  # the signal's name when the run stopped early to be resumed
