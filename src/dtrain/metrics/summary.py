@@ -105,7 +105,7 @@ def print_summary(summary: Summary, item_name: str, world_size: int) -> None:
         val += f"   val {name} {value:.4f}"
     if summary.preempted:
         # Facts only: how to resume is the launcher's line, printed once (`dtrain train`).
-        head = f"stopped by {summary.preempted} at step {summary.steps}, saved"
+        head = f"stopped by {summary.preempted} and saved at step {summary.steps}"
     else:
         head = f"done: {summary.steps} steps"
         if summary.stopped:
