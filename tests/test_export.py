@@ -23,7 +23,8 @@ from examples import hf_gpt2
 import dtrain
 from dtrain.cli import main
 from dtrain.errors import UserError
-from dtrain.weights.init_from import read_weights, read_weights_said
+from dtrain.weights.export import write_safetensors
+from dtrain.weights.init_from import check_init_from, read_weights, read_weights_said
 from tests.conftest import tiny_raw
 from tests.hf_helpers import (
     GPT2_TASK,
@@ -198,6 +199,19 @@ def test_bad_exports_are_one_line_and_leave_the_run_folder_alone(
     assert main(train) == 2
     err = capsys.readouterr().err
     assert "run.init_from" in err and "holds no committed checkpoint" in err, err
+    # A weights file of other bytes (it was each rank's error after launch, and the launcher's:
+    # three lines); a real one passes the parent's check.
+    for name, said in [("w.pt", "is not a torch file"), ("w.safetensors", "no header")]:
+        (tmp_path / name).write_bytes(bytes(range(7, 250)))
+        train = ["train", f"--run.dir={tmp_path / 'new'}", f"--run.init_from={tmp_path / name}"]
+        assert main(train) == 2
+        err = capsys.readouterr().err
+        assert f"run.init_from = '{tmp_path / name}'" in err and said in err, err
+        assert err.count("\n") == 1, err
+    torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
+    write_safetensors({"w": torch.ones(2)}, tmp_path / "w.safetensors")
+    for name in ("w.pt", "w.safetensors"):
+        check_init_from(str(tmp_path / name))
     assert not (tmp_path / "new").exists()
     with pytest.raises(SystemExit):
         main(["export", str(run_dir), str(tmp_path / "o"), "--format", "onnx"])

@@ -254,8 +254,28 @@ def check_init_from(path: str) -> None:
         kind = weights_kind(where)
         if kind in ("checkpoint", "run"):
             find_checkpoint(where)
+        elif kind in ("torch", "safetensors") and isinstance(where, Path):
+            # A local file's first bytes; a store's object is read whole by the workers only.
+            check_file_header(where, kind)
     except StoreError as exc:
         assert isinstance(where, ObjectPath)  # only a store's requests raise it
         raise store_refusal(label, where, exc, "cannot read it: ") from None
     except UserError as exc:
         raise UserError(f"{label}: {exc}") from None
+
+
+def check_file_header(path: Path, kind: str) -> None:
+    """A weights file's first bytes are its format's (read in the parent, before any worker
+    starts; the tensors are read by every worker): a file of something else (a download that
+    failed, random bytes) was each rank's error after launch, three times over."""
+    with open(path, "rb") as fh:
+        head = fh.read(9)
+    if kind == "torch":
+        # torch.save's zip archive, or its legacy format: a pickle (protocol 2+ opens 0x80).
+        if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":
+            return
+        raise UserError(f"{path} is not a torch file: neither torch.save's archive nor a pickle")
+    # safetensors: an 8-byte little-endian length of the JSON header that follows.
+    size = int.from_bytes(head[:8], "little") if len(head) == 9 else 0
+    if head[8:9] != b"{" or not 0 < size < path.stat().st_size:
+        raise UserError(f"{path} is not a safetensors file: its first bytes are no header")
