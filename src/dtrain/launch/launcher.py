@@ -39,7 +39,6 @@ from dtrain.errors import UserError
 from dtrain.fault.preempt import signals_to_forward
 from dtrain.fault.status import read_status
 from dtrain.launch.agent import StoppedAtOnce, held_port, run_agent
-from dtrain.launch.halt import Halt
 from dtrain.launch.options import (
     JobSettings,
     LaunchOptions,
@@ -60,6 +59,7 @@ from dtrain.launch.reports import (
     waiting_notice,
 )
 from dtrain.recovery.coordinator import Coordinator, NodeWatcher
+from dtrain.recovery.halt import Halt
 from dtrain.recovery.membership import (
     COORDINATOR_ENV,
     LOCAL_ENV,
@@ -240,10 +240,9 @@ def supervise_members(
     again alone, up to ``max_restarts`` times per member, while the others go on; a signal the
     launcher gets is passed to every worker, which then has ``job.grace_s`` to save and end
     before SIGKILL (a second signal: SIGKILL at once; on node 0, after the other machines
-    killed theirs, :mod:`.halt`; elsewhere, node 0's halt is a second signal here). The
-    members' exit codes (a failure
-    said in one line, as restart mode says it; a signal's outcome once,
-    :func:`report_preemption`) and the signals received."""
+    killed theirs, :mod:`dtrain.recovery.halt`; elsewhere, node 0's halt is a second signal
+    here). The members' exit codes (a failure said in one line, as restart mode says it; a
+    signal's outcome once, :func:`report_preemption`) and the signals received."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     halt = halt or Halt()

@@ -132,7 +132,7 @@ def report_preemption(run_dir: Path, signum: int, at_once: bool = False, halted:
     the signal stopped them (``preempted``) or came too late to, after their last step:
     ``completed`` is written only once the final checkpoint is committed. ``at_once``: a
     second signal cut their grace short and they were killed (Ctrl-C twice); ``halted``:
-    why, where that second signal came to another machine (:mod:`.halt`)."""
+    why, where that second signal came to another machine (:mod:`dtrain.recovery.halt`)."""
     status = read_status(run_dir)
     if status is not None and status.state == "preempted":
         say_line(

@@ -113,7 +113,7 @@ class NodeWatcher(PollingThread):
         self._pids: dict[int, tuple[str, int]] = {}  # member -> (nonce, pid)
         self._read_at = 0.0
         self.stopped = ""  # why the job stopped (below fault.min_replicas), once it did
-        self.halted = ""  # why node 0 stopped the job at once (dtrain.launch.halt), once it did
+        self.halted = ""  # why node 0 stopped the job at once (dtrain.recovery.halt), once it did
         self._opener = Opener()  # a stranger's value over one of the job's: ignored
         super().__init__("dtrain-node-watch")
 
