@@ -207,9 +207,10 @@ def read_weights_said(path: str) -> tuple[dict[str, torch.Tensor], str]:
     """:func:`read_weights`, and what they are in words: a run folder's checkpoint is named,
     with the newer ones passed over and why (a run folder's newest checkpoint that does not
     verify is skipped: the weights then come from an older step)."""
-    if weights_kind(Path(path)) != "run":
-        return read_weights(path), path
-    step_dir, skipped = locate_checkpoint(Path(path))
+    where = location(path)  # a local path or a store's (s3://)
+    if weights_kind(where) != "run":
+        return read_weights(where), path
+    step_dir, skipped = locate_checkpoint(where)
     said = f"{path}, checkpoint {step_dir.name}"
     if skipped:
         said += f" ({skipped_words(step_dir, skipped)})"
