@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
+from dtrain.console import say_line
 from dtrain.dist.network import check_port_free, local_address, split_endpoint
 from dtrain.dist.reachability import NODE_ADDR_ENV
 from dtrain.dist.secret import launcher_secret
@@ -277,7 +278,10 @@ def supervise_members(
         signalled.append(signum)
         if second:
             send(signal.SIGSTOP)
-            halt.tell_others()
+            try:
+                halt.tell_others()
+            except Exception as exc:  # its workers die all the same; the others see them go
+                say_line(f"dtrain: warning: could not tell the other machines to stop: {exc}")
         send(signal.SIGKILL if second else signum)
 
     names = set(job.preempt_signals) | {"SIGINT", "SIGTERM"}
