@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -165,6 +166,17 @@ def test_train_end_to_end_through_the_launcher(tmp_path: Path) -> None:
     meta = json.loads((final / "meta.json").read_text())
     assert meta["world_size"] == 2 and meta["step"] == 6
     assert "done: 6 steps" in result.stdout
+    # Resumed for 2 more steps: its rate is this run's items over this run's time (it counted
+    # all 8 steps' over the 2 steps' time: 4x too high).
+    result = run_cli("train", str(config), "--nproc", "2", "--train.steps=8")
+    assert result.returncode == 0, result.stderr[-3000:]
+    took = re.search(r"done: 8 steps \(2 this run\) on 2 rank\(s\) in ([\d.]+)s", result.stdout)
+    rate = re.search(r"([\d.]+)(k?) tokens/s overall", result.stdout)
+    assert took and rate, result.stdout
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    seen = {r["step"]: r["items_seen"] for r in records if r["kind"] == "train"}
+    said = float(rate[1]) * (1000 if rate[2] else 1) * float(took[1])
+    assert 0.5 < said / (seen[8] - seen[6]) < 2, (said, seen)
 
 
 def test_worker_side_user_error_is_one_line_and_exit_2(tmp_path: Path) -> None:

@@ -72,7 +72,7 @@ def test_ctrl_c_on_node_0_saves_every_machine_of_an_in_place_job(tmp_path: Path)
     assert audit.exactly_once and not audit.gaps and audit.positions == status.step * 8, audit
 
 
-def test_a_second_ctrl_c_on_node_0_kills_its_workers_and_no_machine_prints_cpp_frames(
+def test_a_second_ctrl_c_on_node_0_stops_every_machine_at_once_without_cpp_frames(
     tmp_path: Path,
 ) -> None:
     # The second Ctrl-C comes while the workers save (each file write slowed to 3 s). Node 0's
@@ -95,6 +95,14 @@ def test_a_second_ctrl_c_on_node_0_kills_its_workers_and_no_machine_prints_cpp_f
     assert codes[0] == 128 + signal.SIGINT, texts
     assert "stopped at once by a second signal 2: the workers were killed unsaved" in texts[0]
     assert codes[1] not in (0, None), texts  # its peer gone mid-save: it says so, and ends
+    # Node 1 stops at once too, told by node 0's launcher before node 0's workers were killed:
+    # one line naming node 0's operator, not its own save's failure (it was "checkpoint
+    # step-N was not committed: ... Connection closed by peer", twice, exit 2).
+    assert codes[1] == 128 + signal.SIGINT, texts[1]
+    said = "dtrain: stopped at once: node 0's operator stopped the job (a second Ctrl-C there)"
+    assert texts[1].count(said) == 1, texts[1]
+    for alarm in ("not committed", "error", "failed"):
+        assert alarm not in texts[1], texts[1][-3000:]
     for text in texts:
         for noise in ("Broken pipe", "frame #", "Traceback", "KeyboardInterrupt"):
             assert noise not in text, text[-3000:]

@@ -4,12 +4,14 @@ against the peaks real runs reach."""
 from __future__ import annotations
 
 import json
+import resource
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 from dtrain.cli import main
 from dtrain.compute.precision import Precision
@@ -489,3 +491,53 @@ def test_pipeline_x_fsdp_is_estimated_from_the_first_backward_on(tmp_path: Path)
     estimate = estimate_memory(build_job_config(raw), 4)
     ratio = estimate.peak / max(peaks)
     assert 0.95 <= ratio <= 1.15, f"estimated {estimate.peak}, measured {max(peaks)} B"
+
+
+class _CountedRegression(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """96 regression samples that count how many an estimate reads, and refuse to be read
+    a thousand times: building a micro-batch of every sample of a huge batch fails at once."""
+
+    reads = 0
+
+    def __len__(self) -> int:
+        return 96
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        type(self).reads += 1
+        assert type(self).reads < 1000, "the estimate read a sample per row of the batch"
+        return torch.full((8,), float(i)), torch.ones(1)
+
+
+def counted_regression(cfg: Any) -> Any:
+    from tests.tasks import mlp_regression
+
+    task = mlp_regression(cfg)
+    task.train_data = _CountedRegression()
+    return task
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "pipeline"])
+def test_a_huge_batch_is_estimated_from_a_few_samples_scaled(tmp_path: Path, strategy: str) -> None:
+    def activations(global_batch: int) -> int:
+        cfg = tiny_config(
+            tmp_path,
+            run={"task": "tests.test_estimate:counted_regression"},
+            strategy={"name": strategy},
+            # ddp: 2 replicas; pipeline: 2 stages, 2 micro-batches. Either: half a rank's.
+            data={"global_batch_size": global_batch, "micro_batches": 1 + (strategy != "ddp")},
+        )
+        _CountedRegression.reads = 0
+        estimate = estimate_memory(cfg, 2)
+        assert _CountedRegression.reads <= 64  # probe.SAMPLED_ROWS
+        lines = {line.what.split(" (")[0]: line.bytes for line in estimate.lines}
+        refused = f"data.global_batch_size = {global_batch} is more than the training set's 96"
+        assert any(note.startswith(refused) for note in estimate.notes) == (global_batch > 96)
+        return lines["activations"]
+
+    small = activations(2 * 64)  # 64 rows a rank: the samples themselves
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    huge = activations(2 * 64 * 10**6)  # 6.4e7 rows a rank: the 64 scaled
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    # An MLP saves the same bytes for every row: the activations scale with the rows exactly.
+    assert huge == small * 10**6
+    assert grown_mib < 64, f"the estimate's peak memory grew by {grown_mib:.0f} MiB"

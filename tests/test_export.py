@@ -23,7 +23,8 @@ from examples import hf_gpt2
 import dtrain
 from dtrain.cli import main
 from dtrain.errors import UserError
-from dtrain.weights.init_from import read_weights
+from dtrain.weights.export import write_safetensors
+from dtrain.weights.init_from import check_init_from, read_weights, read_weights_said
 from tests.conftest import tiny_raw
 from tests.hf_helpers import (
     GPT2_TASK,
@@ -82,10 +83,13 @@ def check_round_trip(root: Path, out: Path, fsdp_dir: Path) -> None:
 
 
 def test_fsdp_and_pipeline_export_round_trip(
-    hf_runs: tuple[Path, dict[str, Any]], tmp_path: Path
+    hf_runs: tuple[Path, dict[str, Any]], tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     root = hf_runs[0]
+    capfd.readouterr()
     check_round_trip(root, tmp_path, root / "gpt2-fsdp")
+    # One line per export; transformers' progress bar ("Writing model shards: 0%|") is not.
+    assert "Writing model shards" not in capfd.readouterr().err
 
 
 def test_a_tensor_parallel_gpt2_exports_and_starts_a_ddp_run_in_its_own_layout(
@@ -214,6 +218,19 @@ def test_bad_exports_are_one_line_and_leave_the_run_folder_alone(
     assert main(train) == 2
     err = capsys.readouterr().err
     assert "run.init_from" in err and "holds no committed checkpoint" in err, err
+    # A weights file of other bytes (it was each rank's error after launch, and the launcher's:
+    # three lines); a real one passes the parent's check.
+    for name, said in [("w.pt", "is not a torch file"), ("w.safetensors", "no header")]:
+        (tmp_path / name).write_bytes(bytes(range(7, 250)))
+        train = ["train", f"--run.dir={tmp_path / 'new'}", f"--run.init_from={tmp_path / name}"]
+        assert main(train) == 2
+        err = capsys.readouterr().err
+        assert f"run.init_from = '{tmp_path / name}'" in err and said in err, err
+        assert err.count("\n") == 1, err
+    torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
+    write_safetensors({"w": torch.ones(2)}, tmp_path / "w.safetensors")
+    for name in ("w.pt", "w.safetensors"):
+        check_init_from(str(tmp_path / name))
     assert not (tmp_path / "new").exists()
     with pytest.raises(SystemExit):
         main(["export", str(run_dir), str(tmp_path / "o"), "--format", "onnx"])
@@ -247,11 +264,21 @@ def test_a_fallback_to_an_older_checkpoint_names_the_one_skipped_and_why(
     ), notes
     assert notes[0].endswith("): took step-00000001, the newest checkpoint that verifies")
     assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True)["w"], states[1]["w"])
+    # run.init_from of the run folder falls back alike, and its start line says so (it said
+    # only "from the weights in RUN_DIR").
+    weights, said = read_weights_said(str(tmp_path / "run"))
+    assert torch.equal(weights["w"], states[1]["w"])
+    assert said.startswith(
+        f"{tmp_path / 'run'}, checkpoint step-00000001 (skipped step-00000002 ({damaged} fails"
+    ), said
+    assert said.endswith("): took step-00000001, the newest checkpoint that verifies)"), said
     # An export of the newest checkpoint when it verifies says nothing of the kind.
     damaged.write_bytes(good)
     export(tmp_path / "run", tmp_path / "newest.pt", "--format", "torch")
     assert "note:" not in capsys.readouterr().out
     assert torch.equal(torch.load(tmp_path / "newest.pt", weights_only=True)["w"], states[2]["w"])
+    said = read_weights_said(str(tmp_path / "run"))[1]
+    assert said == f"{tmp_path / 'run'}, checkpoint step-00000002"
 
 
 @pytest.fixture(params=[0o022, 0o077], ids=["umask022", "umask077"])

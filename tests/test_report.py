@@ -522,3 +522,29 @@ def test_tensorboard_event_files_hold_the_records(observed_run: Path) -> None:
     assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6, 8, 10, 12]
     loss = [r["loss"] for r in records_of(observed_run) if r["kind"] == "train"]
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(loss, rel=1e-6)
+
+
+def test_by_wall_time_a_resume_after_a_pause_is_a_gap_not_a_flat_line(tmp_path: Path) -> None:
+    # Stopped at step 4 (t = 4 s), resumed an hour later for 4 steps, then once more for one
+    # step: the train and val lines were drawn straight across each pause, as if the run had
+    # trained on with a flat loss; a one-record attempt was not drawn at all.
+    run = tmp_path / "paused"
+    run.mkdir()
+    lines: list[dict[str, Any]] = []
+    for start, steps in ((0.0, (2, 4)), (3600.0, (6, 8)), (7200.0, (9,))):
+        lines.append({"kind": "start", "step": steps[0] - 2, "time": start})
+        for step in steps:
+            at = start + step
+            lines.append({"kind": "train", "step": step, "loss": 5.0 - step / 10, "time": at})
+            lines.append({"kind": "eval", "step": step, "val_loss": 4.0, "time": at})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    plots = {p.name: p for p in make_plots(read_runs([run]), [])}
+    train, val, lone = plots["loss_by_time"].figure.axes[0].get_lines()[:3]
+    for line in (train, val):
+        gaps = [i for i, y in enumerate(line.get_ydata()) if y != y]  # NaN: the pen lifted
+        assert len(gaps) == 2 and len(line.get_ydata()) == 7, list(line.get_ydata())
+    # The last attempt's one point, drawn as a marker.
+    assert list(lone.get_ydata()) == [5.0 - 0.9] and lone.get_marker() == "o"
+    # By step, a resume goes on where it stopped: one unbroken line.
+    by_step = plots["loss_by_step"].figure.axes[0].get_lines()[0]
+    assert len(by_step.get_ydata()) == 5 and all(y == y for y in by_step.get_ydata())

@@ -64,6 +64,12 @@ def estimate_memory(cfg: Config, world_size: int, budget: int | None = None) -> 
             f"fake (meta) tensors for an estimate: {type(exc).__name__}: {exc}"
         ) from None
     estimate.budget = budget
+    samples = len(task.train_data)  # the estimate measured a micro-batch of them: it has one
+    if cfg.data.global_batch_size > samples:  # estimated all the same: the shapes are known
+        estimate.notes.append(
+            f"data.global_batch_size = {cfg.data.global_batch_size} is more than the training "
+            f"set's {samples} samples: dtrain train refuses it (at most {samples})"
+        )
     if cfg.dist.device == "cuda" or (cfg.dist.device == "auto" and torch.cuda.is_available()):
         estimate.notes.append(
             "activations are measured with the CPU's kernels and autocast rules; a GPU's "

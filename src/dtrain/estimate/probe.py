@@ -57,9 +57,16 @@ def build_meta_task(cfg: Config) -> Task:
         ) from None
 
 
+# An estimate reads at most this many samples: a larger micro-batch is their collated batch
+# with its leading dimension scaled (a global batch of 10^8 must not build 10^8 samples).
+SAMPLED_ROWS = 64
+
+
 def example_micro_batch(task: Task, rows: int) -> tuple[Any, Any]:
-    """The first ``rows`` training samples, collated and split as the loader does: the shapes
-    and dtypes of one micro-batch (their values are not used)."""
+    """The shapes and dtypes of one micro-batch of ``rows`` samples (their values are not
+    used): the first samples collated and split as the loader does, at most
+    :data:`SAMPLED_ROWS` of them; beyond that, every tensor's leading dimension (the samples,
+    or a packed batch's items) scaled from those samples to ``rows``, as a meta tensor."""
     data = task.train_data
     try:
         count = len(data)
@@ -70,8 +77,28 @@ def example_micro_batch(task: Task, rows: int) -> tuple[Any, Any]:
         ) from None
     if count == 0:
         raise UserError("the task's train_data is empty: no micro-batch to measure")
-    samples = [data[i % count] for i in range(rows)]
-    return task.split_batch(task.collate_fn(samples))
+    taken = min(rows, SAMPLED_ROWS)
+    batch = task.split_batch(task.collate_fn([data[i % count] for i in range(taken)]))
+    if taken == rows:
+        return batch
+    scaled = _scaled(batch, taken, rows)
+    assert isinstance(scaled, tuple)
+    return scaled
+
+
+def _scaled(batch: Any, taken: int, rows: int) -> Any:
+    """``batch`` of ``taken`` samples as one of ``rows``: each tensor's leading dimension
+    multiplied by ``rows / taken`` (rounded up), on the meta device (no memory)."""
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0:
+            return batch
+        leading = -(-batch.shape[0] * rows // taken)
+        return torch.empty((leading, *batch.shape[1:]), dtype=batch.dtype, device="meta")
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_scaled(b, taken, rows) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _scaled(v, taken, rows) for k, v in batch.items()}
+    return batch
 
 
 def fake_model(model: nn.Module, mode: FakeTensorMode) -> nn.Module:

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
+from dtrain.console import say_line
 from dtrain.dist.network import check_port_free, local_address, split_endpoint
 from dtrain.dist.reachability import NODE_ADDR_ENV
 from dtrain.dist.secret import launcher_secret
@@ -59,6 +60,7 @@ from dtrain.launch.reports import (
     waiting_notice,
 )
 from dtrain.recovery.coordinator import Coordinator, NodeWatcher
+from dtrain.recovery.halt import Halt
 from dtrain.recovery.membership import (
     COORDINATOR_ENV,
     LOCAL_ENV,
@@ -217,7 +219,8 @@ def run_members(config_path: Path, opts: LaunchOptions, job: JobSettings) -> int
         m: {**env, MEMBER_ENV: str(m), LOCAL_ENV: f"{i}/{opts.nproc}"} for i, m in enumerate(mine)
     }
     try:
-        codes, signalled = supervise_members(config_path, envs, opts.max_restarts, job)
+        halt = Halt(membership, node, nodes)
+        codes, signalled = supervise_members(config_path, envs, opts.max_restarts, job, halt)
     finally:
         membership.stop()
     if isinstance(membership, Coordinator) and membership.gave_up:
@@ -227,17 +230,23 @@ def run_members(config_path: Path, opts: LaunchOptions, job: JobSettings) -> int
 
 
 def supervise_members(
-    config_path: Path, envs: dict[int, dict[str, str]], max_restarts: int, job: JobSettings
+    config_path: Path,
+    envs: dict[int, dict[str, str]],
+    max_restarts: int,
+    job: JobSettings,
+    halt: Halt | None = None,
 ) -> tuple[list[int], list[int]]:
     """Run one worker per member (``envs``: member -> its environment) and supervise them, as
     torch's agent supervises its one worker in restart mode: a worker that fails is started
     again alone, up to ``max_restarts`` times per member, while the others go on; a signal the
     launcher gets is passed to every worker, which then has ``job.grace_s`` to save and end
-    before SIGKILL (a second signal: SIGKILL at once). The members' exit codes (a failure
-    said in one line, as restart mode says it; a signal's outcome once,
-    :func:`report_preemption`) and the signals received."""
+    before SIGKILL (a second signal: SIGKILL at once; on node 0, after the other machines
+    killed theirs, :mod:`dtrain.recovery.halt`; elsewhere, node 0's halt is a second signal
+    here). The members' exit codes (a failure said in one line, as restart mode says it; a
+    signal's outcome once, :func:`report_preemption`) and the signals received."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+    halt = halt or Halt()
     run_dir, attempts = config_path.parent, dict.fromkeys(envs, 0)
     running: dict[int, subprocess.Popen[bytes]] = {}
     codes: dict[int, int] = {}
@@ -255,15 +264,25 @@ def supervise_members(
         command = [sys.executable, "-u", "-m", "dtrain.worker", str(config_path)]
         running[member] = subprocess.Popen(command, env=env, start_new_session=True)
 
-    def forward(signum: int, frame: FrameType | None) -> None:
-        # The first signal is passed on (the workers save at the next step); a second one
-        # (Ctrl-C twice) kills them at once, all together.
-        sent = signal.SIGKILL if signalled else signum
-        signalled.append(signum)
+    def send(sent: int) -> None:
         for proc in running.values():
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
                     os.killpg(proc.pid, sent)
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        # The first signal is passed on (the workers save at the next step); a second one
+        # (Ctrl-C twice) kills them at once, all together -- frozen first while the other
+        # machines kill theirs, so that no worker anywhere sees a peer die mid-save.
+        second = bool(signalled)
+        signalled.append(signum)
+        if second:
+            send(signal.SIGSTOP)
+            try:
+                halt.tell_others()
+            except Exception as exc:  # its workers die all the same; the others see them go
+                say_line(f"dtrain: warning: could not tell the other machines to stop: {exc}")
+        send(signal.SIGKILL if second else signum)
 
     names = set(job.preempt_signals) | {"SIGINT", "SIGTERM"}
     previous = {name: signal.signal(getattr(signal, name), forward) for name in names}
@@ -271,6 +290,11 @@ def supervise_members(
         for member in envs:
             start(member)
         while running and not signalled:
+            if halt.heard():  # node 0's second signal: as one here, then node 0 is told
+                signalled += [signal.SIGINT, signal.SIGINT]
+                send(signal.SIGKILL)
+                halt.acknowledge()
+                break
             for member, proc in list(running.items()):
                 code = proc.poll()
                 if code is None or signalled:
@@ -293,7 +317,8 @@ def supervise_members(
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
-            code = report_preemption(run_dir, signalled[0], at_once=len(signalled) > 1)
+            at_once = len(signalled) > 1
+            code = report_preemption(run_dir, signalled[0], at_once, halted=halt.heard())
             codes.update(dict.fromkeys(running, code))
     finally:
         for name, handler in previous.items():

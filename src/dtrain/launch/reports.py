@@ -127,11 +127,12 @@ def wait_for_rendezvous_host(opts: LaunchOptions) -> None:
         )
 
 
-def report_preemption(run_dir: Path, signum: int, at_once: bool = False) -> int:
+def report_preemption(run_dir: Path, signum: int, at_once: bool = False, halted: str = "") -> int:
     """After the launcher itself got a preemption signal: 0 when the workers saved, whether
     the signal stopped them (``preempted``) or came too late to, after their last step:
     ``completed`` is written only once the final checkpoint is committed. ``at_once``: a
-    second signal cut their grace short and they were killed (Ctrl-C twice)."""
+    second signal cut their grace short and they were killed (Ctrl-C twice); ``halted``:
+    why, where that second signal came to another machine (:mod:`dtrain.recovery.halt`)."""
     status = read_status(run_dir)
     if status is not None and status.state == "preempted":
         say_line(
@@ -145,7 +146,12 @@ def report_preemption(run_dir: Path, signum: int, at_once: bool = False) -> int:
             f"saved its final checkpoint (step {status.step})"
         )
         return 0
-    if at_once:
+    if halted:
+        say_line(
+            f"dtrain: stopped at once: {halted}; this machine's workers were killed unsaved. "
+            "Run the same command on every machine to resume from the newest checkpoint."
+        )
+    elif at_once:
         say_line(
             f"dtrain: stopped at once by a second signal {signum}: the workers were killed "
             "unsaved; run the same command to resume from the newest checkpoint"

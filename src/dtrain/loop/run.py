@@ -281,7 +281,7 @@ class Run:
         started = time.perf_counter()
         with trainer.phase("resume"):
             point = trainer.resume()
-        summary = Summary(start_step=trainer.step)
+        summary = Summary(start_step=trainer.step, start_items=trainer.counters.items_seen)
         if trainer.step >= self.config.train.steps:
             self.summary = trainer.already_finished(summary, started)
             self._running.close()

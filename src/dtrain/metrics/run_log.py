@@ -41,6 +41,8 @@ class RunLog:
         self.is_main = runtime.is_main
         self.progress: Progress | None = None
         self.metrics: Sinks | None = None  # rank 0's, from open() on
+        # run.init_from's weights in words (a run folder's checkpoint named), once loaded
+        self.init_from = cfg.run.init_from
         # This rank's communication totals at the last train record; set-up's (the broadcast
         # of rank 0's parameters) belongs to no step.
         self._comm_mark = strategy.comm.totals()
@@ -128,7 +130,7 @@ class RunLog:
             self.event("membership", step, **membership)
         where = f"resumed from {resumed_from}" if resumed_from else "from scratch"
         if init_from:
-            where = f"from the weights in {init_from} (run.init_from)"
+            where = f"from the weights in {self.init_from or init_from} (run.init_from)"
         if membership is not None:
             where = f"healed from member {membership['healed_from']}'s memory"
         self.log(

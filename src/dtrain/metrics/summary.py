@@ -20,7 +20,8 @@ class Summary:
     wall_s: float = 0.0
     train_loss: float = float("nan")
     val_loss: float | None = None
-    items: int = 0
+    items: int = 0  # trained this run (the rate divides them by this run's wall_s)
+    start_items: int = 0  # the run's count when this run started (a resume's, else 0)
     skipped_steps: int = 0
     rollbacks: int = 0
     preempted: str = ""  # the signal's name when the run stopped early to be resumed
@@ -104,15 +105,16 @@ def print_summary(summary: Summary, item_name: str, world_size: int) -> None:
         val += f"   val {name} {value:.4f}"
     if summary.preempted:
         # Facts only: how to resume is the launcher's line, printed once (`dtrain train`).
-        head = f"stopped by {summary.preempted} at step {summary.steps}, saved"
+        head = f"stopped by {summary.preempted} and saved at step {summary.steps}"
     else:
         head = f"done: {summary.steps} steps"
         if summary.stopped:
             head += f", stopped early ({summary.stopped})"
+    # Under a minute in tenths: a short run said "in 0m00s" (whole seconds, cut down).
+    took = format_duration(summary.wall_s) if summary.wall_s >= 60 else f"{summary.wall_s:.1f}s"
     lines = [
         "",
-        f"{head} ({summary.steps - summary.start_step} this run) on {world_size} rank(s) in "
-        f"{format_duration(summary.wall_s)}",
+        f"{head} ({summary.steps - summary.start_step} this run) on {world_size} rank(s) in {took}",
         f"  train loss {summary.train_loss:.4f}   val loss {val}   "
         f"{format_rate(rate)} {item_name}/s overall",
     ]

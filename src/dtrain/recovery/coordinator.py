@@ -97,6 +97,7 @@ class NodeWatcher(PollingThread):
         self._pids: dict[int, tuple[str, int]] = {}  # member -> (nonce, pid)
         self._read_at = 0.0
         self.stopped = ""  # why the job stopped (below fault.min_replicas), once it did
+        self.halted = ""  # why node 0 stopped the job at once (dtrain.recovery.halt), once it did
         self._opener = Opener()  # a stranger's value over one of the job's: ignored
         super().__init__("dtrain-node-watch")
 
@@ -116,14 +117,15 @@ class NodeWatcher(PollingThread):
         if now - self._read_at > (0.1 if any(down.values()) else 0.5):
             self._read_at = now
             opener = self._opener
-            infos, stopped = self.link.call(
+            infos, stopped, halted = self.link.call(
                 lambda s: (
                     [read_json(s, f"member/{m}/info", INFO, opener) for m in self.members],
                     read_text(s, "stopped", opener),
+                    read_text(s, "halt", opener),
                 ),
                 "reading this machine's members",
             )
-            self.stopped = stopped or ""
+            self.stopped, self.halted = stopped or "", halted or ""
             for m, info in zip(self.members, infos, strict=True):
                 if info is not None:
                     self._pids[m] = (str(info["nonce"]), int(info["pid"]))

@@ -72,6 +72,34 @@ def _points(
     return xs, ys
 
 
+def _broken_at(
+    xs: list[float], ys: list[float], starts: list[float]
+) -> tuple[list[float], list[float]]:
+    """The points with a gap (NaN, where matplotlib lifts the pen) before the first one of
+    each later attempt (``starts``: their x): by wall time, a line drawn across the time
+    between a stop and its resume -- no training, minutes or days -- looked like training
+    with a flat loss."""
+    out_x: list[float] = []
+    out_y: list[float] = []
+    pending = sorted(starts)
+    for x, y in zip(xs, ys):
+        while pending and x >= pending[0]:
+            if out_x:
+                out_x.append(pending[0])
+                out_y.append(math.nan)
+            pending.pop(0)
+        out_x.append(x)
+        out_y.append(y)
+    return out_x, out_y
+
+
+def _lone(ys: list[float], k: int) -> bool:
+    """Whether point ``k`` has no neighbour on its line (NaN or the end on either side)."""
+    return not math.isnan(ys[k]) and all(
+        j < 0 or j >= len(ys) or math.isnan(ys[j]) for j in (k - 1, k + 1)
+    )
+
+
 def _left_out(notes: list[str], title: str, run: Run, why: str) -> None:
     notes.append(f"{title}: left out {run.label} ({why})")
 
@@ -232,11 +260,19 @@ def plot_loss(runs: list[Run], notes: list[str], by: str = "step") -> Plot | Non
         if not xs:
             _left_out(notes, title, run, "no train records with a loss")
             continue
+        starts = [x for x in map(x_of(run), run.of("start")[1:]) if x is not None]
+        if by == "time":  # by step a resume goes on where the run stopped: no gap to show
+            xs, ys = _broken_at(xs, ys, starts)
         ax.plot(xs, ys, color=_color(i), lw=1.5, label=f"{prefix}train loss")
         drawn = True
         vx, vy = _points(run.of("eval"), x_of(run), "val_loss")
+        if by == "time":
+            vx, vy = _broken_at(vx, vy, starts)
         if vx:
             ax.plot(vx, vy, "o--", color=_color(i), ms=4, lw=1, label=f"{prefix}val loss")
+        # An attempt of one train record is a point, which a line alone does not draw.
+        if lone := [k for k in range(len(xs)) if _lone(ys, k)]:
+            ax.plot([xs[k] for k in lone], [ys[k] for k in lone], "o", color=_color(i), ms=3)
     if drawn:
         _mark_events(ax, runs, x_of)
     name = "loss_by_step" if by == "step" else "loss_by_time"

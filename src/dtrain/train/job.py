@@ -131,8 +131,9 @@ def build_agreed_trainer(cfg: Config, runtime: Runtime) -> Trainer:
 def wire_task(cfg: Config, task: Task, runtime: Runtime) -> Trainer:
     """The trainer of ``task``: its model given ``run.init_from``'s weights and recorded, then
     every component wired (also the engine of a loop of the user's own, :mod:`dtrain.loop`)."""
+    loaded = ""
     if cfg.run.init_from:  # before the strategy spreads the model: every rank holds it whole
-        init_model(task.model, cfg.run.init_from, task.init_weights, cfg.run.seed)
+        loaded = init_model(task.model, cfg.run.init_from, task.init_weights, cfg.run.seed)
     if cfg.run.init_adapter:  # a PEFT model's adapter, over its base
         load_adapter_into(task.model, cfg.run.init_adapter)
     if runtime.is_main:
@@ -140,4 +141,6 @@ def wire_task(cfg: Config, task: Task, runtime: Runtime) -> Trainer:
         save_model_config(task.model, local_run_dir(cfg.run.dir, cfg.run.local_dir))
     from dtrain.train.wiring import wire_trainer  # the worker's loop: not the CLI's import
 
-    return wire_trainer(cfg, task, runtime)
+    trainer = wire_trainer(cfg, task, runtime)
+    trainer.run_log.init_from = loaded  # the start line names the checkpoint it came from
+    return trainer

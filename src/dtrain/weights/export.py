@@ -152,7 +152,21 @@ def write_pretrained(state: dict[str, torch.Tensor], config_dir: Path, out: Path
     from dtrain.weights.init_from import load_state_into
 
     load_state_into(model, state, f"the checkpoint ({config_dir.parent})")
-    model.save_pretrained(str(out))
+    save_quietly(model, out)
+
+
+def save_quietly(model: Any, out: Path) -> None:
+    """``model.save_pretrained(out)`` without transformers' progress bar ("Writing model
+    shards: 0%|...", a line of noise before the export's own line for a one-file model)."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(str(out))
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
 
 
 def build_pretrained_model(config_dir: Path) -> Any:
@@ -182,7 +196,7 @@ def write_adapter_folder(
     load_adapters(model, state, f"the checkpoint ({config_dir.parent})")
     if base is not None:
         model = model.merge_and_unload()
-    model.save_pretrained(str(out))
+    save_quietly(model, out)
 
 
 def build_peft_model(config_dir: Path, base: dict[str, torch.Tensor] | None) -> Any:

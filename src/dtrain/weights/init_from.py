@@ -35,7 +35,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain.checkpoint.consolidate import consolidate, find_checkpoint, is_checkpoint_folder
+from dtrain.checkpoint.consolidate import (
+    consolidate,
+    find_checkpoint,
+    is_checkpoint_folder,
+    locate_checkpoint,
+    skipped_words,
+)
 from dtrain.checkpoint.read import first_problems, state_dict_mismatches
 from dtrain.checkpoint.safe_load import ONLY_DATA, first_line, torch_load, why_refused
 from dtrain.checkpoint.store import Location, ObjectPath, StoreError, location, store_refusal
@@ -179,19 +185,36 @@ def init_model(
     path: str,
     init_weights: Callable[[nn.Module], None] | None = None,
     seed: int = 0,
-) -> None:
+) -> str:
     """``run.init_from``: the task's model takes the weights at ``path`` before the strategy
     spreads it (every rank reads them). A meta-built model is made whole on the CPU first
     (its ``init_weights`` give what the weights do not hold, such as non-persistent
-    buffers): the weights come whole, so every rank holds the whole model once."""
+    buffers): the weights come whole, so every rank holds the whole model once. Returns
+    what was loaded, for the start line (:func:`loaded_words`)."""
     if is_meta_model(model):
         init = require_init(model, init_weights)
         materialize(meta_copy(model), model, init, torch.device("cpu"), seed)
     where = f"run.init_from = {path!r}"
+    weights, loaded = read_weights_said(path)
     if is_peft_model(model):  # the weights of its base, by the base's own names
-        load_base_into(model, read_weights(path), where)
+        load_base_into(model, weights, where)
     else:
-        load_state_into(model, read_weights(path), where)
+        load_state_into(model, weights, where)
+    return loaded
+
+
+def read_weights_said(path: str) -> tuple[dict[str, torch.Tensor], str]:
+    """:func:`read_weights`, and what they are in words: a run folder's checkpoint is named,
+    with the newer ones passed over and why (a run folder's newest checkpoint that does not
+    verify is skipped: the weights then come from an older step)."""
+    where = location(path)  # a local path or a store's (s3://)
+    if weights_kind(where) != "run":
+        return read_weights(where), path
+    step_dir, skipped = locate_checkpoint(where)
+    said = f"{path}, checkpoint {step_dir.name}"
+    if skipped:
+        said += f" ({skipped_words(step_dir, skipped)})"
+    return consolidate(step_dir).state, said
 
 
 def load_base_into(model: nn.Module, weights: Mapping[str, torch.Tensor], where: str) -> None:
@@ -232,8 +255,28 @@ def check_init_from(path: str) -> None:
         kind = weights_kind(where)
         if kind in ("checkpoint", "run"):
             find_checkpoint(where)
+        elif kind in ("torch", "safetensors") and isinstance(where, Path):
+            # A local file's first bytes; a store's object is read whole by the workers only.
+            check_file_header(where, kind)
     except StoreError as exc:
         assert isinstance(where, ObjectPath)  # only a store's requests raise it
         raise store_refusal(label, where, exc, "cannot read it: ") from None
     except UserError as exc:
         raise UserError(f"{label}: {exc}") from None
+
+
+def check_file_header(path: Path, kind: str) -> None:
+    """A weights file's first bytes are its format's (read in the parent, before any worker
+    starts; the tensors are read by every worker): a file of something else (a download that
+    failed, random bytes) was each rank's error after launch, three times over."""
+    with open(path, "rb") as fh:
+        head = fh.read(9)
+    if kind == "torch":
+        # torch.save's zip archive, or its legacy format: a pickle (protocol 2+ opens 0x80).
+        if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":
+            return
+        raise UserError(f"{path} is not a torch file: neither torch.save's archive nor a pickle")
+    # safetensors: an 8-byte little-endian length of the JSON header that follows.
+    size = int.from_bytes(head[:8], "little") if len(head) == 9 else 0
+    if head[8:9] != b"{" or not 0 < size < path.stat().st_size:
+        raise UserError(f"{path} is not a safetensors file: its first bytes are no header")

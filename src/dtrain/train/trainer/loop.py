@@ -182,7 +182,7 @@ class Trainer:
         started, steps = time.perf_counter(), self.cfg.train.steps
         with self.phase("resume"):
             point = self.resume()
-        summary = Summary(start_step=self.step)
+        summary = Summary(start_step=self.step, start_items=self.counters.items_seen)
         if self.step >= steps:
             return self.already_finished(summary, started)
         with self.phase("train"):  # what a rank between two phases of the loop says
@@ -430,7 +430,8 @@ class Trainer:
         summary.rollbacks = self.counters.rollbacks
         summary.checkpoint = str(self.checkpointer.root / layout.step_dir_name(self.step))
         summary.wall_s = time.perf_counter() - started
-        summary.items = self.counters.items_seen
+        # This run's: a resumed run's rate counted every earlier run's items over its own time.
+        summary.items = self.counters.items_seen - summary.start_items
         if self.run_log.comm_counted:
             summary.comm_bytes, summary.comm_wait_s = self.strategy.comm.totals()
         self.run_log.close_progress()
