@@ -430,8 +430,7 @@ class Trainer:
         summary.rollbacks = self.counters.rollbacks
         summary.checkpoint = str(self.checkpointer.root / layout.step_dir_name(self.step))
         summary.wall_s = time.perf_counter() - started
-        # This run's: a resumed run's rate counted every earlier run's items over its own time.
-        summary.items = self.counters.items_seen - summary.start_items
+        summary.items = self.counters.items_seen - summary.start_items  # this run's alone
         if self.run_log.comm_counted:
             summary.comm_bytes, summary.comm_wait_s = self.strategy.comm.totals()
         self.run_log.close_progress()
