@@ -9,6 +9,11 @@ from __future__ import annotations
 
 USER_ERROR_EXIT_CODE = 2
 
+# Set by ``dtrain train``'s launcher for its workers: it says each worker's user error itself, in
+# one line for the ranks that failed alike, so a worker does not say it too (under plain
+# ``torchrun`` or one process, the worker's line is the only one).
+LAUNCHER_SAYS_ENV = "DTRAIN_LAUNCHER_SAYS_ERRORS"
+
 
 class UserError(Exception):
     """A mistake in what the user asked for; the message says what, where and what to do."""

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from dtrain.config import Config
 from dtrain.console import guard_console, say_error, say_line
-from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
+from dtrain.errors import LAUNCHER_SAYS_ENV, USER_ERROR_EXIT_CODE, UserError
 from dtrain.fault.error_log import append_traceback, record_error
 from dtrain.fault.oom import OutOfMemory
 from dtrain.fault.oom import describe as describe_oom
@@ -163,8 +163,9 @@ def main(argv: Sequence[str] | None = None, own_loop: OwnLoop | None = None) -> 
         train(cfg, own_loop)
     except UserError as exc:
         message = f"{who}: {exc}"
-        record_error(message)
-        say_error(message)
+        record_error(message)  # where dtrain's launcher reads it
+        if not os.environ.get(LAUNCHER_SAYS_ENV):
+            say_error(message)
         return USER_ERROR_EXIT_CODE
     except KeyboardInterrupt:
         # A second Ctrl-C (the first saves: fault.preempt_signals), or one where SIGINT is no

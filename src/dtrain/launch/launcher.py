@@ -36,7 +36,7 @@ from dtrain.dist.reachability import NODE_ADDR_ENV
 from dtrain.dist.secret import launcher_secret
 from dtrain.dist.store_link import StoreLink
 from dtrain.dist.stores import LOOPBACK, host_store
-from dtrain.errors import UserError
+from dtrain.errors import LAUNCHER_SAYS_ENV, UserError
 from dtrain.fault.preempt import signals_to_forward
 from dtrain.fault.status import read_status
 from dtrain.launch.agent import StoppedAtOnce, held_port, run_agent
@@ -86,6 +86,7 @@ def launch(config_path: Path, opts: LaunchOptions, job: JobSettings) -> int:
     # printed one or two. The rank says what failed itself, in a line (the watchdog's
     # diagnosis names the peer); torch's errors still show. A level the user set stands.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    os.environ[LAUNCHER_SAYS_ENV] = "1"  # launch/reports.report_failure says user errors once
     if job.recovery == "inplace":
         return run_members(config_path, opts, job)
     return run_group(config_path, opts, job)
