@@ -16,6 +16,9 @@ from typing import Any
 import pytest
 
 from dtrain.checkpoint.store import ObjectPath
+from dtrain.config import Config
+from dtrain.task import Task, task_config
+from dtrain.tasks.gpt import GPTTaskConfig, build
 from tests.conftest import REPO
 
 s3fs = pytest.importorskip("s3fs")
@@ -66,11 +69,11 @@ def open_store(bucket: str = BUCKET) -> Iterator[Store]:
         server.stop()
 
 
-def dtrain(store: Store, *args: str) -> subprocess.Popen[str]:
+def dtrain(store: Store, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "dtrain", *args],
         cwd=REPO,
-        env={**os.environ, **store.env},
+        env={**os.environ, **store.env, **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -80,3 +83,27 @@ def dtrain(store: Store, *args: str) -> subprocess.Popen[str]:
 def finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
     out, err = proc.communicate(timeout=300)
     return proc.returncode, out + err
+
+
+# The step at which rank 0 of a launch of preempted_gpt sends SIGTERM to its launcher.
+SIGTERM_AT_STEP_ENV = "DTRAIN_TEST_SIGTERM_AT_STEP"
+
+
+@task_config(GPTTaskConfig)
+def preempted_gpt(cfg: Config) -> Task:
+    """The default task, whose rank 0 sends SIGTERM to its launcher (its parent: torch's agent
+    runs in it) as step N starts, when the launch's environment sets ``SIGTERM_AT_STEP_ENV``
+    to N: a preemption at a known step. The launch after it, without the variable, resumes."""
+    import signal
+
+    from dtrain.fault.failpoints import set_handler
+
+    step = int(os.environ.get(SIGTERM_AT_STEP_ENV, "0"))
+    if step and os.environ.get("RANK") == "0":
+
+        def on_failpoint(name: str, **args: Any) -> None:
+            if name == "train.step" and args["step"] == step:
+                os.kill(os.getppid(), signal.SIGTERM)
+
+        set_handler(on_failpoint)
+    return build(cfg)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +28,7 @@ from dtrain.data.loader import RankLoader
 from dtrain.data.partition import OrderSpec
 from dtrain.data.prepare import prepare
 from dtrain.data.read_ahead import ReadAhead
-from dtrain.data.shards import ShardedDataset
+from dtrain.data.shards import ShardedDataset, verify_dataset
 from dtrain.data.text import TokenWindows, collate_windows
 from dtrain.data.upload import upload_dataset
 from dtrain.errors import USER_ERROR_EXIT_CODE, DataError
@@ -36,7 +36,7 @@ from tests.audit import check_stream, read_trajectory
 from tests.conftest import tiny_raw
 from tests.dist_helpers import signal_self_at_step, train_params
 from tests.ranks import run_ranks
-from tests.s3_helpers import Store, dtrain, finish, open_store
+from tests.s3_helpers import SIGTERM_AT_STEP_ENV, Store, dtrain, finish, open_store
 
 BUCKET = "shards"
 PIECE = 4096
@@ -176,6 +176,9 @@ def test_a_missing_or_damaged_object_is_named(store: Store, prepared: Prepared) 
     assert f"key s3://{BUCKET}/hurt/{last_shard}.tokens.npy" in str(caught.value)
     with pytest.raises(DataError, match=f"{last_shard}.tokens.npy is missing"):
         ShardedDataset(f"s3://{BUCKET}/hurt")  # and at once when opened
+    bad = {str(b.path).rpartition("/")[2]: b.problem for b in verify_dataset(dataset.path)}
+    assert bad.keys() == {first, f"{last_shard}.tokens.npy"}  # `dtrain verify` reads it all
+    assert bad[first].startswith("sha256 ") and bad[f"{last_shard}.tokens.npy"] == "missing"
 
 
 def write_config(path: Path, data_dir: str, run_dir: str, local_dir: Path, steps: int) -> Path:
@@ -283,17 +286,18 @@ def test_the_journey_prepare_train_sigterm_resume_at_another_world_size(
         assert code == 0 and f"to s3://{BUCKET}/j/{part}" in said, said[-2000:]
     run_url = f"s3://{BUCKET}/j-run"
     config = write_config(tmp / "job.toml", f"s3://{BUCKET}/j", run_url, tmp / "local", 12)
-    first = dtrain(store, "train", str(config), "--nproc", "2")
-    assert first.stdout is not None
-    for line in first.stdout:  # the launcher's progress: stopped once step 5 is logged
-        if '"step": 5' in line or "step 5/" in line:
-            first.send_signal(signal.SIGTERM)
-            break
+    task = "--run.task=tests.s3_helpers:preempted_gpt"
+    first = dtrain(
+        store, "train", str(config), task, "--nproc", "2", env={SIGTERM_AT_STEP_ENV: "5"}
+    )
     code, said = finish(first)
-    assert code != 0 or "stopped" in said, said[-3000:]
-    code, said = finish(dtrain(store, "train", str(config), "--nproc", "3"))
+    # The launcher forwards the signal: the ranks stop at the end of step 5 or the next.
+    stopped = re.search(r"stopped by SIGTERM at step (\d+), saved", said)
+    assert code == 0 and stopped is not None and 5 <= int(stopped[1]) < 12, said[-3000:]
+    code, said = finish(dtrain(store, "train", str(config), task, "--nproc", "3"))
     assert code == 0, said[-3000:]
-    assert "resumed from step-" in said and "on 3 rank(s)" in said, said[-3000:]
+    resumed = f"training ddp on 3 rank(s), cpu, resumed from {step_dir_name(int(stopped[1]))}"
+    assert resumed in said, said[-3000:]
     trajectory = read_trajectory(tmp / "local")
     assert sorted(trajectory) == list(range(1, 13))
     windows = TokenWindows(ShardedDataset(f"s3://{BUCKET}/j/train"), SEQ)

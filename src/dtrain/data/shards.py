@@ -21,6 +21,7 @@ same way: its files are mapped from sparse local copies that hold the pieces fet
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -354,18 +355,18 @@ class ShardedDataset:
 
 @dataclass(frozen=True)
 class BadFile:
-    path: Path
+    path: Location
     problem: str
 
     def __str__(self) -> str:
         return f"{self.path}: {self.problem}"
 
 
-def verify_dataset(data_dir: str | Path) -> list[BadFile]:
-    """Check every file of a dataset against the manifest: presence, size, SHA-256 (reads
-    every byte). Also checks that the manifest's fingerprint matches its checksums, which
-    catches a hand-edited manifest."""
-    data_dir = Path(data_dir)
+def verify_dataset(data_dir: str | Location) -> list[BadFile]:
+    """Check every file of a dataset (a folder, or a prefix in an object store) against the
+    manifest: presence, size, SHA-256 (reads every byte). Also checks that the manifest's
+    fingerprint matches its checksums, which catches a hand-edited manifest."""
+    data_dir = location(data_dir)
     manifest = read_manifest(data_dir)
     bad: list[BadFile] = []
     if manifest_fingerprint(manifest["shards"]) != manifest.get("fingerprint"):
@@ -380,9 +381,17 @@ def verify_dataset(data_dir: str | Path) -> list[BadFile]:
             if size != info["bytes"]:
                 bad.append(BadFile(path, f"size {size} bytes, expected {info['bytes']}"))
                 continue
-            digest = sha256_file(path)
+            digest = sha256_file(path) if isinstance(path, Path) else _sha256_object(path)
             if digest != info["sha256"]:
                 bad.append(
                     BadFile(path, f"sha256 {digest[:16]}..., expected {info['sha256'][:16]}...")
                 )
     return bad
+
+
+def _sha256_object(path: ObjectPath) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        while block := fh.read(8 * 2**20):
+            h.update(block)
+    return h.hexdigest()
