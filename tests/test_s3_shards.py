@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tomli_w
 import torch
 
 from dtrain.checkpoint.layout import step_dir_name
@@ -182,31 +183,19 @@ def test_a_missing_or_damaged_object_is_named(store: Store, prepared: Prepared) 
 
 
 def write_config(path: Path, data_dir: str, run_dir: str, local_dir: Path, steps: int) -> Path:
-    lines = [
-        "[run]",
-        f'dir = "{run_dir}"',
-        f'local_dir = "{local_dir}"',
-        "[data]",
-        f"global_batch_size = {B}",
-        "[train]",
-        f"steps = {steps}",
-        "log_every = 1",
-        "[eval]",
-        "every = 0",
-        "[checkpoint]",
-        "every = 2",
-        "[fault]",
-        "audit_sample_ids = true",
-        "[dist]",
-        "timeout_s = 30",
-        "[task]",
-        f'data_dir = "{data_dir}"',
-        f"seq_len = {SEQ}",
-        "n_layer = 1",
-        "d_model = 32",
-        "generate_tokens = 0",
-    ]
-    path.write_text("\n".join(lines) + "\n")
+    """A job on the default task's GPT (tiny) reading ``data_dir``, audited."""
+    config = {
+        "run": {"dir": run_dir, "local_dir": str(local_dir)},
+        "data": {"global_batch_size": B},
+        "train": {"steps": steps, "log_every": 1},
+        "eval": {"every": 0},
+        "checkpoint": {"every": 2},
+        "fault": {"audit_sample_ids": True},
+        "dist": {"timeout_s": 30},
+        "task": {"data_dir": data_dir, "seq_len": SEQ, "n_layer": 1, "d_model": 32}
+        | {"generate_tokens": 0},
+    }
+    path.write_text(tomli_w.dumps(config))
     return path
 
 
