@@ -37,7 +37,16 @@ from tests.audit import check_stream, read_trajectory
 from tests.conftest import tiny_raw
 from tests.dist_helpers import signal_self_at_step, train_params
 from tests.ranks import run_ranks
-from tests.s3_helpers import SIGTERM_AT_STEP_ENV, Store, dtrain, finish, open_store
+from tests.s3_helpers import (
+    KEY_ID,
+    SECRET,
+    SIGTERM_AT_STEP_ENV,
+    Store,
+    dtrain,
+    finish,
+    open_store,
+    s3fs,
+)
 
 BUCKET = "shards"
 PIECE = 4096
@@ -180,6 +189,32 @@ def test_a_missing_or_damaged_object_is_named(store: Store, prepared: Prepared) 
     bad = {str(b.path).rpartition("/")[2]: b.problem for b in verify_dataset(dataset.path)}
     assert bad.keys() == {first, f"{last_shard}.tokens.npy"}  # `dtrain verify` reads it all
     assert bad[first].startswith("sha256 ") and bad[f"{last_shard}.tokens.npy"] == "missing"
+
+
+def test_a_store_that_stops_answering_is_named_with_the_retry_policy(
+    store: Store, prepared: Prepared
+) -> None:
+    dataset = ShardedDataset(f"{prepared.url}/val", cache_bytes=4 * PIECE)
+    assert dataset.store is not None
+    dataset[0]  # the offsets files read (whole), and the first piece
+    # The store goes away once the dataset is open: a port nothing listens on, each request
+    # refused, retried, given up.
+    gone = s3fs.S3FileSystem(
+        key=KEY_ID,
+        secret=SECRET,
+        endpoint_url="http://127.0.0.1:9",
+        config_kwargs={"retries": {"max_attempts": 1, "mode": "standard"}},
+        skip_instance_cache=True,
+    )
+    gone.retries = 1
+    dataset.store.root.fs = gone
+    last = dataset.store.names[-1]  # the last shard's values, not fetched yet
+    assert last.endswith(".tokens.npy") and not last.endswith(".idx.npy")
+    with pytest.raises(DataError) as caught:
+        dataset[len(dataset) - 1]
+    said = str(caught.value)
+    assert said.startswith(f"reading shard file {last}: the object store s3://{BUCKET}")
+    assert "attempts per request" in said and f"{prepared.url}/val/{last}" in said
 
 
 def write_config(path: Path, data_dir: str, run_dir: str, local_dir: Path, steps: int) -> Path:

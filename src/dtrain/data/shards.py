@@ -278,6 +278,8 @@ class ShardedDataset:
     def gather(self, name: str, indices: np.ndarray | Sequence[int]) -> np.ndarray:
         """A fixed-size field for many samples at once, as one new array: one vectorized read
         however many shards the ids touch (:class:`~dtrain.data.rows.ShardRows`)."""
+        if self.store is None:  # local: nothing on the path
+            return self._field_rows(name).read(*self._ids_and_shards(indices))
         with self.holding(indices):
             return self._field_rows(name).read(*self._ids_and_shards(indices))
 
@@ -301,6 +303,11 @@ class ShardedDataset:
                 "Task.collate_fn and Task.split_batch for these fields"
             )
         idx, shard_of = self._ids_and_shards(indices)  # shared by the fields
+        if self.store is None:  # local: nothing on the path
+            return {
+                name: torch.from_numpy(self._field_rows(name).read(idx, shard_of))
+                for name in self.fields
+            }
         with self.holding(idx):
             return {
                 name: torch.from_numpy(self._field_rows(name).read(idx, shard_of))

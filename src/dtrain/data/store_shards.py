@@ -303,11 +303,10 @@ class StoreShards:
         del self._recent[piece]
 
     def _request(self, file: int, start: int, stop: int) -> bytes:
-        key = self.key(file)
+        obj = self.root / self.names[file]
+        key = str(obj)
         try:
-            data = bytes(
-                self.root._call("read", lambda: self.root.fs.cat_file(key, start=start, end=stop))
-            )
+            data = bytes(obj._call("read", lambda: obj.fs.cat_file(key, start=start, end=stop)))
         except FileNotFoundError:
             raise DataError(
                 f"shard file {self.names[file]} is missing in the {self.root.store()} (key "
