@@ -68,6 +68,8 @@ class StoreShards:
     def __init__(self, root: ObjectPath, manifest: dict[str, Any], cache_dir: str, limit: int):
         self.root = root
         self.piece_bytes = int(manifest.get("piece_bytes") or STORE_PIECE_BYTES)
+        if self.piece_bytes <= 0:
+            raise DataError(f"{root}/manifest.json: piece_bytes {self.piece_bytes} is not a size")
         self.limit = limit
         self.names: list[str] = []
         self.hashes: list[list[str] | None] = []
@@ -88,6 +90,13 @@ class StoreShards:
         last, has = self.base[1:] - 1, counts > 0
         self.piece_size = np.full(n, self.piece_bytes, dtype=np.int64)
         self.piece_size[last[has]] = self.sizes[has] - (counts[has] - 1) * self.piece_bytes
+        for name, hashes, count in zip(self.names, self.hashes, counts.tolist(), strict=True):
+            if hashes is not None and len(hashes) != count:
+                raise DataError(
+                    f"{root}/manifest.json is malformed: {name} lists {len(hashes)} piece "
+                    f"hashes for {count} pieces of {self.piece_bytes} bytes; prepare the "
+                    "dataset again"
+                )
         self.present = np.zeros(n, dtype=bool)
         self.holds = np.zeros(n, dtype=np.int64)
         self.held_bytes = 0  # bytes of the pieces some reader holds
