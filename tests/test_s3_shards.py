@@ -252,6 +252,12 @@ def test_refused_before_any_worker_starts(
     assert main(["train", str(config), f"--task.data_dir={nothing}"]) == USER_ERROR_EXIT_CODE
     said = capsys.readouterr().err
     assert f"task.data_dir: dataset folder {nothing}/train does not exist" in said
+    # A store that is not there (a process of its own: this one keeps its client to moto).
+    gone = {"AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9"}
+    code, said = finish(dtrain(store, "train", str(config), env=gone))
+    assert code == USER_ERROR_EXIT_CODE, said[-2000:]
+    assert f"task.data_dir {prepared.url}/train: the object store s3://{BUCKET}" in said
+    assert "does not answer; check AWS_ENDPOINT_URL_S3" in said
     assert not run.exists()  # no worker started, no run folder made
 
 

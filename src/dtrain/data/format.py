@@ -13,7 +13,7 @@ import numpy as np
 
 from dtrain.errors import DataError
 from dtrain.fsutil import scheme_of
-from dtrain.storage.objects import Location, location
+from dtrain.storage.objects import Location, ObjectPath, StoreError, location, store_refusal
 
 FORMAT = "dtrain-shards"
 VERSION = 1
@@ -136,7 +136,10 @@ def check_store_datasets(paths: list[str], key: str) -> None:
     its manifest (one small read each; a local one is checked by the workers, as always)."""
     for path in paths:
         if scheme_of(path):
+            where = ObjectPath(path)
             try:
-                read_manifest(path)
+                read_manifest(where)
             except DataError as exc:
                 raise DataError(f"{key}: {exc}") from None
+            except StoreError as exc:  # no credentials, no endpoint: the run folder's words
+                raise store_refusal(f"{key} {path}", where, exc, "cannot read it: ") from None
