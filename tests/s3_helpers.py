@@ -41,6 +41,20 @@ class Store:
         return ObjectPath(f"s3://{self.bucket}/{key}", self.fs)
 
 
+def silent_store() -> Any:
+    """A client of a store that does not answer: a port nothing listens on, where each request
+    is refused, retried, and given up."""
+    gone = s3fs.S3FileSystem(
+        key=KEY_ID,
+        secret=SECRET,
+        endpoint_url="http://127.0.0.1:9",
+        config_kwargs={"retries": {"max_attempts": 1, "mode": "standard"}},
+        skip_instance_cache=True,
+    )
+    gone.retries = 1
+    return gone
+
+
 def open_store(bucket: str = BUCKET) -> Iterator[Store]:
     """A module's store (its fixture yields from this), with ``bucket`` made or emptied: one
     bucket per test module, so that modules run at once on one store keep apart."""

@@ -29,7 +29,7 @@ from dtrain.checkpoint.rundir import check_scheme, check_store
 from dtrain.checkpoint.store import ObjectPath
 from dtrain.checkpoint.write import Checkpointer
 from dtrain.errors import CheckpointError, UserError
-from tests.s3_helpers import BUCKET, KEY_ID, SECRET, Store, dtrain, finish, open_store, s3fs
+from tests.s3_helpers import BUCKET, Store, dtrain, finish, open_store, s3fs, silent_store
 
 
 @pytest.fixture(scope="module")
@@ -206,15 +206,7 @@ def test_bad_stores_are_one_line_each(
 
 
 def test_a_store_that_does_not_answer_fails_the_save_naming_it(store: Store) -> None:
-    # A port nothing listens on: each request is refused, retried, and given up.
-    gone = s3fs.S3FileSystem(
-        key=KEY_ID,
-        secret=SECRET,
-        endpoint_url="http://127.0.0.1:9",
-        config_kwargs={"retries": {"max_attempts": 1, "mode": "standard"}},
-        skip_instance_cache=True,
-    )
-    gone.retries = 1
+    gone = silent_store()
     saver = Checkpointer(
         ObjectPath(f"s3://{BUCKET}/gone/checkpoints", gone),
         rank=0,

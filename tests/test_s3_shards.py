@@ -38,14 +38,12 @@ from tests.conftest import tiny_raw
 from tests.dist_helpers import signal_self_at_step, train_params
 from tests.ranks import run_ranks
 from tests.s3_helpers import (
-    KEY_ID,
-    SECRET,
     SIGTERM_AT_STEP_ENV,
     Store,
     dtrain,
     finish,
     open_store,
-    s3fs,
+    silent_store,
 )
 
 BUCKET = "shards"
@@ -197,17 +195,7 @@ def test_a_store_that_stops_answering_is_named_with_the_retry_policy(
     dataset = ShardedDataset(f"{prepared.url}/val", cache_bytes=4 * PIECE)
     assert dataset.store is not None
     dataset[0]  # the offsets files read (whole), and the first piece
-    # The store goes away once the dataset is open: a port nothing listens on, each request
-    # refused, retried, given up.
-    gone = s3fs.S3FileSystem(
-        key=KEY_ID,
-        secret=SECRET,
-        endpoint_url="http://127.0.0.1:9",
-        config_kwargs={"retries": {"max_attempts": 1, "mode": "standard"}},
-        skip_instance_cache=True,
-    )
-    gone.retries = 1
-    dataset.store.root.fs = gone
+    dataset.store.root.fs = silent_store()  # the store goes away once the dataset is open
     last = dataset.store.names[-1]  # the last shard's values, not fetched yet
     assert last.endswith(".tokens.npy") and not last.endswith(".idx.npy")
     with pytest.raises(DataError) as caught:
