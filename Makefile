@@ -74,7 +74,7 @@ test-slurm: $(STAMP) slurm-packages
 test-s3: $(STAMP)
 	PYTHON=$(PY) scripts/s3.sh up
 	DTRAIN_TEST_S3_ENDPOINT=http://127.0.0.1:$${DTRAIN_S3_PORT:-18480} \
-		$(PY) -m pytest -q -m "slow or not slow" tests/test_s3_run_dir.py; \
+		$(PY) -m pytest -q -m "slow or not slow" tests/test_s3_run_dir.py tests/test_s3_shards.py; \
 		code=$$?; scripts/s3.sh down; exit $$code
 
 slurm-packages:

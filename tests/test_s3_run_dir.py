@@ -15,13 +15,9 @@ store's."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -33,52 +29,12 @@ from dtrain.checkpoint.rundir import check_scheme, check_store
 from dtrain.checkpoint.store import ObjectPath
 from dtrain.checkpoint.write import Checkpointer
 from dtrain.errors import CheckpointError, UserError
-from tests.conftest import REPO
-
-s3fs = pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
-
-KEY_ID = "DTRAINTESTKEYID0001"
-SECRET = "dtrain-test-secret-never-written-0001"
-BUCKET = "runs"
-
-
-@dataclass
-class Store:
-    endpoint: str
-    env: dict[str, str]  # what the launches get
-    fs: Any  # the test's own client
-    secrets: tuple[str, ...]  # what must never be written
-
-    def path(self, key: str) -> ObjectPath:
-        return ObjectPath(f"s3://{BUCKET}/{key}", self.fs)
+from tests.s3_helpers import BUCKET, Store, dtrain, finish, open_store, s3fs, silent_store
 
 
 @pytest.fixture(scope="module")
 def store() -> Iterator[Store]:
-    server = None
-    endpoint = os.environ.get("DTRAIN_TEST_S3_ENDPOINT", "")
-    key, secret = ("test:tester", "testing") if endpoint else (KEY_ID, SECRET)  # Swift's
-    if not endpoint:
-        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-    env = {
-        "AWS_ENDPOINT_URL_S3": endpoint,
-        "AWS_ACCESS_KEY_ID": key,
-        "AWS_SECRET_ACCESS_KEY": secret,
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    fs = s3fs.S3FileSystem(key=key, secret=secret, endpoint_url=endpoint, use_listings_cache=False)
-    if fs.exists(BUCKET):  # a store kept from an earlier run (make test-s3): start clean
-        for key in fs.find(BUCKET):
-            fs.rm_file(key)  # one by one: Swift refuses botocore's multi-object delete
-    else:
-        fs.mkdir(BUCKET)
-    yield Store(endpoint, env, fs, (key, secret))
-    if server is not None:
-        server.stop()
+    yield from open_store(BUCKET)
 
 
 def write_config(path: Path, run_dir: str, local_dir: Path, **task: object) -> Path:
@@ -107,22 +63,6 @@ def write_config(path: Path, run_dir: str, local_dir: Path, **task: object) -> P
     ]
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-def dtrain(store: Store, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "dtrain", *args],
-        cwd=REPO,
-        env={**os.environ, **store.env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
-    out, err = proc.communicate(timeout=300)
-    return proc.returncode, out + err
 
 
 @dataclass
@@ -266,15 +206,7 @@ def test_bad_stores_are_one_line_each(
 
 
 def test_a_store_that_does_not_answer_fails_the_save_naming_it(store: Store) -> None:
-    # A port nothing listens on: each request is refused, retried, and given up.
-    gone = s3fs.S3FileSystem(
-        key=KEY_ID,
-        secret=SECRET,
-        endpoint_url="http://127.0.0.1:9",
-        config_kwargs={"retries": {"max_attempts": 1, "mode": "standard"}},
-        skip_instance_cache=True,
-    )
-    gone.retries = 1
+    gone = silent_store()
     saver = Checkpointer(
         ObjectPath(f"s3://{BUCKET}/gone/checkpoints", gone),
         rank=0,

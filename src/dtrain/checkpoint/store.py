@@ -9,294 +9,64 @@ An object store has no atomic rename and no append: a save writes its pieces str
 ``COMMITTED.json`` is the commit), and a single object written with one request is whole or
 absent, which is what a local file gets from its rename. Every request runs under
 :data:`RETRY_POLICY`; a store that stops answering is an :class:`StoreError` naming the store,
-the key and that policy, never a hang.
-
-Credentials and the endpoint come from where botocore looks (``AWS_ACCESS_KEY_ID`` /
-``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE`` and the AWS config files, ``AWS_ENDPOINT_URL_S3``
-or ``AWS_ENDPOINT_URL`` for an S3-compatible store); nothing here writes any of them down.
+the key and that policy, never a hang. The paths and their requests are
+:mod:`dtrain.storage.objects`' (datasets' shards reach the store through them too), named here
+as well for the checkpoint code.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from dtrain.errors import UserError
-from dtrain.fsutil import fsync_dir, scheme_of, write_atomic
-
-# Each request: botocore's standard retries (3 attempts, backing off), 5 s to connect and 30 s
-# to read, so that a store that stops answering fails a save in minutes, named, before the
-# checkpointer's collective limit; the words every such failure carries.
-CONNECT_TIMEOUT_S = 5
-READ_TIMEOUT_S = 30
-ATTEMPTS = 3
-RETRY_POLICY = (
-    f"{ATTEMPTS} attempts per request, {CONNECT_TIMEOUT_S} s to connect, {READ_TIMEOUT_S} s to read"
+from dtrain.fsutil import fsync_dir, write_atomic
+from dtrain.storage.objects import (
+    ATTEMPTS,
+    CONNECT_TIMEOUT_S,
+    PART_BYTES,
+    READ_TIMEOUT_S,
+    RETRY_POLICY,
+    Location,
+    NoConditionalWrites,
+    ObjectPath,
+    StoreError,
+    endpoint,
+    file_system,
+    location,
+    store_refusal,
 )
-# The part size of a multipart upload (S3's smallest is 5 MiB): a file streams out in parts of
-# this size as torch.save writes it, never held whole in memory.
-PART_BYTES = 16 * 2**20
 
-
-class StoreError(OSError):
-    """An object store failed a request after its retries (the message names the store, the
-    key and the retry policy)."""
-
-
-class NoConditionalWrites(StoreError):
-    """The store refuses conditional writes (``If-None-Match``, ``If-Match``) as not
-    implemented: OpenStack Swift's S3 API, older S3-compatible stores."""
-
-
-def endpoint() -> str:
-    """The S3 endpoint botocore will use, in words (the variables it honours, in its order)."""
-    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS"
-
-
-def file_system(scheme: str) -> Any:
-    """fsspec's file system for ``scheme`` (one per process: fsspec keeps the instance), its
-    listings never cached (another rank or machine changes them); a user error when the
-    package it needs is missing."""
-    try:
-        import fsspec
-    except ImportError:  # pragma: no cover - fsspec comes with torch
-        raise UserError(f"{scheme}:// needs fsspec: pip install -e '.[s3]'") from None
-    if scheme != "s3":
-        try:
-            return fsspec.filesystem(scheme, use_listings_cache=False)
-        except (ImportError, ValueError) as exc:
-            raise UserError(f"{scheme}:// cannot be opened through fsspec: {exc}") from None
-    try:
-        import s3fs
-    except ImportError:
-        raise UserError(
-            "s3:// needs the s3fs package, which is not installed: pip install -e '.[s3]'"
-        ) from None
-    fs = s3fs.S3FileSystem(
-        use_listings_cache=False,
-        config_kwargs={
-            "connect_timeout": CONNECT_TIMEOUT_S,
-            "read_timeout": READ_TIMEOUT_S,
-            "retries": {"max_attempts": ATTEMPTS, "mode": "standard"},
-        },
-    )
-    fs.retries = 1  # botocore retries each request (above); s3fs's own would multiply them
-    return fs
-
-
-def _raise(exc: BaseException) -> None:
-    raise exc
-
-
-@dataclass(frozen=True)
-class _Stat:
-    st_size: int
-
-
-class ObjectPath:
-    """A key (or a prefix of keys) in an object store, with the part of :class:`pathlib.Path`'s
-    interface that the checkpoint code uses. A "folder" is a prefix: it exists while an object
-    under it does, and making one does nothing."""
-
-    def __init__(self, url: str, fs: Any = None) -> None:
-        self.url = url.rstrip("/")
-        self.scheme = scheme_of(self.url)
-        self.fs = fs if fs is not None else file_system(self.scheme)
-
-    # -- names ---------------------------------------------------------------------------
-
-    def __truediv__(self, name: str) -> ObjectPath:
-        return ObjectPath(f"{self.url}/{name}", self.fs)
-
-    def __str__(self) -> str:
-        return self.url
-
-    def __repr__(self) -> str:
-        return f"ObjectPath({self.url!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, ObjectPath) and other.url == self.url
-
-    def __hash__(self) -> int:
-        return hash(self.url)
-
-    @property
-    def name(self) -> str:
-        return self.url.rpartition("/")[2]
-
-    @property
-    def parent(self) -> ObjectPath:
-        head = self.url.rpartition("/")[0]
-        return ObjectPath(head, self.fs) if not head.endswith(":/") else self
-
-    def with_name(self, name: str) -> ObjectPath:
-        return self.parent / name
-
-    def resolve(self) -> ObjectPath:
-        return self
-
-    @property
-    def bucket(self) -> str:
-        return self.url.split("://", 1)[1].split("/", 1)[0]
-
-    def store(self) -> str:
-        """The store, in words, for errors."""
-        url = getattr(self.fs, "endpoint_url", None) or endpoint()
-        where = f", endpoint {url}" if self.scheme == "s3" else ""
-        return f"object store {self.scheme}://{self.bucket}{where}"
-
-    # -- requests ------------------------------------------------------------------------
-
-    def _call(self, what: str, call: Callable[[], Any]) -> Any:
-        try:
-            return call()
-        except (FileNotFoundError, FileExistsError, IsADirectoryError):
-            raise
-        except Exception as exc:
-            raise StoreError(
-                f"the {self.store()} failed to {what} {self.url} ({RETRY_POLICY}): "
-                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            ) from None
-
-    def exists(self) -> bool:
-        return bool(self._call("look up", lambda: self.fs.exists(self.url)))
-
-    def is_dir(self) -> bool:
-        return bool(self._call("list", lambda: self.fs.isdir(self.url)))
-
-    def is_file(self) -> bool:
-        return bool(self._call("look up", lambda: self.fs.isfile(self.url)))
-
-    def iterdir(self) -> Iterator[ObjectPath]:
-        try:
-            names = self._call("list", lambda: self.fs.ls(self.url, detail=False))
-        except FileNotFoundError:
-            names = []
-        for name in names:
-            child = self / str(name).rstrip("/").rpartition("/")[2]
-            if child.url != self.url:
-                yield child
-
-    def glob(self, pattern: str) -> Iterator[ObjectPath]:
-        for name in self._call("list", lambda: self.fs.glob(f"{self.url}/{pattern}")):
-            yield self / str(name).rpartition("/")[2]
-
-    def stat(self) -> _Stat:
-        return _Stat(int(self._call("look up", lambda: self.fs.size(self.url))))
-
-    def read_bytes(self) -> bytes:
-        return bytes(self._call("read", lambda: self.fs.cat_file(self.url)))
-
-    def read_text(self, errors: str = "strict") -> str:
-        return self.read_bytes().decode(errors=errors)
-
-    def open(self, mode: str = "rb") -> IO[Any]:
-        options = {"block_size": PART_BYTES} if "w" in mode else {}
-        return self._call("open", lambda: self.fs.open(self.url, mode, **options))
-
-    def write_bytes(self, data: bytes) -> None:
-        self._call("write", lambda: self.fs.pipe_file(self.url, data))
-
-    def create(self, data: bytes) -> None:
-        """Write the object only where none exists (a conditional write, ``If-None-Match``):
-        FileExistsError otherwise; :class:`NoConditionalWrites` where the store has none."""
-        try:
-            self.fs.pipe_file(self.url, data, mode="create")
-        except FileExistsError:
-            raise
-        except Exception as exc:
-            self._refused(exc)
-
-    def etag(self) -> str:
-        """The object's version as the store names it (FileNotFoundError: none)."""
-        info = self._call("look up", lambda: self.fs.info(self.url))
-        return str(info.get("ETag") or info.get("etag") or "")
-
-    def replace_if(self, data: bytes, etag: str) -> bool:
-        """Overwrite the object only while it is still the version ``etag`` (a conditional
-        write, ``If-Match``); False when it changed (or was removed) meanwhile."""
-        bucket, _, key = self.url.split("://", 1)[1].partition("/")
-        try:
-            self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfMatch=etag)
-        except FileNotFoundError:
-            return False
-        except Exception as exc:
-            if isinstance(exc, OSError) and exc.errno == errno.EINVAL:  # 412: another version
-                return False
-            self._refused(exc)
-        return True
-
-    def _refused(self, exc: Exception) -> None:
-        """A conditional write's failure, in words: the store has none (501, which s3fs gives
-        as ENOSYS), or another failure of the store."""
-        if isinstance(exc, OSError) and exc.errno == errno.ENOSYS:
-            raise NoConditionalWrites(
-                f"the {self.store()} does not implement conditional writes ({exc})"
-            ) from None
-        self._call("write", lambda: _raise(exc))
-
-    def unlink(self, missing_ok: bool = False) -> None:
-        try:
-            self._call("delete", lambda: self.fs.rm_file(self.url))
-        except FileNotFoundError:
-            if not missing_ok:
-                raise
-
-    def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
-        """A prefix needs no making."""
-
-    def remove_tree(self) -> None:
-        """Delete every object under this prefix, one request each: a multi-object delete
-        needs a Content-MD5 header that botocore no longer sends, which stores such as
-        OpenStack Swift's S3 API require (a checkpoint's folder holds a few files a rank)."""
-        try:
-            keys = self._call("list", lambda: self.fs.find(self.url))
-        except FileNotFoundError:
-            return
-        for key in keys:
-            (ObjectPath(f"{self.scheme}://{key}", self.fs)).unlink(missing_ok=True)
-
-    def rename_to(self, target: ObjectPath) -> None:
-        """Copy to ``target``, then delete: a store's rename (of one small object)."""
-        self._call("copy", lambda: self.fs.copy(self.url, target.url))
-        self.unlink()
-
-
-Location = Path | ObjectPath
-
-
-def store_refusal(label: str, where: ObjectPath, exc: StoreError, doing: str = "") -> UserError:
-    """A store's failure to answer for ``label`` (the config key and its value) as a user's
-    mistake in one line: no credentials, an endpoint that does not answer, or else ``doing``
-    and the store's own words."""
-    text = str(exc)
-    if "NoCredentialsError" in text or "PartialCredentials" in text:
-        return UserError(
-            f"{label}: no credentials for the {where.store()}: set AWS_ACCESS_KEY_ID and "
-            "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE with ~/.aws/credentials"
-        )
-    if "EndpointConnectionError" in text or "ConnectTimeout" in text:
-        return UserError(
-            f"{label}: the {where.store()} does not answer; check AWS_ENDPOINT_URL_S3 "
-            "(or AWS_ENDPOINT_URL) and that the store runs"
-        )
-    return UserError(f"{label}: {doing}{text}")
-
-
-def location(text: str | Location) -> Location:
-    """What a run folder, a checkpoint's folder or a file in one is: an :class:`ObjectPath` for
-    a URL (``s3://bucket/key``), else a local path."""
-    if isinstance(text, (Path, ObjectPath)):
-        return text
-    return ObjectPath(text) if scheme_of(text) else Path(text)
-
+# The store's names, for the checkpoint code that knew them here, and this module's own.
+__all__ = [
+    "ATTEMPTS",
+    "CONNECT_TIMEOUT_S",
+    "PART_BYTES",
+    "READ_TIMEOUT_S",
+    "RETRY_POLICY",
+    "Location",
+    "NoConditionalWrites",
+    "ObjectPath",
+    "StoreError",
+    "endpoint",
+    "file_system",
+    "free_bytes",
+    "local_copy",
+    "location",
+    "move_into_place",
+    "open_read",
+    "open_write",
+    "remove_tree",
+    "set_aside",
+    "staging_folder",
+    "store_refusal",
+    "sync_folder",
+    "write_whole",
+]
 
 # ---------------------------------------------------------------------------------------------
 # What differs between a folder and a store, for the writer of a checkpoint

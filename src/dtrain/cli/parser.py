@@ -94,7 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     _train_parser(sub)
     p = sub.add_parser("prepare", help="turn raw data into a sharded dataset")
     p.add_argument("source", help="text file or folder, JSONL, .npy file/folder, Parquet")
-    p.add_argument("out_dir", help="dataset folder to create")
+    p.add_argument(
+        "out_dir",
+        help="dataset folder to create, or a prefix in an object store (s3://BUCKET/data)",
+    )
     p.add_argument("--format", default="auto", choices=["auto", "text", "jsonl", "npy", "parquet"])
     p.add_argument("--field", default="text", help="JSONL/Parquet field holding the text")
     p.add_argument("--columns", default="", help="Parquet columns to keep (comma separated)")

@@ -66,6 +66,11 @@ def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str
     check_transport_job(cfg, opts.max_nodes, args.nnodes)  # an extension's own rules
     check_init_from(cfg.run.init_from)
     check_init_adapter(cfg.run.init_adapter)
+    paths = getattr(cfg.task, "dataset_paths", None)  # a task's datasets, if it names them
+    if callable(paths):
+        from dtrain.data.format import check_store_datasets
+
+        check_store_datasets(list(paths()), "task.data_dir")
     if cfg.run.resume not in ("auto", "never"):
         # Before the run folder is made for this job.
         check_resume_folder(cfg.run.resume, cfg.run.dir)

@@ -11,6 +11,13 @@ from typing import Any, Literal
 
 import tomli_w
 
+from dtrain.errors import ConfigError
+
+# The unit a rank reads of a shard in an object store (one range request, one SHA-256 in the
+# manifest `dtrain prepare` writes there): data/ reads and writes pieces of this size, and
+# data.cache_bytes must hold one.
+STORE_PIECE_BYTES = 2**20
+
 
 def option(
     default: Any,
@@ -91,6 +98,26 @@ class DataConfig:
         "would compete with the step for the same cores)",
         min=-1,
     )
+    cache_dir: str = option(
+        "",
+        "shards in an object store: where each rank keeps the pieces it read (a folder of "
+        "its own in it; empty = the system's temporary folder)",
+    )
+    cache_bytes: int = option(
+        2**30,
+        "shards in an object store: a rank's cache of pieces read ahead, at most (at least "
+        f"one piece, {STORE_PIECE_BYTES // 2**20} MiB)",
+        min=1,
+    )
+
+    def __post_init__(self) -> None:
+        # The unit fetched is a piece: a cache that cannot hold one could read nothing.
+        if self.cache_bytes < STORE_PIECE_BYTES:
+            raise ConfigError(
+                f"data.cache_bytes = {self.cache_bytes} is less than one piece of a shard "
+                f"({STORE_PIECE_BYTES} bytes, the unit read from an object store); use at "
+                f"least {STORE_PIECE_BYTES}"
+            )
 
 
 @dataclass

@@ -1,3 +1,3 @@
-"""Data, in every worker and ``dtrain prepare``: the sharded on-disk format, pure partition
-plans from one global position, each rank's loader, streams read by source shard, and
-language-model views."""
+"""Data, in every worker and ``dtrain prepare``: the sharded on-disk format (local, or in an
+object store read ahead into a bounded cache), pure partition plans from one global position,
+each rank's loader, streams read by source shard, and language-model views."""

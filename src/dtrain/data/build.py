@@ -12,6 +12,8 @@ import torch
 from dtrain.config import Config
 from dtrain.data.loader import RankLoader, StepLoader
 from dtrain.data.partition import OrderSpec
+from dtrain.data.read_ahead import ReadAhead
+from dtrain.data.store_shards import StoreShards
 from dtrain.data.stream_loader import StreamLoader
 from dtrain.data.stream_source import PREPARE_HINT, is_stream, stream_source
 from dtrain.errors import ConfigError, DataError
@@ -156,8 +158,20 @@ def build_train_loader(
                 "data.split = 'tokens' needs variable-length samples: the "
                 "training set has no sample_lengths(); use 'samples' or 'auto'"
             )
+    ahead = None
+    store = getattr(dataset, "store", None)  # shards in an object store
+    if isinstance(store, StoreShards):
+        if cfg.data.num_workers > 0:
+            raise ConfigError(
+                f"data.num_workers = {cfg.data.num_workers}: shards in an object store "
+                f"({store.root}) are read ahead by the training process; set "
+                "data.num_workers = 0"
+            )
+        store.limit = cfg.data.cache_bytes
+        ahead = ReadAhead(store, dataset.pieces, rank)
     return RankLoader(
         dataset,
+        ahead=ahead,
         order=order_spec(dataset, cfg),
         global_batch_size=cfg.data.global_batch_size,
         micro_batches=cfg.data.micro_batches,

@@ -7,12 +7,13 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from dtrain.errors import DataError
+from dtrain.fsutil import scheme_of
+from dtrain.storage.objects import Location, ObjectPath, StoreError, location, store_refusal
 
 FORMAT = "dtrain-shards"
 VERSION = 1
@@ -49,10 +50,10 @@ def manifest_fingerprint(shards: list[dict[str, Any]]) -> str:
     return h.hexdigest()
 
 
-def read_manifest(data_dir: str | Path) -> dict[str, Any]:
-    """The manifest of a dataset folder, checked for shape: raises :class:`DataError` naming
-    the folder or file and what is wrong."""
-    data_dir = Path(data_dir)
+def read_manifest(data_dir: str | Location) -> dict[str, Any]:
+    """The manifest of a dataset folder (local, or a prefix in an object store), checked for
+    shape: raises :class:`DataError` naming the folder or file and what is wrong."""
+    data_dir = location(data_dir)
     path = data_dir / MANIFEST
     if not data_dir.exists():
         raise DataError(
@@ -128,3 +129,17 @@ def _field_problem(spec: Any) -> str:
     ):
         return f"shape {shape!r} is neither null nor a list of sizes"
     return ""
+
+
+def check_store_datasets(paths: list[str], key: str) -> None:
+    """Before any worker starts: each dataset a task names in an object store is there, with
+    its manifest (one small read each; a local one is checked by the workers, as always)."""
+    for path in paths:
+        if scheme_of(path):
+            where = ObjectPath(path)
+            try:
+                read_manifest(where)
+            except DataError as exc:
+                raise DataError(f"{key}: {exc}") from None
+            except StoreError as exc:  # no credentials, no endpoint: the run folder's words
+                raise store_refusal(f"{key} {path}", where, exc, "cannot read it: ") from None

@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from dtrain.data.partition import OrderSpec, StepPlan, check_weights, eval_shard, plan_steps
+from dtrain.data.read_ahead import ReadAhead
 from dtrain.errors import DataError
 
 if TYPE_CHECKING:
@@ -179,6 +180,9 @@ class RankLoader:
     prefetch: int = 2
     pin_memory: bool = False
     fingerprint: str = ""
+    # Shards in an object store: their pieces read ahead of the plan (None: local data, whose
+    # path has nothing added).
+    ahead: ReadAhead | None = None
     consumed: int = field(default=0, init=False)  # stream position after the last step
     # start -> end of stream ranges never delivered
     skipped: dict[int, int] = field(default_factory=dict, init=False)
@@ -318,12 +322,16 @@ class RankLoader:
             self._source = self._start(self.consumed)
         batch = next(self._source)
         self.consumed = batch.plan.end
+        if self.ahead is not None:
+            self.ahead.passed(self.consumed)
         return batch
 
     def reset(self) -> None:
         """Drop what was fetched ahead; the next step starts at ``consumed``."""
         if self._halt is not None:
             self._halt()
+        if self.ahead is not None:
+            self.ahead.stop()
         self._source = None
         self._halt = None
 
@@ -338,6 +346,8 @@ class RankLoader:
         return StepBatch(plan=plan, micro=micro, rank=self.rank)
 
     def _start(self, start: int) -> Iterator[StepBatch]:
+        if self.ahead is not None:
+            self.ahead.start(self._plans(start))
         if self.num_workers > 0:
             return self._worker_stream(start)
         if self.prefetch == 0:

@@ -25,9 +25,11 @@ from dtrain.data.shards import (
     to_field_array,
     write_shards,
 )
+from dtrain.data.upload import check_store_output, scratch_folder, upload_dataset
 from dtrain.data.writer import check_replaceable
 from dtrain.errors import DataError
-from dtrain.fsutil import require_output_folder
+from dtrain.fsutil import require_output_folder, scheme_of
+from dtrain.storage.objects import Location, ObjectPath
 
 Tokenizer = Callable[[str], Sequence[int]]
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst", ".text")
@@ -276,13 +278,49 @@ def prepare(
     overwrite: bool = False,
     show_progress: bool = True,
     metadata: dict[str, Any] | None = None,
-) -> Path:
-    """Write ``source`` as a dataset in ``out_dir``; see ``dtrain prepare --help``.
-    ``metadata``: more to record in the manifest (the tokenizer's file and vocabulary)."""
+) -> Location:
+    """Write ``source`` as a dataset in ``out_dir`` (a folder, or a prefix in an object
+    store: :mod:`dtrain.data.upload`); see ``dtrain prepare --help``. ``metadata``: more to
+    record in the manifest (the tokenizer's file and vocabulary)."""
     src = Path(source)
     if not src.exists():
         raise DataError(f"source {src} does not exist")
-    out = Path(out_dir)
+    write = partial(
+        _prepare,
+        src,
+        fmt=fmt,
+        field=field,
+        columns=columns,
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+        shard_bytes=shard_bytes,
+        show_progress=show_progress,
+        metadata=metadata,
+    )
+    if not scheme_of(str(out_dir)):
+        return write(Path(out_dir), overwrite=overwrite)
+    store = ObjectPath(str(out_dir))
+    check_store_output(store, overwrite)  # before the source is read
+    with scratch_folder() as scratch:
+        local = write(Path(scratch) / "data")
+        upload_dataset(local, store)
+    return store
+
+
+def _prepare(
+    src: Path,
+    out: Path,
+    *,
+    fmt: str,
+    field: str,
+    columns: Sequence[str] | None,
+    tokenizer: Tokenizer | None,
+    vocab_size: int | None,
+    shard_bytes: int,
+    show_progress: bool,
+    metadata: dict[str, Any] | None,
+    overwrite: bool = False,
+) -> Path:
     if out.exists() and not overwrite:
         raise DataError(f"output folder {out} already exists; pass --overwrite to replace it")
     check_replaceable(out)  # before the source is read: a refusal costs nothing

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from dtrain.data.shards import ShardedDataset
+from dtrain.data.store_shards import StoreShards
 from dtrain.errors import DataError
 from dtrain.task import IGNORE_INDEX
 
@@ -57,6 +58,27 @@ class TokenWindows:
         self.shard_sizes = tuple(int(n) for n in np.diff(bounds))
 
     @property
+    def store(self) -> StoreShards | None:
+        return self.dataset.store
+
+    def pieces(self, ids: np.ndarray) -> np.ndarray:
+        """The store's pieces that windows ``ids`` read (shards in an object store)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        start = ids * self.stride
+        stop = start + self.seq_len + 1
+        first = np.searchsorted(self._token_starts, start, side="right") - 1
+        last = np.searchsorted(self._token_starts, stop - 1, side="right") - 1
+        # A window that crosses shards is cut at their bounds: one range per shard it reads.
+        spans = last - first + 1
+        shard = np.repeat(first, spans) + (
+            np.arange(spans.sum()) - np.repeat(np.cumsum(spans) - spans, spans)
+        )
+        begin = self._token_starts[shard]
+        lo = np.maximum(np.repeat(start, spans), begin) - begin
+        hi = np.minimum(np.repeat(stop, spans), self._token_starts[shard + 1]) - begin
+        return self.dataset.value_pieces(self.field, shard, lo, hi)
+
+    @property
     def fingerprint(self) -> str:
         step = "" if self.stride == self.seq_len else f"stride{self.stride}"
         return f"{self.dataset.fingerprint}:windows{self.seq_len}{step}"
@@ -82,7 +104,10 @@ class TokenWindows:
         if not 0 <= index < self._len:
             raise IndexError(f"window {index} is out of range for {self._len} windows")
         start = index * self.stride
-        return self.tokens(start, start + self.seq_len + 1).astype(np.int64)
+        if self.dataset.store is None:
+            return self.tokens(start, start + self.seq_len + 1).astype(np.int64)
+        with self.dataset.store.hold(self.pieces(np.array([index]))):
+            return self.tokens(start, start + self.seq_len + 1).astype(np.int64)  # a copy
 
 
 class TokenSequences:
@@ -95,6 +120,13 @@ class TokenSequences:
         # Target tokens per sample: a sequence of n tokens predicts n - 1 of them.
         self._lengths = np.clip(raw, 1, max_len + 1) - 1
         self.shard_sizes = dataset.shard_sizes  # one sample per document, in storage order
+
+    @property
+    def store(self) -> StoreShards | None:
+        return self.dataset.store
+
+    def pieces(self, ids: np.ndarray) -> np.ndarray:
+        return self.dataset.pieces(ids)
 
     @property
     def fingerprint(self) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -18,6 +17,7 @@ from dtrain.data.shards import ShardedDataset
 from dtrain.data.text import TokenSequences, TokenWindows, collate_padded, collate_windows
 from dtrain.errors import ConfigError
 from dtrain.models.gpt import GPT, GPTConfig
+from dtrain.storage.objects import location
 from dtrain.task import IGNORE_INDEX, Task, task_config
 
 PROMPTS = ("def ", "class ", "import ")
@@ -30,7 +30,9 @@ class GPTTaskConfig:
     n_head: int = option(4, "attention heads per block; must divide d_model", min=1)
     d_model: int = option(192, "width of the residual stream", min=1)
     dropout: float = option(0.0, "dropout rate", min=0, max=1)
-    data_dir: str = ""  # a prepared dataset with train/ and val/; empty = the stdlib corpus
+    # A prepared dataset with train/ and val/ (a folder, or s3://BUCKET/PREFIX); empty = the
+    # stdlib corpus.
+    data_dir: str = ""
     samples: Literal["windows", "documents"] = "windows"  # documents: one file per sample
     generate_tokens: int = option(160, "printed after training, per prompt (0 = none)", min=0)
     # windows: a window starts every `stride` tokens (0 = seq_len: no overlap; 1: at every
@@ -39,6 +41,12 @@ class GPTTaskConfig:
     # Build the model on the meta device: each rank makes only the part it holds (fsdp,
     # pipeline, tensor), for models larger than one rank's memory.
     meta_init: bool = False
+
+    def dataset_paths(self) -> list[str]:
+        """The datasets this task reads (``dtrain train`` checks those in a store before any
+        worker starts)."""
+        root = self.data_dir.rstrip("/")
+        return [f"{root}/train", f"{root}/val"] if root else []
 
     def __post_init__(self) -> None:
         # Checked with the rest of the config, before any worker starts: the heads split the
@@ -90,8 +98,12 @@ def generate_samples(model: nn.Module, new_tokens: int, seed: int = 0) -> str:
 @task_config(GPTTaskConfig)
 def build(cfg: Config) -> Task:
     opts: GPTTaskConfig = cfg.task
-    root = Path(opts.data_dir) if opts.data_dir else prepare_stdlib_corpus()
-    train, val = ShardedDataset(root / "train"), ShardedDataset(root / "val")
+    root = location(opts.data_dir) if opts.data_dir else prepare_stdlib_corpus()
+    # A dataset in an object store is read through a cache of pieces (data.cache_*).
+    train, val = (
+        ShardedDataset(root / part, cfg.data.cache_dir, cfg.data.cache_bytes)
+        for part in ("train", "val")
+    )
     # Bytes, or the vocabulary of the tokenizer `dtrain prepare --tokenizer` recorded.
     vocab_size = int(train.manifest.get("metadata", {}).get("vocab_size") or 256)
     gpt_config = GPTConfig(

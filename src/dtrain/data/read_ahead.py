@@ -1,0 +1,116 @@
+"""Reading a rank's shards ahead of its steps, from an object store, into its bounded cache.
+
+The loader knows the plan of every step to come (a pure function of the position,
+:mod:`dtrain.data.partition`); :class:`ReadAhead` walks the same plans on a background thread,
+holds the pieces of this rank's share of each step (:mod:`dtrain.data.store_shards`) and fetches
+them, several requests at once, while the pieces held stay within ``data.cache_bytes`` and the
+step no more than :data:`MAX_STEPS` ahead. When the loader passes a step, its pieces are given
+back (and evicted as room is needed). The reads themselves hold what they touch, so a step the
+thread has not reached yet is still read right, fetched there and then: the read-ahead changes
+when bytes arrive, never which.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from dtrain.data.partition import StepPlan
+from dtrain.data.store_shards import StoreShards
+from dtrain.errors import DataError
+
+MAX_STEPS = 64  # steps held ahead at most: enough to keep a link busy, a bound on the thread
+REQUESTS = 4  # range requests in flight at once
+
+
+class CacheTooSmall(DataError):
+    """One step's share reads more than ``data.cache_bytes`` holds."""
+
+
+class ReadAhead:
+    def __init__(
+        self, store: StoreShards, pieces_of: Callable[[np.ndarray], np.ndarray], rank: int
+    ) -> None:
+        self.store = store
+        self.pieces_of = pieces_of
+        self.rank = rank
+        self._held: collections.deque[tuple[int, np.ndarray]] = collections.deque()
+        self._lock = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None  # what stopped the thread, if anything
+
+    def start(self, plans: Iterator[StepPlan]) -> None:
+        """Read ahead of ``plans``, the loader's own steps from its position."""
+        self.stop()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(plans, self._stop),
+            name=f"dtrain-read-ahead-rank{self.rank}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def passed(self, end: int) -> None:
+        """The loader has taken the steps that end at or before position ``end``. A cache
+        too small for one step is raised here, to the training loop."""
+        if isinstance(self.error, CacheTooSmall):
+            raise self.error
+        with self._lock:
+            while self._held and self._held[0][0] <= end:
+                self.store.give_back(self._held.popleft()[1])
+            self._lock.notify_all()
+
+    def stop(self) -> None:
+        """Stop the thread and give back every piece it holds (a reset, the end)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        with self._lock:
+            while self._held:
+                self.store.give_back(self._held.popleft()[1])
+
+    def _run(self, plans: Iterator[StepPlan], stop: threading.Event) -> None:
+        # A failure stops the read-ahead only: the step that needs the piece fetches it itself
+        # and raises the failure there, where the rank reports it.
+        try:
+            with ThreadPoolExecutor(REQUESTS, thread_name_prefix="dtrain-piece") as pool:
+                for plan in plans:
+                    if not self._hold_step(plan, stop):
+                        return
+                    pieces = self._held[-1][1]
+                    missing = pieces[~self.store.present[pieces]]
+                    # One piece a task, REQUESTS at a time: the step's pieces in parallel.
+                    for done in pool.map(lambda p: self.store.fetch(np.array([p])), missing):
+                        del done
+                        if stop.is_set():
+                            return
+        except BaseException as exc:
+            self.error = exc
+
+    def _hold_step(self, plan: StepPlan, stop: threading.Event) -> bool:
+        mine = plan.rank_ids(self.rank)
+        ids = np.concatenate(mine) if mine else np.empty(0, dtype=np.int64)
+        pieces = self.pieces_of(ids)
+        need = self.store.bytes_of(pieces)
+        if need > self.store.limit:
+            raise CacheTooSmall(
+                f"data.cache_bytes = {self.store.limit} is less than the {need} bytes "
+                f"({len(pieces)} pieces) that rank {self.rank}'s share of the step at stream "
+                f"position {plan.start} reads from {self.store.root}; raise data.cache_bytes"
+            )
+        with self._lock:
+            while len(self._held) >= MAX_STEPS and not stop.is_set():
+                self._lock.wait(0.5)
+        if not self.store.wait_room(self.store.new_bytes(pieces), stop):
+            return False
+        with self._lock:
+            self.store.take(pieces)
+            self._held.append((plan.end, pieces))
+        return True

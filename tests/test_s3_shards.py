@@ -1,0 +1,323 @@
+"""Shards in an object store (``dtrain prepare SOURCE s3://...``, docs/data.md), against moto's
+S3 server started here (``make test-s3``: OpenStack Swift's S3 API). The same text prepared to a
+local folder and to the store (pieces of 4 KiB, the cache 4 pieces, so that the read-ahead
+evicts and fetches again) gives the same windows, the same ids step by step for each of 2 ranks,
+and resumed at 3; a missing or damaged object is named; a cache below one piece and a store
+prefix without a dataset are refused before any worker starts. The processes' test: 2 ranks on
+the store's shards stopped by SIGTERM at step 4, resumed on 3: the audit shows each sample once.
+The journey (``slow``; ``make test-s3``): prepare with the command, then train from the store's
+shards with the run folder in the store, SIGTERM, and resume at another world size."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tomli_w
+import torch
+
+from dtrain.checkpoint.layout import step_dir_name
+from dtrain.cli import main
+from dtrain.config.sections import STORE_PIECE_BYTES
+from dtrain.data.loader import RankLoader
+from dtrain.data.partition import OrderSpec
+from dtrain.data.prepare import prepare
+from dtrain.data.read_ahead import ReadAhead
+from dtrain.data.shards import ShardedDataset, verify_dataset
+from dtrain.data.text import TokenWindows, collate_windows
+from dtrain.data.upload import upload_dataset
+from dtrain.errors import USER_ERROR_EXIT_CODE, DataError
+from tests.audit import check_stream, read_trajectory
+from tests.conftest import tiny_raw
+from tests.dist_helpers import signal_self_at_step, train_params
+from tests.ranks import run_ranks
+from tests.s3_helpers import (
+    SIGTERM_AT_STEP_ENV,
+    Store,
+    dtrain,
+    finish,
+    open_store,
+    silent_store,
+)
+
+BUCKET = "shards"
+PIECE = 4096
+CACHE = 12 * PIECE  # a rank's cache: 12 pieces, of the train set's ~60
+SEQ = 16
+B = 8
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[Store]:
+    yield from open_store(BUCKET)
+
+
+@dataclass
+class Prepared:
+    local: Path  # a folder with train/ and val/
+    url: str  # the same, in the store
+    tmp: Path
+
+
+def write_text(folder: Path, files: int = 24) -> Path:
+    """Text files of different lengths (2 to 9 kB): several shards, windows across them."""
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(3)
+    for i in range(files):
+        words = rng.choice(["def", "class", "return", "x", "=", "(", ")", "\n"], 900 + 150 * i)
+        (folder / f"f{i:02d}.txt").write_text(" ".join(words))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def prepared(store: Store, tmp_path_factory: pytest.TempPathFactory) -> Prepared:
+    tmp = tmp_path_factory.mktemp("s3-shards")
+    source = write_text(tmp / "text")
+    url = f"s3://{BUCKET}/data"
+    for part in ("train", "val"):
+        local = tmp / "local" / part
+        prepare(source, local, shard_bytes=20_000, show_progress=False)
+        # Pieces of 4 KiB (the reader takes the manifest's size): a shard is several pieces.
+        os.environ.update(store.env)
+        upload_dataset(local, store.path(f"data/{part}"), piece_bytes=PIECE)
+    return Prepared(tmp / "local", url, tmp)
+
+
+def loaders(datasets: list[TokenWindows], cache: bool) -> list[RankLoader]:
+    """A loader per rank, each on its dataset (a rank of a job opens its own)."""
+    world, first = len(datasets), datasets[0]
+    order = OrderSpec(len(first), seed=5, shuffle="full", shard_sizes=first.shard_sizes)
+    out = []
+    for rank, dataset in enumerate(datasets):
+        ahead = None
+        if cache:
+            assert dataset.store is not None
+            ahead = ReadAhead(dataset.store, dataset.pieces, rank)
+        out.append(
+            RankLoader(
+                dataset,
+                order=order,
+                global_batch_size=B,
+                micro_batches=2,
+                rank=rank,
+                world_size=world,
+                collate_fn=collate_windows,
+                fingerprint=dataset.fingerprint,
+                ahead=ahead,
+            )
+        )
+    return out
+
+
+def test_the_store_s_shards_give_the_local_windows_and_ids_step_by_step(
+    store: Store, prepared: Prepared
+) -> None:
+    local = TokenWindows(ShardedDataset(prepared.local / "train"), SEQ)
+
+    def remote() -> TokenWindows:
+        return TokenWindows(ShardedDataset(f"{prepared.url}/train", cache_bytes=CACHE), SEQ)
+
+    one = remote()
+    files = one.store
+    assert files is not None and files.piece_bytes == PIECE
+    assert len(one) == len(local) > 200 and one.fingerprint == local.fingerprint
+    assert (
+        len(one.dataset.shard_sizes) >= 3 and files.bytes_of(np.arange(files.base[-1])) > 3 * CACHE
+    )
+    for i in (0, 1, len(local) // 2, len(local) - 1):  # read without the read-ahead
+        assert np.array_equal(one[i], local[i])
+    # Two ranks side by side, 10 steps; then the position resumed on 3 ranks, 4 steps more.
+    mine = loaders([one, remote()], cache=True)
+    theirs = loaders([local, local], cache=False)
+    for _ in range(10):
+        for a, b in zip(theirs, mine, strict=True):
+            want, got = next(a), next(b)
+            assert [x.tolist() for x in got.ids] == [x.tolist() for x in want.ids]
+            for (wi, wt), (gi, gt) in zip(want.micro, got.micro, strict=True):
+                assert torch.equal(wi, gi) and torch.equal(wt, gt)
+        assert files.resident <= CACHE and files.held_bytes <= CACHE  # bounded
+    assert files.fetched > 2 * CACHE  # evicted what the steps passed, fetched what came next
+    state = mine[0].state_dict()
+    assert state == theirs[0].state_dict() and state["consumed"] == 10 * B
+    for loader in mine:
+        loader.close()
+    assert files.held_bytes == 0  # the read-ahead gave back what it held
+    mine = loaders([remote() for _ in range(3)], cache=True)
+    theirs = loaders([local] * 3, cache=False)
+    for a, b in zip(theirs, mine, strict=True):
+        a.load_state_dict(state)
+        b.load_state_dict(state)
+    for _ in range(4):
+        for a, b in zip(theirs, mine, strict=True):
+            want, got = next(a), next(b)
+            assert [x.tolist() for x in got.ids] == [x.tolist() for x in want.ids]
+            assert all(torch.equal(w[0], g[0]) for w, g in zip(want.micro, got.micro, strict=True))
+    for loader in mine:
+        loader.close()
+
+
+def test_a_missing_or_damaged_object_is_named(store: Store, prepared: Prepared) -> None:
+    # A copy of the dataset of its own, to damage.
+    upload_dataset(prepared.local / "val", store.path("hurt"), piece_bytes=PIECE)
+    dataset = ShardedDataset(f"s3://{BUCKET}/hurt", cache_bytes=4 * PIECE)
+    assert dataset.store is not None
+    names = dataset.store.names
+    first = next(n for n in names if n.startswith("shard-00000.tokens.npy"))
+    last_shard = max(names)[: len("shard-00000")]
+    data = bytearray(store.fs.cat_file(f"{BUCKET}/hurt/{first}"))
+    data[-5] ^= 0xFF  # same size: only a piece's hash sees it
+    store.fs.pipe_file(f"{BUCKET}/hurt/{first}", bytes(data))
+    end = len(dataset) - 1
+    with pytest.raises(DataError, match=rf"s3://{BUCKET}/hurt/{first}: bytes \d+\.\.\d+ fail"):
+        dataset[int(dataset._starts[1]) - 1]  # the last sample of shard 0
+    store.fs.rm_file(f"{BUCKET}/hurt/{last_shard}.tokens.npy")
+    with pytest.raises(
+        DataError, match=rf"shard file {last_shard}.tokens.npy is missing in the object store "
+    ) as caught:
+        dataset[end]
+    assert f"key s3://{BUCKET}/hurt/{last_shard}.tokens.npy" in str(caught.value)
+    with pytest.raises(DataError, match=f"{last_shard}.tokens.npy is missing"):
+        ShardedDataset(f"s3://{BUCKET}/hurt")  # and at once when opened
+    bad = {str(b.path).rpartition("/")[2]: b.problem for b in verify_dataset(dataset.path)}
+    assert bad.keys() == {first, f"{last_shard}.tokens.npy"}  # `dtrain verify` reads it all
+    assert bad[first].startswith("sha256 ") and bad[f"{last_shard}.tokens.npy"] == "missing"
+
+
+def test_a_store_that_stops_answering_is_named_with_the_retry_policy(
+    store: Store, prepared: Prepared
+) -> None:
+    dataset = ShardedDataset(f"{prepared.url}/val", cache_bytes=4 * PIECE)
+    assert dataset.store is not None
+    dataset[0]  # the offsets files read (whole), and the first piece
+    dataset.store.root.fs = silent_store()  # the store goes away once the dataset is open
+    last = dataset.store.names[-1]  # the last shard's values, not fetched yet
+    assert last.endswith(".tokens.npy") and not last.endswith(".idx.npy")
+    with pytest.raises(DataError) as caught:
+        dataset[len(dataset) - 1]
+    said = str(caught.value)
+    assert said.startswith(f"reading shard file {last}: the object store s3://{BUCKET}")
+    assert "attempts per request" in said and f"{prepared.url}/val/{last}" in said
+
+
+def write_config(path: Path, data_dir: str, run_dir: str, local_dir: Path, steps: int) -> Path:
+    """A job on the default task's GPT (tiny) reading ``data_dir``, audited."""
+    config = {
+        "run": {"dir": run_dir, "local_dir": str(local_dir)},
+        "data": {"global_batch_size": B},
+        "train": {"steps": steps, "log_every": 1},
+        "eval": {"every": 0},
+        "checkpoint": {"every": 2},
+        "fault": {"audit_sample_ids": True},
+        "dist": {"timeout_s": 30},
+        "task": {"data_dir": data_dir, "seq_len": SEQ, "n_layer": 1, "d_model": 32}
+        | {"generate_tokens": 0},
+    }
+    path.write_text(tomli_w.dumps(config))
+    return path
+
+
+def test_refused_before_any_worker_starts(
+    store: Store,
+    prepared: Prepared,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for name, value in store.env.items():
+        monkeypatch.setenv(name, value)
+    run = prepared.tmp / "refused"
+    config = write_config(prepared.tmp / "refused.toml", prepared.url, str(run), run, 4)
+    small = f"--data.cache_bytes={STORE_PIECE_BYTES - 1}"
+    assert main(["train", str(config), small]) == USER_ERROR_EXIT_CODE
+    said = capsys.readouterr().err
+    assert f"data.cache_bytes = {STORE_PIECE_BYTES - 1} is less than one piece" in said
+    nothing = f"s3://{BUCKET}/nothing"
+    assert main(["train", str(config), f"--task.data_dir={nothing}"]) == USER_ERROR_EXIT_CODE
+    said = capsys.readouterr().err
+    assert f"task.data_dir: dataset folder {nothing}/train does not exist" in said
+    # A store that is not there (a process of its own: this one keeps its client to moto).
+    gone = {"AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9"}
+    code, said = finish(dtrain(store, "train", str(config), env=gone))
+    assert code == USER_ERROR_EXIT_CODE, said[-2000:]
+    assert f"task.data_dir {prepared.url}/train: the object store s3://{BUCKET}" in said
+    assert "does not answer; check AWS_ENDPOINT_URL_S3" in said
+    assert not run.exists()  # no worker started, no run folder made
+
+
+def run_job(prepared: Prepared, run_dir: Path, steps: int) -> dict[str, object]:
+    raw = tiny_raw(
+        run_dir,
+        run={"task": "dtrain.tasks.gpt:build"},
+        data={"global_batch_size": B, "cache_bytes": STORE_PIECE_BYTES},
+        train={"steps": steps, "log_every": 2},
+        checkpoint={"every": 2},
+        fault={"audit_sample_ids": True},
+    )
+    raw["task"] = {
+        "data_dir": prepared.url,
+        "seq_len": SEQ,
+        "n_layer": 1,
+        "d_model": 32,
+        "n_head": 2,
+        "generate_tokens": 0,
+    }
+    return raw
+
+
+STEPS = 8
+
+
+def test_stopped_on_2_ranks_and_resumed_on_3_each_sample_once(
+    store: Store, prepared: Prepared, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in store.env.items():
+        monkeypatch.setenv(name, value)  # the ranks' environment
+    run_dir = prepared.tmp / "run"
+    job = run_job(prepared, run_dir, STEPS)
+    stopped = run_ranks(signal_self_at_step, 2, job, 1, 4, "SIGTERM")
+    assert [s["steps"] for s in stopped] == [4, 4], stopped
+    run_ranks(train_params, 3, job)
+    final = json.loads((run_dir / "checkpoints" / step_dir_name(STEPS) / "meta.json").read_text())
+    assert final["world_size"] == 3 and final["data"]["consumed"] == STEPS * B
+    trajectory = read_trajectory(run_dir)
+    assert sorted(trajectory) == list(range(1, STEPS + 1))
+    local = TokenWindows(ShardedDataset(prepared.local / "train"), SEQ)
+    result = check_stream(trajectory, len(local))
+    assert result.exactly_once and not result.gaps and result.positions == STEPS * B, result
+    assert final["data"]["fingerprint"] == local.fingerprint  # the local shards' stream
+
+
+@pytest.mark.slow
+def test_the_journey_prepare_train_sigterm_resume_at_another_world_size(
+    store: Store, prepared: Prepared
+) -> None:
+    tmp = prepared.tmp / "journey"
+    tmp.mkdir()
+    source = write_text(tmp / "text", files=12)
+    for part in ("train", "val"):
+        code, said = finish(dtrain(store, "prepare", str(source), f"s3://{BUCKET}/j/{part}"))
+        assert code == 0 and f"to s3://{BUCKET}/j/{part}" in said, said[-2000:]
+    run_url = f"s3://{BUCKET}/j-run"
+    config = write_config(tmp / "job.toml", f"s3://{BUCKET}/j", run_url, tmp / "local", 12)
+    task = "--run.task=tests.s3_helpers:preempted_gpt"
+    first = dtrain(
+        store, "train", str(config), task, "--nproc", "2", env={SIGTERM_AT_STEP_ENV: "5"}
+    )
+    code, said = finish(first)
+    # The launcher forwards the signal: the ranks stop at the end of step 5 or the next.
+    stopped = re.search(r"stopped by SIGTERM at step (\d+), saved", said)
+    assert code == 0 and stopped is not None and 5 <= int(stopped[1]) < 12, said[-3000:]
+    code, said = finish(dtrain(store, "train", str(config), task, "--nproc", "3"))
+    assert code == 0, said[-3000:]
+    resumed = f"training ddp on 3 rank(s), cpu, resumed from {step_dir_name(int(stopped[1]))}"
+    assert resumed in said, said[-3000:]
+    trajectory = read_trajectory(tmp / "local")
+    assert sorted(trajectory) == list(range(1, 13))
+    windows = TokenWindows(ShardedDataset(f"s3://{BUCKET}/j/train"), SEQ)
+    result = check_stream(trajectory, len(windows))
+    assert result.exactly_once and not result.gaps and result.positions == 12 * B, result
