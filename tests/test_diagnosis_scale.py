@@ -12,7 +12,7 @@ import re
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,20 +22,11 @@ import pytest
 from dtrain.dist import sealed_store
 from dtrain.dist.store_link import job_store_link
 from dtrain.fault.watchdog import Watchdog
-from tests.ranks import loopback_store
+from tests.test_peer_words import job_store  # noqa: F401  (restart mode's store, a fixture)
 
 PER_MACHINE = 8
 AT_FAULT = 13  # machine 1, its sixth rank: watched by rank 12 (its machine) and rank 5 (machine 0)
 WATCHERS = (12, 5)
-
-
-@pytest.fixture
-def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    server, port = loopback_store(30)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)  # keys under dtrain/
-    yield server
 
 
 class Sleeps:
@@ -117,7 +108,7 @@ def dead_pid() -> int:
 
 
 def diagnose_all(
-    store: Any, world: int, at_fault_pid: int, age: float, monkeypatch: pytest.MonkeyPatch
+    world: int, at_fault_pid: int, age: float, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[dict[int, str], dict[int, Counted], int]:
     """Every rank's diagnosis of ``AT_FAULT`` (its beat ``age`` s old, its process
     ``at_fault_pid``): its watchers first, then every other rank at once, one of them (rank
@@ -144,7 +135,7 @@ def diagnose_all(
     for rank in range(world):
         pid = at_fault_pid if rank == AT_FAULT else os.getpid()
         key = f"dtrain/watchdog/hb/{rank}"
-        sealed_store.put(store, key, beat(rank, pid, age if rank == AT_FAULT else 0.2))
+        sealed_store.put(link.client, key, beat(rank, pid, age if rank == AT_FAULT else 0.2))
     released = threading.Event()
     counts[2].stall = released
     words: dict[int, str] = {}
@@ -171,15 +162,18 @@ def per_rank(counts: dict[int, Counted]) -> tuple[int, int, int]:
     )
 
 
+@pytest.mark.usefixtures("job_store")
 def test_a_killed_rank_is_named_by_every_rank_with_reads_that_do_not_grow_with_w(
-    store: Any, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     pid = dead_pid()
+    link = job_store_link(5.0, 5.0)
+    assert link is not None
     seen: dict[int, tuple[int, int, int]] = {}
     for world in (16, 64):
         for key in ("dtrain/watchdog/failed", f"dtrain/watchdog/failed/{AT_FAULT}"):
-            store.delete_key(key)
-        words, counts, sleeps = diagnose_all(store, world, pid, 0.5, monkeypatch)
+            link.client.delete_key(key)
+        words, counts, sleeps = diagnose_all(world, pid, 0.5, monkeypatch)
         # Rank 12 shares its machine: it sees the process gone and posts it; every other rank,
         # rank 5 (which watches it across machines, its beat still fresh) included, names
         # it from that post at its first reading. Rank 2's first read timed out (a busy
@@ -199,11 +193,12 @@ def test_a_killed_rank_is_named_by_every_rank_with_reads_that_do_not_grow_with_w
     assert seen[64][1] <= 12 and seen[64][2] < 1600, seen
 
 
+@pytest.mark.usefixtures("job_store")
 def test_a_stopped_rank_is_named_by_its_watchers_and_from_their_word_by_every_other(
-    store: Any, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Alive (this process's pid) but silent for 10 s: stopped, as by SIGSTOP.
-    words, counts, sleeps = diagnose_all(store, 64, os.getpid(), 10.0, monkeypatch)
+    words, counts, sleeps = diagnose_all(64, os.getpid(), 10.0, monkeypatch)
     stopped = rf"rank {AT_FAULT} \(m1, pid {os.getpid()}\) stopped responding: its last heartbeat, "
     old = r"(\d+\.\d)s old, was at step 7 in forward_backward"
     for rank, said in words.items():
