@@ -30,7 +30,7 @@ from dtrain.process_exit import process_alive
 # How much longer than a beat takes to go stale a rank reads the index of what the others
 # posted: the watchers of a rank gone silent post it once they see its beats stop, which they
 # began to watch about when this rank did (their collectives failed with this one's).
-_GRACE_S = 2.0
+POSTS_GRACE_S = 2.0
 _NEVER = "never checked in"
 
 
@@ -99,7 +99,7 @@ class PeerDiagnosis:
         start = time.monotonic()
         # Beats are read until one can be stale; the index a little longer, for what the
         # watchers of the rank at fault post once they have seen its beats stop.
-        deadline, posts_until = start + stale_after + 0.5, start + stale_after + _GRACE_S
+        deadline, posts_until = start + stale_after + 0.5, start + stale_after + POSTS_GRACE_S
         # A beat's seen_at as this rank first read it, and when (time.monotonic()): a beat
         # that has not changed for stale_after of this machine's time has stopped, whatever
         # the two machines' clocks say.
