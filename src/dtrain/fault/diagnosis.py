@@ -117,11 +117,12 @@ class PeerDiagnosis:
                 if not isinstance(exc, StoreTimeout) or now - answered >= stale_after:
                     return self._store_lost_by(exc)
                 found, settled = [], False
-            if settled or time.monotonic() >= posts_until:
+            if found or time.monotonic() >= posts_until:
                 break
             time.sleep(0.5)
         if not settled and self._first_to_scan():
-            # Nobody named from what the watchers saw: a failure only this rank (or a few)
+            # Nobody named from what the watchers saw, or only ranks that never checked in
+            # (a whole machine may not have started): a failure only this rank (or a few)
             # diagnoses (a hang, the resume check's collector), or none to be found. One rank
             # per attempt then reads every rank's beat, once: O(W) in all.
             try:
@@ -167,10 +168,10 @@ class PeerDiagnosis:
         """One reading of the store: the ranks found missing, in words, each with whether
         the network lost it (``watching``: the watched ranks' beats are read too, ``every``:
         every rank's); and
-        whether that settles it: a rank that never checked in is named with what the others
-        post meanwhile (at start-up every rank beats first, so a whole machine that never
-        started is many such ranks, each seen by its own watchers). Raises what the store's
-        client raised when it cannot be read."""
+        whether that settles it (ranks that never checked in do not: at start-up every rank
+        beats first, and a whole machine that never started is many such ranks, each seen
+        by its own watchers only). Raises what the store's client raised when it cannot be
+        read."""
         # A healthy store answers in milliseconds; a short bound keeps the whole diagnosis
         # (after the collective's own timeout) within the time a user waits for it.
         quick = max(1.0, min(2.0, self.heartbeat_s))
