@@ -8,7 +8,7 @@ Commit protocol (one save):
 2. every rank checks that its files fit on the disk, then serializes them straight into
    ``checkpoints/.tmp-step-N/`` (:mod:`dtrain.checkpoint.stream`: no copy of the state beside
    the snapshot, each piece hashed as it is written) and fsyncs each;
-3. the ranks report to rank 0 over a side process group (so a background save never interleaves
+3. the ranks report to rank 0 (a background save over a side gloo group, never interleaving
    with the training collectives); any failure stops the commit here;
 4. rank 0 renames the folder to ``step-N`` (``os.replace``), fsyncs the parent, and only then
    writes ``COMMITTED.json`` -- the completion marker holding every file's size and the
@@ -163,6 +163,7 @@ class Checkpointer:
     keep_last: int
     keep_every: int
     timeout: datetime.timedelta = datetime.timedelta(minutes=5)
+    background: bool = True  # saves may be written in the background (checkpoint.async_save)
     log: Callable[[str], None] = print
     on_progress: Callable[[], None] = nothing
     last_saved_step: int | None = field(default=None, init=False)  # saved or being saved
@@ -170,11 +171,10 @@ class Checkpointer:
     write_seconds: list[float] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
-        # Saves coordinate over their own gloo group, so that a background save never
-        # interleaves its collectives with the training collectives of the default group.
-        self.group: dist.ProcessGroup | None = (
-            dist.new_group(backend="gloo", timeout=self.timeout) if dist.is_initialized() else None
-        )
+        # A background save has a gloo group of its own, apart from the training collectives
+        # (NCCL's cannot carry CPU tensors); a gloo job's blocking saves use the default one.
+        own = dist.is_initialized() and (self.background or dist.get_backend() != "gloo")
+        self.group = dist.new_group(backend="gloo", timeout=self.timeout) if own else None
         self._thread: threading.Thread | None = None
         self._error: str | None = None
         self._staged: dict[str, Any] = {}  # the last async snapshot, reused by the next one
@@ -231,6 +231,7 @@ class Checkpointer:
         A blocking save writes the live state (nothing changes it while the loop waits, and
         ``torch.save`` copies a device's tensor to the host one at a time); an asynchronous
         one writes a snapshot, the only memory it adds."""
+        assert blocking or self.background, "a background save needs background=True"
         previous = self.wait()  # at most one save in flight
         if previous:
             self.log(f"warning: {previous}")

@@ -27,12 +27,22 @@ from dtrain.fault.peer_failure import (
 )
 from dtrain.process_exit import process_alive
 
+# How much longer than a beat takes to go stale a rank reads the index of what the others
+# posted: the watchers of a rank gone silent post it once they see its beats stop, which they
+# began to watch about when this rank did (their collectives failed with this one's).
+POSTS_GRACE_S = 2.0
+_NEVER = "never checked in"
+
 
 class PeerDiagnosis:
     """The watchdog's diagnosis (a mixin: :class:`~dtrain.fault.watchdog.Watchdog` gives the
     store, this rank's identity and its reads of the others' beats and failures)."""
 
     store: Any
+    rank: int
+    world_size: int
+    local_rank: int
+    local_size: int
     host: str
     node: str
     heartbeat_s: float
@@ -40,13 +50,18 @@ class PeerDiagnosis:
     _addresses: dict[int, tuple[str, int]]
     _rank0_beat: Liveness | None
 
-    def peers(self, seconds: float | None = None) -> dict[int, Liveness | None]:
+    def beats(self, ranks: set[int], seconds: float | None = None) -> dict[int, Liveness | None]:
         raise NotImplementedError
 
     def failures(self, seconds: float | None = None) -> dict[int, dict[str, Any]]:
         raise NotImplementedError
 
     def _report_dead_peer(self, rank: int, where: str, beat: Liveness) -> None:
+        raise NotImplementedError
+
+    def _report_silent_peer(
+        self, rank: int, words: str, network: bool, beat: Liveness | None
+    ) -> None:
         raise NotImplementedError
 
     def _local_record(self, beat: Liveness) -> Liveness | None:
@@ -66,55 +81,123 @@ class PeerDiagnosis:
         failed because a peer's end of a connection closed (its process ended), not because
         one stopped answering.
 
-        A rank that died on another machine posts nothing and cannot be looked up; its beats
-        only stop. So while nobody is named yet, the store is read again for as long as it
-        takes a dead rank's beat to go stale (a few heartbeats), instead of saying "every
-        other rank is still beating" about a rank killed a moment ago. A silent rank on
-        another machine is then probed at the address its start-up check published: a
-        refused connection is a process gone (killed or crashed), no answer at all a network
-        path lost (or the machine), a connection accepted a process alive but silent."""
+        Each rank reads the index of what the ranks posted (failures, and what a watcher saw)
+        and the beats of the few ranks it watches (:meth:`watched`), never every rank's: at
+        W ranks that was W reads of W beats in every round, all at once. A rank that finds
+        one of its watched ranks gone or silent posts what it found to the index, where
+        every other rank reads it. A rank that died on another machine posts nothing and
+        cannot be looked up; its beats only stop. So while nobody is named yet, the store is
+        read again for as long as it takes a dead rank's beat to go stale (a few
+        heartbeats), and its watchers' posts a little longer, instead of saying "every other
+        rank is still beating" about a rank killed a moment ago. A silent rank on another
+        machine is then probed at the address its start-up check published: a refused
+        connection is a process gone (killed or crashed), no answer at all a network path
+        lost (or the machine), a connection accepted a process alive but silent."""
         if self.store is None:
             return "no rendezvous store to ask which rank is missing", False
         stale_after = max(3 * self.heartbeat_s, 3.0)
-        deadline = time.monotonic() + stale_after + 0.5
+        start = time.monotonic()
+        # Beats are read until one can be stale; the index a little longer, for what the
+        # watchers of the rank at fault post once they have seen its beats stop.
+        deadline, posts_until = start + stale_after + 0.5, start + stale_after + POSTS_GRACE_S
         # A beat's seen_at as this rank first read it, and when (time.monotonic()): a beat
         # that has not changed for stale_after of this machine's time has stopped, whatever
         # the two machines' clocks say.
         first_seen: dict[int, tuple[float, float]] = {}
+        answered = start  # when the store last answered (time.monotonic())
         while True:
-            found = self._missing(first_seen, stale_after, closed)
-            if isinstance(found, tuple):
-                return found  # the store itself is gone
-            if found or time.monotonic() >= deadline:
+            now = time.monotonic()
+            try:
+                found, settled = self._missing(first_seen, stale_after, closed, now < deadline)
+                answered = now
+            except Exception as exc:
+                # A read that timed out is a busy store as often as a frozen one: it is read
+                # again, and the store (and rank 0 with it) is named lost only when it has
+                # not answered for as long as a beat takes to go stale.
+                if not isinstance(exc, StoreTimeout) or now - answered >= stale_after:
+                    return self._store_lost_by(exc)
+                found, settled = [], False
+            if found or time.monotonic() >= posts_until:
                 break
             time.sleep(0.5)
+        if not settled and self._first_to_scan():
+            # Nobody named from what the watchers saw, or only ranks that never checked in
+            # (a whole machine may not have started): a failure only this rank (or a few)
+            # diagnoses (a hang, the resume check's collector), or none to be found. One rank
+            # per attempt then reads every rank's beat, once: O(W) in all.
+            try:
+                found, _ = self._missing(first_seen, stale_after, closed, True, every=True)
+            except Exception as exc:
+                return self._store_lost_by(exc)
         if not found:
             return "every other rank is still beating (the failure may be in the network)", False
         return "; ".join(words for words, _ in found), any(network for _, network in found)
 
+    def _first_to_scan(self) -> bool:
+        raise NotImplementedError
+
+    def watched(self) -> set[int]:
+        """The ranks whose beats this rank reads in a diagnosis: the next rank of its machine
+        (which sees that rank's process and liveness file) and its own place on the next
+        machine (which still sees that rank when its whole machine is lost). Every rank is
+        watched by two, so each diagnosis reads a few beats at any W; what a watcher finds it
+        posts for the others. The machine's ranks are consecutive, as torch's agent numbers
+        them (where they are not, a watcher is on another machine and probes instead)."""
+        world = self.world_size
+        size = max(1, min(self.local_size, world))
+        local = self.local_rank if 0 <= self.local_rank < size else self.rank % size
+        base = self.rank - local
+        mate = base + (local + 1) % size
+        return {r for r in (mate, (self.rank + size) % world) if r != self.rank and r < world}
+
+    def _store_lost_by(self, exc: BaseException) -> tuple[str, bool]:
+        from dtrain.dist.runtime import store_hosted_by_launcher
+
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        why = f"({type(exc).__name__}: {first})"
+        return self._store_lost(why, isinstance(exc, StoreTimeout), store_hosted_by_launcher())
+
     def _missing(
-        self, first_seen: dict[int, tuple[float, float]], stale_after: float, closed: bool
-    ) -> list[tuple[str, bool]] | tuple[str, bool]:
+        self,
+        first_seen: dict[int, tuple[float, float]],
+        stale_after: float,
+        closed: bool,
+        watching: bool,
+        every: bool = False,
+    ) -> tuple[list[tuple[str, bool]], bool]:
         """One reading of the store: the ranks found missing, in words, each with whether
-        the network lost it; or, when the store cannot be read, the diagnosis of its loss."""
+        the network lost it (``watching``: the watched ranks' beats are read too, ``every``:
+        every rank's); and
+        whether that settles it (ranks that never checked in do not: at start-up every rank
+        beats first, and a whole machine that never started is many such ranks, each seen
+        by its own watchers only). Raises what the store's client raised when it cannot be
+        read."""
         # A healthy store answers in milliseconds; a short bound keeps the whole diagnosis
         # (after the collective's own timeout) within the time a user waits for it.
         quick = max(1.0, min(2.0, self.heartbeat_s))
-        try:
-            failed = self.failures(quick)
-            beats = self.peers(quick)
-        except Exception as exc:
-            from dtrain.dist.runtime import store_hosted_by_launcher
-
-            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-            why = f"({type(exc).__name__}: {first})"
-            return self._store_lost(why, isinstance(exc, StoreTimeout), store_hosted_by_launcher())
+        failed = self.failures(quick)
+        # A rank of this machine that another posted (killed, silent) is looked at here too:
+        # this machine sees its process, and its liveness file says where it was.
+        local = {r for r, record in failed.items() if record.get("host") == self.host}
+        look = set(range(self.world_size)) - {self.rank} if every else self.watched() | local
+        beats = self.beats(look, quick) if watching else {}
         now, clock = time.time(), time.monotonic()
         found: list[tuple[str, bool]] = []
+        named: set[int] = set()
         for rank, record in sorted(failed.items()):
-            if "killed" in record:
-                if record["host"] == self.host:
-                    continue  # this machine sees its process itself, below
+            if "error" in record:
+                named.add(rank)
+                found.append(
+                    (
+                        f"rank {rank} ({record['host']}, pid {record['pid']}) failed at step "
+                        f"{record['step']} in {record['phase']}: {record['error']}",
+                        False,
+                    )
+                )
+            elif record.get("host") == self.host and rank in beats:
+                continue  # this machine sees its process itself, below
+            elif "killed" in record:
+                named.add(rank)
                 found.append(
                     (
                         f"rank {rank} ({record['host']}, pid {record['pid']}) died: "
@@ -122,26 +205,24 @@ class PeerDiagnosis:
                         False,
                     )
                 )
-                continue
-            found.append(
-                (
-                    f"rank {rank} ({record['host']}, pid {record['pid']}) failed at step "
-                    f"{record['step']} in {record['phase']}: {record['error']}",
-                    False,
-                )
-            )
+            elif record["seen_by"] != self.rank or rank not in beats:
+                named.add(rank)
+                seen_by = record["seen_by"]
+                by = "" if seen_by == self.rank else f" (seen by rank {seen_by})"
+                found.append((f"{record['silent']}{by}", bool(record["network"])))
         for rank, beat in sorted(beats.items()):
-            if rank in failed and failed[rank].get("host") != self.host:
+            if rank in named:
                 continue
             if beat is None:
-                found.append((f"rank {rank} never checked in", False))
+                words = f"rank {rank} {_NEVER}"
+                found.append((words, False))
+                if rank not in failed:
+                    self._report_silent_peer(rank, words, False, None)
                 continue
             seen = first_seen.setdefault(rank, (beat.seen_at, clock))
             if seen[0] != beat.seen_at:
                 first_seen[rank] = seen = (beat.seen_at, clock)
             silent = now - beat.seen_at > stale_after or clock - seen[1] > stale_after
-            if rank in failed and "killed" not in failed[rank]:
-                continue  # it posted its own failure, named above
             if beat.host == self.host and not process_alive(beat.pid):
                 # Killed outright (kill -9, the OOM killer): no error posted, and a beat that
                 # may be many steps behind; its liveness file says where it was.
@@ -149,12 +230,20 @@ class PeerDiagnosis:
                 found.append((f"{who(rank, beat)} died: {last_words}", False))
                 if rank not in failed:
                     self._report_dead_peer(rank, last_words, beat)
-            elif silent and beat.host != self.host:
-                found.append(self._remote_silent(rank, beat, now, closed, quick))
-            elif silent:
-                words = f"{who(rank, beat)} stopped responding: {self._last_known(beat, now)}"
-                found.append((words, False))
-        return found
+                continue
+            if not silent:
+                continue
+            if beat.host != self.host:
+                words, network = self._remote_silent(rank, beat, now, closed, quick)
+            else:
+                words, network = (
+                    f"{who(rank, beat)} stopped responding: {self._last_known(beat, now)}",
+                    False,
+                )
+            found.append((words, network))
+            if rank not in failed:
+                self._report_silent_peer(rank, words, network, beat)
+        return found, any(_NEVER not in words for words, _ in found)
 
     def _remote_silent(
         self, rank: int, beat: Liveness, now: float, closed: bool, quick: float

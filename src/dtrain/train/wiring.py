@@ -107,6 +107,7 @@ def wire_trainer(cfg: Config, task: Task, runtime: Runtime) -> Trainer:
         keep_last=cfg.checkpoint.keep_last,
         keep_every=cfg.checkpoint.keep_every,
         timeout=runtime.timeout,
+        background=cfg.checkpoint.async_save,
         log=run_log.log,
         on_progress=watchdog.tick,
     )

@@ -14,7 +14,10 @@ its seal (a stranger's, who reached the store's port) is read as none, with one 
 
 When a collective fails on a rank -- a peer's socket closed, or the collective timeout
 (``dist.timeout_s``) expired because a peer stopped responding -- :meth:`Watchdog.diagnose`
-reads the store and names who is missing, and where:
+reads the store and names who is missing, and where. It reads the index of what the ranks
+posted and the beats of two watched ranks (the next on its machine, its place on the next
+machine), never every rank's: a rank that finds a watched one gone or silent posts it to the
+index, where the others read it -- a few calls and keys per rank at any world size. It names:
 
 - a rank that posted a failure: its error, and the step and phase it raised in;
 - a rank of this machine whose process is gone (``kill -9``, the OOM killer): the exact step

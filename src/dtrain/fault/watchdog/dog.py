@@ -40,6 +40,7 @@ from dtrain.fault.peer_failure import (
 from dtrain.fault.watchdog.records import (
     FAILURE,
     KILLED,
+    SILENT,
     beat_of,
     failed_ranks,
     failure_text,
@@ -97,6 +98,9 @@ class Watchdog(PeerDiagnosis):
         memory); ``stats``: called on the watchdog's thread for the record's speed fields."""
         self.rank = rank
         self.world_size = world_size
+        # This rank's place on its machine, as torch's agent numbers it (diagnosis: watched).
+        self.local_rank = int(os.environ.get("LOCAL_RANK") or 0)
+        self.local_size = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
         self.heartbeat_s = heartbeat_s
         self.timeout_s = timeout_s
         self.host = socket.gethostname()
@@ -234,6 +238,28 @@ class Watchdog(PeerDiagnosis):
         }
         self._post_failure(rank, record)
 
+    def _report_silent_peer(
+        self, rank: int, words: str, network: bool, beat: Liveness | None
+    ) -> None:
+        """Post, for a rank this one watches, that its beats stopped (or never began), in the
+        words this rank found: the ranks that do not watch it name it from this. Never
+        raises."""
+        record: dict[str, Any] = {"silent": words, "network": network, "seen_by": self.rank}
+        if beat is not None:
+            record.update(host=beat.host, pid=beat.pid)
+        self._post_failure(rank, record)
+
+    def _first_to_scan(self) -> bool:
+        """Whether this rank is the first of its attempt to claim the diagnosis's one read of
+        every rank's beat. Never raises (a store that cannot be asked: not this rank)."""
+        key = f"{store_prefix()}scanned"
+        try:
+            return self.store is not None and bool(
+                self.store.call(lambda store: store.add(key, 1) == 1, "a claim")
+            )
+        except Exception:
+            return False
+
     def _post_failure(self, rank: int, record: dict[str, Any]) -> None:
         if self.store is None:
             return
@@ -354,6 +380,14 @@ class Watchdog(PeerDiagnosis):
         values = self.store.read_many(list(keys.values()), seconds)
         return {rank: beat_of(key, values[key]) for rank, key in keys.items()}
 
+    def beats(self, ranks: set[int], seconds: float | None = None) -> dict[int, Liveness | None]:
+        """Latest beat of each of ``ranks`` (None where none was ever seen): one read."""
+        if self.store is None or not ranks:
+            return {}
+        keys = {rank: f"{store_prefix()}hb/{rank}" for rank in sorted(ranks)}
+        values = self.store.read_many(list(keys.values()), seconds)
+        return {rank: beat_of(key, values[key]) for rank, key in keys.items()}
+
     def failures(self, seconds: float | None = None) -> dict[int, dict[str, Any]]:
         """The failures other ranks posted: the index of the ranks that failed, then theirs."""
         if self.store is None:
@@ -365,7 +399,7 @@ class Watchdog(PeerDiagnosis):
         failed: dict[int, dict[str, Any]] = {}
         for rank, key in keys.items():
             record = values[key]
-            if record is not None and not (fits(record, FAILURE) or fits(record, KILLED)):
+            if record is not None and not any(fits(record, s) for s in (FAILURE, KILLED, SILENT)):
                 warn_once(key, "it is malformed (not the record dtrain writes there)")
             elif record is not None:
                 failed[rank] = record

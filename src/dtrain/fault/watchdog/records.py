@@ -18,6 +18,9 @@ GENERATION_ENV = "DTRAIN_INPLACE_GENERATION"
 # What a rank posts when it fails, and what a rank posts for a dead rank of its machine.
 FAILURE: Shape = {"host": str, "pid": int, "step": int, "phase": str, "error": str}
 KILLED: Shape = {"host": str, "pid": int, "killed": str, "seen_by": int}
+# What a rank posts for a rank it watches (diagnosis: ``watched``) whose beats stopped, or that
+# never beat: the words it found, and whether the network lost it ("host" too, when known).
+SILENT: Shape = {"silent": str, "network": bool, "seen_by": int}
 
 
 def liveness_attempt() -> int:
