@@ -51,20 +51,13 @@ class RankFailed(AssertionError):
 
 def loopback_store(timeout_s: float) -> tuple[Any, int]:
     """A job key-value store hosted here on a free loopback port, as rank 0 of a job hosts
-    it: ``(store, port)``."""
-    import datetime
+    it: ``(store, port)``. Through dtrain's ``host_store``, which listens on 127.0.0.1 only:
+    torch's own listens on ``[::]``, where a client's v4-mapped address has no /etc/hosts
+    entry, so the store's reverse lookup of each client went to DNS (5 s when one is lost)."""
+    from dtrain.dist.stores import LOOPBACK, host_store
 
-    import torch.distributed as dist
-
-    port = free_port()
-    store = dist.TCPStore(  # type: ignore[attr-defined]
-        "127.0.0.1",
-        port,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-    return store, port
+    store = host_store(LOOPBACK, 0, timeout_s)
+    return store, int(store.port)
 
 
 def free_port() -> int:
