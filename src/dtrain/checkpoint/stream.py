@@ -20,6 +20,7 @@ import torch
 
 from dtrain.checkpoint import layout
 from dtrain.checkpoint.store import Location, ObjectPath, location, open_write
+from dtrain.checkpoint.upload import PartUpload
 
 
 def nothing() -> None:
@@ -70,14 +71,18 @@ class HashingWriter:
     What ``torch.save`` and DCP's writer call on a stream: ``write``, ``flush``, ``tell``,
     ``fileno``, ``close``. ``on_progress`` is called after each piece written (a file may be
     GBs); :meth:`finish` syncs the file to its storage and gives its marker entry. In an object
-    store the file is a multipart upload, sent part by part as it is written, complete (and
-    visible) once closed."""
+    store the file is a multipart upload whose parts go out while the next are written
+    (:mod:`dtrain.checkpoint.upload`), complete (and visible) once closed."""
 
     def __init__(self, path: Location | str, on_progress: Callable[[], None] | None = None) -> None:
         self.path = location(path)
         # Buffered: torch writes each record's small header apart from its data; the data,
         # larger than the buffer, goes to the file directly.
-        self._fh, self._sync = open_write(self.path)
+        self._fh: Any
+        if isinstance(self.path, ObjectPath):  # parts sent while the next are written
+            self._fh, self._sync = PartUpload(self.path), lambda fh: None
+        else:
+            self._fh, self._sync = open_write(self.path)
         self.hasher = PieceHasher()
         self._on_progress = on_progress or nothing
         self._marked = 0  # pieces written when progress was last marked
@@ -136,7 +141,10 @@ class HashingWriter:
         error: BaseException | None,
         trace: TracebackType | None,
     ) -> None:
-        self._fh.close()
+        if error is not None and isinstance(self._fh, PartUpload):
+            self._fh.abort()  # a failed write leaves no object behind (a file: its partial bytes)
+        else:
+            self._fh.close()
 
 
 def write_file(
