@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dtrain.checkpoint import copies
 from dtrain.checkpoint.layout import (
     MARKER,
     META,
@@ -31,7 +32,8 @@ from dtrain.checkpoint.layout import (
     step_of,
 )
 from dtrain.checkpoint.safe_load import load_file as load_file
-from dtrain.checkpoint.store import Location, remove_tree, sync_folder
+from dtrain.checkpoint.safe_load import open_verified
+from dtrain.checkpoint.store import Location, ObjectPath, remove_tree, sync_folder
 from dtrain.checkpoint.verify import pieces_of, verify_pieces
 from dtrain.errors import CheckpointError
 
@@ -54,8 +56,13 @@ def read_marker(step_dir: Location) -> dict[str, Any]:
     path = step_dir / MARKER
     if not path.exists():
         raise CheckpointError(f"{step_dir} has no {MARKER}: the save did not finish")
+    kept = copies.active()
     try:
-        marker = json.loads(path.read_text())
+        if kept is not None and isinstance(path, ObjectPath):  # read once in a resume
+            text = kept.read_once(path)
+        else:
+            text = path.read_bytes()
+        marker = json.loads(text.decode())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path} is corrupted: {exc}") from None
     if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
@@ -145,7 +152,8 @@ def remove_leftovers(root: Location) -> list[Location]:
 
 def load_meta(step_dir: Location) -> dict[str, Any]:
     try:
-        return json.loads((step_dir / META).read_text())
+        with open_verified(step_dir / META) as fh:  # a resume's copy, where it keeps one
+            return json.loads(fh.read().decode())
     except FileNotFoundError:
         raise CheckpointError(f"{step_dir / META} is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -4,9 +4,10 @@ all the ranks together.
 Rank 0 removes the leftovers of interrupted saves and lists the candidates, newest first; all
 ranks then try them in that order. For each, every rank verifies its share of the files'
 pieces (:mod:`dtrain.checkpoint.verify`: about ``1 / world size`` of the bytes, its own files
-among them, read back from the page cache when it loads them) and the ranks exchange their
-words through the job's store (:mod:`dtrain.fault.peer_words`), waiting for each other as long
-as they make progress, never under the collective timeout. A candidate any rank found damaged
+among them, read back from the page cache when it loads them -- or, from a store, kept
+locally for the load: :mod:`dtrain.checkpoint.copies`) and the ranks exchange their words
+through the job's store (:mod:`dtrain.fault.peer_words`), waiting for each other as long as
+they make progress, never under the collective timeout. A candidate any rank found damaged
 is skipped on every rank, with a warning naming the file; so all ranks load the same step.
 
 The state is a dict of state_dicts; each component checks that what it gets fits (the model
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from dtrain.checkpoint import copies
 from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint.hold import job_id
 from dtrain.checkpoint.layout import job_of, list_step_dirs
@@ -108,6 +110,9 @@ def resolve_resume(
             )
             checkpointer.note_verified(point.step)
             return point
+        kept = copies.active()
+        if kept is not None:
+            kept.forget(path)  # what this rank kept of it is not loaded
         if named and index == len(paths) - 1:
             raise CheckpointError(problem)
         log(f"warning: skipping checkpoint {path.name}: {problem}")

@@ -1,0 +1,204 @@
+"""Verified local copies of a store's checkpoint files while a resume reads them: one read of
+each byte from the store.
+
+Locally, a resume hashes its share of a checkpoint's pieces and then loads its files again from
+the page cache its check filled; a store has no page cache, so the load would download every
+byte a second time. Inside :func:`keep_copies` (the resume's verification and load, on one
+rank), each piece this process hashes from a store is written, as it streams past, into a
+sparse local copy of its file in a private folder (``run.local_dir``); a load then reads the
+copy, first downloading only the ranges of the file this rank did not verify (the pieces the
+other ranks checked: :func:`dtrain.checkpoint.verify.assign`), once. The copy of a whole file
+goes as soon as it is loaded, and the folder when the scope ends: the local disk holds at most
+this rank's share of the checkpoint and the file being loaded.
+
+Why copies of what a rank verified rather than verifying what it loads: the ranks of a
+replicated job all load the same files, and verification is shared so that each hashes
+``1 / world size`` of them; a rank completes its copy with the rest, so every rank still
+downloads each byte it loads once, and the bytes it checked are the very bytes it loads.
+
+A copy only ever holds bytes that arrived from the store; the ranges marked verified are those
+whose piece matched the marker. Where the local disk refuses a copy (full), the copies are
+dropped and reads go to the store as without them: slower, never other bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+from dtrain.checkpoint.store import Location, ObjectPath
+
+# Bytes of one ranged read from the store (and written to a copy at once).
+CHUNK_BYTES = 8 * 2**20
+
+
+def read_range(path: ObjectPath, start: int, length: int) -> Iterator[bytes]:
+    """``length`` bytes of the object from ``start`` (fewer where it is shorter), in chunks of
+    at most :data:`CHUNK_BYTES`: one ranged GET streamed (a buffered file reads ahead, and one
+    request per chunk costs a round trip each)."""
+    if length <= 0:
+        return
+    if path.scheme != "s3":  # another fsspec store: a ranged read per chunk
+        for at in range(start, start + length, CHUNK_BYTES):
+            end = min(at + CHUNK_BYTES, start + length)
+            yield bytes(path._call("read", partial(path.fs.cat_file, path.url, at, end)))
+        return
+    from fsspec.asyn import sync
+
+    fs = path.fs
+    bucket, _, key = path.url.split("://", 1)[1].partition("/")
+    span = f"bytes={start}-{start + length - 1}"
+    answer = path._call(
+        "read", lambda: sync(fs.loop, fs._call_s3, "get_object", Bucket=bucket, Key=key, Range=span)
+    )
+    body = answer["Body"]
+    try:
+        left = length
+        while left > 0:
+            want = min(CHUNK_BYTES, left)
+            chunk = path._call("read", partial(sync, fs.loop, body.read, want))
+            if not chunk:
+                return
+            left -= len(chunk)
+            yield bytes(chunk)
+    finally:
+        body.close()
+
+
+@dataclass
+class _Copy:
+    local: Path
+    size: int
+    verified: list[tuple[int, int]] = field(default_factory=list)  # (start, length) that matched
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """The ranges not verified here, in order."""
+        out, at = [], 0
+        for start, length in sorted(self.verified):
+            if start > at:
+                out.append((at, start - at))
+            at = max(at, start + length)
+        if at < self.size:
+            out.append((at, self.size - at))
+        return out
+
+
+class KeptCopies:
+    """The copies of one scope (:func:`keep_copies`), in ``folder``."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._copies: dict[str, _Copy] = {}
+        self.refused = False  # the local disk refused a write: no more copies
+        self._made = 0
+        self._whole: dict[str, bytes] = {}  # small objects read whole (markers), by URL
+
+    def read_once(self, path: ObjectPath) -> bytes:
+        """A small object (a completion marker, a few kB), read from the store once in this
+        scope: every reader of it in the resume sees the same bytes."""
+        if path.url not in self._whole:
+            self._whole[path.url] = path.read_bytes()
+        return self._whole[path.url]
+
+    def _copy(self, path: ObjectPath, size: int) -> _Copy:
+        copy = self._copies.get(path.url)
+        if copy is None or copy.size != size:
+            self.release(path.url)
+            self._made += 1
+            local = self.folder / f"{self._made:05d}-{path.name}"
+            with open(local, "wb") as fh:
+                fh.truncate(size)  # sparse: only what is written takes room
+            copy = self._copies[path.url] = _Copy(local, size)
+        return copy
+
+    def write(self, path: ObjectPath, size: int, start: int, data: bytes) -> None:
+        """Keep ``data``, read from the store at ``start`` of the file (``size`` bytes)."""
+        if not self.refused:
+            try:
+                copy = self._copy(path, size)
+            except OSError:
+                self._refuse()
+                return
+            self._put(copy, start, data)
+
+    def _put(self, copy: _Copy, start: int, data: bytes) -> bool:
+        """Write into the copy; False (and no more copies) where the local disk refuses."""
+        try:
+            with open(copy.local, "r+b") as fh:
+                fh.seek(start)
+                fh.write(data)
+        except OSError:
+            self._refuse()
+            return False
+        return True
+
+    def mark_verified(self, path: ObjectPath, start: int, length: int) -> None:
+        """The range's piece matched the marker: its bytes in the copy are the verified ones."""
+        copy = self._copies.get(path.url)
+        if copy is not None and not self.refused:
+            copy.verified.append((start, length))
+
+    def forget(self, prefix: Location) -> None:
+        """Drop the copies of the files under ``prefix`` (a checkpoint the resume skipped)."""
+        head = f"{prefix}/"
+        for url in [url for url in self._copies if url.startswith(head)]:
+            self.release(url)
+
+    def release(self, url: str) -> None:
+        copy = self._copies.pop(url, None)
+        if copy is not None:
+            copy.local.unlink(missing_ok=True)
+
+    def completed(self, path: ObjectPath) -> Path | None:
+        """The local copy of the file, its unverified ranges downloaded now (once); None where
+        this process kept none of it."""
+        copy = self._copies.get(path.url)
+        if copy is None or self.refused:
+            return None
+        for start, length in copy.gaps():
+            at = start
+            for data in read_range(path, start, length):
+                if not self._put(copy, at, data):
+                    return None
+                at += len(data)
+        copy.verified = [(0, copy.size)]
+        return copy.local
+
+    def _refuse(self) -> None:
+        self.refused = True
+        for url in list(self._copies):
+            self.release(url)
+
+
+_active: KeptCopies | None = None
+
+
+def active() -> KeptCopies | None:
+    """The copies of the resume in progress in this process, if any."""
+    return _active
+
+
+@contextmanager
+def keep_copies(folder: Path, root: Location) -> Iterator[KeptCopies | None]:
+    """While open, this process keeps what it verifies of a store's checkpoint and loads from
+    it (see the module's text); the copies go on exit, however it ends. ``folder``: where this
+    machine's run files are (``run.local_dir``); the copies go into a private folder in it.
+    Nothing where the checkpoints (``root``) are local: the page cache does it."""
+    global _active
+    if isinstance(root, Path):
+        yield None
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".resume-copies-{os.getpid()}-", dir=folder))
+    outer, _active = _active, KeptCopies(scratch)
+    try:
+        yield _active
+    finally:
+        _active = outer
+        shutil.rmtree(scratch, ignore_errors=True)
