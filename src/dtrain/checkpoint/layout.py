@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from dtrain.checkpoint.forms import Form
-from dtrain.checkpoint.store import Location
+from dtrain.checkpoint.store import Location, ObjectPath
 
 MARKER = "COMMITTED.json"
 META = "meta.json"
@@ -72,10 +72,35 @@ def part_file(name: str, form: Form, rank: int) -> str:
 
 def list_step_dirs(root: Location) -> list[tuple[int, Location]]:
     """``(step, folder)`` of every ``step-N`` folder, newest first (committed or not)."""
+    if isinstance(root, ObjectPath) and root.scheme == "s3":
+        steps = {step for step, _ in _stored_names(root, delimited=True)}
+        return sorted(((step, root / step_dir_name(step)) for step in steps), reverse=True)
     if not root.is_dir():
         return []
     named = ((step_of(entry.name), entry) for entry in root.iterdir())
     return sorted(((s, e) for s, e in named if s is not None and e.is_dir()), reverse=True)
+
+
+def _stored_names(root: ObjectPath, delimited: bool) -> list[tuple[int, str]]:
+    """``(step, name in its folder)`` under an S3 store's ``root``: its ``step-N`` prefixes
+    (one listing, ``delimited``: the name is empty), or every object in them (one flat
+    listing, paged by the store) -- rather than a request per folder and per marker."""
+    try:
+        if delimited:
+            found = root._call("list", lambda: root.fs.ls(root.url, detail=True))
+            keys = [str(e["name"]) + "/" for e in found if e.get("type") == "directory"]
+        else:
+            keys = [str(key) for key in root._call("list", lambda: root.fs.find(root.url))]
+    except FileNotFoundError:
+        return []
+    head = root.url.split("://", 1)[1].rstrip("/") + "/"
+    out = []
+    for key in keys:
+        folder, _, rest = key.removeprefix(head).partition("/")
+        step = step_of(folder)
+        if key.startswith(head) and step is not None:
+            out.append((step, rest))
+    return out
 
 
 def marker_digest(marker: dict[str, Any]) -> str:
@@ -97,4 +122,7 @@ def job_of(step_dir: Location) -> str:
 
 
 def committed_steps(root: Location) -> list[int]:
+    """The steps whose folder holds a marker, newest first (not yet verified)."""
+    if isinstance(root, ObjectPath):
+        return sorted({step for step, name in _stored_names(root, False) if name == MARKER})[::-1]
     return [step for step, path in list_step_dirs(root) if (path / MARKER).exists()]

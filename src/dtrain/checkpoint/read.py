@@ -51,11 +51,7 @@ _MARKER_KEYS = frozenset({"step", "files", "world_size", "committed", "marker_sh
 def read_marker(step_dir: Location) -> dict[str, Any]:
     """The completion marker, checked against its own digest, so that any damage to it (not
     only to the files it lists) makes the checkpoint count as corrupted."""
-    if not step_dir.is_dir():
-        raise CheckpointError(f"checkpoint folder {step_dir} does not exist")
     path = step_dir / MARKER
-    if not path.exists():
-        raise CheckpointError(f"{step_dir} has no {MARKER}: the save did not finish")
     kept = copies.active()
     try:
         if kept is not None and isinstance(path, ObjectPath):  # read once in a resume
@@ -63,6 +59,11 @@ def read_marker(step_dir: Location) -> dict[str, Any]:
         else:
             text = path.read_bytes()
         marker = json.loads(text.decode())
+    except (FileNotFoundError, NotADirectoryError):
+        # Looked up only now: a store answers each look-up with a request.
+        if not step_dir.is_dir():
+            raise CheckpointError(f"checkpoint folder {step_dir} does not exist") from None
+        raise CheckpointError(f"{step_dir} has no {MARKER}: the save did not finish") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path} is corrupted: {exc}") from None
     if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
