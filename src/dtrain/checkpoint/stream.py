@@ -184,9 +184,21 @@ def hashing_file_system(
                 yield out
                 records[str(path)] = out.finish()
 
+        def mkdir(self, path: str | os.PathLike[str]) -> None:
+            if not isinstance(folder, ObjectPath):  # a store's prefix needs no making
+                super().mkdir(path)
+
+        def exists(self, path: str | os.PathLike[str]) -> bool:
+            if isinstance(folder, ObjectPath):  # one request (fsspec's also lists a prefix)
+                return _stored(folder / Path(path).name, "look up", "head_object") is not None
+            return bool(super().exists(path))
+
         def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
-            if isinstance(folder, ObjectPath):  # DCP's .metadata.tmp: no multi-object delete
-                (folder / Path(path).name).rename_to(folder / Path(new_path).name)
+            if isinstance(folder, ObjectPath):  # DCP's .metadata.tmp: a copy and a delete
+                source, target = folder / Path(path).name, folder / Path(new_path).name
+                bucket, _, key = source.url.split("://", 1)[1].partition("/")
+                _stored(target, "copy", "copy_object", CopySource={"Bucket": bucket, "Key": key})
+                source.unlink()
             else:
                 super().rename(path, new_path)
             if str(path) in records:
@@ -196,3 +208,13 @@ def hashing_file_system(
     if isinstance(folder, ObjectPath):
         hashing.fs = folder.fs  # the store's own, which caches no listing
     return hashing
+
+
+def _stored(path: ObjectPath, what: str, method: str, **kwargs: Any) -> Any:
+    """One S3 request (``method``: ``what`` it does, in words) about the object ``path``; its
+    answer (None: no such object)."""
+    bucket, _, key = path.url.split("://", 1)[1].partition("/")
+    try:
+        return path._call(what, lambda: path.fs.call_s3(method, Bucket=bucket, Key=key, **kwargs))
+    except FileNotFoundError:
+        return None
