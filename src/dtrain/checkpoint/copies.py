@@ -23,14 +23,17 @@ dropped and reads go to the store as without them: slower, never other bytes.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from dtrain.checkpoint.store import Location, ObjectPath
 
@@ -38,37 +41,65 @@ from dtrain.checkpoint.store import Location, ObjectPath
 CHUNK_BYTES = 8 * 2**20
 
 
-def read_range(path: ObjectPath, start: int, length: int) -> Iterator[bytes]:
+class RangeRead:
     """``length`` bytes of the object from ``start`` (fewer where it is shorter), in chunks of
-    at most :data:`CHUNK_BYTES`: one ranged GET streamed (a buffered file reads ahead, and one
-    request per chunk costs a round trip each)."""
-    if length <= 0:
-        return
-    if path.scheme != "s3":  # another fsspec store: a ranged read per chunk
-        for at in range(start, start + length, CHUNK_BYTES):
-            end = min(at + CHUNK_BYTES, start + length)
-            yield bytes(path._call("read", partial(path.fs.cat_file, path.url, at, end)))
-        return
-    from fsspec.asyn import sync
+    at most :data:`CHUNK_BYTES`: one ranged GET, asked for as soon as this is made (a reader
+    starts the next range's while it hashes this one), streamed with one chunk read ahead --
+    a buffered file reads past the range, and a request per chunk costs a round trip each.
+    :meth:`close` gives it up unread."""
 
-    fs = path.fs
-    bucket, _, key = path.url.split("://", 1)[1].partition("/")
-    span = f"bytes={start}-{start + length - 1}"
-    answer = path._call(
-        "read", lambda: sync(fs.loop, fs._call_s3, "get_object", Bucket=bucket, Key=key, Range=span)
-    )
-    body = answer["Body"]
-    try:
+    def __init__(self, path: ObjectPath, start: int, length: int) -> None:
+        self.path, self.start, self.length = path, start, length
+        self._answer: Future[Any] | None = None
+        self._ahead: Future[Any] | None = None
+        if path.scheme == "s3" and length > 0:
+            bucket, _, key = path.url.split("://", 1)[1].partition("/")
+            span = f"bytes={start}-{start + length - 1}"
+            call = path.fs._call_s3("get_object", Bucket=bucket, Key=key, Range=span)
+            self._answer = asyncio.run_coroutine_threadsafe(call, path.fs.loop)
+
+    def __iter__(self) -> Iterator[bytes]:
+        path, start, length = self.path, self.start, self.length
+        if length <= 0:
+            return
+        if self._answer is None:  # another fsspec store: a ranged read per chunk
+            for at in range(start, start + length, CHUNK_BYTES):
+                end = min(at + CHUNK_BYTES, start + length)
+                yield bytes(path._call("read", partial(path.fs.cat_file, path.url, at, end)))
+            return
+        body = path._call("read", self._answer.result)["Body"]
+        loop = path.fs.loop
+        self._ahead = asyncio.run_coroutine_threadsafe(body.read(min(CHUNK_BYTES, length)), loop)
         left = length
         while left > 0:
-            want = min(CHUNK_BYTES, left)
-            chunk = path._call("read", partial(sync, fs.loop, body.read, want))
+            chunk = path._call("read", self._ahead.result)
             if not chunk:
                 return
             left -= len(chunk)
+            if left > 0:
+                self._ahead = asyncio.run_coroutine_threadsafe(
+                    body.read(min(CHUNK_BYTES, left)), loop
+                )
             yield bytes(chunk)
+
+    def close(self) -> None:
+        for future in (self._ahead, self._answer):
+            if future is not None:
+                future.cancel()
+        answer = self._answer
+        answered = answer is not None and answer.done() and not answer.cancelled()
+        if answer is not None and answered and answer.exception() is None:
+            # The body is the loop's to close (a request cancelled unanswered has none).
+            self.path.fs.loop.call_soon_threadsafe(answer.result()["Body"].close)
+
+
+def read_range(path: ObjectPath, start: int, length: int) -> Iterator[bytes]:
+    """The bytes of one range (:class:`RangeRead`), its request closed however it ends."""
+    reading = RangeRead(path, start, length)
+    try:
+        yield from reading
     finally:
-        body.close()
+        reading.close()
 
 
 @dataclass

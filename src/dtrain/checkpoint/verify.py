@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtrain.checkpoint import copies
+from dtrain.checkpoint.copies import RangeRead
 from dtrain.checkpoint.layout import MARKER, SHARDED_DIR
 from dtrain.checkpoint.store import Location, ObjectPath, open_read
 from dtrain.fault.failpoints import failpoint
@@ -112,29 +113,40 @@ def verify_pieces(
     sizes: dict[str, int] = {}
     listed = _listed_sizes(step_dir)
     buffer = bytearray(_CHUNK)
-    for piece in pieces:
-        path = step_dir / piece.name
-        if piece.name not in sizes:
-            try:
-                if listed is None:
-                    sizes[piece.name] = path.stat().st_size
-                else:
-                    sizes[piece.name] = listed[piece.name]
-            except (FileNotFoundError, KeyError):
-                return f"{path} is missing (listed in {MARKER})"
-            if sizes[piece.name] != piece.file_bytes:
-                return f"{path} has {sizes[piece.name]} bytes, expected {piece.file_bytes}"
-        failpoint("checkpoint.verify_piece", path=path, index=piece.index)
-        if isinstance(path, ObjectPath):
-            digest = _hash_stored(path, piece, tick)
-        else:
-            digest = _hash_range(path, piece.start, piece.length, buffer, tick)
-        if digest != piece.digest:
-            return f"{path} fails its SHA-256 checksum{piece.describe()}"
-        kept = copies.active()
-        if kept is not None and isinstance(path, ObjectPath):
-            kept.mark_verified(path, piece.start, piece.length)
-        tick()
+    todo = list(pieces)
+    ahead: RangeRead | None = None  # a store's next piece, asked for while this one is hashed
+    try:
+        for at, piece in enumerate(todo):
+            path = step_dir / piece.name
+            if piece.name not in sizes:
+                try:
+                    if listed is None:
+                        sizes[piece.name] = path.stat().st_size
+                    else:
+                        sizes[piece.name] = listed[piece.name]
+                except (FileNotFoundError, KeyError):
+                    return f"{path} is missing (listed in {MARKER})"
+                if sizes[piece.name] != piece.file_bytes:
+                    return f"{path} has {sizes[piece.name]} bytes, expected {piece.file_bytes}"
+            failpoint("checkpoint.verify_piece", path=path, index=piece.index)
+            if isinstance(path, ObjectPath):
+                reading = ahead or RangeRead(path, piece.start, piece.length)
+                ahead = None
+                following = todo[at + 1] if at + 1 < len(todo) else None
+                if following is not None and isinstance(step_dir, ObjectPath):
+                    ahead = RangeRead(step_dir / following.name, following.start, following.length)
+                digest = _hash_stored(path, piece, tick, reading)
+            else:
+                digest = _hash_range(path, piece.start, piece.length, buffer, tick)
+            if digest != piece.digest:
+                return f"{path} fails its SHA-256 checksum{piece.describe()}"
+            kept = copies.active()
+            if kept is not None and isinstance(path, ObjectPath):
+                kept.mark_verified(path, piece.start, piece.length)
+            tick()
+    finally:
+        if ahead is not None:
+            ahead.close()
     return None
 
 
@@ -169,16 +181,21 @@ def _hash_range(
     return digest.hexdigest()
 
 
-def _hash_stored(path: ObjectPath, piece: Piece, tick: Callable[[], None]) -> str:
-    """The piece's digest, read from the store in ranged GETs of exactly its bytes; inside a
-    resume (:func:`dtrain.checkpoint.copies.keep_copies`) each chunk is kept as it passes."""
+def _hash_stored(
+    path: ObjectPath, piece: Piece, tick: Callable[[], None], reading: RangeRead
+) -> str:
+    """The piece's digest from ``reading`` (its range, asked of the store); inside a resume
+    (:func:`dtrain.checkpoint.copies.keep_copies`) each chunk is kept as it passes."""
     digest = hashlib.sha256()
     kept = copies.active()
     at = piece.start
-    for data in copies.read_range(path, piece.start, piece.length):
-        digest.update(data)
-        if kept is not None:
-            kept.write(path, piece.file_bytes, at, data)
-        at += len(data)
-        tick()
+    try:
+        for data in reading:
+            digest.update(data)
+            if kept is not None:
+                kept.write(path, piece.file_bytes, at, data)
+            at += len(data)
+            tick()
+    finally:
+        reading.close()
     return digest.hexdigest()
