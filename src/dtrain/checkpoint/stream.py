@@ -20,7 +20,7 @@ import torch
 
 from dtrain.checkpoint import layout
 from dtrain.checkpoint.store import Location, ObjectPath, location, open_write
-from dtrain.checkpoint.upload import PartUpload
+from dtrain.checkpoint.upload import PartUpload, Uploads
 
 
 def nothing() -> None:
@@ -74,13 +74,18 @@ class HashingWriter:
     store the file is a multipart upload whose parts go out while the next are written
     (:mod:`dtrain.checkpoint.upload`), complete (and visible) once closed."""
 
-    def __init__(self, path: Location | str, on_progress: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        path: Location | str,
+        on_progress: Callable[[], None] | None = None,
+        uploads: Uploads | None = None,
+    ) -> None:
         self.path = location(path)
         # Buffered: torch writes each record's small header apart from its data; the data,
         # larger than the buffer, goes to the file directly.
         self._fh: Any
         if isinstance(self.path, ObjectPath):  # parts sent while the next are written
-            self._fh, self._sync = PartUpload(self.path), lambda fh: None
+            self._fh, self._sync = PartUpload(self.path, uploads=uploads), lambda fh: None
         else:
             self._fh, self._sync = open_write(self.path)
         self.hasher = PieceHasher()
@@ -148,11 +153,15 @@ class HashingWriter:
 
 
 def write_file(
-    path: Location, obj: Any, on_progress: Callable[[], None] | None = None
+    path: Location,
+    obj: Any,
+    on_progress: Callable[[], None] | None = None,
+    uploads: Uploads | None = None,
 ) -> dict[str, Any]:
     """Write ``obj`` (bytes as they are, anything else through ``torch.save``) to ``path``,
-    synced to its storage; its marker entry."""
-    with HashingWriter(path, on_progress) as out:
+    synced to its storage; its marker entry. ``uploads``: where a store's file may finish its
+    upload after this returns (the save waits for them all before it counts its files)."""
+    with HashingWriter(path, on_progress, uploads) as out:
         if isinstance(obj, (bytes, bytearray, memoryview)):
             out.write(obj)
         else:
@@ -218,3 +227,16 @@ def _stored(path: ObjectPath, what: str, method: str, **kwargs: Any) -> Any:
         return path._call(what, lambda: path.fs.call_s3(method, Bucket=bucket, Key=key, **kwargs))
     except FileNotFoundError:
         return None
+
+
+def progress_planner(on_progress: Callable[[], None]) -> Any:
+    """DCP's default save planner, marking progress as the writer takes each item (it asks
+    for an item as it comes to write it)."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class ProgressPlanner(DefaultSavePlanner):
+        def resolve_data(self, write_item: Any) -> Any:
+            on_progress()
+            return super().resolve_data(write_item)
+
+    return ProgressPlanner()

@@ -36,9 +36,14 @@ class PartUpload:
     """A write-only stream of bytes into the object ``path`` (see the module's text)."""
 
     def __init__(
-        self, path: ObjectPath, part_bytes: int | None = None, in_flight: int | None = None
+        self,
+        path: ObjectPath,
+        part_bytes: int | None = None,
+        in_flight: int | None = None,
+        uploads: Uploads | None = None,
     ) -> None:
         self.path = path
+        self._uploads = uploads  # completes this upload later (None: close completes it)
         self.part_bytes = part_bytes or PART_BYTES  # read now: tests make them small
         self.in_flight = in_flight or PARTS_IN_FLIGHT
         # The most a file may be to go as one request: what its parts in flight would hold.
@@ -48,7 +53,9 @@ class PartUpload:
         self._upload_id: str | None = None
         self._pending: deque[tuple[int, Future[Any]]] = deque()  # (part number, its request)
         self._parts: list[dict[str, Any]] = []
-        self._closed = False
+        self._last: Future[Any] | None = None  # a one-request file's put_object
+        self._closed = False  # no more writes (its last requests may be in flight)
+        self._done = False  # complete, or aborted
 
     # -- requests ------------------------------------------------------------------------
 
@@ -113,16 +120,34 @@ class PartUpload:
         return self._closed
 
     def close(self) -> None:
-        """Send what is left, wait for every part, complete the upload: the object exists
-        (whole) once this returns."""
+        """Send what is left; then, unless a save's :class:`Uploads` waits for it later, wait
+        for every part and complete the upload: the object exists (whole) once
+        :meth:`complete` returns."""
         if self._closed:
             return
         try:
             if self._upload_id is None:  # no larger than one_request: one request
-                self._wait(self._start("put_object", Body=bytes(self._buffer)))
+                self._last = self._start("put_object", Body=bytes(self._buffer))
+            elif self._buffer:
+                self._send(bytes(self._buffer))
+            self._closed = True
+            self._buffer = bytearray()
+        except BaseException:
+            self.abort()
+            raise
+        if self._uploads is not None:
+            self._uploads.add(self)
+        else:
+            self.complete()
+
+    def complete(self) -> None:
+        """Wait for what is in flight, and complete a multipart upload."""
+        if self._done:
+            return
+        try:
+            if self._last is not None:
+                self._wait(self._last)
             else:
-                if self._buffer:
-                    self._send(bytes(self._buffer))
                 while self._pending:
                     self._finish_oldest()
                 done = self._start(
@@ -131,8 +156,7 @@ class PartUpload:
                     MultipartUpload={"Parts": self._parts},
                 )
                 self._wait(done)
-            self._closed = True
-            self._buffer = bytearray()
+            self._done = True
         except BaseException:
             self.abort()
             raise
@@ -140,16 +164,48 @@ class PartUpload:
     def abort(self) -> None:
         """Give the upload up: no object, the parts sent freed (a failed abort leaves them to
         the store's lifecycle rules; the failure that led here is what the caller sees)."""
-        if self._closed:
+        if self._done:
             return
-        self._closed = True
+        self._closed = self._done = True
         self._buffer = bytearray()
-        for _, future in self._pending:
+        futures = [future for _, future in self._pending]
+        if self._last is not None:
+            futures.append(self._last)
+        for future in futures:
             future.cancel()
-        for _, future in self._pending:
+        for future in futures:
             with suppress(Exception, CancelledError):
                 future.result()
         self._pending.clear()
         if self._upload_id is not None:
             with suppress(Exception):
                 self._start("abort_multipart_upload", UploadId=self._upload_id).result()
+
+
+class Uploads:
+    """The files of one save whose last requests are still in flight once they are closed, so
+    that the next file is serialized and sent meanwhile: at most ``most`` of them (each holds
+    up to ``(PARTS_IN_FLIGHT + 1) * PART_BYTES``), each completed by :meth:`wait` -- which the
+    save calls before it reports its files written (the marker comes after that)."""
+
+    def __init__(self, most: int = 1) -> None:
+        self.most = most
+        self._open: deque[PartUpload] = deque()
+
+    def add(self, upload: PartUpload) -> None:
+        while len(self._open) >= self.most:
+            self._open.popleft().complete()
+        self._open.append(upload)
+
+    def wait(self) -> None:
+        """Complete every upload (the first failure raised, the others aborted)."""
+        try:
+            while self._open:
+                self._open[0].complete()
+                self._open.popleft()
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        while self._open:
+            self._open.popleft().abort()
