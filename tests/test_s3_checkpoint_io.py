@@ -139,3 +139,15 @@ def test_a_save_streams_its_parts_and_a_resume_reads_each_byte_once(
     shared = sum(p.length for p in share) - mine
     assert verified == mine + shared
     assert seen.got_bytes == sizes["model.pt"] + shared
+
+    # Leftovers of interrupted saves and prunes, found from two listings and removed; the
+    # committed checkpoint stays, and the step folders and markers are listed, not looked up.
+    (root / "step-00000009" / "model.pt").write_bytes(b"cut off before its marker")
+    (root / ".trash-step-00000002" / "model.pt").write_bytes(b"half deleted")
+    assert [step for step, _ in layout.list_step_dirs(root)] == [9, 1]
+    seen.calls.clear()
+    assert layout.committed_steps(root) == [1]
+    assert seen.calls == {"ListObjectsV2": 1}
+    removed = ckread.remove_leftovers(root)
+    assert sorted(path.name for path in removed) == [".trash-step-00000002", "step-00000009"]
+    assert [entry.name for entry in root.iterdir()] == ["step-00000001"]

@@ -26,10 +26,12 @@ from dtrain.checkpoint.layout import (
     META,
     SHARDED_DIR,
     UNFINISHED_PREFIXES,
+    committed_steps,
     list_step_dirs,
     marker_digest,
     piece_count,
     step_of,
+    stored_folders,
 )
 from dtrain.checkpoint.safe_load import load_file as load_file
 from dtrain.checkpoint.safe_load import open_verified
@@ -135,20 +137,33 @@ def remove_leftovers(root: Location) -> list[Location]:
     """Delete what interrupted saves and prunes left: temp folders and uncommitted ``step-N``
     folders. Call on rank 0 before anything else writes checkpoints."""
     removed: list[Location] = []
+    if isinstance(root, ObjectPath) and root.scheme == "s3":  # two listings, not 2 per entry
+        committed = set(committed_steps(root))
+        for name in stored_folders(root):
+            step = step_of(name)
+            if name.startswith(UNFINISHED_PREFIXES) or (step is not None and step not in committed):
+                removed += _removed(root / name)
+        return removed
     if not root.is_dir():
         return removed
     for entry in root.iterdir():
         stale = entry.name.startswith(UNFINISHED_PREFIXES)
         uncommitted = step_of(entry.name) is not None and not (entry / MARKER).exists()
         if entry.is_dir() and (stale or uncommitted):
-            try:
-                remove_tree(entry)
-            except OSError:
-                continue  # a store that failed it: never counts, and the next start tries again
-            removed.append(entry)
+            removed += _removed(entry)
     if removed:
         sync_folder(root)
     return removed
+
+
+def _removed(folder: Location) -> list[Location]:
+    """``[folder]`` once deleted; none where a store failed it (it never counts, and the next
+    start tries again)."""
+    try:
+        remove_tree(folder)
+    except OSError:
+        return []
+    return [folder]
 
 
 def load_meta(step_dir: Location) -> dict[str, Any]:
