@@ -93,6 +93,21 @@ class RangeRead:
             self.path.fs.loop.call_soon_threadsafe(answer.result()["Body"].close)
 
 
+def read_whole(path: ObjectPath) -> bytes:
+    """A small object's bytes: one GET (s3fs's ``cat_file`` asks for its size first)."""
+    if path.scheme != "s3":
+        return path.read_bytes()
+    from fsspec.asyn import sync
+
+    async def get() -> bytes:
+        bucket, _, key = path.url.split("://", 1)[1].partition("/")
+        answer = await path.fs._call_s3("get_object", Bucket=bucket, Key=key)
+        async with answer["Body"] as body:
+            return bytes(await body.read())
+
+    return bytes(path._call("read", partial(sync, path.fs.loop, get)))
+
+
 def read_range(path: ObjectPath, start: int, length: int) -> Iterator[bytes]:
     """The bytes of one range (:class:`RangeRead`), its request closed however it ends."""
     reading = RangeRead(path, start, length)
@@ -134,7 +149,7 @@ class KeptCopies:
         """A small object (a completion marker, a few kB), read from the store once in this
         scope: every reader of it in the resume sees the same bytes."""
         if path.url not in self._whole:
-            self._whole[path.url] = path.read_bytes()
+            self._whole[path.url] = read_whole(path)
         return self._whole[path.url]
 
     def _copy(self, path: ObjectPath, size: int) -> _Copy:

@@ -84,7 +84,7 @@ class HashingWriter:
         # Buffered: torch writes each record's small header apart from its data; the data,
         # larger than the buffer, goes to the file directly.
         self._fh: Any
-        if isinstance(self.path, ObjectPath):  # parts sent while the next are written
+        if isinstance(self.path, ObjectPath) and self.path.scheme == "s3":  # parts in flight
             self._fh, self._sync = PartUpload(self.path, uploads=uploads), lambda fh: None
         else:
             self._fh, self._sync = open_write(self.path)

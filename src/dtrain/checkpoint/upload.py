@@ -10,10 +10,13 @@ than that is held whole and sent as one ``put_object`` (a multipart upload costs
 more, and a store assembles its parts).
 
 What it keeps of the file protocol it replaces: the object is complete and visible only once
-:meth:`PartUpload.close` returns (it waits for every part, then completes the upload); a file
-sent as one ``put_object`` is whole or absent; a failure aborts the upload
-(nothing partial stays behind, and the store frees the parts) and is a
-:class:`~dtrain.checkpoint.store.StoreError` naming the store, the key and the retry policy.
+:meth:`PartUpload.complete` returns (it waits for every request, then completes a multipart
+upload), which :meth:`~PartUpload.close` calls -- or, in a save, :class:`Uploads`, once the next
+file is written and before the rank reports its files written; a file sent as one
+``put_object`` is whole or absent; a failure aborts the upload (nothing partial stays behind,
+and the store frees the parts) and is a :class:`~dtrain.checkpoint.store.StoreError` naming the
+store, the key and the retry policy. S3's API only (s3fs): another fsspec store's file is
+fsspec's own.
 """
 
 from __future__ import annotations
