@@ -1,7 +1,8 @@
 """What a checkpoint in an object store costs in requests (issue 42): a save sends its large
 files as multipart uploads with a bounded number of parts in flight, and a resume downloads
 each byte of the checkpoint once -- what it verifies is what it loads
-(:mod:`dtrain.checkpoint.copies`). Counted at the store client (botocore's events on the
+(:mod:`dtrain.checkpoint.copies`) -- and the step folders, markers and leftovers come from
+listings, not a look-up per object. Counted at the store client (botocore's events on the
 checkpointer's own s3fs), against moto's S3 server (or ``make test-s3``'s Swift), in this
 process; no wall clock."""
 
@@ -75,7 +76,7 @@ def counted(store: Store) -> Iterator[tuple[Any, Requests]]:  # noqa: F811
     yield fs, seen
 
 
-def test_a_save_streams_its_parts_and_a_resume_reads_each_byte_once(
+def test_a_save_streams_its_parts_a_resume_reads_each_byte_once_listings_do_the_rest(
     counted: tuple[Any, Requests], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     fs, seen = counted
