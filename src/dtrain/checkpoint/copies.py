@@ -3,13 +3,14 @@ each byte from the store.
 
 Locally, a resume hashes its share of a checkpoint's pieces and then loads its files again from
 the page cache its check filled; a store has no page cache, so the load would download every
-byte a second time. Inside :func:`keep_copies` (the resume's verification and load, on one
-rank), each piece this process hashes from a store is written, as it streams past, into a
-sparse local copy of its file in a private folder (``run.local_dir``); a load then reads the
-copy, first downloading only the ranges of the file this rank did not verify (the pieces the
-other ranks checked: :func:`dtrain.checkpoint.verify.assign`), once. The copy of a whole file
-goes as soon as it is loaded, and the folder when the scope ends: the local disk holds at most
-this rank's share of the checkpoint and the file being loaded.
+byte a second time. While a resume's scope is open (:func:`start`: from the choice of the
+checkpoint, :func:`dtrain.checkpoint.resume.resolve_resume`, to the end of its load; or the
+block of :func:`keep_copies`), each piece this process hashes from a store is written, as it
+streams past, into a sparse local copy of its file in a private folder (``run.local_dir``);
+a load then reads the copy, first downloading only the ranges of the file this rank did not
+verify (the pieces the other ranks checked: :func:`dtrain.checkpoint.verify.assign`), once.
+The copy of a whole file goes as soon as it is loaded, and the folder when the scope ends: the
+local disk holds at most this rank's share of the checkpoint and the file being loaded.
 
 Why copies of what a rank verified rather than verifying what it loads: the ranks of a
 replicated job all load the same files, and verification is shared so that each hashes
@@ -27,6 +28,7 @@ import asyncio
 import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -230,21 +232,43 @@ def active() -> KeptCopies | None:
     return _active
 
 
-@contextmanager
-def keep_copies(folder: Path, root: Location) -> Iterator[KeptCopies | None]:
-    """While open, this process keeps what it verifies of a store's checkpoint and loads from
-    it (see the module's text); the copies go on exit, however it ends. ``folder``: where this
-    machine's run files are (``run.local_dir``); the copies go into a private folder in it.
-    Nothing where the checkpoints (``root``) are local: the page cache does it."""
+def start(folder: Path, root: Location) -> Scope | None:
+    """From now on this process keeps what it verifies of a store's checkpoint and loads from
+    it (see the module's text), until the scope is closed -- by whoever loads the checkpoint,
+    however that ends (and at the latest when the scope is dropped, or the process exits).
+    ``folder``: where this machine's run files are (``run.local_dir``); the copies go into a
+    private folder in it. None where the checkpoints (``root``) are local: the page cache
+    does it."""
     global _active
     if isinstance(root, Path):
-        yield None
-        return
+        return None
     folder.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".resume-copies-{os.getpid()}-", dir=folder))
-    outer, _active = _active, KeptCopies(scratch)
+    scope = Scope(KeptCopies(scratch), _active)
+    _active = scope.kept
+    return scope
+
+
+class Scope:
+    """An open :func:`start`: :meth:`close` ends it, the copies removed."""
+
+    def __init__(self, kept: KeptCopies, outer: KeptCopies | None) -> None:
+        self.kept, self._outer = kept, outer
+        self._removal = weakref.finalize(self, shutil.rmtree, kept.folder, True)
+
+    def close(self) -> None:
+        global _active
+        if _active is self.kept:
+            _active = self._outer
+        self._removal()  # once: later calls do nothing
+
+
+@contextmanager
+def keep_copies(folder: Path, root: Location) -> Iterator[KeptCopies | None]:
+    """:func:`start` for the block it opens."""
+    scope = start(folder, root)
     try:
-        yield _active
+        yield scope.kept if scope is not None else None
     finally:
-        _active = outer
-        shutil.rmtree(scratch, ignore_errors=True)
+        if scope is not None:
+            scope.close()

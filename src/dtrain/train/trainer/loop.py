@@ -15,7 +15,6 @@ import torch
 from dtrain.balance.balancer import LoadBalancer, Outcome, loader_weights
 from dtrain.checkpoint import layout
 from dtrain.checkpoint import state as training_state
-from dtrain.checkpoint.copies import keep_copies
 from dtrain.checkpoint.publish import publish_records
 from dtrain.checkpoint.resume import ResumePoint, resolve_resume
 from dtrain.checkpoint.rng import rank_seed, seed_everything
@@ -136,13 +135,10 @@ class Trainer:
         if self.recovery is not None and self.recovery.heal(self):
             seed_everything(rank_seed(self.cfg.run.seed, self.runtime.rank) + self.step)
         else:  # not healed from a peer's memory
-            # One read of each byte from a store: what a rank verifies is what it loads.
-            with keep_copies(self.run_dir, self.checkpointer.root):
-                point = resolve_resume(
-                    self.cfg, self.checkpointer, self.runtime, self.log, watchdog=self.watchdog
-                )
-                loaded = point is not None and training_state.load(self.state, point)
-            if not loaded:
+            point = resolve_resume(
+                self.cfg, self.checkpointer, self.runtime, self.log, watchdog=self.watchdog
+            )
+            if point is None or not training_state.load(self.state, point):
                 seed_everything(rank_seed(self.cfg.run.seed, self.runtime.rank) + self.step)
             if point is not None and point.strategy not in (None, self.strategy.name):
                 self.log(

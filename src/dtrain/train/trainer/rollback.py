@@ -8,7 +8,6 @@ from typing import Protocol
 
 from dtrain.balance.balancer import LoadBalancer, loader_weights
 from dtrain.checkpoint import state as training_state
-from dtrain.checkpoint.copies import keep_copies
 from dtrain.checkpoint.resume import rollback_point
 from dtrain.checkpoint.write import Checkpointer
 from dtrain.compute.precision import LossScaler
@@ -16,7 +15,6 @@ from dtrain.config import Config
 from dtrain.data.loader import StepLoader
 from dtrain.dist.runtime import Runtime
 from dtrain.fault.watchdog import Watchdog
-from dtrain.fsutil import local_run_dir
 from dtrain.metrics.run_log import RunLog
 from dtrain.train.nan_guard import Decision
 from dtrain.train.trainer.counters import Counters
@@ -63,8 +61,7 @@ def rollback(trainer: Trainer, decision: Decision) -> None:
     error = trainer.checkpointer.wait()
     if error:
         trainer.warn(error)
-    local = local_run_dir(trainer.cfg.run.dir, trainer.cfg.run.local_dir)
-    with trainer.watchdog.in_phase("rollback"), keep_copies(local, trainer.checkpointer.root):
+    with trainer.watchdog.in_phase("rollback"):
         point = rollback_point(
             trainer.cfg,
             trainer.checkpointer,
