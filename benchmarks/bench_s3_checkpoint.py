@@ -1,11 +1,13 @@
 """Checkpoints in an object store against moving the same bytes plainly (issue 42's benchmark):
 
 1. ``save``: dtrain's save into ``s3://`` -- ``torch.save`` and DCP streamed through fsspec as
-   multipart uploads, each 64 MiB piece hashed as written, the marker object last
+   multipart uploads (parts sent while the next are written), each 64 MiB piece hashed as
+   written, the marker object last
    (:class:`dtrain.checkpoint.write.Checkpointer`) -- against ``fs.put`` of the same files
    from a local folder (fsspec's plain upload, its own concurrency). Target: at most 1.2x.
-2. ``resume``: dtrain's verified read -- every piece's SHA-256 checked against the marker, then
-   each file loaded as data only (``torch.load(weights_only=True)``, DCP's reader with the
+2. ``resume``: dtrain's verified read -- every piece's SHA-256 checked against the marker as
+   it is downloaded into a local copy (:mod:`dtrain.checkpoint.copies`), then each file loaded
+   from that copy as data only (``torch.load(weights_only=True)``, DCP's reader with the
    allowlisted metadata) -- against ``fs.get`` of the same files to a local folder. Target: at
    most 1.2x.
 
@@ -143,11 +145,12 @@ def state_mb(state: dict[str, Any]) -> float:
 class Case:
     """One form (``whole`` or ``dcp``) of one state, saved and resumed in one store prefix."""
 
-    def __init__(self, form: str, state: dict[str, Any], prefix: str) -> None:
+    def __init__(self, form: str, state: dict[str, Any], prefix: str, scratch: Path) -> None:
         from dtrain.checkpoint.store import ObjectPath
         from dtrain.checkpoint.write import Checkpointer
 
         self.form, self.state, self.prefix = form, state, prefix
+        self.scratch = scratch  # a resume's local folder (run.local_dir)
         self.root = ObjectPath(f"s3://{BUCKET}/{prefix}/checkpoints")
         self.fs = self.root.fs
         # Nothing pruned inside a timed save: each round's checkpoint is removed between rounds.
@@ -173,13 +176,21 @@ class Case:
         return self.root / step_dir_name(self.step)
 
     def dtrain_resume(self) -> None:
+        from dtrain.checkpoint import read as ckread
+        from dtrain.checkpoint.copies import keep_copies
+
+        step_dir = self.step_dir()
+        # As a resume does: what is verified is kept locally for the load (one read a byte).
+        with keep_copies(self.scratch, self.root):
+            ckread.verify_checkpoint(step_dir)
+            self._load(step_dir)
+
+    def _load(self, step_dir: Any) -> None:
         import torch
 
         from dtrain.checkpoint import read as ckread
         from dtrain.checkpoint.safe_dcp import load_sharded
 
-        step_dir = self.step_dir()
-        ckread.verify_checkpoint(step_dir)
         if self.form == "whole":
             ckread.load_file(step_dir, "model.pt")
             ckread.load_file(step_dir, "optimizer.pt")
@@ -287,7 +298,7 @@ def main() -> int:
             for mb in (int(x) for x in args.sizes_mb.split(",")):
                 state = make_state(mb)
                 for form in args.forms.split(","):
-                    case = Case(form, state, f"{form}-{mb}")
+                    case = Case(form, state, f"{form}-{mb}", Path(scratch))
                     rows = measure(case, args.rounds, Path(scratch))
                     results.append((form, state_mb(state), rows))
                     for what, pairs in rows.items():

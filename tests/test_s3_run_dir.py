@@ -254,3 +254,12 @@ def test_the_store_s_run_goes_on_under_fsdp_on_one_rank_and_exports(journey: Jou
     exported, before = load_file(out), load_file(journey.s3_export)
     assert exported.keys() == before.keys()
     assert any(not torch.equal(exported[k], before[k]) for k in before)  # two more steps
+
+
+@pytest.mark.slow
+def test_the_resume_from_the_store_leaves_no_local_copies(journey: Journey) -> None:
+    # The restarted ranks verified and loaded the store's checkpoint through local copies in
+    # run.local_dir (dtrain.checkpoint.copies); the load's end removed them.
+    local = journey.tmp / "s3-local"
+    assert (local / "metrics.jsonl").exists() or any(local.rglob("metrics.jsonl"))
+    assert sorted(local.rglob(".resume-copies-*")) == []

@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from dtrain.checkpoint.forms import Form
-from dtrain.checkpoint.store import Location
+from dtrain.checkpoint.store import Location, ObjectPath
 
 MARKER = "COMMITTED.json"
 META = "meta.json"
@@ -72,10 +72,45 @@ def part_file(name: str, form: Form, rank: int) -> str:
 
 def list_step_dirs(root: Location) -> list[tuple[int, Location]]:
     """``(step, folder)`` of every ``step-N`` folder, newest first (committed or not)."""
+    if isinstance(root, ObjectPath) and root.scheme == "s3":
+        steps = {step for step, _ in _stored_names(root, delimited=True)}
+        return sorted(((step, root / step_dir_name(step)) for step in steps), reverse=True)
     if not root.is_dir():
         return []
     named = ((step_of(entry.name), entry) for entry in root.iterdir())
     return sorted(((s, e) for s, e in named if s is not None and e.is_dir()), reverse=True)
+
+
+def stored_folders(root: ObjectPath) -> list[str]:
+    """The names of the folders (prefixes) directly in an S3 store's ``root``: one listing."""
+    try:
+        found = root._call("list", lambda: root.fs.ls(root.url, detail=True))
+    except FileNotFoundError:
+        return []
+    return [
+        str(e["name"]).rstrip("/").rpartition("/")[2] for e in found if e["type"] == "directory"
+    ]
+
+
+def _stored_names(root: ObjectPath, delimited: bool) -> list[tuple[int, str]]:
+    """``(step, name in its folder)`` under an S3 store's ``root``: its ``step-N`` prefixes
+    (one listing, ``delimited``: the name is empty), or every object in them (one flat
+    listing, paged by the store) -- rather than a request per folder and per marker."""
+    head = root.url.split("://", 1)[1].rstrip("/") + "/"
+    if delimited:
+        keys = [f"{head}{name}/" for name in stored_folders(root)]
+    else:
+        try:
+            keys = [str(key) for key in root._call("list", lambda: root.fs.find(root.url))]
+        except FileNotFoundError:
+            return []
+    out = []
+    for key in keys:
+        folder, _, rest = key.removeprefix(head).partition("/")
+        step = step_of(folder)
+        if key.startswith(head) and step is not None:
+            out.append((step, rest))
+    return out
 
 
 def marker_digest(marker: dict[str, Any]) -> str:
@@ -97,4 +132,8 @@ def job_of(step_dir: Location) -> str:
 
 
 def committed_steps(root: Location) -> list[int]:
+    """The steps whose folder holds a marker, newest first (not yet verified)."""
+    if isinstance(root, ObjectPath) and root.scheme == "s3":
+        steps = {step for step, name in _stored_names(root, delimited=False) if name == MARKER}
+        return sorted(steps, reverse=True)
     return [step for step, path in list_step_dirs(root) if (path / MARKER).exists()]

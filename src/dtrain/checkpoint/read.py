@@ -20,18 +20,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dtrain.checkpoint import copies
 from dtrain.checkpoint.layout import (
     MARKER,
     META,
     SHARDED_DIR,
     UNFINISHED_PREFIXES,
+    committed_steps,
     list_step_dirs,
     marker_digest,
     piece_count,
     step_of,
+    stored_folders,
 )
 from dtrain.checkpoint.safe_load import load_file as load_file
-from dtrain.checkpoint.store import Location, remove_tree, sync_folder
+from dtrain.checkpoint.safe_load import open_verified
+from dtrain.checkpoint.store import Location, ObjectPath, remove_tree, sync_folder
 from dtrain.checkpoint.verify import pieces_of, verify_pieces
 from dtrain.errors import CheckpointError
 
@@ -49,13 +53,19 @@ _MARKER_KEYS = frozenset({"step", "files", "world_size", "committed", "marker_sh
 def read_marker(step_dir: Location) -> dict[str, Any]:
     """The completion marker, checked against its own digest, so that any damage to it (not
     only to the files it lists) makes the checkpoint count as corrupted."""
-    if not step_dir.is_dir():
-        raise CheckpointError(f"checkpoint folder {step_dir} does not exist")
     path = step_dir / MARKER
-    if not path.exists():
-        raise CheckpointError(f"{step_dir} has no {MARKER}: the save did not finish")
+    kept = copies.active()
     try:
-        marker = json.loads(path.read_text())
+        if kept is not None and isinstance(path, ObjectPath):  # read once in a resume
+            text = kept.read_once(path)
+        else:
+            text = path.read_bytes()
+        marker = json.loads(text.decode())
+    except (FileNotFoundError, NotADirectoryError):
+        # Looked up only now: a store answers each look-up with a request.
+        if not step_dir.is_dir():
+            raise CheckpointError(f"checkpoint folder {step_dir} does not exist") from None
+        raise CheckpointError(f"{step_dir} has no {MARKER}: the save did not finish") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path} is corrupted: {exc}") from None
     if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
@@ -127,25 +137,39 @@ def remove_leftovers(root: Location) -> list[Location]:
     """Delete what interrupted saves and prunes left: temp folders and uncommitted ``step-N``
     folders. Call on rank 0 before anything else writes checkpoints."""
     removed: list[Location] = []
+    if isinstance(root, ObjectPath) and root.scheme == "s3":  # two listings, not 2 per entry
+        committed = set(committed_steps(root))
+        for name in stored_folders(root):
+            step = step_of(name)
+            if name.startswith(UNFINISHED_PREFIXES) or (step is not None and step not in committed):
+                removed += _removed(root / name)
+        return removed
     if not root.is_dir():
         return removed
     for entry in root.iterdir():
         stale = entry.name.startswith(UNFINISHED_PREFIXES)
         uncommitted = step_of(entry.name) is not None and not (entry / MARKER).exists()
         if entry.is_dir() and (stale or uncommitted):
-            try:
-                remove_tree(entry)
-            except OSError:
-                continue  # a store that failed it: never counts, and the next start tries again
-            removed.append(entry)
+            removed += _removed(entry)
     if removed:
         sync_folder(root)
     return removed
 
 
+def _removed(folder: Location) -> list[Location]:
+    """``[folder]`` once deleted; none where a store failed it (it never counts, and the next
+    start tries again)."""
+    try:
+        remove_tree(folder)
+    except OSError:
+        return []
+    return [folder]
+
+
 def load_meta(step_dir: Location) -> dict[str, Any]:
     try:
-        return json.loads((step_dir / META).read_text())
+        with open_verified(step_dir / META) as fh:  # a resume's copy, where it keeps one
+            return json.loads(fh.read().decode())
     except FileNotFoundError:
         raise CheckpointError(f"{step_dir / META} is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -4,9 +4,10 @@ all the ranks together.
 Rank 0 removes the leftovers of interrupted saves and lists the candidates, newest first; all
 ranks then try them in that order. For each, every rank verifies its share of the files'
 pieces (:mod:`dtrain.checkpoint.verify`: about ``1 / world size`` of the bytes, its own files
-among them, read back from the page cache when it loads them) and the ranks exchange their
-words through the job's store (:mod:`dtrain.fault.peer_words`), waiting for each other as long
-as they make progress, never under the collective timeout. A candidate any rank found damaged
+among them, read back from the page cache when it loads them -- or, from a store, kept
+locally for the load: :mod:`dtrain.checkpoint.copies`) and the ranks exchange their words
+through the job's store (:mod:`dtrain.fault.peer_words`), waiting for each other as long as
+they make progress, never under the collective timeout. A candidate any rank found damaged
 is skipped on every rank, with a warning naming the file; so all ranks load the same step.
 
 The state is a dict of state_dicts; each component checks that what it gets fits (the model
@@ -18,11 +19,12 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
+from dtrain.checkpoint import copies
 from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint.hold import job_id
 from dtrain.checkpoint.layout import job_of, list_step_dirs
@@ -35,6 +37,7 @@ from dtrain.dist.runtime import Runtime
 from dtrain.errors import CheckpointError, UserError
 from dtrain.fault.peer_words import PeerWords
 from dtrain.fault.watchdog import Watchdog
+from dtrain.fsutil import local_run_dir
 
 
 @dataclass
@@ -43,6 +46,14 @@ class ResumePoint:
     step: int
     world_size: int
     strategy: str | None = None  # the strategy that saved it (None: not recorded)
+    # A store's checkpoint: what this rank verified of it, kept locally for the load, which
+    # closes it (dtrain.checkpoint.state.load).
+    kept: copies.Scope | None = field(default=None, repr=False, compare=False)
+
+    def loaded(self) -> None:
+        """The checkpoint is loaded (or failed to be): its local copies go."""
+        if self.kept is not None:
+            self.kept.close()
 
 
 def candidates(
@@ -98,16 +109,41 @@ def resolve_resume(
         raise CheckpointError(error)
     named = max_step is None and cfg.run.resume not in ("auto", "never")
     words = PeerWords(watchdog)
+    # One read of each byte from a store: what a rank verifies is what it loads.
+    scope = copies.start(local_run_dir(cfg.run.dir, cfg.run.local_dir), checkpointer.root)
+    point = None
+    try:
+        point = _first_verified(paths, named, runtime, words, nonce, log)
+    finally:
+        if scope is not None and point is None:
+            scope.close()
+    if point is not None:
+        point.kept = scope
+        checkpointer.note_verified(point.step)
+    return point
+
+
+def _first_verified(
+    paths: list[str],
+    named: bool,
+    runtime: Runtime,
+    words: PeerWords,
+    nonce: str,
+    log: Callable[[str], None],
+) -> ResumePoint | None:
+    """The first of ``paths`` that every rank's share of verifies (a ``named`` one that does
+    not: an error); None when there is none."""
     for index, text in enumerate(paths):
         path = location(text)
         problem = verify_together(path, runtime, words, f"{nonce}/{index}")
         if problem is None:
             meta = ckread.load_meta(path)
-            point = ResumePoint(
+            return ResumePoint(
                 path, int(meta["step"]), int(meta["world_size"]), meta.get("strategy")
             )
-            checkpointer.note_verified(point.step)
-            return point
+        kept = copies.active()
+        if kept is not None:
+            kept.forget(path)  # what this rank kept of it is not loaded
         if named and index == len(paths) - 1:
             raise CheckpointError(problem)
         log(f"warning: skipping checkpoint {path.name}: {problem}")

@@ -6,8 +6,10 @@ Every read of ``dcp/`` goes through :func:`load_sharded` or :class:`SafeReader`.
 from __future__ import annotations
 
 import io
+import os
 import pickle
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from dtrain.checkpoint.layout import SHARDED_DIR
 from dtrain.checkpoint.safe_load import (
     ONLY_DATA,
     first_line,
+    open_verified,
     printable,
     read_metadata,
     why_refused,
@@ -39,10 +42,7 @@ class SafeReader(FileSystemReader):
         folder = step_dir / SHARDED_DIR
         super().__init__(str(folder) if isinstance(folder, Path) else "")
         if isinstance(folder, ObjectPath):
-            from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
-
-            store_fs: Any = FileSystem()
-            store_fs.fs = folder.fs
+            store_fs = _copies_first(folder.fs)
             self.fs = store_fs
             self.path = str(folder)
         self.step_dir = step_dir
@@ -66,6 +66,26 @@ class SafeReader(FileSystemReader):
     def file_of(self, item: ReadItem) -> str:
         """The file in ``dcp/`` that ``item`` is read from."""
         return str(self.storage_data[item.storage_index].relative_path)
+
+
+def _copies_first(fs: Any) -> Any:
+    """torch's fsspec file system for DCP on the store's ``fs``, whose files open as a resume's
+    local copies where it keeps them (:mod:`dtrain.checkpoint.copies`)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
+
+    class CopiesFirst(FileSystem):
+        @contextmanager
+        def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+            if "r" not in mode or "+" in mode:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            with open_verified(ObjectPath(os.fspath(path), self.fs)) as stream:
+                yield stream
+
+    store_fs = CopiesFirst()
+    store_fs.fs = fs
+    return store_fs
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

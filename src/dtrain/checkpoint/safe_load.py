@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dtrain.checkpoint import copies
 from dtrain.checkpoint.layout import SHARDED_DIR
-from dtrain.checkpoint.store import Location, open_read
+from dtrain.checkpoint.store import Location, ObjectPath, open_read
 from dtrain.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -76,8 +77,16 @@ def torch_load(path: Location) -> Any:
     """``path`` as tensors (on the CPU) and plain data; a ``pickle.UnpicklingError`` for
     anything else (:func:`why_refused` says what in one line). A store's file is read whole
     first (one request, rather than one per record of the archive)."""
-    source: Any = path if isinstance(path, Path) else io.BytesIO(path.read_bytes())
-    return torch.load(source, map_location="cpu", weights_only=True)
+    if isinstance(path, Path):
+        return torch.load(path, map_location="cpu", weights_only=True)
+    kept = copies.active()
+    local = kept.completed(path) if kept is not None else None
+    if local is not None:  # a resume's copy: what this rank verified, completed once
+        try:
+            return torch.load(local, map_location="cpu", weights_only=True)
+        finally:
+            kept.release(path.url)  # type: ignore[union-attr]  # loaded once: its room goes
+    return torch.load(io.BytesIO(path.read_bytes()), map_location="cpu", weights_only=True)
 
 
 def load_file(step_dir: Location, name: str) -> Any:
@@ -140,6 +149,14 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise _Refused(f"{module}.{name}")
 
 
+def open_verified(path: Location) -> Any:
+    """``path`` opened for reading: a resume's local copy of a store's file where it keeps
+    one (:mod:`dtrain.checkpoint.copies`), else the file itself."""
+    kept = copies.active() if isinstance(path, ObjectPath) else None
+    local = kept.completed(path) if kept is not None and isinstance(path, ObjectPath) else None
+    return open(local, "rb") if local is not None else open_read(path)
+
+
 def read_metadata(step_dir: Location, listed: Collection[str]) -> Metadata:
     """``dcp/.metadata`` of ``step_dir``, checked: a :class:`CheckpointError` naming it where it
     holds anything but DCP's metadata, or names a file outside ``listed`` (the names in ``dcp/``
@@ -148,7 +165,7 @@ def read_metadata(step_dir: Location, listed: Collection[str]) -> Metadata:
     if METADATA_FILE not in listed:
         raise CheckpointError(f"{shown} is not a file the completion marker lists")
     try:
-        with open_read(step_dir / SHARDED_DIR / METADATA_FILE) as fh:
+        with open_verified(step_dir / SHARDED_DIR / METADATA_FILE) as fh:
             metadata = _MetadataUnpickler(fh).load()
     except FileNotFoundError:
         raise CheckpointError(f"{shown} is missing") from None

@@ -91,7 +91,15 @@ def save(state: TrainingState, checkpointer: Checkpointer, step: int, *, blockin
 def load(state: TrainingState, point: ResumePoint) -> bool:
     """Collective: load every part of ``state`` from checkpoint ``point``. Returns whether this
     rank's RNG state was restored too: only at the world size that saved it (after a change,
-    the ranks are other processes, and each needs a fresh stream of its own)."""
+    the ranks are other processes, and each needs a fresh stream of its own). A store's
+    checkpoint reads what this rank verified from its local copies, which go at the end."""
+    try:
+        return _load(state, point)
+    finally:
+        point.loaded()
+
+
+def _load(state: TrainingState, point: ResumePoint) -> bool:
     train_state = ckread.load_file(point.path, layout.TRAIN_STATE_FILE)
     missing = sorted(set(state.parts) - set(train_state) - state.optional)
     if missing:

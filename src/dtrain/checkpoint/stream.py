@@ -20,6 +20,7 @@ import torch
 
 from dtrain.checkpoint import layout
 from dtrain.checkpoint.store import Location, ObjectPath, location, open_write
+from dtrain.checkpoint.upload import PartUpload, Uploads
 
 
 def nothing() -> None:
@@ -70,14 +71,23 @@ class HashingWriter:
     What ``torch.save`` and DCP's writer call on a stream: ``write``, ``flush``, ``tell``,
     ``fileno``, ``close``. ``on_progress`` is called after each piece written (a file may be
     GBs); :meth:`finish` syncs the file to its storage and gives its marker entry. In an object
-    store the file is a multipart upload, sent part by part as it is written, complete (and
-    visible) once closed."""
+    store the file is a multipart upload whose parts go out while the next are written
+    (:mod:`dtrain.checkpoint.upload`), complete (and visible) once closed."""
 
-    def __init__(self, path: Location | str, on_progress: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        path: Location | str,
+        on_progress: Callable[[], None] | None = None,
+        uploads: Uploads | None = None,
+    ) -> None:
         self.path = location(path)
         # Buffered: torch writes each record's small header apart from its data; the data,
         # larger than the buffer, goes to the file directly.
-        self._fh, self._sync = open_write(self.path)
+        self._fh: Any
+        if isinstance(self.path, ObjectPath) and self.path.scheme == "s3":  # parts in flight
+            self._fh, self._sync = PartUpload(self.path, uploads=uploads), lambda fh: None
+        else:
+            self._fh, self._sync = open_write(self.path)
         self.hasher = PieceHasher()
         self._on_progress = on_progress or nothing
         self._marked = 0  # pieces written when progress was last marked
@@ -136,15 +146,22 @@ class HashingWriter:
         error: BaseException | None,
         trace: TracebackType | None,
     ) -> None:
-        self._fh.close()
+        if error is not None and isinstance(self._fh, PartUpload):
+            self._fh.abort()  # a failed write leaves no object behind (a file: its partial bytes)
+        else:
+            self._fh.close()
 
 
 def write_file(
-    path: Location, obj: Any, on_progress: Callable[[], None] | None = None
+    path: Location,
+    obj: Any,
+    on_progress: Callable[[], None] | None = None,
+    uploads: Uploads | None = None,
 ) -> dict[str, Any]:
     """Write ``obj`` (bytes as they are, anything else through ``torch.save``) to ``path``,
-    synced to its storage; its marker entry."""
-    with HashingWriter(path, on_progress) as out:
+    synced to its storage; its marker entry. ``uploads``: where a store's file may finish its
+    upload after this returns (the save waits for them all before it counts its files)."""
+    with HashingWriter(path, on_progress, uploads) as out:
         if isinstance(obj, (bytes, bytearray, memoryview)):
             out.write(obj)
         else:
@@ -176,9 +193,21 @@ def hashing_file_system(
                 yield out
                 records[str(path)] = out.finish()
 
+        def mkdir(self, path: str | os.PathLike[str]) -> None:
+            if not isinstance(folder, ObjectPath):  # a store's prefix needs no making
+                super().mkdir(path)
+
+        def exists(self, path: str | os.PathLike[str]) -> bool:
+            if isinstance(folder, ObjectPath):  # one request (fsspec's also lists a prefix)
+                return _stored(folder / Path(path).name, "look up", "head_object") is not None
+            return bool(super().exists(path))
+
         def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
-            if isinstance(folder, ObjectPath):  # DCP's .metadata.tmp: no multi-object delete
-                (folder / Path(path).name).rename_to(folder / Path(new_path).name)
+            if isinstance(folder, ObjectPath):  # DCP's .metadata.tmp: a copy and a delete
+                source, target = folder / Path(path).name, folder / Path(new_path).name
+                bucket, _, key = source.url.split("://", 1)[1].partition("/")
+                _stored(target, "copy", "copy_object", CopySource={"Bucket": bucket, "Key": key})
+                source.unlink()
             else:
                 super().rename(path, new_path)
             if str(path) in records:
@@ -188,3 +217,26 @@ def hashing_file_system(
     if isinstance(folder, ObjectPath):
         hashing.fs = folder.fs  # the store's own, which caches no listing
     return hashing
+
+
+def _stored(path: ObjectPath, what: str, method: str, **kwargs: Any) -> Any:
+    """One S3 request (``method``: ``what`` it does, in words) about the object ``path``; its
+    answer (None: no such object)."""
+    bucket, _, key = path.url.split("://", 1)[1].partition("/")
+    try:
+        return path._call(what, lambda: path.fs.call_s3(method, Bucket=bucket, Key=key, **kwargs))
+    except FileNotFoundError:
+        return None
+
+
+def progress_planner(on_progress: Callable[[], None]) -> Any:
+    """DCP's default save planner, marking progress as the writer takes each item (it asks
+    for an item as it comes to write it)."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class ProgressPlanner(DefaultSavePlanner):
+        def resolve_data(self, write_item: Any) -> Any:
+            on_progress()
+            return super().resolve_data(write_item)
+
+    return ProgressPlanner()

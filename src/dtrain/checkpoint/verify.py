@@ -22,8 +22,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from dtrain.checkpoint import copies
+from dtrain.checkpoint.copies import RangeRead
 from dtrain.checkpoint.layout import MARKER, SHARDED_DIR
-from dtrain.checkpoint.store import Location, open_read
+from dtrain.checkpoint.store import Location, ObjectPath, open_read
 from dtrain.fault.failpoints import failpoint
 
 # Bytes read and hashed between two progress marks.
@@ -109,21 +111,56 @@ def verify_pieces(
     after each 8 MiB hashed and each piece."""
     tick = on_progress or (lambda: None)
     sizes: dict[str, int] = {}
+    listed = _listed_sizes(step_dir)
     buffer = bytearray(_CHUNK)
-    for piece in pieces:
-        path = step_dir / piece.name
-        if piece.name not in sizes:
-            try:
-                sizes[piece.name] = path.stat().st_size
-            except FileNotFoundError:
-                return f"{path} is missing (listed in {MARKER})"
-            if sizes[piece.name] != piece.file_bytes:
-                return f"{path} has {sizes[piece.name]} bytes, expected {piece.file_bytes}"
-        failpoint("checkpoint.verify_piece", path=path, index=piece.index)
-        if _hash_range(path, piece.start, piece.length, buffer, tick) != piece.digest:
-            return f"{path} fails its SHA-256 checksum{piece.describe()}"
-        tick()
+    todo = list(pieces)
+    ahead: RangeRead | None = None  # a store's next piece, asked for while this one is hashed
+    try:
+        for at, piece in enumerate(todo):
+            path = step_dir / piece.name
+            if piece.name not in sizes:
+                try:
+                    if listed is None:
+                        sizes[piece.name] = path.stat().st_size
+                    else:
+                        sizes[piece.name] = listed[piece.name]
+                except (FileNotFoundError, KeyError):
+                    return f"{path} is missing (listed in {MARKER})"
+                if sizes[piece.name] != piece.file_bytes:
+                    return f"{path} has {sizes[piece.name]} bytes, expected {piece.file_bytes}"
+            failpoint("checkpoint.verify_piece", path=path, index=piece.index)
+            if isinstance(path, ObjectPath):
+                reading = ahead or RangeRead(path, piece.start, piece.length)
+                ahead = None
+                following = todo[at + 1] if at + 1 < len(todo) else None
+                if following is not None and isinstance(step_dir, ObjectPath):
+                    ahead = RangeRead(step_dir / following.name, following.start, following.length)
+                digest = _hash_stored(path, piece, tick, reading)
+            else:
+                digest = _hash_range(path, piece.start, piece.length, buffer, tick)
+            if digest != piece.digest:
+                return f"{path} fails its SHA-256 checksum{piece.describe()}"
+            kept = copies.active()
+            if kept is not None and isinstance(path, ObjectPath):
+                kept.mark_verified(path, piece.start, piece.length)
+            tick()
+    finally:
+        if ahead is not None:
+            ahead.close()
     return None
+
+
+def _listed_sizes(step_dir: Location) -> dict[str, int] | None:
+    """Every object's size in an S3 store's checkpoint folder, by its name there, from one
+    flat listing (a request per file otherwise); None for a local folder."""
+    if not isinstance(step_dir, ObjectPath) or step_dir.scheme != "s3":
+        return None
+    try:
+        found = step_dir._call("list", lambda: step_dir.fs.find(step_dir.url, detail=True))
+    except FileNotFoundError:
+        return {}
+    head = step_dir.url.split("://", 1)[1] + "/"
+    return {str(key).removeprefix(head): int(info["size"]) for key, info in found.items()}
 
 
 def _hash_range(
@@ -141,4 +178,24 @@ def _hash_range(
             digest.update(view[:got])
             left -= got
             tick()
+    return digest.hexdigest()
+
+
+def _hash_stored(
+    path: ObjectPath, piece: Piece, tick: Callable[[], None], reading: RangeRead
+) -> str:
+    """The piece's digest from ``reading`` (its range, asked of the store); inside a resume
+    (:func:`dtrain.checkpoint.copies.keep_copies`) each chunk is kept as it passes."""
+    digest = hashlib.sha256()
+    kept = copies.active()
+    at = piece.start
+    try:
+        for data in reading:
+            digest.update(data)
+            if kept is not None:
+                kept.write(path, piece.file_bytes, at, data)
+            at += len(data)
+            tick()
+    finally:
+        reading.close()
     return digest.hexdigest()

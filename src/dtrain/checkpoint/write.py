@@ -63,7 +63,8 @@ from dtrain.checkpoint.store import (
     sync_folder,
     write_whole,
 )
-from dtrain.checkpoint.stream import hashing_file_system, nothing, write_file
+from dtrain.checkpoint.stream import hashing_file_system, nothing, progress_planner, write_file
+from dtrain.checkpoint.upload import Uploads
 from dtrain.comm.plain import broadcast_json, gather_json
 from dtrain.errors import CheckpointError
 from dtrain.fault.failpoints import failpoint
@@ -115,19 +116,6 @@ def snapshot(obj: Any, reuse: Any = None) -> Any:
         ]
         return items if isinstance(obj, list) else tuple(items)
     return obj
-
-
-def _progress_planner(on_progress: Callable[[], None]) -> Any:
-    """DCP's default save planner, marking progress as the writer takes each item (it asks
-    for an item as it comes to write it)."""
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-    class ProgressPlanner(DefaultSavePlanner):
-        def resolve_data(self, write_item: Any) -> Any:
-            on_progress()
-            return super().resolve_data(write_item)
-
-    return ProgressPlanner()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,6 +266,7 @@ class Checkpointer:
         outcome = _Outcome()
         meta_text = json.dumps(meta, indent=1, sort_keys=True).encode() if meta else b""
         need = space.state_bytes(files) + space.state_bytes(sharded) + len(meta_text)
+        uploads = Uploads()  # a store's file goes on uploading while the next is written
         try:
             if self.rank == 0:
                 # A store's save writes into step-N itself: a marker there from another
@@ -289,13 +278,15 @@ class Checkpointer:
             space.check_room(self.root, need)
             for name, obj in files.items():
                 failpoint("checkpoint.write_file", step=step, path=tmp / name)
-                outcome.files[name] = write_file(tmp / name, obj, on_progress)
+                outcome.files[name] = write_file(tmp / name, obj, on_progress, uploads)
             if meta is not None:
                 failpoint("checkpoint.write_file", step=step, path=tmp / META)
-                outcome.files[META] = write_file(tmp / META, meta_text, on_progress)
+                outcome.files[META] = write_file(tmp / META, meta_text, on_progress, uploads)
+            uploads.wait()  # every file whole in the store before this rank says it wrote
             if sharded is not None:
                 outcome.files.update(self._write_sharded(tmp, sharded, on_progress))
         except Exception as exc:
+            uploads.abort()
             mine = [*files, *([META] if meta is not None else [])]
             why = self._why_not_written(exc, tmp, need, mine)
             outcome = _Outcome(error=why)
@@ -368,7 +359,7 @@ class Checkpointer:
             # One writer thread (the default): DCP writes on the thread that called it, so the
             # planner's progress marks are made there.
             storage_writer=writer,
-            planner=_progress_planner(on_progress),
+            planner=progress_planner(on_progress),
             process_group=self.group if dist.is_initialized() else None,
         )
         written = {Path(path).name: entry for path, entry in records.items()}

@@ -1,0 +1,274 @@
+"""Verified local copies of a store's checkpoint files while a resume reads them: one read of
+each byte from the store.
+
+Locally, a resume hashes its share of a checkpoint's pieces and then loads its files again from
+the page cache its check filled; a store has no page cache, so the load would download every
+byte a second time. While a resume's scope is open (:func:`start`: from the choice of the
+checkpoint, :func:`dtrain.checkpoint.resume.resolve_resume`, to the end of its load; or the
+block of :func:`keep_copies`), each piece this process hashes from a store is written, as it
+streams past, into a sparse local copy of its file in a private folder (``run.local_dir``);
+a load then reads the copy, first downloading only the ranges of the file this rank did not
+verify (the pieces the other ranks checked: :func:`dtrain.checkpoint.verify.assign`), once.
+The copy of a whole file goes as soon as it is loaded, and the folder when the scope ends: the
+local disk holds at most this rank's share of the checkpoint and the file being loaded.
+
+Why copies of what a rank verified rather than verifying what it loads: the ranks of a
+replicated job all load the same files, and verification is shared so that each hashes
+``1 / world size`` of them; a rank completes its copy with the rest, so every rank still
+downloads each byte it loads once, and the bytes it checked are the very bytes it loads.
+
+A copy only ever holds bytes that arrived from the store; the ranges marked verified are those
+whose piece matched the marker. Where the local disk refuses a copy (full), the copies are
+dropped and reads go to the store as without them: slower, never other bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from dtrain.checkpoint.store import Location, ObjectPath
+
+# Bytes of one ranged read from the store (and written to a copy at once).
+CHUNK_BYTES = 8 * 2**20
+
+
+class RangeRead:
+    """``length`` bytes of the object from ``start`` (fewer where it is shorter), in chunks of
+    at most :data:`CHUNK_BYTES`: one ranged GET, asked for as soon as this is made (a reader
+    starts the next range's while it hashes this one), streamed with one chunk read ahead --
+    a buffered file reads past the range, and a request per chunk costs a round trip each.
+    :meth:`close` gives it up unread."""
+
+    def __init__(self, path: ObjectPath, start: int, length: int) -> None:
+        self.path, self.start, self.length = path, start, length
+        self._answer: Future[Any] | None = None
+        self._ahead: Future[Any] | None = None
+        if path.scheme == "s3" and length > 0:
+            bucket, _, key = path.url.split("://", 1)[1].partition("/")
+            span = f"bytes={start}-{start + length - 1}"
+            call = path.fs._call_s3("get_object", Bucket=bucket, Key=key, Range=span)
+            self._answer = asyncio.run_coroutine_threadsafe(call, path.fs.loop)
+
+    def __iter__(self) -> Iterator[bytes]:
+        path, start, length = self.path, self.start, self.length
+        if length <= 0:
+            return
+        if self._answer is None:  # another fsspec store: a ranged read per chunk
+            for at in range(start, start + length, CHUNK_BYTES):
+                end = min(at + CHUNK_BYTES, start + length)
+                yield bytes(path._call("read", partial(path.fs.cat_file, path.url, at, end)))
+            return
+        body = path._call("read", self._answer.result)["Body"]
+        loop = path.fs.loop
+        self._ahead = asyncio.run_coroutine_threadsafe(body.read(min(CHUNK_BYTES, length)), loop)
+        left = length
+        while left > 0:
+            chunk = path._call("read", self._ahead.result)
+            if not chunk:
+                return
+            left -= len(chunk)
+            if left > 0:
+                self._ahead = asyncio.run_coroutine_threadsafe(
+                    body.read(min(CHUNK_BYTES, left)), loop
+                )
+            yield bytes(chunk)
+
+    def close(self) -> None:
+        for future in (self._ahead, self._answer):
+            if future is not None:
+                future.cancel()
+        answer = self._answer
+        answered = answer is not None and answer.done() and not answer.cancelled()
+        if answer is not None and answered and answer.exception() is None:
+            # The body is the loop's to close (a request cancelled unanswered has none).
+            self.path.fs.loop.call_soon_threadsafe(answer.result()["Body"].close)
+
+
+def read_whole(path: ObjectPath) -> bytes:
+    """A small object's bytes: one GET (s3fs's ``cat_file`` asks for its size first)."""
+    if path.scheme != "s3":
+        return path.read_bytes()
+    from fsspec.asyn import sync
+
+    async def get() -> bytes:
+        bucket, _, key = path.url.split("://", 1)[1].partition("/")
+        answer = await path.fs._call_s3("get_object", Bucket=bucket, Key=key)
+        async with answer["Body"] as body:
+            return bytes(await body.read())
+
+    return bytes(path._call("read", partial(sync, path.fs.loop, get)))
+
+
+def read_range(path: ObjectPath, start: int, length: int) -> Iterator[bytes]:
+    """The bytes of one range (:class:`RangeRead`), its request closed however it ends."""
+    reading = RangeRead(path, start, length)
+    try:
+        yield from reading
+    finally:
+        reading.close()
+
+
+@dataclass
+class _Copy:
+    local: Path
+    size: int
+    verified: list[tuple[int, int]] = field(default_factory=list)  # (start, length) that matched
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """The ranges not verified here, in order."""
+        out, at = [], 0
+        for start, length in sorted(self.verified):
+            if start > at:
+                out.append((at, start - at))
+            at = max(at, start + length)
+        if at < self.size:
+            out.append((at, self.size - at))
+        return out
+
+
+class KeptCopies:
+    """The copies of one scope (:func:`keep_copies`), in ``folder``."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._copies: dict[str, _Copy] = {}
+        self.refused = False  # the local disk refused a write: no more copies
+        self._made = 0
+        self._whole: dict[str, bytes] = {}  # small objects read whole (markers), by URL
+
+    def read_once(self, path: ObjectPath) -> bytes:
+        """A small object (a completion marker, a few kB), read from the store once in this
+        scope: every reader of it in the resume sees the same bytes."""
+        if path.url not in self._whole:
+            self._whole[path.url] = read_whole(path)
+        return self._whole[path.url]
+
+    def _copy(self, path: ObjectPath, size: int) -> _Copy:
+        copy = self._copies.get(path.url)
+        if copy is None or copy.size != size:
+            self.release(path.url)
+            self._made += 1
+            local = self.folder / f"{self._made:05d}-{path.name}"
+            with open(local, "wb") as fh:
+                fh.truncate(size)  # sparse: only what is written takes room
+            copy = self._copies[path.url] = _Copy(local, size)
+        return copy
+
+    def write(self, path: ObjectPath, size: int, start: int, data: bytes) -> None:
+        """Keep ``data``, read from the store at ``start`` of the file (``size`` bytes)."""
+        if not self.refused:
+            try:
+                copy = self._copy(path, size)
+            except OSError:
+                self._refuse()
+                return
+            self._put(copy, start, data)
+
+    def _put(self, copy: _Copy, start: int, data: bytes) -> bool:
+        """Write into the copy; False (and no more copies) where the local disk refuses."""
+        try:
+            with open(copy.local, "r+b") as fh:
+                fh.seek(start)
+                fh.write(data)
+        except OSError:
+            self._refuse()
+            return False
+        return True
+
+    def mark_verified(self, path: ObjectPath, start: int, length: int) -> None:
+        """The range's piece matched the marker: its bytes in the copy are the verified ones."""
+        copy = self._copies.get(path.url)
+        if copy is not None and not self.refused:
+            copy.verified.append((start, length))
+
+    def forget(self, prefix: Location) -> None:
+        """Drop the copies of the files under ``prefix`` (a checkpoint the resume skipped)."""
+        head = f"{prefix}/"
+        for url in [url for url in self._copies if url.startswith(head)]:
+            self.release(url)
+
+    def release(self, url: str) -> None:
+        copy = self._copies.pop(url, None)
+        if copy is not None:
+            copy.local.unlink(missing_ok=True)
+
+    def completed(self, path: ObjectPath) -> Path | None:
+        """The local copy of the file, its unverified ranges downloaded now (once); None where
+        this process kept none of it."""
+        copy = self._copies.get(path.url)
+        if copy is None or self.refused:
+            return None
+        for start, length in copy.gaps():
+            at = start
+            for data in read_range(path, start, length):
+                if not self._put(copy, at, data):
+                    return None
+                at += len(data)
+        copy.verified = [(0, copy.size)]
+        return copy.local
+
+    def _refuse(self) -> None:
+        self.refused = True
+        for url in list(self._copies):
+            self.release(url)
+
+
+_active: KeptCopies | None = None
+
+
+def active() -> KeptCopies | None:
+    """The copies of the resume in progress in this process, if any."""
+    return _active
+
+
+def start(folder: Path, root: Location) -> Scope | None:
+    """From now on this process keeps what it verifies of a store's checkpoint and loads from
+    it (see the module's text), until the scope is closed -- by whoever loads the checkpoint,
+    however that ends (and at the latest when the scope is dropped, or the process exits).
+    ``folder``: where this machine's run files are (``run.local_dir``); the copies go into a
+    private folder in it. None where the checkpoints (``root``) are local: the page cache
+    does it."""
+    global _active
+    if isinstance(root, Path):
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".resume-copies-{os.getpid()}-", dir=folder))
+    scope = Scope(KeptCopies(scratch), _active)
+    _active = scope.kept
+    return scope
+
+
+class Scope:
+    """An open :func:`start`: :meth:`close` ends it, the copies removed."""
+
+    def __init__(self, kept: KeptCopies, outer: KeptCopies | None) -> None:
+        self.kept, self._outer = kept, outer
+        self._removal = weakref.finalize(self, shutil.rmtree, kept.folder, True)
+
+    def close(self) -> None:
+        global _active
+        if _active is self.kept:
+            _active = self._outer
+        self._removal()  # once: later calls do nothing
+
+
+@contextmanager
+def keep_copies(folder: Path, root: Location) -> Iterator[KeptCopies | None]:
+    """:func:`start` for the block it opens."""
+    scope = start(folder, root)
+    try:
+        yield scope.kept if scope is not None else None
+    finally:
+        if scope is not None:
+            scope.close()

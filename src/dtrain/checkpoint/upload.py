@@ -1,0 +1,214 @@
+"""A checkpoint file's upload to an object store, its parts sent while the next ones are written.
+
+``torch.save`` hands its writer one record after another; a multipart upload sent part by part
+in step with it (what an fsspec file opened ``"wb"`` does) leaves the link idle while each part
+is serialized, and the serializer idle while each part is sent. Here each full part goes out
+on the store's own event loop (s3fs's, the one its requests run on) and the writer goes on
+with the next; at most :data:`PARTS_IN_FLIGHT` parts are in flight, so a save of any size holds
+about ``(PARTS_IN_FLIGHT + 1) * PART_BYTES`` bytes beside its state (80 MiB). A file no larger
+than that is held whole and sent as one ``put_object`` (a multipart upload costs two requests
+more, and a store assembles its parts).
+
+What it keeps of the file protocol it replaces: the object is complete and visible only once
+:meth:`PartUpload.complete` returns (it waits for every request, then completes a multipart
+upload), which :meth:`~PartUpload.close` calls -- or, in a save, :class:`Uploads`, once the next
+file is written and before the rank reports its files written; a file sent as one
+``put_object`` is whole or absent; a failure aborts the upload (nothing partial stays behind,
+and the store frees the parts) and is a :class:`~dtrain.checkpoint.store.StoreError` naming the
+store, the key and the retry policy. S3's API only (s3fs): another fsspec store's file is
+fsspec's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections import deque
+from concurrent.futures import CancelledError, Future
+from contextlib import suppress
+from typing import Any
+
+from dtrain.checkpoint.store import PART_BYTES, ObjectPath
+
+# Parts sent at once per file (each PART_BYTES): s3fs's own put sends up to 10; 4 keep a
+# loopback or a LAN store's link busy with 64 MiB in flight.
+PARTS_IN_FLIGHT = 4
+
+
+class PartUpload:
+    """A write-only stream of bytes into the object ``path`` (see the module's text)."""
+
+    def __init__(
+        self,
+        path: ObjectPath,
+        part_bytes: int | None = None,
+        in_flight: int | None = None,
+        uploads: Uploads | None = None,
+    ) -> None:
+        self.path = path
+        self._uploads = uploads  # completes this upload later (None: close completes it)
+        self.part_bytes = part_bytes or PART_BYTES  # read now: tests make them small
+        self.in_flight = in_flight or PARTS_IN_FLIGHT
+        # The most a file may be to go as one request: what its parts in flight would hold.
+        self.one_request = (self.in_flight + 1) * self.part_bytes
+        self._bucket, _, self._key = path.url.split("://", 1)[1].partition("/")
+        self._buffer = bytearray()
+        self._upload_id: str | None = None
+        self._pending: deque[tuple[int, Future[Any]]] = deque()  # (part number, its request)
+        self._parts: list[dict[str, Any]] = []
+        self._last: Future[Any] | None = None  # a one-request file's put_object
+        self._closed = False  # no more writes (its last requests may be in flight)
+        self._done = False  # complete, or aborted
+
+    # -- requests ------------------------------------------------------------------------
+
+    def _start(self, method: str, **kwargs: Any) -> Future[Any]:
+        """One request on the store's event loop, not waited for."""
+        fs = self.path.fs
+        call = fs._call_s3(method, Bucket=self._bucket, Key=self._key, **kwargs)
+        return asyncio.run_coroutine_threadsafe(call, fs.loop)
+
+    def _wait(self, future: Future[Any]) -> Any:
+        return self.path._call("write", future.result)
+
+    def _send(self, part: bytes) -> None:
+        if self._upload_id is None:
+            self._upload_id = self._wait(self._start("create_multipart_upload"))["UploadId"]
+        while len(self._pending) >= self.in_flight:  # the bound on memory and connections
+            self._finish_oldest()
+        number = len(self._parts) + len(self._pending) + 1
+        future = self._start("upload_part", PartNumber=number, UploadId=self._upload_id, Body=part)
+        self._pending.append((number, future))
+
+    def _finish_oldest(self) -> None:
+        number, future = self._pending.popleft()
+        out = self._wait(future)
+        header = {"PartNumber": number, "ETag": out["ETag"]}
+        if "ChecksumSHA256" in out:  # as s3fs's own file does
+            header["ChecksumSHA256"] = out["ChecksumSHA256"]
+        self._parts.append(header)
+
+    # -- the stream ----------------------------------------------------------------------
+
+    def write(self, data: Any) -> int:
+        if self._closed:
+            raise ValueError(f"write to {self.path}, which is closed")
+        view = memoryview(data).cast("B")
+        try:
+            while len(view):
+                # Until the file outgrows what one request may carry, it is held (a small
+                # file is one put_object); then it goes out part by part.
+                limit = self.part_bytes if self._upload_id is not None else self.one_request
+                take = view[: max(0, limit - len(self._buffer))]
+                self._buffer += take
+                view = view[len(take) :]
+                if len(view) and len(self._buffer) >= limit:
+                    while len(self._buffer) >= self.part_bytes:
+                        part = bytes(self._buffer[: self.part_bytes])
+                        del self._buffer[: self.part_bytes]
+                        self._send(part)
+        except BaseException:
+            self.abort()
+            raise
+        return memoryview(data).nbytes
+
+    def flush(self) -> None:
+        """Nothing: a part goes out once full, the rest at :meth:`close`."""
+
+    def fileno(self) -> int:
+        raise io.UnsupportedOperation(f"{self.path} is an object in a store, not a file")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Send what is left; then, unless a save's :class:`Uploads` waits for it later, wait
+        for every part and complete the upload: the object exists (whole) once
+        :meth:`complete` returns."""
+        if self._closed:
+            return
+        try:
+            if self._upload_id is None:  # no larger than one_request: one request
+                self._last = self._start("put_object", Body=bytes(self._buffer))
+            elif self._buffer:
+                self._send(bytes(self._buffer))
+            self._closed = True
+            self._buffer = bytearray()
+        except BaseException:
+            self.abort()
+            raise
+        if self._uploads is not None:
+            self._uploads.add(self)
+        else:
+            self.complete()
+
+    def complete(self) -> None:
+        """Wait for what is in flight, and complete a multipart upload."""
+        if self._done:
+            return
+        try:
+            if self._last is not None:
+                self._wait(self._last)
+            else:
+                while self._pending:
+                    self._finish_oldest()
+                done = self._start(
+                    "complete_multipart_upload",
+                    UploadId=self._upload_id,
+                    MultipartUpload={"Parts": self._parts},
+                )
+                self._wait(done)
+            self._done = True
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Give the upload up: no object, the parts sent freed (a failed abort leaves them to
+        the store's lifecycle rules; the failure that led here is what the caller sees)."""
+        if self._done:
+            return
+        self._closed = self._done = True
+        self._buffer = bytearray()
+        futures = [future for _, future in self._pending]
+        if self._last is not None:
+            futures.append(self._last)
+        for future in futures:
+            future.cancel()
+        for future in futures:
+            with suppress(Exception, CancelledError):
+                future.result()
+        self._pending.clear()
+        if self._upload_id is not None:
+            with suppress(Exception):
+                self._start("abort_multipart_upload", UploadId=self._upload_id).result()
+
+
+class Uploads:
+    """The files of one save whose last requests are still in flight once they are closed, so
+    that the next file is serialized and sent meanwhile: at most ``most`` of them (each holds
+    up to ``(PARTS_IN_FLIGHT + 1) * PART_BYTES``), each completed by :meth:`wait` -- which the
+    save calls before it reports its files written (the marker comes after that)."""
+
+    def __init__(self, most: int = 1) -> None:
+        self.most = most
+        self._open: deque[PartUpload] = deque()
+
+    def add(self, upload: PartUpload) -> None:
+        while len(self._open) >= self.most:
+            self._open.popleft().complete()
+        self._open.append(upload)
+
+    def wait(self) -> None:
+        """Complete every upload (the first failure raised, the others aborted)."""
+        try:
+            while self._open:
+                self._open[0].complete()
+                self._open.popleft()
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        while self._open:
+            self._open.popleft().abort()

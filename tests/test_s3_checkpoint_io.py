@@ -1,0 +1,154 @@
+"""What a checkpoint in an object store costs in requests (issue 42): a save sends its large
+files as multipart uploads with a bounded number of parts in flight, and a resume downloads
+each byte of the checkpoint once -- what it verifies is what it loads
+(:mod:`dtrain.checkpoint.copies`) -- and the step folders, markers and leftovers come from
+listings, not a look-up per object. Counted at the store client (botocore's events on the
+checkpointer's own s3fs), against moto's S3 server (or ``make test-s3``'s Swift), in this
+process; no wall clock."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dtrain.checkpoint import layout, upload
+from dtrain.checkpoint import read as ckread
+from dtrain.checkpoint.copies import keep_copies
+from dtrain.checkpoint.store import ObjectPath
+from dtrain.checkpoint.verify import assign, verify_pieces
+from dtrain.checkpoint.write import Checkpointer
+from tests.test_s3_run_dir import BUCKET, Store, store  # noqa: F401  (the module's server)
+
+MIB = 2**20
+
+
+@dataclass
+class Requests:
+    """Requests the client made, by operation; the bytes GETs returned; the most UploadParts
+    in flight at once."""
+
+    calls: dict[str, int] = field(default_factory=dict)
+    got_bytes: int = 0
+    parts_now: int = 0
+    parts_most: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def before(self, event_name: str, **_: Any) -> None:
+        op = event_name.rsplit(".", 1)[1]
+        with self.lock:
+            self.calls[op] = self.calls.get(op, 0) + 1
+            if op == "UploadPart":
+                self.parts_now += 1
+                self.parts_most = max(self.parts_most, self.parts_now)
+
+    def after(self, event_name: str, parsed: dict[str, Any], **_: Any) -> None:
+        op = event_name.rsplit(".", 1)[1]
+        with self.lock:
+            if op == "UploadPart":
+                self.parts_now -= 1
+            if op == "GetObject":
+                self.got_bytes += int(parsed.get("ContentLength", 0))
+
+
+@pytest.fixture
+def counted(store: Store) -> Iterator[tuple[Any, Requests]]:  # noqa: F811
+    """A client of the store of its own, whose requests are counted."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(
+        key=store.secrets[0],
+        secret=store.secrets[1],
+        endpoint_url=store.endpoint,
+        use_listings_cache=False,
+        skip_instance_cache=True,
+    )
+    fs.ls(BUCKET)  # the client exists from here
+    seen = Requests()
+    fs.s3.meta.events.register("before-call.s3", seen.before)
+    fs.s3.meta.events.register("after-call.s3", seen.after)
+    yield fs, seen
+
+
+def test_a_save_streams_its_parts_a_resume_reads_each_byte_once_listings_do_the_rest(
+    counted: tuple[Any, Requests], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    fs, seen = counted
+    # Small parts (S3's smallest) and pieces, so that a file of 20 MiB is a multipart upload,
+    # 2 parts in flight, and 6 pieces to verify.
+    monkeypatch.setattr(upload, "PART_BYTES", 5 * MIB)
+    monkeypatch.setattr(upload, "PARTS_IN_FLIGHT", 2)
+    monkeypatch.setattr(layout, "PIECE_BYTES", 4 * MIB)
+    root = ObjectPath(f"s3://{BUCKET}/io/checkpoints", fs)
+    saver = Checkpointer(root, rank=0, world_size=1, keep_last=2, keep_every=0, log=print)
+    generator = torch.Generator().manual_seed(3)
+    big = torch.randn(5 * MIB, generator=generator)  # 20 MiB
+    small = torch.arange(10.0)
+    shards = {"model": {"s": torch.randn(1000, generator=generator)}}
+    saver.save(
+        1,
+        {"model.pt": {"big": big}, "optimizer.pt": {"small": small}},
+        {"step": 1, "world_size": 1},
+        blocking=True,
+        sharded=shards,
+    )
+    step = root / layout.step_dir_name(1)
+    marker = json.loads((step / layout.MARKER).read_bytes())
+    sizes = {name: info["bytes"] for name, info in marker["files"].items()}
+    assert sizes["model.pt"] > 20 * MIB and len(marker["files"]["model.pt"]["pieces"]) == 6
+    # model.pt alone outgrows one request (15 MiB: 3 parts' worth): 4 full parts and the
+    # rest; every other file is one put_object.
+    assert seen.calls.get("CreateMultipartUpload") == 1 and seen.calls.get("UploadPart") == 5
+    assert seen.calls.get("CompleteMultipartUpload") == 1
+    assert seen.parts_most <= 2  # the bound on what a save holds beside its state
+    assert seen.calls.get("AbortMultipartUpload", 0) == 0
+    for name, size in sizes.items():  # the marker's sizes are the objects'
+        assert (step / name).stat().st_size == size, name
+    marker_bytes = (step / layout.MARKER).stat().st_size
+
+    # A resume on one rank: every piece verified, every file loaded, each byte read once.
+    seen.got_bytes = 0
+    local = tmp_path / "local"
+    with keep_copies(local, root):
+        ckread.verify_checkpoint(step)
+        model = ckread.load_file(step, "model.pt")
+        optim = ckread.load_file(step, "optimizer.pt")
+        assert ckread.load_meta(step) == {"step": 1, "world_size": 1, "job": saver.job}
+        template = {"model": {"s": torch.zeros(1000)}}
+        ckread.load_sharded(step, template)
+    assert seen.got_bytes == marker_bytes + sum(sizes.values())
+    assert torch.equal(model["big"], big) and torch.equal(optim["small"], small)
+    assert torch.equal(template["model"]["s"], shards["model"]["s"])
+    assert list(local.iterdir()) == []  # the copies went with the scope
+
+    # Rank 1 of 2: its share of the pieces verified, then model.pt loaded whole: the pieces
+    # rank 0 checked are downloaded at the load, once; model.pt's bytes are read once in all.
+    share = assign(marker, 2)[1]
+    mine = sum(p.length for p in share if p.name == "model.pt")
+    assert 0 < mine < sizes["model.pt"]
+    seen.got_bytes = 0
+    with keep_copies(local, root):
+        assert verify_pieces(step, share) is None
+        verified = seen.got_bytes
+        assert torch.equal(ckread.load_file(step, "model.pt")["big"], big)
+    shared = sum(p.length for p in share) - mine
+    assert verified == mine + shared
+    assert seen.got_bytes == sizes["model.pt"] + shared
+
+    # Leftovers of interrupted saves and prunes, found from two listings and removed; the
+    # committed checkpoint stays, and the step folders and markers are listed, not looked up.
+    (root / "step-00000009" / "model.pt").write_bytes(b"cut off before its marker")
+    (root / ".trash-step-00000002" / "model.pt").write_bytes(b"half deleted")
+    assert [step for step, _ in layout.list_step_dirs(root)] == [9, 1]
+    seen.calls.clear()
+    assert layout.committed_steps(root) == [1]
+    assert seen.calls == {"ListObjectsV2": 1}
+    removed = ckread.remove_leftovers(root)
+    assert sorted(path.name for path in removed) == [".trash-step-00000002", "step-00000009"]
+    assert [entry.name for entry in root.iterdir()] == ["step-00000001"]
