@@ -51,7 +51,7 @@ def endpoint() -> str:
 
 
 def file_system(scheme: str) -> Any:
-    """fsspec's file system for ``scheme`` (one per process: fsspec keeps the instance), its
+    """fsspec's file system for ``scheme`` (fsspec keeps the instance), its
     listings never cached (another rank or machine changes them); a user error when the
     package it needs is missing."""
     try:
@@ -69,7 +69,12 @@ def file_system(scheme: str) -> Any:
         raise UserError(
             "s3:// needs the s3fs package, which is not installed: pip install -e '.[s3]'"
         ) from None
+    # The endpoint passed, not left to botocore: fsspec keeps one instance per set of
+    # arguments, so a process whose endpoint variable changes (a notebook, a test) gets a
+    # client of the new store instead of the first one's.
+    url = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
     fs = s3fs.S3FileSystem(
+        endpoint_url=url,
         use_listings_cache=False,
         config_kwargs={
             "connect_timeout": CONNECT_TIMEOUT_S,
