@@ -108,8 +108,6 @@ def real_job(world: int, steps: int, sleep_ms: float) -> dict[str, Any]:
     """A real ``world``-rank job of ``benchmarks/control_plane.py`` (the one-machine steady
     run): per-rank store calls per second (``StoreLink.call``, its instruments' count; the
     median rank) and the CPU share of rank 0's store thread between step 20 and the end."""
-    from tests.processes import rank_of
-
     import control_plane as real
     from control_plane_sim import cpu_s, store_thread
 
@@ -120,7 +118,7 @@ def real_job(world: int, steps: int, sleep_ms: float) -> dict[str, Any]:
         launch = launches[0]
         try:
             real.wait_for(run_dir, launches, lambda r: r.get("kind") == "train", 1200)
-            pid = next(p for p in launch.workers() if rank_of(p) == 0)
+            pid = next(p for p in launch.workers() if real.rank_of(p) == 0)
             tid = store_thread(pid)
             first = real.wait_for(
                 run_dir, launches, lambda r: r.get("kind") == "train" and r["step"] >= 20, 1200
