@@ -142,5 +142,6 @@ def real_job(world: int, steps: int, sleep_ms: float) -> dict[str, Any]:
             "calls": statistics.median(p["per_s"]["store_calls"] for p in per_rank),
             "store_thread": (end[1] - mark[1]) / (end[0] - mark[0]),
             "step_s": (last["time"] - first["time"]) / max(1, last["step"] - first["step"]),
+            "window_s": end[0] - mark[0],
             "store_thread_found": tid is not None,
         }

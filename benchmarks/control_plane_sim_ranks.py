@@ -130,9 +130,11 @@ def sample(series: list[list[float]]) -> None:
         time.sleep(0.1)
 
 
-def on_threads(items: list[Any], fn: Callable[[Any], Any]) -> list[Any]:
-    """``fn(item)`` for every item at once, one thread each (every rank acts at once)."""
+def on_threads(items: list[Any], fn: Callable[[Any], Any], calls: list[int]) -> list[Any]:
+    """``fn(item)`` for every item at once, one thread each (every rank acts at once);
+    ``calls`` gets this process's link calls and store operations meanwhile."""
     out: list[Any] = [None] * len(items)
+    before = (TALLY["calls"], TALLY["ops"])
 
     def run(i: int) -> None:
         try:
@@ -145,6 +147,7 @@ def on_threads(items: list[Any], fn: Callable[[Any], Any]) -> list[Any]:
         thread.start()
     for thread in threads:
         thread.join()
+    calls += [TALLY["calls"] - before[0], TALLY["ops"] - before[1]]
     return out
 
 
@@ -183,7 +186,7 @@ def restart(ctl: Control, ranks: list[int], args: argparse.Namespace) -> dict[st
             words = PeerWords(dog).gather("sim", str(dog.rank), "the simulation's words")
             return {"end": time.time(), "ok": words == expected}
 
-        out["words"] = on_threads(dogs, gather)
+        out["words"] = on_threads(dogs, gather, out.setdefault("words_calls", []))
         ctl.add("words_right", sum(1 for x in out["words"] if x.get("ok")))
         ctl.add("words_done", len(dogs))
     if ctl.until("kill") != "skip":
@@ -194,7 +197,7 @@ def restart(ctl: Control, ranks: list[int], args: argparse.Namespace) -> dict[st
             named = sorted({int(m.group(1)) for m in FATE.finditer(words)})
             return {"end": time.time(), "named": named, "words": words[:300]}
 
-        out["diagnosis"] = on_threads(dogs, diagnose)
+        out["diagnosis"] = on_threads(dogs, diagnose, out.setdefault("diagnosis_calls", []))
         victim = [args.world - 1]
         ctl.add("diagnosis_right", sum(1 for x in out["diagnosis"] if x.get("named") == victim))
         ctl.add("diagnosis_done", len(dogs))
@@ -219,8 +222,9 @@ def inplace(ctl: Control, ids: list[int], args: argparse.Namespace) -> dict[str,
         member.ask(-1, 0)
         return member.wait(-1)
 
-    generations = on_threads(members, first)
-    out: dict[str, Any] = {"first": [time.time()]}
+    out: dict[str, Any] = {"first_calls": []}
+    generations = on_threads(members, first, out["first_calls"])
+    out["first"] = [time.time()]
     ctl.add("gen0_right", sum(1 for g in generations if getattr(g, "world_size", 0) == args.world))
     ctl.add("gen0", len(members))
     if not all(hasattr(g, "members") for g in generations):
@@ -240,7 +244,7 @@ def inplace(ctl: Control, ids: list[int], args: argparse.Namespace) -> dict[str,
             found = member.wait(generation.number)
             return {"end": time.time(), "size": found.world_size if found else 0}
 
-        out["regroup"] = on_threads(members, regroup)
+        out["regroup"] = on_threads(members, regroup, out.setdefault("regroup_calls", []))
         right = sum(1 for x in out["regroup"] if x.get("size") == args.world - 1)
         ctl.add("regroup_right", right)
         ctl.add("regroup_done", len(members))

@@ -4,6 +4,7 @@ counts and their extrapolation, and where each piece breaks the bounds of issue 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 from typing import Any
 
@@ -53,8 +54,11 @@ def rows_of(world: int, result: dict[str, Any], pieces: set[str]) -> dict[str, d
         inside = [s for t, s in polls if row["from"] <= t <= row["to"]]
         row["poll_p50"], row["poll_p99"] = quantile(inside, 0.5), quantile(inside, 0.99)
         if "started" in row:
-            row["calls_total"] = row["calls"] * (row["to"] - row["from"])
-            row["ops_total"] = row["ops"] * (row["to"] - row["from"])
+            # Counted by each process around the piece (the victim's not: it was killed).
+            counted = [r[f"{name}_calls"] for r in reports if r.get(f"{name}_calls")]
+            reporting = sum(r["ranks"] for r in reports if r.get(f"{name}_calls"))
+            row["calls_total"] = sum(c[0] for c in counted) / max(1, reporting)
+            row["ops_total"] = sum(c[1] for c in counted) / max(1, reporting)
             results = [x for r in reports for x in r.get(name, [])]
             if name == "first":
                 results = [{"end": t} for r in reports for t in r.get("first", [])]
@@ -154,22 +158,29 @@ def table(world: int, rows: dict[str, dict[str, Any]], args: argparse.Namespace)
 
 
 def pg_lines(meshes: list[dict[str, float]], worlds: list[int]) -> list[str]:
-    """Measured groups, then the extrapolation (calls and bytes as a W^2) to the worlds."""
+    """Measured groups, then their extrapolation to the worlds (a power law each)."""
     lines = ["gloo's full mesh at a group's creation (measured; threads of one process):"]
     for m in meshes:
         lines.append(
             f"  W = {m['world']:>4.0f}: {m['calls']:>8.0f} store calls, {m['bytes']:>10.0f} "
             f"bytes, made in {m['made_s']:.2f}s"
         )
-    if meshes:
-        top = meshes[-1]
-        a, b = top["calls"] / top["world"] ** 2, top["bytes"] / top["world"] ** 2
+    if len(meshes) >= 2:
+        # A power law through the two largest groups measured: the bytes grow faster than
+        # W^2 (each rank's record lists more as the group grows), so a fixed exponent would not do.
+        low, top = meshes[-2], meshes[-1]
+
+        def fit(name: str) -> tuple[float, float]:
+            k = math.log(top[name] / low[name]) / math.log(top["world"] / low["world"])
+            return top[name] / top["world"] ** k, k
+
+        (a, ka), (b, kb) = fit("calls"), fit("bytes")
         lines.append(
-            f"  extrapolated as {a:.2f} W^2 calls and {b:.0f} W^2 bytes (from W = "
-            f"{top['world']:.0f}; not measured beyond):"
+            f"  extrapolated as {a:.2f} W^{ka:.2f} calls and {b:.0f} W^{kb:.2f} bytes (through W "
+            f"= {low['world']:.0f} and {top['world']:.0f}; not measured beyond):"
         )
         for w in worlds:
-            lines.append(f"  W = {w:>4}: ~{a * w * w:,.0f} store calls, ~{b * w * w / 1e6:,.1f} MB")
+            lines.append(f"  W = {w:>4}: ~{a * w**ka:,.0f} store calls, ~{b * w**kb / 1e6:,.1f} MB")
     return lines
 
 
