@@ -18,7 +18,7 @@ Pieces (``--pieces``, each measured for ``--window`` seconds where it has a stea
 - ``regroup``: one member's process killed, every other asks for and waits for the next
   generation;
 - ``pg``: gloo's full mesh (``ProcessGroupGloo``, on a counting store) at small W (up to
-  ``--pg-max``): store calls and bytes per group, extrapolated as ``a W^2`` beyond (said so).
+  ``--pg-max``): store calls and bytes per group, extrapolated beyond by a power law (said so).
 
 The checkpoint commit's bookkeeping is not a piece: it runs on gloo collectives of the
 checkpoint group (``checkpoint/write.py``: a gather to rank 0 and a broadcast), no store call
@@ -327,8 +327,8 @@ def restart_pieces(world: int, pieces: set[str], args: argparse.Namespace) -> di
             finished = one_off(run, "diagnosis", "diagnosis_done", world - 1, killed, mark)
         elif finished:
             run.set("kill", "skip")
-        if not finished:
-            run.abort()
+        if not finished:  # what every process has, without waiting for the piece
+            run.set("dump")
         reports, hosted = run.finish()
     except BaseException:
         run.abort()
@@ -361,8 +361,8 @@ def inplace_pieces(world: int, pieces: set[str], args: argparse.Namespace) -> di
                 finished = one_off(run, "regroup", "regroup_done", world - 1, killed, mark)
             else:
                 run.set("kill", "skip")
-        if not finished:
-            run.abort()
+        if not finished:  # what every process has, without waiting for the piece
+            run.set("dump")
         reports, hosted = run.finish()
     except BaseException:
         run.abort()

@@ -169,7 +169,7 @@ def watchdogs(ranks: list[int], world: int, args: argparse.Namespace) -> list[An
     return dogs
 
 
-def restart(ctl: Control, ranks: list[int], args: argparse.Namespace) -> dict[str, Any]:
+def restart(ctl: Control, ranks: list[int], args: argparse.Namespace, out: dict[str, Any]) -> None:
     """Restart mode: watchdogs beating, then resume verification's words, then a diagnosis by
     every rank once the driver has killed the victim's process."""
     from dtrain.fault.peer_words import PeerWords
@@ -178,16 +178,15 @@ def restart(ctl: Control, ranks: list[int], args: argparse.Namespace) -> dict[st
     ctl.add("ready", len(dogs))
     ctl.until("steady")
     steps = Steps(dogs, args.step_s)
-    out: dict[str, Any] = {}
     if ctl.until("words") == "go":
         expected = [str(r) for r in range(args.world)]
 
         def gather(dog: Any) -> dict[str, Any]:
             words = PeerWords(dog).gather("sim", str(dog.rank), "the simulation's words")
-            return {"end": time.time(), "ok": words == expected}
+            return {"end": time.time(), "right": words == expected}
 
         out["words"] = on_threads(dogs, gather, out.setdefault("words_calls", []))
-        ctl.add("words_right", sum(1 for x in out["words"] if x.get("ok")))
+        ctl.add("words_right", sum(1 for x in out["words"] if x.get("right")))
         ctl.add("words_done", len(dogs))
     if ctl.until("kill") != "skip":
         steps.frozen.set()  # the survivors sit in the failed collective
@@ -195,16 +194,15 @@ def restart(ctl: Control, ranks: list[int], args: argparse.Namespace) -> dict[st
         def diagnose(dog: Any) -> dict[str, Any]:
             words = dog.diagnosis(True)[0]
             named = sorted({int(m.group(1)) for m in FATE.finditer(words)})
-            return {"end": time.time(), "named": named, "words": words[:300]}
+            right = named == [args.world - 1]
+            return {"end": time.time(), "right": right, "words": words[:300]}
 
         out["diagnosis"] = on_threads(dogs, diagnose, out.setdefault("diagnosis_calls", []))
-        victim = [args.world - 1]
-        ctl.add("diagnosis_right", sum(1 for x in out["diagnosis"] if x.get("named") == victim))
+        ctl.add("diagnosis_right", sum(1 for x in out["diagnosis"] if x.get("right")))
         ctl.add("diagnosis_done", len(dogs))
-    return out
 
 
-def inplace(ctl: Control, ids: list[int], args: argparse.Namespace) -> dict[str, Any]:
+def inplace(ctl: Control, ids: list[int], args: argparse.Namespace, out: dict[str, Any]) -> None:
     """In-place mode: members wait for the first generation (the victim's process registers
     late: the others wait meanwhile), train in it with their watchdogs looking at the
     membership, then the victim's process is killed and the others regroup."""
@@ -222,13 +220,14 @@ def inplace(ctl: Control, ids: list[int], args: argparse.Namespace) -> dict[str,
         member.ask(-1, 0)
         return member.wait(-1)
 
-    out: dict[str, Any] = {"first_calls": []}
+    out["first_calls"] = []
     generations = on_threads(members, first, out["first_calls"])
     out["first"] = [time.time()]
     ctl.add("gen0_right", sum(1 for g in generations if getattr(g, "world_size", 0) == args.world))
     ctl.add("gen0", len(members))
     if not all(hasattr(g, "members") for g in generations):
-        return {**out, "error": [g for g in generations if not hasattr(g, "members")][:3]}
+        out["error"] = [str(g) for g in generations if not hasattr(g, "members")][:3]
+        return
     generation = generations[0]
     dogs = watchdogs([generation.rank_of(m.id) for m in members], generation.world_size, args)
     for dog, member in zip(dogs, members, strict=True):
@@ -242,13 +241,13 @@ def inplace(ctl: Control, ids: list[int], args: argparse.Namespace) -> dict[str,
         def regroup(member: Any) -> dict[str, Any]:
             member.ask(generation.number, steps.step)
             found = member.wait(generation.number)
-            return {"end": time.time(), "size": found.world_size if found else 0}
+            size = found.world_size if found else 0
+            return {"end": time.time(), "right": size == args.world - 1}
 
         out["regroup"] = on_threads(members, regroup, out.setdefault("regroup_calls", []))
-        right = sum(1 for x in out["regroup"] if x.get("size") == args.world - 1)
+        right = sum(1 for x in out["regroup"] if x.get("right"))
         ctl.add("regroup_right", right)
         ctl.add("regroup_done", len(members))
-    return out
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -303,10 +302,23 @@ def main() -> None:
     threading.Thread(target=sample, args=(series,), daemon=True).start()
     first, stop = (int(x) for x in args.ranks.split(":"))
     ranks = list(range(first, stop))
-    out = (restart if args.role == "restart" else inplace)(ctl, ranks, args)
-    out.update(series=series, tally=dict(TALLY), ranks=len(ranks))
-    print("SIM " + json.dumps(out), flush=True)
-    os._exit(0)  # thousands of daemon threads: no orderly shutdown to wait for
+    out: dict[str, Any] = {}
+
+    def report() -> None:
+        print(
+            "SIM "
+            + json.dumps({**out, "series": series, "tally": dict(TALLY), "ranks": len(ranks)})
+        )
+        sys.stdout.flush()
+        os._exit(0)  # thousands of daemon threads: no orderly shutdown to wait for
+
+    def on_request() -> None:  # a piece that did not finish: what this process has, now
+        Control(args.port).until("dump")
+        report()
+
+    threading.Thread(target=on_request, daemon=True).start()
+    (restart if args.role == "restart" else inplace)(ctl, ranks, args, out)
+    report()  # thousands of daemon threads: no orderly shutdown to wait for
 
 
 if __name__ == "__main__":

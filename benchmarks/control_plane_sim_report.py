@@ -64,12 +64,11 @@ def rows_of(world: int, result: dict[str, Any], pieces: set[str]) -> dict[str, d
                 results = [{"end": t} for r in reports for t in r.get("first", [])]
             ends = [x["end"] for x in results if isinstance(x, dict) and "end" in x]
             row["times"] = sorted(e - row["started"] for e in ends)
-            if name == "diagnosis":
-                row["wrong"] = [
-                    x.get("words", x.get("error", ""))
-                    for x in results
-                    if x.get("named") != [world - 1]
-                ][:2]
+            row["wrong"] = [
+                str(x.get("words") or x.get("error") or x)
+                for x in results
+                if isinstance(x, dict) and ("right" in x or "error" in x) and not x.get("right")
+            ][:2]
         out[name] = row
     tally: dict[str, int] = {}
     for r in reports:
@@ -144,7 +143,7 @@ def table(world: int, rows: dict[str, dict[str, Any]], args: argparse.Namespace)
             f"{ms(row['probe_p50']) + '/' + ms(row['probe_p99']):>16}  {'; '.join(says)}"
         )
         for words in row.get("wrong", []):
-            lines.append(f"{'':<10} named wrongly: {words[:160]}")
+            lines.append(f"{'':<10} wrong: {words[:200]}")
     for mode, names in (("restart", RESTART), ("in-place", INPLACE)):
         row = next((rows[n] for n in names if "connections" in rows.get(n, {})), None)
         if row is not None:
