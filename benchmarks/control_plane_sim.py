@@ -52,6 +52,7 @@ from typing import Any
 from _report import ROOT, machine_line, write_report_section
 from control_plane_sim_report import (
     INPLACE,
+    NOTES,
     PIECES,
     RESTART,
     pct,
@@ -455,6 +456,7 @@ def main() -> None:
     if any(w < 3 for w in worlds):
         parser.error("--worlds: 3 ranks or more (one of them is killed)")
     text, rows = simulate(worlds, pieces, args)
+    text += "\n\n" + NOTES
     if args.json:
         Path(args.json).write_text(json.dumps(rows, default=str))
     if args.check_real:

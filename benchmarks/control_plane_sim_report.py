@@ -200,3 +200,24 @@ def summary(all_rows: dict[int, dict[str, dict[str, Any]]]) -> list[str]:
         else:
             lines.append(f"  {name:<10} breaks at W = {first[0]}: {'; '.join(first[1])}")
     return lines
+
+
+NOTES = """\
+Columns: calls/rank/s, the ranks' calls through dtrain's store client (StoreLink.call, as
+benchmarks/control_plane.py counts a real job's) and ops/rank/s, the store operations inside
+them, per rank and second of the piece's window; store thr and store proc, the CPU share of a
+core of the store's server thread (pt_tcpstore_uv) and of its whole process (which runs the
+in-place coordinator too), read from /proc; harness, the CPU of the processes of simulated
+ranks: near the machine's cores, the ranks ran slower than a real job's would, and their rates
+are a floor; probe, the latency of another client's `add` meanwhile. One-off pieces (words,
+diagnosis, first, regroup) say how many ranks finished and were right (every word; the killed
+rank named, and only it; the generation of the survivors), their times from the start (the
+kill, for diagnosis and regroup), and their calls per rank in all. A simulated rank's process
+is a machine of its own (its hostname), so the diagnosis of the killed rank (alone in its
+process) takes the path of a rank on another machine: its beat goes stale first.
+Connections that took over 1 s: torch's store client looks up the name of its socket's
+address (getnameinfo of ::ffff:127.0.0.1, which goes to the DNS server: it is no name in
+/etc/hosts); where the resolver drops a query, the lookup waits out its 5 s timeout (one in
+25-60 here; a plain getnameinfo of that address does the same), and a connection given 5 s
+or less (the in-place member's: recovery/membership.store_call_s) fails and is made again.
+Plain TCP connections to the same store never stall; accept-queue overflows: as counted."""
