@@ -280,6 +280,26 @@ class Run:
         hosted["overflows"] = listen_overflows() - self.overflows
         return reports, hosted
 
+    def begin(self, ready: int, go: str, window: str | bool) -> str:
+        """Once ``ready`` ranks are: the word ``go``, then the ``window`` measured (if any,
+        after ``--settle``); "" or why the ranks never got ready."""
+        if not self.wait_count("ready", ready, self.args.start_timeout):
+            self.abort()
+            return self.failed
+        self.set(go)
+        time.sleep(self.args.settle)
+        if window:
+            self.window(str(window), self.args.window)
+        return ""
+
+    def end(self, finished: bool) -> dict[str, Any]:
+        """The rows, every process's report and the host's; a piece that did not finish has
+        every process report what it has now."""
+        if not finished:
+            self.set("dump")
+        reports, hosted = self.finish()
+        return {"rows": self.rows, "reports": reports, "host": hosted}
+
     def abort(self) -> None:
         self.probe.stop()
         for proc in [*self.ranks, self.host.proc]:
@@ -304,49 +324,41 @@ def one_off(run: Run, name: str, key: str, n: int, started: float, mark: tuple[f
     return done
 
 
+def after_kill(run: Run, name: str, wanted: bool) -> bool:
+    """The piece that follows a kill of the victim's process (or the word to skip it)."""
+    if not wanted:
+        run.set("kill", "skip")
+        return True
+    mark = run.cpu_mark()
+    killed = run.kill_victim()
+    run.set("kill", str(killed))
+    return one_off(run, name, f"{name}_done", run.world - 1, killed, mark)
+
+
 def restart_pieces(world: int, pieces: set[str], args: argparse.Namespace) -> dict[str, Any]:
     run = Run("restart", world, args)
     try:
-        if not run.wait_count("ready", world, args.start_timeout):
-            run.abort()
-            return {"error": f"the {world} ranks did not start: {run.failed}"}
-        started = time.time()
-        run.set("steady")
-        time.sleep(args.settle)
-        if "beats" in pieces:
-            run.window("beats", args.window)
+        if why := run.begin(world, "steady", "beats" in pieces and "beats"):
+            return {"error": f"the {world} ranks did not start: {why}"}
         finished = True
         if "words" in pieces:
             mark = run.cpu_mark()
             finished = one_off(run, "words", "words_done", world, run.set("words"), mark)
         else:
             run.set("words", "skip")
-        if finished and "diagnosis" in pieces:
-            mark = run.cpu_mark()
-            killed = run.kill_victim()
-            run.set("kill", str(killed))
-            finished = one_off(run, "diagnosis", "diagnosis_done", world - 1, killed, mark)
-        elif finished:
-            run.set("kill", "skip")
-        if not finished:  # what every process has, without waiting for the piece
-            run.set("dump")
-        reports, hosted = run.finish()
+        if finished:
+            finished = after_kill(run, "diagnosis", "diagnosis" in pieces)
+        return run.end(finished)
     except BaseException:
         run.abort()
         raise
-    return {"rows": run.rows, "reports": reports, "host": hosted, "start_s": started}
 
 
 def inplace_pieces(world: int, pieces: set[str], args: argparse.Namespace) -> dict[str, Any]:
     run = Run("inplace", world, args)
     try:
-        if not run.wait_count("ready", world - 1, args.start_timeout):
-            run.abort()
-            return {"error": f"the {world} members did not register: {run.failed}"}
-        run.set("ask")
-        time.sleep(args.settle)
-        if "waiting" in pieces:
-            run.window("waiting", args.window)
+        if why := run.begin(world - 1, "ask", "waiting" in pieces and "waiting"):
+            return {"error": f"the {world} members did not register: {why}"}
         mark = run.cpu_mark()
         finished = one_off(run, "first", "gen0", world, run.set("late"), mark)
         finished = finished and run.wait_count("ready2", world, args.start_timeout)
@@ -355,20 +367,11 @@ def inplace_pieces(world: int, pieces: set[str], args: argparse.Namespace) -> di
             time.sleep(args.settle)
             if "inplace" in pieces:
                 run.window("inplace", args.window)
-            if "regroup" in pieces:
-                mark = run.cpu_mark()
-                killed = run.kill_victim()
-                run.set("kill", str(killed))
-                finished = one_off(run, "regroup", "regroup_done", world - 1, killed, mark)
-            else:
-                run.set("kill", "skip")
-        if not finished:  # what every process has, without waiting for the piece
-            run.set("dump")
-        reports, hosted = run.finish()
+            finished = after_kill(run, "regroup", "regroup" in pieces)
+        return run.end(finished)
     except BaseException:
         run.abort()
         raise
-    return {"rows": run.rows, "reports": reports, "host": hosted}
 
 
 def simulate(
@@ -393,14 +396,18 @@ def simulate(
     return "\n\n".join([*texts, "\n".join(summary(all_rows))]), all_rows
 
 
-def measure_meshes(args: argparse.Namespace) -> list[dict[str, float]]:
+def measure_meshes(args: argparse.Namespace) -> list[dict[str, Any]]:
     from control_plane_sim_mesh import mesh
 
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     host = Host(env, 0, args.timeout_s)
     try:
-        sizes = [w for w in (2, 4, 8, 16, 32, 64) if w <= args.pg_max]
-        return [mesh(host.port, w) for w in sizes]
+        out = []
+        for size in [w for w in (2, 4, 8, 16, 32, 64, 128) if w <= args.pg_max]:
+            out.append(mesh(host.port, size))
+            if "error" in out[-1]:
+                break  # the larger groups would fail alike
+        return out
     finally:
         host.close()
 
@@ -443,7 +450,7 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=0.15, help="a simulated step")
     parser.add_argument("--start-timeout", type=float, default=300.0)
     parser.add_argument("--piece-timeout", type=float, default=60.0)
-    parser.add_argument("--pg-max", type=int, default=64, help="largest gloo group measured")
+    parser.add_argument("--pg-max", type=int, default=32, help="largest gloo group measured")
     parser.add_argument("--check-real", type=int, default=0, help="also a real job of N ranks")
     parser.add_argument("--real-steps", type=int, default=60)
     parser.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")

@@ -64,7 +64,7 @@ class CountingStore(dist.Store):  # type: ignore[misc]
         self.inner.set_timeout(timeout)
 
 
-def mesh(port: int, world: int, timeout_s: float = 120.0) -> dict[str, float]:
+def mesh(port: int, world: int, timeout_s: float = 120.0) -> dict[str, Any]:
     """One gloo group of ``world`` ranks (threads of this process), made as dtrain makes its
     groups (gloo on loopback, the store under a prefix): its store calls and bytes in all, and
     the wall time until every rank has it; then one all-reduce, checked."""
@@ -79,11 +79,16 @@ def mesh(port: int, world: int, timeout_s: float = 120.0) -> dict[str, float]:
     device = dist.ProcessGroupGloo.create_device(interface="lo")  # type: ignore[attr-defined]
     groups: list[Any] = [None] * world
 
+    failures: list[str] = []
+
     def make(rank: int) -> None:
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._devices = [device]
         options._timeout = datetime.timedelta(seconds=timeout_s)
-        groups[rank] = dist.ProcessGroupGloo(stores[rank], rank, world, options)  # type: ignore[attr-defined]
+        try:
+            groups[rank] = dist.ProcessGroupGloo(stores[rank], rank, world, options)  # type: ignore[attr-defined]
+        except RuntimeError as exc:  # gloo's connect timed out: said, not raised
+            failures.append(str(exc).splitlines()[0][:200])
 
     started = time.perf_counter()
     threads = [threading.Thread(target=make, args=(r,)) for r in range(world)]
@@ -92,6 +97,8 @@ def mesh(port: int, world: int, timeout_s: float = 120.0) -> dict[str, float]:
     for thread in threads:
         thread.join()
     made_s = time.perf_counter() - started
+    if failures:
+        return {"world": world, "error": f"{len(failures)} of {world} ranks: {failures[0]}"}
     ones = [torch.ones(1) for _ in range(world)]
     for work in [g.allreduce([t]) for g, t in zip(groups, ones, strict=True)]:
         work.wait()

@@ -156,9 +156,12 @@ def table(world: int, rows: dict[str, dict[str, Any]], args: argparse.Namespace)
     return "\n".join(lines)
 
 
-def pg_lines(meshes: list[dict[str, float]], worlds: list[int]) -> list[str]:
+def pg_lines(meshes: list[dict[str, Any]], worlds: list[int]) -> list[str]:
     """Measured groups, then their extrapolation to the worlds (a power law each)."""
     lines = ["gloo's full mesh at a group's creation (measured; threads of one process):"]
+    for m in [m for m in meshes if "error" in m]:
+        lines.append(f"  W = {m['world']:>4}: not made: {m['error']}")
+    meshes = [m for m in meshes if "error" not in m]
     for m in meshes:
         lines.append(
             f"  W = {m['world']:>4.0f}: {m['calls']:>8.0f} store calls, {m['bytes']:>10.0f} "
@@ -212,9 +215,10 @@ ranks: near the machine's cores, the ranks ran slower than a real job's would, a
 are a floor; probe, the latency of another client's `add` meanwhile. One-off pieces (words,
 diagnosis, first, regroup) say how many ranks finished and were right (every word; the killed
 rank named, and only it; the generation of the survivors), their times from the start (the
-kill, for diagnosis and regroup), and their calls per rank in all. A simulated rank's process
-is a machine of its own (its hostname), so the diagnosis of the killed rank (alone in its
-process) takes the path of a rank on another machine: its beat goes stale first.
+kill, for diagnosis and regroup), and their calls per rank in all (first's: since the
+members asked, the waiting window included). A simulated rank's process is a machine of its
+own (its hostname), so the diagnosis of the killed rank (alone in its process) takes the path
+of a rank on another machine: its beat goes stale first.
 Connections that took over 1 s: torch's store client looks up the name of its socket's
 address (getnameinfo of ::ffff:127.0.0.1, which goes to the DNS server: it is no name in
 /etc/hosts); where the resolver drops a query, the lookup waits out its 5 s timeout (one in
