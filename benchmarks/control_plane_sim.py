@@ -150,13 +150,15 @@ class Probe:
     """A client of its own that adds to a counter every 10 ms: the latency another rank's
     call sees (p50/p99), as [time, seconds]."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, active: bool = True) -> None:
         from dtrain.dist.stores import client_store
 
         self.client = client_store("127.0.0.1", port, 600.0)
         self.times: list[tuple[float, float]] = []
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
+        if not active:
+            self.stopped.set()
         self.thread.start()
 
     def _run(self) -> None:
@@ -187,7 +189,8 @@ class Run:
         self.overflows = listen_overflows()
         self.host = Host(self.env, world if mode == "inplace" else 0, args.timeout_s)
         self.env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.host.port))
-        self.probe = Probe(self.host.port)
+        # The probe's 100 calls a second are more than a few ranks make: off for --check-real.
+        self.probe = Probe(self.host.port, active=args.probe)
         # Ranks 0 .. W-2 spread over the processes, the victim (W-1) alone in its own.
         procs = max(1, min(args.procs, world - 1))
         cuts = [round(i * (world - 1) / procs) for i in range(procs + 1)]
@@ -425,6 +428,7 @@ def check_real(world: int, args: argparse.Namespace) -> str:
 
     real = real_job(world, args.real_steps, 100.0)
     args.step_s = real["step_s"]
+    args.probe = False  # the real job has no probe calling its store 100 times a second
     # The store thread's CPU at 8 ranks is a few clock ticks a second: as long a window.
     args.window = max(args.window, real["window_s"])
     rows = rows_of(world, restart_pieces(world, {"beats"}, args), {"beats"})["beats"]
@@ -436,7 +440,7 @@ def check_real(world: int, args: argparse.Namespace) -> str:
         [
             f"Check against a real {world}-rank job (benchmarks/control_plane.py's, step "
             f"{real['step_s'] * 1000:.0f} ms, {real['window_s']:.0f} s measured; the "
-            "simulation stepped as fast, restart mode's beats):",
+            "simulation stepped as fast, restart mode's beats, no probe):",
             f"  store calls per rank per second: real {real['calls']:.2f}, simulated "
             f"{rows['calls']:.2f}: {calls:.2f}x",
             f"  store thread's CPU: real {pct(real['store_thread'])}, simulated "
@@ -460,6 +464,7 @@ def main() -> None:
     parser.add_argument("--pg-max", type=int, default=32, help="largest gloo group measured")
     parser.add_argument("--check-real", type=int, default=0, help="also a real job of N ranks")
     parser.add_argument("--real-steps", type=int, default=150, help="the real job's steps")
+    parser.add_argument("--no-probe", dest="probe", action="store_false", help="no probe client")
     parser.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
     parser.add_argument("--json", default="", help="also write every row to this file")
     args = parser.parse_args()
