@@ -478,7 +478,8 @@ def main() -> None:
     text += "\n\n" + NOTES
     if args.json:
         Path(args.json).write_text(json.dumps(rows, default=str))
-    if args.check_real:
+    setting = f"{args.procs} processes of simulated ranks, windows of {args.window:g}s"
+    if args.check_real:  # (it sets the window and the step to the real job's)
         text += "\n\n" + check_real(args.check_real, args)
     print(text)
     print(machine_line())
@@ -487,7 +488,7 @@ def main() -> None:
             "control-plane-sim",
             "The control plane simulated at thousands of ranks",
             text,
-            f"{args.procs} processes of simulated ranks, windows of {args.window:g}s",
+            setting,
         )
         print(f"wrote {path}")
 
