@@ -1,0 +1,50 @@
+"""The control-plane simulation (``benchmarks/control_plane_sim.py``) at its smallest: a few
+simulated ranks drive dtrain's own watchdogs against a real store in its own process, one
+rank's process is killed, and every other rank names it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.slow  # three processes that import torch, and a 3 s diagnosis
+
+
+def test_simulated_ranks_beat_and_name_the_killed_rank(tmp_path: Path) -> None:
+    rows_file = tmp_path / "rows.json"
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "control_plane_sim.py"),
+        "--worlds=4",
+        "--procs=1",
+        "--window=1",
+        "--settle=0.5",
+        "--pieces=beats,words,diagnosis",
+        f"--json={rows_file}",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = json.loads(rows_file.read_text())["4"]
+    assert sorted(rows) == ["beats", "diagnosis", "words"]
+    beats = rows["beats"]
+    # Every rank beats once a second and reads rank 0's beat once a second (rank 0 does not):
+    # between 1 and 3 link calls per rank per second, whatever the machine's load.
+    assert 1.0 <= beats["calls"] <= 3.0, beats
+    assert beats["store_thread"] >= 0.0 and beats["probe_p50"] > 0.0
+    assert rows["words"]["done"] == 4 and rows["words"]["right"] == 4
+    diagnosis = rows["diagnosis"]
+    # The 3 survivors each named rank 3, the killed one, and only it; after its beat went
+    # stale (3 heartbeats, the last up to a beat before the kill), not at once.
+    assert diagnosis["done"] == 3 and diagnosis["right"] == 3, diagnosis
+    assert len(diagnosis["times"]) == 3 and min(diagnosis["times"]) >= 1.0
+    for piece in ("beats", "words", "diagnosis"):
+        assert f"{piece:<10}" in done.stdout
+    assert "diagnosis  holds at every W measured (4)" in done.stdout
