@@ -9,9 +9,9 @@ from __future__ import annotations
 
 USER_ERROR_EXIT_CODE = 2
 
-# Set by ``dtrain train``'s launcher for its workers: it says each worker's user error itself, in
-# one line for the ranks that failed alike, so a worker does not say it too (under plain
-# ``torchrun`` or one process, the worker's line is the only one).
+# Set by ``dtrain train``'s launcher of a one-machine job for its workers: it says each worker's
+# user error itself, in one line for the ranks that failed alike, so a worker does not say it
+# too (across machines, under plain ``torchrun`` or in one process, the worker says it).
 LAUNCHER_SAYS_ENV = "DTRAIN_LAUNCHER_SAYS_ERRORS"
 
 

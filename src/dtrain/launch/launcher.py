@@ -86,7 +86,6 @@ def launch(config_path: Path, opts: LaunchOptions, job: JobSettings) -> int:
     # printed one or two. The rank says what failed itself, in a line (the watchdog's
     # diagnosis names the peer); torch's errors still show. A level the user set stands.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    os.environ[LAUNCHER_SAYS_ENV] = "1"  # launch/reports.report_failure says user errors once
     if job.recovery == "inplace":
         return run_members(config_path, opts, job)
     return run_group(config_path, opts, job)
@@ -155,6 +154,12 @@ def run_group(config_path: Path, opts: LaunchOptions, job: JobSettings) -> int:
     elif not standalone:
         check_port_free(opts.rdzv_endpoint)
     quiet_expected_logs()
+    if standalone:
+        # One machine: every way out of the agent below reports its workers' failures, user
+        # errors once for the ranks that failed alike (launch/reports.report_failure), so the
+        # workers do not say them too. Across machines a worker says its own: its launcher may
+        # end on the lost rendezvous first, and the line would be lost.
+        os.environ[LAUNCHER_SAYS_ENV] = "1"
     worker_args = ("-u", "-m", "dtrain.worker", str(config_path))
     try:
         if standalone:
