@@ -276,12 +276,15 @@ def test_stopped_on_2_ranks_and_resumed_on_3_each_sample_once(
     store: Store, prepared: Prepared, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for name, value in store.env.items():
-        monkeypatch.setenv(name, value)  # the ranks' environment
+        monkeypatch.setenv(name, value)  # this process's reads of the store
     run_dir = prepared.tmp / "run"
     job = run_job(prepared, run_dir, STEPS)
-    stopped = run_ranks(signal_self_at_step, 2, job, 1, 4, "SIGTERM")
+    # The ranks' environment, passed: they fork from a server that may have started before
+    # this test set its own (alone it passed; in the suite a rank found no credentials).
+    env = dict(store.env)
+    stopped = run_ranks(signal_self_at_step, 2, job, 1, 4, "SIGTERM", env=env)
     assert [s["steps"] for s in stopped] == [4, 4], stopped
-    run_ranks(train_params, 3, job)
+    run_ranks(train_params, 3, job, env=env)
     final = json.loads((run_dir / "checkpoints" / step_dir_name(STEPS) / "meta.json").read_text())
     assert final["world_size"] == 3 and final["data"]["consumed"] == STEPS * B
     trajectory = read_trajectory(run_dir)
