@@ -13,7 +13,7 @@ from pathlib import Path
 
 from dtrain.config.capabilities import CAPABILITIES, capabilities
 from dtrain.config.layout import INTERLEAVED, stages_per_rank, strategy_dims
-from dtrain.config.sections import Config, OptimConfig
+from dtrain.config.sections import STORE_PIECE_BYTES, Config, OptimConfig
 from dtrain.errors import ConfigError
 
 # The strategies whose ranks each hold the whole model and optimizer: a survivor can go on
@@ -68,6 +68,12 @@ def validate_cross_fields(cfg: Config) -> None:
             f"data.micro_batches = {cfg.data.micro_batches} is larger than "
             f"data.global_batch_size = {cfg.data.global_batch_size}: "
             "every micro-step needs a sample"
+        )
+    if cfg.data.cache_bytes < STORE_PIECE_BYTES:  # the unit fetched: a smaller cache reads nothing
+        raise ConfigError(
+            f"data.cache_bytes = {cfg.data.cache_bytes} is less than one piece of a shard "
+            f"({STORE_PIECE_BYTES} bytes, the unit read from an object store); use at least "
+            f"{STORE_PIECE_BYTES}"
         )
     validate_preempt_signals(cfg.fault.preempt_signals)
     twice = sorted({name for name in cfg.metrics.trackers if cfg.metrics.trackers.count(name) > 1})

@@ -11,28 +11,12 @@ from typing import Any, Literal
 
 import tomli_w
 
-from dtrain.errors import ConfigError
+from dtrain.config.fields import option
 
 # The unit a rank reads of a shard in an object store (one range request, one SHA-256 in the
 # manifest `dtrain prepare` writes there): data/ reads and writes pieces of this size, and
 # data.cache_bytes must hold one.
 STORE_PIECE_BYTES = 2**20
-
-
-def option(
-    default: Any,
-    help: str,
-    *,
-    min: float | None = None,
-    max: float | None = None,
-    min_exclusive: bool = False,
-) -> Any:
-    """A config field with its help text and its allowed range (checked by
-    :mod:`dtrain.config.load`)."""
-    meta = {"help": help, "min": min, "max": max, "min_exclusive": min_exclusive}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -109,15 +93,6 @@ class DataConfig:
         f"one piece, {STORE_PIECE_BYTES // 2**20} MiB)",
         min=1,
     )
-
-    def __post_init__(self) -> None:
-        # The unit fetched is a piece: a cache that cannot hold one could read nothing.
-        if self.cache_bytes < STORE_PIECE_BYTES:
-            raise ConfigError(
-                f"data.cache_bytes = {self.cache_bytes} is less than one piece of a shard "
-                f"({STORE_PIECE_BYTES} bytes, the unit read from an object store); use at "
-                f"least {STORE_PIECE_BYTES}"
-            )
 
 
 @dataclass

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtrain.config import Config
-from dtrain.config.sections import option
+from dtrain.config.fields import option
 from dtrain.data.corpus import prepare_stdlib_corpus
 from dtrain.data.shards import ShardedDataset
 from dtrain.data.text import TokenSequences, TokenWindows, collate_padded, collate_windows
