@@ -127,7 +127,12 @@ def trial_sigstop(ctx: Context, index: int) -> Outcome:
             out.times["SIGSTOP -> launcher exit"] = (launch.ended or 0) - stopped
         # Every other rank's PeerFailure must name the stopped one.
         named: dict[int, float] = {}
-        pattern = rf"PeerFailure: rank (\d+) \(.*rank {rank} \([^)]*\) stopped responding"
+        # A rank says it as a PeerFailure (a collective failed), or in its hang line (`dtrain:
+        # error: rank N (...) made no progress ...`) when the hang check fires first.
+        pattern = (
+            rf"(?:PeerFailure: |dtrain: error: )rank (\d+) \(.*rank {rank} \([^)]*\) "
+            "stopped responding"
+        )
         for arrived, line in launch.lines:
             match = re.search(pattern, line)
             if match and arrived >= stopped:
