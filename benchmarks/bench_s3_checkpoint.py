@@ -146,8 +146,8 @@ class Case:
     """One form (``whole`` or ``dcp``) of one state, saved and resumed in one store prefix."""
 
     def __init__(self, form: str, state: dict[str, Any], prefix: str, scratch: Path) -> None:
-        from dtrain.checkpoint.store import ObjectPath
         from dtrain.checkpoint.write import Checkpointer
+        from dtrain.storage.objects import ObjectPath
 
         self.form, self.state, self.prefix = form, state, prefix
         self.scratch = scratch  # a resume's local folder (run.local_dir)
@@ -289,7 +289,7 @@ def main() -> int:
         os.environ.update(env)
         import s3fs  # noqa: F401  (the s3 extra: pip install -e '.[s3]')
 
-        from dtrain.checkpoint.store import file_system
+        from dtrain.storage.objects import file_system
 
         fs = file_system("s3")
         if not fs.exists(BUCKET):

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from dtrain.checkpoint.store import ObjectPath
 from dtrain.config import Config
+from dtrain.storage.objects import ObjectPath
 from dtrain.task import Task, task_config
 from dtrain.tasks.gpt import GPTTaskConfig, build
 from tests.conftest import REPO

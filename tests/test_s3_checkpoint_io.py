@@ -21,9 +21,9 @@ import torch
 from dtrain.checkpoint import layout, upload
 from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint.copies import keep_copies
-from dtrain.checkpoint.store import ObjectPath
 from dtrain.checkpoint.verify import assign, verify_pieces
 from dtrain.checkpoint.write import Checkpointer
+from dtrain.storage.objects import ObjectPath
 from tests.test_s3_run_dir import BUCKET, Store, store  # noqa: F401  (the module's server)
 
 MIB = 2**20

@@ -26,9 +26,9 @@ from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint.hold import take_hold
 from dtrain.checkpoint.layout import committed_steps
 from dtrain.checkpoint.rundir import check_scheme, check_store
-from dtrain.checkpoint.store import ObjectPath
 from dtrain.checkpoint.write import Checkpointer
 from dtrain.errors import CheckpointError, UserError
+from dtrain.storage.objects import ObjectPath
 from tests.s3_helpers import BUCKET, Store, dtrain, finish, open_store, s3fs, silent_store
 
 

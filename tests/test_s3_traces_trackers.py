@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from dtrain.checkpoint.store import ObjectPath
 from dtrain.metrics.traces import list_traces
 from dtrain.report.stored import readable_runs
+from dtrain.storage.objects import ObjectPath
 from tests.conftest import tiny_raw
 from tests.ranks import run_ranks
 from tests.test_s3_run_dir import BUCKET, Store

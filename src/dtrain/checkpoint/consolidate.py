@@ -30,8 +30,8 @@ import torch
 
 from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
-from dtrain.checkpoint.store import Location
 from dtrain.errors import CheckpointError
+from dtrain.storage.objects import Location
 
 _REPLICA = re.compile(r"model-rank\d+\.pt")  # localsgd's, diloco's replicas of ranks > 0
 

@@ -37,7 +37,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from dtrain.checkpoint.store import Location, ObjectPath
+from dtrain.storage.objects import Location, ObjectPath
 
 # Bytes of one ranged read from the store (and written to a copy at once).
 CHUNK_BYTES = 8 * 2**20

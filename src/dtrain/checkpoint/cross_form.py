@@ -35,8 +35,8 @@ import torch
 from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint.forms import NAMES_KEY
-from dtrain.checkpoint.store import Location
 from dtrain.errors import CheckpointError
+from dtrain.storage.objects import Location
 
 
 def read_in_saved_groups(

@@ -36,10 +36,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from dtrain.checkpoint.store import Location, NoConditionalWrites, ObjectPath
 from dtrain.errors import UserError
 from dtrain.fsutil import fsync_dir, write_atomic
 from dtrain.process_exit import process_alive
+from dtrain.storage.objects import Location, NoConditionalWrites, ObjectPath
 
 HOLD_FILE = "hold.json"
 JOB_ID_ENV = "DTRAIN_JOB_ID"  # the hold's token, set by the launcher for its workers

@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from dtrain.checkpoint.forms import Form
-from dtrain.checkpoint.store import Location, ObjectPath
+from dtrain.storage.objects import Location, ObjectPath
 
 MARKER = "COMMITTED.json"
 META = "meta.json"

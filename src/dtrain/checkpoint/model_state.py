@@ -36,8 +36,8 @@ from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint.cross_form import load_whole_into_shards, read_in_saved_groups
 from dtrain.checkpoint.forms import Form, Origin, Part
-from dtrain.checkpoint.store import Location
 from dtrain.comm.plain import all_gather_json
+from dtrain.storage.objects import Location
 
 MODEL_AND_OPTIMIZER = ("model", "optimizer")
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dtrain.checkpoint.store import ObjectPath, location, write_whole
+from dtrain.checkpoint.store import write_whole
 from dtrain.fault.status import STATUS_FILE
 from dtrain.fsutil import local_run_dir, scheme_of, write_atomic
+from dtrain.storage.objects import ObjectPath, location
 
 # What a store's run folder holds beside its checkpoints and config.toml: the names the
 # metrics sink, the status writer and the Hugging Face config writer use in the local folder.

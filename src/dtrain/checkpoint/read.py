@@ -35,9 +35,10 @@ from dtrain.checkpoint.layout import (
 )
 from dtrain.checkpoint.safe_load import load_file as load_file
 from dtrain.checkpoint.safe_load import open_verified
-from dtrain.checkpoint.store import Location, ObjectPath, remove_tree, sync_folder
+from dtrain.checkpoint.store import remove_tree, sync_folder
 from dtrain.checkpoint.verify import pieces_of, verify_pieces
 from dtrain.errors import CheckpointError
+from dtrain.storage.objects import Location, ObjectPath
 
 if TYPE_CHECKING:
     from dtrain.checkpoint.safe_dcp import SafeReader

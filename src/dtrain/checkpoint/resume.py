@@ -28,7 +28,6 @@ from dtrain.checkpoint import copies
 from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint.hold import job_id
 from dtrain.checkpoint.layout import job_of, list_step_dirs
-from dtrain.checkpoint.store import Location, location
 from dtrain.checkpoint.verify import assign, verify_pieces
 from dtrain.checkpoint.write import Checkpointer
 from dtrain.comm.plain import broadcast_json
@@ -38,6 +37,7 @@ from dtrain.errors import CheckpointError, UserError
 from dtrain.fault.peer_words import PeerWords
 from dtrain.fault.watchdog import Watchdog
 from dtrain.fsutil import local_run_dir
+from dtrain.storage.objects import Location, location
 
 
 @dataclass

@@ -18,7 +18,12 @@ from pathlib import Path
 from dtrain.checkpoint import layout
 from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint.hold import JOB_ID_ENV, launch_config_path, say, take_hold
-from dtrain.checkpoint.store import (
+from dtrain.checkpoint.store import write_whole
+from dtrain.config import Config
+from dtrain.config.resume import check_resumed_config
+from dtrain.errors import CheckpointError, UserError
+from dtrain.fsutil import local_run_dir, require_output_folder, scheme_of, write_atomic
+from dtrain.storage.objects import (
     Location,
     NoConditionalWrites,
     ObjectPath,
@@ -26,12 +31,7 @@ from dtrain.checkpoint.store import (
     file_system,
     location,
     store_refusal,
-    write_whole,
 )
-from dtrain.config import Config
-from dtrain.config.resume import check_resumed_config
-from dtrain.errors import CheckpointError, UserError
-from dtrain.fsutil import local_run_dir, require_output_folder, scheme_of, write_atomic
 
 
 def check_resume_folder(resume: str, run_dir: str = "") -> Location:

@@ -29,8 +29,8 @@ from dtrain.checkpoint.safe_load import (
     read_metadata,
     why_refused,
 )
-from dtrain.checkpoint.store import Location, ObjectPath
 from dtrain.errors import CheckpointError
+from dtrain.storage.objects import Location, ObjectPath
 
 
 class SafeReader(FileSystemReader):

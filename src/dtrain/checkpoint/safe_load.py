@@ -31,8 +31,9 @@ import torch
 
 from dtrain.checkpoint import copies
 from dtrain.checkpoint.layout import SHARDED_DIR
-from dtrain.checkpoint.store import Location, ObjectPath, open_read
+from dtrain.checkpoint.store import open_read
 from dtrain.errors import CheckpointError
+from dtrain.storage.objects import Location, ObjectPath
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from dtrain.checkpoint import store
-from dtrain.checkpoint.store import Location
 from dtrain.fsutil import format_size as format_size
 from dtrain.fsutil import is_disk_full as is_disk_full
+from dtrain.storage.objects import Location
 
 # What torch.save adds to a file beyond its tensors' bytes (the pickled structure, the zip
 # records) is small; a rank is only refused at once when its tensors alone cannot fit.

@@ -10,8 +10,7 @@ An object store has no atomic rename and no append: a save writes its pieces str
 absent, which is what a local file gets from its rename. Every request runs under
 :data:`RETRY_POLICY`; a store that stops answering is an :class:`StoreError` naming the store,
 the key and that policy, never a hang. The paths and their requests are
-:mod:`dtrain.storage.objects`' (datasets' shards reach the store through them too), named here
-as well for the checkpoint code.
+:mod:`dtrain.storage.objects`' (datasets' shards reach the store through them too).
 """
 
 from __future__ import annotations
@@ -25,48 +24,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from dtrain.fsutil import fsync_dir, write_atomic
-from dtrain.storage.objects import (
-    ATTEMPTS,
-    CONNECT_TIMEOUT_S,
-    PART_BYTES,
-    READ_TIMEOUT_S,
-    RETRY_POLICY,
-    Location,
-    NoConditionalWrites,
-    ObjectPath,
-    StoreError,
-    endpoint,
-    file_system,
-    location,
-    store_refusal,
-)
-
-# The store's names, for the checkpoint code that knew them here, and this module's own.
-__all__ = [
-    "ATTEMPTS",
-    "CONNECT_TIMEOUT_S",
-    "PART_BYTES",
-    "READ_TIMEOUT_S",
-    "RETRY_POLICY",
-    "Location",
-    "NoConditionalWrites",
-    "ObjectPath",
-    "StoreError",
-    "endpoint",
-    "file_system",
-    "free_bytes",
-    "local_copy",
-    "location",
-    "move_into_place",
-    "open_read",
-    "open_write",
-    "remove_tree",
-    "set_aside",
-    "staging_folder",
-    "store_refusal",
-    "sync_folder",
-    "write_whole",
-]
+from dtrain.storage.objects import Location
 
 # ---------------------------------------------------------------------------------------------
 # What differs between a folder and a store, for the writer of a checkpoint

@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from dtrain.checkpoint import layout
-from dtrain.checkpoint.store import Location, ObjectPath, location, open_write
+from dtrain.checkpoint.store import open_write
 from dtrain.checkpoint.upload import PartUpload, Uploads
+from dtrain.storage.objects import Location, ObjectPath, location
 
 
 def nothing() -> None:

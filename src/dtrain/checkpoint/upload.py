@@ -14,7 +14,7 @@ What it keeps of the file protocol it replaces: the object is complete and visib
 upload), which :meth:`~PartUpload.close` calls -- or, in a save, :class:`Uploads`, once the next
 file is written and before the rank reports its files written; a file sent as one
 ``put_object`` is whole or absent; a failure aborts the upload (nothing partial stays behind,
-and the store frees the parts) and is a :class:`~dtrain.checkpoint.store.StoreError` naming the
+and the store frees the parts) and is a :class:`~dtrain.storage.objects.StoreError` naming the
 store, the key and the retry policy. S3's API only (s3fs): another fsspec store's file is
 fsspec's own.
 """
@@ -28,7 +28,7 @@ from concurrent.futures import CancelledError, Future
 from contextlib import suppress
 from typing import Any
 
-from dtrain.checkpoint.store import PART_BYTES, ObjectPath
+from dtrain.storage.objects import PART_BYTES, ObjectPath
 
 # Parts sent at once per file (each PART_BYTES): s3fs's own put sends up to 10; 4 keep a
 # loopback or a LAN store's link busy with 64 MiB in flight.

@@ -25,8 +25,9 @@ from typing import Any
 from dtrain.checkpoint import copies
 from dtrain.checkpoint.copies import RangeRead
 from dtrain.checkpoint.layout import MARKER, SHARDED_DIR
-from dtrain.checkpoint.store import Location, ObjectPath, open_read
+from dtrain.checkpoint.store import open_read
 from dtrain.fault.failpoints import failpoint
+from dtrain.storage.objects import Location, ObjectPath
 
 # Bytes read and hashed between two progress marks.
 _CHUNK = 8 * 2**20

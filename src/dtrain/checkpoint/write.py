@@ -54,8 +54,6 @@ from dtrain.checkpoint.layout import (
     step_dir_name,
 )
 from dtrain.checkpoint.store import (
-    Location,
-    ObjectPath,
     move_into_place,
     remove_tree,
     set_aside,
@@ -68,6 +66,7 @@ from dtrain.checkpoint.upload import Uploads
 from dtrain.comm.plain import broadcast_json, gather_json
 from dtrain.errors import CheckpointError
 from dtrain.fault.failpoints import failpoint
+from dtrain.storage.objects import Location, ObjectPath
 
 
 def snapshot(obj: Any, reuse: Any = None) -> Any:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dtrain.checkpoint.publish import origin_of
-from dtrain.checkpoint.store import Location, ObjectPath, location
+from dtrain.storage.objects import Location, ObjectPath, location
 
 TRACES_DIR = "traces"
 _NAME = re.compile(r"rank(\d+)-steps(\d+)-(\d+)\.json")

@@ -12,9 +12,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from dtrain.checkpoint.publish import RECORDS, fetch_records
-from dtrain.checkpoint.store import ObjectPath, location
 from dtrain.errors import UserError
 from dtrain.fsutil import local_run_dir, scheme_of
+from dtrain.storage.objects import ObjectPath, location
 
 
 @contextmanager

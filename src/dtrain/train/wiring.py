@@ -10,7 +10,6 @@ from typing import Any
 from dtrain.balance.balancer import LoadBalancer
 from dtrain.balance.timing import StepTimer
 from dtrain.checkpoint.state import TrainingState
-from dtrain.checkpoint.store import location
 from dtrain.checkpoint.write import Checkpointer
 from dtrain.comm.plain import all_gather_json
 from dtrain.compute.precision import LossScaler
@@ -25,6 +24,7 @@ from dtrain.metrics.run_log import RunLog
 from dtrain.metrics.tensorboard import check_available as check_tensorboard
 from dtrain.metrics.trackers import check_available as check_trackers
 from dtrain.parallel import build_strategy
+from dtrain.storage.objects import location
 from dtrain.task import Task
 from dtrain.train.evaluation import check_metrics
 from dtrain.train.loss_contract import LossContract

@@ -31,9 +31,9 @@ import torch
 from torch import nn
 
 from dtrain.checkpoint.read import first_problems, state_dict_mismatches
-from dtrain.checkpoint.store import Location
 from dtrain.errors import CheckpointError, UserError
 from dtrain.parallel.frozen import frozen_names, is_peft_model
+from dtrain.storage.objects import Location
 from dtrain.weights.init_from import read_safetensors
 
 ADAPTER_CONFIG = "adapter_config.json"

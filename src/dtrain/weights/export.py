@@ -30,9 +30,10 @@ from dtrain.checkpoint.consolidate import (
     locate_checkpoint,
     skipped_words,
 )
-from dtrain.checkpoint.store import Location, local_copy, location
+from dtrain.checkpoint.store import local_copy
 from dtrain.errors import UserError
 from dtrain.fsutil import follow_umask, fsync_dir, require_output_folder
+from dtrain.storage.objects import Location, location
 from dtrain.weights.adapters import is_peft_run, load_adapters, require_peft
 from dtrain.weights.init_from import load_base_into
 from dtrain.weights.model_config import HF_CONFIG_DIR

@@ -44,11 +44,11 @@ from dtrain.checkpoint.consolidate import (
 )
 from dtrain.checkpoint.read import first_problems, state_dict_mismatches
 from dtrain.checkpoint.safe_load import ONLY_DATA, first_line, torch_load, why_refused
-from dtrain.checkpoint.store import Location, ObjectPath, StoreError, location, store_refusal
 from dtrain.errors import CheckpointError, UserError
 from dtrain.parallel.frozen import is_peft_model
 from dtrain.parallel.materialize import is_meta_model, materialize, require_init
 from dtrain.parallel.skeleton import meta_copy
+from dtrain.storage.objects import Location, ObjectPath, StoreError, location, store_refusal
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")

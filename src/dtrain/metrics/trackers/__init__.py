@@ -9,11 +9,11 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from dtrain.checkpoint.store import location
 from dtrain.config import Config
 from dtrain.errors import UserError
 from dtrain.fsutil import local_run_dir, scheme_of
 from dtrain.metrics.trackers.sink import Setup, Tracker, TrackerSink
+from dtrain.storage.objects import location
 
 # Each tracker's importable package and the extra that installs it.
 PACKAGES = {"wandb": "wandb", "mlflow": "mlflow"}

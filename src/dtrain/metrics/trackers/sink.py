@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dtrain.checkpoint import layout
-from dtrain.checkpoint.store import Location, write_whole
+from dtrain.checkpoint.store import write_whole
+from dtrain.storage.objects import Location
 
 RUN_IDS = "trackers.json"
 
