@@ -14,6 +14,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
+from typing import BinaryIO
 
 from dtrain.errors import UserError
 
@@ -67,10 +68,15 @@ def write_bytes_synced(path: Path | str, data: bytes, mode: int | None = None) -
 
 def sha256_file(path: Path | str) -> str:
     """The SHA-256 of a file's bytes, read in 8 MiB chunks (a shard may be GBs)."""
-    h = hashlib.sha256()
     with open(path, "rb") as fh:
-        while block := fh.read(8 * 2**20):
-            h.update(block)
+        return sha256_stream(fh)
+
+
+def sha256_stream(fh: BinaryIO) -> str:
+    """The SHA-256 of what is left to read of ``fh`` (a file, or an object in a store)."""
+    h = hashlib.sha256()
+    while block := fh.read(8 * 2**20):
+        h.update(block)
     return h.hexdigest()
 
 

@@ -21,7 +21,6 @@ same way: its files are mapped from sparse local copies that hold the pieces fet
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ from dtrain.data.rows import ShardRows
 from dtrain.data.store_shards import StoreShards
 from dtrain.data.writer import ShardWriter, to_field_array, write_shards
 from dtrain.errors import DataError
-from dtrain.fsutil import sha256_file
+from dtrain.fsutil import sha256_file, sha256_stream
 from dtrain.storage.objects import Location, ObjectPath, location
 
 # The format's public names, importable from here as well (the module users know).
@@ -388,17 +387,10 @@ def verify_dataset(data_dir: str | Location) -> list[BadFile]:
             if size != info["bytes"]:
                 bad.append(BadFile(path, f"size {size} bytes, expected {info['bytes']}"))
                 continue
-            digest = sha256_file(path) if isinstance(path, Path) else _sha256_object(path)
+            with path.open("rb") as fh:  # a local file or an object: the same bytes
+                digest = sha256_stream(fh)
             if digest != info["sha256"]:
                 bad.append(
                     BadFile(path, f"sha256 {digest[:16]}..., expected {info['sha256'][:16]}...")
                 )
     return bad
-
-
-def _sha256_object(path: ObjectPath) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        while block := fh.read(8 * 2**20):
-            h.update(block)
-    return h.hexdigest()
