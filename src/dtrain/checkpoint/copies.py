@@ -67,7 +67,7 @@ class RangeRead:
         if self._answer is None:  # another fsspec store: a ranged read per chunk
             for at in range(start, start + length, CHUNK_BYTES):
                 end = min(at + CHUNK_BYTES, start + length)
-                yield bytes(path._call("read", partial(path.fs.cat_file, path.url, at, end)))
+                yield path.read_range(at, end)
             return
         body = path._call("read", self._answer.result)["Body"]
         loop = path.fs.loop

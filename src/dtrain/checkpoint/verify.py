@@ -156,12 +156,7 @@ def _listed_sizes(step_dir: Location) -> dict[str, int] | None:
     flat listing (a request per file otherwise); None for a local folder."""
     if not isinstance(step_dir, ObjectPath) or step_dir.scheme != "s3":
         return None
-    try:
-        found = step_dir._call("list", lambda: step_dir.fs.find(step_dir.url, detail=True))
-    except FileNotFoundError:
-        return {}
-    head = step_dir.url.split("://", 1)[1] + "/"
-    return {str(key).removeprefix(head): int(info["size"]) for key, info in found.items()}
+    return step_dir.sizes()
 
 
 def _hash_range(

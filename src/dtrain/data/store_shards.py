@@ -118,11 +118,7 @@ class StoreShards:
 
     def _check_objects(self) -> None:
         """Every file the manifest lists is in the store with its size (one listing)."""
-        try:
-            found = self.root._call("list", lambda: self.root.fs.find(self.root.url, detail=True))
-        except FileNotFoundError:
-            found = {}
-        sizes = {str(k).rpartition("/")[2]: int(v.get("size", -1)) for k, v in found.items()}
+        sizes = self.root.sizes()  # the shard files lie flat under the prefix
         for name, size in zip(self.names, self.sizes.tolist(), strict=True):
             if name not in sizes:
                 raise DataError(
@@ -315,7 +311,7 @@ class StoreShards:
         obj = self.root / self.names[file]
         key = str(obj)
         try:
-            data = bytes(obj._call("read", lambda: obj.fs.cat_file(key, start=start, end=stop)))
+            data = obj.read_range(start, stop)
         except FileNotFoundError:
             raise DataError(
                 f"shard file {self.names[file]} is missing in the {self.root.store()} (key "
