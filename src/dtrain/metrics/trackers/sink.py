@@ -1,6 +1,9 @@
-"""One experiment tracker as a sink of rank 0 (:class:`TrackerSink`): the step's path only turns
-a record into numbers and queues them; the tracker's calls (a network round trip, an SQL insert)
-run on the sink's own thread, in batches, so no step ever waits for a tracker.
+"""One experiment tracker as a sink of rank 0 on a thread (:class:`TrackerSink`, W&B's): the
+step's path only turns a record into numbers and queues them; the tracker's calls (a hand-over
+to W&B's own process) run on the sink's own thread, in batches, so no step ever waits for a
+tracker. A tracker whose client is heavy Python logs from a process of its own instead
+(:mod:`~dtrain.metrics.trackers.process_sink`), which shares the helpers at the end of this
+module.
 
 A tracker that fails -- no server, a store it cannot write, a full disk, a call that raises --
 costs its own records, never the run: one warning, and the sink takes no more records.
