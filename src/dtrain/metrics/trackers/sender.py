@@ -10,13 +10,13 @@ when the run closes its sinks. On its standard output: ``{"started": ids, "where
 once the tracker's run is open, ``{"failed": warning}`` if the tracker raised, ``{"done":
 counts}`` at the end. Anything the tracker's own code prints goes to standard error.
 
-It never outlives the training process: end of input (the training process closed the pipe,
-or died and the kernel closed it) or a new parent process (the pipe held open by a process
-the trainer forked) ends it; without the ``final`` line the trainer died, and the tracker's
-run is ended as failed, and the process ends within :data:`ORPHAN_S` seconds whatever the
-tracker is doing (a call to a server that does not answer). It ignores
-SIGINT and SIGTERM, which reach the worker's whole process group: the worker decides when the
-run ends (a preempted run still closes its tracker run) and closes the pipe.
+It ends with its run: at the ``final`` line, and never later than its training process. End
+of input (the kernel closes the pipe of a training process that died) or a new parent process
+(the pipe held open by a process the trainer forked) without the ``final`` line means the
+trainer died: the tracker's run is ended as failed, and the process ends within
+:data:`ORPHAN_S` seconds whatever the tracker is doing (a call to a server that does not
+answer). It ignores SIGINT and SIGTERM, which reach the worker's whole process group: the
+worker decides when the run ends (a preempted run still closes its tracker run).
 """
 
 from __future__ import annotations
@@ -100,7 +100,9 @@ def serve(
                 rows.append(Row(int(step), float(when), values))
             elif "final" in message:
                 final = Final(**message["final"])
-        ending = lines.ended or os.getppid() != parent
+        # The final line ends the run, whoever else holds the pipe open (a process the trainer
+        # forked after starting this one keeps its end of the pipe: no end of input then).
+        ending = final is not None or lines.ended or os.getppid() != parent
         if ending and final is None:  # the training process died without closing its sinks
             final = Final(state="failed")
         if rows and (ending or time.monotonic() >= due):
