@@ -4,9 +4,10 @@ falls behind and when its training process dies -- real MLflow on a local SQLite
 - A sink whose process is stopped (SIGSTOP) takes every record without blocking, keeps what
   its bounded buffer holds, drops the rest with one warning and a count; continued, the process
   logs exactly the records kept, and ends at the run's final line though its pipe is held open.
-- A 1-rank run killed with SIGKILL at step 4 leaves no tracker process behind (its pid, which
-  the sink records, is waited on through a pidfd: bounded, no sleeps); the process logs the
-  records written before the kill and ends the MLflow run as FAILED.
+- A 1-rank run killed with SIGKILL at step 4, its tracker's pipe held open by another process,
+  leaves no tracker process behind (its pid, which the sink records, is waited on through a
+  pidfd: bounded, no sleeps); the process logs the records written before the kill and ends
+  the MLflow run as FAILED.
 """
 
 from __future__ import annotations
@@ -108,7 +109,11 @@ JOB = {"train": {"steps": 6, "log_every": 1}, "eval": {"every": 0}, "checkpoint"
 
 def train_until_killed(raw: dict[str, Any], pid_file: str) -> None:
     """In the rank: train; at step 4, once the tracker's process has opened its run, write its
-    pid and die by SIGKILL (nothing of the rank's closes)."""
+    pid and die by SIGKILL (nothing of the rank's closes). A process of the rank's own holds
+    the tracker's pipe open past the kill, as a forked DataLoader worker would: no end of input
+    for the tracker's process, only its parent gone."""
+    import subprocess
+
     from dtrain.fault.failpoints import failpoints
     from dtrain.metrics.trackers.process_sink import ProcessSink
     from tests.dist_helpers import make_trainer
@@ -121,7 +126,8 @@ def train_until_killed(raw: dict[str, Any], pid_file: str) -> None:
         assert trainer.run_log.metrics is not None
         (sink,) = [s for s in trainer.run_log.metrics.sinks if isinstance(s, ProcessSink)]
         assert sink.started.wait(180), "the tracker's process did not open its run"
-        Path(pid_file).write_text(str(sink.pid))
+        holder = subprocess.Popen(["sleep", "600"], pass_fds=[sink._fd])
+        Path(pid_file).write_text(f"{sink.pid} {holder.pid}")
         os.kill(os.getpid(), signal.SIGKILL)
 
     with failpoints(at):
@@ -139,8 +145,11 @@ def test_a_killed_worker_leaves_no_tracker_process_and_its_run_failed(
         patch.chdir(tmp_path)  # MLflow's ./mlruns
         with pytest.raises(RankFailed, match="exit code -9"):
             run_ranks(train_until_killed, 1, raw, str(pid_file), timeout=300)
-    pid = int(pid_file.read_text())
-    assert wait_gone(pid, 60), f"tracker process {pid} outlived its worker"
+    pid, holder = map(int, pid_file.read_text().split())
+    try:
+        assert wait_gone(pid, 60), f"tracker process {pid} outlived its worker"
+    finally:
+        os.kill(holder, signal.SIGKILL)
     client, run = mlflow_run(uri, run_dir / "trackers.json")
     assert run.info.status == "FAILED"  # ended by the process itself, its trainer gone
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()

@@ -93,16 +93,27 @@ def serve(
     final: Final | None = None
     count, log_cpu = 0, 0.0
     due = time.monotonic() + FLUSH_S
-    while True:
-        for message in lines.read(due - time.monotonic()):
+
+    def take(messages: list[dict[str, Any]]) -> None:
+        nonlocal final
+        for message in messages:
             if "row" in message:
                 step, when, values = message["row"]
                 rows.append(Row(int(step), float(when), values))
             elif "final" in message:
                 final = Final(**message["final"])
+
+    while True:
+        take(lines.read(due - time.monotonic()))
+        if final is None and not lines.ended and os.getppid() != parent:
+            # The trainer died with the pipe held open elsewhere: what it wrote before it
+            # died is still in the pipe, to be read to its end.
+            while more := lines.read(0.0):
+                take(more)
+            lines.ended = True
         # The final line ends the run, whoever else holds the pipe open (a process the trainer
         # forked after starting this one keeps its end of the pipe: no end of input then).
-        ending = final is not None or lines.ended or os.getppid() != parent
+        ending = final is not None or lines.ended
         if ending and final is None:  # the training process died without closing its sinks
             final = Final(state="failed")
         if rows and (ending or time.monotonic() >= due):
