@@ -104,6 +104,26 @@ def test_a_stopped_tracker_process_never_blocks_the_step_and_drops_what_it_canno
     assert {m.value for m in history} == {8.0}
 
 
+def test_a_tracker_process_that_dies_is_one_warning_and_never_blocks_the_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dtrain.metrics.trackers.process_sink import ProcessSink
+    from dtrain.metrics.trackers.rows import Setup
+
+    setup = Setup(tmp_path, str(tmp_path), "run", {}, "", (), f"sqlite:///{tmp_path}/m.db")
+    sink = ProcessSink("mlflow", setup, tmp_path, continuing=False)
+    os.kill(sink.pid, signal.SIGKILL)
+    values = {f"v{i:02d}": 1.0 + i for i in range(20)}
+    for step in range(1, 3001):  # 1.5 MB: more than the pipe holds, and its reader is gone
+        sink.write({"kind": "train", "step": step, "time": 1.0, **values})
+    sink.close()
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1, err
+    assert f"tracker mlflow's process {sink.pid} ended (exit code -9)" in err, err
+    assert sink.failed.is_set() and sink.dropped == 0  # refused by the pipe, not the buffer
+    assert not (tmp_path / "trackers.json").exists()
+
+
 JOB = {"train": {"steps": 6, "log_every": 1}, "eval": {"every": 0}, "checkpoint": {"every": 0}}
 
 
