@@ -10,15 +10,18 @@ tracker's sink into rank 0's sinks or taking it out:
 
 - ``off``: ``metrics.jsonl`` and the progress line only;
 - ``wandb``: W&B's sink too (``WANDB_MODE=offline``: its own process writes the run's file);
-- ``mlflow``: MLflow's sink too (an SQL transaction per batch of records).
+- ``mlflow``: MLflow's sink too (its own process makes an SQL transaction per batch of
+  records; the step writes each record's line into its pipe).
 
 The trackers' runs are opened before the first segment (W&B's process started, MLflow's store
 made), as in a run they are while the first steps train. A tracker's own thread sends what it
 queued once a second, so part of a segment's sending lands in the next one, whichever variant
 that is: segments of several seconds keep that share small. Two steadier figures beside the
 wall-time ratio: the job's CPU time per step (the tracker's thread included), and the work on
-the step's path itself (the sink's ``write``: a record turned into numbers and queued) and on
-the tracker's thread (its CPU time per record), measured on rank 0.
+the step's path itself (the sink's ``write``: a record turned into numbers and queued, or
+written to the tracker's pipe; its wall and CPU time) and on the tracker's thread (its CPU time
+per record) or, for a tracker in a process of its own, that process's CPU time per record
+(which the job's CPU time, the ranks', leaves out), measured on rank 0.
 
     .venv/bin/python benchmarks/bench_trackers.py               # prints the figures
     .venv/bin/python benchmarks/bench_trackers.py --write-docs  # also updates docs/benchmarks.md
@@ -55,7 +58,10 @@ def measure(raw: dict[str, Any], opts: dict[str, Any]) -> dict[str, list[float]]
     """On every rank: train through the planned segments; each variant's segment times."""
     import torch.distributed as dist
 
+    from dtrain.metrics.trackers.process_sink import ProcessSink
     from dtrain.metrics.trackers.sink import TrackerSink
+
+    kinds = (TrackerSink, ProcessSink)
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
@@ -72,28 +78,34 @@ def measure(raw: dict[str, Any], opts: dict[str, Any]) -> dict[str, list[float]]
     end = step
     starts: dict[int, float] = {}
     cpu_starts: dict[int, float] = {}
-    trackers: dict[str, TrackerSink] = {}
+    trackers: dict[str, TrackerSink | ProcessSink] = {}
     spent: dict[str, float] = {}  # the step's path in each tracker's write; its thread's CPU
     written: dict[str, int] = {}
 
-    def instrument(sink: TrackerSink) -> None:
-        name = sink.tracker.name
-        write, log = sink.write, sink.tracker.log
+    def add(key: str, value: float) -> None:
+        spent[key] = spent.get(key, 0.0) + value
+
+    def instrument(sink: TrackerSink | ProcessSink) -> None:
+        name = sink.name
+        write = sink.write
 
         def timed_write(record: dict[str, Any]) -> None:
-            began = time.perf_counter()
+            began, cpu = time.perf_counter(), time.thread_time()
             write(record)
-            spent[f"{name}: write"] = spent.get(f"{name}: write", 0.0) + time.perf_counter() - began
+            add(f"{name}: write", time.perf_counter() - began)
+            add(f"{name}: write cpu", time.thread_time() - cpu)
             written[name] = written.get(name, 0) + 1
+
+        sink.write = timed_write  # type: ignore[method-assign]
+        if not isinstance(sink, TrackerSink):
+            return  # its calls run in its own process, which counts its CPU time itself
+        log = sink.tracker.log
 
         def timed_log(rows: Any) -> None:
             began = time.thread_time()  # this thread's CPU time: what it takes from the step
             log(rows)
-            spent[f"{name}: thread"] = (
-                spent.get(f"{name}: thread", 0.0) + time.thread_time() - began
-            )
+            add(f"{name}: thread", time.thread_time() - began)
 
-        sink.write = timed_write  # type: ignore[method-assign]
         sink.tracker.log = timed_log  # type: ignore[method-assign]
 
     def switch(name: str, **args: Any) -> None:
@@ -108,17 +120,19 @@ def measure(raw: dict[str, Any], opts: dict[str, Any]) -> dict[str, list[float]]
             return
         if not trackers:  # the first step: the tracker sinks the run opened, put aside
             for sink in sinks.sinks:
-                if isinstance(sink, TrackerSink):
-                    trackers[sink.tracker.name] = sink
+                if isinstance(sink, kinds):
+                    trackers[sink.name] = sink
                     instrument(sink)
         variant = plan.get(step)
         if variant is not None or step == end:
-            kept = [s for s in sinks.sinks if not isinstance(s, TrackerSink)]
+            kept = [s for s in sinks.sinks if not isinstance(s, kinds)]
             sinks.sinks = kept + ([trackers[variant]] if variant in trackers else [])
 
     with failpoints(switch):
         # The sinks' own warmup (W&B's process, MLflow's store) before the first segment.
         trainer.fit()
+    for sink in trackers.values():  # taken out of the run's sinks, so not closed with them
+        sink.close()
     times: dict[str, list[float]] = {v: [] for v in variants}
     times |= {f"{v}: cpu": [] for v in variants}
     bounds = [*sorted(plan), end]
@@ -127,9 +141,15 @@ def measure(raw: dict[str, Any], opts: dict[str, Any]) -> dict[str, list[float]]
         times[f"{plan[first]}: cpu"].append(cpu_starts[after] - cpu_starts[first])
     for name in trackers:
         count = max(1, written.get(name, 0))
+        sink = trackers[name]
         times[f"{name}: write per record"] = [spent.get(f"{name}: write", 0.0) / count]
+        times[f"{name}: write cpu per record"] = [spent.get(f"{name}: write cpu", 0.0) / count]
         times[f"{name}: thread per record"] = [spent.get(f"{name}: thread", 0.0) / count]
-        times[f"{name}: failed"] = [float(trackers[name].failed.is_set())]
+        if isinstance(sink, ProcessSink):  # the process's own count of what it logged
+            rows = max(1.0, sink.done.get("rows", 0.0))
+            times[f"{name}: process per record"] = [sink.done.get("log_cpu_s", 0.0) / rows]
+            times[f"{name}: process cpu"] = [sink.done.get("cpu_s", 0.0)]
+        times[f"{name}: failed"] = [float(sink.failed.is_set())]
     return times
 
 
@@ -192,13 +212,22 @@ def main() -> None:
             f"{describe(ratios(times, name, ': cpu'))}"
         )
         write_us = times[f"{name}: write per record"][0] * 1e6
+        write_cpu_us = times[f"{name}: write cpu per record"][0] * 1e6
         thread_us = times[f"{name}: thread per record"][0] * 1e6
-        share = 100 * thread_us / 1e6 / off
+        own = thread_us + write_cpu_us  # the training process's CPU per record
         lines.append(
-            f"           the step's path {write_us:.0f} us per record (the sink's write); the "
-            f"tracker's thread {thread_us:.0f} us of CPU per record ({share:.2f}"
-            "% of a step)"
+            f"           the step's path {write_us:.0f} us per record (the sink's write, "
+            f"{write_cpu_us:.0f} us of CPU); the tracker's thread {thread_us:.0f} us of CPU "
+            f"per record: {own:.0f} us of the training process's CPU per record "
+            f"({100 * own / 1e6 / off:.2f}% of a step)"
         )
+        if f"{name}: process per record" in times:
+            process_us = times[f"{name}: process per record"][0] * 1e6
+            lines.append(
+                f"           its own process: {process_us:.0f} us of CPU per record, "
+                f"{times[f'{name}: process cpu'][0]:.1f} s in all (start-up included), "
+                "not in the job's CPU time"
+            )
         target = statistics.median(ratios(times, name))
         lines.append(f"           target <= 1.01x: {'met' if target <= 1.01 else 'MISSED'}")
     report = "\n".join(lines)

@@ -110,6 +110,16 @@ def test_mlflow_holds_the_config_and_every_loss_in_one_run_across_the_resume(
     expected = jsonl_losses(tracked.run_dir)
     assert [step for step, _ in expected] == list(range(1, 10))
     assert logged == expected  # the same floats, bit for bit, at the same steps
+    # Every number of every train record, as metrics.jsonl has it (it crossed to MLflow's
+    # process as a JSON line: floats round-trip exactly).
+    lines = (tracked.run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [r for r in map(json.loads, lines) if r.get("kind") == "train"]
+    fields = {k for r in records for k, v in r.items() if isinstance(v, float) and k != "time"}
+    assert {"loss", "lr", "grad_norm", "step_time_s"} <= fields
+    for name in sorted(fields - {"epoch"}):
+        history = client.get_metric_history(run.info.run_id, f"train/{name}")
+        got = sorted((m.step, m.value) for m in history)
+        assert got == [(r["step"], r[name]) for r in records if r.get(name) is not None], name
     per_rank = client.get_metric_history(run.info.run_id, "ranks/step_s/rank1")
     assert sorted(m.step for m in per_rank) == [3, 6, 9]
     val = client.get_metric_history(run.info.run_id, "eval/val_loss")

@@ -4,7 +4,8 @@ numbers as metrics at the record's step.
 
 Through ``MlflowClient`` with an explicit run id, never MLflow's process-global active run (a
 user's own code in the same process may hold one). Its calls are synchronous (an HTTP request
-or an SQL transaction each): the sink's thread makes them, one ``log_batch`` per interval.
+or an SQL transaction each, and a millisecond of Python's CPU per record): they are made in
+a process of its own (:mod:`~dtrain.metrics.trackers.sender`), one ``log_batch`` per interval.
 
 MLflow's own environment variables work: ``MLFLOW_TRACKING_URI`` (unless
 ``metrics.tracking_uri`` is set), ``MLFLOW_EXPERIMENT_NAME`` (unless ``metrics.project`` is),
@@ -20,7 +21,7 @@ import os
 import time
 from typing import Any
 
-from dtrain.metrics.trackers.sink import Final, Row, Setup
+from dtrain.metrics.trackers.rows import Final, Row, Setup
 
 # MLflow's limits per log_batch call.
 MAX_METRICS, MAX_PARAMS = 1000, 100
@@ -97,8 +98,9 @@ class MlflowTracker:
             tags.append(RunTag("dtrain.checkpoint", final.checkpoint))
         if tags:
             self.client.log_batch(self.run_id, tags=tags)
-        # A preempted run is to be resumed: KILLED until then (resuming sets RUNNING again).
-        status = "KILLED" if final.state == "preempted" else "FINISHED"
+        # A preempted run is to be resumed: KILLED until then (resuming sets RUNNING again);
+        # one whose training process died before closing its sinks ("failed"): FAILED.
+        status = {"preempted": "KILLED", "failed": "FAILED"}.get(final.state, "FINISHED")
         self.client.set_terminated(self.run_id, status, end_time=int(time.time() * 1000))
 
 

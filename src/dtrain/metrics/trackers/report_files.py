@@ -12,7 +12,8 @@ from typing import Any
 
 from dtrain.errors import UserError
 from dtrain.metrics.trackers import check_available
-from dtrain.metrics.trackers.sink import RUN_IDS, first_line, read_run_ids
+from dtrain.metrics.trackers.rows import first_line
+from dtrain.metrics.trackers.sink import RUN_IDS, read_run_ids
 
 ARTIFACT_FOLDER = "report"  # MLflow's artifact path; W&B's artifact type
 

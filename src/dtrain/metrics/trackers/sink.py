@@ -1,6 +1,9 @@
-"""One experiment tracker as a sink of rank 0 (:class:`TrackerSink`): the step's path only turns
-a record into numbers and queues them; the tracker's calls (a network round trip, an SQL insert)
-run on the sink's own thread, in batches, so no step ever waits for a tracker.
+"""One experiment tracker as a sink of rank 0 on a thread (:class:`TrackerSink`, W&B's): the
+step's path only turns a record into numbers and queues them; the tracker's calls (a hand-over
+to W&B's own process) run on the sink's own thread, in batches, so no step ever waits for a
+tracker. A tracker whose client is heavy Python logs from a process of its own instead
+(:mod:`~dtrain.metrics.trackers.process_sink`), which shares the helpers at the end of this
+module.
 
 A tracker that fails -- no server, a store it cannot write, a full disk, a call that raises --
 costs its own records, never the run: one warning, and the sink takes no more records.
@@ -15,17 +18,16 @@ goes on with it too.
 from __future__ import annotations
 
 import json
-import math
 import os
 import queue
 import sys
 import threading
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from dtrain.checkpoint import layout
 from dtrain.checkpoint.store import write_whole
+from dtrain.metrics.trackers.rows import Final, Row, Tracker, failure, summary_of, to_row
 from dtrain.storage.objects import Location
 
 RUN_IDS = "trackers.json"
@@ -40,89 +42,6 @@ QUEUE_RECORDS = 20_000
 # stuck on its network is then left behind (its thread is a daemon) with a warning.
 CLOSE_TIMEOUT_S = 60.0
 
-# Fields that are positions or clocks, not measurements (as for TensorBoard).
-NOT_SCALARS = frozenset({"step", "time", "steps", "epoch"})
-
-
-@dataclass
-class Row:
-    """The numbers of one record at its step, named as TensorBoard names them: ``train/<field>``,
-    ``eval/<field>``, ``ranks/<field>/rank<R>``; an own loop's ``run.log`` values as
-    ``log/<field>``."""
-
-    step: int
-    time: float
-    values: dict[str, float]
-
-
-@dataclass
-class Final:
-    """How the run ended, for the tracker's last calls: ``state`` of the summary record
-    (completed, preempted; empty when the run closed without one), its numbers, and the path
-    of the newest complete checkpoint."""
-
-    state: str = ""
-    summary: dict[str, float] = field(default_factory=dict)
-    checkpoint: str | None = None
-
-
-@dataclass(frozen=True)
-class Setup:
-    """What every tracker is told about the run (from the config, on rank 0)."""
-
-    run_dir: Path  # this machine's folder of the run (the trackers' own files go there)
-    folder: Location  # the run folder itself (trackers.json, the checkpoints): maybe a store's
-    name: str  # the run folder's name
-    params: dict[str, Any]  # the config, flattened: "train.lr" -> 0.5
-    project: str  # metrics.project; empty = the tracker's environment variable or default
-    tags: tuple[str, ...]  # metrics.tags, each "name" or "key=value"
-    tracking_uri: str  # metrics.tracking_uri (MLflow)
-
-
-class Tracker(Protocol):
-    """One tracker's calls, all made on the sink's thread."""
-
-    name: str
-    where: str  # where the run's records go, for the user: a URL, a folder, a store
-
-    def start(self, stored: dict[str, Any] | None) -> dict[str, Any]:
-        """Open the tracker's run -- the one ``stored`` identifies when given (what an earlier
-        ``start`` returned), else a new one -- and return what identifies it."""
-        ...
-
-    def log(self, rows: list[Row]) -> None: ...
-
-    def finish(self, final: Final) -> None: ...
-
-
-def to_row(record: dict[str, Any]) -> Row | None:
-    """A record's numbers (None for records without any): done on the step's path, so that
-    the thread never reads a record its writer might still hold."""
-    kind, step = record.get("kind"), record.get("step")
-    if kind == "event" and record.get("name") == "log":  # an own loop's run.log(...) values
-        kind = "log"
-    if not isinstance(step, int) or kind not in ("train", "eval", "ranks", "log"):
-        return None
-    values: dict[str, float] = {}
-    for key, value in record.items():
-        if key in NOT_SCALARS:
-            continue
-        if kind == "ranks" and isinstance(value, list):
-            for rank, each in enumerate(value):
-                if is_number(each):
-                    values[f"ranks/{key}/rank{rank}"] = float(each)
-        elif kind != "ranks" and key != "name" and is_number(value):
-            values[f"{kind}/{key}"] = float(value)
-    return Row(step, float(record.get("time") or 0.0), values) if values else None
-
-
-def is_number(value: Any) -> bool:
-    return (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(float(value))
-    )
-
 
 class TrackerSink:
     """A :class:`~dtrain.metrics.sinks.Sink` in front of one tracker; see the module
@@ -130,13 +49,14 @@ class TrackerSink:
 
     def __init__(self, tracker: Tracker, run_dir: Location, continuing: bool) -> None:
         self.tracker = tracker
+        self.name = tracker.name
         self.run_dir = run_dir
         # A new run (step 0, first attempt) starts a new tracker run even where an old one's
         # id is in the folder: that one belongs to the training the new run replaces.
         self.stored = read_run_ids(run_dir).get(tracker.name) if continuing else None
         self.final = Final()
         self.dropped = 0
-        self.warned = False
+        self._warn = OnceWarning()
         self.failed = threading.Event()  # set once, with the one warning
         self._queue: queue.Queue[Row] = queue.Queue(maxsize=QUEUE_RECORDS)
         self._closing = threading.Event()
@@ -151,10 +71,7 @@ class TrackerSink:
         if self.failed.is_set():
             return
         if record.get("kind") == "summary":
-            self.final.state = str(record.get("state") or "")
-            self.final.summary = {
-                k: float(v) for k, v in record.items() if k != "step" and is_number(v)
-            }
+            self.final.state, self.final.summary = summary_of(record)
             return
         row = to_row(record)
         if row is None:
@@ -203,21 +120,8 @@ class TrackerSink:
                     return
         except Exception as exc:  # any failure of the tracker's own code: its records only
             self.failed.set()
-            self._warn(
-                f"{self.tracker.name} failed ({self.tracker.where}: {type(exc).__name__}: "
-                f"{first_line(exc)}); "
-                "training goes on without it (metrics.jsonl has every record)"
-            )
+            self._warn(failure(self.tracker.name, self.tracker.where, exc))
             self._drain()  # free what was queued
-
-    def _warn(self, text: str) -> None:
-        """One warning per tracker and process, whatever goes wrong after it: a tracker that
-        fails on every call says so once."""
-        with _WARN_LOCK:
-            if self.warned:
-                return
-            self.warned = True
-        print(f"dtrain: warning: tracker {text}", file=sys.stderr, flush=True)
 
     def _drain(self) -> list[Row]:
         rows: list[Row] = []
@@ -228,15 +132,25 @@ class TrackerSink:
                 return rows
 
 
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:300] if text else "no message"
+class OnceWarning:
+    """One warning per tracker and process, whatever goes wrong after it (from the step's
+    path, the sink's thread or its reader): a tracker that fails on every call says so once."""
+
+    def __init__(self) -> None:
+        self.given = False
+        self._lock = threading.Lock()
+
+    def __call__(self, text: str) -> None:
+        with self._lock:
+            if self.given:
+                return
+            self.given = True
+        print(f"dtrain: warning: tracker {text}", file=sys.stderr, flush=True)
 
 
 # -- RUN_DIR/trackers.json ---------------------------------------------------------------
 
 _IDS_LOCK = threading.Lock()  # the sinks' threads each update their own entry
-_WARN_LOCK = threading.Lock()
 
 
 def read_run_ids(run_dir: Location) -> dict[str, dict[str, Any]]:

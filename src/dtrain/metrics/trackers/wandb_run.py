@@ -18,7 +18,7 @@ import importlib.util
 import os
 from typing import Any
 
-from dtrain.metrics.trackers.sink import Final, Row, Setup
+from dtrain.metrics.trackers.rows import Final, Row, Setup
 
 STEP = "step"
 
