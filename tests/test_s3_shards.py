@@ -120,8 +120,10 @@ def test_the_store_s_shards_give_the_local_windows_and_ids_step_by_step(
 ) -> None:
     local = TokenWindows(ShardedDataset(prepared.local / "train"), SEQ)
 
-    def remote() -> TokenWindows:
-        return TokenWindows(ShardedDataset(f"{prepared.url}/train", cache_bytes=CACHE), SEQ)
+    def remote(machine: int = 0) -> TokenWindows:
+        # Each rank on a machine of its own (a cache folder of its own): it alone fills it.
+        cache_dir = str(prepared.tmp / f"machine-{machine}")
+        return TokenWindows(ShardedDataset(f"{prepared.url}/train", cache_dir, CACHE), SEQ)
 
     one = remote()
     files = one.store
@@ -133,7 +135,7 @@ def test_the_store_s_shards_give_the_local_windows_and_ids_step_by_step(
     for i in (0, 1, len(local) // 2, len(local) - 1):  # read without the read-ahead
         assert np.array_equal(one[i], local[i])
     # Two ranks side by side, 10 steps; then the position resumed on 3 ranks, 4 steps more.
-    mine = loaders([one, remote()], cache=True)
+    mine = loaders([one, remote(1)], cache=True)
     theirs = loaders([local, local], cache=False)
     for _ in range(10):
         for a, b in zip(theirs, mine, strict=True):
@@ -148,7 +150,7 @@ def test_the_store_s_shards_give_the_local_windows_and_ids_step_by_step(
     for loader in mine:
         loader.close()
     assert files.held_bytes == 0  # the read-ahead gave back what it held
-    mine = loaders([remote() for _ in range(3)], cache=True)
+    mine = loaders([remote(m) for m in range(3)], cache=True)
     theirs = loaders([local] * 3, cache=False)
     for a, b in zip(theirs, mine, strict=True):
         a.load_state_dict(state)
