@@ -13,6 +13,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +29,7 @@ from dtrain.checkpoint.layout import step_dir_name
 from dtrain.cli import main
 from dtrain.config.sections import STORE_PIECE_BYTES
 from dtrain.data.loader import RankLoader
+from dtrain.data.node_cache import WRITING
 from dtrain.data.partition import OrderSpec
 from dtrain.data.prepare import prepare
 from dtrain.data.read_ahead import ReadAhead
@@ -162,6 +166,87 @@ def test_the_store_s_shards_give_the_local_windows_and_ids_step_by_step(
             assert all(torch.equal(w[0], g[0]) for w, g in zip(want.micro, got.micro, strict=True))
     for loader in mine:
         loader.close()
+
+
+def test_two_ranks_of_a_machine_fetch_each_piece_once_between_them(
+    store: Store, prepared: Prepared
+) -> None:
+    machine = str(prepared.tmp / "machine-shared")  # one cache folder: the ranks of a machine
+    local = TokenWindows(ShardedDataset(prepared.local / "train"), SEQ)
+    ranks = [
+        TokenWindows(ShardedDataset(f"{prepared.url}/train", machine, 2**20), SEQ) for _ in range(2)
+    ]
+    a, b = (rank.store for rank in ranks)
+    assert a is not None and b is not None and a.folder == b.folder
+    a.sharers = b.sharers = 2
+    mine = loaders(ranks, cache=True)
+    theirs = loaders([local, local], cache=False)
+    for _ in range(6):
+        for want, got in zip(theirs, mine, strict=True):
+            assert [x.tolist() for x in next(got).ids] == [x.tolist() for x in next(want).ids]
+    for loader in mine:
+        loader.close()
+    present = np.flatnonzero(a.present(np.arange(a.base[-1])))
+    # Each rank's read-ahead walked its next steps over most of the ~60 pieces; between them
+    # they fetched each piece on the machine once: one request a piece, and each rank read the
+    # offsets files whole, once.
+    assert len(present) > 30 and b.present(present).all()
+    assert a.fetched + b.fetched == a.bytes_of(present) == a.resident == b.resident
+    offsets = sum(name.endswith(".idx.npy") for name in a.names)
+    assert a.requests + b.requests == len(present) + 2 * offsets
+
+
+# A rank of the machine that fetches one piece and goes no further: its request goes to a
+# socket that never answers (argv: the dataset, the cache folder, a sample, the socket's URL).
+_STUCK_RANK = """
+import sys
+
+import s3fs
+
+from dtrain.data.shards import ShardedDataset
+
+dataset = ShardedDataset(sys.argv[1], sys.argv[2], 2**20)
+sample = int(sys.argv[3])
+dataset.pieces([sample])  # the offsets files, read whole from the store
+assert dataset.store is not None
+dataset.store.root.fs = s3fs.S3FileSystem(
+    key="k", secret="s", endpoint_url=sys.argv[4], skip_instance_cache=True
+)
+dataset[sample]
+"""
+
+
+def test_a_rank_killed_while_it_fetches_a_piece_leaves_it_to_the_others(
+    store: Store, prepared: Prepared
+) -> None:
+    machine = str(prepared.tmp / "machine-killed")
+    url = f"{prepared.url}/val"
+    dataset = ShardedDataset(url, machine, 2**20)  # this rank, first on the machine
+    files = dataset.store
+    assert files is not None
+    sample = len(dataset) - 1
+    first = int(dataset.pieces([sample])[0])
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        silent.settimeout(60)
+        env = os.environ | store.env | {"PYTHONPATH": os.pathsep.join(sys.path)}
+        port = silent.getsockname()[1]
+        args = [url, machine, str(sample), f"http://127.0.0.1:{port}"]
+        stuck = subprocess.Popen([sys.executable, "-c", _STUCK_RANK, *args], env=env)
+        try:
+            connection, _ = silent.accept()  # its request: it holds the piece's claim
+            connection.close()
+        finally:
+            stuck.kill()  # -9
+            stuck.wait()
+    # It died claiming the piece, counted in the machine's bytes, never written.
+    assert files.cache.state[first] == WRITING and not files.present(np.array([first]))[0]
+    assert files.resident == files.piece_size[first]
+    got = dataset[sample]  # this rank claims it now, fetches and checks it
+    want = ShardedDataset(prepared.local / "val")[sample]
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+    pieces = dataset.pieces([sample])
+    assert files.present(pieces).all() and files.fetched == files.bytes_of(pieces)
+    assert files.resident == files.bytes_of(pieces)  # the dead rank's claim counted once
 
 
 def test_a_missing_or_damaged_object_is_named(store: Store, prepared: Prepared) -> None:
