@@ -188,12 +188,12 @@ def test_two_ranks_of_a_machine_fetch_each_piece_once_between_them(
         loader.close()
     present = np.flatnonzero(a.present(np.arange(a.base[-1])))
     # Each rank's read-ahead walked its next steps over most of the ~60 pieces; between them
-    # they fetched each piece on the machine once: one request a piece, and each rank read the
-    # offsets files whole, once.
+    # they fetched each piece on the machine once, with a request a run of consecutive pieces
+    # at most (and each rank read the offsets files whole, once).
     assert len(present) > 30 and b.present(present).all()
     assert a.fetched + b.fetched == a.bytes_of(present) == a.resident == b.resident
     offsets = sum(name.endswith(".idx.npy") for name in a.names)
-    assert a.requests + b.requests == len(present) + 2 * offsets
+    assert len(a.runs(present)) <= a.requests + b.requests - 2 * offsets <= len(present)
 
 
 # A rank of the machine that fetches one piece and goes no further: its request goes to a
@@ -238,13 +238,14 @@ def test_a_rank_killed_while_it_fetches_a_piece_leaves_it_to_the_others(
         finally:
             stuck.kill()  # -9
             stuck.wait()
-    # It died claiming the piece, counted in the machine's bytes, never written.
-    assert files.cache.state[first] == WRITING and not files.present(np.array([first]))[0]
-    assert files.resident == files.piece_size[first]
+    # It died claiming the sample's first pieces, counted in the machine's bytes, never written.
+    pieces = dataset.pieces([sample])
+    claimed = np.flatnonzero(files.cache.state == WRITING)
+    assert first in claimed and np.isin(claimed, pieces).all() and not files.present(pieces).any()
+    assert files.resident == files.bytes_of(claimed)
     got = dataset[sample]  # this rank claims it now, fetches and checks it
     want = ShardedDataset(prepared.local / "val")[sample]
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
-    pieces = dataset.pieces([sample])
     assert files.present(pieces).all() and files.fetched == files.bytes_of(pieces)
     assert files.resident == files.bytes_of(pieces)  # the dead rank's claim counted once
 

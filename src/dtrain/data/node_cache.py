@@ -166,6 +166,10 @@ class NodeCache:
         """The right to fetch ``piece`` (exclusive): waits while another rank fetches it."""
         lock_bytes(self._claims, fcntl.F_WRLCK, piece)
 
+    def try_claim(self, piece: int) -> bool:
+        """:meth:`claim` without waiting: False when another rank fetches ``piece``."""
+        return lock_bytes(self._claims, fcntl.F_WRLCK, piece, wait=False)
+
     def unclaim(self, piece: int) -> None:
         lock_bytes(self._claims, fcntl.F_UNLCK, piece)
 

@@ -25,7 +25,7 @@ from dtrain.data.store_shards import StoreShards
 from dtrain.errors import DataError
 
 MAX_STEPS = 64  # steps held ahead at most: enough to keep a link busy, a bound on the thread
-REQUESTS = 4  # range requests in flight at once
+REQUESTS = 4  # range requests in flight at once (a run of pieces each)
 
 
 class CacheTooSmall(DataError):
@@ -87,8 +87,9 @@ class ReadAhead:
                         return
                     pieces = self._held[-1][1]
                     missing = pieces[~self.store.present(pieces)]
-                    # One piece a task, REQUESTS at a time: the step's pieces in parallel.
-                    for done in pool.map(lambda p: self.store.fetch(np.array([p])), missing):
+                    # A run of consecutive pieces a task, REQUESTS at a time: the step's runs
+                    # in parallel.
+                    for done in pool.map(self.store.fetch, self.store.runs(missing)):
                         del done
                         if stop.is_set():
                             return

@@ -2,8 +2,9 @@
 of pieces that the ranks of a machine share (:mod:`dtrain.data.node_cache`).
 
 A shard file is read in pieces: byte ranges of ``piece_bytes`` (the manifest's; `dtrain prepare`
-to a store records one SHA-256 per piece), each fetched with one range request by one rank of
-the machine, checked (its hash, or its length where the manifest has no piece hashes), and
+to a store records one SHA-256 per piece), fetched by one rank of the machine, up to
+``RUN_PIECES`` consecutive ones with one range request, each checked (its hash, or its length
+where the manifest has no piece hashes), and
 written at its offset into the machine's sparse local file of the shard file's size. That file
 is memory-mapped as a local shard is, so reading rows is the local path's; only the bytes of
 the pieces fetched are on the disk.
@@ -37,6 +38,10 @@ from dtrain.config.sections import STORE_PIECE_BYTES
 from dtrain.data.node_cache import ABSENT, PRESENT, WRITING, NodeCache, folder_name, punch_hole
 from dtrain.errors import DataError
 from dtrain.storage.objects import ObjectPath, StoreError
+
+# Consecutive pieces of a file fetched with one range request, at most: fewer requests (each
+# costs the client and the store CPU of its own), still several in flight for a step.
+RUN_PIECES = 4
 
 
 def piece_hashes(path: str | os.PathLike[str], piece_bytes: int) -> list[str]:
@@ -245,58 +250,89 @@ class StoreShards:
                     continue
                 self._fetching.update(mine)
             try:
-                for p in mine:
-                    self._fetch_one(p)
+                for run in self.runs(np.asarray(mine, dtype=np.int64)):
+                    self._fetch_run(run.tolist())
             finally:
                 with self._lock:
                     self._fetching.difference_update(mine)
                     self._lock.notify_all()
 
-    def _fetch_one(self, piece: int) -> None:
-        """Fetch a held piece, unless another rank of the machine does: then wait for it."""
-        file = int(np.searchsorted(self.base, piece, side="right")) - 1
-        k = piece - int(self.base[file])
-        start = k * self.piece_bytes
-        size = int(self.piece_size[piece])
-        self.local_path(file)
-        self.cache.claim(piece)  # waits while another rank fetches it
-        try:
-            if self.cache.state[piece] == PRESENT:  # it did
-                return
-            self._reserve(piece, size)
-            try:
-                data = self._request(file, start, start + size)
-                self._check(file, k, data)
-                os.pwrite(self._fds[file], data, start)
-            except BaseException:
-                self._drop(piece)
-                raise
-            self.cache.state[piece] = PRESENT  # after the checked bytes are written
-            with self._lock:
-                self.fetched += size
-                self.requests += 1
-        finally:
-            self.cache.unclaim(piece)
+    def runs(self, pieces: np.ndarray) -> list[np.ndarray]:
+        """Sorted ``pieces`` cut into runs of consecutive pieces of one file, each at most
+        :data:`RUN_PIECES` long: one range request a run."""
+        if len(pieces) == 0:
+            return []
+        file = np.searchsorted(self.base, pieces, side="right")
+        cut = np.flatnonzero((np.diff(pieces) != 1) | (np.diff(file) != 0)) + 1
+        out = []
+        for run in np.split(pieces, cut):
+            out.extend(np.split(run, range(RUN_PIECES, len(run), RUN_PIECES)))
+        return out
 
-    def _reserve(self, piece: int, size: int) -> None:
-        """Count ``piece`` (claimed) in the machine's bytes, evicting what must go for it.
-        Already counted when a rank that claimed it before died before it was present."""
+    def _fetch_run(self, run: list[int]) -> None:
+        """Fetch held pieces of one file, consecutive, with one range request; those another
+        rank of the machine fetches are left for it: this waits for the first piece's claim
+        only, never while it holds another (so no two ranks wait on each other)."""
+        file = int(np.searchsorted(self.base, run[0], side="right")) - 1
+        self.local_path(file)
+        self.cache.claim(run[0])  # waits while another rank fetches it
+        claimed = [run[0]]
+        try:
+            for p in run[1:]:
+                if not self.cache.try_claim(p):
+                    break
+                claimed.append(p)
+            todo: list[int] = []  # the claimed pieces still absent, from the first on
+            for p in claimed:
+                if self.cache.state[p] == PRESENT:  # another rank fetched it
+                    break
+                todo.append(p)
+            if todo:
+                self._fetch_claimed(file, todo)
+        finally:
+            for p in claimed:
+                self.cache.unclaim(p)
+
+    def _fetch_claimed(self, file: int, run: list[int]) -> None:
+        first = run[0] - int(self.base[file])
+        start = first * self.piece_bytes
+        sizes = self.piece_size[run]
+        self._reserve(run)
+        try:
+            data = self._request(file, start, start + int(sizes.sum()))
+            offset = 0
+            for k, size in enumerate(sizes.tolist()):
+                self._check(file, first + k, data[offset : offset + size])
+                offset += size
+            os.pwrite(self._fds[file], data, start)
+        except BaseException:
+            self._drop(run)
+            raise
+        self.cache.state[run] = PRESENT  # after the checked bytes are written
+        with self._lock:
+            self.fetched += len(data)
+            self.requests += 1
+
+    def _reserve(self, pieces: list[int]) -> None:
+        """Count claimed ``pieces`` in the machine's bytes, evicting what must go for them. A
+        piece a rank that claimed it before died with is counted already (being written)."""
         with self._lock:
             self.cache.lock_space()
             try:
-                if self.cache.state[piece] == ABSENT:
-                    self._make_room(size)
-                    self.cache.state[piece] = WRITING
+                new = [p for p in pieces if self.cache.state[p] == ABSENT]
+                self._make_room(self.bytes_of(np.asarray(new, dtype=np.int64)))
+                self.cache.state[new] = WRITING
             finally:
                 self.cache.unlock_space()
 
-    def _drop(self, piece: int) -> None:
-        """A claimed piece whose fetch failed: no longer counted, its bytes (if any) freed."""
+    def _drop(self, pieces: list[int]) -> None:
+        """Claimed pieces whose fetch failed: no longer counted, their bytes (if any) freed."""
         with self._lock:
             self.cache.lock_space()
             try:
-                self.cache.state[piece] = ABSENT
-                self._punch(piece)
+                for p in pieces:
+                    self.cache.state[p] = ABSENT
+                    self._punch(p)
             finally:
                 self.cache.unlock_space()
 
