@@ -194,6 +194,10 @@ def test_two_ranks_of_a_machine_fetch_each_piece_once_between_them(
     assert a.fetched + b.fetched == a.bytes_of(present) == a.resident == b.resident
     offsets = sum(name.endswith(".idx.npy") for name in a.names)
     assert len(a.runs(present)) <= a.requests + b.requests - 2 * offsets <= len(present)
+    a.close()
+    assert os.path.isdir(b.folder)  # b still uses it
+    b.close()
+    assert not os.path.exists(b.folder)  # the last to leave removed it
 
 
 # A rank of the machine that fetches one piece and goes no further: its request goes to a
@@ -401,7 +405,7 @@ def test_the_journey_prepare_train_sigterm_resume_at_another_world_size(
     )
     code, said = finish(first)
     # The launcher forwards the signal: the ranks stop at the end of step 5 or the next.
-    stopped = re.search(r"stopped by SIGTERM at step (\d+), saved", said)
+    stopped = re.search(r"stopped by SIGTERM and saved at step (\d+)", said)
     assert code == 0 and stopped is not None and 5 <= int(stopped[1]) < 12, said[-3000:]
     code, said = finish(dtrain(store, "train", str(config), task, "--nproc", "3"))
     assert code == 0, said[-3000:]

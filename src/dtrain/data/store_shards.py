@@ -110,6 +110,10 @@ class StoreShards:
         self._fds: dict[int, int] = {}
         self._finalizer = weakref.finalize(self, _close, self.cache, self._fds)
 
+    def close(self) -> None:
+        """Leave the machine's cache (the last rank to leave removes it); also at exit."""
+        self._finalizer()
+
     @property
     def budget(self) -> int:
         """Bytes this rank may hold ahead: its share of the machine's ``limit``."""
