@@ -209,6 +209,10 @@ class StoreShards:
             for p in pieces.tolist():
                 self._recent[p] = None
                 self._recent.move_to_end(p)
+            # Only an order of eviction (others' pieces are evicted too): kept to about what
+            # the cache holds, since other ranks may evict what this one used.
+            while len(self._recent) > 2 * (self.limit // self.piece_bytes + 1):
+                self._recent.popitem(last=False)
 
     def give_back(self, pieces: np.ndarray) -> None:
         with self._lock:
