@@ -3,7 +3,9 @@ S3 server started here (``make test-s3``: OpenStack Swift's S3 API). The same te
 local folder and to the store (pieces of 4 KiB, the cache 4 pieces, so that the read-ahead
 evicts and fetches again) gives the same windows, the same ids step by step for each of 2 ranks,
 and resumed at 3; a missing or damaged object is named; a cache below one piece and a store
-prefix without a dataset are refused before any worker starts. The processes' test: 2 ranks on
+prefix without a dataset are refused before any worker starts. Two ranks of one machine share
+its cache: each piece is fetched once between them (requests counted), and a rank killed -9
+while it fetches a piece leaves it to the other. The processes' test: 2 ranks on
 the store's shards stopped by SIGTERM at step 4, resumed on 3: the audit shows each sample once.
 The journey (``slow``; ``make test-s3``): prepare with the command, then train from the store's
 shards with the run folder in the store, SIGTERM, and resume at another world size."""
