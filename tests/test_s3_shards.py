@@ -202,6 +202,49 @@ def test_two_ranks_of_a_machine_fetch_each_piece_once_between_them(
     assert not os.path.exists(b.folder)  # the last to leave removed it
 
 
+def test_two_ranks_sharing_a_small_cache_evict_each_other_s_pieces_within_its_bound(
+    store: Store, prepared: Prepared
+) -> None:
+    machine = str(prepared.tmp / "machine-small")
+    local = TokenWindows(ShardedDataset(prepared.local / "train"), SEQ)
+    ranks = [
+        TokenWindows(ShardedDataset(f"{prepared.url}/train", machine, CACHE), SEQ) for _ in range(2)
+    ]
+    a, b = (rank.store for rank in ranks)
+    assert a is not None and b is not None
+    a.sharers = b.sharers = 2  # each holds at most half the machine's 12 pieces ahead
+    mine = loaders(ranks, cache=True)
+    theirs = loaders([local, local], cache=False)
+    for _ in range(10):
+        for want_loader, got_loader in zip(theirs, mine, strict=True):
+            want, got = next(want_loader), next(got_loader)
+            assert [x.tolist() for x in got.ids] == [x.tolist() for x in want.ids]
+            for (wi, wt), (gi, gt) in zip(want.micro, got.micro, strict=True):
+                assert torch.equal(wi, gi) and torch.equal(wt, gt)
+        assert a.resident <= CACHE and a.held_bytes + b.held_bytes <= CACHE  # the machine's
+    # The machine evicted what its ranks had passed and fetched what came next.
+    assert a.fetched + b.fetched > 2 * CACHE
+    for loader in mine:
+        loader.close()
+    assert a.held_bytes == b.held_bytes == 0
+
+
+def test_a_piece_another_rank_holds_is_never_evicted(store: Store, prepared: Prepared) -> None:
+    machine = str(prepared.tmp / "machine-two-pieces")
+    url = f"{prepared.url}/val"
+    a, b = (ShardedDataset(url, machine, 2 * PIECE).store for _ in range(2))
+    assert a is not None and b is not None
+    p0, p1, p2 = np.flatnonzero(a.piece_size == PIECE)[:3]
+    with b.hold(np.array([p0, p1])):  # the machine's cache is full of what b holds
+        assert a.resident == 2 * PIECE and a.present(np.array([p0, p1])).all()
+        with pytest.raises(DataError, match="cannot hold the pieces"), a.hold(np.array([p2])):
+            pass
+        assert b.present(np.array([p0, p1])).all()  # a evicted none of them
+    with a.hold(np.array([p2])):  # let go: one of them makes room
+        assert a.resident == 2 * PIECE and a.present(np.array([p2])).all()
+    assert a.fetched == PIECE and b.fetched == 2 * PIECE
+
+
 # A rank of the machine that fetches one piece and goes no further: its request goes to a
 # socket that never answers (argv: the dataset, the cache folder, a sample, the socket's URL).
 _STUCK_RANK = """
