@@ -121,6 +121,15 @@ def loaders(datasets: list[TokenWindows], cache: bool) -> list[RankLoader]:
     return out
 
 
+def same_step(theirs: list[RankLoader], mine: list[RankLoader]) -> None:
+    """One step of each rank: the same ids and the same windows from both."""
+    for a, b in zip(theirs, mine, strict=True):
+        want, got = next(a), next(b)
+        assert [x.tolist() for x in got.ids] == [x.tolist() for x in want.ids]
+        for (wi, wt), (gi, gt) in zip(want.micro, got.micro, strict=True):
+            assert torch.equal(wi, gi) and torch.equal(wt, gt)
+
+
 def test_the_store_s_shards_give_the_local_windows_and_ids_step_by_step(
     store: Store, prepared: Prepared
 ) -> None:
@@ -144,11 +153,7 @@ def test_the_store_s_shards_give_the_local_windows_and_ids_step_by_step(
     mine = loaders([one, remote(1)], cache=True)
     theirs = loaders([local, local], cache=False)
     for _ in range(10):
-        for a, b in zip(theirs, mine, strict=True):
-            want, got = next(a), next(b)
-            assert [x.tolist() for x in got.ids] == [x.tolist() for x in want.ids]
-            for (wi, wt), (gi, gt) in zip(want.micro, got.micro, strict=True):
-                assert torch.equal(wi, gi) and torch.equal(wt, gt)
+        same_step(theirs, mine)
         assert files.resident <= CACHE and files.held_bytes <= CACHE  # bounded
     assert files.fetched > 2 * CACHE  # evicted what the steps passed, fetched what came next
     state = mine[0].state_dict()
@@ -216,11 +221,7 @@ def test_two_ranks_sharing_a_small_cache_evict_each_other_s_pieces_within_its_bo
     mine = loaders(ranks, cache=True)
     theirs = loaders([local, local], cache=False)
     for _ in range(10):
-        for want_loader, got_loader in zip(theirs, mine, strict=True):
-            want, got = next(want_loader), next(got_loader)
-            assert [x.tolist() for x in got.ids] == [x.tolist() for x in want.ids]
-            for (wi, wt), (gi, gt) in zip(want.micro, got.micro, strict=True):
-                assert torch.equal(wi, gi) and torch.equal(wt, gt)
+        same_step(theirs, mine)
         assert a.resident <= CACHE and a.held_bytes + b.held_bytes <= CACHE  # the machine's
     # The machine evicted what its ranks had passed and fetched what came next.
     assert a.fetched + b.fetched > 2 * CACHE
