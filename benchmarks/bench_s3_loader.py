@@ -1,21 +1,28 @@
-"""Loader from shards in an object store against the same shards local, per rank, with the store
-behind a rate-limited link.
+"""Loader from shards in an object store against the same shards local, the ranks of one machine,
+with the store behind a rate-limited link.
 
 An S3 server (moto's) runs in a network namespace of its own (``dts3b-srv``, 10.231.0.2), joined
 to this one by a veth pair (``dts3b-a`` here, 10.231.0.1); ``tc tbf`` limits both ends to each
-rate in turn. One rank's loader (rank 0 of ``--world``) takes ``--steps`` steps, each followed by
-``--step-ms`` of simulated compute: the training's consumption is the rank's share of a batch
-per step. Local shards and the store's are timed side by side at each rate; the ratio is the
-store's steps/s over the local's, and it holds near 1 while the link carries more than the
-consumption, then falls with the link (the printed consumption says where).
+rate in turn. ``--world`` ranks, each a process of this machine, take ``--steps`` steps of their
+loader, each followed by ``--step-ms`` of simulated compute: the machine's consumption is a
+global batch per step. Local shards and the store's are timed side by side at each rate (the
+store's ranks share the machine's cache of pieces, ``--cache-mb``); the ratio is the store's
+steps/s over the local's, of the slowest rank, from its first step (which waits for the first
+window's pieces, as a run's does) and, apart, after it (steady). It holds near 1 while the link
+carries more than the consumption, then falls with the link (the printed consumption says
+where).
 
-The shuffle is ``locality`` (a window of shards at a time): a rank's pieces of 1 MiB are then
-each read once per epoch; under a full shuffle over data far larger than the cache, each sample
-reads a piece of its own (docs/data.md).
+Per rate it prints the bytes each rank fetched and the machine's (every piece once, when the
+ranks share the cache), the requests, the SHA-256 time, each rank's CPU beside the local run's
+and the S3 server's CPU (it shares the machine's cores).
+
+The shuffle is ``locality`` (a window of shards at a time): the machine's pieces of 1 MiB are
+then each read once per epoch; under a full shuffle over data far larger than the cache, each
+sample reads a piece of its own (docs/data.md).
 
 Needs root (namespaces, veth, tc); every exit path removes the namespace and the veth.
 
-    sudo python benchmarks/bench_s3_loader.py                     # rates 1000, 100, 20 mbit
+    sudo python benchmarks/bench_s3_loader.py                  # rates 1000, 300, 200, 100 mbit
     sudo python benchmarks/bench_s3_loader.py --rates 100 --steps 20 --samples 4096 --no-doc
 """
 
@@ -23,15 +30,19 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import multiprocessing as mp
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import command_line, machine_line, update_section
@@ -121,46 +132,103 @@ def build(root: Path, samples: int, sample_bytes: int) -> Path:
     return root / "local"
 
 
-def run_loader(dataset: ShardedDataset, args: argparse.Namespace) -> float:
-    """Steps per second of rank 0 of ``args.world``, each step then ``step_ms`` of compute."""
+@dataclass
+class RankRun:
+    """One rank's run: its times (seconds) and what it cost."""
+
+    elapsed: float
+    first: float  # its first step's wait
+    fetched: int = 0
+    requests: int = 0
+    hash_s: float = 0.0
+    cpu_s: float = 0.0
+
+
+def run_rank(
+    rank: int, url: str, args: argparse.Namespace, start: Any, out: Any, cache_dir: str
+) -> None:
+    """A rank's loader (a process of its own, as in a job): its steps, each then ``step_ms``
+    of compute, from the moment every rank is ready."""
     from torch.utils.data import default_collate
 
+    torch.set_num_threads(1)
+    dataset = ShardedDataset(url, cache_dir, args.cache_mb * 2**20)
     order = OrderSpec(len(dataset), 0, "locality", dataset.shard_sizes)
     ahead = None
     if dataset.store is not None:
-        dataset.store.limit = args.cache_mb * 2**20
-        ahead = ReadAhead(dataset.store, dataset.pieces, 0)
+        dataset.store.sharers = args.world  # the ranks of this machine share its cache
+        ahead = ReadAhead(dataset.store, dataset.pieces, rank)
+        dataset.pieces([0])  # the offsets files, read whole when a run opens the dataset
     loader = RankLoader(
         dataset,
         order=order,
         global_batch_size=args.batch * args.world,
         micro_batches=1,
-        rank=0,
+        rank=rank,
         world_size=args.world,
         collate_fn=default_collate,
         prefetch=2,
         ahead=ahead,
     )
-    # From the first step on: the first waits for the first window's pieces, as a run does.
-    start = time.perf_counter()
-    for _ in range(args.steps):
+    start.wait()
+    cpu = time.process_time()
+    began = time.perf_counter()
+    next(loader)  # the first waits for the first window's pieces, as a run's does
+    first = time.perf_counter() - began
+    time.sleep(args.step_ms / 1000)
+    for _ in range(args.steps - 1):
         next(loader)
         time.sleep(args.step_ms / 1000)
-    elapsed = time.perf_counter() - start
+    run = RankRun(time.perf_counter() - began, first, cpu_s=time.process_time() - cpu)
     loader.close()
-    return args.steps / elapsed
+    if dataset.store is not None:
+        store = dataset.store
+        run.fetched, run.requests, run.hash_s = store.fetched, store.requests, store.hash_seconds
+    out.put((rank, run))
+
+
+def run_machine(url: str, args: argparse.Namespace, cache_dir: str) -> list[RankRun]:
+    """Every rank of the machine at once, each a process; their runs in rank order."""
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Barrier(args.world), ctx.Queue()
+    procs = [
+        ctx.Process(target=run_rank, args=(r, url, args, start, out, cache_dir))
+        for r in range(args.world)
+    ]
+    for proc in procs:
+        proc.start()
+    runs = dict(out.get(timeout=600) for _ in procs)
+    for proc in procs:
+        proc.join()
+        if proc.exitcode != 0:
+            sys.exit(f"bench_s3_loader: a rank exited with {proc.exitcode}")
+    return [runs[r] for r in range(args.world)]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rate_of(runs: list[RankRun], steps: int) -> tuple[float, float]:
+    """Steps/s of the slowest rank: from its first step, and after it (steady)."""
+    return (
+        min(steps / r.elapsed for r in runs),
+        min((steps - 1) / (r.elapsed - r.first) for r in runs),
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rates", default="1000,100,20", help="link rates, mbit/s")
+    parser.add_argument("--rates", default="1000,300,200,100", help="link rates, mbit/s")
     parser.add_argument("--samples", type=int, default=65536)
     parser.add_argument("--sample-bytes", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=64, help="samples per rank per step")
-    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--world", type=int, default=2, help="ranks, all on this machine")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--step-ms", type=float, default=20.0, help="simulated compute a step")
-    parser.add_argument("--cache-mb", type=int, default=64)
+    parser.add_argument("--cache-mb", type=int, default=128, help="the machine's cache")
     parser.add_argument("--no-doc", action="store_true", help="print only")
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -180,32 +248,54 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="dtrain-bench-s3-") as scratch:
             local = build(Path(scratch), args.samples, args.sample_bytes)
             upload_dataset(local, ObjectPath(f"s3://{BUCKET}/data"))
-            consumption = args.batch * (args.sample_bytes + 8) * 8 / (args.step_ms / 1000) / 1e6
-            # A piece holds the rows of every rank: under the locality shuffle each rank reads
-            # the whole window, world times its own share.
+            share = args.batch * (args.sample_bytes + 8) * 8 / (args.step_ms / 1000) / 1e6
             lines = [
-                f"rank 0 of {args.world}: {args.batch} samples of {args.sample_bytes} B a step, "
-                f"{args.step_ms:g} ms of compute a step: its share is {consumption:.0f} Mbit/s "
-                f"at full speed, the pieces it reads {consumption * args.world:.0f} Mbit/s; "
-                f"{args.steps} steps, {consumption * args.steps * args.step_ms / 8e3:.0f} MB "
-                "of its own",
+                f"{args.world} ranks on one machine, each {args.batch} samples of "
+                f"{args.sample_bytes} B a step and {args.step_ms:g} ms of compute a step: the "
+                f"machine consumes {share * args.world:.0f} Mbit/s at full speed (a rank "
+                f"{share:.0f}); {args.steps} steps, "
+                f"{share * args.world * args.steps * args.step_ms / 8e3:.0f} MB of samples; "
+                f"the machine's cache {args.cache_mb} MiB",
                 f"{'link':>10} {'local steps/s':>14} {'S3 steps/s':>11} {'ratio':>6} "
-                f"{'fetched MiB':>11}",
+                f"{'steady':>7} {'1st step ms':>12}",
+            ]
+            costs = [
+                f"{'link':>10} {'fetched MiB per rank':>21} {'machine':>8} {'requests':>9} "
+                f"{'sha256 s':>9} {'rank CPU s (local)':>19} {'server CPU s':>13}"
             ]
             print(lines[0])
             print(lines[1])
             for rate in (int(r) for r in args.rates.split(",")):
                 shape(rate)
-                local_rate = run_loader(ShardedDataset(local), args)
-                remote = ShardedDataset(f"s3://{BUCKET}/data", cache_bytes=args.cache_mb * 2**20)
-                store_rate = run_loader(remote, args)
-                assert remote.store is not None
+                base = run_machine(str(local), args, "")
+                cache_dir = str(Path(scratch) / f"cache-{rate}")
+                server_cpu = cpu_seconds(server.pid)
+                runs = run_machine(f"s3://{BUCKET}/data", args, cache_dir)
+                server_cpu = cpu_seconds(server.pid) - server_cpu
+                (local_rate, local_steady), (rate_s3, steady_s3) = (
+                    rate_of(base, args.steps),
+                    rate_of(runs, args.steps),
+                )
+                first = max(r.first for r in runs) * 1e3
+                first_local = max(r.first for r in base) * 1e3
                 line = (
-                    f"{rate:>6} Mbit {local_rate:>14.1f} {store_rate:>11.1f} "
-                    f"{store_rate / local_rate:>6.2f} {remote.store.fetched / 2**20:>11.0f}"
+                    f"{rate:>6} Mbit {local_rate:>14.1f} {rate_s3:>11.1f} "
+                    f"{rate_s3 / local_rate:>6.2f} {steady_s3 / local_steady:>7.2f} "
+                    f"{first:>6.0f} ({first_local:.0f})"
                 )
                 print(line, flush=True)
                 lines.append(line)
+                per_rank = "/".join(f"{r.fetched / 2**20:.0f}" for r in runs)
+                cpu = "/".join(f"{r.cpu_s:.2f}" for r in runs)
+                cpu_local = "/".join(f"{r.cpu_s:.2f}" for r in base)
+                costs.append(
+                    f"{rate:>6} Mbit {per_rank:>21} "
+                    f"{sum(r.fetched for r in runs) / 2**20:>8.0f} "
+                    f"{sum(r.requests for r in runs):>9} {sum(r.hash_s for r in runs):>9.2f} "
+                    f"{cpu + ' (' + cpu_local + ')':>19} {server_cpu:>13.2f}"
+                )
+            print("\n".join(costs))
+            lines += ["", *costs]
     finally:
         server.terminate()
         server.wait()

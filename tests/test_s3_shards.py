@@ -3,7 +3,9 @@ S3 server started here (``make test-s3``: OpenStack Swift's S3 API). The same te
 local folder and to the store (pieces of 4 KiB, the cache 4 pieces, so that the read-ahead
 evicts and fetches again) gives the same windows, the same ids step by step for each of 2 ranks,
 and resumed at 3; a missing or damaged object is named; a cache below one piece and a store
-prefix without a dataset are refused before any worker starts. The processes' test: 2 ranks on
+prefix without a dataset are refused before any worker starts. Two ranks of one machine share
+its cache: each piece is fetched once between them (requests counted), and a rank killed -9
+while it fetches a piece leaves it to the other. The processes' test: 2 ranks on
 the store's shards stopped by SIGTERM at step 4, resumed on 3: the audit shows each sample once.
 The journey (``slow``; ``make test-s3``): prepare with the command, then train from the store's
 shards with the run folder in the store, SIGTERM, and resume at another world size."""
@@ -13,6 +15,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +31,7 @@ from dtrain.checkpoint.layout import step_dir_name
 from dtrain.cli import main
 from dtrain.config.sections import STORE_PIECE_BYTES
 from dtrain.data.loader import RankLoader
+from dtrain.data.node_cache import WRITING
 from dtrain.data.partition import OrderSpec
 from dtrain.data.prepare import prepare
 from dtrain.data.read_ahead import ReadAhead
@@ -115,13 +121,24 @@ def loaders(datasets: list[TokenWindows], cache: bool) -> list[RankLoader]:
     return out
 
 
+def same_step(theirs: list[RankLoader], mine: list[RankLoader]) -> None:
+    """One step of each rank: the same ids and the same windows from both."""
+    for a, b in zip(theirs, mine, strict=True):
+        want, got = next(a), next(b)
+        assert [x.tolist() for x in got.ids] == [x.tolist() for x in want.ids]
+        for (wi, wt), (gi, gt) in zip(want.micro, got.micro, strict=True):
+            assert torch.equal(wi, gi) and torch.equal(wt, gt)
+
+
 def test_the_store_s_shards_give_the_local_windows_and_ids_step_by_step(
     store: Store, prepared: Prepared
 ) -> None:
     local = TokenWindows(ShardedDataset(prepared.local / "train"), SEQ)
 
-    def remote() -> TokenWindows:
-        return TokenWindows(ShardedDataset(f"{prepared.url}/train", cache_bytes=CACHE), SEQ)
+    def remote(machine: int = 0) -> TokenWindows:
+        # Each rank on a machine of its own (a cache folder of its own): it alone fills it.
+        cache_dir = str(prepared.tmp / f"machine-{machine}")
+        return TokenWindows(ShardedDataset(f"{prepared.url}/train", cache_dir, CACHE), SEQ)
 
     one = remote()
     files = one.store
@@ -133,14 +150,10 @@ def test_the_store_s_shards_give_the_local_windows_and_ids_step_by_step(
     for i in (0, 1, len(local) // 2, len(local) - 1):  # read without the read-ahead
         assert np.array_equal(one[i], local[i])
     # Two ranks side by side, 10 steps; then the position resumed on 3 ranks, 4 steps more.
-    mine = loaders([one, remote()], cache=True)
+    mine = loaders([one, remote(1)], cache=True)
     theirs = loaders([local, local], cache=False)
     for _ in range(10):
-        for a, b in zip(theirs, mine, strict=True):
-            want, got = next(a), next(b)
-            assert [x.tolist() for x in got.ids] == [x.tolist() for x in want.ids]
-            for (wi, wt), (gi, gt) in zip(want.micro, got.micro, strict=True):
-                assert torch.equal(wi, gi) and torch.equal(wt, gt)
+        same_step(theirs, mine)
         assert files.resident <= CACHE and files.held_bytes <= CACHE  # bounded
     assert files.fetched > 2 * CACHE  # evicted what the steps passed, fetched what came next
     state = mine[0].state_dict()
@@ -148,7 +161,7 @@ def test_the_store_s_shards_give_the_local_windows_and_ids_step_by_step(
     for loader in mine:
         loader.close()
     assert files.held_bytes == 0  # the read-ahead gave back what it held
-    mine = loaders([remote() for _ in range(3)], cache=True)
+    mine = loaders([remote(m) for m in range(3)], cache=True)
     theirs = loaders([local] * 3, cache=False)
     for a, b in zip(theirs, mine, strict=True):
         a.load_state_dict(state)
@@ -160,6 +173,131 @@ def test_the_store_s_shards_give_the_local_windows_and_ids_step_by_step(
             assert all(torch.equal(w[0], g[0]) for w, g in zip(want.micro, got.micro, strict=True))
     for loader in mine:
         loader.close()
+
+
+def test_two_ranks_of_a_machine_fetch_each_piece_once_between_them(
+    store: Store, prepared: Prepared
+) -> None:
+    machine = str(prepared.tmp / "machine-shared")  # one cache folder: the ranks of a machine
+    local = TokenWindows(ShardedDataset(prepared.local / "train"), SEQ)
+    ranks = [
+        TokenWindows(ShardedDataset(f"{prepared.url}/train", machine, 2**20), SEQ) for _ in range(2)
+    ]
+    a, b = (rank.store for rank in ranks)
+    assert a is not None and b is not None and a.folder == b.folder
+    a.sharers = b.sharers = 2
+    mine = loaders(ranks, cache=True)
+    theirs = loaders([local, local], cache=False)
+    for _ in range(6):
+        for want, got in zip(theirs, mine, strict=True):
+            assert [x.tolist() for x in next(got).ids] == [x.tolist() for x in next(want).ids]
+    for loader in mine:
+        loader.close()
+    present = np.flatnonzero(a.present(np.arange(a.base[-1])))
+    # Each rank's read-ahead walked its next steps over most of the ~60 pieces; between them
+    # they fetched each piece on the machine once, with a request a run of consecutive pieces
+    # at most (and each rank read the offsets files whole, once).
+    assert len(present) > 30 and b.present(present).all()
+    assert a.fetched + b.fetched == a.bytes_of(present) == a.resident == b.resident
+    offsets = sum(name.endswith(".idx.npy") for name in a.names)
+    assert len(a.runs(present)) <= a.requests + b.requests - 2 * offsets <= len(present)
+    a.close()
+    assert os.path.isdir(b.folder)  # b still uses it
+    b.close()
+    assert not os.path.exists(b.folder)  # the last to leave removed it
+
+
+def test_two_ranks_sharing_a_small_cache_evict_each_other_s_pieces_within_its_bound(
+    store: Store, prepared: Prepared
+) -> None:
+    machine = str(prepared.tmp / "machine-small")
+    local = TokenWindows(ShardedDataset(prepared.local / "train"), SEQ)
+    ranks = [
+        TokenWindows(ShardedDataset(f"{prepared.url}/train", machine, CACHE), SEQ) for _ in range(2)
+    ]
+    a, b = (rank.store for rank in ranks)
+    assert a is not None and b is not None
+    a.sharers = b.sharers = 2  # each holds at most half the machine's 12 pieces ahead
+    mine = loaders(ranks, cache=True)
+    theirs = loaders([local, local], cache=False)
+    for _ in range(10):
+        same_step(theirs, mine)
+        assert a.resident <= CACHE and a.held_bytes + b.held_bytes <= CACHE  # the machine's
+    # The machine evicted what its ranks had passed and fetched what came next.
+    assert a.fetched + b.fetched > 2 * CACHE
+    for loader in mine:
+        loader.close()
+    assert a.held_bytes == b.held_bytes == 0
+
+
+def test_a_piece_another_rank_holds_is_never_evicted(store: Store, prepared: Prepared) -> None:
+    machine = str(prepared.tmp / "machine-two-pieces")
+    url = f"{prepared.url}/val"
+    a, b = (ShardedDataset(url, machine, 2 * PIECE).store for _ in range(2))
+    assert a is not None and b is not None
+    p0, p1, p2 = np.flatnonzero(a.piece_size == PIECE)[:3]
+    with b.hold(np.array([p0, p1])):  # the machine's cache is full of what b holds
+        assert a.resident == 2 * PIECE and a.present(np.array([p0, p1])).all()
+        with pytest.raises(DataError, match="cannot hold the pieces"), a.hold(np.array([p2])):
+            pass
+        assert b.present(np.array([p0, p1])).all()  # a evicted none of them
+    with a.hold(np.array([p2])):  # let go: one of them makes room
+        assert a.resident == 2 * PIECE and a.present(np.array([p2])).all()
+    assert a.fetched == PIECE and b.fetched == 2 * PIECE
+
+
+# A rank of the machine that fetches one piece and goes no further: its request goes to a
+# socket that never answers (argv: the dataset, the cache folder, a sample, the socket's URL).
+_STUCK_RANK = """
+import sys
+
+import s3fs
+
+from dtrain.data.shards import ShardedDataset
+
+dataset = ShardedDataset(sys.argv[1], sys.argv[2], 2**20)
+sample = int(sys.argv[3])
+dataset.pieces([sample])  # the offsets files, read whole from the store
+assert dataset.store is not None
+dataset.store.root.fs = s3fs.S3FileSystem(
+    key="k", secret="s", endpoint_url=sys.argv[4], skip_instance_cache=True
+)
+dataset[sample]
+"""
+
+
+def test_a_rank_killed_while_it_fetches_a_piece_leaves_it_to_the_others(
+    store: Store, prepared: Prepared
+) -> None:
+    machine = str(prepared.tmp / "machine-killed")
+    url = f"{prepared.url}/val"
+    dataset = ShardedDataset(url, machine, 2**20)  # this rank, first on the machine
+    files = dataset.store
+    assert files is not None
+    sample = len(dataset) - 1
+    first = int(dataset.pieces([sample])[0])
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        silent.settimeout(60)
+        env = os.environ | store.env | {"PYTHONPATH": os.pathsep.join(sys.path)}
+        port = silent.getsockname()[1]
+        args = [url, machine, str(sample), f"http://127.0.0.1:{port}"]
+        stuck = subprocess.Popen([sys.executable, "-c", _STUCK_RANK, *args], env=env)
+        try:
+            connection, _ = silent.accept()  # its request: it holds the piece's claim
+            connection.close()
+        finally:
+            stuck.kill()  # -9
+            stuck.wait()
+    # It died claiming the sample's first pieces, counted in the machine's bytes, never written.
+    pieces = dataset.pieces([sample])
+    claimed = np.flatnonzero(files.cache.state == WRITING)
+    assert first in claimed and np.isin(claimed, pieces).all() and not files.present(pieces).any()
+    assert files.resident == files.bytes_of(claimed)
+    got = dataset[sample]  # this rank claims it now, fetches and checks it
+    want = ShardedDataset(prepared.local / "val")[sample]
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+    assert files.present(pieces).all() and files.fetched == files.bytes_of(pieces)
+    assert files.resident == files.bytes_of(pieces)  # the dead rank's claim counted once
 
 
 def test_a_missing_or_damaged_object_is_named(store: Store, prepared: Prepared) -> None:
@@ -313,7 +451,7 @@ def test_the_journey_prepare_train_sigterm_resume_at_another_world_size(
     )
     code, said = finish(first)
     # The launcher forwards the signal: the ranks stop at the end of step 5 or the next.
-    stopped = re.search(r"stopped by SIGTERM at step (\d+), saved", said)
+    stopped = re.search(r"stopped by SIGTERM and saved at step (\d+)", said)
     assert code == 0 and stopped is not None and 5 <= int(stopped[1]) < 12, said[-3000:]
     code, said = finish(dtrain(store, "train", str(config), task, "--nproc", "3"))
     assert code == 0, said[-3000:]

@@ -84,13 +84,14 @@ class DataConfig:
     )
     cache_dir: str = option(
         "",
-        "shards in an object store: where each rank keeps the pieces it read (a folder of "
-        "its own in it; empty = the system's temporary folder)",
+        "shards in an object store: where the ranks of a machine keep the pieces they read "
+        "(a folder per dataset in it, shared by them; a folder of this machine; empty = the "
+        "system's temporary folder)",
     )
     cache_bytes: int = option(
         2**30,
-        "shards in an object store: a rank's cache of pieces read ahead, at most (at least "
-        f"one piece, {STORE_PIECE_BYTES // 2**20} MiB)",
+        "shards in an object store: a machine's cache of pieces read ahead, at most, shared "
+        f"by its ranks (at least one piece, {STORE_PIECE_BYTES // 2**20} MiB)",
         min=1,
     )
 

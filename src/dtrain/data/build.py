@@ -3,6 +3,7 @@ dataset: the global plan, :mod:`dtrain.data.loader`; a stream: :mod:`dtrain.data
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -167,7 +168,8 @@ def build_train_loader(
                 f"({store.root}) are read ahead by the training process; set "
                 "data.num_workers = 0"
             )
-        store.limit = cfg.data.cache_bytes
+        store.limit = cfg.data.cache_bytes  # the machine's: its ranks share the cache
+        store.sharers = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)  # torch's elastic agent's
         ahead = ReadAhead(store, dataset.pieces, rank)
     return RankLoader(
         dataset,

@@ -3,8 +3,9 @@
 The loader knows the plan of every step to come (a pure function of the position,
 :mod:`dtrain.data.partition`); :class:`ReadAhead` walks the same plans on a background thread,
 holds the pieces of this rank's share of each step (:mod:`dtrain.data.store_shards`) and fetches
-them, several requests at once, while the pieces held stay within ``data.cache_bytes`` and the
-step no more than :data:`MAX_STEPS` ahead. When the loader passes a step, its pieces are given
+them, several requests at once, while the pieces held stay within this rank's share of
+``data.cache_bytes`` (the ranks of a machine share its cache) and the step no more than
+:data:`MAX_STEPS` ahead. When the loader passes a step, its pieces are given
 back (and evicted as room is needed). The reads themselves hold what they touch, so a step the
 thread has not reached yet is still read right, fetched there and then: the read-ahead changes
 when bytes arrive, never which.
@@ -24,7 +25,7 @@ from dtrain.data.store_shards import StoreShards
 from dtrain.errors import DataError
 
 MAX_STEPS = 64  # steps held ahead at most: enough to keep a link busy, a bound on the thread
-REQUESTS = 4  # range requests in flight at once
+REQUESTS = 4  # range requests in flight at once (a run of pieces each)
 
 
 class CacheTooSmall(DataError):
@@ -85,9 +86,10 @@ class ReadAhead:
                     if not self._hold_step(plan, stop):
                         return
                     pieces = self._held[-1][1]
-                    missing = pieces[~self.store.present[pieces]]
-                    # One piece a task, REQUESTS at a time: the step's pieces in parallel.
-                    for done in pool.map(lambda p: self.store.fetch(np.array([p])), missing):
+                    missing = pieces[~self.store.present(pieces)]
+                    # A run of consecutive pieces a task, REQUESTS at a time: the step's runs
+                    # in parallel.
+                    for done in pool.map(self.store.fetch, self.store.runs(missing)):
                         del done
                         if stop.is_set():
                             return
@@ -99,9 +101,11 @@ class ReadAhead:
         ids = np.concatenate(mine) if mine else np.empty(0, dtype=np.int64)
         pieces = self.pieces_of(ids)
         need = self.store.bytes_of(pieces)
-        if need > self.store.limit:
+        if need > self.store.budget:
+            sharers = self.store.sharers
+            each = f" over {sharers} ranks of this machine" if sharers > 1 else ""
             raise CacheTooSmall(
-                f"data.cache_bytes = {self.store.limit} is less than the {need} bytes "
+                f"data.cache_bytes = {self.store.limit}{each} is less than the {need} bytes "
                 f"({len(pieces)} pieces) that rank {self.rank}'s share of the step at stream "
                 f"position {plan.start} reads from {self.store.root}; raise data.cache_bytes"
             )

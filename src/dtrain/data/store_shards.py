@@ -1,57 +1,50 @@
-"""A dataset's shards in an object store (``s3://bucket/data``), read by one process through a
-bounded local cache of pieces.
+"""A dataset's shards in an object store (``s3://bucket/data``), read through a bounded cache
+of pieces that the ranks of a machine share (:mod:`dtrain.data.node_cache`).
 
 A shard file is read in pieces: byte ranges of ``piece_bytes`` (the manifest's; `dtrain prepare`
-to a store records one SHA-256 per piece), each fetched with one range request, checked (its
-hash, or its length where the manifest has no piece hashes), and written at its offset into a
-sparse local file of the shard file's size. That file is memory-mapped as a local shard is, so
-reading rows is the local path's; only the bytes of the pieces fetched are on the disk.
+to a store records one SHA-256 per piece), fetched by one rank of the machine, up to
+``RUN_PIECES`` consecutive ones with one range request, each checked (its hash, or its length
+where the manifest has no piece hashes), and
+written at its offset into the machine's sparse local file of the shard file's size. That file
+is memory-mapped as a local shard is, so reading rows is the local path's; only the bytes of
+the pieces fetched are on the disk.
 
 Invariants: a piece is read only while it is held (:meth:`StoreShards.hold`, which fetches what
-is absent, or waits for the thread already fetching it), and a held piece is never evicted.
-Evicting punches the piece's bytes out of the local file (``fallocate``), least recently used
-first among the pieces no one holds, so the cache's disk use stays under ``limit`` as long as
-the pieces held at once fit in it (the read-ahead, :mod:`dtrain.data.read_ahead`, holds no more).
-The offsets files of variable-length fields (8 bytes a sample) are read whole, into memory.
+is absent, or waits for the thread or the rank already fetching it), and a piece any rank of
+the machine holds is never evicted. Evicting punches the piece's bytes out of the local file
+(``fallocate``), this rank's least recently used first among the pieces no rank holds, so the
+machine's disk use stays under ``limit`` as long as the pieces held at once fit in it (each
+rank's read-ahead, :mod:`dtrain.data.read_ahead`, holds at most its share, :attr:`budget`).
+The offsets files of variable-length fields (8 bytes a sample) are read whole, into memory, by
+each rank.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import errno
 import hashlib
 import io
 import os
-import shutil
-import tempfile
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from dtrain.config.sections import STORE_PIECE_BYTES
+from dtrain.data.node_cache import ABSENT, PRESENT, WRITING, NodeCache, folder_name, punch_hole
 from dtrain.errors import DataError
 from dtrain.storage.objects import ObjectPath, StoreError
 
-_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+# Consecutive pieces of a file fetched with one range request, at most: fewer requests (each
+# costs the client and the store CPU of its own), still several in flight for a step.
+RUN_PIECES = 4
 
 
-def punch_hole(fd: int, offset: int, length: int) -> None:
-    """Free ``length`` bytes at ``offset`` of a file, which then reads as zeros."""
-    if _libc.fallocate(fd, _PUNCH_HOLE, offset, length) != 0:
-        code = ctypes.get_errno()
-        raise OSError(code, os.strerror(code))
-
-
-def piece_hashes(path: Path, piece_bytes: int) -> list[str]:
+def piece_hashes(path: str | os.PathLike[str], piece_bytes: int) -> list[str]:
     """The SHA-256 of each ``piece_bytes`` of a file, in order (what a reader checks each
     piece it fetches against)."""
     out = []
@@ -97,19 +90,43 @@ class StoreShards:
                     f"hashes for {count} pieces of {self.piece_bytes} bytes; prepare the "
                     "dataset again"
                 )
-        self.present = np.zeros(n, dtype=bool)
-        self.holds = np.zeros(n, dtype=np.int64)
-        self.held_bytes = 0  # bytes of the pieces some reader holds
-        self.resident = 0  # bytes of the pieces present on the disk
-        self.fetched = 0  # bytes fetched so far, every piece each time it was fetched
-        self._recent: OrderedDict[int, None] = OrderedDict()  # present pieces, LRU first
+        self.holds = np.zeros(n, dtype=np.int64)  # this rank's readers of each piece
+        self.held_bytes = 0  # bytes of the pieces this rank's readers hold
+        self.fetched = 0  # bytes this rank fetched, every piece each time it fetched it
+        self.requests = 0  # range requests this rank sent
+        self.hash_seconds = 0.0  # time this rank spent on the SHA-256 of what it fetched
+        # Ranks of this machine reading through the cache: each holds at most its share of
+        # `limit` ahead (dtrain.data.read_ahead), so that together they fit in it.
+        self.sharers = 1
+        self._recent: OrderedDict[int, None] = OrderedDict()  # pieces this rank used, LRU first
         self._fetching: set[int] = set()
         self._lock = threading.Condition()
         self._check_objects()
-        folder = self._make_folder(cache_dir)
-        self.folder = folder
+        fingerprint = str(manifest.get("fingerprint", ""))
+        self.cache = NodeCache(
+            cache_dir, folder_name(str(root), fingerprint, self.piece_bytes), self.piece_size
+        )
+        self.folder = str(self.cache.folder)
         self._fds: dict[int, int] = {}
-        self._finalizer = weakref.finalize(self, _remove, folder, self._fds)
+        self._finalizer = weakref.finalize(self, _close, self.cache, self._fds)
+
+    def close(self) -> None:
+        """Leave the machine's cache (the last rank to leave removes it); also at exit."""
+        self._finalizer()
+
+    @property
+    def budget(self) -> int:
+        """Bytes this rank may hold ahead: its share of the machine's ``limit``."""
+        return max(self.piece_bytes, self.limit // self.sharers)
+
+    @property
+    def resident(self) -> int:
+        """Bytes of the pieces on this machine's disk (being written included)."""
+        return self.cache.resident()
+
+    def present(self, pieces: np.ndarray) -> np.ndarray:
+        """Which of ``pieces`` are on this machine's disk, checked (a rank of it fetched them)."""
+        return np.asarray(self.cache.state[pieces] == PRESENT)
 
     # -- opening ---------------------------------------------------------------------------
 
@@ -132,35 +149,6 @@ class StoreShards:
                     "again"
                 )
 
-    def _make_folder(self, cache_dir: str) -> str:
-        if cache_dir:
-            try:
-                Path(cache_dir).mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise DataError(
-                    f"data.cache_dir {cache_dir}: cannot make it ({exc.strerror or exc})"
-                ) from None
-        folder = tempfile.mkdtemp(prefix="dtrain-shards-", dir=cache_dir or None)
-        probe = os.path.join(folder, ".probe")
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            os.pwrite(fd, b"\1" * 8192, 0)
-            punch_hole(fd, 0, 4096)
-        except OSError as exc:
-            shutil.rmtree(folder, ignore_errors=True)
-            if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
-                raise DataError(
-                    f"data.cache_dir {cache_dir or tempfile.gettempdir()}: its file system "
-                    "cannot free part of a file (fallocate's punch hole), which the cache of "
-                    "shard pieces needs to stay within data.cache_bytes; choose a folder on "
-                    "ext4, xfs, btrfs or tmpfs"
-                ) from None
-            raise
-        finally:
-            os.close(fd)
-        os.unlink(probe)
-        return folder
-
     def local_path(self, file: int) -> str:
         """The sparse local file of ``file``, made the first time it is asked for."""
         with self._lock:
@@ -175,6 +163,8 @@ class StoreShards:
         """A (small) file's bytes, every piece checked; not cached."""
         file = self.index[name]
         data = self._request(file, 0, int(self.sizes[file]))
+        with self._lock:
+            self.requests += 1
         for k in range(int(self.base[file + 1] - self.base[file])):
             start = k * self.piece_bytes
             self._check(file, k, data[start : start + self.piece_bytes])
@@ -209,24 +199,34 @@ class StoreShards:
             return self.bytes_of(pieces[self.holds[pieces] == 0])
 
     def take(self, pieces: np.ndarray) -> None:
-        """Hold ``pieces`` (no fetch): none is evicted until :meth:`give_back`."""
+        """Hold ``pieces`` (no fetch): no rank of the machine evicts them until
+        :meth:`give_back`."""
         with self._lock:
             fresh = pieces[self.holds[pieces] == 0]
+            self.cache.hold(fresh)
             self.held_bytes += self.bytes_of(fresh)
             self.holds[pieces] += 1
-            for p in pieces[self.present[pieces]].tolist():
+            for p in pieces.tolist():
+                self._recent[p] = None
                 self._recent.move_to_end(p)
+            # Only an order of eviction (others' pieces are evicted too): kept to about what
+            # the cache holds, since other ranks may evict what this one used.
+            while len(self._recent) > 2 * (self.limit // self.piece_bytes + 1):
+                self._recent.popitem(last=False)
 
     def give_back(self, pieces: np.ndarray) -> None:
         with self._lock:
             self.holds[pieces] -= 1
-            self.held_bytes -= self.bytes_of(pieces[self.holds[pieces] == 0])
+            gone = pieces[self.holds[pieces] == 0]
+            self.held_bytes -= self.bytes_of(gone)
+            self.cache.release(gone)
             self._lock.notify_all()
 
     def wait_room(self, nbytes: int, stopped: threading.Event) -> bool:
-        """Wait until ``nbytes`` more can be held within the limit; False when ``stopped``."""
+        """Wait until ``nbytes`` more can be held within this rank's budget; False when
+        ``stopped``."""
         with self._lock:
-            while self.held_bytes + nbytes > self.limit and not stopped.is_set():
+            while self.held_bytes + nbytes > self.budget and not stopped.is_set():
                 self._lock.wait(0.5)
             return not stopped.is_set()
 
@@ -241,13 +241,16 @@ class StoreShards:
             self.give_back(pieces)
 
     def fetch(self, pieces: np.ndarray) -> None:
-        """Make held ``pieces`` present: fetch those no thread fetches, wait for the others.
-        A piece another thread failed to fetch is absent and no longer being fetched: this
-        thread then fetches it itself, and meets the failure itself (never a wait forever)."""
+        """Make held ``pieces`` present: fetch those no thread of this rank fetches, wait for
+        the others. A piece another thread failed to fetch is absent and no longer being
+        fetched: this thread then fetches it itself, and meets the failure itself (never a
+        wait forever)."""
         while True:
             with self._lock:
-                missing = pieces[~self.present[pieces]].tolist()
+                missing = pieces[self.cache.state[pieces] != PRESENT].tolist()
                 if not missing:
+                    # The lock's acquire orders this rank's reads of the bytes after the
+                    # state it saw (the writer set the state after its write returned).
                     return
                 mine = [p for p in missing if p not in self._fetching]
                 if not mine:
@@ -255,57 +258,120 @@ class StoreShards:
                     continue
                 self._fetching.update(mine)
             try:
-                for p in mine:
-                    self._fetch_one(p)
+                for run in self.runs(np.asarray(mine, dtype=np.int64)):
+                    self._fetch_run(run.tolist())
             finally:
                 with self._lock:
                     self._fetching.difference_update(mine)
                     self._lock.notify_all()
 
-    def _fetch_one(self, piece: int) -> None:
-        file = int(np.searchsorted(self.base, piece, side="right")) - 1
-        k = piece - int(self.base[file])
-        start = k * self.piece_bytes
-        size = int(self.piece_size[piece])
-        data = self._request(file, start, start + size)
-        self._check(file, k, data)
+    def runs(self, pieces: np.ndarray) -> list[np.ndarray]:
+        """Sorted ``pieces`` cut into runs of consecutive pieces of one file, each at most
+        :data:`RUN_PIECES` long: one range request a run."""
+        if len(pieces) == 0:
+            return []
+        file = np.searchsorted(self.base, pieces, side="right")
+        cut = np.flatnonzero((np.diff(pieces) != 1) | (np.diff(file) != 0)) + 1
+        out = []
+        for run in np.split(pieces, cut):
+            out.extend(np.split(run, range(RUN_PIECES, len(run), RUN_PIECES)))
+        return out
+
+    def _fetch_run(self, run: list[int]) -> None:
+        """Fetch held pieces of one file, consecutive, with one range request; those another
+        rank of the machine fetches are left for it: this waits for the first piece's claim
+        only, never while it holds another (so no two ranks wait on each other)."""
+        file = int(np.searchsorted(self.base, run[0], side="right")) - 1
         self.local_path(file)
-        with self._lock:
-            self._make_room(size)
-            self.resident += size  # reserved before the write: two fetches never overrun
+        self.cache.claim(run[0])  # waits while another rank fetches it
+        claimed = [run[0]]
         try:
+            for p in run[1:]:
+                if not self.cache.try_claim(p):
+                    break
+                claimed.append(p)
+            todo: list[int] = []  # the claimed pieces still absent, from the first on
+            for p in claimed:
+                if self.cache.state[p] == PRESENT:  # another rank fetched it
+                    break
+                todo.append(p)
+            if todo:
+                self._fetch_claimed(file, todo)
+        finally:
+            for p in claimed:
+                self.cache.unclaim(p)
+
+    def _fetch_claimed(self, file: int, run: list[int]) -> None:
+        first = run[0] - int(self.base[file])
+        start = first * self.piece_bytes
+        sizes = self.piece_size[run]
+        self._reserve(run)
+        try:
+            data = self._request(file, start, start + int(sizes.sum()))
+            offset = 0
+            for k, size in enumerate(sizes.tolist()):
+                self._check(file, first + k, data[offset : offset + size])
+                offset += size
             os.pwrite(self._fds[file], data, start)
         except BaseException:
-            with self._lock:
-                self.resident -= size
+            self._drop(run)
             raise
+        self.cache.state[run] = PRESENT  # after the checked bytes are written
         with self._lock:
-            self.present[piece] = True
-            self._recent[piece] = None
-            self.fetched += size
+            self.fetched += len(data)
+            self.requests += 1
+
+    def _reserve(self, pieces: list[int]) -> None:
+        """Count claimed ``pieces`` in the machine's bytes, evicting what must go for them. A
+        piece a rank that claimed it before died with is counted already (being written)."""
+        with self._lock:
+            self.cache.lock_space()
+            try:
+                new = [p for p in pieces if self.cache.state[p] == ABSENT]
+                self._make_room(self.bytes_of(np.asarray(new, dtype=np.int64)))
+                self.cache.state[new] = WRITING
+            finally:
+                self.cache.unlock_space()
+
+    def _drop(self, pieces: list[int]) -> None:
+        """Claimed pieces whose fetch failed: no longer counted, their bytes (if any) freed."""
+        with self._lock:
+            self.cache.lock_space()
+            try:
+                for p in pieces:
+                    self.cache.state[p] = ABSENT
+                    self._punch(p)
+            finally:
+                self.cache.unlock_space()
 
     def _make_room(self, size: int) -> None:
-        """Evict unheld pieces, least recently used first, until ``size`` more fit (called
-        holding the lock)."""
-        for p in list(self._recent):
-            if self.resident + size <= self.limit:
+        """Evict pieces no rank holds, this rank's least recently used first, then any other,
+        until ``size`` more fit in the machine's ``limit`` (called under the space lock)."""
+        resident = self.cache.resident()
+        if resident + size <= self.limit:
+            return
+        others = np.flatnonzero(self.cache.state != ABSENT).tolist()
+        for p in [*self._recent, *others]:
+            # A piece this rank holds: its own shared lock would not stop its eviction.
+            if self.holds[p] > 0:
+                continue
+            if self.cache.try_evict(p, self._punch):
+                resident -= int(self.piece_size[p])
+            if self.cache.state[p] == ABSENT:
+                self._recent.pop(p, None)
+            if resident + size <= self.limit:
                 return
-            if self.holds[p] == 0:
-                self._evict(p)
-        if self.resident + size > self.limit:
-            raise DataError(
-                f"data.cache_bytes = {self.limit} cannot hold the pieces that reads of "
-                f"{self.root} need at once ({self.resident} bytes held, pieces of "
-                f"{self.piece_bytes}); raise data.cache_bytes"
-            )
+        raise DataError(
+            f"data.cache_bytes = {self.limit} cannot hold the pieces that the reads of "
+            f"{self.root} on this machine need at once ({resident} bytes held, pieces of "
+            f"{self.piece_bytes}); raise data.cache_bytes"
+        )
 
-    def _evict(self, piece: int) -> None:
+    def _punch(self, piece: int) -> None:
         file = int(np.searchsorted(self.base, piece, side="right")) - 1
         start = (piece - int(self.base[file])) * self.piece_bytes
+        self.local_path(file)
         punch_hole(self._fds[file], start, int(self.piece_size[piece]))
-        self.present[piece] = False
-        self.resident -= int(self.piece_size[piece])
-        del self._recent[piece]
 
     def _request(self, file: int, start: int, stop: int) -> bytes:
         obj = self.root / self.names[file]
@@ -328,7 +394,13 @@ class StoreShards:
 
     def _check(self, file: int, k: int, data: bytes) -> None:
         hashes = self.hashes[file]
-        if hashes is not None and hashlib.sha256(data).hexdigest() != hashes[k]:
+        if hashes is None:
+            return
+        began = time.perf_counter()
+        digest = hashlib.sha256(data).hexdigest()
+        with self._lock:
+            self.hash_seconds += time.perf_counter() - began
+        if digest != hashes[k]:
             start = k * self.piece_bytes
             raise DataError(
                 f"shard file {self.key(file)}: bytes {start}..{start + len(data)} fail their "
@@ -337,7 +409,7 @@ class StoreShards:
             )
 
 
-def _remove(folder: str, fds: dict[int, int]) -> None:
+def _close(cache: NodeCache, fds: dict[int, int]) -> None:
     for fd in fds.values():
         os.close(fd)
-    shutil.rmtree(folder, ignore_errors=True)
+    cache.close()
