@@ -44,6 +44,7 @@ from statistics import median
 from typing import Any
 
 from _report import ROOT, machine_line, update_section
+from _s3_requests import Counter, Tally
 
 sys.path.insert(0, str(ROOT / "src"))
 
@@ -232,8 +233,14 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - started
 
 
-def measure(case: Case, rounds: int, scratch: Path) -> dict[str, list[tuple[float, float]]]:
-    """``rounds`` of (dtrain s, plain s) for saving and for resuming, in alternating order."""
+Counts = dict[str, dict[str, Tally]]
+
+
+def measure(
+    case: Case, rounds: int, scratch: Path, counter: Counter
+) -> tuple[dict[str, list[tuple[float, float]]], Counts]:
+    """``rounds`` of (dtrain s, plain s) for saving and for resuming, in alternating order;
+    and the requests of one more of each, untimed (what a save and a resume ask of the store)."""
     case.dtrain_save()  # warm: connections, imports; and the files the plain upload sends
     files = case.local_copy(scratch)
     case.plain_put(files)
@@ -244,6 +251,14 @@ def measure(case: Case, rounds: int, scratch: Path) -> dict[str, list[tuple[floa
     }
     for way in ways["resume"].values():  # warm too: the first load imports and allocates
         way()
+    counts: Counts = {}
+    case.clear("checkpoints")
+    case.clear("plain")
+    for what, pair in ways.items():
+        for who, way in pair.items():
+            with counter.count() as tally:
+                way()
+            counts.setdefault(what, {})[who] = tally
     out: dict[str, list[tuple[float, float]]] = {"save": [], "resume": []}
     for r in range(rounds):
         case.clear("checkpoints")
@@ -252,7 +267,7 @@ def measure(case: Case, rounds: int, scratch: Path) -> dict[str, list[tuple[floa
         for what, way in ways.items():  # saves first: the resumes read what they wrote
             took = {who: timed(way[who]) for who in order}
             out[what].append((took["dtrain"], took["plain"]))
-    return out
+    return out, counts
 
 
 def report(results: list[tuple[str, float, dict[str, list[tuple[float, float]]]]]) -> str:
@@ -294,13 +309,17 @@ def main() -> int:
         fs = file_system("s3")
         if not fs.exists(BUCKET):
             fs.mkdir(BUCKET)
+        counter = Counter(fs)
         with tempfile.TemporaryDirectory(prefix="dtrain-bench-s3-") as scratch:
             for mb in (int(x) for x in args.sizes_mb.split(",")):
                 state = make_state(mb)
                 for form in args.forms.split(","):
                     case = Case(form, state, f"{form}-{mb}", Path(scratch))
-                    rows = measure(case, args.rounds, Path(scratch))
+                    rows, counts = measure(case, args.rounds, Path(scratch), counter)
                     results.append((form, state_mb(state), rows))
+                    for what, pair in counts.items():
+                        for who, tally in pair.items():
+                            print(f"{state_mb(state):.0f} MB {form} {what} {who}: {tally.line()}")
                     for what, pairs in rows.items():
                         for r, (d, p) in enumerate(pairs):
                             print(
