@@ -35,6 +35,7 @@ class Requests:
     in flight at once."""
 
     calls: dict[str, int] = field(default_factory=dict)
+    keys: list[tuple[str, str]] = field(default_factory=list)  # (operation, key), in order
     got_bytes: int = 0
     parts_now: int = 0
     parts_most: int = 0
@@ -47,6 +48,10 @@ class Requests:
             if op == "UploadPart":
                 self.parts_now += 1
                 self.parts_most = max(self.parts_most, self.parts_now)
+
+    def params(self, event_name: str, params: dict[str, Any], **_: Any) -> None:
+        with self.lock:
+            self.keys.append((event_name.rsplit(".", 1)[1], str(params.get("Key", ""))))
 
     def after(self, event_name: str, parsed: dict[str, Any], **_: Any) -> None:
         op = event_name.rsplit(".", 1)[1]
@@ -73,6 +78,7 @@ def counted(store: Store) -> Iterator[tuple[Any, Requests]]:  # noqa: F811
     seen = Requests()
     fs.s3.meta.events.register("before-call.s3", seen.before)
     fs.s3.meta.events.register("after-call.s3", seen.after)
+    fs.s3.meta.events.register("provide-client-params.s3", seen.params)
     yield fs, seen
 
 
@@ -98,6 +104,12 @@ def test_a_save_streams_its_parts_a_resume_reads_each_byte_once_listings_do_the_
         blocking=True,
         sharded=shards,
     )
+    # DCP's metadata is put at its name (no copy from .metadata.tmp, no delete), and nothing
+    # is looked up; the one delete is the marker's, which a first save cannot know is absent.
+    assert "CopyObject" not in seen.calls and "HeadObject" not in seen.calls
+    assert [key for op, key in seen.keys if op == "DeleteObject"] == [
+        f"io/checkpoints/{layout.step_dir_name(1)}/{layout.MARKER}"
+    ]
     step = root / layout.step_dir_name(1)
     marker = json.loads((step / layout.MARKER).read_bytes())
     sizes = {name: info["bytes"] for name, info in marker["files"].items()}
@@ -152,3 +164,42 @@ def test_a_save_streams_its_parts_a_resume_reads_each_byte_once_listings_do_the_
     removed = ckread.remove_leftovers(root)
     assert sorted(path.name for path in removed) == [".trash-step-00000002", "step-00000009"]
     assert [entry.name for entry in root.iterdir()] == ["step-00000001"]
+
+
+def test_a_save_asks_only_what_it_cannot_know_and_uncommits_a_step_it_saves_again(
+    counted: tuple[Any, Requests],
+) -> None:
+    fs, seen = counted
+    root = ObjectPath(f"s3://{BUCKET}/known/checkpoints", fs)
+    saver = Checkpointer(root, rank=0, world_size=1, keep_last=3, keep_every=0, log=print)
+
+    def save(step: int, value: float) -> None:
+        saver.save(
+            step,
+            {"model.pt": {"w": torch.full((4,), value)}},
+            {"step": step, "world_size": 1},
+            blocking=True,
+            sharded={"model": {"s": torch.full((6,), value)}},
+        )
+
+    save(1, 1.0)
+    seen.calls.clear()
+    save(2, 2.0)
+    # model.pt, meta.json, DCP's shard and metadata, the marker: a put each; retention's one
+    # listing, which told the first save's retention that no step-2 marker is there.
+    assert seen.calls == {"PutObject": 5, "ListObjectsV2": 1}
+    # Step 1 saved again (a rollback's trajectory): its marker goes before any byte of it.
+    seen.keys.clear()
+    save(1, 3.0)
+    step1 = f"known/checkpoints/{layout.step_dir_name(1)}"
+    assert seen.keys[0] == ("DeleteObject", f"{step1}/{layout.MARKER}")
+    puts = [key for op, key in seen.keys if op == "PutObject"]
+    assert puts[-1] == f"{step1}/{layout.MARKER}" and len(puts) == 5
+    step = root / layout.step_dir_name(1)
+    ckread.verify_checkpoint(step)
+    assert torch.equal(ckread.load_file(step, "model.pt")["w"], torch.full((4,), 3.0))
+    template = {"model": {"s": torch.zeros(6)}}
+    ckread.load_sharded(step, template)
+    assert torch.equal(template["model"]["s"], torch.full((6,), 3.0))
+    assert layout.committed_steps(root) == [2, 1]
+

@@ -52,6 +52,7 @@ from dtrain.checkpoint.layout import (
     job_of,
     marker_digest,
     step_dir_name,
+    step_of,
 )
 from dtrain.checkpoint.store import (
     move_into_place,
@@ -166,6 +167,9 @@ class Checkpointer:
         self._error: str | None = None
         self._staged: dict[str, Any] = {}  # the last async snapshot, reused by the next one
         self._pieces = 0  # pieces the background writer has done (only it counts them)
+        # The steps with a marker: retention's last listing, kept by this writer since (the
+        # run folder's hold keeps any other out); None until then.
+        self._markers: set[int] | None = None
         # Retention's knowledge (rank 0's): this job's id, the steps this process committed,
         # those verified whole (the resume or rollback point), and each checkpoint's job.
         self.job = job_id()
@@ -267,10 +271,11 @@ class Checkpointer:
         need = space.state_bytes(files) + space.state_bytes(sharded) + len(meta_text)
         uploads = Uploads()  # a store's file goes on uploading while the next is written
         try:
-            if self.rank == 0:
+            if self.rank == 0 and (self._markers is None or step in self._markers):
                 # A store's save writes into step-N itself: a marker there from another
                 # trajectory's save of this step goes first (until the new one is written,
                 # the folder does not count; a piece read meanwhile fails its checksum).
+                # Skipped where rank 0's last listing, kept since, says none is there.
                 (tmp / MARKER).unlink(missing_ok=True)
             tmp.mkdir(parents=True, exist_ok=True)
             failpoint("checkpoint.write", step=step)
@@ -425,6 +430,7 @@ class Checkpointer:
             remove_tree(final)
             raise
         self._ours = [s for s in self._ours if s != step] + [step]
+        self._markers = None if self._markers is None else self._markers | {step}
 
     def _prune_after(self, step: int) -> None:
         """Retention after a commit; a failure to prune is a warning, never a failed save."""
@@ -459,6 +465,7 @@ class Checkpointer:
         damaged or unchecked one among them counts for nothing, and is kept), and every step
         divisible by ``keep_every``."""
         steps = committed_steps(self.root)
+        self._markers = set(steps)  # less each one discarded below
         mine = [s for s in reversed(self._ours) if s in steps]
         ours = mine + [s for s in steps if s not in mine and self.is_ours(s)]
         order = ours + [s for s in steps if s not in ours]
@@ -486,5 +493,7 @@ class Checkpointer:
         """Delete a checkpoint folder, uncommitting it first, so that an interruption never
         leaves a half-deleted folder that looks whole."""
         (folder / MARKER).unlink(missing_ok=True)
+        if self._markers is not None:
+            self._markers -= {step_of(folder.name)}
         sync_folder(folder)
         remove_tree(set_aside(folder, self.root / f".trash-{folder.name}"))
