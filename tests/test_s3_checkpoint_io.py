@@ -21,7 +21,7 @@ import torch
 from dtrain.checkpoint import layout, upload
 from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint.copies import keep_copies
-from dtrain.checkpoint.verify import assign, verify_pieces
+from dtrain.checkpoint.verify import assign, pieces_of, verify_pieces
 from dtrain.checkpoint.write import Checkpointer
 from dtrain.storage.objects import ObjectPath
 from tests.test_s3_run_dir import BUCKET, Store, store  # noqa: F401  (the module's server)
@@ -124,8 +124,10 @@ def test_a_save_streams_its_parts_a_resume_reads_each_byte_once_listings_do_the_
         assert (step / name).stat().st_size == size, name
     marker_bytes = (step / layout.MARKER).stat().st_size
 
-    # A resume on one rank: every piece verified, every file loaded, each byte read once.
+    # A resume on one rank: every piece verified, every file loaded, each byte read once;
+    # the marker and the pieces are the only requests (each file's size comes with a range).
     seen.got_bytes = 0
+    seen.calls.clear()
     local = tmp_path / "local"
     with keep_copies(local, root):
         ckread.verify_checkpoint(step)
@@ -135,6 +137,7 @@ def test_a_save_streams_its_parts_a_resume_reads_each_byte_once_listings_do_the_
         template = {"model": {"s": torch.zeros(1000)}}
         ckread.load_sharded(step, template)
     assert seen.got_bytes == marker_bytes + sum(sizes.values())
+    assert seen.calls == {"GetObject": 1 + sum(len(f["pieces"]) for f in marker["files"].values())}
     assert torch.equal(model["big"], big) and torch.equal(optim["small"], small)
     assert torch.equal(template["model"]["s"], shards["model"]["s"])
     assert list(local.iterdir()) == []  # the copies went with the scope
@@ -203,3 +206,29 @@ def test_a_save_asks_only_what_it_cannot_know_and_uncommits_a_step_it_saves_agai
     assert torch.equal(template["model"]["s"], torch.full((6,), 3.0))
     assert layout.committed_steps(root) == [2, 1]
 
+
+def test_a_stored_file_missing_or_cut_short_is_named_from_its_ranges(
+    counted: tuple[Any, Requests], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fs, seen = counted
+    monkeypatch.setattr(layout, "PIECE_BYTES", MIB)
+    root = ObjectPath(f"s3://{BUCKET}/short/checkpoints", fs)
+    saver = Checkpointer(root, rank=0, world_size=1, keep_last=3, keep_every=0, log=print)
+    files = {"model.pt": {"w": torch.randn(MIB)}, "optimizer.pt": {"m": torch.arange(4.0)}}
+    saver.save(1, files, {"step": 1}, blocking=True)  # model.pt: 4 MiB and a bit, 5 pieces
+    step = root / layout.step_dir_name(1)
+    marker = ckread.read_marker(step)
+    size = marker["files"]["model.pt"]["bytes"]
+    model = step / "model.pt"
+    model.write_bytes(model.read_bytes()[: 2 * MIB])
+    said = f"{model} has {2 * MIB} bytes, expected {size}"
+    # From the first piece's range (its answer names the object's size) ...
+    seen.calls.clear()
+    assert verify_pieces(step, pieces_of(marker)) == said
+    assert set(seen.calls) == {"GetObject"}  # no listing, no look-up
+    # ... and from a piece past the object's end, which the store refuses (then looked up).
+    past = [p for p in pieces_of(marker) if p.name == "model.pt" and p.start >= 2 * MIB]
+    assert verify_pieces(step, past) == said
+    (step / "optimizer.pt").unlink()
+    problem = verify_pieces(step, [p for p in pieces_of(marker) if p.name == "optimizer.pt"])
+    assert problem == f"{step / 'optimizer.pt'} is missing (listed in {layout.MARKER})"
