@@ -96,10 +96,11 @@ def test_a_save_streams_its_parts_a_resume_reads_each_byte_once_listings_do_the_
     generator = torch.Generator().manual_seed(3)
     big = torch.randn(5 * MIB, generator=generator)  # 20 MiB
     small = torch.arange(10.0)
+    mid = torch.randn(3 * MIB, generator=generator)  # 12 MiB: two full parts and a rest, held
     shards = {"model": {"s": torch.randn(1000, generator=generator)}}
     saver.save(
         1,
-        {"model.pt": {"big": big}, "optimizer.pt": {"small": small}},
+        {"model.pt": {"big": big}, "optimizer.pt": {"small": small, "mid": mid}},
         {"step": 1, "world_size": 1},
         blocking=True,
         sharded=shards,
@@ -115,7 +116,7 @@ def test_a_save_streams_its_parts_a_resume_reads_each_byte_once_listings_do_the_
     sizes = {name: info["bytes"] for name, info in marker["files"].items()}
     assert sizes["model.pt"] > 20 * MIB and len(marker["files"]["model.pt"]["pieces"]) == 6
     # model.pt alone outgrows one request (15 MiB: 3 parts' worth): 4 full parts and the
-    # rest; every other file is one put_object.
+    # rest; every other file is one put_object (optimizer.pt's held parts joined).
     assert seen.calls.get("CreateMultipartUpload") == 1 and seen.calls.get("UploadPart") == 5
     assert seen.calls.get("CompleteMultipartUpload") == 1
     assert seen.parts_most <= 2  # the bound on what a save holds beside its state
@@ -139,6 +140,7 @@ def test_a_save_streams_its_parts_a_resume_reads_each_byte_once_listings_do_the_
     assert seen.got_bytes == marker_bytes + sum(sizes.values())
     assert seen.calls == {"GetObject": 1 + sum(len(f["pieces"]) for f in marker["files"].values())}
     assert torch.equal(model["big"], big) and torch.equal(optim["small"], small)
+    assert torch.equal(optim["mid"], mid)
     assert torch.equal(template["model"]["s"], shards["model"]["s"])
     assert list(local.iterdir()) == []  # the copies went with the scope
 

@@ -52,7 +52,10 @@ class PartUpload:
         # The most a file may be to go as one request: what its parts in flight would hold.
         self.one_request = (self.in_flight + 1) * self.part_bytes
         self._bucket, _, self._key = path.url.split("://", 1)[1].partition("/")
-        self._buffer = bytearray()
+        # What is written is copied once, into a buffer that goes out as it is (a request
+        # owns its buffer; what follows gets a fresh one): the whole file while it may still
+        # be one request, then each part.
+        self._part = bytearray()
         self._upload_id: str | None = None
         self._pending: deque[tuple[int, Future[Any]]] = deque()  # (part number, its request)
         self._parts: list[dict[str, Any]] = []
@@ -71,7 +74,7 @@ class PartUpload:
     def _wait(self, future: Future[Any]) -> Any:
         return self.path._call("write", future.result)
 
-    def _send(self, part: bytes) -> None:
+    def _send(self, part: bytes | bytearray) -> None:
         if self._upload_id is None:
             self._upload_id = self._wait(self._start("create_multipart_upload"))["UploadId"]
         while len(self._pending) >= self.in_flight:  # the bound on memory and connections
@@ -99,14 +102,17 @@ class PartUpload:
                 # Until the file outgrows what one request may carry, it is held (a small
                 # file is one put_object); then it goes out part by part.
                 limit = self.part_bytes if self._upload_id is not None else self.one_request
-                take = view[: max(0, limit - len(self._buffer))]
-                self._buffer += take
+                if len(self._part) >= limit:  # full, and more is coming
+                    held, self._part = self._part, bytearray()
+                    if self._upload_id is not None:  # a part
+                        self._send(held)
+                    else:  # the file held so far, cut into parts (copied once more)
+                        for at in range(0, len(held), self.part_bytes):
+                            self._send(held[at : at + self.part_bytes])
+                    continue
+                take = view[: limit - len(self._part)]
+                self._part += take
                 view = view[len(take) :]
-                if len(view) and len(self._buffer) >= limit:
-                    while len(self._buffer) >= self.part_bytes:
-                        part = bytes(self._buffer[: self.part_bytes])
-                        del self._buffer[: self.part_bytes]
-                        self._send(part)
         except BaseException:
             self.abort()
             raise
@@ -130,11 +136,11 @@ class PartUpload:
             return
         try:
             if self._upload_id is None:  # no larger than one_request: one request
-                self._last = self._start("put_object", Body=bytes(self._buffer))
-            elif self._buffer:
-                self._send(bytes(self._buffer))
+                self._last = self._start("put_object", Body=self._part)
+            elif self._part:
+                self._send(self._part)
             self._closed = True
-            self._buffer = bytearray()
+            self._part = bytearray()
         except BaseException:
             self.abort()
             raise
@@ -170,7 +176,7 @@ class PartUpload:
         if self._done:
             return
         self._closed = self._done = True
-        self._buffer = bytearray()
+        self._part = bytearray()
         futures = [future for _, future in self._pending]
         if self._last is not None:
             futures.append(self._last)
