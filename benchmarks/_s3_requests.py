@@ -21,6 +21,7 @@ KINDS = {
     "CopyObject": "COPY",
     "GetObject": "GET",
     "HeadObject": "HEAD",
+    "HeadBucket": "HEAD bucket",
     "ListObjectsV2": "LIST",
     "DeleteObject": "DELETE",
     "DeleteObjects": "DELETE",
@@ -36,8 +37,12 @@ class Tally:
     received: int = 0
     cpu_s: float = 0.0
 
+    def kinds(self) -> list[tuple[str, int]]:
+        """(kind, requests), in the order of :data:`KINDS`."""
+        return sorted(self.calls.items(), key=_order)
+
     def line(self) -> str:
-        kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.calls.items(), key=_order))
+        kinds = ", ".join(f"{n} {k}" for k, n in self.kinds())
         return (
             f"{sum(self.calls.values())} requests ({kinds}); "
             f"{self.sent / 2**20:.1f} MiB up, {self.received / 2**20:.1f} MiB down; "
