@@ -108,6 +108,18 @@ def test_a_save_streams_its_parts_a_resume_reads_each_byte_once_listings_do_the_
     # DCP's metadata is put at its name (no copy from .metadata.tmp, no delete), and nothing
     # is looked up; the one delete is the marker's, which a first save cannot know is absent.
     assert "CopyObject" not in seen.calls and "HeadObject" not in seen.calls
+    # DCP's files upload while the next is written, as the others do; the marker, the
+    # commit, is put once every upload is complete (retention's listing follows it).
+    writes = [key for op, key in seen.keys if op in ("PutObject", "CompleteMultipartUpload")]
+    assert writes[-1].endswith(f"/{layout.MARKER}") and len(writes) == len(set(writes))
+    assert {key.rpartition("/")[2] for key in writes} == {
+        "model.pt",
+        "optimizer.pt",
+        "meta.json",
+        "__0_0.distcp",
+        ".metadata",
+        layout.MARKER,
+    }
     assert [key for op, key in seen.keys if op == "DeleteObject"] == [
         f"io/checkpoints/{layout.step_dir_name(1)}/{layout.MARKER}"
     ]

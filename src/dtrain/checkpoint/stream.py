@@ -172,11 +172,15 @@ def write_file(
 
 
 def hashing_file_system(
-    records: dict[str, dict[str, Any]], on_progress: Callable[[], None], folder: Location
+    records: dict[str, dict[str, Any]],
+    on_progress: Callable[[], None],
+    folder: Location,
+    uploads: Uploads | None = None,
 ) -> Any:
     """A DCP file system (for ``FileSystemWriter.fs``) for ``folder`` (local, or a store's,
     through fsspec) whose written files are hashed as they are written: ``records`` gets each
-    file's marker entry under its final path."""
+    file's marker entry under its final path. ``uploads``: where a store's file may finish its
+    upload while DCP writes the next (as :func:`write_file`'s)."""
     base: Any
     if isinstance(folder, ObjectPath):
         from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as base
@@ -196,7 +200,7 @@ def hashing_file_system(
                 # object written in one request is whole or absent already, so it goes to its
                 # name at once (a rename there is a copy and a delete: two requests more).
                 where = folder / _final_name(Path(path).name)
-            with HashingWriter(where, on_progress) as out:
+            with HashingWriter(where, on_progress, uploads) as out:
                 yield out
                 records[str(path)] = out.finish()
 

@@ -286,9 +286,9 @@ class Checkpointer:
             if meta is not None:
                 failpoint("checkpoint.write_file", step=step, path=tmp / META)
                 outcome.files[META] = write_file(tmp / META, meta_text, on_progress, uploads)
+            if sharded is not None:  # DCP's files, the last of the above still uploading
+                outcome.files.update(self._write_sharded(tmp, sharded, on_progress, uploads))
             uploads.wait()  # every file whole in the store before this rank says it wrote
-            if sharded is not None:
-                outcome.files.update(self._write_sharded(tmp, sharded, on_progress))
         except Exception as exc:
             uploads.abort()
             mine = [*files, *([META] if meta is not None else [])]
@@ -341,7 +341,7 @@ class Checkpointer:
         return f"; the newest checkpoint is still {step_dir_name(steps[0])}"
 
     def _write_sharded(
-        self, tmp: Location, state: dict[str, Any], on_progress: Callable[[], None]
+        self, tmp: Location, state: dict[str, Any], on_progress: Callable[[], None], up: Uploads
     ) -> dict[str, dict[str, Any]]:
         """Every rank writes its shards with DCP (coordinated over the side group), each file
         hashed as it is written; returns the files this rank wrote, with their marker entries."""
@@ -357,7 +357,7 @@ class Checkpointer:
             if isinstance(folder, ObjectPath)
             else FileSystemWriter(str(folder), sync_files=True)
         )
-        writer.fs = hashing_file_system(records, on_progress, folder)
+        writer.fs = hashing_file_system(records, on_progress, folder, up)
         save(
             state,
             # One writer thread (the default): DCP writes on the thread that called it, so the
