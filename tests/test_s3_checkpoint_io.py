@@ -246,3 +246,28 @@ def test_a_stored_file_missing_or_cut_short_is_named_from_its_ranges(
     (step / "optimizer.pt").unlink()
     problem = verify_pieces(step, [p for p in pieces_of(marker) if p.name == "optimizer.pt"])
     assert problem == f"{step / 'optimizer.pt'} is missing (listed in {layout.MARKER})"
+
+
+def test_the_small_files_after_a_large_one_do_not_wait_for_its_upload(
+    counted: tuple[Any, Requests], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fs, _ = counted
+    monkeypatch.setattr(upload, "PART_BYTES", 5 * MIB)
+    monkeypatch.setattr(upload, "PARTS_IN_FLIGHT", 2)  # one request: up to 15 MiB
+    root = ObjectPath(f"s3://{BUCKET}/budget", fs)
+    uploads = upload.Uploads()  # 20 MiB in flight: one file's 15 and a part's 5
+
+    def send(name: str, size: int) -> None:
+        out = upload.PartUpload(root / name, uploads=uploads)
+        out.write(bytes(size))
+        out.close()
+
+    send("large", 12 * MIB)
+    send("small", 100)
+    assert uploads.in_flight == 2  # the small one went out beside the large one
+    send("large2", 12 * MIB)  # 24 MiB would be in flight: the first large one completes
+    assert uploads.in_flight == 2
+    uploads.wait()
+    assert uploads.in_flight == 0
+    sizes = {name: (root / name).stat().st_size for name in ("large", "small", "large2")}
+    assert sizes == {"large": 12 * MIB, "small": 100, "large2": 12 * MIB}
