@@ -54,6 +54,7 @@ from dtrain.checkpoint.layout import (
 )
 from dtrain.checkpoint.snapshot import snapshot
 from dtrain.checkpoint.store import (
+    in_background,
     move_into_place,
     remove_tree,
     set_aside,
@@ -245,10 +246,10 @@ class Checkpointer:
             why = self._why_not_written(exc, tmp, need, mine)
             outcome = _Outcome(error=why)
         outcomes = self._gather(outcome)
-        error = ""
+        error, listed = "", None
         if self.rank == 0:
             try:
-                self._commit(step, tmp, outcomes)
+                listed = self._commit(step, tmp, outcomes)
             except Exception as exc:
                 error = f"checkpoint {step_dir_name(step)} was not committed: {exc}"
                 error += self._newest_kept()
@@ -260,7 +261,7 @@ class Checkpointer:
             self._error = error
             self.last_saved_step = None
         elif self.rank == 0:
-            self._prune_after(step)
+            self._prune_after(step, listed)
         self.write_seconds.append(time.perf_counter() - started)
 
     def _why_not_written(
@@ -344,7 +345,11 @@ class Checkpointer:
             return f"checkpoint {step_dir_name(step)} was not committed: {why}"
         return str(word)
 
-    def _commit(self, step: int, tmp: Location, outcomes: list[_Outcome]) -> None:
+    def _commit(
+        self, step: int, tmp: Location, outcomes: list[_Outcome]
+    ) -> Callable[[], list[int]] | None:
+        """Commit the save (its marker); in a store, how retention gets its listing, asked for
+        beside the marker's request (it adds this step, which it may not show yet)."""
         failures = [o.error for o in outcomes if o.error]
         if failures:
             with suppress(OSError):  # a store that stopped answering: removed at the next start
@@ -364,6 +369,7 @@ class Checkpointer:
             self._discard(final)
         self._jobs.pop(step, None)
         move_into_place(tmp, final)  # a store's save wrote into final: no rename
+        listed = in_background(committed_steps, self.root) if final == tmp else None
         try:
             failpoint("checkpoint.before_marker", step=step)
             marker = {
@@ -381,12 +387,15 @@ class Checkpointer:
             raise
         self._ours = [s for s in self._ours if s != step] + [step]
         self._markers = None if self._markers is None else self._markers | {step}
+        if listed is None:
+            return None
+        return lambda: sorted({*listed.result(), step}, reverse=True)
 
-    def _prune_after(self, step: int) -> None:
+    def _prune_after(self, step: int, listed: Callable[[], list[int]] | None) -> None:
         """Retention after a commit; a failure to prune is a warning, never a failed save."""
         try:
             failpoint("checkpoint.after_marker", step=step)
-            self.prune()
+            self.prune(listed)
         except Exception as exc:
             self.log(f"warning: pruning old checkpoints after {step_dir_name(step)}: {exc}")
 
@@ -408,13 +417,13 @@ class Checkpointer:
             self._jobs[step] = job_of(self.root / step_dir_name(step))
         return self._jobs[step] == self.job
 
-    def prune(self) -> list[int]:
+    def prune(self, listed: Callable[[], list[int]] | None = None) -> list[int]:
         """Delete old checkpoints: keep the ``keep_last`` newest that are known to be valid --
         newest in the order this process committed them, then the rest of this job's by step,
         then the others by step -- and every one before the last of them in that order (a
         damaged or unchecked one among them counts for nothing, and is kept), and every step
-        divisible by ``keep_every``."""
-        steps = committed_steps(self.root)
+        divisible by ``keep_every``. ``listed``: the committed steps (default: listed now)."""
+        steps = listed() if listed is not None else committed_steps(self.root)
         self._markers = set(steps)  # less each one discarded below
         mine = [s for s in reversed(self._ours) if s in steps]
         ours = mine + [s for s in steps if s not in mine and self.is_ours(s)]
