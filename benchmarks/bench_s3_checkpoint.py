@@ -357,6 +357,8 @@ def main() -> int:
     table = report(results)
     store = "OpenStack Swift's S3 API (scripts/s3.sh)" if args.swift else "moto's S3 server"
     print(table)
+    # A busy machine scatters the rounds: the load says how far to trust the times.
+    print(machine_line())
     if args.write_docs:
         body = "\n".join(
             [
