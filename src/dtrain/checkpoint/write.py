@@ -292,7 +292,11 @@ class Checkpointer:
         return f"; the newest checkpoint is still {step_dir_name(steps[0])}"
 
     def _write_sharded(
-        self, tmp: Location, state: dict[str, Any], on_progress: Callable[[], None], up: Uploads
+        self,
+        tmp: Location,
+        state: dict[str, Any],
+        on_progress: Callable[[], None],
+        uploads: Uploads,
     ) -> dict[str, dict[str, Any]]:
         """Every rank writes its shards with DCP (coordinated over the side group), each file
         hashed as it is written; returns the files this rank wrote, with their marker entries."""
@@ -308,7 +312,7 @@ class Checkpointer:
             if isinstance(folder, ObjectPath)
             else FileSystemWriter(str(folder), sync_files=True)
         )
-        writer.fs = hashing_file_system(records, on_progress, folder, up)
+        writer.fs = hashing_file_system(records, on_progress, folder, uploads)
         save(
             state,
             # One writer thread (the default): DCP writes on the thread that called it, so the
