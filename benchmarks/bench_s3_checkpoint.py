@@ -14,14 +14,20 @@
 The state is a model's state dict and an optimizer's moments (fp32), written two ways as the
 strategies do: whole files (``model.pt`` + ``optimizer.pt``: ddp) and DCP's sharded state
 (``dcp/``: fsdp), at two sizes (a few MB, about 100 MB). Rounds interleave dtrain and the plain
-transfer, in alternating order; every round is printed, and the median of the per-round ratios.
+transfer, in alternating order; every round is printed, and the median of the per-round ratios
+with its quartiles (on a busy machine single rounds scatter from 0.9x to 2.5x: the default of
+15 rounds lets the median settle). Beside the times, exact where they are noise: what one more
+save and resume of each asked of the store, untimed -- requests by kind, bytes each way (a
+GET's as the store answered it: ``fs.get`` opens a large file whole and then reads it in
+ranges, so its first answer counts more than it reads) and this process's CPU time
+(:mod:`_s3_requests`).
 
 The store is moto's S3 server (``moto[server]``), started by this script as its own process
 on loopback; ``--swift`` takes the endpoint and test account ``scripts/s3.sh env`` prints (a
 Swift started with ``scripts/s3.sh up``). Both stores keep objects on this machine: the figures
 say what dtrain adds to the transfer, not what a remote store's link costs.
 
-    python benchmarks/bench_s3_checkpoint.py                       # both sizes, 5 rounds
+    python benchmarks/bench_s3_checkpoint.py                       # both sizes, 15 rounds
     python benchmarks/bench_s3_checkpoint.py --sizes-mb 4 --rounds 1   # a quick look
     python benchmarks/bench_s3_checkpoint.py --write-docs          # section in docs/benchmarks.md
 """
@@ -40,10 +46,11 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from statistics import median
+from statistics import median, quantiles
 from typing import Any
 
 from _report import ROOT, machine_line, update_section
+from _s3_requests import Counter, Tally
 
 sys.path.insert(0, str(ROOT / "src"))
 
@@ -232,8 +239,14 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - started
 
 
-def measure(case: Case, rounds: int, scratch: Path) -> dict[str, list[tuple[float, float]]]:
-    """``rounds`` of (dtrain s, plain s) for saving and for resuming, in alternating order."""
+Counts = dict[str, dict[str, Tally]]
+
+
+def measure(
+    case: Case, rounds: int, scratch: Path, counter: Counter
+) -> tuple[dict[str, list[tuple[float, float]]], Counts]:
+    """``rounds`` of (dtrain s, plain s) for saving and for resuming, in alternating order;
+    and the requests of one more of each, untimed (what a save and a resume ask of the store)."""
     case.dtrain_save()  # warm: connections, imports; and the files the plain upload sends
     files = case.local_copy(scratch)
     case.plain_put(files)
@@ -244,6 +257,14 @@ def measure(case: Case, rounds: int, scratch: Path) -> dict[str, list[tuple[floa
     }
     for way in ways["resume"].values():  # warm too: the first load imports and allocates
         way()
+    counts: Counts = {}
+    case.clear("checkpoints")
+    case.clear("plain")
+    for what, pair in ways.items():
+        for who, way in pair.items():
+            with counter.count() as tally:
+                way()
+            counts.setdefault(what, {})[who] = tally
     out: dict[str, list[tuple[float, float]]] = {"save": [], "resume": []}
     for r in range(rounds):
         case.clear("checkpoints")
@@ -252,24 +273,44 @@ def measure(case: Case, rounds: int, scratch: Path) -> dict[str, list[tuple[floa
         for what, way in ways.items():  # saves first: the resumes read what they wrote
             took = {who: timed(way[who]) for who in order}
             out[what].append((took["dtrain"], took["plain"]))
-    return out
+    return out, counts
 
 
-def report(results: list[tuple[str, float, dict[str, list[tuple[float, float]]]]]) -> str:
+Result = tuple[str, float, dict[str, list[tuple[float, float]]], Counts]
+
+
+def report(results: list[Result]) -> str:
+    """The times (medians of the rounds, the ratio's median and quartiles over the per-round
+    ratios), then what one save and one resume asked of the store (exact)."""
     lines = [
         "| state | form | what | dtrain s (median) | plain s (median) | ratio (median) | "
-        "ratio per round |",
-        "|---|---|---|---:|---:|---:|---|",
+        "ratio (quartiles) | rounds |",
+        "|---|---|---|---:|---:|---:|---|---:|",
     ]
-    for form, mb, rows in results:
+    for form, mb, rows, _ in results:
         for what, pairs in rows.items():
-            ratios = [d / p for d, p in pairs]
+            ratios = sorted(d / p for d, p in pairs)
+            low, _, high = quantiles(ratios, n=4) if len(ratios) > 1 else (ratios * 3)
             plain = "fs.put" if what == "save" else "fs.get"
             lines.append(
                 f"| {mb:.0f} MB | {form} | {what} vs {plain} | "
                 f"{median(d for d, _ in pairs):.3f} | {median(p for _, p in pairs):.3f} | "
-                f"**{median(ratios):.3f}x** | {', '.join(f'{x:.2f}' for x in ratios)} |"
+                f"**{median(ratios):.3f}x** | {low:.2f} - {high:.2f} | {len(ratios)} |"
             )
+    lines += [
+        "",
+        "| state | form | what | by | requests to the store | MiB up | MiB down | CPU s |",
+        "|---|---|---|---|---|---:|---:|---:|",
+    ]
+    for form, mb, _, counts in results:
+        for what, pair in counts.items():
+            for who, tally in pair.items():
+                kinds = ", ".join(f"{n} {kind}" for kind, n in tally.kinds())
+                lines.append(
+                    f"| {mb:.0f} MB | {form} | {what} | {who} | {sum(tally.calls.values())}: "
+                    f"{kinds} | {tally.sent / 2**20:.1f} | {tally.received / 2**20:.1f} | "
+                    f"{tally.cpu_s:.3f} |"
+                )
     return "\n".join(lines)
 
 
@@ -277,14 +318,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes-mb", default="4,33", help="model sizes in MB (x3 with AdamW)")
     parser.add_argument("--forms", default="whole,dcp", help="whole (ddp's files), dcp (fsdp's)")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--swift", action="store_true", help="the store of scripts/s3.sh up")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args()
 
     # DCP without a process group says it assumes one process, at every save and load.
     warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-    results = []
+    results: list[Result] = []
     with swift_store() if args.swift else moto_store() as env:
         os.environ.update(env)
         import s3fs  # noqa: F401  (the s3 extra: pip install -e '.[s3]')
@@ -294,13 +335,17 @@ def main() -> int:
         fs = file_system("s3")
         if not fs.exists(BUCKET):
             fs.mkdir(BUCKET)
+        counter = Counter(fs)
         with tempfile.TemporaryDirectory(prefix="dtrain-bench-s3-") as scratch:
             for mb in (int(x) for x in args.sizes_mb.split(",")):
                 state = make_state(mb)
                 for form in args.forms.split(","):
                     case = Case(form, state, f"{form}-{mb}", Path(scratch))
-                    rows = measure(case, args.rounds, Path(scratch))
-                    results.append((form, state_mb(state), rows))
+                    rows, counts = measure(case, args.rounds, Path(scratch), counter)
+                    results.append((form, state_mb(state), rows, counts))
+                    for what, pair in counts.items():
+                        for who, tally in pair.items():
+                            print(f"{state_mb(state):.0f} MB {form} {what} {who}: {tally.line()}")
                     for what, pairs in rows.items():
                         for r, (d, p) in enumerate(pairs):
                             print(
@@ -312,6 +357,8 @@ def main() -> int:
     table = report(results)
     store = "OpenStack Swift's S3 API (scripts/s3.sh)" if args.swift else "moto's S3 server"
     print(table)
+    # A busy machine scatters the rounds: the load says how far to trust the times.
+    print(machine_line())
     if args.write_docs:
         body = "\n".join(
             [

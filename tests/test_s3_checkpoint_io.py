@@ -21,7 +21,7 @@ import torch
 from dtrain.checkpoint import layout, upload
 from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint.copies import keep_copies
-from dtrain.checkpoint.verify import assign, verify_pieces
+from dtrain.checkpoint.verify import assign, pieces_of, verify_pieces
 from dtrain.checkpoint.write import Checkpointer
 from dtrain.storage.objects import ObjectPath
 from tests.test_s3_run_dir import BUCKET, Store, store  # noqa: F401  (the module's server)
@@ -35,6 +35,7 @@ class Requests:
     in flight at once."""
 
     calls: dict[str, int] = field(default_factory=dict)
+    keys: list[tuple[str, str]] = field(default_factory=list)  # (operation, key), in order
     got_bytes: int = 0
     parts_now: int = 0
     parts_most: int = 0
@@ -47,6 +48,10 @@ class Requests:
             if op == "UploadPart":
                 self.parts_now += 1
                 self.parts_most = max(self.parts_most, self.parts_now)
+
+    def params(self, event_name: str, params: dict[str, Any], **_: Any) -> None:
+        with self.lock:
+            self.keys.append((event_name.rsplit(".", 1)[1], str(params.get("Key", ""))))
 
     def after(self, event_name: str, parsed: dict[str, Any], **_: Any) -> None:
         op = event_name.rsplit(".", 1)[1]
@@ -73,6 +78,7 @@ def counted(store: Store) -> Iterator[tuple[Any, Requests]]:  # noqa: F811
     seen = Requests()
     fs.s3.meta.events.register("before-call.s3", seen.before)
     fs.s3.meta.events.register("after-call.s3", seen.after)
+    fs.s3.meta.events.register("provide-client-params.s3", seen.params)
     yield fs, seen
 
 
@@ -90,20 +96,39 @@ def test_a_save_streams_its_parts_a_resume_reads_each_byte_once_listings_do_the_
     generator = torch.Generator().manual_seed(3)
     big = torch.randn(5 * MIB, generator=generator)  # 20 MiB
     small = torch.arange(10.0)
+    mid = torch.randn(3 * MIB, generator=generator)  # 12 MiB: two full parts and a rest, held
     shards = {"model": {"s": torch.randn(1000, generator=generator)}}
     saver.save(
         1,
-        {"model.pt": {"big": big}, "optimizer.pt": {"small": small}},
+        {"model.pt": {"big": big}, "optimizer.pt": {"small": small, "mid": mid}},
         {"step": 1, "world_size": 1},
         blocking=True,
         sharded=shards,
     )
+    # DCP's metadata is put at its name (no copy from .metadata.tmp, no delete), and nothing
+    # is looked up; the one delete is the marker's, which a first save cannot know is absent.
+    assert "CopyObject" not in seen.calls and "HeadObject" not in seen.calls
+    # DCP's files upload while the next is written, as the others do; the marker, the
+    # commit, is put once every upload is complete (retention's listing follows it).
+    writes = [key for op, key in seen.keys if op in ("PutObject", "CompleteMultipartUpload")]
+    assert writes[-1].endswith(f"/{layout.MARKER}") and len(writes) == len(set(writes))
+    assert {key.rpartition("/")[2] for key in writes} == {
+        "model.pt",
+        "optimizer.pt",
+        "meta.json",
+        "__0_0.distcp",
+        ".metadata",
+        layout.MARKER,
+    }
+    assert [key for op, key in seen.keys if op == "DeleteObject"] == [
+        f"io/checkpoints/{layout.step_dir_name(1)}/{layout.MARKER}"
+    ]
     step = root / layout.step_dir_name(1)
     marker = json.loads((step / layout.MARKER).read_bytes())
     sizes = {name: info["bytes"] for name, info in marker["files"].items()}
     assert sizes["model.pt"] > 20 * MIB and len(marker["files"]["model.pt"]["pieces"]) == 6
     # model.pt alone outgrows one request (15 MiB: 3 parts' worth): 4 full parts and the
-    # rest; every other file is one put_object.
+    # rest; every other file is one put_object (optimizer.pt's held parts joined).
     assert seen.calls.get("CreateMultipartUpload") == 1 and seen.calls.get("UploadPart") == 5
     assert seen.calls.get("CompleteMultipartUpload") == 1
     assert seen.parts_most <= 2  # the bound on what a save holds beside its state
@@ -112,8 +137,10 @@ def test_a_save_streams_its_parts_a_resume_reads_each_byte_once_listings_do_the_
         assert (step / name).stat().st_size == size, name
     marker_bytes = (step / layout.MARKER).stat().st_size
 
-    # A resume on one rank: every piece verified, every file loaded, each byte read once.
+    # A resume on one rank: every piece verified, every file loaded, each byte read once;
+    # the marker and the pieces are the only requests (each file's size comes with a range).
     seen.got_bytes = 0
+    seen.calls.clear()
     local = tmp_path / "local"
     with keep_copies(local, root):
         ckread.verify_checkpoint(step)
@@ -123,7 +150,9 @@ def test_a_save_streams_its_parts_a_resume_reads_each_byte_once_listings_do_the_
         template = {"model": {"s": torch.zeros(1000)}}
         ckread.load_sharded(step, template)
     assert seen.got_bytes == marker_bytes + sum(sizes.values())
+    assert seen.calls == {"GetObject": 1 + sum(len(f["pieces"]) for f in marker["files"].values())}
     assert torch.equal(model["big"], big) and torch.equal(optim["small"], small)
+    assert torch.equal(optim["mid"], mid)
     assert torch.equal(template["model"]["s"], shards["model"]["s"])
     assert list(local.iterdir()) == []  # the copies went with the scope
 
@@ -152,3 +181,93 @@ def test_a_save_streams_its_parts_a_resume_reads_each_byte_once_listings_do_the_
     removed = ckread.remove_leftovers(root)
     assert sorted(path.name for path in removed) == [".trash-step-00000002", "step-00000009"]
     assert [entry.name for entry in root.iterdir()] == ["step-00000001"]
+
+
+def test_a_save_asks_only_what_it_cannot_know_and_uncommits_a_step_it_saves_again(
+    counted: tuple[Any, Requests],
+) -> None:
+    fs, seen = counted
+    root = ObjectPath(f"s3://{BUCKET}/known/checkpoints", fs)
+    saver = Checkpointer(root, rank=0, world_size=1, keep_last=3, keep_every=0, log=print)
+
+    def save(step: int, value: float) -> None:
+        saver.save(
+            step,
+            {"model.pt": {"w": torch.full((4,), value)}},
+            {"step": step, "world_size": 1},
+            blocking=True,
+            sharded={"model": {"s": torch.full((6,), value)}},
+        )
+
+    save(1, 1.0)
+    seen.calls.clear()
+    save(2, 2.0)
+    # model.pt, meta.json, DCP's shard and metadata, the marker: a put each; retention's one
+    # listing, which told the first save's retention that no step-2 marker is there.
+    assert seen.calls == {"PutObject": 5, "ListObjectsV2": 1}
+    # Step 1 saved again (a rollback's trajectory): its marker goes before any byte of it.
+    seen.keys.clear()
+    save(1, 3.0)
+    step1 = f"known/checkpoints/{layout.step_dir_name(1)}"
+    assert seen.keys[0] == ("DeleteObject", f"{step1}/{layout.MARKER}")
+    puts = [key for op, key in seen.keys if op == "PutObject"]
+    assert puts[-1] == f"{step1}/{layout.MARKER}" and len(puts) == 5
+    step = root / layout.step_dir_name(1)
+    ckread.verify_checkpoint(step)
+    assert torch.equal(ckread.load_file(step, "model.pt")["w"], torch.full((4,), 3.0))
+    template = {"model": {"s": torch.zeros(6)}}
+    ckread.load_sharded(step, template)
+    assert torch.equal(template["model"]["s"], torch.full((6,), 3.0))
+    assert layout.committed_steps(root) == [2, 1]
+
+
+def test_a_stored_file_missing_or_cut_short_is_named_from_its_ranges(
+    counted: tuple[Any, Requests], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fs, seen = counted
+    monkeypatch.setattr(layout, "PIECE_BYTES", MIB)
+    root = ObjectPath(f"s3://{BUCKET}/short/checkpoints", fs)
+    saver = Checkpointer(root, rank=0, world_size=1, keep_last=3, keep_every=0, log=print)
+    files = {"model.pt": {"w": torch.randn(MIB)}, "optimizer.pt": {"m": torch.arange(4.0)}}
+    saver.save(1, files, {"step": 1}, blocking=True)  # model.pt: 4 MiB and a bit, 5 pieces
+    step = root / layout.step_dir_name(1)
+    marker = ckread.read_marker(step)
+    size = marker["files"]["model.pt"]["bytes"]
+    model = step / "model.pt"
+    model.write_bytes(model.read_bytes()[: 2 * MIB])
+    said = f"{model} has {2 * MIB} bytes, expected {size}"
+    # From the first piece's range (its answer names the object's size) ...
+    seen.calls.clear()
+    assert verify_pieces(step, pieces_of(marker)) == said
+    assert set(seen.calls) == {"GetObject"}  # no listing, no look-up
+    # ... and from a piece past the object's end, which the store refuses (then looked up).
+    past = [p for p in pieces_of(marker) if p.name == "model.pt" and p.start >= 2 * MIB]
+    assert verify_pieces(step, past) == said
+    (step / "optimizer.pt").unlink()
+    problem = verify_pieces(step, [p for p in pieces_of(marker) if p.name == "optimizer.pt"])
+    assert problem == f"{step / 'optimizer.pt'} is missing (listed in {layout.MARKER})"
+
+
+def test_the_small_files_after_a_large_one_do_not_wait_for_its_upload(
+    counted: tuple[Any, Requests], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fs, _ = counted
+    monkeypatch.setattr(upload, "PART_BYTES", 5 * MIB)
+    monkeypatch.setattr(upload, "PARTS_IN_FLIGHT", 2)  # one request: up to 15 MiB
+    root = ObjectPath(f"s3://{BUCKET}/budget", fs)
+    uploads = upload.Uploads()  # 20 MiB in flight: one file's 15 and a part's 5
+
+    def send(name: str, size: int) -> None:
+        out = upload.PartUpload(root / name, uploads=uploads)
+        out.write(bytes(size))
+        out.close()
+
+    send("large", 12 * MIB)
+    send("small", 100)
+    assert uploads.in_flight == 2  # the small one went out beside the large one
+    send("large2", 12 * MIB)  # 24 MiB would be in flight: the first large one completes
+    assert uploads.in_flight == 2
+    uploads.wait()
+    assert uploads.in_flight == 0
+    sizes = {name: (root / name).stat().st_size for name in ("large", "small", "large2")}
+    assert sizes == {"large": 12 * MIB, "small": 100, "large2": 12 * MIB}

@@ -3,6 +3,7 @@
 ===============  ============================================================================
 ``layout``       the names: ``checkpoints/step-N/`` folders and the files in them
 ``write``        the :class:`~dtrain.checkpoint.write.Checkpointer`: snapshot, write, commit
+``snapshot``     the CPU copy of a state that an asynchronous save writes while training goes on
 ``read``         find the newest folder that verifies, load files, check that a model fits
 ``safe_load``    what loading admits: tensors and plain data, never code (DCP's metadata too)
 ``safe_dcp``     DCP's reader and load planner for ``dcp/``, built on ``safe_load``

@@ -60,6 +60,16 @@ class RangeRead:
             call = path.fs._call_s3("get_object", Bucket=bucket, Key=key, Range=span)
             self._answer = asyncio.run_coroutine_threadsafe(call, path.fs.loop)
 
+    def total(self) -> int | None:
+        """The whole object's size, from the answer's ``Content-Range`` (waited for); None
+        where the store's answer gives none (another fsspec store, an empty range).
+        FileNotFoundError: no such object."""
+        if self._answer is None:
+            return None
+        span = str(self.path._call("read", self._answer.result).get("ContentRange") or "")
+        size = span.rpartition("/")[2]
+        return int(size) if size.isdigit() else None
+
     def __iter__(self) -> Iterator[bytes]:
         path, start, length = self.path, self.start, self.length
         if length <= 0:

@@ -18,13 +18,17 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from dtrain.fsutil import fsync_dir, write_atomic
 from dtrain.storage.objects import Location
+
+T = TypeVar("T")
 
 # ---------------------------------------------------------------------------------------------
 # What differs between a folder and a store, for the writer of a checkpoint
@@ -112,6 +116,21 @@ def local_copy(folder: Location) -> Iterator[Path]:
             except (FileNotFoundError, IsADirectoryError):
                 pass  # a sub-folder (a prefix), or removed meanwhile
         yield copy
+
+
+def in_background(call: Callable[[Location], T], folder: Location) -> Future[T]:
+    """``call(folder)`` started on a thread of its own (a store's request beside another one);
+    its outcome, raised where it failed, from the future."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(call(folder))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="dtrain-ckpt-listing", daemon=True).start()
+    return future
 
 
 def free_bytes(folder: Location) -> int | None:

@@ -21,6 +21,7 @@ import torch
 from dtrain.checkpoint import layout
 from dtrain.checkpoint.store import open_write
 from dtrain.checkpoint.upload import PartUpload, Uploads
+from dtrain.errors import CheckpointError
 from dtrain.storage.objects import Location, ObjectPath, location
 
 
@@ -171,11 +172,15 @@ def write_file(
 
 
 def hashing_file_system(
-    records: dict[str, dict[str, Any]], on_progress: Callable[[], None], folder: Location
+    records: dict[str, dict[str, Any]],
+    on_progress: Callable[[], None],
+    folder: Location,
+    uploads: Uploads | None = None,
 ) -> Any:
     """A DCP file system (for ``FileSystemWriter.fs``) for ``folder`` (local, or a store's,
     through fsspec) whose written files are hashed as they are written: ``records`` gets each
-    file's marker entry under its final path."""
+    file's marker entry under its final path. ``uploads``: where a store's file may finish its
+    upload while DCP writes the next (as :func:`write_file`'s)."""
     base: Any
     if isinstance(folder, ObjectPath):
         from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as base
@@ -189,8 +194,13 @@ def hashing_file_system(
                 with super().create_stream(path, mode) as stream:
                     yield stream
                 return
-            where = folder / Path(path).name if isinstance(folder, ObjectPath) else Path(path)
-            with HashingWriter(where, on_progress) as out:
+            where: Location = Path(path)
+            if isinstance(folder, ObjectPath):
+                # DCP writes its metadata beside its name and renames it into place; a store's
+                # object written in one request is whole or absent already, so it goes to its
+                # name at once (a rename there is a copy and a delete: two requests more).
+                where = folder / _final_name(Path(path).name)
+            with HashingWriter(where, on_progress, uploads) as out:
                 yield out
                 records[str(path)] = out.finish()
 
@@ -199,16 +209,19 @@ def hashing_file_system(
                 super().mkdir(path)
 
         def exists(self, path: str | os.PathLike[str]) -> bool:
-            if isinstance(folder, ObjectPath):  # one request (fsspec's also lists a prefix)
-                return _stored(folder / Path(path).name, "look up", "head_object") is not None
+            if isinstance(folder, ObjectPath):
+                # DCP asks only whether a .metadata is there already: to warn that it will be
+                # replaced, and to delete it before its rename. A store's put replaces it whole,
+                # and the marker, not DCP's metadata, says whether the folder counts: no
+                # request (each rank would send one, and rank 0 another at the end).
+                return False
             return bool(super().exists(path))
 
         def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
-            if isinstance(folder, ObjectPath):  # DCP's .metadata.tmp: a copy and a delete
-                source, target = folder / Path(path).name, folder / Path(new_path).name
-                bucket, _, key = source.url.split("://", 1)[1].partition("/")
-                _stored(target, "copy", "copy_object", CopySource={"Bucket": bucket, "Key": key})
-                source.unlink()
+            if isinstance(folder, ObjectPath):
+                # Written to its final name already (create_stream): nothing to move.
+                if _final_name(Path(path).name) != Path(new_path).name:
+                    raise CheckpointError(f"DCP renamed {path} to {new_path} in {folder}")
             else:
                 super().rename(path, new_path)
             if str(path) in records:
@@ -220,14 +233,9 @@ def hashing_file_system(
     return hashing
 
 
-def _stored(path: ObjectPath, what: str, method: str, **kwargs: Any) -> Any:
-    """One S3 request (``method``: ``what`` it does, in words) about the object ``path``; its
-    answer (None: no such object)."""
-    bucket, _, key = path.url.split("://", 1)[1].partition("/")
-    try:
-        return path._call(what, lambda: path.fs.call_s3(method, Bucket=bucket, Key=key, **kwargs))
-    except FileNotFoundError:
-        return None
+def _final_name(name: str) -> str:
+    """The name DCP renames a file it wrote as ``name`` to (its ``.metadata.tmp``)."""
+    return name.removesuffix(".tmp")
 
 
 def progress_planner(on_progress: Callable[[], None]) -> Any:

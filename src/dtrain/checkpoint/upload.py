@@ -4,15 +4,16 @@
 in step with it (what an fsspec file opened ``"wb"`` does) leaves the link idle while each part
 is serialized, and the serializer idle while each part is sent. Here each full part goes out
 on the store's own event loop (s3fs's, the one its requests run on) and the writer goes on
-with the next; at most :data:`PARTS_IN_FLIGHT` parts are in flight, so a save of any size holds
-about ``(PARTS_IN_FLIGHT + 1) * PART_BYTES`` bytes beside its state (80 MiB). A file no larger
-than that is held whole and sent as one ``put_object`` (a multipart upload costs two requests
+with the next; at most :data:`PARTS_IN_FLIGHT` parts are in flight, so a file of any size holds
+about ``(PARTS_IN_FLIGHT + 1) * PART_BYTES`` bytes beside its state (80 MiB), and the files
+before it still uploading one part more than that (:class:`Uploads`). A file of at most
+80 MiB is held whole and sent as one ``put_object`` (a multipart upload costs two requests
 more, and a store assembles its parts).
 
 What it keeps of the file protocol it replaces: the object is complete and visible only once
 :meth:`PartUpload.complete` returns (it waits for every request, then completes a multipart
-upload), which :meth:`~PartUpload.close` calls -- or, in a save, :class:`Uploads`, once the next
-file is written and before the rank reports its files written; a file sent as one
+upload), which :meth:`~PartUpload.close` calls -- or, in a save, :class:`Uploads`, once later
+files need its room, and before the rank reports its files written; a file sent as one
 ``put_object`` is whole or absent; a failure aborts the upload (nothing partial stays behind,
 and the store frees the parts) and is a :class:`~dtrain.storage.objects.StoreError` naming the
 store, the key and the retry policy. S3's API only (s3fs): another fsspec store's file is
@@ -52,13 +53,17 @@ class PartUpload:
         # The most a file may be to go as one request: what its parts in flight would hold.
         self.one_request = (self.in_flight + 1) * self.part_bytes
         self._bucket, _, self._key = path.url.split("://", 1)[1].partition("/")
-        self._buffer = bytearray()
+        # What is written is copied once, into a buffer that goes out as it is (a request
+        # owns its buffer; what follows gets a fresh one): the whole file while it may still
+        # be one request, then each part.
+        self._part = bytearray()
         self._upload_id: str | None = None
         self._pending: deque[tuple[int, Future[Any]]] = deque()  # (part number, its request)
         self._parts: list[dict[str, Any]] = []
         self._last: Future[Any] | None = None  # a one-request file's put_object
         self._closed = False  # no more writes (its last requests may be in flight)
         self._done = False  # complete, or aborted
+        self.holds = 0  # once closed: about the bytes its requests in flight hold
 
     # -- requests ------------------------------------------------------------------------
 
@@ -71,7 +76,7 @@ class PartUpload:
     def _wait(self, future: Future[Any]) -> Any:
         return self.path._call("write", future.result)
 
-    def _send(self, part: bytes) -> None:
+    def _send(self, part: bytes | bytearray) -> None:
         if self._upload_id is None:
             self._upload_id = self._wait(self._start("create_multipart_upload"))["UploadId"]
         while len(self._pending) >= self.in_flight:  # the bound on memory and connections
@@ -99,14 +104,17 @@ class PartUpload:
                 # Until the file outgrows what one request may carry, it is held (a small
                 # file is one put_object); then it goes out part by part.
                 limit = self.part_bytes if self._upload_id is not None else self.one_request
-                take = view[: max(0, limit - len(self._buffer))]
-                self._buffer += take
+                if len(self._part) >= limit:  # full, and more is coming
+                    held, self._part = self._part, bytearray()
+                    if self._upload_id is not None:  # a part
+                        self._send(held)
+                    else:  # the file held so far, cut into parts (copied once more)
+                        for at in range(0, len(held), self.part_bytes):
+                            self._send(held[at : at + self.part_bytes])
+                    continue
+                take = view[: limit - len(self._part)]
+                self._part += take
                 view = view[len(take) :]
-                if len(view) and len(self._buffer) >= limit:
-                    while len(self._buffer) >= self.part_bytes:
-                        part = bytes(self._buffer[: self.part_bytes])
-                        del self._buffer[: self.part_bytes]
-                        self._send(part)
         except BaseException:
             self.abort()
             raise
@@ -130,11 +138,14 @@ class PartUpload:
             return
         try:
             if self._upload_id is None:  # no larger than one_request: one request
-                self._last = self._start("put_object", Body=bytes(self._buffer))
-            elif self._buffer:
-                self._send(bytes(self._buffer))
+                self._last = self._start("put_object", Body=self._part)
+                self.holds = len(self._part)
+            else:
+                if self._part:
+                    self._send(self._part)
+                self.holds = len(self._pending) * self.part_bytes
             self._closed = True
-            self._buffer = bytearray()
+            self._part = bytearray()
         except BaseException:
             self.abort()
             raise
@@ -170,7 +181,7 @@ class PartUpload:
         if self._done:
             return
         self._closed = self._done = True
-        self._buffer = bytearray()
+        self._part = bytearray()
         futures = [future for _, future in self._pending]
         if self._last is not None:
             futures.append(self._last)
@@ -187,16 +198,24 @@ class PartUpload:
 
 class Uploads:
     """The files of one save whose last requests are still in flight once they are closed, so
-    that the next file is serialized and sent meanwhile: at most ``most`` of them (each holds
-    up to ``(PARTS_IN_FLIGHT + 1) * PART_BYTES``), each completed by :meth:`wait` -- which the
-    save calls before it reports its files written (the marker comes after that)."""
+    that the next file is serialized and sent meanwhile: as many as hold ``budget`` bytes
+    together, the oldest completed first. The default is what one file may hold,
+    ``(PARTS_IN_FLIGHT + 1) * PART_BYTES``, and one part more: a large file's upload goes on
+    while the next is written, and the small ones after it (``meta.json``, DCP's ``.metadata``)
+    need not wait for it. Each is completed by :meth:`wait` at the latest -- which the save
+    calls before it reports its files written (the marker comes after that)."""
 
-    def __init__(self, most: int = 1) -> None:
-        self.most = most
+    def __init__(self, budget: int | None = None) -> None:
+        self.budget = budget if budget is not None else (PARTS_IN_FLIGHT + 2) * PART_BYTES
         self._open: deque[PartUpload] = deque()
 
+    @property
+    def in_flight(self) -> int:
+        """Files closed whose upload is not complete yet."""
+        return len(self._open)
+
     def add(self, upload: PartUpload) -> None:
-        while len(self._open) >= self.most:
+        while self._open and sum(u.holds for u in self._open) + upload.holds > self.budget:
             self._open.popleft().complete()
         self._open.append(upload)
 

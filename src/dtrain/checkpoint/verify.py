@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import re
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -27,10 +28,14 @@ from dtrain.checkpoint.copies import RangeRead
 from dtrain.checkpoint.layout import MARKER, SHARDED_DIR
 from dtrain.checkpoint.store import open_read
 from dtrain.fault.failpoints import failpoint
-from dtrain.storage.objects import Location, ObjectPath
+from dtrain.storage.objects import Location, ObjectPath, StoreError
 
 # Bytes read and hashed between two progress marks.
 _CHUNK = 8 * 2**20
+# A store's pieces asked for at once (the one being hashed and those after it): a request's
+# round trip is not waited for piece after piece, and each holds only its connection's buffer
+# until it is read.
+READS_IN_FLIGHT = 4
 
 # Files that belong to one rank, by the rank in their name: rng-rankNNNNN.pt,
 # comm-rankNNNNN.pt, model-rankNNNNN.pt and optimizer-rankNNNNN.pt (localsgd, diloco), and
@@ -109,34 +114,30 @@ def verify_pieces(
 ) -> str | None:
     """Check ``pieces`` of the checkpoint in ``step_dir``: None, or the first problem, naming
     the file (missing, of another size, or failing its checksum). ``on_progress`` is called
-    after each 8 MiB hashed and each piece."""
+    after each 8 MiB hashed and each piece. A store's pieces are asked for
+    :data:`READS_IN_FLIGHT` at a time, and each file's size comes with its first range's
+    answer (no listing, no look-up)."""
     tick = on_progress or (lambda: None)
     sizes: dict[str, int] = {}
-    listed = _listed_sizes(step_dir)
     buffer = bytearray(_CHUNK)
     todo = list(pieces)
-    ahead: RangeRead | None = None  # a store's next piece, asked for while this one is hashed
+    reads: deque[RangeRead] = deque()  # a store's pieces from the current one on, asked for
     try:
         for at, piece in enumerate(todo):
             path = step_dir / piece.name
+            if isinstance(step_dir, ObjectPath):
+                for ahead in todo[at + len(reads) : at + READS_IN_FLIGHT]:
+                    reads.append(RangeRead(step_dir / ahead.name, ahead.start, ahead.length))
             if piece.name not in sizes:
-                try:
-                    if listed is None:
-                        sizes[piece.name] = path.stat().st_size
-                    else:
-                        sizes[piece.name] = listed[piece.name]
-                except (FileNotFoundError, KeyError):
+                size = _size(path, reads[0] if reads else None, piece.file_bytes)
+                if size is None:
                     return f"{path} is missing (listed in {MARKER})"
-                if sizes[piece.name] != piece.file_bytes:
-                    return f"{path} has {sizes[piece.name]} bytes, expected {piece.file_bytes}"
+                sizes[piece.name] = size
+                if size != piece.file_bytes:
+                    return f"{path} has {size} bytes, expected {piece.file_bytes}"
             failpoint("checkpoint.verify_piece", path=path, index=piece.index)
             if isinstance(path, ObjectPath):
-                reading = ahead or RangeRead(path, piece.start, piece.length)
-                ahead = None
-                following = todo[at + 1] if at + 1 < len(todo) else None
-                if following is not None and isinstance(step_dir, ObjectPath):
-                    ahead = RangeRead(step_dir / following.name, following.start, following.length)
-                digest = _hash_stored(path, piece, tick, reading)
+                digest = _hash_stored(path, piece, tick, reads.popleft())
             else:
                 digest = _hash_range(path, piece.start, piece.length, buffer, tick)
             if digest != piece.digest:
@@ -146,17 +147,29 @@ def verify_pieces(
                 kept.mark_verified(path, piece.start, piece.length)
             tick()
     finally:
-        if ahead is not None:
-            ahead.close()
+        for reading in reads:
+            reading.close()
     return None
 
 
-def _listed_sizes(step_dir: Location) -> dict[str, int] | None:
-    """Every object's size in an S3 store's checkpoint folder, by its name there, from one
-    flat listing (a request per file otherwise); None for a local folder."""
-    if not isinstance(step_dir, ObjectPath) or step_dir.scheme != "s3":
+def _size(path: Location, reading: RangeRead | None, expected: int) -> int | None:
+    """The file's size (None: there is none): from ``reading``'s answer where it is a store's
+    range (no request of its own), else looked up. A range that starts past the object's end
+    is refused by the store (HTTP 416): its size is looked up then, and the store's failure
+    stays one where the object has the ``expected`` size (its range was no fault)."""
+    try:
+        if reading is not None:
+            try:
+                total = reading.total()
+            except StoreError:
+                if path.stat().st_size == expected:
+                    raise
+                total = None
+            if total is not None:
+                return total
+        return path.stat().st_size
+    except FileNotFoundError:
         return None
-    return step_dir.sizes()
 
 
 def _hash_range(

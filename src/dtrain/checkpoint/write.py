@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -39,7 +38,6 @@ from dataclasses import KW_ONLY, asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from dtrain.checkpoint import space
@@ -52,8 +50,11 @@ from dtrain.checkpoint.layout import (
     job_of,
     marker_digest,
     step_dir_name,
+    step_of,
 )
+from dtrain.checkpoint.snapshot import snapshot
 from dtrain.checkpoint.store import (
+    in_background,
     move_into_place,
     remove_tree,
     set_aside,
@@ -67,55 +68,6 @@ from dtrain.comm.plain import broadcast_json, gather_json
 from dtrain.errors import CheckpointError
 from dtrain.fault.failpoints import failpoint
 from dtrain.storage.objects import Location, ObjectPath
-
-
-def snapshot(obj: Any, reuse: Any = None) -> Any:
-    """A CPU copy of every tensor in a nested state, so training can go on changing the
-    originals while the copy is written.
-
-    ``reuse``: an earlier snapshot of the same state that nothing reads any more. Its tensors
-    are copied into where shape, dtype and layout match: copying into memory that is already
-    mapped costs a fraction of allocating fresh memory and faulting in every page of it, which
-    is most of what the loop waits for in an asynchronous save of a large state.
-
-    A DTensor (a sharded state) keeps its mesh and placements, with a CPU copy of this rank's
-    shard (no communication).
-    """
-    # No DTensor can exist before its module is imported (importing it costs a replicated
-    # run a second it never needs).
-    dtensors = sys.modules.get("torch.distributed.tensor")
-    if dtensors is not None and isinstance(obj, dtensors.DTensor):
-        local = obj.to_local().detach().to("cpu", copy=True)
-        return dtensors.DTensor.from_local(
-            local,
-            obj.device_mesh,
-            obj.placements,
-            run_check=False,
-            shape=obj.shape,
-            stride=obj.stride(),
-        )
-    if isinstance(obj, torch.Tensor):
-        if (
-            isinstance(reuse, torch.Tensor)
-            and reuse.shape == obj.shape
-            and reuse.dtype == obj.dtype
-            and reuse.stride() == obj.stride()
-            and reuse.layout == obj.layout == torch.strided
-            and not reuse.requires_grad
-        ):
-            return reuse.copy_(obj.detach())
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        old = reuse if isinstance(reuse, dict) else {}
-        return {k: snapshot(v, old.get(k)) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        old_items = list(reuse) if isinstance(reuse, (list, tuple)) else []
-        items = [
-            snapshot(v, old_items[i] if i < len(old_items) else None) for i, v in enumerate(obj)
-        ]
-        return items if isinstance(obj, list) else tuple(items)
-    return obj
-
 
 # ---------------------------------------------------------------------------------------------
 # Saving
@@ -166,6 +118,9 @@ class Checkpointer:
         self._error: str | None = None
         self._staged: dict[str, Any] = {}  # the last async snapshot, reused by the next one
         self._pieces = 0  # pieces the background writer has done (only it counts them)
+        # The steps with a marker: retention's last listing, kept by this writer since (the
+        # run folder's hold keeps any other out); None until then.
+        self._markers: set[int] | None = None
         # Retention's knowledge (rank 0's): this job's id, the steps this process committed,
         # those verified whole (the resume or rollback point), and each checkpoint's job.
         self.job = job_id()
@@ -267,10 +222,11 @@ class Checkpointer:
         need = space.state_bytes(files) + space.state_bytes(sharded) + len(meta_text)
         uploads = Uploads()  # a store's file goes on uploading while the next is written
         try:
-            if self.rank == 0:
+            if self.rank == 0 and (self._markers is None or step in self._markers):
                 # A store's save writes into step-N itself: a marker there from another
                 # trajectory's save of this step goes first (until the new one is written,
                 # the folder does not count; a piece read meanwhile fails its checksum).
+                # Skipped where rank 0's last listing, kept since, says none is there.
                 (tmp / MARKER).unlink(missing_ok=True)
             tmp.mkdir(parents=True, exist_ok=True)
             failpoint("checkpoint.write", step=step)
@@ -281,19 +237,19 @@ class Checkpointer:
             if meta is not None:
                 failpoint("checkpoint.write_file", step=step, path=tmp / META)
                 outcome.files[META] = write_file(tmp / META, meta_text, on_progress, uploads)
+            if sharded is not None:  # DCP's files, the last of the above still uploading
+                outcome.files.update(self._write_sharded(tmp, sharded, on_progress, uploads))
             uploads.wait()  # every file whole in the store before this rank says it wrote
-            if sharded is not None:
-                outcome.files.update(self._write_sharded(tmp, sharded, on_progress))
         except Exception as exc:
             uploads.abort()
             mine = [*files, *([META] if meta is not None else [])]
             why = self._why_not_written(exc, tmp, need, mine)
             outcome = _Outcome(error=why)
         outcomes = self._gather(outcome)
-        error = ""
+        error, listed = "", None
         if self.rank == 0:
             try:
-                self._commit(step, tmp, outcomes)
+                listed = self._commit(step, tmp, outcomes)
             except Exception as exc:
                 error = f"checkpoint {step_dir_name(step)} was not committed: {exc}"
                 error += self._newest_kept()
@@ -305,7 +261,7 @@ class Checkpointer:
             self._error = error
             self.last_saved_step = None
         elif self.rank == 0:
-            self._prune_after(step)
+            self._prune_after(step, listed)
         self.write_seconds.append(time.perf_counter() - started)
 
     def _why_not_written(
@@ -336,7 +292,11 @@ class Checkpointer:
         return f"; the newest checkpoint is still {step_dir_name(steps[0])}"
 
     def _write_sharded(
-        self, tmp: Location, state: dict[str, Any], on_progress: Callable[[], None]
+        self,
+        tmp: Location,
+        state: dict[str, Any],
+        on_progress: Callable[[], None],
+        uploads: Uploads,
     ) -> dict[str, dict[str, Any]]:
         """Every rank writes its shards with DCP (coordinated over the side group), each file
         hashed as it is written; returns the files this rank wrote, with their marker entries."""
@@ -352,7 +312,7 @@ class Checkpointer:
             if isinstance(folder, ObjectPath)
             else FileSystemWriter(str(folder), sync_files=True)
         )
-        writer.fs = hashing_file_system(records, on_progress, folder)
+        writer.fs = hashing_file_system(records, on_progress, folder, uploads)
         save(
             state,
             # One writer thread (the default): DCP writes on the thread that called it, so the
@@ -389,7 +349,11 @@ class Checkpointer:
             return f"checkpoint {step_dir_name(step)} was not committed: {why}"
         return str(word)
 
-    def _commit(self, step: int, tmp: Location, outcomes: list[_Outcome]) -> None:
+    def _commit(
+        self, step: int, tmp: Location, outcomes: list[_Outcome]
+    ) -> Callable[[], list[int]] | None:
+        """Commit the save (its marker); in a store, how retention gets its listing, asked for
+        beside the marker's request (it adds this step, which it may not show yet)."""
         failures = [o.error for o in outcomes if o.error]
         if failures:
             with suppress(OSError):  # a store that stopped answering: removed at the next start
@@ -409,6 +373,7 @@ class Checkpointer:
             self._discard(final)
         self._jobs.pop(step, None)
         move_into_place(tmp, final)  # a store's save wrote into final: no rename
+        listed = in_background(committed_steps, self.root) if final == tmp else None
         try:
             failpoint("checkpoint.before_marker", step=step)
             marker = {
@@ -425,12 +390,16 @@ class Checkpointer:
             remove_tree(final)
             raise
         self._ours = [s for s in self._ours if s != step] + [step]
+        self._markers = None if self._markers is None else self._markers | {step}
+        if listed is None:
+            return None
+        return lambda: sorted({*listed.result(), step}, reverse=True)
 
-    def _prune_after(self, step: int) -> None:
+    def _prune_after(self, step: int, listed: Callable[[], list[int]] | None) -> None:
         """Retention after a commit; a failure to prune is a warning, never a failed save."""
         try:
             failpoint("checkpoint.after_marker", step=step)
-            self.prune()
+            self.prune(listed)
         except Exception as exc:
             self.log(f"warning: pruning old checkpoints after {step_dir_name(step)}: {exc}")
 
@@ -452,13 +421,14 @@ class Checkpointer:
             self._jobs[step] = job_of(self.root / step_dir_name(step))
         return self._jobs[step] == self.job
 
-    def prune(self) -> list[int]:
+    def prune(self, listed: Callable[[], list[int]] | None = None) -> list[int]:
         """Delete old checkpoints: keep the ``keep_last`` newest that are known to be valid --
         newest in the order this process committed them, then the rest of this job's by step,
         then the others by step -- and every one before the last of them in that order (a
         damaged or unchecked one among them counts for nothing, and is kept), and every step
-        divisible by ``keep_every``."""
-        steps = committed_steps(self.root)
+        divisible by ``keep_every``. ``listed``: the committed steps (default: listed now)."""
+        steps = listed() if listed is not None else committed_steps(self.root)
+        self._markers = set(steps)  # less each one discarded below
         mine = [s for s in reversed(self._ours) if s in steps]
         ours = mine + [s for s in steps if s not in mine and self.is_ours(s)]
         order = ours + [s for s in steps if s not in ours]
@@ -486,5 +456,7 @@ class Checkpointer:
         """Delete a checkpoint folder, uncommitting it first, so that an interruption never
         leaves a half-deleted folder that looks whole."""
         (folder / MARKER).unlink(missing_ok=True)
+        if self._markers is not None:
+            self._markers -= {step_of(folder.name)}
         sync_folder(folder)
         remove_tree(set_aside(folder, self.root / f".trash-{folder.name}"))
