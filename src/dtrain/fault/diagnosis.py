@@ -113,8 +113,12 @@ class PeerDiagnosis:
             except Exception as exc:
                 # A read that timed out is a busy store as often as a frozen one: it is read
                 # again, and the store (and rank 0 with it) is named lost only when it has
-                # not answered for as long as a beat takes to go stale.
-                if not isinstance(exc, StoreTimeout) or now - answered >= stale_after:
+                # not answered for as long as a beat takes to go stale -- counted from the
+                # first call it left unanswered, this thread's or the beats' (which met a
+                # stopped store's silence seconds before the collective timed out: counted
+                # from here, a stopped rank 0 was named 4 s after the others' own diagnosis).
+                silent = max(now - answered, self.store.silent_s())
+                if not isinstance(exc, StoreTimeout) or silent >= stale_after:
                     return self._store_lost_by(exc)
                 found, settled = [], False
             if found or time.monotonic() >= posts_until:
