@@ -294,10 +294,13 @@ class Coordinator(PollingThread):
             if want is not None and want["nonce"] == self._seen[m].nonce
         }
         # Members of the current generation (this incarnation) that ask for the next one.
+        # (Sets: a regroup's deciding poll tests every member; in the tuple, O(W^2) was 0.7 s
+        # of one poll at W = 1,024.)
+        current = set(self.current)
         regrouping = {
             m
             for m in asking
-            if m in self.current
+            if m in current
             and self.nonces.get(m) == wants[m]["nonce"]
             and int(wants[m]["after"]) == self.number
         }
@@ -370,13 +373,13 @@ class Coordinator(PollingThread):
         return self.nonces.get(member) == self._seen[member].nonce
 
     def _form(self, members: list[int], stop: str = "") -> None:
-        before = set(self.current)
+        before, chosen = set(self.current), set(members)
         self.number += 1
         generation = Generation(
             self.number,
             tuple(members),
             # A member restarted meanwhile both left (its old incarnation) and joined.
-            tuple(sorted(m for m in before if m not in members or not self._same(m))),
+            tuple(sorted(m for m in before if m not in chosen or not self._same(m))),
             tuple(sorted(m for m in members if m not in before or not self._same(m))),
             self.first_ask_wall if self.first_ask is not None else 0.0,
             stop,
