@@ -372,6 +372,40 @@ def test_rank0_lost_with_its_store_is_reported_by_the_age_of_its_kept_beat(store
     assert not network
 
 
+class Ops:
+    """A store client whose operations are listed by name, otherwise the client itself."""
+
+    def __init__(self, client: Any) -> None:
+        self.client, self.names = client, []
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.client, name)
+
+        def op(*args: Any) -> Any:
+            self.names.append(name)
+            return method(*args)
+
+        return op
+
+
+def test_rank0_s_beat_once_seen_is_read_with_one_store_operation(store: Any) -> None:
+    # Every rank reads rank 0's beat every heartbeat: a check (a get of a missing key blocks
+    # until its bound), then the read -- until it has seen the key, which then stays.
+    watchdog = Watchdog(1, 2, heartbeat_s=1.0, timeout_s=5.0)
+    assert watchdog.store is not None
+    ops = watchdog.store._client = Ops(watchdog.store.client)
+    assert watchdog.read_beat(0) is None and "multi_get" not in ops.names  # none yet
+    ops.names.clear()
+    sealed_store.put(store, HB0, beat_of(0, step=4))
+    first = watchdog.read_beat(0)
+    assert first is not None and first.step == 4 and ops.names == ["check", "multi_get"]
+    watchdog._see_rank0(first, time.monotonic())
+    ops.names.clear()
+    sealed_store.put(store, HB0, beat_of(0, step=5))
+    again = watchdog.read_beat(0)
+    assert again is not None and again.step == 5 and ops.names == ["multi_get"]
+
+
 # Rank 0 as the job's store host: the store, and rank 0's liveness file at step 9; runs until
 # its stdin closes.
 _STORE_HOST = """

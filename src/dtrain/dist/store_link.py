@@ -238,21 +238,26 @@ class StoreLink:
             since = self._failing_since
         return 0.0 if since is None else max(0.0, self._clock() - since)
 
-    def read(self, key: str, seconds: float | None = None) -> Any:
+    def read(self, key: str, seconds: float | None = None, *, present: bool = False) -> Any:
         """The JSON record (a dict) sealed at ``key``, or None when there is none (or it fails
-        its seal, or is no record: warned once)."""
-        return self.read_many([key], seconds)[key]
+        its seal, or is no record: warned once); ``present``: as :meth:`read_many`."""
+        return self.read_many([key], seconds, present=present)[key]
 
-    def read_many(self, keys: list[str], seconds: float | None = None) -> dict[str, Any]:
+    def read_many(
+        self, keys: list[str], seconds: float | None = None, *, present: bool = False
+    ) -> dict[str, Any]:
         """The JSON records (dicts) sealed at ``keys``, as :meth:`read`, in one call to the
         store when all exist (``multi_get``), else one per key. What a diagnosis reads of every
         rank costs each rank a few calls, not a few per rank: every rank diagnoses at once when
-        a collective fails."""
+        a collective fails. ``present``: the caller knows every key is set (it read them
+        before, and the job's keys are never removed): the ``multi_get`` alone, one store
+        operation, without the ``check`` that keeps a missing key from blocking it until the
+        call's bound."""
 
         def read(store: Any) -> list[bytes | None]:
             if not keys:
                 return []
-            if store.check(keys):
+            if present or store.check(keys):
                 return list(store.multi_get(keys))
             return [store.get(key) if store.check([key]) else None for key in keys]
 

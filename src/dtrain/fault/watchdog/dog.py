@@ -426,7 +426,10 @@ class Watchdog(PeerDiagnosis):
     def read_beat(self, rank: int, seconds: float | None = None) -> Liveness | None:
         assert self.store is not None
         key = f"{store_prefix()}hb/{rank}"
-        return beat_of(key, self.store.read(key, seconds))
+        # Rank 0's beat, read every heartbeat by every rank: once seen, its key stays (the
+        # job's keys are never removed), so one store operation reads it, not two.
+        present = rank == 0 and self._rank0_beat is not None
+        return beat_of(key, self.store.read(key, seconds, present=present))
 
     def on_error(self, error: BaseException) -> BaseException:
         """What the trainer raises for an error out of its loop: a collective that failed
