@@ -238,13 +238,18 @@ def inplace(ctl: Control, ids: list[int], args: argparse.Namespace, out: dict[st
     if ctl.until("kill") != "skip":
         steps.frozen.set()
 
-        def regroup(member: Any) -> dict[str, Any]:
+        def regroup(pair: tuple[Any, Any]) -> dict[str, Any]:
+            member, dog = pair
+            # As a worker does: its trainer's loop ends on the failed collective and stops its
+            # watchdog (and the looks at the membership on its thread) before it asks.
+            dog.stop()
             member.ask(generation.number, steps.step)
             found = member.wait(generation.number)
             size = found.world_size if found else 0
             return {"end": time.time(), "right": size == args.world - 1}
 
-        out["regroup"] = on_threads(members, regroup, out.setdefault("regroup_calls", []))
+        pairs = list(zip(members, dogs, strict=True))
+        out["regroup"] = on_threads(pairs, regroup, out.setdefault("regroup_calls", []))
         right = sum(1 for x in out["regroup"] if x.get("right"))
         ctl.add("regroup_right", right)
         ctl.add("regroup_done", len(members))

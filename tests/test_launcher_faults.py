@@ -231,11 +231,12 @@ def test_a_stopped_rank0_that_hosts_the_store_is_named_and_nothing_hangs(tmp_pat
         os.kill(rank0, signal.SIGSTOP)
         # Not stuck: rank 1 fails and the launcher ends the group. Its SIGTERM reaches the
         # stopped rank 0 only once it runs again; torch's agent would SIGKILL it after its own
-        # 30 s grace, which is torch's to test, not ours: once the agent has sent it, let rank 0
-        # go on (and end at the SIGTERM).
+        # 30 s grace, which is torch's to test, not ours: once the agent has sent it (pending
+        # on rank 0; the launcher no longer prints torch's "closing signal SIGTERM" line, so
+        # the test waited out the grace), let rank 0 go on (and end at the SIGTERM).
         deadline = time.monotonic() + 60
         while proc.poll() is None and time.monotonic() < deadline:
-            if any("closing signal SIGTERM" in line for _, line in list(lines)):
+            if _pending(rank0, signal.SIGTERM):
                 os.kill(rank0, signal.SIGCONT)
                 break
             time.sleep(0.2)
@@ -259,6 +260,19 @@ def test_a_stopped_rank0_that_hosts_the_store_is_named_and_nothing_hangs(tmp_pat
         for line in named
     ), named
     assert proc.returncode != 0
+
+
+def _pending(pid: int, signum: int) -> bool:
+    """Whether ``signum`` waits to be delivered to process ``pid`` (a stopped one)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    bit = 1 << (signum - 1)
+    masks = [
+        line.split()[1] for line in status.splitlines() if line.startswith(("SigPnd:", "ShdPnd:"))
+    ]
+    return any(int(mask, 16) & bit for mask in masks)
 
 
 def _rank_of(pid: int) -> int:

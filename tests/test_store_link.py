@@ -105,3 +105,27 @@ def test_without_patience_a_store_gone_is_a_connection_error_naming_it() -> None
         with pytest.raises(ConnectionError, match=f"the job's key-value store at 127.0.0.1:{port}"):
             link.call(read, "a get")
     assert link.outages == 1  # the second was refused before any call was made
+
+
+def test_silence_counts_from_the_first_call_left_unanswered_by_any_thread() -> None:
+    # A diagnosis counts how long the store has not answered from the first call that went
+    # unanswered since the last answer, whichever thread made it (the watchdog's own reads).
+    clock = Clock()
+    server = host_store("127.0.0.1", 0, 10.0)
+    link = StoreLink("127.0.0.1", server.port, call_s=2.0, patience_s=0.0, clock=clock)
+    link.call(lambda s: s.set("k", "1"), "a set")
+    assert link.silent_s() == 0.0
+    release = threading.Event()
+    try:
+        clock.now = 10.0
+        with pytest.raises(StoreTimeout):
+            link.call(lambda s: release.wait(30), "a stuck call", seconds=0.05)
+        clock.now = 12.5  # another call, later, unanswered too: the silence began at 10
+        with pytest.raises(StoreTimeout):
+            link.call(lambda s: release.wait(30), "a stuck call", seconds=0.05)
+        clock.now = 13.0
+        assert link.silent_s() == 3.0
+    finally:
+        release.set()
+    link.call(read, "a get")  # answered: no silence since
+    assert link.silent_s() == 0.0

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 
 from dtrain.dist import sealed_store
+from dtrain.dist.store_link import StoreTimeout
 from dtrain.fault import liveness
 from dtrain.fault.liveness import (
     Liveness,
@@ -368,6 +370,119 @@ def test_rank0_lost_with_its_store_is_reported_by_the_age_of_its_kept_beat(store
         (4.0, written),
     )
     assert not network
+
+
+class Ops:
+    """A store client whose operations are listed by name, otherwise the client itself."""
+
+    def __init__(self, client: Any) -> None:
+        self.client, self.names = client, []
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.client, name)
+
+        def op(*args: Any) -> Any:
+            self.names.append(name)
+            return method(*args)
+
+        return op
+
+
+def test_rank0_s_beat_once_seen_is_read_with_one_store_operation(store: Any) -> None:
+    # Every rank reads rank 0's beat every heartbeat: a check (a get of a missing key blocks
+    # until its bound), then the read -- until it has seen the key, which then stays.
+    watchdog = Watchdog(1, 2, heartbeat_s=1.0, timeout_s=5.0)
+    assert watchdog.store is not None
+    ops = watchdog.store._client = Ops(watchdog.store.client)
+    assert watchdog.read_beat(0) is None and "multi_get" not in ops.names  # none yet
+    ops.names.clear()
+    sealed_store.put(store, HB0, beat_of(0, step=4))
+    first = watchdog.read_beat(0)
+    assert first is not None and first.step == 4 and ops.names == ["check", "multi_get"]
+    watchdog._see_rank0(first, time.monotonic())
+    ops.names.clear()
+    sealed_store.put(store, HB0, beat_of(0, step=5))
+    again = watchdog.read_beat(0)
+    assert again is not None and again.step == 5 and ops.names == ["multi_get"]
+
+
+# Rank 0 as the job's store host: the store, and rank 0's liveness file at step 9; runs until
+# its stdin closes.
+_STORE_HOST = """
+import os, socket, sys, time
+from pathlib import Path
+from dtrain.dist.stores import host_store
+from dtrain.fault.liveness import LivenessFile
+store = host_store("127.0.0.1", 0, 30.0)
+mine = LivenessFile(Path(sys.argv[1]), rank=0, world_size=2, attempt=0,
+                    host=socket.gethostname(), pid=os.getpid())
+mine.set_phase("forward_backward", 9, time.time())
+print(store.port, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_stopped_store_host_is_named_at_the_first_read_once_the_beats_met_its_silence(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SIGSTOP of rank 0 freezes the store it hosts. The watchdog's reads of rank 0's beat
+    # meet the silence while the collective waits out its timeout; the diagnosis after it
+    # counts that silence and names rank 0 at its first failed read. It counted only its own
+    # reads' (3 s more): the others named a stopped rank 0 after 10-15 s (chaos `sigstop`).
+    # Then the watchdog's thread, blocked in a call to the frozen store, does not hold up
+    # this rank's way out: stop() writes the last word of the record itself.
+    host = subprocess.Popen(
+        [sys.executable, "-c", _STORE_HOST, str(liveness_path(tmp_path, 0))],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert host.stdout is not None
+        port = int(host.stdout.readline())
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+        hangs: list[str] = []
+        watchdog = Watchdog(
+            1, 2, heartbeat_s=0.5, timeout_s=5.0, run_dir=tmp_path, on_hang=hangs.append
+        )
+        assert watchdog.store is not None
+        sealed_store.put(
+            watchdog.store.client, HB0, beat_of(0, host=watchdog.host, pid=host.pid, step=9)
+        )
+        watchdog.start()  # beats, and reads rank 0's beat
+        thread = watchdog._thread
+        watchdog.set_phase("forward_backward", 9)
+        os.kill(host.pid, signal.SIGSTOP)
+        # The read of rank 0's beat that the watchdog's thread makes every heartbeat meets
+        # the silence (its call bound, 2 s; a beat itself, a set, waits for no answer).
+        with pytest.raises(StoreTimeout):
+            watchdog.read_beat(0)
+        clock = DiagnosisClock()
+        monkeypatch.setattr("dtrain.fault.diagnosis.time", clock)
+        words, network = watchdog.diagnosis()
+        assert re.fullmatch(
+            rf"rank 0 \({watchdog.host}, pid {host.pid}\) stopped responding: no progress for "
+            r"\d+\.\ds, at step 9 in forward_backward \(last heartbeat \d+\.\ds ago\); it "
+            r"hosted the job's key-value store, now unreachable \(StoreTimeout: no answer to "
+            r"[a-z ]+ in 1s\)",
+            words,
+        ), words
+        assert not network and clock.sleeps == 0  # named at its first reading
+        stopping = time.time()
+        watchdog.stop()
+        last = read_liveness(liveness_path(tmp_path, 1), os.getpid())
+        assert last is not None and last.alive_at >= stopping  # stop()'s last word
+        assert thread is not None
+        thread.join(10)  # its call to the frozen store ends at its bound
+        assert not thread.is_alive() and not hangs
+        # ...and the thread wrote nothing after stop() took the record over.
+        assert read_liveness(liveness_path(tmp_path, 1), os.getpid()) == last
+    finally:
+        host.kill()
+        host.wait()
 
 
 def test_the_store_s_machine_that_refuses_or_does_not_answer_is_a_death_or_the_network(

@@ -120,9 +120,14 @@ def join_helper_threads(timeout_s: float = 2.0) -> None:
     thread stuck in a collective of a failed run is left behind, and the process's exit
     (:func:`~dtrain.process_exit.exit_without_finalizing`) does not wait for it.
     """
+    from dtrain.dist.store_link import in_store_calls
+
+    # Nor for one in a store call: it ends at the call's bound, or never while the store's host
+    # is stopped, and the exit needs nothing of it (a failed rank's error line waited 2 s).
+    skip = in_store_calls() | {threading.current_thread()}
     deadline = time.monotonic() + timeout_s
     for thread in threading.enumerate():
-        if thread is not threading.current_thread() and thread.name.startswith("dtrain-"):
+        if thread not in skip and thread.name.startswith("dtrain-"):
             thread.join(max(0.0, deadline - time.monotonic()))
 
 

@@ -49,6 +49,19 @@ class StoreUnreachable(UserError):
     not a bug: restart mode's lost rendezvous host is one line too)."""
 
 
+# The threads inside a store call now: each call's own thread, and the thread waiting for it
+# in :func:`bounded` (a worker's exit does not wait for them: :func:`in_store_calls`).
+_in_calls: set[threading.Thread] = set()
+_in_calls_lock = threading.Lock()
+
+
+def in_store_calls() -> set[threading.Thread]:
+    """The threads in a store call now, or waiting for one: each ends at the call's bound at
+    the latest, or is left to end with its process (a call given up on)."""
+    with _in_calls_lock:
+        return set(_in_calls)
+
+
 def bounded(call: Callable[[], T], seconds: float, what: str) -> T:
     """``call()``, given up after ``seconds``: the call is left to a daemon thread (a blocked
     store call cannot be cancelled) and this raises :class:`StoreTimeout` instead."""
@@ -59,10 +72,20 @@ def bounded(call: Callable[[], T], seconds: float, what: str) -> T:
             box["value"] = call()
         except BaseException as exc:  # handed to the caller
             box["error"] = exc
+        finally:
+            with _in_calls_lock:
+                _in_calls.discard(threading.current_thread())
 
     thread = threading.Thread(target=run, name="dtrain-store-call", daemon=True)
-    thread.start()
-    thread.join(seconds)
+    waiter = threading.current_thread()
+    with _in_calls_lock:
+        _in_calls.update((thread, waiter))
+    try:
+        thread.start()
+        thread.join(seconds)
+    finally:
+        with _in_calls_lock:
+            _in_calls.discard(waiter)
     if thread.is_alive():
         raise StoreTimeout(f"no answer to {what} in {seconds:.0f}s")
     if "error" in box:
@@ -99,6 +122,13 @@ class StoreLink:
         self._clock, self._sleep = clock, sleep
         self.outages = 0  # how many times a call found the store unreachable (for the tests)
         self.last_ok: float | None = time.time()  # wall-clock time of the last call answered
+        # Since when (``clock``) every call made has gone unanswered: the start of the first
+        # call that failed after the last one answered, by any thread (None: the last call
+        # was answered). A diagnosis on one thread counts the silence the beats of another
+        # already met, instead of waiting it out again (:meth:`silent_s`).
+        self._answered_at = clock()
+        self._failing_since: float | None = None
+        self._silence = threading.Lock()
         # The first connection may wait as long as a start-up does (a loaded machine with many
         # ranks answered it in more than the few seconds a call is given).
         first = (patience_s, None) if connect_s is None else (connect_s, connect_s)
@@ -156,17 +186,23 @@ class StoreLink:
         came), a lost connection made again within the same bound, once its address answers
         (a plain connection, else :class:`ConnectionError`)."""
         limit = self.call_s if seconds is None else seconds
+        started = self._clock()
         if self.patience_s <= 0 and self._client is None:
-            state, said = probe(self.host, self.port, min(limit, 2.0))
-            if state != OPEN:
-                raise ConnectionError(f"{self.name} at {self.host}:{self.port}: {said}")
-            self._client = self._open(self.call_s, limit)
+            try:
+                state, said = probe(self.host, self.port, min(limit, 2.0))
+                if state != OPEN:
+                    raise ConnectionError(f"{self.name} at {self.host}:{self.port}: {said}")
+                self._client = self._open(self.call_s, limit)
+            except Exception:
+                self._unanswered(started)
+                raise
         deadline = self._clock() + self.patience_s
         while True:
             client = self.client
             try:
                 value = bounded(functools.partial(op, client), limit, what)
             except Exception:
+                self._unanswered(started)
                 self.outages += 1
                 self._client = None  # a call given up on may still hold the connection
                 if self.patience_s <= 0:
@@ -179,25 +215,49 @@ class StoreLink:
                     ) from None
                 self._sleep(RETRY_S)
                 self._client = self._connect(left)
+                started = self._clock()
                 continue
+            with self._silence:
+                self._answered_at, self._failing_since = self._clock(), None
             self.last_ok = time.time()
             return value
 
-    def read(self, key: str, seconds: float | None = None) -> Any:
-        """The JSON record (a dict) sealed at ``key``, or None when there is none (or it fails
-        its seal, or is no record: warned once)."""
-        return self.read_many([key], seconds)[key]
+    def _unanswered(self, started: float) -> None:
+        """A call begun at ``started`` got no answer. One begun before the store last
+        answered another says nothing of the store since."""
+        with self._silence:
+            if started >= self._answered_at and (
+                self._failing_since is None or started < self._failing_since
+            ):
+                self._failing_since = started
 
-    def read_many(self, keys: list[str], seconds: float | None = None) -> dict[str, Any]:
+    def silent_s(self) -> float:
+        """For how long every call to the store has gone unanswered (0: the last was
+        answered)."""
+        with self._silence:
+            since = self._failing_since
+        return 0.0 if since is None else max(0.0, self._clock() - since)
+
+    def read(self, key: str, seconds: float | None = None, *, present: bool = False) -> Any:
+        """The JSON record (a dict) sealed at ``key``, or None when there is none (or it fails
+        its seal, or is no record: warned once); ``present``: as :meth:`read_many`."""
+        return self.read_many([key], seconds, present=present)[key]
+
+    def read_many(
+        self, keys: list[str], seconds: float | None = None, *, present: bool = False
+    ) -> dict[str, Any]:
         """The JSON records (dicts) sealed at ``keys``, as :meth:`read`, in one call to the
         store when all exist (``multi_get``), else one per key. What a diagnosis reads of every
         rank costs each rank a few calls, not a few per rank: every rank diagnoses at once when
-        a collective fails."""
+        a collective fails. ``present``: the caller knows every key is set (it read them
+        before, and the job's keys are never removed): the ``multi_get`` alone, one store
+        operation, without the ``check`` that keeps a missing key from blocking it until the
+        call's bound."""
 
         def read(store: Any) -> list[bytes | None]:
             if not keys:
                 return []
-            if store.check(keys):
+            if present or store.check(keys):
                 return list(store.multi_get(keys))
             return [store.get(key) if store.check([key]) else None for key in keys]
 

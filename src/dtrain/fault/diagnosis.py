@@ -113,8 +113,13 @@ class PeerDiagnosis:
             except Exception as exc:
                 # A read that timed out is a busy store as often as a frozen one: it is read
                 # again, and the store (and rank 0 with it) is named lost only when it has
-                # not answered for as long as a beat takes to go stale.
-                if not isinstance(exc, StoreTimeout) or now - answered >= stale_after:
+                # not answered for as long as a beat takes to go stale -- counted from the
+                # first call it left unanswered, this thread's or the watchdog thread's (whose
+                # reads of rank 0's beat met a stopped store's silence while the collective
+                # waited out its timeout; counted from this read, a stopped rank 0 was named
+                # 3-4 s later than a stopped peer, after the hang check had named it).
+                silent = max(now - answered, self.store.silent_s())
+                if not isinstance(exc, StoreTimeout) or silent >= stale_after:
                     return self._store_lost_by(exc)
                 found, settled = [], False
             if found or time.monotonic() >= posts_until:

@@ -70,6 +70,7 @@ class Changes:
         self._sweep = 0  # where the next poll's slice of member keys starts
         self._checks = 0  # where its looks for keys never seen set start
         self._voiced_at: float | None = None
+        self.changed: set[str] = set()  # the keys whose value the last read found changed
 
     def read(self, now: float) -> bool:
         """Read what changed since the last call into :attr:`raw`; whether anything did."""
@@ -90,15 +91,16 @@ class Changes:
         extra = [key for key in posted if key in self._known and key not in values]
         if extra:
             values.update(zip(extra, self.store.multi_get(extra), strict=True))
-        changed = False
+        self.changed = set()
         for key, raw in values.items():
             if self.raw[key] != bytes(raw):
-                self.raw[key], changed = bytes(raw), True
+                self.raw[key] = bytes(raw)
+                self.changed.add(key)
         for node, key in zip(self.voices, self._alive_keys, strict=True):
             count = counter_value(key, self.raw[key])
             if count != self.voices[node][0]:
                 self.voices[node] = (count, now)
-        return changed
+        return bool(self.changed)
 
     def _window(self) -> list[str]:
         """The next slice of member keys (all of them while they are few)."""

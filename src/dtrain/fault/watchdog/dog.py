@@ -124,6 +124,11 @@ class Watchdog(PeerDiagnosis):
                 flush=True,
             )
         self._stop = threading.Event()
+        # The record's alive part has one writer: the thread, then stop(), which takes it over
+        # (``_taken``) even while the thread still waits on a store call; each write of the
+        # thread holds the lock and looks first.
+        self._writer = threading.Lock()
+        self._taken = False
         self._on_hang = on_hang or _exit_on_hang
         call_s = max(2.0, heartbeat_s * 3)
         # The first connection may wait as long as a start-up does (a loaded machine with
@@ -186,12 +191,18 @@ class Watchdog(PeerDiagnosis):
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None:
-            thread.join(timeout=2 * self.heartbeat_s + 1)
-            if thread.is_alive():
-                return  # still writing the record: it goes with the process
-            self._measure(time.monotonic())
-            self.liveness.stamp(time.time(), self._speed)  # the last word: done, or where
-            self.liveness.sync()
+            # The thread ends at its next wake, once its store call (if any) returns. A call
+            # to a store that has stopped answering (its host stopped or cut off) returns
+            # only at its bound: waited for, it held back this rank's error line -- after a
+            # diagnosis that named the store's host -- by seconds. Then it is left to end on
+            # its own, and writes nothing more.
+            silent = self.store is not None and self.store.silent_s() > 0
+            thread.join(timeout=0.0 if silent else 2 * self.heartbeat_s + 1)
+            with self._writer:
+                self._taken = True
+                self._measure(time.monotonic())
+                self.liveness.stamp(time.time(), self._speed)  # the last word: done, or where
+                self.liveness.sync()
         self.liveness.close()
 
     def set_phase(self, phase: str, step: int | None = None) -> None:
@@ -279,11 +290,15 @@ class Watchdog(PeerDiagnosis):
             pass
 
     def _beat(self) -> None:
-        """This rank's record, as it stands, into the store."""
+        """This rank's record, as it stands, into the store (none once stop() took over)."""
         assert self.store is not None
-        self.liveness.stamp(time.time(), self._speed)
+        with self._writer:
+            if self._taken:
+                return
+            self.liveness.stamp(time.time(), self._speed)
+            record = self.liveness.record()
         key = f"{store_prefix()}hb/{self.rank}"
-        value = sealed_store.seal(key, json.dumps(self.liveness.record().to_dict()).encode())
+        value = sealed_store.seal(key, json.dumps(record.to_dict()).encode())
         self.store.call(lambda store: store.set(key, value), "a heartbeat")
 
     def _measure(self, now: float) -> None:
@@ -309,12 +324,15 @@ class Watchdog(PeerDiagnosis):
         while not self._stop.wait(wake):
             now = time.monotonic()
             measure = now - last_measure >= self._speed_every_s
-            if measure:
-                last_measure = now
-                self._measure(now)
-            self.liveness.stamp(time.time(), self._speed)
-            if measure:
-                self.liveness.sync()  # for readers on other machines
+            with self._writer:
+                if self._taken:
+                    return
+                if measure:
+                    last_measure = now
+                    self._measure(now)
+                self.liveness.stamp(time.time(), self._speed)
+                if measure:
+                    self.liveness.sync()  # for readers on other machines
             for look in self._looks:
                 look()
             if self.store is None:
@@ -408,7 +426,10 @@ class Watchdog(PeerDiagnosis):
     def read_beat(self, rank: int, seconds: float | None = None) -> Liveness | None:
         assert self.store is not None
         key = f"{store_prefix()}hb/{rank}"
-        return beat_of(key, self.store.read(key, seconds))
+        # Rank 0's beat, read every heartbeat by every rank: once seen, its key stays (the
+        # job's keys are never removed), so one store operation reads it, not two.
+        present = rank == 0 and self._rank0_beat is not None
+        return beat_of(key, self.store.read(key, seconds, present=present))
 
     def on_error(self, error: BaseException) -> BaseException:
         """What the trainer raises for an error out of its loop: a collective that failed
