@@ -139,6 +139,16 @@ def get(store: Any, key: str) -> bytes | None:
     return bytes(store.get(key)) if store.check([key]) else None
 
 
+def get_many(store: Any, keys: list[str]) -> list[bytes | None]:
+    """The raw values at ``keys`` (None where one is not set): one call to the store when all
+    are set (``multi_get``), else one per key."""
+    if not keys:
+        return []
+    if store.check(keys):
+        return list(store.multi_get(keys))
+    return [get(store, key) for key in keys]
+
+
 def read_text(store: Any, key: str) -> str | None:
     """The text sealed at ``key``; None while unset, or when it fails (warned once)."""
     return text(key, get(store, key))

@@ -193,16 +193,8 @@ class StoreLink:
         store when all exist (``multi_get``), else one per key. What a diagnosis reads of every
         rank costs each rank a few calls, not a few per rank: every rank diagnoses at once when
         a collective fails."""
-
-        def read(store: Any) -> list[bytes | None]:
-            if not keys:
-                return []
-            if store.check(keys):
-                return list(store.multi_get(keys))
-            return [store.get(key) if store.check([key]) else None for key in keys]
-
         what = f"reading {keys[0]}" if len(keys) == 1 else f"reading {len(keys)} keys"
-        raws = self.call(read, what, seconds)
+        raws = self.call(lambda store: sealed_store.get_many(store, keys), what, seconds)
         return {
             key: sealed_store.parse(key, raw, dict) for key, raw in zip(keys, raws, strict=True)
         }
