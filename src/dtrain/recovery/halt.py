@@ -57,7 +57,7 @@ class Halt:
     second signal; elsewhere, :meth:`heard` (node 0's reason, once posted) and
     :meth:`acknowledge` once its workers are killed. On one machine: nothing."""
 
-    def __init__(self, membership: Any = None, node: int = 0, nnodes: int = 1) -> None:
+    def __init__(self, membership: Any, node: int, nnodes: int) -> None:
         """``membership``: node 0's coordinator (its ``store``) or another machine's node
         watcher (its ``halted`` and ``link``)."""
         self.membership, self.node, self.nnodes = membership, node, nnodes
