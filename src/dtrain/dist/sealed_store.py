@@ -22,10 +22,10 @@ from __future__ import annotations
 import functools
 import json
 import os
-import sys
 import threading
 from typing import Any
 
+from dtrain.console import say_line
 from dtrain.dist.secret import SECRET_ENV, SECRET_FILE_ENV, JobSecret, process_secret
 
 # A record's shape, for :func:`fits`: a type, a tuple of types (any of them), a one-element
@@ -53,11 +53,7 @@ def warn_once(key: str, why: str) -> None:
         if key in _warned:
             return
         _warned.add(key)
-    print(
-        f"dtrain: warning: ignored the value of store key {key!r}: {why}",
-        file=sys.stderr,
-        flush=True,
-    )
+    say_line(f"dtrain: warning: ignored the value of store key {key!r}: {why}")
 
 
 FAILS_SEAL = "it fails its seal (written by a process without the job's secret)"

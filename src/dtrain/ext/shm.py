@@ -40,7 +40,6 @@ import mmap
 import os
 import platform
 import secrets
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -53,6 +52,7 @@ import torch.distributed as dist
 from dtrain.comm.mean import divide_into
 from dtrain.comm.plain import all_gather_json, broadcast_json
 from dtrain.config import CommConfig, Config
+from dtrain.console import say_line
 from dtrain.dist.runtime import env_int
 from dtrain.errors import ConfigError, UserError
 from dtrain.process_exit import process_alive
@@ -129,11 +129,9 @@ def build(
         if transport == "shm":
             raise
         if dist.get_rank(group) == 0:
-            print(
+            say_line(
                 f"dtrain: warning: comm.transport = 'auto': {error}; gradients are summed "
-                f"through {dist.get_backend(group)} instead",
-                file=sys.stderr,
-                flush=True,
+                f"through {dist.get_backend(group)} instead"
             )
         return None
 
