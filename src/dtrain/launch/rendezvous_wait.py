@@ -43,7 +43,7 @@ def share_shape(endpoint: str, shape: dict[str, str], hosting: bool, secret: Job
     store = client_store(*split_endpoint(endpoint), 30.0)
     if hosting:
         post_secret_check(store, secret)
-        store.set(SHAPE_KEY, secret.seal(SHAPE_KEY, json.dumps(shape).encode()))  # type: ignore[arg-type]
+        store.set(SHAPE_KEY, secret.seal(SHAPE_KEY, json.dumps(shape).encode()))
         return
     check_secret(store, secret, endpoint)
     if not store.check([SHAPE_KEY]):
