@@ -1,29 +1,14 @@
 """Per-rank batch shares from measured speed: a pure controller, unit-testable without
-processes.
+processes (docs/load-balancing.md, "The controller", gives its update rule and defaults).
 
-In synchronous data parallelism a step takes as long as its slowest rank. Rank ``r`` spends
-about ``t_r`` seconds per item of its share (data wait + forward/backward; its *time per item*,
-see :mod:`dtrain.balance.timing`), so with shares ``p_r`` (summing to 1) of a global batch the
-step takes ``max_r p_r t_r`` of the batch's items, and the shares that minimize it give every
-rank the same busy time: ``p_r ∝ 1 / t_r``. Then the throughput is the sum of the ranks' own
-rates, the ideal.
-
-:class:`ThroughputController` turns the time per item of every rank, one window of steps at a
-time, into per-rank weights (mean 1; :func:`dtrain.data.partition.split_counts` cuts each
-global batch by them)::
-
-    smoothed  = smoothing x newest window + (1 - smoothing) x smoothed        (per rank, EMA)
-    target    = N x (1 / smoothed) / sum(1 / smoothed), each at least min_weight (floor)
-    gain      = step time at the current weights / step time at the target - 1   (predicted)
-    if gain > hysteresis, or (moving already and gain > hysteresis / 4):
-        weights = weights x clip(target / weights, 1 / (1 + max_change), 1 + max_change)
-        (renormalized to mean 1, floored at min_weight)
-
-Hysteresis keeps noise from moving the shares (each move re-plans the data): nothing moves
-until the predicted gain exceeds ``hysteresis``; once a move starts, the weights follow the
-target until the gain is below a quarter of it (``SETTLE``), so a move cut short by
-``max_change``, or one made on a smoothed time still catching up with a change, is finished
-rather than left just inside the band. The floor keeps every rank in the job with some samples.
+A synchronous step takes ``max_r p_r t_r`` of a global batch's items (shares ``p_r`` summing
+to 1, rank ``r``'s time per item ``t_r``: :mod:`dtrain.balance.timing`); the shares that
+minimize it give every rank the same busy time, ``p_r ∝ 1 / t_r``, and the throughput is then
+the sum of the ranks' own rates. :class:`ThroughputController` moves the weights (mean 1;
+:func:`dtrain.data.partition.split_counts` cuts each global batch by them) toward that target,
+from smoothed times, by a bounded factor per window. Hysteresis keeps noise from moving the
+shares (each move re-plans the data); once a move starts it is finished (``SETTLE``), not left
+just inside the band. The floor (``min_weight``) keeps every rank in the job with samples.
 
 :class:`StragglerDetector` names a rank whose time per item stays above the median of the
 other ranks by more than a threshold for a window of steps, with its dominant phase.

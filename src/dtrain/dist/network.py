@@ -15,8 +15,8 @@ import ipaddress
 import os
 import socket
 import struct
-import sys
 
+from dtrain.console import say_line
 from dtrain.errors import UserError
 
 _SIOCGIFADDR = 0x8915  # Linux: an interface's (first) IPv4 address
@@ -204,10 +204,9 @@ def choose_node_network(rdzv_endpoint: str, local_addr: str, iface: str) -> tupl
         return (local_addr or None), iface
     rdzv_host = split_endpoint(rdzv_endpoint)[0]
     if local_addr and is_ip_literal(local_addr) and interface_of(local_addr) is None:
-        print(
+        say_line(
             f"dtrain: warning: --local-addr {local_addr} is not an address of this machine "
-            "(right only behind NAT or a forwarding proxy)",
-            file=sys.stderr,
+            "(right only behind NAT or a forwarding proxy)"
         )
     address = local_addr or (interface_addresses(iface)[0] if iface else None)
     if address and is_loopback(address) and not is_loopback(rdzv_host):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import pickle
 import struct
-import sys
 from typing import Any
 
 from torch.distributed.elastic.rendezvous.api import (
@@ -28,6 +27,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
+from dtrain.console import say_line
 from dtrain.dist.secret import HOW_TO, SECRET_ENV, JobSecret
 from dtrain.errors import UserError
 
@@ -45,10 +45,6 @@ def state_key(secret: JobSecret, run_id: str) -> str:
     state is lost with it). Under a name derived from the secret a stranger finds no key to write
     unless they can read the job's traffic (docs/security.md)."""
     return "dtrain/rendezvous/" + secret.digest("rendezvous state", run_id.encode())[:32].decode()
-
-
-def _warn(text: str) -> None:
-    print(f"dtrain: warning: {text}", file=sys.stderr, flush=True)
 
 
 class SealedRendezvousBackend(RendezvousBackend):
@@ -92,9 +88,10 @@ class SealedRendezvousBackend(RendezvousBackend):
             if raw not in self._ignored and len(self._ignored) < _WARNINGS:
                 self._ignored.add(raw)
                 why = "is an older state replayed" if payload is not None else "fails its seal"
-                _warn(
-                    f"ignored the value of rendezvous key {self.key!r}: it {why} (written "
-                    "by a process without the job's secret); the job's next write replaces it"
+                say_line(
+                    f"dtrain: warning: ignored the value of rendezvous key {self.key!r}: it {why} "
+                    "(written by a process without the job's secret); the job's next write "
+                    "replaces it"
                 )
             state = self._last if self._last is not None else pickle.dumps(_RendezvousState())
             return state, raw

@@ -22,10 +22,10 @@ from __future__ import annotations
 import functools
 import json
 import os
-import sys
 import threading
 from typing import Any
 
+from dtrain.console import say_line
 from dtrain.dist.secret import SECRET_ENV, SECRET_FILE_ENV, JobSecret, process_secret
 
 # A record's shape, for :func:`fits`: a type, a tuple of types (any of them), a one-element
@@ -53,11 +53,7 @@ def warn_once(key: str, why: str) -> None:
         if key in _warned:
             return
         _warned.add(key)
-    print(
-        f"dtrain: warning: ignored the value of store key {key!r}: {why}",
-        file=sys.stderr,
-        flush=True,
-    )
+    say_line(f"dtrain: warning: ignored the value of store key {key!r}: {why}")
 
 
 FAILS_SEAL = "it fails its seal (written by a process without the job's secret)"
@@ -137,6 +133,18 @@ def put(store: Any, key: str, value: str | bytes) -> None:
 def get(store: Any, key: str) -> bytes | None:
     """The raw value at ``key``, or None while it is not set."""
     return bytes(store.get(key)) if store.check([key]) else None
+
+
+def get_many(store: Any, keys: list[str], *, present: bool = False) -> list[bytes | None]:
+    """The raw values at ``keys`` (None where one is not set): one call to the store when all
+    are set (``multi_get``), else one per key. ``present``: the caller knows every key is set
+    (a job's keys are never removed), so the ``multi_get`` alone, without the ``check`` that
+    keeps a missing key from blocking it until the call's bound."""
+    if not keys:
+        return []
+    if present or store.check(keys):
+        return list(store.multi_get(keys))
+    return [get(store, key) for key in keys]
 
 
 def read_text(store: Any, key: str) -> str | None:

@@ -253,16 +253,10 @@ class StoreLink:
         before, and the job's keys are never removed): the ``multi_get`` alone, one store
         operation, without the ``check`` that keeps a missing key from blocking it until the
         call's bound."""
-
-        def read(store: Any) -> list[bytes | None]:
-            if not keys:
-                return []
-            if present or store.check(keys):
-                return list(store.multi_get(keys))
-            return [store.get(key) if store.check([key]) else None for key in keys]
-
         what = f"reading {keys[0]}" if len(keys) == 1 else f"reading {len(keys)} keys"
-        raws = self.call(read, what, seconds)
+        raws = self.call(
+            lambda store: sealed_store.get_many(store, keys, present=present), what, seconds
+        )
         return {
             key: sealed_store.parse(key, raw, dict) for key, raw in zip(keys, raws, strict=True)
         }

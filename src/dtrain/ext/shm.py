@@ -40,9 +40,9 @@ import mmap
 import os
 import platform
 import secrets
-import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -52,6 +52,7 @@ import torch.distributed as dist
 from dtrain.comm.mean import divide_into
 from dtrain.comm.plain import all_gather_json, broadcast_json
 from dtrain.config import CommConfig, Config
+from dtrain.console import say_line
 from dtrain.dist.runtime import env_int
 from dtrain.errors import ConfigError, UserError
 from dtrain.process_exit import process_alive
@@ -128,11 +129,9 @@ def build(
         if transport == "shm":
             raise
         if dist.get_rank(group) == 0:
-            print(
+            say_line(
                 f"dtrain: warning: comm.transport = 'auto': {error}; gradients are summed "
-                f"through {dist.get_backend(group)} instead",
-                file=sys.stderr,
-                flush=True,
+                f"through {dist.get_backend(group)} instead"
             )
         return None
 
@@ -185,7 +184,7 @@ class SharedMemoryAllReduce:
         gathered = all_gather_json([problem, os.getpid()], group=group)
         answers = [(None if p is None else str(p), int(pid)) for p, pid in gathered]
         if self.rank == 0:
-            _remove(path)  # every rank has it mapped (or has given up on it)
+            Path(path).unlink(missing_ok=True)  # every rank has it mapped (or has given up on it)
         problems = [(r, p) for r, (p, _) in enumerate(answers) if p]
         if problems or mapped is None:
             if mapped is not None:
@@ -314,7 +313,7 @@ def _create(size: int) -> dict[str, Any] | str:
         os.pwrite(fd, token, 0)
     except OSError as error:
         os.close(fd)
-        _remove(path)
+        Path(path).unlink(missing_ok=True)
         return f"cannot reserve {size} bytes in {folder}: {error.strerror}"
     os.close(fd)
     return {"path": path, "token": token.hex(), "size": size}
@@ -336,7 +335,7 @@ def _sweep(folder: str) -> None:
         except OSError:
             continue
         if pid_text.isdigit() and stale and not process_alive(int(pid_text)):
-            _remove(path)
+            Path(path).unlink(missing_ok=True)
 
 
 def _open(path: str, token: bytes, size: int) -> tuple[mmap.mmap | None, str | None]:
@@ -352,13 +351,6 @@ def _open(path: str, token: bytes, size: int) -> tuple[mmap.mmap | None, str | N
         mapped.close()
         return None, "its file there is another one (is this rank on another machine?)"
     return mapped, None
-
-
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _round_up(value: int, multiple: int) -> int:

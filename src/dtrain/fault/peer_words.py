@@ -115,13 +115,7 @@ class PeerWords:
     def _read_words(self, prefix: str, ranks: list[int], what: str) -> dict[int, str]:
         """The words of ``ranks`` that are posted (and pass their seal): one call when all are."""
         keys = [f"{prefix}{rank}" for rank in ranks]
-
-        def read(store: Any) -> list[Any]:
-            if store.check(keys):
-                return list(store.multi_get(keys))
-            return [store.get(k) if store.check([k]) else None for k in keys]
-
-        raws = self._ask(read, what)
+        raws = self._ask(lambda store: sealed_store.get_many(store, keys), what)
         words = {rank: sealed_store.text(k, raw) for rank, k, raw in zip(ranks, keys, raws)}
         return {rank: text for rank, text in words.items() if text is not None}
 

@@ -12,10 +12,10 @@ The file is replaced atomically, so a reader never sees half of it.
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dtrain.console import say_line
 from dtrain.fsutil import write_atomic
 
 STATUS_FILE = "status.json"
@@ -36,11 +36,9 @@ def write_status(run_dir: Path, status: RunStatus) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_atomic(run_dir / STATUS_FILE, json.dumps(asdict(status)))
     except OSError as exc:
-        print(
+        say_line(
             f"dtrain: warning: cannot write {run_dir / STATUS_FILE} ({exc.strerror or exc}); "
-            f"the run's state, {status.state} at step {status.step}, is not recorded there",
-            file=sys.stderr,
-            flush=True,
+            f"the run's state, {status.state} at step {status.step}, is not recorded there"
         )
 
 

@@ -15,7 +15,6 @@ there it stays torch's pick.
 
 from __future__ import annotations
 
-import datetime
 import os
 import signal
 import socket
@@ -25,7 +24,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from dtrain.dist.network import local_address, split_endpoint
-from dtrain.dist.stores import LOOPBACK, host_store
+from dtrain.dist.stores import LOOPBACK, client_store, host_store
 from dtrain.launch.rendezvous_wait import announce_waits
 
 if TYPE_CHECKING:
@@ -53,8 +52,6 @@ def rendezvous_store(config: LaunchConfig) -> Any:
     client of the machine that hosts it. Where this machine may host it without being told
     (no ``--node-rank``), it hosts it unless another launcher here already does, as torch
     decides."""
-    import torch.distributed as dist
-
     # One machine: "localhost:0" (a free port), which split_endpoint refuses.
     host, port = (
         ("localhost", 0)
@@ -71,9 +68,7 @@ def rendezvous_store(config: LaunchConfig) -> Any:
         except OSError:
             if told is not None:
                 raise
-    return dist.TCPStore(  # type: ignore[attr-defined]
-        host, port, is_master=False, timeout=datetime.timedelta(seconds=read_timeout_s)
-    )
+    return client_store(host, port, read_timeout_s)
 
 
 def _agent_class() -> Any:

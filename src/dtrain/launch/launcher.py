@@ -240,7 +240,7 @@ def supervise_members(
     envs: dict[int, dict[str, str]],
     max_restarts: int,
     job: JobSettings,
-    halt: Halt | None = None,
+    halt: Halt,
 ) -> tuple[list[int], list[int]]:
     """Run one worker per member (``envs``: member -> its environment) and supervise them, as
     torch's agent supervises its one worker in restart mode: a worker that fails is started
@@ -252,7 +252,6 @@ def supervise_members(
     signal's outcome once, :func:`report_preemption`) and the signals received."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    halt = halt or Halt()
     run_dir, attempts = config_path.parent, dict.fromkeys(envs, 0)
     running: dict[int, subprocess.Popen[bytes]] = {}
     codes: dict[int, int] = {}

@@ -29,14 +29,6 @@ class LaunchOptions:
     local_addr: str | None = None
     iface: str = ""
 
-    @property
-    def max_world_size(self) -> int:
-        return self.nproc * self.max_nodes
-
-    @property
-    def min_world_size(self) -> int:
-        return self.nproc * self.min_nodes
-
 
 def default_nproc() -> int:
     """One worker per GPU; on CPU, one per core up to 4 (more, smaller workers mostly add

@@ -16,7 +16,6 @@ where the machines' run folders differ; a shared one is refused by its hold firs
 
 from __future__ import annotations
 
-import datetime
 import json
 import threading
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from typing import Any
 from dtrain.console import say_line
 from dtrain.dist.network import split_endpoint
 from dtrain.dist.secret import JobSecret
+from dtrain.dist.stores import client_store
 from dtrain.errors import UserError
 
 NOTICE_AFTER_S = 5.0  # a rendezvous of machines started together completes well within this
@@ -38,17 +38,12 @@ def share_shape(endpoint: str, shape: dict[str, str], hosting: bool, secret: Job
     naming what differs. Nothing posted -- a rendezvous served apart (``dtrain rendezvous``
     posts only the secret's check), or its host a moment behind -- is not checked (the wait
     then says what it waits for)."""
-    import torch.distributed as dist
-
     from dtrain.dist.rendezvous import check_secret, post_secret_check
 
-    host, port = split_endpoint(endpoint)
-    store = dist.TCPStore(  # type: ignore[attr-defined]
-        host, port, is_master=False, timeout=datetime.timedelta(seconds=30)
-    )
+    store = client_store(*split_endpoint(endpoint), 30.0)
     if hosting:
         post_secret_check(store, secret)
-        store.set(SHAPE_KEY, secret.seal(SHAPE_KEY, json.dumps(shape).encode()))  # type: ignore[arg-type]
+        store.set(SHAPE_KEY, secret.seal(SHAPE_KEY, json.dumps(shape).encode()))
         return
     check_secret(store, secret, endpoint)
     if not store.check([SHAPE_KEY]):

@@ -35,7 +35,7 @@ from dtrain.parallel import build_strategy
 from dtrain.parallel.base import LossFn, Strategy
 from dtrain.parallel.sharded import MeshStrategy
 from dtrain.task import Task
-from dtrain.train.optim_choice import check_held
+from dtrain.train.optim_choice import checked_optimizer
 from dtrain.train.step import rescale_gradients
 from dtrain.train.trainer import Trainer
 
@@ -100,13 +100,8 @@ def wrap_trained(
         strategy.whole_without_plan = True
     strategy.comm = main.comm  # its bytes and waits are the run's: counted with the main's
     strategy.setup(Task(model=model, train_data=(), loss_fn=set_up))
-    optimizer = build_optimizer(list(strategy.named_parameters()))
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise UserError(
-            f"run.wrap({name!r}, ...)'s optimizer builder returned {type(optimizer).__name__}, "
-            "expected a torch.optim.Optimizer"
-        )
-    check_held(optimizer, strategy)
+    built = build_optimizer(list(strategy.named_parameters()))
+    optimizer = checked_optimizer(built, strategy, f"run.wrap({name!r}, ...)'s optimizer builder")
     set_up_on_first_call(strategy, set_up)
     return Wrapped(name, strategy, optimizer)
 

@@ -302,25 +302,35 @@ class Strategy(ABC):
         (:mod:`dtrain.checkpoint.cross_form`): torch's distributed state-dict default, each
         parameter by its name in the whole model (:attr:`whole_names`); this rank's part of
         each tensor."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        options = checkpoint_options(None, self.left_out)
-        model_state, optim_state = get_state_dict(self.unwrapped, optimizer, options=options)
-        model_state = without(model_state, self.left_out)
+        model_state, optim_state = self._torch_state(optimizer)
         return {"model": model_state, "optimizer": renamed(optim_state, self.whole_names)}
 
     def load_state_dicts_by_name(
         self, optimizer: torch.optim.Optimizer, states: dict[str, Any]
     ) -> None:
+        ours = {whole: name for name, whole in self.whole_names.items()}
+        self._set_torch_state(optimizer, states["model"], renamed(states["optimizer"], ours))
+
+    def _torch_state(
+        self, optimizer: torch.optim.Optimizer, options: Any = None
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The model's and optimizer's state through torch's distributed state-dict API
+        (``options``: its ``StateDictOptions``, None for its default), frozen names left out."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        opts = checkpoint_options(options, self.left_out)
+        model_state, optim_state = get_state_dict(self.unwrapped, optimizer, options=opts)
+        return without(model_state, self.left_out), optim_state
+
+    def _set_torch_state(
+        self, optimizer: torch.optim.Optimizer, model: Any, optim: Any, options: Any = None
+    ) -> None:
+        """:meth:`_torch_state`'s inverse, in place."""
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        ours = {whole: name for name, whole in self.whole_names.items()}
+        opts = checkpoint_options(options, self.left_out)
         set_state_dict(
-            self.unwrapped,
-            optimizer,
-            model_state_dict=states["model"],
-            optim_state_dict=renamed(states["optimizer"], ours),
-            options=checkpoint_options(None, self.left_out),
+            self.unwrapped, optimizer, model_state_dict=model, optim_state_dict=optim, options=opts
         )
 
     def load_beside(self, parts: dict[str, Any], origin: Origin) -> None:

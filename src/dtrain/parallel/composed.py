@@ -1,22 +1,9 @@
 """The model-parallel layouts without a pipeline, composed over one mesh: tensor parallelism
 (``tp``) inside, FSDP over the data-parallel shards (``dp_shard``), replicas of the whole
-(sharded) model outside (``dp_replicate``) -- FSDP, hybrid sharding (replicate x shard),
-FSDP x tensor parallelism, tensor parallelism x replicas. The strategies ``fsdp`` and
-``tensor`` are points of this space:
-
-- ``fsdp`` (torch's FSDP2, ``fully_shard``): a rank keeps 1/N of every parameter, gradient and
-  optimizer state, all-gathers a block's parameters just before using it and reduce-scatters
-  its gradients right after; the math is data parallelism's. ``strategy.dp_replicate = R``
-  keeps R copies of a model sharded over world / R ranks (hybrid sharding: reduce-scatter
-  inside a copy, all-reduce across copies -- for fast links inside machines and slow ones
-  between), and ``strategy.tensor_parallel = T`` cuts each layer over T ranks inside each shard.
-- ``tensor`` (``torch.distributed.tensor.parallel``): each layer's weight matrices cut across
-  ranks, Megatron-style (column-wise into a block, row-wise out of it: one all-reduce in
-  forward and one in backward per block), as the model's plan names them
-  (:mod:`dtrain.parallel.tensor_plan`). The cut weights become ``DTensor`` shards; every other
-  parameter is replicated over the group. With more ranks than ``strategy.tensor_parallel``,
-  ``world / degree`` data-parallel copies train beside it: whole replicas
-  (``strategy.data_parallel = 'replicate'``, gradients averaged) or FSDP shards (``'fsdp'``).
+(sharded) model outside (``dp_replicate``). The strategies ``fsdp`` (FSDP2's ``fully_shard``;
+hybrid with ``strategy.dp_replicate``, x tensor parallelism with ``strategy.tensor_parallel``)
+and ``tensor`` (the model's plan, :mod:`dtrain.parallel.tensor_plan`, x replicas or FSDP
+shards: ``strategy.data_parallel``) are points of this space; docs/strategies.md describes each.
 
 Set-up applies each part to the model in one order, torchtitan's::
 

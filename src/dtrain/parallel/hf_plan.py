@@ -27,6 +27,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from dtrain.parallel.transposed import FusedHeadsAttention, TransposedParallel
 
 KNOWN = "GPT-2 (GPT2Attention and GPT2MLP blocks) and models whose config has a base_model_tp_plan"
+# How a plan names torch's styles of an nn.Linear (dtrain's plans and transformers' alike).
+STYLES: dict[str, type[ParallelStyle]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
 def knows(model: nn.Module) -> bool:
@@ -83,13 +85,9 @@ def _config_plan(model: nn.Module, degree: int) -> dict[str, ParallelStyle] | No
         heads = getattr(config, key, None)
         if isinstance(heads, int) and heads % degree:
             raise ValueError(f"config.{key} = {heads} is not a multiple of the degree {degree}")
-    styles: dict[str, type[ParallelStyle]] = {
-        "colwise": ColwiseParallel,
-        "rowwise": RowwiseParallel,
-    }
     plan: dict[str, ParallelStyle] = {}
     for pattern, style in patterns.items():
-        if style not in styles:
+        if style not in STYLES:
             raise ValueError(
                 f"its base_model_tp_plan cuts {pattern} {style!r}; dtrain takes 'colwise' and "
                 "'rowwise' nn.Linear layers only"
@@ -99,5 +97,5 @@ def _config_plan(model: nn.Module, degree: int) -> dict[str, ParallelStyle] | No
             if regex.match(name):
                 if not isinstance(module, nn.Linear):
                     raise ValueError(f"its base_model_tp_plan cuts {name}, not an nn.Linear")
-                plan[f"{prefix}.{name}" if prefix else name] = styles[style]()
+                plan[f"{prefix}.{name}" if prefix else name] = STYLES[style]()
     return plan or None

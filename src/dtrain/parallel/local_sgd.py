@@ -1,23 +1,14 @@
 """``localsgd`` and ``diloco``: data parallelism that communicates every H steps, not every step
-(docs/communication.md, "Fewer rounds", says it all at length).
+(docs/communication.md, "Fewer rounds", gives the step, the sync and the warm-up at length).
 
-Each rank trains its own replica with the normal (inner) optimizer on its share of every global
-batch; nothing is synchronized in backward. Every H = ``comm.sync_every`` steps counted from
-``comm.local_start_step`` (and at the run's last step, so that it ends on one model) the
-replicas meet::
+Each rank trains its own replica with the inner optimizer on its share of every global batch;
+nothing is synchronized in backward. The replicas meet every H = ``comm.sync_every`` steps
+counted from ``comm.local_start_step``, and at the run's last step so that it ends on one model:
+localsgd averages the parameters; diloco averages the outer gradient (anchor - replica), steps
+the anchor with an outer Nesterov SGD and restarts every replica from it. Floating-point buffers
+are averaged with them, in flat buckets of ``strategy.bucket_mb``. The first
+``comm.local_start_step`` steps are plain data parallelism (gradients averaged every step).
 
-    setup      broadcast parameters and buffers from rank 0           (replicas start equal)
-    step t     forward/backward on this rank's share, local clip,
-               one 4-byte all-reduce: the largest local gradient norm  (every rank agrees
-                                                                        whether to skip)
-               inner optimizer step on this rank's replica
-    sync       localsgd: average the parameters over the data-parallel group
-               diloco:   outer gradient = anchor - mean(replicas); an outer SGD step with
-                         Nesterov momentum moves the anchor; every replica restarts from it
-               (flat buckets of ``strategy.bucket_mb``; floating-point buffers averaged too)
-
-The first ``comm.local_start_step`` steps are plain data parallelism: each step's gradients are
-averaged before the optimizer step (post-local SGD; diloco's anchor is the model of that step).
 The trainer's loss scale makes each replica's gradient that of its local mean with equal
 shares, and weights its steps by its share of the items otherwise. Clipping is per replica;
 :meth:`LocalSGDStrategy.clip_grad_norm` returns the largest local norm over the ranks (+inf

@@ -27,7 +27,6 @@ from torch.distributed.tensor.parallel import parallelize_module
 from dtrain.checkpoint.forms import Form, Part
 from dtrain.config.layout import strategy_dims
 from dtrain.parallel.base import Strategy
-from dtrain.parallel.frozen import checkpoint_options, without
 from dtrain.parallel.grad_norm import local_part
 from dtrain.parallel.grad_sync import average_in_buckets
 from dtrain.parallel.materialize import is_meta_model, materialize
@@ -167,11 +166,7 @@ class MeshStrategy(Strategy):
     def state_dicts(self, optimizer: torch.optim.Optimizer) -> dict[str, Part]:
         """Every rank gives its part of the model and optimizer state, in a form DCP saves and
         loads in place."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        options = checkpoint_options(self.state_dict_options, self.left_out)
-        model_state, optim_state = get_state_dict(self.unwrapped, optimizer, options=options)
-        model_state = without(model_state, self.left_out)
+        model_state, optim_state = self._torch_state(optimizer, self.state_dict_options)
         if self.fused_cuts:
             model_state, optim_state = dcp_ready(model_state), dcp_ready(optim_state)
         return {
@@ -181,21 +176,13 @@ class MeshStrategy(Strategy):
 
     def load_state_dicts(self, optimizer: torch.optim.Optimizer, states: dict[str, Any]) -> None:
         """Apply a state filled by DCP (see :meth:`state_dicts`)."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        options = checkpoint_options(self.state_dict_options, self.left_out)
+        options = self.state_dict_options
         model_state, optim_state = states["model"], states["optimizer"]
         if self.fused_cuts:
-            model_layout, optim_layout = get_state_dict(self.unwrapped, optimizer, options=options)
+            model_layout, optim_layout = self._torch_state(optimizer, options)
             model_state = back_to_layout(model_state, model_layout)
             optim_state = back_to_layout(optim_state, optim_layout)
-        set_state_dict(
-            self.unwrapped,
-            optimizer,
-            model_state_dict=model_state,
-            optim_state_dict=optim_state,
-            options=options,
-        )
+        self._set_torch_state(optimizer, model_state, optim_state, options)
 
     def state_dicts_by_name(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         states = super().state_dicts_by_name(optimizer)

@@ -6,11 +6,11 @@ Face model without that method gets the plan dtrain knows for it (:mod:`.hf_plan
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from dtrain.errors import ConfigError
-
-STYLES: dict[str, type[ParallelStyle]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+from dtrain.parallel.hf_plan import KNOWN, STYLES, hf_plan, knows
+from dtrain.parallel.transposed import FusedHeadsAttention
 
 
 def model_plan(model: nn.Module, degree: int, held_only: bool = False) -> dict[str, ParallelStyle]:
@@ -46,15 +46,11 @@ def model_plan(model: nn.Module, degree: int, held_only: bool = False) -> dict[s
 
 def has_plan(model: nn.Module) -> bool:
     """Whether the model names its cuts, or dtrain knows them (:mod:`.hf_plan`)."""
-    from dtrain.parallel.hf_plan import knows
-
     return callable(getattr(model, "tensor_parallel_plan", None)) or knows(model)
 
 
 def _known_plan(model: nn.Module, degree: int, held_only: bool) -> dict[str, ParallelStyle]:
     """The plan of a Hugging Face model dtrain knows (:mod:`dtrain.parallel.hf_plan`)."""
-    from dtrain.parallel.hf_plan import KNOWN, hf_plan
-
     kind = type(model).__name__
     try:
         plan = hf_plan(model, degree)
@@ -82,8 +78,6 @@ def check_not_sharded(model: nn.Module, styles: dict[str, ParallelStyle]) -> Non
     """FSDP cannot shard what is cut inside blocks (GPT-2's fused q|k|v): on a 1-D bias it
     would lay its shards over tensor parallelism's as over a plain cut, and the whole tensor it
     then describes (saves, exports) is not the model's."""
-    from dtrain.parallel.transposed import FusedHeadsAttention
-
     fused = [name for name, style in styles.items() if isinstance(style, FusedHeadsAttention)]
     if fused:
         raise ConfigError(

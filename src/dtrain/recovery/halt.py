@@ -26,7 +26,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from dtrain.dist.store_link import StoreLink
 from dtrain.recovery.membership import read_text, write_value
 
 HALT_KEY = "halt"  # under the membership's prefix: why node 0 stopped the job at once
@@ -38,27 +37,18 @@ def ack_key(node: int) -> str:
     return f"{HALT_KEY}/ack/{node}"
 
 
-def halt_other_machines(store: Any, nnodes: int, wait_s: float = ACK_S) -> list[int]:
+def halt_other_machines(store: Any, nnodes: int) -> list[int]:
     """On node 0, its own workers frozen: tell the other machines' launchers to kill their
-    workers, and wait (at most ``wait_s``) until each says it did; the node ranks that did
+    workers, and wait (at most ``ACK_S``) until each says it did; the node ranks that did
     not."""
     write_value(store, HALT_KEY, REASON)
     waiting = list(range(1, nnodes))
-    deadline = time.monotonic() + wait_s
+    deadline = time.monotonic() + ACK_S
     while waiting and time.monotonic() < deadline:
-        waiting = [node for node in waiting if not _acked(store, node)]
+        waiting = [node for node in waiting if read_text(store, ack_key(node)) != "killed"]
         if waiting:
             time.sleep(0.05)
     return waiting
-
-
-def _acked(store: Any, node: int) -> bool:
-    return read_text(store, ack_key(node)) == "killed"
-
-
-def acknowledge_halt(link: StoreLink, node: int) -> None:
-    """On another machine, its workers killed: say so to node 0's launcher."""
-    link.call(lambda s: write_value(s, ack_key(node), "killed"), "acknowledging the halt")
 
 
 class Halt:
@@ -67,7 +57,7 @@ class Halt:
     second signal; elsewhere, :meth:`heard` (node 0's reason, once posted) and
     :meth:`acknowledge` once its workers are killed. On one machine: nothing."""
 
-    def __init__(self, membership: Any = None, node: int = 0, nnodes: int = 1) -> None:
+    def __init__(self, membership: Any, node: int, nnodes: int) -> None:
         """``membership``: node 0's coordinator (its ``store``) or another machine's node
         watcher (its ``halted`` and ``link``)."""
         self.membership, self.node, self.nnodes = membership, node, nnodes
@@ -80,5 +70,7 @@ class Halt:
         return str(getattr(self.membership, "halted", "")) if self.node else ""
 
     def acknowledge(self) -> None:
+        """On another machine, its workers killed: say so to node 0's launcher."""
         self.membership.stop()  # its thread calls the same link: no two callers at once
-        acknowledge_halt(self.membership.link, self.node)
+        key = ack_key(self.node)
+        self.membership.link.call(lambda s: write_value(s, key, "killed"), "acknowledging the halt")

@@ -94,15 +94,11 @@ def slots(skeleton: Any) -> list[Slot]:
     """The skeleton's slots in the order their tensors travel."""
     found: list[Slot] = []
 
-    def walk(value: Any) -> None:
+    def walk(value: Any) -> Any:
         if isinstance(value, Slot):
             found.append(value)
-        elif isinstance(value, dict):
-            for item in value.values():
-                walk(item)
-        elif type(value) in (list, tuple):
-            for item in value:
-                walk(item)
+            return value
+        return _rebuild(value, walk)  # the nest walked as split walks it (a copy, no tensors)
 
     walk(skeleton)
     found.sort(key=lambda slot: slot.index)

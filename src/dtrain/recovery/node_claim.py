@@ -48,7 +48,6 @@ def claim_node(
     node: int,
     nnodes: int,
     *,
-    quiet_s: float = QUIET_S,
     sleep: Callable[[float], None] = time.sleep,
 ) -> str:
     """Claim ``--node-rank node`` for this launcher; its token. A one-line :class:`UserError`
@@ -71,7 +70,7 @@ def claim_node(
         return token
     counter = alive_key(node)
     before = link.call(lambda s: int(s.add(counter, 0)), "reading a launcher's liveness")
-    sleep(quiet_s)
+    sleep(QUIET_S)
     after = link.call(lambda s: int(s.add(counter, 0)), "reading a launcher's liveness")
     if after != before:
         raise UserError(

@@ -102,7 +102,9 @@ def agree_on_run_dir(cfg: Config, runtime: Runtime) -> None:
 def build_trainer(cfg: Config) -> Trainer:
     """In a worker: join the job's process group, then build the task and its trainer. Every
     rank seeds the same before the task builds its model, so the replicas start equal."""
-    return build_trainer_on(cfg, join_job(cfg))
+    runtime = join_job(cfg)
+    agree_on_config(cfg, runtime)  # one job, one config, whichever machine a rank is on
+    return build_agreed_trainer(cfg, runtime)
 
 
 def join_job(cfg: Config) -> Runtime:
@@ -113,14 +115,8 @@ def join_job(cfg: Config) -> Runtime:
     return runtime
 
 
-def build_trainer_on(cfg: Config, runtime: Runtime) -> Trainer:
-    """The task and its trainer in a process group that is up."""
-    agree_on_config(cfg, runtime)  # one job, one config, whichever machine a rank is on
-    return build_agreed_trainer(cfg, runtime)
-
-
 def build_agreed_trainer(cfg: Config, runtime: Runtime) -> Trainer:
-    """:func:`build_trainer_on` once the ranks agreed on ``cfg``: every rank seeded alike, the
+    """The task and its trainer once the ranks agreed on ``cfg``: every rank seeded alike, the
     task built, its trainer wired (``fault.recovery = 'inplace'`` builds one per membership
     generation, :mod:`dtrain.train.inplace_worker`)."""
     factory = resolve_task(cfg.run.task)

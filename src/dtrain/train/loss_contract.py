@@ -113,7 +113,7 @@ def contract_message(
     target_shape: tuple[int, ...] | None,
     items: int,
     shifted: int | None,
-    source: str = "Task.loss_fn returned",
+    source: str,
 ) -> str:
     values = losses.numel()
     head = (

@@ -24,30 +24,29 @@ def build_run_optimizer(task: Task, strategy: Strategy, cfg: Config) -> torch.op
     named = list(strategy.named_parameters())
     if task.build_optimizer is None:
         return build_optimizer(named, cfg.optim)
-    optimizer = task.build_optimizer(named)
+    return checked_optimizer(task.build_optimizer(named), strategy, "Task.build_optimizer")
+
+
+def checked_optimizer(optimizer: object, strategy: Strategy, what: str) -> torch.optim.Optimizer:
+    """``optimizer``, as the user's builder ``what`` returned it, checked: a torch optimizer
+    whose every parameter is one the strategy holds -- else it would step tensors that never
+    get the synchronized gradients (a model's own parameters captured before FSDP replaced them
+    with its shards, another model's)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise UserError(
-            f"Task.build_optimizer returned {type(optimizer).__name__}, expected a "
-            "torch.optim.Optimizer"
+            f"{what} returned {type(optimizer).__name__}, expected a torch.optim.Optimizer"
         )
-    check_held(optimizer, strategy)
-    return optimizer
-
-
-def check_held(optimizer: torch.optim.Optimizer, strategy: Strategy) -> None:
-    """Every parameter the optimizer updates is one the strategy holds: else the optimizer
-    would step tensors that never get the synchronized gradients (a model's own parameters
-    captured before FSDP replaced them with its shards, another model's)."""
     held = {id(p) for p in strategy.parameters()}
     foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in held]
     if foreign:
         shape = list(foreign[0].shape)
         raise UserError(
-            f"Task.build_optimizer returned an optimizer over {len(foreign)} parameter(s) that "
+            f"{what} returned an optimizer over {len(foreign)} parameter(s) that "
             f"strategy {strategy.name!r} does not hold (the first of shape {shape}): build its "
             "groups from the named parameters it is called with, not from the model the task "
             "built (a strategy may replace them: fsdp with its shards, pipeline with a stage's)"
         )
+    return optimizer
 
 
 def build_run_scheduler(task: Task, optimizer: torch.optim.Optimizer, cfg: Config) -> Scheduler:

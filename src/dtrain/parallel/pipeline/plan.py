@@ -30,11 +30,10 @@ def choose_plan(
     layers: Sequence[nn.Module],
     num_stages: int,
     example: Any,
-    group: dist.ProcessGroup | None = None,
 ) -> StagePlan:
     """The stage boundaries. Collective when profiling: every rank measures the chain and the
-    times are averaged over ``group`` (default: the world), so that every rank computes the
-    same plan from the same numbers."""
+    times are averaged over the world, so that every rank computes the same plan from the same
+    numbers."""
     n = len(layers)
     if opts.pipeline_boundaries:
         bounds = [0, *opts.pipeline_boundaries, n]
@@ -46,16 +45,14 @@ def choose_plan(
         return plan_from_bounds([1.0] * n, bounds)
     if opts.pipeline_balance == "uniform" or num_stages == 1:
         return plan_from_bounds([1.0] * n, uniform_bounds(n, num_stages))
-    return profiled_plan(layers, example, num_stages, group)
+    return profiled_plan(layers, example, num_stages)
 
 
-def profiled_plan(
-    layers: Sequence[nn.Module], example: Any, num_stages: int, group: dist.ProcessGroup | None
-) -> StagePlan:
+def profiled_plan(layers: Sequence[nn.Module], example: Any, num_stages: int) -> StagePlan:
     """The balanced plan from each layer's forward+backward seconds, corrected by timing the
-    plan's stages as cut (:func:`refine_plan`); every timing is averaged over the ranks of
-    ``group``. The measurement leaves no trace: RNG states, buffers (e.g. batch-norm
-    statistics) and gradients are as they were."""
+    plan's stages as cut (:func:`refine_plan`); every timing is averaged over the ranks. The
+    measurement leaves no trace: RNG states, buffers (e.g. batch-norm statistics) and
+    gradients are as they were."""
     if not isinstance(example, torch.Tensor):
         raise ConfigError(
             "strategy.pipeline_balance = 'profile' needs the model's input to be one tensor; "
@@ -66,8 +63,8 @@ def profiled_plan(
         if not dist.is_initialized():
             return seconds
         summed = torch.tensor(seconds, dtype=torch.float64)
-        dist.all_reduce(summed, group=group)
-        return [float(s) for s in summed / dist.get_world_size(group)]
+        dist.all_reduce(summed)
+        return [float(s) for s in summed / dist.get_world_size()]
 
     buffers = [(b, b.detach().clone()) for layer in layers for b in layer.buffers()]
     devices = [example.device] if example.device.type == "cuda" else []

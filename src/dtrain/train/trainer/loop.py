@@ -204,7 +204,12 @@ class Trainer:
     def open_loop(self, point: ResumePoint | None, summary: Summary, started: float) -> LoopState:
         """Training starts at ``self.step``: the run log's sinks and start record, the audit;
         what the loop carries from step to step."""
-        self._open(point)
+        membership = self.recovery.event() if self.recovery is not None else None
+        resumed_from = point.path.name if point is not None else None
+        in_place, counts = self.recovery is not None, self.strategy.counts_items
+        self.run_log.open(self.step, self.balance.hosts, resumed_from, membership, in_place)
+        if self.cfg.fault.audit_sample_ids:
+            self.audit = AuditWriter.open(self.run_dir, self.runtime.rank, records=counts)
         self.strategy.unwrapped.train()
         return LoopState(summary, started, LossWindow(self.runtime.device))
 
@@ -272,15 +277,6 @@ class Trainer:
 
     # -- the loop's parts, in the order it calls them -------------------------------------
 
-    def _open(self, point: ResumePoint | None) -> None:
-        """Training starts at ``self.step``: the run log's sinks and start record, the audit."""
-        membership = self.recovery.event() if self.recovery is not None else None
-        resumed_from = point.path.name if point is not None else None
-        in_place, counts = self.recovery is not None, self.strategy.counts_items
-        self.run_log.open(self.step, self.balance.hosts, resumed_from, membership, in_place)
-        if self.cfg.fault.audit_sample_ids:
-            self.audit = AuditWriter.open(self.run_dir, self.runtime.rank, records=counts)
-
     def next_batch(self) -> tuple[StepBatch, list[Any], int, int | None]:
         """The next step's batch, its micro-batches on the device, this rank's item count, and
         the step's global count from its plan where the task declares ``items_per_sample``
@@ -333,27 +329,19 @@ class Trainer:
                 self.optimizer.step()
             # What the logged lr is (docs/metrics.md): this step's, before the schedule moves on.
             self.step_lr = float(self.optimizer.param_groups[0]["lr"])
-            overflowed = self._loss_scale_overflowed(norm, loss_sum)
+            # fp16-mixed: the scaler halves its scale after an overflow, and grows it after
+            # enough steps without (a further optimizer's overflow within the step counts too).
+            overflowed = self.scale_overflowed(norm, loss_sum)
+            if self.scaler is not None:
+                self.scaler.update(overflowed)
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         return norm, overflowed
 
-    def _loss_scale_overflowed(self, norm: float, loss_sum: torch.Tensor) -> bool:
-        """Under fp16-mixed: whether a non-finite ``norm`` is the loss scale's overflow (every
-        rank's loss finite, the scale above its floor) -- the scaler's to handle -- rather than
-        a divergence, the NaN guard's; the scaler halves the scale after one, and grows it after
-        enough steps without (an update within the step that overflowed counts: a further
-        optimizer's, :meth:`LossScaler.note_overflow`). False without a scaler."""
-        scaler = self.scaler
-        if scaler is None:
-            return False
-        overflowed = self.scale_overflowed(norm, loss_sum)
-        scaler.update(overflowed)
-        return overflowed
-
     def scale_overflowed(self, norm: float, loss_sum: torch.Tensor) -> bool:
-        """Whether a non-finite ``norm`` is fp16's loss scale overflowing: every rank's
-        ``loss_sum`` finite, the scale above its floor. Collective after a non-finite norm."""
+        """Whether a non-finite ``norm`` is fp16's loss scale overflowing -- the scaler's to
+        handle -- rather than a divergence, the NaN guard's: every rank's ``loss_sum`` finite,
+        the scale above its floor. False without a scaler. Collective after a non-finite norm."""
         scaler = self.scaler
         if scaler is None or math.isfinite(norm) or scaler.scale <= scaler.min_scale:
             return False
