@@ -217,9 +217,8 @@ def merge_base(step_dir: Location, base: str | None) -> str:
     (the checkpoint holds the adapters only: its base is frozen and not saved)."""
     if base:
         return base
-    import tomllib
-
     from dtrain.checkpoint.read import load_meta
+    from dtrain.config.load import tomllib
 
     config = tomllib.loads(str(load_meta(step_dir).get("config", "")))
     init_from = str(config.get("run", {}).get("init_from", ""))
