@@ -35,7 +35,7 @@ from dtrain.errors import UserError
 from dtrain.fsutil import follow_umask, fsync_dir, require_output_folder
 from dtrain.storage.objects import Location, location
 from dtrain.weights.adapters import is_peft_run, load_adapters, require_peft
-from dtrain.weights.init_from import load_base_into
+from dtrain.weights.init_from import load_base_into, load_state_into, read_weights
 from dtrain.weights.model_config import HF_CONFIG_DIR
 
 FORMATS = ("safetensors", "torch", "hf")
@@ -150,8 +150,6 @@ def write_pretrained(state: dict[str, torch.Tensor], config_dir: Path, out: Path
     ``config_dir/config.json`` (``architectures``) is built from that config, given the
     weights (every key must fit), and saved with its own ``save_pretrained``."""
     model = build_pretrained_model(config_dir)
-    from dtrain.weights.init_from import load_state_into
-
     load_state_into(model, state, f"the checkpoint ({config_dir.parent})")
     save_quietly(model, out)
 
@@ -190,8 +188,6 @@ def write_adapter_folder(
 ) -> None:
     """A PEFT run's adapters (``state``) as PEFT saves them; with ``base`` (the path of the
     base's weights), the base with them merged in, as the plain model saves itself."""
-    from dtrain.weights.init_from import read_weights
-
     weights = read_weights(base) if base is not None else None
     model: Any = build_peft_model(config_dir, weights)
     load_adapters(model, state, f"the checkpoint ({config_dir.parent})")
