@@ -112,24 +112,24 @@ def fetch_batch(dataset: Any, ids: Sequence[int] | np.ndarray, collate_fn: Colla
     return collate_fn(fetch(dataset, ids))
 
 
-def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """``batch`` with ``fn`` applied to every tensor in its lists, tuples and dicts."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_map_tensors(b, fn) for b in batch)
+        return type(batch)(map_tensors(b, fn) for b in batch)
     if isinstance(batch, dict):
-        return {k: _map_tensors(v, fn) for k, v in batch.items()}
+        return {k: map_tensors(v, fn) for k, v in batch.items()}
     return batch
 
 
 def pin(batch: Any) -> Any:
-    return _map_tensors(batch, torch.Tensor.pin_memory)
+    return map_tensors(batch, torch.Tensor.pin_memory)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
     # A tensor already there (CPU training) makes no call into torch's dispatcher.
-    return _map_tensors(
+    return map_tensors(
         batch, lambda t: t if t.device == device else t.to(device, non_blocking=True)
     )
 
