@@ -1,13 +1,6 @@
 """Hugging Face ``transformers`` models as they come: a causal LM or a sequence classifier in a
 :class:`~dtrain.Task` of a few lines, no wrapper (checkpoints and exports keep the model's own
-weight names)::
-
-    from transformers import GPT2Config, GPT2LMHeadModel
-    import dtrain.hf
-
-    def build(cfg):
-        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2))
-        return dtrain.hf.causal_lm_task(model, train_data=..., val_data=...)
+weight names; docs/models.md shows one).
 
 A dataset yields dicts of tensors, the fields the model takes (``input_ids``, optionally
 ``attention_mask``, ...) and ``labels`` (a causal LM may leave them out: its labels are then

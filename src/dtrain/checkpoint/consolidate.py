@@ -58,11 +58,10 @@ def is_checkpoint_folder(path: Location) -> bool:
     )
 
 
-def find_checkpoint(path: Location, step: int | None = None) -> Location:
+def find_checkpoint(path: Location) -> Location:
     """The committed checkpoint ``path`` names: a checkpoint's folder itself (verified against
-    its marker), or in a run folder (or its ``checkpoints/``) the newest one that verifies
-    (``step``: that one)."""
-    return locate_checkpoint(path, step)[0]
+    its marker), or in a run folder (or its ``checkpoints/``) the newest one that verifies."""
+    return locate_checkpoint(path)[0]
 
 
 def skipped_words(found: Location, skipped: list[tuple[Location, str]]) -> str:

@@ -73,7 +73,7 @@ def part_file(name: str, form: Form, rank: int) -> str:
 def list_step_dirs(root: Location) -> list[tuple[int, Location]]:
     """``(step, folder)`` of every ``step-N`` folder, newest first (committed or not)."""
     if isinstance(root, ObjectPath) and root.scheme == "s3":
-        steps = {step for step, _ in _stored_names(root, delimited=True)}
+        steps = {step for step in map(step_of, stored_folders(root)) if step is not None}
         return sorted(((step, root / step_dir_name(step)) for step in steps), reverse=True)
     if not root.is_dir():
         return []
@@ -90,27 +90,6 @@ def stored_folders(root: ObjectPath) -> list[str]:
     return [
         str(e["name"]).rstrip("/").rpartition("/")[2] for e in found if e["type"] == "directory"
     ]
-
-
-def _stored_names(root: ObjectPath, delimited: bool) -> list[tuple[int, str]]:
-    """``(step, name in its folder)`` under an S3 store's ``root``: its ``step-N`` prefixes
-    (one listing, ``delimited``: the name is empty), or every object in them (one flat
-    listing, paged by the store) -- rather than a request per folder and per marker."""
-    head = root.url.split("://", 1)[1].rstrip("/") + "/"
-    if delimited:
-        keys = [f"{head}{name}/" for name in stored_folders(root)]
-    else:
-        try:
-            keys = [str(key) for key in root._call("list", lambda: root.fs.find(root.url))]
-        except FileNotFoundError:
-            return []
-    out = []
-    for key in keys:
-        folder, _, rest = key.removeprefix(head).partition("/")
-        step = step_of(folder)
-        if key.startswith(head) and step is not None:
-            out.append((step, rest))
-    return out
 
 
 def marker_digest(marker: dict[str, Any]) -> str:
@@ -134,6 +113,9 @@ def job_of(step_dir: Location) -> str:
 def committed_steps(root: Location) -> list[int]:
     """The steps whose folder holds a marker, newest first (not yet verified)."""
     if isinstance(root, ObjectPath) and root.scheme == "s3":
-        steps = {step for step, name in _stored_names(root, delimited=False) if name == MARKER}
-        return sorted(steps, reverse=True)
+        # Every object under root in one flat listing (paged by the store), rather than a
+        # request per folder and per marker.
+        named = (key.partition("/") for key in root.sizes())
+        steps = {step_of(folder) for folder, _, rest in named if rest == MARKER}
+        return sorted((step for step in steps if step is not None), reverse=True)
     return [step for step, path in list_step_dirs(root) if (path / MARKER).exists()]

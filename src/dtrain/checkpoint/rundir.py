@@ -81,16 +81,6 @@ def check_run_dir(cfg: Config, force: bool) -> Location | None:
     return path
 
 
-def check_writable(run_dir: Location) -> None:
-    """The run folder and its ``checkpoints/`` exist (made if need be) and take a file: a
-    one-line user error otherwise (read-only, not ours, a file where a folder should be)."""
-    if isinstance(run_dir, ObjectPath):
-        check_store(run_dir)
-        return
-    for folder in (run_dir, run_dir / "checkpoints"):
-        require_output_folder(folder, f"run.dir {run_dir}", choose="run.dir")
-
-
 def check_store(run_dir: ObjectPath) -> None:
     """A write probe of a run folder in an object store, with a conditional write (what the
     hold rests on): a user error naming what is wrong and what to do. A store that takes a
@@ -155,7 +145,11 @@ def held_run_dir(cfg: Config, run_id: str, rdzv_endpoint: str) -> Iterator[Path]
     check_scheme(cfg.run.dir)
     run_dir = location(cfg.run.dir)
     local = local_run_dir(cfg.run.dir, cfg.run.local_dir)
-    check_writable(run_dir)
+    if isinstance(run_dir, ObjectPath):
+        check_store(run_dir)
+    else:  # the folder and its checkpoints/ made if need be, and taking a file: one line if not
+        for folder in (run_dir, run_dir / "checkpoints"):
+            require_output_folder(folder, f"run.dir {run_dir}", choose="run.dir")
     if local != Path(str(run_dir)):
         require_output_folder(local, f"run.local_dir {local}", choose="run.local_dir")
     try:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from dtrain.checkpoint import store
-from dtrain.fsutil import format_size as format_size
+from dtrain.fsutil import format_size
 from dtrain.fsutil import is_disk_full as is_disk_full
 from dtrain.storage.objects import Location
 
@@ -56,16 +56,10 @@ def _storages(obj: Any, seen: dict[int, int]) -> None:
         seen[id(obj)] = len(obj)
 
 
-def free_bytes(folder: Location) -> int | None:
-    """Bytes an unprivileged writer may still use on ``folder``'s filesystem (None: an object
-    store's, which has no disk dtrain can see)."""
-    return store.free_bytes(folder)
-
-
 def words(folder: Location, need: int) -> str:
     """A full disk, in words: where, what was needed, what is free."""
     try:
-        room = free_bytes(folder)
+        room = store.free_bytes(folder)
         free = "an unknown amount" if room is None else format_size(room)
     except OSError:
         free = "an unknown amount"
@@ -77,6 +71,6 @@ def words(folder: Location, need: int) -> str:
 
 def check_room(folder: Location, need: int) -> None:
     """Raise :class:`DiskFull` when ``need`` bytes cannot fit on ``folder``'s disk."""
-    room = free_bytes(folder)
+    room = store.free_bytes(folder)
     if room is not None and need > room:
         raise DiskFull(words(folder, need))

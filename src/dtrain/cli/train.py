@@ -8,7 +8,7 @@ import argparse
 import os
 from typing import TYPE_CHECKING
 
-from dtrain.config.job import CHECKED_ENV, JobShape
+from dtrain.config.job import CHECKED_ENV, JobShape, validate_job
 
 if TYPE_CHECKING:
     from dtrain.launch.options import LaunchOptions
@@ -46,7 +46,6 @@ def train_job(args: argparse.Namespace, opts: LaunchOptions, overrides: list[str
     """``dtrain train`` once its options are checked and its environment is set."""
     from dtrain.checkpoint.rundir import check_resume_folder, check_run_dir, held_run_dir
     from dtrain.comm.transport import check_transport_job
-    from dtrain.config.job import validate_job
     from dtrain.launch.launcher import launch
     from dtrain.launch.options import JobSettings
     from dtrain.train.job import default_run_dir, load_job_config

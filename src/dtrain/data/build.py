@@ -132,9 +132,8 @@ def build_train_loader(
 ) -> StepLoader:
     """This data-parallel ``rank``'s loader, of ``ranks`` that share each global batch.
     ``exchange`` (collective: every rank's value, in rank order; None for one process) carries
-    a stream's shard positions between the ranks."""
+    a stream's shard positions between the ranks. The caller ran :func:`check_task_data`."""
     dataset = task.train_data
-    check_task_data(task, cfg)
     if is_stream(dataset):
         if exchange is None and ranks > 1:
             raise ValueError("a stream read by several ranks needs their exchange of positions")

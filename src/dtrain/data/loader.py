@@ -112,24 +112,24 @@ def fetch_batch(dataset: Any, ids: Sequence[int] | np.ndarray, collate_fn: Colla
     return collate_fn(fetch(dataset, ids))
 
 
-def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """``batch`` with ``fn`` applied to every tensor in its lists, tuples and dicts."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_map_tensors(b, fn) for b in batch)
+        return type(batch)(map_tensors(b, fn) for b in batch)
     if isinstance(batch, dict):
-        return {k: _map_tensors(v, fn) for k, v in batch.items()}
+        return {k: map_tensors(v, fn) for k, v in batch.items()}
     return batch
 
 
 def pin(batch: Any) -> Any:
-    return _map_tensors(batch, torch.Tensor.pin_memory)
+    return map_tensors(batch, torch.Tensor.pin_memory)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
     # A tensor already there (CPU training) makes no call into torch's dispatcher.
-    return _map_tensors(
+    return map_tensors(
         batch, lambda t: t if t.device == device else t.to(device, non_blocking=True)
     )
 
@@ -160,32 +160,94 @@ def _only(items: list[Any]) -> Any:
     return items[0]
 
 
-@dataclass(eq=False, repr=False)
-class RankLoader:
-    """Endless iterator of :class:`StepBatch` for one rank of the data-parallel group."""
+@dataclass(eq=False, repr=False, kw_only=True)
+class StepCut:
+    """What both loaders (:class:`RankLoader`, a stream's
+    :class:`~dtrain.data.stream_loader.StreamLoader`) keep alike: how a global batch is cut
+    across ranks and micro-steps, the position, and the ranges never delivered."""
 
-    dataset: Any
-    _: KW_ONLY
-    order: OrderSpec
     global_batch_size: int
     micro_batches: int
     rank: int
     world_size: int
     collate_fn: Collate
-    lengths: np.ndarray | None = None
     weights: Sequence[float] | None = None
     # Samples a rank holds per micro-batch at most (0 = data.micro_batches for every rank).
     max_micro_batch: int = 0
+    pin_memory: bool = False
+    consumed: int = field(default=0, init=False)  # stream position after the last step
+    # start -> end of stream ranges never delivered
+    skipped: dict[int, int] = field(default_factory=dict, init=False)
+
+    def check_cut(self) -> None:
+        # Under a micro-batch cap (load balancing) each rank needs one sample, not one per
+        # micro-step: its micro-steps follow its share (partition.step_shape).
+        per_rank = self.micro_batches if self.max_micro_batch <= 0 else 1
+        if self.world_size * per_rank > self.global_batch_size:
+            raise DataError(
+                f"a global batch of {self.global_batch_size} samples cannot give "
+                f"{self.world_size} ranks x {per_rank} micro-batches one sample each; raise "
+                "data.global_batch_size or lower data.micro_batches"
+            )
+        if self.weights is not None:
+            check_weights(self.weights, self.world_size)
+            self.weights = list(self.weights)
+
+    def check_same_stream(self, state: dict[str, Any], checks: list[tuple[str, str, Any]]) -> None:
+        """Refuse a saved position that counts in another stream: ``checks`` are (key, what it
+        is in words, this run's value)."""
+        for key, what, mine in checks:
+            theirs = state.get(key)
+            if theirs != mine:
+                raise DataError(
+                    f"cannot resume the data position: the checkpoint was made with {what} "
+                    f"{theirs!r}, this run has {mine!r}; use the same {what} or start a new run"
+                )
+
+    def skip(self, start: int, end: int) -> None:
+        """Never deliver stream positions ``start .. end-1`` (a batch that made the loss
+        non-finite); kept in the state, so it stays skipped after a resume."""
+        self.skipped[start] = end
+        self.reset()
+
+    def set_weights(self, weights: Sequence[float] | None) -> None:
+        """New per-rank shares (one positive number per rank; None = equal) from the next step
+        on (load balancing). Every rank must set the same weights before the same step. What
+        was planned and fetched ahead with the old weights is dropped; the position stays, so
+        every sample is still delivered exactly once."""
+        new = [float(w) for w in weights] if weights is not None else None
+        if new is not None:
+            check_weights(new, self.world_size)
+        if new != self.weights:  # else keep what was fetched ahead
+            self.weights = new
+            self.reshared()
+
+    def reset(self) -> None:
+        """Drop what was fetched ahead; the next step starts at ``consumed``."""
+        raise NotImplementedError
+
+    def reshared(self) -> None:
+        """New shares: what was fetched ahead for the old ones goes."""
+        self.reset()
+
+    def close(self) -> None:
+        self.reset()
+
+
+@dataclass(eq=False, repr=False)
+class RankLoader(StepCut):
+    """Endless iterator of :class:`StepBatch` for one rank of the data-parallel group."""
+
+    dataset: Any
+    _: KW_ONLY
+    order: OrderSpec
+    lengths: np.ndarray | None = None
     num_workers: int = 0
     prefetch: int = 2
-    pin_memory: bool = False
     fingerprint: str = ""
     # Shards in an object store: their pieces read ahead of the plan (None: local data, whose
     # path has nothing added).
     ahead: ReadAhead | None = None
-    consumed: int = field(default=0, init=False)  # stream position after the last step
-    # start -> end of stream ranges never delivered
-    skipped: dict[int, int] = field(default_factory=dict, init=False)
     _source: Iterator[StepBatch] | None = field(default=None, init=False)
     _halt: Callable[[], None] | None = field(default=None, init=False)  # stops the prefetch
 
@@ -198,18 +260,7 @@ class RankLoader:
                 f"sample_lengths() gives {len(self.lengths)} lengths for {order.num_samples} "
                 "samples"
             )
-        # Under a micro-batch cap (load balancing) each rank needs one sample, not one per
-        # micro-step: its micro-steps follow its share (partition.step_shape).
-        per_rank = self.micro_batches if self.max_micro_batch <= 0 else 1
-        if world_size * per_rank > self.global_batch_size:
-            raise DataError(
-                f"a global batch of {self.global_batch_size} samples cannot give "
-                f"{world_size} ranks x {per_rank} micro-batches one sample each; raise "
-                "data.global_batch_size or lower data.micro_batches"
-            )
-        if self.weights is not None:
-            check_weights(self.weights, world_size)
-            self.weights = list(self.weights)
+        self.check_cut()
         if world_size > order.num_samples:
             raise DataError(
                 f"the dataset has {order.num_samples} samples, fewer than the "
@@ -247,37 +298,12 @@ class RankLoader:
         ]
         if self.order.shuffle == "locality":
             checks.append(("shuffle_window", "data.shuffle_window", self.order.window))
-        for key, what, mine in checks:
-            theirs = state.get(key)
-            if theirs != mine:
-                raise DataError(
-                    f"cannot resume the data position: the checkpoint was made with {what} "
-                    f"{theirs!r}, this run has {mine!r}; use the same {what} or start a new run"
-                )
+        self.check_same_stream(state, checks)
         consumed = state.get("consumed")
         if not isinstance(consumed, (int, np.integer)) or consumed < 0:
             raise DataError(f"the checkpoint's data position {consumed!r} is not a count")
         self.consumed = int(consumed)
         self.skipped = {int(a): int(b) for a, b in state.get("skipped", [])}
-        self.reset()
-
-    def skip(self, start: int, end: int) -> None:
-        """Never deliver stream positions ``start .. end-1`` (a batch that made the loss
-        non-finite); kept in the state, so it stays skipped after a resume."""
-        self.skipped[start] = end
-        self.reset()
-
-    def set_weights(self, weights: Sequence[float] | None) -> None:
-        """New per-rank shares (one positive number per rank; None = equal) from the next step
-        on (load balancing). Every rank must set the same weights before the same step. What
-        was planned and fetched ahead with the old weights is dropped; the position stays, so
-        every sample is still delivered exactly once."""
-        new = [float(w) for w in weights] if weights is not None else None
-        if new is not None:
-            check_weights(new, self.world_size)
-        if new == self.weights:
-            return  # nothing changes: keep what was fetched ahead
-        self.weights = new
         self.reset()
 
     def epoch(self) -> float:
@@ -334,9 +360,6 @@ class RankLoader:
             self.ahead.stop()
         self._source = None
         self._halt = None
-
-    def close(self) -> None:
-        self.reset()
 
     def _fetch_step(self, plan: StepPlan) -> StepBatch:
         mine = plan.rank_ids(self.rank)

@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import collections
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import numpy as np
 
-from dtrain.data.loader import Collate, StepBatch, pin
-from dtrain.data.partition import StepPlan, check_weights, step_shape
+from dtrain.data.loader import StepBatch, StepCut, pin
+from dtrain.data.partition import StepPlan, step_shape
 from dtrain.data.stream_source import StreamSource
 from dtrain.data.stream_units import UnitMap, UnitState, sample_id
 from dtrain.errors import DataError
@@ -112,39 +112,20 @@ class UnitReader:
 
 
 @dataclass(eq=False, repr=False)
-class StreamLoader:
+class StreamLoader(StepCut):
     """Endless iterator of :class:`StepBatch` for one data-parallel rank, from a stream."""
 
     source: StreamSource
     _: KW_ONLY
     seed: int
     shuffle: str  # data.shuffle: other than "none", each pass's shard order is seeded
-    global_batch_size: int
-    micro_batches: int
-    rank: int
-    world_size: int
-    collate_fn: Collate
     exchange: Exchange
-    weights: Sequence[float] | None = None
-    max_micro_batch: int = 0
-    pin_memory: bool = False
-    consumed: int = field(default=0, init=False)  # items delivered by earlier steps
-    skipped: dict[int, int] = field(default_factory=dict, init=False)
     units: UnitState = field(default_factory=UnitState, init=False)
     _reader: UnitReader | None = field(default=None, init=False)
     _ready: bool = field(default=False, init=False)  # every reader holds a step read ahead
 
     def __post_init__(self) -> None:
-        per_rank = self.micro_batches if self.max_micro_batch <= 0 else 1
-        if self.world_size * per_rank > self.global_batch_size:
-            raise DataError(
-                f"a global batch of {self.global_batch_size} samples cannot give "
-                f"{self.world_size} ranks x {per_rank} micro-batches one sample each; raise "
-                "data.global_batch_size or lower data.micro_batches"
-            )
-        if self.weights is not None:
-            check_weights(self.weights, self.world_size)
-            self.weights = list(self.weights)
+        self.check_cut()
         self.unit_map = UnitMap(self.source.num_shards, self.seed, self.shuffle != "none")
 
     @property
@@ -212,31 +193,14 @@ class StreamLoader:
             ("fingerprint", "the stream (fingerprint)", self.source.fingerprint),
             ("shuffle", "data.shuffle", self.shuffle),
         ]
-        for key, what, mine in checks:
-            if state.get(key) != mine:
-                raise DataError(
-                    f"cannot resume the data position: the checkpoint was made with {what} "
-                    f"{state.get(key)!r}, this run has {mine!r}; use the same {what} or start "
-                    "a new run"
-                )
+        self.check_same_stream(state, checks)
         self.consumed = int(state["consumed"])
         self.skipped = {int(a): int(b) for a, b in state.get("skipped", [])}
         self.units = UnitState.from_plain(state)
         self.reset()
 
-    def skip(self, start: int, end: int) -> None:
-        """Never deliver the step that covers positions ``start .. end-1`` (NaN guard): it is
-        read again from the restored position and dropped."""
-        self.skipped[start] = end
-        self.reset()
-
-    def set_weights(self, weights: Sequence[float] | None) -> None:
-        new = [float(w) for w in weights] if weights is not None else None
-        if new is not None:
-            check_weights(new, self.world_size)
-        if new != self.weights:
-            self.weights = new
-            self._ready = False  # the shares read ahead for are not the next step's
+    def reshared(self) -> None:
+        self._ready = False  # the shares read ahead for are not the next step's
 
     def epoch(self) -> float:
         """Passes over the source shards finished, counted in shards."""
@@ -256,9 +220,6 @@ class StreamLoader:
 
     def reset(self) -> None:
         self._reader = None
-
-    def close(self) -> None:
-        self.reset()
 
     def _step(self) -> StepBatch:
         shape = step_shape(

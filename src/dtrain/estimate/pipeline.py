@@ -22,7 +22,6 @@ from __future__ import annotations
 from itertools import pairwise
 
 from dtrain.config.layout import stages_per_rank
-from dtrain.errors import UserError
 from dtrain.estimate.job import Job
 from dtrain.estimate.layout import TensorInfo, tensors_of
 from dtrain.estimate.passes import StagePass
@@ -31,7 +30,7 @@ from dtrain.estimate.result import Line, MemoryEstimate
 
 
 def estimate_pipeline(job: Job) -> MemoryEstimate:
-    from dtrain.parallel.pipeline.plan import check_stage_count
+    from dtrain.parallel.pipeline.plan import check_stage_count, choose_plan
     from dtrain.parallel.pipeline.stages import uniform_bounds
 
     cfg, dims, task = job.cfg, job.dims, job.task
@@ -41,20 +40,14 @@ def estimate_pipeline(job: Job) -> MemoryEstimate:
     layers = job.prober.layers(task.model)
     check_stage_count(stages, len(layers), task.model)
     notes = []
-    if opts.pipeline_boundaries:
-        bounds = [0, *opts.pipeline_boundaries, len(layers)]
-        if bounds[-2] >= len(layers):
-            raise UserError(
-                f"strategy.pipeline_boundaries = {opts.pipeline_boundaries}: the model has only "
-                f"{len(layers)} layers (0 to {len(layers) - 1}); every stage needs at least one"
-            )
-    else:
+    if opts.pipeline_balance == "profile" and not opts.pipeline_boundaries and stages > 1:
         bounds = list(uniform_bounds(len(layers), stages))
-        if opts.pipeline_balance == "profile" and stages > 1:
-            notes.append(
-                "pipeline_balance = 'profile' cuts where measured layer times say; estimated "
-                "at equal layer counts (set pipeline_boundaries for the exact cut)"
-            )
+        notes.append(
+            "pipeline_balance = 'profile' cuts where measured layer times say; estimated "
+            "at equal layer counts (set pipeline_boundaries for the exact cut)"
+        )
+    else:  # the strategy's own cut: manual boundaries (checked against the layers) or uniform
+        bounds = list(choose_plan(opts, layers, stages, None).bounds)
     spans = [range(a, b) for a, b in pairwise(bounds)]
     batch = example_micro_batch(task, rows)
 

@@ -34,6 +34,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dtrain.config import Config
+from dtrain.data.loader import map_tensors
 from dtrain.errors import UserError
 from dtrain.estimate.kernels import Signature, product_signature
 from dtrain.task import Task, build_task, resolve_task
@@ -89,16 +90,14 @@ def example_micro_batch(task: Task, rows: int) -> tuple[Any, Any]:
 def _scaled(batch: Any, taken: int, rows: int) -> Any:
     """``batch`` of ``taken`` samples as one of ``rows``: each tensor's leading dimension
     multiplied by ``rows / taken`` (rounded up), on the meta device (no memory)."""
-    if isinstance(batch, torch.Tensor):
-        if batch.dim() == 0:
-            return batch
-        leading = -(-batch.shape[0] * rows // taken)
-        return torch.empty((leading, *batch.shape[1:]), dtype=batch.dtype, device="meta")
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_scaled(b, taken, rows) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _scaled(v, taken, rows) for k, v in batch.items()}
-    return batch
+
+    def scale(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() == 0:
+            return tensor
+        leading = -(-tensor.shape[0] * rows // taken)
+        return torch.empty((leading, *tensor.shape[1:]), dtype=tensor.dtype, device="meta")
+
+    return map_tensors(batch, scale)
 
 
 def fake_model(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
@@ -118,14 +117,12 @@ def fake_model(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
 
 def fake_batch(batch: Any, mode: FakeTensorMode) -> Any:
     """``batch`` with every tensor a fake CPU tensor of its shape and dtype."""
-    if isinstance(batch, torch.Tensor):
+
+    def fake(tensor: torch.Tensor) -> torch.Tensor:
         with mode:
-            return torch.empty_strided(batch.shape, batch.stride(), dtype=batch.dtype)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(fake_batch(b, mode) for b in batch)
-    if isinstance(batch, dict):
-        return {k: fake_batch(v, mode) for k, v in batch.items()}
-    return batch
+            return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
+
+    return map_tensors(batch, fake)
 
 
 def cut_for_tensor_parallel(model: nn.Module, styles: dict[str, str], degree: int) -> None:

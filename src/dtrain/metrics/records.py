@@ -37,22 +37,16 @@ EVENTS = (
 )
 
 
-def restart_attempt() -> int:
-    """How many times this machine's launcher has restarted its workers (0: the first
-    attempt). Of one machine only: see :func:`group_restart_attempt`."""
-    try:
-        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    except ValueError:
-        return 0
-
-
 def group_restart_attempt(runtime: Runtime) -> int:
     """Collective: how many times the worker group has been restarted -- the largest of the
     machines' own counts. Each machine's launcher counts only the restarts its own workers'
     failure caused: when a rank on another machine dies, the launcher of a healthy machine
     restarts its workers for the new round without counting one (to torch's agent, a change
     of membership), so rank 0's own count may say 0 in a group that has restarted."""
-    mine = restart_attempt()
+    try:  # how many times this machine's launcher has restarted its workers
+        mine = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        mine = 0
     if runtime.world_size == 1 or not dist.is_initialized():
         return mine
     return max(int(count) for count in all_gather_json(mine))

@@ -18,6 +18,7 @@ from typing import Any, Protocol, TextIO
 from tqdm import tqdm
 
 from dtrain.console import say_line
+from dtrain.fsutil import format_size
 
 Record = dict[str, Any]
 
@@ -115,16 +116,10 @@ class JsonlSink:
 
 
 def format_rate(value: float) -> str:
-    return _scaled(value, (("M", 1e6), ("k", 1e3)), f"{value:.0f}")
-
-
-def format_bytes(value: float) -> str:
-    return _scaled(value, ((" GB", 1e9), (" MB", 1e6), (" kB", 1e3)), f"{value:.0f} B")
-
-
-def _scaled(value: float, units: tuple[tuple[str, float], ...], small: str) -> str:
-    """``value`` in the largest of ``units`` it reaches, one decimal; ``small`` below them."""
-    return next((f"{value / size:.1f}{unit}" for unit, size in units if value >= size), small)
+    units = (("M", 1e6), ("k", 1e3))
+    return next(
+        (f"{value / size:.1f}{unit}" for unit, size in units if value >= size), f"{value:.0f}"
+    )
 
 
 def format_duration(seconds: float) -> str:
@@ -170,7 +165,7 @@ class Progress:
         rate = f"{format_rate(items_per_s)} {self.item_name}/s"
         comm_bytes = float(record.get("comm_bytes_per_step") or 0.0)  # what this rank sent
         if comm_bytes:
-            rate += f"  comm {format_bytes(comm_bytes)}/step"
+            rate += f"  comm {format_size(comm_bytes)}/step"
         if self.slowest:
             rate += f"  {self.slowest}"
         if self.interactive:

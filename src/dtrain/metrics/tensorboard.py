@@ -3,14 +3,7 @@ as scalars in ``RUN_DIR/tensorboard``, through ``torch.utils.tensorboard.Summary
 
 ``tensorboard`` is an optional extra (``pip install -e '.[tensorboard]'``); asking for it
 without it installed is a one-line error before any worker starts (:func:`check_available`).
-
-What goes where (``tensorboard --logdir RUN_DIR/tensorboard``):
-
-- ``train/<field>``, ``eval/<field>``: every number of the ``train`` and ``eval`` records
-  (loss, lr, grad_norm, tokens_per_s, comm_bytes_per_step, ...), at their step;
-- ``ranks/<field>/rank<R>``: the per-rank lists of the ``ranks`` record (phase times, shares,
-  memory);
-- ``events``: text, one line per event and straggler record.
+What goes where: docs/observability.md.
 
 The writer queues events and writes them from its own thread, so a record costs the training
 loop a few microseconds.

@@ -220,7 +220,7 @@ def _show_identical(ax: Axes) -> str:
 
 
 def _done(
-    drawn: tuple[Figure, Axes] | None,
+    drawn: tuple[Figure, Axes],
     name: str,
     title: str,
     ylabel: str = "",
@@ -228,11 +228,11 @@ def _done(
     from_zero: bool = False,
     xlabel: str = "step",
 ) -> Plot | None:
-    """The figure ``drawn`` on (None: nothing was) labelled, titled (``heading``, else
-    ``title``) and with its legend, as the plot ``name``."""
-    if drawn is None:
-        return None
+    """The figure ``drawn`` on labelled, titled (``heading``, else ``title``) and with its
+    legend, as the plot ``name``; None where no series was drawn on it."""
     fig, ax = drawn
+    if not ax.get_lines():
+        return None
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     identical = _show_identical(ax)
@@ -252,7 +252,6 @@ def plot_loss(runs: list[Run], notes: list[str], by: str = "step") -> Plot | Non
     def x_of(run: Run) -> Callable[[Record], float | None]:
         return _by_step if by == "step" else _wall_clock(run, scale)
 
-    drawn = False
     several = len(runs) > 1
     for i, run in enumerate(runs):
         prefix = f"{run.label}: " if several else ""
@@ -264,7 +263,6 @@ def plot_loss(runs: list[Run], notes: list[str], by: str = "step") -> Plot | Non
         if by == "time":  # by step a resume goes on where the run stopped: no gap to show
             xs, ys = _broken_at(xs, ys, starts)
         ax.plot(xs, ys, color=_color(i), lw=1.5, label=f"{prefix}train loss")
-        drawn = True
         vx, vy = _points(run.of("eval"), x_of(run), "val_loss")
         if by == "time":
             vx, vy = _broken_at(vx, vy, starts)
@@ -273,10 +271,10 @@ def plot_loss(runs: list[Run], notes: list[str], by: str = "step") -> Plot | Non
         # An attempt of one train record is a point, which a line alone does not draw.
         if lone := [k for k in range(len(xs)) if _lone(ys, k)]:
             ax.plot([xs[k] for k in lone], [ys[k] for k in lone], "o", color=_color(i), ms=3)
-    if drawn:
+    if ax.get_lines():
         _mark_events(ax, runs, x_of)
     name = "loss_by_step" if by == "step" else "loss_by_time"
-    return _done((fig, ax) if drawn else None, name, title, "loss", xlabel=xlabel)
+    return _done((fig, ax), name, title, "loss", xlabel=xlabel)
 
 
 # -- throughput, communication ---------------------------------------------------------------
@@ -290,11 +288,10 @@ def _train_lines(
     single: str,
     divisor: float = 1.0,
     why: Callable[[Run], str] | None = None,
-) -> tuple[Figure, Axes] | None:
+) -> tuple[Figure, Axes]:
     """Each run's train records' ``field`` (divided by ``divisor``) by step, labelled
     ``single`` when there is one run; a run without it left out (``why``: in what words)."""
     fig, ax = _figure()
-    drawn = False
     for i, run in enumerate(runs):
         xs, ys = _points(run.of("train"), _by_step, field)
         if not xs:
@@ -302,8 +299,7 @@ def _train_lines(
             continue
         label = run.label if len(runs) > 1 else single
         ax.plot(xs, [y / divisor for y in ys], color=_color(i), lw=1.5, label=label)
-        drawn = True
-    return (fig, ax) if drawn else None
+    return fig, ax
 
 
 def plot_throughput(runs: list[Run], notes: list[str]) -> Plot | None:
@@ -401,9 +397,8 @@ def _per_rank_lines(
     title: str,
     field: str,
     factor: float,
-) -> tuple[Figure, Axes] | None:
+) -> tuple[Figure, Axes]:
     fig, ax = _figure()
-    drawn = False
     for i, run in enumerate(runs):
         records = _rank_records(run, notes, title)
         if not records:
@@ -422,8 +417,7 @@ def _per_rank_lines(
             prefix = f"{run.label}: " if len(runs) > 1 else ""
             color, style = (_color(rank), STYLES[i % len(STYLES)])
             ax.plot(xs, ys, style, color=color, lw=1.5, label=f"{prefix}rank {rank}")
-            drawn = True
-    return (fig, ax) if drawn else None
+    return fig, ax
 
 
 def plot_shares(runs: list[Run], notes: list[str]) -> Plot | None:
@@ -450,7 +444,6 @@ def plot_val_metrics(runs: list[Run], notes: list[str]) -> Plot | None:
     fields beside the loss) against the step; None when no run has any."""
     title = "validation metrics"
     fig, ax = _figure()
-    drawn = False
     several = len(runs) > 1
     for i, run in enumerate(runs):
         names = dict.fromkeys(name for record in run.of("eval") for name in val_metrics(record))
@@ -459,8 +452,7 @@ def plot_val_metrics(runs: list[Run], notes: list[str]) -> Plot | None:
             if xs:
                 label = (f"{run.label}: " if several else "") + name
                 ax.plot(xs, ys, "o-", color=_color(i + j), ms=4, lw=1.5, label=label)
-                drawn = True
-    return _done((fig, ax) if drawn else None, "val_metrics", title)
+    return _done((fig, ax), "val_metrics", title)
 
 
 ALL: tuple[Callable[[list[Run], list[str]], Plot | None], ...] = (

@@ -23,7 +23,8 @@ from dtrain.config.load import read_toml
 from dtrain.errors import ConfigError, UserError
 from dtrain.fault.liveness import LIVENESS_DIR, Liveness, read_run_liveness
 from dtrain.fault.status import read_status
-from dtrain.metrics.sinks import format_bytes, format_duration, format_rate
+from dtrain.fsutil import format_size
+from dtrain.metrics.sinks import format_duration, format_rate
 from dtrain.report.read import (
     CONFIG_FILE,
     METRICS_FILE,
@@ -146,7 +147,7 @@ def _rank_table(
                 beat.phase,
                 f"{format_rate(speed)} {beat.item_name or item}/s" if speed is not None else "-",
                 f"{step_s * 1e3:.0f} ms" if step_s is not None else "-",
-                format_bytes(memory) if memory is not None else "-",
+                format_size(memory) if memory is not None else "-",
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

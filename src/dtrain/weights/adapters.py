@@ -56,13 +56,12 @@ MATCHED = (
 )
 
 
-def require_peft(what: str) -> Any:
-    """The ``peft`` module, or one line naming the extra to install."""
-    if importlib.util.find_spec("peft") is None:
-        raise UserError(f"{what} needs PEFT: pip install -e '.[peft]'")
-    import peft
-
-    return peft
+def require(package: str, extra: str, what: str) -> Any:
+    """The module ``package`` (of the optional extra ``extra``), or one line naming the extra
+    to install."""
+    if importlib.util.find_spec(package) is None:
+        raise UserError(f"{what} needs {package}: pip install -e '.[{extra}]' in dtrain's clone")
+    return importlib.import_module(package)
 
 
 def adapter_config(model: nn.Module) -> Any:
@@ -108,7 +107,7 @@ def load_adapter_into(model: nn.Module, folder: str | Path) -> None:
             f"{where}: the task's model ({type(model).__name__}) is not a PEFT model; wrap it "
             "with peft.get_peft_model(model, config) to load an adapter into it"
         )
-    require_peft("run.init_adapter")
+    require("peft", "peft", "run.init_adapter")
     from peft.utils.save_and_load import get_peft_model_state_dict, set_peft_model_state_dict
 
     settings, state = read_adapter(Path(folder))
@@ -145,7 +144,7 @@ def check_init_adapter(path: str) -> None:
     folder and PEFT is installed (whether it fits the model is known once a worker built it)."""
     if not path:
         return
-    require_peft(f"run.init_adapter = {path!r}")
+    require("peft", "peft", f"run.init_adapter = {path!r}")
     try:
         read_adapter(Path(path))
     except UserError as exc:

@@ -34,8 +34,8 @@ from dtrain.checkpoint.store import local_copy
 from dtrain.errors import UserError
 from dtrain.fsutil import follow_umask, fsync_dir, require_output_folder
 from dtrain.storage.objects import Location, location
-from dtrain.weights.adapters import is_peft_run, load_adapters, require_peft
-from dtrain.weights.init_from import load_base_into
+from dtrain.weights.adapters import is_peft_run, load_adapters, require
+from dtrain.weights.init_from import load_base_into, load_state_into, read_weights
 from dtrain.weights.model_config import HF_CONFIG_DIR
 
 FORMATS = ("safetensors", "torch", "hf")
@@ -135,23 +135,11 @@ def write_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
 # -- folders from_pretrained loads -------------------------------------------------------------
 
 
-def require_transformers(what: str) -> Any:
-    try:
-        import transformers
-    except ImportError:
-        raise UserError(
-            f"{what} needs Hugging Face transformers: pip install -e '.[hf]' in dtrain's clone"
-        ) from None
-    return transformers
-
-
 def write_pretrained(state: dict[str, torch.Tensor], config_dir: Path, out: Path) -> None:
     """Write ``state`` as a folder ``from_pretrained`` loads: the model class named in
     ``config_dir/config.json`` (``architectures``) is built from that config, given the
     weights (every key must fit), and saved with its own ``save_pretrained``."""
     model = build_pretrained_model(config_dir)
-    from dtrain.weights.init_from import load_state_into
-
     load_state_into(model, state, f"the checkpoint ({config_dir.parent})")
     save_quietly(model, out)
 
@@ -173,7 +161,7 @@ def save_quietly(model: Any, out: Path) -> None:
 def build_pretrained_model(config_dir: Path) -> Any:
     """The model class named in ``config_dir/config.json`` (``architectures``), built from
     that config (initial weights)."""
-    transformers = require_transformers("--format hf")
+    transformers = require("transformers", "hf", "--format hf")
     config = transformers.AutoConfig.from_pretrained(str(config_dir))
     names = list(getattr(config, "architectures", None) or [])
     cls = getattr(transformers, names[0], None) if names else None
@@ -190,8 +178,6 @@ def write_adapter_folder(
 ) -> None:
     """A PEFT run's adapters (``state``) as PEFT saves them; with ``base`` (the path of the
     base's weights), the base with them merged in, as the plain model saves itself."""
-    from dtrain.weights.init_from import read_weights
-
     weights = read_weights(base) if base is not None else None
     model: Any = build_peft_model(config_dir, weights)
     load_adapters(model, state, f"the checkpoint ({config_dir.parent})")
@@ -203,7 +189,7 @@ def write_adapter_folder(
 def build_peft_model(config_dir: Path, base: dict[str, torch.Tensor] | None) -> Any:
     """The run's PEFT model from the configs it saved: the base's class from ``config.json``
     (its weights ``base`` where given), the adapter from ``adapter_config.json``."""
-    peft = require_peft("exporting a PEFT run")
+    peft = require("peft", "peft", "exporting a PEFT run")
     model = build_pretrained_model(config_dir)
     settings = peft.PeftConfig.from_pretrained(str(config_dir))
     peft_model = peft.get_peft_model(model, settings)
@@ -217,9 +203,8 @@ def merge_base(step_dir: Location, base: str | None) -> str:
     (the checkpoint holds the adapters only: its base is frozen and not saved)."""
     if base:
         return base
-    import tomllib
-
     from dtrain.checkpoint.read import load_meta
+    from dtrain.config.load import tomllib
 
     config = tomllib.loads(str(load_meta(step_dir).get("config", "")))
     init_from = str(config.get("run", {}).get("init_from", ""))

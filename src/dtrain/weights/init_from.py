@@ -28,7 +28,7 @@ come along (resuming a run is ``run.resume``).
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -144,18 +144,20 @@ def _as_state_dict(value: Any, path: Location) -> dict[str, torch.Tensor]:
     raise UserError(f"{path} holds no state dict (a mapping of names to tensors)")
 
 
-def tied_groups(model: nn.Module) -> list[set[str]]:
-    """Groups of state-dict names that are one tensor in ``model``."""
+def tied_groups(named: Iterable[tuple[str, int]]) -> list[set[str]]:
+    """Groups of names that are one tensor: ``named`` gives each name with what identifies its
+    tensor."""
     groups: dict[int, set[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), set()).add(name)
+    for name, tensor in named:
+        groups.setdefault(tensor, set()).add(name)
     return [names for names in groups.values() if len(names) > 1]
 
 
 def load_state_into(model: nn.Module, state: Mapping[str, torch.Tensor], where: str) -> None:
     """Copy ``state`` into ``model``'s tensors (each to its own dtype and device), after
     checking that it fits: a :class:`CheckpointError` listing what does not."""
-    current, tied = model.state_dict(), tied_groups(model)
+    params = model.named_parameters(remove_duplicate=False)
+    current, tied = model.state_dict(), tied_groups((n, id(p)) for n, p in params)
     problems = state_dict_mismatches(current, state, "weights", tied)
     if problems:
         raise CheckpointError(
@@ -223,10 +225,7 @@ def load_base_into(model: nn.Module, weights: Mapping[str, torch.Tensor], where:
     from peft.utils.save_and_load import get_base_model_state_dict
 
     current = get_base_model_state_dict(model)  # the base's own names -> the model's tensors
-    groups: dict[int, set[str]] = {}
-    for name, tensor in current.items():
-        groups.setdefault(tensor.untyped_storage().data_ptr(), set()).add(name)
-    tied = [names for names in groups.values() if len(names) > 1]
+    tied = tied_groups((n, t.untyped_storage().data_ptr()) for n, t in current.items())
     problems = state_dict_mismatches(current, weights, "weights", tied)
     if problems:
         base = type(getattr(model, "get_base_model")()).__name__  # noqa: B009

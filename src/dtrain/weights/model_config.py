@@ -21,28 +21,18 @@ from dtrain.parallel.frozen import is_peft_model
 HF_CONFIG_DIR = "hf_config"
 
 
-def hf_config_dir(run_dir: Path) -> Path:
-    return run_dir / HF_CONFIG_DIR
-
-
-def is_hf_model(model: nn.Module) -> bool:
-    config = getattr(model, "config", None)
-    return callable(getattr(model, "save_pretrained", None)) and callable(
-        getattr(config, "save_pretrained", None)
-    )
-
-
 def save_model_config(model: nn.Module, run_dir: Path) -> Path | None:
     """Rank 0, before training: the Hugging Face config of ``model`` into the run folder
     (replacing the one an earlier start wrote); None for another kind of model."""
-    if not is_hf_model(model):
+    config: Any = getattr(model, "config", None)
+    saves = (getattr(model, "save_pretrained", None), getattr(config, "save_pretrained", None))
+    if not all(map(callable, saves)):
         return None
-    config: Any = getattr(model, "config")  # noqa: B009 (not a module attribute to mypy)
     peft = is_peft_model(model)
     # What save_pretrained records: the class from_pretrained must build (a PEFT model's base).
     base = getattr(model, "get_base_model")() if peft else model  # noqa: B009
     config.architectures = [type(base).__name__]
-    target = hf_config_dir(run_dir)
+    target = run_dir / HF_CONFIG_DIR
     run_dir.mkdir(parents=True, exist_ok=True)
     partial = run_dir / f".tmp-{HF_CONFIG_DIR}"
     shutil.rmtree(partial, ignore_errors=True)
