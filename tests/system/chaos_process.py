@@ -194,9 +194,12 @@ def _raise_trial(
         others = [r for r in range(1, nproc)]
         for r in others:
             # A failed synchronous save is every rank's error, in rank 0's words (every rank
-            # acts on rank 0's word on a commit); any other failure is a peer's, named.
+            # acts on rank 0's word on a commit): a user-facing error, which the launcher of a
+            # one-machine job says once for the ranks that failed alike ("ranks 0, 1 (pids
+            # ...): checkpoint ..."); any other failure is a peer's, named by the rank itself.
             named = (
-                rf"dtrain: error: rank {r}: checkpoint step-\d+ was not committed: rank 0: "
+                rf"(rank {r}|ranks (\d+, )*{r}\b.*\)): checkpoint step-\d+ was not committed: "
+                r"rank 0: "
                 if failed_save
                 else rf"PeerFailure: rank {r} \(.*rank 0 \("
             )
