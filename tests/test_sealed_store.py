@@ -19,6 +19,8 @@ import torch.distributed as dist
 from dtrain.dist import sealed_store
 from dtrain.dist.reachability import REACH, close_probe_listener, peers_checked
 from dtrain.dist.runtime import NAMESPACE_ENV
+from dtrain.dist.sealed_store import Opener
+from dtrain.dist.secret import JobSecret
 from dtrain.dist.store_link import StoreLink
 from dtrain.dist.stores import host_store
 from dtrain.errors import UserError
@@ -402,3 +404,31 @@ def test_shapes() -> None:
     assert not sealed_store.fits({"pid": True}, {"pid": int})
     assert sealed_store.fits({"asked_at": 0}, {"asked_at": float})
     assert not sealed_store.fits([1], {"a": int})
+
+
+def test_an_opener_checks_each_value_s_seal_once_and_keeps_the_last_good_one(
+    store: Any, stranger: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The coordinator reads every member's records again and again: a value is checked when it
+    # first appears at its key (one HMAC each when all members ask at once), never again.
+    checked: list[str] = []
+    unseal = JobSecret.unseal
+
+    def counted(self: JobSecret, name: str, sealed: bytes) -> bytes | None:
+        checked.append(name)
+        return unseal(self, name, sealed)
+
+    monkeypatch.setattr(JobSecret, "unseal", counted)
+    opener = Opener()
+    key, shape = "inplace/member/0/want", {"after": int}
+    write_value(store, "member/0/want", {"after": 0})
+    for _ in range(3):
+        assert opener.read_json(store, key, shape) == {"after": 0}
+    assert checked == [key]
+    write_value(store, "member/0/want", {"after": 1})
+    assert [opener.read_json(store, key, shape) for _ in range(2)] == [{"after": 1}] * 2
+    assert checked == [key] * 2
+    stranger.set(key, json.dumps({"after": 9}))  # a forgery: the last good value stands
+    assert [opener.read_json(store, key, shape) for _ in range(2)] == [{"after": 1}] * 2
+    assert checked == [key] * 3
+    assert warnings_of(capsys.readouterr().err, key) == 1

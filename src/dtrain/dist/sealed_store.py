@@ -43,8 +43,11 @@ def _secret_of(text: str, file: str) -> JobSecret | None:
 
 def job_secret() -> JobSecret | None:
     """This process's secret, or None without one. Read once per value of the environment
-    (the coordinator opens values every 10 ms; a test may set another secret)."""
-    return _secret_of(os.environ.get(SECRET_ENV, ""), os.environ.get(SECRET_FILE_ENV, ""))
+    (the coordinator opens values every 10 ms; a test may set another secret). The file's
+    variable is looked up only without the secret's, which wins over it: looking up a variable
+    that is not set raises inside ``os.environ``, and cost more than the HMAC."""
+    text = os.environ.get(SECRET_ENV, "")
+    return _secret_of(text, "" if text else os.environ.get(SECRET_FILE_ENV, ""))
 
 
 def warn_once(key: str, why: str) -> None:
