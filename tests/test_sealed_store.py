@@ -151,7 +151,8 @@ def test_a_forged_generation_is_not_joined(
         # alone (without member 1, whose collectives would then hang on it).
         nonce = payload(stranger.get("inplace/member/0/info"))["nonce"]
         forged = {"members": [0], "nonces": [nonce], "left": [1], "joined": [], "stop": ""}
-        stranger.set("inplace/gen/7", json.dumps({**forged, "asked_at": 0.0}))
+        stranger.set("inplace/gen/7", json.dumps({**forged, "spans": [[0, 0]], "asked_at": 0.0}))
+        stranger.set("inplace/member/0/gen", json.dumps({"gen": 7, "nonce": nonce}))
         stranger.set("inplace/gen/latest", "7")
         for member in members:
             member.ask(-1, -1)
@@ -161,6 +162,37 @@ def test_a_forged_generation_is_not_joined(
     finally:
         close(members)
     assert warnings_of(capsys.readouterr().err, "inplace/gen/latest") == 1
+
+
+def test_a_proof_of_membership_moved_or_forged_lets_no_other_incarnation_join(
+    store: Any, stranger: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A generation names each member's incarnation in that member's own sealed proof
+    # (``member/<id>/gen``): member 0 restarted (a new incarnation) must not join generation 0,
+    # which holds its old one, whatever a stranger copies or writes there.
+    coordinator = Coordinator(store, 2, stale_s=30.0, hang_s=30.0)
+    address = f"127.0.0.1:{store.port}"
+    members = [Member(address, m, 2, timeout_s=10.0) for m in (0, 1)]
+    again = None
+    try:
+        for member in members:
+            member.ask(-1, -1)
+        coordinator.poll()
+        assert joined(members, -1) == [(0, (0, 1), "")] * 2
+        again = Member(address, 0, 2, timeout_s=10.0)  # member 0 restarted
+        again.ask(-1, -1)
+        assert again.wait(-1, give_up=lambda: True) is None  # generation 0 holds the old one
+        stranger.set("inplace/member/0/gen", stranger.get("inplace/member/1/gen"))  # moved
+        assert again.wait(-1, give_up=lambda: True) is None
+        stranger.set("inplace/member/0/gen", json.dumps({"gen": 0, "nonce": again.nonce}))
+        assert again.wait(-1, give_up=lambda: True) is None
+        assert warnings_of(capsys.readouterr().err, "inplace/member/0/gen") == 1
+        # The coordinator takes the new incarnation in at the next generation, with its proof.
+        members[1].ask(0, 3)
+        coordinator.poll()
+        assert joined([again, members[1]], 0) == [(1, (0, 1), "")] * 2
+    finally:
+        close([*members, *([again] if again else [])])
 
 
 def test_the_coordinator_acts_on_no_forged_state_want_or_registration(

@@ -137,6 +137,12 @@ def put(store: Any, key: str, value: str | bytes) -> None:
     store.set(key, seal(key, value.encode() if isinstance(value, str) else value))
 
 
+def put_many(store: Any, values: dict[str, str]) -> None:
+    """``store[key] = value`` for each, sealed, in one call (``multi_set``)."""
+    keys = list(values)
+    store.multi_set(keys, [seal(key, values[key].encode()) for key in keys])
+
+
 def get(store: Any, key: str) -> bytes | None:
     """The raw value at ``key``, or None while it is not set."""
     return bytes(store.get(key)) if store.check([key]) else None
