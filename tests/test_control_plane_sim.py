@@ -48,3 +48,29 @@ def test_simulated_ranks_beat_and_name_the_killed_rank(tmp_path: Path) -> None:
     for piece in ("beats", "words", "diagnosis"):
         assert f"{piece:<10}" in done.stdout
     assert "diagnosis  holds at every W measured (4)" in done.stdout
+
+
+def test_simulated_members_on_machines_regroup_through_their_launchers(tmp_path: Path) -> None:
+    # In place, members on machines of 2: the coordinator reads its own machine's processes
+    # only; the victim (member 5) is on machine 2, whose launcher (a NodeWatcher of the
+    # launchers' process) posts it down; machine 1's launcher keeps its machine heard. Had
+    # either launcher been silent, its machine's members would have been left out (a
+    # generation of fewer than the 5 survivors: not right).
+    rows_file = tmp_path / "rows.json"
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "control_plane_sim.py"),
+        "--worlds=6",
+        "--procs=1",
+        "--per-machine=2",
+        "--window=1",
+        "--settle=0.5",
+        "--pieces=first,inplace,regroup",
+        f"--json={rows_file}",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = json.loads(rows_file.read_text())["6"]
+    assert rows["first"]["done"] == 6 and rows["first"]["right"] == 6, rows["first"]
+    assert rows["regroup"]["done"] == 5 and rows["regroup"]["right"] == 5, rows["regroup"]
