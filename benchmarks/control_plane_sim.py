@@ -434,7 +434,7 @@ def measure_meshes(args: argparse.Namespace) -> list[dict[str, Any]]:
     from control_plane_sim_mesh import mesh
 
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    host = Host(env, 0, args.timeout_s)
+    host = Host(env, 0, args)
     try:
         out = []
         for size in [w for w in (2, 4, 8, 16, 32, 64, 128) if w <= args.pg_max]:

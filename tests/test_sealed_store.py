@@ -86,6 +86,13 @@ def joined(members: list[Member], after: int) -> list[tuple[int, tuple[int, ...]
     return [(g.number, g.members, g.stop) for g in generations if g is not None]
 
 
+def two_members(store: Any) -> tuple[Coordinator, list[Member]]:
+    """A coordinator (polled by the test) and members 0 and 1, registered."""
+    coordinator = Coordinator(store, 2, stale_s=30.0, hang_s=30.0)
+    address = f"127.0.0.1:{store.port}"
+    return coordinator, [Member(address, m, 2, timeout_s=10.0) for m in (0, 1)]
+
+
 def close(members: list[Member]) -> None:
     for member in members:
         member.close()
@@ -143,9 +150,7 @@ def test_a_member_waiting_to_join_is_not_sent_away_by_a_forged_done_or_stopped(
 def test_a_forged_generation_is_not_joined(
     store: Any, stranger: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    coordinator = Coordinator(store, 2, stale_s=30.0, hang_s=30.0)
-    address = f"127.0.0.1:{store.port}"
-    members = [Member(address, m, 2, timeout_s=10.0) for m in (0, 1)]
+    coordinator, members = two_members(store)
     try:
         # The stranger reads member 0's nonce in the store and forges a generation of member 0
         # alone (without member 1, whose collectives would then hang on it).
@@ -170,9 +175,8 @@ def test_a_proof_of_membership_moved_or_forged_lets_no_other_incarnation_join(
     # A generation names each member's incarnation in that member's own sealed proof
     # (``member/<id>/gen``): member 0 restarted (a new incarnation) must not join generation 0,
     # which holds its old one, whatever a stranger copies or writes there.
-    coordinator = Coordinator(store, 2, stale_s=30.0, hang_s=30.0)
+    coordinator, members = two_members(store)
     address = f"127.0.0.1:{store.port}"
-    members = [Member(address, m, 2, timeout_s=10.0) for m in (0, 1)]
     again = None
     try:
         for member in members:
