@@ -17,8 +17,10 @@ Pieces (``--pieces``, each measured for ``--window`` seconds where it has a stea
   (``Member.look``), the coordinator polling;
 - ``regroup``: one member's process killed, every other asks for and waits for the next
   generation;
-- ``pg``: gloo's full mesh (``ProcessGroupGloo``, on a counting store) at small W (up to
-  ``--pg-max``): store calls and bytes per group, extrapolated beyond by a power law (said so).
+
+In place, members sit on machines of ``--per-machine`` (8), the coordinator reading its own
+machine's processes, the other machines' launchers (``NodeWatcher``) posting theirs, as in a
+real job (``control_plane_sim_report.NOTES``).
 
 The checkpoint commit's bookkeeping is not a piece: it runs on gloo collectives of the
 checkpoint group (``checkpoint/write.py``: a gather to rank 0 and a broadcast), no store call
@@ -112,8 +114,9 @@ def listen_overflows() -> int:
 class Host:
     """The store's process (``serve``), with the coordinator for ``members`` > 0."""
 
-    def __init__(self, env: dict[str, str], members: int, timeout_s: float) -> None:
-        args = ["serve", "--world", str(members), "--timeout-s", str(timeout_s)]
+    def __init__(self, env: dict[str, str], members: int, args_: argparse.Namespace) -> None:
+        args = ["serve", "--world", str(members), "--timeout-s", str(args_.timeout_s)]
+        args += ["--per-machine", str(args_.per_machine)]
         self.proc = subprocess.Popen(
             [sys.executable, str(RANKS), *args],
             stdin=subprocess.PIPE,
@@ -187,8 +190,17 @@ class Run:
             "DTRAIN_JOB_SECRET": secrets.token_hex(32),
         }
         self.overflows = listen_overflows()
-        self.host = Host(self.env, world if mode == "inplace" else 0, args.timeout_s)
+        self.host = Host(self.env, world if mode == "inplace" else 0, args)
         self.env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.host.port))
+        # In place, the launchers of the machines other than the coordinator's (members on
+        # machines of --per-machine), in a process of their own.
+        self.launchers: subprocess.Popen[str] | None = None
+        if mode == "inplace" and 0 < args.per_machine < world:
+            shape = [f"--world={world}", f"--per-machine={args.per_machine}"]
+            command = [sys.executable, str(RANKS), "launchers", f"--port={self.host.port}"]
+            command += [*shape, f"--watch-s={args.watch_s}"]
+            pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE}
+            self.launchers = subprocess.Popen(command, env=self.env, text=True, **pipes)
         # The probe's 100 calls a second are more than a few ranks make: off for --check-real.
         self.probe = Probe(self.host.port, active=args.probe)
         # Ranks 0 .. W-2 spread over the processes, the victim (W-1) alone in its own.
@@ -209,6 +221,7 @@ class Run:
                 f"--heartbeat-s={args.heartbeat_s}",
                 f"--timeout-s={args.timeout_s}",
                 f"--step-s={args.step_s}",
+                f"--per-machine={args.per_machine}",
                 *victim,
             ]
             self.ranks.append(
@@ -243,7 +256,8 @@ class Run:
 
     def cpu_mark(self) -> tuple[float, float, float, float]:
         thread, process = self.host.cpu()
-        for proc in self.ranks:  # a killed process keeps the CPU it had last
+        helpers = [self.launchers] if self.launchers is not None else []
+        for proc in [*self.ranks, *helpers]:  # a killed process keeps the CPU it had last
             self.harness[proc.pid] = cpu_s(proc.pid) or self.harness.get(proc.pid, 0.0)
         return time.time(), thread, process, sum(self.harness.values())
 
@@ -286,6 +300,7 @@ class Run:
             lines = [ln for ln in (out or "").splitlines() if ln.startswith("SIM ")]
             if lines:
                 reports.append(json.loads(lines[-1][4:]))
+        self._end_launchers()
         hosted = self.host.close()
         hosted["overflows"] = listen_overflows() - self.overflows
         return reports, hosted
@@ -310,9 +325,18 @@ class Run:
         reports, hosted = self.finish()
         return {"rows": self.rows, "reports": reports, "host": hosted}
 
+    def _end_launchers(self) -> None:
+        if self.launchers is not None and self.launchers.poll() is None:
+            try:
+                self.launchers.communicate("", timeout=30)
+            except subprocess.TimeoutExpired:
+                self.launchers.kill()
+                self.launchers.wait()
+
     def abort(self) -> None:
         self.probe.stop()
-        for proc in [*self.ranks, self.host.proc]:
+        helpers = [self.launchers] if self.launchers is not None else []
+        for proc in [*self.ranks, *helpers, self.host.proc]:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
@@ -410,7 +434,7 @@ def measure_meshes(args: argparse.Namespace) -> list[dict[str, Any]]:
     from control_plane_sim_mesh import mesh
 
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    host = Host(env, 0, args.timeout_s)
+    host = Host(env, 0, args)
     try:
         out = []
         for size in [w for w in (2, 4, 8, 16, 32, 64, 128) if w <= args.pg_max]:
@@ -456,6 +480,8 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=3.0, help="seconds of each steady state")
     parser.add_argument("--settle", type=float, default=1.0, help="seconds before a window")
     parser.add_argument("--procs", type=int, default=4, help="processes of simulated ranks")
+    parser.add_argument("--per-machine", type=int, default=8, help="in-place members a machine")
+    parser.add_argument("--watch-s", type=float, default=0.1, help="quiet launchers' pace")
     parser.add_argument("--heartbeat-s", type=float, default=1.0, help="fault.heartbeat_s")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="dist.timeout_s")
     parser.add_argument("--step-s", type=float, default=0.15, help="a simulated step")
@@ -478,7 +504,10 @@ def main() -> None:
     text += "\n\n" + NOTES
     if args.json:
         Path(args.json).write_text(json.dumps(rows, default=str))
-    setting = f"{args.procs} processes of simulated ranks, windows of {args.window:g}s"
+    setting = (
+        f"{args.procs} processes of simulated ranks, in-place members on machines of "
+        f"{args.per_machine or 'all'}, windows of {args.window:g}s"
+    )
     if args.check_real:  # (it sets the window and the step to the real job's)
         text += "\n\n" + check_real(args.check_real, args)
     print(text)

@@ -3,8 +3,12 @@
 ``serve``: the job's store as dtrain hosts it (:func:`dtrain.dist.stores.host_store`), alone in
 its process so that its CPU can be read from ``/proc``; for the in-place pieces, the launcher's
 :class:`~dtrain.recovery.coordinator.Coordinator` beside it on the same store object, each poll
-timed. ``ranks``: many simulated ranks (threads) of one process, each driving dtrain's own
-client objects -- a :class:`~dtrain.fault.watchdog.Watchdog` (beats, diagnosis),
+timed; it reads in ``/proc`` the processes of its own machine's members only (the first
+``--per-machine``), as a real job's does. ``launchers``: the other machines' launchers, each
+dtrain's :class:`~dtrain.recovery.coordinator.NodeWatcher` for its machine's members (their
+states posted, its liveness counter added to). ``ranks``: many simulated ranks (threads) of
+one process, each driving dtrain's own client objects -- a
+:class:`~dtrain.fault.watchdog.Watchdog` (beats, diagnosis),
 :class:`~dtrain.fault.peer_words.PeerWords`, a :class:`~dtrain.recovery.membership.Member` --
 through their public methods. Each process plays one machine (its hostname is ``sim-<index>``),
 so a rank of another process is on another machine to the diagnosis, as most peers are at
@@ -211,7 +215,13 @@ def inplace(ctl: Control, ids: list[int], args: argparse.Namespace, out: dict[st
     address = f"127.0.0.1:{args.port}"
     if args.victim:
         ctl.until("late")
-    members = made(ids, lambda m: Member(address, m, args.world, args.timeout_s, patience_s=120.0))
+    per = args.per_machine or args.world
+
+    def member(m: int) -> Any:
+        local = (m % per, per)  # its place among its machine's members
+        return Member(address, m, args.world, args.timeout_s, local=local, patience_s=120.0)
+
+    members = made(ids, member)
     if not args.victim:
         ctl.add("ready", len(members))
         ctl.until("ask")
@@ -265,8 +275,14 @@ def serve(args: argparse.Namespace) -> None:
     polls: list[tuple[float, float]] = []
     coordinator = None
     if args.world:  # in-place: the launcher's coordinator, as launch/launcher.py makes it
+        per = args.per_machine or args.world
         coordinator = Coordinator(
-            Counted(store), args.world, stale_s=STALE_S, hang_s=args.timeout_s + 5.0
+            Counted(store),
+            args.world,
+            stale_s=STALE_S,
+            hang_s=args.timeout_s + 5.0,
+            local=range(min(per, args.world)),
+            per_node=per,
         )
         poll = coordinator.poll
 
@@ -284,9 +300,49 @@ def serve(args: argparse.Namespace) -> None:
     os._exit(0)
 
 
+def launchers(args: argparse.Namespace) -> None:
+    """The launchers of machines 1 .. (the coordinator's is 0), each a NodeWatcher on a link
+    of its own, as ``launch/launcher.py`` starts it. The watcher of the victim's machine polls
+    on its own thread every ``POLL_S``, as a real one; the others, whose members never end,
+    take turns on one thread every ``--watch-s``: what they send the store is paced by time,
+    not by their polls (a counter every ``BUMP_S``, their members' records twice a second),
+    and a hundred threads each reading /proc every 10 ms would take this machine's cores
+    from the ranks. Ends when the driver closes its stdin."""
+    from dtrain.dist.store_link import StoreLink
+    from dtrain.recovery.coordinator import NodeWatcher
+
+    per = args.per_machine
+    nodes = range(1, -(-args.world // per))
+    victim_node = (args.world - 1) // per
+    watchers = []
+    for node in nodes:
+        link = StoreLink("127.0.0.1", args.port, 5.0, 120.0)
+        members = range(node * per, min(args.world, (node + 1) * per))
+        watchers.append(NodeWatcher(link, members, node))
+    print(json.dumps({"launchers": len(watchers)}), flush=True)
+    quiet = [w for w in watchers if w.node != victim_node]
+    for watcher in watchers:
+        if watcher.node == victim_node:
+            watcher.start()
+
+    def take_turns() -> None:
+        while True:
+            started = time.monotonic()
+            for watcher in quiet:
+                try:
+                    watcher.poll()
+                except Exception as exc:
+                    watcher.failed(exc)
+            time.sleep(max(0.0, args.watch_s - (time.monotonic() - started)))
+
+    threading.Thread(target=take_turns, name="sim-launchers", daemon=True).start()
+    sys.stdin.read()  # until the driver closes it
+    os._exit(0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("role", choices=("serve", "restart", "inplace"))
+    parser.add_argument("role", choices=("serve", "launchers", "restart", "inplace"))
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--world", type=int, default=0)
     parser.add_argument("--ranks", default="0:0", help="first:stop, this process's ranks")
@@ -295,9 +351,14 @@ def main() -> None:
     parser.add_argument("--heartbeat-s", type=float, default=1.0)
     parser.add_argument("--timeout-s", type=float, default=300.0)
     parser.add_argument("--step-s", type=float, default=0.15)
+    parser.add_argument("--per-machine", type=int, default=0, help="members a machine (0: all)")
+    parser.add_argument("--watch-s", type=float, default=0.1, help="the quiet launchers' pace")
     args = parser.parse_args()
     if args.role == "serve":
         serve(args)
+        return
+    if args.role == "launchers":
+        launchers(args)
         return
     hostname = f"sim-{args.index}"
     socket.gethostname = lambda: hostname  # each process one machine, to the diagnosis

@@ -218,7 +218,13 @@ rank named, and only it; the generation of the survivors), their times from the 
 kill, for diagnosis and regroup), and their calls per rank in all (first's: since the
 members asked, the waiting window included). A simulated rank's process is a machine of its
 own (its hostname), so the diagnosis of the killed rank (alone in its process) takes the path
-of a rank on another machine: its beat goes stale first.
+of a rank on another machine: its beat goes stale first. In place, the members sit on
+machines of --per-machine (8): the coordinator reads only its own machine's processes in
+/proc, and the other machines' launchers (dtrain's NodeWatcher, in a process of their own,
+counted in harness; their store calls are not the ranks') post their members' states and
+their liveness; the killed member is on the last machine, whose launcher posts it down.
+Until 2026-12-05 every member sat on the coordinator's machine, and each poll read W
+processes in /proc (59-67 ms of a poll at 1,024), which no real coordinator does.
 Connections that took over 1 s: torch's store client looks up the name of its socket's
 address (getnameinfo of ::ffff:127.0.0.1, which goes to the DNS server: it is no name in
 /etc/hosts); where the resolver drops a query, the lookup waits out its 5 s timeout (one in

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,22 +18,20 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow  # three processes that import torch, and a 3 s diagnosis
 
 
-def test_simulated_ranks_beat_and_name_the_killed_rank(tmp_path: Path) -> None:
+def simulate(tmp_path: Path, world: int, *flags: str) -> tuple[str, dict[str, Any]]:
+    """The simulation of ``world`` ranks, small and short: what it printed, and its rows."""
     rows_file = tmp_path / "rows.json"
-    command = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "control_plane_sim.py"),
-        "--worlds=4",
-        "--procs=1",
-        "--window=1",
-        "--settle=0.5",
-        "--pieces=beats,words,diagnosis",
-        f"--json={rows_file}",
-    ]
+    script = str(ROOT / "benchmarks" / "control_plane_sim.py")
+    command = [sys.executable, script, f"--worlds={world}", "--procs=1", "--window=1"]
+    command += ["--settle=0.5", *flags, f"--json={rows_file}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    rows = json.loads(rows_file.read_text())["4"]
+    return done.stdout, json.loads(rows_file.read_text())[str(world)]
+
+
+def test_simulated_ranks_beat_and_name_the_killed_rank(tmp_path: Path) -> None:
+    stdout, rows = simulate(tmp_path, 4, "--pieces=beats,words,diagnosis")
     assert sorted(rows) == ["beats", "diagnosis", "words"]
     beats = rows["beats"]
     # Every rank beats once a second and reads rank 0's beat once a second (rank 0 does not):
@@ -46,5 +45,16 @@ def test_simulated_ranks_beat_and_name_the_killed_rank(tmp_path: Path) -> None:
     assert diagnosis["done"] == 3 and diagnosis["right"] == 3, diagnosis
     assert len(diagnosis["times"]) == 3 and min(diagnosis["times"]) >= 1.0
     for piece in ("beats", "words", "diagnosis"):
-        assert f"{piece:<10}" in done.stdout
-    assert "diagnosis  holds at every W measured (4)" in done.stdout
+        assert f"{piece:<10}" in stdout
+    assert "diagnosis  holds at every W measured (4)" in stdout
+
+
+def test_simulated_members_on_machines_regroup_through_their_launchers(tmp_path: Path) -> None:
+    # In place, members on machines of 2: the coordinator reads its own machine's processes
+    # only; the victim (member 5) is on machine 2, whose launcher (a NodeWatcher of the
+    # launchers' process) posts it down; machine 1's launcher keeps its machine heard. Had
+    # either launcher been silent, its machine's members would have been left out (a
+    # generation of fewer than the 5 survivors: not right).
+    _, rows = simulate(tmp_path, 6, "--per-machine=2", "--pieces=first,inplace,regroup")
+    assert rows["first"]["done"] == 6 and rows["first"]["right"] == 6, rows["first"]
+    assert rows["regroup"]["done"] == 5 and rows["regroup"]["right"] == 5, rows["regroup"]

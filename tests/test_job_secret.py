@@ -5,6 +5,7 @@ rendezvous store (docs/security.md)."""
 from __future__ import annotations
 
 import base64
+import hmac
 import os
 import pickle
 import re
@@ -62,6 +63,14 @@ def test_a_sealed_value_opens_only_under_its_secret_and_its_key() -> None:
     assert SECRET.unseal("k", sealed[:-1] + b"w") is None  # altered
     assert SECRET.unseal("k", b"value") is None  # never sealed
     assert SECRET.unseal("k", b"") is None
+
+
+def test_a_seal_is_hmac_sha256_of_the_key_s_name_and_the_value() -> None:
+    # The format machines of one job share, whatever computes it: a launcher of another
+    # version must open what this one seals (the digest is hmac.digest's one-shot now).
+    name, value = "inplace/member/3/want", b'{"after": 0}'
+    mac = hmac.new(b"the job's secret, for the tests", name.encode() + b"\0" + value, "sha256")
+    assert SECRET.seal(name, value) == b"dtrain-hmac1:" + mac.hexdigest().encode() + b":" + value
 
 
 def test_the_secret_comes_from_the_variable_or_a_private_file(

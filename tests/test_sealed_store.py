@@ -19,6 +19,8 @@ import torch.distributed as dist
 from dtrain.dist import sealed_store
 from dtrain.dist.reachability import REACH, close_probe_listener, peers_checked
 from dtrain.dist.runtime import NAMESPACE_ENV
+from dtrain.dist.sealed_store import Opener
+from dtrain.dist.secret import JobSecret
 from dtrain.dist.store_link import StoreLink
 from dtrain.dist.stores import host_store
 from dtrain.errors import UserError
@@ -84,6 +86,13 @@ def joined(members: list[Member], after: int) -> list[tuple[int, tuple[int, ...]
     return [(g.number, g.members, g.stop) for g in generations if g is not None]
 
 
+def two_members(store: Any) -> tuple[Coordinator, list[Member]]:
+    """A coordinator (polled by the test) and members 0 and 1, registered."""
+    coordinator = Coordinator(store, 2, stale_s=30.0, hang_s=30.0)
+    address = f"127.0.0.1:{store.port}"
+    return coordinator, [Member(address, m, 2, timeout_s=10.0) for m in (0, 1)]
+
+
 def close(members: list[Member]) -> None:
     for member in members:
         member.close()
@@ -141,15 +150,14 @@ def test_a_member_waiting_to_join_is_not_sent_away_by_a_forged_done_or_stopped(
 def test_a_forged_generation_is_not_joined(
     store: Any, stranger: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    coordinator = Coordinator(store, 2, stale_s=30.0, hang_s=30.0)
-    address = f"127.0.0.1:{store.port}"
-    members = [Member(address, m, 2, timeout_s=10.0) for m in (0, 1)]
+    coordinator, members = two_members(store)
     try:
         # The stranger reads member 0's nonce in the store and forges a generation of member 0
         # alone (without member 1, whose collectives would then hang on it).
         nonce = payload(stranger.get("inplace/member/0/info"))["nonce"]
         forged = {"members": [0], "nonces": [nonce], "left": [1], "joined": [], "stop": ""}
-        stranger.set("inplace/gen/7", json.dumps({**forged, "asked_at": 0.0}))
+        stranger.set("inplace/gen/7", json.dumps({**forged, "spans": [[0, 0]], "asked_at": 0.0}))
+        stranger.set("inplace/member/0/gen", json.dumps({"gen": 7, "nonce": nonce}))
         stranger.set("inplace/gen/latest", "7")
         for member in members:
             member.ask(-1, -1)
@@ -159,6 +167,36 @@ def test_a_forged_generation_is_not_joined(
     finally:
         close(members)
     assert warnings_of(capsys.readouterr().err, "inplace/gen/latest") == 1
+
+
+def test_a_proof_of_membership_moved_or_forged_lets_no_other_incarnation_join(
+    store: Any, stranger: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A generation names each member's incarnation in that member's own sealed proof
+    # (``member/<id>/gen``): member 0 restarted (a new incarnation) must not join generation 0,
+    # which holds its old one, whatever a stranger copies or writes there.
+    coordinator, members = two_members(store)
+    address = f"127.0.0.1:{store.port}"
+    again = None
+    try:
+        for member in members:
+            member.ask(-1, -1)
+        coordinator.poll()
+        assert joined(members, -1) == [(0, (0, 1), "")] * 2
+        again = Member(address, 0, 2, timeout_s=10.0)  # member 0 restarted
+        again.ask(-1, -1)
+        assert again.wait(-1, give_up=lambda: True) is None  # generation 0 holds the old one
+        stranger.set("inplace/member/0/gen", stranger.get("inplace/member/1/gen"))  # moved
+        assert again.wait(-1, give_up=lambda: True) is None
+        stranger.set("inplace/member/0/gen", json.dumps({"gen": 0, "nonce": again.nonce}))
+        assert again.wait(-1, give_up=lambda: True) is None
+        assert warnings_of(capsys.readouterr().err, "inplace/member/0/gen") == 1
+        # The coordinator takes the new incarnation in at the next generation, with its proof.
+        members[1].ask(0, 3)
+        coordinator.poll()
+        assert joined([again, members[1]], 0) == [(1, (0, 1), "")] * 2
+    finally:
+        close([*members, *([again] if again else [])])
 
 
 def test_the_coordinator_acts_on_no_forged_state_want_or_registration(
@@ -402,3 +440,31 @@ def test_shapes() -> None:
     assert not sealed_store.fits({"pid": True}, {"pid": int})
     assert sealed_store.fits({"asked_at": 0}, {"asked_at": float})
     assert not sealed_store.fits([1], {"a": int})
+
+
+def test_an_opener_checks_each_value_s_seal_once_and_keeps_the_last_good_one(
+    store: Any, stranger: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The coordinator reads every member's records again and again: a value is checked when it
+    # first appears at its key (one HMAC each when all members ask at once), never again.
+    checked: list[str] = []
+    unseal = JobSecret.unseal
+
+    def counted(self: JobSecret, name: str, sealed: bytes) -> bytes | None:
+        checked.append(name)
+        return unseal(self, name, sealed)
+
+    monkeypatch.setattr(JobSecret, "unseal", counted)
+    opener = Opener()
+    key, shape = "inplace/member/0/want", {"after": int}
+    write_value(store, "member/0/want", {"after": 0})
+    for _ in range(3):
+        assert opener.read_json(store, key, shape) == {"after": 0}
+    assert checked == [key]
+    write_value(store, "member/0/want", {"after": 1})
+    assert [opener.read_json(store, key, shape) for _ in range(2)] == [{"after": 1}] * 2
+    assert checked == [key] * 2
+    stranger.set(key, json.dumps({"after": 9}))  # a forgery: the last good value stands
+    assert [opener.read_json(store, key, shape) for _ in range(2)] == [{"after": 1}] * 2
+    assert checked == [key] * 3
+    assert warnings_of(capsys.readouterr().err, key) == 1

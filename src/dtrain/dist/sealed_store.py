@@ -43,8 +43,11 @@ def _secret_of(text: str, file: str) -> JobSecret | None:
 
 def job_secret() -> JobSecret | None:
     """This process's secret, or None without one. Read once per value of the environment
-    (the coordinator opens values every 10 ms; a test may set another secret)."""
-    return _secret_of(os.environ.get(SECRET_ENV, ""), os.environ.get(SECRET_FILE_ENV, ""))
+    (the coordinator opens values every 10 ms; a test may set another secret). The file's
+    variable is looked up only without the secret's, which wins over it: looking up a variable
+    that is not set raises inside ``os.environ``, and cost more than the HMAC."""
+    text = os.environ.get(SECRET_ENV, "")
+    return _secret_of(text, "" if text else os.environ.get(SECRET_FILE_ENV, ""))
 
 
 def warn_once(key: str, why: str) -> None:
@@ -128,6 +131,12 @@ def parse(key: str, raw: bytes | None, shape: Shape) -> Any:
 def put(store: Any, key: str, value: str | bytes) -> None:
     """``store[key] = value``, sealed."""
     store.set(key, seal(key, value.encode() if isinstance(value, str) else value))
+
+
+def put_many(store: Any, values: dict[str, str]) -> None:
+    """``store[key] = value`` for each, sealed, in one call (``multi_set``)."""
+    keys = list(values)
+    store.multi_set(keys, [seal(key, values[key].encode()) for key in keys])
 
 
 def get(store: Any, key: str) -> bytes | None:

@@ -26,9 +26,12 @@ from dtrain.recovery.membership import (
     Generation,
     announce,
     post,
+    proof,
     read_json,
     read_text,
+    spans_of,
     write_value,
+    write_values,
 )
 from dtrain.recovery.node_claim import BUMP_S, alive_key
 
@@ -445,14 +448,18 @@ class Coordinator(PollingThread):
         self.first_ask = None
         self._set_current(tuple(members), {m: self._seen[m].nonce for m in members})
         record = {
-            "members": list(members),
-            "nonces": [self.nonces[m] for m in members],
+            "spans": spans_of(members),
             "left": list(generation.left),
             "joined": list(generation.joined),
             "asked_at": generation.asked_at,
             "stop": stop,
         }
-        write_value(self.store, f"gen/{self.number}", record)
+        # Each member's proof of its incarnation, and the record, in one call before the
+        # number: a member that reads the number finds both (membership.py's ``member/<id>/gen``).
+        # (As text at once: a thousand dicts held until the write made the garbage collector
+        # sweep the launcher's whole heap inside this poll.)
+        proofs = {f"member/{m}/gen": proof(self.number, self.nonces[m]) for m in members}
+        write_values(self.store, {**proofs, f"gen/{self.number}": record})
         write_value(self.store, "gen/latest", str(self.number))
         self.formed.append(generation)
         if stop:  # after the generation: a member of it must see the generation first
