@@ -229,6 +229,8 @@ def pair_runs(tmp: Path) -> list[dict[str, Any]]:
         spec("allreduce", ar),
         spec("ddp", {"name": "ddp"}),
         spec("tiny_buckets", tiny_buckets),
+        # Gradients of 1.7 MB, over torch DDP's 1 MiB first bucket, under bucket_mb.
+        spec("wide", ar, task={"d_model": 128}, train={"steps": 2}),
         spec("micro2", ar, data={"global_batch_size": 8, "micro_batches": 2}),
         spec("micro4", tiny_buckets, data={"global_batch_size": 8, "micro_batches": 4}),
         spec("gated", {**ar, "find_unused_parameters": True}, run=GATED),
@@ -288,6 +290,12 @@ def test_one_launch_per_bucket_per_step(pair: list[Any]) -> None:
     tiny = pair[0]["tiny_buckets"]
     assert tiny["bucket_sizes"] == [1] * tiny["tensors"]  # every tensor is its own bucket
     assert tiny["launches"] == tiny["steps"] * tiny["tensors"]
+    # The first bucket is bounded by bucket_mb as every other, as the ddp strategy's: a model
+    # under it is one collective a step (the README model's step paid a second one).
+    wide = pair[0]["wide"]
+    assert wide["parameter_bytes"] > 1024 * 1024
+    assert wide["buckets"] == 1
+    assert wide["launches"] == wide["steps"] == 2
 
 
 def test_every_tensor_its_own_bucket_keeps_parity(pair: list[Any], single: dict[str, Any]) -> None:

@@ -11,7 +11,6 @@ from dtrain.estimate.passes import measure_both
 from dtrain.estimate.probe import example_micro_batch
 from dtrain.estimate.report import human
 from dtrain.estimate.result import Line, MemoryEstimate
-from dtrain.parallel.allreduce import FIRST_BUCKET_BYTES  # torch's DDP: the same 1 MiB
 
 
 def estimate_flat(job: Job, name: str) -> MemoryEstimate:
@@ -121,10 +120,10 @@ def estimate_flat(job: Job, name: str) -> MemoryEstimate:
 def staging_bytes(job: Job) -> int:
     """ddp and allreduce without compression: the step's agreement rides with the last
     gradient bucket in a staging copy of it that the hook keeps (``comm.hooks.MeanHook``).
-    Buckets as both cut them: reverse registration order, the first at most 1 MiB (DDP
-    rebuilds its buckets after the first step in the order gradients are completed in,
-    which this approximates)."""
-    buckets = bucket_bytes(job.infos, job.bucket_cap, FIRST_BUCKET_BYTES)
+    Buckets as both cut them: reverse registration order, each at most ``bucket_mb``, the
+    first too (DDP rebuilds its buckets after the first step in the order gradients are
+    completed in, which this approximates)."""
+    buckets = bucket_bytes(job.infos, job.bucket_cap)
     return buckets[-1] if buckets else 0
 
 

@@ -163,9 +163,7 @@ def optimizer_bytes(
     return OptimizerBytes(state, temporary)
 
 
-def bucket_bytes(
-    tensors: Sequence[TensorInfo], cap_bytes: int, first_cap_bytes: int | None = None, tp: int = 1
-) -> list[int]:
+def bucket_bytes(tensors: Sequence[TensorInfo], cap_bytes: int, tp: int = 1) -> list[int]:
     """The bytes of each flat bucket the trainable parameters (or their gradients) are cut
     into, in reverse registration order (the order backward finishes them), as
     :func:`dtrain.parallel.grad_sync.assign_buckets` cuts them."""
@@ -174,5 +172,5 @@ def bucket_bytes(
     metas = [t.local_meta(tp) for t in reversed(tensors) if t.is_parameter and t.trainable]
     return [
         sum(metas[i].numel() * metas[i].element_size() for i in members)
-        for members in assign_buckets(metas, cap_bytes, first_cap_bytes)
+        for members in assign_buckets(metas, cap_bytes)
     ]

@@ -84,6 +84,8 @@ class Run:
         self._trainer: Trainer | None = None
         self._registered: dict[str, Any] = {}
         self._wrapped: dict[str, Wrapped] = {}  # further models with optimizers (run.wrap)
+        # Their strategies by name: every step's, fixed before the loop starts (as _wrapped).
+        self._further: list[Strategy] = []
         self._frozen: dict[str, nn.Module] = {}  # further models without
         self._watch: UnwrappedWatch | None = None  # the process's first step: unwrapped models
         self._running = contextlib.ExitStack()  # Trainer.running(): watchdog, signals
@@ -206,6 +208,7 @@ class Run:
             self.config, self.runtime, name, model, optimizer, output_sum, trainer.strategy
         )
         self._wrapped[name] = wrapped
+        self._further = [self._wrapped[name].strategy for name in sorted(self._wrapped)]
         assert wrapped.strategy.model is not None
         return wrapped.strategy.model, wrapped.optimizer
 
@@ -230,10 +233,6 @@ class Run:
                 "first run.batches() (its resume, and every save, holds what was given then)"
             )
 
-    def _strategies(self) -> list[Strategy]:
-        """The further models' strategies (:meth:`wrap`), by name."""
-        return [self._wrapped[name].strategy for name in sorted(self._wrapped)]
-
     def _modules(self) -> list[nn.Module]:
         """Every module of the further models, wrapped or frozen."""
         models = [w.strategy.unwrapped for w in self._wrapped.values()]
@@ -252,8 +251,7 @@ class Run:
             while self._loop is not None and not self._stopped and trainer.step < steps:
                 step_batch, micro, count, _ = trainer.next_batch()
                 failpoint("train.step", step=trainer.step + 1)
-                further = self._strategies()
-                self._batch = Batch(trainer, self._begin, further, step_batch, micro, count)
+                self._batch = Batch(trainer, self._begin, self._further, step_batch, micro, count)
                 yield self._batch
                 if self._batch is not None:
                     raise UserError(
@@ -337,10 +335,10 @@ class Run:
             self._watch.close()
             self._watch = None
         with trainer.phase("forward_backward"):
-            for strategy in self._strategies():  # what their backward started (discarded)
+            for strategy in self._further:  # what their backward started (discarded)
                 strategy.sync_gradients()
             agreement = trainer.forward_backward.finish()
-        for strategy in self._strategies():  # the step ends: a further model starts afresh
+        for strategy in self._further:  # the step ends: a further model starts afresh
             zero_gradients(strategy)
         assert self._preempt is not None
         wished: list[str] = []
@@ -414,7 +412,7 @@ class Run:
             )
         batch, loss_sum = Batch.updating(self._batch, self._loss_sum)
         self._check_watch()
-        norm = update_wrapped(self.trainer, wrapped, self._strategies(), loss_sum)
+        norm = update_wrapped(self.trainer, wrapped, self._further, loss_sum)
         batch.done.clear()
         self._loss_sum = None  # the step's logged loss: that of the main optimizer's phase
         return norm

@@ -24,8 +24,11 @@ Customizing
 -----------
 ``strategy.bucket_mb`` bounds a bucket's size: fewer, larger buckets mean fewer collectives (each
 pays a fixed latency) but less overlap with backward. A parameter larger than the bound gets a
-bucket of its own. The first bucket is bounded at 1 MiB (or ``bucket_mb``, if smaller), as DDP
-does by default, so that the first all-reduce starts early in backward.
+bucket of its own. The first bucket has the same bound, as in the ``ddp`` strategy (torch's DDP
+cuts a 1 MiB first bucket only when ``bucket_cap_mb`` is not given, and ``ddp`` gives it): a
+model under ``bucket_mb`` is one collective a step in both. A 1 MiB first bucket cost the README
+model's step a second collective, about 1.3 ms of CPU on gloo, for an overlap that a CPU step
+does not gain (docs/benchmarks.md, notes on ``peers.py``).
 
 Communication hooks have the shape of torch DDP's (``DistributedDataParallel.register_comm_hook``)::
 
@@ -75,8 +78,6 @@ from dtrain.comm.hooks import run_comm_hook
 from dtrain.parallel.base import BackwardSyncControl, CommHookControl
 from dtrain.parallel.grad_sync import MIB, assign_buckets
 from dtrain.task import Task
-
-FIRST_BUCKET_BYTES = MIB
 
 
 class GradBucket:
@@ -167,9 +168,8 @@ class AllReduceStrategy(CommHookControl, BackwardSyncControl):
         # so that the first buckets fill (and start communicating) early in backward.
         params.reverse()
         cap = max(1, int(self.options.bucket_mb * MIB))
-        # A small first bucket (DDP's default too) starts communicating early in backward
-        # instead of waiting for a whole bucket_mb of gradients.
-        for members in assign_buckets(params, cap, first_cap_bytes=FIRST_BUCKET_BYTES):
+        # Every bucket, the first too, bounded by bucket_mb as ddp's (see the module docstring).
+        for members in assign_buckets(params, cap):
             self._add_bucket([params[i] for i in members])
         hook = build_comm_hook(
             self.comm_options,
