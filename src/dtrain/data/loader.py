@@ -354,10 +354,10 @@ class RankLoader(StepCut):
 
     def reset(self) -> None:
         """Drop what was fetched ahead; the next step starts at ``consumed``."""
-        if self._halt is not None:
-            self._halt()
         if self.ahead is not None:
             self.ahead.stop()
+        if self._halt is not None:
+            self._halt()
         self._source = None
         self._halt = None
 
@@ -391,6 +391,10 @@ class RankLoader(StepCut):
         def halt() -> None:
             stop.set()
             places.put(None)  # wakes the producer if it waits for a place
+            # Then waits out the step it may be fetching (bounded by the dataset's own reads):
+            # once the loader is reset or closed no thread of it reads, or holds a store's
+            # pieces, any more.
+            thread.join()
 
         self._halt = halt
 
