@@ -31,7 +31,7 @@ from dtrain.checkpoint.layout import step_dir_name
 from dtrain.cli import main
 from dtrain.config.sections import STORE_PIECE_BYTES
 from dtrain.data.loader import RankLoader
-from dtrain.data.node_cache import WRITING
+from dtrain.data.node_cache import WRITING, NodeCache
 from dtrain.data.partition import OrderSpec
 from dtrain.data.prepare import prepare
 from dtrain.data.read_ahead import ReadAhead
@@ -462,3 +462,18 @@ def test_the_journey_prepare_train_sigterm_resume_at_another_world_size(
     windows = TokenWindows(ShardedDataset(f"s3://{BUCKET}/j/train"), SEQ)
     result = check_stream(trajectory, len(windows))
     assert result.exactly_once and not result.gaps and result.positions == 12 * B, result
+
+
+def test_a_cache_folder_another_could_write_is_refused(tmp_path: Path) -> None:
+    # The cache trusts a piece marked present: a folder at its predictable name that others
+    # can write (made before the job, in a shared temporary folder) must not be used.
+    planted = tmp_path / "dtrain-shards-planted"
+    planted.mkdir()
+    planted.chmod(0o777)
+    with pytest.raises(DataError, match="belongs to another user or is open to others"):
+        NodeCache(str(tmp_path), planted.name, np.full(4, 1024, dtype=np.int64))
+    planted.chmod(0o700)
+    cache = NodeCache(str(tmp_path), planted.name, np.full(4, 1024, dtype=np.int64))
+    assert cache.resident() == 0
+    cache.close()
+    assert not planted.exists()

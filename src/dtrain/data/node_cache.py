@@ -107,7 +107,7 @@ class NodeCache:
     def _join(self) -> int:
         """Register as a user of the folder, emptying it first when no one else uses it."""
         while True:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            _own_folder(self.folder)
             door = os.open(self.folder / "door.lock", os.O_RDWR | os.O_CREAT, 0o600)
             fcntl.flock(door, fcntl.LOCK_EX)
             try:
@@ -208,6 +208,20 @@ def _parent(cache_dir: str) -> Path:
             f"data.cache_dir {cache_dir}: cannot make it ({exc.strerror or exc})"
         ) from None
     return parent
+
+
+def _own_folder(folder: Path) -> None:
+    """``folder`` made (mode 0700), or found, this user's and closed to others. Its pieces are
+    trusted once marked present, so a folder another local user made or can write (the
+    default parent is the shared temporary folder, the name predictable) is refused."""
+    folder.mkdir(mode=0o700, exist_ok=True)
+    found = folder.lstat()
+    if found.st_uid != os.geteuid() or found.st_mode & 0o077 or folder.is_symlink():
+        raise DataError(
+            f"data.cache_dir {folder.parent}: {folder.name} belongs to another user or is open "
+            "to others, and the cache trusts what it holds; remove it, or set data.cache_dir "
+            "to a folder of your own"
+        )
 
 
 def _check_punch_hole(folder: Path) -> None:
