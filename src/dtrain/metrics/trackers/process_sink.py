@@ -29,6 +29,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any
 
+from dtrain.console import say_line
 from dtrain.metrics.trackers.rows import Final, Setup, failure, summary_of, to_row
 from dtrain.metrics.trackers.sink import (
     CLOSE_TIMEOUT_S,
@@ -196,7 +197,7 @@ class ProcessSink:
                     self._proc.kill()
                     break
                 again = "goes on in" if self.stored else "logs to"
-                print(f"dtrain: {self.name} {again} {self.where}", file=sys.stderr)
+                say_line(f"dtrain: {self.name} {again} {self.where}")
                 self.started.set()
             elif "failed" in message:
                 self._fail(str(message["failed"]))

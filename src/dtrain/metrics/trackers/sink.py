@@ -20,13 +20,13 @@ from __future__ import annotations
 import json
 import os
 import queue
-import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 from dtrain.checkpoint import layout
 from dtrain.checkpoint.store import write_whole
+from dtrain.console import say_line
 from dtrain.metrics.trackers.rows import Final, Row, Tracker, failure, summary_of, to_row
 from dtrain.storage.objects import Location
 
@@ -109,7 +109,7 @@ class TrackerSink:
             ids = self.tracker.start(self.stored)
             write_run_id(self.run_dir, self.tracker.name, ids)
             again = "goes on in" if self.stored else "logs to"
-            print(f"dtrain: {self.tracker.name} {again} {self.tracker.where}", file=sys.stderr)
+            say_line(f"dtrain: {self.tracker.name} {again} {self.tracker.where}")
             while True:
                 closing = self._closing.wait(FLUSH_S)
                 rows = self._drain()
@@ -145,7 +145,7 @@ class OnceWarning:
             if self.given:
                 return
             self.given = True
-        print(f"dtrain: warning: tracker {text}", file=sys.stderr, flush=True)
+        say_line(f"dtrain: warning: tracker {text}")
 
 
 # -- RUN_DIR/trackers.json ---------------------------------------------------------------
