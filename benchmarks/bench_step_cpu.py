@@ -5,8 +5,8 @@ loopback, one thread each):
 - ``first-bucket``: ``allreduce`` with its first gradient bucket bounded by ``strategy.bucket_mb``
   like every other (one all-reduce a step for a model under it, as the ``ddp`` strategy) against
   a 1 MiB first bucket (what ``allreduce`` cut before 2026-12-05: two all-reduces a step here);
-  the 1 MiB variant is the strategy's module with its ``assign_buckets`` given
-  ``first_cap_bytes`` for that round.
+  the 1 MiB variant is the strategy's module with its ``assign_buckets`` replaced, for that
+  round, by the old cut (``small_first`` below).
 - ``own-loop``: an own loop (``dtrain.Run``, ``tests.own_loops.tiny_loop``) against dtrain's
   loop, under ``ddp``.
 
@@ -23,7 +23,6 @@ cannot resolve below.
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import statistics
 import tempfile
@@ -43,6 +42,7 @@ COMPARISONS = {
 
 def train_rounds(raws: list[tuple[str, dict[str, Any]]]) -> dict[str, list[tuple[float, ...]]]:
     """On each rank: every (variant, config) in turn; rank 0's CPU per step of each."""
+    import torch
     from tests.dist_helpers import make_trainer
     from tests.own_loops import tiny_loop
     from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -56,10 +56,17 @@ def train_rounds(raws: list[tuple[str, dict[str, Any]]]) -> dict[str, list[tuple
     register_optimizer_step_post_hook(
         lambda *_: marks.append((time.process_time(), time.thread_time()))
     )
+
+    def small_first(params: list[torch.Tensor], cap: int) -> list[list[int]]:
+        # The cut before the change: a first bucket of at most 1 MiB, then buckets of ``cap``
+        # (one dtype here, so the first bucket is a run of leading parameters).
+        first = assign_buckets(params, min(cap, MIB))[0]
+        rest = assign_buckets(params[len(first) :], cap)
+        return [first, *[[len(first) + i for i in bucket] for bucket in rest]]
+
     out: dict[str, list[tuple[float, ...]]] = {}
     try:
         for name, raw in raws:
-            small_first = functools.partial(assign_buckets, first_cap_bytes=MIB)
             allreduce.assign_buckets = small_first if name == "1 MiB first" else assign_buckets
             marks.clear()
             if name == "own loop":

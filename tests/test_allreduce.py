@@ -375,17 +375,6 @@ def test_assign_buckets_bounds_sizes_and_keeps_order() -> None:
     assert assign_buckets(tensors, cap_bytes=1) == [[i] for i in range(6)]
 
 
-def test_assign_buckets_first_bucket_smaller() -> None:
-    tensors = [torch.zeros(n) for n in (10, 10, 10, 30, 5, 5)]
-    assert assign_buckets(tensors, cap_bytes=200, first_cap_bytes=40) == [[0], [1, 2, 3], [4, 5]]
-    assert assign_buckets(tensors, cap_bytes=80, first_cap_bytes=10**6) == [
-        [0, 1],
-        [2],
-        [3],
-        [4, 5],
-    ]
-
-
 def test_assign_buckets_separates_dtypes() -> None:
     tensors = [torch.zeros(2), torch.zeros(2, dtype=torch.float64), torch.zeros(2)]
     assert assign_buckets(tensors, cap_bytes=1000) == [[0, 2], [1]]

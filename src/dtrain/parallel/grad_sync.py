@@ -19,23 +19,18 @@ from dtrain.comm.mean import divide_
 MIB = 1024 * 1024
 
 
-def assign_buckets(
-    params: Sequence[torch.Tensor], cap_bytes: int, first_cap_bytes: int | None = None
-) -> list[list[int]]:
+def assign_buckets(params: Sequence[torch.Tensor], cap_bytes: int) -> list[list[int]]:
     """Indices of ``params`` grouped into buckets of at most ``cap_bytes`` (a tensor larger
-    than that gets a bucket of its own), keeping the given order. ``first_cap_bytes`` bounds
-    the first bucket instead, if smaller. A bucket holds one dtype and device only, since it is
-    flattened into one buffer; tensors of another kind fill their own open bucket, as in DDP.
-    Buckets are returned in the order of their first tensor."""
-    first_cap = min(cap_bytes, first_cap_bytes or cap_bytes)
+    than that gets a bucket of its own), keeping the given order. A bucket holds one dtype and
+    device only, since it is flattened into one buffer; tensors of another kind fill their own
+    open bucket, as in DDP. Buckets are returned in the order of their first tensor."""
     buckets: list[list[int]] = []
     filling: dict[tuple[torch.dtype, torch.device], list[int]] = {}  # one open bucket per kind
     filled_bytes: dict[tuple[torch.dtype, torch.device], int] = {}
     for index, param in enumerate(params):
         kind = (param.dtype, param.device)
         size = param.numel() * param.element_size()
-        limit = cap_bytes if buckets else first_cap
-        if kind in filling and filled_bytes[kind] + size > limit:
+        if kind in filling and filled_bytes[kind] + size > cap_bytes:
             buckets.append(filling.pop(kind))  # this tensor would overflow it: close it
         if kind not in filling:
             filling[kind], filled_bytes[kind] = [], 0
