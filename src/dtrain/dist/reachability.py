@@ -1,37 +1,19 @@
 """At start, every rank checks that it can reach what the job needs: an address that does not
-route is one line naming the host and the address, within seconds, not a hang.
+route is one line naming the host and the address, within seconds, not a hang in
+``init_process_group`` until the collective timeout (the classic case: rank 0's hostname
+resolves to 127.0.0.1 there, and the other machines try ``localhost``).
 
-Without it, a job whose machines were given addresses they cannot use hangs in
-``init_process_group`` until the collective timeout and is killed with nothing useful said. The
-classic case: rank 0's machine advertises its hostname, which resolves to 127.0.0.1 there
-(``torchrun`` without ``--local-addr``), and every other machine's workers try ``localhost``.
-
-What is checked, in :func:`dtrain.dist.runtime.init_runtime`, before ``init_process_group``:
-
-1. **The job's store** (``MASTER_ADDR:MASTER_PORT``; rank 0 hosts it under ``dtrain train``,
-   torch's agent under plain ``torchrun``). A name that does not resolve fails at once, and so
-   does a loopback address when this node advertises a real one (``DTRAIN_NODE_ADDR``, set by
-   ``dtrain train``): rank 0's machine then advertised an address no other machine can use.
-   Otherwise a rank tries for ``dist.connect_timeout_s`` ("connection refused" is normal for
-   the second or two rank 0 takes to start), then names the address. Rank 0 opens the store
-   with the same bound: an advertised address that is not its own fails there.
-2. **The peers' collective addresses.** Each rank listens on the address its collectives will
-   use -- gloo's choice: the interface named by ``GLOO_SOCKET_IFNAME`` (``--iface``), else the
-   address its hostname resolves to -- publishes it in the store, and opens a TCP connection
-   to rank 0 and to its two ring neighbours, each bounded by ``dist.connect_timeout_s``. Three
-   connections per rank whatever the job's size (rank 0 accepts one from every rank), and every
-   node is checked against rank 0's and against the next node's: a cheap sample of gloo's full
-   mesh that catches a wrong interface or an unreachable node, not every broken pair.
-   The listening socket stays open for the rest of the worker's life: no rank passes
-   ``init_process_group`` before every rank has finished its own connections, and afterwards
-   it answers :func:`probe` -- how a rank tells a peer whose process is gone (its machine
-   refuses the connection) from one cut off by the network (no answer at all) from one that is
-   alive but silent (it accepts), when a collective with it fails.
-
-The addresses and a failure the check publishes are sealed with the job's secret
-(:mod:`dtrain.dist.sealed_store`): a stranger who reaches the store cannot point a rank at
-another address or stop the job's start with words of their own (such a value is read as
-none, with one warning naming its key).
+Checked in :func:`dtrain.dist.runtime.init_runtime`, before ``init_process_group``, each bounded
+by ``dist.connect_timeout_s``: (1) the job's store, ``MASTER_ADDR:MASTER_PORT`` (a name that does
+not resolve, or a loopback address while this node advertises a real one, fails at once;
+"connection refused" is retried while rank 0 starts); (2) the peers' collective addresses: each
+rank listens on gloo's address, publishes it, and connects to rank 0 and its two ring
+neighbours -- a cheap sample of gloo's mesh (docs/multi-host.md, the check before
+``init_process_group``). The listening socket stays open for the worker's life: no rank passes
+``init_process_group`` before every rank has finished its connections, and afterwards it
+answers :func:`probe`, which tells a peer gone (refused) from one cut off (no answer) from one
+alive but silent (accepted). What the check publishes is sealed with the job's secret
+(:mod:`dtrain.dist.sealed_store`), so a stranger cannot redirect a rank or stop the start.
 """
 
 from __future__ import annotations

@@ -16,47 +16,24 @@ no handler installed a point costs a call and one ``if``. (The name comes from F
 ``set_handler`` installs one without a ``with`` (for a worker process's whole life: the
 chaos task ``tests.tasks:chaos_gpt`` does it in its factory).
 
-The points, with their keyword arguments. The checkpointer (:mod:`dtrain.checkpoint.write`),
-in the order of one save; an exception raised in a handler fails the save as a failure in that
-phase does (the step is not committed, and the error is reported):
+The points (keyword arguments; the ranks that reach them). An exception from a handler at a
+``checkpoint.*`` point fails the save as a failure in that phase does, except
+``after_marker``, where it is a warning and the step stays committed:
 
-``checkpoint.write`` (step)
-    every rank, in the thread that writes (the training thread for a synchronous save, the
-    background writer for an asynchronous one), once ``.tmp-step-N/`` exists, before any file;
-``checkpoint.write_file`` (step, path)
-    every rank, before each file of ``torch.save`` data or ``meta.json`` is written; ``path``
-    is the file in ``.tmp-step-N/`` (the sharded ``dcp/`` files are written by
-    ``torch.distributed.checkpoint`` and have no point);
-``checkpoint.before_rename`` (step)
-    rank 0, every rank's files written and reported, before ``.tmp-step-N`` becomes ``step-N``;
-``checkpoint.before_marker`` (step)
-    rank 0, ``step-N`` in place, before its ``COMMITTED.json`` is written;
-``checkpoint.after_marker`` (step)
-    rank 0, the step committed, before older checkpoints are pruned (a failure here is a
-    warning: the checkpoint stays committed).
-
-Verifying a checkpoint (:mod:`dtrain.checkpoint.verify`), before resume or a rollback:
-
-``checkpoint.verify_piece`` (path, index)
-    every rank, before it hashes each piece of its share; ``path`` is the file, ``index`` the
-    piece's.
-
-The training loop (:mod:`dtrain.train.trainer`); ``step`` is the number of the step being trained
-(1 for the first, as ``metrics.jsonl`` counts):
-
-``train.before_collective`` (step)
-    every rank, the step's batch fetched, just before the step's first collective (the
-    all-reduce in which the ranks agree on its item count and on stopping);
-``train.step`` (step)
-    every rank, the ranks agreed to train the step, before its forward and backward.
-
-Load balancing (:mod:`dtrain.balance.balancer`):
-
-``balance.timing`` (step, window)
-    every rank, on a timing window's last step, before the ranks exchange their timing
-    windows; ``window`` is this rank's (a NumPy array laid out as
-    :data:`dtrain.balance.timing.FIELDS`), which a handler may overwrite in place to feed the
-    controller exact numbers.
+- ``checkpoint.write`` (step): every rank, in the thread that writes, ``.tmp-step-N/`` made,
+  before any file;
+- ``checkpoint.write_file`` (step, path): every rank, before each ``torch.save`` file or
+  ``meta.json`` in ``.tmp-step-N/`` (DCP's ``dcp/`` files have no point);
+- ``checkpoint.before_rename`` / ``before_marker`` / ``after_marker`` (step): rank 0, before
+  ``.tmp-step-N`` becomes ``step-N``, before ``COMMITTED.json``, before pruning;
+- ``checkpoint.verify_piece`` (path, index): every rank, before it hashes each piece it checks;
+- ``train.before_collective`` (step): every rank, the batch fetched, before the step's first
+  collective (the agreement on its item count and on stopping);
+- ``train.step`` (step): every rank, the step agreed, before forward and backward (``step``
+  counts from 1, as ``metrics.jsonl``);
+- ``balance.timing`` (step, window): every rank, on a timing window's last step, before the
+  exchange; a handler may overwrite ``window`` (laid out as
+  :data:`dtrain.balance.timing.FIELDS`) in place to feed the controller exact numbers.
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
 """A rank's liveness: one record, in one small memory-mapped file per rank in the run folder.
 
-``RUN_DIR/liveness/rankN`` holds who the rank is (host, pid, attempt, world size), where it is
-(step, phase, when it entered the phase), how far it has got inside the phase (a progress
-count that long phases bump as they go: an evaluation batch, a file saved or hashed, and the
-time of the last one), when its watchdog's thread last stamped it alive, and the rank's own
-speed. Everyone who asks whether a rank is alive, or where it is, reads this record:
-
-- the rank's own hang check (:mod:`dtrain.fault.watchdog`): a rank whose phase and progress
-  have not moved for twice the collective timeout is hung;
-- the ranks of its machine, when a collective fails: a rank killed outright (``kill -9``, the
-  OOM killer) leaves its exact step and phase in the file, whose pages outlive the process;
-- the job's key-value store, which the watchdog's thread mirrors the record into (as JSON,
-  with the same fields: :meth:`Liveness.to_dict`), for ranks on other machines;
-- ``dtrain status`` (:mod:`dtrain.report.status`), from outside the job.
-
-The training thread writes step, phase and progress with a few plain stores into the mapping:
-no system call, about a microsecond, cheap enough for every phase change. The watchdog's
-thread writes the rest (alive stamp, speed) into a separate part, and syncs the file to its
-storage every second or so, so that readers on other machines (a run folder on shared
-storage) see it about as fresh. A rank starting again (a restart attempt) replaces the file
-whole; readers that must not mistake another process's record for the one they look for
-check its pid.
+``RUN_DIR/liveness/rankN``: who the rank is, where it is (step, phase, progress inside the
+phase), when its watchdog's thread last stamped it alive, and its speed. The hang check, the
+diagnosis of a failed peer (the file's pages outlive a killed process, so its machine reads
+the exact step), the store's mirror (:meth:`Liveness.to_dict`) and ``dtrain status`` all read
+this one record (docs/fault-tolerance.md, "Hangs and failures name the rank"). The training
+thread writes with plain stores into the mapping, no system call, cheap enough for every phase
+change; the watchdog's thread writes the rest into a separate part and syncs the file about
+every second. A restart attempt replaces the file whole, so a reader checks the pid.
 
 Layout: a header written once (magic, pid, rank, world size, attempt, host), then two slots
 for the training thread's record and two for the watchdog thread's, each pair used in turn.

@@ -20,44 +20,13 @@ Buckets are launched strictly in index order, whatever order they became ready i
 must be issued in the same order on every rank, and ranks whose data leaves different parameters
 without a gradient would otherwise launch them in different orders.
 
-Customizing
------------
-``strategy.bucket_mb`` bounds a bucket's size: fewer, larger buckets mean fewer collectives (each
-pays a fixed latency) but less overlap with backward. A parameter larger than the bound gets a
-bucket of its own. The first bucket has the same bound, as in the ``ddp`` strategy (torch's DDP
-cuts a 1 MiB first bucket only when ``bucket_cap_mb`` is not given, and ``ddp`` gives it): a
-model under ``bucket_mb`` is one collective a step in both. A 1 MiB first bucket cost the README
-model's step a second collective, about 1.3 ms of CPU on gloo, for an overlap that a CPU step
-does not gain (docs/benchmarks.md, notes on ``peers.py``).
-
-Communication hooks have the shape of torch DDP's (``DistributedDataParallel.register_comm_hook``)::
-
-    hook(state, bucket) -> torch.futures.Future[torch.Tensor]
-
-``bucket`` is a :class:`GradBucket` with the methods of ``torch.distributed.GradBucket``
-(``index()``, ``buffer()``, ``gradients()``, ``parameters()``, ``is_last()``, ``set_buffer()``);
-the future's value is the *averaged* flat gradient, which the bucket (and so ``.grad``) takes.
-So a hook written for DDP -- torch's own ``fp16_compress_hook`` or ``powerSGD_hook`` included --
-plugs into this strategy unchanged::
-
-    strategy.register_comm_hook(state=None, hook=fp16_compress_hook)   # before the first step
-
-Set-up registers the hook ``comm.compression`` names (:mod:`dtrain.comm.compression`; ``none``
-is :class:`~dtrain.comm.hooks.MeanHook`: divide by the group size, one asynchronous
-``all_reduce``), which counts its bytes in ``strategy.comm``; a hook registered by hand replaces
-it (and counts nothing unless it does so itself). The time waited on communication is
-measured in ``finish_gradient_sync``: from the last bucket's launch until every bucket is
-reduced.
-
-Differences from torch DDP worth knowing: buckets are not rebuilt after the first step from the
-observed gradient order; buffers (e.g. BatchNorm statistics) are broadcast once at set-up, not
-before every forward; and a parameter that gets no gradient is not an error. It contributes zeros,
-so after a step every parameter has the averaged gradient -- zeros where no rank produced one;
-with ``strategy.find_unused_parameters = true`` one extra small all-reduce per step finds the
-parameters no rank used, and leaves their ``.grad`` at ``None`` as one process would (so an
-optimizer with weight decay or momentum skips them exactly as it would there). As in DDP with
-``gradient_as_bucket_view`` (the ``ddp`` strategy's setting), a ``.grad`` is a view of its
-bucket from the sync on: the next step's sync writes over it (clone a gradient to keep it).
+Hooks have torch DDP's shape, ``hook(state, bucket) -> Future[Tensor]`` whose value is the
+*averaged* flat gradient, so a hook written for DDP plugs in unchanged; set-up registers the one
+``comm.compression`` names, and one registered by hand replaces it (and counts no bytes).
+Invariant to keep in mind: from the sync on, a ``.grad`` is a view of its bucket (as DDP's
+``gradient_as_bucket_view``), so the next step's sync writes over it. Bucket size, hooks, unused
+parameters and the differences from torch DDP: docs/strategies.md, "allreduce"; the waiting
+time measured in ``finish_gradient_sync``: docs/communication.md.
 """
 
 from __future__ import annotations
