@@ -18,13 +18,10 @@ The trainer calls, on every rank, in every step::
                                                 balance.mode = "throughput" new weights for
                                                 the loader from the next step on
 
-Every rank gets the same gathered numbers and runs the same controller on them, so every rank
-gets the same weights after the same step, and the loader cuts the next global batch by them
-(the position stays one global number: exactly-once delivery holds). A window is
-``balance.every`` steps, or more where those take less than ``balance.window_s``: the next
-window's length comes from the mean step time in the gathered numbers, so every rank picks the
-same step for the next gather. The records go to
-``metrics.jsonl`` (rank 0 writes them); their fields are documented in docs/load-balancing.md.
+Every rank runs the same controller on the same gathered numbers, so every rank gets the same
+weights after the same step, and picks the same step for the next gather (the window's length
+comes from the gathered mean step time): no collective of its own. The records' fields and the
+windows: docs/load-balancing.md.
 """
 
 from __future__ import annotations

@@ -10,22 +10,13 @@ A step on one rank, as :class:`StepTimer` splits it (``time.perf_counter``)::
                                    optimizer: optimizer.step() (timed by the optimizer's hooks)
                                    compute:   the rest: forward, backward, clipping
 
-Logging, evaluation and checkpoints come after ``finish`` and belong to no phase. A rank that
-waits for a slower peer shows it as ``comm``; the slow rank's own extra time shows in ``data``
-or ``compute``. So a rank's *time per item*, ``(data + compute) / items``, measures its own
-speed whatever its share and however long it waited for the others: it is what the straggler
-report and the throughput controller compare (:mod:`dtrain.balance.throughput`). A window
-reports the median over its steps of each step's time per item, so that one step slowed by
-something else on the machine (a checkpoint write, another process) does not move the shares.
-
-The sums of a window of steps (``balance.every`` steps, or as many as fill
-``balance.window_s``: :class:`~dtrain.balance.balancer.LoadBalancer`) are exchanged in one small
-all-gather of ``len(FIELDS)`` float64 per rank (:func:`start_gather_windows`): no step pays a
-blocking gather, and every rank receives the same numbers, so every rank's controller makes the
-same decision at the same step without another collective. The load balancer starts that
-gather right after backward of a window's last step (when the gradient all-reduce has
-just brought the ranks together) with the steps finished before it, and takes the result at
-that step's end: the gather overlaps the optimizer step instead of waiting for the slowest rank.
+A rank's *time per item*, ``(data + compute) / items``, is its own speed whatever its share and
+however long it waited for the others (a wait shows as ``comm``); a window reports the median
+over its steps. The sums of a window are exchanged in one small all-gather
+(:func:`start_gather_windows`) started after a window's last backward and taken at its end, so
+it overlaps the optimizer step, and every rank receives the same numbers: every rank's
+controller makes the same decision at the same step without another collective. The phases,
+the window's length and the costs: docs/load-balancing.md, "What is measured".
 """
 
 from __future__ import annotations

@@ -24,11 +24,8 @@ blocked on communication that no computation hides: for gradients synchronized d
 backward, from the end of the backward computation (the last bucket launched) until every
 bucket is reduced; for a blocking collective, its whole duration.
 
-What ``ddp`` and ``allreduce`` count: every bucket as its hook hands it to the collective, the
-step's small collectives, the other collectives each issues (their modules' docstrings), and
-set-up's broadcast (in the totals only); waiting, from the last bucket's launch
-(docs/communication.md, "Bytes, exactly" and "Waiting"). Not counted: DDP's own small metadata
-exchanges (parameter shapes at construction, bucket order at its rebuild).
+What each strategy counts, and how waiting is timed: docs/communication.md, "Bytes, exactly"
+and "Waiting" (not counted: DDP's own small metadata exchanges at construction and rebuild).
 """
 
 from __future__ import annotations

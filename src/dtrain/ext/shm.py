@@ -1,15 +1,9 @@
 """Summing all-reduce between the ranks of one machine through a shared-memory segment: the
-opt-in transport ``comm.transport = 'shm'`` (and ``'auto'``: shm where it can be used, else the
-backend), plugged in through :mod:`dtrain.comm.transport`.
-
-On CPU, gloo moves a gradient between two ranks of one machine through TCP on loopback: the
-kernel copies it twice and each side's gloo thread wakes and waits for the other's. Here each
-rank copies its tensor into its own slot of a memory-mapped file that every rank of the group
-has mapped, marks its arrival, waits until every rank has arrived, and adds the slots into its
-tensor in rank order. Every rank adds the same values in the same order, so every rank ends
-with the same bits; with two ranks the sum is the same as gloo's bit for bit (a sum of two
-values does not depend on their order). What it saves against gloo: docs/communication.md and
-``benchmarks/bench_shm_allreduce.py``.
+opt-in transport ``comm.transport = 'shm'`` (and ``'auto'``), plugged in through
+:mod:`dtrain.comm.transport`. Each rank copies its tensor into its own slot of a file every rank
+has mapped, marks its arrival, waits for every rank, and adds the slots in rank order: every
+rank ends with the same bits, and with two ranks gloo's bits. When to use it, what it saves,
+how it waits and fails: docs/communication.md, "Between the ranks of one machine".
 
 Layout: a header page (a token that proves every rank mapped the same file; then one arrival
 counter per rank, each on its own cache line), then two sets of slots, one per rank each, used
@@ -19,18 +13,9 @@ call ``k - 2``. A tensor larger than a slot goes through in slot-sized chunks, o
 
 The counters are plain 8-byte stores and loads: on x86-64, stores become visible to other cores
 in program order, so a rank that sees a peer's counter sees the slot written before it. Other
-architectures do not promise that, so the segment is offered only on x86-64.
-
-A rank waits by polling, yielding its core between polls, and sleeping once the wait grows
-long. While waiting it checks every tenth of a second that its peers' processes still exist
-and gives up after the collective timeout, with an error that names the rank it was waiting
-for (the trainer's fault handling then says where that rank is).
-
-The file is removed as soon as every rank has mapped it: a rank killed outright leaves nothing
-behind in ``/dev/shm``; the mapping lives until the last rank using it exits.
-
-What a rank sends (in the strategy's byte count): its payload once, written into the segment,
-where its peers read it.
+architectures do not promise that, so the segment is offered only on x86-64. The file is
+removed as soon as every rank has mapped it, so a rank killed outright leaves nothing in
+``/dev/shm``; a rank's byte count is its payload, written once into the segment.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """The strategy interface: how a model is spread over ranks, and nothing else.
 
-A strategy wraps the model, synchronizes gradients after the step's backward, lays out the
-model's and optimizer's state in checkpoints, and gives the model for evaluation and inference.
-The trainer runs the step itself -- forward, loss and backward over the micro-batches, the same
-for every strategy (:mod:`dtrain.train.step`) -- and talks to a strategy only through
-:class:`Strategy`; it never asks which one it has.
-
-What only some strategies can do is a capability. One that carries behaviour is a small class a
-strategy also derives from and the trainer tests with ``isinstance`` (in the manner of Lightning
-Fabric's ``_BackwardSyncControl``); the rest are plain data in the strategy's capability record
-(:mod:`dtrain.config.capabilities`: uneven shares, lockstep forward, sharded state, the mesh),
-which the config's rules read without importing a strategy.
+The trainer runs the step itself (:mod:`dtrain.train.step`) and talks to a strategy only
+through :class:`Strategy`, never asking which one it has (docs/architecture.md, "The three
+invariants"). A capability that carries behaviour is a small class a strategy also derives from
+and the trainer tests with ``isinstance`` (as Lightning Fabric's ``_BackwardSyncControl``); the
+rest are plain data in the capability record (:mod:`dtrain.config.capabilities`), which the
+config's rules read without importing a strategy.
 
 =====================  ======================================================================
 capability             what it gives                                       who

@@ -1,13 +1,8 @@
 """``strategy.sync_batchnorm``: BatchNorm over the whole global (micro-)batch, as one process
-computes it, on any backend and device.
-
-Under data parallelism each rank's BatchNorm normalizes over its own share of the batch: the
-mean and variance of 1/N of the samples, not of all of them, so the math is no longer one
-process's (and the running statistics differ from rank to rank). torch's ``SyncBatchNorm``
-fixes that on GPUs with NCCL only. Here every BatchNorm layer's training forward instead sums,
-per channel, its share's values, squared values and count, and all-reduces those sums over
-the data-parallel ranks in one small collective -- sums and counts, so unequal shares (the
-last batch of an epoch, token-balanced splits) give the global mean and variance exactly::
+computes it, on any backend and device (torch's ``SyncBatchNorm`` needs NCCL; docs/models.md,
+"BatchNorm under data parallelism"). Every BatchNorm layer's training forward sums per channel
+its share's values, squared values and count, and all-reduces the sums over the data-parallel
+ranks in one small collective -- sums and counts, so unequal shares are exact::
 
     d = x - K                      K: the running mean (the same on every rank), a shift that
                                    keeps the squares from cancelling; 0 without running stats
@@ -22,10 +17,9 @@ other ranks' inputs through the shared statistics. With every rank's loss scaled
 ``data_parallel_size / G`` (dtrain.train.step), summing those gradients and letting the strategy
 average the parameter gradients gives the gradient of one process's global mean.
 
-Each layer keeps its class and its parameter and buffer names (its ``forward`` is replaced on
-the instance, as activation checkpointing does), so checkpoints and exports are unchanged. Only
-a training forward on more than one rank communicates: evaluation uses the running statistics
-(the same on every rank), and a copy of the model (``copy.deepcopy``) is a plain BatchNorm.
+Each layer keeps its class and names (its ``forward`` is replaced on the instance), so
+checkpoints and exports are unchanged; evaluation and a ``copy.deepcopy`` normalize as plain
+BatchNorm, with no collective.
 """
 
 from __future__ import annotations

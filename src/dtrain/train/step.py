@@ -1,19 +1,14 @@
 """One training step's forward and backward, the same for every strategy, and what the ranks
 agree on about it.
 
-The loss contract (``Task.loss_fn`` returns per-item losses) makes data parallelism exact for
-any split: each rank's loss sum is scaled by ``data_parallel_size / G``, where ``G`` is the
-step's global item count, so that the strategy's averaging gradient sync yields the gradient
-of the global mean. ``G`` is only known once every rank has counted its items; asking for it
-before the forward would cost every step a collective of its own (its fixed latency and CPU,
-which a step of a few milliseconds feels). So the scale assumes the count of the step before
-(``expected``: the same, for fixed-length data, from the second step on; the plan's, when the
-task declares ``items_per_sample``), and the ranks agree on the true count -- and on whether
-any rank was asked to stop -- in the step's gradient sync: the :class:`StepAgreement` rides in
-the last bucket's all-reduce where the strategy's hook can carry it (ddp and allreduce with
-``comm.compression = 'none'``), else in one small all-reduce after backward. Where the count
-differs from the assumed one, the gradients are rescaled by ``expected / G`` before clipping.
-A process's first step with no count to assume agrees on it before the forward instead.
+Each rank's loss sum is scaled by ``data_parallel_size / G`` (G the step's global item count),
+so the averaging sync yields the gradient of the global mean for any split (docs/architecture.md,
+"Exact math across ranks"). Asking for G before the forward would cost every step a collective
+of its own, so the scale assumes the step before's count (or the plan's, with
+``items_per_sample``) and the :class:`StepAgreement` rides in the last bucket's all-reduce where
+the hook can carry it (ddp and allreduce with ``comm.compression = 'none'``), else in one small
+all-reduce after backward. A process's first step, with no count to assume, agrees before the
+forward instead.
 
 ::
 
