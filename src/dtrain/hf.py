@@ -2,19 +2,11 @@
 :class:`~dtrain.Task` of a few lines, no wrapper (checkpoints and exports keep the model's own
 weight names; docs/models.md shows one).
 
-A dataset yields dicts of tensors, the fields the model takes (``input_ids``, optionally
-``attention_mask``, ...) and ``labels`` (a causal LM may leave them out: its labels are then
-its input ids). ``labels`` are the targets; the other fields go to the model as keyword
-arguments (a batch of ``input_ids`` alone goes as the one positional argument, which lets
-``strategy.name = 'pipeline'`` feed it to the first stage). Items are counted as the loss
-counts them: labels that are not ``-100``, and for a causal LM, whose labels are shifted
-inside the loss (position t predicts label t + 1), ``labels[:, 1:]``.
-
-Pipelines: :func:`pipeline_layers` cuts GPT-2 (``GPT2LMHeadModel``) and BERT
-(``BertForSequenceClassification``) into a chain of layers over the model's own modules, for
-batches of ``input_ids`` alone (an attention mask would have to travel with the activations
-through every stage, which torch's pipeline stages do not do). Every other strategy takes any
-model and batch.
+A dataset yields dicts of tensors: ``labels`` are the targets (a causal LM's default to its input
+ids, shifted inside the loss), the other fields go to the model as keyword arguments, and a
+batch of ``input_ids`` alone goes as the one positional argument, so a pipeline's first stage
+takes it. Items are counted as the loss counts them. The helpers, what they count and which
+models :func:`pipeline_layers` cuts: docs/models.md.
 
 ``transformers`` is an optional extra (``pip install -e '.[hf]'``); the rest of dtrain never
 imports it, and this module only when a function here needs it.

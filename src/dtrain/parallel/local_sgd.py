@@ -9,16 +9,10 @@ the anchor with an outer Nesterov SGD and restarts every replica from it. Floati
 are averaged with them, in flat buckets of ``strategy.bucket_mb``. The first
 ``comm.local_start_step`` steps are plain data parallelism (gradients averaged every step).
 
-The trainer's loss scale makes each replica's gradient that of its local mean with equal
-shares, and weights its steps by its share of the items otherwise. Clipping is per replica;
-:meth:`LocalSGDStrategy.clip_grad_norm` returns the largest local norm over the ranks (+inf
-where any is not finite), so the NaN guard takes one branch everywhere.
-
-Checkpoints: every rank gives its own replica and inner optimizer state (the per-rank form;
-rank 0's in a replicated strategy's files); diloco adds ``outer``, replicated (the anchor and
-the outer momentum). A resume at the same data-parallel size is bit-identical, mid-interval too;
-at another size every rank starts from rank 0's state (diloco: from the anchor), and rank 0
-says so. Evaluation runs on each rank's own replica: between syncs it measures their mixture.
+Clipping is per replica; :meth:`LocalSGDStrategy.clip_grad_norm` returns the largest local norm
+over the ranks (+inf where any is not finite), so the NaN guard takes one branch everywhere.
+Checkpoints hold every rank's replica and inner optimizer state (the per-rank form), diloco's
+``outer`` replicated; resume at another size: docs/communication.md, "Checkpoints and resume".
 """
 
 from __future__ import annotations

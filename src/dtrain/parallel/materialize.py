@@ -2,15 +2,10 @@
 on each rank for the part that rank holds only -- an FSDP shard, a pipeline stage, a
 tensor-parallel slice, or the whole model for the replicated strategies.
 
-The task gives the model built under ``torch.device("meta")`` and ``Task.init_weights``, a
-function that initializes the parameters and buffers one module holds itself (not its
-children's), as ``model.apply(init_weights)`` would call it. Every rank walks the whole model
-in ``apply``'s order (children before their parent) on a meta copy of it, made before the
-strategy cut it: each module's own tensors are made whole, on the device, for the moment its
-``init_weights`` runs, and this rank keeps its part of them. So every rank draws the same
-random numbers in the same order as one process initializing the whole model, whatever part
-it keeps -- the initial parameters are the same at every world size and for every strategy --
-while it never holds more of the model at once than its own part plus one module's tensors.
+Every rank walks the whole model in ``model.apply``'s order on a meta copy, so it draws the same
+random numbers in the same order as one process: the initial parameters are the same at every
+world size and for every strategy, while no rank holds more than its part plus one module's
+tensors (docs/recipes.md, ``Task.init_weights``).
 
 ::
 

@@ -1,21 +1,12 @@
 """The loss contract, checked: ``Task.loss_fn`` returns one loss per item, unreduced.
 
-dtrain sums what ``loss_fn`` returns and divides by the items the task counts
-(``Task.count_items``) over the whole global batch. A loss that reduces (``reduction="mean"``)
-or that holds another number of values than the items counted trains on silently wrong math:
-a mean makes the gradients ``items`` times too small; Hugging Face's causal-LM convention
-(labels = input ids, shifted inside the loss) leaves one position per sequence out of the loss
-while the default count includes it. So every call of the loss is checked against its targets:
-
-- as many values as target elements (``reduction="none"`` on class indices; ignored entries,
-  ``-100``, count as zeros): accepted without counting -- the common case costs nothing;
-- else as many values as the items the task counts in these targets, or, for a loss that
-  shifts its labels, one value per position ``labels[..., 1:]`` with no more items counted
-  than that (padding ignored as zeros). Counting these targets reads them (on a GPU, one
-  wait for the device); a layout once found right is not counted again.
-
-Anything else is a one-line :class:`~dtrain.errors.UserError` that names the fix, raised
-before the step's update.
+A reduced loss, or one with another number of values than the items counted, trains on silently
+wrong math, so every call is checked against its targets: as many values as target elements is
+accepted without counting (the common case costs nothing); else as many as the items the task
+counts, or one per shifted position ``labels[..., 1:]`` (counting reads the targets: on a GPU one
+wait; a layout once found right is not counted again). Anything else is a one-line
+:class:`~dtrain.errors.UserError` naming the fix, before the step's update. The cases and the
+messages: docs/models.md, "The loss contract, checked".
 """
 
 from __future__ import annotations

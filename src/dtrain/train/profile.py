@@ -1,21 +1,14 @@
 """``train.profile = "steps:A-B"``: a ``torch.profiler`` trace of steps A to B on every rank,
 written to ``RUN_DIR/traces/rank<R>-steps<A>-<B>.json`` (:mod:`dtrain.metrics.traces`), a
-Chrome trace that Perfetto (https://ui.perfetto.dev) and ``chrome://tracing`` open. The profiler
-writes local files: for a run folder in an object store each rank writes to its
-``run.local_dir`` and uploads its own traces there at each checkpoint and at the end, as rank 0
-does the run's records (:meth:`StepProfiler.publish`).
+Chrome trace that Perfetto (https://ui.perfetto.dev) and ``chrome://tracing`` open. For a run
+folder in an object store each rank writes to its ``run.local_dir`` and uploads its traces at
+each checkpoint and at the end (:meth:`StepProfiler.publish`).
 
-The profiler exists only inside the window: it is built and started as step A begins (before
-its batch is fetched, so the data wait shows) and stopped, exported and dropped once step B
-has ended (its update, metrics, evaluation and checkpoint included). Outside it the loop pays
-one integer compare per step boundary and nothing else: no profiler object, no callbacks, no
-``record_function`` (docs/observability.md). Each step in the window is one range named
-``dtrain step N`` in the trace. Recording observes the ops and never changes them: the losses
-are the same bits as an unprofiled run's (``tests/test_profile.py``).
-
-CPU activity always; CUDA's when the device is a GPU; memory (allocations and frees, as
-``profile_memory`` gives them); shapes and Python stacks on request (``train.profile_shapes``,
-``train.profile_stack``: bigger traces, and stacks cost time in every op).
+The profiler exists only inside the window: built and started as step A begins (before its batch
+is fetched, so the data wait shows), stopped, exported and dropped once step B has ended. Outside
+it the loop pays one integer compare per step boundary; recording never changes the ops, so the
+losses are an unprofiled run's bits. What a trace holds and costs: docs/observability.md,
+"Profiler traces".
 """
 
 from __future__ import annotations
