@@ -2,18 +2,12 @@
 its own, of the run's kind, and checkpointed through the run's one model state.
 
 A GAN's discriminator or a distillation's frozen teacher is a model the run's strategy does not
-hold: the strategy wraps one model (``strategy.model``). So each further model gets a second
-instance of the same strategy (built by the same registry from the same config), which spreads
-it, synchronizes its gradients and lays out its state exactly as it does the main model's. Its
-parts join the checkpoint as parts beside the main model's (:class:`WithModels`): in the
-strategy's form, under ``<name>.model``, ``<name>.optimizer`` (files of rank 0 for ddp and
-allreduce, shards through DCP for fsdp and tensor). A frozen model (no optimizer) is neither
-wrapped nor saved: it is placed on the device and made equal on every rank (rank 0's values).
-
-Under tensor parallelism (``tensor``, or ``fsdp`` with ``strategy.tensor_parallel``) a further
-model with a plan (``tensor_parallel_plan``, or a Hugging Face model dtrain knows) is cut by
-it; one without is held whole on every rank of the tensor-parallel group (its inputs are the
-same there, so are its gradients), which suits the small ones this is for: a critic, a probe.
+hold, so each further model gets a second instance of the same strategy, built by the same
+registry from the same config, which spreads it, syncs its gradients and lays out its state as it
+does the main model's (:class:`WithModels`). A frozen model is neither wrapped nor saved, and made
+equal on every rank. Under tensor parallelism a further model without a plan is held whole on
+every rank of the tensor-parallel group (its inputs are the same there, so are its gradients),
+which suits the small ones this is for: a critic, a probe (docs/own-loop.md).
 """
 
 from __future__ import annotations
@@ -154,13 +148,8 @@ def zero_gradients(strategy: Strategy) -> None:
 def update_wrapped(
     trainer: Trainer, wrapped: Wrapped, strategies: list[Strategy], loss_sum: torch.Tensor
 ) -> float:
-    """``wrapped``'s optimizer steps within the step (``run.update``): its gradients
-    synchronized and rescaled for the global mean (the step's agreement completed now where it
-    has not been; under fp16-mixed the loss scale divided out), clipped (``train.grad_clip``),
-    stepped when their norm is finite (an event records a skip; one that is fp16's loss scale
-    overflowing -- ``loss_sum``, the phase's, finite on every rank -- halves the scale at the
-    step's end, as the main optimizer's would); then every model's gradients are dropped. The
-    global gradient norm."""
+    """What :meth:`dtrain.loop.run.Run.update` does for ``wrapped`` (``loss_sum``: the phase's,
+    finite on every rank where an fp16 overflow is the scale's); the global gradient norm."""
     with trainer.phase("forward_backward"):
         wrapped.strategy.sync_gradients()
         factor = trainer.forward_backward.agree_within()

@@ -6,9 +6,8 @@ Each metric gives a batch's (sum, count); the sums and counts are added over eve
 rank in float64 and divided once at the end -- the value one process would compute over the
 whole set, not a mean of the ranks' means (which weighs a rank's share by 1 / its size).
 
-Before the first forward the ranks agree on the model's buffers (BatchNorm's running
-statistics): every rank takes those of the first data-parallel rank, which is what a
-checkpoint saves, so the reported loss is the saved model's (:meth:`Strategy.agree_on_buffers`).
+The ranks first take the first data-parallel rank's buffers, which a checkpoint saves, so the
+reported loss is the saved model's (:meth:`Strategy.agree_on_buffers`; docs/models.md).
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""The NaN guard: a step whose global gradient norm is not finite changes nothing -- the
-trainer skips its update on every rank (the norm is global, so every rank takes the same
-branch without another collective) -- and after ``fault.nan_rollback_after`` such steps in a
-row the run rolls back to the newest checkpoint before them, never to deliver their batches
-again.
-
-Under fp16-mixed a non-finite gradient is first the loss scaler's: when every rank's loss was
-finite and the scale is above its floor, the scale caused it (an overflow: skipped, the scale
-halved, no streak); otherwise it is a divergence, the guard's.
+"""The NaN guard: a step whose global gradient norm is not finite skips its update on every rank
+(the norm is global, so every rank takes the same branch without another collective); after
+``fault.nan_rollback_after`` in a row the run rolls back, never to deliver their batches again.
+Under fp16-mixed an overflow of the loss scale (every rank's loss finite, the scale above its
+floor) is the scaler's, not the guard's (docs/fault-tolerance.md, "NaN guard").
 
 The guard only decides (:class:`Decision`); the trainer carries the decision out: it counts
 the skip, writes the events, and rolls back.
