@@ -1,20 +1,8 @@
 """Gradient compression for the strategies that average whole gradients through comm hooks
 (``ddp``, ``allreduce``): ``comm.compression`` names the hook, :func:`build_comm_hook` makes it.
 
-=============  ======================================  ==========================================
-compression    what a rank sends per bucket             state
-=============  ======================================  ==========================================
-``none``       the bucket (all-reduce)                  none
-``fp16``       the bucket in fp16 (all-reduce): 1/2     none
-``bf16``       the bucket in bf16 (all-reduce): 1/2     none
-``powersgd``   P and Q, (n + m) r per matrix, and the   error feedback, P and Q memories, step,
-               small tensors whole (2 all-reduces;      RNG (:mod:`dtrain.comm.powersgd`)
-               fp32, or half in fp16/bf16)
-``topk``       k values + k int32 positions             a residual per bucket
-               (all-gather), k = ceil(fraction n)       (:mod:`dtrain.comm.topk`)
-=============  ======================================  ==========================================
-
-Each hook counts what it sends in the strategy's :class:`~dtrain.comm.accounting.CommCounter`.
+What each method sends, its state and how to choose: docs/communication.md, "Fewer bytes". Each
+hook counts what it sends in the strategy's :class:`~dtrain.comm.accounting.CommCounter`.
 """
 
 from __future__ import annotations

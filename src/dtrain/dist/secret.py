@@ -5,13 +5,10 @@ write any key. A value that steers the job (torch's rendezvous state, which its 
 unpickle; dtrain's own membership and stop keys) is therefore sealed with an HMAC-SHA256 of
 the job's secret, and one that fails the check is ignored (docs/security.md).
 
-Where the secret comes from:
-- ``DTRAIN_JOB_SECRET``: the secret itself (at least 16 characters), or
-- ``DTRAIN_JOB_SECRET_FILE``: a file holding it, readable by its owner only;
-- on a single machine, neither: the launcher makes one for the job and hands it to its
-  workers in their environment (which only this user and root can read).
-A job across machines needs the same secret on every machine: one that is missing is one
-line before any worker starts; one that differs from the rendezvous host's, too
+Where it comes from: ``DTRAIN_JOB_SECRET``, ``DTRAIN_JOB_SECRET_FILE`` (owner-only), or on a
+single machine one the launcher makes and hands to its workers (docs/security.md). A job across
+machines needs the same secret on every machine: a missing one is one line before any worker
+starts; one that differs from the rendezvous host's, too
 (:func:`dtrain.dist.rendezvous.check_secret`).
 """
 

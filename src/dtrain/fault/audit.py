@@ -1,18 +1,11 @@
 """The record of the samples a run trained on, for an exactly-once audit.
 
-With ``fault.audit_sample_ids = true`` one rank of each data-parallel replica -- the one that
-counts its items (``Strategy.counts_items``: every rank in data parallel; the first pipeline
-stage's first tensor-parallel rank where a replica spans several ranks, which all hold the same
-samples) -- appends to ``RUN_DIR/sample_ids/rankNNNNN.jsonl`` (:class:`AuditWriter`), at every
-step, two JSON lines:
-the step, the stream positions it covers and this rank's sample ids once its batch is fetched,
-before the step's first collective (:meth:`AuditWriter.record`); and, once the step's update is
-applied, that it committed (:meth:`AuditWriter.commit`). A step counts where some rank of its
-attempt committed it: a rank killed after its gradient was summed (the others commit the step
-without it) has its samples on record, and a step dropped in flight is not counted. Restarts
-and rollbacks re-run steps and append again. The reader and checker of these files live with
-the tests (``tests/audit.py``: the tests and the chaos trials verify that every sample was
-trained on exactly once).
+With ``fault.audit_sample_ids = true`` one rank of each data-parallel replica, the one that
+counts its items (``Strategy.counts_items``), appends to ``RUN_DIR/sample_ids/rankNNNNN.jsonl``
+two JSON lines a step: its positions and sample ids once the batch is fetched, before the step's
+first collective (:meth:`AuditWriter.record`), and that it committed once the update is applied
+(:meth:`AuditWriter.commit`). Which steps count, and the checker (``tests/audit.py``):
+docs/fault-tolerance.md, "Auditing exactly-once delivery".
 """
 
 from __future__ import annotations

@@ -5,11 +5,9 @@ second one stops at once (``KeyboardInterrupt``, Python's own answer to Ctrl-C),
 first started -- a user who presses it twice wants out, not a save.
 
 The handler only sets a flag -- no file I/O, no collectives, nothing that could deadlock inside
-a signal handler. The trainer folds the flag into the step's agreement
-(:class:`~dtrain.comm.agreement.StepAgreement`), which every step sums over the ranks with its
-gradient sync, so the ranks agree on the same step without a collective of its own: a signal
-that reaches only one rank (or only the launcher, which forwards it) still stops all of them
-together, after the same step's update.
+a signal handler; the flag rides in the step's agreement
+(:class:`~dtrain.comm.agreement.StepAgreement`), so every rank stops after the same step's update
+without a collective of its own (docs/fault-tolerance.md, "Preemption").
 """
 
 from __future__ import annotations

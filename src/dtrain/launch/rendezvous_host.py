@@ -1,14 +1,10 @@
 """``dtrain rendezvous``: the rendezvous of a multi-machine job, run apart from the machines
 that train.
 
-Normally the machine started with ``--node-rank 0`` hosts the rendezvous inside its own
-``dtrain train``: when that machine's launcher dies, the rendezvous dies with it and every other
-machine ends ("lost the rendezvous host"). Run here instead -- on a login node, a scheduler
-node, any machine that stays up -- the rendezvous outlives any training machine: with
-``--max-restarts``, the others restart their workers and wait for the lost machine, and the
-job resumes from its newest checkpoint as soon as ``dtrain train`` is started there again.
-It is torch's own key-value store (the c10d rendezvous's backend), served until this command
-is stopped, on one address (``--bind``), with the check of the job's secret that every
+Run here -- on a login node, any machine that stays up -- the rendezvous outlives any training
+machine, which the hosting ``dtrain train`` of ``--node-rank 0`` does not (docs/multi-host.md,
+"A rendezvous that outlives any machine"). It is torch's own key-value store, served until this
+command is stopped, on one address (``--bind``), with the check of the job's secret that every
 machine's launcher compares its own with (docs/security.md).
 """
 

@@ -1,17 +1,12 @@
 """The launcher's side of a rendezvous across machines: the job's shape compared, and the words
 while it waits for the other machines.
 
-torch's c10d rendezvous waits in silence: a machine started alone (the others not started yet,
-or refused: another ``--run-id``, ``--nnodes``, a config file they lack) printed nothing until
-its join timeout, and then a bare ``RendezvousTimeoutError``. Here a rendezvous that has not
-completed after :data:`NOTICE_AFTER_S` says once what it waits for and until when; one that
-times out is one line naming what every machine must share (:func:`timed_out_words`).
-
-Before that, the launcher that hosts the rendezvous posts its ``--run-id`` and ``--nnodes`` in
-its store, and every other launcher compares its own (:func:`share_shape`): a machine started
-with another is one line and exit 2 at once, before its workers -- torch's rendezvous waited on
-both sides, each for machines of its own job (another ``--nnodes``, or another ``--run-id``
-where the machines' run folders differ; a shared one is refused by its hold first).
+torch's c10d rendezvous waits in silence until its join timeout. Here one that has not completed
+after :data:`NOTICE_AFTER_S` says once what it waits for and until when, and one that times out
+is one line naming what every machine must share (:func:`timed_out_words`). Before that, the
+hosting launcher posts its ``--run-id`` and ``--nnodes`` and every other launcher compares its
+own (:func:`share_shape`): a machine started with another is one line and exit 2, before its
+workers (docs/multi-host.md has the table of what each machine says).
 """
 
 from __future__ import annotations
