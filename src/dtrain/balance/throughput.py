@@ -1,17 +1,13 @@
 """Per-rank batch shares from measured speed: a pure controller, unit-testable without
 processes (docs/load-balancing.md, "The controller", gives its update rule and defaults).
 
-A synchronous step takes ``max_r p_r t_r`` of a global batch's items (shares ``p_r`` summing
-to 1, rank ``r``'s time per item ``t_r``: :mod:`dtrain.balance.timing`); the shares that
-minimize it give every rank the same busy time, ``p_r ∝ 1 / t_r``, and the throughput is then
-the sum of the ranks' own rates. :class:`ThroughputController` moves the weights (mean 1;
-:func:`dtrain.data.partition.split_counts` cuts each global batch by them) toward that target,
-from smoothed times, by a bounded factor per window. Hysteresis keeps noise from moving the
-shares (each move re-plans the data); once a move starts it is finished (``SETTLE``), not left
-just inside the band. The floor (``min_weight``) keeps every rank in the job with samples.
-
-:class:`StragglerDetector` names a rank whose time per item stays above the median of the
-other ranks by more than a threshold for a window of steps, with its dominant phase.
+The weights (mean 1; :func:`dtrain.data.partition.split_counts` cuts each global batch by them)
+move toward ``p_r ∝ 1 / t_r``, the shares that give every rank the same busy time, from smoothed
+times, by a bounded factor per window. Hysteresis keeps noise from moving the shares (each move
+re-plans the data); once a move starts it is finished (``SETTLE``), not left just inside the
+band. The floor (``min_weight``) keeps every rank in the job with samples.
+:class:`StragglerDetector` names a rank whose time per item stays above the others' median by
+more than a threshold for a window of steps, with its dominant phase.
 """
 
 from __future__ import annotations

@@ -12,11 +12,9 @@ fp16-mixed     forward and loss under autocast to float16, with dynamic loss sca
                skipped and the scale halved
 =============  ===========================================================================
 
-One context (:meth:`Precision.autocast`) covers every forward the trainer runs -- training,
-evaluation, and each pipeline stage's -- and the loss computed from it, so every strategy
-computes the same numbers as one process under the same precision. Backward runs outside it
-(the operations it replays keep the dtypes their forward chose). The parameters stay float32:
-gradients are reduced in float32 unless ``comm.compression`` asks for a 16-bit format.
+One context (:meth:`Precision.autocast`) covers every forward the trainer runs and the loss
+from it, so every strategy computes one process's numbers under the same precision; backward runs
+outside it (docs/recipes.md, ``train.precision``).
 """
 
 from __future__ import annotations

@@ -8,14 +8,11 @@
 - ``"inplace"``: the launcher starts and supervises each worker itself, restarting one that
   failed alone while the others go on; beside them the membership service (:func:`run_members`).
 
-Across machines in place (``--nnodes N --node-rank K``), the launcher of node 0 hosts the
-membership store at ``--rdzv-endpoint`` (one of its addresses) and its
-:class:`~dtrain.recovery.coordinator.Coordinator`; members are numbered machine by machine
-(node K's are ``K*nproc .. K*nproc+nproc-1``). The launcher of every other machine watches its
-own workers in /proc and posts their states to the store
-(:class:`~dtrain.recovery.coordinator.NodeWatcher`), so the coordinator sees a worker killed or
-stopped on another machine at once; a machine cut off, by its launcher's counter going still. Every
-store call on those machines waits out an outage of the network (up to ``--rdzv-timeout``).
+Across machines in place, node 0's launcher hosts the membership store and the
+:class:`~dtrain.recovery.coordinator.Coordinator` at ``--rdzv-endpoint``; every other launcher
+posts its workers' states from /proc (:class:`~dtrain.recovery.coordinator.NodeWatcher`) and
+rides out an outage of the network up to ``--rdzv-timeout`` (docs/fault-tolerance.md, "Recovery
+in place").
 """
 
 from __future__ import annotations

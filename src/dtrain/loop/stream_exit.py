@@ -3,18 +3,13 @@ where every rank leaves after the same step, a hang where the others go on -- th
 this rank in their next step's gradient sync until ``dist.timeout_s``. So it is named instead.
 
 Leaving costs nothing until the rank next talks to the others outside the stream (``main``
-returns, or it calls ``run.evaluate``, ``run.save``, ``run.reduce``): then it posts the step
-it left after to the job's store and reads every rank's (:class:`~dtrain.fault.peer_words.
-PeerWords`). Ranks that left together find each other's words and go on; a rank that went on
-shows it in its liveness beat (a step past the one left after, within about a second), and
-the rank that left raises a :class:`~dtrain.errors.UserError` naming itself and the step. Its
-failure is posted and its process ends; its peers' collective then fails at once and their
-diagnosis quotes that line (:mod:`dtrain.fault.watchdog`): one line on every rank, no hang.
-Leaving in the middle of a step (before its ``run.step()``) is a mistake on any rank, said at
-once.
-
-Without the job's store (no store client), the words would need a collective the ranks that
-went on never join: nothing is checked then, as before.
+returns, or ``run.evaluate``, ``run.save``, ``run.reduce``): then it posts the step it left after
+to the job's store and reads every rank's (:class:`~dtrain.fault.peer_words.PeerWords`). Ranks
+that left together find each other's words and go on; a rank that went on shows it in its
+liveness beat, and the one that left raises a :class:`~dtrain.errors.UserError` naming itself
+and the step, which its peers' diagnosis quotes: one line on every rank, no hang. Leaving in the
+middle of a step is a mistake on any rank, said at once. Without the job's store nothing is
+checked (docs/own-loop.md, "Leaving the loop on some ranks only").
 """
 
 from __future__ import annotations

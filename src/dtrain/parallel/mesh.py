@@ -1,9 +1,6 @@
-"""One mesh of named dimensions for every model-parallel layout: ``dp_replicate`` (data-parallel
-copies that each hold the whole model state), ``dp_shard`` (data-parallel ranks that hold
-1/N of it each: FSDP), ``pp`` (pipeline stages) and ``tp`` (ranks that share each layer's
-matrices). A layout is a point of that space (:class:`ParallelDims`); the strategies are
-names for points (``fsdp``: all ranks dp_shard; ``tensor``: tp x dp_replicate; ``pipeline``:
-pp x dp_replicate or dp_shard), and any product of them is one mesh.
+"""One mesh of named dimensions for every model-parallel layout (``dp_replicate``, ``dp_shard``,
+``pp``, ``tp``): a layout is a point of it (:class:`ParallelDims`), the strategies names for
+points, any product of them one mesh (docs/strategies.md, "One mesh").
 
 Ranks are laid out with the dimensions in that order, ``tp`` innermost, so that the chattiest
 traffic -- a tensor-parallel group's, then one pipeline's stages -- runs between neighbouring

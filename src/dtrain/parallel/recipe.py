@@ -4,17 +4,11 @@ activation checkpointing and ``torch.compile`` (``train.activation_checkpointing
 
 A strategy applies them in one order, torchtitan's: tensor parallelism first (it replaces the
 blocks' linear maps), then activation checkpointing, then compile (it traces the checkpointed
-forward), then the data-parallel wrapper (FSDP's sharding units, DDP). Both act on the blocks
-in place, each keeping the block's class, parameters and names: checkpoint keys never change,
-so a run saved with either on resumes with it off, and the other way round.
-
-- **Activation checkpointing**: a chosen block keeps only its input for backward and runs its
-  forward again there (``torch.utils.checkpoint``, non-reentrant, with the RNG state of the
-  first forward restored: dropout draws the same masks, so the gradients are bit for bit
-  those of the plain block).
-- **Compile**: each block is compiled on its own (regional compilation). Repeated blocks share
-  one compiled graph, so compile time does not grow with the depth, and the rest of the step
-  (the loss, the gradient sync, the optimizer) stays eager.
+forward), then the data-parallel wrapper (FSDP's sharding units, DDP). Both act on the blocks in
+place, keeping class, parameters and names, so checkpoint keys never change and a run resumes
+with either switched. Checkpointing restores the first forward's RNG state (dropout draws the
+same masks: the gradients are the plain block's bits); compile is regional, one graph shared by
+repeated blocks (docs/recipes.md, ``train.activation_checkpointing`` and ``train.compile``).
 """
 
 from __future__ import annotations

@@ -19,11 +19,9 @@ machine). The connections to the membership store (held by the launcher) and any
 this process opened stay as they are. Listening sockets are never touched: gloo's listener
 thread aborts the process when its socket is shut down.
 
-Across machines, a peer's sockets are not in this machine's tables. A machine cut off from the
-others (its link down) closes nothing and answers nothing, so its peers would wait out the
-collective timeout; once the coordinator has seen every worker of that machine fall silent, it
-names them, and each other worker shuts down the generation's connections to that machine's
-address (:meth:`GenerationLinks.sever_addresses`), except those to the membership store.
+Across machines a peer's sockets are not in this machine's tables: once the coordinator names a
+machine cut off, each other worker shuts down the generation's connections to its address
+(:meth:`GenerationLinks.sever_addresses`), never those to the membership store.
 """
 
 from __future__ import annotations
