@@ -1,14 +1,10 @@
 """Gradient communication hooks: what a data-parallel strategy does with one bucket of gradients.
 
-A hook has the shape of torch DDP's communication hooks,
-``hook(state, bucket) -> torch.futures.Future[torch.Tensor]`` (the future's value: the bucket's
-gradients averaged over the group), so one hook serves both ``DistributedDataParallel``
-(``register_comm_hook``) and the ``allreduce`` strategy, on gloo and NCCL alike. Here the
-function registered is always :func:`run_comm_hook`, and the state is a :class:`CommHook`: the
-object that does the work, counts every byte it hands to a collective in the strategy's
-:class:`~dtrain.comm.accounting.CommCounter`, and holds whatever training state the method
-keeps (error-feedback residuals), with ``state_dict()`` / ``load_state_dict()`` for
-checkpoints.
+A hook has torch DDP's shape, ``hook(state, bucket) -> Future[Tensor]`` (the bucket averaged),
+so one hook serves ``DistributedDataParallel`` and ``allreduce`` alike (docs/communication.md).
+The function registered is always :func:`run_comm_hook`; its state is a :class:`CommHook`, which
+does the work, counts every byte it hands to a collective, and holds the method's training state
+(error-feedback residuals) for checkpoints.
 
 This module leaves out ``from __future__ import annotations`` on purpose: DDP's
 ``register_comm_hook`` reads the hook's annotations as objects and accepts only torch's own

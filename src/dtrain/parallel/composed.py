@@ -1,9 +1,6 @@
 """The model-parallel layouts without a pipeline, composed over one mesh: tensor parallelism
-(``tp``) inside, FSDP over the data-parallel shards (``dp_shard``), replicas of the whole
-(sharded) model outside (``dp_replicate``). The strategies ``fsdp`` (FSDP2's ``fully_shard``;
-hybrid with ``strategy.dp_replicate``, x tensor parallelism with ``strategy.tensor_parallel``)
-and ``tensor`` (the model's plan, :mod:`dtrain.parallel.tensor_plan`, x replicas or FSDP
-shards: ``strategy.data_parallel``) are points of this space; docs/strategies.md describes each.
+(``tp``) inside, FSDP over ``dp_shard``, replicas outside (``dp_replicate``); the strategies
+``fsdp`` and ``tensor`` are points of this space (docs/strategies.md describes each).
 
 Set-up applies each part to the model in one order, torchtitan's::
 

@@ -8,10 +8,8 @@
   :mod:`dtrain.parallel.transposed` cuts by head; the MLP's ``c_fc`` column-wise and
   ``c_proj`` row-wise. Embeddings, layer norms and the (tied) head stay whole.
 - A model whose config carries ``base_model_tp_plan`` (``transformers``' own plan: Llama,
-  Qwen2, Mistral, ...) of ``"colwise"`` and ``"rowwise"`` ``nn.Linear`` layers only: that plan,
-  read as dtrain's (torch's styles; the head, which transformers gathers, stays whole). Its
-  attention views heads with ``-1``, so a rank computes its own heads; the head counts (query
-  and key/value) must be multiples of the degree.
+  Qwen2, ...) of ``"colwise"`` and ``"rowwise"`` ``nn.Linear`` layers only: that plan, read as
+  dtrain's (docs/models.md has what each family needs).
 
 Any other model is refused by :func:`dtrain.parallel.tensor_plan.model_plan` in one line.
 """

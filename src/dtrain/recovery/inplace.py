@@ -9,12 +9,9 @@ Each worker runs :func:`train_in_place` instead of one plain training run::
         trainer = a fresh task and Trainer at the generation's rank and world size
                   (a loop of the user's own: its main(run) called again builds them)
         trainer.fit(), or main(run):
-            resume: heal -- the rank furthest along (newest generation, then step) sends
-                    model, optimizer, LR schedule, data position and trainer counters, tensor
-                    by tensor, to each rank that holds an older state (a joiner); every rank
-                    loads its state (no checkpoint file read) and seeds its RNG as a resume
-                    at a new world size does. Nobody holds a state (the job's start): resume
-                    from the newest checkpoint as always.
+            resume: heal -- the rank furthest along sends its state in memory to each
+                    rank that holds an older one (no checkpoint file read); nobody holds
+                    a state (the job's start): the newest checkpoint, as always
             every step: the parts' state at the step's start is kept (a few small dicts)
             a collective fails (a peer died, or timed out)  -> leave, holding the state:
                 in flight (no optimizer step yet): the step is dropped -- model and optimizer
@@ -24,9 +21,8 @@ Each worker runs :func:`train_in_place` instead of one plain training run::
                 the step's gradient sync (StepAgreement.regroup) and leaves after the step
         run completed: tell the coordinator (a worker still waiting to join exits)
 
-The data position is one global number, re-cut for every world size, so each sample is still
-seen exactly once; a step's global batch does not depend on the world size, so the math is
-that of an uninterrupted run at the same sequence of world sizes.
+What a heal sends, and why the math is an uninterrupted run's at the same sequence of world
+sizes: docs/fault-tolerance.md, "Recovery in place".
 """
 
 from __future__ import annotations
