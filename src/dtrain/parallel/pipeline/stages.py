@@ -12,13 +12,9 @@ computed for k = 1..K in O(K n^2) (pruned: a stage's sum only grows with j, so t
 once it alone reaches the best found). An optional memory limit per stage (layer parameter +
 activation bytes, summed over the stage) removes the splits that break it.
 
-Ties (several splits with the same slowest stage) are broken deterministically: the plan with
-the earliest boundaries wins, i.e. the first stages take as few layers as the optimum allows.
-Under 1F1B the first stages hold the most micro-batches' activations at once, so lighter early
-stages are the better way to spend the slack.
-
-Stage sums are added left to right exactly as ``sum(costs[i:j])`` does, so the optimum and the
-stage costs reported are bit-for-bit those of a brute-force search.
+Ties go to the earliest boundaries (under 1F1B the first stages hold the most activations),
+and stage sums are added left to right as ``sum(costs[i:j])`` does, so the optimum is bit for bit
+a brute-force search's (docs/strategies.md, "Pipeline stage balancer").
 """
 
 from __future__ import annotations
