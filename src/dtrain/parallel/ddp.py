@@ -1,14 +1,12 @@
 """``ddp``: torch's DistributedDataParallel, with gradient sync skipped on accumulation
 micro-steps through its ``no_sync`` context.
 
-Gradients go through a comm hook of ours (:mod:`dtrain.comm`) even without compression:
-``comm.compression = 'none'`` is :class:`~dtrain.comm.hooks.MeanHook`, DDP's own averaging
-all-reduce written in Python, so that the bytes of every bucket and the time waited on them are
-counted. That costs no measurable step time against DDP's built-in C++ all-reduce
-(``benchmarks/bench_ddp_hook.py``). The other collectives DDP issues are counted from their
-sizes: the broadcast of rank 0's parameters and buffers at set-up, of the buffers before every
-forward that syncs them, and the all-reduce of the used-parameter map (one int32 per parameter)
-in every synchronized backward with ``strategy.find_unused_parameters``.
+Gradients go through a comm hook of ours even without compression (``'none'`` is
+:class:`~dtrain.comm.hooks.MeanHook`), so that every bucket's bytes and wait are counted, at no
+measurable cost (docs/communication.md, "``ddp`` without compression"). DDP's other collectives
+are counted from their sizes: set-up's broadcast, the buffers before every forward that syncs
+them, and with ``strategy.find_unused_parameters`` the used-parameter map (one int32 per
+parameter) in every synchronized backward.
 """
 
 from __future__ import annotations

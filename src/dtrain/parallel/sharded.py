@@ -3,10 +3,8 @@
 shards, tensor-parallel slices, pipeline stages).
 
 Which point of the mesh a strategy trains on follows from its config
-(:func:`dtrain.config.layout.strategy_dims`). Its state moves through torch's distributed
-state-dict API, which knows every layout these strategies make, in the sharded form a
-checkpoint writes through ``torch.distributed.checkpoint``: one file set per rank, resharded on
-load when the world size or the layout changes (:mod:`dtrain.checkpoint.model_state`).
+(:func:`dtrain.config.layout.strategy_dims`); its state moves through torch's distributed
+state-dict API in the sharded form (:mod:`dtrain.checkpoint.model_state`).
 
 What set-up does alike on every point -- keep rank 0's skeleton of the whole model, cut the
 layers for tensor parallelism, shard with FSDP, give a meta-built model its values -- is here;

@@ -36,9 +36,8 @@ What happens, and where each concern plugs in::
               every checkpoint.every:  save (async: the loop waits for a snapshot only)
     end:    evaluate, final checkpoint, summary
 
-The trainer never asks which strategy it runs; everything strategy-specific is behind
-:class:`dtrain.parallel.base.Strategy` and its capabilities. A collective that fails because
-a peer died or hung becomes a :class:`~dtrain.fault.peer_failure.PeerFailure` naming that peer.
+A collective that fails because a peer died or hung becomes a
+:class:`~dtrain.fault.peer_failure.PeerFailure` naming that peer.
 
 ============  ==================================================================================
 ``loop``      :class:`Trainer`: the steps, and what a step's end carries out
