@@ -5,7 +5,7 @@ tensor-parallel slice, or the whole model for the replicated strategies.
 Every rank walks the whole model in ``model.apply``'s order on a meta copy, so it draws the same
 random numbers in the same order as one process: the initial parameters are the same at every
 world size and for every strategy, while no rank holds more than its part plus one module's
-tensors (docs/recipes.md, ``Task.init_weights``).
+tensors (docs/recipes.md, "Models bigger than a rank").
 
 ::
 
