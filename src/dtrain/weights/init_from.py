@@ -66,7 +66,7 @@ def weights_kind(path: Location) -> str:
 
 
 def read_weights(path: str | Location) -> dict[str, torch.Tensor]:
-    """The state dict ``path`` holds (see the module's docstring), on CPU."""
+    """The state dict ``path`` holds (the kinds of path: docs/models.md, "Weights in"), on CPU."""
     path = location(str(path))
     kind = weights_kind(path)
     if kind == "safetensors":
