@@ -222,7 +222,7 @@ def test_split_counts_properties() -> None:
 
 
 def test_uneven_division_rule_for_samples() -> None:
-    # The rule of partition.py's docstring: contiguous slices in rank order, sizes by largest
+    # The rule of docs/data.md ('Equal samples'): contiguous slices in rank order, sizes by largest
     # remainder (the first B % world ranks get one more), micro-batches cut the same way.
     ids = np.arange(100, 110)
     parts = partition_samples(ids, world_size=4, micro_batches=2)

@@ -1,18 +1,7 @@
 """One whole model state dict from any strategy's checkpoint, in one process, at any world
-size the checkpoint was saved at -- names as the user's model has them.
-
-=====================  =====================================================================
-the checkpoint holds   the model is
-=====================  =====================================================================
-``model.pt``           that file (ddp, allreduce: rank 0's copy of the one model)
-``model-rankN.pt``     localsgd/diloco replicas: equal at a sync step (every final
-                       checkpoint), then rank 0's; between syncs, localsgd's is their mean
-                       (what the next sync makes of them), diloco's its anchor (the global
-                       model of the last outer step) with rank 0's buffers
-``dcp/``               every ``model.*`` tensor of the sharded state, read whole through
-                       ``torch.distributed.checkpoint`` without a process group (fsdp
-                       shards, pipeline stages, tensor-parallel DTensors)
-=====================  =====================================================================
+size the checkpoint was saved at -- names as the user's model has them (which model each
+form gives, localsgd's and diloco's replicas between syncs included: docs/models.md,
+``dtrain export``).
 
 Only reads, and only the files the completion marker lists, as tensors and plain data: nothing
 in the run folder is written, moved or removed (an uncommitted or damaged checkpoint is skipped,

@@ -1,29 +1,14 @@
 """A checkpoint read by a strategy that lays the state out otherwise (which conversion a load
-takes: :mod:`dtrain.checkpoint.model_state`).
+takes: :mod:`dtrain.checkpoint.model_state`; what each strategy saves and reads:
+docs/fault-tolerance.md, "Checkpoints").
 
 Every conversion goes through one form, the one torch's distributed state-dict API gives by
 default: the model by parameter name, the optimizer ``{"state": {name: {...}}, "param_groups":
 [{..., "params": [names]}]}`` (this rank's part of each tensor; a name is the whole model's).
-Each of this rank's groups then takes the settings (weight decay, ...) of the saved group that
-held its parameters, however the saving strategy grouped them.
-
-Shards into a replica: a replicated strategy (ddp, allreduce, localsgd, diloco) resuming what a
-sharded one saved as DCP shards. Every rank reads the whole model and optimizer state out of
-the shards (DCP reshards into plain tensors) and loads it into its replica.
-
-Whole files into shards: fsdp, tensor, pipeline or a composed layout resuming what a replicated
-strategy saved (``model.pt``, ``optimizer.pt``). torch keys a whole optimizer state by position
-in the saving optimizer's groups; the replicated strategies write each group's parameter names
-beside it (:data:`~dtrain.checkpoint.forms.NAMES_KEY`), which turns it into the by-name form.
-Every rank reads both files and keeps its own part of each tensor.
-
-Shards of another layout: fsdp and tensor save torch's list of groups (DCP flattens it into
-``optimizer.param_groups.<i>.<setting>``); pipeline, whose stages hold different parameters,
-its settings per parameter (``optimizer.param_groups.<name>.<setting>``). The optimizer's
-state is ``optimizer.state.<name>.<key>`` in both, so only the settings are read otherwise
-(:func:`read_settings_per_name`). A pipeline stage's copy of a tied parameter (the GPT's head on
-the last stage) goes by the parameter's first name in the whole model (the token embedding's)
-while it is read (the strategy's ``state_dicts_by_name``)."""
+Each of this rank's groups then takes the settings of the saved group that held its
+parameters, however the saving strategy grouped them (:func:`regroup`). A whole
+``optimizer.pt`` is keyed by position; the names written beside it
+(:data:`~dtrain.checkpoint.forms.NAMES_KEY`) turn it into that form."""
 
 from __future__ import annotations
 

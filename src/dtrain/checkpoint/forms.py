@@ -3,18 +3,11 @@ one, as named state dicts in memory. Plain data and pure functions, no file: the
 import this module only; :mod:`dtrain.checkpoint.model_state` writes each form to its files and
 reads any saved form into the one a strategy asks for (:mod:`dtrain.checkpoint.cross_form`).
 
-==============  ================================================================  ==============
-form            what each rank holds                                              who
-==============  ================================================================  ==============
-``REPLICATED``  the same whole state as every other rank: rank 0 writes it        ddp, allreduce
-``PER_RANK``    a whole state of its own (replicas between syncs, a comm hook's   localsgd,
-                residuals): each data-parallel rank writes its own                diloco
-``SHARDED``     its part of each tensor: every rank writes its part through DCP   fsdp, tensor,
-                                                                                  pipeline
-==============  ================================================================  ==============
-
-A strategy's ``model`` and ``optimizer`` are in its form (``ModelState.state_form``); a part
-beside them (``comm``, diloco's ``outer``) carries its own (:class:`Part`).
+``REPLICATED``: every rank holds the same whole state, rank 0 writes it (ddp, allreduce).
+``PER_RANK``: each data-parallel rank holds and writes a whole state of its own (localsgd's and
+diloco's replicas, a comm hook's residuals). ``SHARDED``: each rank holds and writes its part of
+each tensor through DCP (fsdp, tensor, pipeline). A strategy's ``model`` and ``optimizer`` are
+in its form (``ModelState.state_form``); a part beside them carries its own (:class:`Part`).
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
-"""Who holds a run folder: one live job at a time.
+"""Who holds a run folder: one live job at a time (the protocol, on a disk and in an object
+store: docs/fault-tolerance.md, "The run folder").
 
-``dtrain train`` takes its run folder before any worker starts, in ``RUN_DIR/hold.json``: the
-job (its run id and, for a job of several machines, its rendezvous endpoint), the host and
-pid of the launcher that took it, since when, and a count its launcher renews every
-:data:`RENEW_S` seconds. A second job on the folder is refused with those words. The machines
-of one job (the same run id and rendezvous endpoint) share the hold. A hold whose job is gone
-is taken over, safely: on this machine, when its launcher's process is gone (its pid, and the
-process's start time, so that a reused pid is not taken for it); held from another machine,
-when its renewals have stopped for :data:`LEASE_S` seconds. Taking over renames the stale
-hold aside first, so that of two jobs taking over at once, one wins and the other is refused.
+A stale hold is taken over only by renaming it aside first (on a store: replacing it only while
+it is still the version found stale, ``If-Match``), so that of two jobs taking over at once one
+wins and the other is refused. On this machine a hold is stale when its launcher's pid *and*
+that process's start time are gone (a reused pid is not taken for it); from another machine
+when its renewals have stopped for :data:`LEASE_S` seconds. A store that ignores conditional
+writes cannot keep two jobs apart: :func:`dtrain.checkpoint.rundir.check_store` says so.
 
-In an object store (``run.dir = "s3://..."``) the same protocol runs on conditional writes: the
-hold is created only where none exists (``If-None-Match``) and a stale one is taken over only
-while it is still the version that was found stale (``If-Match``), so of two jobs one wins. A
-store that ignores these conditions cannot keep two jobs apart: the launcher's write probe
-finds that out and says so (:func:`dtrain.checkpoint.rundir.check_store`).
-
-``hold.json`` is the user's alone to read (mode 0600 from its creation, whatever the umask; in
-a store, as the bucket's policy allows).
+``hold.json`` is the user's alone to read (mode 0600 from its creation, whatever the umask).
 The hold's token names the job to its workers (:func:`job_id`): it goes into each
 checkpoint's ``meta.json``, where retention and restarts tell this job's checkpoints from
 others'. Under plain ``torchrun`` (no hold) the job is its rendezvous id.

@@ -2,24 +2,13 @@
 
 A strategy (:class:`ModelState`) gives named state dicts, each with its form
 (:mod:`dtrain.checkpoint.forms`), and takes them back; it never sees a file. Saving writes each
-form where it belongs (:func:`parts_to_write`): whole files from rank 0 (replicated), one per
-data-parallel rank (per rank), DCP shards from every rank (sharded). Loading (:func:`load`)
-reads whatever form was saved into the one the strategy asks for:
-
-=====================  ===========================  ==========================================
-saved                  strategy                     read as
-=====================  ===========================  ==========================================
-whole files            replicated, per rank         its own form (per rank: this rank's replica
-                                                    when saved at this size, else rank 0's)
-whole files            sharded                      by name, cut into this rank's parts
-shards                 sharded, same optimizer      its own form (DCP reshards)
-                       layout
-shards                 any other                    by name, regrouped (:mod:`.cross_form`)
-=====================  ===========================  ==========================================
+form where it belongs (:func:`parts_to_write`); loading (:func:`load`) reads whatever form was
+saved into the one the strategy asks for: its own form where they match (per rank: this
+rank's replica when saved at this size, else rank 0's; shards of the same optimizer layout:
+DCP reshards), else by parameter name (:mod:`.cross_form`).
 
 The parts beside the model and optimizer (a comm hook's residuals, diloco's ``outer``) are
-whole, or shards (a further model of a loop of the user's own, :mod:`dtrain.loop.models`,
-read in the form it was saved in); the strategy gets those the checkpoint holds, and where
+read in the form they were saved in; the strategy gets those the checkpoint holds, and where
 the state came from (:class:`~dtrain.checkpoint.forms.Origin`), and decides what a missing one
 means.
 """

@@ -1,11 +1,9 @@
 """A run folder in an object store gets the run's records as copies: an object cannot be
 appended to, so ``metrics.jsonl`` and ``status.json`` grow in rank 0's local folder
-(:func:`dtrain.fsutil.local_run_dir`) and are uploaded whole at each checkpoint and at the end
-(:func:`publish_records`), with the Hugging Face config an export needs. ``dtrain report`` and
-``dtrain status`` read those copies (:func:`fetch_records`); what is per machine (liveness,
-tracebacks, the sample-id audit, TensorBoard's files) stays in the local folder.
-
-For a local run folder both are the same folder and nothing is copied."""
+(:func:`dtrain.fsutil.local_run_dir`) and are uploaded whole (:func:`publish_records`);
+``dtrain report`` and ``dtrain status`` read those copies (:func:`fetch_records`). What stays
+per machine: docs/fault-tolerance.md. For a local run folder both are the same folder and
+nothing is copied."""
 
 from __future__ import annotations
 

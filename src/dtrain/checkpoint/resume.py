@@ -1,16 +1,9 @@
 """Choosing the checkpoint to resume from (or, for the NaN guard, to roll back to), verified by
-all the ranks together.
+all the ranks together (how the work is shared and why no collective waits on it:
+docs/fault-tolerance.md, "Resume").
 
-Rank 0 removes the leftovers of interrupted saves and lists the candidates, newest first; all
-ranks then try them in that order. For each, every rank verifies its share of the files'
-pieces (:mod:`dtrain.checkpoint.verify`: about ``1 / world size`` of the bytes, its own files
-among them, read back from the page cache when it loads them -- or, from a store, kept
-locally for the load: :mod:`dtrain.checkpoint.copies`) and the ranks exchange their words
-through the job's store (:mod:`dtrain.fault.peer_words`), waiting for each other as long as
-they make progress, never under the collective timeout. A candidate any rank found damaged
-is skipped on every rank, with a warning naming the file; so all ranks load the same step.
-
-The state is a dict of state_dicts; each component checks that what it gets fits (the model
+A candidate any rank found damaged is skipped on every rank, with a warning naming the file; so
+all ranks load the same step. Each component then checks that what it gets fits (the model
 lists mismatched keys and shapes, the loader names a different seed or dataset) and says so in
 one line.
 """

@@ -1,21 +1,18 @@
-"""Loading a checkpoint as data, never as code: what every read of a checkpoint's files admits.
+"""Loading a checkpoint as data, never as code: what every read of a checkpoint's files admits
+(the policy: docs/security.md).
 
-Whole files (``model.pt``, ``optimizer.pt``, ...) load with ``torch.load(weights_only=True)``,
-whose unpickler admits tensors and plain containers only (:func:`load_file`). DCP's sharded
-state (``dcp/``) needs more care: torch's own reader unpickles ``dcp/.metadata`` with a plain
-``pickle.load`` and each non-tensor item (an optimizer setting) with
+Whole files load with ``torch.load(weights_only=True)`` (:func:`load_file`). torch's own DCP
+reader unpickles ``dcp/.metadata`` with a plain ``pickle.load`` and each non-tensor item with
 ``torch.load(weights_only=False)``, either of which runs whatever a crafted file asks. Here
-instead ``.metadata`` is unpickled admitting only the classes DCP's metadata is made of
+``.metadata`` is unpickled admitting only the classes DCP's metadata is made of
 (:data:`METADATA_GLOBALS`, and torch's dtypes, layouts and memory formats by name), then
 checked: every storage entry names a plain file in ``dcp/`` that the completion marker lists (a
 crafted entry cannot make us read another file), with no stream transform (dtrain writes none)
-(:func:`read_metadata`). :mod:`dtrain.checkpoint.safe_dcp` is DCP's reader built on it, whose
-non-tensor items load with ``weights_only=True`` too.
+(:func:`read_metadata`); :mod:`dtrain.checkpoint.safe_dcp` builds DCP's reader on it.
 
-The marker's digests are unkeyed: whoever can write a checkpoint can re-seal it, so they catch
-damage, not an attack. What stops a crafted file is this, with one line naming the file and what
-it tries to load. (This module imports no ``torch.distributed.checkpoint``, which brings in
-DTensor: the launcher and the replicated strategies read whole files only.)
+The marker's digests are unkeyed (whoever can write a checkpoint can re-seal it): what stops a
+crafted file is this. This module imports no ``torch.distributed.checkpoint``, which brings in
+DTensor: the launcher and the replicated strategies read whole files only.
 """
 
 from __future__ import annotations

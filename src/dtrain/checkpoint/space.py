@@ -1,11 +1,7 @@
 """Room on the disk for a save: the bytes a rank's part of a checkpoint needs, the bytes free
-where it goes, and the words for a disk that cannot hold it.
-
-A save checks before it writes (a rank whose files cannot fit fails at once, and leaves the
-disk as it was for the other writers: the metrics, the other ranks); a disk that fills while
-it writes (other writers) is the same failure, found by the write. Either way the words name
-the folder, what was needed and what is free, and the save is not committed: the previous
-checkpoint stays the newest.
+where it goes, and the words for a disk that cannot hold it (docs/fault-tolerance.md, "A full
+disk"): a save checks before it writes, so a rank whose files cannot fit leaves the disk as it
+was for the other writers, and is not committed.
 """
 
 from __future__ import annotations

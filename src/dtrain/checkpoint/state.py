@@ -1,27 +1,12 @@
-"""The training state: one dict of state_dicts, one key per component.
-
-=================  ========================================  =========================
-key                what                                      file (written by)
-=================  ========================================  =========================
-``model``          parameters and buffers                    model.pt (rank 0), or dcp/
-``optimizer``      optimizer state                           optimizer.pt (rank 0), or dcp/
-``scheduler``      LR schedule position                      train_state.pt (rank 0)
-``kinds``          the optimizer's and schedule's classes    train_state.pt (rank 0)
-``data``           stream position, seed, dataset identity   train_state.pt (rank 0)
-``trainer``        step, items seen, skipped steps, ...      train_state.pt (rank 0)
-``balance``        per-rank weights, smoothed rank timings   train_state.pt (rank 0)
-``rng``            Python, NumPy, torch (and CUDA) RNG       rng-rankNNNNN.pt (each rank)
-``comm``           error feedback of powersgd, topk          comm-rankNNNNN.pt (each rank)
-meta               step, world size, config, versions        meta.json (rank 0)
-=================  ========================================  =========================
+"""The training state: one dict of state_dicts, one key per component (``model``,
+``optimizer``, ``scheduler``, ``kinds``, ``data``, ``trainer``, ``balance``, ``rng``, ``comm``;
+the files they land in: docs/fault-tolerance.md, "Checkpoints").
 
 The trainer builds a :class:`TrainingState` once -- the stateful parts, never the trainer
 itself -- and hands it to :func:`save` and :func:`load` (as torchtitan's checkpointer takes
 ``states=``). The strategy gives and takes the model and optimizer as named state dicts in its
-form (:mod:`dtrain.checkpoint.model_state`): whole files from rank 0 for the replicated
-strategies, one per rank for localsgd's replicas, shards from every rank through
-``torch.distributed.checkpoint`` for the sharded ones. Everything is tensors and plain data,
-loaded as nothing else (:mod:`dtrain.checkpoint.safe_load`).
+form (:mod:`dtrain.checkpoint.model_state`). Everything is tensors and plain data, loaded as
+nothing else (:mod:`dtrain.checkpoint.safe_load`).
 """
 
 from __future__ import annotations

@@ -1,41 +1,14 @@
 """Pure functions from the data position to each rank's sample ids.
 
-The training stream is one seeded global order: epoch 0's permutation of the ``N`` sample ids,
-then epoch 1's, and so on. The data position is a single number, ``consumed`` -- how many
-samples of that stream earlier optimizer steps have taken. Step ``s`` takes the next
-``global_batch_size`` samples of the stream (a batch may span an epoch boundary, so every batch
-is full and every epoch still delivers each id exactly once). How a global batch is cut across
-ranks and micro-steps is a pure function of ``(ids, world size, micro-batches, weights,
-lengths)``. Nothing is stored per rank, so the position survives any change of the world size or
-of the per-rank shares.
+The data position is one number, ``consumed``, into one seeded global order; how a step's
+global batch is cut across ranks and micro-steps is a pure function of ``(ids, world size,
+micro-batches, weights, lengths)``. Nothing is stored per rank, so the position survives any
+change of the world size or of the per-rank shares. The rules (equal samples, equal tokens,
+weights, the micro-batch cap, ascending ids inside a micro-batch): docs/data.md, "How the
+stream is cut".
 
-Rules when a global batch does not divide evenly (documented in docs/data.md and tested):
-
-* ``samples`` balance: rank ``r`` gets a contiguous slice of the global batch, in rank order.
-  Its size is its weight's share of the batch rounded by largest remainder (ties to the lower
-  rank); with equal weights the first ``B % world_size`` ranks get one sample more. A rank whose
-  share would fall below one sample per micro-step is raised to that minimum, the samples coming
-  from the others in proportion. Each rank's slice is cut the same way into micro-batches.
-* ``tokens`` balance: samples go, longest first (ties in global order), to the rank whose token
-  load relative to its weight is lowest (greedy longest-processing-time). Sample counts per rank
-  are free, except that each rank keeps at least one sample per micro-step: once the samples left
-  are just enough for those minimums, they go only to ranks still short of theirs. Each rank's
-  samples are cut into micro-batches by the same rule. The max/mean tokens per rank has a
-  floor, ``max(1, longest / (tokens / world_size))`` (:func:`imbalance_bound`); the greedy rule
-  lands within a few percent of it (measured in tests/test_partition.py).
-
-With a per-rank micro-batch cap (``micro_cap``, load balancing: ``balance.max_micro_batch``)
-the number of micro-steps is per rank instead of ``micro_batches`` for all: a rank holding
-``n`` samples runs ``ceil(n / micro_cap)`` micro-steps, and each rank keeps at least one sample
-(:func:`step_shape`). A rank with a larger share accumulates over more micro-steps rather than
-holding a larger micro-batch in memory.
-
-Under both rules a micro-batch lists its ids in ascending order, not in stream order: the
-order inside a batch changes no sum the step computes, and ascending ids are storage order,
-so a batch is read forward through the files (see ``ShardedDataset.gather``).
-
-:func:`plan_steps` plans several steps at once and sorts a rank's parts only when that rank's
-ids are asked for (:meth:`StepPlan.rank_ids`): a loader pays for its own rank, not the world's.
+:func:`plan_steps` sorts a rank's parts only when that rank's ids are asked for
+(:meth:`StepPlan.rank_ids`): a loader pays for its own rank, not the world's.
 """
 
 from __future__ import annotations
@@ -270,8 +243,9 @@ def partition_tokens(
 
     ``lengths[i]`` is the token count of ``ids[i]``. Greedy longest-processing-time: samples,
     longest first, go to the part with the lowest load relative to its weight, each part keeping
-    at least one sample per micro-step (see the module docstring for the exact rule). With
-    ``micro_cap`` a rank's micro-steps follow its sample count, as in :func:`step_shape`.
+    at least one sample per micro-step: once the samples left are just enough for those
+    minimums, they go only to parts still short of theirs. With ``micro_cap`` a rank's
+    micro-steps follow its sample count, as in :func:`step_shape`.
     """
     weights = list(weights) if weights is not None else equal_weights(world_size)
     check_weights(weights, world_size)

@@ -1,23 +1,14 @@
 """Per-rank batches from a stream (an ``IterableDataset``, a Hugging Face streaming dataset, a
-stream of dtrain's protocol), with the position of every source shard checkpointed.
+stream of dtrain's protocol), with the position of every source shard checkpointed (how a step
+is formed and what each kind guarantees: docs/data.md, "Streams").
 
-A step takes ``data.global_batch_size`` items, cut across ranks and micro-steps by the
-map-style rule (:func:`dtrain.data.partition.step_shape`: the same counts, weights and caps).
-Which items form them is where the two differ: a map-style dataset's step ``k`` holds the same
-ids at any world size; a stream's cannot (nothing says how long a shard is before it is read),
-so its step ``k`` depends on the world size while every item is still delivered once per pass
-over its shard (:mod:`dtrain.data.stream_units`):
-
-* ``own`` shards (at least as many source shards as ranks): each rank reads its own units;
-  after every step the ranks exchange their units' positions (a few bytes, one all-gather),
-  so every rank holds the whole position and any rank's ``state_dict`` is the run's;
-* ``dealt`` (fewer shards than ranks, or an unsharded stream): every rank reads every item in
-  order and keeps its part of each batch (each rank reads the whole stream); nothing is
-  exchanged.
-
-Resume re-reads each unit in flight up to its position, on the rank that holds it now (no
-seek unless the protocol's ``read_shard`` has one). Steps are read in the training thread:
-``data.prefetch`` does not apply (it overlaps a map-style dataset's random reads).
+A step is cut across ranks and micro-steps by the map-style rule
+(:func:`dtrain.data.partition.step_shape`); which items form it depends on the world size
+(:mod:`dtrain.data.stream_units`). ``own`` shards (at least as many source shards as ranks):
+each rank reads its own units, and after every step the ranks all-gather their units'
+positions, so any rank's ``state_dict`` is the run's. ``dealt`` (fewer shards than ranks, or an
+unsharded stream): every rank reads every item in order and keeps its part; nothing is
+exchanged. Steps are read in the training thread (``data.prefetch`` does not apply).
 """
 
 from __future__ import annotations

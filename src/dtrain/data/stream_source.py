@@ -1,14 +1,7 @@
 """What a streaming ``train_data`` is to dtrain: a number of source shards, each read from a
-given item on. Three kinds, best first:
-
-* **dtrain's protocol**, for a stream of one's own: ``num_shards`` (an int) and
-  ``read_shard(index, start)`` returning an iterator over shard ``index``'s items from item
-  ``start`` on (a seek where the format allows, else a skip);
-* **a Hugging Face streaming** ``datasets.IterableDataset``: its source shards (files) are
-  ``n_shards``; shard ``i`` is ``dataset.shard(n_shards, i)``, started at an item by reading
-  past the ones before (``set_epoch`` gives a shuffle buffer its pass's seed);
-* **any other iterable** (a ``torch.utils.data.IterableDataset``): one shard, ``iter(dataset)``
-  once per pass, started at an item by reading past the ones before.
+given item on. Three kinds, best first: dtrain's protocol (``num_shards``, ``read_shard(index,
+start)``), a Hugging Face streaming ``datasets.IterableDataset`` (shard ``i`` is
+``dataset.shard(n_shards, i)``), any other iterable (one shard); docs/data.md, "Streams".
 
 The reader assumes what it cannot check: a shard yields the same items in the same order
 every time it is read (a seeded shuffle buffer does; a live feed does not). A one-pass iterator

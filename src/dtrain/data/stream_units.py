@@ -1,21 +1,17 @@
-"""Pure functions of a stream's position: which source shard each rank reads, from which item.
+"""Pure functions of a stream's position: which source shard each rank reads, from which item
+(the queue of units: docs/data.md, "Streams").
 
-A stream with ``K`` source shards is read as an endless queue of **units**: unit ``u`` is pass
-``u // K`` over source shard ``shard`` (:meth:`UnitMap.locate`; each pass takes the shards in
-stored order, or in an order seeded by ``(seed, pass)``). The position is one number per unit
-*in flight* -- the items its earlier steps delivered -- never one per rank:
+Unit ``u`` is pass ``u // K`` over one of ``K`` source shards (:meth:`UnitMap.locate`). The
+position is one number per unit *in flight*, never one per rank:
 
 * ``next_unit``: the first unit of the queue no reader has been given; every unit below it is
   either finished or in ``open``;
 * ``open``: unit -> items delivered, for the units given out and not finished;
 * ``owner``: unit -> the reader that holds it, meaningful at ``readers`` readers only.
 
-Readers take units from the queue in order, one when they run short (:meth:`UnitState.merge`,
-the same decision on every rank from the same reports), so the units in flight are a window of
-about one per reader: the shards of pass ``e + 1`` start while the last of pass ``e`` finish,
-as a map-style batch may span an epoch boundary. At another number of readers (a resume at
-another world size) the open units are dealt out again (:meth:`UnitState.deal`) and each
-continues where it stopped: every unit's items are delivered once, in their order.
+Every rank takes the same decision from the same reports (:meth:`UnitState.merge`); at another
+number of readers the open units are dealt out again (:meth:`UnitState.deal`), so every unit's
+items are delivered once, in their order.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
-"""Language-model views over a sharded dataset of token sequences.
+"""Language-model views over a sharded dataset of token sequences (docs/data.md, "Training on
+token shards").
 
-* :class:`TokenWindows` -- the documents end to end (one token stream), cut into fixed windows
-  of ``seq_len + 1`` tokens, one starting every ``stride`` tokens: ``seq_len`` (the default)
-  gives windows that do not overlap, 1 a window at every offset -- nanoGPT's sampling, where
-  any position may start a sample, without writing a row per offset (the windows are views of
-  the stream, read when fetched). Each window start is one sample id, so an epoch visits every
-  start exactly once, in the run's shuffled order, and resumes like any dataset. Ids come out
-  as int64, whatever the shards store (uint8 bytes, uint16/uint32 token ids). Fixed-size
-  samples: batches are split by sample count.
+* :class:`TokenWindows` -- the documents end to end, cut into windows of ``seq_len + 1`` tokens,
+  one starting every ``stride`` tokens; each window start is one sample id, read from the
+  shards only when fetched. Fixed-size samples: batches are split by sample count.
 * :class:`TokenSequences` -- one sample per document (truncated to ``max_len + 1`` tokens);
   variable-length samples, so the partitioner balances tokens across ranks.
 """

@@ -1,15 +1,11 @@
-"""``dtrain prepare SOURCE s3://bucket/data``: a dataset written into an object store.
+"""``dtrain prepare SOURCE s3://bucket/data``: a dataset written into an object store
+(docs/data.md, "Shards in an object store").
 
-The shards are written as always, into a local temporary folder (atomic, checked), then
-uploaded file by file (a large file in parts, through fsspec), and the manifest last: a store
-has no rename, so the manifest is the commit -- a reader never takes a prefix without one for a
-dataset, and an upload cut off leaves none. The uploaded manifest adds, per file, the SHA-256
-of each piece of ``STORE_PIECE_BYTES`` (``piece_sha256``, ``piece_bytes``), so that a reader
-checks every range it fetches; the dataset's fingerprint (its files' hashes) is the local
-one's, so a run can resume on the same data read from either place.
-
-An overwrite takes the old manifest away first (from then on the prefix is no dataset), then
-every other object under the prefix, then uploads.
+The shards are written as always into a local temporary folder (atomic, checked), then
+uploaded, and the manifest last: a store has no rename, so the manifest is the commit, and an
+overwrite takes the old manifest away before anything else. The uploaded manifest adds each
+piece's SHA-256 so that a reader checks every range it fetches; the dataset's fingerprint is
+the local one's, so a run can resume on the same data read from either place.
 """
 
 from __future__ import annotations

@@ -1,33 +1,13 @@
 """What torch's FSDP2 (``fully_shard``) holds beyond a rank's shards while a step runs, as
-dtrain's fsdp strategy configures it: each block a unit, then the root (what no block holds:
-embeddings, final norm, head), ``strategy.reshard_after_forward`` on every unit, torch's
-default prefetching or none in backward (``strategy.backward_prefetch``), no mixed-precision
-policy (autocast casts; the parameters and their gradients stay fp32).
+dtrain's fsdp strategy configures it (each block a unit, then the root;
+``strategy.reshard_after_forward``; ``strategy.backward_prefetch``; no mixed-precision policy).
 
-The schedule, read from ``torch/distributed/fsdp/_fully_shard`` (torch 2.13) and counted on a
-real run by ``tests/fsdp_census.py``; a unit's *flat buffer* is the all-gather's output, the
-size of its gathered parameters::
-
-    forward, unit i     its gathered parameters, and its flat buffer, kept until the next
-                        unit's parameters are copied out of theirs (to overlap that copy with
-                        the next all-gather); the root's parameters until forward ends
-    backward, unit i    its gathered parameters and their unsharded gradients; unit i-1's
-                        flat buffer (prefetched when unit i's backward begins, copied out
-                        when unit i-1's does); unit i+1's reduce-scatter input (torch keeps
-                        one until the next reduce-scatter, so that the buffer is not reused
-                        while the collective may still read it); the root's parameters and
-                        its gradients (its weights are used at both ends of the model)
-
-so four blocks in flight in backward (three with two blocks) against two in forward. With
-``backward_prefetch = false`` nothing is prefetched: unit i-1 is gathered when its own
-backward begins (its flat buffer freed as its parameters are copied out), three blocks in
-backward. With ``reshard_after_forward = false`` a unit's parameters stay gathered from its
-forward until its backward ends: every block at the end of forward. While a step
-accumulates over micro-batches every unit's gradients stay unsharded (and whole) until the
-last micro-batch's backward reduce-scatters their sum. The sharded gradients the
-reduce-scatters have made by a moment count too, and the activations still held then
-(:mod:`.flat` adds them): with activation checkpointing the peak is late in backward, without
-it nearer its start.
+The schedule is read from ``torch/distributed/fsdp/_fully_shard`` (torch 2.13) and counted on
+a real run by ``tests/fsdp_census.py``; it is laid out unit by unit in docs/strategies.md,
+"FSDP's peak": four blocks in flight in backward (three with two blocks, three without
+prefetch) against two in forward. A unit's *flat buffer* is the all-gather's output, the size
+of its gathered parameters. The sharded gradients the reduce-scatters have made by a moment
+count too, and the activations still held then (:mod:`.flat` adds them).
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """What a CPU keeps for the bfloat16 matrix products of a step: not tensors, but oneDNN's
-compiled kernels.
+compiled kernels (the measurement: docs/strategies.md, "How much memory a rank needs").
 
-Under ``bf16-mixed`` on a CPU torch runs each bfloat16 matrix product through oneDNN, which
-compiles a kernel (a ``brg_matmul`` primitive, on AVX512-BF16) for each distinct problem --
-shapes, strides -- the first time it meets it, and keeps it for the life of the process (its
-primitive cache and the kernels' code); a step's forward and backward reach their problems
-in the first step, so from then on every step's peak stands on them. float32 products (MKL,
-no per-shape kernels) and float16 ones on a CPU without float16 arithmetic keep nothing of
-the kind (measured: nothing grows with the shapes).
-
-The bytes per problem are measured (torch 2.13, oneDNN 3.12, AVX512-BF16; one process, one
-forward and backward of the tests' GPT at a new micro-batch size, resident size kept after
-it): each new set of the GPT's 15 distinct products (4 ``addmm``, 11 ``mm``, with its 2
-GELU kernels; its output projection then still ran in bfloat16, now it is 12) kept 8.37,
-8.59 and 8.70 MiB, the same at d_model 96, 192 and 384 (8.66, 8.53, 8.44 MiB): about 584 KiB
-per problem, whatever its size. About half stays with
-``ONEDNN_PRIMITIVE_CACHE_CAPACITY=0`` (the kernels' code outlives the cache). The problems
-are counted on the fake pass (:class:`.probe.LiveBytes`): each distinct matrix product on
-bfloat16 inputs.
+Under ``bf16-mixed`` on a CPU oneDNN compiles a kernel for each distinct problem (shapes,
+strides) the first time it meets it and keeps it for the life of the process, so from the
+first step on every step's peak stands on them; float32 products and float16 ones on a CPU
+without float16 arithmetic keep nothing of the kind. The bytes per problem are measured
+(torch 2.13, oneDNN 3.12, AVX512-BF16: about 584 KiB whatever its size; about half stays with
+``ONEDNN_PRIMITIVE_CACHE_CAPACITY=0``, the kernels' code outliving the cache). The problems are
+counted on the fake pass (:class:`.probe.LiveBytes`): each distinct matrix product on bfloat16
+inputs.
 """
 
 from __future__ import annotations

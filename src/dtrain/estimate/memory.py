@@ -1,21 +1,10 @@
 """The estimate of one rank's memory for a config at a world size (``dtrain estimate``).
 
 For the strategy's layout -- the same mesh ``dtrain train`` builds -- and the rank that holds
-the most, in bytes: the parts (:class:`~.result.Line`) and the totals of the phases they add up in,
-the largest of which is the peak::
-
-    set-up            the model as it is built: whole on every rank unless the task builds
-                      it on the meta device (Task.init_weights), then the rank's part
-    forward/backward  parameters + optimizer state + gradients (held from the step's first
-                      micro-batch on, or made during its backward) + the pass's measured peak
-                      (its activations, their gradients, the intermediates nothing saves)
-                      + what the strategy adds: fsdp's gathered units, ddp's and allreduce's
-                      buckets, a pipeline's micro-batches in flight and receive buffers
-    optimizer step    parameters + gradients + optimizer state + the step's temporaries
-    gradient sync     (copies averaged in flat buckets) parameters + gradients + state +
-                      one bucket
-
-:mod:`.flat` estimates every strategy but the pipeline, :mod:`.pipeline` the pipeline.
+the most, in bytes: the parts (:class:`~.result.Line`) and the totals of the phases they add up
+in (set-up, forward/backward, optimizer step, gradient sync: what each holds is
+docs/strategies.md's table), the largest of which is the peak. :mod:`.flat` estimates every
+strategy but the pipeline, :mod:`.pipeline` the pipeline.
 """
 
 from __future__ import annotations

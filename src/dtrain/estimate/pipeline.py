@@ -1,20 +1,12 @@
 """The pipeline's estimate: each rank holds its stages' parameters, gradients and optimizer
 state (an FSDP shard of them with ``data_parallel = 'fsdp'``, a tensor-parallel slice with
-``tensor_parallel``), and on each stage the activations of every micro-batch in flight:
+``tensor_parallel``), and on each stage the activations of every micro-batch in flight (M per
+step on stage s of K: gpipe M, 1f1b ``min(M, K - s)``, interleaved-1f1b the rank's warm-up
+forwards plus one, as torch's schedules run them).
 
-===================  ===============================================================
-schedule             micro-batches in flight on stage s of K (M per step)
-===================  ===============================================================
-gpipe                M
-1f1b                 min(M, K - s)
-interleaved-1f1b     the rank's warm-up forwards, plus one (torch's schedule)
-===================  ===============================================================
-
-Each stage's pass is measured on its own (its layers' forward, the loss on the last stage,
-backward). A stage after the first also keeps a receive buffer for each micro-batch's
-activations, a stage before the last one for each micro-batch's gradients (torch's
-``PipelineStage`` makes them per micro-batch, once). The rank that needs the most is the one
-reported.
+Each stage's pass is measured on its own. A stage after the first also keeps a receive buffer
+for each micro-batch's activations, a stage before the last one for each micro-batch's
+gradients (torch's ``PipelineStage`` makes them per micro-batch, once).
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
-"""The task's model built without memory, and what one micro-batch's forward saves for backward.
+"""The task's model built without memory, and what one micro-batch's forward saves for backward
+(docs/strategies.md, "How much memory a rank needs").
 
-The task factory runs under ``torch.device("meta")``: every tensor it makes without naming a
-device is a meta tensor (shape and dtype, no memory), so a model of any size is built for free.
-The forward then runs on *fake* tensors (:class:`FakeTensorMode`: meta tensors that carry a
-device) rather than plain meta ones, because autocast -- ``train.precision`` -- acts on a
-device's tensors only: on fake CPU tensors a bf16-mixed forward casts, and saves, exactly what
-it would on real ones.
-
-What the forward keeps for backward is measured, not guessed: torch's saved-tensor hooks see
-every tensor autograd saves, each storage counted once, the parameters' own storages left
-out (their 16-bit copies under autocast are counted: they are real memory). Each saved
-storage is attributed to the block (the recipe's units, :func:`model_blocks`) and, for a
-pipeline, the layer of the chain that saved it first, so that activation checkpointing and
-each stage's share follow from one forward::
+The forward runs on *fake* tensors (meta tensors that carry a device) rather than plain meta
+ones, because autocast -- ``train.precision`` -- acts on a device's tensors only. Each storage
+autograd saves is counted once, the parameters' own left out, and attributed to the block
+(:func:`model_blocks`) and, for a pipeline, the layer of the chain that saved it first, so that
+activation checkpointing and each stage's share follow from one forward::
 
     with saved_tensors_hooks(record):   # record: storage -> (bytes, layer, block)
         loss_fn(model(inputs), targets).sum()   # under the run's autocast

@@ -1,12 +1,7 @@
 """TensorBoard event files (``metrics.tensorboard = true``): the records of ``metrics.jsonl``
-as scalars in ``RUN_DIR/tensorboard``, through ``torch.utils.tensorboard.SummaryWriter``.
-
-``tensorboard`` is an optional extra (``pip install -e '.[tensorboard]'``); asking for it
-without it installed is a one-line error before any worker starts (:func:`check_available`).
-What goes where: docs/observability.md.
-
-The writer queues events and writes them from its own thread, so a record costs the training
-loop a few microseconds.
+as scalars in ``RUN_DIR/tensorboard``, through ``torch.utils.tensorboard.SummaryWriter`` (what
+goes where: docs/observability.md). The writer queues events and writes them from its own
+thread, so a record costs the training loop a few microseconds.
 """
 
 from __future__ import annotations

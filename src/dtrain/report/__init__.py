@@ -1,11 +1,5 @@
 """``dtrain report`` and ``dtrain status``: reading run folders after (or while) they train.
 
-- :mod:`read`: ``metrics.jsonl`` and ``config.toml`` of a run folder (a cut-off last line is
-  skipped and said so);
-- :mod:`plots`: one matplotlib figure per question, several runs overlaid;
-- :mod:`totals`, :mod:`page`: the totals table and the self-contained HTML page;
-- :mod:`status`: a running job's step, ETA, loss and every rank's last heartbeat.
-
 matplotlib is needed only for the report (the ``report`` extra); ``status`` needs nothing more
 than the run folder.
 """

@@ -3,13 +3,9 @@
 Each function takes the runs and a list it appends notes to, and returns a :class:`Plot` (a
 matplotlib ``Figure``, never shown: the Agg canvas only renders it to PNG) or None when no run
 has what it needs. A run that lacks a plot's data is left out of that plot and a note says so:
-several runs are compared on what they share.
-
-Every figure is :data:`SIZE_PX` pixels. Series carry labels (the legend); unlabelled artists
-are decoration. Every line stays visible (:func:`_done`): the y-range is padded past the data,
-so a near-constant series never sits on a spine; a series equal to one drawn before it (a
-resumed run bit-identical to another, two ranks' equal shares) is drawn dashed with markers
-over it, and the legend says which it equals.
+several runs are compared on what they share. Every figure is :data:`SIZE_PX` pixels; series
+carry labels (the legend), unlabelled artists are decoration; every line stays visible
+(:func:`_done`; docs/observability.md, "dtrain report").
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """``dtrain status RUN_DIR``: where a run is, read from its folder while it runs (or after).
 
-It reads three things, none of which the job waits for:
-
-- ``status.json`` (rank 0: running, completed, preempted);
-- the tail of ``metrics.jsonl`` (the last MiB, never the whole file): the newest train
-  record's step, loss and time per step, the newest evaluation;
-- ``liveness/rankN``: every rank's liveness record (:mod:`dtrain.fault.liveness`), the one
-  its hang check and the other ranks read too: host, step and phase (live), when its
-  watchdog's thread last stamped it alive (every fraction of a second), and its own speed.
-
-The total number of steps comes from the run's ``config.toml``.
+It reads ``status.json``, the tail of ``metrics.jsonl`` (the last MiB, never the whole file) and
+every rank's liveness record (:mod:`dtrain.fault.liveness`), none of which the job waits for;
+the total number of steps comes from the run's ``config.toml``. What each column means:
+docs/observability.md, "dtrain status".
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
-"""PEFT adapters (LoRA and PEFT's other layer tuners) in and out of a run.
+"""PEFT adapters (LoRA and PEFT's other layer tuners) in and out of a run (what goes in and
+out, and what is checked: docs/models.md, "Weights in" and "Weights out" of the LoRA section).
 
-In: ``run.init_from`` into a PEFT model loads its *base* (a Hugging Face folder or file of the
-base model's own names, ``transformer.h.0.attn.c_attn.weight``, into the wrapped layers'
-``base_layer``: :func:`dtrain.weights.init_from.load_base_into`); ``run.init_adapter`` then
-loads an adapter folder as PEFT saves it (``adapter_config.json`` +
-``adapter_model.safetensors``), after checking that it was made for this model: the same tuner
-settings (rank, alpha, target modules, ...) and tensors of the same names and shapes.
-
-Out (``dtrain export --format hf``): a PEFT run's checkpoint holds the adapters only (its base
-is frozen, :mod:`dtrain.parallel.frozen`); the export builds the PEFT model from the configs the
-run saved (``RUN_DIR/hf_config``: the base's ``config.json`` and ``adapter_config.json``), loads
-the adapters into it and writes the folder with PEFT's own ``save_pretrained``, which
-``PeftModel.from_pretrained(base, folder)`` loads; ``--merge`` loads the base's weights too
-(``--base``, else the run's ``run.init_from``), merges the adapters into its layers
-(``merge_and_unload``) and writes the plain model's folder ``from_pretrained`` loads.
+In: ``run.init_from`` into a PEFT model loads its *base*
+(:func:`dtrain.weights.init_from.load_base_into`); ``run.init_adapter`` then loads an adapter
+folder as PEFT saves it, after checking that it was made for this model. Out (``dtrain export
+--format hf``): the checkpoint holds the adapters only (its base is frozen,
+:mod:`dtrain.parallel.frozen`), so the export builds the PEFT model from the configs the run
+saved (``RUN_DIR/hf_config``) and writes PEFT's own folder, or with ``--merge`` the base with
+the adapters merged in.
 
 The files are JSON and safetensors: nothing is unpickled. ``peft`` is an optional extra
 (``pip install -e '.[peft]'``), imported only here and only when a function needs it.

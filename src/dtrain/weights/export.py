@@ -1,18 +1,12 @@
 """``dtrain export RUN_DIR OUT [--step N] [--format safetensors|torch|hf]``: a run's trained
 model as one file (or, for a Hugging Face model, a folder ``from_pretrained`` loads), from any
-strategy's checkpoint at any world size, in one process.
+strategy's checkpoint at any world size, in one process (docs/models.md, "Weights out").
 
-``RUN_DIR`` is a run folder (its newest committed checkpoint that verifies, or ``--step N``;
-a newer one passed over is named in a note, with what is wrong with it) or a ``step-N``
-checkpoint folder. The names are the model's own (``transformer.h.0.attn.c_attn.weight``);
-tensors keep their dtype. ``safetensors`` and ``torch`` write a state dict into the file
-``OUT``; ``hf`` writes the folder ``OUT`` from the Hugging Face config the run saved
-(``RUN_DIR/hf_config``, :mod:`dtrain.weights.model_config`) with the model's own
-``save_pretrained`` (:func:`write_pretrained`); a PEFT run's ``hf`` folder is its adapter as
-PEFT saves it, or with ``--merge`` the base with the adapter merged in
-(:mod:`dtrain.weights.adapters`). ``OUT`` is written whole or not at all (beside
-it, then renamed), its modes as the user's umask makes them (as the run folder's); the run
-folder is only read.
+The names are the model's own; tensors keep their dtype. ``hf`` writes from the Hugging Face
+config the run saved (:mod:`dtrain.weights.model_config`) with the model's own
+``save_pretrained`` (:func:`write_pretrained`); a PEFT run's through
+:mod:`dtrain.weights.adapters`. ``OUT`` is written whole or not at all (beside it, then
+renamed), its modes as the user's umask makes them; the run folder is only read.
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
 """Weights in: start a run from trained weights (``run.init_from``), or load them in Python
-(``dtrain.load_weights``).
-
-A path may be
-
-- a safetensors file (``.safetensors``), or a torch file holding a state dict (``.pt``,
-  ``.pth``, ``.bin``), as ``dtrain export`` writes them;
-- a Hugging Face folder (``config.json`` beside ``model.safetensors``, sharded
-  ``model-0000N-of-0000M.safetensors`` with their index, or ``pytorch_model.bin``);
-- a dtrain run folder (its newest committed checkpoint) or a ``step-N`` checkpoint folder,
-  of any strategy and world size (:mod:`dtrain.checkpoint.consolidate`), verified against its
-  completion marker first: a folder without a valid one (a ``.tmp-step-N`` a save left) is
-  refused.
-
-Each may be in an object store (``s3://bucket/prefix/...``, through fsspec as a run folder
-there is: :mod:`dtrain.checkpoint.store`), read by the same readers.
+(``dtrain.load_weights``). The kinds of path (a weights file, a Hugging Face folder, a run
+folder or ``step-N`` checkpoint of any strategy, locally or in an object store) and what is
+checked: docs/models.md, "Weights in".
 
 Whatever the path, it is read as tensors and plain data only
-(:mod:`dtrain.checkpoint.safe_load`): a file that asks to run code is refused in one line.
-
-The weights must fit the model key by key: a missing or unexpected key, or a tensor of
-another shape, is one line listing them. A parameter tied to another (GPT-2's head and token
-embedding) may be given under either name, as ``save_pretrained`` keeps one of them. A run
-started from weights gets a fresh optimizer, schedule and data position: only the weights
-come along (resuming a run is ``run.resume``).
+(:mod:`dtrain.checkpoint.safe_load`), and a checkpoint folder only once its completion marker
+verifies (a ``.tmp-step-N`` a save left is refused). Only the weights come along: the optimizer,
+schedule and data position start fresh (resuming a run is ``run.resume``).
 """
 
 from __future__ import annotations
@@ -82,7 +66,7 @@ def weights_kind(path: Location) -> str:
 
 
 def read_weights(path: str | Location) -> dict[str, torch.Tensor]:
-    """The state dict ``path`` holds (see the module's docstring), on CPU."""
+    """The state dict ``path`` holds (the kinds of path: docs/models.md, "Weights in"), on CPU."""
     path = location(str(path))
     kind = weights_kind(path)
     if kind == "safetensors":

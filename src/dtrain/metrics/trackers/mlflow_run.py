@@ -1,17 +1,11 @@
 """MLflow (``metrics.trackers = ["mlflow"]``, the ``mlflow`` extra): one MLflow run per dtrain
-run, named after the run folder, the flattened config as its parameters and every record's
-numbers as metrics at the record's step.
+run (what goes where, and MLflow's environment variables: docs/observability.md).
 
 Through ``MlflowClient`` with an explicit run id, never MLflow's process-global active run (a
-user's own code in the same process may hold one). Its calls are synchronous (an HTTP request
-or an SQL transaction each, and a millisecond of Python's CPU per record): they are made in
-a process of its own (:mod:`~dtrain.metrics.trackers.sender`), one ``log_batch`` per interval.
-
-MLflow's own environment variables work: ``MLFLOW_TRACKING_URI`` (unless
-``metrics.tracking_uri`` is set), ``MLFLOW_EXPERIMENT_NAME`` (unless ``metrics.project`` is),
-``MLFLOW_EXPERIMENT_ID``, ``MLFLOW_RUN_ID`` (log into that run), the server's credentials
-(``MLFLOW_TRACKING_TOKEN``, ...); its context tags (user, source, git commit) are added as
-``mlflow.start_run`` adds them.
+user's own code in the same process may hold one). Its calls are synchronous, so they are made
+in a process of its own (:mod:`~dtrain.metrics.trackers.sender`), one ``log_batch`` per
+interval. Its context tags (user, source, git commit) are added as ``mlflow.start_run`` adds
+them.
 """
 
 from __future__ import annotations

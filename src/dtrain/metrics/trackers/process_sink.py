@@ -1,18 +1,13 @@
-"""A tracker that logs from a process of its own (:class:`ProcessSink`, MLflow's): rank 0
-starts the process (:mod:`~dtrain.metrics.trackers.sender`) when it opens its sinks, and the
-step's path only turns a record into one JSON line written to the process's pipe -- never
-pickled, never waited for. The tracker's client (SQLAlchemy, an HTTP client: pure Python, a
-millisecond of CPU per record) runs in that process, so it never holds the interpreter lock the
-training thread needs. The process starts in the background: importing the client and opening
-the tracker's run overlap the first steps, whose lines wait in the pipe.
+"""A tracker that logs from a process of its own (:class:`ProcessSink`, MLflow's,
+:mod:`~dtrain.metrics.trackers.sender`): the step's path only turns a record into one JSON line
+written to the process's pipe -- never pickled, never waited for (why: docs/observability.md,
+"How a tracker's sink runs").
 
 Falling behind is bounded: what the pipe cannot take at once (its kernel buffer, raised to
 :data:`PIPE_BYTES`) waits in this process, up to :data:`PENDING_BYTES`; past that a record is
 left out of the tracker (one warning; ``metrics.jsonl`` has them all), so a stuck tracker never
-blocks a step nor grows the trainer's memory. A tracker that fails -- its own error, its
-process gone -- is one warning and no more records, as with the in-process sink. The sink's one
-thread reads the process's replies (its run's ids, for ``trackers.json``; a failure) and sleeps
-in a read otherwise.
+blocks a step nor grows the trainer's memory. The sink's one thread reads the process's replies
+(its run's ids, for ``trackers.json``; a failure) and sleeps in a read otherwise.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A tracker's own process (``python -m dtrain.metrics.trackers.sender``), which rank 0's
 :class:`~dtrain.metrics.trackers.process_sink.ProcessSink` starts: it owns the tracker's client
-and makes every call of it, so the client's Python (MLflow's SQLAlchemy or HTTP client) never
-holds the training process's interpreter lock.
+and makes every call of it, so the client's Python never holds the training process's
+interpreter lock (why, and how it ends: docs/observability.md, "Experiment trackers").
 
 Plain data both ways, one JSON object per line, nothing pickled. On its standard input: the
 first line names the tracker, its :class:`~dtrain.metrics.trackers.rows.Setup` and the stored
@@ -10,13 +10,9 @@ when the run closes its sinks. On its standard output: ``{"started": ids, "where
 once the tracker's run is open, ``{"failed": warning}`` if the tracker raised, ``{"done":
 counts}`` at the end. Anything the tracker's own code prints goes to standard error.
 
-It ends with its run: at the ``final`` line, and never later than its training process. End
-of input (the kernel closes the pipe of a training process that died) or a new parent process
-(the pipe held open by a process the trainer forked) without the ``final`` line means the
-trainer died: the tracker's run is ended as failed, and the process ends within
-:data:`ORPHAN_S` seconds whatever the tracker is doing (a call to a server that does not
-answer). It ignores SIGINT and SIGTERM, which reach the worker's whole process group: the
-worker decides when the run ends (a preempted run still closes its tracker run).
+End of input or a new parent process (the pipe held open by a process the trainer forked)
+without the ``final`` line means the trainer died: the run is ended as failed within
+:data:`ORPHAN_S` seconds. SIGINT and SIGTERM are ignored: the worker decides when the run ends.
 """
 
 from __future__ import annotations

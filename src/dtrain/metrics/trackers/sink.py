@@ -1,18 +1,13 @@
 """One experiment tracker as a sink of rank 0 on a thread (:class:`TrackerSink`, W&B's): the
-step's path only turns a record into numbers and queues them; the tracker's calls (a hand-over
-to W&B's own process) run on the sink's own thread, in batches, so no step ever waits for a
-tracker. A tracker whose client is heavy Python logs from a process of its own instead
+step's path only turns a record into numbers and queues them; the tracker's calls run on the
+sink's own thread, in batches, so no step ever waits for a tracker. A tracker whose client is
+heavy Python logs from a process of its own instead
 (:mod:`~dtrain.metrics.trackers.process_sink`), which shares the helpers at the end of this
 module.
 
-A tracker that fails -- no server, a store it cannot write, a full disk, a call that raises --
-costs its own records, never the run: one warning, and the sink takes no more records.
-``metrics.jsonl`` keeps every record whatever the trackers do.
-
-What identifies each tracker's run is kept in ``RUN_DIR/trackers.json`` (:data:`RUN_IDS`), so a
-resumed or restarted run goes on logging to the same tracker run; for a run folder in an object
-store, in the store's folder (one object, replaced whole), so that a resume on another machine
-goes on with it too.
+A tracker that fails costs its own records, never the run: one warning, and the sink takes no
+more records. Each tracker's run id is kept in ``trackers.json`` (:data:`RUN_IDS`) so a resume
+goes on in the same tracker run (docs/observability.md, "Experiment trackers").
 """
 
 from __future__ import annotations

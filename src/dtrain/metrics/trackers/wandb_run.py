@@ -1,11 +1,5 @@
 """Weights & Biases (``metrics.trackers = ["wandb"]``, the ``wandb`` extra): one W&B run per
-dtrain run, named after the run folder, its config the flattened config, and every record's
-numbers at the record's step.
-
-W&B's own environment variables work as with any script: ``WANDB_PROJECT`` (unless
-``metrics.project`` is set), ``WANDB_MODE=offline``, ``WANDB_TAGS`` (``metrics.tags`` are added),
-``WANDB_ENTITY``, ``WANDB_NAME``, ``WANDB_API_KEY``; its files go to ``WANDB_DIR``, else into
-the run folder (``RUN_DIR/wandb``).
+dtrain run (what goes where, and W&B's environment variables: docs/observability.md).
 
 The x-axis of every chart is dtrain's ``step``, a metric of its own (``define_metric``), not
 W&B's internal row counter: W&B drops a row whose ``step=`` is below the last one, and a resumed
