@@ -121,7 +121,7 @@ def resume_only(raw: dict[str, Any]) -> dict[str, Any]:
     """Load the checkpoint ``run.resume`` names without training: what each rank starts from,
     and what rank 0 printed."""
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
+    with contextlib.redirect_stderr(printed):
         trainer = make_trainer(raw)
         trainer.resume()
     out: dict[str, Any] = {"params": params_of(trainer), "step": trainer.step}

@@ -26,6 +26,7 @@ from torch import nn
 
 from dtrain.checkpoint.forms import Form, Origin, Part
 from dtrain.config import CommConfig, Config, StrategyConfig
+from dtrain.console import say_line
 from dtrain.dist.runtime import Runtime
 from dtrain.errors import CheckpointError
 from dtrain.parallel.base import Strategy
@@ -163,7 +164,7 @@ class LocalSGDStrategy(Strategy):
         self.next_step = origin.step + 1
         self._after_load(parts, origin)
         if origin.per_rank and not origin.own and self.runtime.is_main:
-            print(f"dtrain: {self._resize_message(origin)}", flush=True)
+            say_line(f"dtrain: {self._resize_message(origin)}")
 
     def _after_load(self, parts: dict[str, Any], origin: Origin) -> None:
         """What a subclass restores beside the replica (diloco: the anchor)."""
