@@ -46,6 +46,9 @@ class ResumePoint:
     step: int
     world_size: int
     strategy: str | None = None  # the strategy that saved it (None: not recorded)
+    # Its data position (meta.json's copy of the loader's state): the loader reads ahead of it
+    # while the rest loads (dtrain.data.loader.RankLoader.warm).
+    data: dict[str, Any] | None = None
     # A store's checkpoint: what this rank verified of it, kept locally for the load, which
     # closes it (dtrain.checkpoint.state.load).
     kept: copies.Scope | None = field(default=None, repr=False, compare=False)
@@ -139,7 +142,11 @@ def _first_verified(
         if problem is None:
             meta = ckread.load_meta(path)
             return ResumePoint(
-                path, int(meta["step"]), int(meta["world_size"]), meta.get("strategy")
+                path,
+                int(meta["step"]),
+                int(meta["world_size"]),
+                meta.get("strategy"),
+                meta.get("data") if isinstance(meta.get("data"), dict) else None,
             )
         kept = copies.active()
         if kept is not None:

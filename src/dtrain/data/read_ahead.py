@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -44,10 +44,15 @@ class ReadAhead:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # what stopped the thread, if anything
+        # What the loader's plans started from (its position, shares, skipped ranges) while
+        # the thread runs and no step was passed; else None. The loader keeps a read-ahead
+        # whose origin is its own (started before the first step: data.loader.RankLoader.warm).
+        self.origin: Hashable | None = None
 
-    def start(self, plans: Iterator[StepPlan]) -> None:
-        """Read ahead of ``plans``, the loader's own steps from its position."""
+    def start(self, plans: Iterator[StepPlan], origin: Hashable = None) -> None:
+        """Read ahead of ``plans``, the loader's own steps from its position (``origin``)."""
         self.stop()
+        self.origin = origin
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run,
@@ -62,6 +67,7 @@ class ReadAhead:
         too small for one step is raised here, to the training loop."""
         if isinstance(self.error, CacheTooSmall):
             raise self.error
+        self.origin = None  # past it: a return to that position starts afresh
         with self._lock:
             while self._held and self._held[0][0] <= end:
                 self.store.give_back(self._held.popleft()[1])
@@ -70,6 +76,7 @@ class ReadAhead:
     def stop(self) -> None:
         """Stop the thread and give back every piece it holds (a reset, the end)."""
         self._stop.set()
+        self.origin = None
         if self._thread is not None:
             self._thread.join()
             self._thread = None
