@@ -81,6 +81,20 @@ def candidates(
     return [path for path in ours if path.resolve() != named.resolve()] + [named]
 
 
+def starts_afresh(cfg: Config, root: Location) -> bool:
+    """Whether this rank's run certainly starts at the beginning of the data, known before
+    the model is set up: ``run.resume = "never"``, or ``auto`` with no checkpoint folder
+    (committed or not) in ``root``, one listing. False when unsure (a checkpoint to choose,
+    in-place recovery, where a replacement takes its peers' position): the choice
+    (:func:`resolve_resume`) then tells."""
+    if cfg.fault.recovery == "inplace" or cfg.run.resume not in ("auto", "never"):
+        return False
+    try:
+        return cfg.run.resume == "never" or not list_step_dirs(root)
+    except (OSError, UserError):  # said by the resume itself, where it matters
+        return False
+
+
 class TrainingDiverged(UserError):
     """The loss stayed non-finite and there was nothing to roll back to."""
 
