@@ -147,14 +147,14 @@ class Trainer:
                     f"{self.strategy.name} read its model and optimizer state"
                 )
         self.loader.set_weights(loader_weights(self.balance.weights))  # the state's shares
-        self.loader.warm()  # from a peer's position (healed), or with new shares
+        self.warm_loader(None)  # from a peer's position (healed), or with new shares
         return point
 
     def warm_loader(self, point: ResumePoint | None) -> None:
-        """The data position is known once the checkpoint is chosen (its, or the start): the
-        loader reads the first steps' pieces ahead while the model and optimizer state load."""
+        """Read ahead of the data position now known (while a checkpoint's rest loads)."""
         try:
-            self.loader.warm(point.data if point is not None else None)
+            if (point.step if point else self.step) < self.cfg.train.steps:
+                self.loader.warm(point.data if point else None)
         except BaseException:
             if point is not None:
                 point.loaded()  # what this rank kept of it goes, as after a failed load
