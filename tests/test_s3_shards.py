@@ -18,12 +18,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -43,9 +45,10 @@ from dtrain.data.shards import ShardedDataset, verify_dataset
 from dtrain.data.text import TokenWindows, collate_windows
 from dtrain.data.upload import upload_dataset
 from dtrain.errors import USER_ERROR_EXIT_CODE, DataError
+from dtrain.fault.failpoints import failpoints
 from tests.audit import check_stream, read_trajectory
 from tests.conftest import tiny_config, tiny_raw
-from tests.dist_helpers import signal_self_at_step, train_params
+from tests.dist_helpers import make_trainer
 from tests.ranks import run_ranks
 from tests.s3_helpers import (
     SIGTERM_AT_STEP_ENV,
@@ -495,6 +498,25 @@ def run_job(prepared: Prepared, run_dir: Path, steps: int) -> dict[str, object]:
 STEPS = 8
 
 
+def trained_from_wiring(raw: dict[str, Any], sigterm_at: int = 0) -> dict[str, Any]:
+    """A rank: where its loader's read-ahead started by the end of the wiring (None: not
+    yet, the checkpoint to choose), then its run (rank 1 sent SIGTERM at step
+    ``sigterm_at``, if any)."""
+    import torch.distributed as dist
+
+    trainer = make_trainer(raw)
+    ahead = getattr(trainer.loader, "ahead", None)
+    origin = ahead.origin if ahead is not None else "no read-ahead"
+
+    def at_step(name: str, **args: Any) -> None:
+        if name == "train.step" and args["step"] == sigterm_at and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with failpoints(at_step):
+        summary = trainer.fit()
+    return {"origin": origin, "steps": summary.steps}
+
+
 def test_stopped_on_2_ranks_and_resumed_on_3_each_sample_once(
     store: Store, prepared: Prepared, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -505,9 +527,13 @@ def test_stopped_on_2_ranks_and_resumed_on_3_each_sample_once(
     # The ranks' environment, passed: they fork from a server that may have started before
     # this test set its own (alone it passed; in the suite a rank found no credentials).
     env = dict(store.env)
-    stopped = run_ranks(signal_self_at_step, 2, job, 1, 4, "SIGTERM", env=env)
+    stopped = run_ranks(trained_from_wiring, 2, job, 4, env=env)
     assert [s["steps"] for s in stopped] == [4, 4], stopped
-    run_ranks(train_params, 3, job, env=env)
+    # A start: the read-ahead started at the wiring, from the start (before the model is set
+    # up). A resume: not before the checkpoint is chosen, never from a guess.
+    assert [s["origin"] for s in stopped] == [(0, None, ())] * 2, stopped
+    resumed = run_ranks(trained_from_wiring, 3, job, env=env)
+    assert [r["origin"] for r in resumed] == [None] * 3 and resumed[0]["steps"] == STEPS
     final = json.loads((run_dir / "checkpoints" / step_dir_name(STEPS) / "meta.json").read_text())
     assert final["world_size"] == 3 and final["data"]["consumed"] == STEPS * B
     trajectory = read_trajectory(run_dir)
