@@ -19,8 +19,9 @@ by phase (the manifest's read: the client's first requests; the listing; the off
 show where a start's time goes.
 
 Per rate it prints the bytes each rank fetched and the machine's (every piece once, when the
-ranks share the cache), the requests, the SHA-256 time, each rank's CPU beside the local run's
-and the S3 server's CPU (it shares the machine's cores).
+ranks share the cache; before the first step: the warm read-ahead's), the requests, the SHA-256
+time, each rank's CPU beside the local run's and the S3 server's CPU (it shares the machine's
+cores).
 
 The shuffle is ``locality`` (a window of shards at a time): the machine's pieces of 1 MiB are
 then each read once per epoch; under a full shuffle over data far larger than the cache, each
@@ -147,6 +148,7 @@ class RankRun:
     waits: list[float]  # each step's wait for its batch
     opening: dict[str, float]  # the dataset's opening, by phase (a store's only)
     fetched: int = 0
+    early: int = 0  # bytes fetched before its first step asked (the warm read-ahead's)
     requests: int = 0
     hash_s: float = 0.0
     cpu_s: float = 0.0
@@ -221,6 +223,7 @@ def run_rank(
     if warm:
         loader.warm()
     time.sleep(args.setup_ms / 1000)
+    early = dataset.store.fetched if dataset.store is not None else 0
     first_step = time.perf_counter()
     waits = []
     for _ in range(args.steps):
@@ -229,7 +232,8 @@ def run_rank(
         waits.append(time.perf_counter() - asked)
         time.sleep(args.step_ms / 1000)
     end = time.perf_counter()
-    run = RankRun(end - began, end - first_step, waits, opening, cpu_s=time.process_time() - cpu)
+    run = RankRun(end - began, end - first_step, waits, opening, early=early)
+    run.cpu_s = time.process_time() - cpu
     loader.close()
     if dataset.store is not None:
         store = dataset.store
@@ -334,7 +338,8 @@ def main() -> None:
                 f"{'cold 1st ms':>12}",
             ]
             costs = [
-                f"{'link':>10} {'fetched MiB per rank':>21} {'machine':>8} {'requests':>9} "
+                f"{'link':>10} {'fetched MiB per rank':>21} {'machine':>8} {'before 1st':>11} "
+                f"{'requests':>9} "
                 f"{'sha256 s':>9} {'rank CPU s (local)':>19} {'server CPU s':>13}"
             ]
             firsts = [
@@ -380,6 +385,7 @@ def main() -> None:
                 costs.append(
                     f"{rate:>6} Mbit {per_rank:>21} "
                     f"{sum(r.fetched for r in runs) / 2**20:>8.0f} "
+                    f"{sum(r.early for r in runs) / 2**20:>11.1f} "
                     f"{sum(r.requests for r in runs):>9} {sum(r.hash_s for r in runs):>9.2f} "
                     f"{cpu + ' (' + cpu_local + ')':>19} {server_cpu:>13.2f}"
                 )
