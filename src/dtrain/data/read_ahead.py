@@ -98,6 +98,11 @@ class ReadAhead:
         """Stop the thread and give back every piece it holds (a reset, the end)."""
         self._stop.set()
         self.origin = None
+        # Woken where it waits for room or for the loader (else up to half a second: a warm
+        # read-ahead waits there once its window is fetched, and a reset waits for it).
+        self.store.wake()
+        with self._lock:
+            self._lock.notify_all()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
