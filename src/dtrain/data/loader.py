@@ -358,9 +358,8 @@ class RankLoader(StepCut):
         return batch
 
     def warm(self, state: dict[str, Any] | None = None) -> None:
-        """Read the store's pieces ahead of the run's position (``state``, a checkpoint's,
-        loaded first; else the current one) from now, so that the first step finds them: only
-        once the position is the run's, as a guess fetches the wrong pieces."""
+        """Read the store's pieces ahead of the run's position now (``state``, a checkpoint's,
+        loaded first; else the current one): only once it is the run's (a guess's are wrong)."""
         if state is not None:
             self.load_state_dict(state)
         if self.ahead is not None and self.ahead.origin != self._origin():
@@ -372,8 +371,7 @@ class RankLoader(StepCut):
         return (self.consumed, weights, tuple(sorted(self.skipped.items())))
 
     def reset(self) -> None:
-        """Drop what was fetched ahead; the next step starts at ``consumed`` (a read-ahead
-        that starts there, :meth:`warm`'s, goes on)."""
+        """Drop what was fetched ahead (a read-ahead from ``consumed``, warm's, goes on)."""
         if self.ahead is not None and self.ahead.origin != self._origin():
             self.ahead.stop()
         if self._halt is not None:

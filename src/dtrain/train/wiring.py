@@ -16,7 +16,7 @@ from dtrain.comm.plain import all_gather_json
 from dtrain.compute.precision import LossScaler
 from dtrain.config import Config
 from dtrain.data.build import build_train_loader, check_task_data
-from dtrain.data.loader import StepLoader
+from dtrain.data.loader import RankLoader, StepLoader
 from dtrain.dist.runtime import Runtime
 from dtrain.errors import UserError
 from dtrain.fault.watchdog import Watchdog
@@ -56,7 +56,8 @@ def wire_trainer(cfg: Config, task: Task, runtime: Runtime) -> Trainer:
         task, cfg, strategy.data_parallel_rank, dp_size, runtime.device, exchange
     )
     checkpoints = location(cfg.run.dir) / "checkpoints"
-    if starts_afresh(cfg, checkpoints):
+    reads_ahead = isinstance(loader, RankLoader) and loader.ahead is not None  # a store's
+    if reads_ahead and starts_afresh(cfg, checkpoints):
         # The position is the start: the first steps' pieces (from a store) are fetched while
         # the model is spread and the optimizer built. Else once the checkpoint is chosen.
         loader.warm()
