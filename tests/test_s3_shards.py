@@ -5,7 +5,10 @@ evicts and fetches again) gives the same windows, the same ids step by step for 
 and resumed at 3; a missing or damaged object is named; a cache below one piece and a store
 prefix without a dataset are refused before any worker starts. Two ranks of one machine share
 its cache: each piece is fetched once between them (requests counted), and a rank killed -9
-while it fetches a piece leaves it to the other. The processes' test: 2 ranks on
+while it fetches a piece leaves it to the other. A warm loader (its read-ahead started once
+the position is known, before the first step) has its first step's pieces on its machine before
+it asks, at the start and resumed on 3 ranks at the checkpoint's position (its own pieces); it
+warms at its construction only when no checkpoint is to be chosen. The processes' test: 2 ranks on
 the store's shards stopped by SIGTERM at step 4, resumed on 3: the audit shows each sample once.
 The journey (``slow``; ``make test-s3``): prepare with the command, then train from the store's
 shards with the run folder in the store, SIGTERM, and resume at another world size."""
@@ -15,12 +18,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -28,6 +33,7 @@ import tomli_w
 import torch
 
 from dtrain.checkpoint.layout import step_dir_name
+from dtrain.checkpoint.resume import starts_afresh
 from dtrain.cli import main
 from dtrain.config.sections import STORE_PIECE_BYTES
 from dtrain.data.loader import RankLoader
@@ -39,9 +45,10 @@ from dtrain.data.shards import ShardedDataset, verify_dataset
 from dtrain.data.text import TokenWindows, collate_windows
 from dtrain.data.upload import upload_dataset
 from dtrain.errors import USER_ERROR_EXIT_CODE, DataError
+from dtrain.fault.failpoints import failpoints
 from tests.audit import check_stream, read_trajectory
-from tests.conftest import tiny_raw
-from tests.dist_helpers import signal_self_at_step, train_params
+from tests.conftest import tiny_config, tiny_raw
+from tests.dist_helpers import make_trainer
 from tests.ranks import run_ranks
 from tests.s3_helpers import (
     SIGTERM_AT_STEP_ENV,
@@ -173,6 +180,87 @@ def test_the_store_s_shards_give_the_local_windows_and_ids_step_by_step(
             assert all(torch.equal(w[0], g[0]) for w, g in zip(want.micro, got.micro, strict=True))
     for loader in mine:
         loader.close()
+
+
+def test_a_warm_loader_has_its_first_step_s_pieces_before_it_asks_and_a_resume_its_own(
+    store: Store, prepared: Prepared
+) -> None:
+    local = TokenWindows(ShardedDataset(prepared.local / "train"), SEQ)
+
+    def machines(n: int, tag: str) -> list[TokenWindows]:
+        # A machine each (a cache folder of its own): what it holds, its rank fetched.
+        return [
+            TokenWindows(
+                ShardedDataset(f"{prepared.url}/train", str(prepared.tmp / f"{tag}-{m}"), CACHE),
+                SEQ,
+            )
+            for m in range(n)
+        ]
+
+    def warmed_first_steps(
+        ranks: list[TokenWindows], state: dict[str, object] | None, position: int
+    ) -> tuple[list[RankLoader], list[list[list[int]]]]:
+        """Warm each rank's loader at ``state`` (or the start), then check, before any step
+        is asked for, that its read-ahead walked from ``position`` and that its share of the
+        first step is on its machine; then that step against the local shards."""
+        mine = loaders(ranks, cache=True)
+        theirs = loaders([local] * len(ranks), cache=False)
+        firsts = []
+        for a, b in zip(theirs, mine, strict=True):
+            if state is not None:
+                a.load_state_dict(state)
+            b.warm(state)
+            if state is not None:
+                b.load_state_dict(state)  # the trainer's load of the chosen checkpoint, after
+                assert b.ahead is not None and b.ahead.origin is not None  # kept running
+        for dataset, loader, want in zip(ranks, mine, theirs, strict=True):
+            assert loader.ahead is not None and dataset.store is not None
+            assert loader.ahead.wait_fetched(position + B, timeout=60), loader.ahead.error
+            assert loader.ahead.span is not None and loader.ahead.span[0] == position
+            first = next(want)
+            assert first.plan.start == position
+            # Present before the step asks: fetched by the read-ahead, checked, on the disk.
+            assert dataset.store.present(dataset.pieces(np.concatenate(first.ids))).all()
+            got = next(loader)
+            firsts.append([x.tolist() for x in first.ids])
+            assert [x.tolist() for x in got.ids] == firsts[-1]
+            for (wi, wt), (gi, gt) in zip(first.micro, got.micro, strict=True):
+                assert torch.equal(wi, gi) and torch.equal(wt, gt)
+        return mine, firsts
+
+    # A start: warmed at position 0 on 2 ranks, then 4 steps more.
+    mine, _ = warmed_first_steps(machines(2, "warm-start"), None, 0)
+    for _ in range(4):
+        for loader in mine:
+            next(loader)
+    state = mine[0].state_dict()
+    assert state["consumed"] == 5 * B
+    for loader in mine:
+        loader.close()
+    # A resume on 3 ranks at the checkpoint's position: each warms its own share of it.
+    mine, firsts = warmed_first_steps(machines(3, "warm-resume"), state, 5 * B)
+    for loader, ids in zip(mine, firsts, strict=True):
+        loader.load_state_dict(state)  # back to where its read-ahead started (a rollback)
+        assert [x.tolist() for x in next(loader).ids] == ids
+        loader.close()
+
+
+def test_a_loader_warms_at_its_construction_only_when_the_run_certainly_starts_afresh(
+    tmp_path: Path,
+) -> None:
+    # Before the model is set up, the position is certain only without a checkpoint to choose
+    # (dtrain.train.wiring); else the loader warms once the checkpoint is chosen.
+    root = tmp_path / "checkpoints"
+    assert starts_afresh(tiny_config(tmp_path), root)  # auto, no run folder yet
+    root.mkdir()
+    assert starts_afresh(tiny_config(tmp_path), root)
+    (root / step_dir_name(2)).mkdir()  # a checkpoint (committed or not): to choose
+    assert not starts_afresh(tiny_config(tmp_path), root)
+    assert starts_afresh(tiny_config(tmp_path, run={"resume": "never"}), root)
+    named = tiny_config(tmp_path, run={"resume": str(root / step_dir_name(2))})
+    assert not starts_afresh(named, tmp_path / "elsewhere")
+    inplace = tiny_config(tmp_path, fault={"recovery": "inplace"}, run={"resume": "never"})
+    assert not starts_afresh(inplace, tmp_path / "elsewhere")  # a replacement: its peers'
 
 
 def test_two_ranks_of_a_machine_fetch_each_piece_once_between_them(
@@ -410,6 +498,25 @@ def run_job(prepared: Prepared, run_dir: Path, steps: int) -> dict[str, object]:
 STEPS = 8
 
 
+def trained_from_wiring(raw: dict[str, Any], sigterm_at: int = 0) -> dict[str, Any]:
+    """A rank: where its loader's read-ahead started by the end of the wiring (None: not
+    yet, the checkpoint to choose), then its run (rank 1 sent SIGTERM at step
+    ``sigterm_at``, if any)."""
+    import torch.distributed as dist
+
+    trainer = make_trainer(raw)
+    ahead = getattr(trainer.loader, "ahead", None)
+    origin = ahead.origin if ahead is not None else "no read-ahead"
+
+    def at_step(name: str, **args: Any) -> None:
+        if name == "train.step" and args["step"] == sigterm_at and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with failpoints(at_step):
+        summary = trainer.fit()
+    return {"origin": origin, "steps": summary.steps}
+
+
 def test_stopped_on_2_ranks_and_resumed_on_3_each_sample_once(
     store: Store, prepared: Prepared, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -420,9 +527,13 @@ def test_stopped_on_2_ranks_and_resumed_on_3_each_sample_once(
     # The ranks' environment, passed: they fork from a server that may have started before
     # this test set its own (alone it passed; in the suite a rank found no credentials).
     env = dict(store.env)
-    stopped = run_ranks(signal_self_at_step, 2, job, 1, 4, "SIGTERM", env=env)
+    stopped = run_ranks(trained_from_wiring, 2, job, 4, env=env)
     assert [s["steps"] for s in stopped] == [4, 4], stopped
-    run_ranks(train_params, 3, job, env=env)
+    # A start: the read-ahead started at the wiring, from the start (before the model is set
+    # up). A resume: not before the checkpoint is chosen, never from a guess.
+    assert [s["origin"] for s in stopped] == [(0, None, ())] * 2, stopped
+    resumed = run_ranks(trained_from_wiring, 3, job, env=env)
+    assert [r["origin"] for r in resumed] == [None] * 3 and resumed[0]["steps"] == STEPS
     final = json.loads((run_dir / "checkpoints" / step_dir_name(STEPS) / "meta.json").read_text())
     assert final["world_size"] == 3 and final["data"]["consumed"] == STEPS * B
     trajectory = read_trajectory(run_dir)

@@ -39,6 +39,9 @@ class ResumePoint:
     step: int
     world_size: int
     strategy: str | None = None  # the strategy that saved it (None: not recorded)
+    # Its data position (meta.json's copy of the loader's state): the loader reads ahead of it
+    # while the rest loads (dtrain.data.loader.RankLoader.warm).
+    data: dict[str, Any] | None = None
     # A store's checkpoint: what this rank verified of it, kept locally for the load, which
     # closes it (dtrain.checkpoint.state.load).
     kept: copies.Scope | None = field(default=None, repr=False, compare=False)
@@ -69,6 +72,20 @@ def candidates(
     job = job_id()
     ours = [path for _, path in found if job and job_of(path) == job]
     return [path for path in ours if path.resolve() != named.resolve()] + [named]
+
+
+def starts_afresh(cfg: Config, root: Location) -> bool:
+    """Whether this rank's run certainly starts at the beginning of the data, known before
+    the model is set up: ``run.resume = "never"``, or ``auto`` with no checkpoint folder
+    (committed or not) in ``root``, one listing. False when unsure (a checkpoint to choose,
+    in-place recovery, where a replacement takes its peers' position): the choice
+    (:func:`resolve_resume`) then tells."""
+    if cfg.fault.recovery == "inplace" or cfg.run.resume not in ("auto", "never"):
+        return False
+    try:
+        return cfg.run.resume == "never" or not list_step_dirs(root)
+    except (OSError, UserError):  # said by the resume itself, where it matters
+        return False
 
 
 class TrainingDiverged(UserError):
@@ -132,7 +149,11 @@ def _first_verified(
         if problem is None:
             meta = ckread.load_meta(path)
             return ResumePoint(
-                path, int(meta["step"]), int(meta["world_size"]), meta.get("strategy")
+                path,
+                int(meta["step"]),
+                int(meta["world_size"]),
+                meta.get("strategy"),
+                meta.get("data") if isinstance(meta.get("data"), dict) else None,
             )
         kept = copies.active()
         if kept is not None:

@@ -55,18 +55,20 @@ def read_manifest(data_dir: str | Location) -> dict[str, Any]:
     shape: raises :class:`DataError` naming the folder or file and what is wrong."""
     data_dir = location(data_dir)
     path = data_dir / MANIFEST
-    if not data_dir.exists():
-        raise DataError(
-            f"dataset folder {data_dir} does not exist; create it with "
-            f"`dtrain prepare SOURCE {data_dir}`"
-        )
-    if not path.exists():
+    try:
+        # Read first, looked for only when missing: in a store, every rank of a job opens the
+        # dataset at its start, and each look-up before the read is a round trip more.
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        if not data_dir.exists():
+            raise DataError(
+                f"dataset folder {data_dir} does not exist; create it with "
+                f"`dtrain prepare SOURCE {data_dir}`"
+            ) from None
         raise DataError(
             f"{path} is missing: {data_dir} is not a dtrain dataset (or its "
             "`dtrain prepare` did not finish)"
-        )
-    try:
-        manifest = json.loads(path.read_text())
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise DataError(f"{path} is malformed: {exc}") from None
     problems = _manifest_problems(manifest)

@@ -83,6 +83,8 @@ class StepLoader(Protocol):
 
     def epoch(self) -> float: ...
 
+    def warm(self, state: dict[str, Any] | None = None) -> None: ...
+
     def close(self) -> None: ...
 
     def notice(self) -> str: ...
@@ -226,6 +228,9 @@ class StepCut:
         """Drop what was fetched ahead; the next step starts at ``consumed``."""
         raise NotImplementedError
 
+    def warm(self, state: dict[str, Any] | None = None) -> None:
+        """The run's position is known: read ahead of it (a stream reads from its first step)."""
+
     def reshared(self) -> None:
         """New shares: what was fetched ahead for the old ones goes."""
         self.reset()
@@ -352,9 +357,22 @@ class RankLoader(StepCut):
             self.ahead.passed(self.consumed)
         return batch
 
+    def warm(self, state: dict[str, Any] | None = None) -> None:
+        """Read the store's pieces ahead of the run's position now (``state``, a checkpoint's,
+        loaded first; else the current one): only once it is the run's (a guess's are wrong)."""
+        if state is not None:
+            self.load_state_dict(state)
+        if self.ahead is not None and self.ahead.origin != self._origin():
+            self.ahead.start(self._plans(self.consumed), self._origin())
+
+    def _origin(self) -> tuple[Any, ...]:
+        """What the plans from ``consumed`` on depend on (besides the stream itself)."""
+        weights = None if self.weights is None else tuple(self.weights)
+        return (self.consumed, weights, tuple(sorted(self.skipped.items())))
+
     def reset(self) -> None:
-        """Drop what was fetched ahead; the next step starts at ``consumed``."""
-        if self.ahead is not None:
+        """Drop what was fetched ahead (a read-ahead from ``consumed``, warm's, goes on)."""
+        if self.ahead is not None and self.ahead.origin != self._origin():
             self.ahead.stop()
         if self._halt is not None:
             self._halt()
@@ -368,9 +386,13 @@ class RankLoader(StepCut):
             micro = [pin(m) for m in micro]
         return StepBatch(plan=plan, micro=micro, rank=self.rank)
 
-    def _start(self, start: int) -> Iterator[StepBatch]:
+    def close(self) -> None:
         if self.ahead is not None:
-            self.ahead.start(self._plans(start))
+            self.ahead.stop()
+        self.reset()
+
+    def _start(self, start: int) -> Iterator[StepBatch]:
+        self.warm()
         if self.num_workers > 0:
             return self._worker_stream(start)
         if self.prefetch == 0:

@@ -9,13 +9,18 @@ them, several requests at once, while the pieces held stay within this rank's sh
 back (and evicted as room is needed). The reads themselves hold what they touch, so a step the
 thread has not reached yet is still read right, fetched there and then: the read-ahead changes
 when bytes arrive, never which.
+
+It starts as soon as the run's position is known, before the first step asks
+(:meth:`dtrain.data.loader.RankLoader.warm`: at the start, while the model is set up; on a
+resume, once the checkpoint is chosen, while the rest of it loads), so the first steps find
+their window fetched; never from a guessed position, whose pieces would be the wrong ones.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -44,10 +49,31 @@ class ReadAhead:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # what stopped the thread, if anything
+        # What the loader's plans started from (its position, shares, skipped ranges) while
+        # the thread runs and no step was passed; else None. The loader keeps a read-ahead
+        # whose origin is its own (started before the first step: data.loader.RankLoader.warm).
+        self.origin: Hashable | None = None
+        # Since the last start: the first step's start position and the end of the last step
+        # whose pieces were all present (fetched) when the thread passed on; None before.
+        self.span: tuple[int, int] | None = None
 
-    def start(self, plans: Iterator[StepPlan]) -> None:
-        """Read ahead of ``plans``, the loader's own steps from its position."""
+    def wait_fetched(self, end: int, timeout: float) -> bool:
+        """Whether the steps up to stream position ``end`` have their pieces fetched, waiting
+        up to ``timeout`` seconds (False at once when the thread stopped first)."""
+        with self._lock:
+            return self._lock.wait_for(
+                lambda: (
+                    (self.span is not None and self.span[1] >= end)
+                    or self._stop.is_set()
+                    or self.error is not None
+                ),
+                timeout,
+            ) and (self.span is not None and self.span[1] >= end)
+
+    def start(self, plans: Iterator[StepPlan], origin: Hashable = None) -> None:
+        """Read ahead of ``plans``, the loader's own steps from its position (``origin``)."""
         self.stop()
+        self.origin, self.span = origin, None
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run,
@@ -62,6 +88,7 @@ class ReadAhead:
         too small for one step is raised here, to the training loop."""
         if isinstance(self.error, CacheTooSmall):
             raise self.error
+        self.origin = None  # past it: a return to that position starts afresh
         with self._lock:
             while self._held and self._held[0][0] <= end:
                 self.store.give_back(self._held.popleft()[1])
@@ -70,12 +97,19 @@ class ReadAhead:
     def stop(self) -> None:
         """Stop the thread and give back every piece it holds (a reset, the end)."""
         self._stop.set()
+        self.origin = None
+        # Woken where it waits for room or for the loader (else up to half a second: a warm
+        # read-ahead waits there once its window is fetched, and a reset waits for it).
+        self.store.wake()
+        with self._lock:
+            self._lock.notify_all()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         with self._lock:
             while self._held:
                 self.store.give_back(self._held.popleft()[1])
+            self._lock.notify_all()  # a wait_fetched returns
 
     def _run(self, plans: Iterator[StepPlan], stop: threading.Event) -> None:
         # A failure stops the read-ahead only: the step that needs the piece fetches it itself
@@ -93,8 +127,14 @@ class ReadAhead:
                         del done
                         if stop.is_set():
                             return
+                    with self._lock:
+                        first = plan.start if self.span is None else self.span[0]
+                        self.span = (first, plan.end)
+                        self._lock.notify_all()
         except BaseException as exc:
             self.error = exc
+            with self._lock:
+                self._lock.notify_all()
 
     def _hold_step(self, plan: StepPlan, stop: threading.Event) -> bool:
         mine = plan.rank_ids(self.rank)

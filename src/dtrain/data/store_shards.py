@@ -230,6 +230,11 @@ class StoreShards:
                 self._lock.wait(0.5)
             return not stopped.is_set()
 
+    def wake(self) -> None:
+        """Wake the threads in :meth:`wait_room` (one was stopped)."""
+        with self._lock:
+            self._lock.notify_all()
+
     @contextmanager
     def hold(self, pieces: np.ndarray) -> Iterator[None]:
         """``pieces`` present and held while the block reads them."""

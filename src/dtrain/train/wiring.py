@@ -9,12 +9,14 @@ from typing import Any
 
 from dtrain.balance.balancer import LoadBalancer
 from dtrain.balance.timing import StepTimer
+from dtrain.checkpoint.resume import starts_afresh
 from dtrain.checkpoint.state import TrainingState
 from dtrain.checkpoint.write import Checkpointer
 from dtrain.comm.plain import all_gather_json
 from dtrain.compute.precision import LossScaler
 from dtrain.config import Config
 from dtrain.data.build import build_train_loader, check_task_data
+from dtrain.data.loader import RankLoader, StepLoader
 from dtrain.dist.runtime import Runtime
 from dtrain.errors import UserError
 from dtrain.fault.watchdog import Watchdog
@@ -24,7 +26,8 @@ from dtrain.metrics.run_log import RunLog
 from dtrain.metrics.tensorboard import check_available as check_tensorboard
 from dtrain.metrics.trackers import check_available as check_trackers
 from dtrain.parallel import build_strategy
-from dtrain.storage.objects import location
+from dtrain.parallel.base import Strategy
+from dtrain.storage.objects import Location, location
 from dtrain.task import Task
 from dtrain.train.evaluation import check_metrics
 from dtrain.train.loss_contract import LossContract
@@ -45,12 +48,6 @@ def wire_trainer(cfg: Config, task: Task, runtime: Runtime) -> Trainer:
     check_task_data(task, cfg)  # a stream's mistakes, before the model is spread
     check_trackers(cfg.metrics.trackers)
     strategy = build_strategy(cfg, runtime)
-    strategy.setup(task)
-    # What the run writes: status, records to rank 0's sinks, log lines (dtrain.metrics).
-    run_log = RunLog(cfg, runtime, strategy, task.item_name)
-    # The task's optimizer and schedule, or the config's (dtrain.train.optim_choice).
-    optimizer = build_run_optimizer(task, strategy, cfg)
-    scheduler = build_run_scheduler(task, optimizer, cfg)
     dp_size = strategy.data_parallel_size
     # A stream's ranks exchange their shard positions after every step (dtrain.data.
     # stream_loader): over the whole job, where ranks of one data-parallel rank say the same.
@@ -58,6 +55,35 @@ def wire_trainer(cfg: Config, task: Task, runtime: Runtime) -> Trainer:
     loader = build_train_loader(
         task, cfg, strategy.data_parallel_rank, dp_size, runtime.device, exchange
     )
+    checkpoints = location(cfg.run.dir) / "checkpoints"
+    reads_ahead = isinstance(loader, RankLoader) and loader.ahead is not None  # a store's
+    if reads_ahead and starts_afresh(cfg, checkpoints):
+        # The position is the start: the first steps' pieces (from a store) are fetched while
+        # the model is spread and the optimizer built. Else once the checkpoint is chosen.
+        loader.warm()
+    try:
+        return wire_components(cfg, task, runtime, strategy, loader, checkpoints)
+    except BaseException:
+        loader.close()  # its read-ahead stops with a wiring that failed
+        raise
+
+
+def wire_components(
+    cfg: Config,
+    task: Task,
+    runtime: Runtime,
+    strategy: Strategy,
+    loader: StepLoader,
+    checkpoints: Location,
+) -> Trainer:
+    """The rest of :func:`wire_trainer`, once the loader (maybe reading ahead) is built."""
+    dp_size = strategy.data_parallel_size
+    strategy.setup(task)
+    # What the run writes: status, records to rank 0's sinks, log lines (dtrain.metrics).
+    run_log = RunLog(cfg, runtime, strategy, task.item_name)
+    # The task's optimizer and schedule, or the config's (dtrain.train.optim_choice).
+    optimizer = build_run_optimizer(task, strategy, cfg)
+    scheduler = build_run_scheduler(task, optimizer, cfg)
     if loader.notice():
         run_log.log(loader.notice())
     # Per-rank phase timing (the optimizer's step timed by its hooks), straggler reports and
@@ -101,7 +127,7 @@ def wire_trainer(cfg: Config, task: Task, runtime: Runtime) -> Trainer:
         stats=lambda: records.beat_stats(timer.last, task.item_name, runtime.device),
     )
     checkpointer = Checkpointer(
-        location(cfg.run.dir) / "checkpoints",
+        checkpoints,
         rank=runtime.rank,
         world_size=runtime.world_size,
         keep_last=cfg.checkpoint.keep_last,

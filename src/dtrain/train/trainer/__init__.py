@@ -3,9 +3,12 @@
 What happens, and where each concern plugs in::
 
     setup:  (dtrain.train.wiring.wire_trainer, the one wiring place, builds every component)
+            build loader                           # this rank's share of one stream; a fresh
+                                                   # start reads its first pieces ahead now
             strategy.setup(task)                  # wrap the model (ddp, allreduce, fsdp, ...)
-            build optimizer, LR schedule, loader   # loader = this rank's share of one stream
+            build optimizer, LR schedule
             resume(newest valid checkpoint)        # dict of state_dicts -> every component
+                                                   # (the loader reads ahead once it is chosen)
     loop:   for step in range(start, steps):      # each phase a `with` (the liveness record)
               balance.step_started()               # per-rank phase timing (balance/)
               batch = next(loader)                 # micro-batches of (inputs, targets)

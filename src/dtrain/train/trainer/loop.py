@@ -138,6 +138,7 @@ class Trainer:
             point = resolve_resume(
                 self.cfg, self.checkpointer, self.runtime, self.log, watchdog=self.watchdog
             )
+            self.warm_loader(point)
             if point is None or not training_state.load(self.state, point):
                 seed_everything(rank_seed(self.cfg.run.seed, self.runtime.rank) + self.step)
             if point is not None and point.strategy not in (None, self.strategy.name):
@@ -146,7 +147,18 @@ class Trainer:
                     f"{self.strategy.name} read its model and optimizer state"
                 )
         self.loader.set_weights(loader_weights(self.balance.weights))  # the state's shares
+        self.warm_loader(None)  # from a peer's position (healed), or with new shares
         return point
+
+    def warm_loader(self, point: ResumePoint | None) -> None:
+        """Read ahead of the data position now known (while a checkpoint's rest loads)."""
+        try:
+            if (point.step if point else self.step) < self.cfg.train.steps:
+                self.loader.warm(point.data if point else None)
+        except BaseException:
+            if point is not None:
+                point.loaded()  # what this rank kept of it goes, as after a failed load
+            raise
 
     # -- the loop ------------------------------------------------------------------------
 
