@@ -36,6 +36,7 @@ class Requests:
 
     calls: dict[str, int] = field(default_factory=dict)
     keys: list[tuple[str, str]] = field(default_factory=list)  # (operation, key), in order
+    bodies: set[str] = field(default_factory=set)  # the types of the bodies sent
     got_bytes: int = 0
     parts_now: int = 0
     parts_most: int = 0
@@ -52,6 +53,8 @@ class Requests:
     def params(self, event_name: str, params: dict[str, Any], **_: Any) -> None:
         with self.lock:
             self.keys.append((event_name.rsplit(".", 1)[1], str(params.get("Key", ""))))
+            if "Body" in params:
+                self.bodies.add(type(params["Body"]).__name__)
 
     def after(self, event_name: str, parsed: dict[str, Any], **_: Any) -> None:
         op = event_name.rsplit(".", 1)[1]
@@ -133,6 +136,10 @@ def test_a_save_streams_its_parts_a_resume_reads_each_byte_once_listings_do_the_
     assert seen.calls.get("CompleteMultipartUpload") == 1
     assert seen.parts_most <= 2  # the bound on what a save holds beside its state
     assert seen.calls.get("AbortMultipartUpload", 0) == 0
+    # Every body a file (or bytes, which botocore wraps as one): aiohttp sends a bytearray's
+    # joined to its headers, a copy of the body on the store's event loop, and another of the
+    # rest into the transport's buffer.
+    assert seen.bodies == {"BytesIO", "bytes"}
     for name, size in sizes.items():  # the marker's sizes are the objects'
         assert (step / name).stat().st_size == size, name
     marker_bytes = (step / layout.MARKER).stat().st_size

@@ -55,8 +55,11 @@ class PartUpload:
         self._bucket, _, self._key = path.url.split("://", 1)[1].partition("/")
         # What is written is copied once, into a buffer that goes out as it is (a request
         # owns its buffer; what follows gets a fresh one): the whole file while it may still
-        # be one request, then each part.
-        self._part = bytearray()
+        # be one request, then each part. A BytesIO, not a bytearray: botocore passes a file
+        # on as it is, which aiohttp sends 256 KiB at a time, whereas a bytearray body (not
+        # wrapped as bytes are) is joined to the request's headers and the unsent rest copied
+        # into the transport's buffer -- two copies of the body on the store's event loop.
+        self._part = io.BytesIO()
         self._upload_id: str | None = None
         self._pending: deque[tuple[int, Future[Any]]] = deque()  # (part number, its request)
         self._parts: list[dict[str, Any]] = []
@@ -76,12 +79,13 @@ class PartUpload:
     def _wait(self, future: Future[Any]) -> Any:
         return self.path._call("write", future.result)
 
-    def _send(self, part: bytes | bytearray) -> None:
+    def _send(self, part: io.BytesIO) -> None:
         if self._upload_id is None:
             self._upload_id = self._wait(self._start("create_multipart_upload"))["UploadId"]
         while len(self._pending) >= self.in_flight:  # the bound on memory and connections
             self._finish_oldest()
         number = len(self._parts) + len(self._pending) + 1
+        part.seek(0)
         future = self._start("upload_part", PartNumber=number, UploadId=self._upload_id, Body=part)
         self._pending.append((number, future))
 
@@ -104,16 +108,18 @@ class PartUpload:
                 # Until the file outgrows what one request may carry, it is held (a small
                 # file is one put_object); then it goes out part by part.
                 limit = self.part_bytes if self._upload_id is not None else self.one_request
-                if len(self._part) >= limit:  # full, and more is coming
-                    held, self._part = self._part, bytearray()
+                held = self._part.tell()  # bytes in the buffer (it is only appended to)
+                if held >= limit:  # full, and more is coming
+                    whole, self._part = self._part, io.BytesIO()
                     if self._upload_id is not None:  # a part
-                        self._send(held)
+                        self._send(whole)
                     else:  # the file held so far, cut into parts (copied once more)
-                        for at in range(0, len(held), self.part_bytes):
-                            self._send(held[at : at + self.part_bytes])
+                        with whole.getbuffer() as buffer:
+                            for at in range(0, held, self.part_bytes):
+                                self._send(io.BytesIO(buffer[at : at + self.part_bytes]))
                     continue
-                take = view[: limit - len(self._part)]
-                self._part += take
+                take = view[: limit - held]
+                self._part.write(take)
                 view = view[len(take) :]
         except BaseException:
             self.abort()
@@ -138,14 +144,15 @@ class PartUpload:
             return
         try:
             if self._upload_id is None:  # no larger than one_request: one request
+                self.holds = self._part.tell()
+                self._part.seek(0)
                 self._last = self._start("put_object", Body=self._part)
-                self.holds = len(self._part)
             else:
-                if self._part:
+                if self._part.tell():
                     self._send(self._part)
                 self.holds = len(self._pending) * self.part_bytes
             self._closed = True
-            self._part = bytearray()
+            self._part = io.BytesIO()
         except BaseException:
             self.abort()
             raise
@@ -181,7 +188,7 @@ class PartUpload:
         if self._done:
             return
         self._closed = self._done = True
-        self._part = bytearray()
+        self._part = io.BytesIO()
         futures = [future for _, future in self._pending]
         if self._last is not None:
             futures.append(self._last)
