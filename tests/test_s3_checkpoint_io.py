@@ -93,6 +93,7 @@ def test_a_save_streams_its_parts_a_resume_reads_each_byte_once_listings_do_the_
     # 2 parts in flight, and 6 pieces to verify.
     monkeypatch.setattr(upload, "PART_BYTES", 5 * MIB)
     monkeypatch.setattr(upload, "PARTS_IN_FLIGHT", 2)
+    monkeypatch.setattr(upload, "ONE_REQUEST_BYTES", 15 * MIB)
     monkeypatch.setattr(layout, "PIECE_BYTES", 4 * MIB)
     root = ObjectPath(f"s3://{BUCKET}/io/checkpoints", fs)
     saver = Checkpointer(root, rank=0, world_size=1, keep_last=2, keep_every=0, log=print)
@@ -260,7 +261,8 @@ def test_the_small_files_after_a_large_one_do_not_wait_for_its_upload(
 ) -> None:
     fs, _ = counted
     monkeypatch.setattr(upload, "PART_BYTES", 5 * MIB)
-    monkeypatch.setattr(upload, "PARTS_IN_FLIGHT", 2)  # one request: up to 15 MiB
+    monkeypatch.setattr(upload, "PARTS_IN_FLIGHT", 2)
+    monkeypatch.setattr(upload, "ONE_REQUEST_BYTES", 15 * MIB)  # one request: up to 15 MiB
     root = ObjectPath(f"s3://{BUCKET}/budget", fs)
     uploads = upload.Uploads()  # 20 MiB in flight: one file's 15 and a part's 5
 
