@@ -32,9 +32,9 @@ from dtrain.storage.objects import Location, ObjectPath, StoreError
 
 # Bytes read and hashed between two progress marks.
 _CHUNK = 8 * 2**20
-# A store's pieces asked for at once (the one being hashed and those after it): a request's
-# round trip is not waited for piece after piece, and each holds only its connection's buffer
-# until it is read.
+# A store's runs of pieces asked for at once (the one being hashed and those after it): a
+# request's round trip is not waited for run after run, and their answers stream side by side,
+# each holding at most about two chunks unread (:class:`~dtrain.checkpoint.copies.RangeRead`).
 READS_IN_FLIGHT = 4
 
 # Files that belong to one rank, by the rank in their name: rng-rankNNNNN.pt,
