@@ -4,6 +4,7 @@ where the times are noise: what ``bench_s3_checkpoint.py`` prints beside them.""
 
 from __future__ import annotations
 
+import io
 import threading
 import time
 from collections.abc import Iterator
@@ -55,6 +56,18 @@ def _order(item: tuple[str, int]) -> int:
     return names.index(item[0]) if item[0] in names else len(names)
 
 
+def _body_bytes(body: Any) -> int:
+    """The bytes a request's body sends: a buffer's length, a file's rest (from where it is)."""
+    if isinstance(body, (bytes, bytearray, memoryview)):
+        return memoryview(body).nbytes
+    if isinstance(body, io.IOBase) and body.seekable():
+        at = body.tell()
+        end = body.seek(0, io.SEEK_END)
+        body.seek(at)
+        return end - at
+    return 0
+
+
 class Counter:
     """Counts the requests of the s3fs file system ``fs`` while :meth:`count` is open."""
 
@@ -70,8 +83,7 @@ class Counter:
         kind = KINDS.get(op, op)
         if op == "GetObject" and "Range" in params:
             kind = "range GET"
-        body = params.get("Body")
-        size = len(body) if isinstance(body, (bytes, bytearray, memoryview)) else 0
+        size = _body_bytes(params.get("Body"))
         with self._lock:
             if self._now is not None:
                 self._now.calls[kind] = self._now.calls.get(kind, 0) + 1

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from dtrain.checkpoint import layout, upload
+from dtrain.checkpoint import copies, layout, upload
 from dtrain.checkpoint import read as ckread
 from dtrain.checkpoint.copies import keep_copies
 from dtrain.checkpoint.verify import assign, pieces_of, verify_pieces
@@ -36,6 +36,7 @@ class Requests:
 
     calls: dict[str, int] = field(default_factory=dict)
     keys: list[tuple[str, str]] = field(default_factory=list)  # (operation, key), in order
+    bodies: set[str] = field(default_factory=set)  # the types of the bodies sent
     got_bytes: int = 0
     parts_now: int = 0
     parts_most: int = 0
@@ -52,6 +53,8 @@ class Requests:
     def params(self, event_name: str, params: dict[str, Any], **_: Any) -> None:
         with self.lock:
             self.keys.append((event_name.rsplit(".", 1)[1], str(params.get("Key", ""))))
+            if "Body" in params:
+                self.bodies.add(type(params["Body"]).__name__)
 
     def after(self, event_name: str, parsed: dict[str, Any], **_: Any) -> None:
         op = event_name.rsplit(".", 1)[1]
@@ -90,6 +93,7 @@ def test_a_save_streams_its_parts_a_resume_reads_each_byte_once_listings_do_the_
     # 2 parts in flight, and 6 pieces to verify.
     monkeypatch.setattr(upload, "PART_BYTES", 5 * MIB)
     monkeypatch.setattr(upload, "PARTS_IN_FLIGHT", 2)
+    monkeypatch.setattr(upload, "ONE_REQUEST_BYTES", 15 * MIB)
     monkeypatch.setattr(layout, "PIECE_BYTES", 4 * MIB)
     root = ObjectPath(f"s3://{BUCKET}/io/checkpoints", fs)
     saver = Checkpointer(root, rank=0, world_size=1, keep_last=2, keep_every=0, log=print)
@@ -133,12 +137,17 @@ def test_a_save_streams_its_parts_a_resume_reads_each_byte_once_listings_do_the_
     assert seen.calls.get("CompleteMultipartUpload") == 1
     assert seen.parts_most <= 2  # the bound on what a save holds beside its state
     assert seen.calls.get("AbortMultipartUpload", 0) == 0
+    # Every body a file (or bytes, which botocore wraps as one): aiohttp sends a bytearray's
+    # joined to its headers, a copy of the body on the store's event loop, and another of the
+    # rest into the transport's buffer.
+    assert seen.bodies == {"BytesIO", "bytes"}
     for name, size in sizes.items():  # the marker's sizes are the objects'
         assert (step / name).stat().st_size == size, name
     marker_bytes = (step / layout.MARKER).stat().st_size
 
     # A resume on one rank: every piece verified, every file loaded, each byte read once;
-    # the marker and the pieces are the only requests (each file's size comes with a range).
+    # the marker and the files are the only requests: one ranged read brings each file's
+    # pieces, hashed one after another as it streams (its size comes with its answer).
     seen.got_bytes = 0
     seen.calls.clear()
     local = tmp_path / "local"
@@ -150,7 +159,8 @@ def test_a_save_streams_its_parts_a_resume_reads_each_byte_once_listings_do_the_
         template = {"model": {"s": torch.zeros(1000)}}
         ckread.load_sharded(step, template)
     assert seen.got_bytes == marker_bytes + sum(sizes.values())
-    assert seen.calls == {"GetObject": 1 + sum(len(f["pieces"]) for f in marker["files"].values())}
+    assert sum(len(f["pieces"]) for f in marker["files"].values()) == 13  # 6 of model.pt
+    assert seen.calls == {"GetObject": 1 + len(marker["files"])}
     assert torch.equal(model["big"], big) and torch.equal(optim["small"], small)
     assert torch.equal(optim["mid"], mid)
     assert torch.equal(template["model"]["s"], shards["model"]["s"])
@@ -253,7 +263,8 @@ def test_the_small_files_after_a_large_one_do_not_wait_for_its_upload(
 ) -> None:
     fs, _ = counted
     monkeypatch.setattr(upload, "PART_BYTES", 5 * MIB)
-    monkeypatch.setattr(upload, "PARTS_IN_FLIGHT", 2)  # one request: up to 15 MiB
+    monkeypatch.setattr(upload, "PARTS_IN_FLIGHT", 2)
+    monkeypatch.setattr(upload, "ONE_REQUEST_BYTES", 15 * MIB)  # one request: up to 15 MiB
     root = ObjectPath(f"s3://{BUCKET}/budget", fs)
     uploads = upload.Uploads()  # 20 MiB in flight: one file's 15 and a part's 5
 
@@ -271,3 +282,42 @@ def test_the_small_files_after_a_large_one_do_not_wait_for_its_upload(
     assert uploads.in_flight == 0
     sizes = {name: (root / name).stat().st_size for name in ("large", "small", "large2")}
     assert sizes == {"large": 12 * MIB, "small": 100, "large2": 12 * MIB}
+
+
+def test_a_file_read_as_one_range_names_its_damaged_piece_and_keeps_only_what_matched(
+    counted: tuple[Any, Requests], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    fs, seen = counted
+    monkeypatch.setattr(layout, "PIECE_BYTES", MIB)
+    monkeypatch.setattr(copies, "CHUNK_BYTES", 768 * 1024)  # chunks that straddle pieces
+    root = ObjectPath(f"s3://{BUCKET}/runs/checkpoints", fs)
+    saver = Checkpointer(root, rank=0, world_size=1, keep_last=3, keep_every=0, log=print)
+    weights = torch.randn(MIB, generator=torch.Generator().manual_seed(5))
+    saver.save(1, {"model.pt": {"w": weights}}, {"step": 1}, blocking=True)
+    step = root / layout.step_dir_name(1)
+    marker = ckread.read_marker(step)
+    size = marker["files"]["model.pt"]["bytes"]
+    assert len(marker["files"]["model.pt"]["pieces"]) == 5  # 4 MiB and a bit
+    seen.calls.clear()
+    seen.got_bytes = 0
+    assert verify_pieces(step, pieces_of(marker)) is None
+    # One ranged read a file (model.pt's 5 pieces, meta.json), every byte once.
+    assert (
+        seen.calls == {"GetObject": 2}
+        and seen.got_bytes == size + marker["files"]["meta.json"]["bytes"]
+    )
+    model = step / "model.pt"
+    data = bytearray(model.read_bytes())
+    data[2 * MIB + 5] ^= 0xFF  # the third piece, its size unchanged
+    model.write_bytes(bytes(data))
+    with keep_copies(tmp_path / "local", root) as kept:
+        assert kept is not None
+        problem = verify_pieces(step, pieces_of(marker))
+        assert problem == (
+            f"{model} fails its SHA-256 checksum (bytes {2 * MIB}-{3 * MIB - 1} of {size})"
+        )
+        # The two pieces before it count as verified; the rest is downloaded again for a load.
+        seen.got_bytes = 0
+        local = kept.completed(model)
+        assert local is not None and seen.got_bytes == size - 2 * MIB
+        assert local.read_bytes() == bytes(data)

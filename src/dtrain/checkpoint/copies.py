@@ -40,25 +40,28 @@ from typing import Any
 from dtrain.storage.objects import Location, ObjectPath
 
 # Bytes of one ranged read from the store (and written to a copy at once).
-CHUNK_BYTES = 8 * 2**20
+CHUNK_BYTES = 4 * 2**20
 
 
 class RangeRead:
     """``length`` bytes of the object from ``start`` (fewer where it is shorter), in chunks of
-    at most :data:`CHUNK_BYTES`: one ranged GET, asked for as soon as this is made (a reader
-    starts the next range's while it hashes this one), streamed with one chunk read ahead --
-    a buffered file reads past the range, and a request per chunk costs a round trip each.
-    :meth:`close` gives it up unread."""
+    at most :data:`CHUNK_BYTES`: one ranged GET, asked for as soon as this is made, and its
+    first chunk read as soon as it answers (a reader hashing an earlier range meanwhile finds
+    it there: the store's answers stream side by side, not each once its turn comes), then
+    streamed with one chunk read ahead -- a buffered file reads past the range, and a request
+    per chunk costs a round trip each. What it holds unread is at most about two chunks (the
+    stream's own buffer stops at twice the read asked for). :meth:`close` gives it up unread."""
 
     def __init__(self, path: ObjectPath, start: int, length: int) -> None:
         self.path, self.start, self.length = path, start, length
-        self._answer: Future[Any] | None = None
+        self._answer: Future[Any] | None = None  # (the answer, its first chunk)
         self._ahead: Future[Any] | None = None
         if path.scheme == "s3" and length > 0:
             bucket, _, key = path.url.split("://", 1)[1].partition("/")
             span = f"bytes={start}-{start + length - 1}"
             call = path.fs._call_s3("get_object", Bucket=bucket, Key=key, Range=span)
-            self._answer = asyncio.run_coroutine_threadsafe(call, path.fs.loop)
+            first = _answer_and_first(call, min(CHUNK_BYTES, length))
+            self._answer = asyncio.run_coroutine_threadsafe(first, path.fs.loop)
 
     def total(self) -> int | None:
         """The whole object's size, from the answer's ``Content-Range`` (waited for); None
@@ -66,8 +69,8 @@ class RangeRead:
         FileNotFoundError: no such object."""
         if self._answer is None:
             return None
-        span = str(self.path._call("read", self._answer.result).get("ContentRange") or "")
-        size = span.rpartition("/")[2]
+        answer, _ = self.path._call("read", self._answer.result)
+        size = str(answer.get("ContentRange") or "").rpartition("/")[2]
         return int(size) if size.isdigit() else None
 
     def __iter__(self) -> Iterator[bytes]:
@@ -79,20 +82,18 @@ class RangeRead:
                 end = min(at + CHUNK_BYTES, start + length)
                 yield path.read_range(at, end)
             return
-        body = path._call("read", self._answer.result)["Body"]
-        loop = path.fs.loop
-        self._ahead = asyncio.run_coroutine_threadsafe(body.read(min(CHUNK_BYTES, length)), loop)
+        answer, chunk = path._call("read", self._answer.result)
+        body, loop = answer["Body"], path.fs.loop
         left = length
-        while left > 0:
-            chunk = path._call("read", self._ahead.result)
-            if not chunk:
-                return
+        while chunk:
             left -= len(chunk)
-            if left > 0:
-                self._ahead = asyncio.run_coroutine_threadsafe(
-                    body.read(min(CHUNK_BYTES, left)), loop
-                )
+            if left <= 0:
+                yield bytes(chunk)
+                return
+            ahead = asyncio.run_coroutine_threadsafe(body.read(min(CHUNK_BYTES, left)), loop)
+            self._ahead = ahead
             yield bytes(chunk)
+            chunk = path._call("read", ahead.result)
 
     def close(self) -> None:
         for future in (self._ahead, self._answer):
@@ -101,8 +102,19 @@ class RangeRead:
         answer = self._answer
         answered = answer is not None and answer.done() and not answer.cancelled()
         if answer is not None and answered and answer.exception() is None:
-            # The body is the loop's to close (a request cancelled unanswered has none).
-            self.path.fs.loop.call_soon_threadsafe(answer.result()["Body"].close)
+            # The body is the loop's to close (a request cancelled earlier closed its own).
+            self.path.fs.loop.call_soon_threadsafe(answer.result()[0]["Body"].close)
+
+
+async def _answer_and_first(call: Any, first: int) -> tuple[Any, bytes]:
+    """A ranged GET's answer and the first ``first`` bytes of its body (its body closed where
+    this is cancelled or fails meanwhile)."""
+    answer = await call
+    try:
+        return answer, await answer["Body"].read(first)
+    except BaseException:
+        answer["Body"].close()
+        raise
 
 
 def read_whole(path: ObjectPath) -> bytes:

@@ -32,9 +32,9 @@ from dtrain.storage.objects import Location, ObjectPath, StoreError
 
 # Bytes read and hashed between two progress marks.
 _CHUNK = 8 * 2**20
-# A store's pieces asked for at once (the one being hashed and those after it): a request's
-# round trip is not waited for piece after piece, and each holds only its connection's buffer
-# until it is read.
+# A store's runs of pieces asked for at once (the one being hashed and those after it): a
+# request's round trip is not waited for run after run, and their answers stream side by side,
+# each holding at most about two chunks unread (:class:`~dtrain.checkpoint.copies.RangeRead`).
 READS_IN_FLIGHT = 4
 
 # Files that belong to one rank, by the rank in their name: rng-rankNNNNN.pt,
@@ -114,41 +114,77 @@ def verify_pieces(
 ) -> str | None:
     """Check ``pieces`` of the checkpoint in ``step_dir``: None, or the first problem, naming
     the file (missing, of another size, or failing its checksum). ``on_progress`` is called
-    after each 8 MiB hashed and each piece. A store's pieces are asked for
-    :data:`READS_IN_FLIGHT` at a time, and each file's size comes with its first range's
-    answer (no listing, no look-up)."""
+    after each 8 MiB hashed and each piece. A store's pieces that follow each other in one
+    file are one ranged read (:func:`runs_of`), :data:`READS_IN_FLIGHT` of them asked for at a
+    time, and each file's size comes with its first range's answer (no listing, no look-up)."""
     tick = on_progress or (lambda: None)
+    todo = list(pieces)
+    if isinstance(step_dir, ObjectPath):
+        return _verify_stored(step_dir, todo, tick)
     sizes: dict[str, int] = {}
     buffer = bytearray(_CHUNK)
-    todo = list(pieces)
-    reads: deque[RangeRead] = deque()  # a store's pieces from the current one on, asked for
+    for piece in todo:
+        path = step_dir / piece.name
+        problem = _size_problem(path, None, piece, sizes)
+        if problem:
+            return problem
+        failpoint("checkpoint.verify_piece", path=path, index=piece.index)
+        if _hash_range(path, piece.start, piece.length, buffer, tick) != piece.digest:
+            return f"{path} fails its SHA-256 checksum{piece.describe()}"
+        tick()
+    return None
+
+
+def runs_of(pieces: list[Piece]) -> list[list[Piece]]:
+    """``pieces`` (in file order) cut where one does not continue the last: a run is pieces of
+    one file that follow each other, which one ranged read of a store brings (a resume on one
+    rank reads each file with one request, not one a piece)."""
+    runs: list[list[Piece]] = []
+    for piece in pieces:
+        last = runs[-1][-1] if runs else None
+        if last is not None and last.name == piece.name and last.start + last.length == piece.start:
+            runs[-1].append(piece)
+        else:
+            runs.append([piece])
+    return runs
+
+
+def _verify_stored(
+    step_dir: ObjectPath, pieces: list[Piece], tick: Callable[[], None]
+) -> str | None:
+    """:func:`verify_pieces` for a store: a ranged read per run, the next ones asked for while
+    one is hashed (a request's round trip is not waited for run after run)."""
+    sizes: dict[str, int] = {}
+    runs = runs_of(pieces)
+    reads: deque[RangeRead] = deque()  # the runs from the current one on, asked for
     try:
-        for at, piece in enumerate(todo):
-            path = step_dir / piece.name
-            if isinstance(step_dir, ObjectPath):
-                for ahead in todo[at + len(reads) : at + READS_IN_FLIGHT]:
-                    reads.append(RangeRead(step_dir / ahead.name, ahead.start, ahead.length))
-            if piece.name not in sizes:
-                size = _size(path, reads[0] if reads else None, piece.file_bytes)
-                if size is None:
-                    return f"{path} is missing (listed in {MARKER})"
-                sizes[piece.name] = size
-                if size != piece.file_bytes:
-                    return f"{path} has {size} bytes, expected {piece.file_bytes}"
-            failpoint("checkpoint.verify_piece", path=path, index=piece.index)
-            if isinstance(path, ObjectPath):
-                digest = _hash_stored(path, piece, tick, reads.popleft())
-            else:
-                digest = _hash_range(path, piece.start, piece.length, buffer, tick)
-            if digest != piece.digest:
-                return f"{path} fails its SHA-256 checksum{piece.describe()}"
-            kept = copies.active()
-            if kept is not None and isinstance(path, ObjectPath):
-                kept.mark_verified(path, piece.start, piece.length)
-            tick()
+        for at, run in enumerate(runs):
+            for ahead in runs[at + len(reads) : at + READS_IN_FLIGHT]:
+                length = ahead[-1].start + ahead[-1].length - ahead[0].start
+                reads.append(RangeRead(step_dir / ahead[0].name, ahead[0].start, length))
+            path = step_dir / run[0].name
+            problem = _size_problem(path, reads[0], run[0], sizes)
+            problem = problem or _hash_run(path, run, tick, reads.popleft())
+            if problem:
+                return problem
     finally:
         for reading in reads:
             reading.close()
+    return None
+
+
+def _size_problem(
+    path: Location, reading: RangeRead | None, piece: Piece, sizes: dict[str, int]
+) -> str | None:
+    """Where ``piece``'s file (looked at once) is missing or of another size than the marker
+    says, in words."""
+    if piece.name not in sizes:
+        size = _size(path, reading, piece.file_bytes)
+        if size is None:
+            return f"{path} is missing (listed in {MARKER})"
+        sizes[piece.name] = size
+        if size != piece.file_bytes:
+            return f"{path} has {size} bytes, expected {piece.file_bytes}"
     return None
 
 
@@ -190,21 +226,46 @@ def _hash_range(
     return digest.hexdigest()
 
 
-def _hash_stored(
-    path: ObjectPath, piece: Piece, tick: Callable[[], None], reading: RangeRead
-) -> str:
-    """The piece's digest from ``reading`` (its range, asked of the store); inside a resume
-    (:func:`dtrain.checkpoint.copies.keep_copies`) each chunk is kept as it passes."""
-    digest = hashlib.sha256()
+def _hash_run(
+    path: ObjectPath, run: list[Piece], tick: Callable[[], None], reading: RangeRead
+) -> str | None:
+    """Each piece of ``run`` hashed from ``reading`` (its range, asked of the store) and checked
+    as its last byte passes; the first that fails, in words. Inside a resume
+    (:func:`dtrain.checkpoint.copies.keep_copies`) each chunk is kept as it passes, and each
+    piece's range counts as verified once its digest matched."""
     kept = copies.active()
-    at = piece.start
+    todo = iter(run)
+    piece: Piece | None = next(todo)
+    failpoint("checkpoint.verify_piece", path=path, index=run[0].index)
+    digest, filled, at = hashlib.sha256(), 0, run[0].start
     try:
         for data in reading:
-            digest.update(data)
             if kept is not None:
-                kept.write(path, piece.file_bytes, at, data)
+                kept.write(path, run[0].file_bytes, at, data)
             at += len(data)
+            view = memoryview(data)
+            while piece is not None and (len(view) or filled == piece.length):
+                take = view[: piece.length - filled]
+                digest.update(take)
+                filled += len(take)
+                view = view[len(take) :]
+                if filled < piece.length:
+                    break
+                if digest.hexdigest() != piece.digest:
+                    return f"{path} fails its SHA-256 checksum{piece.describe()}"
+                if kept is not None:
+                    kept.mark_verified(path, piece.start, piece.length)
+                tick()
+                piece = next(todo, None)
+                if piece is not None:
+                    failpoint("checkpoint.verify_piece", path=path, index=piece.index)
+                digest, filled = hashlib.sha256(), 0
             tick()
     finally:
         reading.close()
-    return digest.hexdigest()
+    if piece is None:
+        return None
+    if piece.length == 0 and digest.hexdigest() == piece.digest:  # an empty file: no request
+        tick()
+        return None
+    return f"{path} fails its SHA-256 checksum{piece.describe()}"  # the answer ended short
