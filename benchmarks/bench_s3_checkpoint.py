@@ -165,6 +165,7 @@ class Case:
             self.root, rank=0, world_size=1, keep_last=10**6, keep_every=0, log=lambda _: None
         )
         self.step = 0
+        self.template: dict[str, Any] | None = None  # the sharded resume's target (see _load)
 
     # -- dtrain --------------------------------------------------------------------------
 
@@ -203,14 +204,17 @@ class Case:
             ckread.load_file(step_dir, "optimizer.pt")
             ckread.load_meta(step_dir)
             return
-        template = {
-            "model": {k: torch.empty_like(v) for k, v in self.state["model"].items()},
-            "optimizer": {
-                k: {m: torch.empty_like(t) for m, t in v.items()}
-                for k, v in self.state["optimizer"].items()
-            },
-        }
-        load_sharded(template, ckread.sharded_reader(step_dir), no_dist=True)
+        if self.template is None:
+            # A sharded resume loads in place into the live model's and optimizer's tensors,
+            # which exist (and were touched) before it: the template is made once, as they are.
+            self.template = {
+                "model": {k: torch.empty_like(v) for k, v in self.state["model"].items()},
+                "optimizer": {
+                    k: {m: torch.empty_like(t) for m, t in v.items()}
+                    for k, v in self.state["optimizer"].items()
+                },
+            }
+        load_sharded(self.template, ckread.sharded_reader(step_dir), no_dist=True)
 
     # -- plain fsspec --------------------------------------------------------------------
 
