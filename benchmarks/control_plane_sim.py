@@ -223,6 +223,7 @@ class Run:
                 f"--timeout-s={args.timeout_s}",
                 f"--step-s={args.step_s}",
                 f"--per-machine={args.per_machine}",
+                f"--stagger-s={args.stagger_s}",
                 *victim,
             ]
             self.ranks.append(
@@ -489,6 +490,9 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=300.0, help="dist.timeout_s")
     parser.add_argument("--step-s", type=float, default=0.15, help="a simulated step")
     parser.add_argument("--start-timeout", type=float, default=300.0)
+    parser.add_argument(
+        "--stagger-s", type=float, default=0.0, help="each rank process starts this much later"
+    )
     parser.add_argument("--piece-timeout", type=float, default=60.0)
     parser.add_argument("--pg-max", type=int, default=32, help="largest gloo group measured")
     parser.add_argument("--check-real", type=int, default=0, help="also a real job of N ranks")

@@ -210,6 +210,10 @@ def made(items: list[Any], make: Callable[[Any], Any]) -> list[Any]:
 def watchdogs(ranks: list[int], world: int, args: argparse.Namespace) -> list[Any]:
     from dtrain.fault.watchdog import Watchdog
 
+    # Staggered starts (--stagger-s a process, in order): a real job's ranks start over
+    # seconds; thousands connecting and beating at once on 2 cores left a first beat unanswered
+    # past its 3 s bound at W = 4,096.
+    time.sleep(args.index * args.stagger_s)
     dogs = made(
         ranks, lambda r: Watchdog(r, world, heartbeat_s=args.heartbeat_s, timeout_s=args.timeout_s)
     )
@@ -399,6 +403,7 @@ def main() -> None:
     parser.add_argument("--ranks", default="0:0", help="first:stop, this process's ranks")
     parser.add_argument("--index", type=int, default=0, help="this process's machine")
     parser.add_argument("--victim", action="store_true")
+    parser.add_argument("--stagger-s", type=float, default=0.0, help="start delay per --index")
     parser.add_argument("--heartbeat-s", type=float, default=1.0)
     parser.add_argument("--timeout-s", type=float, default=300.0)
     parser.add_argument("--step-s", type=float, default=0.15)

@@ -253,4 +253,12 @@ address (getnameinfo of ::ffff:127.0.0.1, which goes to the DNS server: it is no
 /etc/hosts); where the resolver drops a query, the lookup waits out its 5 s timeout (one in
 25-60 here; a plain getnameinfo of that address does the same), and a connection given 5 s
 or less (the in-place member's: recovery/membership.store_call_s) fails and is made again.
-Plain TCP connections to the same store never stall; accept-queue overflows: as counted."""
+Plain TCP connections to the same store never stall; accept-queue overflows: as counted.
+The harness's own choices: ranks are threads, 64 to a process (at least 4 processes), where a
+real rank has a process and a core of its own; nothing of dtrain's is skipped or slowed
+(fault.heartbeat_s 1 s, dist.timeout_s 300 s, a diagnosis's 3 s staleness, as a job's
+defaults). Each one-off piece says how late the harness's threads ran (a 50 ms sleep's
+lateness, p99/max) and how far apart a live rank's beats went at most: past 3 s, a diagnosis
+names that live rank stopped, which is the harness starving it, not the rank. Until
+2026-12-05 a process held 256 ranks at W = 1,024: its threads ran up to 0.7 s late, a live
+rank's beats went 3.5 s apart, and the diagnosis named live ranks (0 of 1,023 right)."""
