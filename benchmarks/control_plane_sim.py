@@ -512,8 +512,8 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, default=str))
     setting = (
-        f"{args.procs or 'one process per 64 (at least 4)'} processes of simulated ranks, "
-        "in-place members on machines of "
+        (f"{args.procs} processes of" if args.procs else "64 to a process (at least 4) of")
+        + " simulated ranks, in-place members on machines of "
         f"{args.per_machine or 'all'}, windows of {args.window:g}s"
     )
     if args.check_real:  # (it sets the window and the step to the real job's)

@@ -156,6 +156,21 @@ def settle(coordinator: Coordinator) -> int:
     return polls
 
 
+def on_machines_of_8(store: Any, members: int) -> Coordinator:
+    """The coordinator of machines of 8 workers on node 0, which reads its own 8 in /proc
+    (all running); the others heard through their launchers (the clock stands: throughout)."""
+    return Coordinator(
+        store,
+        members,
+        stale_s=3.0,
+        hang_s=30.0,
+        local=range(8),
+        per_node=8,
+        clock=lambda: 1000.0,
+        state_of=lambda pid: "R",
+    )
+
+
 def posted_job(store: Any, members: int) -> None:
     """Every member registered and asking for the first generation, posted as members post,
     and the state of those on other machines (8 a machine) as their launchers post it."""
@@ -171,16 +186,7 @@ def test_a_poll_reads_what_changed_not_every_member(store: Any, members: int) ->
     # Machines of 8 workers; this one (node 0) reads its own in /proc (all running), the
     # others are heard through their launchers' counters (the clock stands: heard throughout).
     counting = Counting(store)
-    coordinator = Coordinator(
-        counting,
-        members,
-        stale_s=3.0,
-        hang_s=30.0,
-        local=range(8),
-        per_node=8,
-        clock=lambda: 1000.0,
-        state_of=lambda pid: "R",
-    )
+    coordinator = on_machines_of_8(counting, members)
     posted_job(store, members)
     # Every member's records posted at once are read BATCH a poll (info, want and, but for
     # this machine's 8, state), each poll a few calls and a bounded number of keys, decided on
@@ -301,16 +307,7 @@ def test_every_poll_of_a_regroup_at_thousands_of_members_is_bounded(store: Any) 
     # the dead member, and only it.
     members = 2048
     counting = Counting(store)
-    coordinator = Coordinator(
-        counting,
-        members,
-        stale_s=3.0,
-        hang_s=30.0,
-        local=range(8),
-        per_node=8,
-        clock=lambda: 1000.0,
-        state_of=lambda pid: "R",
-    )
+    coordinator = on_machines_of_8(counting, members)
     posted_job(store, members)
     settle(coordinator)
     assert [g.members for g in coordinator.formed] == [tuple(range(members))]

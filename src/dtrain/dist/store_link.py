@@ -68,37 +68,6 @@ def in_store_calls() -> set[threading.Thread]:
         return _in_calls | _callers
 
 
-def bounded(call: Callable[[], T], seconds: float, what: str) -> T:
-    """``call()``, given up after ``seconds``: the call is left to a daemon thread (a blocked
-    store call cannot be cancelled) and this raises :class:`StoreTimeout` instead."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = call()
-        except BaseException as exc:  # handed to the caller
-            box["error"] = exc
-        finally:
-            with _in_calls_lock:
-                _in_calls.discard(threading.current_thread())
-
-    thread = threading.Thread(target=run, name="dtrain-store-call", daemon=True)
-    waiter = threading.current_thread()
-    with _in_calls_lock:
-        _in_calls.update((thread, waiter))
-    try:
-        thread.start()
-        thread.join(seconds)
-    finally:
-        with _in_calls_lock:
-            _in_calls.discard(waiter)
-    if thread.is_alive():
-        raise StoreTimeout(f"no answer to {what} in {seconds:.0f}s")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
 class _Caller:
     """One daemon thread that makes a link's calls, one at a time, each bounded as
     :func:`bounded` bounds one: a thread started for every call cost each call about 50 us of
@@ -121,7 +90,12 @@ class _Caller:
             with _in_calls_lock:
                 _callers.discard(self.thread)
 
+    def close(self) -> None:
+        """End the thread once the calls handed to it are made."""
+        self._jobs.put(None)
+
     def call(self, fn: Callable[[], T], seconds: float, what: str) -> T:
+        """``fn()`` on this thread, given up after ``seconds`` (:class:`StoreTimeout`)."""
         box: dict[str, Any] = {}
         done = threading.Event()
 
@@ -143,11 +117,21 @@ class _Caller:
             with _in_calls_lock:
                 _in_calls.discard(waiter)
         if not answered:
-            self._jobs.put(None)  # (after the call it is stuck in)
+            self.close()  # (after the call it is stuck in)
             raise StoreTimeout(f"no answer to {what} in {seconds:.0f}s")
         if "error" in box:
             raise box["error"]
         return box["value"]
+
+
+def bounded(call: Callable[[], T], seconds: float, what: str) -> T:
+    """``call()``, given up after ``seconds``: the call is left to a daemon thread (a blocked
+    store call cannot be cancelled) and this raises :class:`StoreTimeout` instead."""
+    caller = _Caller()
+    try:
+        return caller.call(call, seconds, what)
+    finally:
+        caller.close()
 
 
 class StoreLink:
