@@ -1,9 +1,12 @@
 """The in-place coordinator's poll alone (issue 44): one process hosts the store as dtrain hosts
 it and runs dtrain's :class:`~dtrain.recovery.coordinator.Coordinator` on it, polled by hand;
-W members' records are posted by 8 client threads as dtrain's members post them. It times the
-poll that forms the first generation once every member has registered and asked, a steady
-poll, and the poll that forms the regroup once one member's process ended and every other
-asked; and counts the bytes a member reads to learn its generation (the record and its proof).
+W members' records are posted by 8 client threads as dtrain's members post them. It times
+every poll that forms the first generation once every member has registered and asked, steady
+polls, and every poll that forms the regroup once one member's process ended and every other
+asked (a poll reads and writes at most ``BATCH`` records: a burst of asks takes several polls,
+each within its interval); and counts the bytes a member reads to learn its generation (the
+record and its proof). The regroup's total is its polls' time plus the intervals between them
+(``Coordinator.interval``: ``POLL_S``, a fifth of it while it catches up).
 
     PYTHONPATH=src python benchmarks/control_plane_poll.py --worlds 1024,4096
 
@@ -29,7 +32,7 @@ from typing import Any
 from _report import machine_line
 from dtrain.dist.stores import client_store, host_store
 from dtrain.recovery.coordinator import Coordinator
-from dtrain.recovery.membership import PREFIX, STALE_S, post
+from dtrain.recovery.membership import POLL_S, PREFIX, STALE_S, post
 
 POSTERS = 8
 
@@ -50,13 +53,40 @@ def burst(port: int, world: int, fn: Callable[[Any, int], object]) -> list[threa
     return threads
 
 
-def timed_poll(coordinator: Coordinator) -> float:
+def timed_poll(coordinator: Coordinator) -> tuple[float, float]:
+    """One poll's wall time and the CPU time of this process meanwhile (the coordinator's
+    thread and the store's: what the poll cost, less what other jobs took of the cores)."""
     # The posting threads' garbage is this script's, not the launcher's (its posters are other
     # processes): collected before, so that a sweep it left due does not land in the poll.
     gc.collect()
-    started = time.perf_counter()
+    cpu, started = time.process_time(), time.perf_counter()
     coordinator.poll()
-    return time.perf_counter() - started
+    return time.perf_counter() - started, time.process_time() - cpu
+
+
+waits: list[float] = []  # the coordinator's interval after each poll polls_until made
+
+
+def polls_until(coordinator: Coordinator, number: int) -> list[tuple[float, float]]:
+    """Every poll's times until generation ``number`` is formed (at most 1,000 polls)."""
+    times: list[tuple[float, float]] = []
+    while coordinator.number < number or coordinator.catching_up:
+        times.append(timed_poll(coordinator))
+        waits.append(coordinator.interval())
+        assert len(times) < 1000, f"generation {number} did not form in 1,000 polls"
+    return times
+
+
+def spread(times: list[tuple[float, float]]) -> str:
+    """``N poll(s) p50/p99/max ms``, of the wall time and (in brackets) of the CPU time."""
+
+    def three(values: list[float]) -> str:
+        ordered = sorted(values)
+        p99 = ordered[min(len(ordered) - 1, len(ordered) * 99 // 100)]
+        return f"{ordered[len(ordered) // 2] * 1e3:.1f}/{p99 * 1e3:.1f}/{ordered[-1] * 1e3:.1f}"
+
+    walls, cpus = [w for w, _ in times], [c for _, c in times]
+    return f"{len(times)} poll(s) p50/p99/max {three(walls)} ms (CPU {three(cpus)})"
 
 
 def joined(threads: list[threading.Thread]) -> None:
@@ -87,9 +117,8 @@ def one_world(world: int, per_machine: int) -> str:
         post(client, m, "want", {"after": -1, "nonce": f"n{m}", "step": 0})
 
     joined(burst(server.port, world, register))
-    first = timed_poll(coordinator)  # every member registered and asks: one poll forms it
-    assert coordinator.number == 0, "the first generation did not form in one poll"
-    steady = sorted(timed_poll(coordinator) for _ in range(50))
+    first = polls_until(coordinator, 0)  # every member registered and asks
+    steady = [timed_poll(coordinator) for _ in range(50)]
     # The last member's process ends (its machine's launcher posts it down, or this machine's
     # /proc says so), and every other member asks.
     victim = world - 1
@@ -102,16 +131,21 @@ def one_world(world: int, per_machine: int) -> str:
             post(client, m, "want", {"after": 0, "nonce": f"n{m}", "step": 5})
 
     joined(burst(server.port, world, ask))
-    regroup = timed_poll(coordinator)
-    assert coordinator.number == 1, "the regroup did not form in one poll"
+    del waits[:]
+    regroup = polls_until(coordinator, 1)
+    assert coordinator.formed[1].left == (victim,), "the regroup did not leave out the victim"
+    # The regroup's polls and the waits between them (the coordinator's interval after each).
+    total = sum(wall for wall, _ in regroup) + sum(waits[-len(regroup) : -1])
     # What a member reads of the generation it joins: the record, and its own proof.
     read = [f"{PREFIX}gen/1", f"{PREFIX}member/0/gen"]
     member_bytes = sum(len(server.get(key)) for key in read if server.check([key]))
+    every = [wall for wall, _ in first + steady + regroup]
     return (
-        f"W = {world:>5}: first {first * 1e3:7.1f} ms, steady p50 "
-        f"{steady[len(steady) // 2] * 1e3:5.2f} ms, regroup {regroup * 1e3:7.1f} ms; a member "
-        f"reads {member_bytes:,} bytes of its generation ({member_bytes * (world - 1) / 1e6:.2f} "
-        "MB through the store in all)"
+        f"W = {world:>5}: first generation {spread(first)}; steady {spread(steady)}; regroup "
+        f"{spread(regroup)}, {total * 1e3:.0f} ms in all with the intervals; every poll: max "
+        f"{max(every) * 1e3:.1f} ms, {sum(t > POLL_S for t in every)} of {len(every)} over "
+        f"{POLL_S * 1e3:.0f} ms (wall); a member reads {member_bytes:,} bytes of its generation "
+        f"({member_bytes * (world - 1) / 1e6:.2f} MB through the store in all)"
     )
 
 

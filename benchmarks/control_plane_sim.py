@@ -59,6 +59,7 @@ from control_plane_sim_report import (
     RESTART,
     pct,
     pg_lines,
+    processes_of,
     quantile,
     rows_of,
     summary,
@@ -204,7 +205,7 @@ class Run:
         # The probe's 100 calls a second are more than a few ranks make: off for --check-real.
         self.probe = Probe(self.host.port, active=args.probe)
         # Ranks 0 .. W-2 spread over the processes, the victim (W-1) alone in its own.
-        procs = max(1, min(args.procs, world - 1))
+        procs = processes_of(world, args.procs)
         cuts = [round(i * (world - 1) / procs) for i in range(procs + 1)]
         spans = [(cuts[i], cuts[i + 1]) for i in range(procs)] + [(world - 1, world)]
         self.ranks = []
@@ -222,6 +223,7 @@ class Run:
                 f"--timeout-s={args.timeout_s}",
                 f"--step-s={args.step_s}",
                 f"--per-machine={args.per_machine}",
+                f"--stagger-s={args.stagger_s}",
                 *victim,
             ]
             self.ranks.append(
@@ -479,13 +481,18 @@ def main() -> None:
     parser.add_argument("--pieces", default=",".join(PIECES), help=f"of {','.join(PIECES)}")
     parser.add_argument("--window", type=float, default=3.0, help="seconds of each steady state")
     parser.add_argument("--settle", type=float, default=1.0, help="seconds before a window")
-    parser.add_argument("--procs", type=int, default=4, help="processes of simulated ranks")
+    parser.add_argument(
+        "--procs", type=int, default=0, help="processes of simulated ranks (0: one per 64, 4+)"
+    )
     parser.add_argument("--per-machine", type=int, default=8, help="in-place members a machine")
     parser.add_argument("--watch-s", type=float, default=0.1, help="quiet launchers' pace")
     parser.add_argument("--heartbeat-s", type=float, default=1.0, help="fault.heartbeat_s")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="dist.timeout_s")
     parser.add_argument("--step-s", type=float, default=0.15, help="a simulated step")
     parser.add_argument("--start-timeout", type=float, default=300.0)
+    parser.add_argument(
+        "--stagger-s", type=float, default=0.0, help="each rank process starts this much later"
+    )
     parser.add_argument("--piece-timeout", type=float, default=60.0)
     parser.add_argument("--pg-max", type=int, default=32, help="largest gloo group measured")
     parser.add_argument("--check-real", type=int, default=0, help="also a real job of N ranks")
@@ -505,7 +512,8 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, default=str))
     setting = (
-        f"{args.procs} processes of simulated ranks, in-place members on machines of "
+        (f"{args.procs} processes of" if args.procs else "64 to a process (at least 4) of")
+        + " simulated ranks, in-place members on machines of "
         f"{args.per_machine or 'all'}, windows of {args.window:g}s"
     )
     if args.check_real:  # (it sets the window and the step to the real job's)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import re
@@ -40,6 +41,7 @@ OPS = frozenset(
 LONG = datetime.timedelta(seconds=3600)
 
 TALLY: Counter[str] = Counter()  # store operations and link calls of this process's ranks
+STARVED: Starved  # restart mode's (made once the process knows its mode)
 
 
 class Counted:
@@ -127,6 +129,49 @@ class Steps:
             time.sleep(0.25 * self.step_s)
 
 
+class Starved:
+    """What the harness did to its ranks, per piece: how late this process's threads ran
+    (a ticker that sleeps 50 ms, its lateness: the cores and the interpreter's lock that the
+    ranks of one process share) and the longest gap between two beats of each live rank
+    (``Watchdog._beat`` timed: a gap over the diagnosis's 3 s makes a live rank look
+    stopped). A real rank has a process and a core of its own."""
+
+    def __init__(self) -> None:
+        self.late: list[tuple[float, float]] = []  # (time, lateness s)
+        self.beats: dict[int, list[float]] = {}  # rank -> its beats' times (time.time())
+        from dtrain.fault.watchdog import Watchdog
+
+        beat, beats = Watchdog._beat, self.beats
+
+        def timed(dog: Any) -> None:
+            beat(dog)
+            beats.setdefault(dog.rank, []).append(time.time())
+
+        Watchdog._beat = timed  # type: ignore[method-assign]
+        threading.Thread(target=self._tick, name="sim-ticker", daemon=True).start()
+
+    def _tick(self) -> None:
+        while True:
+            started = time.monotonic()
+            time.sleep(0.05)
+            self.late.append((time.time(), time.monotonic() - started - 0.05))
+
+    def during(self, start: float, end: float) -> dict[str, float]:
+        """Within [start, end]: the ticker's lateness p99 and max, and the longest gap
+        between beats of any rank that beat in it (from its last beat before)."""
+        late = sorted(x for t, x in self.late if start <= t <= end) or [0.0]
+        gap = 0.0
+        for times in list(self.beats.values()):
+            inside = [t for t in times if t <= end]
+            if inside and inside[-1] >= start:
+                marks = [t for t in inside if t >= start]
+                before = [t for t in inside if t < start][-1:]
+                seq = before + marks + [end]
+                gap = max(gap, max(b - a for a, b in itertools.pairwise(seq)))
+        p99 = late[min(len(late) - 1, len(late) * 99 // 100)]
+        return {"late_p99": p99, "late_max": late[-1], "beat_gap": gap}
+
+
 def sample(series: list[list[float]]) -> None:
     """The tally over time, every 0.1 s: [time, link calls, store operations]."""
     while True:
@@ -165,6 +210,10 @@ def made(items: list[Any], make: Callable[[Any], Any]) -> list[Any]:
 def watchdogs(ranks: list[int], world: int, args: argparse.Namespace) -> list[Any]:
     from dtrain.fault.watchdog import Watchdog
 
+    # Staggered starts (--stagger-s a process, in order): a real job's ranks start over
+    # seconds; thousands connecting and beating at once on 2 cores left a first beat unanswered
+    # past its 3 s bound at W = 4,096.
+    time.sleep(args.index * args.stagger_s)
     dogs = made(
         ranks, lambda r: Watchdog(r, world, heartbeat_s=args.heartbeat_s, timeout_s=args.timeout_s)
     )
@@ -178,6 +227,8 @@ def restart(ctl: Control, ranks: list[int], args: argparse.Namespace, out: dict[
     every rank once the driver has killed the victim's process."""
     from dtrain.fault.peer_words import PeerWords
 
+    global STARVED
+    STARVED = Starved()
     dogs = watchdogs(ranks, args.world, args)
     ctl.add("ready", len(dogs))
     ctl.until("steady")
@@ -189,7 +240,9 @@ def restart(ctl: Control, ranks: list[int], args: argparse.Namespace, out: dict[
             words = PeerWords(dog).gather("sim", str(dog.rank), "the simulation's words")
             return {"end": time.time(), "right": words == expected}
 
+        began = time.time()
         out["words"] = on_threads(dogs, gather, out.setdefault("words_calls", []))
+        out["words_starved"] = STARVED.during(began, time.time())
         ctl.add("words_right", sum(1 for x in out["words"] if x.get("right")))
         ctl.add("words_done", len(dogs))
     if ctl.until("kill") != "skip":
@@ -201,7 +254,9 @@ def restart(ctl: Control, ranks: list[int], args: argparse.Namespace, out: dict[
             right = named == [args.world - 1]
             return {"end": time.time(), "right": right, "words": words[:300]}
 
+        began = time.time()
         out["diagnosis"] = on_threads(dogs, diagnose, out.setdefault("diagnosis_calls", []))
+        out["diagnosis_starved"] = STARVED.during(began, time.time())
         ctl.add("diagnosis_right", sum(1 for x in out["diagnosis"] if x.get("right")))
         ctl.add("diagnosis_done", len(dogs))
 
@@ -348,6 +403,7 @@ def main() -> None:
     parser.add_argument("--ranks", default="0:0", help="first:stop, this process's ranks")
     parser.add_argument("--index", type=int, default=0, help="this process's machine")
     parser.add_argument("--victim", action="store_true")
+    parser.add_argument("--stagger-s", type=float, default=0.0, help="start delay per --index")
     parser.add_argument("--heartbeat-s", type=float, default=1.0)
     parser.add_argument("--timeout-s", type=float, default=300.0)
     parser.add_argument("--step-s", type=float, default=0.15)

@@ -38,6 +38,20 @@ def rates(reports: list[dict[str, Any]], start: float, end: float, ranks: int) -
     return calls / ranks / span, ops / ranks / span
 
 
+# Simulated ranks a process holds by default: with 256 (4 processes at W = 1,024) the threads
+# of one process waited up to 0.7 s for its interpreter's lock while every rank diagnosed, a
+# live rank's beats went 3.5 s apart and the diagnosis named it stopped (a real rank has a
+# process of its own); with 64, 0.5 s and 2.7 s.
+RANKS_PER_PROCESS = 64
+
+
+def processes_of(world: int, procs: int) -> int:
+    """The processes of ranks 0 .. W-2 (the victim has its own): ``procs``, or (0) one per
+    ``RANKS_PER_PROCESS``, at least 4."""
+    wanted = procs or max(4, -(-(world - 1) // RANKS_PER_PROCESS))
+    return max(1, min(wanted, world - 1))
+
+
 def rows_of(world: int, result: dict[str, Any], pieces: set[str]) -> dict[str, dict[str, Any]]:
     """Each measured piece's row: the window's figures, its rates from the ranks' tallies,
     and what the piece itself says (times, who was named, polls)."""
@@ -64,6 +78,9 @@ def rows_of(world: int, result: dict[str, Any], pieces: set[str]) -> dict[str, d
                 results = [{"end": t} for r in reports for t in r.get("first", [])]
             ends = [x["end"] for x in results if isinstance(x, dict) and "end" in x]
             row["times"] = sorted(e - row["started"] for e in ends)
+            starved = [r[f"{name}_starved"] for r in reports if r.get(f"{name}_starved")]
+            if starved:
+                row["starved"] = {k: max(x[k] for x in starved) for k in starved[0]}
             row["wrong"] = [
                 str(x.get("words") or x.get("error") or x)
                 for x in results
@@ -114,7 +131,7 @@ def broken(name: str, row: dict[str, Any], world: int) -> list[str]:
 
 def table(world: int, rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
     lines = [
-        f"W = {world} ({min(args.procs, world - 1)} processes of ranks and the victim's own)",
+        f"W = {world} ({processes_of(world, args.procs)} processes of ranks and the victim's own)",
         f"{'piece':<10} {'calls/rank/s':>12} {'ops/rank/s':>10} {'store thr':>9} "
         f"{'store proc':>10} {'harness':>8} {'probe p50/p99 ms':>16}  what the piece says",
     ]
@@ -135,6 +152,12 @@ def table(world: int, rows: dict[str, dict[str, Any]], args: argparse.Namespace)
                     f"in {times[0]:.2f}-{times[-1]:.2f}s (median {statistics.median(times):.2f}s)"
                 )
             says.append(f"{row['calls_total']:.0f} calls/rank in all")
+            if "starved" in row:
+                st = row["starved"]
+                says.append(
+                    f"harness threads late p99/max {st['late_p99']:.2f}/{st['late_max']:.2f}s, "
+                    f"a live rank's beats {st['beat_gap']:.1f}s apart at most"
+                )
         if row.get("poll_p50") == row.get("poll_p50"):
             says.append(f"coordinator poll p50/p99 {ms(row['poll_p50'])}/{ms(row['poll_p99'])} ms")
         lines.append(
@@ -230,4 +253,12 @@ address (getnameinfo of ::ffff:127.0.0.1, which goes to the DNS server: it is no
 /etc/hosts); where the resolver drops a query, the lookup waits out its 5 s timeout (one in
 25-60 here; a plain getnameinfo of that address does the same), and a connection given 5 s
 or less (the in-place member's: recovery/membership.store_call_s) fails and is made again.
-Plain TCP connections to the same store never stall; accept-queue overflows: as counted."""
+Plain TCP connections to the same store never stall; accept-queue overflows: as counted.
+The harness's own choices: ranks are threads, 64 to a process (at least 4 processes), where a
+real rank has a process and a core of its own; nothing of dtrain's is skipped or slowed
+(fault.heartbeat_s 1 s, dist.timeout_s 300 s, a diagnosis's 3 s staleness, as a job's
+defaults). Each one-off piece says how late the harness's threads ran (a 50 ms sleep's
+lateness, p99/max) and how far apart a live rank's beats went at most: past 3 s, a diagnosis
+names that live rank stopped, which is the harness starving it, not the rank. Until
+2026-12-05 a process held 256 ranks at W = 1,024: its threads ran up to 0.7 s late, a live
+rank's beats went 3.5 s apart, and the diagnosis named live ranks (0 of 1,023 right)."""

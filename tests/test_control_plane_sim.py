@@ -44,6 +44,9 @@ def test_simulated_ranks_beat_and_name_the_killed_rank(tmp_path: Path) -> None:
     # stale (3 heartbeats, the last up to a beat before the kill), not at once.
     assert diagnosis["done"] == 3 and diagnosis["right"] == 3, diagnosis
     assert len(diagnosis["times"]) == 3 and min(diagnosis["times"]) >= 1.0
+    # The harness says what it did to its ranks: a live rank's beats never went as far apart
+    # as the diagnosis's staleness (3 s), or it could have been named in the killed one's stead.
+    assert 0.0 < diagnosis["starved"]["beat_gap"] < 3.0, diagnosis["starved"]
     for piece in ("beats", "words", "diagnosis"):
         assert f"{piece:<10}" in stdout
     assert "diagnosis  holds at every W measured (4)" in stdout

@@ -16,6 +16,7 @@ import pytest
 from dtrain.dist.store_link import StoreLink
 from dtrain.dist.stores import host_store
 from dtrain.process_exit import process_state
+from dtrain.recovery.changes import BATCH
 from dtrain.recovery.coordinator import Coordinator, NodeWatcher
 from dtrain.recovery.membership import (
     CUT,
@@ -83,6 +84,15 @@ def ask(store: Any, member: int, nonce: str, after: int, step: int = -1) -> None
     write_value(store, f"member/{member}/want", want)
 
 
+def polls_to_form(coordinator: Coordinator, count: int) -> int:
+    """How many polls until the coordinator has formed ``count`` generations (at most 100)."""
+    for polls in range(1, 101):
+        coordinator.poll()
+        if len(coordinator.formed) >= count:
+            return polls
+    raise AssertionError(f"{len(coordinator.formed)} generations formed after 100 polls")
+
+
 def latest(store: Any) -> dict[str, Any] | None:
     """The newest generation as the coordinator formed it: its record, its members' ids, and
     the incarnation of each that it holds (from each member's proof, which names it)."""
@@ -126,11 +136,12 @@ def test_a_member_reads_the_same_few_bytes_of_a_generation_at_any_size() -> None
         for m in range(members):  # posted as members post (the coordinator reads the log)
             post(store, m, "info", {"pid": 100 + m, "host": "here", "nonce": f"n{m}"})
             post(store, m, "want", {"after": -1, "nonce": f"n{m}", "step": -1})
-        coordinator.poll()
+        # Read BATCH posted records a poll: 2 x 256 of them in four polls, the asks in two.
+        assert polls_to_form(coordinator, 1) == -(-2 * members // BATCH)
         processes.ended.add(100)  # member 0 ends: the others regroup without it
         for m in range(1, members):
             post(store, m, "want", {"after": 0, "nonce": f"n{m}", "step": 5})
-        coordinator.poll()
+        assert polls_to_form(coordinator, 2) == -(-(members - 1) // BATCH)
         gen = latest(store)
         assert (gen["number"], gen["members"], gen["left"]) == (1, list(range(1, members)), [0])
         assert gen["nonces"] == [f"n{m}" for m in range(1, members)]

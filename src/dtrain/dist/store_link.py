@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -55,42 +56,82 @@ _in_calls: set[threading.Thread] = set()
 _in_calls_lock = threading.Lock()
 
 
+# The links' threads that make their calls (:class:`_Caller`): idle, or in a call.
+_callers: set[threading.Thread] = set()
+
+
 def in_store_calls() -> set[threading.Thread]:
-    """The threads in a store call now, or waiting for one: each ends at the call's bound at
-    the latest, or is left to end with its process (a call given up on)."""
+    """The threads in a store call now, or waiting for one, and the links' callers: each ends
+    at the call's bound at the latest, or is left to end with its process (a call given up
+    on; an idle caller needs nothing at exit)."""
     with _in_calls_lock:
-        return set(_in_calls)
+        return _in_calls | _callers
+
+
+class _Caller:
+    """One daemon thread that makes a link's calls, one at a time, each bounded as
+    :func:`bounded` bounds one: a thread started for every call cost each call about 50 us of
+    CPU and two more hand-offs of the interpreter's lock (thousands of calls a second when
+    every rank diagnoses at once). A call that overran its bound leaves this thread stuck in
+    it: the link then takes a new caller, and this one ends once its call returns."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="dtrain-store-call", daemon=True)
+        with _in_calls_lock:
+            _callers.add(self.thread)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while (job := self._jobs.get()) is not None:
+                job()
+        finally:
+            with _in_calls_lock:
+                _callers.discard(self.thread)
+
+    def close(self) -> None:
+        """End the thread once the calls handed to it are made."""
+        self._jobs.put(None)
+
+    def call(self, fn: Callable[[], T], seconds: float, what: str) -> T:
+        """``fn()`` on this thread, given up after ``seconds`` (:class:`StoreTimeout`)."""
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def job() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # handed to the caller
+                box["error"] = exc
+            finally:
+                done.set()
+
+        waiter = threading.current_thread()
+        with _in_calls_lock:
+            _in_calls.add(waiter)
+        try:
+            self._jobs.put(job)
+            answered = done.wait(seconds)
+        finally:
+            with _in_calls_lock:
+                _in_calls.discard(waiter)
+        if not answered:
+            self.close()  # (after the call it is stuck in)
+            raise StoreTimeout(f"no answer to {what} in {seconds:.0f}s")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
 
 
 def bounded(call: Callable[[], T], seconds: float, what: str) -> T:
     """``call()``, given up after ``seconds``: the call is left to a daemon thread (a blocked
     store call cannot be cancelled) and this raises :class:`StoreTimeout` instead."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = call()
-        except BaseException as exc:  # handed to the caller
-            box["error"] = exc
-        finally:
-            with _in_calls_lock:
-                _in_calls.discard(threading.current_thread())
-
-    thread = threading.Thread(target=run, name="dtrain-store-call", daemon=True)
-    waiter = threading.current_thread()
-    with _in_calls_lock:
-        _in_calls.update((thread, waiter))
+    caller = _Caller()
     try:
-        thread.start()
-        thread.join(seconds)
+        return caller.call(call, seconds, what)
     finally:
-        with _in_calls_lock:
-            _in_calls.discard(waiter)
-    if thread.is_alive():
-        raise StoreTimeout(f"no answer to {what} in {seconds:.0f}s")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+        caller.close()
 
 
 class StoreLink:
@@ -129,6 +170,7 @@ class StoreLink:
         self._answered_at = clock()
         self._failing_since: float | None = None
         self._silence = threading.Lock()
+        self._caller: _Caller | None = None  # the thread that makes the calls
         # The first connection may wait as long as a start-up does (a loaded machine with many
         # ranks answered it in more than the few seconds a call is given).
         first = (patience_s, None) if connect_s is None else (connect_s, connect_s)
@@ -199,12 +241,15 @@ class StoreLink:
         deadline = self._clock() + self.patience_s
         while True:
             client = self.client
+            caller = self._caller = self._caller or _Caller()
             try:
-                value = bounded(functools.partial(op, client), limit, what)
-            except Exception:
+                value = caller.call(functools.partial(op, client), limit, what)
+            except Exception as exc:
                 self._unanswered(started)
                 self.outages += 1
                 self._client = None  # a call given up on may still hold the connection
+                if isinstance(exc, StoreTimeout):
+                    self._caller = None  # stuck in that call
                 if self.patience_s <= 0:
                     raise
                 left = deadline - self._clock()
@@ -253,6 +298,8 @@ class StoreLink:
         before, and the job's keys are never removed): the ``multi_get`` alone, one store
         operation, without the ``check`` that keeps a missing key from blocking it until the
         call's bound."""
+        if not keys:  # (no call: under load its bound was all it could fail by)
+            return {}
         what = f"reading {keys[0]}" if len(keys) == 1 else f"reading {len(keys)} keys"
         raws = self.call(
             lambda store: sealed_store.get_many(store, keys, present=present), what, seconds
