@@ -171,6 +171,7 @@ class StoreLink:
         self._failing_since: float | None = None
         self._silence = threading.Lock()
         self._caller: _Caller | None = None  # the thread that makes the calls
+        self._caller_lock = threading.Lock()  # threads sharing the link share one caller
         # The first connection may wait as long as a start-up does (a loaded machine with many
         # ranks answered it in more than the few seconds a call is given).
         first = (patience_s, None) if connect_s is None else (connect_s, connect_s)
@@ -241,7 +242,7 @@ class StoreLink:
         deadline = self._clock() + self.patience_s
         while True:
             client = self.client
-            caller = self._caller = self._caller or _Caller()
+            caller = self._take_caller()
             try:
                 value = caller.call(functools.partial(op, client), limit, what)
             except Exception as exc:
@@ -249,7 +250,7 @@ class StoreLink:
                 self.outages += 1
                 self._client = None  # a call given up on may still hold the connection
                 if isinstance(exc, StoreTimeout):
-                    self._caller = None  # stuck in that call
+                    self._drop_caller(caller)  # stuck in that call
                 if self.patience_s <= 0:
                     raise
                 left = deadline - self._clock()
@@ -266,6 +267,19 @@ class StoreLink:
                 self._answered_at, self._failing_since = self._clock(), None
             self.last_ok = time.time()
             return value
+
+    def _take_caller(self) -> _Caller:
+        with self._caller_lock:
+            if self._caller is None:
+                self._caller = _Caller()
+            return self._caller
+
+    def _drop_caller(self, caller: _Caller) -> None:
+        """A caller stuck in a call is not handed more (another thread may have dropped it
+        and taken a new one already)."""
+        with self._caller_lock:
+            if self._caller is caller:
+                self._caller = None
 
     def _unanswered(self, started: float) -> None:
         """A call begun at ``started`` got no answer. One begun before the store last
