@@ -77,6 +77,7 @@ class _Caller:
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.busy = False  # in a call (one given up on may never return)
         self.thread = threading.Thread(target=self._run, name="dtrain-store-call", daemon=True)
         with _in_calls_lock:
             _callers.add(self.thread)
@@ -85,7 +86,9 @@ class _Caller:
     def _run(self) -> None:
         try:
             while (job := self._jobs.get()) is not None:
+                self.busy = True
                 job()
+                self.busy = False
         finally:
             with _in_calls_lock:
                 _callers.discard(self.thread)
@@ -267,6 +270,16 @@ class StoreLink:
                 self._answered_at, self._failing_since = self._clock(), None
             self.last_ok = time.time()
             return value
+
+    def close(self) -> None:
+        """End the link's caller thread (a finished rank leaves none of ours behind): at once
+        when idle; one stuck in a call is left to end with it. A later call takes a new one."""
+        with self._caller_lock:
+            caller, self._caller = self._caller, None
+        if caller is not None:
+            caller.close()
+            if not caller.busy:
+                caller.thread.join(timeout=1.0)
 
     def _take_caller(self) -> _Caller:
         with self._caller_lock:

@@ -204,6 +204,8 @@ class Watchdog(PeerDiagnosis):
                 self.liveness.stamp(time.time(), self._speed)  # the last word: done, or where
                 self.liveness.sync()
         self.liveness.close()
+        if self.store is not None:
+            self.store.close()
 
     def set_phase(self, phase: str, step: int | None = None) -> None:
         """Called by the main thread at each phase change; cheap: no I/O, no system call, only
