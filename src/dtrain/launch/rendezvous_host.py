@@ -64,13 +64,15 @@ def serve(port: int, bind: str = "") -> int:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise UserError(f"cannot serve the rendezvous on {address}:{port}: {first}") from None
     post_secret_check(store, secret)
+    # Blocked before the line that says it listens: a SIGTERM sent on reading it (a test, a
+    # script) arrived before the block once and killed the process instead of stopping it.
+    stop = (signal.SIGINT, signal.SIGTERM)
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop)
     say_line(
         f"dtrain: rendezvous store listening on {address}:{port}; start `dtrain train` on "
         f"every machine with --rdzv-endpoint THIS_MACHINE:{port} and the same job secret "
         "(Ctrl-C or SIGTERM stops it)"
     )
-    stop = (signal.SIGINT, signal.SIGTERM)
-    signal.pthread_sigmask(signal.SIG_BLOCK, stop)
     received = signal.sigwait(stop)
     del store  # closes the server
     say_line(f"dtrain: rendezvous store stopped ({signal.Signals(received).name})")
