@@ -165,7 +165,10 @@ class Watchdog(PeerDiagnosis):
 
     def start(self) -> None:
         if self.store is not None:
-            self._beat()
+            # Given as long as the first connection: every rank beats first at once, while
+            # the store is busiest (the groups' creation); a beat bounded by a call's few
+            # seconds ended ranks there in the simulation at 4,096.
+            self._beat(_CONNECT_S)
         if self.store is not None and self.rank != 0:
             # Every rank gets this far at start-up, so waiting for rank 0's first beat costs
             # nothing a collective soon after would not; it is what names rank 0 if it dies early.
@@ -291,8 +294,9 @@ class Watchdog(PeerDiagnosis):
         except Exception:
             pass
 
-    def _beat(self) -> None:
-        """This rank's record, as it stands, into the store (none once stop() took over)."""
+    def _beat(self, seconds: float | None = None) -> None:
+        """This rank's record, as it stands, into the store (none once stop() took over),
+        within ``seconds`` (default: a call's bound)."""
         assert self.store is not None
         with self._writer:
             if self._taken:
@@ -301,7 +305,7 @@ class Watchdog(PeerDiagnosis):
             record = self.liveness.record()
         key = f"{store_prefix()}hb/{self.rank}"
         value = sealed_store.seal(key, json.dumps(record.to_dict()).encode())
-        self.store.call(lambda store: store.set(key, value), "a heartbeat")
+        self.store.call(lambda store: store.set(key, value), "a heartbeat", seconds)
 
     def _measure(self, now: float) -> None:
         """This rank's speed, for the record (``now``: ``time.monotonic()``). Never raises."""
