@@ -80,8 +80,8 @@ def train_with_timings(
 ) -> dict[str, Any]:
     """Train with the controller fed ``per_item`` (see :func:`_injector`); with
     ``crash_step``, every rank raises at the start of that step and a fresh trainer resumes
-    from the newest checkpoint and finishes. Returns the parameters, the ``balance`` and
-    ``ranks`` records, the start step of the last run and its final weights."""
+    from the newest checkpoint and finishes. Returns the parameters, the ``balance``,
+    ``ranks`` and ``straggler`` records, the start step of the last run and its final weights."""
     inject = _injector(per_item, raw["balance"]["every"])
     crashed: list[int] = []
 
@@ -109,6 +109,7 @@ def train_with_timings(
         "params": params_of(trainer),
         "balance": [r for r in records if r["kind"] == "balance"],
         "ranks": [r for r in records if r["kind"] == "ranks"],
+        "stragglers": [r for r in records if r["kind"] == "straggler"],
         "start_step": summary.start_step,
         "final_weights": list(trainer.balance.weights),
     }

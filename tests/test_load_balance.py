@@ -479,9 +479,33 @@ def test_timing_records_and_a_dialed_straggler_are_in_the_metrics(tmp_path: Path
     named = stragglers[0]
     assert (named["rank"], named["state"], named["phase"]) == (1, "slow", "compute")
     assert named["host"] == late["hosts"][1] and named["slowdown"] > 2.0
-    # Named once 15 slow steps are timed: windows of 4, 5, 5 steps hold 14 by step 15, so the
-    # window gathered at step 20 names it.
-    assert named["step"] == 20 and not [r for r in records if r["kind"] == "balance"]
+    # When it is named rests on the windows' measured times: pinned with exact timings below.
+    assert not [r for r in records if r["kind"] == "balance"]
+
+
+def test_a_straggler_fed_exact_timings_is_named_once_its_window_holds_15_steps(
+    tmp_path: Path,
+) -> None:
+    # The same run with the windows' times injected (rank 1 3x slower, compute-bound): named
+    # once 15 slow steps are timed -- windows of 4, 5, 5 steps hold 14 by step 15, so the
+    # window gathered at step 20 names it -- whatever the machine's load.
+    raw = tiny_raw(
+        tmp_path,
+        data={"global_batch_size": 32},
+        train={"steps": 20},
+        task={"seq_len": 32, "d_model": 64},
+        balance={"every": 5, "window_s": 0, "straggler_window": 15},
+    )
+    out = run_ranks(train_with_timings, 2, raw, {0: [1e-3], 1: [3e-3]})[0]
+    assert [r["step"] for r in out["ranks"]] == [5, 10, 15, 20]
+    (named,) = out["stragglers"]
+    assert (named["rank"], named["state"], named["phase"], named["step"]) == (
+        1,
+        "slow",
+        "compute",
+        20,
+    )
+    assert named["slowdown"] == pytest.approx(3.0) and not out["balance"]
 
 
 def test_windows_last_balance_every_steps_or_balance_window_s() -> None:
