@@ -4,6 +4,7 @@ timeout against hangs, and the diagnosis of a failed peer (the package's docstri
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -174,11 +175,9 @@ class Watchdog(PeerDiagnosis):
             # nothing a collective soon after would not; it is what names rank 0 if it dies early.
             key = f"{store_prefix()}hb/0"
             wait = datetime.timedelta(seconds=self.timeout_s)
-            try:
+            with contextlib.suppress(Exception):  # rank 0 is late or gone; a collective will tell
                 self.store.call(lambda store: store.wait([key], wait), key, self.timeout_s + 1)
                 self._see_rank0(self.read_beat(0), time.monotonic())
-            except Exception:
-                pass  # rank 0 is late or gone; a collective will tell
         self._moves_seen, self._moved_at = self.liveness.moves, time.monotonic()
         self.liveness.stamp(time.time(), self._speed)
         self._thread = threading.Thread(target=self._run, name="dtrain-watchdog", daemon=True)
@@ -289,10 +288,8 @@ class Watchdog(PeerDiagnosis):
             store.set(key, value)
             store.append(index, entry)  # the ranks that failed, for a diagnosis to read
 
-        try:
+        with contextlib.suppress(Exception):
             self.store.call(post, "posting this rank's failure")
-        except Exception:
-            pass
 
     def _beat(self, seconds: float | None = None) -> None:
         """This rank's record, as it stands, into the store (none once stop() took over),
@@ -351,7 +348,8 @@ class Watchdog(PeerDiagnosis):
             # round trip, and the training thread waits for their handoffs of the GIL
             # (measured in docs/benchmarks.md, benchmarks/peers.py).
             moved = where != beaten and now - where_since >= wake
-            try:
+            # The store's host may be gone: a collective will tell.
+            with contextlib.suppress(Exception):
                 if moved or now - last_beat >= self.heartbeat_s:
                     # Counted as done even if it fails: a store that is gone is retried at
                     # the regular pace, not hammered.
@@ -360,8 +358,6 @@ class Watchdog(PeerDiagnosis):
                 if self.rank != 0 and now - last_read >= self.heartbeat_s:
                     last_read = now
                     self._see_rank0(self.read_beat(0), now)
-            except Exception:
-                pass  # the store's host may be gone; a collective will tell
             hung = self.check_hang(time.monotonic())
             if hung is not None:
                 self._on_hang(f"{hung}; {self.diagnose()}")
