@@ -393,12 +393,7 @@ class Watchdog(PeerDiagnosis):
     def peers(self, seconds: float | None = None) -> dict[int, Liveness | None]:
         """Latest beat of every other rank (None where none was ever seen): one read of the
         store for all of them."""
-        if self.store is None:
-            return {}
-        others = [rank for rank in range(self.world_size) if rank != self.rank]
-        keys = {rank: f"{store_prefix()}hb/{rank}" for rank in others}
-        values = self.store.read_many(list(keys.values()), seconds)
-        return {rank: beat_of(key, values[key]) for rank, key in keys.items()}
+        return self.beats(set(range(self.world_size)) - {self.rank}, seconds)
 
     def beats(self, ranks: set[int], seconds: float | None = None) -> dict[int, Liveness | None]:
         """Latest beat of each of ``ranks`` (None where none was ever seen): one read."""
