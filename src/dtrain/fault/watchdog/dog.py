@@ -10,14 +10,13 @@ import datetime
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dtrain.console import say_error
+from dtrain.console import say_error, say_line
 from dtrain.dist import sealed_store
 from dtrain.dist.reachability import node_label
 from dtrain.dist.sealed_store import fits, warn_once
@@ -117,12 +116,10 @@ class Watchdog(PeerDiagnosis):
             pid=os.getpid(),
         )
         if self.liveness.error:
-            print(
+            say_line(
                 f"dtrain: warning: rank {rank}: {self.liveness.error}; its liveness stays in "
                 "memory and the job's store (hang checks go on), but `dtrain status` will not "
-                "show this rank and, killed, it cannot be placed at its exact step",
-                file=sys.stderr,
-                flush=True,
+                "show this rank and, killed, it cannot be placed at its exact step"
             )
         self._stop = threading.Event()
         # The record's alive part has one writer: the thread, then stop(), which takes it over
@@ -136,12 +133,10 @@ class Watchdog(PeerDiagnosis):
         # many ranks answered it in more than the few seconds a later call is given).
         self.store = job_store_link(call_s, _CONNECT_S) if world_size > 1 else None
         if self.store is None and world_size > 1:
-            print(
+            say_line(
                 f"dtrain: warning: rank {rank}: the job's key-value store did not answer within "
                 f"{_CONNECT_S:.0f}s; this rank's heartbeats stay in its liveness file, and a "
-                "failed peer is named with less detail",
-                file=sys.stderr,
-                flush=True,
+                "failed peer is named with less detail"
             )
         self._thread: threading.Thread | None = None
         # Rank 0's beat, kept while the store answers: when rank 0 hosts the store (it does
