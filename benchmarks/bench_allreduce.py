@@ -7,7 +7,7 @@ loopback, one thread per rank):
    same GPT, both built from the same config. Target: at most 1.05x.
 2. Communication time of bucketed ``allreduce`` over one all-reduce per tensor, on an MLP with
    100+ small tensors: the reduction phase alone (backward runs without sync, untimed; then
-   ``finish_gradient_sync()`` reduces every gradient, timed). Target: at least 3x faster.
+   ``sync_gradients()`` reduces every gradient, timed). Target: at least 3x faster.
 
 The strategies alternate block by block (A B B A ...) so that load from other users of the
 machine hits both alike. A round runs each variant once (in alternating order); a variant's
@@ -152,7 +152,7 @@ def reduce_phase_times(opts: dict[str, Any]) -> dict[str, list[float]]:
                 strategy.unwrapped(x).square().mean().backward()
 
         # ... and the timed part reduces them all.
-        runs[label] = (local_backward, strategy.finish_gradient_sync)
+        runs[label] = (local_backward, strategy.sync_gradients)
     times = alternate(runs, opts["rounds"], opts["warmup"])
     times["buckets"] = buckets
     return times

@@ -13,6 +13,7 @@ the checkpoints), which this does not touch.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import sys
@@ -107,9 +108,7 @@ def drop_stdout() -> None:
 
 def point_at_devnull(stream: TextIO) -> None:
     """Make ``stream``'s file descriptor write to ``/dev/null`` (where it has one)."""
-    try:
+    with contextlib.suppress(OSError, ValueError, io.UnsupportedOperation):
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, stream.fileno())
         os.close(devnull)
-    except (OSError, ValueError, io.UnsupportedOperation):
-        pass

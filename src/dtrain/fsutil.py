@@ -8,6 +8,7 @@ one line naming it instead of a traceback at the end. And the words for a disk t
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -83,14 +84,11 @@ def sha256_stream(fh: BinaryIO) -> str:
 def proc_field(path: str, key: str) -> str | None:
     """The value of the first ``key:`` line of a ``/proc`` file (None: no such line, or no
     such file: not Linux)."""
-    try:
-        with open(path) as fh:
-            for line in fh:
-                name, colon, value = line.partition(":")
-                if colon and name.strip() == key:
-                    return value.strip()
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open(path) as fh:
+        for line in fh:
+            name, colon, value = line.partition(":")
+            if colon and name.strip() == key:
+                return value.strip()
     return None
 
 

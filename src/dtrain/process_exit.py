@@ -6,6 +6,7 @@ all-reduce both ask it)."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import os
 import signal
@@ -49,10 +50,9 @@ def exit_without_finalizing(main: Callable[[], int]) -> NoReturn:
         atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):
-            try:
+            # A closed pipe: the output is lost, the exit code still tells.
+            with contextlib.suppress(OSError, ValueError):
                 stream.flush()
-            except (OSError, ValueError):
-                pass  # a closed pipe: the output is lost, the exit code still tells
         if signum:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)

@@ -172,31 +172,25 @@ def main(argv: Sequence[str] | None = None, own_loop: OwnLoop | None = None) -> 
         if not os.environ.get(LAUNCHER_SAYS_ENV):
             say_error(message)
         return USER_ERROR_EXIT_CODE
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):
         # A second Ctrl-C (the first saves: fault.preempt_signals), or one where SIGINT is no
         # preemption signal: the launcher says the run stopped; each rank's traceback of where
         # its step was said nothing more (40 lines a rank). The worker ends by SIGINT without
-        # one (exit_without_finalizing).
-        raise
-    except SystemExit:
+        # one (exit_without_finalizing). An exit passes as it is.
         raise
     except BaseException as exc:
         where = ""  # no run folder yet: the traceback goes to stderr
         if cfg is not None and cfg.run.dir:
             where = str(local_run_dir(cfg.run.dir, cfg.run.local_dir))
         code = report_crash(exc, int(rank), where)
-        if cfg is not None and is_peer_failure(exc):
+        from dtrain.fault.peer_failure import PeerFailure
+
+        if cfg is not None and isinstance(exc, PeerFailure):
             from dtrain.fault.store_host import hold_store_for_peers
 
             hold_store_for_peers(cfg.fault.heartbeat_s)  # their diagnosis reads its store
         return code
     return 0
-
-
-def is_peer_failure(error: BaseException) -> bool:
-    from dtrain.fault.peer_failure import PeerFailure
-
-    return isinstance(error, PeerFailure)
 
 
 def lost_peer_words(error: BaseException, first: str) -> str:
@@ -205,9 +199,8 @@ def lost_peer_words(error: BaseException, first: str) -> str:
     was killed during a resume said only ``DistNetworkError: Broken pipe``."""
     from dtrain.fault.peer_failure import PeerFailure, connection_closed, is_collective_failure
 
-    if isinstance(error, PeerFailure) or not is_collective_failure(error):
-        return first
-    if not connection_closed(error):
+    closed = is_collective_failure(error) and connection_closed(error)
+    if isinstance(error, PeerFailure) or not closed:
         return first
     return (
         f"lost a peer outside the training loop (starting, resuming or ending: {first}): a "

@@ -299,10 +299,8 @@ def close_listener(listener: socket.socket) -> None:
     """Close the check's listening socket and so end its accept thread. Closing alone does not
     wake a thread blocked in ``accept`` on Linux: it stayed blocked for the whole run, and the
     worker's exit waited 2 s for it (``dtrain.worker.join_helper_threads``) after every run."""
-    try:
+    with contextlib.suppress(OSError):  # never listening, or already shut
         listener.shutdown(socket.SHUT_RDWR)  # wakes accept() (EINVAL)
-    except OSError:
-        pass  # never listening, or already shut
     listener.close()
 
 

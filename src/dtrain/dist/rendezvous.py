@@ -109,9 +109,7 @@ class SealedRendezvousBackend(RendezvousBackend):
         sealed = self._secret.seal(self.key, struct.pack(">Q", self._seen + 1) + state)
         raw = bytes(self._call("compare_set", self.key, expected, sealed))
         opened = self._open(raw)
-        if opened is None:
-            return None
-        return opened[0], opened[1], raw == sealed
+        return None if opened is None else (*opened, raw == sealed)
 
 
 def make_handler(params: RendezvousParameters, store: Any, secret: JobSecret) -> Any:

@@ -20,6 +20,7 @@ removed as soon as every rank has mapped it, so a rank killed outright leaves no
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import mmap
 import os
@@ -266,10 +267,8 @@ class SharedMemoryAllReduce:
         self._sets = torch.empty(0, dtype=torch.uint8)
         self._slot_views.clear()
         self._arrivals = np.empty(0, dtype=np.int64)
-        try:
+        with contextlib.suppress(BufferError):  # a tensor still views it: goes with the process
             self._map.close()
-        except BufferError:
-            pass  # a tensor still views it; the mapping goes with the process
 
 
 def _segment_dir() -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,20 +50,13 @@ class PeerDiagnosis:
     run_dir: Path | None
     _addresses: dict[int, tuple[str, int]]
     _rank0_beat: Liveness | None
-
-    def beats(self, ranks: set[int], seconds: float | None = None) -> dict[int, Liveness | None]:
-        raise NotImplementedError
-
-    def failures(self, seconds: float | None = None) -> dict[int, dict[str, Any]]:
-        raise NotImplementedError
-
-    def _report_dead_peer(self, rank: int, where: str, beat: Liveness) -> None:
-        raise NotImplementedError
-
-    def _report_silent_peer(
-        self, rank: int, words: str, network: bool, beat: Liveness | None
-    ) -> None:
-        raise NotImplementedError
+    # The watchdog's reads of the others' beats and posted failures, its posts of what this
+    # rank found, and its claim of the one read of every rank's beat.
+    beats: Callable[[set[int], float | None], dict[int, Liveness | None]]
+    failures: Callable[[float | None], dict[int, dict[str, Any]]]
+    _report_dead_peer: Callable[[int, str, Liveness], None]
+    _report_silent_peer: Callable[[int, str, bool, Liveness | None], None]
+    _first_to_scan: Callable[[], bool]
 
     def _local_record(self, beat: Liveness) -> Liveness | None:
         """The live record of the rank a beat is from, if it is of this machine and its file
@@ -137,9 +131,6 @@ class PeerDiagnosis:
         if not found:
             return "every other rank is still beating (the failure may be in the network)", False
         return "; ".join(words for words, _ in found), any(network for _, network in found)
-
-    def _first_to_scan(self) -> bool:
-        raise NotImplementedError
 
     def watched(self) -> set[int]:
         """The ranks whose beats this rank reads in a diagnosis: the next rank of its machine

@@ -5,6 +5,7 @@ rank of every restart; and the worker's error file, where the launcher reads its
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -19,12 +20,9 @@ def record_error(message: str) -> None:
     """Leave ``message`` where the launcher (torch's agent, or dtrain's supervising in-place
     workers) reads a worker's failure: its error file. Never raises."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    try:
-        if error_file:
-            with open(error_file, "w") as fh:
-                json.dump({"message": message, "timestamp": int(time.time())}, fh)
-    except OSError:
-        pass
+    if error_file:
+        with contextlib.suppress(OSError), open(error_file, "w") as fh:
+            json.dump({"message": message, "timestamp": int(time.time())}, fh)
 
 
 def append_traceback(run_dir: str | Path, rank: int, error: BaseException) -> Path | None:

@@ -22,6 +22,7 @@ This module imports nothing of torch: ``dtrain status`` reads it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
@@ -226,10 +227,8 @@ class LivenessFile:
         """Write the file through to its storage, for readers on other machines. Never
         raises: a storage that fails now is tried again at the next sync."""
         if self._fd >= 0:
-            try:
+            with contextlib.suppress(OSError):
                 os.fdatasync(self._fd)  # (mmap.flush would hold the interpreter meanwhile)
-            except OSError:
-                pass
 
     # -- any thread ----------------------------------------------------------------------
 
@@ -271,10 +270,8 @@ def _map_new_file(path: Path, header: bytes) -> tuple[mmap.mmap, int]:
         os.replace(tmp, path)
     except BaseException:
         os.close(fd)
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
     return mapped, fd
 

@@ -30,6 +30,7 @@ stranger who bumps it only makes the collector read early and find a word still 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -155,10 +156,8 @@ class PeerWords:
 
     def _fail_all(self, prefix: str, what: str, error: BaseException | None = None) -> NoReturn:
         failure = self._failure(what, error)
-        try:
+        with contextlib.suppress(PeerFailure):  # the store failed: the others see it too
             self._post_verdict(prefix, {"failed": str(failure)}, what)
-        except PeerFailure:
-            pass  # the store is what failed: the others find out from it too
         raise failure
 
     # -- the others ----------------------------------------------------------------------

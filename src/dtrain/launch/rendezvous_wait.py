@@ -86,15 +86,14 @@ def announce_waits(
     handler: Any,
     words: str,
     after_s: float = NOTICE_AFTER_S,
-    say: Callable[[str], None] | None = None,
+    say: Callable[[str], None] = say_line,
 ) -> None:
     """Wrap ``handler.next_rendezvous`` (a torch ``RendezvousHandler``) so that each call still
     waiting after ``after_s`` prints ``words`` once (to stderr by default)."""
     inner = handler.next_rendezvous
-    speak = say if say is not None else say_line
 
     def next_rendezvous() -> Any:
-        timer = threading.Timer(after_s, speak, args=(words,))
+        timer = threading.Timer(after_s, say, args=(words,))
         timer.daemon = True
         timer.start()
         try:

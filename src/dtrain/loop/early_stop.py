@@ -41,8 +41,5 @@ def stop_causes(signal: str, reason: str) -> StopCauses:
     if dist.is_initialized() and dist.get_world_size() > 1:
         # Plain JSON, never pickles: nothing a peer sends is unpickled (comm/plain.py).
         causes = [(str(s), str(r)) for s, r in all_gather_json([signal, reason])]
-    reasons: list[str] = []
-    for _, wish in causes:
-        if wish and wish not in reasons:
-            reasons.append(wish)
+    reasons = list(dict.fromkeys(wish for _, wish in causes if wish))  # each once, in order
     return StopCauses([s for s, _ in causes if s], reasons)

@@ -93,6 +93,7 @@ class Run:
         self._preempt: PreemptionFlag | None = None
         self._loop: LoopState | None = None
         self._batch: Batch | None = None  # the step in progress
+        self._planned: int | None = None  # its global item count from the plan (next_batch)
         self._scale = torch.ones(())
         self._loss_sum: torch.Tensor | None = None
         self._stopped = False
@@ -249,7 +250,7 @@ class Run:
         self._left = None  # consuming again (a loop may leave and come back on every rank)
         try:
             while self._loop is not None and not self._stopped and trainer.step < steps:
-                step_batch, micro, count, _ = trainer.next_batch()
+                step_batch, micro, count, self._planned = trainer.next_batch()
                 failpoint("train.step", step=trainer.step + 1)
                 self._batch = Batch(trainer, self._begin, self._further, step_batch, micro, count)
                 yield self._batch
@@ -291,14 +292,10 @@ class Run:
     def _begin(self, batch: Batch) -> None:
         """Before the step's first forward: its agreement opened, its loss scale known."""
         trainer = self.trainer
-        planned = None
-        per_sample = trainer.task.items_per_sample
-        if per_sample is not None:
-            planned = batch.step_batch.planned_items(per_sample, batch.items, trainer.step + 1)
         assert self._preempt is not None
         stop = self._preempt.requested or bool(self._wish)  # a wish rides in the stop flag
         self._scale = trainer.forward_backward.begin(
-            batch.items, stop, planned, trainer.regroup(), batch.micro[0], output_sum
+            batch.items, stop, self._planned, trainer.regroup(), batch.micro[0], output_sum
         )
         self._loss_sum = None
         if trainer.step == self._started_at:  # the process's first step only: it costs a call

@@ -26,7 +26,7 @@ Hooks have torch DDP's shape, ``hook(state, bucket) -> Future[Tensor]`` whose va
 Invariant to keep in mind: from the sync on, a ``.grad`` is a view of its bucket (as DDP's
 ``gradient_as_bucket_view``), so the next step's sync writes over it. Bucket size, hooks, unused
 parameters and the differences from torch DDP: docs/strategies.md, "allreduce"; the waiting
-time measured in ``finish_gradient_sync``: docs/communication.md.
+time measured in ``sync_gradients``: docs/communication.md.
 """
 
 from __future__ import annotations
@@ -176,11 +176,8 @@ class AllReduceStrategy(CommHookControl, BackwardSyncControl):
 
     # -- accumulation --------------------------------------------------------------------
 
-    def no_backward_sync(self) -> contextlib.AbstractContextManager[None]:
-        return self._local_backward()
-
     @contextlib.contextmanager
-    def _local_backward(self) -> Iterator[None]:
+    def no_backward_sync(self) -> Iterator[None]:
         self._sync = False
         try:
             yield
@@ -188,9 +185,6 @@ class AllReduceStrategy(CommHookControl, BackwardSyncControl):
             self._sync = True
 
     # -- the step ------------------------------------------------------------------------
-
-    def sync_gradients(self) -> None:
-        self.finish_gradient_sync()
 
     def _grad_ready(self, bucket: _Bucket, view: torch.Tensor, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: ``param.grad`` holds its final value for this backward."""
@@ -226,7 +220,7 @@ class AllReduceStrategy(CommHookControl, BackwardSyncControl):
         self.launches += 1
         self._next = bucket.index + 1
 
-    def finish_gradient_sync(self) -> None:
+    def sync_gradients(self) -> None:
         """Complete the step's gradient sync: launch what backward did not and wait for every
         bucket, which every ``.grad`` is a view of. After it, gradients are equal on every
         rank. (``sync_gradients``; a hand-written loop calls it after the last backward of a

@@ -40,10 +40,7 @@ def knows(model: nn.Module) -> bool:
 def hf_plan(model: nn.Module, degree: int) -> dict[str, ParallelStyle] | None:
     """The styles of the layers to cut at ``degree`` (raises ValueError where the shapes do not
     divide), or None when the model is none of the known kinds."""
-    gpt2 = _gpt2_plan(model, degree)
-    if gpt2 is not None:
-        return gpt2
-    return _config_plan(model, degree)
+    return _gpt2_plan(model, degree) or _config_plan(model, degree)  # a plan is never empty
 
 
 def _gpt2_plan(model: nn.Module, degree: int) -> dict[str, ParallelStyle] | None:

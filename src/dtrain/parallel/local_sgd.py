@@ -55,7 +55,6 @@ class LocalSGDStrategy(Strategy):
         self.params: list[nn.Parameter] = []  # what the inner optimizer updates (tied: once)
         self.param_buckets: list[list[nn.Parameter]] = []
         self.buffer_buckets: list[list[torch.Tensor]] = []  # floating-point buffers
-        self.syncs = 0  # synchronizations since set-up (tests count them)
         self.next_step = 1  # the step the next backward is for
 
     @classmethod
@@ -153,7 +152,6 @@ class LocalSGDStrategy(Strategy):
         buckets: list[Sequence[torch.Tensor]] = [*self.param_buckets, *self.buffer_buckets]
         for tensors in buckets:
             average_bucket(tensors, self.data_parallel_group, self.comm)
-        self.syncs += 1
 
     # -- state ---------------------------------------------------------------------------
 
@@ -249,7 +247,6 @@ class DiLoCoStrategy(LocalSGDStrategy):
             param.copy_(anchor)
         for buffers in self.buffer_buckets:
             average_bucket(buffers, self.data_parallel_group, self.comm)
-        self.syncs += 1
 
     # -- state ---------------------------------------------------------------------------
 

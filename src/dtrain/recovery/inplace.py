@@ -27,6 +27,7 @@ sizes: docs/fault-tolerance.md, "Recovery in place".
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import gc
@@ -287,10 +288,8 @@ def leave(trainer: Trainer | None) -> None:
     """Let go of a generation's trainer and process groups (its peers may be gone); the
     objects themselves are kept a while (:class:`Retired`)."""
     if trainer is not None:
-        try:
+        with contextlib.suppress(Exception):
             trainer.loader.close()
-        except Exception:
-            pass
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -71,6 +71,7 @@ coordinator forms no generation after it.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import json
@@ -384,10 +385,9 @@ class Member:
             if thread.is_alive() and give_up():
                 # Wake the blocked call (news for every waiting member: one look each) and let
                 # it end: a process ending with a store call in flight on a thread aborts.
-                try:
+                # The store out of reach: so is the call, bounded by the link.
+                with contextlib.suppress(Exception):
                     self._look_link.call(announce, "ending a wait")
-                except Exception:
-                    pass  # the store is out of reach: so is the call, bounded by the link
                 thread.join(self.link.call_s)
                 self._waiting = thread if thread.is_alive() else None
                 return True
@@ -446,10 +446,8 @@ class Member:
 
     def finish(self) -> None:
         """The run completed: members still waiting to join need not."""
-        try:
+        with contextlib.suppress(Exception):
             self._call(_say_done, "saying the run completed")
-        except Exception:
-            pass
 
     def close(self) -> None:
         """Stop telling :attr:`on_cut` (the last generation's) of machines cut off."""

@@ -4,19 +4,19 @@ timeout against hangs, and the diagnosis of a failed peer (the package's docstri
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dtrain.console import say_error
+from dtrain.console import say_error, say_line
 from dtrain.dist import sealed_store
 from dtrain.dist.reachability import node_label
 from dtrain.dist.sealed_store import fits, warn_once
@@ -116,12 +116,10 @@ class Watchdog(PeerDiagnosis):
             pid=os.getpid(),
         )
         if self.liveness.error:
-            print(
+            say_line(
                 f"dtrain: warning: rank {rank}: {self.liveness.error}; its liveness stays in "
                 "memory and the job's store (hang checks go on), but `dtrain status` will not "
-                "show this rank and, killed, it cannot be placed at its exact step",
-                file=sys.stderr,
-                flush=True,
+                "show this rank and, killed, it cannot be placed at its exact step"
             )
         self._stop = threading.Event()
         # The record's alive part has one writer: the thread, then stop(), which takes it over
@@ -135,12 +133,10 @@ class Watchdog(PeerDiagnosis):
         # many ranks answered it in more than the few seconds a later call is given).
         self.store = job_store_link(call_s, _CONNECT_S) if world_size > 1 else None
         if self.store is None and world_size > 1:
-            print(
+            say_line(
                 f"dtrain: warning: rank {rank}: the job's key-value store did not answer within "
                 f"{_CONNECT_S:.0f}s; this rank's heartbeats stay in its liveness file, and a "
-                "failed peer is named with less detail",
-                file=sys.stderr,
-                flush=True,
+                "failed peer is named with less detail"
             )
         self._thread: threading.Thread | None = None
         # Rank 0's beat, kept while the store answers: when rank 0 hosts the store (it does
@@ -174,11 +170,9 @@ class Watchdog(PeerDiagnosis):
             # nothing a collective soon after would not; it is what names rank 0 if it dies early.
             key = f"{store_prefix()}hb/0"
             wait = datetime.timedelta(seconds=self.timeout_s)
-            try:
+            with contextlib.suppress(Exception):  # rank 0 is late or gone; a collective will tell
                 self.store.call(lambda store: store.wait([key], wait), key, self.timeout_s + 1)
                 self._see_rank0(self.read_beat(0), time.monotonic())
-            except Exception:
-                pass  # rank 0 is late or gone; a collective will tell
         self._moves_seen, self._moved_at = self.liveness.moves, time.monotonic()
         self.liveness.stamp(time.time(), self._speed)
         self._thread = threading.Thread(target=self._run, name="dtrain-watchdog", daemon=True)
@@ -289,10 +283,8 @@ class Watchdog(PeerDiagnosis):
             store.set(key, value)
             store.append(index, entry)  # the ranks that failed, for a diagnosis to read
 
-        try:
+        with contextlib.suppress(Exception):
             self.store.call(post, "posting this rank's failure")
-        except Exception:
-            pass
 
     def _beat(self, seconds: float | None = None) -> None:
         """This rank's record, as it stands, into the store (none once stop() took over),
@@ -351,7 +343,8 @@ class Watchdog(PeerDiagnosis):
             # round trip, and the training thread waits for their handoffs of the GIL
             # (measured in docs/benchmarks.md, benchmarks/peers.py).
             moved = where != beaten and now - where_since >= wake
-            try:
+            # The store's host may be gone: a collective will tell.
+            with contextlib.suppress(Exception):
                 if moved or now - last_beat >= self.heartbeat_s:
                     # Counted as done even if it fails: a store that is gone is retried at
                     # the regular pace, not hammered.
@@ -360,8 +353,6 @@ class Watchdog(PeerDiagnosis):
                 if self.rank != 0 and now - last_read >= self.heartbeat_s:
                     last_read = now
                     self._see_rank0(self.read_beat(0), now)
-            except Exception:
-                pass  # the store's host may be gone; a collective will tell
             hung = self.check_hang(time.monotonic())
             if hung is not None:
                 self._on_hang(f"{hung}; {self.diagnose()}")
@@ -397,12 +388,7 @@ class Watchdog(PeerDiagnosis):
     def peers(self, seconds: float | None = None) -> dict[int, Liveness | None]:
         """Latest beat of every other rank (None where none was ever seen): one read of the
         store for all of them."""
-        if self.store is None:
-            return {}
-        others = [rank for rank in range(self.world_size) if rank != self.rank]
-        keys = {rank: f"{store_prefix()}hb/{rank}" for rank in others}
-        values = self.store.read_many(list(keys.values()), seconds)
-        return {rank: beat_of(key, values[key]) for rank, key in keys.items()}
+        return self.beats(set(range(self.world_size)) - {self.rank}, seconds)
 
     def beats(self, ranks: set[int], seconds: float | None = None) -> dict[int, Liveness | None]:
         """Latest beat of each of ``ranks`` (None where none was ever seen): one read."""

@@ -120,17 +120,15 @@ def balance_layers(
     example_input: torch.Tensor,
     num_stages: int,
     *,
-    memory_limit: float | Sequence[float] | None = None,
     warmup: int = 2,
     repeats: int = 7,
     refine_rounds: int = 2,
     clock: Clock = time.perf_counter,
     average: Average | None = None,
 ) -> tuple[StagePlan, list[LayerProfile]]:
-    """Profile the chain, then choose the stage boundaries with the fastest slowest stage
-    (within ``memory_limit`` bytes per stage, if given), corrected for up to
-    ``refine_rounds`` rounds by timing the plan's stages as a pipeline cuts them (see
-    :mod:`dtrain.parallel.pipeline.refine`). The plan's ``costs`` are its stages' measured
+    """Profile the chain, then choose the stage boundaries with the fastest slowest stage,
+    corrected for up to ``refine_rounds`` rounds by timing the plan's stages as a pipeline cuts
+    them (see :mod:`dtrain.parallel.pipeline.refine`). The plan's ``costs`` are its stages' measured
     seconds (with ``refine_rounds = 0``: the sums of the profiled layer times). ``average``
     combines every list of timings across ranks (the same plan on each: see
     :func:`dtrain.parallel.pipeline.plan.profiled_plan`)."""
@@ -142,7 +140,6 @@ def balance_layers(
         average(seconds) if average is not None else seconds,
         num_stages,
         memory=[p.memory_bytes for p in profiles],
-        memory_limit=memory_limit,
         rounds=refine_rounds,
         repeats=repeats,
         clock=clock,

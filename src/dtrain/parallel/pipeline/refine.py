@@ -37,7 +37,6 @@ def refine_plan(
     num_stages: int,
     *,
     memory: Sequence[float] | None = None,
-    memory_limit: float | Sequence[float] | None = None,
     rounds: int = 2,
     repeats: int = 7,
     clock: Clock = time.perf_counter,
@@ -50,7 +49,7 @@ def refine_plan(
     if rounds < 0 or repeats < 1:
         raise ValueError(f"refine_plan: rounds = {rounds}, repeats = {repeats}; need >= 0, >= 1")
     costs = [float(c) for c in costs]
-    plan = balance_stages(costs, num_stages, memory=memory, memory_limit=memory_limit)
+    plan = balance_stages(costs, num_stages, memory=memory)
     if rounds == 0:
         return plan
     candidates = [plan]
@@ -58,7 +57,7 @@ def refine_plan(
     for _ in range(rounds):
         measured = time_plans(layers, example_input, [plan.bounds], repeats, clock, average)[0]
         costs = corrected(costs, plan, measured)
-        plan = balance_stages(costs, num_stages, memory=memory, memory_limit=memory_limit)
+        plan = balance_stages(costs, num_stages, memory=memory)
         if any(plan.bounds == seen.bounds for seen in candidates):
             break  # settled: the correction leads back to a plan already measured
         candidates.append(plan)
