@@ -8,6 +8,7 @@ that does not exist or cannot be written are one line each, before any worker st
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import uuid
@@ -97,11 +98,9 @@ def check_store(run_dir: ObjectPath) -> None:
     try:
         try:
             probe.create(b"")
-            try:
+            with contextlib.suppress(FileExistsError):
                 probe.create(b"")
                 say(unguarded % "ignores")
-            except FileExistsError:
-                pass
         except NoConditionalWrites:
             probe.write_bytes(b"")
             say(unguarded % "does not implement")
