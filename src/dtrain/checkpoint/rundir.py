@@ -8,12 +8,11 @@ that does not exist or cannot be written are one line each, before any worker st
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from dtrain.checkpoint import layout
@@ -98,7 +97,7 @@ def check_store(run_dir: ObjectPath) -> None:
     try:
         try:
             probe.create(b"")
-            with contextlib.suppress(FileExistsError):
+            with suppress(FileExistsError):
                 probe.create(b"")
                 say(unguarded % "ignores")
         except NoConditionalWrites:
