@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import numpy as np
 from torch.utils.data import default_collate
 
 from dtrain.data.loader import RankLoader
-from dtrain.data.partition import OrderSpec
+from dtrain.data.partition import OrderSpec, _part_bounds, step_shape
 from dtrain.data.shards import FieldSpec, ShardedDataset, write_shards
 
 
@@ -71,3 +72,32 @@ def rank_loader_ids(data_dir: str, steps: int, gbs: int, micro: int, workers: in
         )
     loader.close()
     return out
+
+
+# -- measures of a split, for the partitioner's tests -----------------------------------------
+
+
+def partition_samples(
+    ids: np.ndarray, world_size: int, micro_batches: int, weights: Sequence[float] | None = None
+) -> list[list[np.ndarray]]:
+    """The product's equal-count (or weight-proportional) contiguous split of ``ids`` (its
+    :func:`~dtrain.data.partition.step_shape`, laid out in order): ``result[rank][micro]``."""
+    shape = step_shape(len(ids), world_size, micro_batches, weights)
+    return [[np.sort(ids[a:b]) for a, b in rank] for rank in _part_bounds(shape)]
+
+
+def imbalance(parts: list[list[np.ndarray]], lengths: np.ndarray) -> float:
+    """Max over mean of the tokens per rank: 1.0 is perfect balance."""
+    tokens = np.array(
+        [sum(int(lengths[m].sum()) for m in rank) for rank in parts], dtype=np.float64
+    )
+    return float(tokens.max() / tokens.mean()) if tokens.mean() > 0 else 1.0
+
+
+def imbalance_bound(batch_lengths: np.ndarray, world_size: int) -> float:
+    """The best max/mean any split can reach: one sequence longer than a rank's fair share of
+    the tokens sets the floor."""
+    total = float(np.sum(batch_lengths))
+    if total <= 0:
+        return 1.0
+    return max(1.0, float(np.max(batch_lengths)) / (total / world_size))

@@ -15,15 +15,13 @@ from dtrain.data.partition import (
     StepPlan,
     epoch_order,
     eval_shard,
-    imbalance,
-    imbalance_bound,
-    partition_samples,
     partition_tokens,
     plan_step,
     plan_steps,
     split_counts,
     stream_slice,
 )
+from tests.data_helpers import imbalance, imbalance_bound, partition_samples
 
 SIZES = (97, 100, 101, 117)
 

@@ -102,6 +102,14 @@ def prepared(store: Store, tmp_path_factory: pytest.TempPathFactory) -> Prepared
     return Prepared(tmp / "local", url, tmp)
 
 
+def fetched_ahead(ahead: ReadAhead, pieces: np.ndarray, timeout: float = 60.0) -> bool:
+    """Whether ``pieces`` come to be present on the read-ahead's machine within ``timeout``
+    seconds, waiting on its store's condition (notified as each fetch ends), never a sleep."""
+    store = ahead.store
+    with store._lock:
+        return store._lock.wait_for(lambda: bool(store.present(pieces).all()), timeout)
+
+
 def loaders(datasets: list[TokenWindows], cache: bool) -> list[RankLoader]:
     """A loader per rank, each on its dataset (a rank of a job opens its own)."""
     world, first = len(datasets), datasets[0]
@@ -161,7 +169,7 @@ def test_the_store_s_shards_give_the_local_windows_and_ids_step_by_step(
     theirs = loaders([local, local], cache=False)
     for _ in range(10):
         same_step(theirs, mine)
-        assert files.resident <= CACHE and files.held_bytes <= CACHE  # bounded
+        assert files.cache.resident() <= CACHE and files.held_bytes <= CACHE  # bounded
     assert files.fetched > 2 * CACHE  # evicted what the steps passed, fetched what came next
     state = mine[0].state_dict()
     assert state == theirs[0].state_dict() and state["consumed"] == 10 * B
@@ -215,12 +223,13 @@ def test_a_warm_loader_has_its_first_step_s_pieces_before_it_asks_and_a_resume_i
                 assert b.ahead is not None and b.ahead.origin is not None  # kept running
         for dataset, loader, want in zip(ranks, mine, theirs, strict=True):
             assert loader.ahead is not None and dataset.store is not None
-            assert loader.ahead.wait_fetched(position + B, timeout=60), loader.ahead.error
-            assert loader.ahead.span is not None and loader.ahead.span[0] == position
+            # Walking from the run's position (no weights, nothing skipped): its own plans.
+            assert loader.ahead.origin == (position, None, ())
             first = next(want)
             assert first.plan.start == position
             # Present before the step asks: fetched by the read-ahead, checked, on the disk.
-            assert dataset.store.present(dataset.pieces(np.concatenate(first.ids))).all()
+            pieces = dataset.pieces(np.concatenate(first.ids))
+            assert fetched_ahead(loader.ahead, pieces), loader.ahead.error
             got = next(loader)
             firsts.append([x.tolist() for x in first.ids])
             assert [x.tolist() for x in got.ids] == firsts[-1]
@@ -286,7 +295,7 @@ def test_two_ranks_of_a_machine_fetch_each_piece_once_between_them(
     # they fetched each piece on the machine once, with a request a run of consecutive pieces
     # at most (and each rank read the offsets files whole, once).
     assert len(present) > 30 and b.present(present).all()
-    assert a.fetched + b.fetched == a.bytes_of(present) == a.resident == b.resident
+    assert a.fetched + b.fetched == a.bytes_of(present) == a.cache.resident() == b.cache.resident()
     offsets = sum(name.endswith(".idx.npy") for name in a.names)
     assert len(a.runs(present)) <= a.requests + b.requests - 2 * offsets <= len(present)
     a.close()
@@ -310,7 +319,7 @@ def test_two_ranks_sharing_a_small_cache_evict_each_other_s_pieces_within_its_bo
     theirs = loaders([local, local], cache=False)
     for _ in range(10):
         same_step(theirs, mine)
-        assert a.resident <= CACHE and a.held_bytes + b.held_bytes <= CACHE  # the machine's
+        assert a.cache.resident() <= CACHE and a.held_bytes + b.held_bytes <= CACHE  # the machine's
     # The machine evicted what its ranks had passed and fetched what came next.
     assert a.fetched + b.fetched > 2 * CACHE
     for loader in mine:
@@ -325,12 +334,12 @@ def test_a_piece_another_rank_holds_is_never_evicted(store: Store, prepared: Pre
     assert a is not None and b is not None
     p0, p1, p2 = np.flatnonzero(a.piece_size == PIECE)[:3]
     with b.hold(np.array([p0, p1])):  # the machine's cache is full of what b holds
-        assert a.resident == 2 * PIECE and a.present(np.array([p0, p1])).all()
+        assert a.cache.resident() == 2 * PIECE and a.present(np.array([p0, p1])).all()
         with pytest.raises(DataError, match="cannot hold the pieces"), a.hold(np.array([p2])):
             pass
         assert b.present(np.array([p0, p1])).all()  # a evicted none of them
     with a.hold(np.array([p2])):  # let go: one of them makes room
-        assert a.resident == 2 * PIECE and a.present(np.array([p2])).all()
+        assert a.cache.resident() == 2 * PIECE and a.present(np.array([p2])).all()
     assert a.fetched == PIECE and b.fetched == 2 * PIECE
 
 
@@ -380,12 +389,12 @@ def test_a_rank_killed_while_it_fetches_a_piece_leaves_it_to_the_others(
     pieces = dataset.pieces([sample])
     claimed = np.flatnonzero(files.cache.state == WRITING)
     assert first in claimed and np.isin(claimed, pieces).all() and not files.present(pieces).any()
-    assert files.resident == files.bytes_of(claimed)
+    assert files.cache.resident() == files.bytes_of(claimed)
     got = dataset[sample]  # this rank claims it now, fetches and checks it
     want = ShardedDataset(prepared.local / "val")[sample]
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
     assert files.present(pieces).all() and files.fetched == files.bytes_of(pieces)
-    assert files.resident == files.bytes_of(pieces)  # the dead rank's claim counted once
+    assert files.cache.resident() == files.bytes_of(pieces)  # the dead rank's claim counted once
 
 
 def test_a_missing_or_damaged_object_is_named(store: Store, prepared: Prepared) -> None:

@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from dtrain.data.partition import partition_samples, partition_tokens
+from dtrain.data.partition import partition_tokens
 from dtrain.data.text import collate_padded
 from dtrain.models.gpt import GPT, GPTConfig
 from dtrain.parallel.recipe import Recipe
 from dtrain.task import count_target_items
 from dtrain.train.step import run_micro_batches
+from tests.data_helpers import partition_samples
 from tests.tasks import VariableTokens, lm_loss
 
 

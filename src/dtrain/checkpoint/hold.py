@@ -16,6 +16,7 @@ others'. Under plain ``torchrun`` (no hold) the job is its rendezvous id.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -108,15 +109,14 @@ class Hold:
                 continue
             renewals = max(renewals, current.renewals if current else 0) + 1
             record = replace(self.record, renewals=renewals)
-            try:
+            # An OSError: the folder's storage is away for a moment; the next renewal tries again.
+            with contextlib.suppress(OSError):
                 if current is None:
                     _create(self.path, record)
                 elif isinstance(self.path, ObjectPath):
                     self.path.write_bytes(json.dumps(asdict(record)).encode())
                 else:
                     write_atomic(self.path, json.dumps(asdict(record)), mode=HOLD_MODE)
-            except OSError:
-                pass  # the folder's storage is away for a moment; the next renewal tries again
 
     def release(self) -> None:
         """Stop renewing and remove the hold if it is still this job's (the other machines of
@@ -125,10 +125,8 @@ class Hold:
         self._thread.join(timeout=RENEW_S)
         current = read_hold(self.path)
         if current is not None and current.token == self.token:
-            try:
+            with contextlib.suppress(OSError):
                 self.path.unlink()
-            except OSError:
-                pass
 
 
 def read_hold(path: Location) -> HoldRecord | None:
@@ -166,11 +164,9 @@ def take_hold(
     )
     path = run_dir / HOLD_FILE
     for _ in range(20):  # each round ends in a hold, a refusal, or someone else's move
-        try:
+        with contextlib.suppress(FileExistsError):
             _create(path, mine)
             return Hold(path, mine, joined=False)
-        except FileExistsError:
-            pass
         current = read_hold(path)
         if current is None:
             _set_aside_unreadable(path)
@@ -250,10 +246,8 @@ def _take_over(path: Path, stale: HoldRecord) -> bool:
     moved = read_hold(aside)
     if moved is not None and moved.token != stale.token:
         # A fresh hold replaced the stale one between the read and the rename: put it back.
-        try:
+        with contextlib.suppress(FileExistsError):
             os.link(aside, path)
-        except FileExistsError:
-            pass
         aside.unlink(missing_ok=True)
         return False
     aside.unlink(missing_ok=True)
@@ -269,10 +263,8 @@ def _set_aside_unreadable(path: Location) -> None:
             path.unlink(missing_ok=True)
         return
     if path.exists() and read_hold(path) is None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.rename(path, path.with_name(f".{path.name}.unreadable-{uuid.uuid4().hex}"))
-        except FileNotFoundError:
-            pass
 
 
 def _alive(record: HoldRecord, path: Location, lease_s: float) -> bool:

@@ -7,6 +7,7 @@ nothing is copied."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from dtrain.checkpoint.store import write_whole
@@ -46,10 +47,8 @@ def fetch_records(store: ObjectPath, into: Path) -> Path:
     folder = into / (store.name or store.bucket)
     folder.mkdir(parents=True, exist_ok=True)
     for name in (*RECORDS, "config.toml", "trackers.json"):
-        try:
+        with contextlib.suppress(FileNotFoundError):
             write_atomic(folder / name, (store / name).read_bytes())
-        except FileNotFoundError:
-            pass
     write_atomic(folder / ORIGIN, store.url)
     return folder
 

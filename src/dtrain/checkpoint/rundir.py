@@ -12,7 +12,7 @@ import os
 import socket
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from dtrain.checkpoint import layout
@@ -97,11 +97,9 @@ def check_store(run_dir: ObjectPath) -> None:
     try:
         try:
             probe.create(b"")
-            try:
+            with suppress(FileExistsError):
                 probe.create(b"")
                 say(unguarded % "ignores")
-            except FileExistsError:
-                pass
         except NoConditionalWrites:
             probe.write_bytes(b"")
             say(unguarded % "does not implement")

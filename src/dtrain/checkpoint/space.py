@@ -42,11 +42,8 @@ def _storages(obj: Any, seen: dict[int, int]) -> None:
     elif isinstance(obj, torch.Tensor):
         storage = obj.untyped_storage()
         seen[storage.data_ptr()] = int(storage.nbytes())
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            _storages(value, seen)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
+    elif isinstance(obj, (dict, list, tuple)):
+        for value in obj.values() if isinstance(obj, dict) else obj:
             _storages(value, seen)
     elif isinstance(obj, (bytes, bytearray)):
         seen[id(obj)] = len(obj)

@@ -27,6 +27,7 @@ threads. The invariants:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -118,11 +119,9 @@ class NodeCache:
                 os.close(door)
                 continue
             users = os.open(self.folder / "users.lock", os.O_RDWR | os.O_CREAT, 0o600)
-            try:
+            with contextlib.suppress(BlockingIOError):
                 fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 self._empty(len(self.piece_size))  # the first user: nothing kept is trusted
-            except BlockingIOError:
-                pass
             fcntl.flock(users, fcntl.LOCK_SH)  # held for life; the kernel drops it at death
             fcntl.flock(door, fcntl.LOCK_UN)
             self._users = users
@@ -141,11 +140,9 @@ class NodeCache:
         fcntl.flock(self._door, fcntl.LOCK_EX)
         try:
             fcntl.flock(self._users, fcntl.LOCK_UN)
-            try:
+            with contextlib.suppress(BlockingIOError):
                 fcntl.flock(self._users, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 shutil.rmtree(self.folder, ignore_errors=True)
-            except BlockingIOError:
-                pass
         finally:
             for fd in (self._users, self._holds, self._claims, self._door):
                 os.close(fd)

@@ -196,18 +196,6 @@ def _micro_steps(samples: int, micro_batches: int, micro_cap: int) -> int:
     return micro_batches if micro_cap <= 0 else max(1, -(-samples // micro_cap))
 
 
-def partition_samples(
-    ids: np.ndarray,
-    world_size: int,
-    micro_batches: int,
-    weights: Sequence[float] | None = None,
-    micro_cap: int = 0,
-) -> list[list[np.ndarray]]:
-    """Equal-count (or weight-proportional) contiguous split: ``result[rank][micro]``."""
-    shape = step_shape(len(ids), world_size, micro_batches, weights, micro_cap)
-    return [[np.sort(ids[a:b]) for a, b in rank] for rank in _part_bounds(shape)]
-
-
 def _part_bounds(shape: list[list[int]]) -> list[list[tuple[int, int]]]:
     """Where each (rank, micro-batch) part lies in the global batch, ``[rank][micro] ->
     (first, last + 1)``: ranks in order, each rank's micro-batches of the sizes ``shape``
@@ -417,20 +405,3 @@ def eval_shard(num_samples: int, rank: int, world_size: int) -> range:
     base, extra = divmod(num_samples, world_size)
     start = rank * base + min(rank, extra)
     return range(start, start + base + (1 if rank < extra else 0))
-
-
-def imbalance(parts: list[list[np.ndarray]], lengths: np.ndarray) -> float:
-    """Max over mean of the tokens per rank: 1.0 is perfect balance."""
-    tokens = np.array(
-        [sum(int(lengths[m].sum()) for m in rank) for rank in parts], dtype=np.float64
-    )
-    return float(tokens.max() / tokens.mean()) if tokens.mean() > 0 else 1.0
-
-
-def imbalance_bound(batch_lengths: np.ndarray, world_size: int) -> float:
-    """The best max/mean any split can reach: one sequence longer than a rank's fair share of
-    the tokens sets the floor."""
-    total = float(np.sum(batch_lengths))
-    if total <= 0:
-        return 1.0
-    return max(1.0, float(np.max(batch_lengths)) / (total / world_size))

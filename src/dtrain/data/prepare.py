@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
@@ -25,7 +26,7 @@ from dtrain.data.shards import (
     to_field_array,
     write_shards,
 )
-from dtrain.data.upload import check_store_output, scratch_folder, upload_dataset
+from dtrain.data.upload import check_store_output, upload_dataset
 from dtrain.data.writer import check_replaceable
 from dtrain.errors import DataError
 from dtrain.fsutil import require_output_folder, scheme_of
@@ -301,7 +302,7 @@ def prepare(
         return write(Path(out_dir), overwrite=overwrite)
     store = ObjectPath(str(out_dir))
     check_store_output(store, overwrite)  # before the source is read
-    with scratch_folder() as scratch:
+    with tempfile.TemporaryDirectory(prefix="dtrain-prepare-") as scratch:  # then uploaded
         local = write(Path(scratch) / "data")
         upload_dataset(local, store)
     return store

@@ -53,27 +53,11 @@ class ReadAhead:
         # the thread runs and no step was passed; else None. The loader keeps a read-ahead
         # whose origin is its own (started before the first step: data.loader.RankLoader.warm).
         self.origin: Hashable | None = None
-        # Since the last start: the first step's start position and the end of the last step
-        # whose pieces were all present (fetched) when the thread passed on; None before.
-        self.span: tuple[int, int] | None = None
-
-    def wait_fetched(self, end: int, timeout: float) -> bool:
-        """Whether the steps up to stream position ``end`` have their pieces fetched, waiting
-        up to ``timeout`` seconds (False at once when the thread stopped first)."""
-        with self._lock:
-            return self._lock.wait_for(
-                lambda: (
-                    (self.span is not None and self.span[1] >= end)
-                    or self._stop.is_set()
-                    or self.error is not None
-                ),
-                timeout,
-            ) and (self.span is not None and self.span[1] >= end)
 
     def start(self, plans: Iterator[StepPlan], origin: Hashable = None) -> None:
         """Read ahead of ``plans``, the loader's own steps from its position (``origin``)."""
         self.stop()
-        self.origin, self.span = origin, None
+        self.origin = origin
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run,
@@ -109,7 +93,6 @@ class ReadAhead:
         with self._lock:
             while self._held:
                 self.store.give_back(self._held.popleft()[1])
-            self._lock.notify_all()  # a wait_fetched returns
 
     def _run(self, plans: Iterator[StepPlan], stop: threading.Event) -> None:
         # A failure stops the read-ahead only: the step that needs the piece fetches it itself
@@ -127,14 +110,8 @@ class ReadAhead:
                         del done
                         if stop.is_set():
                             return
-                    with self._lock:
-                        first = plan.start if self.span is None else self.span[0]
-                        self.span = (first, plan.end)
-                        self._lock.notify_all()
         except BaseException as exc:
             self.error = exc
-            with self._lock:
-                self._lock.notify_all()
 
     def _hold_step(self, plan: StepPlan, stop: threading.Event) -> bool:
         mine = plan.rank_ids(self.rank)

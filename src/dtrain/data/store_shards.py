@@ -119,11 +119,6 @@ class StoreShards:
         """Bytes this rank may hold ahead: its share of the machine's ``limit``."""
         return max(self.piece_bytes, self.limit // self.sharers)
 
-    @property
-    def resident(self) -> int:
-        """Bytes of the pieces on this machine's disk (being written included)."""
-        return self.cache.resident()
-
     def present(self, pieces: np.ndarray) -> np.ndarray:
         """Which of ``pieces`` are on this machine's disk, checked (a rank of it fetched them)."""
         return np.asarray(self.cache.state[pieces] == PRESENT)

@@ -11,8 +11,6 @@ the local one's, so a run can resume on the same data read from either place.
 from __future__ import annotations
 
 import json
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +46,7 @@ def check_store_output(out: ObjectPath, overwrite: bool) -> None:
         )
 
 
-def upload_dataset(
-    local: Path,
-    out: ObjectPath,
-    progress: Callable[[str], None] = lambda _: None,
-    piece_bytes: int = STORE_PIECE_BYTES,
-) -> None:
+def upload_dataset(local: Path, out: ObjectPath, piece_bytes: int = STORE_PIECE_BYTES) -> None:
     """Upload the dataset folder ``local`` to ``out``, its manifest last (see the module);
     readers fetch it in pieces of ``piece_bytes`` (smaller ones: tests of the cache)."""
     manifest: dict[str, Any] = json.loads((local / MANIFEST).read_text())
@@ -64,15 +57,9 @@ def upload_dataset(
         for shard in manifest["shards"]:
             for fname, info in shard["files"].items():
                 info["piece_sha256"] = piece_hashes(local / fname, piece_bytes)
-                progress(fname)
                 with open(local / fname, "rb") as src, (out / fname).open("wb") as dst:
                     while chunk := src.read(STORE_PIECE_BYTES * 8):
                         dst.write(chunk)
         (out / MANIFEST).write_bytes(json.dumps(manifest, indent=1).encode())
     except OSError as exc:  # a StoreError names the store and its retry policy
         raise DataError(f"uploading the dataset to {out}: {exc}; run the prepare again") from None
-
-
-def scratch_folder() -> tempfile.TemporaryDirectory[str]:
-    """Where the shards are written before they are uploaded."""
-    return tempfile.TemporaryDirectory(prefix="dtrain-prepare-")

@@ -7,6 +7,7 @@ Every sink takes the same records (:class:`Sink`); the trainer writes each recor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -106,10 +107,8 @@ class JsonlSink:
     def _drop(self) -> None:
         fh, self._fh = self._fh, None
         if fh is not None:
-            try:
+            with contextlib.suppress(OSError):  # its buffered part of a line is lost with it
                 fh.close()
-            except OSError:
-                pass  # its buffered part of a line is lost with it
 
     def close(self) -> None:
         self._drop()

@@ -7,16 +7,13 @@ thread, so a record costs the training loop a few microseconds.
 from __future__ import annotations
 
 import importlib.util
-import math
 from pathlib import Path
 from typing import Any
 
 from dtrain.errors import UserError
+from dtrain.metrics.trackers.rows import to_row
 
 TENSORBOARD_DIR = "tensorboard"
-
-# Fields that are positions or clocks, not measurements.
-_NOT_SCALARS = {"step", "time", "steps", "epoch"}
 
 
 def check_available() -> None:
@@ -36,25 +33,13 @@ class TensorBoardSink:
         self.writer = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR))
 
     def write(self, record: dict[str, Any]) -> None:
-        kind = record.get("kind")
-        step = record.get("step")
-        if not isinstance(step, int):
-            return
-        walltime = record.get("time")
-        if kind in ("train", "eval"):
-            for key, value in record.items():
-                if key not in _NOT_SCALARS and _is_number(value):
-                    self.writer.add_scalar(f"{kind}/{key}", value, step, walltime=walltime)
-        elif kind == "ranks":
-            for key, values in record.items():
-                if key in _NOT_SCALARS or not isinstance(values, list):
-                    continue
-                for rank, value in enumerate(values):
-                    if _is_number(value):
-                        self.writer.add_scalar(
-                            f"ranks/{key}/rank{rank}", value, step, walltime=walltime
-                        )
-        elif kind in ("event", "straggler"):
+        kind, step, walltime = record.get("kind"), record.get("step"), record.get("time")
+        # The numbers named as the trackers name them; an own loop's run.log is an event here.
+        row = to_row(record) if kind in ("train", "eval", "ranks") else None
+        if row is not None:
+            for tag, value in row.values.items():
+                self.writer.add_scalar(tag, value, row.step, walltime=walltime)
+        elif kind in ("event", "straggler") and isinstance(step, int):
             name = record.get("name", kind)
             details = ", ".join(
                 f"{k} {v}" for k, v in record.items() if k not in ("kind", "name", "time")
@@ -63,11 +48,3 @@ class TensorBoardSink:
 
     def close(self) -> None:
         self.writer.close()
-
-
-def _is_number(value: Any) -> bool:
-    return (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(float(value))
-    )

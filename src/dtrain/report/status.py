@@ -8,6 +8,7 @@ docs/observability.md, "dtrain status".
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -34,10 +35,8 @@ STALE_S = 10.0
 
 
 def _total_steps(run: Run) -> int | None:
-    try:
+    with contextlib.suppress(ConfigError, OSError, ValueError, KeyError, TypeError):
         return int(read_toml(run.path / CONFIG_FILE)["train"]["steps"])
-    except (ConfigError, OSError, ValueError, KeyError, TypeError):
-        pass
     start = run.last("start")
     return int(start["steps"]) if start else None
 

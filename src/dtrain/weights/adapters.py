@@ -148,11 +148,6 @@ def check_init_adapter(path: str) -> None:
 # -- out ---------------------------------------------------------------------------------------
 
 
-def save_adapter_config(model: nn.Module, folder: Path) -> None:
-    """A PEFT model's adapter settings into ``folder`` (beside the base's ``config.json``)."""
-    adapter_config(model).save_pretrained(str(folder))
-
-
 def load_adapters(model: nn.Module, state: Mapping[str, torch.Tensor], where: str) -> None:
     """A PEFT run's checkpoint (its trainable tensors, by the model's own names) into
     ``model``, after checking that it holds exactly those."""

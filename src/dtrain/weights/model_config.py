@@ -38,9 +38,9 @@ def save_model_config(model: nn.Module, run_dir: Path) -> Path | None:
     shutil.rmtree(partial, ignore_errors=True)
     config.save_pretrained(str(partial))
     if peft:  # beside it, adapter_config.json: what dtrain export builds the adapter from
-        from dtrain.weights.adapters import save_adapter_config
+        from dtrain.weights.adapters import adapter_config
 
-        save_adapter_config(model, partial)
+        adapter_config(model).save_pretrained(str(partial))
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
     return target

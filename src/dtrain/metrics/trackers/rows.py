@@ -6,7 +6,7 @@ them (:class:`Tracker`). Light on purpose: a tracker's own process
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -50,27 +50,11 @@ class Setup:
     tracking_uri: str  # metrics.tracking_uri (MLflow)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "run_dir": str(self.run_dir),
-            "folder": self.folder,
-            "name": self.name,
-            "params": self.params,
-            "project": self.project,
-            "tags": list(self.tags),
-            "tracking_uri": self.tracking_uri,
-        }
+        return {**asdict(self), "run_dir": str(self.run_dir), "tags": list(self.tags)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Setup:
-        return cls(
-            run_dir=Path(data["run_dir"]),
-            folder=str(data["folder"]),
-            name=str(data["name"]),
-            params=dict(data["params"]),
-            project=str(data["project"]),
-            tags=tuple(str(t) for t in data["tags"]),
-            tracking_uri=str(data["tracking_uri"]),
-        )
+        return cls(**{**data, "run_dir": Path(data["run_dir"]), "tags": tuple(data["tags"])})
 
 
 class Tracker(Protocol):

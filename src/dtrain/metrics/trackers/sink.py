@@ -13,10 +13,8 @@ goes on in the same tracker run (docs/observability.md, "Experiment trackers").
 from __future__ import annotations
 
 import json
-import os
 import queue
 import threading
-from pathlib import Path
 from typing import Any
 
 from dtrain.checkpoint import layout
@@ -163,13 +161,7 @@ def write_run_id(run_dir: Location, name: str, ids: dict[str, Any]) -> None:
     one (in a store: one request), so a crash leaves the old file or the new one."""
     with _IDS_LOCK:
         every = {**read_run_ids(run_dir), name: ids}
-        path = run_dir / RUN_IDS
-        if not isinstance(path, Path):
-            write_whole(path, json.dumps(every, indent=1, sort_keys=True) + "\n")
-            return
-        tmp = path.with_name(f".{RUN_IDS}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(every, indent=1, sort_keys=True) + "\n")
-        os.replace(tmp, path)
+        write_whole(run_dir / RUN_IDS, json.dumps(every, indent=1, sort_keys=True) + "\n")
 
 
 def newest_checkpoint(run_dir: Location) -> str | None:
