@@ -8,11 +8,35 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 
-from dtrain.cli import commands
+from dtrain.cli.commands import (
+    cmd_config,
+    cmd_estimate,
+    cmd_export,
+    cmd_prepare,
+    cmd_rendezvous,
+    cmd_report,
+    cmd_status,
+    cmd_strategies,
+    cmd_verify,
+)
 from dtrain.cli.parser import build_parser
 from dtrain.cli.train import cmd_train
 from dtrain.errors import USER_ERROR_EXIT_CODE, UserError
 from dtrain.process_exit import freeze_heap_at_exit
+
+# Each command takes the parsed arguments, its config overrides as ``args.overrides``.
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "train": cmd_train,
+    "prepare": cmd_prepare,
+    "verify": cmd_verify,
+    "config": cmd_config,
+    "report": cmd_report,
+    "status": cmd_status,
+    "export": cmd_export,
+    "rendezvous": cmd_rendezvous,
+    "estimate": cmd_estimate,
+    "strategies": cmd_strategies,
+}
 
 
 def split_overrides(extra: Sequence[str]) -> list[str]:
@@ -59,12 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"unrecognized arguments: {' '.join(extra)} (see dtrain {args.command} --help)"
             )
         args.overrides = split_overrides(extra)
-        # Each subcommand of the parser is cmd_<name> of dtrain.cli.commands (train: its own
-        # module); it takes the parsed arguments, its config overrides as ``args.overrides``.
-        run: Callable[[argparse.Namespace], int] = (
-            cmd_train if args.command == "train" else getattr(commands, f"cmd_{args.command}")
-        )
-        return run(args)
+        return COMMANDS[args.command](args)
     except UserError as exc:
         print(f"dtrain: error: {exc}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
