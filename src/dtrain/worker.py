@@ -53,31 +53,43 @@ def load_worker_config(argv: Sequence[str]) -> Config:
 
 
 def train(cfg: Config, own_loop: OwnLoop | None = None) -> Summary | None:
-    """Run training in this process, as one rank of the job the environment describes: the
-    plain loop, a loop of the user's own (``own_loop``, or ``run.script``'s ``main``), or under
-    ``fault.recovery = 'inplace'`` the loop across membership generations (None: a worker of an
-    in-place job that the run completed without)."""
+    """Run training in this process, as one rank of the job the environment describes
+    (:func:`run_training`), and end its helper threads and process group
+    (:func:`finish_worker`) however it ends."""
+    try:
+        return run_training(cfg, own_loop)
+    finally:
+        finish_worker()
+
+
+def run_training(cfg: Config, own_loop: OwnLoop | None = None) -> Summary | None:
+    """The plain loop, a loop of the user's own (``own_loop``, or ``run.script``'s ``main``),
+    or under ``fault.recovery = 'inplace'`` the loop across membership generations (None: a
+    worker of an in-place job that the run completed without)."""
+    if own_loop is None and cfg.run.script:
+        from dtrain.loop.script import load_main
+
+        own_loop = load_main(cfg.run.script)
+    if cfg.fault.recovery == "inplace":
+        from dtrain.train.inplace_worker import TrainerLoop, train_in_place
+
+        if own_loop is None:
+            return train_in_place(cfg, TrainerLoop)
+        from dtrain.loop.inplace import start_own_loop
+
+        return train_in_place(cfg, start_own_loop(own_loop))
+    return train_once(cfg, own_loop)
+
+
+def finish_worker() -> None:
+    """End what a run leaves of dtrain's in this process: the probe listener, the helper
+    threads (each waited for a little) and the process group."""
     from dtrain.dist.reachability import close_probe_listener
     from dtrain.dist.runtime import shutdown_runtime
 
-    try:
-        if own_loop is None and cfg.run.script:
-            from dtrain.loop.script import load_main
-
-            own_loop = load_main(cfg.run.script)
-        if cfg.fault.recovery == "inplace":
-            from dtrain.train.inplace_worker import TrainerLoop, train_in_place
-
-            if own_loop is None:
-                return train_in_place(cfg, TrainerLoop)
-            from dtrain.loop.inplace import start_own_loop
-
-            return train_in_place(cfg, start_own_loop(own_loop))
-        return train_once(cfg, own_loop)
-    finally:
-        close_probe_listener()  # its accept thread is one of ours: it must end first
-        join_helper_threads()
-        shutdown_runtime()
+    close_probe_listener()  # its accept thread is one of ours: it must end first
+    join_helper_threads()
+    shutdown_runtime()
 
 
 def train_once(cfg: Config, own_loop: OwnLoop | None = None) -> Summary:
@@ -162,10 +174,15 @@ def main(argv: Sequence[str] | None = None, own_loop: OwnLoop | None = None) -> 
     who = f"member {os.environ[MEMBER_ENV]}" if MEMBER_ENV in os.environ else f"rank {rank}"
     guard_console(who)  # a closed output pipe costs the output, never the run
     cfg: Config | None = None
+    started = peer_gone = False
+    # The error is said before the helper threads are waited for (finish_worker, up to 2 s):
+    # after a peer was killed, a checkpoint's commit waits in a collective with it, and every
+    # rank's line came 2 s after its diagnosis.
     try:
         cfg = load_worker_config(args)
         settle_early(cfg.fault.preempt_signals)
-        train(cfg, own_loop)
+        started = True
+        run_training(cfg, own_loop)
     except UserError as exc:
         message = f"{who}: {exc}"
         record_error(message)  # where dtrain's launcher reads it
@@ -185,11 +202,15 @@ def main(argv: Sequence[str] | None = None, own_loop: OwnLoop | None = None) -> 
         code = report_crash(exc, int(rank), where)
         from dtrain.fault.peer_failure import PeerFailure
 
-        if cfg is not None and isinstance(exc, PeerFailure):
+        peer_gone = isinstance(exc, PeerFailure)
+        return code
+    finally:
+        if started:
+            finish_worker()
+        if cfg is not None and peer_gone:
             from dtrain.fault.store_host import hold_store_for_peers
 
             hold_store_for_peers(cfg.fault.heartbeat_s)  # their diagnosis reads its store
-        return code
     return 0
 
 
