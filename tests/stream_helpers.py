@@ -16,12 +16,17 @@ import torch
 from torch.utils.data import IterableDataset
 
 from dtrain.config import Config
-from dtrain.data.stream_units import UnitMap, split_id
+from dtrain.data.stream_units import ID_BITS, UnitMap
 from dtrain.models.gpt import GPT, GPTConfig
 from dtrain.task import Task, task_config
 from tests.tasks import TinyOptions, lm_loss
 
 LENGTHS = (9, 12, 7, 0, 11)  # items per source shard; one empty
+
+
+def split_id(sample: int) -> tuple[int, int]:
+    """``(unit, index)`` of a sample id (:func:`dtrain.data.stream_units.sample_id`)."""
+    return sample >> ID_BITS, sample & ((1 << ID_BITS) - 1)
 
 
 class ShardStream(IterableDataset[tuple[int, int]]):

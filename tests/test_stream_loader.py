@@ -15,7 +15,7 @@ import pytest
 from dtrain.data.build import check_task_data
 from dtrain.data.stream_loader import StreamLoader
 from dtrain.data.stream_source import stream_source
-from dtrain.data.stream_units import UnitMap, UnitState, split_id
+from dtrain.data.stream_units import UnitMap, UnitState
 from dtrain.errors import UserError
 from dtrain.task import build_task, resolve_task
 from dtrain.train.job import build_job_config
@@ -27,6 +27,7 @@ from tests.stream_helpers import (
     check_units,
     hf_stream,
     item_key,
+    split_id,
     write_jsonl_shards,
 )
 

@@ -50,13 +50,11 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
     """The keys that differ and may not (a key only one of them has differs: every config a
     run saves holds every key)."""
     before, after = flatten(saved), flatten(current)
-    diffs = []
-    for key in sorted(set(before) | set(after)):
-        if key.startswith(SAFE_TO_CHANGE) or key in SAFE_TO_CHANGE:
-            continue
-        if before.get(key) != after.get(key):
-            diffs.append(f"{key}: {before.get(key, '(unset)')!r} -> {after.get(key, '(unset)')!r}")
-    return diffs
+    return [
+        f"{key}: {before.get(key, '(unset)')!r} -> {after.get(key, '(unset)')!r}"
+        for key in sorted(set(before) | set(after))
+        if not key.startswith(SAFE_TO_CHANGE) and before.get(key) != after.get(key)
+    ]
 
 
 def check_resumed_config(saved_toml: str, cfg: Config, where: object) -> None:

@@ -84,9 +84,7 @@ def runs(pieces: np.ndarray) -> list[tuple[int, int]]:
     if len(pieces) == 0:
         return []
     cut = np.flatnonzero(np.diff(pieces) != 1) + 1
-    starts = np.concatenate([[0], cut])
-    ends = np.concatenate([cut, [len(pieces)]])
-    return [(int(pieces[s]), int(e - s)) for s, e in zip(starts, ends, strict=True)]
+    return [(int(run[0]), len(run)) for run in np.split(pieces, cut)]
 
 
 class NodeCache:

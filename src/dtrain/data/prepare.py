@@ -260,10 +260,7 @@ def detect_format(source: Path) -> str:
         [source] if source.is_file() else sorted(p for p in source.rglob("*") if p.is_file())
     )
     suffixes = {p.suffix for p in candidates}
-    for fmt, suffix in (("jsonl", ".jsonl"), ("npy", ".npy"), ("parquet", ".parquet")):
-        if suffix in suffixes:
-            return fmt
-    return "text"
+    return next((fmt for fmt in ("jsonl", "npy", "parquet") if f".{fmt}" in suffixes), "text")
 
 
 def prepare(

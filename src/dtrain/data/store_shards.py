@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import os
 import threading
 import time
@@ -290,11 +291,8 @@ class StoreShards:
                 if not self.cache.try_claim(p):
                     break
                 claimed.append(p)
-            todo: list[int] = []  # the claimed pieces still absent, from the first on
-            for p in claimed:
-                if self.cache.state[p] == PRESENT:  # another rank fetched it
-                    break
-                todo.append(p)
+            # The claimed pieces still absent, up to the first one another rank fetched.
+            todo = list(itertools.takewhile(lambda p: self.cache.state[p] != PRESENT, claimed))
             if todo:
                 self._fetch_claimed(file, todo)
         finally:

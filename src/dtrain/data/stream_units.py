@@ -32,11 +32,6 @@ def sample_id(unit: int, index: int) -> int:
     return (unit << ID_BITS) | index
 
 
-def split_id(sample: int) -> tuple[int, int]:
-    """``(unit, index)`` of a :func:`sample_id`."""
-    return sample >> ID_BITS, sample & ((1 << ID_BITS) - 1)
-
-
 @lru_cache(maxsize=8)
 def _pass_order(num_shards: int, seed: int, shuffled: bool, epoch: int) -> tuple[int, ...]:
     if not shuffled:

@@ -100,21 +100,13 @@ def tensors_of(
 ) -> list[TensorInfo]:
     """The entries of ``infos`` (of ``model``'s tensors) that ``modules`` hold, each once."""
     index = {info.name: info for info in infos}
-    by_id: dict[int, TensorInfo] = {}
     named: list[tuple[str, torch.Tensor]] = [
         *model.named_parameters(remove_duplicate=False),
         *model.named_buffers(remove_duplicate=False),
     ]
-    for name, tensor in named:
-        if name in index:
-            by_id[id(tensor)] = index[name]
-    found: dict[str, TensorInfo] = {}
-    for module in modules:
-        for tensor in (*module.parameters(), *module.buffers()):
-            info = by_id.get(id(tensor))
-            if info is not None:
-                found[info.name] = info
-    return list(found.values())
+    by_id = {id(tensor): index[name] for name, tensor in named if name in index}
+    held = (by_id.get(id(t)) for m in modules for t in (*m.parameters(), *m.buffers()))
+    return list({info.name: info for info in held if info is not None}.values())
 
 
 @dataclass(frozen=True)

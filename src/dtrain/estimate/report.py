@@ -45,8 +45,7 @@ def format_table(estimate: MemoryEstimate) -> str:
     width = max(len(line.what) for line in e.lines) + 2
     width = max(width, 36)
     lines.append(f"{'what':<{width}}{'bytes per rank':>16}")
-    for line in e.lines:
-        lines.append(f"{line.what:<{width}}{human(line.bytes):>16}")
+    lines += [f"{line.what:<{width}}{human(line.bytes):>16}" for line in e.lines]
     lines.append("")
     for phase, size in e.phases.items():
         mark = "  <- peak" if phase == e.peak_phase else ""
@@ -61,8 +60,7 @@ def format_table(estimate: MemoryEstimate) -> str:
             f"peak {human(e.peak)} {verdict} in {human(e.budget)} per rank "
             f"({100 * e.peak / e.budget:.0f}%)"
         )
-    for note in e.notes:
-        lines.append(f"note: {note}")
+    lines += [f"note: {note}" for note in e.notes]
     lines.append(
         "not counted: the runtime's own memory (torch, the process group, a GPU's context, "
         "the kernels' workspaces), the data, allocator slack"

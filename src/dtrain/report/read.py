@@ -164,11 +164,9 @@ def read_run(run_dir: Path, label: str = "") -> Run:
 def read_runs(run_dirs: list[Path]) -> list[Run]:
     """Several run folders, labelled by their folder names (with their parents' names where
     two share a name)."""
-    names = [Path(os.path.abspath(d)).name for d in run_dirs]
-    labels = []
-    for d, name in zip(run_dirs, names):
-        full = Path(os.path.abspath(d))
-        labels.append(f"{full.parent.name}/{name}" if names.count(name) > 1 else name)
+    full = [Path(os.path.abspath(d)) for d in run_dirs]
+    names = [f.name for f in full]
+    labels = [f"{f.parent.name}/{f.name}" if names.count(f.name) > 1 else f.name for f in full]
     if len(set(labels)) < len(labels):
         labels = [f"{label} ({i + 1})" for i, label in enumerate(labels)]
     return [read_run(d, label) for d, label in zip(run_dirs, labels)]

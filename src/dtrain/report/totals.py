@@ -11,11 +11,7 @@ from dtrain.report.read import Run, val_metrics
 
 
 def _last(run: Run, kind: str, field: str) -> Any:
-    for record in reversed(run.of(kind)):
-        value = record.get(field)
-        if value is not None:
-            return value
-    return None
+    return next((r[field] for r in reversed(run.of(kind)) if r.get(field) is not None), None)
 
 
 def comm_bytes(run: Run) -> float | None:
