@@ -35,6 +35,18 @@ POSTS_GRACE_S = 2.0
 _NEVER = "never checked in"
 
 
+def stale_after_s(heartbeat_s: float) -> float:
+    """How long an unchanged beat takes to count as stopped: 3 heartbeats, at least 3 s."""
+    return max(3 * heartbeat_s, 3.0)
+
+
+def quick_read_s(heartbeat_s: float) -> float:
+    """The bound of one store read while a rank looks for who is missing: a healthy store
+    answers in milliseconds, and a short bound keeps the whole diagnosis (after the
+    collective's own timeout) within the time a user waits for it."""
+    return max(1.0, min(2.0, heartbeat_s))
+
+
 class PeerDiagnosis:
     """The watchdog's diagnosis (a mixin: :class:`~dtrain.fault.watchdog.Watchdog` gives the
     store, this rank's identity and its reads of the others' beats and failures)."""
@@ -89,7 +101,7 @@ class PeerDiagnosis:
         lost (or the machine), a connection accepted a process alive but silent."""
         if self.store is None:
             return "no rendezvous store to ask which rank is missing", False
-        stale_after = max(3 * self.heartbeat_s, 3.0)
+        stale_after = stale_after_s(self.heartbeat_s)
         start = time.monotonic()
         # Beats are read until one can be stale; the index a little longer, for what the
         # watchers of the rank at fault post once they have seen its beats stop.
@@ -168,9 +180,7 @@ class PeerDiagnosis:
         beats first, and a whole machine that never started is many such ranks, each seen
         by its own watchers only). Raises what the store's client raised when it cannot be
         read."""
-        # A healthy store answers in milliseconds; a short bound keeps the whole diagnosis
-        # (after the collective's own timeout) within the time a user waits for it.
-        quick = max(1.0, min(2.0, self.heartbeat_s))
+        quick = quick_read_s(self.heartbeat_s)
         failed = self.failures(quick)
         # A rank of this machine that another posted (killed, silent) is looked at here too:
         # this machine sees its process, and its liveness file says where it was.

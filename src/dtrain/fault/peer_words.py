@@ -40,6 +40,7 @@ from dtrain.comm.plain import all_gather_json
 from dtrain.dist import sealed_store
 from dtrain.dist.runtime import store_namespace
 from dtrain.dist.store_link import StoreTimeout
+from dtrain.fault.diagnosis import quick_read_s, stale_after_s
 from dtrain.fault.liveness import Liveness
 from dtrain.fault.peer_failure import PeerFailure
 from dtrain.fault.watchdog import Watchdog
@@ -133,7 +134,7 @@ class PeerWords:
         collective timeout. Every rank's record is read in one call; which of the still ones
         are owed is read only then (the count says how many, not which)."""
         dog = self.watchdog
-        quick = max(1.0, min(2.0, dog.heartbeat_s))
+        quick = quick_read_s(dog.heartbeat_s)
         try:
             failed, beats = dog.failures(quick), dog.peers(quick)
         except Exception as exc:
@@ -175,7 +176,7 @@ class PeerWords:
             if sealed_store.fits(verdict, _FAILED):
                 raise PeerFailure(f"rank {dog.rank} ({dog.host}): {verdict['failed']}")
             if watch.due():
-                quick = max(1.0, min(2.0, dog.heartbeat_s))
+                quick = quick_read_s(dog.heartbeat_s)
                 try:
                     failed = _COLLECTOR in dog.failures(quick)
                     beats = {_COLLECTOR: dog.read_beat(_COLLECTOR, quick)}
@@ -199,7 +200,7 @@ class PeerWords:
         diagnosis's patience). Failed at once, one such read under load ended the resume
         check of every rank (1 in 8 at 1,024 ranks in the control-plane simulation)."""
         store = self.watchdog.store
-        patience = max(3 * self.watchdog.heartbeat_s, 3.0)
+        patience = stale_after_s(self.watchdog.heartbeat_s)
         return isinstance(exc, StoreTimeout) and store is not None and store.silent_s() < patience
 
     def _ask(self, op: Any, what: str) -> Any:

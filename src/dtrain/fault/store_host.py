@@ -12,7 +12,7 @@ import time
 
 from dtrain.dist.runtime import store_hosted_by_launcher
 from dtrain.dist.store_link import job_store_link
-from dtrain.fault.diagnosis import POSTS_GRACE_S
+from dtrain.fault.diagnosis import POSTS_GRACE_S, stale_after_s
 from dtrain.fault.watchdog.records import failed_ranks
 
 _LOOK_S = 0.1  # how often the failures' index is read meanwhile
@@ -28,10 +28,9 @@ def hold_store_for_peers(heartbeat_s: float) -> None:
     link = job_store_link(1.0, 1.0)
     if link is None:
         return
-    # A peer's diagnosis waits for a beat to go stale (3 heartbeats, at least 3 s) and reads
-    # its watchers' posts a little longer; it began when its collective failed, about when
-    # this rank's did.
-    deadline = time.monotonic() + max(3 * heartbeat_s, 3.0) + POSTS_GRACE_S + 1.0
+    # A peer's diagnosis waits for a beat to go stale and reads its watchers' posts a little
+    # longer; it began when its collective failed, about when this rank's did.
+    deadline = time.monotonic() + stale_after_s(heartbeat_s) + POSTS_GRACE_S + 1.0
     others = set(range(1, world))
     while time.monotonic() < deadline:
         try:
