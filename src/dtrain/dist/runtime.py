@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -126,22 +127,43 @@ def store_namespace() -> str:
     return "dtrain/"
 
 
+def place_worker(
+    cfg: DistConfig, rank: int, world_size: int, local: tuple[int, int]
+) -> tuple[Runtime, str]:
+    """This worker's place (its device CUDA's current one, its threads set) and backend, from
+    ``local``: its index among its machine's workers, and their count. The same for a worker
+    of a restart attempt and one of an in-place generation."""
+    device = choose_device(cfg, local[0])
+    backend = choose_backend(cfg, device)
+    torch.set_num_threads(threads_per_worker(local[1], cfg.threads))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return Runtime(rank, world_size, device, datetime.timedelta(seconds=cfg.timeout_s)), backend
+
+
+def init_group(runtime: Runtime, backend: str, store: Any) -> None:
+    """The default process group of ``runtime``'s rank, rendezvousing through ``store``."""
+    dist.init_process_group(
+        backend=backend,
+        rank=runtime.rank,
+        world_size=runtime.world_size,
+        timeout=runtime.timeout,
+        store=store,
+        device_id=runtime.device if runtime.device.type == "cuda" else None,
+    )
+
+
 def init_runtime(cfg: DistConfig) -> Runtime:
     """Join the process group the launcher prepared (or none, for one plain process)."""
     rank = env_int("RANK", 0)
     world_size = env_int("WORLD_SIZE", 1)
     local_rank = env_int("LOCAL_RANK", 0)
     local_world_size = env_int("LOCAL_WORLD_SIZE", 1)
-    device = choose_device(cfg, local_rank)
-    backend = choose_backend(cfg, device)
-    timeout = datetime.timedelta(seconds=cfg.timeout_s)
-    threads = threads_per_worker(local_world_size, cfg.threads)
-    torch.set_num_threads(threads)
-    if cfg.pin_cores and device.type == "cpu" and local_world_size > 1:
+    runtime, backend = place_worker(cfg, rank, world_size, (local_rank, local_world_size))
+    if cfg.pin_cores and runtime.device.type == "cpu" and local_world_size > 1:
         # Before any thread of the process group exists: they inherit the binding.
+        threads = threads_per_worker(local_world_size, cfg.threads)
         pin_to_cores(local_rank, local_world_size, threads)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     if world_size > 1 and not dist.is_initialized():
         # Every address this rank needs is checked first, each within dist.connect_timeout_s:
         # an unreachable one is a one-line error naming it, not a hang (reachability.py).
@@ -149,20 +171,16 @@ def init_runtime(cfg: DistConfig) -> Runtime:
         hosts_store = not store_hosted_by_launcher() and rank == 0  # else the launcher does
         if not hosts_store:
             check_store(env_int("GROUP_WORLD_SIZE", 1), connect_s)
-        store = open_store(is_master=hosts_store, timeout=timeout, connect_timeout_s=connect_s)
+        store = open_store(
+            is_master=hosts_store, timeout=runtime.timeout, connect_timeout_s=connect_s
+        )
         reach = dist.PrefixStore(store_namespace() + REACH, store)  # type: ignore[attr-defined]
         with peers_checked(
             reach, rank, world_size, backend, connect_s, hosts_store, namespace=store_namespace()
         ):
-            dist.init_process_group(
-                backend=backend,
-                rank=rank,
-                world_size=world_size,
-                timeout=timeout,
-                store=dist.PrefixStore(store_namespace() + "pg", store),  # type: ignore[attr-defined]
-                device_id=device if device.type == "cuda" else None,
-            )
-    return Runtime(rank=rank, world_size=world_size, device=device, timeout=timeout)
+            group_store = dist.PrefixStore(store_namespace() + "pg", store)  # type: ignore[attr-defined]
+            init_group(runtime, backend, group_store)
+    return runtime
 
 
 def shutdown_runtime() -> None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import datetime
 import gc
 import os
 import time
@@ -41,13 +40,7 @@ import torch.distributed as dist
 
 from dtrain.comm.plain import all_gather_json
 from dtrain.config import DistConfig
-from dtrain.dist.runtime import (
-    NAMESPACE_ENV,
-    Runtime,
-    choose_backend,
-    choose_device,
-    threads_per_worker,
-)
+from dtrain.dist.runtime import NAMESPACE_ENV, Runtime, init_group, place_worker
 from dtrain.fault.peer_failure import is_collective_failure
 from dtrain.fault.watchdog import GENERATION_ENV
 from dtrain.recovery.handover import recv_state, send_state
@@ -256,16 +249,10 @@ class Recovery:
 def generation_runtime(cfg: DistConfig, generation: Generation, member: Member) -> Runtime:
     """This process's place in ``generation``: the old process group destroyed, the new one
     initialized on the coordinator's store under the generation's own prefix."""
-    index, count = member.local  # this worker's place among its machine's
-    device = choose_device(cfg, index)
-    backend = choose_backend(cfg, device)
-    timeout = datetime.timedelta(seconds=cfg.timeout_s)
-    torch.set_num_threads(threads_per_worker(count, cfg.threads))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    rank, world = generation.rank_of(member.id), generation.world_size
+    runtime, backend = place_worker(cfg, rank, world, member.local)
     if dist.is_initialized():
         dist.destroy_process_group()
-    rank, world = generation.rank_of(member.id), generation.world_size
     # The generation's keys in the coordinator's store, for what reads the job's store (the
     # watchdog's beats): none left over from an earlier generation.
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = member.address
@@ -273,15 +260,8 @@ def generation_runtime(cfg: DistConfig, generation: Generation, member: Member) 
     os.environ[GENERATION_ENV] = str(generation.number)  # the liveness records' attempt
     if world > 1:
         store = dist.PrefixStore(f"inplace/gen{generation.number}/pg", member.store)  # type: ignore[attr-defined]
-        dist.init_process_group(
-            backend=backend,
-            rank=rank,
-            world_size=world,
-            timeout=timeout,
-            store=store,
-            device_id=device if device.type == "cuda" else None,
-        )
-    return Runtime(rank=rank, world_size=world, device=device, timeout=timeout)
+        init_group(runtime, backend, store)
+    return runtime
 
 
 def leave(trainer: Trainer | None) -> None:
