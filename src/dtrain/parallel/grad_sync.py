@@ -60,16 +60,13 @@ def average_flat(
 
 @torch.no_grad()
 def average_in_buckets(
-    tensors: Sequence[torch.Tensor],
-    group: dist.ProcessGroup | None,
-    bucket_mb: float,
-    counter: CommCounter | None = None,
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, bucket_mb: float
 ) -> None:
     """Average ``tensors`` over ``group`` in place, in flat buckets of at most ``bucket_mb``
     MiB (one collective per bucket, not per tensor)."""
     cap = max(1, int(bucket_mb * MIB))
     for members in assign_buckets(tensors, cap):
-        average_bucket([tensors[i] for i in members], group, counter)
+        average_bucket([tensors[i] for i in members], group, None)
 
 
 @torch.no_grad()
