@@ -80,16 +80,14 @@ class Entry:
 
 
 def _entries(model: nn.Module) -> list[Entry]:
-    out = []
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        dot = f"{prefix}." if prefix else ""
-        for name, param in module._parameters.items():
-            if param is not None:
-                out.append(Entry(dot + name, module, name, param, True))
-        for name, buf in module._buffers.items():
-            if buf is not None:
-                out.append(Entry(dot + name, module, name, buf, False))
-    return out
+    """Every module's own parameters, then its buffers, in the order of the modules."""
+    return [
+        Entry(f"{prefix}.{name}" if prefix else name, module, name, tensor, is_parameter)
+        for prefix, module in model.named_modules(remove_duplicate=False)
+        for is_parameter, held in ((True, module._parameters), (False, module._buffers))
+        for name, tensor in held.items()
+        if tensor is not None
+    ]
 
 
 def stage_entries(model: nn.Module, chains: Sequence[StageChain]) -> list[Entry]:

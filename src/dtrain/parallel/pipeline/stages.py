@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import pairwise
+from itertools import accumulate, pairwise
 
 from dtrain.errors import ConfigError
 
@@ -140,10 +140,8 @@ def uniform_bounds(num_layers: int, num_stages: int) -> tuple[int, ...]:
     the split that ignores costs, as a baseline."""
     _check_stage_count(num_stages, num_layers)
     size, extra = divmod(num_layers, num_stages)
-    bounds = [0]
-    for stage in range(num_stages):
-        bounds.append(bounds[-1] + size + (1 if stage < extra else 0))
-    return tuple(bounds)
+    sizes = (size + 1 if stage < extra else size for stage in range(num_stages))
+    return tuple(accumulate(sizes, initial=0))
 
 
 # -- validation ------------------------------------------------------------------------------
