@@ -45,7 +45,7 @@ from torch import nn
 from dtrain.comm.compression import build_comm_hook
 from dtrain.comm.hooks import run_comm_hook
 from dtrain.parallel.base import BackwardSyncControl, CommHookControl
-from dtrain.parallel.grad_sync import MIB, assign_buckets
+from dtrain.parallel.grad_sync import MIB, assign_buckets, split_like
 from dtrain.task import Task
 
 
@@ -155,9 +155,7 @@ class AllReduceStrategy(CommHookControl, BackwardSyncControl):
     def _add_bucket(self, params: list[nn.Parameter]) -> None:
         numel = sum(p.numel() for p in params)
         buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
-        views = [
-            flat.view_as(p) for flat, p in zip(buffer.split([p.numel() for p in params]), params)
-        ]
+        views = list(split_like(buffer, params))
         bucket = _Bucket(index=len(self.buckets), params=params, buffer=buffer, views=views)
         self.buckets.append(bucket)
         for param, view in zip(params, views):
