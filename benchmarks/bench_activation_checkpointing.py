@@ -47,6 +47,7 @@ def child(mode: str, steps: int) -> dict[str, float]:
     import torch
     import torch.nn.functional as F
 
+    from dtrain.compute.precision import Precision
     from dtrain.config import parse_activation_checkpointing
     from dtrain.models.gpt import GPT, GPTConfig
     from dtrain.parallel.recipe import Recipe
@@ -55,7 +56,7 @@ def child(mode: str, steps: int) -> dict[str, float]:
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=256, seq_len=512, n_layer=6, n_head=8, d_model=256)
     model = GPT(cfg)
-    recipe = Recipe(Recipe.plain().precision, parse_activation_checkpointing(mode))
+    recipe = Recipe(Precision("fp32", torch.device("cpu")), parse_activation_checkpointing(mode))
     recipe.apply(model.blocks)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     tokens = torch.randint(0, 256, (16, 513))

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from dtrain.compute.precision import Precision
 from dtrain.config import parse_activation_checkpointing
 from dtrain.errors import ConfigError, UserError
 from dtrain.models.gpt import GPT, GPTConfig
@@ -53,7 +54,7 @@ def test_checkpointed_blocks_keep_less_and_keep_their_names() -> None:
     tokens = torch.randint(0, 64, (8, 64))
     names = list(model.state_dict())
     plain = saved_bytes(model, tokens)
-    fp32 = Recipe.plain().precision
+    fp32 = Precision("fp32", torch.device("cpu"))
     Recipe(fp32, checkpoint_every=2).apply(model.blocks)
     assert [is_checkpointed(b) for b in model.blocks] == [True, False, True, False]
     every_other = saved_bytes(model, tokens)

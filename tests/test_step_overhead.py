@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from dtrain.comm.agreement import MAX_CARRYING_RANKS, StepAgreement
+from dtrain.compute.precision import Precision
 from dtrain.data.loader import split_to_device, to_device
 from dtrain.dist.runtime import core_share
 from dtrain.parallel.recipe import Recipe
@@ -250,7 +251,7 @@ def test_backward_from_the_scale_equals_backward_of_the_scaled_loss_bit_for_bit(
         (item_losses(model(inputs), targets).sum() * scale).backward()
     expected = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     model.zero_grad(set_to_none=True)
-    fake = SimpleNamespace(model=model, recipe=Recipe.plain())
+    fake = SimpleNamespace(model=model, recipe=Recipe(Precision("fp32", torch.device("cpu"))))
     loss_sum = run_micro_batches(fake, micro, item_losses, scale)  # type: ignore[arg-type]
     got = [p.grad for p in model.parameters() if p.grad is not None]
     assert len(got) == len(expected) == 4

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from dtrain.compute.precision import Precision
 from dtrain.data.partition import partition_tokens
 from dtrain.data.text import collate_padded
 from dtrain.models.gpt import GPT, GPTConfig
@@ -50,7 +51,9 @@ def test_per_rank_sums_over_the_global_count_equal_the_single_process_mean(
     single_grads = grads(model)
 
     fake = SimpleNamespace(
-        model=model, runtime=SimpleNamespace(device=torch.device("cpu")), recipe=Recipe.plain()
+        model=model,
+        runtime=SimpleNamespace(device=torch.device("cpu")),
+        recipe=Recipe(Precision("fp32", torch.device("cpu"))),
     )
     worst_loss, worst_grad, naive_gap = 0.0, 0.0, 0.0
     for world, micro, split in itertools.product((2, 3, 4), (1, 2), ("tokens", "samples")):

@@ -63,14 +63,14 @@ class Strategy(ABC):
         runtime: Runtime,
         options: StrategyConfig,
         comm: CommConfig,
-        recipe: Recipe | None = None,
+        recipe: Recipe,
     ) -> None:
         self.runtime = runtime
         self.options = options  # [strategy]
         self.comm_options = comm  # [comm]
         # What every strategy does to the blocks (activation checkpointing, compile) and the
         # precision every forward runs in; and the seed of a meta-built model's values.
-        self.recipe = recipe if recipe is not None else Recipe.plain()
+        self.recipe = recipe
         self.module: nn.Module | None = None  # the user's model, unwrapped
         self.model: nn.Module | None = None  # what a training forward runs through
         # Bytes this rank sends and time it waits on communication (dtrain.comm.accounting):

@@ -46,7 +46,7 @@ class LocalSGDStrategy(Strategy):
         runtime: Runtime,
         options: StrategyConfig,
         comm: CommConfig,
-        recipe: Recipe | None = None,
+        recipe: Recipe,
         *,
         steps: int,
     ) -> None:

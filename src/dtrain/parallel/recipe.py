@@ -54,11 +54,6 @@ class Recipe:
             keys.append("train.compile")
         return " and ".join(keys) or "the recipe"
 
-    @classmethod
-    def plain(cls) -> Recipe:
-        """fp32, no activation checkpointing, no compile."""
-        return cls(Precision("fp32", torch.device("cpu")))
-
     @property
     def changes_blocks(self) -> bool:
         return self.checkpoint_every > 0 or self.compile

@@ -91,7 +91,7 @@ class PipelineStrategy(MeshStrategy, OwnStep):
         runtime: Runtime,
         options: StrategyConfig,
         comm: CommConfig,
-        recipe: Recipe | None = None,
+        recipe: Recipe,
         *,
         data: DataConfig,
     ) -> None:
