@@ -123,7 +123,7 @@ class CommHook:
         this returns) or the process group (started); the future's value is ``tensor``."""
         if self.transport is not None:
             return self._transport_sum(tensor, divisor=1)
-        self.counter.all_reduce(nbytes(tensor), self.world_size)
+        self.counter.all_reduce(tensor.nbytes, self.world_size)
         return all_reduce_future(tensor, self.group)
 
     def mean_future(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -138,7 +138,7 @@ class CommHook:
         self, tensor: torch.Tensor, divisor: int
     ) -> torch.futures.Future[torch.Tensor]:
         assert self.transport is not None
-        self.counter.sent(self.transport.bytes_sent(nbytes(tensor)), self.world_size)
+        self.counter.sent(self.transport.bytes_sent(tensor.nbytes), self.world_size)
         started = time.perf_counter()
         self.transport.all_reduce_(tensor, divisor=divisor)
         if not self._last_bucket:
@@ -173,10 +173,6 @@ def _done(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(value)
     return future
-
-
-def nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 def all_reduce_future(

@@ -146,9 +146,7 @@ class AllReduceStrategy(CommHookControl, BackwardSyncControl):
             self.comm,
             self.data_parallel_group,
             self.runtime.device,
-            capacity=max(
-                (b.buffer.numel() * b.buffer.element_size() for b in self.buckets), default=0
-            ),
+            capacity=max((b.buffer.nbytes for b in self.buckets), default=0),
         )
         self.register_comm_hook(hook, run_comm_hook)
 
