@@ -42,9 +42,9 @@ _GROUPS: weakref.WeakKeyDictionary[nn.Module, dist.ProcessGroup | None] = (
 )
 
 
-def apply_sync_batchnorm(model: nn.Module, group: dist.ProcessGroup | None) -> int:
+def apply_sync_batchnorm(model: nn.Module, group: dist.ProcessGroup | None) -> None:
     """Make every BatchNorm layer of ``model`` normalize over ``group``'s whole batch, in
-    place; returns how many there are. A model without one is the user's mistake."""
+    place. A model without one is the user's mistake."""
     layers = [m for m in model.modules() if isinstance(m, _BatchNorm)]
     if not layers:
         raise UserError(
@@ -54,7 +54,6 @@ def apply_sync_batchnorm(model: nn.Module, group: dist.ProcessGroup | None) -> i
     for layer in layers:
         _GROUPS[layer] = group
         layer.forward = types.MethodType(_synced_forward, layer)  # type: ignore[method-assign]
-    return len(layers)
 
 
 class _AllReduceSum(torch.autograd.Function):
