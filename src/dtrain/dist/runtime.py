@@ -67,7 +67,7 @@ def core_share(local_rank: int, local_world_size: int, threads: int) -> set[int]
     return set(cores[local_rank * per : (local_rank + 1) * per])
 
 
-def pin_to_cores(local_rank: int, local_world_size: int, threads: int) -> set[int] | None:
+def pin_to_cores(local_rank: int, local_world_size: int, threads: int) -> None:
     """Bind this process (its calling thread, and every thread it starts later: gloo's, the
     watchdog's) to :func:`core_share` (``dist.pin_cores``). Off by default: a bound worker
     cannot leave a core another process is busy on, which on a machine shared with other jobs
@@ -75,7 +75,6 @@ def pin_to_cores(local_rank: int, local_world_size: int, threads: int) -> set[in
     share = core_share(local_rank, local_world_size, threads)
     if share is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, share)
-    return share
 
 
 def choose_device(cfg: DistConfig, local_rank: int) -> torch.device:

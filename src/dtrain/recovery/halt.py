@@ -37,10 +37,9 @@ def ack_key(node: int) -> str:
     return f"{HALT_KEY}/ack/{node}"
 
 
-def halt_other_machines(store: Any, nnodes: int) -> list[int]:
+def halt_other_machines(store: Any, nnodes: int) -> None:
     """On node 0, its own workers frozen: tell the other machines' launchers to kill their
-    workers, and wait (at most ``ACK_S``) until each says it did; the node ranks that did
-    not."""
+    workers, and wait (at most ``ACK_S``) until each says it did."""
     write_value(store, HALT_KEY, REASON)
     waiting = list(range(1, nnodes))
     deadline = time.monotonic() + ACK_S
@@ -48,7 +47,6 @@ def halt_other_machines(store: Any, nnodes: int) -> list[int]:
         waiting = [node for node in waiting if read_text(store, ack_key(node)) != "killed"]
         if waiting:
             time.sleep(0.05)
-    return waiting
 
 
 class Halt:
