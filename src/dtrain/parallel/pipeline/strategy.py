@@ -225,16 +225,14 @@ class PipelineStrategy(MeshStrategy, OwnStep):
     ) -> torch.Tensor:
         self._loss_fn, self._scale = loss_fn, scale
         if self.num_stages == 1:
-            total = self._single_stage(micro_batches, scale)
+            total = self._single_stage(micro_batches)
         else:
             inputs, targets = stack_micro_batches(micro_batches)
             total = self._run("train", len(micro_batches), inputs, targets)
         self._sync_gradients()
         return total
 
-    def _single_stage(
-        self, micro_batches: Sequence[tuple[Any, Any]], scale: torch.Tensor
-    ) -> torch.Tensor:
+    def _single_stage(self, micro_batches: Sequence[tuple[Any, Any]]) -> torch.Tensor:
         """One stage (pipeline_stages = 1): plain data parallelism over the chain."""
         (chain,) = self.chains.values()
         chain.train(self.unwrapped.training)
