@@ -68,7 +68,6 @@ def project_out(head: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
         self.head_dim = cfg.d_model // cfg.n_head
         # One projection for queries, keys and values, its outputs grouped by head (q, k, v
         # of head 0, then of head 1, ...): cut into equal contiguous parts, as tensor
