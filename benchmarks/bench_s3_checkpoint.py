@@ -1,15 +1,15 @@
 """Checkpoints in an object store against moving the same bytes plainly (issue 42's benchmark):
 
 1. ``save``: dtrain's save into ``s3://`` -- ``torch.save`` and DCP streamed through fsspec as
-   multipart uploads (parts sent while the next are written), each 64 MiB piece hashed as
-   written, the marker object last
+   multipart uploads (parts sent while the next are written; a file of up to 100 MiB as one
+   request, hashed while it goes out), each 64 MiB piece hashed, the marker object last
    (:class:`dtrain.checkpoint.write.Checkpointer`) -- against ``fs.put`` of the same files
    from a local folder (fsspec's plain upload, its own concurrency). Target: at most 1.2x.
 2. ``resume``: dtrain's verified read -- every piece's SHA-256 checked against the marker as
-   it is downloaded into a local copy (:mod:`dtrain.checkpoint.copies`), then each file loaded
-   from that copy as data only (``torch.load(weights_only=True)``, DCP's reader with the
-   allowlisted metadata) -- against ``fs.get`` of the same files to a local folder. Target: at
-   most 1.2x.
+   it is downloaded into a copy (:mod:`dtrain.checkpoint.copies`: in memory up to 256 MiB, else
+   a local file), then each file loaded from that copy as data only
+   (``torch.load(weights_only=True)``, DCP's reader with the allowlisted metadata) -- against
+   ``fs.get`` of the same files to a local folder. Target: at most 1.2x.
 
 The state is a model's state dict and an optimizer's moments (fp32), written two ways as the
 strategies do: whole files (``model.pt`` + ``optimizer.pt``: ddp) and DCP's sharded state

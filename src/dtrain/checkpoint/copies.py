@@ -1,5 +1,5 @@
-"""Verified local copies of a store's checkpoint files while a resume reads them: one read of
-each byte from the store.
+"""Verified copies of a store's checkpoint files, in memory or on the local disk, while a resume
+reads them: one read of each byte from the store.
 
 Locally, a resume hashes its share of a checkpoint's pieces and then loads its files again from
 the page cache its check filled; a store has no page cache, so the load would download every

@@ -151,7 +151,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def open_verified(path: Location) -> Any:
-    """``path`` opened for reading: a resume's local copy of a store's file where it keeps
+    """``path`` opened for reading: a resume's copy of a store's file where it keeps
     one (:mod:`dtrain.checkpoint.copies`), else the file itself."""
     kept = copies.active() if isinstance(path, ObjectPath) else None
     copy = kept.completed(path) if kept is not None and isinstance(path, ObjectPath) else None
