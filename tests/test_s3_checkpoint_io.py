@@ -368,3 +368,41 @@ def test_a_resume_keeps_small_files_in_memory_and_the_rest_on_the_local_disk(
     on_disk, in_memory = resume()
     assert [path.name for path in on_disk] == ["00001-optimizer.pt"]
     assert in_memory == sizes["meta.json"] + sizes["model.pt"]
+
+
+def test_a_save_lists_for_retention_before_its_files_and_listings_come_in_pages(
+    counted: tuple[Any, Requests], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dtrain.storage import objects
+
+    fs, seen = counted
+    root = ObjectPath(f"s3://{BUCKET}/first/checkpoints", fs)
+    saver = Checkpointer(root, rank=0, world_size=1, keep_last=1, keep_every=0, log=print)
+    # The first save into an empty prefix: retention's one listing, asked for before any file
+    # goes out (it is answered while they upload), no look-up of the empty prefix; the marker
+    # is the last write.
+    saver.save(1, {"model.pt": {"w": torch.arange(4.0)}}, {"step": 1}, blocking=True)
+    ops = [op for op, _ in seen.keys]
+    assert ops.count("ListObjectsV2") == 1 and "HeadObject" not in ops
+    assert ops.index("ListObjectsV2") < ops.index("PutObject")
+    assert seen.keys[-1] == (
+        "PutObject",
+        f"first/checkpoints/{layout.step_dir_name(1)}/COMMITTED.json",
+    )
+    # The second save's retention (keep_last 1) prunes step 1 from its listing, which did not
+    # show step 2 yet: the commit adds it.
+    saver.save(2, {"model.pt": {"w": torch.arange(5.0)}}, {"step": 2}, blocking=True)
+    assert layout.committed_steps(root) == [2]
+    # A prefix's objects in pages: 2 a request, 3 objects under it (and one beside it, not
+    # under it) in 2 requests; an empty prefix in one.
+    monkeypatch.setattr(objects, "LIST_PAGE", 2)
+    pages = ObjectPath(f"s3://{BUCKET}/pages", fs)
+    for name, size in (("a", 1), ("b/c", 2), ("d", 3)):
+        (pages / name).write_bytes(bytes(size))
+    ObjectPath(f"s3://{BUCKET}/pages-beside", fs).write_bytes(b"x")
+    seen.calls.clear()
+    assert pages.sizes() == {"a": 1, "b/c": 2, "d": 3}
+    assert seen.calls == {"ListObjectsV2": 2}
+    seen.calls.clear()
+    assert (pages / "none").sizes() == {}
+    assert seen.calls == {"ListObjectsV2": 1}

@@ -33,6 +33,8 @@ RETRY_POLICY = (
 # The part size of a multipart upload (S3's smallest is 5 MiB): a file streams out in parts of
 # this size as torch.save writes it, never held whole in memory.
 PART_BYTES = 16 * 2**20
+# Objects a listing request asks for at most (S3's own most).
+LIST_PAGE = 1000
 
 
 class StoreError(OSError):
@@ -192,14 +194,14 @@ class ObjectPath:
         return {str(key).removeprefix(head): int(info["size"]) for key, info in found.items()}
 
     def _s3_sizes(self) -> dict[str, int]:
-        """:meth:`sizes` in S3: one ListObjectsV2 request a thousand objects, and no more where
-        there are none (s3fs's ``find`` then asks for a HEAD and another listing, to tell
-        whether the prefix is an object itself, which a prefix of checkpoints or shards never
-        is)."""
+        """:meth:`sizes` in S3: one ListObjectsV2 request a :data:`LIST_PAGE` objects, and
+        none more where there are none (s3fs's ``find`` then asks for a HEAD and another
+        listing, to tell whether the prefix is an object itself, which a prefix of checkpoints
+        or shards never is)."""
         bucket, _, key = self.url.split("://", 1)[1].partition("/")
         prefix = f"{key}/" if key else ""
         found: dict[str, int] = {}
-        asked: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
+        asked: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": LIST_PAGE}
         while True:
             try:
                 page = self.fs.call_s3("list_objects_v2", **asked)
