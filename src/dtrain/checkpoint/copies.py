@@ -27,6 +27,7 @@ dropped and reads go to the store as without them: slower, never other bytes.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import io
 import os
 import shutil
@@ -174,6 +175,10 @@ class _Copy(ABC):
         """Keep ``data`` at ``start`` (OSError: the local disk refused it)."""
 
     @abstractmethod
+    def keep_verified(self) -> None:
+        """Before the gaps are filled: let what it holds of them go."""
+
+    @abstractmethod
     def open(self) -> IO[bytes]:
         """The copy, for reading (complete once :meth:`KeptCopies.completed` gave it)."""
 
@@ -191,30 +196,45 @@ class _Copy(ABC):
 
 
 class _MemoryCopy(_Copy):
-    """A copy in this process's memory (a file of at most :data:`MEMORY_BYTES`): no local
-    file written and read back, and the load reads the very bytes that were hashed."""
+    """A copy in this process's memory (a file of at most :data:`MEMORY_BYTES`): the chunks as
+    they arrived from the store, kept as they are (no local file written and read back, no
+    copy into one buffer); the load reads the very bytes that were hashed."""
 
     def __init__(self, size: int) -> None:
         super().__init__(size)
-        self._bytes = bytearray(size)  # untouched pages take no room until written
+        self._chunks: list[tuple[int, memoryview]] = []  # (start, bytes), disjoint
 
     def put(self, start: int, data: bytes) -> None:
-        self._bytes[start : start + len(data)] = data
+        self._chunks.append((start, memoryview(data)))
+
+    def keep_verified(self) -> None:
+        """Drop what lies outside the verified ranges (fetched again to fill the gaps: a chunk
+        may straddle a piece that failed its checksum)."""
+        kept = []
+        for start, chunk in self._chunks:
+            for first, length in self.verified:
+                low, high = max(start, first), min(start + len(chunk), first + length)
+                if low < high:
+                    kept.append((low, chunk[low - start : high - start]))
+        self._chunks = kept
 
     def open(self) -> IO[bytes]:
-        # Read in place: io.BytesIO would copy the bytes once more.
-        return io.BufferedReader(_MemoryReader(memoryview(self._bytes)))
+        return io.BufferedReader(_ChunksReader(sorted(self._chunks, key=lambda c: c[0])))
 
     def drop(self) -> None:
-        self._bytes = bytearray()
+        self._chunks = []
 
 
-class _MemoryReader(io.RawIOBase):
-    """A read-only, seekable file over bytes in memory, without copying them."""
+class _ChunksReader(io.RawIOBase):
+    """A read-only, seekable file over disjoint chunks of bytes in memory that follow each
+    other from 0, read in place (io.BytesIO would need them joined: a copy)."""
 
-    def __init__(self, view: memoryview) -> None:
+    def __init__(self, chunks: list[tuple[int, memoryview]]) -> None:
         super().__init__()
-        self._view, self._at = view, 0
+        self._starts = [start for start, _ in chunks]
+        self._chunks = [chunk for _, chunk in chunks]
+        self._size = chunks[-1][0] + len(chunks[-1][1]) if chunks else 0
+        self._at = 0
 
     def readable(self) -> bool:
         return True
@@ -226,16 +246,21 @@ class _MemoryReader(io.RawIOBase):
         return self._at
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: len(self._view)}[whence]
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self._size}[whence]
         self._at = max(0, base + offset)
         return self._at
 
     def readinto(self, buffer: Any) -> int:
         out = memoryview(buffer).cast("B")
-        got = self._view[self._at : self._at + len(out)]
-        out[: len(got)] = got
-        self._at += len(got)
-        return len(got)
+        done = 0
+        while done < len(out) and self._at < self._size:
+            index = bisect.bisect_right(self._starts, self._at) - 1
+            chunk = self._chunks[index]
+            part = chunk[self._at - self._starts[index] :][: len(out) - done]
+            out[done : done + len(part)] = part
+            done += len(part)
+            self._at += len(part)
+        return done
 
 
 class _DiskCopy(_Copy):
@@ -251,6 +276,9 @@ class _DiskCopy(_Copy):
         with open(self.local, "r+b") as fh:
             fh.seek(start)
             fh.write(data)
+
+    def keep_verified(self) -> None:
+        """Nothing: the gaps' bytes are written over in place."""
 
     def open(self) -> IO[bytes]:
         return open(self.local, "rb")
@@ -337,7 +365,10 @@ class KeptCopies:
         copy = self._copies.get(path.url)
         if copy is None or self.refused:
             return None
-        for start, length in copy.gaps():
+        gaps = copy.gaps()
+        if gaps:
+            copy.keep_verified()
+        for start, length in gaps:
             at = start
             for data in read_range(path, start, length):
                 try:
