@@ -1,22 +1,23 @@
 """Checkpoints in an object store against moving the same bytes plainly (issue 42's benchmark):
 
 1. ``save``: dtrain's save into ``s3://`` -- ``torch.save`` and DCP streamed through fsspec as
-   multipart uploads (parts sent while the next are written), each 64 MiB piece hashed as
-   written, the marker object last
+   multipart uploads (parts sent while the next are written; a file of up to 100 MiB as one
+   request, hashed while it goes out), each 64 MiB piece hashed, the marker object last
    (:class:`dtrain.checkpoint.write.Checkpointer`) -- against ``fs.put`` of the same files
    from a local folder (fsspec's plain upload, its own concurrency). Target: at most 1.2x.
 2. ``resume``: dtrain's verified read -- every piece's SHA-256 checked against the marker as
-   it is downloaded into a local copy (:mod:`dtrain.checkpoint.copies`), then each file loaded
-   from that copy as data only (``torch.load(weights_only=True)``, DCP's reader with the
-   allowlisted metadata) -- against ``fs.get`` of the same files to a local folder. Target: at
-   most 1.2x.
+   it is downloaded into a copy (:mod:`dtrain.checkpoint.copies`: in memory up to 256 MiB, else
+   a local file), then each file loaded from that copy as data only
+   (``torch.load(weights_only=True)``, DCP's reader with the allowlisted metadata) -- against
+   ``fs.get`` of the same files to a local folder. Target: at most 1.2x.
 
 The state is a model's state dict and an optimizer's moments (fp32), written two ways as the
 strategies do: whole files (``model.pt`` + ``optimizer.pt``: ddp) and DCP's sharded state
 (``dcp/``: fsdp), at two sizes (a few MB, about 100 MB). Rounds interleave dtrain and the plain
 transfer, in alternating order; every round is printed, and the median of the per-round ratios
 with its quartiles (on a busy machine single rounds scatter from 0.9x to 2.5x: the default of
-15 rounds lets the median settle). Beside the times, exact where they are noise: what one more
+31 rounds lets the median settle; with 15, the 12 MB medians moved by 0.1-0.35x between runs
+minutes apart). Beside the times, exact where they are noise: what one more
 save and resume of each asked of the store, untimed -- requests by kind, bytes each way (a
 GET's as the store answered it: ``fs.get`` opens a large file whole and then reads it in
 ranges, so its first answer counts more than it reads) and this process's CPU time
@@ -27,7 +28,7 @@ on loopback; ``--swift`` takes the endpoint and test account ``scripts/s3.sh env
 Swift started with ``scripts/s3.sh up``). Both stores keep objects on this machine: the figures
 say what dtrain adds to the transfer, not what a remote store's link costs.
 
-    python benchmarks/bench_s3_checkpoint.py                       # both sizes, 15 rounds
+    python benchmarks/bench_s3_checkpoint.py                       # both sizes, 31 rounds
     python benchmarks/bench_s3_checkpoint.py --sizes-mb 4 --rounds 1   # a quick look
     python benchmarks/bench_s3_checkpoint.py --write-docs          # section in docs/benchmarks.md
 """
@@ -322,7 +323,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes-mb", default="4,33", help="model sizes in MB (x3 with AdamW)")
     parser.add_argument("--forms", default="whole,dcp", help="whole (ddp's files), dcp (fsdp's)")
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=31)
     parser.add_argument("--swift", action="store_true", help="the store of scripts/s3.sh up")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args()

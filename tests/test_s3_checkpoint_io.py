@@ -321,3 +321,88 @@ def test_a_file_read_as_one_range_names_its_damaged_piece_and_keeps_only_what_ma
         local = kept.completed(model)
         assert local is not None and seen.got_bytes == size - 2 * MIB
         assert local.read_bytes() == bytes(data)
+
+
+def test_a_resume_keeps_small_files_in_memory_and_the_rest_on_the_local_disk(
+    counted: tuple[Any, Requests], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    fs, seen = counted
+    monkeypatch.setattr(layout, "PIECE_BYTES", MIB)
+    root = ObjectPath(f"s3://{BUCKET}/memory/checkpoints", fs)
+    saver = Checkpointer(root, rank=0, world_size=1, keep_last=3, keep_every=0, log=print)
+    generator = torch.Generator().manual_seed(7)
+    model = {"w": torch.randn(MIB // 2, generator=generator)}  # 2 MiB and a bit
+    optim = {"m": torch.randn(MIB, generator=generator)}  # 4 MiB and a bit
+    saver.save(1, {"model.pt": model, "optimizer.pt": optim}, {"step": 1}, blocking=True)
+    step = root / layout.step_dir_name(1)
+    marker = ckread.read_marker(step)
+    sizes = {name: info["bytes"] for name, info in marker["files"].items()}
+    marker_bytes = (step / layout.MARKER).stat().st_size
+    local = tmp_path / "local"
+
+    def resume() -> tuple[list[Path], int]:
+        """Verify and load in one scope: the local files and the bytes in memory once verified,
+        each byte got once, every tensor the saved one."""
+        seen.got_bytes = 0
+        with keep_copies(local, root) as kept:
+            assert kept is not None
+            ckread.verify_checkpoint(step)
+            on_disk, in_memory = sorted(local.rglob("*-*.pt")), kept.in_memory
+            for name, saved in (("model.pt", model), ("optimizer.pt", optim)):
+                loaded = ckread.load_file(step, name)
+                assert loaded.keys() == saved.keys()
+                assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+            assert ckread.load_meta(step) == {"step": 1, "job": saver.job}
+            # A loaded file's copy goes at once; meta.json's (read, not loaded) with the scope.
+            assert kept.in_memory == sizes["meta.json"]
+        assert seen.got_bytes == marker_bytes + sum(sizes.values())
+        assert list(local.iterdir()) == []
+        return on_disk, in_memory
+
+    # Within the memory's budget: every verified byte kept in memory, no local file at all.
+    assert resume() == ([], sum(sizes.values()))
+    # A budget that holds meta.json and model.pt (verified in name order) but not
+    # optimizer.pt: its copy is a local file, written as it streamed past, with the store's
+    # bytes; model.pt's stays in memory.
+    monkeypatch.setattr(copies, "MEMORY_BYTES", sizes["meta.json"] + sizes["model.pt"])
+    on_disk, in_memory = resume()
+    assert [path.name for path in on_disk] == ["00001-optimizer.pt"]
+    assert in_memory == sizes["meta.json"] + sizes["model.pt"]
+
+
+def test_a_save_lists_for_retention_before_its_files_and_listings_come_in_pages(
+    counted: tuple[Any, Requests], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dtrain.storage import objects
+
+    fs, seen = counted
+    root = ObjectPath(f"s3://{BUCKET}/first/checkpoints", fs)
+    saver = Checkpointer(root, rank=0, world_size=1, keep_last=1, keep_every=0, log=print)
+    # The first save into an empty prefix: retention's one listing, asked for before any file
+    # goes out (it is answered while they upload), no look-up of the empty prefix; the marker
+    # is the last write.
+    saver.save(1, {"model.pt": {"w": torch.arange(4.0)}}, {"step": 1}, blocking=True)
+    ops = [op for op, _ in seen.keys]
+    assert ops.count("ListObjectsV2") == 1 and "HeadObject" not in ops
+    assert ops.index("ListObjectsV2") < ops.index("PutObject")
+    assert seen.keys[-1] == (
+        "PutObject",
+        f"first/checkpoints/{layout.step_dir_name(1)}/COMMITTED.json",
+    )
+    # The second save's retention (keep_last 1) prunes step 1 from its listing, which did not
+    # show step 2 yet: the commit adds it.
+    saver.save(2, {"model.pt": {"w": torch.arange(5.0)}}, {"step": 2}, blocking=True)
+    assert layout.committed_steps(root) == [2]
+    # A prefix's objects in pages: 2 a request, 3 objects under it (and one beside it, not
+    # under it) in 2 requests; an empty prefix in one.
+    monkeypatch.setattr(objects, "LIST_PAGE", 2)
+    pages = ObjectPath(f"s3://{BUCKET}/pages", fs)
+    for name, size in (("a", 1), ("b/c", 2), ("d", 3)):
+        (pages / name).write_bytes(bytes(size))
+    ObjectPath(f"s3://{BUCKET}/pages-beside", fs).write_bytes(b"x")
+    seen.calls.clear()
+    assert pages.sizes() == {"a": 1, "b/c": 2, "d": 3}
+    assert seen.calls == {"ListObjectsV2": 2}
+    seen.calls.clear()
+    assert (pages / "none").sizes() == {}
+    assert seen.calls == {"ListObjectsV2": 1}

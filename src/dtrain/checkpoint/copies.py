@@ -1,16 +1,18 @@
-"""Verified local copies of a store's checkpoint files while a resume reads them: one read of
-each byte from the store.
+"""Verified copies of a store's checkpoint files, in memory or on the local disk, while a resume
+reads them: one read of each byte from the store.
 
 Locally, a resume hashes its share of a checkpoint's pieces and then loads its files again from
 the page cache its check filled; a store has no page cache, so the load would download every
 byte a second time. While a resume's scope is open (:func:`start`: from the choice of the
 checkpoint, :func:`dtrain.checkpoint.resume.resolve_resume`, to the end of its load; or the
-block of :func:`keep_copies`), each piece this process hashes from a store is written, as it
-streams past, into a sparse local copy of its file in a private folder (``run.local_dir``);
-a load then reads the copy, first downloading only the ranges of the file this rank did not
-verify (the pieces the other ranks checked: :func:`dtrain.checkpoint.verify.assign`), once.
-The copy of a whole file goes as soon as it is loaded, and the folder when the scope ends: the
-local disk holds at most this rank's share of the checkpoint and the file being loaded.
+block of :func:`keep_copies`), each piece this process hashes from a store is kept, as it
+streams past, in a copy of its file: in memory while the copies there hold at most
+:data:`MEMORY_BYTES` (a small checkpoint: nothing written to a local file and read back), else
+a sparse local file in a private folder (``run.local_dir``); a load then reads the copy, first
+downloading only the ranges of the file this rank did not verify (the pieces the other ranks
+checked: :func:`dtrain.checkpoint.verify.assign`), once. The copy of a whole file goes as soon
+as it is loaded, and the rest when the scope ends: memory and the local disk hold at most this
+rank's share of the checkpoint and the file being loaded.
 
 Why copies of what a rank verified rather than verifying what it loads: the ranks of a
 replicated job all load the same files, and verification is shared so that each hashes
@@ -18,29 +20,37 @@ replicated job all load the same files, and verification is shared so that each 
 downloads each byte it loads once, and the bytes it checked are the very bytes it loads.
 
 A copy only ever holds bytes that arrived from the store; the ranges marked verified are those
-whose piece matched the marker. Where the local disk refuses a copy (full), the copies are
+whose piece matched the marker. Where the local disk refuses a copy (full), all copies are
 dropped and reads go to the store as without them: slower, never other bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
+import io
 import os
 import shutil
 import tempfile
 import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from dtrain.storage.objects import Location, ObjectPath
 
 # Bytes of one ranged read from the store (and written to a copy at once).
 CHUNK_BYTES = 4 * 2**20
+# The most bytes of copies one process holds in memory at once; a file that would go past it
+# is copied to the local disk. A small checkpoint's copies cost more to write to a file and
+# read back (12 MiB: about 4 ms, a tenth of its whole resume) than to keep; a large one's
+# share would take a rank's memory twice over beside the state it loads into, which is why
+# copies go to disk at all. 256 MiB holds every file of a 100 MB model's AdamW checkpoint.
+MEMORY_BYTES = 256 * 2**20
 
 
 class RangeRead:
@@ -141,11 +151,13 @@ def read_range(path: ObjectPath, start: int, length: int) -> Iterator[bytes]:
         reading.close()
 
 
-@dataclass
-class _Copy:
-    local: Path
-    size: int
-    verified: list[tuple[int, int]] = field(default_factory=list)  # (start, length) that matched
+class _Copy(ABC):
+    """What this process kept of one file of ``size`` bytes: the ranges written, and those of
+    them that matched the marker (``verified``)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.verified: list[tuple[int, int]] = []  # (start, length)
 
     def gaps(self) -> list[tuple[int, int]]:
         """The ranges not verified here, in order."""
@@ -158,16 +170,143 @@ class _Copy:
             out.append((at, self.size - at))
         return out
 
+    @abstractmethod
+    def put(self, start: int, data: bytes) -> None:
+        """Keep ``data`` at ``start`` (OSError: the local disk refused it)."""
+
+    @abstractmethod
+    def keep_verified(self) -> None:
+        """Before the gaps are filled: let what it holds of them go."""
+
+    @abstractmethod
+    def open(self) -> IO[bytes]:
+        """The copy, for reading (complete once :meth:`KeptCopies.completed` gave it)."""
+
+    def read_bytes(self) -> bytes:
+        with self.open() as fh:
+            return fh.read()
+
+    def loadable(self) -> Path | IO[bytes]:
+        """What ``torch.load`` reads it from."""
+        return self.open()
+
+    @abstractmethod
+    def drop(self) -> None:
+        """Give its room back."""
+
+
+class _MemoryCopy(_Copy):
+    """A copy in this process's memory (a file of at most :data:`MEMORY_BYTES`): the chunks as
+    they arrived from the store, kept as they are (no local file written and read back, no
+    copy into one buffer); the load reads the very bytes that were hashed."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self._chunks: list[tuple[int, memoryview]] = []  # (start, bytes), disjoint
+
+    def put(self, start: int, data: bytes) -> None:
+        self._chunks.append((start, memoryview(data)))
+
+    def keep_verified(self) -> None:
+        """Drop what lies outside the verified ranges (fetched again to fill the gaps: a chunk
+        may straddle a piece that failed its checksum)."""
+        kept = []
+        for start, chunk in self._chunks:
+            for first, length in self.verified:
+                low, high = max(start, first), min(start + len(chunk), first + length)
+                if low < high:
+                    kept.append((low, chunk[low - start : high - start]))
+        self._chunks = kept
+
+    def open(self) -> IO[bytes]:
+        return io.BufferedReader(_ChunksReader(sorted(self._chunks, key=lambda c: c[0])))
+
+    def drop(self) -> None:
+        self._chunks = []
+
+
+class _ChunksReader(io.RawIOBase):
+    """A read-only, seekable file over disjoint chunks of bytes in memory that follow each
+    other from 0, read in place (io.BytesIO would need them joined: a copy)."""
+
+    def __init__(self, chunks: list[tuple[int, memoryview]]) -> None:
+        super().__init__()
+        self._starts = [start for start, _ in chunks]
+        self._chunks = [chunk for _, chunk in chunks]
+        self._size = chunks[-1][0] + len(chunks[-1][1]) if chunks else 0
+        self._at = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._at
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self._size}[whence]
+        self._at = max(0, base + offset)
+        return self._at
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        done = 0
+        while done < len(out) and self._at < self._size:
+            index = bisect.bisect_right(self._starts, self._at) - 1
+            chunk = self._chunks[index]
+            part = chunk[self._at - self._starts[index] :][: len(out) - done]
+            out[done : done + len(part)] = part
+            done += len(part)
+            self._at += len(part)
+        return done
+
+
+class _DiskCopy(_Copy):
+    """A sparse copy in a local file (a file larger than what memory keeps)."""
+
+    def __init__(self, size: int, local: Path) -> None:
+        super().__init__(size)
+        self.local = local
+        with open(local, "wb") as fh:
+            fh.truncate(size)  # sparse: only what is written takes room
+
+    def put(self, start: int, data: bytes) -> None:
+        with open(self.local, "r+b") as fh:
+            fh.seek(start)
+            fh.write(data)
+
+    def keep_verified(self) -> None:
+        """Nothing: the gaps' bytes are written over in place."""
+
+    def open(self) -> IO[bytes]:
+        return open(self.local, "rb")
+
+    def loadable(self) -> Path | IO[bytes]:
+        return self.local
+
+    def drop(self) -> None:
+        self.local.unlink(missing_ok=True)
+
 
 class KeptCopies:
-    """The copies of one scope (:func:`keep_copies`), in ``folder``."""
+    """The copies of one scope (:func:`keep_copies`): in memory up to :data:`MEMORY_BYTES`
+    together, the others in a private folder made in ``parent`` when the first is needed."""
 
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
+    def __init__(self, parent: Path) -> None:
+        self.parent = parent
+        self.folder: Path | None = None  # made for the first copy on disk
         self._copies: dict[str, _Copy] = {}
         self.refused = False  # the local disk refused a write: no more copies
         self._made = 0
+        self._in_memory = 0  # bytes of the copies held in memory
         self._whole: dict[str, bytes] = {}  # small objects read whole (markers), by URL
+
+    @property
+    def in_memory(self) -> int:
+        """Bytes of the copies held in memory now."""
+        return self._in_memory
 
     def read_once(self, path: ObjectPath) -> bytes:
         """A small object (a completion marker, a few kB), read from the store once in this
@@ -180,33 +319,26 @@ class KeptCopies:
         copy = self._copies.get(path.url)
         if copy is None or copy.size != size:
             self.release(path.url)
-            self._made += 1
-            local = self.folder / f"{self._made:05d}-{path.name}"
-            with open(local, "wb") as fh:
-                fh.truncate(size)  # sparse: only what is written takes room
-            copy = self._copies[path.url] = _Copy(local, size)
+            if self._in_memory + size <= MEMORY_BYTES:
+                copy = _MemoryCopy(size)
+                self._in_memory += size
+            else:
+                if self.folder is None:
+                    self.parent.mkdir(parents=True, exist_ok=True)
+                    prefix = f".resume-copies-{os.getpid()}-"
+                    self.folder = Path(tempfile.mkdtemp(prefix=prefix, dir=self.parent))
+                self._made += 1
+                copy = _DiskCopy(size, self.folder / f"{self._made:05d}-{path.name}")
+            self._copies[path.url] = copy
         return copy
 
     def write(self, path: ObjectPath, size: int, start: int, data: bytes) -> None:
         """Keep ``data``, read from the store at ``start`` of the file (``size`` bytes)."""
         if not self.refused:
             try:
-                copy = self._copy(path, size)
+                self._copy(path, size).put(start, data)
             except OSError:
                 self._refuse()
-                return
-            self._put(copy, start, data)
-
-    def _put(self, copy: _Copy, start: int, data: bytes) -> bool:
-        """Write into the copy; False (and no more copies) where the local disk refuses."""
-        try:
-            with open(copy.local, "r+b") as fh:
-                fh.seek(start)
-                fh.write(data)
-        except OSError:
-            self._refuse()
-            return False
-        return True
 
     def mark_verified(self, path: ObjectPath, start: int, length: int) -> None:
         """The range's piece matched the marker: its bytes in the copy are the verified ones."""
@@ -223,22 +355,37 @@ class KeptCopies:
     def release(self, url: str) -> None:
         copy = self._copies.pop(url, None)
         if copy is not None:
-            copy.local.unlink(missing_ok=True)
+            if isinstance(copy, _MemoryCopy):
+                self._in_memory -= copy.size
+            copy.drop()
 
-    def completed(self, path: ObjectPath) -> Path | None:
-        """The local copy of the file, its unverified ranges downloaded now (once); None where
-        this process kept none of it."""
+    def completed(self, path: ObjectPath) -> _Copy | None:
+        """The copy of the file, its unverified ranges downloaded now (once); None where this
+        process kept none of it."""
         copy = self._copies.get(path.url)
         if copy is None or self.refused:
             return None
-        for start, length in copy.gaps():
+        gaps = copy.gaps()
+        if gaps:
+            copy.keep_verified()
+        for start, length in gaps:
             at = start
             for data in read_range(path, start, length):
-                if not self._put(copy, at, data):
+                try:
+                    copy.put(at, data)
+                except OSError:
+                    self._refuse()
                     return None
                 at += len(data)
         copy.verified = [(0, copy.size)]
-        return copy.local
+        return copy
+
+    def remove(self) -> None:
+        """Drop every copy (the scope's end)."""
+        for url in list(self._copies):
+            self.release(url)
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
     def _refuse(self) -> None:
         self.refused = True
@@ -265,8 +412,7 @@ def start(folder: Path, root: Location) -> Scope | None:
     if isinstance(root, Path):
         return None
     folder.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".resume-copies-{os.getpid()}-", dir=folder))
-    scope = Scope(KeptCopies(scratch), _active)
+    scope = Scope(KeptCopies(folder), _active)
     _active = scope.kept
     return scope
 
@@ -276,7 +422,7 @@ class Scope:
 
     def __init__(self, kept: KeptCopies, outer: KeptCopies | None) -> None:
         self.kept, self._outer = kept, outer
-        self._removal = weakref.finalize(self, shutil.rmtree, kept.folder, True)
+        self._removal = weakref.finalize(self, kept.remove)
 
     def close(self) -> None:
         global _active

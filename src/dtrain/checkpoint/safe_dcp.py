@@ -70,7 +70,7 @@ class SafeReader(FileSystemReader):
 
 def _copies_first(fs: Any) -> Any:
     """torch's fsspec file system for DCP on the store's ``fs``, whose files open as a resume's
-    local copies where it keeps them (:mod:`dtrain.checkpoint.copies`)."""
+    copies where it keeps them (:mod:`dtrain.checkpoint.copies`)."""
     from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
 
     class CopiesFirst(FileSystem):

@@ -78,12 +78,15 @@ def torch_load(path: Location) -> Any:
     if isinstance(path, Path):
         return torch.load(path, map_location="cpu", weights_only=True)
     kept = copies.active()
-    local = kept.completed(path) if kept is not None else None
-    if local is not None:  # a resume's copy: what this rank verified, completed once
+    copy = kept.completed(path) if kept is not None else None
+    if kept is not None and copy is not None:  # a resume's copy: verified, completed once
+        source = copy.loadable()
         try:
-            return torch.load(local, map_location="cpu", weights_only=True)
+            return torch.load(source, map_location="cpu", weights_only=True)
         finally:
-            kept.release(path.url)  # type: ignore[union-attr]  # loaded once: its room goes
+            if not isinstance(source, Path):
+                source.close()
+            kept.release(path.url)  # loaded once: its room goes
     return torch.load(io.BytesIO(path.read_bytes()), map_location="cpu", weights_only=True)
 
 
@@ -148,11 +151,11 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def open_verified(path: Location) -> Any:
-    """``path`` opened for reading: a resume's local copy of a store's file where it keeps
+    """``path`` opened for reading: a resume's copy of a store's file where it keeps
     one (:mod:`dtrain.checkpoint.copies`), else the file itself."""
     kept = copies.active() if isinstance(path, ObjectPath) else None
-    local = kept.completed(path) if kept is not None and isinstance(path, ObjectPath) else None
-    return open(local, "rb") if local is not None else open_read(path)
+    copy = kept.completed(path) if kept is not None and isinstance(path, ObjectPath) else None
+    return copy.open() if copy is not None else open_read(path)
 
 
 def read_metadata(step_dir: Location, listed: Collection[str]) -> Metadata:

@@ -86,12 +86,17 @@ class HashingWriter:
         # Buffered: torch writes each record's small header apart from its data; the data,
         # larger than the buffer, goes to the file directly.
         self._fh: Any
+        self.hasher = PieceHasher()
+        # A store's upload hashes what it sends, from its own copy of the bytes (its requests
+        # need not wait for the digest: :mod:`dtrain.checkpoint.upload`); a file's, here.
+        self._hashed_here = True
         if isinstance(self.path, ObjectPath) and self.path.scheme == "s3":  # parts in flight
-            self._fh, self._sync = PartUpload(self.path, uploads=uploads), lambda fh: None
+            upload = PartUpload(self.path, uploads=uploads, digest=self.hasher.update)
+            self._fh, self._sync, self._hashed_here = upload, lambda fh: None, False
         else:
             self._fh, self._sync = open_write(self.path)
-        self.hasher = PieceHasher()
         self._on_progress = on_progress or nothing
+        self._size = 0  # bytes written
         self._marked = 0  # pieces written when progress was last marked
 
     def write(self, data: Any) -> int:
@@ -100,9 +105,11 @@ class HashingWriter:
         for start in range(0, len(view), step):
             part = view[start : start + step]
             self._fh.write(part)
-            self.hasher.update(part)
-            if self.hasher.size // step > self._marked:  # another piece done, however fed
-                self._marked = self.hasher.size // step
+            if self._hashed_here:
+                self.hasher.update(part)
+            self._size += len(part)
+            if self._size // step > self._marked:  # another piece done, however fed
+                self._marked = self._size // step
                 self._on_progress()
         return len(view)
 
@@ -113,7 +120,7 @@ class HashingWriter:
         return False
 
     def tell(self) -> int:
-        return self.hasher.size
+        return self._size
 
     def flush(self) -> None:
         if not self._fh.closed:
@@ -136,6 +143,10 @@ class HashingWriter:
             self._fh.flush()
             self._sync(self._fh)
             self._fh.close()
+        if self.hasher.size != self._size:  # every byte written is hashed, once
+            raise CheckpointError(
+                f"{self.path}: {self.hasher.size} bytes hashed of {self._size} written"
+            )
         self._on_progress()
         return file_entry(self.hasher)
 

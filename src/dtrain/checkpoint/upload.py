@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import io
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from contextlib import suppress
 from typing import Any
@@ -51,8 +52,15 @@ class PartUpload:
         in_flight: int | None = None,
         uploads: Uploads | None = None,
         one_request: int | None = None,
+        digest: Callable[[memoryview | bytes], None] | None = None,
     ) -> None:
         self.path = path
+        # What every byte is fed to, once and in order, as it is sent (a file's piece hashes):
+        # a part just before its request (the next is written meanwhile), a file sent as one
+        # request just after its request starts (see close). From this upload's own copy,
+        # never the writer's buffers, which may be gone by then: a tensor's memory
+        # torch.save hands over is only valid while its write() lasts.
+        self._digest = digest
         self._uploads = uploads  # completes this upload later (None: close completes it)
         self.part_bytes = part_bytes or PART_BYTES  # read now: tests make them small
         self.in_flight = in_flight or PARTS_IN_FLIGHT
@@ -120,9 +128,10 @@ class PartUpload:
                 if held >= limit:  # full, and more is coming
                     whole, self._part = self._part, io.BytesIO()
                     if self._upload_id is not None:  # a part
-                        self._send(whole)
+                        self._send(self._fed(whole))
                     else:  # the file held so far, cut into parts (copied once more)
                         with whole.getbuffer() as buffer:
+                            self._feed(buffer)
                             for at in range(0, held, self.part_bytes):
                                 self._send(io.BytesIO(buffer[at : at + self.part_bytes]))
                     continue
@@ -133,6 +142,16 @@ class PartUpload:
             self.abort()
             raise
         return memoryview(data).nbytes
+
+    def _feed(self, data: memoryview | bytes) -> None:
+        if self._digest is not None:
+            self._digest(data)
+
+    def _fed(self, part: io.BytesIO) -> io.BytesIO:
+        """``part``, its bytes fed to the digest (before its request reads it)."""
+        with part.getbuffer() as buffer:
+            self._feed(buffer)
+        return part
 
     def flush(self) -> None:
         """Nothing: a part goes out once full, the rest at :meth:`close`."""
@@ -152,12 +171,25 @@ class PartUpload:
             return
         try:
             if self._upload_id is None:  # no larger than one_request: one request
+                # Sent first and hashed while it goes out: the store starts on the file's
+                # request before its digest is done (12 MB: ~6 ms of SHA-256 sooner). The hash
+                # reads the BytesIO's buffer through an export, which keeps it from being
+                # resized while the request reads it (reads are all either side does; nothing
+                # closes it meanwhile: aiobotocore gives aiohttp an IOBase body behind a
+                # wrapper whose close does nothing, and a close refused would fail the
+                # request, named, never send other bytes). The body stays the BytesIO, which
+                # aiohttp streams: given bytes, it wrote them to the socket at once and copied
+                # the unsent rest into its transport's buffer (64 MiB, moto: 4.7 s against
+                # 0.75 s); given bytes sharing the BytesIO's buffer (getvalue), it copied the
+                # whole (its getbuffer unshares it).
                 self.holds = self._part.tell()
                 self._part.seek(0)
                 self._last = self._start("put_object", Body=self._part)
+                with self._part.getbuffer() as held:
+                    self._feed(held)
             else:
                 if self._part.tell():
-                    self._send(self._part)
+                    self._send(self._fed(self._part))
                 self.holds = len(self._pending) * self.part_bytes
             self._closed = True
             self._part = io.BytesIO()

@@ -33,6 +33,8 @@ RETRY_POLICY = (
 # The part size of a multipart upload (S3's smallest is 5 MiB): a file streams out in parts of
 # this size as torch.save writes it, never held whole in memory.
 PART_BYTES = 16 * 2**20
+# Objects a listing request asks for at most (S3's own most).
+LIST_PAGE = 1000
 
 
 class StoreError(OSError):
@@ -182,12 +184,36 @@ class ObjectPath:
     def sizes(self) -> dict[str, int]:
         """Every object under this prefix, by its name below it (``a/b`` for a nested one), with
         its size: one flat listing (a request per object otherwise); empty where none is."""
+        if self.scheme == "s3":
+            return dict(self._call("list", self._s3_sizes))
         try:
             found = self._call("list", lambda: self.fs.find(self.url, detail=True))
         except FileNotFoundError:
             return {}
         head = self.url.split("://", 1)[1] + "/"
         return {str(key).removeprefix(head): int(info["size"]) for key, info in found.items()}
+
+    def _s3_sizes(self) -> dict[str, int]:
+        """:meth:`sizes` in S3: one ListObjectsV2 request a :data:`LIST_PAGE` objects, and
+        none more where there are none (s3fs's ``find`` then asks for a HEAD and another
+        listing, to tell whether the prefix is an object itself, which a prefix of checkpoints
+        or shards never is)."""
+        bucket, _, key = self.url.split("://", 1)[1].partition("/")
+        prefix = f"{key}/" if key else ""
+        found: dict[str, int] = {}
+        asked: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": LIST_PAGE}
+        while True:
+            try:
+                page = self.fs.call_s3("list_objects_v2", **asked)
+            except FileNotFoundError:  # no such bucket: nothing under the prefix
+                return found
+            for item in page.get("Contents", []):
+                name = str(item["Key"])[len(prefix) :]
+                if name and not name.endswith("/"):  # a folder's placeholder is no object
+                    found[name] = int(item["Size"])
+            if not page.get("IsTruncated"):
+                return found
+            asked["ContinuationToken"] = page["NextContinuationToken"]
 
     def glob(self, pattern: str) -> Iterator[ObjectPath]:
         for name in self._call("list", lambda: self.fs.glob(f"{self.url}/{pattern}")):
