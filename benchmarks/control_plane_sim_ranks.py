@@ -143,8 +143,8 @@ class Starved:
 
         beat, beats = Watchdog._beat, self.beats
 
-        def timed(dog: Any) -> None:
-            beat(dog)
+        def timed(dog: Any, seconds: float | None = None) -> None:
+            beat(dog, seconds)
             beats.setdefault(dog.rank, []).append(time.time())
 
         Watchdog._beat = timed  # type: ignore[method-assign]
