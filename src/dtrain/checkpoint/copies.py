@@ -67,7 +67,7 @@ class RangeRead:
         self._answer: Future[Any] | None = None  # (the answer, its first chunk)
         self._ahead: Future[Any] | None = None
         if path.scheme == "s3" and length > 0:
-            bucket, _, key = path.url.split("://", 1)[1].partition("/")
+            bucket, key = path.bucket_and_key
             span = f"bytes={start}-{start + length - 1}"
             call = path.fs._call_s3("get_object", Bucket=bucket, Key=key, Range=span)
             first = _answer_and_first(call, min(CHUNK_BYTES, length))
@@ -134,7 +134,7 @@ def read_whole(path: ObjectPath) -> bytes:
     from fsspec.asyn import sync
 
     async def get() -> bytes:
-        bucket, _, key = path.url.split("://", 1)[1].partition("/")
+        bucket, key = path.bucket_and_key
         answer = await path.fs._call_s3("get_object", Bucket=bucket, Key=key)
         async with answer["Body"] as body:
             return bytes(await body.read())

@@ -68,7 +68,7 @@ class PartUpload:
         self.one_request = max(
             one_request or ONE_REQUEST_BYTES, (self.in_flight + 1) * self.part_bytes
         )
-        self._bucket, _, self._key = path.url.split("://", 1)[1].partition("/")
+        self._bucket, self._key = path.bucket_and_key
         # What is written is copied once, into a buffer that goes out as it is (a request
         # owns its buffer; what follows gets a fresh one): the whole file while it may still
         # be one request, then each part. A BytesIO, not a bytearray: botocore passes a file

@@ -129,6 +129,12 @@ class ObjectPath:
         return self.url.rpartition("/")[2]
 
     @property
+    def bucket_and_key(self) -> tuple[str, str]:
+        """The bucket and the key (or prefix) in it, as S3's own requests name them."""
+        bucket, _, key = self.url.split("://", 1)[1].partition("/")
+        return bucket, key
+
+    @property
     def parent(self) -> ObjectPath:
         head = self.url.rpartition("/")[0]
         return ObjectPath(head, self.fs) if not head.endswith(":/") else self
@@ -198,7 +204,7 @@ class ObjectPath:
         none more where there are none (s3fs's ``find`` then asks for a HEAD and another
         listing, to tell whether the prefix is an object itself, which a prefix of checkpoints
         or shards never is)."""
-        bucket, _, key = self.url.split("://", 1)[1].partition("/")
+        bucket, key = self.bucket_and_key
         prefix = f"{key}/" if key else ""
         found: dict[str, int] = {}
         asked: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": LIST_PAGE}
@@ -257,7 +263,7 @@ class ObjectPath:
     def replace_if(self, data: bytes, etag: str) -> bool:
         """Overwrite the object only while it is still the version ``etag`` (a conditional
         write, ``If-Match``); False when it changed (or was removed) meanwhile."""
-        bucket, _, key = self.url.split("://", 1)[1].partition("/")
+        bucket, key = self.bucket_and_key
         try:
             self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfMatch=etag)
         except FileNotFoundError:
