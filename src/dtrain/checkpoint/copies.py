@@ -182,10 +182,6 @@ class _Copy(ABC):
     def open(self) -> IO[bytes]:
         """The copy, for reading (complete once :meth:`KeptCopies.completed` gave it)."""
 
-    def read_bytes(self) -> bytes:
-        with self.open() as fh:
-            return fh.read()
-
     def loadable(self) -> Path | IO[bytes]:
         """What ``torch.load`` reads it from."""
         return self.open()
