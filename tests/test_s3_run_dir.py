@@ -7,11 +7,11 @@ reads the bucket with a client of its own, given them explicitly.
 given to them as ``DTRAIN_TEST_S3_ENDPOINT`` (with Swift's test account).
 
 The default suite saves, prunes, verifies and loads checkpoints in the store in this process
-(whole files and DCP's sharded state), checks the refusals of bad stores, and makes the journey
-once for the module (about 15 s on 2 quiet cores): a local run, and the same run in the store
-whose rank 1 is killed (SIGKILL) at step 5 and restarted (``--max-restarts 1``); then ``dtrain
-export`` of both and ``dtrain status`` of the store's. Its continuation under fsdp is ``slow``
-(``make test-s3``)."""
+(whole files and DCP's sharded state), and checks the refusals of bad stores. The journey
+(``slow``: about a minute on 2 busy cores; ``make test-s3``) is made once for the module: a
+local run, and the same run in the store whose rank 1 is killed (SIGKILL) at step 5 and
+restarted (``--max-restarts 1``); then ``dtrain export`` of both and ``dtrain status`` of the
+store's."""
 
 from __future__ import annotations
 
@@ -65,10 +65,6 @@ def write_config(path: Path, run_dir: str, local_dir: Path, **task: object) -> P
     return path
 
 
-# The journey's tests share its module-scoped runs: one pytest-xdist worker takes them all.
-JOURNEY = pytest.mark.xdist_group("s3-journey")
-
-
 @dataclass
 class Journey:
     store: Store
@@ -111,7 +107,7 @@ def journey(store: Store, tmp_path_factory: pytest.TempPathFactory) -> Journey:
     return Journey(store, tmp, said, tmp / "local.safetensors", tmp / "s3.safetensors", done[2][1])
 
 
-@JOURNEY
+@pytest.mark.slow
 def test_kill9_and_resume_in_the_store_exports_the_local_run_s_bits(journey: Journey) -> None:
     load_file = pytest.importorskip("safetensors.torch").load_file
 
@@ -128,7 +124,7 @@ def test_kill9_and_resume_in_the_store_exports_the_local_run_s_bits(journey: Jou
     assert "exp" in page and "8" in page  # the store's run, read from its uploaded records
 
 
-@JOURNEY
+@pytest.mark.slow
 def test_retention_and_the_marker_in_the_store(journey: Journey) -> None:
     root = journey.store.path("exp/checkpoints")
     names = sorted(entry.name for entry in root.iterdir())
@@ -138,7 +134,7 @@ def test_retention_and_the_marker_in_the_store(journey: Journey) -> None:
     assert newest == root / "step-00000008" and not skipped
 
 
-@JOURNEY
+@pytest.mark.slow
 def test_no_credential_is_written_to_the_store_or_the_local_folder(journey: Journey) -> None:
     fs = journey.store.fs
     keys = fs.find(f"{BUCKET}/exp")
@@ -238,7 +234,6 @@ def test_the_hold_keeps_a_second_job_out_of_the_store_s_folder(store: Store) -> 
     assert not (folder / "hold.json").exists()
 
 
-@JOURNEY
 @pytest.mark.slow
 def test_the_store_s_run_goes_on_under_fsdp_on_one_rank_and_exports(journey: Journey) -> None:
     # Last in this file: it extends the journey's run. ddp on 2 ranks saved step 8 (whole
@@ -261,7 +256,7 @@ def test_the_store_s_run_goes_on_under_fsdp_on_one_rank_and_exports(journey: Jou
     assert any(not torch.equal(exported[k], before[k]) for k in before)  # two more steps
 
 
-@JOURNEY
+@pytest.mark.slow
 def test_the_resume_from_the_store_leaves_no_local_copies(journey: Journey) -> None:
     # The restarted ranks verified and loaded the store's checkpoint through local copies in
     # run.local_dir (dtrain.checkpoint.copies); the load's end removed them.
