@@ -397,11 +397,15 @@ def test_rank0_s_beat_once_seen_is_read_with_one_store_operation(store: Any) -> 
     assert watchdog.read_beat(0) is None and "multi_get" not in ops.names  # none yet
     ops.names.clear()
     sealed_store.put(store, HB0, beat_of(0, step=4))
+    # TCPStore answers no set: a check on the same connection returns once the store holds the
+    # key, so the watchdog's own check (another connection) cannot come first under load.
+    assert store.check([HB0])
     first = watchdog.read_beat(0)
     assert first is not None and first.step == 4 and ops.names == ["check", "multi_get"]
     watchdog._see_rank0(first, time.monotonic())
     ops.names.clear()
     sealed_store.put(store, HB0, beat_of(0, step=5))
+    assert store.check([HB0])
     again = watchdog.read_beat(0)
     assert again is not None and again.step == 5 and ops.names == ["multi_get"]
 
