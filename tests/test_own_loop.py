@@ -29,7 +29,7 @@ from tests.own_loops import (
 from tests.ranks import run_ranks
 from tests.test_cli import run_cli, write_tiny_config
 from tests.test_ddp import assert_params_close
-from tests.test_default_job import SHORT, logged_losses, pinned
+from tests.test_default_job import SHORT, assert_pinned, logged_losses
 from tests.test_fault import JOB, assert_bit_equal
 
 EXAMPLE = str(REPO / "examples" / "own_loop.py")
@@ -42,8 +42,7 @@ def test_the_default_job_as_an_own_loop_logs_the_pinned_losses(tmp_path: Path) -
         "train", "--nproc", "2", f"--run.script={EXAMPLE}", f"--run.dir={run_dir}", *SHORT
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    expected = {step: pinned()["train"][step] for step in ("10", "20")}
-    assert logged_losses(run_dir)["train"] == expected
+    assert_pinned(logged_losses(run_dir), {"train": ("10", "20")})
 
 
 @pytest.mark.slow  # two whole launches (~40 s loaded); the default suite checks fsdp's bits
