@@ -38,9 +38,9 @@ from dtrain.cli import main
 from dtrain.config.sections import STORE_PIECE_BYTES
 from dtrain.data.loader import RankLoader
 from dtrain.data.node_cache import WRITING, NodeCache
-from dtrain.data.partition import OrderSpec
+from dtrain.data.partition import OrderSpec, StepPlan
 from dtrain.data.prepare import prepare
-from dtrain.data.read_ahead import ReadAhead
+from dtrain.data.read_ahead import CacheTooSmall, ReadAhead
 from dtrain.data.shards import ShardedDataset, verify_dataset
 from dtrain.data.text import TokenWindows, collate_windows
 from dtrain.data.upload import upload_dataset
@@ -395,6 +395,29 @@ def test_a_rank_killed_while_it_fetches_a_piece_leaves_it_to_the_others(
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
     assert files.present(pieces).all() and files.fetched == files.bytes_of(pieces)
     assert files.cache.resident() == files.bytes_of(pieces)  # the dead rank's claim counted once
+
+
+def test_a_read_ahead_started_again_forgets_a_cache_too_small_for_its_old_plans(
+    store: Store, prepared: Prepared
+) -> None:
+    # A reset (an in-place regroup changes the shares) starts the read-ahead again: what
+    # stopped the old plans' thread is no longer the loader's to raise.
+    dataset = TokenWindows(
+        ShardedDataset(f"{prepared.url}/val", str(prepared.tmp / "machine-reset"), 2 * PIECE), SEQ
+    )
+    assert dataset.store is not None
+    ahead = ReadAhead(dataset.store, dataset.pieces, 0)
+    every = np.arange(len(dataset), dtype=np.int64)
+    ahead.start(iter([StepPlan(0, len(every), [[every]])]))  # reads more than 2 pieces
+    assert ahead._thread is not None
+    ahead._thread.join()
+    with pytest.raises(CacheTooSmall, match=r"bytes .*; raise data\.cache_bytes"):
+        ahead.passed(0)
+    ahead.start(iter([StepPlan(0, 1, [[every[:1]]])]))  # one window: fits
+    assert fetched_ahead(ahead, dataset.pieces(every[:1]))
+    ahead.passed(1)  # nothing to raise
+    ahead.stop()
+    dataset.store.close()
 
 
 def test_a_missing_or_damaged_object_is_named(store: Store, prepared: Prepared) -> None:

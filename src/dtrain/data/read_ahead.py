@@ -57,6 +57,7 @@ class ReadAhead:
     def start(self, plans: Iterator[StepPlan], origin: Hashable = None) -> None:
         """Read ahead of ``plans``, the loader's own steps from its position (``origin``)."""
         self.stop()
+        self.error = None  # the old plans' (a cache too small for them is not for these)
         self.origin = origin
         self._stop = threading.Event()
         self._thread = threading.Thread(
