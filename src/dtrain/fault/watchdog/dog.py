@@ -296,7 +296,7 @@ class Watchdog(PeerDiagnosis):
             self.liveness.stamp(time.time(), self._speed)
             record = self.liveness.record()
         key = f"{store_prefix()}hb/{self.rank}"
-        value = sealed_store.seal(key, json.dumps(record.to_dict()).encode())
+        value = sealed_store.seal(key, json.dumps(dataclasses.asdict(record)).encode())
         self.store.call(lambda store: store.set(key, value), "a heartbeat", seconds)
 
     def _measure(self, now: float) -> None:
