@@ -161,8 +161,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     model = export(args.run_dir, args.out, args.step, args.format, args.merge, args.base)
     if model.note:
         print(f"note: {model.note}")
-    tensors = len(model.state)
-    print(f"wrote {args.out} ({args.format}): {tensors} tensors from {model.step_dir}")
+    print(f"wrote {args.out} ({args.format}): {len(model.state)} tensors from {model.step_dir}")
     return 0
 
 

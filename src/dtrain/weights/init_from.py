@@ -101,10 +101,7 @@ def read_hf_folder(folder: Location) -> dict[str, torch.Tensor]:
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise UserError(f"{index} cannot be read: {exc}") from None
-        state: dict[str, torch.Tensor] = {}
-        for name in files:
-            state.update(read_safetensors(folder / name))
-        return state
+        return {k: v for name in files for k, v in read_safetensors(folder / name).items()}
     if (folder / "model.safetensors").exists():
         return read_safetensors(folder / "model.safetensors")
     return _as_state_dict(_torch_load(folder / "pytorch_model.bin"), folder)

@@ -305,9 +305,8 @@ class Trainer:
             micro = [part for part, _ in parts]
             count = sum(items for _, items in parts)
             self.balance.data_ready(batch, count)
-            per_sample = self.task.items_per_sample
             planned = None
-            if per_sample is not None:
+            if (per_sample := self.task.items_per_sample) is not None:
                 planned = batch.planned_items(per_sample, count, self.step + 1)
             self._audit(batch)
             failpoint("train.before_collective", step=self.step + 1)
