@@ -118,8 +118,7 @@ class LoadBalancer:
 
     def data_ready(self, batch: StepBatch, items: int) -> None:
         """The step has its batch; ``items`` on this rank."""
-        samples = sum(len(ids) for ids in batch.ids)
-        self.timer.data_ready(items, samples, len(batch.micro))
+        self.timer.data_ready(items, sum(len(ids) for ids in batch.ids), len(batch.micro))
 
     def backward_done(self, step: int) -> None:
         """Step ``step``'s backward is done. Collective on a window's last step

@@ -72,8 +72,7 @@ def quiet_launcher_store_logs() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     freeze_heap_at_exit()
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
     if args.command in ("train", "rendezvous"):
         quiet_launcher_store_logs()
     try:

@@ -135,8 +135,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         if args.to_trackers:
             from dtrain.metrics.trackers.report_files import send_report
 
-            files = [*sorted(page.parent.glob("*.png")), page]
-            sent, failed = send_report(run_dirs[0], files)
+            sent, failed = send_report(run_dirs[0], [*sorted(page.parent.glob("*.png")), page])
             for line in sent:
                 print(line)
             for line in failed:

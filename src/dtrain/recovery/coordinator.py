@@ -257,8 +257,7 @@ class Coordinator(PollingThread):
         """The other machines whose launcher was heard within ``stale_s`` (its counter moved;
         a machine is heard from the first poll on, and falls silent ``stale_s`` after its
         counter last moved)."""
-        voices = self._changes.voices
-        return {node for node, (_, at) in voices.items() if now - at < self.stale_s}
+        return {node for node, (_, at) in self._changes.voices.items() if now - at < self.stale_s}
 
     def _local_down(self) -> set[int]:
         """The members on this machine whose process is known and ended or stopped (/proc)."""

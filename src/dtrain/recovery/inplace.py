@@ -161,8 +161,7 @@ class Recovery:
             return
         mine = addresses.get(self.member.id)
         self.cut_self = self.member.id in cut
-        others = [m for m in self.generation.members if m not in cut]
-        peers = others if self.cut_self else cut
+        peers = [m for m in self.generation.members if m not in cut] if self.cut_self else cut
         far = sorted({addresses[m] for m in peers if m in addresses} - {mine})
         if far:
             self.links.sever_addresses(far, int(self.member.address[1]))

@@ -420,8 +420,7 @@ def plot_shares(runs: list[Run], notes: list[str]) -> Plot | None:
     """Each rank's share of the global batch over time (moves under balance.mode)."""
     title = "batch share by rank"
     drawn = _per_rank_lines(runs, notes, title, "share", 100.0)
-    ylabel = "% of the global batch's samples"
-    return _done(drawn, "shares", title, ylabel, from_zero=True)
+    return _done(drawn, "shares", title, "% of the global batch's samples", from_zero=True)
 
 
 def plot_memory(runs: list[Run], notes: list[str]) -> Plot | None:
@@ -465,5 +464,4 @@ ALL: tuple[Callable[[list[Run], list[str]], Plot | None], ...] = (
 
 def make_plots(runs: list[Run], notes: list[str]) -> list[Plot]:
     """Every plot that at least one run has data for."""
-    plots = [plot(runs, notes) for plot in ALL]
-    return [p for p in plots if p is not None]
+    return [p for p in [plot(runs, notes) for plot in ALL] if p is not None]

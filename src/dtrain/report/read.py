@@ -131,8 +131,7 @@ def read_tail(path: Path, max_bytes: int = 1 << 20) -> list[Record]:
     """The records in the last ``max_bytes`` of a metrics file, without reading it whole (a
     long run's file is large); a cut-off line is left out."""
     with path.open("rb") as fh:
-        size = fh.seek(0, os.SEEK_END)
-        start = max(0, size - max_bytes)
+        start = max(0, fh.seek(0, os.SEEK_END) - max_bytes)
         fh.seek(start)
         data = fh.read()
     lines = data.splitlines(keepends=True)

@@ -110,8 +110,7 @@ def run_status(run_dir: Path, now: float | None = None) -> str:
             f"(members {change['members']}); at step {change['step']} ({_ago(now - change['time'])}"
             f"): left {change['left']}, joined {change['joined']}, took {change['seconds']:.2f} s"
         )
-    running = state == "running"
-    lines += _rank_table(beats, newest_attempt, item, now, running)
+    lines += _rank_table(beats, newest_attempt, item, now, state == "running")
     return "\n".join(lines)
 
 
@@ -149,5 +148,4 @@ def _rank_table(
 
 def _number(value: Any) -> float | None:
     """A finite number, else None."""
-    ok = isinstance(value, (int, float)) and math.isfinite(value)
-    return float(value) if ok else None
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None

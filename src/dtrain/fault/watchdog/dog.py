@@ -314,8 +314,7 @@ class Watchdog(PeerDiagnosis):
     def _run(self) -> None:
         # Wakes often, beats when due or soon after the step or phase changed: the main thread
         # only writes its record, all store I/O stays here.
-        prompt_s = max(_PROMPT_BEAT_S, self.world_size / _PROMPT_BEATS_PER_S)
-        wake = min(self.heartbeat_s, prompt_s)
+        wake = min(self.heartbeat_s, max(_PROMPT_BEAT_S, self.world_size / _PROMPT_BEATS_PER_S))
         last_beat = last_read = last_measure = time.monotonic()
         beaten = (self.step, self.phase)
         where, where_since = beaten, last_beat  # the step and phase seen, and since when

@@ -99,8 +99,7 @@ class TrackerSink:
 
     def _run(self) -> None:
         try:
-            ids = self.tracker.start(self.stored)
-            write_run_id(self.run_dir, self.tracker.name, ids)
+            write_run_id(self.run_dir, self.tracker.name, self.tracker.start(self.stored))
             again = "goes on in" if self.stored else "logs to"
             say_line(f"dtrain: {self.tracker.name} {again} {self.tracker.where}")
             while True:
