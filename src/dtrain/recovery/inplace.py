@@ -162,8 +162,7 @@ class Recovery:
         mine = addresses.get(self.member.id)
         self.cut_self = self.member.id in cut
         peers = [m for m in self.generation.members if m not in cut] if self.cut_self else cut
-        far = sorted({addresses[m] for m in peers if m in addresses} - {mine})
-        if far:
+        if far := sorted({addresses[m] for m in peers if m in addresses} - {mine}):
             self.links.sever_addresses(far, int(self.member.address[1]))
             self.cut_off = far
 

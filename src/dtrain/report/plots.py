@@ -155,8 +155,7 @@ def _mark_events(
             if len(names) > 1:  # a resume and a restart at one step are one line
                 records = list({r["step"]: r for r in records}.values())
             for record in records:
-                at = x(record)
-                if at is not None:
+                if (at := x(record)) is not None:
                     ax.axvline(at, label=label(text), **style)  # type: ignore[arg-type]
         skipped = [a for a in (x(r) for r in run.events("step_skipped")) if a is not None]
         if skipped:

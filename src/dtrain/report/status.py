@@ -103,8 +103,7 @@ def run_status(run_dir: Path, now: float | None = None) -> str:
             f"  no heartbeat for {format_duration(newest)}: the job may have stopped (killed, "
             "or its machine lost) without updating status.json"
         )
-    change = run.last("event", "membership")
-    if change is not None:  # fault.recovery = 'inplace'
+    if (change := run.last("event", "membership")) is not None:  # fault.recovery = 'inplace'
         lines.append(
             f"  in place: generation {change['generation']}, {change['world_size']} worker(s) "
             f"(members {change['members']}); at step {change['step']} ({_ago(now - change['time'])}"

@@ -352,8 +352,7 @@ class Watchdog(PeerDiagnosis):
                 if self.rank != 0 and now - last_read >= self.heartbeat_s:
                     last_read = now
                     self._see_rank0(self.read_beat(0), now)
-            hung = self.check_hang(time.monotonic())
-            if hung is not None:
+            if (hung := self.check_hang(time.monotonic())) is not None:
                 self._on_hang(f"{hung}; {self.diagnose()}")
                 return
 

@@ -104,8 +104,7 @@ class TrackerSink:
             say_line(f"dtrain: {self.tracker.name} {again} {self.tracker.where}")
             while True:
                 closing = self._closing.wait(FLUSH_S)
-                rows = self._drain()
-                if rows:
+                if rows := self._drain():
                     self.tracker.log(rows)
                 if closing:
                     self.tracker.finish(self.final)

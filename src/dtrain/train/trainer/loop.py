@@ -282,8 +282,7 @@ class Trainer:
     def _step_ended(self, stopped: bool) -> bool:
         """The step has ended, all of it (update, metrics, evaluation, checkpoint):
         ``train.profile``'s window closes here. Returns ``stopped``."""
-        trace = self.profiler.step_ended(self.step, stopped)
-        if trace is not None:
+        if (trace := self.profiler.step_ended(self.step, stopped)) is not None:
             self.log(f"dtrain: profiler traces of {trace.stem} in {trace.parent} (one per rank)")
         return stopped
 
@@ -381,8 +380,7 @@ class Trainer:
 
     def _poll_checkpoint(self) -> None:
         """An asynchronous save that failed since the last step: said, and recorded."""
-        error = self.checkpointer.poll()
-        if error:
+        if error := self.checkpointer.poll():
             self.warn(error)
             self.run_log.event("checkpoint_failed", self.step, error=error)
 
@@ -470,8 +468,7 @@ class Trainer:
         if self.task.after_training is None:
             return
         with self.phase("after_training"):
-            model = self.strategy.model_for_inference()
-            if model is not None:
+            if (model := self.strategy.model_for_inference()) is not None:
                 model.eval()
                 text = self.task.after_training(model)
                 summary.generated = text if self.is_main else ""
