@@ -160,13 +160,9 @@ class LoadBalancer:
         per_item = rows[:, INDEX["time_per_item_s"]]  # each rank's median over the window
         # The ranks record holds W entries a field: built where it is written, once a window,
         # not on every rank (where it cost O(W) each window, for nothing).
-        records: list[Record] = []
-        if self.writes_records:
-            records.append(self._ranks_record(step, rows))
-        for event in self.detector.observe(
-            int(steps[0]), per_item, data_per_item, compute_per_item
-        ):
-            records.append(self._on_straggler(step, event.rank, event))
+        records: list[Record] = [self._ranks_record(step, rows)] if self.writes_records else []
+        events = self.detector.observe(int(steps[0]), per_item, data_per_item, compute_per_item)
+        records += [self._on_straggler(step, event.rank, event) for event in events]
         if self.controller is not None and self.controller.observe(per_item):
             records.append(self._new_weights(step))
             return Outcome(records, self.weights)

@@ -193,24 +193,20 @@ class PeerDiagnosis:
         for rank, record in sorted(failed.items()):
             if "error" in record:
                 named.add(rank)
-                found.append(
-                    (
-                        f"rank {rank} ({record['host']}, pid {record['pid']}) failed at step "
-                        f"{record['step']} in {record['phase']}: {record['error']}",
-                        False,
-                    )
+                failure = (
+                    f"rank {rank} ({record['host']}, pid {record['pid']}) failed at step "
+                    f"{record['step']} in {record['phase']}: {record['error']}"
                 )
+                found.append((failure, False))
             elif record.get("host") == self.host and rank in beats:
                 continue  # this machine sees its process itself, below
             elif "killed" in record:
                 named.add(rank)
-                found.append(
-                    (
-                        f"rank {rank} ({record['host']}, pid {record['pid']}) died: "
-                        f"{record['killed']} (seen by rank {record['seen_by']} on its machine)",
-                        False,
-                    )
+                death = (
+                    f"rank {rank} ({record['host']}, pid {record['pid']}) died: "
+                    f"{record['killed']} (seen by rank {record['seen_by']} on its machine)"
                 )
+                found.append((death, False))
             elif record["seen_by"] != self.rank or rank not in beats:
                 named.add(rank)
                 seen_by = record["seen_by"]
@@ -242,10 +238,8 @@ class PeerDiagnosis:
             if beat.host != self.host:
                 words, network = self._remote_silent(rank, beat, now, closed, quick)
             else:
-                words, network = (
-                    f"{who(rank, beat)} stopped responding: {self._last_known(beat, now)}",
-                    False,
-                )
+                words = f"{who(rank, beat)} stopped responding: {self._last_known(beat, now)}"
+                network = False
             found.append((words, network))
             if rank not in failed:
                 self._report_silent_peer(rank, words, network, beat)
