@@ -122,9 +122,7 @@ def malformed_field(record: Record) -> str | None:
 
 def read_metrics(path: Path) -> tuple[list[Record], list[str]]:
     """Every record of a metrics file, and what was skipped (see :func:`parse_lines`)."""
-    with path.open("rb") as fh:
-        lines = fh.read().splitlines(keepends=True)
-    return parse_lines(lines, str(path))
+    return parse_lines(path.read_bytes().splitlines(keepends=True), str(path))
 
 
 def read_tail(path: Path, max_bytes: int = 1 << 20) -> list[Record]:

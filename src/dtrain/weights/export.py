@@ -114,8 +114,7 @@ def write_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
     except ImportError:
         raise UserError(
             "--format safetensors needs: pip install safetensors (or pip install -e '.[hf]' in "
-            "dtrain's clone); "
-            "--format torch needs nothing more"
+            "dtrain's clone); --format torch needs nothing more"
         ) from None
     seen: set[int] = set()
     tensors: dict[str, torch.Tensor] = {}
