@@ -193,20 +193,24 @@ class PeerDiagnosis:
         for rank, record in sorted(failed.items()):
             if "error" in record:
                 named.add(rank)
-                failure = (
-                    f"rank {rank} ({record['host']}, pid {record['pid']}) failed at step "
-                    f"{record['step']} in {record['phase']}: {record['error']}"
+                found.append(
+                    (
+                        f"rank {rank} ({record['host']}, pid {record['pid']}) failed at step "
+                        f"{record['step']} in {record['phase']}: {record['error']}",
+                        False,
+                    )
                 )
-                found.append((failure, False))
             elif record.get("host") == self.host and rank in beats:
                 continue  # this machine sees its process itself, below
             elif "killed" in record:
                 named.add(rank)
-                death = (
-                    f"rank {rank} ({record['host']}, pid {record['pid']}) died: "
-                    f"{record['killed']} (seen by rank {record['seen_by']} on its machine)"
+                found.append(
+                    (
+                        f"rank {rank} ({record['host']}, pid {record['pid']}) died: "
+                        f"{record['killed']} (seen by rank {record['seen_by']} on its machine)",
+                        False,
+                    )
                 )
-                found.append((death, False))
             elif record["seen_by"] != self.rank or rank not in beats:
                 named.add(rank)
                 seen_by = record["seen_by"]
