@@ -146,7 +146,7 @@ def test_the_liveness_file_reads_back_the_record_and_keeps_it_after_close(tmp_pa
     assert (now.alive_at, now.item_name, now.items_per_s, now.step_s) == (5.0, "tokens", 800, 0.25)
     assert now.memory_bytes is None and now.steps_per_s is None and not now.interrupted
     # What the watchdog mirrors into the store is the same record, field for field.
-    assert Liveness.from_dict(json.loads(json.dumps(record.record().to_dict()))) == now
+    assert Liveness.from_dict(json.loads(json.dumps(dataclasses.asdict(record.record())))) == now
     assert read_liveness(path, os.getpid() + 1) is None  # not that process's file
     record.close()
     assert read_liveness(path, os.getpid()) == now  # the run folder keeps the last word

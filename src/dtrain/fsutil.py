@@ -95,8 +95,7 @@ def proc_field(path: str, key: str) -> str | None:
 def current_umask() -> int:
     """This process's umask, read without changing it: ``os.umask`` only sets it, and setting
     it even for an instant changes the mode of a file another thread creates meanwhile."""
-    umask = proc_field("/proc/self/status", "Umask")
-    if umask is not None:
+    if (umask := proc_field("/proc/self/status", "Umask")) is not None:
         return int(umask, 8)
     old = os.umask(0o077)  # no /proc (not Linux): the strictest mask for that instant
     os.umask(old)

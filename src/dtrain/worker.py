@@ -120,8 +120,7 @@ def train_once(cfg: Config, own_loop: OwnLoop | None = None) -> Summary:
 def warn_unforwarded_signals(cfg: Config) -> None:
     """Under plain ``torchrun``: say which preemption signals its agent would not forward (and
     would die of), and how to fix it. ``dtrain train`` tells its agent to forward them all."""
-    names = unforwarded(cfg.fault.preempt_signals)
-    if names:
+    if names := unforwarded(cfg.fault.preempt_signals):
         say_line(f"dtrain: warning: {unforwarded_warning(names)}")
 
 

@@ -118,8 +118,7 @@ class LoadBalancer:
 
     def data_ready(self, batch: StepBatch, items: int) -> None:
         """The step has its batch; ``items`` on this rank."""
-        samples = sum(len(ids) for ids in batch.ids)
-        self.timer.data_ready(items, samples, len(batch.micro))
+        self.timer.data_ready(items, sum(len(ids) for ids in batch.ids), len(batch.micro))
 
     def backward_done(self, step: int) -> None:
         """Step ``step``'s backward is done. Collective on a window's last step
@@ -161,13 +160,9 @@ class LoadBalancer:
         per_item = rows[:, INDEX["time_per_item_s"]]  # each rank's median over the window
         # The ranks record holds W entries a field: built where it is written, once a window,
         # not on every rank (where it cost O(W) each window, for nothing).
-        records: list[Record] = []
-        if self.writes_records:
-            records.append(self._ranks_record(step, rows))
-        for event in self.detector.observe(
-            int(steps[0]), per_item, data_per_item, compute_per_item
-        ):
-            records.append(self._on_straggler(step, event.rank, event))
+        records: list[Record] = [self._ranks_record(step, rows)] if self.writes_records else []
+        events = self.detector.observe(int(steps[0]), per_item, data_per_item, compute_per_item)
+        records += [self._on_straggler(step, event.rank, event) for event in events]
         if self.controller is not None and self.controller.observe(per_item):
             records.append(self._new_weights(step))
             return Outcome(records, self.weights)

@@ -96,8 +96,7 @@ class ThroughputController:
             self.moving = False
             return False
         c = self.settings.max_change
-        ratio = np.clip(target / weights, 1 / (1 + c), 1 + c)
-        moved = self._normalized(weights * ratio)
+        moved = self._normalized(weights * np.clip(target / weights, 1 / (1 + c), 1 + c))
         self.moving = True
         if np.allclose(moved, weights, rtol=1e-9, atol=0):
             return False

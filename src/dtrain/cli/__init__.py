@@ -40,17 +40,16 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 
 def split_overrides(extra: Sequence[str]) -> list[str]:
-    overrides = []
+    """``extra`` (what argparse left) when all are config overrides; else the first refused."""
     for arg in extra:
         if arg.startswith("--") and "." in arg.split("=", 1)[0] and "=" in arg:
-            overrides.append(arg)
-        elif arg.startswith("--") and "." in arg:
+            continue
+        if arg.startswith("--") and "." in arg:
             raise UserError(f"override {arg!r} has no value; write it as {arg}=VALUE")
-        else:
-            raise UserError(
-                f"unrecognized argument {arg!r} (config keys are set as --section.key=value)"
-            )
-    return overrides
+        raise UserError(
+            f"unrecognized argument {arg!r} (config keys are set as --section.key=value)"
+        )
+    return list(extra)
 
 
 def quiet_launcher_store_logs() -> None:
@@ -73,8 +72,7 @@ def quiet_launcher_store_logs() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     freeze_heap_at_exit()
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
     if args.command in ("train", "rendezvous"):
         quiet_launcher_store_logs()
     try:

@@ -135,8 +135,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         if args.to_trackers:
             from dtrain.metrics.trackers.report_files import send_report
 
-            files = [*sorted(page.parent.glob("*.png")), page]
-            sent, failed = send_report(run_dirs[0], files)
+            sent, failed = send_report(run_dirs[0], [*sorted(page.parent.glob("*.png")), page])
             for line in sent:
                 print(line)
             for line in failed:
@@ -161,8 +160,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     model = export(args.run_dir, args.out, args.step, args.format, args.merge, args.base)
     if model.note:
         print(f"note: {model.note}")
-    tensors = len(model.state)
-    print(f"wrote {args.out} ({args.format}): {tensors} tensors from {model.step_dir}")
+    print(f"wrote {args.out} ({args.format}): {len(model.state)} tensors from {model.step_dir}")
     return 0
 
 

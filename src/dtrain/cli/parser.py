@@ -74,8 +74,7 @@ def _estimate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "allocated. Not counted: the runtime's own memory (torch, the process group, a GPU's "
         "CUDA context, the kernels' workspaces; on a CPU under bf16-mixed oneDNN's kernels for "
         "the step's bfloat16 products are counted), the data, allocator slack. Any config key "
-        "can be set as "
-        "--section.key=value. See docs/strategies.md.",
+        "can be set as --section.key=value. See docs/strategies.md.",
     )
     p.add_argument("config", nargs="?", help="TOML config file (default: the built-in GPT job)")
     p.add_argument("--nproc", type=int, required=True, help="workers per machine")

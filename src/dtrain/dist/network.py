@@ -81,8 +81,7 @@ def interface_of(address: str) -> str | None:
 def resolve(host: str) -> list[str]:
     """The IP addresses ``host`` resolves to here (IPv4 first); raises OSError when it does not."""
     infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
-    return sorted(addresses, key=lambda a: ":" in a)
+    return sorted(dict.fromkeys(str(info[4][0]) for info in infos), key=lambda a: ":" in a)
 
 
 def is_loopback(host: str) -> bool:

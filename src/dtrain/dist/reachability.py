@@ -120,8 +120,7 @@ def check_store(nodes: int, timeout_s: float) -> None:
     if nodes > 1 and loopback and own and not is_loopback(own):
         # This node talks to the others over a network; rank 0's advertised loopback.
         raise Unreachable(f"{node_label()} cannot use {where}: {_hint_loopback(host)}")
-    error = connect_error(host, port, timeout_s)
-    if error is not None:
+    if (error := connect_error(host, port, timeout_s)) is not None:
         hint = f"; {_hint_loopback(host)}" if nodes > 1 and loopback else ""
         raise Unreachable(
             f"{node_label()} cannot reach {where} within {timeout_s:.0f}s: {describe(error)}{hint}"
@@ -351,8 +350,7 @@ def _published(store: Any, namespace: str, peer: int, timeout_s: float) -> dict[
             if "timeout" not in str(exc).lower():
                 raise
             break
-        found = sealed_store.parse(name, store.get(str(peer)), ADDRESS)
-        if found is not None:
+        if (found := sealed_store.parse(name, store.get(str(peer)), ADDRESS)) is not None:
             return dict(found)
         time.sleep(min(_RETRY_S, left))
     raise Unreachable(
@@ -364,8 +362,7 @@ def _published(store: Any, namespace: str, peer: int, timeout_s: float) -> dict[
 def _check_peer(store: Any, namespace: str, peer: int, timeout_s: float) -> None:
     found = _published(store, namespace, peer, timeout_s)
     address, port = found["addr"], int(found["port"])
-    error = connect_error(address, port, timeout_s)
-    if error is not None:
+    if (error := connect_error(address, port, timeout_s)) is not None:
         hint = ""
         if ipaddress.ip_address(address).is_loopback:
             hint = (

@@ -81,8 +81,7 @@ def choose_device(cfg: DistConfig, local_rank: int) -> torch.device:
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("dist.device = 'cuda' but this machine has no usable CUDA device")
-        count = torch.cuda.device_count()
-        return torch.device("cuda", local_rank % count)
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
 
 

@@ -242,10 +242,8 @@ class PeerDiagnosis:
             if beat.host != self.host:
                 words, network = self._remote_silent(rank, beat, now, closed, quick)
             else:
-                words, network = (
-                    f"{who(rank, beat)} stopped responding: {self._last_known(beat, now)}",
-                    False,
-                )
+                words = f"{who(rank, beat)} stopped responding: {self._last_known(beat, now)}"
+                network = False
             found.append((words, network))
             if rank not in failed:
                 self._report_silent_peer(rank, words, network, beat)

@@ -19,8 +19,7 @@ LOGS_DIR = "logs"
 def record_error(message: str) -> None:
     """Leave ``message`` where the launcher (torch's agent, or dtrain's supervising in-place
     workers) reads a worker's failure: its error file. Never raises."""
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
+    if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
         with contextlib.suppress(OSError), open(error_file, "w") as fh:
             json.dump({"message": message, "timestamp": int(time.time())}, fh)
 

@@ -28,7 +28,7 @@ import mmap
 import os
 import struct
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -104,12 +104,9 @@ class Liveness:
             return f"at step {self.step}, as it left {self.phase}"
         return f"at step {self.step} in {self.phase}"
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
     @classmethod
     def from_dict(cls, record: Any) -> Liveness | None:
-        """The record a :meth:`to_dict` made (from the store), or None for anything else (a
+        """The record ``asdict`` made (from the store), or None for anything else (a
         field missing or of another type: it is read by a rank that must not fail on it)."""
         if not isinstance(record, dict):
             return None
@@ -312,11 +309,8 @@ def read_liveness(path: Path | str, pid: int | None = None) -> Liveness | None:
 
 def read_run_liveness(run_dir: Path) -> dict[int, Liveness]:
     """Every rank's record in the run folder, by rank (unreadable files are left out)."""
-    folder = run_dir / LIVENESS_DIR
     out: dict[int, Liveness] = {}
-    if not folder.is_dir():
-        return out
-    for path in folder.glob("rank*"):
+    for path in (run_dir / LIVENESS_DIR).glob("rank*"):  # none where the folder is missing
         record = read_liveness(path)
         if record is not None and path.name == f"rank{record.rank}":
             out[record.rank] = record

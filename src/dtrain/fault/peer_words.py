@@ -101,7 +101,8 @@ class PeerWords:
             posted = int(self._ask(lambda s: s.add(f"{prefix}posted", 0), what))
             if posted >= dog.world_size and posted != counted:
                 counted = posted  # read again only when the count moves (a stranger's bump)
-                got.update(self._read_words(prefix, self._owed(got), what))
+                owed = [rank for rank in range(dog.world_size) if rank not in got]
+                got.update(self._read_words(prefix, owed, what))
             if len(got) == dog.world_size:
                 break
             if watch.due():
@@ -111,9 +112,6 @@ class PeerWords:
         words = [got[rank] for rank in range(dog.world_size)]
         self._post_verdict(prefix, {"words": words}, what)
         return words
-
-    def _owed(self, got: dict[int, str]) -> list[int]:
-        return [rank for rank in range(self.watchdog.world_size) if rank not in got]
 
     def _read_words(self, prefix: str, ranks: list[int], what: str) -> dict[int, str]:
         """The words of ``ranks`` that are posted (and pass their seal): one call when all are."""

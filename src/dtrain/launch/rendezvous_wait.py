@@ -54,8 +54,7 @@ def share_shape(endpoint: str, shape: dict[str, str], hosting: bool, secret: Job
             "fails its seal (written by a process without the job's secret)"
         )
         return
-    differ = [flag for flag in shape if theirs.get(flag) != shape[flag]]
-    if differ:
+    if differ := [flag for flag in shape if theirs.get(flag) != shape[flag]]:
         here = " ".join(f"{flag} {shape[flag]}" for flag in differ)
         there = " ".join(f"{flag} {theirs.get(flag)}" for flag in differ)
         raise UserError(

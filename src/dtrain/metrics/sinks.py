@@ -98,8 +98,7 @@ class JsonlSink:
                 self.warned = True
                 print(
                     f"dtrain: warning: cannot write {self.path} ({exc.strerror or exc}); "
-                    "training goes on, and its records are lost until the file takes them "
-                    "again",
+                    "training goes on, and its records are lost until the file takes them again",
                     file=sys.stderr,
                     flush=True,
                 )

@@ -117,8 +117,7 @@ class Changes:
             del self._backlog[key]
         posted = [key for key in taken if key not in values]  # (the slice's are read)
         self._learn([key for key in posted if key not in self._known], None)
-        extra = [key for key in posted if key in self._known]
-        if extra:
+        if extra := [key for key in posted if key in self._known]:
             values.update(zip(extra, self.store.multi_get(extra), strict=True))
         self.changed = set()
         for key, raw in values.items():
@@ -167,8 +166,7 @@ class Changes:
         lines.pop(b"", None)
         names: list[str] = []
         for line in lines:
-            key = self._line_key.get(line)
-            if key is not None:
+            if (key := self._line_key.get(line)) is not None:
                 names.append(key)
                 continue
             # A record this coordinator does not read (this machine's members' states, which

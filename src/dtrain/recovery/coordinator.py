@@ -257,8 +257,7 @@ class Coordinator(PollingThread):
         """The other machines whose launcher was heard within ``stale_s`` (its counter moved;
         a machine is heard from the first poll on, and falls silent ``stale_s`` after its
         counter last moved)."""
-        voices = self._changes.voices
-        return {node for node, (_, at) in voices.items() if now - at < self.stale_s}
+        return {node for node, (_, at) in self._changes.voices.items() if now - at < self.stale_s}
 
     def _local_down(self) -> set[int]:
         """The members on this machine whose process is known and ended or stopped (/proc)."""
@@ -303,7 +302,7 @@ class Coordinator(PollingThread):
         asks for the next generation: for the members :meth:`_update` looked at, and for
         all once the generation changes."""
         ours = m in self._current_set
-        if ours and self._same(m):
+        if ours and self.nonces.get(m) == self._seen[m].nonce:
             self._same_set.add(m)
         else:
             self._same_set.discard(m)
@@ -458,10 +457,6 @@ class Coordinator(PollingThread):
             f"{len(survivors)} of {self.members} workers left at step {step} (member(s) {who} "
             f"lost), fewer than fault.min_replicas = {self.min_members}"
         )
-
-    def _same(self, member: int) -> bool:
-        """Whether the member's running incarnation is the one in the current generation."""
-        return self.nonces.get(member) == self._seen[member].nonce
 
     def _form(self, members: list[int], stop: str = "") -> None:
         """Decide generation ``number + 1`` of ``members``; it is written over this poll and

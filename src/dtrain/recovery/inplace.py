@@ -161,10 +161,8 @@ class Recovery:
             return
         mine = addresses.get(self.member.id)
         self.cut_self = self.member.id in cut
-        others = [m for m in self.generation.members if m not in cut]
-        peers = others if self.cut_self else cut
-        far = sorted({addresses[m] for m in peers if m in addresses} - {mine})
-        if far:
+        peers = [m for m in self.generation.members if m not in cut] if self.cut_self else cut
+        if far := sorted({addresses[m] for m in peers if m in addresses} - {mine}):
             self.links.sever_addresses(far, int(self.member.address[1]))
             self.cut_off = far
 

@@ -151,17 +151,13 @@ NODES: Shape = {"nnodes": int, "nproc": int}
 def read_text(store: Any, key: str, opener: Opener | None = None) -> str | None:
     """The text at ``inplace/<key>``; None while it is not set, or when it fails its seal
     (with ``opener``, a key read over and over: the last text that opened there)."""
-    if opener is not None:
-        return opener.read_text(store, PREFIX + key)
-    return sealed_store.read_text(store, PREFIX + key)
+    return (opener or sealed_store).read_text(store, PREFIX + key)
 
 
 def read_json(store: Any, key: str, shape: Shape, opener: Opener | None = None) -> Any:
     """The JSON value at ``inplace/<key>`` if it has ``shape``; None while it is not set, or
     when it fails its seal or has another shape (with ``opener``: as :func:`read_text`)."""
-    if opener is not None:
-        return opener.read_json(store, PREFIX + key, shape)
-    return sealed_store.read_json(store, PREFIX + key, shape)
+    return (opener or sealed_store).read_json(store, PREFIX + key, shape)
 
 
 def write_value(store: Any, key: str, value: Any) -> None:

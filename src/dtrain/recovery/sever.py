@@ -54,8 +54,7 @@ def _tcp_rows() -> dict[int, _Row]:
             continue
         for line in lines:
             fields = line.split()
-            inode = int(fields[9])
-            if inode:  # 0: a connection no process holds any more (TIME_WAIT)
+            if inode := int(fields[9]):  # 0: a connection no process holds any more (TIME_WAIT)
                 rows[inode] = _Row(table, fields[1], fields[2], fields[3])
     return rows
 

@@ -53,8 +53,7 @@ def hardware_rows(run: Run) -> list[tuple[str, str]]:
         return [("hardware", "not recorded (a run from before start records)")]
     start = starts[-1]
     hw = start.get("hardware") or {}
-    hosts = start.get("hosts") or []
-    distinct = sorted(set(hosts))
+    distinct = sorted(set(start.get("hosts") or []))
     return [
         ("strategy", str(start.get("strategy", "-"))),
         (

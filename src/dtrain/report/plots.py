@@ -155,8 +155,7 @@ def _mark_events(
             if len(names) > 1:  # a resume and a restart at one step are one line
                 records = list({r["step"]: r for r in records}.values())
             for record in records:
-                at = x(record)
-                if at is not None:
+                if (at := x(record)) is not None:
                     ax.axvline(at, label=label(text), **style)  # type: ignore[arg-type]
         skipped = [a for a in (x(r) for r in run.events("step_skipped")) if a is not None]
         if skipped:
@@ -420,8 +419,7 @@ def plot_shares(runs: list[Run], notes: list[str]) -> Plot | None:
     """Each rank's share of the global batch over time (moves under balance.mode)."""
     title = "batch share by rank"
     drawn = _per_rank_lines(runs, notes, title, "share", 100.0)
-    ylabel = "% of the global batch's samples"
-    return _done(drawn, "shares", title, ylabel, from_zero=True)
+    return _done(drawn, "shares", title, "% of the global batch's samples", from_zero=True)
 
 
 def plot_memory(runs: list[Run], notes: list[str]) -> Plot | None:
@@ -465,5 +463,4 @@ ALL: tuple[Callable[[list[Run], list[str]], Plot | None], ...] = (
 
 def make_plots(runs: list[Run], notes: list[str]) -> list[Plot]:
     """Every plot that at least one run has data for."""
-    plots = [plot(runs, notes) for plot in ALL]
-    return [p for p in plots if p is not None]
+    return [p for p in [plot(runs, notes) for plot in ALL] if p is not None]

@@ -122,17 +122,14 @@ def malformed_field(record: Record) -> str | None:
 
 def read_metrics(path: Path) -> tuple[list[Record], list[str]]:
     """Every record of a metrics file, and what was skipped (see :func:`parse_lines`)."""
-    with path.open("rb") as fh:
-        lines = fh.read().splitlines(keepends=True)
-    return parse_lines(lines, str(path))
+    return parse_lines(path.read_bytes().splitlines(keepends=True), str(path))
 
 
 def read_tail(path: Path, max_bytes: int = 1 << 20) -> list[Record]:
     """The records in the last ``max_bytes`` of a metrics file, without reading it whole (a
     long run's file is large); a cut-off line is left out."""
     with path.open("rb") as fh:
-        size = fh.seek(0, os.SEEK_END)
-        start = max(0, size - max_bytes)
+        start = max(0, fh.seek(0, os.SEEK_END) - max_bytes)
         fh.seek(start)
         data = fh.read()
     lines = data.splitlines(keepends=True)

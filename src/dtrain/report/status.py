@@ -103,15 +103,13 @@ def run_status(run_dir: Path, now: float | None = None) -> str:
             f"  no heartbeat for {format_duration(newest)}: the job may have stopped (killed, "
             "or its machine lost) without updating status.json"
         )
-    change = run.last("event", "membership")
-    if change is not None:  # fault.recovery = 'inplace'
+    if (change := run.last("event", "membership")) is not None:  # fault.recovery = 'inplace'
         lines.append(
             f"  in place: generation {change['generation']}, {change['world_size']} worker(s) "
             f"(members {change['members']}); at step {change['step']} ({_ago(now - change['time'])}"
             f"): left {change['left']}, joined {change['joined']}, took {change['seconds']:.2f} s"
         )
-    running = state == "running"
-    lines += _rank_table(beats, newest_attempt, item, now, running)
+    lines += _rank_table(beats, newest_attempt, item, now, state == "running")
     return "\n".join(lines)
 
 
@@ -149,5 +147,4 @@ def _rank_table(
 
 def _number(value: Any) -> float | None:
     """A finite number, else None."""
-    ok = isinstance(value, (int, float)) and math.isfinite(value)
-    return float(value) if ok else None
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None

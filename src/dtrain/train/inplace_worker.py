@@ -221,8 +221,7 @@ def save_and_stop(trainer: Trainer, recovery: Recovery, retired: Retired, reason
     if trainer.step not in committed_steps(trainer.checkpointer.root):
         trainer.save_checkpoint(blocking=True)
     if trainer.is_main:
-        event = recovery.event()
-        if event is not None:
+        if (event := recovery.event()) is not None:
             sink = JsonlSink(trainer.run_dir / "metrics.jsonl")
             sink.write(records.event("membership", trainer.step, **event, stopped=reason))
             sink.close()

@@ -57,8 +57,7 @@ def build_job_config(raw: Mapping[str, Any]) -> Config:
     class of its ``[task]`` section: the rest is checked first (naming the task is part of
     it), then the task's section by that class."""
     probe = build_config(raw)
-    factory = resolve_task(probe.run.task)
-    return build_config(raw, task_config_class(factory))
+    return build_config(raw, task_config_class(resolve_task(probe.run.task)))
 
 
 def checked_job_config(config: Config | PathLike | None, overrides: Sequence[str] = ()) -> Config:

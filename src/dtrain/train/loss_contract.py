@@ -108,8 +108,7 @@ def contract_message(
 ) -> str:
     values = losses.numel()
     head = (
-        f"{source} {values} value(s) (shape {tuple(losses.shape)}) for "
-        f"{items} counted item(s)"
+        f"{source} {values} value(s) (shape {tuple(losses.shape)}) for {items} counted item(s)"
         + (f" (targets of shape {target_shape})" if target_shape is not None else "")
         + ": it must return one loss per item, unreduced, which dtrain averages over the "
         "whole global batch"

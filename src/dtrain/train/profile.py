@@ -31,8 +31,7 @@ class StepProfiler:
     window then starts at step 0, which never begins: steps count from 1)."""
 
     def __init__(self, cfg: Config, rank: int, device: torch.device) -> None:
-        window = parse_profile(cfg.train.profile)
-        self.first, self.last = window or (0, 0)
+        self.first, self.last = parse_profile(cfg.train.profile) or (0, 0)
         self.run_dir = local_run_dir(cfg.run.dir, cfg.run.local_dir)  # this machine's
         self.rank, self.device = rank, device
         self.store_dir = cfg.run.dir if scheme_of(cfg.run.dir) else ""  # where it uploads

@@ -117,8 +117,7 @@ def load_adapter_into(model: nn.Module, folder: str | Path) -> None:
             "model with the adapter's settings (adapter_config.json), or start a new adapter"
         )
     expected = get_peft_model_state_dict(model)  # the names PEFT saves, with their shapes
-    problems = state_dict_mismatches(expected, state, "adapter")
-    if problems:
+    if problems := state_dict_mismatches(expected, state, "adapter"):
         raise CheckpointError(
             f"{where} does not fit the model's adapter layers: {first_problems(problems)}; "
             "its base model has other layers or sizes than the task's"
@@ -153,8 +152,7 @@ def load_adapters(model: nn.Module, state: Mapping[str, torch.Tensor], where: st
     ``model``, after checking that it holds exactly those."""
     frozen = frozen_names(model)
     current = {k: v for k, v in model.state_dict().items() if k not in frozen}
-    problems = state_dict_mismatches(current, state)
-    if problems:
+    if problems := state_dict_mismatches(current, state):
         raise CheckpointError(
             f"{where} does not hold this PEFT model's adapters: {first_problems(problems)}"
         )

@@ -114,8 +114,7 @@ def write_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
     except ImportError:
         raise UserError(
             "--format safetensors needs: pip install safetensors (or pip install -e '.[hf]' in "
-            "dtrain's clone); "
-            "--format torch needs nothing more"
+            "dtrain's clone); --format torch needs nothing more"
         ) from None
     seen: set[int] = set()
     tensors: dict[str, torch.Tensor] = {}
@@ -172,8 +171,7 @@ def write_adapter_folder(
 ) -> None:
     """A PEFT run's adapters (``state``) as PEFT saves them; with ``base`` (the path of the
     base's weights), the base with them merged in, as the plain model saves itself."""
-    weights = read_weights(base) if base is not None else None
-    model: Any = build_peft_model(config_dir, weights)
+    model: Any = build_peft_model(config_dir, read_weights(base) if base is not None else None)
     load_adapters(model, state, f"the checkpoint ({config_dir.parent})")
     if base is not None:
         model = model.merge_and_unload()
@@ -185,8 +183,7 @@ def build_peft_model(config_dir: Path, base: dict[str, torch.Tensor] | None) -> 
     (its weights ``base`` where given), the adapter from ``adapter_config.json``."""
     peft = require("peft", "peft", "exporting a PEFT run")
     model = build_pretrained_model(config_dir)
-    settings = peft.PeftConfig.from_pretrained(str(config_dir))
-    peft_model = peft.get_peft_model(model, settings)
+    peft_model = peft.get_peft_model(model, peft.PeftConfig.from_pretrained(str(config_dir)))
     if base is not None:
         load_base_into(peft_model, base, "--base")
     return peft_model

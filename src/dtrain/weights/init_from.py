@@ -101,10 +101,7 @@ def read_hf_folder(folder: Location) -> dict[str, torch.Tensor]:
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise UserError(f"{index} cannot be read: {exc}") from None
-        state: dict[str, torch.Tensor] = {}
-        for name in files:
-            state.update(read_safetensors(folder / name))
-        return state
+        return {k: v for name in files for k, v in read_safetensors(folder / name).items()}
     if (folder / "model.safetensors").exists():
         return read_safetensors(folder / "model.safetensors")
     return _as_state_dict(_torch_load(folder / "pytorch_model.bin"), folder)
@@ -142,8 +139,7 @@ def load_state_into(model: nn.Module, state: Mapping[str, torch.Tensor], where: 
     checking that it fits: a :class:`CheckpointError` listing what does not."""
     params = model.named_parameters(remove_duplicate=False)
     current, tied = model.state_dict(), tied_groups((n, id(p)) for n, p in params)
-    problems = state_dict_mismatches(current, state, "weights", tied)
-    if problems:
+    if problems := state_dict_mismatches(current, state, "weights", tied):
         raise CheckpointError(
             f"{where} does not fit {type(model).__name__}: {first_problems(problems)}; load "
             "weights made for this model (the same architecture and sizes)"
@@ -210,8 +206,7 @@ def load_base_into(model: nn.Module, weights: Mapping[str, torch.Tensor], where:
 
     current = get_base_model_state_dict(model)  # the base's own names -> the model's tensors
     tied = tied_groups((n, t.untyped_storage().data_ptr()) for n, t in current.items())
-    problems = state_dict_mismatches(current, weights, "weights", tied)
-    if problems:
+    if problems := state_dict_mismatches(current, weights, "weights", tied):
         base = type(getattr(model, "get_base_model")()).__name__  # noqa: B009
         raise CheckpointError(
             f"{where} does not fit the PEFT model's base ({base}): {first_problems(problems)}; "

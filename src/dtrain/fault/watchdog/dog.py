@@ -296,7 +296,7 @@ class Watchdog(PeerDiagnosis):
             self.liveness.stamp(time.time(), self._speed)
             record = self.liveness.record()
         key = f"{store_prefix()}hb/{self.rank}"
-        value = sealed_store.seal(key, json.dumps(record.to_dict()).encode())
+        value = sealed_store.seal(key, json.dumps(dataclasses.asdict(record)).encode())
         self.store.call(lambda store: store.set(key, value), "a heartbeat", seconds)
 
     def _measure(self, now: float) -> None:
@@ -314,8 +314,7 @@ class Watchdog(PeerDiagnosis):
     def _run(self) -> None:
         # Wakes often, beats when due or soon after the step or phase changed: the main thread
         # only writes its record, all store I/O stays here.
-        prompt_s = max(_PROMPT_BEAT_S, self.world_size / _PROMPT_BEATS_PER_S)
-        wake = min(self.heartbeat_s, prompt_s)
+        wake = min(self.heartbeat_s, max(_PROMPT_BEAT_S, self.world_size / _PROMPT_BEATS_PER_S))
         last_beat = last_read = last_measure = time.monotonic()
         beaten = (self.step, self.phase)
         where, where_since = beaten, last_beat  # the step and phase seen, and since when
@@ -353,8 +352,7 @@ class Watchdog(PeerDiagnosis):
                 if self.rank != 0 and now - last_read >= self.heartbeat_s:
                     last_read = now
                     self._see_rank0(self.read_beat(0), now)
-            hung = self.check_hang(time.monotonic())
-            if hung is not None:
+            if (hung := self.check_hang(time.monotonic())) is not None:
                 self._on_hang(f"{hung}; {self.diagnose()}")
                 return
 

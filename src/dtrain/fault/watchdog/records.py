@@ -26,8 +26,7 @@ SILENT: Shape = {"silent": str, "network": bool, "seen_by": int}
 def liveness_attempt() -> int:
     """The attempt a liveness record belongs to: the restart count of torch's agent, or the
     membership generation under fault.recovery = 'inplace'."""
-    value = os.environ.get(GENERATION_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    return int(value or 0)
+    return int(os.environ.get(GENERATION_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
 
 def store_prefix() -> str:

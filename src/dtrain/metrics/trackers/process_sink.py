@@ -102,8 +102,7 @@ class ProcessSink:
         if record.get("kind") == "summary":
             self.final.state, self.final.summary = summary_of(record)
             return
-        row = to_row(record)
-        if row is not None:
+        if (row := to_row(record)) is not None:
             self._send({"row": [row.step, row.time, row.values]})
 
     def _send(self, message: dict[str, Any], *, keep: bool = False) -> None:

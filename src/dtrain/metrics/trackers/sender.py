@@ -83,8 +83,7 @@ def serve(
     tracker: Tracker, stored: dict[str, Any] | None, lines: Lines, out: TextIO, parent: int
 ) -> None:
     """Open the tracker's run, send it the rows as they come, in batches, and end it."""
-    ids = tracker.start(stored)
-    send(out, {"started": ids, "where": tracker.where})
+    send(out, {"started": tracker.start(stored), "where": tracker.where})
     rows: list[Row] = []
     final: Final | None = None
     count, log_cpu = 0, 0.0
@@ -123,8 +122,7 @@ def serve(
         if ending:
             assert final is not None
             tracker.finish(final)
-            cpu = time.process_time()
-            send(out, {"done": {"rows": count, "log_cpu_s": log_cpu, "cpu_s": cpu}})
+            send(out, {"done": {"rows": count, "log_cpu_s": log_cpu, "cpu_s": time.process_time()}})
             return
 
 

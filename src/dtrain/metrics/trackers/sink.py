@@ -99,14 +99,12 @@ class TrackerSink:
 
     def _run(self) -> None:
         try:
-            ids = self.tracker.start(self.stored)
-            write_run_id(self.run_dir, self.tracker.name, ids)
+            write_run_id(self.run_dir, self.tracker.name, self.tracker.start(self.stored))
             again = "goes on in" if self.stored else "logs to"
             say_line(f"dtrain: {self.tracker.name} {again} {self.tracker.where}")
             while True:
                 closing = self._closing.wait(FLUSH_S)
-                rows = self._drain()
-                if rows:
+                if rows := self._drain():
                     self.tracker.log(rows)
                 if closing:
                     self.tracker.finish(self.final)

@@ -282,8 +282,7 @@ class Trainer:
     def _step_ended(self, stopped: bool) -> bool:
         """The step has ended, all of it (update, metrics, evaluation, checkpoint):
         ``train.profile``'s window closes here. Returns ``stopped``."""
-        trace = self.profiler.step_ended(self.step, stopped)
-        if trace is not None:
+        if (trace := self.profiler.step_ended(self.step, stopped)) is not None:
             self.log(f"dtrain: profiler traces of {trace.stem} in {trace.parent} (one per rank)")
         return stopped
 
@@ -305,9 +304,8 @@ class Trainer:
             micro = [part for part, _ in parts]
             count = sum(items for _, items in parts)
             self.balance.data_ready(batch, count)
-            per_sample = self.task.items_per_sample
             planned = None
-            if per_sample is not None:
+            if (per_sample := self.task.items_per_sample) is not None:
                 planned = batch.planned_items(per_sample, count, self.step + 1)
             self._audit(batch)
             failpoint("train.before_collective", step=self.step + 1)
@@ -382,8 +380,7 @@ class Trainer:
 
     def _poll_checkpoint(self) -> None:
         """An asynchronous save that failed since the last step: said, and recorded."""
-        error = self.checkpointer.poll()
-        if error:
+        if error := self.checkpointer.poll():
             self.warn(error)
             self.run_log.event("checkpoint_failed", self.step, error=error)
 
@@ -471,8 +468,7 @@ class Trainer:
         if self.task.after_training is None:
             return
         with self.phase("after_training"):
-            model = self.strategy.model_for_inference()
-            if model is not None:
+            if (model := self.strategy.model_for_inference()) is not None:
                 model.eval()
                 text = self.task.after_training(model)
                 summary.generated = text if self.is_main else ""

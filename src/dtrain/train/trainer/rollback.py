@@ -58,8 +58,7 @@ def rollback(trainer: Trainer, decision: Decision) -> None:
     """Collective: load the newest checkpoint before the streak (the step and counters with
     it) and skip the streak's batches from now on."""
     step, bad = trainer.step, decision.bad
-    error = trainer.checkpointer.wait()
-    if error:
+    if error := trainer.checkpointer.wait():
         trainer.warn(error)
     with trainer.watchdog.in_phase("rollback"):
         point = rollback_point(
