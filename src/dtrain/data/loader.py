@@ -17,7 +17,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import KW_ONLY, dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, Self
 
 import numpy as np
 import torch
@@ -212,6 +212,9 @@ class StepCut:
         self.skipped[start] = end
         self.reset()
 
+    def __iter__(self) -> Self:
+        return self
+
     def set_weights(self, weights: Sequence[float] | None) -> None:
         """New per-rank shares (one positive number per rank; None = equal) from the next step
         on (load balancing). Every rank must set the same weights before the same step. What
@@ -344,9 +347,6 @@ class RankLoader(StepCut):
                 position = plan.end
 
     # -- iteration -----------------------------------------------------------------------
-
-    def __iter__(self) -> RankLoader:
-        return self
 
     def __next__(self) -> StepBatch:
         if self._source is None:

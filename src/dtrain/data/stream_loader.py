@@ -199,9 +199,6 @@ class StreamLoader(StepCut):
 
     # -- iteration -----------------------------------------------------------------------
 
-    def __iter__(self) -> StreamLoader:
-        return self
-
     def __next__(self) -> StepBatch:
         while self.consumed in self.skipped:
             end = self.skipped[self.consumed]
