@@ -237,8 +237,7 @@ class StreamLoader(StepCut):
         self._ready = True
         micro, mine, at = [], [], 0
         for size in sizes:
-            batch = self.collate_fn(items[at : at + size])
-            micro.append(self.pinned(batch))
+            micro.append(self.pinned(self.collate_fn(items[at : at + size])))
             mine.append(np.asarray(ids[at : at + size], dtype=np.int64))
             at += size
         start = self.consumed
