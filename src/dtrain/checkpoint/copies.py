@@ -296,13 +296,8 @@ class KeptCopies:
         self._copies: dict[str, _Copy] = {}
         self.refused = False  # the local disk refused a write: no more copies
         self._made = 0
-        self._in_memory = 0  # bytes of the copies held in memory
+        self.in_memory = 0  # bytes of the copies held in memory now
         self._whole: dict[str, bytes] = {}  # small objects read whole (markers), by URL
-
-    @property
-    def in_memory(self) -> int:
-        """Bytes of the copies held in memory now."""
-        return self._in_memory
 
     def read_once(self, path: ObjectPath) -> bytes:
         """A small object (a completion marker, a few kB), read from the store once in this
@@ -315,9 +310,9 @@ class KeptCopies:
         copy = self._copies.get(path.url)
         if copy is None or copy.size != size:
             self.release(path.url)
-            if self._in_memory + size <= MEMORY_BYTES:
+            if self.in_memory + size <= MEMORY_BYTES:
                 copy = _MemoryCopy(size)
-                self._in_memory += size
+                self.in_memory += size
             else:
                 if self.folder is None:
                     self.parent.mkdir(parents=True, exist_ok=True)
@@ -352,7 +347,7 @@ class KeptCopies:
         copy = self._copies.pop(url, None)
         if copy is not None:
             if isinstance(copy, _MemoryCopy):
-                self._in_memory -= copy.size
+                self.in_memory -= copy.size
             copy.drop()
 
     def completed(self, path: ObjectPath) -> _Copy | None:

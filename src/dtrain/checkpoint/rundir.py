@@ -56,9 +56,9 @@ def check_resume_folder(resume: str, run_dir: str = "") -> Location:
     return path
 
 
-def check_run_dir(cfg: Config, force: bool) -> Location | None:
-    """The checkpoint the run will resume from (None: a fresh start); raises a user error
-    when the request does not fit what the folder holds."""
+def check_run_dir(cfg: Config, force: bool) -> None:
+    """Raise a user error when the request to start afresh or to resume does not fit what the
+    folder holds."""
     root = location(cfg.run.dir) / "checkpoints"
     if cfg.run.resume == "never":
         if layout.committed_steps(root) and not force:
@@ -67,18 +67,15 @@ def check_run_dir(cfg: Config, force: bool) -> Location | None:
                 "'never': choose a new run.dir, resume with --resume auto, or pass "
                 "--force to start afresh beside them"
             )
-        return None
+        return
     # The marker and meta.json only (a few kB): reading the whole checkpoint here would cost
     # what resuming costs once more, in one process; the workers verify every file, together.
     if cfg.run.resume == "auto":
         path, _ = ckread.find_latest_valid(root, check=ckread.check_marker_and_meta)
     else:
         path = check_resume_folder(cfg.run.resume, cfg.run.dir)
-    if path is None:
-        return None
-    if not force:
+    if path is not None and not force:
         check_resumed_config(ckread.load_meta(path).get("config", ""), cfg, path)
-    return path
 
 
 def check_store(run_dir: ObjectPath) -> None:

@@ -63,10 +63,6 @@ class SafeReader(FileSystemReader):
             self._metadata = metadata
         return self._metadata
 
-    def file_of(self, item: ReadItem) -> str:
-        """The file in ``dcp/`` that ``item`` is read from."""
-        return str(self.storage_data[item.storage_index].relative_path)
-
 
 def _copies_first(fs: Any) -> Any:
     """torch's fsspec file system for DCP on the store's ``fs``, whose files open as a resume's
@@ -102,7 +98,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             loaded = torch.load(value, weights_only=True)
         except Exception as exc:
-            shown = f"{SHARDED_DIR}/{self.reader.file_of(read_item)} in {self.reader.step_dir}"
+            file = self.reader.storage_data[read_item.storage_index].relative_path
+            shown = f"{SHARDED_DIR}/{file} in {self.reader.step_dir}"
             if isinstance(exc, pickle.UnpicklingError):
                 why = why_refused(exc).removeprefix("it ")
                 raise CheckpointError(

@@ -428,7 +428,7 @@ class Checkpointer:
             self._jobs[step] = job_of(self.root / step_dir_name(step))
         return self._jobs[step] == self.job
 
-    def prune(self, listed: Callable[[], list[int]] | None = None) -> list[int]:
+    def prune(self, listed: Callable[[], list[int]] | None = None) -> None:
         """Delete old checkpoints: keep the ``keep_last`` newest that are known to be valid --
         newest in the order this process committed them, then the rest of this job's by step,
         then the others by step -- and every one before the last of them in that order (a
@@ -447,17 +447,13 @@ class Checkpointer:
             keep.add(s)
             counted += s in self._verified or s in ours
         else:
-            return []  # fewer known-valid checkpoints than keep_last: all stay
+            return  # fewer known-valid checkpoints than keep_last: all stay
         if self.keep_every > 0:
             keep.update(s for s in steps if s % self.keep_every == 0)
-        removed = []
         for step in steps:
-            if step in keep:
-                continue
-            self._discard(self.root / step_dir_name(step))
-            self._jobs.pop(step, None)
-            removed.append(step)
-        return removed
+            if step not in keep:
+                self._discard(self.root / step_dir_name(step))
+                self._jobs.pop(step, None)
 
     def _discard(self, folder: Location) -> None:
         """Delete a checkpoint folder, uncommitting it first, so that an interruption never

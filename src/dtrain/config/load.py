@@ -4,6 +4,7 @@ one-line :class:`ConfigError` naming the key. The schema lives in :mod:`dtrain.c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import math
@@ -170,10 +171,8 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
         return value
     if origin in (typing.Union, types.UnionType):
         for arg in typing.get_args(tp):
-            try:
+            with contextlib.suppress(ConfigError):
                 return _coerce(key, arg, value)
-            except ConfigError:
-                continue
         raise wrong
     if origin is list:
         (item,) = typing.get_args(tp)

@@ -17,7 +17,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import KW_ONLY, dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, Self
 
 import numpy as np
 import torch
@@ -125,10 +125,6 @@ def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return batch
 
 
-def pin(batch: Any) -> Any:
-    return map_tensors(batch, torch.Tensor.pin_memory)
-
-
 def to_device(batch: Any, device: torch.device) -> Any:
     # A tensor already there (CPU training) makes no call into torch's dispatcher.
     return map_tensors(
@@ -211,6 +207,12 @@ class StepCut:
         non-finite); kept in the state, so it stays skipped after a resume."""
         self.skipped[start] = end
         self.reset()
+
+    def __iter__(self) -> Self:
+        return self
+
+    def pinned(self, batch: Any) -> Any:
+        return map_tensors(batch, torch.Tensor.pin_memory) if self.pin_memory else batch
 
     def set_weights(self, weights: Sequence[float] | None) -> None:
         """New per-rank shares (one positive number per rank; None = equal) from the next step
@@ -345,9 +347,6 @@ class RankLoader(StepCut):
 
     # -- iteration -----------------------------------------------------------------------
 
-    def __iter__(self) -> RankLoader:
-        return self
-
     def __next__(self) -> StepBatch:
         if self._source is None:
             self._source = self._start(self.consumed)
@@ -381,9 +380,7 @@ class RankLoader(StepCut):
 
     def _fetch_step(self, plan: StepPlan) -> StepBatch:
         mine = plan.rank_ids(self.rank)
-        micro = [fetch_batch(self.dataset, ids, self.collate_fn) for ids in mine]
-        if self.pin_memory:
-            micro = [pin(m) for m in micro]
+        micro = [self.pinned(fetch_batch(self.dataset, ids, self.collate_fn)) for ids in mine]
         return StepBatch(plan=plan, micro=micro, rank=self.rank)
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from dtrain.data.loader import StepBatch, StepCut, pin
+from dtrain.data.loader import StepBatch, StepCut
 from dtrain.data.partition import StepPlan, step_shape
 from dtrain.data.stream_source import StreamSource
 from dtrain.data.stream_units import UnitMap, UnitState, sample_id
@@ -199,9 +199,6 @@ class StreamLoader(StepCut):
 
     # -- iteration -----------------------------------------------------------------------
 
-    def __iter__(self) -> StreamLoader:
-        return self
-
     def __next__(self) -> StepBatch:
         while self.consumed in self.skipped:
             end = self.skipped[self.consumed]
@@ -240,8 +237,7 @@ class StreamLoader(StepCut):
         self._ready = True
         micro, mine, at = [], [], 0
         for size in sizes:
-            batch = self.collate_fn(items[at : at + size])
-            micro.append(pin(batch) if self.pin_memory else batch)
+            micro.append(self.pinned(self.collate_fn(items[at : at + size])))
             mine.append(np.asarray(ids[at : at + size], dtype=np.int64))
             at += size
         start = self.consumed

@@ -13,7 +13,7 @@ which suits the small ones this is for: a critic, a probe (docs/own-loop.md).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -219,7 +219,7 @@ class WithModels:
 
     def state_dicts(self, optimizer: torch.optim.Optimizer) -> dict[str, Part]:
         parts = dict(self.main.state_dicts(optimizer))
-        for name, model in self._each():
+        for name, model in sorted(self.wrapped.items()):
             for key, part in model.strategy.state_dicts(model.optimizer).items():
                 parts[f"{name}.{key}"] = part
         return parts
@@ -229,7 +229,7 @@ class WithModels:
         and optimizer (which the checkpoint must hold), then the rest it gave."""
         ours = {key for key in parts if key.split(".", 1)[0] in self.wrapped}
         self.main.load_beside({k: v for k, v in parts.items() if k not in ours}, origin)
-        for name, model in self._each():
+        for name, model in sorted(self.wrapped.items()):
             prefix = f"{name}."
             held = {k.removeprefix(prefix): v for k, v in parts.items() if k.startswith(prefix)}
             missing = [part for part in ("model", "optimizer") if part not in held]
@@ -243,6 +243,3 @@ class WithModels:
             model.strategy.load_state_dicts(model.optimizer, held)
             beside = {k: v for k, v in held.items() if k not in ("model", "optimizer")}
             model.strategy.load_beside(beside, origin)
-
-    def _each(self) -> Iterator[tuple[str, Wrapped]]:
-        return iter(sorted(self.wrapped.items()))

@@ -139,7 +139,6 @@ class LocalSGDStrategy(Strategy):
     def agree_on_buffers(self) -> None:
         """Nothing: the replicas' buffers are averaged with their parameters at every
         synchronization (between them each replica is evaluated as it stands)."""
-        return None
 
     def after_optimizer_step(self, step: int) -> None:
         self.next_step = step + 1

@@ -304,11 +304,6 @@ class ObjectPath:
         for key in keys:
             (ObjectPath(f"{self.scheme}://{key}", self.fs)).unlink(missing_ok=True)
 
-    def rename_to(self, target: ObjectPath) -> None:
-        """Copy to ``target``, then delete: a store's rename (of one small object)."""
-        self._call("copy", lambda: self.fs.copy(self.url, target.url))
-        self.unlink()
-
 
 Location = Path | ObjectPath
 

@@ -90,8 +90,7 @@ def generate_samples(model: nn.Module, new_tokens: int, seed: int = 0) -> str:
         idx = torch.tensor([list(prompt.encode())], dtype=torch.int64, device=device)
         out = model.generate(idx, new_tokens, generator=generator)[0].tolist()
         text = bytes(out).decode("utf-8", errors="replace")
-        lines.append("-" * 60)
-        lines.append(text)
+        lines += ["-" * 60, text]
     return "\n".join(lines)
 
 
