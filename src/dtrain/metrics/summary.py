@@ -83,7 +83,8 @@ class LossWindow:
         self._wait = None
         elapsed = time.perf_counter() - self.start
         loss = float(self.loss) / max(1, self.items)
-        out = (loss, self.items / elapsed if elapsed > 0 else 0.0, self.steps, elapsed)
+        rate = self.items / elapsed if elapsed > 0 else 0.0
+        out = (loss, rate, self.steps, elapsed)
         self.loss = torch.zeros((), dtype=torch.float64, device=self.device)
         self.items, self.steps = 0, 0
         self.start = time.perf_counter()

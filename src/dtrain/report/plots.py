@@ -463,4 +463,4 @@ ALL: tuple[Callable[[list[Run], list[str]], Plot | None], ...] = (
 
 def make_plots(runs: list[Run], notes: list[str]) -> list[Plot]:
     """Every plot that at least one run has data for."""
-    return [p for p in [plot(runs, notes) for plot in ALL] if p is not None]
+    return [p for plot in ALL if (p := plot(runs, notes)) is not None]
